@@ -1,0 +1,31 @@
+#ifndef SHARDD_SERVER_NATIVE_SPEC_H_
+#define SHARDD_SERVER_NATIVE_SPEC_H_
+
+// shardd's native JSON model spec: the module tree written by hand (see
+// docs/model-spec.md). Used for custom models and by the training path.
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "proto/model.pb.h"
+
+namespace shardd {
+
+// Parses and validates (ValidateModelSpec) a native spec.
+// Errors: INVALID_ARGUMENT naming the JSON path of the bad field
+// ("root.children[1].params[0].shape[2]") and what is allowed.
+absl::StatusOr<v1::ModelSpec> ModelSpecFromNativeJson(absl::string_view json);
+
+// Writes a spec in the native format; ModelSpecFromNativeJson reads it back
+// to an equal message.
+std::string ModelSpecToNativeJson(const v1::ModelSpec& model);
+
+// Parses either format: a document with a top-level "root" member is a native
+// spec, anything else is treated as an HF config.json.
+// Errors: as the two parsers.
+absl::StatusOr<v1::ModelSpec> ModelSpecFromJson(absl::string_view json);
+
+}  // namespace shardd
+
+#endif  // SHARDD_SERVER_NATIVE_SPEC_H_

@@ -1,0 +1,39 @@
+#ifndef SHARDD_SERVER_SHARDING_PLANNER_H_
+#define SHARDD_SERVER_SHARDING_PLANNER_H_
+
+// Model + options -> ShardingPlan: strategy grouping, per-unit layout,
+// reshard flags, prefetch chains, mixed precision, and the step model.
+
+#include "absl/status/statusor.h"
+#include "proto/model.pb.h"
+#include "proto/plan.pb.h"
+#include "server/strategy_registry.h"
+
+namespace shardd {
+
+// Largest world size a plan may name.
+inline constexpr int kMaxWorldSize = 65536;
+
+class ShardingPlanner {
+ public:
+  // `registry` must outlive the planner.
+  explicit ShardingPlanner(const StrategyRegistry* registry);
+
+  // Defaults: mesh 1x1, mixed precision on, reshard_after_forward true for
+  // every layer unit but the last and false for the root, prefetch depths
+  // 1/2, one micro-batch, one pass (DiffusionGemma: three passes, one of them
+  // without gradients), deferred sync off, 40M-element buckets.
+  // Errors: INVALID_ARGUMENT naming the field: mesh sizes < 1 or a world
+  // above kMaxWorldSize, tp or cp != 1, a reshard group that does not divide
+  // dp_shard, unknown strategy (listing the registered ones), step shape out
+  // of range; plus the errors of ValidateModelSpec and the strategy.
+  absl::StatusOr<v1::ShardingPlan> Plan(const v1::ModelSpec& model,
+                                        const v1::PlanOptions& options) const;
+
+ private:
+  const StrategyRegistry* registry_;
+};
+
+}  // namespace shardd
+
+#endif  // SHARDD_SERVER_SHARDING_PLANNER_H_
