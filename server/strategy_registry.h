@@ -32,9 +32,12 @@ class StrategyRegistry {
 
   // Makes `strategy` reachable by its name and, when `architecture` is
   // non-empty, under that architecture key. Registering the same strategy
-  // (same name) under the same key again is a no-op.
+  // (same name, and same dynamic type) under the same key again is a no-op;
+  // the object registered first stays. One strategy may serve several keys.
+  // A refused call changes nothing.
   // Errors: INVALID_ARGUMENT (null strategy or empty name), ALREADY_EXISTS
-  // (the key or the name is taken by a different strategy).
+  // (the key is taken by a strategy of another name, or the name by an
+  // object of another type).
   absl::Status Register(absl::string_view architecture,
                         std::shared_ptr<const ShardingStrategy> strategy);
 

@@ -27,13 +27,20 @@
 
 namespace shardd {
 
-// Fills unit->params, numel, shard_numel, gathered_numel and trainable_numel
-// for the dim-0 layout. Errors: INVALID_ARGUMENT (shard_size < 1, an empty
-// parameter list, element counts overflowing int64).
+// Fills unit->params (replacing any), numel, shard_numel, gathered_numel and
+// trainable_numel for the dim-0 layout. ParamLayout.dtype is the tensor's own
+// dtype (the planner may override it with the master dtype). On error `unit`
+// is left unchanged. Errors: INVALID_ARGUMENT (shard_size outside
+// [1, 2^20], an empty parameter list, a null tensor, a shape with no
+// dimensions or a dimension < 1, element counts overflowing int64).
 absl::Status LayoutDim0Shards(const std::vector<ParamRef>& params,
                               int shard_size, v1::FsdpUnit* unit);
 
-// Same for the flat layout; sets shard_dim = -1 and flat_ranges.
+// Same for the flat layout; sets shard_dim = -1, unsharded_offset, numel and
+// flat_ranges (ordered by rank, shard_offset relative to that rank's shard).
+// The per-rank fields of the dim-0 layout (padded_dim0, rows_per_rank,
+// local_shape, local_numel, valid_rows, shard_offset) stay 0/empty: a flat
+// parameter's per-rank share varies and is given by flat_ranges. Same errors.
 absl::Status LayoutFlatRanges(const std::vector<ParamRef>& params,
                               int shard_size, v1::FsdpUnit* unit);
 
