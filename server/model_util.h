@@ -39,11 +39,14 @@ std::vector<ParamRef> ListParams(const v1::ModelSpec& model);
 v1::ModelSummary Summarize(const v1::ModelSpec& model);
 
 // Structural checks every spec must pass before planning:
-// non-empty architecture; a root; every shape has >= 1 dimension, each >= 1
-// and the total below 2^53; dtype set; names non-empty, free of '.', unique
-// among siblings; tied_to names an existing, untied parameter of the same
-// shape; grouped experts (MODULE_GROUPED_EXPERTS) hold gate_and_up_projs
-// [E, D, 2I] and down_projs [E, I, D] with matching E, D and I.
+// non-empty architecture; a root with an empty name; at most 64 module
+// levels; every shape has >= 1 dimension, each >= 1 and the total below 2^53
+// (and the model's untied total below 2^53); dtype set; names non-empty, free
+// of '.', unique among siblings (params and child modules together); tied_to
+// names an existing, untied parameter of the same shape; grouped experts
+// (MODULE_GROUPED_EXPERTS) hold gate_and_up_projs [E, D, 2I] and down_projs
+// [E, I, D] with matching E, D and I (and, when present, gate_up_proj_bias
+// [E, 2I] and down_proj_bias [E, D]).
 // Errors: INVALID_ARGUMENT naming the offending parameter or module path and
 // what is allowed.
 absl::Status ValidateModelSpec(const v1::ModelSpec& model);

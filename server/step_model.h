@@ -13,11 +13,22 @@
 
 namespace shardd {
 
+// Bounds on a step shape; they keep the replay (and its timeline) small.
+inline constexpr int kMaxMicrobatches = 1024;
+inline constexpr int kMaxPasses = 16;
+inline constexpr int kMaxPrefetchDepth = 64;
+// At most this many events are stored when the timeline is requested; all
+// of them are still counted in timeline_events and searched for the peak.
+inline constexpr int kMaxTimelineEvents = 1 << 20;
+
 // Reads plan->units (laid out, with prefetch lists and reshard policies),
 // plan->step, plan->precision and plan->mesh; fills plan->memory and
 // plan->comm. The timeline is kept only when `include_timeline`.
-// Errors: INVALID_ARGUMENT (step shape out of range: microbatches < 1,
-// passes < 1, no_grad_passes >= passes, negative prefetch depths).
+// Errors: INVALID_ARGUMENT naming the field (step shape out of range:
+// microbatches outside [1, kMaxMicrobatches], passes outside [1, kMaxPasses],
+// no_grad_passes outside [0, passes), prefetch depths outside
+// [0, kMaxPrefetchDepth]; mesh.dp_shard < 1; a unit whose parent, prefetch
+// indices, sizes, dtypes or reshard group are inconsistent).
 absl::Status ModelStep(bool include_timeline, v1::ShardingPlan* plan);
 
 }  // namespace shardd

@@ -1,0 +1,133 @@
+// Planning DeepSeek-V3 (671B, 61 layers, 256 routed experts) for 8, 256 and
+// 2048 shard ranks, timeline off. Target: under 50 ms at 2048 ranks, where
+// the plan holds about 2M per-rank valid_rows entries.
+//
+//   bazel run -c opt //bench:plan_bench
+//
+// The config is read from tests/data/deepseek_v3.json in the runfiles tree;
+// SHARDD_DEEPSEEK_V3_CONFIG overrides the path.
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "benchmark/benchmark.h"
+#include "proto/model.pb.h"
+#include "proto/plan.pb.h"
+#include "server/hf_config.h"
+#include "server/sharding_planner.h"
+#include "server/strategy_registry.h"
+
+namespace shardd {
+namespace {
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return "";
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+// Candidate paths: the override, the runfiles tree (bazel run's working
+// directory), and the runfiles next to the binary.
+std::string FindConfig() {
+  std::vector<std::string> candidates;
+  if (const char* env = std::getenv("SHARDD_DEEPSEEK_V3_CONFIG")) {
+    candidates.push_back(env);
+  }
+  candidates.push_back("tests/data/deepseek_v3.json");
+  if (const char* runfiles = std::getenv("RUNFILES_DIR")) {
+    candidates.push_back(std::string(runfiles) +
+                         "/shardd/tests/data/deepseek_v3.json");
+  }
+  char exe[4096];
+  const ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+  if (n > 0) {
+    candidates.push_back(std::string(exe, n) +
+                         ".runfiles/shardd/tests/data/deepseek_v3.json");
+  }
+  for (const std::string& path : candidates) {
+    std::string text = ReadFile(path);
+    if (!text.empty()) return text;
+  }
+  return "";
+}
+
+const v1::ModelSpec* DeepseekV3() {
+  static const v1::ModelSpec* spec = [] {
+    const std::string json = FindConfig();
+    absl::StatusOr<v1::ModelSpec> parsed = ModelSpecFromHfConfig(json);
+    if (!parsed.ok()) return static_cast<v1::ModelSpec*>(nullptr);
+    return new v1::ModelSpec(*std::move(parsed));
+  }();
+  return spec;
+}
+
+void PlanDeepseekV3(benchmark::State& state, const char* strategy,
+                    bool exclude_free) {
+  const v1::ModelSpec* model = DeepseekV3();
+  if (model == nullptr) {
+    state.SkipWithError("cannot read or parse tests/data/deepseek_v3.json");
+    return;
+  }
+  std::unique_ptr<StrategyRegistry> registry =
+      StrategyRegistry::CreateWithBuiltins();
+  ShardingPlanner planner(registry.get());
+  v1::PlanOptions options;
+  options.mutable_mesh()->set_dp_shard(static_cast<int>(state.range(0)));
+  options.set_strategy(strategy);
+  int64_t units = 0;
+  int64_t rank_entries = 0;
+  for (auto _ : state) {
+    absl::StatusOr<v1::ShardingPlan> plan = planner.Plan(*model, options);
+    if (!plan.ok()) {
+      state.SkipWithError(std::string(plan.status().message()).c_str());
+      return;
+    }
+    units = plan->units_size();
+    benchmark::DoNotOptimize(plan->memory().peak_unsharded_bytes());
+    if (rank_entries == 0) {
+      for (const v1::FsdpUnit& unit : plan->units()) {
+        for (const v1::ParamLayout& p : unit.params()) {
+          rank_entries += p.valid_rows_size() + p.flat_ranges_size();
+        }
+      }
+    }
+    if (exclude_free) {
+      // Free the plan outside the timed region (1M+ small messages).
+      state.PauseTiming();
+      plan = absl::StatusOr<v1::ShardingPlan>();
+      state.ResumeTiming();
+    }
+  }
+  state.counters["units"] = static_cast<double>(units);
+  state.counters["rank_entries"] = static_cast<double>(rank_entries);
+}
+
+// The plan's lifetime (build and free) ...
+BENCHMARK_CAPTURE(PlanDeepseekV3, default, "default", false)
+    ->Arg(8)
+    ->Arg(256)
+    ->Arg(2048)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(PlanDeepseekV3, megatron_fsdp, "megatron_fsdp", false)
+    ->Arg(2048)
+    ->Unit(benchmark::kMillisecond);
+// ... and Plan() alone.
+BENCHMARK_CAPTURE(PlanDeepseekV3, default_plan_only, "default", true)
+    ->Arg(2048)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(PlanDeepseekV3, megatron_fsdp_plan_only, "megatron_fsdp",
+                  true)
+    ->Arg(2048)
+    ->Unit(benchmark::kMillisecond);
+
+}  // namespace
+}  // namespace shardd

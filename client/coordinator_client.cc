@@ -1,0 +1,101 @@
+#include "client/coordinator_client.h"
+
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/grpc_status.h"
+
+namespace shardd {
+namespace {
+
+std::chrono::system_clock::time_point DeadlineIn(absl::Duration timeout) {
+  return std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Connect(
+    absl::string_view address, absl::Duration timeout) {
+  if (address.empty()) {
+    return absl::InvalidArgumentError(
+        "coordinator: address required (HOST:PORT)");
+  }
+  if (timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("timeout: must be > 0");
+  }
+  grpc::ChannelArguments args;
+  // Plans for very large worlds can exceed gRPC's 4 MiB default.
+  args.SetMaxReceiveMessageSize(-1);
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
+      std::string(address), grpc::InsecureChannelCredentials(), args);
+  if (!channel->WaitForConnected(DeadlineIn(timeout))) {
+    return absl::UnavailableError(
+        absl::StrFormat("coordinator at %s: not reachable within %s", address,
+                        absl::FormatDuration(timeout)));
+  }
+  return std::unique_ptr<CoordinatorClient>(
+      new CoordinatorClient(std::string(address), std::move(channel)));
+}
+
+CoordinatorClient::CoordinatorClient(std::string address,
+                                     std::shared_ptr<grpc::Channel> channel)
+    : address_(std::move(address)),
+      channel_(std::move(channel)),
+      stub_(v1::Coordinator::NewStub(channel_)),
+      health_stub_(grpc::health::v1::Health::NewStub(channel_)) {}
+
+std::unique_ptr<grpc::ClientContext> CoordinatorClient::NewContext() const {
+  auto context = std::make_unique<grpc::ClientContext>();
+  context->set_deadline(DeadlineIn(call_timeout_));
+  return context;
+}
+
+absl::StatusOr<v1::ListStrategiesResponse> CoordinatorClient::ListStrategies(
+    const v1::ListStrategiesRequest& request) {
+  v1::ListStrategiesResponse response;
+  grpc::Status status =
+      stub_->ListStrategies(NewContext().get(), request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::StatusOr<v1::SubmitModelResponse> CoordinatorClient::SubmitModel(
+    const v1::SubmitModelRequest& request) {
+  v1::SubmitModelResponse response;
+  grpc::Status status =
+      stub_->SubmitModel(NewContext().get(), request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::StatusOr<v1::GetPlanResponse> CoordinatorClient::GetPlan(
+    const v1::GetPlanRequest& request) {
+  v1::GetPlanResponse response;
+  grpc::Status status = stub_->GetPlan(NewContext().get(), request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::StatusOr<v1::GetStatusResponse> CoordinatorClient::GetStatus(
+    const v1::GetStatusRequest& request) {
+  v1::GetStatusResponse response;
+  grpc::Status status =
+      stub_->GetStatus(NewContext().get(), request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus>
+CoordinatorClient::CheckHealth(const std::string& service) {
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  grpc::health::v1::HealthCheckResponse response;
+  grpc::Status status =
+      health_stub_->Check(NewContext().get(), request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response.status();
+}
+
+}  // namespace shardd

@@ -1,0 +1,451 @@
+#include "client/plan_printer.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "common/dtype.h"
+
+namespace shardd {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+std::string ScaledUnits(int64_t value, double base,
+                        const std::vector<const char*>& units,
+                        const char* separator) {
+  const bool negative = value < 0;
+  // Magnitude as unsigned so INT64_MIN does not overflow.
+  const uint64_t magnitude = negative
+                                 ? uint64_t{0} - static_cast<uint64_t>(value)
+                                 : static_cast<uint64_t>(value);
+  if (static_cast<double>(magnitude) < base) {
+    return absl::StrCat(value, units[0][0] ? separator : "", units[0]);
+  }
+  double scaled = static_cast<double>(magnitude);
+  size_t unit = 0;
+  while (scaled >= base && unit + 1 < units.size()) {
+    scaled /= base;
+    ++unit;
+  }
+  return absl::StrFormat("%s%.2f%s%s", negative ? "-" : "", scaled, separator,
+                         units[unit]);
+}
+
+std::string UnitKindName(v1::UnitKind kind) {
+  switch (kind) {
+    case v1::UNIT_ROOT:
+      return "root";
+    case v1::UNIT_LAYER:
+      return "layer";
+    case v1::UNIT_EXPERTS:
+      return "experts";
+    case v1::UNIT_DTYPE_ISLAND:
+      return "dtype_island";
+    case v1::UNIT_FLAT_BUCKET:
+      return "flat_bucket";
+    default:
+      return "unspecified";
+  }
+}
+
+// The unit's own precision when the planner set one (fp32 islands), else
+// the plan's.
+const v1::MixedPrecision& UnitPrecision(const v1::ShardingPlan& plan,
+                                        const v1::FsdpUnit& unit) {
+  if (unit.has_precision() &&
+      unit.precision().compute_dtype() != v1::DTYPE_UNSPECIFIED) {
+    return unit.precision();
+  }
+  return plan.precision();
+}
+
+int64_t GatheredBytes(const v1::ShardingPlan& plan, const v1::FsdpUnit& unit) {
+  return unit.gathered_numel() *
+         DTypeBytes(UnitPrecision(plan, unit).compute_dtype());
+}
+
+std::string ReshardText(const v1::ReshardPolicy& policy) {
+  switch (policy.policy_case()) {
+    case v1::ReshardPolicy::kReshard:
+      return policy.reshard() ? "yes" : "no";
+    case v1::ReshardPolicy::kGroupSize:
+      return absl::StrCat("to ", policy.group_size());
+    case v1::ReshardPolicy::POLICY_NOT_SET:
+      break;
+  }
+  return "-";
+}
+
+Json ReshardJson(const v1::ReshardPolicy& policy) {
+  switch (policy.policy_case()) {
+    case v1::ReshardPolicy::kReshard:
+      return policy.reshard();
+    case v1::ReshardPolicy::kGroupSize:
+      return policy.group_size();
+    case v1::ReshardPolicy::POLICY_NOT_SET:
+      break;
+  }
+  return nullptr;
+}
+
+std::string PrefetchText(const v1::FsdpUnit& unit) {
+  std::vector<std::string> parts;
+  if (unit.forward_prefetch_size() > 0) {
+    parts.push_back(
+        absl::StrCat("fwd ", absl::StrJoin(unit.forward_prefetch(), ",")));
+  }
+  if (unit.backward_prefetch_size() > 0) {
+    parts.push_back(
+        absl::StrCat("bwd ", absl::StrJoin(unit.backward_prefetch(), ",")));
+  }
+  if (parts.empty()) return "-";
+  return absl::StrJoin(parts, " ");
+}
+
+std::string PrecisionText(const v1::MixedPrecision& precision) {
+  return absl::StrCat("param ", DTypeName(precision.param_dtype()),
+                      ", compute ", DTypeName(precision.compute_dtype()),
+                      ", reduce ", DTypeName(precision.reduce_dtype()));
+}
+
+Json PrecisionJson(const v1::MixedPrecision& precision) {
+  Json json = Json::object();
+  json["param_dtype"] = DTypeName(precision.param_dtype());
+  json["compute_dtype"] = DTypeName(precision.compute_dtype());
+  json["reduce_dtype"] = DTypeName(precision.reduce_dtype());
+  return json;
+}
+
+template <typename Repeated>
+Json IntArray(const Repeated& values) {
+  Json array = Json::array();
+  for (const auto value : values) array.push_back(value);
+  return array;
+}
+
+// Left-aligned text columns, right-aligned number columns.
+class TextTable {
+ public:
+  explicit TextTable(std::vector<std::pair<std::string, bool>> columns)
+      : columns_(std::move(columns)) {
+    std::vector<std::string> header;
+    for (const auto& column : columns_) header.push_back(column.first);
+    rows_.push_back(std::move(header));
+  }
+
+  void AddRow(std::vector<std::string> row) { rows_.push_back(std::move(row)); }
+
+  std::string Render(absl::string_view indent) const {
+    std::vector<size_t> widths(columns_.size(), 0);
+    for (const auto& row : rows_) {
+      for (size_t c = 0; c < row.size() && c < widths.size(); ++c) {
+        widths[c] = std::max(widths[c], row[c].size());
+      }
+    }
+    std::string out;
+    for (const auto& row : rows_) {
+      std::string line(indent);
+      for (size_t c = 0; c < row.size() && c < widths.size(); ++c) {
+        const bool right = columns_[c].second;
+        const std::string pad(widths[c] - row[c].size(), ' ');
+        if (c > 0) line += "  ";
+        line += right ? pad + row[c] : row[c] + pad;
+      }
+      while (!line.empty() && line.back() == ' ') line.pop_back();
+      absl::StrAppend(&out, line, "\n");
+    }
+    return out;
+  }
+
+ private:
+  std::vector<std::pair<std::string, bool>> columns_;  // (title, right)
+  std::vector<std::vector<std::string>> rows_;
+};
+
+}  // namespace
+
+std::string HumanBytes(int64_t bytes) {
+  return ScaledUnits(bytes, 1024.0, {"B", "KiB", "MiB", "GiB", "TiB", "PiB"},
+                     " ");
+}
+
+std::string HumanCount(int64_t count) {
+  return ScaledUnits(count, 1000.0, {"", "K", "M", "B", "T"}, "");
+}
+
+std::string FormatPlanTable(const v1::ShardingPlan& plan,
+                            const v1::ModelSummary* summary) {
+  std::string out;
+  const v1::MeshSpec& mesh = plan.mesh();
+  const v1::StepShape& step = plan.step();
+  const v1::MemoryReport& memory = plan.memory();
+  const v1::CommReport& comm = plan.comm();
+
+  std::string model = plan.architecture();
+  if (!plan.model_id().empty())
+    absl::StrAppend(&model, " (", plan.model_id(), ")");
+  absl::StrAppend(&out, "Model        ", model, "\n");
+  std::string params =
+      absl::StrCat(HumanCount(plan.total_params()), " parameters");
+  if (summary != nullptr) {
+    absl::StrAppend(&params, " (trainable ",
+                    HumanCount(summary->trainable_params()));
+    if (summary->expert_params() > 0) {
+      absl::StrAppend(&params, ", routed experts ",
+                      HumanCount(summary->expert_params()), ", active ",
+                      HumanCount(summary->active_params()), " per token");
+    }
+    absl::StrAppend(&params, ")");
+  }
+  absl::StrAppend(&out, "Parameters   ", params, "\n");
+  absl::StrAppend(
+      &out, "Strategy     ", plan.strategy(), ", ", plan.units_size(), " units",
+      plan.flat_buckets()
+          ? absl::StrCat(" (flat buckets of ",
+                         HumanCount(plan.bucket_elements()), " elements)")
+          : "",
+      "\n");
+  absl::StrAppend(&out, "Mesh         dp_shard ", mesh.dp_shard(),
+                  " x dp_replicate ", mesh.dp_replicate(), " (tp ", mesh.tp(),
+                  ", cp ", mesh.cp(), "), world size ", plan.world_size(),
+                  "\n");
+  absl::StrAppend(&out, "Precision    ", PrecisionText(plan.precision()), "\n");
+  absl::StrAppend(&out, "Step         ", step.microbatches(), " micro-batch",
+                  step.microbatches() == 1 ? "" : "es", ", ", step.passes(),
+                  " pass", step.passes() == 1 ? "" : "es", " (",
+                  step.no_grad_passes(), " without grad), gradient sync ",
+                  step.defer_grad_sync() ? "deferred to the last micro-batch"
+                                         : "every micro-batch",
+                  ", prefetch fwd ", step.forward_prefetch_depth(), " / bwd ",
+                  step.backward_prefetch_depth(), "\n");
+  absl::StrAppend(&out, "Fingerprint  ",
+                  absl::StrFormat("%016x", plan.fingerprint()), "\n");
+
+  absl::StrAppend(&out, "\nUnits (nested units come before their parent)\n");
+  // The "in" column (enclosing unit) only when some unit is nested.
+  bool nested = false;
+  for (const v1::FsdpUnit& unit : plan.units()) nested |= unit.parent() >= 0;
+  std::vector<std::pair<std::string, bool>> columns = {
+      {"#", true}, {"name", false}, {"kind", false}};
+  if (nested) columns.push_back({"in", true});
+  for (auto column :
+       std::vector<std::pair<std::string, bool>>{{"tensors", true},
+                                                 {"numel", true},
+                                                 {"shard/rank", true},
+                                                 {"gathered", true},
+                                                 {"reshard", false},
+                                                 {"prefetch", false}}) {
+    columns.push_back(column);
+  }
+  TextTable units(std::move(columns));
+  for (const v1::FsdpUnit& unit : plan.units()) {
+    std::vector<std::string> row = {absl::StrCat(unit.index()), unit.name(),
+                                    UnitKindName(unit.kind())};
+    if (nested) {
+      row.push_back(unit.parent() >= 0 ? absl::StrCat(unit.parent()) : "-");
+    }
+    for (std::string cell :
+         {absl::StrCat(unit.params_size()), HumanCount(unit.numel()),
+          HumanCount(unit.shard_numel()), HumanBytes(GatheredBytes(plan, unit)),
+          ReshardText(unit.reshard_after_forward()), PrefetchText(unit)}) {
+      row.push_back(std::move(cell));
+    }
+    units.AddRow(std::move(row));
+  }
+  absl::StrAppend(&out, units.Render("  "));
+  absl::StrAppend(&out,
+                  "  (numel: unpadded elements; shard/rank: elements each "
+                  "rank holds, padding included; gathered: the all-gather "
+                  "buffer in the compute dtype",
+                  nested ? "; in: the enclosing unit" : "", ")\n");
+
+  absl::StrAppend(&out, "\nPer-rank memory\n");
+  TextTable mem({{"", false}, {"", true}, {"", false}});
+  mem.AddRow({"sharded params", HumanBytes(memory.sharded_param_bytes()),
+              absl::StrCat("master shards, ",
+                           DTypeName(plan.precision().param_dtype()))});
+  mem.AddRow({"sharded grads", HumanBytes(memory.grad_bytes()),
+              absl::StrCat(DTypeName(plan.precision().reduce_dtype()))});
+  mem.AddRow({"optimizer", HumanBytes(memory.optimizer_bytes()),
+              "AdamW exp_avg + exp_avg_sq"});
+  mem.AddRow({"persistent", HumanBytes(memory.persistent_bytes()),
+              "params + grads + optimizer"});
+  mem.AddRow(
+      {"peak unsharded", HumanBytes(memory.peak_unsharded_bytes()),
+       absl::StrCat("gathered params ", HumanBytes(memory.peak_param_bytes()),
+                    " + unsharded grads ",
+                    HumanBytes(memory.peak_grad_bytes()))});
+  mem.AddRow({"peak total", HumanBytes(memory.peak_total_bytes()),
+              "persistent + peak unsharded"});
+  std::string mem_text = mem.Render("  ");
+  // Drop the empty header line.
+  mem_text.erase(0, mem_text.find('\n') + 1);
+  absl::StrAppend(&out, mem_text);
+  if (!memory.peak_where().empty()) {
+    absl::StrAppend(&out, "  peak at: ", memory.peak_where(), "\n");
+  }
+
+  absl::StrAppend(&out, "\nPer-step communication (per rank)\n");
+  TextTable net({{"", false}, {"", true}, {"", false}});
+  net.AddRow({"all-gather", HumanBytes(comm.all_gather_bytes()),
+              absl::StrCat("in ", comm.all_gathers(), " collectives")});
+  net.AddRow({"reduce-scatter", HumanBytes(comm.reduce_scatter_bytes()),
+              absl::StrCat("in ", comm.reduce_scatters(), " collectives")});
+  if (comm.all_reduces() > 0 || mesh.dp_replicate() > 1) {
+    net.AddRow({"all-reduce", HumanBytes(comm.all_reduce_bytes()),
+                absl::StrCat("in ", comm.all_reduces(),
+                             " collectives (HSDP replicas)")});
+  }
+  std::string net_text = net.Render("  ");
+  net_text.erase(0, net_text.find('\n') + 1);
+  absl::StrAppend(&out, net_text);
+  return out;
+}
+
+nlohmann::ordered_json PlanToJson(const v1::ShardingPlan& plan,
+                                  const v1::ModelSummary* summary) {
+  Json json = Json::object();
+  json["model_id"] = plan.model_id();
+  json["architecture"] = plan.architecture();
+  json["strategy"] = plan.strategy();
+  json["total_params"] = plan.total_params();
+  json["world_size"] = plan.world_size();
+  if (summary != nullptr) {
+    Json model = Json::object();
+    model["total_params"] = summary->total_params();
+    model["trainable_params"] = summary->trainable_params();
+    model["expert_params"] = summary->expert_params();
+    model["active_params"] = summary->active_params();
+    model["num_param_tensors"] = summary->num_param_tensors();
+    json["summary"] = std::move(model);
+  }
+  Json mesh = Json::object();
+  mesh["dp_shard"] = plan.mesh().dp_shard();
+  mesh["dp_replicate"] = plan.mesh().dp_replicate();
+  mesh["tp"] = plan.mesh().tp();
+  mesh["cp"] = plan.mesh().cp();
+  json["mesh"] = std::move(mesh);
+  json["precision"] = PrecisionJson(plan.precision());
+  Json step = Json::object();
+  step["microbatches"] = plan.step().microbatches();
+  step["passes"] = plan.step().passes();
+  step["no_grad_passes"] = plan.step().no_grad_passes();
+  step["defer_grad_sync"] = plan.step().defer_grad_sync();
+  step["forward_prefetch_depth"] = plan.step().forward_prefetch_depth();
+  step["backward_prefetch_depth"] = plan.step().backward_prefetch_depth();
+  json["step"] = std::move(step);
+  json["flat_buckets"] = plan.flat_buckets();
+  json["bucket_elements"] = plan.bucket_elements();
+  // A string: JSON readers often hold numbers as doubles (53 bits).
+  json["fingerprint"] = absl::StrFormat("%016x", plan.fingerprint());
+
+  Json units = Json::array();
+  for (const v1::FsdpUnit& unit : plan.units()) {
+    Json u = Json::object();
+    u["index"] = unit.index();
+    u["name"] = unit.name();
+    u["kind"] = UnitKindName(unit.kind());
+    u["layer_index"] = unit.layer_index();
+    u["parent"] = unit.parent();
+    u["numel"] = unit.numel();
+    u["trainable_numel"] = unit.trainable_numel();
+    u["shard_numel"] = unit.shard_numel();
+    u["gathered_numel"] = unit.gathered_numel();
+    u["gathered_bytes"] = GatheredBytes(plan, unit);
+    u["precision"] = PrecisionJson(UnitPrecision(plan, unit));
+    u["reshard_after_forward"] = ReshardJson(unit.reshard_after_forward());
+    u["forward_prefetch"] = IntArray(unit.forward_prefetch());
+    u["backward_prefetch"] = IntArray(unit.backward_prefetch());
+    u["prefetch_target"] = unit.prefetch_target();
+    Json params = Json::array();
+    for (const v1::ParamLayout& param : unit.params()) {
+      Json p = Json::object();
+      p["name"] = param.name();
+      p["global_shape"] = IntArray(param.global_shape());
+      p["dtype"] = DTypeName(param.dtype());
+      p["shard_dim"] = param.shard_dim();
+      p["padded_dim0"] = param.padded_dim0();
+      p["rows_per_rank"] = param.rows_per_rank();
+      p["local_shape"] = IntArray(param.local_shape());
+      p["local_numel"] = param.local_numel();
+      p["numel"] = param.numel();
+      p["shard_offset"] = param.shard_offset();
+      p["unsharded_offset"] = param.unsharded_offset();
+      p["frozen"] = param.frozen();
+      // valid_rows is left out: it is derivable from rows_per_rank and has
+      // one entry per rank (large for big worlds).
+      if (param.flat_ranges_size() > 0) {
+        Json ranges = Json::array();
+        for (const v1::FlatRange& range : param.flat_ranges()) {
+          Json r = Json::object();
+          r["shard_rank"] = range.shard_rank();
+          r["param_begin"] = range.param_begin();
+          r["param_end"] = range.param_end();
+          r["shard_offset"] = range.shard_offset();
+          ranges.push_back(std::move(r));
+        }
+        p["flat_ranges"] = std::move(ranges);
+      }
+      params.push_back(std::move(p));
+    }
+    u["params"] = std::move(params);
+    units.push_back(std::move(u));
+  }
+  json["units"] = std::move(units);
+
+  const v1::MemoryReport& memory = plan.memory();
+  Json per_rank = Json::object();
+  per_rank["sharded_param_bytes"] = memory.sharded_param_bytes();
+  per_rank["grad_bytes"] = memory.grad_bytes();
+  per_rank["optimizer_bytes"] = memory.optimizer_bytes();
+  per_rank["peak_unsharded_bytes"] = memory.peak_unsharded_bytes();
+  per_rank["peak_param_bytes"] = memory.peak_param_bytes();
+  per_rank["peak_grad_bytes"] = memory.peak_grad_bytes();
+  per_rank["peak_where"] = memory.peak_where();
+  per_rank["persistent_bytes"] = memory.persistent_bytes();
+  per_rank["peak_total_bytes"] = memory.peak_total_bytes();
+  per_rank["timeline_events"] = memory.timeline_events();
+  if (memory.timeline_size() > 0) {
+    Json timeline = Json::array();
+    for (const v1::TimelineEvent& event : memory.timeline()) {
+      Json e = Json::object();
+      e["microbatch"] = event.microbatch();
+      e["pass"] = event.pass();
+      e["phase"] = event.phase();
+      e["op"] = event.op();
+      e["unit"] = event.unit();
+      e["live_param_bytes"] = event.live_param_bytes();
+      e["live_grad_bytes"] = event.live_grad_bytes();
+      timeline.push_back(std::move(e));
+    }
+    per_rank["timeline"] = std::move(timeline);
+  }
+  json["per_rank"] = std::move(per_rank);
+
+  const v1::CommReport& comm = plan.comm();
+  Json c = Json::object();
+  c["all_gather_bytes"] = comm.all_gather_bytes();
+  c["reduce_scatter_bytes"] = comm.reduce_scatter_bytes();
+  c["all_reduce_bytes"] = comm.all_reduce_bytes();
+  c["all_gathers"] = comm.all_gathers();
+  c["reduce_scatters"] = comm.reduce_scatters();
+  c["all_reduces"] = comm.all_reduces();
+  json["comm"] = std::move(c);
+  return json;
+}
+
+std::string FormatPlanJson(const v1::ShardingPlan& plan,
+                           const v1::ModelSummary* summary) {
+  // Replacing invalid UTF-8 keeps dump() from throwing.
+  return PlanToJson(plan, summary)
+             .dump(2, ' ', /*ensure_ascii=*/false,
+                   nlohmann::ordered_json::error_handler_t::replace) +
+         "\n";
+}
+
+}  // namespace shardd

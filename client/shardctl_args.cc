@@ -1,0 +1,372 @@
+#include "client/shardctl_args.h"
+
+#include <cstdint>
+#include <limits>
+#include <set>
+#include <string>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+
+namespace shardd {
+namespace {
+
+absl::Status Usage(absl::string_view message) {
+  return absl::InvalidArgumentError(message);
+}
+
+absl::StatusOr<int32_t> ParseInt(absl::string_view flag,
+                                 absl::string_view value, int32_t min) {
+  int64_t parsed = 0;
+  if (!absl::SimpleAtoi(value, &parsed) || parsed < min ||
+      parsed > std::numeric_limits<int32_t>::max()) {
+    return Usage(absl::StrCat(flag, ": expected an integer >= ", min, ", got '",
+                              value, "'"));
+  }
+  return static_cast<int32_t>(parsed);
+}
+
+absl::StatusOr<int64_t> ParseInt64(absl::string_view flag,
+                                   absl::string_view value, int64_t min) {
+  int64_t parsed = 0;
+  if (!absl::SimpleAtoi(value, &parsed) || parsed < min) {
+    return Usage(absl::StrCat(flag, ": expected an integer >= ", min, ", got '",
+                              value, "'"));
+  }
+  return parsed;
+}
+
+absl::StatusOr<ShardctlCommand> ParseCommand(absl::string_view name) {
+  if (name == "strategies") return ShardctlCommand::kStrategies;
+  if (name == "plan") return ShardctlCommand::kPlan;
+  if (name == "status") return ShardctlCommand::kStatus;
+  if (name == "help") return ShardctlCommand::kHelp;
+  return Usage(absl::StrCat("unknown command '", name,
+                            "'; expected one of: strategies, plan, status, "
+                            "help"));
+}
+
+absl::string_view CommandName(ShardctlCommand command) {
+  switch (command) {
+    case ShardctlCommand::kStrategies:
+      return "strategies";
+    case ShardctlCommand::kPlan:
+      return "plan";
+    case ShardctlCommand::kStatus:
+      return "status";
+    case ShardctlCommand::kHelp:
+      break;
+  }
+  return "help";
+}
+
+// Flags without a value.
+const std::set<std::string>& BoolFlags() {
+  static const auto* flags = new std::set<std::string>{
+      "--json", "--defer-grad-sync", "--no-mixed-precision", "--timeline"};
+  return *flags;
+}
+
+const std::set<std::string>& FlagsOf(ShardctlCommand command) {
+  static const auto* strategies =
+      new std::set<std::string>{"--coordinator", "--timeout", "--json"};
+  static const auto* status =
+      new std::set<std::string>{"--coordinator", "--timeout", "--json"};
+  static const auto* plan = new std::set<std::string>{"--coordinator",
+                                                      "--timeout",
+                                                      "--json",
+                                                      "--hf-config",
+                                                      "--model",
+                                                      "--dp",
+                                                      "--replicate",
+                                                      "--strategy",
+                                                      "--microbatches",
+                                                      "--passes",
+                                                      "--no-grad-passes",
+                                                      "--defer-grad-sync",
+                                                      "--reshard-after-forward",
+                                                      "--fwd-prefetch",
+                                                      "--bwd-prefetch",
+                                                      "--no-mixed-precision",
+                                                      "--bucket-elements",
+                                                      "--timeline"};
+  static const auto* none = new std::set<std::string>{};
+  switch (command) {
+    case ShardctlCommand::kStrategies:
+      return *strategies;
+    case ShardctlCommand::kStatus:
+      return *status;
+    case ShardctlCommand::kPlan:
+      return *plan;
+    case ShardctlCommand::kHelp:
+      break;
+  }
+  return *none;
+}
+
+// Applies one flag with its value (empty for bool flags).
+absl::Status ApplyFlag(const std::string& flag, const std::string& value,
+                       ShardctlArgs* args) {
+  v1::PlanOptions& options = args->options;
+  if (flag == "--coordinator") {
+    if (value.empty()) return Usage("--coordinator: expected HOST:PORT");
+    args->coordinator = value;
+  } else if (flag == "--timeout") {
+    double seconds = 0;
+    if (!absl::SimpleAtod(value, &seconds) || !(seconds > 0) ||
+        seconds > 86400) {
+      return Usage(absl::StrCat(
+          "--timeout: expected seconds in (0, 86400], got '", value, "'"));
+    }
+    args->timeout = absl::Seconds(seconds);
+  } else if (flag == "--json") {
+    args->json = true;
+  } else if (flag == "--hf-config") {
+    if (value.empty()) return Usage("--hf-config: expected a file path");
+    args->hf_config_path = value;
+  } else if (flag == "--model") {
+    if (value.empty()) return Usage("--model: expected a file path");
+    args->model_path = value;
+  } else if (flag == "--dp") {
+    absl::StatusOr<int32_t> dp = ParseInt(flag, value, 1);
+    if (!dp.ok()) return dp.status();
+    options.mutable_mesh()->set_dp_shard(*dp);
+  } else if (flag == "--replicate") {
+    absl::StatusOr<int32_t> replicate = ParseInt(flag, value, 1);
+    if (!replicate.ok()) return replicate.status();
+    options.mutable_mesh()->set_dp_replicate(*replicate);
+  } else if (flag == "--strategy") {
+    if (value.empty()) return Usage("--strategy: expected a strategy name");
+    options.set_strategy(value);
+  } else if (flag == "--microbatches") {
+    absl::StatusOr<int32_t> n = ParseInt(flag, value, 1);
+    if (!n.ok()) return n.status();
+    options.set_microbatches(*n);
+  } else if (flag == "--passes") {
+    absl::StatusOr<int32_t> n = ParseInt(flag, value, 1);
+    if (!n.ok()) return n.status();
+    options.set_passes(*n);
+  } else if (flag == "--no-grad-passes") {
+    absl::StatusOr<int32_t> n = ParseInt(flag, value, 0);
+    if (!n.ok()) return n.status();
+    options.set_no_grad_passes(*n);
+  } else if (flag == "--defer-grad-sync") {
+    options.set_defer_grad_sync(true);
+  } else if (flag == "--reshard-after-forward") {
+    if (value == "true") {
+      options.mutable_reshard_after_forward()->set_reshard(true);
+    } else if (value == "false") {
+      options.mutable_reshard_after_forward()->set_reshard(false);
+    } else {
+      int32_t group = 0;
+      if (!absl::SimpleAtoi(value, &group) || group < 1) {
+        return Usage(absl::StrCat(
+            "--reshard-after-forward: expected true, false or a group size "
+            ">= 1, got '",
+            value, "'"));
+      }
+      options.mutable_reshard_after_forward()->set_group_size(group);
+    }
+  } else if (flag == "--fwd-prefetch") {
+    absl::StatusOr<int32_t> n = ParseInt(flag, value, 0);
+    if (!n.ok()) return n.status();
+    options.set_forward_prefetch_depth(*n);
+  } else if (flag == "--bwd-prefetch") {
+    absl::StatusOr<int32_t> n = ParseInt(flag, value, 0);
+    if (!n.ok()) return n.status();
+    options.set_backward_prefetch_depth(*n);
+  } else if (flag == "--no-mixed-precision") {
+    options.set_mixed_precision(false);
+  } else if (flag == "--bucket-elements") {
+    absl::StatusOr<int64_t> n = ParseInt64(flag, value, 1);
+    if (!n.ok()) return n.status();
+    options.set_bucket_elements(*n);
+  } else if (flag == "--timeline") {
+    options.set_include_timeline(true);
+  } else {
+    return Usage(absl::StrCat("unknown flag '", flag, "'"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
+    const std::vector<std::string>& argv) {
+  ShardctlArgs args;
+  if (argv.empty()) {
+    return Usage("a command is required: strategies, plan, status or help");
+  }
+  const std::string& first = argv[0];
+  if (first == "--help" || first == "-h" || first == "help") {
+    args.command = ShardctlCommand::kHelp;
+    if (argv.size() >= 2) {
+      absl::StatusOr<ShardctlCommand> topic = ParseCommand(argv[1]);
+      if (!topic.ok()) return topic.status();
+      args.help_for = *topic;
+    }
+    if (argv.size() > 2) {
+      return Usage(absl::StrCat("help: unexpected argument '", argv[2], "'"));
+    }
+    return args;
+  }
+  if (absl::StartsWith(first, "-")) {
+    return Usage(
+        absl::StrCat("expected a command (strategies, plan, status) "
+                     "before '",
+                     first, "'"));
+  }
+  absl::StatusOr<ShardctlCommand> command = ParseCommand(first);
+  if (!command.ok()) return command.status();
+  args.command = *command;
+
+  const std::set<std::string>& allowed = FlagsOf(args.command);
+  std::set<std::string> seen;
+  for (size_t i = 1; i < argv.size(); ++i) {
+    const std::string& arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      ShardctlArgs help;
+      help.command = ShardctlCommand::kHelp;
+      help.help_for = args.command;
+      return help;
+    }
+    if (!absl::StartsWith(arg, "--")) {
+      return Usage(absl::StrCat(CommandName(args.command),
+                                ": unexpected argument '", arg, "'"));
+    }
+    std::string flag = arg;
+    std::string value;
+    bool has_inline_value = false;
+    const size_t eq = arg.find('=');
+    if (eq != std::string::npos) {
+      flag = arg.substr(0, eq);
+      value = arg.substr(eq + 1);
+      has_inline_value = true;
+    }
+    if (allowed.count(flag) == 0) {
+      return Usage(absl::StrCat(CommandName(args.command), ": unknown flag '",
+                                flag, "' (see shardctl ",
+                                CommandName(args.command), " --help)"));
+    }
+    if (!seen.insert(flag).second) {
+      return Usage(absl::StrCat(flag, ": given more than once"));
+    }
+    if (BoolFlags().count(flag) > 0) {
+      if (has_inline_value) {
+        return Usage(absl::StrCat(flag, ": takes no value"));
+      }
+    } else if (!has_inline_value) {
+      if (i + 1 >= argv.size()) {
+        return Usage(absl::StrCat(flag, ": missing value"));
+      }
+      value = argv[++i];
+    }
+    absl::Status applied = ApplyFlag(flag, value, &args);
+    if (!applied.ok()) return applied;
+  }
+
+  switch (args.command) {
+    case ShardctlCommand::kPlan: {
+      const bool has_hf = seen.count("--hf-config") > 0;
+      const bool has_model = seen.count("--model") > 0;
+      if (has_hf == has_model) {
+        return Usage(
+            "plan: exactly one of --hf-config FILE or --model FILE is "
+            "required");
+      }
+      if (seen.count("--dp") == 0) {
+        return Usage("plan: --dp N (ranks to shard over) is required");
+      }
+      if (seen.count("--replicate") == 0) {
+        args.options.mutable_mesh()->set_dp_replicate(1);
+      }
+      break;
+    }
+    case ShardctlCommand::kStatus:
+      if (args.coordinator.empty()) {
+        return Usage("status: --coordinator HOST:PORT is required");
+      }
+      break;
+    default:
+      break;
+  }
+  return args;
+}
+
+std::string ShardctlUsage(ShardctlCommand command) {
+  switch (command) {
+    case ShardctlCommand::kStrategies:
+      return R"(Usage: shardctl strategies [--coordinator HOST:PORT] [--json]
+
+Lists the sharding strategies, the architectures each serves, and the
+architectures shardd can read from a Hugging Face config.json. Without
+--coordinator the built-in registry is listed.
+
+  --coordinator HOST:PORT  ask a running shardd-coordinator
+  --timeout SECONDS        connect and call deadline (default 30)
+  --json                   print the response as JSON
+)";
+    case ShardctlCommand::kPlan:
+      return R"(Usage: shardctl plan (--hf-config FILE | --model FILE) --dp N [options]
+
+Cuts a model into FSDP units over N ranks and prints the layout, the
+per-rank memory (with the peak of unsharded memory) and the bytes moved
+per training step. Without --coordinator it plans in-process.
+
+Model (exactly one):
+  --hf-config FILE             a Hugging Face config.json
+  --model FILE                 a native shardd spec or an HF config (detected)
+Mesh:
+  --dp N                       ranks each parameter is sharded over (required)
+  --replicate R                HSDP replicas (default 1)
+Plan:
+  --strategy NAME              a registry strategy instead of the
+                               architecture's (see shardctl strategies)
+  --reshard-after-forward V    true, false, or a smaller group size N
+  --fwd-prefetch N             forward prefetch depth (default 1)
+  --bwd-prefetch N             backward prefetch depth (default 2)
+  --no-mixed-precision         gather and reduce in the parameter dtype
+  --bucket-elements N          megatron_fsdp bucket size (default 40M)
+Step:
+  --microbatches M             micro-batches per step (default 1)
+  --passes P                   forward passes per micro-batch (default 1;
+                               3 for DiffusionGemma)
+  --no-grad-passes K           leading passes without gradients
+  --defer-grad-sync            keep grads unsharded until the last
+                               micro-batch
+Output:
+  --json                       one JSON object instead of the table
+  --timeline                   include the live-memory timeline (JSON)
+  --coordinator HOST:PORT      plan on a running shardd-coordinator
+  --timeout SECONDS            connect and call deadline (default 30)
+)";
+    case ShardctlCommand::kStatus:
+      return R"(Usage: shardctl status --coordinator HOST:PORT [--json]
+
+Shows a coordinator's incarnation, uptime, stored models and workers.
+
+  --coordinator HOST:PORT  the coordinator (required)
+  --timeout SECONDS        connect and call deadline (default 30)
+  --json                   print the response as JSON
+)";
+    case ShardctlCommand::kHelp:
+      break;
+  }
+  return R"(shardctl: the shardd command-line client
+
+Usage: shardctl COMMAND [flags]
+
+Commands:
+  strategies   list sharding strategies and supported architectures
+  plan         plan a model over N ranks: units, memory, communication
+  status       show a coordinator's models and workers
+  help [CMD]   this text, or a command's flags (also: CMD --help)
+
+Exit codes: 0 success, 1 planning or RPC error, 2 usage error.
+)";
+}
+
+}  // namespace shardd

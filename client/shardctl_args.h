@@ -1,0 +1,49 @@
+#ifndef SHARDD_CLIENT_SHARDCTL_ARGS_H_
+#define SHARDD_CLIENT_SHARDCTL_ARGS_H_
+
+// Command-line parsing of shardctl, kept apart from main so it can be
+// tested. Flags take their value as the next argument or after '='
+// ("--dp 8", "--dp=8").
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "proto/plan.pb.h"
+
+namespace shardd {
+
+enum class ShardctlCommand { kHelp, kStrategies, kPlan, kStatus };
+
+struct ShardctlArgs {
+  ShardctlCommand command = ShardctlCommand::kHelp;
+  // kHelp: the command whose help to print (kHelp: the overview).
+  ShardctlCommand help_for = ShardctlCommand::kHelp;
+
+  // "host:port"; empty: work in-process (strategies, plan).
+  std::string coordinator;
+  // Connect and per-call deadline.
+  absl::Duration timeout = absl::Seconds(30);
+  bool json = false;
+
+  // plan: exactly one of the two is set.
+  std::string hf_config_path;  // --hf-config: an HF config.json.
+  std::string model_path;      // --model: native spec or HF config.
+  v1::PlanOptions options;
+};
+
+// Parses argv without the program name.
+// Errors: INVALID_ARGUMENT for usage errors, naming the flag and what it
+// accepts ("--dp: expected an integer >= 1, got 'x'"): unknown command or
+// flag, missing or malformed value, a flag the command does not take, a
+// missing required flag.
+absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
+    const std::vector<std::string>& args);
+
+// Help texts: the overview (kHelp) or one command's.
+std::string ShardctlUsage(ShardctlCommand command);
+
+}  // namespace shardd
+
+#endif  // SHARDD_CLIENT_SHARDCTL_ARGS_H_

@@ -1,0 +1,185 @@
+#include "client/shardctl.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+
+namespace shardd {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+
+struct Result {
+  int code;
+  std::string out;
+  std::string err;
+};
+
+Result Shardctl(std::vector<std::string> args) {
+  std::ostringstream out;
+  std::ostringstream err;
+  const int code = RunShardctl(args, out, err);
+  return {code, out.str(), err.str()};
+}
+
+// Data files are in the runfiles tree, relative to the test's directory.
+constexpr char kTinyMoe[] = "tests/data/tiny_moe.json";
+constexpr char kMixtral[] = "tests/data/mixtral_8x7b.json";
+
+int64_t Product(const nlohmann::json& shape) {
+  int64_t n = 1;
+  for (const auto& d : shape) n *= d.get<int64_t>();
+  return n;
+}
+
+TEST(ShardctlTest, HelpIsExitZero) {
+  Result overview = Shardctl({"--help"});
+  EXPECT_EQ(overview.code, kShardctlOk);
+  EXPECT_THAT(overview.out, HasSubstr("strategies"));
+  Result plan = Shardctl({"plan", "--help"});
+  EXPECT_EQ(plan.code, kShardctlOk);
+  EXPECT_THAT(plan.out, HasSubstr("--reshard-after-forward"));
+}
+
+TEST(ShardctlTest, UsageErrorsAreExitTwo) {
+  Result r = Shardctl({"plan", "--model", kTinyMoe, "--dp", "x"});
+  EXPECT_EQ(r.code, kShardctlUsage);
+  EXPECT_THAT(r.err,
+              StartsWith("shardctl: --dp: expected an integer >= 1, got 'x'"));
+  EXPECT_TRUE(r.out.empty());
+  EXPECT_EQ(Shardctl({"status"}).code, kShardctlUsage);
+  EXPECT_EQ(Shardctl({}).code, kShardctlUsage);
+}
+
+TEST(ShardctlTest, PlanErrorsAreExitOneWithCode) {
+  Result r = Shardctl({"plan", "--model", kTinyMoe, "--dp", "2", "--strategy",
+                       "no_such_strategy"});
+  EXPECT_EQ(r.code, kShardctlError);
+  EXPECT_THAT(r.err, StartsWith("shardctl: INVALID_ARGUMENT: "));
+  EXPECT_THAT(r.err, HasSubstr("strategy"));
+
+  Result missing = Shardctl(
+      {"plan", "--hf-config", "/nonexistent/config.json", "--dp", "2"});
+  EXPECT_EQ(missing.code, kShardctlError);
+  EXPECT_THAT(missing.err, StartsWith("shardctl: NOT_FOUND: --hf-config"));
+
+  // A native spec is not an HF config: no "architectures".
+  Result wrong_kind = Shardctl({"plan", "--hf-config", kTinyMoe, "--dp", "2"});
+  EXPECT_EQ(wrong_kind.code, kShardctlError);
+  EXPECT_THAT(wrong_kind.err, HasSubstr("INVALID_ARGUMENT"));
+  EXPECT_THAT(wrong_kind.err, HasSubstr("architectures"));
+}
+
+TEST(ShardctlTest, UnreachableCoordinatorIsUnavailable) {
+  // A port that was free a moment ago: nothing listens there.
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const std::string address = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+  close(fd);
+
+  Result r =
+      Shardctl({"strategies", "--coordinator", address, "--timeout", "0.5"});
+  EXPECT_EQ(r.code, kShardctlError);
+  EXPECT_THAT(r.err, StartsWith("shardctl: UNAVAILABLE: "));
+  EXPECT_THAT(r.err, HasSubstr(address));
+}
+
+TEST(ShardctlTest, StrategiesInProcess) {
+  Result r = Shardctl({"strategies"});
+  ASSERT_EQ(r.code, kShardctlOk) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("diffusion_gemma"));
+  EXPECT_THAT(r.out, HasSubstr("DiffusionGemmaForBlockDiffusion"));
+  EXPECT_THAT(r.out, HasSubstr("MixtralForCausalLM"));
+  Result json = Shardctl({"strategies", "--json"});
+  ASSERT_EQ(json.code, kShardctlOk) << json.err;
+  auto parsed = nlohmann::json::parse(json.out, nullptr, false);
+  ASSERT_FALSE(parsed.is_discarded());
+  ASSERT_TRUE(parsed.contains("strategies"));
+  EXPECT_GE(parsed["strategies"].size(), 4u);
+}
+
+// The JSON obeys the FSDP2 layout laws, checked here from the JSON alone.
+TEST(ShardctlTest, PlanJsonFollowsTheLayoutLaws) {
+  constexpr int kWorld = 4;
+  Result r = Shardctl({"plan", "--model", kTinyMoe, "--dp", "4", "--json"});
+  ASSERT_EQ(r.code, kShardctlOk) << r.err;
+  auto json = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_FALSE(json.is_discarded());
+  ASSERT_TRUE(json.is_object());
+  EXPECT_EQ(json["world_size"], kWorld);
+  ASSERT_TRUE(json["units"].is_array());
+  ASSERT_GE(json["units"].size(), 2u);
+
+  int64_t total_numel = 0;
+  int64_t total_shard_numel = 0;
+  for (const auto& unit : json["units"]) {
+    int64_t unit_numel = 0;
+    int64_t unit_local = 0;
+    for (const auto& param : unit["params"]) {
+      const auto& shape = param["global_shape"];
+      ASSERT_FALSE(shape.empty());
+      const int64_t d0 = shape[0].get<int64_t>();
+      const int64_t padded = (d0 + kWorld - 1) / kWorld * kWorld;
+      EXPECT_EQ(param["shard_dim"], 0) << param["name"];
+      EXPECT_EQ(param["padded_dim0"], padded) << param["name"];
+      const int64_t row = Product(shape) / d0;
+      EXPECT_EQ(param["local_numel"], padded / kWorld * row) << param["name"];
+      unit_numel += Product(shape);
+      unit_local += param["local_numel"].get<int64_t>();
+    }
+    EXPECT_EQ(unit["numel"], unit_numel) << unit["name"];
+    EXPECT_EQ(unit["shard_numel"], unit_local) << unit["name"];
+    total_numel += unit_numel;
+    total_shard_numel += unit_local;
+  }
+  // Tied parameters are listed once, so the units add up to the total.
+  EXPECT_EQ(json["total_params"], total_numel);
+  // fp32 master shards: 4 bytes per local element.
+  EXPECT_EQ(json["per_rank"]["sharded_param_bytes"], 4 * total_shard_numel);
+  EXPECT_GT(json["per_rank"]["peak_unsharded_bytes"].get<int64_t>(), 0);
+  EXPECT_GT(json["comm"]["all_gather_bytes"].get<int64_t>(), 0);
+  EXPECT_GT(json["comm"]["reduce_scatter_bytes"].get<int64_t>(), 0);
+}
+
+TEST(ShardctlTest, MixtralTableAndJson) {
+  Result table = Shardctl({"plan", "--hf-config", kMixtral, "--dp", "8"});
+  ASSERT_EQ(table.code, kShardctlOk) << table.err;
+  EXPECT_THAT(table.out, HasSubstr("MixtralForCausalLM"));
+  EXPECT_THAT(table.out, HasSubstr("model.layers.31"));
+  EXPECT_THAT(table.out, HasSubstr("world size 8"));
+  EXPECT_THAT(table.out, HasSubstr("peak unsharded"));
+
+  Result json_run =
+      Shardctl({"plan", "--hf-config", kMixtral, "--dp", "8", "--json"});
+  ASSERT_EQ(json_run.code, kShardctlOk) << json_run.err;
+  auto json = nlohmann::json::parse(json_run.out, nullptr, false);
+  ASSERT_FALSE(json.is_discarded());
+  // Published total: 46.7B.
+  const int64_t total = json["total_params"].get<int64_t>();
+  EXPECT_GT(total, 46'650'000'000);
+  EXPECT_LT(total, 46'750'000'000);
+  // 32 decoder layers plus the root.
+  EXPECT_EQ(json["units"].size(), 33u);
+  EXPECT_EQ(json["strategy"], "default");
+}
+
+}  // namespace
+}  // namespace shardd

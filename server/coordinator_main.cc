@@ -1,0 +1,184 @@
+// shardd-coordinator: serves the Coordinator gRPC service.
+//
+//   shardd-coordinator --listen=127.0.0.1:0 --data-dir=/tmp/shardd
+//
+// Prints "shardd-coordinator listening on HOST:PORT" on stderr once serving
+// and writes the bound port to DATA_DIR/coordinator.port. SIGTERM or SIGINT
+// shut it down gracefully (exit 0).
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "common/logging.h"
+#include "server/coordinator_server.h"
+#include "server/coordinator_service.h"
+#include "server/strategy_registry.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:7070",
+          "HOST:PORT to serve on; port 0 picks a free port");
+ABSL_FLAG(std::string, data_dir, "",
+          "Directory for the coordinator's files (created if missing); the "
+          "bound port is written to coordinator.port in it");
+ABSL_FLAG(bool, log_json, false, "Log one JSON object per line");
+ABSL_FLAG(int, max_models, 1024, "Most models kept at once");
+ABSL_FLAG(int, shutdown_grace_ms, 5000,
+          "How long in-flight calls may finish after SIGTERM/SIGINT");
+
+namespace shardd {
+namespace {
+
+constexpr char kPortFile[] = "coordinator.port";
+
+// Writes via a temporary file and a rename, so a reader never sees a
+// partial port number.
+absl::Status WritePortFile(const std::filesystem::path& dir, int port) {
+  const std::filesystem::path final_path = dir / kPortFile;
+  const std::filesystem::path tmp_path =
+      dir / absl::StrCat(kPortFile, ".tmp.", getpid());
+  {
+    std::ofstream out(tmp_path, std::ios::trunc);
+    out << port << "\n";
+    out.close();
+    if (!out) {
+      return absl::InternalError(
+          absl::StrCat("data-dir: cannot write ", tmp_path.string()));
+    }
+  }
+  std::error_code error;
+  std::filesystem::rename(tmp_path, final_path, error);
+  if (error) {
+    return absl::InternalError(absl::StrCat("data-dir: cannot rename to ",
+                                            final_path.string(), ": ",
+                                            error.message()));
+  }
+  return absl::OkStatus();
+}
+
+int Run() {
+  SetJsonLogging(absl::GetFlag(FLAGS_log_json));
+
+  // Block the stop signals before gRPC starts threads, so every thread
+  // inherits the mask and only sigwait below receives them.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  std::filesystem::path data_dir;
+  if (!absl::GetFlag(FLAGS_data_dir).empty()) {
+    data_dir = absl::GetFlag(FLAGS_data_dir);
+    std::error_code error;
+    std::filesystem::create_directories(data_dir, error);
+    if (error) {
+      std::fprintf(stderr,
+                   "shardd-coordinator: --data-dir: cannot create %s: %s\n",
+                   data_dir.c_str(), error.message().c_str());
+      return 1;
+    }
+  }
+  if (absl::GetFlag(FLAGS_max_models) < 1) {
+    std::fprintf(stderr,
+                 "shardd-coordinator: --max_models: expected an integer >= "
+                 "1\n");
+    return 2;
+  }
+
+  std::unique_ptr<StrategyRegistry> registry =
+      StrategyRegistry::CreateWithBuiltins();
+  CoordinatorServiceOptions service_options;
+  service_options.max_models = absl::GetFlag(FLAGS_max_models);
+  CoordinatorService service(registry.get(), service_options);
+
+  CoordinatorServerOptions server_options;
+  server_options.listen_address = absl::GetFlag(FLAGS_listen);
+  absl::StatusOr<std::unique_ptr<CoordinatorServer>> server =
+      CoordinatorServer::Start(server_options, &service);
+  if (!server.ok()) {
+    std::fprintf(stderr, "shardd-coordinator: %s\n",
+                 server.status().ToString().c_str());
+    return server.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  if (!data_dir.empty()) {
+    absl::Status written = WritePortFile(data_dir, (*server)->port());
+    if (!written.ok()) {
+      std::fprintf(stderr, "shardd-coordinator: %s\n",
+                   written.ToString().c_str());
+      (*server)->Shutdown(absl::ZeroDuration());
+      return 1;
+    }
+  }
+  std::fprintf(stderr, "shardd-coordinator listening on %s\n",
+               (*server)->address().c_str());
+  std::fflush(stderr);
+
+  int signal_number = 0;
+  while (sigwait(&stop_signals, &signal_number) != 0) {
+  }
+  SHARDD_LOG(INFO) << "signal " << signal_number << ": shutting down";
+  (*server)->Shutdown(
+      absl::Milliseconds(absl::GetFlag(FLAGS_shutdown_grace_ms)));
+  if (!data_dir.empty()) {
+    std::error_code ignored;
+    std::filesystem::remove(data_dir / kPortFile, ignored);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace shardd
+
+int main(int argc, char** argv) {
+  // --help lists this file's flags (absl matches files by program name,
+  // which differs here).
+  absl::FlagsUsageConfig usage_config;
+  usage_config.contains_help_flags = [](absl::string_view file) {
+    return absl::StrContains(file, "coordinator_main");
+  };
+  usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage_config);
+  absl::SetProgramUsageMessage(
+      "Serves the shardd Coordinator gRPC service.\n"
+      "  shardd-coordinator --listen=127.0.0.1:7070 --data-dir=DIR\n"
+      "Dashes and underscores in flag names are interchangeable.");
+  // Accept dashed spellings (--data-dir) of the underscore flag names.
+  std::vector<std::string> normalized(argv, argv + argc);
+  for (size_t i = 1; i < normalized.size(); ++i) {
+    std::string& arg = normalized[i];
+    if (arg == "--") break;
+    if (arg.rfind("--", 0) != 0) continue;
+    const size_t end = std::min(arg.find('='), arg.size());
+    for (size_t c = 2; c < end; ++c) {
+      if (arg[c] == '-') arg[c] = '_';
+    }
+  }
+  std::vector<char*> normalized_argv;
+  for (std::string& arg : normalized) normalized_argv.push_back(arg.data());
+  std::vector<char*> rest = absl::ParseCommandLine(
+      static_cast<int>(normalized_argv.size()), normalized_argv.data());
+  if (rest.size() > 1) {
+    std::fprintf(stderr,
+                 "shardd-coordinator: unexpected argument '%s' (flags only; "
+                 "see --help)\n",
+                 rest[1]);
+    return 2;
+  }
+  return shardd::Run();
+}

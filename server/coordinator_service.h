@@ -1,0 +1,154 @@
+#ifndef SHARDD_SERVER_COORDINATOR_SERVICE_H_
+#define SHARDD_SERVER_COORDINATOR_SERVICE_H_
+
+// The coordinator's logic, free of any transport: strategies, submitted
+// models and their plans, status. The gRPC adapter
+// (grpc_coordinator_service.h) only converts statuses; tests drive this class
+// directly. Membership, rendezvous, steps and checkpoints answer UNIMPLEMENTED
+// until the issues that add them land.
+//
+// Thread-safe: every method may be called concurrently.
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "proto/coordinator.pb.h"
+#include "proto/model.pb.h"
+#include "proto/plan.pb.h"
+#include "server/sharding_planner.h"
+#include "server/strategy_registry.h"
+
+namespace shardd {
+
+struct CoordinatorServiceOptions {
+  // Largest accepted model description: the JSON text of hf_config_json /
+  // native_spec_json, or the serialized size of a ModelSpec.
+  size_t max_model_bytes = size_t{16} << 20;
+  // Most models kept at once; further new models are refused.
+  int max_models = 1024;
+  // Most bytes of stored specs and plans together (plans of very large
+  // worlds list per-rank rows and reach tens of MiB each).
+  size_t max_stored_bytes = size_t{1} << 30;
+  // Identifies this coordinator process to workers; 0 picks a random
+  // non-zero value.
+  uint64_t incarnation = 0;
+  // Time source (uptime); defaults to absl::Now. Tests inject a fake.
+  std::function<absl::Time()> clock;
+};
+
+// The model id SubmitModel assigns: "m-" followed by 16 lower-case hex digits
+// of the FNV-1a 64 hash of the deterministically serialized spec and options
+// (an empty spec.dims counts as absent). Equal content gives an equal id in
+// every process.
+std::string ModelIdFor(const v1::ModelSpec& spec,
+                       const v1::PlanOptions& options);
+
+class CoordinatorService {
+ public:
+  // `registry` is not owned and must outlive the service.
+  explicit CoordinatorService(const StrategyRegistry* registry,
+                              CoordinatorServiceOptions options = {});
+
+  CoordinatorService(const CoordinatorService&) = delete;
+  CoordinatorService& operator=(const CoordinatorService&) = delete;
+
+  // The registered strategies (sorted by name) and the architectures
+  // ModelSpecFromHfConfig understands. Errors: none.
+  absl::StatusOr<v1::ListStrategiesResponse> ListStrategies(
+      const v1::ListStrategiesRequest& request) const;
+
+  // Parses the source (hf_config_json, native_spec_json or spec), plans it
+  // with request.options and stores model and plan under ModelIdFor(spec,
+  // options). Submitting equal content again returns the stored entry (the
+  // first submission's name is kept).
+  // Errors: INVALID_ARGUMENT (no source; malformed JSON, bad sizes, unknown
+  // architecture, bad spec; bad plan options such as dp 0 or an unknown
+  // strategy -- the message names the field), RESOURCE_EXHAUSTED (the model
+  // description is larger than max_model_bytes, max_models are stored, or
+  // storing it would exceed max_stored_bytes).
+  absl::StatusOr<v1::SubmitModelResponse> SubmitModel(
+      const v1::SubmitModelRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The stored plan of a model; with replan=true a fresh plan for
+  // request.options (the stored plan is unchanged).
+  // Errors: INVALID_ARGUMENT (empty model_id; options given without
+  // replan=true; bad options when replanning), NOT_FOUND (unknown model_id).
+  absl::StatusOr<v1::GetPlanResponse> GetPlan(
+      const v1::GetPlanRequest& request) const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Stored models in submission order, uptime and incarnation. Workers are
+  // empty until membership lands. Errors: none.
+  absl::StatusOr<v1::GetStatusResponse> GetStatus(
+      const v1::GetStatusRequest& request) const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Not implemented yet: each returns UNIMPLEMENTED naming the issue that
+  // adds it (issue 3 for membership, rendezvous and steps; issue 5 for
+  // checkpoints).
+  absl::StatusOr<v1::RegisterWorkerResponse> RegisterWorker(
+      const v1::RegisterWorkerRequest& request);
+  absl::StatusOr<v1::HeartbeatResponse> Heartbeat(
+      const v1::HeartbeatRequest& request);
+  absl::StatusOr<v1::PutResponse> Put(const v1::PutRequest& request);
+  absl::StatusOr<v1::GetResponse> Get(const v1::GetRequest& request);
+  absl::StatusOr<v1::DeleteResponse> Delete(const v1::DeleteRequest& request);
+  absl::StatusOr<v1::BarrierResponse> Barrier(
+      const v1::BarrierRequest& request);
+  absl::StatusOr<v1::SubmitStepResponse> SubmitStep(
+      const v1::SubmitStepRequest& request);
+  // WatchStep streams; the transport asks here whether it may start.
+  absl::Status StartWatchStep(const v1::WatchStepRequest& request);
+  absl::StatusOr<v1::SaveCheckpointResponse> SaveCheckpoint(
+      const v1::SaveCheckpointRequest& request);
+  absl::StatusOr<v1::LoadCheckpointResponse> LoadCheckpoint(
+      const v1::LoadCheckpointRequest& request);
+  absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(
+      const v1::ListCheckpointsRequest& request);
+
+  uint64_t incarnation() const { return incarnation_; }
+
+ private:
+  struct StoredModel {
+    std::string name;
+    v1::ModelSpec spec;
+    v1::ModelSummary summary;
+    v1::ShardingPlan plan;
+    size_t bytes = 0;  // Serialized size of spec and plan.
+  };
+
+  // Parses and validates the request's source. Errors: as SubmitModel.
+  absl::StatusOr<v1::ModelSpec> ParseSource(
+      const v1::SubmitModelRequest& request) const;
+
+  // Plans `spec` and stamps the plan with `model_id`.
+  absl::StatusOr<v1::ShardingPlan> PlanModel(
+      const std::string& model_id, const v1::ModelSpec& spec,
+      const v1::PlanOptions& options) const;
+
+  // Constant after construction.
+  const StrategyRegistry* registry_;  // Not owned.
+  const ShardingPlanner planner_;
+  const CoordinatorServiceOptions options_;
+  const uint64_t incarnation_;
+  const absl::Time start_time_;
+
+  mutable absl::Mutex mu_;
+  // Model id -> model and its plan.
+  std::map<std::string, StoredModel> models_ ABSL_GUARDED_BY(mu_);
+  // Model ids in submission order (GetStatus lists them this way).
+  std::vector<std::string> order_ ABSL_GUARDED_BY(mu_);
+  // Sum of StoredModel::bytes.
+  size_t stored_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace shardd
+
+#endif  // SHARDD_SERVER_COORDINATOR_SERVICE_H_

@@ -1,0 +1,455 @@
+#include "server/coordinator_service.h"
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/model_util.h"
+#include "server/native_spec.h"
+#include "server/sharding_planner.h"
+#include "server/strategy_registry.h"
+
+namespace shardd {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::testing::Not;
+using ::testing::SizeIs;
+
+constexpr int64_t kVocab = 16;
+constexpr int64_t kHidden = 8;
+constexpr int64_t kInter = 12;
+constexpr int kLayers = 2;
+
+v1::TensorSpec* AddParam(v1::ModuleSpec* module, const std::string& name,
+                         std::vector<int64_t> shape) {
+  v1::TensorSpec* tensor = module->add_params();
+  tensor->set_name(name);
+  for (int64_t d : shape) tensor->add_shape(d);
+  tensor->set_dtype(v1::FLOAT32);
+  return tensor;
+}
+
+v1::ModuleSpec* AddChild(v1::ModuleSpec* parent, const std::string& name,
+                         v1::ModuleKind kind) {
+  v1::ModuleSpec* child = parent->add_children();
+  child->set_name(name);
+  child->set_kind(kind);
+  return child;
+}
+
+// A small dense decoder: embedding [V, D], per layer an MLP up [I, D] and
+// down [D, I] and a norm [D], a final norm [D] and an untied head [V, D].
+v1::ModelSpec TinySpec() {
+  v1::ModelSpec spec;
+  spec.set_architecture("TinyTestForCausalLM");
+  spec.set_dtype(v1::FLOAT32);
+  v1::ModuleSpec* root = spec.mutable_root();
+  root->set_kind(v1::MODULE_MODEL);
+  v1::ModuleSpec* model = AddChild(root, "model", v1::MODULE_GENERIC);
+  AddParam(AddChild(model, "embed_tokens", v1::MODULE_EMBEDDING), "weight",
+           {kVocab, kHidden});
+  v1::ModuleSpec* layers = AddChild(model, "layers", v1::MODULE_LAYER_LIST);
+  for (int i = 0; i < kLayers; ++i) {
+    v1::ModuleSpec* layer =
+        AddChild(layers, absl::StrCat(i), v1::MODULE_DECODER_LAYER);
+    v1::ModuleSpec* mlp = AddChild(layer, "mlp", v1::MODULE_MLP);
+    AddParam(mlp, "up", {kInter, kHidden});
+    AddParam(mlp, "down", {kHidden, kInter});
+    AddParam(AddChild(layer, "norm", v1::MODULE_NORM), "weight", {kHidden});
+  }
+  AddParam(AddChild(model, "norm", v1::MODULE_NORM), "weight", {kHidden});
+  AddParam(AddChild(root, "lm_head", v1::MODULE_LM_HEAD), "weight",
+           {kVocab, kHidden});
+  return spec;
+}
+
+// Closed form of TinySpec's parameter count.
+constexpr int64_t kTinyParams = kVocab * kHidden +
+                                kLayers * (2 * kInter * kHidden + kHidden) +
+                                kHidden + kVocab * kHidden;
+
+v1::PlanOptions Options(int dp) {
+  v1::PlanOptions options;
+  options.mutable_mesh()->set_dp_shard(dp);
+  return options;
+}
+
+v1::SubmitModelRequest SpecRequest(const v1::ModelSpec& spec, int dp) {
+  v1::SubmitModelRequest request;
+  *request.mutable_spec() = spec;
+  *request.mutable_options() = Options(dp);
+  return request;
+}
+
+class CoordinatorServiceTest : public ::testing::Test {
+ protected:
+  CoordinatorServiceTest()
+      : registry_(StrategyRegistry::CreateWithBuiltins()) {}
+
+  std::unique_ptr<CoordinatorService> MakeService(
+      CoordinatorServiceOptions options = {}) {
+    return std::make_unique<CoordinatorService>(registry_.get(),
+                                                std::move(options));
+  }
+
+  std::unique_ptr<StrategyRegistry> registry_;
+};
+
+TEST(ModelIdForTest, DeterministicAndSensitiveToSpecAndOptions) {
+  const v1::ModelSpec spec = TinySpec();
+  const std::string id = ModelIdFor(spec, Options(4));
+  EXPECT_EQ(id, ModelIdFor(TinySpec(), Options(4)));
+  ASSERT_THAT(id, SizeIs(2 + 16));
+  EXPECT_TRUE(absl::StartsWith(id, "m-"));
+  for (char c : id.substr(2)) {
+    EXPECT_TRUE((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f')) << id;
+  }
+  EXPECT_NE(id, ModelIdFor(spec, Options(8)));
+  v1::ModelSpec other = spec;
+  other.mutable_root()->mutable_children(1)->mutable_params(0)->set_shape(0,
+                                                                          17);
+  EXPECT_NE(id, ModelIdFor(other, Options(4)));
+}
+
+TEST(ModelIdForTest, EmptyInputsHashToFnvOfTheLengthPrefix) {
+  // Both messages serialize to nothing, so the hash covers only "0:".
+  // FNV-1a 64 by hand: h = 0xcbf29ce484222325; for each byte: h ^= b;
+  // h *= 0x100000001b3.
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (unsigned char b : std::string("0:")) {
+    h ^= b;
+    h *= 0x100000001b3ULL;
+  }
+  char expected[32];
+  snprintf(expected, sizeof(expected), "m-%016llx",
+           static_cast<unsigned long long>(h));
+  EXPECT_EQ(ModelIdFor(v1::ModelSpec(), v1::PlanOptions()), expected);
+}
+
+TEST_F(CoordinatorServiceTest, ListStrategiesHasRegistryAndArchitectures) {
+  auto service = MakeService();
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ListStrategiesResponse response,
+                              service->ListStrategies({}));
+  std::vector<std::string> names;
+  for (const auto& info : response.strategies()) names.push_back(info.name());
+  EXPECT_THAT(names, ::testing::Contains("default"));
+  EXPECT_THAT(names, ::testing::Contains("diffusion_gemma"));
+  EXPECT_THAT(names, ::testing::IsSupersetOf({"deepseek_v4", "megatron_fsdp"}));
+  EXPECT_THAT(response.supported_architectures(),
+              ::testing::IsSupersetOf({"MixtralForCausalLM",
+                                       "DiffusionGemmaForBlockDiffusion",
+                                       "DeepseekV3ForCausalLM"}));
+}
+
+TEST_F(CoordinatorServiceTest, SubmitSpecStoresPlanAndSummary) {
+  auto service = MakeService();
+  const v1::ModelSpec spec = TinySpec();
+  v1::SubmitModelRequest request = SpecRequest(spec, 4);
+  request.set_name("tiny");
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::SubmitModelResponse response,
+                              service->SubmitModel(request));
+  EXPECT_EQ(response.model_id(), ModelIdFor(spec, Options(4)));
+  EXPECT_EQ(response.summary().total_params(), kTinyParams);
+  EXPECT_EQ(response.plan().total_params(), kTinyParams);
+  EXPECT_EQ(response.plan().model_id(), response.model_id());
+  EXPECT_EQ(response.plan().world_size(), 4);
+  // Default strategy: one unit per layer plus the root.
+  EXPECT_EQ(response.plan().units_size(), kLayers + 1);
+
+  // The stored plan is the planner's plan, stamped with the id.
+  ShardingPlanner planner(registry_.get());
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ShardingPlan direct,
+                              planner.Plan(spec, Options(4)));
+  direct.set_model_id(response.model_id());
+  EXPECT_EQ(response.plan().SerializeAsString(), direct.SerializeAsString());
+
+  v1::GetPlanRequest get;
+  get.set_model_id(response.model_id());
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::GetPlanResponse stored,
+                              service->GetPlan(get));
+  EXPECT_EQ(stored.plan().SerializeAsString(),
+            response.plan().SerializeAsString());
+  EXPECT_EQ(stored.summary().total_params(), kTinyParams);
+}
+
+TEST_F(CoordinatorServiceTest, SameContentTwiceGivesSameIdAndOneEntry) {
+  auto service = MakeService();
+  v1::SubmitModelRequest first = SpecRequest(TinySpec(), 2);
+  first.set_name("first");
+  v1::SubmitModelRequest second = first;
+  second.set_name("second");
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto a, service->SubmitModel(first));
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto b, service->SubmitModel(second));
+  EXPECT_EQ(a.model_id(), b.model_id());
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto status, service->GetStatus({}));
+  ASSERT_THAT(status.models(), SizeIs(1));
+  EXPECT_EQ(status.models(0).name(), "first");
+
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto c,
+                              service->SubmitModel(SpecRequest(TinySpec(), 4)));
+  EXPECT_NE(c.model_id(), a.model_id());
+}
+
+TEST_F(CoordinatorServiceTest, NativeJsonAndSpecOfSameModelShareTheId) {
+  auto service = MakeService();
+  const v1::ModelSpec spec = TinySpec();
+  v1::SubmitModelRequest native;
+  native.set_native_spec_json(ModelSpecToNativeJson(spec));
+  *native.mutable_options() = Options(2);
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto from_json, service->SubmitModel(native));
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto from_spec,
+                              service->SubmitModel(SpecRequest(spec, 2)));
+  EXPECT_EQ(from_json.model_id(), from_spec.model_id());
+  EXPECT_EQ(from_json.summary().total_params(), kTinyParams);
+}
+
+TEST_F(CoordinatorServiceTest, MissingSourceIsInvalidArgument) {
+  auto service = MakeService();
+  v1::SubmitModelRequest request;
+  *request.mutable_options() = Options(2);
+  EXPECT_THAT(
+      service->SubmitModel(request),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("source: one of hf_config_json, native_spec_json, "
+                         "spec is required")));
+}
+
+TEST_F(CoordinatorServiceTest, BadInputIsInvalidArgumentNamingTheField) {
+  auto service = MakeService();
+  v1::SubmitModelRequest malformed;
+  malformed.set_hf_config_json("{\"architectures\": [");
+  EXPECT_THAT(service->SubmitModel(malformed),
+              StatusIs(absl::StatusCode::kInvalidArgument, Not(IsEmpty())));
+
+  v1::SubmitModelRequest unknown_arch;
+  unknown_arch.set_hf_config_json(
+      R"({"architectures": ["NoSuchModelForCausalLM"], "hidden_size": 8})");
+  EXPECT_THAT(service->SubmitModel(unknown_arch),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("MixtralForCausalLM")));
+
+  EXPECT_THAT(
+      service->SubmitModel(SpecRequest(TinySpec(), 0)),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("dp_shard")));
+
+  v1::SubmitModelRequest bad_strategy = SpecRequest(TinySpec(), 2);
+  bad_strategy.mutable_options()->set_strategy("no_such_strategy");
+  EXPECT_THAT(
+      service->SubmitModel(bad_strategy),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("strategy")));
+
+  v1::ModelSpec negative = TinySpec();
+  negative.mutable_root()->mutable_children(1)->mutable_params(0)->set_shape(
+      0, -3);
+  EXPECT_THAT(
+      service->SubmitModel(SpecRequest(negative, 2)),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("lm_head")));
+
+  // Nothing was stored by the failures.
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto status, service->GetStatus({}));
+  EXPECT_THAT(status.models(), SizeIs(0));
+}
+
+TEST_F(CoordinatorServiceTest, OversizedModelIsResourceExhausted) {
+  CoordinatorServiceOptions options;
+  options.max_model_bytes = 64;
+  auto service = MakeService(options);
+  v1::SubmitModelRequest json;
+  json.set_hf_config_json(std::string(65, ' '));
+  EXPECT_THAT(service->SubmitModel(json),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("hf_config_json")));
+  v1::SubmitModelRequest native;
+  native.set_native_spec_json(std::string(65, ' '));
+  EXPECT_THAT(service->SubmitModel(native),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("native_spec_json")));
+  // TinySpec serializes to well over 64 bytes (names alone exceed it).
+  EXPECT_THAT(
+      service->SubmitModel(SpecRequest(TinySpec(), 2)),
+      StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("spec")));
+}
+
+TEST_F(CoordinatorServiceTest, ModelLimitIsResourceExhausted) {
+  CoordinatorServiceOptions options;
+  options.max_models = 2;
+  auto service = MakeService(options);
+  SHARDD_EXPECT_OK(service->SubmitModel(SpecRequest(TinySpec(), 1)));
+  SHARDD_EXPECT_OK(service->SubmitModel(SpecRequest(TinySpec(), 2)));
+  EXPECT_THAT(
+      service->SubmitModel(SpecRequest(TinySpec(), 4)),
+      StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("limit is 2")));
+  // A stored model can still be submitted again.
+  SHARDD_EXPECT_OK(service->SubmitModel(SpecRequest(TinySpec(), 2)));
+}
+
+TEST_F(CoordinatorServiceTest, StoredBytesLimitIsResourceExhausted) {
+  // Measure one stored entry, then leave room for exactly one.
+  auto probe = MakeService();
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto first,
+                              probe->SubmitModel(SpecRequest(TinySpec(), 1)));
+  const size_t one = TinySpec().ByteSizeLong() + first.plan().ByteSizeLong();
+
+  CoordinatorServiceOptions options;
+  options.max_stored_bytes = one + 1;
+  auto service = MakeService(options);
+  SHARDD_EXPECT_OK(service->SubmitModel(SpecRequest(TinySpec(), 1)));
+  EXPECT_THAT(service->SubmitModel(SpecRequest(TinySpec(), 2)),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("bytes for stored models")));
+}
+
+TEST_F(CoordinatorServiceTest, GetPlanErrors) {
+  auto service = MakeService();
+  EXPECT_THAT(service->GetPlan({}), StatusIs(absl::StatusCode::kInvalidArgument,
+                                             HasSubstr("model_id")));
+  v1::GetPlanRequest unknown;
+  unknown.set_model_id("m-0000000000000000");
+  EXPECT_THAT(
+      service->GetPlan(unknown),
+      StatusIs(absl::StatusCode::kNotFound, HasSubstr("m-0000000000000000")));
+
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto submitted,
+                              service->SubmitModel(SpecRequest(TinySpec(), 2)));
+  v1::GetPlanRequest options_without_replan;
+  options_without_replan.set_model_id(submitted.model_id());
+  *options_without_replan.mutable_options() = Options(4);
+  EXPECT_THAT(
+      service->GetPlan(options_without_replan),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("replan")));
+
+  v1::GetPlanRequest bad_replan = options_without_replan;
+  bad_replan.set_replan(true);
+  bad_replan.mutable_options()->mutable_mesh()->set_dp_shard(-1);
+  EXPECT_THAT(
+      service->GetPlan(bad_replan),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("dp_shard")));
+}
+
+TEST_F(CoordinatorServiceTest, ReplanDoesNotChangeTheStoredPlan) {
+  auto service = MakeService();
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto submitted,
+                              service->SubmitModel(SpecRequest(TinySpec(), 2)));
+  v1::GetPlanRequest replan;
+  replan.set_model_id(submitted.model_id());
+  replan.set_replan(true);
+  *replan.mutable_options() = Options(4);
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto fresh, service->GetPlan(replan));
+  EXPECT_EQ(fresh.plan().world_size(), 4);
+  EXPECT_EQ(fresh.plan().model_id(), submitted.model_id());
+  // Per-rank master shards shrink with more ranks: the layer units of
+  // TinySpec have dim 0 of 12, 8 and 8 rows, all divisible by 2 and 4, so
+  // each rank holds exactly 1/W of each layer in fp32.
+  EXPECT_LT(fresh.plan().memory().sharded_param_bytes(),
+            submitted.plan().memory().sharded_param_bytes());
+
+  v1::GetPlanRequest get;
+  get.set_model_id(submitted.model_id());
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto stored, service->GetPlan(get));
+  EXPECT_EQ(stored.plan().world_size(), 2);
+  EXPECT_EQ(stored.plan().SerializeAsString(),
+            submitted.plan().SerializeAsString());
+}
+
+TEST_F(CoordinatorServiceTest, StatusListsModelsInOrderWithUptime) {
+  absl::Mutex mu;
+  absl::Time now = absl::FromUnixSeconds(1000);
+  CoordinatorServiceOptions options;
+  options.incarnation = 42;
+  options.clock = [&] {
+    absl::MutexLock lock(&mu);
+    return now;
+  };
+  auto service = MakeService(options);
+  {
+    absl::MutexLock lock(&mu);
+    now += absl::Milliseconds(1500);
+  }
+  v1::SubmitModelRequest a = SpecRequest(TinySpec(), 4);
+  a.set_name("a");
+  v1::SubmitModelRequest b = SpecRequest(TinySpec(), 2);
+  b.set_name("b");
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto ra, service->SubmitModel(a));
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto rb, service->SubmitModel(b));
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto status, service->GetStatus({}));
+  EXPECT_EQ(status.coordinator_incarnation(), 42u);
+  EXPECT_EQ(status.uptime_ms(), 1500);
+  EXPECT_THAT(status.workers(), SizeIs(0));
+  ASSERT_THAT(status.models(), SizeIs(2));
+  EXPECT_EQ(status.models(0).model_id(), ra.model_id());
+  EXPECT_EQ(status.models(0).name(), "a");
+  EXPECT_EQ(status.models(0).architecture(), "TinyTestForCausalLM");
+  EXPECT_EQ(status.models(0).strategy(), "default");
+  EXPECT_EQ(status.models(0).total_params(), kTinyParams);
+  EXPECT_EQ(status.models(0).world_size(), 4);
+  EXPECT_EQ(status.models(1).model_id(), rb.model_id());
+  EXPECT_EQ(status.models(1).world_size(), 2);
+}
+
+TEST_F(CoordinatorServiceTest, RandomIncarnationIsNonZeroAndDiffers) {
+  auto a = MakeService();
+  auto b = MakeService();
+  EXPECT_NE(a->incarnation(), 0u);
+  EXPECT_NE(a->incarnation(), b->incarnation());
+}
+
+TEST_F(CoordinatorServiceTest, LaterIssuesAnswerUnimplementedNamingThem) {
+  auto service = MakeService();
+  auto unimplemented = [](absl::string_view rpc, absl::string_view issue) {
+    return StatusIs(absl::StatusCode::kUnimplemented,
+                    ::testing::AllOf(HasSubstr(std::string(rpc)),
+                                     HasSubstr(std::string(issue))));
+  };
+  EXPECT_THAT(service->RegisterWorker({}),
+              unimplemented("RegisterWorker", "issue 3"));
+  EXPECT_THAT(service->Heartbeat({}), unimplemented("Heartbeat", "issue 3"));
+  EXPECT_THAT(service->Put({}), unimplemented("Put", "issue 3"));
+  EXPECT_THAT(service->Get({}), unimplemented("Get", "issue 3"));
+  EXPECT_THAT(service->Delete({}), unimplemented("Delete", "issue 3"));
+  EXPECT_THAT(service->Barrier({}), unimplemented("Barrier", "issue 3"));
+  EXPECT_THAT(service->SubmitStep({}), unimplemented("SubmitStep", "issue 3"));
+  EXPECT_THAT(service->StartWatchStep({}),
+              unimplemented("WatchStep", "issue 3"));
+  EXPECT_THAT(service->SaveCheckpoint({}),
+              unimplemented("SaveCheckpoint", "issue 5"));
+  EXPECT_THAT(service->LoadCheckpoint({}),
+              unimplemented("LoadCheckpoint", "issue 5"));
+  EXPECT_THAT(service->ListCheckpoints({}),
+              unimplemented("ListCheckpoints", "issue 5"));
+}
+
+TEST_F(CoordinatorServiceTest, ConcurrentSubmissionsStoreEachModelOnce) {
+  auto service = MakeService();
+  constexpr int kThreads = 8;
+  std::vector<std::thread> threads;
+  std::vector<std::string> ids(kThreads);
+  std::vector<absl::Status> results(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      // Two distinct models (dp 1 and dp 2), each submitted 4 times.
+      auto response = service->SubmitModel(SpecRequest(TinySpec(), 1 + t % 2));
+      results[t] = response.status();
+      if (response.ok()) ids[t] = response->model_id();
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  for (const auto& status : results) SHARDD_EXPECT_OK(status);
+  for (int t = 2; t < kThreads; ++t) EXPECT_EQ(ids[t], ids[t % 2]);
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto status, service->GetStatus({}));
+  EXPECT_THAT(status.models(), SizeIs(2));
+}
+
+}  // namespace
+}  // namespace shardd

@@ -1,0 +1,472 @@
+#include "server/native_spec.h"
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <initializer_list>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/dtype.h"
+#include "common/status_macros.h"
+#include "nlohmann/json.hpp"
+#include "server/hf_config.h"
+#include "server/model_util.h"
+
+namespace shardd {
+namespace {
+
+using nlohmann::json;
+
+// Same bound as ValidateModelSpec; checked while parsing so the error names
+// the JSON path and the recursion below stays shallow.
+constexpr int kMaxDepth = 64;
+constexpr int64_t kMaxDim = int64_t{1} << 53;
+
+struct KindName {
+  v1::ModuleKind kind;
+  const char* name;
+};
+
+constexpr KindName kKinds[] = {
+    {v1::MODULE_GENERIC, "generic"},
+    {v1::MODULE_MODEL, "model"},
+    {v1::MODULE_LAYER_LIST, "layer_list"},
+    {v1::MODULE_DECODER_LAYER, "decoder_layer"},
+    {v1::MODULE_ATTENTION, "attention"},
+    {v1::MODULE_MLP, "mlp"},
+    {v1::MODULE_MOE, "moe"},
+    {v1::MODULE_ROUTER, "router"},
+    {v1::MODULE_GROUPED_EXPERTS, "grouped_experts"},
+    {v1::MODULE_EMBEDDING, "embedding"},
+    {v1::MODULE_NORM, "norm"},
+    {v1::MODULE_LM_HEAD, "lm_head"},
+    {v1::MODULE_KIND_UNSPECIFIED, "unspecified"},
+};
+
+std::string KindToName(v1::ModuleKind kind) {
+  for (const KindName& k : kKinds) {
+    if (k.kind == kind) return k.name;
+  }
+  return "unspecified";
+}
+
+std::string AllowedKinds() {
+  std::vector<std::string> names;
+  for (const KindName& k : kKinds) names.push_back(k.name);
+  return absl::StrJoin(names, ", ");
+}
+
+std::string ActivationToName(v1::Activation a) {
+  switch (a) {
+    case v1::SWIGLU:
+      return "swiglu";
+    case v1::GEGLU:
+      return "geglu";
+    default:
+      return "unspecified";
+  }
+}
+
+std::string Describe(const json& v) {
+  switch (v.type()) {
+    case json::value_t::null:
+      return "null";
+    case json::value_t::boolean:
+      return v.get<bool>() ? "true" : "false";
+    case json::value_t::string:
+      return "a string";
+    case json::value_t::array:
+      return "an array";
+    case json::value_t::object:
+      return "an object";
+    default: {
+      std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
+      if (s.size() > 40) s = s.substr(0, 40) + "...";
+      return s;
+    }
+  }
+}
+
+absl::Status Bad(const std::string& path, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(path, ": ", what));
+}
+
+// Rejects members other than `allowed` (typos in hand-written specs would
+// otherwise be silently ignored). Members starting with '_' are comments.
+absl::Status CheckMembers(const json& obj, const std::string& path,
+                          std::initializer_list<const char*> allowed) {
+  for (auto it = obj.begin(); it != obj.end(); ++it) {
+    const std::string& key = it.key();
+    if (!key.empty() && key[0] == '_') continue;
+    bool ok = false;
+    for (const char* a : allowed) ok |= key == a;
+    if (!ok) {
+      std::vector<std::string> names(allowed.begin(), allowed.end());
+      return Bad(path.empty() ? key : absl::StrCat(path, ".", key),
+                 absl::StrCat("unknown member; allowed: ",
+                              absl::StrJoin(names, ", ")));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::string Sub(const std::string& path, const char* key) {
+  return path.empty() ? key : absl::StrCat(path, ".", key);
+}
+
+absl::StatusOr<int64_t> ReadInt(const json& v, const std::string& path,
+                                int64_t lo, int64_t hi) {
+  const std::string allowed =
+      absl::StrCat("must be an integer in [", lo, ", ", hi, "], got ");
+  if (v.is_number_unsigned()) {
+    const uint64_t u = v.get<uint64_t>();
+    if (u > static_cast<uint64_t>(hi) || static_cast<int64_t>(u) < lo) {
+      return Bad(path, absl::StrCat(allowed, u));
+    }
+    return static_cast<int64_t>(u);
+  }
+  if (v.is_number_integer()) {
+    const int64_t i = v.get<int64_t>();
+    if (i < lo || i > hi) return Bad(path, absl::StrCat(allowed, i));
+    return i;
+  }
+  return Bad(path, absl::StrCat(allowed, Describe(v)));
+}
+
+absl::StatusOr<std::string> ReadString(const json& v, const std::string& path) {
+  if (!v.is_string()) {
+    return Bad(path, absl::StrCat("must be a string, got ", Describe(v)));
+  }
+  return v.get<std::string>();
+}
+
+absl::StatusOr<v1::DType> ReadDType(const json& v, const std::string& path) {
+  SHARDD_ASSIGN_OR_RETURN(std::string name, ReadString(v, path));
+  auto dtype = ParseDType(name);
+  if (!dtype.ok()) return Bad(path, dtype.status().message());
+  return *dtype;
+}
+
+absl::StatusOr<v1::ModelDims> ReadDims(const json& v, const std::string& path) {
+  if (!v.is_object()) {
+    return Bad(path, absl::StrCat("must be an object, got ", Describe(v)));
+  }
+  SHARDD_RETURN_IF_ERROR(
+      CheckMembers(v, path,
+                   {"vocab_size", "hidden_size", "num_layers", "num_experts",
+                    "top_k", "moe_intermediate_size", "dense_intermediate_size",
+                    "num_shared_experts", "first_k_dense_layers", "activation",
+                    "tie_word_embeddings", "rms_norm_eps",
+                    "num_attention_heads", "num_key_value_heads", "head_dim"}));
+  v1::ModelDims d;
+  constexpr int64_t kI32 = 2147483647;
+  constexpr int64_t kBig = kMaxDim - 1;
+  struct IntField {
+    const char* key;
+    int64_t hi;
+    std::function<void(int64_t)> set;
+  };
+  const IntField fields[] = {
+      {"vocab_size", kBig, [&](int64_t x) { d.set_vocab_size(x); }},
+      {"hidden_size", kBig, [&](int64_t x) { d.set_hidden_size(x); }},
+      {"num_layers", kI32, [&](int64_t x) { d.set_num_layers(x); }},
+      {"num_experts", kI32, [&](int64_t x) { d.set_num_experts(x); }},
+      {"top_k", kI32, [&](int64_t x) { d.set_top_k(x); }},
+      {"moe_intermediate_size", kBig,
+       [&](int64_t x) { d.set_moe_intermediate_size(x); }},
+      {"dense_intermediate_size", kBig,
+       [&](int64_t x) { d.set_dense_intermediate_size(x); }},
+      {"num_shared_experts", kI32,
+       [&](int64_t x) { d.set_num_shared_experts(x); }},
+      {"first_k_dense_layers", kI32,
+       [&](int64_t x) { d.set_first_k_dense_layers(x); }},
+      {"num_attention_heads", kI32,
+       [&](int64_t x) { d.set_num_attention_heads(x); }},
+      {"num_key_value_heads", kI32,
+       [&](int64_t x) { d.set_num_key_value_heads(x); }},
+      {"head_dim", kBig, [&](int64_t x) { d.set_head_dim(x); }},
+  };
+  // Every size is optional and defaults to 0 ("none").
+  for (const IntField& f : fields) {
+    auto it = v.find(f.key);
+    if (it == v.end()) continue;
+    SHARDD_ASSIGN_OR_RETURN(int64_t x, ReadInt(*it, Sub(path, f.key), 0, f.hi));
+    f.set(x);
+  }
+  if (d.top_k() > d.num_experts()) {
+    return Bad(Sub(path, "top_k"),
+               absl::StrCat("must be at most num_experts (", d.num_experts(),
+                            "), got ", d.top_k()));
+  }
+  if (auto it = v.find("activation"); it != v.end()) {
+    SHARDD_ASSIGN_OR_RETURN(std::string a,
+                            ReadString(*it, Sub(path, "activation")));
+    if (a == "swiglu") {
+      d.set_activation(v1::SWIGLU);
+    } else if (a == "geglu") {
+      d.set_activation(v1::GEGLU);
+    } else if (a != "unspecified") {
+      return Bad(Sub(path, "activation"),
+                 absl::StrCat("unknown activation \"", a,
+                              "\"; allowed: swiglu, geglu, unspecified"));
+    }
+  }
+  if (auto it = v.find("tie_word_embeddings"); it != v.end()) {
+    if (!it->is_boolean()) {
+      return Bad(Sub(path, "tie_word_embeddings"),
+                 absl::StrCat("must be true or false, got ", Describe(*it)));
+    }
+    d.set_tie_word_embeddings(it->get<bool>());
+  }
+  if (auto it = v.find("rms_norm_eps"); it != v.end()) {
+    if (!it->is_number() || !std::isfinite(it->get<double>()) ||
+        it->get<double>() < 0) {
+      return Bad(
+          Sub(path, "rms_norm_eps"),
+          absl::StrCat("must be a non-negative number, got ", Describe(*it)));
+    }
+    d.set_rms_norm_eps(it->get<double>());
+  }
+  return d;
+}
+
+absl::Status ReadParam(const json& v, const std::string& path,
+                       v1::DType default_dtype, v1::TensorSpec* t) {
+  if (!v.is_object()) {
+    return Bad(path, absl::StrCat("must be an object, got ", Describe(v)));
+  }
+  SHARDD_RETURN_IF_ERROR(
+      CheckMembers(v, path, {"name", "shape", "dtype", "frozen", "tied_to"}));
+  auto name = v.find("name");
+  if (name == v.end()) {
+    return Bad(Sub(path, "name"), "missing; must be a non-empty string");
+  }
+  SHARDD_ASSIGN_OR_RETURN(*t->mutable_name(),
+                          ReadString(*name, Sub(path, "name")));
+  auto shape = v.find("shape");
+  if (shape == v.end()) {
+    return Bad(Sub(path, "shape"),
+               "missing; must be a non-empty array of integers >= 1");
+  }
+  if (!shape->is_array() || shape->empty()) {
+    return Bad(Sub(path, "shape"),
+               absl::StrCat("must be a non-empty array of integers >= 1, got ",
+                            Describe(*shape)));
+  }
+  for (size_t i = 0; i < shape->size(); ++i) {
+    SHARDD_ASSIGN_OR_RETURN(
+        int64_t d, ReadInt((*shape)[i], absl::StrCat(path, ".shape[", i, "]"),
+                           1, kMaxDim - 1));
+    t->add_shape(d);
+  }
+  t->set_dtype(default_dtype);
+  if (auto it = v.find("dtype"); it != v.end()) {
+    SHARDD_ASSIGN_OR_RETURN(v1::DType dt, ReadDType(*it, Sub(path, "dtype")));
+    t->set_dtype(dt);
+  }
+  if (auto it = v.find("frozen"); it != v.end()) {
+    if (!it->is_boolean()) {
+      return Bad(Sub(path, "frozen"),
+                 absl::StrCat("must be true or false, got ", Describe(*it)));
+    }
+    t->set_frozen(it->get<bool>());
+  }
+  if (auto it = v.find("tied_to"); it != v.end()) {
+    SHARDD_ASSIGN_OR_RETURN(*t->mutable_tied_to(),
+                            ReadString(*it, Sub(path, "tied_to")));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::ModuleKind> ReadKind(const json& v,
+                                        const std::string& path) {
+  SHARDD_ASSIGN_OR_RETURN(std::string s, ReadString(v, path));
+  for (const KindName& k : kKinds) {
+    if (s == k.name) return k.kind;
+  }
+  return Bad(path, absl::StrCat("unknown module kind \"", s,
+                                "\"; allowed: ", AllowedKinds()));
+}
+
+absl::Status ReadModule(const json& v, const std::string& path, bool is_root,
+                        int depth, v1::DType default_dtype, v1::ModuleSpec* m) {
+  if (depth > kMaxDepth) {
+    return Bad(path, absl::StrCat("modules nested deeper than ", kMaxDepth,
+                                  " levels"));
+  }
+  if (!v.is_object()) {
+    return Bad(path, absl::StrCat("must be an object, got ", Describe(v)));
+  }
+  SHARDD_RETURN_IF_ERROR(
+      CheckMembers(v, path, {"name", "kind", "params", "children"}));
+  if (auto it = v.find("name"); it != v.end()) {
+    SHARDD_ASSIGN_OR_RETURN(*m->mutable_name(),
+                            ReadString(*it, Sub(path, "name")));
+  } else if (!is_root) {
+    return Bad(Sub(path, "name"), "missing; must be a non-empty string");
+  }
+  if (is_root && !m->name().empty()) {
+    return Bad(Sub(path, "name"), "the root module's name must be empty");
+  }
+  m->set_kind(is_root ? v1::MODULE_MODEL : v1::MODULE_GENERIC);
+  if (auto it = v.find("kind"); it != v.end()) {
+    SHARDD_ASSIGN_OR_RETURN(v1::ModuleKind kind,
+                            ReadKind(*it, Sub(path, "kind")));
+    m->set_kind(kind);
+  }
+  if (auto it = v.find("params"); it != v.end()) {
+    if (!it->is_array()) {
+      return Bad(Sub(path, "params"),
+                 absl::StrCat("must be an array, got ", Describe(*it)));
+    }
+    for (size_t i = 0; i < it->size(); ++i) {
+      SHARDD_RETURN_IF_ERROR(ReadParam((*it)[i],
+                                       absl::StrCat(path, ".params[", i, "]"),
+                                       default_dtype, m->add_params()));
+    }
+  }
+  if (auto it = v.find("children"); it != v.end()) {
+    if (!it->is_array()) {
+      return Bad(Sub(path, "children"),
+                 absl::StrCat("must be an array, got ", Describe(*it)));
+    }
+    for (size_t i = 0; i < it->size(); ++i) {
+      SHARDD_RETURN_IF_ERROR(
+          ReadModule((*it)[i], absl::StrCat(path, ".children[", i, "]"), false,
+                     depth + 1, default_dtype, m->add_children()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::ModelSpec> FromNativeDoc(const json& doc) {
+  if (!doc.is_object()) {
+    return Bad("spec",
+               absl::StrCat("must be a JSON object, got ", Describe(doc)));
+  }
+  SHARDD_RETURN_IF_ERROR(CheckMembers(
+      doc, "", {"architecture", "model_type", "dtype", "dims", "root"}));
+  v1::ModelSpec spec;
+  auto arch = doc.find("architecture");
+  if (arch == doc.end()) {
+    return Bad("architecture", "missing; must be a non-empty string");
+  }
+  SHARDD_ASSIGN_OR_RETURN(*spec.mutable_architecture(),
+                          ReadString(*arch, "architecture"));
+  if (spec.architecture().empty()) {
+    return Bad("architecture", "must be a non-empty string");
+  }
+  if (auto it = doc.find("model_type"); it != doc.end()) {
+    SHARDD_ASSIGN_OR_RETURN(*spec.mutable_model_type(),
+                            ReadString(*it, "model_type"));
+  }
+  spec.set_dtype(v1::FLOAT32);
+  if (auto it = doc.find("dtype"); it != doc.end()) {
+    SHARDD_ASSIGN_OR_RETURN(v1::DType dt, ReadDType(*it, "dtype"));
+    spec.set_dtype(dt);
+  }
+  if (auto it = doc.find("dims"); it != doc.end()) {
+    SHARDD_ASSIGN_OR_RETURN(*spec.mutable_dims(), ReadDims(*it, "dims"));
+  }
+  auto root = doc.find("root");
+  if (root == doc.end()) return Bad("root", "missing; must be an object");
+  SHARDD_RETURN_IF_ERROR(
+      ReadModule(*root, "root", true, 0, spec.dtype(), spec.mutable_root()));
+  absl::Status valid = ValidateModelSpec(spec);
+  if (!valid.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("invalid model spec: ", valid.message()));
+  }
+  return spec;
+}
+
+json ModuleToJson(const v1::ModuleSpec& m, v1::DType default_dtype,
+                  bool is_root) {
+  json out = json::object();
+  if (!is_root || !m.name().empty()) out["name"] = m.name();
+  out["kind"] = KindToName(m.kind());
+  if (m.params_size() > 0) {
+    json params = json::array();
+    for (const v1::TensorSpec& t : m.params()) {
+      json p = json::object();
+      p["name"] = t.name();
+      json shape = json::array();
+      for (int64_t d : t.shape()) shape.push_back(d);
+      p["shape"] = std::move(shape);
+      if (t.dtype() != default_dtype) p["dtype"] = DTypeName(t.dtype());
+      if (t.frozen()) p["frozen"] = true;
+      if (!t.tied_to().empty()) p["tied_to"] = t.tied_to();
+      params.push_back(std::move(p));
+    }
+    out["params"] = std::move(params);
+  }
+  if (m.children_size() > 0) {
+    json children = json::array();
+    for (const v1::ModuleSpec& c : m.children()) {
+      children.push_back(ModuleToJson(c, default_dtype, false));
+    }
+    out["children"] = std::move(children);
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::ModelSpec> ModelSpecFromNativeJson(absl::string_view text) {
+  const json doc = json::parse(text.begin(), text.end(), nullptr,
+                               /*allow_exceptions=*/false);
+  if (doc.is_discarded()) {
+    return absl::InvalidArgumentError(
+        "spec: malformed JSON; expected one JSON object");
+  }
+  return FromNativeDoc(doc);
+}
+
+std::string ModelSpecToNativeJson(const v1::ModelSpec& model) {
+  // nlohmann's default object type sorts keys; that is fine for a format
+  // read by key.
+  json doc = json::object();
+  doc["architecture"] = model.architecture();
+  if (!model.model_type().empty()) doc["model_type"] = model.model_type();
+  doc["dtype"] = DTypeName(model.dtype());
+  const v1::ModelDims& d = model.dims();
+  json dims = json::object();
+  dims["vocab_size"] = d.vocab_size();
+  dims["hidden_size"] = d.hidden_size();
+  dims["num_layers"] = d.num_layers();
+  dims["num_experts"] = d.num_experts();
+  dims["top_k"] = d.top_k();
+  dims["moe_intermediate_size"] = d.moe_intermediate_size();
+  dims["dense_intermediate_size"] = d.dense_intermediate_size();
+  dims["num_shared_experts"] = d.num_shared_experts();
+  dims["first_k_dense_layers"] = d.first_k_dense_layers();
+  dims["activation"] = ActivationToName(d.activation());
+  dims["tie_word_embeddings"] = d.tie_word_embeddings();
+  dims["rms_norm_eps"] = d.rms_norm_eps();
+  dims["num_attention_heads"] = d.num_attention_heads();
+  dims["num_key_value_heads"] = d.num_key_value_heads();
+  dims["head_dim"] = d.head_dim();
+  doc["dims"] = std::move(dims);
+  doc["root"] = ModuleToJson(model.root(), model.dtype(), true);
+  // Replace invalid UTF-8 instead of throwing (names come from callers).
+  return doc.dump(2, ' ', false, json::error_handler_t::replace) + "\n";
+}
+
+absl::StatusOr<v1::ModelSpec> ModelSpecFromJson(absl::string_view text) {
+  const json doc = json::parse(text.begin(), text.end(), nullptr,
+                               /*allow_exceptions=*/false);
+  if (doc.is_discarded()) {
+    return absl::InvalidArgumentError(
+        "malformed JSON; expected one JSON object (a native spec or a "
+        "config.json)");
+  }
+  if (doc.is_object() && doc.contains("root")) return FromNativeDoc(doc);
+  return ModelSpecFromHfConfig(text);
+}
+
+}  // namespace shardd

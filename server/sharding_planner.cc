@@ -1,0 +1,453 @@
+#include "server/sharding_planner.h"
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/dtype.h"
+#include "common/status_macros.h"
+#include "server/model_util.h"
+#include "server/sharding_strategy.h"
+#include "server/step_model.h"
+#include "server/unit_layout.h"
+
+namespace shardd {
+namespace {
+
+using v1::FsdpUnit;
+using v1::PlanOptions;
+using v1::ShardingPlan;
+
+constexpr char kDiffusionGemmaArchitecture[] =
+    "DiffusionGemmaForBlockDiffusion";
+// Megatron-FSDP's suggested bucket size, reported when options leave it 0.
+constexpr int64_t kDefaultBucketElements = 40'000'000;
+constexpr int kDefaultForwardPrefetch = 1;
+constexpr int kDefaultBackwardPrefetch = 2;
+
+absl::Status OutOfRange(absl::string_view field, int64_t value, int64_t lo,
+                        int64_t hi) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, ": must be between ", lo, " and ", hi, ", got ", value));
+}
+
+// options.mesh with defaults applied. An absent mesh is 1x1; in a given mesh
+// dp_replicate, tp and cp default to 1 when 0, dp_shard must be set.
+absl::StatusOr<v1::MeshSpec> NormalizeMesh(const PlanOptions& options) {
+  v1::MeshSpec mesh;
+  mesh.set_dp_shard(1);
+  mesh.set_dp_replicate(1);
+  mesh.set_tp(1);
+  mesh.set_cp(1);
+  if (!options.has_mesh()) return mesh;
+  const v1::MeshSpec& in = options.mesh();
+  if (in.dp_shard() < 1 || in.dp_shard() > kMaxWorldSize) {
+    return OutOfRange("options.mesh.dp_shard", in.dp_shard(), 1, kMaxWorldSize);
+  }
+  mesh.set_dp_shard(in.dp_shard());
+  if (in.dp_replicate() != 0) {
+    if (in.dp_replicate() < 1 || in.dp_replicate() > kMaxWorldSize) {
+      return OutOfRange("options.mesh.dp_replicate", in.dp_replicate(), 1,
+                        kMaxWorldSize);
+    }
+    mesh.set_dp_replicate(in.dp_replicate());
+  }
+  // Tensor and context parallelism are recorded for later.
+  if (in.tp() != 0 && in.tp() != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.mesh.tp: must be 1 (tensor parallelism is recorded for "
+        "later, not planned yet), got ",
+        in.tp()));
+  }
+  if (in.cp() != 0 && in.cp() != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.mesh.cp: must be 1 (context parallelism is recorded for "
+        "later, not planned yet), got ",
+        in.cp()));
+  }
+  const int64_t world =
+      static_cast<int64_t>(mesh.dp_shard()) * mesh.dp_replicate();
+  if (world > kMaxWorldSize) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.mesh: world size dp_shard * dp_replicate * tp * cp = ",
+        mesh.dp_shard(), " * ", mesh.dp_replicate(), " * 1 * 1 = ", world,
+        " exceeds the maximum of ", kMaxWorldSize));
+  }
+  return mesh;
+}
+
+absl::Status ValidateReshard(const PlanOptions& options, int dp_shard) {
+  const v1::ReshardPolicy& policy = options.reshard_after_forward();
+  if (policy.policy_case() != v1::ReshardPolicy::kGroupSize) {
+    return absl::OkStatus();
+  }
+  const int g = policy.group_size();
+  if (g < 1 || dp_shard % g != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.reshard_after_forward.group_size: must be >= 1 and divide "
+        "options.mesh.dp_shard (",
+        dp_shard, "), got ", g));
+  }
+  return absl::OkStatus();
+}
+
+// The step the model replays, from the options and the architecture.
+absl::StatusOr<v1::StepShape> MakeStep(const PlanOptions& options,
+                                       const std::string& architecture) {
+  v1::StepShape step;
+  if (options.microbatches() < 0 || options.microbatches() > kMaxMicrobatches) {
+    return OutOfRange("options.microbatches", options.microbatches(), 0,
+                      kMaxMicrobatches);
+  }
+  step.set_microbatches(options.microbatches() == 0 ? 1
+                                                    : options.microbatches());
+  if (options.passes() < 0 || options.passes() > kMaxPasses) {
+    return OutOfRange("options.passes", options.passes(), 0, kMaxPasses);
+  }
+  if (options.passes() == 0) {
+    // DiffusionGemma runs its layers three times per step: causal encode, a
+    // no-grad self-conditioning pass, bidirectional decode.
+    const bool diffusion = architecture == kDiffusionGemmaArchitecture;
+    step.set_passes(diffusion ? 3 : 1);
+    step.set_no_grad_passes(diffusion ? 1 : 0);
+  } else {
+    step.set_passes(options.passes());
+  }
+  if (options.has_no_grad_passes()) {
+    if (options.no_grad_passes() < 0 ||
+        options.no_grad_passes() >= step.passes()) {
+      return OutOfRange("options.no_grad_passes", options.no_grad_passes(), 0,
+                        step.passes() - 1);
+    }
+    step.set_no_grad_passes(options.no_grad_passes());
+  }
+  step.set_defer_grad_sync(options.has_defer_grad_sync() &&
+                           options.defer_grad_sync());
+  const int fwd = options.has_forward_prefetch_depth()
+                      ? options.forward_prefetch_depth()
+                      : kDefaultForwardPrefetch;
+  const int bwd = options.has_backward_prefetch_depth()
+                      ? options.backward_prefetch_depth()
+                      : kDefaultBackwardPrefetch;
+  if (fwd < 0 || fwd > kMaxPrefetchDepth) {
+    return OutOfRange("options.forward_prefetch_depth", fwd, 0,
+                      kMaxPrefetchDepth);
+  }
+  if (bwd < 0 || bwd > kMaxPrefetchDepth) {
+    return OutOfRange("options.backward_prefetch_depth", bwd, 0,
+                      kMaxPrefetchDepth);
+  }
+  // NeMo and FSDP2: explicit prefetch only when the reshard override is not
+  // false (with nothing resharded there is nothing to prefetch).
+  const v1::ReshardPolicy& policy = options.reshard_after_forward();
+  const bool prefetch = !(policy.policy_case() == v1::ReshardPolicy::kReshard &&
+                          !policy.reshard());
+  step.set_forward_prefetch_depth(prefetch ? fwd : 0);
+  step.set_backward_prefetch_depth(prefetch ? bwd : 0);
+  return step;
+}
+
+// Widest dtype among `params` (an upper bound when a unit mixes dtypes,
+// which FSDP2 gathers as raw bytes).
+v1::DType WidestDType(const std::vector<ParamRef>& params) {
+  v1::DType best = v1::DTYPE_UNSPECIFIED;
+  for (const ParamRef& param : params) {
+    const v1::DType dtype = param.tensor->dtype();
+    if (DTypeBytes(dtype) > DTypeBytes(best)) best = dtype;
+  }
+  return best;
+}
+
+v1::MixedPrecision Uniform(v1::DType dtype) {
+  v1::MixedPrecision precision;
+  precision.set_param_dtype(dtype);
+  precision.set_compute_dtype(dtype);
+  precision.set_reduce_dtype(dtype);
+  return precision;
+}
+
+v1::MixedPrecision DefaultMixed() {
+  v1::MixedPrecision precision;
+  precision.set_param_dtype(v1::FLOAT32);
+  precision.set_compute_dtype(v1::BFLOAT16);
+  precision.set_reduce_dtype(v1::FLOAT32);
+  return precision;
+}
+
+// Root-like units: the root, and Megatron-FSDP buckets outside any layer.
+bool IsRootLike(const FsdpUnit& unit) {
+  if (unit.parent() >= 0) return false;
+  return unit.kind() == v1::UNIT_ROOT ||
+         (unit.kind() == v1::UNIT_FLAT_BUCKET && unit.layer_index() < 0);
+}
+
+// Checks what the planner relies on from a strategy's grouping.
+absl::Status CheckGrouping(const std::string& strategy,
+                           const UnitGrouping& grouping) {
+  const int n = static_cast<int>(grouping.units.size());
+  if (n == 0) {
+    return absl::InternalError(
+        absl::StrCat("strategy '", strategy, "' produced no units"));
+  }
+  for (int i = 0; i < n; ++i) {
+    const UnitDraft& draft = grouping.units[i];
+    if (draft.parent != -1 && (draft.parent <= i || draft.parent >= n)) {
+      return absl::InternalError(
+          absl::StrCat("strategy '", strategy, "': unit ", i, " ('", draft.name,
+                       "') has parent ", draft.parent,
+                       "; nested units must come before their parent"));
+    }
+    if (draft.params.empty()) {
+      return absl::InternalError(absl::StrCat("strategy '", strategy,
+                                              "': unit ", i, " ('", draft.name,
+                                              "') has no parameters"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// 64-bit FNV-1a over a canonical byte encoding: stable across processes,
+// builds and machines (absl::Hash is seeded per process).
+class Fingerprinter {
+ public:
+  void Int(int64_t value) {
+    uint64_t v = static_cast<uint64_t>(value);
+    for (int i = 0; i < 8; ++i) {
+      Byte(static_cast<uint8_t>(v & 0xff));
+      v >>= 8;
+    }
+  }
+  void Str(const std::string& s) {
+    Int(static_cast<int64_t>(s.size()));
+    for (char c : s) Byte(static_cast<uint8_t>(c));
+  }
+  uint64_t value() const { return hash_; }
+
+ private:
+  void Byte(uint8_t b) {
+    hash_ ^= b;
+    hash_ *= 0x100000001b3ULL;
+  }
+  uint64_t hash_ = 0xcbf29ce484222325ULL;
+};
+
+// Covers everything a worker executes: mesh, units, their parameters'
+// layouts, precision, reshard policies and prefetch lists. The step shape
+// and the memory report are not part of it. Per-rank lists (valid_rows,
+// flat_ranges) follow from the hashed shapes, offsets, shard_numel and mesh,
+// so they are left out: hashing them would cost O(params * ranks).
+uint64_t Fingerprint(const ShardingPlan& plan) {
+  Fingerprinter f;
+  f.Str("shardd.plan.v1");
+  f.Str(plan.strategy());
+  f.Int(plan.mesh().dp_shard());
+  f.Int(plan.mesh().dp_replicate());
+  f.Int(plan.mesh().tp());
+  f.Int(plan.mesh().cp());
+  f.Int(plan.flat_buckets() ? 1 : 0);
+  f.Int(plan.bucket_elements());
+  f.Int(plan.units_size());
+  for (const FsdpUnit& unit : plan.units()) {
+    f.Str(unit.name());
+    f.Int(unit.kind());
+    f.Int(unit.layer_index());
+    f.Int(unit.parent());
+    f.Int(unit.prefetch_target() ? 1 : 0);
+    f.Int(unit.shard_numel());
+    f.Int(unit.precision().param_dtype());
+    f.Int(unit.precision().compute_dtype());
+    f.Int(unit.precision().reduce_dtype());
+    const v1::ReshardPolicy& policy = unit.reshard_after_forward();
+    f.Int(policy.policy_case());
+    f.Int(policy.policy_case() == v1::ReshardPolicy::kGroupSize
+              ? policy.group_size()
+              : (policy.reshard() ? 1 : 0));
+    f.Int(unit.forward_prefetch_size());
+    for (int target : unit.forward_prefetch()) f.Int(target);
+    f.Int(unit.backward_prefetch_size());
+    for (int target : unit.backward_prefetch()) f.Int(target);
+    f.Int(unit.params_size());
+    for (const v1::ParamLayout& param : unit.params()) {
+      f.Str(param.name());
+      f.Int(param.global_shape_size());
+      for (int64_t dim : param.global_shape()) f.Int(dim);
+      f.Int(param.dtype());
+      f.Int(param.shard_dim());
+      f.Int(param.padded_dim0());
+      f.Int(param.local_numel());
+      f.Int(param.shard_offset());
+      f.Int(param.unsharded_offset());
+      f.Int(param.frozen() ? 1 : 0);
+    }
+  }
+  return f.value();
+}
+
+}  // namespace
+
+ShardingPlanner::ShardingPlanner(const StrategyRegistry* registry)
+    : registry_(registry) {}
+
+absl::StatusOr<ShardingPlan> ShardingPlanner::Plan(
+    const v1::ModelSpec& model, const PlanOptions& options) const {
+  if (registry_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "ShardingPlanner: constructed without a strategy registry");
+  }
+  // Options first: they are cheap to check and their errors name the field.
+  SHARDD_ASSIGN_OR_RETURN(v1::MeshSpec mesh, NormalizeMesh(options));
+  const int dp_shard = mesh.dp_shard();
+  SHARDD_RETURN_IF_ERROR(ValidateReshard(options, dp_shard));
+  SHARDD_ASSIGN_OR_RETURN(v1::StepShape step,
+                          MakeStep(options, model.architecture()));
+  if (options.bucket_elements() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.bucket_elements: must be >= 0 (0 means the "
+        "default of ",
+        kDefaultBucketElements, "), got ", options.bucket_elements()));
+  }
+  SHARDD_RETURN_IF_ERROR(ValidateModelSpec(model));
+
+  std::shared_ptr<const ShardingStrategy> strategy;
+  if (!options.strategy().empty()) {
+    absl::StatusOr<std::shared_ptr<const ShardingStrategy>> named =
+        registry_->ByName(options.strategy());
+    if (!named.ok()) {
+      std::vector<std::string> names;
+      for (const v1::StrategyInfo& info : registry_->List()) {
+        names.push_back(info.name());
+      }
+      return absl::InvalidArgumentError(absl::StrCat(
+          "options.strategy: unknown strategy '", options.strategy(),
+          "'; registered strategies: ", absl::StrJoin(names, ", ")));
+    }
+    strategy = *std::move(named);
+  } else {
+    strategy = registry_->ForArchitecture(model.architecture());
+  }
+  if (strategy == nullptr) {
+    return absl::InternalError("strategy registry returned no strategy");
+  }
+  const std::string strategy_name = strategy->name();
+  SHARDD_ASSIGN_OR_RETURN(UnitGrouping grouping,
+                          strategy->GroupParams(model, options));
+  SHARDD_RETURN_IF_ERROR(CheckGrouping(strategy_name, grouping));
+
+  const bool mixed =
+      !options.has_mixed_precision() || options.mixed_precision();
+  ShardingPlan plan;
+  plan.set_architecture(model.architecture());
+  plan.set_strategy(strategy_name);
+  *plan.mutable_mesh() = mesh;
+  plan.set_world_size(mesh.dp_shard() * mesh.dp_replicate() * mesh.tp() *
+                      mesh.cp());
+  plan.set_total_params(Summarize(model).total_params());
+  plan.set_flat_buckets(grouping.flat_buckets);
+  if (grouping.flat_buckets) {
+    plan.set_bucket_elements(options.bucket_elements() > 0
+                                 ? options.bucket_elements()
+                                 : kDefaultBucketElements);
+  }
+
+  // Layout and precision of every unit.
+  const int n = static_cast<int>(grouping.units.size());
+  plan.mutable_units()->Reserve(n);
+  v1::DType widest = v1::DTYPE_UNSPECIFIED;
+  for (int i = 0; i < n; ++i) {
+    const UnitDraft& draft = grouping.units[i];
+    FsdpUnit* unit = plan.add_units();
+    unit->set_name(draft.name);
+    unit->set_kind(draft.kind);
+    unit->set_layer_index(draft.layer_index);
+    unit->set_index(i);
+    unit->set_parent(draft.parent);
+    unit->set_prefetch_target(draft.prefetch_target);
+    const absl::Status laid_out =
+        grouping.flat_buckets ? LayoutFlatRanges(draft.params, dp_shard, unit)
+                              : LayoutDim0Shards(draft.params, dp_shard, unit);
+    if (!laid_out.ok()) {
+      return absl::Status(
+          laid_out.code(),
+          absl::StrCat("unit '", draft.name, "': ", laid_out.message()));
+    }
+    const v1::DType own = WidestDType(draft.params);
+    if (DTypeBytes(own) > DTypeBytes(widest)) widest = own;
+    if (mixed && !draft.keep_param_dtype) {
+      *unit->mutable_precision() = DefaultMixed();
+      // ParamLayout.dtype is the master (sharded) dtype.
+      for (v1::ParamLayout& param : *unit->mutable_params()) {
+        param.set_dtype(v1::FLOAT32);
+      }
+    } else {
+      *unit->mutable_precision() = Uniform(own);
+    }
+  }
+  // Without mixed precision the plan-level policy is the model's dtype (the
+  // widest parameter dtype when the spec names none); units may differ.
+  *plan.mutable_precision() =
+      mixed ? DefaultMixed()
+            : Uniform(model.dtype() != v1::DTYPE_UNSPECIFIED ? model.dtype()
+                                                             : widest);
+
+  // reshard_after_forward: the override (every layer unit), else the
+  // heuristic (every layer unit but the last layer's). The root never
+  // reshards; nested units inherit their parent's policy.
+  const v1::ReshardPolicy& override_policy = options.reshard_after_forward();
+  const bool has_override =
+      override_policy.policy_case() != v1::ReshardPolicy::POLICY_NOT_SET;
+  int last_layer = -1;
+  int last_chain = -1;
+  for (int i = 0; i < n; ++i) {
+    const FsdpUnit& unit = plan.units(i);
+    if (unit.parent() >= 0 || IsRootLike(unit)) continue;
+    last_chain = i;
+    if (unit.layer_index() > last_layer) last_layer = unit.layer_index();
+  }
+  // Nested units come before their parent, so walk backwards.
+  for (int i = n - 1; i >= 0; --i) {
+    FsdpUnit* unit = plan.mutable_units(i);
+    v1::ReshardPolicy* policy = unit->mutable_reshard_after_forward();
+    if (unit->parent() >= 0) {
+      *policy = plan.units(unit->parent()).reshard_after_forward();
+    } else if (IsRootLike(*unit)) {
+      policy->set_reshard(false);
+    } else if (has_override) {
+      *policy = override_policy;
+    } else {
+      const bool last =
+          last_layer >= 0 ? unit->layer_index() == last_layer : i == last_chain;
+      policy->set_reshard(!last);
+    }
+  }
+
+  // Prefetch chains over the prefetch targets, in unit order.
+  std::vector<int> chain;
+  for (int i = 0; i < n; ++i) {
+    if (plan.units(i).prefetch_target()) chain.push_back(i);
+  }
+  const int fwd = step.forward_prefetch_depth();
+  const int bwd = step.backward_prefetch_depth();
+  const int c = static_cast<int>(chain.size());
+  for (int k = 0; k < c; ++k) {
+    FsdpUnit* unit = plan.mutable_units(chain[k]);
+    for (int j = k + 1; j <= k + fwd && j < c; ++j) {
+      unit->add_forward_prefetch(chain[j]);
+    }
+    for (int j = k - 1; j >= k - bwd && j >= 0; --j) {
+      unit->add_backward_prefetch(chain[j]);
+    }
+  }
+
+  *plan.mutable_step() = step;
+  plan.set_fingerprint(Fingerprint(plan));
+  SHARDD_RETURN_IF_ERROR(ModelStep(options.include_timeline(), &plan));
+  return plan;
+}
+
+}  // namespace shardd

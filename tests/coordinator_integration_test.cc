@@ -1,0 +1,590 @@
+// End-to-end tests of the coordinator: (a) a server in this process called
+// through the generated stubs and CoordinatorClient; (b) the real
+// shardd-coordinator and shardctl binaries as subprocesses. Loopback only;
+// every wait is bounded.
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/coordinator_client.h"
+#include "client/plan_printer.h"
+#include "common/grpc_status.h"
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "google/protobuf/unknown_field_set.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "proto/coordinator.grpc.pb.h"
+#include "proto/health.grpc.pb.h"
+#include "server/coordinator_server.h"
+#include "server/coordinator_service.h"
+#include "server/strategy_registry.h"
+
+extern char** environ;
+
+namespace shardd {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::Contains;
+using ::testing::HasSubstr;
+using ::testing::SizeIs;
+using ::testing::StartsWith;
+using HealthResponse = ::grpc::health::v1::HealthCheckResponse;
+
+constexpr char kMixtral[] = "tests/data/mixtral_8x7b.json";
+constexpr char kDiffusionGemma[] = "tests/data/diffusion_gemma_26b.json";
+constexpr char kTinyMoe[] = "tests/data/tiny_moe.json";
+constexpr char kCoordinatorBinary[] = "server/shardd-coordinator";
+constexpr char kShardctlBinary[] = "client/shardctl";
+
+std::string ReadFileOrDie(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  EXPECT_TRUE(in.good()) << "cannot open " << path;
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+std::string TempDir() {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  return dir != nullptr ? dir : "/tmp";
+}
+
+std::chrono::system_clock::time_point In(absl::Duration d) {
+  return std::chrono::system_clock::now() + absl::ToChronoMilliseconds(d);
+}
+
+// ---------------------------------------------------------------------------
+// (a) In-process server.
+
+class InProcessCoordinatorTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    fprintf(stderr, "setup %s\n", absl::FormatTime(absl::Now()).c_str());
+    registry_ = StrategyRegistry::CreateWithBuiltins();
+    service_ = std::make_unique<CoordinatorService>(registry_.get());
+    CoordinatorServerOptions options;
+    options.listen_address = "127.0.0.1:0";
+    SHARDD_ASSERT_OK_AND_ASSIGN(
+        server_, CoordinatorServer::Start(options, service_.get()));
+    SHARDD_ASSERT_OK_AND_ASSIGN(
+        client_,
+        CoordinatorClient::Connect(server_->address(), absl::Seconds(10)));
+    client_->set_call_timeout(absl::Seconds(30));
+    stub_ = v1::Coordinator::NewStub(client_->channel());
+  }
+
+  void TearDown() override {
+    fprintf(stderr, "teardown %s\n", absl::FormatTime(absl::Now()).c_str());
+    // Server first (it drains calls into the service), then the service.
+    if (server_ != nullptr) server_->Shutdown(absl::Seconds(5));
+    server_.reset();
+    service_.reset();
+    fprintf(stderr, "a %s\n", absl::FormatTime(absl::Now()).c_str());
+    stub_.reset();
+    fprintf(stderr, "b %s\n", absl::FormatTime(absl::Now()).c_str());
+    client_.reset();
+    fprintf(stderr, "teardown end %s\n", absl::FormatTime(absl::Now()).c_str());
+  }
+
+  std::unique_ptr<grpc::ClientContext> Context() {
+    auto context = std::make_unique<grpc::ClientContext>();
+    context->set_deadline(In(absl::Seconds(10)));
+    return context;
+  }
+
+  v1::SubmitModelRequest HfRequest(const std::string& path, int dp) {
+    v1::SubmitModelRequest request;
+    request.set_hf_config_json(ReadFileOrDie(path));
+    request.mutable_options()->mutable_mesh()->set_dp_shard(dp);
+    request.mutable_options()->mutable_mesh()->set_dp_replicate(1);
+    return request;
+  }
+
+  std::unique_ptr<StrategyRegistry> registry_;
+  std::unique_ptr<CoordinatorService> service_;
+  std::unique_ptr<CoordinatorServer> server_;
+  std::unique_ptr<CoordinatorClient> client_;
+  std::unique_ptr<v1::Coordinator::Stub> stub_;
+};
+
+TEST_F(InProcessCoordinatorTest, HealthServiceAnswersServing) {
+  SHARDD_ASSERT_OK_AND_ASSIGN(HealthResponse::ServingStatus serving,
+                              client_->CheckHealth(""));
+  EXPECT_EQ(serving, HealthResponse::SERVING);
+  EXPECT_THAT(client_->CheckHealth("no.such.Service"),
+              StatusIs(absl::StatusCode::kNotFound, ::testing::_));
+}
+
+// Lists services through the reflection protocol, speaking its wire format
+// by hand (Debian ships no reflection .proto): request field 7
+// (list_services), response field 6 (list_services_response) holding
+// repeated field 1 (service) messages whose field 1 is the name.
+std::vector<std::string> ReflectedServices(
+    const std::shared_ptr<grpc::Channel>& channel) {
+  std::vector<std::string> names;
+  grpc::GenericStub stub(channel);
+  grpc::CompletionQueue cq;
+  grpc::ClientContext context;
+  context.set_deadline(In(absl::Seconds(10)));
+  auto call = stub.PrepareCall(
+      &context,
+      "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+  auto step = [&cq](intptr_t expected) {
+    void* tag = nullptr;
+    bool ok = false;
+    const auto result = cq.AsyncNext(&tag, &ok, In(absl::Seconds(10)));
+    return result == grpc::CompletionQueue::GOT_EVENT &&
+           reinterpret_cast<intptr_t>(tag) == expected && ok;
+  };
+  call->StartCall(reinterpret_cast<void*>(1));
+  EXPECT_TRUE(step(1));
+  const std::string request("\x3a\x01*", 3);
+  grpc::Slice slice(request);
+  grpc::ByteBuffer out(&slice, 1);
+  call->Write(out, reinterpret_cast<void*>(2));
+  EXPECT_TRUE(step(2));
+  grpc::ByteBuffer in;
+  call->Read(&in, reinterpret_cast<void*>(3));
+  const bool read_ok = step(3);
+  EXPECT_TRUE(read_ok);
+  call->WritesDone(reinterpret_cast<void*>(4));
+  step(4);
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(5));
+  step(5);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  if (!read_ok) return names;
+
+  std::vector<grpc::Slice> slices;
+  in.Dump(&slices);
+  std::string bytes;
+  for (const grpc::Slice& s : slices) {
+    bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  google::protobuf::UnknownFieldSet response;
+  EXPECT_TRUE(response.ParseFromString(bytes));
+  for (int i = 0; i < response.field_count(); ++i) {
+    const auto& field = response.field(i);
+    if (field.number() != 6 ||
+        field.type() != google::protobuf::UnknownField::TYPE_LENGTH_DELIMITED) {
+      continue;
+    }
+    google::protobuf::UnknownFieldSet list;
+    EXPECT_TRUE(list.ParseFromString(field.length_delimited()));
+    for (int j = 0; j < list.field_count(); ++j) {
+      if (list.field(j).number() != 1) continue;
+      google::protobuf::UnknownFieldSet service;
+      EXPECT_TRUE(service.ParseFromString(list.field(j).length_delimited()));
+      for (int k = 0; k < service.field_count(); ++k) {
+        if (service.field(k).number() == 1) {
+          names.push_back(service.field(k).length_delimited());
+        }
+      }
+    }
+  }
+  return names;
+}
+
+TEST_F(InProcessCoordinatorTest, ReflectionListsTheServices) {
+  const std::vector<std::string> names = ReflectedServices(client_->channel());
+  EXPECT_THAT(names, Contains("shardd.v1.Coordinator"));
+  EXPECT_THAT(names, Contains("grpc.health.v1.Health"));
+}
+
+TEST_F(InProcessCoordinatorTest, ImplementedRpcsWork) {
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ListStrategiesResponse strategies,
+                              client_->ListStrategies());
+  std::vector<std::string> names;
+  for (const auto& s : strategies.strategies()) names.push_back(s.name());
+  EXPECT_THAT(names, Contains("default"));
+  EXPECT_THAT(names, Contains("diffusion_gemma"));
+  EXPECT_THAT(strategies.supported_architectures(),
+              Contains("MixtralForCausalLM"));
+
+  v1::SubmitModelRequest request = HfRequest(kMixtral, 8);
+  request.set_name("mixtral");
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::SubmitModelResponse submitted,
+                              client_->SubmitModel(request));
+  EXPECT_THAT(submitted.model_id(), StartsWith("m-"));
+  // Mixtral-8x7B is published as 46.7B parameters.
+  EXPECT_GT(submitted.summary().total_params(), 46'650'000'000);
+  EXPECT_LT(submitted.summary().total_params(), 46'750'000'000);
+  EXPECT_EQ(submitted.plan().world_size(), 8);
+  EXPECT_EQ(submitted.plan().units_size(), 32 + 1);
+
+  // The same model again: the same id.
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::SubmitModelResponse again,
+                              client_->SubmitModel(request));
+  EXPECT_EQ(again.model_id(), submitted.model_id());
+
+  v1::GetPlanRequest get;
+  get.set_model_id(submitted.model_id());
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::GetPlanResponse stored,
+                              client_->GetPlan(get));
+  EXPECT_EQ(stored.plan().SerializeAsString(),
+            submitted.plan().SerializeAsString());
+
+  get.set_replan(true);
+  get.mutable_options()->mutable_mesh()->set_dp_shard(16);
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::GetPlanResponse replanned,
+                              client_->GetPlan(get));
+  EXPECT_EQ(replanned.plan().world_size(), 16);
+
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::GetStatusResponse status,
+                              client_->GetStatus());
+  EXPECT_EQ(status.coordinator_incarnation(), service_->incarnation());
+  EXPECT_GE(status.uptime_ms(), 0);
+  ASSERT_THAT(status.models(), SizeIs(1));
+  EXPECT_EQ(status.models(0).model_id(), submitted.model_id());
+  EXPECT_EQ(status.models(0).name(), "mixtral");
+  EXPECT_EQ(status.models(0).world_size(), 8);
+  EXPECT_THAT(status.workers(), SizeIs(0));
+}
+
+TEST_F(InProcessCoordinatorTest, BadInputIsInvalidArgumentNamingTheField) {
+  v1::SubmitModelRequest malformed;
+  fprintf(stderr, "step 1 %s\n", absl::FormatTime(absl::Now()).c_str());
+  malformed.set_hf_config_json("{\"architectures\": [");
+  fprintf(stderr, "step 2 %s\n", absl::FormatTime(absl::Now()).c_str());
+  EXPECT_THAT(client_->SubmitModel(malformed),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("malformed JSON")));
+
+  v1::SubmitModelRequest unknown_arch;
+  fprintf(stderr, "step 3 %s\n", absl::FormatTime(absl::Now()).c_str());
+  unknown_arch.set_hf_config_json(
+      R"({"architectures": ["NoSuchForCausalLM"]})");
+  EXPECT_THAT(client_->SubmitModel(unknown_arch),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("architectures"),
+                             HasSubstr("MixtralForCausalLM"))));
+
+  EXPECT_THAT(
+      client_->SubmitModel(HfRequest(kMixtral, 0)),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("dp_shard")));
+
+  v1::SubmitModelRequest bad_strategy = HfRequest(kMixtral, 8);
+  fprintf(stderr, "step 4 %s\n", absl::FormatTime(absl::Now()).c_str());
+  bad_strategy.mutable_options()->set_strategy("no_such_strategy");
+  fprintf(stderr, "step 5 %s\n", absl::FormatTime(absl::Now()).c_str());
+  EXPECT_THAT(
+      client_->SubmitModel(bad_strategy),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               AllOf(HasSubstr("strategy"), HasSubstr("no_such_strategy"))));
+
+  EXPECT_THAT(
+      client_->SubmitModel(v1::SubmitModelRequest()),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("source")));
+
+  v1::GetPlanRequest unknown;
+  fprintf(stderr, "step 6 %s\n", absl::FormatTime(absl::Now()).c_str());
+  unknown.set_model_id("m-ffffffffffffffff");
+  fprintf(stderr, "step 7 %s\n", absl::FormatTime(absl::Now()).c_str());
+  EXPECT_THAT(
+      client_->GetPlan(unknown),
+      StatusIs(absl::StatusCode::kNotFound, HasSubstr("m-ffffffffffffffff")));
+
+  // Past the 16 MiB model limit but under the 32 MiB message limit: the
+  // service refuses it by size before parsing.
+  v1::SubmitModelRequest huge;
+  fprintf(stderr, "step 8 %s\n", absl::FormatTime(absl::Now()).c_str());
+  huge.set_hf_config_json(std::string((size_t{16} << 20) + 1, ' '));
+  fprintf(stderr, "step 9 %s\n", absl::FormatTime(absl::Now()).c_str());
+  EXPECT_THAT(client_->SubmitModel(huge),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       HasSubstr("hf_config_json")));
+}
+
+TEST_F(InProcessCoordinatorTest, LaterRpcsAnswerUnimplementedWithAMessage) {
+  auto expect_unimplemented = [](const grpc::Status& status,
+                                 const std::string& rpc) {
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << rpc;
+    EXPECT_THAT(
+        status.error_message(),
+        AllOf(StartsWith(rpc + ": not implemented yet"), HasSubstr("issue")));
+  };
+  {
+    v1::RegisterWorkerResponse r;
+    expect_unimplemented(stub_->RegisterWorker(Context().get(), {}, &r),
+                         "RegisterWorker");
+  }
+  {
+    v1::HeartbeatResponse r;
+    expect_unimplemented(stub_->Heartbeat(Context().get(), {}, &r),
+                         "Heartbeat");
+  }
+  {
+    v1::PutResponse r;
+    expect_unimplemented(stub_->Put(Context().get(), {}, &r), "Put");
+  }
+  {
+    v1::GetResponse r;
+    expect_unimplemented(stub_->Get(Context().get(), {}, &r), "Get");
+  }
+  {
+    v1::DeleteResponse r;
+    expect_unimplemented(stub_->Delete(Context().get(), {}, &r), "Delete");
+  }
+  {
+    v1::BarrierResponse r;
+    expect_unimplemented(stub_->Barrier(Context().get(), {}, &r), "Barrier");
+  }
+  {
+    v1::SubmitStepResponse r;
+    expect_unimplemented(stub_->SubmitStep(Context().get(), {}, &r),
+                         "SubmitStep");
+  }
+  {
+    auto context = Context();
+    auto reader = stub_->WatchStep(context.get(), {});
+    v1::StepEvent event;
+    EXPECT_FALSE(reader->Read(&event));
+    expect_unimplemented(reader->Finish(), "WatchStep");
+  }
+  {
+    v1::SaveCheckpointResponse r;
+    expect_unimplemented(stub_->SaveCheckpoint(Context().get(), {}, &r),
+                         "SaveCheckpoint");
+  }
+  {
+    v1::LoadCheckpointResponse r;
+    expect_unimplemented(stub_->LoadCheckpoint(Context().get(), {}, &r),
+                         "LoadCheckpoint");
+  }
+  {
+    v1::ListCheckpointsResponse r;
+    expect_unimplemented(stub_->ListCheckpoints(Context().get(), {}, &r),
+                         "ListCheckpoints");
+  }
+}
+
+// ---------------------------------------------------------------------------
+// (b) Subprocesses.
+
+struct ProcessResult {
+  int exit_code = -1;  // -1: did not exit normally (signal or timeout).
+  std::string out;
+  std::string err;
+};
+
+// Starts `argv` with stdout and stderr redirected to files. Returns the pid
+// or -1.
+pid_t Spawn(const std::vector<std::string>& argv, const std::string& out_path,
+            const std::string& err_path) {
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, out_path.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, err_path.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  std::vector<char*> args;
+  for (const std::string& arg : argv)
+    args.push_back(const_cast<char*>(arg.c_str()));
+  args.push_back(nullptr);
+  pid_t pid = -1;
+  const int rc =
+      posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  return rc == 0 ? pid : -1;
+}
+
+// Waits for `pid` until `timeout`; returns the exit code, or -1 when it was
+// killed by a signal, or -2 when still running at the deadline.
+int WaitFor(pid_t pid, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    int status = 0;
+    const pid_t done = waitpid(pid, &status, WNOHANG);
+    if (done == pid) {
+      return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    }
+    if (done < 0) return -1;
+    if (absl::Now() >= deadline) return -2;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+}
+
+int g_run_counter = 0;
+
+ProcessResult RunProcess(const std::vector<std::string>& argv,
+                         absl::Duration timeout = absl::Seconds(60)) {
+  const std::string base =
+      absl::StrCat(TempDir(), "/run", getpid(), "_", g_run_counter++);
+  ProcessResult result;
+  const pid_t pid = Spawn(argv, base + ".out", base + ".err");
+  EXPECT_GT(pid, 0) << "cannot start " << argv[0];
+  if (pid <= 0) return result;
+  result.exit_code = WaitFor(pid, timeout);
+  if (result.exit_code == -2) {
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+    ADD_FAILURE() << argv[0] << " " << (argv.size() > 1 ? argv[1] : "")
+                  << " did not finish within " << timeout;
+  }
+  result.out = ReadFileOrDie(base + ".out");
+  result.err = ReadFileOrDie(base + ".err");
+  return result;
+}
+
+class SubprocessCoordinatorTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    data_dir_ = absl::StrCat(TempDir(), "/coordinator_data_", getpid(),
+                             "/not/yet/created");
+    err_path_ = absl::StrCat(TempDir(), "/coordinator_", getpid(), ".err");
+    pid_ = Spawn({kCoordinatorBinary, "--listen=127.0.0.1:0",
+                  absl::StrCat("--data-dir=", data_dir_)},
+                 absl::StrCat(TempDir(), "/coordinator_", getpid(), ".out"),
+                 err_path_);
+    ASSERT_GT(pid_, 0) << "cannot start " << kCoordinatorBinary;
+
+    // The port file appears once the server listens (written atomically).
+    const std::string port_file = data_dir_ + "/coordinator.port";
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    int port = 0;
+    while (absl::Now() < deadline) {
+      std::ifstream in(port_file);
+      std::string text;
+      if (in && std::getline(in, text) &&
+          absl::SimpleAtoi(absl::StripAsciiWhitespace(text), &port) &&
+          port > 0) {
+        break;
+      }
+      int status = 0;
+      ASSERT_EQ(waitpid(pid_, &status, WNOHANG), 0)
+          << "coordinator exited early: " << ReadFileOrDie(err_path_);
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    ASSERT_GT(port, 0) << "no port file within 30 s: "
+                       << ReadFileOrDie(err_path_);
+    address_ = absl::StrCat("127.0.0.1:", port);
+  }
+
+  void TearDown() override {
+    if (pid_ > 0 && !reaped_) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+
+  ProcessResult Shardctl(std::vector<std::string> args) {
+    args.insert(args.begin(), kShardctlBinary);
+    return RunProcess(args);
+  }
+
+  std::string data_dir_;
+  std::string err_path_;
+  std::string address_;
+  pid_t pid_ = -1;
+  bool reaped_ = false;
+};
+
+TEST_F(SubprocessCoordinatorTest, ShardctlMatchesInProcessAndStopsOnSigterm) {
+  // The banner scripts wait for.
+  EXPECT_THAT(ReadFileOrDie(err_path_),
+              HasSubstr("shardd-coordinator listening on " + address_));
+
+  // strategies: remote and local print the same.
+  ProcessResult remote_strategies =
+      Shardctl({"strategies", "--coordinator", address_});
+  ASSERT_EQ(remote_strategies.exit_code, 0) << remote_strategies.err;
+  ProcessResult local_strategies = Shardctl({"strategies"});
+  ASSERT_EQ(local_strategies.exit_code, 0) << local_strategies.err;
+  EXPECT_EQ(remote_strategies.out, local_strategies.out);
+  EXPECT_THAT(remote_strategies.out, HasSubstr("diffusion_gemma"));
+
+  // plan --json: remote, local and this process agree byte for byte.
+  auto registry = StrategyRegistry::CreateWithBuiltins();
+  CoordinatorService in_test(registry.get());
+  for (const char* config : {kMixtral, kDiffusionGemma}) {
+    SCOPED_TRACE(config);
+    ProcessResult remote = Shardctl({"plan", "--hf-config", config, "--dp", "8",
+                                     "--json", "--coordinator", address_});
+    ASSERT_EQ(remote.exit_code, 0) << remote.err;
+    ProcessResult local =
+        Shardctl({"plan", "--hf-config", config, "--dp", "8", "--json"});
+    ASSERT_EQ(local.exit_code, 0) << local.err;
+    EXPECT_EQ(remote.out, local.out);
+
+    v1::SubmitModelRequest request;
+    request.set_hf_config_json(ReadFileOrDie(config));
+    request.mutable_options()->mutable_mesh()->set_dp_shard(8);
+    request.mutable_options()->mutable_mesh()->set_dp_replicate(1);
+    SHARDD_ASSERT_OK_AND_ASSIGN(v1::SubmitModelResponse direct,
+                                in_test.SubmitModel(request));
+    EXPECT_EQ(remote.out, FormatPlanJson(direct.plan(), &direct.summary()));
+
+    auto json = nlohmann::json::parse(remote.out, nullptr, false);
+    ASSERT_FALSE(json.is_discarded());
+    EXPECT_EQ(json["world_size"], 8);
+    EXPECT_EQ(json["model_id"], direct.model_id());
+  }
+
+  // The table form agrees too, and a native spec goes through --model.
+  ProcessResult remote_table = Shardctl(
+      {"plan", "--model", kTinyMoe, "--dp", "4", "--coordinator", address_});
+  ASSERT_EQ(remote_table.exit_code, 0) << remote_table.err;
+  ProcessResult local_table =
+      Shardctl({"plan", "--model", kTinyMoe, "--dp", "4"});
+  ASSERT_EQ(local_table.exit_code, 0) << local_table.err;
+  EXPECT_EQ(remote_table.out, local_table.out);
+
+  // Errors from the coordinator: exit 1 with the code.
+  ProcessResult bad =
+      Shardctl({"plan", "--hf-config", kMixtral, "--dp", "8", "--strategy",
+                "nope", "--coordinator", address_});
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_THAT(bad.err, StartsWith("shardctl: INVALID_ARGUMENT: "));
+  EXPECT_TRUE(bad.out.empty());
+
+  // status lists the three stored models.
+  ProcessResult status =
+      Shardctl({"status", "--coordinator", address_, "--json"});
+  ASSERT_EQ(status.exit_code, 0) << status.err;
+  auto status_json = nlohmann::json::parse(status.out, nullptr, false);
+  ASSERT_FALSE(status_json.is_discarded());
+  ASSERT_TRUE(status_json["models"].is_array());
+  EXPECT_EQ(status_json["models"].size(), 3u);
+  ProcessResult status_table = Shardctl({"status", "--coordinator", address_});
+  ASSERT_EQ(status_table.exit_code, 0) << status_table.err;
+  EXPECT_THAT(status_table.out, HasSubstr("MixtralForCausalLM"));
+  EXPECT_THAT(status_table.out, HasSubstr("Models (3)"));
+
+  // SIGTERM: graceful exit 0 within the deadline, port file removed.
+  ASSERT_EQ(kill(pid_, SIGTERM), 0);
+  const int code = WaitFor(pid_, absl::Seconds(15));
+  if (code != -2) reaped_ = true;
+  EXPECT_EQ(code, 0) << ReadFileOrDie(err_path_);
+  EXPECT_FALSE(std::ifstream(data_dir_ + "/coordinator.port").good());
+}
+
+TEST(CoordinatorBinaryTest, BadFlagsExitWithAMessage) {
+  ProcessResult r = RunProcess({kCoordinatorBinary, "--listen=not-an-address"},
+                               absl::Seconds(30));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("listen"));
+}
+
+}  // namespace
+}  // namespace shardd
