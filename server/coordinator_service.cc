@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/fingerprint.h"
 #include "common/status_macros.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
@@ -15,17 +16,6 @@
 
 namespace shardd {
 namespace {
-
-constexpr uint64_t kFnvOffsetBasis = 0xcbf29ce484222325ULL;
-constexpr uint64_t kFnvPrime = 0x100000001b3ULL;
-
-uint64_t Fnv1a64(const std::string& bytes, uint64_t hash) {
-  for (unsigned char c : bytes) {
-    hash ^= c;
-    hash *= kFnvPrime;
-  }
-  return hash;
-}
 
 // Deterministic so that equal messages hash equally (map fields would
 // otherwise serialize in any order).
@@ -77,11 +67,11 @@ std::string ModelIdFor(const v1::ModelSpec& spec,
   const std::string option_bytes = SerializeDeterministic(options);
   // The spec's length goes first so that no (spec, options) split of the
   // same byte string collides.
-  uint64_t hash =
-      Fnv1a64(absl::StrCat(spec_bytes.size(), ":"), kFnvOffsetBasis);
-  hash = Fnv1a64(spec_bytes, hash);
-  hash = Fnv1a64(option_bytes, hash);
-  return absl::StrFormat("m-%016x", hash);
+  Fingerprint64 hash;
+  hash.AddBytes(absl::StrCat(spec_bytes.size(), ":"));
+  hash.AddBytes(spec_bytes);
+  hash.AddBytes(option_bytes);
+  return absl::StrFormat("m-%016x", hash.value());
 }
 
 CoordinatorService::CoordinatorService(const StrategyRegistry* registry,

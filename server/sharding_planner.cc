@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/fingerprint.h"
 #include "common/dtype.h"
 #include "common/status_macros.h"
 #include "server/model_util.h"
@@ -212,30 +213,6 @@ absl::Status CheckGrouping(const std::string& strategy,
   return absl::OkStatus();
 }
 
-// 64-bit FNV-1a over a canonical byte encoding: stable across processes,
-// builds and machines (absl::Hash is seeded per process).
-class Fingerprinter {
- public:
-  void Int(int64_t value) {
-    uint64_t v = static_cast<uint64_t>(value);
-    for (int i = 0; i < 8; ++i) {
-      Byte(static_cast<uint8_t>(v & 0xff));
-      v >>= 8;
-    }
-  }
-  void Str(const std::string& s) {
-    Int(static_cast<int64_t>(s.size()));
-    for (char c : s) Byte(static_cast<uint8_t>(c));
-  }
-  uint64_t value() const { return hash_; }
-
- private:
-  void Byte(uint8_t b) {
-    hash_ ^= b;
-    hash_ *= 0x100000001b3ULL;
-  }
-  uint64_t hash_ = 0xcbf29ce484222325ULL;
-};
 
 // Covers everything a worker executes: mesh, units, their parameters'
 // layouts, precision, reshard policies and prefetch lists. The step shape
@@ -243,47 +220,47 @@ class Fingerprinter {
 // flat_ranges) follow from the hashed shapes, offsets, shard_numel and mesh,
 // so they are left out: hashing them would cost O(params * ranks).
 uint64_t Fingerprint(const ShardingPlan& plan) {
-  Fingerprinter f;
-  f.Str("shardd.plan.v1");
-  f.Str(plan.strategy());
-  f.Int(plan.mesh().dp_shard());
-  f.Int(plan.mesh().dp_replicate());
-  f.Int(plan.mesh().tp());
-  f.Int(plan.mesh().cp());
-  f.Int(plan.flat_buckets() ? 1 : 0);
-  f.Int(plan.bucket_elements());
-  f.Int(plan.units_size());
+  Fingerprint64 f;
+  f.AddString("shardd.plan.v1");
+  f.AddString(plan.strategy());
+  f.AddInt(plan.mesh().dp_shard());
+  f.AddInt(plan.mesh().dp_replicate());
+  f.AddInt(plan.mesh().tp());
+  f.AddInt(plan.mesh().cp());
+  f.AddInt(plan.flat_buckets() ? 1 : 0);
+  f.AddInt(plan.bucket_elements());
+  f.AddInt(plan.units_size());
   for (const FsdpUnit& unit : plan.units()) {
-    f.Str(unit.name());
-    f.Int(unit.kind());
-    f.Int(unit.layer_index());
-    f.Int(unit.parent());
-    f.Int(unit.prefetch_target() ? 1 : 0);
-    f.Int(unit.shard_numel());
-    f.Int(unit.precision().param_dtype());
-    f.Int(unit.precision().compute_dtype());
-    f.Int(unit.precision().reduce_dtype());
+    f.AddString(unit.name());
+    f.AddInt(unit.kind());
+    f.AddInt(unit.layer_index());
+    f.AddInt(unit.parent());
+    f.AddInt(unit.prefetch_target() ? 1 : 0);
+    f.AddInt(unit.shard_numel());
+    f.AddInt(unit.precision().param_dtype());
+    f.AddInt(unit.precision().compute_dtype());
+    f.AddInt(unit.precision().reduce_dtype());
     const v1::ReshardPolicy& policy = unit.reshard_after_forward();
-    f.Int(policy.policy_case());
-    f.Int(policy.policy_case() == v1::ReshardPolicy::kGroupSize
+    f.AddInt(policy.policy_case());
+    f.AddInt(policy.policy_case() == v1::ReshardPolicy::kGroupSize
               ? policy.group_size()
               : (policy.reshard() ? 1 : 0));
-    f.Int(unit.forward_prefetch_size());
-    for (int target : unit.forward_prefetch()) f.Int(target);
-    f.Int(unit.backward_prefetch_size());
-    for (int target : unit.backward_prefetch()) f.Int(target);
-    f.Int(unit.params_size());
+    f.AddInt(unit.forward_prefetch_size());
+    for (int target : unit.forward_prefetch()) f.AddInt(target);
+    f.AddInt(unit.backward_prefetch_size());
+    for (int target : unit.backward_prefetch()) f.AddInt(target);
+    f.AddInt(unit.params_size());
     for (const v1::ParamLayout& param : unit.params()) {
-      f.Str(param.name());
-      f.Int(param.global_shape_size());
-      for (int64_t dim : param.global_shape()) f.Int(dim);
-      f.Int(param.dtype());
-      f.Int(param.shard_dim());
-      f.Int(param.padded_dim0());
-      f.Int(param.local_numel());
-      f.Int(param.shard_offset());
-      f.Int(param.unsharded_offset());
-      f.Int(param.frozen() ? 1 : 0);
+      f.AddString(param.name());
+      f.AddInt(param.global_shape_size());
+      for (int64_t dim : param.global_shape()) f.AddInt(dim);
+      f.AddInt(param.dtype());
+      f.AddInt(param.shard_dim());
+      f.AddInt(param.padded_dim0());
+      f.AddInt(param.local_numel());
+      f.AddInt(param.shard_offset());
+      f.AddInt(param.unsharded_offset());
+      f.AddInt(param.frozen() ? 1 : 0);
     }
   }
   return f.value();
