@@ -17,6 +17,7 @@
 #include "common/dtype.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "server/json_describe.h"
 #include "server/model_util.h"
 
 namespace shardd {
@@ -34,27 +35,6 @@ constexpr int64_t kMaxHeads = int64_t{1} << 16;
 constexpr int64_t kMaxHeadDim = int64_t{1} << 16;
 constexpr int64_t kMaxExperts = int64_t{1} << 16;
 constexpr int64_t kMaxRank = int64_t{1} << 20;
-
-// Short description of a JSON value for error messages.
-std::string Describe(const json& v) {
-  switch (v.type()) {
-    case json::value_t::null:
-      return "null";
-    case json::value_t::boolean:
-      return v.get<bool>() ? "true" : "false";
-    case json::value_t::string:
-      return "a string";
-    case json::value_t::array:
-      return "an array";
-    case json::value_t::object:
-      return "an object";
-    default: {
-      std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
-      if (s.size() > 40) s = s.substr(0, 40) + "...";
-      return s;
-    }
-  }
-}
 
 // Typed, range-checked access to config.json fields. Multimodal configs nest
 // the language model under "text_config"; fields are looked up there first.
@@ -111,8 +91,8 @@ class ConfigReader {
     const json* v = Find(key, &name);
     if (v == nullptr) return def;
     if (!v->is_boolean()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(name, ": must be true or false, got ", Describe(*v)));
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, ": must be true or false, got ", DescribeJson(*v)));
     }
     return v->get<bool>();
   }
@@ -124,12 +104,12 @@ class ConfigReader {
     if (v == nullptr) return def;
     if (!v->is_number()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          name, ": must be a non-negative number, got ", Describe(*v)));
+          name, ": must be a non-negative number, got ", DescribeJson(*v)));
     }
     const double d = v->get<double>();
     if (!std::isfinite(d) || d < 0) {
       return absl::InvalidArgumentError(absl::StrCat(
-          name, ": must be a non-negative number, got ", Describe(*v)));
+          name, ": must be a non-negative number, got ", DescribeJson(*v)));
     }
     return d;
   }
@@ -141,7 +121,7 @@ class ConfigReader {
     if (v == nullptr) return def;
     if (!v->is_string()) {
       return absl::InvalidArgumentError(
-          absl::StrCat(name, ": must be a string, got ", Describe(*v)));
+          absl::StrCat(name, ": must be a string, got ", DescribeJson(*v)));
     }
     return v->get<std::string>();
   }
@@ -173,7 +153,7 @@ class ConfigReader {
       return i;
     }
     return absl::InvalidArgumentError(
-        absl::StrCat(name, ": ", allowed, ", got ", Describe(v)));
+        absl::StrCat(name, ": ", allowed, ", got ", DescribeJson(v)));
   }
 
   const json& top_;
@@ -493,7 +473,7 @@ absl::StatusOr<v1::ModelSpec> BuildQwen3Moe(const ConfigReader& r,
       if (!v->is_array()) {
         return absl::InvalidArgumentError(
             absl::StrCat(name, ": must be an array of layer indices in [0, ",
-                         c.layers - 1, "], got ", Describe(*v)));
+                         c.layers - 1, "], got ", DescribeJson(*v)));
       }
       for (size_t i = 0; i < v->size(); ++i) {
         const json& x = (*v)[i];
@@ -501,7 +481,7 @@ absl::StatusOr<v1::ModelSpec> BuildQwen3Moe(const ConfigReader& r,
             x.get<int64_t>() >= c.layers) {
           return absl::InvalidArgumentError(
               absl::StrCat(name, "[", i, "]: must be a layer index in [0, ",
-                           c.layers - 1, "], got ", Describe(x)));
+                           c.layers - 1, "], got ", DescribeJson(x)));
         }
         mlp_only.insert(x.get<int64_t>());
       }
@@ -813,7 +793,7 @@ absl::StatusOr<v1::ModelSpec> ModelSpecFromHfConfig(absl::string_view text) {
   }
   if (!doc.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "config.json: must be a JSON object, got ", Describe(doc)));
+        "config.json: must be a JSON object, got ", DescribeJson(doc)));
   }
   const std::string supported = absl::StrCat(
       "supported: ", absl::StrJoin(SupportedArchitectures(), ", "));
@@ -826,7 +806,7 @@ absl::StatusOr<v1::ModelSpec> ModelSpecFromHfConfig(absl::string_view text) {
   if (!it->is_array() || it->empty() || !(*it)[0].is_string()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "architectures: must be a non-empty array of class name strings, got ",
-        Describe(*it), " (", supported, ")"));
+        DescribeJson(*it), " (", supported, ")"));
   }
   const std::string arch = (*it)[0].get<std::string>();
   auto builder = Builders().find(arch);

@@ -15,6 +15,7 @@
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "server/hf_config.h"
+#include "server/json_describe.h"
 #include "server/model_util.h"
 
 namespace shardd {
@@ -72,26 +73,6 @@ std::string ActivationToName(v1::Activation a) {
   }
 }
 
-std::string Describe(const json& v) {
-  switch (v.type()) {
-    case json::value_t::null:
-      return "null";
-    case json::value_t::boolean:
-      return v.get<bool>() ? "true" : "false";
-    case json::value_t::string:
-      return "a string";
-    case json::value_t::array:
-      return "an array";
-    case json::value_t::object:
-      return "an object";
-    default: {
-      std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
-      if (s.size() > 40) s = s.substr(0, 40) + "...";
-      return s;
-    }
-  }
-}
-
 absl::Status Bad(const std::string& path, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(path, ": ", what));
 }
@@ -135,12 +116,12 @@ absl::StatusOr<int64_t> ReadInt(const json& v, const std::string& path,
     if (i < lo || i > hi) return Bad(path, absl::StrCat(allowed, i));
     return i;
   }
-  return Bad(path, absl::StrCat(allowed, Describe(v)));
+  return Bad(path, absl::StrCat(allowed, DescribeJson(v)));
 }
 
 absl::StatusOr<std::string> ReadString(const json& v, const std::string& path) {
   if (!v.is_string()) {
-    return Bad(path, absl::StrCat("must be a string, got ", Describe(v)));
+    return Bad(path, absl::StrCat("must be a string, got ", DescribeJson(v)));
   }
   return v.get<std::string>();
 }
@@ -154,7 +135,7 @@ absl::StatusOr<v1::DType> ReadDType(const json& v, const std::string& path) {
 
 absl::StatusOr<v1::ModelDims> ReadDims(const json& v, const std::string& path) {
   if (!v.is_object()) {
-    return Bad(path, absl::StrCat("must be an object, got ", Describe(v)));
+    return Bad(path, absl::StrCat("must be an object, got ", DescribeJson(v)));
   }
   SHARDD_RETURN_IF_ERROR(
       CheckMembers(v, path,
@@ -218,17 +199,18 @@ absl::StatusOr<v1::ModelDims> ReadDims(const json& v, const std::string& path) {
   }
   if (auto it = v.find("tie_word_embeddings"); it != v.end()) {
     if (!it->is_boolean()) {
-      return Bad(Sub(path, "tie_word_embeddings"),
-                 absl::StrCat("must be true or false, got ", Describe(*it)));
+      return Bad(
+          Sub(path, "tie_word_embeddings"),
+          absl::StrCat("must be true or false, got ", DescribeJson(*it)));
     }
     d.set_tie_word_embeddings(it->get<bool>());
   }
   if (auto it = v.find("rms_norm_eps"); it != v.end()) {
     if (!it->is_number() || !std::isfinite(it->get<double>()) ||
         it->get<double>() < 0) {
-      return Bad(
-          Sub(path, "rms_norm_eps"),
-          absl::StrCat("must be a non-negative number, got ", Describe(*it)));
+      return Bad(Sub(path, "rms_norm_eps"),
+                 absl::StrCat("must be a non-negative number, got ",
+                              DescribeJson(*it)));
     }
     d.set_rms_norm_eps(it->get<double>());
   }
@@ -238,7 +220,7 @@ absl::StatusOr<v1::ModelDims> ReadDims(const json& v, const std::string& path) {
 absl::Status ReadParam(const json& v, const std::string& path,
                        v1::DType default_dtype, v1::TensorSpec* t) {
   if (!v.is_object()) {
-    return Bad(path, absl::StrCat("must be an object, got ", Describe(v)));
+    return Bad(path, absl::StrCat("must be an object, got ", DescribeJson(v)));
   }
   SHARDD_RETURN_IF_ERROR(
       CheckMembers(v, path, {"name", "shape", "dtype", "frozen", "tied_to"}));
@@ -256,7 +238,7 @@ absl::Status ReadParam(const json& v, const std::string& path,
   if (!shape->is_array() || shape->empty()) {
     return Bad(Sub(path, "shape"),
                absl::StrCat("must be a non-empty array of integers >= 1, got ",
-                            Describe(*shape)));
+                            DescribeJson(*shape)));
   }
   for (size_t i = 0; i < shape->size(); ++i) {
     SHARDD_ASSIGN_OR_RETURN(
@@ -271,8 +253,9 @@ absl::Status ReadParam(const json& v, const std::string& path,
   }
   if (auto it = v.find("frozen"); it != v.end()) {
     if (!it->is_boolean()) {
-      return Bad(Sub(path, "frozen"),
-                 absl::StrCat("must be true or false, got ", Describe(*it)));
+      return Bad(
+          Sub(path, "frozen"),
+          absl::StrCat("must be true or false, got ", DescribeJson(*it)));
     }
     t->set_frozen(it->get<bool>());
   }
@@ -300,7 +283,7 @@ absl::Status ReadModule(const json& v, const std::string& path, bool is_root,
                                   " levels"));
   }
   if (!v.is_object()) {
-    return Bad(path, absl::StrCat("must be an object, got ", Describe(v)));
+    return Bad(path, absl::StrCat("must be an object, got ", DescribeJson(v)));
   }
   SHARDD_RETURN_IF_ERROR(
       CheckMembers(v, path, {"name", "kind", "params", "children"}));
@@ -322,7 +305,7 @@ absl::Status ReadModule(const json& v, const std::string& path, bool is_root,
   if (auto it = v.find("params"); it != v.end()) {
     if (!it->is_array()) {
       return Bad(Sub(path, "params"),
-                 absl::StrCat("must be an array, got ", Describe(*it)));
+                 absl::StrCat("must be an array, got ", DescribeJson(*it)));
     }
     for (size_t i = 0; i < it->size(); ++i) {
       SHARDD_RETURN_IF_ERROR(ReadParam((*it)[i],
@@ -333,7 +316,7 @@ absl::Status ReadModule(const json& v, const std::string& path, bool is_root,
   if (auto it = v.find("children"); it != v.end()) {
     if (!it->is_array()) {
       return Bad(Sub(path, "children"),
-                 absl::StrCat("must be an array, got ", Describe(*it)));
+                 absl::StrCat("must be an array, got ", DescribeJson(*it)));
     }
     for (size_t i = 0; i < it->size(); ++i) {
       SHARDD_RETURN_IF_ERROR(
@@ -347,7 +330,7 @@ absl::Status ReadModule(const json& v, const std::string& path, bool is_root,
 absl::StatusOr<v1::ModelSpec> FromNativeDoc(const json& doc) {
   if (!doc.is_object()) {
     return Bad("spec",
-               absl::StrCat("must be a JSON object, got ", Describe(doc)));
+               absl::StrCat("must be a JSON object, got ", DescribeJson(doc)));
   }
   SHARDD_RETURN_IF_ERROR(CheckMembers(
       doc, "", {"architecture", "model_type", "dtype", "dims", "root"}));

@@ -70,6 +70,7 @@ build_and_run() {
   "$cxx" "${cxxflags[@]}" -o "$exe" \
     "tests/fuzz/$name.cc" \
     server/native_spec.cc server/hf_config.cc server/model_util.cc \
+    server/json_describe.cc \
     common/dtype.cc "$bin/proto/model.pb.cc" \
     -lprotobuf "${absl_libs[@]}" -lpthread
   local work="$out/corpus/$name"

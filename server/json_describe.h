@@ -1,0 +1,17 @@
+#ifndef SHARDD_SERVER_JSON_DESCRIBE_H_
+#define SHARDD_SERVER_JSON_DESCRIBE_H_
+
+#include <string>
+
+#include "nlohmann/json.hpp"
+
+namespace shardd {
+
+// A short description of a JSON value for error messages: "null", "true",
+// "a string", "an array", "an object", or the number itself (cut at 40
+// characters). Never throws.
+std::string DescribeJson(const nlohmann::json& value);
+
+}  // namespace shardd
+
+#endif  // SHARDD_SERVER_JSON_DESCRIBE_H_
