@@ -1,6 +1,7 @@
 // Planning DeepSeek-V3 (671B, 61 layers, 256 routed experts) for 8, 256 and
 // 2048 shard ranks, timeline off. Target: under 50 ms at 2048 ranks, where
-// the plan holds about 2M per-rank valid_rows entries.
+// the plan holds about 2M per-rank valid_rows entries. The baseline for
+// ratios is parsing the same config.json into the module tree.
 //
 //   bazel run -c opt //bench:plan_bench
 //
@@ -96,7 +97,7 @@ void PlanDeepseekV3(benchmark::State& state, const char* strategy,
     if (rank_entries == 0) {
       for (const v1::FsdpUnit& unit : plan->units()) {
         for (const v1::ParamLayout& p : unit.params()) {
-          rank_entries += p.valid_rows_size() + p.flat_ranges_size();
+          rank_entries += p.valid_rows_size();
         }
       }
     }
@@ -110,6 +111,21 @@ void PlanDeepseekV3(benchmark::State& state, const char* strategy,
   state.counters["units"] = static_cast<double>(units);
   state.counters["rank_entries"] = static_cast<double>(rank_entries);
 }
+
+// Baseline for the ratios in docs/performance.md: turning the config.json
+// into the module tree, the step every plan request makes before planning.
+void ParseDeepseekV3Config(benchmark::State& state) {
+  const std::string json = FindConfig();
+  for (auto _ : state) {
+    absl::StatusOr<v1::ModelSpec> spec = ModelSpecFromHfConfig(json);
+    if (!spec.ok()) {
+      state.SkipWithError("cannot read or parse tests/data/deepseek_v3.json");
+      return;
+    }
+    benchmark::DoNotOptimize(spec->root().children_size());
+  }
+}
+BENCHMARK(ParseDeepseekV3Config)->Unit(benchmark::kMillisecond);
 
 // The plan's lifetime (build and free) ...
 BENCHMARK_CAPTURE(PlanDeepseekV3, default, "default", false)

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -135,25 +136,43 @@ class TextTable {
       : columns_(std::move(columns)) {
     std::vector<std::string> header;
     for (const auto& column : columns_) header.push_back(column.first);
-    rows_.push_back(std::move(header));
+    AddRow(std::move(header));
   }
 
-  void AddRow(std::vector<std::string> row) { rows_.push_back(std::move(row)); }
+  void AddRow(std::vector<std::string> row) {
+    rows_.push_back(std::move(row));
+    spans_.push_back(false);
+  }
+
+  // A row whose last cell runs on, left-aligned, over the remaining columns
+  // without widening them.
+  void AddSpanningRow(std::vector<std::string> row) {
+    rows_.push_back(std::move(row));
+    spans_.push_back(true);
+  }
 
   std::string Render(absl::string_view indent) const {
     std::vector<size_t> widths(columns_.size(), 0);
-    for (const auto& row : rows_) {
-      for (size_t c = 0; c < row.size() && c < widths.size(); ++c) {
+    for (size_t r = 0; r < rows_.size(); ++r) {
+      const auto& row = rows_[r];
+      const size_t measured =
+          spans_[r] && !row.empty() ? row.size() - 1 : row.size();
+      for (size_t c = 0; c < measured && c < widths.size(); ++c) {
         widths[c] = std::max(widths[c], row[c].size());
       }
     }
     std::string out;
-    for (const auto& row : rows_) {
+    for (size_t r = 0; r < rows_.size(); ++r) {
+      const auto& row = rows_[r];
       std::string line(indent);
       for (size_t c = 0; c < row.size() && c < widths.size(); ++c) {
+        if (c > 0) line += "  ";
+        if (spans_[r] && c + 1 == row.size()) {
+          line += row[c];
+          break;
+        }
         const bool right = columns_[c].second;
         const std::string pad(widths[c] - row[c].size(), ' ');
-        if (c > 0) line += "  ";
         line += right ? pad + row[c] : row[c] + pad;
       }
       while (!line.empty() && line.back() == ' ') line.pop_back();
@@ -165,9 +184,136 @@ class TextTable {
  private:
   std::vector<std::pair<std::string, bool>> columns_;  // (title, right)
   std::vector<std::vector<std::string>> rows_;
+  std::vector<bool> spans_;  // One per row: AddSpanningRow.
 };
 
+// a - b, clamped to the int64 range (plans from a coordinator are not
+// trusted to hold sane values).
+int64_t SaturatingSub(int64_t a, int64_t b) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  constexpr int64_t kMin = std::numeric_limits<int64_t>::min();
+  if (b < 0 && a > kMax + b) return kMax;
+  if (b > 0 && a < kMin + b) return kMin;
+  return a - b;
+}
+
+// "80 GiB" when the size is a whole number of its unit, else HumanBytes
+// ("74.51 GiB" for 80 GB).
+std::string ShortBytes(int64_t bytes) {
+  static constexpr const char* kUnits[] = {"B",   "KiB", "MiB",
+                                           "GiB", "TiB", "PiB"};
+  if (bytes <= 0) return HumanBytes(bytes);
+  int unit = 0;
+  int64_t scaled = bytes;
+  while (scaled >= 1024 && unit + 1 < 6) {
+    scaled /= 1024;
+    ++unit;
+  }
+  const int64_t unit_bytes = int64_t{1} << (10 * unit);
+  if (bytes % unit_bytes != 0) return HumanBytes(bytes);
+  return absl::StrCat(bytes / unit_bytes, " ", kUnits[unit]);
+}
+
+// The verdict after "fits <size>" in the table.
+std::string FitText(const v1::ShardingPlan& plan, const PlanFit& fit) {
+  const v1::MemoryReport& memory = plan.memory();
+  if (fit.fits) {
+    return absl::StrCat("yes: ", HumanBytes(memory.peak_total_bytes()), " of ",
+                        HumanBytes(fit.device_memory_bytes), ", ",
+                        HumanBytes(fit.headroom_bytes),
+                        " left for activations and workspace");
+  }
+  std::string text =
+      absl::StrCat("NO: needs ", HumanBytes(memory.peak_total_bytes()), ", ",
+                   HumanBytes(SaturatingSub(0, fit.headroom_bytes)), " over; ");
+  if (fit.suggested_dp > 0) {
+    absl::StrAppend(&text, "fits from about --dp ", fit.suggested_dp,
+                    " (estimate: the same units sharded over more ranks)");
+  } else if (memory.peak_unsharded_bytes() >= fit.device_memory_bytes) {
+    absl::StrAppend(&text,
+                    "does not fit at any --dp with this strategy: the "
+                    "unsharded peak alone is ",
+                    HumanBytes(memory.peak_unsharded_bytes()));
+  } else {
+    absl::StrAppend(&text, "does not fit at any --dp up to ", kMaxSuggestedDp,
+                    " with this strategy (estimate)");
+  }
+  return text;
+}
+
+int64_t CeilDiv(int64_t a, int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
+
+// Elements one rank holds of `unit` when its shard group has `ranks` ranks,
+// by the layout laws: FSDP2 pads each parameter's dim 0 to a multiple of
+// the ranks; flat buckets pad the unit's total. Doubles: the plan may come
+// from elsewhere, and this is only an estimate.
+double UnitShardNumel(const v1::ShardingPlan& plan, const v1::FsdpUnit& unit,
+                      int64_t ranks) {
+  if (plan.flat_buckets()) {
+    return unit.numel() > 0 ? static_cast<double>(CeilDiv(unit.numel(), ranks))
+                            : 0.0;
+  }
+  double total = 0;
+  for (const v1::ParamLayout& param : unit.params()) {
+    if (param.global_shape_size() == 0 || param.global_shape(0) <= 0) continue;
+    double row = 1;
+    for (int d = 1; d < param.global_shape_size(); ++d) {
+      row *= static_cast<double>(std::max<int64_t>(param.global_shape(d), 0));
+    }
+    total += static_cast<double>(CeilDiv(param.global_shape(0), ranks)) * row;
+  }
+  return total;
+}
+
 }  // namespace
+
+PlanFit CheckPlanFit(const v1::ShardingPlan& plan,
+                     int64_t device_memory_bytes) {
+  const v1::MemoryReport& memory = plan.memory();
+  PlanFit fit;
+  fit.device_memory_bytes = device_memory_bytes;
+  fit.fits = memory.peak_total_bytes() <= device_memory_bytes;
+  fit.headroom_bytes =
+      SaturatingSub(device_memory_bytes, memory.peak_total_bytes());
+  if (fit.fits) return fit;
+  const int64_t dp = plan.mesh().dp_shard();
+  const double persistent = static_cast<double>(memory.persistent_bytes());
+  const double unsharded = static_cast<double>(memory.peak_unsharded_bytes());
+  if (dp < 1 || persistent < 0 || unsharded < 0) return fit;
+  std::vector<double> shard_now;
+  double total_now = 0;
+  for (const v1::FsdpUnit& unit : plan.units()) {
+    shard_now.push_back(UnitShardNumel(plan, unit, dp));
+    total_now += shard_now.back();
+  }
+  for (int64_t n = 2 * dp; n <= kMaxSuggestedDp; n *= 2) {
+    double total = 0;
+    // Gathered buffers never shrink with more ranks and grow with padding
+    // (8 stacked experts over 32 ranks gather 32 rows); every live buffer
+    // grows at most by the largest unit's factor, so the peak does too.
+    double gather_growth = 1;
+    for (int u = 0; u < plan.units_size(); ++u) {
+      const double shard = UnitShardNumel(plan, plan.units(u), n);
+      total += shard;
+      if (shard_now[u] > 0) {
+        gather_growth = std::max(gather_growth,
+                                 static_cast<double>(n) * shard /
+                                     (static_cast<double>(dp) * shard_now[u]));
+      }
+    }
+    // The sharded state shrinks with the elements a rank holds (dp / n
+    // without padding); a plan without layouts falls back to dp / n.
+    const double state_scale =
+        total_now > 0 ? total / total_now
+                      : static_cast<double>(dp) / static_cast<double>(n);
+    if (persistent * state_scale + unsharded * gather_growth <=
+        static_cast<double>(device_memory_bytes)) {
+      fit.suggested_dp = static_cast<int32_t>(n);
+      break;
+    }
+  }
+  return fit;
+}
 
 std::string HumanBytes(int64_t bytes) {
   return ScaledUnits(bytes, 1024.0, {"B", "KiB", "MiB", "GiB", "TiB", "PiB"},
@@ -179,7 +325,8 @@ std::string HumanCount(int64_t count) {
 }
 
 std::string FormatPlanTable(const v1::ShardingPlan& plan,
-                            const v1::ModelSummary* summary) {
+                            const v1::ModelSummary* summary,
+                            int64_t device_memory_bytes) {
   std::string out;
   const v1::MeshSpec& mesh = plan.mesh();
   const v1::StepShape& step = plan.step();
@@ -282,6 +429,11 @@ std::string FormatPlanTable(const v1::ShardingPlan& plan,
                     HumanBytes(memory.peak_grad_bytes()))});
   mem.AddRow({"peak total", HumanBytes(memory.peak_total_bytes()),
               "persistent + peak unsharded"});
+  if (device_memory_bytes > 0) {
+    mem.AddSpanningRow(
+        {absl::StrCat("fits ", ShortBytes(device_memory_bytes)),
+         FitText(plan, CheckPlanFit(plan, device_memory_bytes))});
+  }
   std::string mem_text = mem.Render("  ");
   // Drop the empty header line.
   mem_text.erase(0, mem_text.find('\n') + 1);
@@ -308,7 +460,8 @@ std::string FormatPlanTable(const v1::ShardingPlan& plan,
 }
 
 nlohmann::ordered_json PlanToJson(const v1::ShardingPlan& plan,
-                                  const v1::ModelSummary* summary) {
+                                  const v1::ModelSummary* summary,
+                                  int64_t device_memory_bytes) {
   Json json = Json::object();
   json["model_id"] = plan.model_id();
   json["architecture"] = plan.architecture();
@@ -379,17 +532,12 @@ nlohmann::ordered_json PlanToJson(const v1::ShardingPlan& plan,
       p["frozen"] = param.frozen();
       // valid_rows is left out: it is derivable from rows_per_rank and has
       // one entry per rank (large for big worlds).
-      if (param.flat_ranges_size() > 0) {
-        Json ranges = Json::array();
-        for (const v1::FlatRange& range : param.flat_ranges()) {
-          Json r = Json::object();
-          r["shard_rank"] = range.shard_rank();
-          r["param_begin"] = range.param_begin();
-          r["param_end"] = range.param_end();
-          r["shard_offset"] = range.shard_offset();
-          ranges.push_back(std::move(r));
-        }
-        p["flat_ranges"] = std::move(ranges);
+      // Flat buckets: the span of shard ranks holding the parameter (the
+      // per-rank pieces follow from it, see FlatRangesOf in
+      // server/unit_layout.h).
+      if (plan.flat_buckets()) {
+        p["first_shard_rank"] = param.first_shard_rank();
+        p["last_shard_rank"] = param.last_shard_rank();
       }
       params.push_back(std::move(p));
     }
@@ -427,6 +575,16 @@ nlohmann::ordered_json PlanToJson(const v1::ShardingPlan& plan,
   }
   json["per_rank"] = std::move(per_rank);
 
+  if (device_memory_bytes > 0) {
+    const PlanFit fit = CheckPlanFit(plan, device_memory_bytes);
+    Json f = Json::object();
+    f["device_memory_bytes"] = fit.device_memory_bytes;
+    f["fits"] = fit.fits;
+    f["headroom_bytes"] = fit.headroom_bytes;
+    if (!fit.fits && fit.suggested_dp > 0) f["suggested_dp"] = fit.suggested_dp;
+    json["fit"] = std::move(f);
+  }
+
   const v1::CommReport& comm = plan.comm();
   Json c = Json::object();
   c["all_gather_bytes"] = comm.all_gather_bytes();
@@ -440,9 +598,10 @@ nlohmann::ordered_json PlanToJson(const v1::ShardingPlan& plan,
 }
 
 std::string FormatPlanJson(const v1::ShardingPlan& plan,
-                           const v1::ModelSummary* summary) {
+                           const v1::ModelSummary* summary,
+                           int64_t device_memory_bytes) {
   // Replacing invalid UTF-8 keeps dump() from throwing.
-  return PlanToJson(plan, summary)
+  return PlanToJson(plan, summary, device_memory_bytes)
              .dump(2, ' ', /*ensure_ascii=*/false,
                    nlohmann::ordered_json::error_handler_t::replace) +
          "\n";

@@ -192,9 +192,11 @@ absl::Status RunPlan(const ShardctlArgs& args, Backend* backend,
       backend->SubmitModel(request);
   if (!response.ok()) return response.status();
   if (args.json) {
-    out << FormatPlanJson(response->plan(), &response->summary());
+    out << FormatPlanJson(response->plan(), &response->summary(),
+                          args.device_memory_bytes);
   } else {
-    out << FormatPlanTable(response->plan(), &response->summary());
+    out << FormatPlanTable(response->plan(), &response->summary(),
+                           args.device_memory_bytes);
   }
   return absl::OkStatus();
 }

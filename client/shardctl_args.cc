@@ -1,11 +1,13 @@
 #include "client/shardctl_args.h"
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <set>
 #include <string>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -37,6 +39,70 @@ absl::StatusOr<int64_t> ParseInt64(absl::string_view flag,
                               value, "'"));
   }
   return parsed;
+}
+
+// The largest --device-memory accepted; keeps the byte count far from
+// int64 overflow.
+constexpr int64_t kMaxDeviceMemoryBytes = int64_t{1} << 50;
+
+// "80GiB", "80 GiB", "80GB" (decimal), "1024MiB", "1.5TiB", or a plain
+// number of GiB. Unit names are case-insensitive.
+absl::StatusOr<int64_t> ParseDeviceMemory(absl::string_view flag,
+                                          absl::string_view value) {
+  struct Unit {
+    const char* name;
+    double bytes;
+  };
+  static constexpr Unit kUnits[] = {
+      {"", 1024.0 * 1024 * 1024},  // A plain number means GiB.
+      {"B", 1},
+      {"KiB", 1024.0},
+      {"MiB", 1024.0 * 1024},
+      {"GiB", 1024.0 * 1024 * 1024},
+      {"TiB", 1024.0 * 1024 * 1024 * 1024},
+      {"KB", 1e3},
+      {"MB", 1e6},
+      {"GB", 1e9},
+      {"TB", 1e12},
+  };
+  const absl::Status syntax_error = Usage(absl::StrCat(
+      flag, ": expected a size like 80GiB, 80GB or 80 (GiB), got '", value,
+      "'"));
+  const absl::string_view text = absl::StripAsciiWhitespace(value);
+  // Digits with at most one '.'; SimpleAtod alone would also take "inf",
+  // "1e3" and hex.
+  size_t end = 0;
+  bool dot = false;
+  bool digit = false;
+  for (; end < text.size(); ++end) {
+    const char c = text[end];
+    if (absl::ascii_isdigit(static_cast<unsigned char>(c))) {
+      digit = true;
+    } else if (c == '.' && !dot) {
+      dot = true;
+    } else {
+      break;
+    }
+  }
+  if (!digit) return syntax_error;
+  const absl::string_view unit_name =
+      absl::StripLeadingAsciiWhitespace(text.substr(end));
+  double multiplier = 0;
+  for (const Unit& unit : kUnits) {
+    if (absl::EqualsIgnoreCase(unit_name, unit.name)) multiplier = unit.bytes;
+  }
+  double number = 0;
+  if (multiplier == 0 || !absl::SimpleAtod(text.substr(0, end), &number)) {
+    return syntax_error;
+  }
+  const double bytes = number * multiplier;
+  if (!(bytes >= 1) || bytes > static_cast<double>(kMaxDeviceMemoryBytes)) {
+    return Usage(absl::StrCat(flag,
+                              ": expected a size > 0 and at most 1024TiB, "
+                              "got '",
+                              value, "'"));
+  }
+  return static_cast<int64_t>(std::llround(bytes));
 }
 
 absl::StatusOr<ShardctlCommand> ParseCommand(absl::string_view name) {
@@ -92,7 +158,8 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                                       "--bwd-prefetch",
                                                       "--no-mixed-precision",
                                                       "--bucket-elements",
-                                                      "--timeline"};
+                                                      "--timeline",
+                                                      "--device-memory"};
   static const auto* none = new std::set<std::string>{};
   switch (command) {
     case ShardctlCommand::kStrategies:
@@ -186,6 +253,10 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
     options.set_bucket_elements(*n);
   } else if (flag == "--timeline") {
     options.set_include_timeline(true);
+  } else if (flag == "--device-memory") {
+    absl::StatusOr<int64_t> bytes = ParseDeviceMemory(flag, value);
+    if (!bytes.ok()) return bytes.status();
+    args->device_memory_bytes = *bytes;
   } else {
     return Usage(absl::StrCat("unknown flag '", flag, "'"));
   }
@@ -313,8 +384,9 @@ architectures shardd can read from a Hugging Face config.json. Without
       return R"(Usage: shardctl plan (--hf-config FILE | --model FILE) --dp N [options]
 
 Cuts a model into FSDP units over N ranks and prints the layout, the
-per-rank memory (with the peak of unsharded memory) and the bytes moved
-per training step. Without --coordinator it plans in-process.
+per-rank memory (with the peak of unsharded memory and whether it fits
+the device) and the bytes moved per training step. Without --coordinator
+it plans in-process.
 
 Model (exactly one):
   --hf-config FILE             a Hugging Face config.json
@@ -330,6 +402,14 @@ Plan:
   --bwd-prefetch N             backward prefetch depth (default 2)
   --no-mixed-precision         gather and reduce in the parameter dtype
   --bucket-elements N          megatron_fsdp bucket size (default 40M)
+Device:
+  --device-memory SIZE         memory per GPU to check the peak against
+                               (default 80GiB, an H100): 80GiB, 141GiB,
+                               80GB (decimal), 1024MiB, or a plain number
+                               of GiB. Activations and workspace are not
+                               modelled: the check covers parameters,
+                               gradients and optimizer state, and the
+                               headroom is what is left for the rest
 Step:
   --microbatches M             micro-batches per step (default 1)
   --passes P                   forward passes per micro-batch (default 1;

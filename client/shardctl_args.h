@@ -5,11 +5,13 @@
 // tested. Flags take their value as the next argument or after '='
 // ("--dp 8", "--dp=8").
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "client/plan_printer.h"
 #include "proto/plan.pb.h"
 
 namespace shardd {
@@ -31,13 +33,17 @@ struct ShardctlArgs {
   std::string hf_config_path;  // --hf-config: an HF config.json.
   std::string model_path;      // --model: native spec or HF config.
   v1::PlanOptions options;
+  // --device-memory: the per-rank peak is checked against it. Applied by
+  // the client only, so remote and in-process plans print the same.
+  int64_t device_memory_bytes = kDefaultDeviceMemoryBytes;
 };
 
 // Parses argv without the program name.
 // Errors: INVALID_ARGUMENT for usage errors, naming the flag and what it
 // accepts ("--dp: expected an integer >= 1, got 'x'"): unknown command or
 // flag, missing or malformed value, a flag the command does not take, a
-// missing required flag.
+// missing required flag. Sizes (--device-memory) are "80GiB", "80GB"
+// (decimal), "1024MiB" or a plain number of GiB, in (0, 1 PiB].
 absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
     const std::vector<std::string>& args);
 

@@ -1,8 +1,11 @@
 #include "client/shardctl_args.h"
 
+#include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -165,6 +168,74 @@ TEST(ShardctlArgsTest, UsageErrors) {
                                           HasSubstr("--coordinator")));
 }
 
+TEST(ShardctlArgsTest, DeviceMemoryDefaultsToAnH100) {
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto args,
+                              Parse({"plan", "--model", "x", "--dp", "2"}));
+  EXPECT_EQ(args.device_memory_bytes, int64_t{80} * 1024 * 1024 * 1024);
+}
+
+TEST(ShardctlArgsTest, DeviceMemorySizes) {
+  constexpr int64_t kGiB = int64_t{1} << 30;
+  const std::vector<std::pair<std::string, int64_t>> cases = {
+      {"80GiB", 80 * kGiB},
+      {"141GiB", 141 * kGiB},
+      {"80GB", 80'000'000'000},  // Decimal.
+      {"1024MiB", kGiB},
+      {"80", 80 * kGiB},  // A plain number is GiB.
+      {"1.5", kGiB + kGiB / 2},
+      {"0.5TiB", 512 * kGiB},
+      {"80 GiB", 80 * kGiB},
+      {"80gib", 80 * kGiB},
+      {"2048KiB", 2 << 20},
+      {"94.5GB", 94'500'000'000},
+      {"4096B", 4096},
+      {"1TB", 1'000'000'000'000},
+      {"1024TiB", 1024 * 1024 * kGiB},  // The upper limit.
+  };
+  for (const auto& [text, bytes] : cases) {
+    SCOPED_TRACE(text);
+    SHARDD_ASSERT_OK_AND_ASSIGN(
+        auto args,
+        Parse({"plan", "--model", "x", "--dp", "2", "--device-memory", text}));
+    EXPECT_EQ(args.device_memory_bytes, bytes);
+  }
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      auto inline_value,
+      Parse({"plan", "--model", "x", "--dp", "2", "--device-memory=141GiB"}));
+  EXPECT_EQ(inline_value.device_memory_bytes, 141 * kGiB);
+}
+
+TEST(ShardctlArgsTest, BadDeviceMemoryNamesTheFlagAndTheForms) {
+  for (const std::string bad :
+       {"x", "", "GiB", "80XB", "80G", "-80GiB", "1e3", "0x10", "inf", "nan",
+        "80GiBs", "1.2.3", "80 GiB x"}) {
+    SCOPED_TRACE(bad);
+    EXPECT_THAT(
+        Parse({"plan", "--model", "x", "--dp", "2", "--device-memory", bad}),
+        StatusIs(absl::StatusCode::kInvalidArgument,
+                 absl::StrCat("--device-memory: expected a size like "
+                              "80GiB, 80GB or 80 (GiB), got '",
+                              bad, "'")));
+  }
+  for (const std::string out_of_range :
+       {"0", "0GiB", "0.0", "0.1B", "1025TiB", "99999999999999999999"}) {
+    SCOPED_TRACE(out_of_range);
+    EXPECT_THAT(
+        Parse({"plan", "--model", "x", "--dp", "2", "--device-memory",
+               out_of_range}),
+        StatusIs(absl::StatusCode::kInvalidArgument,
+                 absl::StrCat("--device-memory: expected a size > 0 and at "
+                              "most 1024TiB, got '",
+                              out_of_range, "'")));
+  }
+  EXPECT_THAT(Parse({"plan", "--model", "x", "--dp", "2", "--device-memory"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "--device-memory: missing value"));
+  EXPECT_THAT(Parse({"strategies", "--device-memory", "80GiB"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("unknown flag '--device-memory'")));
+}
+
 TEST(ShardctlArgsTest, HelpForms) {
   SHARDD_ASSERT_OK_AND_ASSIGN(auto overview, Parse({"--help"}));
   EXPECT_EQ(overview.command, ShardctlCommand::kHelp);
@@ -178,6 +249,10 @@ TEST(ShardctlArgsTest, HelpForms) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("unknown command 'nope'")));
   EXPECT_THAT(ShardctlUsage(ShardctlCommand::kPlan), HasSubstr("--hf-config"));
+  EXPECT_THAT(ShardctlUsage(ShardctlCommand::kPlan),
+              HasSubstr("--device-memory SIZE"));
+  EXPECT_THAT(ShardctlUsage(ShardctlCommand::kPlan),
+              HasSubstr("Activations and workspace are not"));
   EXPECT_THAT(ShardctlUsage(ShardctlCommand::kHelp), HasSubstr("strategies"));
 }
 

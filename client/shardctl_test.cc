@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -179,6 +180,49 @@ TEST(ShardctlTest, MixtralTableAndJson) {
   // 32 decoder layers plus the root.
   EXPECT_EQ(json["units"].size(), 33u);
   EXPECT_EQ(json["strategy"], "default");
+}
+
+// The fit verdict is computed here from the JSON's own memory numbers.
+TEST(ShardctlTest, PlanChecksTheFitAgainstDeviceMemory) {
+  constexpr int64_t kGiB = int64_t{1} << 30;
+  for (const auto& [flag, device] :
+       std::vector<std::pair<std::string, int64_t>>{
+           {"", 80 * kGiB}, {"141GiB", 141 * kGiB}, {"1MiB", 1 << 20}}) {
+    SCOPED_TRACE(flag);
+    std::vector<std::string> args = {"plan", "--hf-config", kMixtral,
+                                     "--dp", "8",           "--json"};
+    if (!flag.empty()) {
+      args.push_back("--device-memory");
+      args.push_back(flag);
+    }
+    Result r = Shardctl(args);
+    ASSERT_EQ(r.code, kShardctlOk) << r.err;
+    auto json = nlohmann::json::parse(r.out, nullptr, false);
+    ASSERT_FALSE(json.is_discarded());
+    ASSERT_TRUE(json.contains("fit"));
+    const int64_t peak = json["per_rank"]["peak_total_bytes"].get<int64_t>();
+    EXPECT_EQ(json["fit"]["device_memory_bytes"], device);
+    EXPECT_EQ(json["fit"]["headroom_bytes"], device - peak);
+    EXPECT_EQ(json["fit"]["fits"], peak <= device);
+  }
+  // 1 MiB is less than the unsharded peak alone: nothing to suggest.
+  Result tiny = Shardctl({"plan", "--hf-config", kMixtral, "--dp", "8",
+                          "--device-memory", "1MiB"});
+  ASSERT_EQ(tiny.code, kShardctlOk) << tiny.err;
+  EXPECT_THAT(tiny.out, HasSubstr("  fits 1 MiB "));
+  EXPECT_THAT(tiny.out, HasSubstr("NO: needs "));
+  EXPECT_THAT(tiny.out, HasSubstr("the unsharded peak alone is"));
+  Result big = Shardctl({"plan", "--hf-config", kMixtral, "--dp", "8",
+                         "--device-memory", "1024TiB"});
+  ASSERT_EQ(big.code, kShardctlOk) << big.err;
+  EXPECT_THAT(big.out, HasSubstr("  fits 1 PiB "));
+  EXPECT_THAT(big.out, HasSubstr("yes: "));
+
+  Result bad = Shardctl({"plan", "--hf-config", kMixtral, "--dp", "8",
+                         "--device-memory", "lots"});
+  EXPECT_EQ(bad.code, kShardctlUsage);
+  EXPECT_THAT(bad.err, StartsWith("shardctl: --device-memory: expected a size "
+                                  "like 80GiB, 80GB or 80 (GiB), got 'lots'"));
 }
 
 }  // namespace

@@ -216,9 +216,9 @@ absl::Status CheckGrouping(const std::string& strategy,
 
 // Covers everything a worker executes: mesh, units, their parameters'
 // layouts, precision, reshard policies and prefetch lists. The step shape
-// and the memory report are not part of it. Per-rank lists (valid_rows,
-// flat_ranges) follow from the hashed shapes, offsets, shard_numel and mesh,
-// so they are left out: hashing them would cost O(params * ranks).
+// and the memory report are not part of it. Per-rank lists (valid_rows)
+// follow from the hashed shapes, offsets, shard_numel and mesh, so they are
+// left out: hashing them would cost O(params * ranks).
 uint64_t Fingerprint(const ShardingPlan& plan) {
   Fingerprint64 f;
   f.AddString("shardd.plan.v1");

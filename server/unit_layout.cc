@@ -196,21 +196,11 @@ absl::Status LayoutFlatRanges(const std::vector<ParamRef>& params,
     layout->set_shard_dim(-1);
     layout->set_unsharded_offset(offset);
     layout->set_numel(numel);
-    // Pieces of [offset, offset + numel) cut at multiples of S. The end is
-    // at most total, so none of this overflows.
+    // The ranks whose ranges hold a piece of [offset, offset + numel); the
+    // end is at most total, so none of this overflows.
     const int64_t end = offset + numel;
-    for (int64_t rank = offset / shard_numel; rank < world; ++rank) {
-      const int64_t rank_begin = rank * shard_numel;
-      if (rank_begin >= end) break;
-      const int64_t rank_end = rank_begin + shard_numel;
-      const int64_t begin = offset > rank_begin ? offset : rank_begin;
-      const int64_t stop = end < rank_end ? end : rank_end;
-      v1::FlatRange* range = layout->add_flat_ranges();
-      range->set_shard_rank(static_cast<int32_t>(rank));
-      range->set_param_begin(begin - offset);
-      range->set_param_end(stop - offset);
-      range->set_shard_offset(begin - rank_begin);
-    }
+    layout->set_first_shard_rank(static_cast<int32_t>(offset / shard_numel));
+    layout->set_last_shard_rank(static_cast<int32_t>((end - 1) / shard_numel));
     offset = end;
   }
   unit->mutable_params()->Swap(&layouts);
@@ -219,6 +209,30 @@ absl::Status LayoutFlatRanges(const std::vector<ParamRef>& params,
   unit->set_gathered_numel(gathered);
   unit->set_trainable_numel(trainable);
   return absl::OkStatus();
+}
+
+std::vector<v1::FlatRange> FlatRangesOf(const v1::ParamLayout& param,
+                                        int64_t shard_numel) {
+  std::vector<v1::FlatRange> ranges;
+  if (shard_numel < 1 || param.numel() < 1 || param.unsharded_offset() < 0) {
+    return ranges;
+  }
+  const int64_t offset = param.unsharded_offset();
+  const int64_t end = offset + param.numel();
+  ranges.reserve(param.last_shard_rank() - param.first_shard_rank() + 1);
+  // Pieces of [offset, end) cut at multiples of shard_numel.
+  for (int64_t rank = offset / shard_numel; rank * shard_numel < end; ++rank) {
+    const int64_t rank_begin = rank * shard_numel;
+    const int64_t begin = offset > rank_begin ? offset : rank_begin;
+    const int64_t stop =
+        end < rank_begin + shard_numel ? end : rank_begin + shard_numel;
+    v1::FlatRange& range = ranges.emplace_back();
+    range.set_shard_rank(static_cast<int32_t>(rank));
+    range.set_param_begin(begin - offset);
+    range.set_param_end(stop - offset);
+    range.set_shard_offset(begin - rank_begin);
+  }
+  return ranges;
 }
 
 }  // namespace shardd

@@ -19,6 +19,7 @@
 // A parameter may straddle ranks; flat_ranges lists its pieces. The gathered
 // buffer is the parameters back to back: no copy-out is needed.
 
+#include <cstdint>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -37,12 +38,19 @@ absl::Status LayoutDim0Shards(const std::vector<ParamRef>& params,
                               int shard_size, v1::FsdpUnit* unit);
 
 // Same for the flat layout; sets shard_dim = -1, unsharded_offset, numel and
-// flat_ranges (ordered by rank, shard_offset relative to that rank's shard).
-// The per-rank fields of the dim-0 layout (padded_dim0, rows_per_rank,
-// local_shape, local_numel, valid_rows, shard_offset) stay 0/empty: a flat
-// parameter's per-rank share varies and is given by flat_ranges. Same errors.
+// first_shard_rank / last_shard_rank. The per-rank fields of the dim-0 layout
+// (padded_dim0, rows_per_rank, local_shape, local_numel, valid_rows,
+// shard_offset) stay 0/empty: a flat parameter's per-rank share varies and is
+// given by FlatRangesOf. Same errors.
 absl::Status LayoutFlatRanges(const std::vector<ParamRef>& params,
                               int shard_size, v1::FsdpUnit* unit);
+
+// The pieces of a flat-layout parameter, one per rank from first_shard_rank
+// to last_shard_rank in order (shard_offset relative to that rank's shard),
+// derived from unsharded_offset, numel and the unit's shard_numel. Empty for
+// a parameter without elements or a shard_numel < 1.
+std::vector<v1::FlatRange> FlatRangesOf(const v1::ParamLayout& param,
+                                        int64_t shard_numel);
 
 }  // namespace shardd
 

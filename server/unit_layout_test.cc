@@ -67,7 +67,8 @@ TEST(LayoutDim0Test, DimNotDivisibleByWorld) {
   EXPECT_EQ(p.shard_offset(), 0);
   EXPECT_EQ(p.unsharded_offset(), 0);
   EXPECT_EQ(p.numel(), 40);
-  EXPECT_TRUE(p.flat_ranges().empty());
+  EXPECT_EQ(p.first_shard_rank(), 0);
+  EXPECT_EQ(p.last_shard_rank(), 0);
   EXPECT_EQ(unit.numel(), 40);
   EXPECT_EQ(unit.shard_numel(), 12);
   EXPECT_EQ(unit.gathered_numel(), 48);
@@ -175,9 +176,9 @@ TEST(LayoutFlatTest, RangesStraddleRanks) {
     r.set_shard_offset(offset);
     return r.SerializeAsString();
   };
-  auto ranges = [](const v1::ParamLayout& p) {
+  auto ranges = [&unit](const v1::ParamLayout& p) {
     std::vector<std::string> out;
-    for (const v1::FlatRange& r : p.flat_ranges()) {
+    for (const v1::FlatRange& r : FlatRangesOf(p, unit.shard_numel())) {
       out.push_back(r.SerializeAsString());
     }
     return out;
@@ -193,6 +194,13 @@ TEST(LayoutFlatTest, RangesStraddleRanks) {
   EXPECT_EQ(unit.params(1).unsharded_offset(), 5);
   EXPECT_EQ(unit.params(2).unsharded_offset(), 12);
   EXPECT_EQ(unit.params(2).numel(), 3);
+  // The stored rank span matches the derived pieces.
+  EXPECT_EQ(unit.params(0).first_shard_rank(), 0);
+  EXPECT_EQ(unit.params(0).last_shard_rank(), 1);
+  EXPECT_EQ(unit.params(1).first_shard_rank(), 1);
+  EXPECT_EQ(unit.params(1).last_shard_rank(), 2);
+  EXPECT_EQ(unit.params(2).first_shard_rank(), 3);
+  EXPECT_EQ(unit.params(2).last_shard_rank(), 3);
 }
 
 TEST(LayoutFlatTest, FewerElementsThanRanks) {
@@ -203,12 +211,16 @@ TEST(LayoutFlatTest, FewerElementsThanRanks) {
   SHARDD_ASSERT_OK(LayoutFlatRanges(params.refs(), 8, &unit));
   EXPECT_EQ(unit.shard_numel(), 1);
   EXPECT_EQ(unit.gathered_numel(), 8);
-  ASSERT_EQ(unit.params(0).flat_ranges_size(), 3);
+  const std::vector<v1::FlatRange> pieces =
+      FlatRangesOf(unit.params(0), unit.shard_numel());
+  ASSERT_EQ(pieces.size(), 3u);
+  EXPECT_EQ(unit.params(0).first_shard_rank(), 0);
+  EXPECT_EQ(unit.params(0).last_shard_rank(), 2);
   for (int r = 0; r < 3; ++r) {
-    EXPECT_EQ(unit.params(0).flat_ranges(r).shard_rank(), r);
-    EXPECT_EQ(unit.params(0).flat_ranges(r).param_begin(), r);
-    EXPECT_EQ(unit.params(0).flat_ranges(r).param_end(), r + 1);
-    EXPECT_EQ(unit.params(0).flat_ranges(r).shard_offset(), 0);
+    EXPECT_EQ(pieces[r].shard_rank(), r);
+    EXPECT_EQ(pieces[r].param_begin(), r);
+    EXPECT_EQ(pieces[r].param_end(), r + 1);
+    EXPECT_EQ(pieces[r].shard_offset(), 0);
   }
 }
 
@@ -424,7 +436,11 @@ TEST(LayoutPropertyTest, FlatCoversEveryElementOnce) {
       // Pieces ascend by rank and tile [0, numel) of the parameter.
       int64_t next = 0;
       int last_rank = -1;
-      for (const v1::FlatRange& r : p.flat_ranges()) {
+      const std::vector<v1::FlatRange> pieces = FlatRangesOf(p, shard);
+      ASSERT_FALSE(pieces.empty());
+      EXPECT_EQ(pieces.front().shard_rank(), p.first_shard_rank());
+      EXPECT_EQ(pieces.back().shard_rank(), p.last_shard_rank());
+      for (const v1::FlatRange& r : pieces) {
         EXPECT_GT(r.shard_rank(), last_rank);
         EXPECT_LT(r.shard_rank(), world);
         last_rank = r.shard_rank();

@@ -527,7 +527,9 @@ TEST_F(SubprocessCoordinatorTest, ShardctlMatchesInProcessAndStopsOnSigterm) {
     request.mutable_options()->mutable_mesh()->set_dp_replicate(1);
     SHARDD_ASSERT_OK_AND_ASSIGN(v1::SubmitModelResponse direct,
                                 in_test.SubmitModel(request));
-    EXPECT_EQ(remote.out, FormatPlanJson(direct.plan(), &direct.summary()));
+    // --device-memory is applied by the client: the default here too.
+    EXPECT_EQ(remote.out, FormatPlanJson(direct.plan(), &direct.summary(),
+                                         kDefaultDeviceMemoryBytes));
 
     auto json = nlohmann::json::parse(remote.out, nullptr, false);
     ASSERT_FALSE(json.is_discarded());
@@ -543,6 +545,17 @@ TEST_F(SubprocessCoordinatorTest, ShardctlMatchesInProcessAndStopsOnSigterm) {
       Shardctl({"plan", "--model", kTinyMoe, "--dp", "4"});
   ASSERT_EQ(local_table.exit_code, 0) << local_table.err;
   EXPECT_EQ(remote_table.out, local_table.out);
+  EXPECT_THAT(remote_table.out, HasSubstr("  fits 80 GiB "));
+  // A non-default device size goes through both paths the same way.
+  ProcessResult remote_small =
+      Shardctl({"plan", "--model", kTinyMoe, "--dp", "4", "--device-memory",
+                "1KiB", "--coordinator", address_});
+  ASSERT_EQ(remote_small.exit_code, 0) << remote_small.err;
+  ProcessResult local_small = Shardctl(
+      {"plan", "--model", kTinyMoe, "--dp", "4", "--device-memory", "1KiB"});
+  ASSERT_EQ(local_small.exit_code, 0) << local_small.err;
+  EXPECT_EQ(remote_small.out, local_small.out);
+  EXPECT_THAT(remote_small.out, HasSubstr("  fits 1 KiB "));
 
   // Errors from the coordinator: exit 1 with the code.
   ProcessResult bad =
