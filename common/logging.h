@@ -51,20 +51,20 @@ struct Voidify {
 #define SHARDD_LOG_SEVERITY_ERROR ::shardd::LogSeverity::kError
 #define SHARDD_LOG_SEVERITY_FATAL ::shardd::LogSeverity::kFatal
 
-#define SHARDD_LOG(severity)                                              \
-  !(SHARDD_LOG_SEVERITY_##severity >= ::shardd::MinLogSeverity())         \
-      ? (void)0                                                           \
-      : ::shardd::logging_internal::Voidify() &                           \
-            ::shardd::logging_internal::LogMessage(                       \
-                __FILE__, __LINE__, SHARDD_LOG_SEVERITY_##severity)       \
+#define SHARDD_LOG(severity)                                        \
+  !(SHARDD_LOG_SEVERITY_##severity >= ::shardd::MinLogSeverity())   \
+      ? (void)0                                                     \
+      : ::shardd::logging_internal::Voidify() &                     \
+            ::shardd::logging_internal::LogMessage(                 \
+                __FILE__, __LINE__, SHARDD_LOG_SEVERITY_##severity) \
                 .stream()
 
-#define SHARDD_CHECK(cond)                                               \
-  (cond) ? (void)0                                                       \
-         : ::shardd::logging_internal::Voidify() &                       \
-               ::shardd::logging_internal::LogMessage(                   \
-                   __FILE__, __LINE__, ::shardd::LogSeverity::kFatal)    \
-                       .stream()                                         \
+#define SHARDD_CHECK(cond)                                            \
+  (cond) ? (void)0                                                    \
+         : ::shardd::logging_internal::Voidify() &                    \
+               ::shardd::logging_internal::LogMessage(                \
+                   __FILE__, __LINE__, ::shardd::LogSeverity::kFatal) \
+                       .stream()                                      \
                    << "Check failed: " #cond " "
 
 #endif  // SHARDD_COMMON_LOGGING_H_

@@ -39,9 +39,8 @@ MATCHER_P2(StatusIs, code, message_matcher,
   const absl::Status& status = testing_internal::GetStatus(arg);
   *result_listener << "status is " << status.ToString();
   return status.code() == code &&
-         testing::ExplainMatchResult(message_matcher,
-                                     std::string(status.message()),
-                                     result_listener);
+         testing::ExplainMatchResult(
+             message_matcher, std::string(status.message()), result_listener);
 }
 
 }  // namespace shardd
@@ -49,8 +48,8 @@ MATCHER_P2(StatusIs, code, message_matcher,
 #define SHARDD_ASSERT_OK(expr) ASSERT_THAT((expr), ::shardd::IsOk())
 #define SHARDD_EXPECT_OK(expr) EXPECT_THAT((expr), ::shardd::IsOk())
 
-#define SHARDD_ASSERT_OK_AND_ASSIGN(lhs, expr)                          \
-  SHARDD_ASSERT_OK_AND_ASSIGN_IMPL_(                                    \
+#define SHARDD_ASSERT_OK_AND_ASSIGN(lhs, expr) \
+  SHARDD_ASSERT_OK_AND_ASSIGN_IMPL_(           \
       SHARDD_MATCHERS_CONCAT_(shardd_assert_or_, __LINE__), lhs, expr)
 #define SHARDD_MATCHERS_CONCAT_INNER_(a, b) a##b
 #define SHARDD_MATCHERS_CONCAT_(a, b) SHARDD_MATCHERS_CONCAT_INNER_(a, b)

@@ -1,6 +1,7 @@
+#include "absl/status/status.h"
+
 #include <string>
 
-#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
@@ -32,10 +33,10 @@ absl::Status CheckEven(int x) {
 TEST(StatusMacrosTest, AssignOrReturnPropagatesErrors) {
   EXPECT_THAT(Quarter(8), IsOk());
   EXPECT_EQ(*Quarter(8), 2);
-  EXPECT_THAT(Quarter(6), StatusIs(absl::StatusCode::kInvalidArgument,
-                                   HasSubstr("even")));
-  EXPECT_THAT(CheckEven(3), StatusIs(absl::StatusCode::kInvalidArgument,
-                                     HasSubstr("even")));
+  EXPECT_THAT(Quarter(6),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("even")));
+  EXPECT_THAT(CheckEven(3),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("even")));
   EXPECT_THAT(CheckEven(4), IsOk());
 }
 

@@ -2,7 +2,8 @@
 #define SHARDD_KERNELS_CUDA_PROBE_H_
 
 // The smallest CUDA target: proves that --config=cuda compiles .cu sources
-// with nvcc and links cudart, cuBLAS and NCCL. Later GPU kernels live beside it.
+// with nvcc and links cudart, cuBLAS and NCCL. Later GPU kernels live beside
+// it.
 
 #include <string>
 

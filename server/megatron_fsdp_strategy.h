@@ -27,8 +27,6 @@ namespace shardd {
 class MegatronFsdpStrategy : public ShardingStrategy {
  public:
   static constexpr char kName[] = "megatron_fsdp";
-  // BucketingPolicy.suggested_bucket_size in Megatron-FSDP.
-  static constexpr int64_t kDefaultBucketElements = 40'000'000;
 
   std::string name() const override { return kName; }
   std::string description() const override;

@@ -92,7 +92,7 @@ TEST(MegatronFsdpStrategyTest, DefaultBucketHoldsAWholeToyLayer) {
               ElementsAre("model.layers.0#0", "model.layers.1#0",
                           "model.layers.2#0", "<root>#0"));
   EXPECT_EQ(UnitNumel(grouping.units[0]), 720);
-  EXPECT_EQ(MegatronFsdpStrategy::kDefaultBucketElements, 40'000'000);
+  EXPECT_EQ(kDefaultBucketElements, 40'000'000);
 }
 
 TEST(MegatronFsdpStrategyTest, DtypesNeverShareABucket) {

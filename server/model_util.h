@@ -18,8 +18,8 @@ int64_t Numel(const v1::TensorSpec& tensor);
 
 // One parameter as the walk sees it.
 struct ParamRef {
-  std::string fqn;                          // "model.layers.3.moe.experts.down_projs"
-  const v1::TensorSpec* tensor = nullptr;   // Points into the ModelSpec.
+  std::string fqn;  // "model.layers.3.moe.experts.down_projs"
+  const v1::TensorSpec* tensor = nullptr;  // Points into the ModelSpec.
   // Modules from the root down to the owner (root first, owner last).
   std::vector<const v1::ModuleSpec*> path;
   // Fully qualified module names matching `path` ("" for the root).

@@ -10,8 +10,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "common/fingerprint.h"
 #include "common/dtype.h"
+#include "common/fingerprint.h"
 #include "common/status_macros.h"
 #include "server/model_util.h"
 #include "server/sharding_strategy.h"
@@ -27,8 +27,6 @@ using v1::ShardingPlan;
 
 constexpr char kDiffusionGemmaArchitecture[] =
     "DiffusionGemmaForBlockDiffusion";
-// Megatron-FSDP's suggested bucket size, reported when options leave it 0.
-constexpr int64_t kDefaultBucketElements = 40'000'000;
 constexpr int kDefaultForwardPrefetch = 1;
 constexpr int kDefaultBackwardPrefetch = 2;
 
@@ -213,7 +211,6 @@ absl::Status CheckGrouping(const std::string& strategy,
   return absl::OkStatus();
 }
 
-
 // Covers everything a worker executes: mesh, units, their parameters'
 // layouts, precision, reshard policies and prefetch lists. The step shape
 // and the memory report are not part of it. Per-rank lists (valid_rows)
@@ -243,8 +240,8 @@ uint64_t Fingerprint(const ShardingPlan& plan) {
     const v1::ReshardPolicy& policy = unit.reshard_after_forward();
     f.AddInt(policy.policy_case());
     f.AddInt(policy.policy_case() == v1::ReshardPolicy::kGroupSize
-              ? policy.group_size()
-              : (policy.reshard() ? 1 : 0));
+                 ? policy.group_size()
+                 : (policy.reshard() ? 1 : 0));
     f.AddInt(unit.forward_prefetch_size());
     for (int target : unit.forward_prefetch()) f.AddInt(target);
     f.AddInt(unit.backward_prefetch_size());

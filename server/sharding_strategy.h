@@ -5,6 +5,7 @@
 // planner then computes layouts, prefetch chains, reshard flags and the
 // memory model, so every strategy gets those for free.
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,10 @@
 #include "server/model_util.h"
 
 namespace shardd {
+
+// Megatron-FSDP's flat bucket size (its suggested bucket size) when
+// PlanOptions.bucket_elements is 0.
+inline constexpr int64_t kDefaultBucketElements = 40'000'000;
 
 // One FSDP unit before layout.
 struct UnitDraft {
