@@ -1,0 +1,90 @@
+#ifndef SHARDD_WORKER_MEMORY_TRACKER_H_
+#define SHARDD_WORKER_MEMORY_TRACKER_H_
+
+// Live and peak bytes of every buffer a worker allocates, by kind. The kinds
+// the planner's step model predicts (gathered parameters and unsharded
+// gradients) are tracked separately from persistent state and compute
+// workspace, so a worker can compare its measured unsharded peak with the
+// plan's `peak_unsharded_bytes` exactly. Thread-safe.
+
+#include <array>
+#include <cstdint>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+
+namespace shardd {
+
+enum class MemoryKind {
+  kShardParams = 0,  // Master shards.
+  kShardGrads,       // Sharded gradients.
+  kOptimizerState,   // AdamW moments.
+  kGatheredParams,   // All-gather buffers (unsharded parameters).
+  kUnshardedGrads,   // Unsharded gradient buffers before reduce-scatter.
+  kWorkspace,        // Compute copies, activations, scratch.
+  kNumKinds,
+};
+
+const char* MemoryKindName(MemoryKind kind);
+
+struct MemorySnapshot {
+  std::array<int64_t, static_cast<int>(MemoryKind::kNumKinds)> live{};
+  std::array<int64_t, static_cast<int>(MemoryKind::kNumKinds)> peak{};
+  int64_t live_total = 0;
+  int64_t peak_total = 0;
+  // Gathered params + unsharded grads: what the planner predicts.
+  int64_t live_unsharded = 0;
+  int64_t peak_unsharded = 0;
+};
+
+class MemoryTracker {
+ public:
+  void Allocate(MemoryKind kind, int64_t bytes);
+  // Freeing more than is live is a programming error; it is clamped at zero
+  // and counted in `over_frees()` so tests can catch it.
+  void Free(MemoryKind kind, int64_t bytes);
+  // Starts new peaks from the current live values (e.g. at a step start).
+  void ResetPeaks();
+  MemorySnapshot Snapshot() const;
+  int64_t over_frees() const;
+
+ private:
+  void UpdatePeaksLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  mutable absl::Mutex mu_;
+  MemorySnapshot state_ ABSL_GUARDED_BY(mu_);
+  int64_t over_frees_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// A heap buffer whose bytes are accounted to a tracker for its lifetime.
+class TrackedBuffer {
+ public:
+  TrackedBuffer() = default;
+  TrackedBuffer(MemoryTracker* tracker, MemoryKind kind, int64_t bytes);
+  ~TrackedBuffer();
+  TrackedBuffer(TrackedBuffer&& other) noexcept;
+  TrackedBuffer& operator=(TrackedBuffer&& other) noexcept;
+  TrackedBuffer(const TrackedBuffer&) = delete;
+  TrackedBuffer& operator=(const TrackedBuffer&) = delete;
+
+  // Frees the memory now (the object stays usable and empty).
+  void Reset();
+  void* data() const { return data_; }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
+  int64_t bytes() const { return bytes_; }
+  bool empty() const { return data_ == nullptr; }
+
+ private:
+  MemoryTracker* tracker_ = nullptr;
+  MemoryKind kind_ = MemoryKind::kWorkspace;
+  void* data_ = nullptr;
+  int64_t bytes_ = 0;
+};
+
+}  // namespace shardd
+
+#endif  // SHARDD_WORKER_MEMORY_TRACKER_H_
