@@ -43,6 +43,13 @@ MATCHER_P2(StatusIs, code, message_matcher,
              message_matcher, std::string(status.message()), result_listener);
 }
 
+// Code only, any message.
+MATCHER_P(StatusIs, code, "has code " + testing::PrintToString(code)) {
+  const absl::Status& status = testing_internal::GetStatus(arg);
+  *result_listener << "status is " << status.ToString();
+  return status.code() == code;
+}
+
 }  // namespace shardd
 
 #define SHARDD_ASSERT_OK(expr) ASSERT_THAT((expr), ::shardd::IsOk())

@@ -1,0 +1,152 @@
+#ifndef SHARDD_WORKER_SHARD_STORE_H_
+#define SHARDD_WORKER_SHARD_STORE_H_
+
+// A worker's shards of every FSDP unit of a plan, and the four operations the
+// step program drives on them:
+//
+//   Unshard(u)        copy-in of the fp32 master shard into the compute dtype
+//                     (bf16 under mixed precision), then one all-gather into
+//                     the unit's flat buffer of gathered_numel elements;
+//   Reshard(u)        frees the gathered buffer;
+//   AllocGrad(u)      a zeroed unsharded gradient buffer in the reduce dtype,
+//                     laid out like the gathered buffer;
+//   ReduceScatter(u)  reduce-scatter (average) of that buffer into the
+//                     sharded fp32 gradient (accumulating), an HSDP
+//                     all-reduce (average) across replicas, then frees it.
+//
+// Compute reads parameters through ParamView and adds gradients through
+// AccumulateGrad. A parameter is a zero-copy view into the gathered buffer
+// when the buffer holds it contiguously in fp32 (a one-parameter unit, one
+// shard rank, or a flat bucket); otherwise it is copied out (and widened from
+// bf16) into a workspace tensor that lives until the unit reshards. Gathered
+// and gradient buffers are accounted as kGatheredParams / kUnshardedGrads, so
+// their measured peak is the planner's peak_unsharded_bytes for the same
+// program; copy-outs are kWorkspace.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "proto/model.pb.h"
+#include "proto/plan.pb.h"
+#include "worker/communicator.h"
+#include "worker/memory_tracker.h"
+
+namespace shardd {
+
+struct ShardStoreOptions {
+  // This rank's position in the shard group (dp_shard ranks).
+  int shard_rank = 0;
+  uint64_t seed = 0;
+  absl::Duration collective_timeout = absl::Seconds(60);
+};
+
+class ShardStore {
+ public:
+  // Allocates and initialises this rank's master shards (InitParamRange of
+  // param_init.h, so values do not depend on the layout), zeroed sharded
+  // gradients and AdamW moments. `model` supplies the owner module kinds for
+  // the initialisation rules; it must be the model the plan was made from.
+  // Errors: INVALID_ARGUMENT (shard_rank outside [0, dp_shard), a plan
+  // parameter missing from the model, a unit whose dtypes the CPU path cannot
+  // hold).
+  static absl::StatusOr<std::unique_ptr<ShardStore>> Create(
+      const v1::ShardingPlan& plan, const v1::ModelSpec& model,
+      const ShardStoreOptions& options, MemoryTracker* tracker);
+
+  // Errors (all four): NOT_FOUND (unit index out of range),
+  // FAILED_PRECONDITION (the unit is not in the state the op needs: already
+  // gathered, not gathered, gradient already or not allocated), and the
+  // communicator's codes (DEADLINE_EXCEEDED, ABORTED, ...).
+  absl::Status Unshard(int unit, Communicator* shard_group);
+  absl::Status Reshard(int unit);
+  absl::Status AllocGrad(int unit);
+  // `replicas` may be null (no HSDP).
+  absl::Status ReduceScatter(int unit, Communicator* shard_group,
+                             Communicator* replicas);
+
+  bool gathered(int unit) const;
+  bool grad_allocated(int unit) const;
+
+  // The unsharded fp32 values of a parameter whose unit is gathered; valid
+  // until the unit reshards. Errors: NOT_FOUND (unknown name),
+  // FAILED_PRECONDITION (unit not gathered).
+  absl::StatusOr<const float*> ParamView(const std::string& name);
+
+  // grad[name] += values (numel elements of the unsharded parameter).
+  // Errors: NOT_FOUND, FAILED_PRECONDITION (gradient not allocated, or the
+  // parameter is frozen).
+  absl::Status AccumulateGrad(const std::string& name, const float* values);
+
+  // Master shards, sharded gradients and AdamW state, one entry per unit
+  // (all fp32, shard_numel elements each), for the optimizer and tests.
+  struct UnitShard {
+    float* params = nullptr;
+    float* grads = nullptr;
+    float* exp_avg = nullptr;
+    float* exp_avg_sq = nullptr;
+    int64_t numel = 0;
+  };
+  UnitShard shard(int unit) const;
+  int num_units() const { return static_cast<int>(units_.size()); }
+
+  // The unsharded value of a parameter assembled from this rank's shard only
+  // (other ranks' rows are left untouched in `out`): used by tests and
+  // checkpoints to compare against an unsharded run. Writes the rows/elements
+  // this rank holds into `out` (numel elements of the full parameter).
+  // Errors: NOT_FOUND.
+  absl::Status CopyOwnedParamSlice(const std::string& name, float* out) const;
+
+ private:
+  struct ParamInfo {
+    int unit = -1;
+    int index = -1;  // In the unit's params.
+    bool frozen = false;
+    bool flat = false;
+    int64_t numel = 0;
+    int64_t row_numel = 0;      // Dim-0 layout: elements per row.
+    int64_t rows_per_rank = 0;  // Dim-0 layout.
+    int64_t dim0 = 0;
+    int64_t shard_offset = 0;      // Dim-0: offset in each rank's chunk.
+    int64_t unsharded_offset = 0;  // Flat: offset in the bucket.
+  };
+  struct UnitState {
+    int64_t shard_numel = 0;
+    int64_t gathered_numel = 0;
+    int world = 1;
+    v1::DType compute = v1::FLOAT32;
+    v1::DType reduce = v1::FLOAT32;
+    bool flat = false;
+    int num_params = 0;
+    TrackedBuffer master;
+    TrackedBuffer grads;
+    TrackedBuffer exp_avg;
+    TrackedBuffer exp_avg_sq;
+    TrackedBuffer gathered;
+    TrackedBuffer unsharded_grad;
+    TrackedBuffer staging;  // Copy-in / reduce-scatter output scratch.
+    // Copy-outs of this unit's parameters, by param index.
+    std::vector<TrackedBuffer> copies;
+  };
+
+  ShardStore(MemoryTracker* tracker, ShardStoreOptions options)
+      : tracker_(tracker), options_(options) {}
+
+  absl::StatusOr<UnitState*> Unit(int unit);
+  absl::StatusOr<const ParamInfo*> Param(const std::string& name) const;
+  bool ViewsInPlace(const UnitState& unit, const ParamInfo& param) const;
+
+  MemoryTracker* tracker_;
+  ShardStoreOptions options_;
+  std::vector<std::unique_ptr<UnitState>> units_;
+  absl::flat_hash_map<std::string, ParamInfo> params_;
+};
+
+}  // namespace shardd
+
+#endif  // SHARDD_WORKER_SHARD_STORE_H_
