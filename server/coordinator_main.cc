@@ -1,6 +1,7 @@
 // shardd-coordinator: serves the Coordinator gRPC service.
 //
-//   shardd-coordinator --listen=127.0.0.1:0 --data-dir=/tmp/shardd
+//   shardd-coordinator --listen=127.0.0.1:0 --data-dir=/tmp/shardd \
+//       [--workers=4] [--heartbeat-timeout=10s]
 //
 // Prints "shardd-coordinator listening on HOST:PORT" on stderr once serving
 // and writes the bound port to DATA_DIR/coordinator.port. SIGTERM or SIGINT
@@ -30,6 +31,7 @@
 #include "server/coordinator_server.h"
 #include "server/coordinator_service.h"
 #include "server/strategy_registry.h"
+#include "server/worker_registry.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070",
           "HOST:PORT to serve on; port 0 picks a free port");
@@ -38,6 +40,11 @@ ABSL_FLAG(std::string, data_dir, "",
           "bound port is written to coordinator.port in it");
 ABSL_FLAG(bool, log_json, false, "Log one JSON object per line");
 ABSL_FLAG(int, max_models, 1024, "Most models kept at once");
+ABSL_FLAG(int, workers, 0,
+          "Most workers that may register (ranks 0..N-1); 0 = no limit");
+ABSL_FLAG(absl::Duration, heartbeat_timeout, absl::Seconds(10),
+          "A worker without a heartbeat for this long is dead (workers "
+          "heartbeat every third of it), e.g. 10s or 500ms");
 ABSL_FLAG(int, shutdown_grace_ms, 5000,
           "How long in-flight calls may finish after SIGTERM/SIGINT");
 
@@ -101,10 +108,32 @@ int Run() {
     return 2;
   }
 
+  if (absl::GetFlag(FLAGS_workers) < 0 ||
+      absl::GetFlag(FLAGS_workers) > WorkerRegistry::kMaxWorkersHardLimit) {
+    std::fprintf(stderr,
+                 "shardd-coordinator: --workers: expected 0 (no limit) to "
+                 "%d, got %d\n",
+                 WorkerRegistry::kMaxWorkersHardLimit,
+                 absl::GetFlag(FLAGS_workers));
+    return 2;
+  }
+  const absl::Duration heartbeat_timeout =
+      absl::GetFlag(FLAGS_heartbeat_timeout);
+  if (heartbeat_timeout < absl::Milliseconds(30) ||
+      heartbeat_timeout > absl::Hours(24)) {
+    std::fprintf(stderr,
+                 "shardd-coordinator: --heartbeat_timeout: expected 30ms to "
+                 "24h, got %s\n",
+                 absl::FormatDuration(heartbeat_timeout).c_str());
+    return 2;
+  }
+
   std::unique_ptr<StrategyRegistry> registry =
       StrategyRegistry::CreateWithBuiltins();
   CoordinatorServiceOptions service_options;
   service_options.max_models = absl::GetFlag(FLAGS_max_models);
+  service_options.max_workers = absl::GetFlag(FLAGS_workers);
+  service_options.heartbeat_timeout = heartbeat_timeout;
   CoordinatorService service(registry.get(), service_options);
 
   CoordinatorServerOptions server_options;
@@ -156,7 +185,8 @@ int main(int argc, char** argv) {
   absl::SetFlagsUsageConfig(usage_config);
   absl::SetProgramUsageMessage(
       "Serves the shardd Coordinator gRPC service.\n"
-      "  shardd-coordinator --listen=127.0.0.1:7070 --data-dir=DIR\n"
+      "  shardd-coordinator --listen=127.0.0.1:7070 --data-dir=DIR "
+      "[--workers=N] [--heartbeat-timeout=10s]\n"
       "Dashes and underscores in flag names are interchangeable.");
   // Accept dashed spellings (--data-dir) of the underscore flag names.
   std::vector<std::string> normalized(argv, argv + argc);

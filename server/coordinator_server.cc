@@ -84,6 +84,9 @@ void CoordinatorServer::Shutdown(absl::Duration deadline) {
           server_->GetHealthCheckService()) {
     health->SetServingStatus(false);
   }
+  // Waiting Gets and Barriers could last until their own timeouts; end them
+  // now so that only short calls use the grace period.
+  grpc_service_->CancelWaitingCalls();
   server_->Shutdown(std::chrono::system_clock::now() +
                     absl::ToChronoMilliseconds(deadline));
   server_->Wait();

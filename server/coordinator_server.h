@@ -5,6 +5,7 @@
 // grpc.health.v1 health service and server reflection.
 
 #include <atomic>
+#include <cstddef>
 #include <memory>
 #include <string>
 
@@ -45,8 +46,12 @@ class CoordinatorServer {
   // "host:port" with the bound port.
   const std::string& address() const { return address_; }
 
-  // Marks the health service NOT_SERVING, stops accepting calls and waits
-  // for in-flight calls until `deadline` from now, then cancels the rest.
+  // Calls waiting now (Get with wait, Barrier); for tests and status.
+  size_t waiting_calls() const { return grpc_service_->waiting_calls(); }
+
+  // Marks the health service NOT_SERVING, ends waiting calls (Get with
+  // wait, Barrier) with UNAVAILABLE, stops accepting calls and waits for
+  // in-flight calls until `deadline` from now, then cancels the rest.
   // Idempotent and safe to call from any thread.
   void Shutdown(absl::Duration deadline);
 

@@ -1,12 +1,15 @@
 #include "server/coordinator_service.h"
 
+#include <algorithm>
 #include <random>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/notification.h"
 #include "common/fingerprint.h"
+#include "common/logging.h"
 #include "common/status_macros.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
@@ -45,8 +48,15 @@ absl::Status NotYet(absl::string_view rpc, absl::string_view why) {
 }
 
 constexpr absl::string_view kWorkersIssue =
-    "worker membership, rendezvous and steps land with the workers issue, "
-    "issue 3";
+    "steps land with the workers issue, issue 3";
+
+WorkerRegistryOptions RegistryOptions(const CoordinatorServiceOptions& o) {
+  WorkerRegistryOptions options;
+  options.max_workers = o.max_workers;
+  options.heartbeat_timeout = o.heartbeat_timeout;
+  options.clock = o.clock;
+  return options;
+}
 constexpr absl::string_view kCheckpointIssue =
     "checkpoints land with the durability issue, issue 5";
 
@@ -84,7 +94,10 @@ CoordinatorService::CoordinatorService(const StrategyRegistry* registry,
       }()),
       incarnation_(options_.incarnation != 0 ? options_.incarnation
                                              : RandomIncarnation()),
-      start_time_(options_.clock()) {}
+      start_time_(options_.clock()),
+      workers_(RegistryOptions(options_)),
+      kv_(options_.kv),
+      barriers_(options_.barriers) {}
 
 absl::StatusOr<v1::ListStrategiesResponse> CoordinatorService::ListStrategies(
     const v1::ListStrategiesRequest& /*request*/) const {
@@ -244,37 +257,138 @@ absl::StatusOr<v1::GetStatusResponse> CoordinatorService::GetStatus(
     info->set_total_params(stored.summary.total_params());
     info->set_world_size(stored.plan.world_size());
   }
+  const absl::Time now = options_.clock();
+  for (const WorkerState& worker : workers_.List()) {
+    v1::WorkerInfo* info = response.add_workers();
+    info->set_rank(worker.rank);
+    info->set_address(worker.address);
+    info->set_device(worker.device);
+    info->set_alive(worker.alive);
+    info->set_last_heartbeat_ms_ago(
+        absl::ToInt64Milliseconds(now - worker.last_heartbeat));
+  }
   return response;
 }
 
 absl::StatusOr<v1::RegisterWorkerResponse> CoordinatorService::RegisterWorker(
-    const v1::RegisterWorkerRequest& /*request*/) {
-  return NotYet("RegisterWorker", kWorkersIssue);
+    const v1::RegisterWorkerRequest& request) {
+  WorkerRegistration worker;
+  worker.address = request.address();
+  worker.incarnation = request.incarnation();
+  worker.device = request.device();
+  worker.hostname = request.hostname();
+  worker.requested_rank = request.requested_rank();
+  SHARDD_ASSIGN_OR_RETURN(RegisterResult result, workers_.Register(worker));
+  if (!result.retry) {
+    SHARDD_LOG(INFO) << "worker " << request.address() << " (incarnation "
+                     << request.incarnation() << ", " << request.device()
+                     << ") registered as rank " << result.rank
+                     << ", membership epoch " << result.membership_epoch;
+  }
+  v1::RegisterWorkerResponse response;
+  response.set_rank(result.rank);
+  response.set_world_size(result.world_size);
+  response.set_coordinator_incarnation(incarnation_);
+  response.set_heartbeat_interval_ms(std::max<int64_t>(
+      1, absl::ToInt64Milliseconds(workers_.heartbeat_interval())));
+  response.set_membership_epoch(result.membership_epoch);
+  return response;
 }
 
 absl::StatusOr<v1::HeartbeatResponse> CoordinatorService::Heartbeat(
-    const v1::HeartbeatRequest& /*request*/) {
-  return NotYet("Heartbeat", kWorkersIssue);
+    const v1::HeartbeatRequest& request) {
+  SHARDD_ASSIGN_OR_RETURN(
+      uint64_t epoch,
+      workers_.Heartbeat(request.rank(), request.incarnation()));
+  v1::HeartbeatResponse response;
+  response.set_coordinator_incarnation(incarnation_);
+  response.set_membership_epoch(epoch);
+  return response;
+}
+
+absl::Status CoordinatorService::CheckWorkersReady(int world_size) {
+  return workers_.CheckRanksAlive(world_size);
 }
 
 absl::StatusOr<v1::PutResponse> CoordinatorService::Put(
-    const v1::PutRequest& /*request*/) {
-  return NotYet("Put", kWorkersIssue);
+    const v1::PutRequest& request) {
+  SHARDD_RETURN_IF_ERROR(
+      kv_.Put(request.key(), request.value(), request.overwrite()));
+  return v1::PutResponse();
 }
 
+uint64_t CoordinatorService::GetAsync(const v1::GetRequest& request,
+                                      GetCallback done) {
+  return kv_.GetAsync(
+      request.key(),
+      absl::Milliseconds(std::max<int64_t>(0, request.wait_ms())),
+      [done = std::move(done)](absl::StatusOr<std::string> value) {
+        if (!value.ok()) {
+          done(value.status());
+          return;
+        }
+        v1::GetResponse response;
+        response.set_value(*std::move(value));
+        done(std::move(response));
+      });
+}
+
+void CoordinatorService::CancelGet(uint64_t handle) { kv_.CancelGet(handle); }
+
 absl::StatusOr<v1::GetResponse> CoordinatorService::Get(
-    const v1::GetRequest& /*request*/) {
-  return NotYet("Get", kWorkersIssue);
+    const v1::GetRequest& request) {
+  absl::Notification finished;
+  absl::StatusOr<v1::GetResponse> result;
+  GetAsync(request, [&](absl::StatusOr<v1::GetResponse> response) {
+    result = std::move(response);
+    finished.Notify();
+  });
+  finished.WaitForNotification();
+  return result;
 }
 
 absl::StatusOr<v1::DeleteResponse> CoordinatorService::Delete(
-    const v1::DeleteRequest& /*request*/) {
-  return NotYet("Delete", kWorkersIssue);
+    const v1::DeleteRequest& request) {
+  v1::DeleteResponse response;
+  response.set_deleted(kv_.Delete(request.key(), request.prefix()));
+  return response;
+}
+
+uint64_t CoordinatorService::BarrierAsync(const v1::BarrierRequest& request,
+                                          BarrierCallback done) {
+  if (request.timeout_ms() < 0) {
+    done(absl::InvalidArgumentError(
+        absl::StrCat("timeout_ms: must be >= 0 (0 waits up to ",
+                     absl::FormatDuration(options_.barriers.max_timeout),
+                     "), got ", request.timeout_ms())));
+    return 0;
+  }
+  return barriers_.ArriveAsync(request.barrier_id(), request.participants(),
+                               request.caller(),
+                               absl::Milliseconds(request.timeout_ms()),
+                               [done = std::move(done)](absl::Status status) {
+                                 if (!status.ok()) {
+                                   done(status);
+                                   return;
+                                 }
+                                 done(v1::BarrierResponse());
+                               });
+}
+
+void CoordinatorService::CancelBarrier(uint64_t handle) {
+  barriers_.Cancel(handle);
 }
 
 absl::StatusOr<v1::BarrierResponse> CoordinatorService::Barrier(
-    const v1::BarrierRequest& /*request*/) {
-  return NotYet("Barrier", kWorkersIssue);
+    const v1::BarrierRequest& request) {
+  absl::Notification finished;
+  absl::StatusOr<v1::BarrierResponse> result;
+  BarrierAsync(request, [&](absl::StatusOr<v1::BarrierResponse> response) {
+    result = std::move(response);
+    finished.Notify();
+  });
+  finished.WaitForNotification();
+  return result;
 }
 
 absl::StatusOr<v1::SubmitStepResponse> CoordinatorService::SubmitStep(

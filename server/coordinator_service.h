@@ -2,10 +2,12 @@
 #define SHARDD_SERVER_COORDINATOR_SERVICE_H_
 
 // The coordinator's logic, free of any transport: strategies, submitted
-// models and their plans, status. The gRPC adapter
-// (grpc_coordinator_service.h) only converts statuses; tests drive this class
-// directly. Membership, rendezvous, steps and checkpoints answer UNIMPLEMENTED
-// until the issues that add them land.
+// models and their plans, worker membership (worker_registry.h), the
+// rendezvous key-value store (kv_store.h) and barriers (barrier.h), status.
+// The gRPC adapter (grpc_coordinator_service.h) only converts statuses and
+// finishes waiting calls (Get with wait, Barrier) asynchronously; tests drive
+// this class directly. Steps and checkpoints answer UNIMPLEMENTED until the
+// issues that add them land.
 //
 // Thread-safe: every method may be called concurrently.
 
@@ -24,8 +26,11 @@
 #include "proto/coordinator.pb.h"
 #include "proto/model.pb.h"
 #include "proto/plan.pb.h"
+#include "server/barrier.h"
+#include "server/kv_store.h"
 #include "server/sharding_planner.h"
 #include "server/strategy_registry.h"
+#include "server/worker_registry.h"
 
 namespace shardd {
 
@@ -41,8 +46,16 @@ struct CoordinatorServiceOptions {
   // Identifies this coordinator process to workers; 0 picks a random
   // non-zero value.
   uint64_t incarnation = 0;
-  // Time source (uptime); defaults to absl::Now. Tests inject a fake.
+  // Time source (uptime, heartbeats); defaults to absl::Now. Tests inject a
+  // fake. KV and barrier timeouts use real time.
   std::function<absl::Time()> clock;
+  // Most workers (the coordinator's --workers); 0 = no limit.
+  int max_workers = 0;
+  // A worker without a heartbeat for this long is dead (--heartbeat-timeout).
+  // Workers are told to heartbeat every third of it.
+  absl::Duration heartbeat_timeout = absl::Seconds(10);
+  KvStoreOptions kv;
+  BarrierTableOptions barriers;
 };
 
 // The model id SubmitModel assigns: "m-" followed by 16 lower-case hex digits
@@ -85,23 +98,61 @@ class CoordinatorService {
   absl::StatusOr<v1::GetPlanResponse> GetPlan(
       const v1::GetPlanRequest& request) const ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Stored models in submission order, uptime and incarnation. Workers are
-  // empty until membership lands. Errors: none.
+  // Stored models in submission order, workers in rank order (alive or
+  // dead, with the time since their last heartbeat), uptime and
+  // incarnation. Errors: none.
   absl::StatusOr<v1::GetStatusResponse> GetStatus(
       const v1::GetStatusRequest& request) const ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Not implemented yet: each returns UNIMPLEMENTED naming the issue that
-  // adds it (issue 3 for membership, rendezvous and steps; issue 5 for
-  // checkpoints).
+  // Joins a worker; rank rules in worker_registry.h. The response carries
+  // heartbeat_interval_ms = heartbeat_timeout / 3.
+  // Errors: INVALID_ARGUMENT (empty address, incarnation 0, requested_rank
+  // out of range), RESOURCE_EXHAUSTED (every rank held by a live worker).
   absl::StatusOr<v1::RegisterWorkerResponse> RegisterWorker(
       const v1::RegisterWorkerRequest& request);
+  // Errors: NOT_FOUND (unknown rank), ABORTED (incarnation mismatch, or the
+  // worker was declared dead: it must re-register).
   absl::StatusOr<v1::HeartbeatResponse> Heartbeat(
       const v1::HeartbeatRequest& request);
+
+  // Errors: as KvStore::Put.
   absl::StatusOr<v1::PutResponse> Put(const v1::PutRequest& request);
+  // Non-blocking Get: `done` runs exactly once (possibly before this
+  // returns, on a Put's thread or on the timer thread). wait_ms < 0 counts as
+  // 0; waits are capped at kv.max_wait. Returns a handle for CancelGet, 0
+  // when done already ran. Errors: as KvStore::GetAsync.
+  using GetCallback = std::function<void(absl::StatusOr<v1::GetResponse>)>;
+  uint64_t GetAsync(const v1::GetRequest& request, GetCallback done);
+  void CancelGet(uint64_t handle);
+  // Blocking GetAsync (tests, in-process callers).
   absl::StatusOr<v1::GetResponse> Get(const v1::GetRequest& request);
+  // Errors: none.
   absl::StatusOr<v1::DeleteResponse> Delete(const v1::DeleteRequest& request);
+
+  // Non-blocking Barrier (semantics in barrier.h): timeout_ms 0 waits up to
+  // barriers.max_timeout. Returns a handle for CancelBarrier, 0 when done
+  // already ran. Errors: INVALID_ARGUMENT (empty barrier_id, participants <
+  // 1, negative timeout_ms, disagreeing counts), DEADLINE_EXCEEDED, ABORTED
+  // (superseded by the same caller), RESOURCE_EXHAUSTED.
+  using BarrierCallback =
+      std::function<void(absl::StatusOr<v1::BarrierResponse>)>;
+  uint64_t BarrierAsync(const v1::BarrierRequest& request,
+                        BarrierCallback done);
+  void CancelBarrier(uint64_t handle);
+  // Blocking BarrierAsync.
   absl::StatusOr<v1::BarrierResponse> Barrier(
       const v1::BarrierRequest& request);
+
+  // OK when ranks 0..world_size-1 are registered and alive. A step calls this
+  // before it runs. Errors: INVALID_ARGUMENT (world_size < 1),
+  // FAILED_PRECONDITION (names the missing and dead ranks).
+  absl::Status CheckWorkersReady(int world_size);
+
+  // Membership, for the step runner (thread-safe; owned by the service).
+  WorkerRegistry* workers() { return &workers_; }
+
+  // Not implemented yet: each returns UNIMPLEMENTED naming the issue that
+  // adds it (issue 3 for steps; issue 5 for checkpoints).
   absl::StatusOr<v1::SubmitStepResponse> SubmitStep(
       const v1::SubmitStepRequest& request);
   // WatchStep streams; the transport asks here whether it may start.
@@ -139,6 +190,12 @@ class CoordinatorService {
   const CoordinatorServiceOptions options_;
   const uint64_t incarnation_;
   const absl::Time start_time_;
+
+  // Each is thread-safe on its own. mutable: GetStatus lists workers (which
+  // notices deaths) from a const method.
+  mutable WorkerRegistry workers_;
+  KvStore kv_;
+  BarrierTable barriers_;
 
   mutable absl::Mutex mu_;
   // Model id -> model and its plan.

@@ -9,6 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
@@ -412,13 +413,6 @@ TEST_F(CoordinatorServiceTest, LaterIssuesAnswerUnimplementedNamingThem) {
                     ::testing::AllOf(HasSubstr(std::string(rpc)),
                                      HasSubstr(std::string(issue))));
   };
-  EXPECT_THAT(service->RegisterWorker({}),
-              unimplemented("RegisterWorker", "issue 3"));
-  EXPECT_THAT(service->Heartbeat({}), unimplemented("Heartbeat", "issue 3"));
-  EXPECT_THAT(service->Put({}), unimplemented("Put", "issue 3"));
-  EXPECT_THAT(service->Get({}), unimplemented("Get", "issue 3"));
-  EXPECT_THAT(service->Delete({}), unimplemented("Delete", "issue 3"));
-  EXPECT_THAT(service->Barrier({}), unimplemented("Barrier", "issue 3"));
   EXPECT_THAT(service->SubmitStep({}), unimplemented("SubmitStep", "issue 3"));
   EXPECT_THAT(service->StartWatchStep({}),
               unimplemented("WatchStep", "issue 3"));
@@ -428,6 +422,157 @@ TEST_F(CoordinatorServiceTest, LaterIssuesAnswerUnimplementedNamingThem) {
               unimplemented("LoadCheckpoint", "issue 5"));
   EXPECT_THAT(service->ListCheckpoints({}),
               unimplemented("ListCheckpoints", "issue 5"));
+}
+
+v1::RegisterWorkerRequest WorkerRequest(int port, uint64_t incarnation) {
+  v1::RegisterWorkerRequest request;
+  request.set_address(absl::StrCat("127.0.0.1:", port));
+  request.set_incarnation(incarnation);
+  request.set_device("cpu");
+  request.set_hostname("h");
+  request.set_requested_rank(-1);
+  return request;
+}
+
+TEST_F(CoordinatorServiceTest, MembershipThroughTheServiceWithAFakeClock) {
+  absl::Mutex mu;
+  absl::Time now = absl::FromUnixSeconds(1000);
+  CoordinatorServiceOptions options;
+  options.incarnation = 7;
+  options.max_workers = 2;
+  options.heartbeat_timeout = absl::Seconds(3);
+  options.clock = [&] {
+    absl::MutexLock lock(&mu);
+    return now;
+  };
+  auto advance = [&](absl::Duration d) {
+    absl::MutexLock lock(&mu);
+    now += d;
+  };
+  auto service = MakeService(options);
+  EXPECT_THAT(service->CheckWorkersReady(2),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("ranks 0-1 have not registered")));
+
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto r0,
+                              service->RegisterWorker(WorkerRequest(5000, 11)));
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto r1,
+                              service->RegisterWorker(WorkerRequest(5001, 12)));
+  EXPECT_EQ(r0.rank(), 0);
+  EXPECT_EQ(r1.rank(), 1);
+  EXPECT_EQ(r1.world_size(), 2);
+  EXPECT_EQ(r1.coordinator_incarnation(), 7u);
+  EXPECT_EQ(r1.heartbeat_interval_ms(), 1000);  // 3 s / 3.
+  EXPECT_EQ(r1.membership_epoch(), 2u);
+  EXPECT_THAT(service->RegisterWorker(WorkerRequest(5002, 13)),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("2")));
+  SHARDD_EXPECT_OK(service->CheckWorkersReady(2));
+
+  advance(absl::Seconds(2));
+  v1::HeartbeatRequest beat;
+  beat.set_rank(0);
+  beat.set_incarnation(11);
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto hb, service->Heartbeat(beat));
+  EXPECT_EQ(hb.coordinator_incarnation(), 7u);
+  EXPECT_EQ(hb.membership_epoch(), 2u);
+  advance(absl::Milliseconds(1500));  // Rank 1 silent for 3.5 s.
+
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto status, service->GetStatus({}));
+  ASSERT_THAT(status.workers(), SizeIs(2));
+  EXPECT_EQ(status.workers(0).rank(), 0);
+  EXPECT_EQ(status.workers(0).address(), "127.0.0.1:5000");
+  EXPECT_EQ(status.workers(0).device(), "cpu");
+  EXPECT_TRUE(status.workers(0).alive());
+  EXPECT_EQ(status.workers(0).last_heartbeat_ms_ago(), 1500);
+  EXPECT_FALSE(status.workers(1).alive());
+  EXPECT_EQ(status.workers(1).last_heartbeat_ms_ago(), 3500);
+  EXPECT_THAT(service->CheckWorkersReady(2),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       ::testing::AllOf(HasSubstr("rank 1 is dead"),
+                                        HasSubstr("127.0.0.1:5001"))));
+  // The dead worker's heartbeat tells it to re-register.
+  beat.set_rank(1);
+  beat.set_incarnation(12);
+  EXPECT_THAT(service->Heartbeat(beat),
+              StatusIs(absl::StatusCode::kAborted, HasSubstr("register")));
+  beat.set_rank(5);
+  EXPECT_THAT(service->Heartbeat(beat),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("rank 5")));
+}
+
+TEST_F(CoordinatorServiceTest, KeyValueRpcs) {
+  auto service = MakeService();
+  v1::PutRequest put;
+  put.set_key("gloo/0");
+  put.set_value("addr0");
+  SHARDD_ASSERT_OK(service->Put(put).status());
+  EXPECT_THAT(service->Put(put),
+              StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("gloo/0")));
+  put.set_overwrite(true);
+  put.set_value("addr0b");
+  SHARDD_ASSERT_OK(service->Put(put).status());
+
+  v1::GetRequest get;
+  get.set_key("gloo/0");
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto got, service->Get(get));
+  EXPECT_EQ(got.value(), "addr0b");
+  get.set_key("gloo/1");
+  EXPECT_THAT(service->Get(get),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("gloo/1")));
+  get.set_wait_ms(30);
+  EXPECT_THAT(service->Get(get), StatusIs(absl::StatusCode::kDeadlineExceeded,
+                                          HasSubstr("gloo/1")));
+
+  // An asynchronous Get completes when the key is Put.
+  absl::Notification done;
+  absl::StatusOr<v1::GetResponse> async_result;
+  get.set_wait_ms(10000);
+  service->GetAsync(get, [&](absl::StatusOr<v1::GetResponse> r) {
+    async_result = std::move(r);
+    done.Notify();
+  });
+  EXPECT_FALSE(done.HasBeenNotified());
+  put.set_key("gloo/1");
+  put.set_value("addr1");
+  SHARDD_ASSERT_OK(service->Put(put).status());
+  ASSERT_TRUE(done.HasBeenNotified());  // Completed on the Put's thread.
+  ASSERT_THAT(async_result, IsOk());
+  EXPECT_EQ(async_result->value(), "addr1");
+
+  v1::DeleteRequest del;
+  del.set_key("gloo/");
+  del.set_prefix(true);
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto deleted, service->Delete(del));
+  EXPECT_EQ(deleted.deleted(), 2);
+}
+
+TEST_F(CoordinatorServiceTest, BarrierRpc) {
+  auto service = MakeService();
+  v1::BarrierRequest request;
+  request.set_barrier_id("init");
+  request.set_participants(2);
+  request.set_caller("rank0");
+  request.set_timeout_ms(-1);
+  EXPECT_THAT(
+      service->Barrier(request),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("timeout_ms")));
+  request.set_timeout_ms(10000);
+  absl::Notification done;
+  absl::StatusOr<v1::BarrierResponse> first;
+  EXPECT_NE(service->BarrierAsync(request,
+                                  [&](absl::StatusOr<v1::BarrierResponse> r) {
+                                    first = std::move(r);
+                                    done.Notify();
+                                  }),
+            0u);
+  request.set_caller("rank1");
+  SHARDD_EXPECT_OK(service->Barrier(request).status());
+  ASSERT_TRUE(done.HasBeenNotified());
+  SHARDD_EXPECT_OK(first.status());
+  request.set_timeout_ms(20);
+  EXPECT_THAT(
+      service->Barrier(request),
+      StatusIs(absl::StatusCode::kDeadlineExceeded, HasSubstr("1 of 2")));
 }
 
 TEST_F(CoordinatorServiceTest, ConcurrentSubmissionsStoreEachModelOnce) {

@@ -1,15 +1,19 @@
 #include "server/grpc_coordinator_service.h"
 
+#include <functional>
+#include <set>
 #include <utility>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "common/grpc_status.h"
 
 namespace shardd {
 namespace {
 
-// Every unary handler is quick (planning a model takes milliseconds), so it
-// answers inline on the callback thread.
+// Every unary handler but Get and Barrier is quick (planning a model takes
+// milliseconds), so it answers inline on the callback thread.
 template <typename Response>
 grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* context,
                                 absl::StatusOr<Response> result,
@@ -31,8 +35,197 @@ class FinishedWriteReactor final
 
 }  // namespace
 
+// Not in an anonymous namespace: GrpcCoordinatorService::WaitingCalls names
+// these types.
+namespace grpc_coordinator_internal {
+
+// One call that waits for the service. Exactly one of the service's
+// completion, the client's cancellation and CancelWaitingCalls finishes it;
+// the others find it finished and do nothing.
+class WaitingCall : public std::enable_shared_from_this<WaitingCall> {
+ public:
+  WaitingCall(grpc::ServerUnaryReactor* reactor,
+              std::function<void(uint64_t)> cancel_op,
+              std::shared_ptr<GrpcCoordinatorService::WaitingCalls> owner)
+      : reactor_(reactor),
+        cancel_op_(std::move(cancel_op)),
+        owner_(std::move(owner)) {}
+
+  // Finishes with `status` (after `fill` wrote the response when OK) unless
+  // the call already finished.
+  void Complete(const absl::Status& status, const std::function<void()>& fill);
+
+  // Records the service's handle of the pending wait; withdraws the wait at
+  // once if the call finished before the handle was known.
+  void SetHandle(uint64_t handle) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Finishes with `status` and withdraws the pending wait from the service
+  // (client cancelled, or the server stops).
+  void Abandon(const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  // True for the one caller that may finish the call.
+  bool Claim(uint64_t* handle) ABSL_LOCKS_EXCLUDED(mu_);
+  void FinishClaimed(const absl::Status& status);
+
+  // Valid until Finish; only the claimer touches it.
+  grpc::ServerUnaryReactor* const reactor_;
+  const std::function<void(uint64_t)> cancel_op_;
+  const std::shared_ptr<GrpcCoordinatorService::WaitingCalls> owner_;
+
+  absl::Mutex mu_;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t handle_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// A reactor for a waiting call; deletes itself when gRPC is done with it.
+class WaitingReactor final : public grpc::ServerUnaryReactor {
+ public:
+  void set_call(std::shared_ptr<WaitingCall> call) { call_ = std::move(call); }
+  void OnCancel() override {
+    if (call_ != nullptr) {
+      call_->Abandon(absl::CancelledError(
+          "the call was cancelled (client gone or its deadline passed)"));
+    }
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  std::shared_ptr<WaitingCall> call_;
+};
+
+}  // namespace grpc_coordinator_internal
+
+using grpc_coordinator_internal::WaitingCall;
+
+class GrpcCoordinatorService::WaitingCalls {
+ public:
+  // Registers a call; false (and nothing registered) once stopping.
+  bool Add(const std::shared_ptr<WaitingCall>& call) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return false;
+    calls_.insert(call);
+    return true;
+  }
+  void Remove(const std::shared_ptr<WaitingCall>& call)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    calls_.erase(call);
+  }
+  // Sets stopping and returns the calls waiting now.
+  std::set<std::shared_ptr<WaitingCall>> Stop() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    return calls_;
+  }
+  size_t size() const ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return calls_.size();
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::set<std::shared_ptr<WaitingCall>> calls_ ABSL_GUARDED_BY(mu_);
+};
+
+namespace grpc_coordinator_internal {
+
+const absl::Status& ShuttingDown() {
+  static const absl::Status* const kStatus = new absl::Status(
+      absl::UnavailableError("the coordinator is shutting down"));
+  return *kStatus;
+}
+
+bool WaitingCall::Claim(uint64_t* handle) {
+  absl::MutexLock lock(&mu_);
+  if (finished_) return false;
+  finished_ = true;
+  if (handle != nullptr) *handle = handle_;
+  return true;
+}
+
+void WaitingCall::FinishClaimed(const absl::Status& status) {
+  owner_->Remove(shared_from_this());
+  reactor_->Finish(ToGrpcStatus(status));
+}
+
+void WaitingCall::Complete(const absl::Status& status,
+                           const std::function<void()>& fill) {
+  if (!Claim(nullptr)) return;
+  if (status.ok() && fill) fill();
+  FinishClaimed(status);
+}
+
+void WaitingCall::SetHandle(uint64_t handle) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!finished_) {
+      handle_ = handle;
+      return;
+    }
+  }
+  if (handle != 0) cancel_op_(handle);
+}
+
+void WaitingCall::Abandon(const absl::Status& status) {
+  uint64_t handle = 0;
+  if (!Claim(&handle)) return;
+  // Keeps this object alive past FinishClaimed (which drops the owner's
+  // reference and lets the reactor go).
+  std::shared_ptr<WaitingCall> self = shared_from_this();
+  FinishClaimed(status);
+  // The service completes the withdrawn wait with CANCELLED; Complete then
+  // finds the call finished.
+  if (handle != 0) cancel_op_(handle);
+}
+
+// Starts a waiting call: `start` begins the wait with a completion callback
+// and returns the service's handle; `cancel` withdraws a handle.
+template <typename Response>
+grpc::ServerUnaryReactor* StartWaiting(
+    const std::shared_ptr<GrpcCoordinatorService::WaitingCalls>& owner,
+    Response* response,
+    const std::function<
+        uint64_t(std::function<void(absl::StatusOr<Response>)>)>& start,
+    std::function<void(uint64_t)> cancel) {
+  auto* reactor = new WaitingReactor();
+  auto call = std::make_shared<WaitingCall>(reactor, std::move(cancel), owner);
+  if (!owner->Add(call)) {
+    reactor->Finish(ToGrpcStatus(ShuttingDown()));
+    return reactor;
+  }
+  reactor->set_call(call);
+  // `response` lives until the call is done; only the claimer writes it,
+  // before Finish.
+  const uint64_t handle =
+      start([call, response](absl::StatusOr<Response> result) {
+        call->Complete(result.status(),
+                       [&result, response] { *response = *std::move(result); });
+      });
+  call->SetHandle(handle);
+  return reactor;
+}
+
+}  // namespace grpc_coordinator_internal
+
+using grpc_coordinator_internal::ShuttingDown;
+using grpc_coordinator_internal::StartWaiting;
+
 GrpcCoordinatorService::GrpcCoordinatorService(CoordinatorService* service)
-    : service_(service) {}
+    : service_(service), waiting_(std::make_shared<WaitingCalls>()) {}
+
+GrpcCoordinatorService::~GrpcCoordinatorService() { CancelWaitingCalls(); }
+
+void GrpcCoordinatorService::CancelWaitingCalls() {
+  for (const std::shared_ptr<WaitingCall>& call : waiting_->Stop()) {
+    call->Abandon(ShuttingDown());
+  }
+}
+
+size_t GrpcCoordinatorService::waiting_calls() const {
+  return waiting_->size();
+}
 
 grpc::ServerUnaryReactor* GrpcCoordinatorService::ListStrategies(
     grpc::CallbackServerContext* context,
@@ -73,9 +266,15 @@ grpc::ServerUnaryReactor* GrpcCoordinatorService::Put(
 }
 
 grpc::ServerUnaryReactor* GrpcCoordinatorService::Get(
-    grpc::CallbackServerContext* context, const v1::GetRequest* request,
+    grpc::CallbackServerContext* /*context*/, const v1::GetRequest* request,
     v1::GetResponse* response) {
-  return Reply(context, service_->Get(*request), response);
+  CoordinatorService* service = service_;
+  return StartWaiting<v1::GetResponse>(
+      waiting_, response,
+      [service, request](CoordinatorService::GetCallback done) {
+        return service->GetAsync(*request, std::move(done));
+      },
+      [service](uint64_t handle) { service->CancelGet(handle); });
 }
 
 grpc::ServerUnaryReactor* GrpcCoordinatorService::Delete(
@@ -85,9 +284,15 @@ grpc::ServerUnaryReactor* GrpcCoordinatorService::Delete(
 }
 
 grpc::ServerUnaryReactor* GrpcCoordinatorService::Barrier(
-    grpc::CallbackServerContext* context, const v1::BarrierRequest* request,
+    grpc::CallbackServerContext* /*context*/, const v1::BarrierRequest* request,
     v1::BarrierResponse* response) {
-  return Reply(context, service_->Barrier(*request), response);
+  CoordinatorService* service = service_;
+  return StartWaiting<v1::BarrierResponse>(
+      waiting_, response,
+      [service, request](CoordinatorService::BarrierCallback done) {
+        return service->BarrierAsync(*request, std::move(done));
+      },
+      [service](uint64_t handle) { service->CancelBarrier(handle); });
 }
 
 grpc::ServerUnaryReactor* GrpcCoordinatorService::SubmitStep(

@@ -3,7 +3,13 @@
 
 // gRPC transport of the Coordinator service (callback API). It only moves
 // messages to CoordinatorService and converts absl::Status to grpc::Status,
-// keeping the code and message.
+// keeping the code and message. Calls that wait (Get, Barrier) finish
+// asynchronously, from whichever thread completes them, so no gRPC thread is
+// ever parked; a cancelled call (client gone, deadline passed) withdraws its
+// wait from the service.
+
+#include <cstddef>
+#include <memory>
 
 #include "grpcpp/grpcpp.h"
 #include "proto/coordinator.grpc.pb.h"
@@ -16,6 +22,7 @@ class GrpcCoordinatorService final : public v1::Coordinator::CallbackService {
   // `service` is not owned and must outlive this object and the server it is
   // registered with.
   explicit GrpcCoordinatorService(CoordinatorService* service);
+  ~GrpcCoordinatorService() override;
 
   GrpcCoordinatorService(const GrpcCoordinatorService&) = delete;
   GrpcCoordinatorService& operator=(const GrpcCoordinatorService&) = delete;
@@ -73,8 +80,22 @@ class GrpcCoordinatorService final : public v1::Coordinator::CallbackService {
                                       const v1::GetStatusRequest* request,
                                       v1::GetStatusResponse* response) override;
 
+  // Ends every waiting call (Get with wait, Barrier) with UNAVAILABLE and
+  // answers later ones at once with UNAVAILABLE, so a server shutdown does
+  // not wait out long waits. CoordinatorServer::Shutdown calls it first.
+  // Idempotent, thread-safe.
+  void CancelWaitingCalls();
+
+  // Calls waiting now.
+  size_t waiting_calls() const;
+
+  // The waiting calls, shared with each call so that a late completion never
+  // touches a destroyed object. Defined in the .cc file.
+  class WaitingCalls;
+
  private:
   CoordinatorService* service_;  // Not owned.
+  std::shared_ptr<WaitingCalls> waiting_;
 };
 
 }  // namespace shardd

@@ -8,6 +8,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/plan.pb.h"
+#include "proto/worker.pb.h"
+#include "server/step_program.h"
 
 namespace shardd {
 namespace {
@@ -408,6 +410,111 @@ TEST(StepModelTest, FrozenParametersHaveNoGradientsOrOptimizerState) {
   // re-gathers layers 1 and 0.
   EXPECT_EQ(plan.comm().all_gather_bytes(),
             2 * (R + 15 * kW) + 2 * 3 * L + 2 * 2 * L);
+}
+
+// Megatron-FSDP: a layer computes with all of its flat buckets, so they are
+// gathered together, and its backward writes all of their gradients.
+TEST(StepModelTest, AllBucketsOfALayerAreLiveTogether) {
+  constexpr int64_t kBucketShard = 250;  // B = 1000 gathered elements.
+  constexpr int64_t B = kBucketShard * kW;
+  v1::ShardingPlan plan;
+  plan.mutable_mesh()->set_dp_shard(kW);
+  *plan.mutable_precision() = ToyPlan(0, 0).precision();
+  for (int l = 0; l < 2; ++l) {
+    for (int b = 0; b < 2; ++b) {
+      v1::FsdpUnit* bucket = AddUnit(
+          &plan, "model.layers." + std::to_string(l) + "#" + std::to_string(b),
+          v1::UNIT_FLAT_BUCKET, l, kBucketShard);
+      bucket->set_prefetch_target(true);
+      SetReshard(bucket, l == 0);
+    }
+  }
+  SetReshard(AddUnit(&plan, "<root>#0", v1::UNIT_FLAT_BUCKET, -1, kRootShard),
+             false);
+  plan.mutable_step()->set_microbatches(1);
+  plan.mutable_step()->set_passes(1);
+  SHARDD_ASSERT_OK(ModelStep(true, &plan));
+  // Backward of layer 1: root 2R + 4R, both buckets gathered (4B) with
+  // both gradients (8B). (Replaying bucket by bucket, as the model did
+  // before it replayed the step program, freed one bucket's gradient before
+  // allocating the next: 6R + 8B, an underestimate.)
+  EXPECT_EQ(plan.memory().peak_unsharded_bytes(), 6 * R + 12 * B);
+  EXPECT_EQ(plan.memory().peak_grad_bytes(), 4 * R + 8 * B);
+  EXPECT_THAT(plan.memory().peak_where(), HasSubstr("model.layers.1#0"));
+  EXPECT_EQ(MaxLive(plan, "forward"), 2 * R + 4 * B);
+  // Forward gathers everything once; backward re-gathers layer 0.
+  EXPECT_EQ(plan.comm().all_gathers(), 5 + 2);
+  EXPECT_EQ(plan.comm().reduce_scatters(), 5);
+}
+
+// A dtype island is part of its layer's computation: its gradient exists
+// from before the layer's backward until the layer's post-backward.
+TEST(StepModelTest, IslandGradientOverlapsItsLayer) {
+  constexpr int64_t kIslandShard = 8;  // I = 32 gathered fp32 elements.
+  constexpr int64_t I = kIslandShard * kW;
+  v1::ShardingPlan plan;
+  plan.mutable_mesh()->set_dp_shard(kW);
+  *plan.mutable_precision() = ToyPlan(0, 0).precision();
+  v1::FsdpUnit* island = AddUnit(&plan, "model.layers.0.<fp32>",
+                                 v1::UNIT_DTYPE_ISLAND, 0, kIslandShard);
+  island->set_parent(1);
+  island->mutable_precision()->set_param_dtype(v1::FLOAT32);
+  island->mutable_precision()->set_compute_dtype(v1::FLOAT32);
+  island->mutable_precision()->set_reduce_dtype(v1::FLOAT32);
+  SetReshard(island, true);
+  SetReshard(AddUnit(&plan, "model.layers.0", v1::UNIT_LAYER, 0, kLayerShard),
+             true);
+  SetReshard(AddUnit(&plan, "<root>", v1::UNIT_ROOT, -1, kRootShard), false);
+  plan.mutable_step()->set_microbatches(1);
+  plan.mutable_step()->set_passes(1);
+  SHARDD_ASSERT_OK(ModelStep(true, &plan));
+  // Backward of layer 0: root 6R, layer 2L + 4L, island 4I + 4I (fp32).
+  // (The model before the step program reduce-scattered the island before
+  // the layer's gradient existed: 6R + 6L.)
+  EXPECT_EQ(plan.memory().peak_unsharded_bytes(), 6 * R + 6 * L + 8 * I);
+  EXPECT_THAT(plan.memory().peak_where(),
+              HasSubstr("model.layers.0, after grad"));
+  // Forward: root, layer and island together.
+  EXPECT_EQ(MaxLive(plan, "forward"), 2 * R + 2 * L + 4 * I);
+  EXPECT_EQ(plan.comm().all_gathers(), 3 + 2);
+  EXPECT_EQ(plan.comm().reduce_scatters(), 3);
+}
+
+// The timeline is the replay of the compiled program: every event names
+// the command that changed memory.
+TEST(StepModelTest, TimelineEventsNameProgramCommands) {
+  v1::ShardingPlan plan = ToyPlan(1, 2);
+  plan.mutable_step()->set_microbatches(2);
+  plan.mutable_step()->set_passes(2);
+  SHARDD_ASSERT_OK(ModelStep(true, &plan));
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::StepProgram program,
+                              CompileStepProgram(plan));
+  int memory_commands = 0;
+  for (const v1::Command& c : program.commands()) {
+    memory_commands += c.op() == v1::Command::UNSHARD ||
+                       c.op() == v1::Command::RESHARD ||
+                       c.op() == v1::Command::ALLOC_GRAD ||
+                       c.op() == v1::Command::REDUCE_SCATTER;
+  }
+  // Plus the optimizer step.
+  ASSERT_EQ(plan.memory().timeline_size(), memory_commands + 1);
+  for (const v1::TimelineEvent& e : plan.memory().timeline()) {
+    ASSERT_GE(e.command(), 0);
+    ASSERT_LT(e.command(), program.commands_size());
+    const v1::Command& c = program.commands(e.command());
+    if (e.op() == "step") {
+      EXPECT_EQ(c.op(), v1::Command::OPTIMIZER_STEP);
+      continue;
+    }
+    EXPECT_EQ(c.unit(), e.unit()) << e.ShortDebugString();
+    const v1::Command::Op op = e.op() == "unshard" || e.op() == "prefetch"
+                                   ? v1::Command::UNSHARD
+                               : e.op() == "reshard" ? v1::Command::RESHARD
+                               : e.op() == "grad"    ? v1::Command::ALLOC_GRAD
+                                                  : v1::Command::REDUCE_SCATTER;
+    EXPECT_EQ(c.op(), op) << e.ShortDebugString();
+    EXPECT_EQ(c.prefetch(), e.op() == "prefetch") << e.ShortDebugString();
+  }
 }
 
 TEST(StepModelTest, BadStepShapes) {

@@ -16,6 +16,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -310,6 +311,85 @@ TEST_F(InProcessCoordinatorTest, BadInputIsInvalidArgumentNamingTheField) {
                        HasSubstr("hf_config_json")));
 }
 
+TEST_F(InProcessCoordinatorTest, MembershipAndRendezvousRpcsAnswer) {
+  v1::RegisterWorkerRequest join;
+  join.set_address("127.0.0.1:1");
+  join.set_incarnation(5);
+  join.set_requested_rank(-1);
+  v1::RegisterWorkerResponse joined;
+  grpc::Status status = stub_->RegisterWorker(Context().get(), join, &joined);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(joined.rank(), 0);
+  EXPECT_EQ(joined.coordinator_incarnation(), service_->incarnation());
+  EXPECT_EQ(joined.heartbeat_interval_ms(), 10000 / 3);  // Default 10 s.
+
+  v1::HeartbeatRequest beat;
+  beat.set_rank(0);
+  beat.set_incarnation(6);
+  v1::HeartbeatResponse beat_response;
+  status = stub_->Heartbeat(Context().get(), beat, &beat_response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::ABORTED);
+
+  // A Get that waits is answered by a Put on another call.
+  v1::GetRequest get;
+  get.set_key("rdv");
+  get.set_wait_ms(10000);
+  v1::GetResponse got;
+  grpc::Status get_status;
+  std::thread getter(
+      [&] { get_status = stub_->Get(Context().get(), get, &got); });
+  absl::SleepFor(absl::Milliseconds(50));
+  v1::PutRequest put;
+  put.set_key("rdv");
+  put.set_value("hello");
+  v1::PutResponse put_response;
+  status = stub_->Put(Context().get(), put, &put_response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  getter.join();
+  ASSERT_TRUE(get_status.ok()) << get_status.error_message();
+  EXPECT_EQ(got.value(), "hello");
+
+  // A client deadline shorter than the wait cancels the call, and the
+  // server withdraws the wait.
+  get.set_key("never");
+  grpc::ClientContext short_context;
+  short_context.set_deadline(In(absl::Milliseconds(100)));
+  status = stub_->Get(&short_context, get, &got);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  const absl::Time limit = absl::Now() + absl::Seconds(5);
+  while (server_->waiting_calls() > 0 && absl::Now() < limit) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(server_->waiting_calls(), 0u);
+
+  v1::BarrierRequest barrier;
+  barrier.set_barrier_id("b");
+  barrier.set_participants(1);
+  v1::BarrierResponse barrier_response;
+  status = stub_->Barrier(Context().get(), barrier, &barrier_response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+}
+
+TEST_F(InProcessCoordinatorTest, ShutdownEndsWaitingCallsAtOnce) {
+  v1::GetRequest get;
+  get.set_key("never");
+  get.set_wait_ms(60000);
+  v1::GetResponse got;
+  grpc::Status get_status;
+  std::thread getter(
+      [&] { get_status = stub_->Get(Context().get(), get, &got); });
+  const absl::Time limit = absl::Now() + absl::Seconds(5);
+  while (server_->waiting_calls() == 0 && absl::Now() < limit) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(server_->waiting_calls(), 1u);
+  const absl::Time start = absl::Now();
+  server_->Shutdown(absl::Seconds(30));
+  getter.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_EQ(get_status.error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
 TEST_F(InProcessCoordinatorTest, LaterRpcsAnswerUnimplementedWithAMessage) {
   auto expect_unimplemented = [](const grpc::Status& status,
                                  const std::string& rpc) {
@@ -318,32 +398,6 @@ TEST_F(InProcessCoordinatorTest, LaterRpcsAnswerUnimplementedWithAMessage) {
         status.error_message(),
         AllOf(StartsWith(rpc + ": not implemented yet"), HasSubstr("issue")));
   };
-  {
-    v1::RegisterWorkerResponse r;
-    expect_unimplemented(stub_->RegisterWorker(Context().get(), {}, &r),
-                         "RegisterWorker");
-  }
-  {
-    v1::HeartbeatResponse r;
-    expect_unimplemented(stub_->Heartbeat(Context().get(), {}, &r),
-                         "Heartbeat");
-  }
-  {
-    v1::PutResponse r;
-    expect_unimplemented(stub_->Put(Context().get(), {}, &r), "Put");
-  }
-  {
-    v1::GetResponse r;
-    expect_unimplemented(stub_->Get(Context().get(), {}, &r), "Get");
-  }
-  {
-    v1::DeleteResponse r;
-    expect_unimplemented(stub_->Delete(Context().get(), {}, &r), "Delete");
-  }
-  {
-    v1::BarrierResponse r;
-    expect_unimplemented(stub_->Barrier(Context().get(), {}, &r), "Barrier");
-  }
   {
     v1::SubmitStepResponse r;
     expect_unimplemented(stub_->SubmitStep(Context().get(), {}, &r),

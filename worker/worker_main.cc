@@ -1,29 +1,50 @@
-// shardd-worker: one per GPU (or CPU rank). Serves the Worker service.
+// shardd-worker: one per GPU (or CPU rank). Serves the Worker service and,
+// with --coordinator, registers with the coordinator (which assigns the
+// rank) and heartbeats until it stops.
 //
-//   shardd-worker --listen=127.0.0.1:0 --device=cpu [--port_file=PATH]
+//   shardd-worker --listen=127.0.0.1:0 --device=cpu \
+//       [--coordinator=HOST:PORT] [--port_file=PATH]
+//
+// Exits 1 when the coordinator cannot be reached within
+// --coordinator_timeout. The port file is written once the worker is serving
+// and (with --coordinator) registered. Dashes and underscores in flag names
+// are interchangeable.
 
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/match.h"
+#include "absl/time/time.h"
 #include "common/grpc_server.h"
 #include "common/logging.h"
+#include "worker/coordinator_agent.h"
 #include "worker/grpc_worker_service.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:0",
           "host:port for the Worker service (port 0 picks a free one)");
 ABSL_FLAG(std::string, coordinator, "",
-          "coordinator host:port (registration lands with the workers issue)");
+          "coordinator host:port to register with (empty: run standalone)");
+ABSL_FLAG(absl::Duration, coordinator_timeout, absl::Seconds(30),
+          "give up (exit 1) when registration with the coordinator has not "
+          "succeeded within this, e.g. 30s");
+ABSL_FLAG(std::string, advertise_address, "",
+          "host:port the coordinator and other workers should dial (default: "
+          "the bound --listen address; set it when listening on 0.0.0.0)");
+ABSL_FLAG(int, requested_rank, -1,
+          "rank to ask the coordinator for (-1: any; the coordinator decides)");
 ABSL_FLAG(std::string, device, "cpu", "cpu or cuda:N");
 ABSL_FLAG(std::string, port_file, "",
           "if set, the bound port is written here once serving");
@@ -39,7 +60,21 @@ void OnSignal(int) { g_stop.store(true); }
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("shardd worker: holds shards, runs commands");
-  absl::ParseCommandLine(argc, argv);
+  // Accept dashed spellings (--port-file) of the underscore flag names.
+  std::vector<std::string> normalized(argv, argv + argc);
+  for (size_t i = 1; i < normalized.size(); ++i) {
+    std::string& arg = normalized[i];
+    if (arg == "--") break;
+    if (arg.rfind("--", 0) != 0) continue;
+    const size_t end = std::min(arg.find('='), arg.size());
+    for (size_t c = 2; c < end; ++c) {
+      if (arg[c] == '-') arg[c] = '_';
+    }
+  }
+  std::vector<char*> normalized_argv;
+  for (std::string& arg : normalized) normalized_argv.push_back(arg.data());
+  absl::ParseCommandLine(static_cast<int>(normalized_argv.size()),
+                         normalized_argv.data());
   shardd::SetJsonLogging(absl::GetFlag(FLAGS_log_json));
 
   const std::string device = absl::GetFlag(FLAGS_device);
@@ -59,6 +94,37 @@ int main(int argc, char** argv) {
                  running.status().ToString().c_str());
     return 1;
   }
+  // Register only once serving, so the coordinator never hands out an
+  // address that does not answer yet.
+  std::unique_ptr<shardd::CoordinatorAgent> agent;
+  const std::string coordinator = absl::GetFlag(FLAGS_coordinator);
+  if (!coordinator.empty()) {
+    shardd::CoordinatorAgentOptions agent_options;
+    agent_options.coordinator = coordinator;
+    agent_options.address = absl::GetFlag(FLAGS_advertise_address).empty()
+                                ? running->address
+                                : absl::GetFlag(FLAGS_advertise_address);
+    agent_options.device = device;
+    agent_options.requested_rank = absl::GetFlag(FLAGS_requested_rank);
+    agent_options.connect_timeout = absl::GetFlag(FLAGS_coordinator_timeout);
+    auto started = shardd::CoordinatorAgent::Start(agent_options);
+    if (!started.ok()) {
+      const bool unreachable =
+          started.status().code() == absl::StatusCode::kDeadlineExceeded ||
+          started.status().code() == absl::StatusCode::kUnavailable;
+      std::fprintf(stderr, "shardd-worker: --coordinator=%s: %s%s\n",
+                   coordinator.c_str(), started.status().ToString().c_str(),
+                   unreachable ? " (is the coordinator running and reachable? "
+                                 "--coordinator_timeout sets how long to try)"
+                               : "");
+      running->server->Shutdown(std::chrono::system_clock::now());
+      return 1;
+    }
+    agent = *std::move(started);
+    SHARDD_LOG(INFO) << "shardd-worker registered with " << coordinator
+                     << " as rank " << agent->rank();
+  }
+
   const std::string port_file = absl::GetFlag(FLAGS_port_file);
   if (!port_file.empty()) {
     // Write then rename so readers never see a partial file.
@@ -74,6 +140,9 @@ int main(int argc, char** argv) {
   while (!g_stop.load()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
+  // Stop heartbeating first: the coordinator then sees this worker leave
+  // (after its heartbeat timeout) rather than a worker that stops answering.
+  if (agent != nullptr) agent->Stop();
   running->server->Shutdown(std::chrono::system_clock::now() +
                             std::chrono::seconds(5));
   SHARDD_LOG(INFO) << "shardd-worker stopped";

@@ -1,0 +1,417 @@
+#include "kernels/cpu/grouped_experts.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace shardd {
+namespace kernels {
+namespace {
+
+constexpr int64_t kMaxBlasInt = std::numeric_limits<int>::max();
+
+template <typename T>
+void GrowTo(std::vector<T>& v, size_t n) {
+  // Never shrink: resize() would value-initialize the tail again next time.
+  if (v.size() < n) v.resize(n);
+}
+
+template <typename T>
+size_t CapacityBytes(const std::vector<T>& v) {
+  return v.capacity() * sizeof(T);
+}
+
+absl::Status ValidateDims(const ExpertDims& d) {
+  if (d.tokens < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("experts tokens must be >= 0, got ", d.tokens));
+  }
+  if (d.dim < 1 || d.dim > kMaxBlasInt) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "experts dim must be in [1, ", kMaxBlasInt, "], got ", d.dim));
+  }
+  if (d.intermediate < 1 || 2 * d.intermediate > kMaxBlasInt) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("experts intermediate must be in [1, ", kMaxBlasInt / 2,
+                     "], got ", d.intermediate));
+  }
+  if (d.experts < 1 || d.experts > kMaxBlasInt) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "experts count must be in [1, ", kMaxBlasInt, "], got ", d.experts));
+  }
+  if (d.top_k < 1 || d.top_k > d.experts) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("experts top_k must be in [1, experts=", d.experts,
+                     "], got ", d.top_k));
+  }
+  // Rows are counted and addressed as int32 and passed to cblas as int.
+  if (d.tokens > kMaxBlasInt / d.top_k) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("experts tokens * top_k must be at most ", kMaxBlasInt,
+                     ", got ", d.tokens, " * ", d.top_k));
+  }
+  return absl::OkStatus();
+}
+
+bool SameDims(const ExpertDims& a, const ExpertDims& b) {
+  return a.tokens == b.tokens && a.dim == b.dim &&
+         a.intermediate == b.intermediate && a.experts == b.experts &&
+         a.top_k == b.top_k;
+}
+
+// The activation loops are built for AVX-512, AVX2 and baseline x86-64 and
+// the best one is picked at load time (GCC function multi-versioning). The
+// results are the same bit for bit on every path: no FMA contraction under
+// -std=c++17, per-lane arithmetic only, and fixed-lane reductions.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define SHARDD_SIMD_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define SHARDD_SIMD_CLONES
+#endif
+
+// exp(x) that the compiler can vectorize (libm's expf is a call): Cody-Waite
+// range reduction x = n ln2 + r and Cephes' degree-6 polynomial for e^r, a
+// few ulp from expf. x is clamped to [-40, 40]: beyond it tanh and the upper
+// sigmoid are exactly +-1 in fp32 anyway, and silu(g < -40) is off by under
+// 1e-15 absolute. (The compiler evaluates the saturated branch in every
+// vector lane; with a wider clamp, e.g. [-87, 88], that branch makes
+// subnormals whose microcode assists cost 10x.) NaN maps to -40; callers
+// multiply by g, which carries the NaN on.
+inline float VecExp(float x) {
+  x = x > -40.0f ? x : -40.0f;
+  x = x < 40.0f ? x : 40.0f;
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: x + kRound rounds x
+  const float n = (x * 1.44269504088896341f + kRound) - kRound;
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// The gate nonlinearities f(g) and their derivatives f'(g).
+struct Silu {
+  static float Value(float g) { return g / (1.0f + VecExp(-g)); }
+  static void ValueAndGrad(float g, float* f, float* df) {
+    const float s = 1.0f / (1.0f + VecExp(-g));
+    *f = g * s;
+    *df = s * (1.0f + g * (1.0f - s));
+  }
+};
+
+struct GeluTanh {
+  static constexpr float kC = 0.7978845608028654f;  // sqrt(2 / pi)
+  static constexpr float kA = 0.044715f;
+  // tanh(z) = 1 - 2 / (1 + e^(2z)), saturating cleanly at +-1.
+  static float Tanh(float z) { return 1.0f - 2.0f / (1.0f + VecExp(2.0f * z)); }
+  static float Value(float g) {
+    return 0.5f * g * (1.0f + Tanh(kC * (g + kA * g * g * g)));
+  }
+  static void ValueAndGrad(float g, float* f, float* df) {
+    const float th = Tanh(kC * (g + kA * g * g * g));
+    *f = 0.5f * g * (1.0f + th);
+    *df = 0.5f * (1.0f + th) +
+          0.5f * g * (1.0f - th * th) * kC * (1.0f + 3.0f * kA * g * g);
+  }
+};
+
+// a[r, i] = f(h[r, i]) * h[r, I + i] * w[r] for n rows.
+template <typename Act>
+SHARDD_SIMD_CLONES void ActivationForward(const float* h, const float* w,
+                                          int64_t n, int64_t inter, float* a) {
+  for (int64_t r = 0; r < n; ++r) {
+    const float* __restrict g = h + r * 2 * inter;
+    const float* __restrict u = g + inter;
+    float* __restrict out = a + r * inter;
+    const float wr = w[r];
+#pragma omp simd
+    for (int64_t i = 0; i < inter; ++i) out[i] = Act::Value(g[i]) * u[i] * wr;
+  }
+}
+
+// From da = dL/da [n, I]: dh = dL/dh [n, 2I] and dw[r] = dL/dw[r].
+template <typename Act>
+SHARDD_SIMD_CLONES void ActivationBackward(const float* h, const float* w,
+                                           const float* da, int64_t n,
+                                           int64_t inter, float* dh,
+                                           float* dw) {
+  // dw[r] is summed in kLanes fixed partial sums, so the result does not
+  // depend on the vector width the compiler picked.
+  constexpr int64_t kLanes = 8;
+  for (int64_t r = 0; r < n; ++r) {
+    const float* __restrict g = h + r * 2 * inter;
+    const float* __restrict u = g + inter;
+    const float* __restrict dar = da + r * inter;
+    float* __restrict dg = dh + r * 2 * inter;
+    float* __restrict du = dg + inter;
+    const float wr = w[r];
+    float acc[kLanes] = {};
+    for (int64_t base = 0; base < inter; base += kLanes) {
+      const int64_t lanes = inter - base < kLanes ? inter - base : kLanes;
+#pragma omp simd
+      for (int64_t l = 0; l < lanes; ++l) {
+        const int64_t i = base + l;
+        float f, df;
+        Act::ValueAndGrad(g[i], &f, &df);
+        acc[l] += dar[i] * f * u[i];
+        const float daw = dar[i] * wr;
+        dg[i] = daw * u[i] * df;
+        du[i] = daw * f;
+      }
+    }
+    float sum = 0.0f;
+    for (int64_t l = 0; l < kLanes; ++l) sum += acc[l];
+    dw[r] = sum;
+  }
+}
+
+// out[t] (+)= sum over k of rows[row_of_slot[t * K + k]], skipping masked
+// slots; k order makes the sum deterministic.
+void ScatterRows(const float* rows, const int32_t* row_of_slot, int64_t tokens,
+                 int64_t top_k, int64_t d, bool accumulate, float* out) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    float* __restrict dst = out + t * d;
+    bool written = accumulate;
+    for (int64_t k = 0; k < top_k; ++k) {
+      const int32_t row = row_of_slot[t * top_k + k];
+      if (row < 0) continue;
+      const float* __restrict src = rows + static_cast<int64_t>(row) * d;
+      if (written) {
+#pragma omp simd
+        for (int64_t j = 0; j < d; ++j) dst[j] += src[j];
+      } else {
+        std::memcpy(dst, src, sizeof(float) * d);
+        written = true;
+      }
+    }
+    if (!written) std::memset(dst, 0, sizeof(float) * d);
+  }
+}
+
+}  // namespace
+
+size_t GroupedExpertsWorkspace::bytes() const {
+  return CapacityBytes(expert_offsets) + CapacityBytes(expert_cursor) +
+         CapacityBytes(row_token) + CapacityBytes(row_of_slot) +
+         CapacityBytes(row_weight) + CapacityBytes(row_dweight) +
+         CapacityBytes(xs) + CapacityBytes(h) + CapacityBytes(a) +
+         CapacityBytes(o) + CapacityBytes(da) + CapacityBytes(dh) +
+         CapacityBytes(dxs);
+}
+
+absl::Status GroupedExpertsForward(const ExpertDims& dims,
+                                   GatedActivation activation, const float* x,
+                                   const int32_t* indices, const float* weights,
+                                   const bool* token_mask, const float* w_gu,
+                                   const float* w_d, float* y,
+                                   GroupedExpertsWorkspace* ws) {
+  SHARDD_RETURN_IF_ERROR(ValidateDims(dims));
+  if (ws == nullptr) {
+    return absl::InvalidArgumentError("experts workspace must not be null");
+  }
+  const int64_t t_count = dims.tokens, d = dims.dim, inter = dims.intermediate,
+                e_count = dims.experts, k = dims.top_k;
+  if (t_count > 0 &&
+      (x == nullptr || indices == nullptr || weights == nullptr ||
+       w_gu == nullptr || w_d == nullptr || y == nullptr)) {
+    return absl::InvalidArgumentError(
+        "experts x, indices, weights, w_gu, w_d and y must not be null when "
+        "tokens > 0");
+  }
+  ws->has_forward = false;
+  const int64_t slots = t_count * k;
+
+  // Stable counting sort of the assignments by expert.
+  GrowTo(ws->expert_offsets, static_cast<size_t>(e_count + 1));
+  GrowTo(ws->expert_cursor, static_cast<size_t>(e_count));
+  GrowTo(ws->row_of_slot, static_cast<size_t>(slots));
+  int64_t* offsets = ws->expert_offsets.data();
+  std::fill(offsets, offsets + e_count + 1, 0);
+  for (int64_t t = 0; t < t_count; ++t) {
+    if (token_mask != nullptr && !token_mask[t]) continue;
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t e = indices[t * k + j];
+      if (e < 0 || e >= e_count) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("experts indices[", t, ", ", j, "] must be in [0, ",
+                         e_count, "), got ", e));
+      }
+      ++offsets[e + 1];
+    }
+  }
+  for (int64_t e = 0; e < e_count; ++e) offsets[e + 1] += offsets[e];
+  const int64_t n = offsets[e_count];
+  GrowTo(ws->row_token, static_cast<size_t>(n));
+  GrowTo(ws->row_weight, static_cast<size_t>(n));
+  GrowTo(ws->xs, static_cast<size_t>(n * d));
+  GrowTo(ws->h, static_cast<size_t>(n * 2 * inter));
+  GrowTo(ws->a, static_cast<size_t>(n * inter));
+  GrowTo(ws->o, static_cast<size_t>(n * d));
+  int64_t* cursor = ws->expert_cursor.data();
+  std::copy(offsets, offsets + e_count, cursor);
+  for (int64_t t = 0; t < t_count; ++t) {
+    const bool live = token_mask == nullptr || token_mask[t];
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t slot = t * k + j;
+      if (!live) {
+        ws->row_of_slot[slot] = -1;
+        continue;
+      }
+      const int64_t row = cursor[indices[slot]]++;
+      ws->row_of_slot[slot] = static_cast<int32_t>(row);
+      ws->row_token[row] = static_cast<int32_t>(t);
+      ws->row_weight[row] = weights[slot];
+      std::memcpy(ws->xs.data() + row * d, x + t * d, sizeof(float) * d);
+    }
+  }
+
+  const int64_t gu_stride = d * 2 * inter, d_stride = inter * d;
+  for (int64_t e = 0; e < e_count; ++e) {
+    const int64_t begin = offsets[e], rows = offsets[e + 1] - begin;
+    if (rows == 0) continue;  // contributes nothing; see the header
+    float* h = ws->h.data() + begin * 2 * inter;
+    float* a = ws->a.data() + begin * inter;
+    // h[n_e, 2I] = Xe[n_e, D] @ W_gu[e][D, 2I].
+    cblas_sgemm(
+        CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows),
+        static_cast<int>(2 * inter), static_cast<int>(d), 1.0f,
+        ws->xs.data() + begin * d, static_cast<int>(d), w_gu + e * gu_stride,
+        static_cast<int>(2 * inter), 0.0f, h, static_cast<int>(2 * inter));
+    // Activated while h is still in cache.
+    const float* w = ws->row_weight.data() + begin;
+    if (activation == GatedActivation::kSwiGLU) {
+      ActivationForward<Silu>(h, w, rows, inter, a);
+    } else {
+      ActivationForward<GeluTanh>(h, w, rows, inter, a);
+    }
+    // o[n_e, D] = a[n_e, I] @ W_d[e][I, D].
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans,
+                static_cast<int>(rows), static_cast<int>(d),
+                static_cast<int>(inter), 1.0f, a, static_cast<int>(inter),
+                w_d + e * d_stride, static_cast<int>(d), 0.0f,
+                ws->o.data() + begin * d, static_cast<int>(d));
+  }
+  ScatterRows(ws->o.data(), ws->row_of_slot.data(), t_count, k, d,
+              /*accumulate=*/false, y);
+
+  ws->dims = dims;
+  ws->activation = activation;
+  ws->rows = n;
+  ws->has_forward = true;
+  return absl::OkStatus();
+}
+
+absl::Status GroupedExpertsBackward(
+    const ExpertDims& dims, GatedActivation activation, const float* w_gu,
+    const float* w_d, const float* dy, float* dx, bool accumulate_dx,
+    float* d_weights, float* dw_gu, float* dw_d, GroupedExpertsWorkspace* ws) {
+  if (ws == nullptr || !ws->has_forward) {
+    return absl::FailedPreconditionError(
+        "GroupedExpertsBackward needs a workspace filled by "
+        "GroupedExpertsForward");
+  }
+  if (!SameDims(dims, ws->dims) || activation != ws->activation) {
+    return absl::FailedPreconditionError(
+        "GroupedExpertsBackward dims or activation differ from the forward's");
+  }
+  const int64_t t_count = dims.tokens, d = dims.dim, inter = dims.intermediate,
+                e_count = dims.experts, k = dims.top_k;
+  if (t_count == 0) return absl::OkStatus();
+  if (dy == nullptr || w_d == nullptr || (dx != nullptr && w_gu == nullptr)) {
+    return absl::InvalidArgumentError(
+        "experts dy and w_d (and w_gu for dx) must not be null");
+  }
+  const int64_t n = ws->rows;
+  GrowTo(ws->da, static_cast<size_t>(n * inter));
+  GrowTo(ws->row_dweight, static_cast<size_t>(n));
+  GrowTo(ws->dh, static_cast<size_t>(n * 2 * inter));
+  if (dx != nullptr) GrowTo(ws->dxs, static_cast<size_t>(n * d));
+
+  // dO: dy gathered into expert order (reuses the forward's o buffer).
+  float* d_o = ws->o.data();
+  for (int64_t row = 0; row < n; ++row) {
+    std::memcpy(d_o + row * d,
+                dy + static_cast<int64_t>(ws->row_token[row]) * d,
+                sizeof(float) * d);
+  }
+
+  const int64_t* offsets = ws->expert_offsets.data();
+  const int64_t gu_stride = d * 2 * inter, d_stride = inter * d;
+  for (int64_t e = 0; e < e_count; ++e) {
+    const int64_t begin = offsets[e], rows = offsets[e + 1] - begin;
+    if (rows == 0) continue;  // dW += 0: the buffers keep their values
+    const float* d_oe = d_o + begin * d;
+    float* da = ws->da.data() + begin * inter;
+    // dA[n_e, I] = dO[n_e, D] @ W_d[e]^T.
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows),
+                static_cast<int>(inter), static_cast<int>(d), 1.0f, d_oe,
+                static_cast<int>(d), w_d + e * d_stride, static_cast<int>(d),
+                0.0f, da, static_cast<int>(inter));
+    if (dw_d != nullptr) {
+      // dW_d[e][I, D] += A[n_e, I]^T @ dO[n_e, D].
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans,
+                  static_cast<int>(inter), static_cast<int>(d),
+                  static_cast<int>(rows), 1.0f, ws->a.data() + begin * inter,
+                  static_cast<int>(inter), d_oe, static_cast<int>(d), 1.0f,
+                  dw_d + e * d_stride, static_cast<int>(d));
+    }
+    const float* h = ws->h.data() + begin * 2 * inter;
+    const float* w = ws->row_weight.data() + begin;
+    float* dwr = ws->row_dweight.data() + begin;
+    float* dh = ws->dh.data() + begin * 2 * inter;
+    if (activation == GatedActivation::kSwiGLU) {
+      ActivationBackward<Silu>(h, w, da, rows, inter, dh, dwr);
+    } else {
+      ActivationBackward<GeluTanh>(h, w, da, rows, inter, dh, dwr);
+    }
+    if (dw_gu != nullptr) {
+      // dW_gu[e][D, 2I] += Xe[n_e, D]^T @ dH[n_e, 2I].
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(d),
+                  static_cast<int>(2 * inter), static_cast<int>(rows), 1.0f,
+                  ws->xs.data() + begin * d, static_cast<int>(d), dh,
+                  static_cast<int>(2 * inter), 1.0f, dw_gu + e * gu_stride,
+                  static_cast<int>(2 * inter));
+    }
+    if (dx != nullptr) {
+      // dXs[n_e, D] = dH[n_e, 2I] @ W_gu[e]^T.
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans,
+                  static_cast<int>(rows), static_cast<int>(d),
+                  static_cast<int>(2 * inter), 1.0f, dh,
+                  static_cast<int>(2 * inter), w_gu + e * gu_stride,
+                  static_cast<int>(2 * inter), 0.0f, ws->dxs.data() + begin * d,
+                  static_cast<int>(d));
+    }
+  }
+
+  if (d_weights != nullptr) {
+    for (int64_t slot = 0; slot < t_count * k; ++slot) {
+      const int32_t row = ws->row_of_slot[slot];
+      d_weights[slot] = row < 0 ? 0.0f : ws->row_dweight[row];
+    }
+  }
+  if (dx != nullptr) {
+    ScatterRows(ws->dxs.data(), ws->row_of_slot.data(), t_count, k, d,
+                accumulate_dx, dx);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kernels
+}  // namespace shardd

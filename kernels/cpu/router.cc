@@ -1,0 +1,214 @@
+#include "kernels/cpu/router.h"
+
+#include <cblas.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace shardd {
+namespace kernels {
+namespace {
+
+constexpr float kMinDenominator = 1e-20f;
+constexpr int64_t kMaxBlasInt = std::numeric_limits<int>::max();
+
+template <typename T>
+void GrowTo(std::vector<T>& v, size_t n) {
+  // Never shrink: resize() would value-initialize the tail again next time.
+  if (v.size() < n) v.resize(n);
+}
+
+template <typename T>
+size_t CapacityBytes(const std::vector<T>& v) {
+  return v.capacity() * sizeof(T);
+}
+
+absl::Status ValidateDims(const RouterDims& d) {
+  if (d.tokens < 0 || d.tokens > kMaxBlasInt) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "router tokens must be in [0, ", kMaxBlasInt, "], got ", d.tokens));
+  }
+  if (d.dim < 1 || d.dim > kMaxBlasInt) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "router dim must be in [1, ", kMaxBlasInt, "], got ", d.dim));
+  }
+  if (d.experts < 1 || d.experts > kMaxBlasInt) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "router experts must be in [1, ", kMaxBlasInt, "], got ", d.experts));
+  }
+  if (d.top_k < 1 || d.top_k > d.experts) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "router top_k must be in [1, experts=", d.experts, "], got ", d.top_k));
+  }
+  return absl::OkStatus();
+}
+
+bool SameDims(const RouterDims& a, const RouterDims& b) {
+  return a.tokens == b.tokens && a.dim == b.dim && a.experts == b.experts &&
+         a.top_k == b.top_k;
+}
+
+// In-place softmax of one row of n logits.
+void SoftmaxRow(float* row, int64_t n) {
+  float max_v = row[0];
+  for (int64_t e = 1; e < n; ++e) max_v = row[e] > max_v ? row[e] : max_v;
+  float sum = 0.0f;
+  for (int64_t e = 0; e < n; ++e) {
+    row[e] = std::exp(row[e] - max_v);
+    sum += row[e];
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t e = 0; e < n; ++e) row[e] *= inv;
+}
+
+// Writes the k largest of probs[0..n) into idx/val, largest first. Insertion
+// only on a strictly larger value keeps lower indices ahead of equal ones.
+// The first k experts are always taken in, so idx is always k distinct valid
+// experts even when probs hold NaN.
+void TopKRow(const float* probs, int64_t n, int64_t k, int32_t* idx,
+             float* val) {
+  int64_t count = 0;
+  for (int64_t e = 0; e < n; ++e) {
+    const float p = probs[e];
+    if (count == k && !(p > val[k - 1])) continue;
+    int64_t pos = count < k ? count : k - 1;
+    while (pos > 0 && p > val[pos - 1]) {
+      val[pos] = val[pos - 1];
+      idx[pos] = idx[pos - 1];
+      --pos;
+    }
+    val[pos] = p;
+    idx[pos] = static_cast<int32_t>(e);
+    if (count < k) ++count;
+  }
+}
+
+}  // namespace
+
+size_t RouterCache::bytes() const {
+  return CapacityBytes(probs) + CapacityBytes(indices) + CapacityBytes(denom) +
+         CapacityBytes(d_logits);
+}
+
+absl::Status RouterForward(const RouterDims& dims, const float* x,
+                           const float* w, int32_t* indices, float* weights,
+                           RouterCache* cache) {
+  SHARDD_RETURN_IF_ERROR(ValidateDims(dims));
+  if (cache == nullptr) {
+    return absl::InvalidArgumentError("router cache must not be null");
+  }
+  const int64_t t_count = dims.tokens, d = dims.dim, e_count = dims.experts,
+                k = dims.top_k;
+  if (t_count > 0 && (x == nullptr || w == nullptr || indices == nullptr ||
+                      weights == nullptr)) {
+    return absl::InvalidArgumentError(
+        "router x, w, indices and weights must not be null when tokens > 0");
+  }
+  cache->has_forward = false;
+  GrowTo(cache->probs, static_cast<size_t>(t_count * e_count));
+  GrowTo(cache->indices, static_cast<size_t>(t_count * k));
+  GrowTo(cache->denom, static_cast<size_t>(t_count));
+  float* probs = cache->probs.data();
+  if (t_count > 0) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans,
+                static_cast<int>(t_count), static_cast<int>(e_count),
+                static_cast<int>(d), 1.0f, x, static_cast<int>(d), w,
+                static_cast<int>(d), 0.0f, probs, static_cast<int>(e_count));
+  }
+  for (int64_t t = 0; t < t_count; ++t) {
+    float* p = probs + t * e_count;
+    SoftmaxRow(p, e_count);
+    int32_t* idx = indices + t * k;
+    float* wt = weights + t * k;
+    TopKRow(p, e_count, k, idx, wt);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < k; ++j) sum += wt[j];
+    const float denom = sum > kMinDenominator ? sum : kMinDenominator;
+    const float inv = 1.0f / denom;
+    for (int64_t j = 0; j < k; ++j) wt[j] *= inv;
+    cache->denom[t] = denom;
+    for (int64_t j = 0; j < k; ++j) cache->indices[t * k + j] = idx[j];
+  }
+  cache->dims = dims;
+  cache->has_forward = true;
+  return absl::OkStatus();
+}
+
+absl::Status RouterBackward(const RouterDims& dims, const float* x,
+                            const float* w, const float* d_weights, float* dx,
+                            bool accumulate_dx, float* dw, RouterCache* cache) {
+  if (cache == nullptr || !cache->has_forward) {
+    return absl::FailedPreconditionError(
+        "RouterBackward needs a cache filled by RouterForward");
+  }
+  if (!SameDims(dims, cache->dims)) {
+    return absl::FailedPreconditionError(
+        "RouterBackward dims differ from the forward's");
+  }
+  const int64_t t_count = dims.tokens, d = dims.dim, e_count = dims.experts,
+                k = dims.top_k;
+  if (t_count == 0) return absl::OkStatus();
+  if (d_weights == nullptr) {
+    return absl::InvalidArgumentError("router d_weights must not be null");
+  }
+  if (dx != nullptr && w == nullptr) {
+    return absl::InvalidArgumentError("router w is needed to compute dx");
+  }
+  if (dw != nullptr && x == nullptr) {
+    return absl::InvalidArgumentError("router x is needed to compute dw");
+  }
+  if (dx == nullptr && dw == nullptr) return absl::OkStatus();
+
+  GrowTo(cache->d_logits, static_cast<size_t>(t_count * e_count));
+  float* d_logits = cache->d_logits.data();
+  for (int64_t t = 0; t < t_count; ++t) {
+    const float* p = cache->probs.data() + t * e_count;
+    const int32_t* idx = cache->indices.data() + t * k;
+    const float* dwt = d_weights + t * k;
+    const float denom = cache->denom[t];
+    const float inv = 1.0f / denom;
+    // w_j = p_j / S: dL/dp_j = (dw_j - sum_i dw_i w_i) / S, unless S was
+    // clamped, in which case S is a constant.
+    float raw_sum = 0.0f;
+    for (int64_t j = 0; j < k; ++j) raw_sum += p[idx[j]];
+    float dot = 0.0f;
+    if (raw_sum > kMinDenominator) {
+      for (int64_t j = 0; j < k; ++j) dot += dwt[j] * p[idx[j]] * inv;
+    }
+    // Softmax backward: dlogit_e = p_e (dp_e - sum_j p_j dp_j), where dp is
+    // non-zero only on the selected experts.
+    float inner = 0.0f;
+    for (int64_t j = 0; j < k; ++j) inner += p[idx[j]] * (dwt[j] - dot) * inv;
+    float* dl = d_logits + t * e_count;
+    for (int64_t e = 0; e < e_count; ++e) dl[e] = -p[e] * inner;
+    for (int64_t j = 0; j < k; ++j) {
+      dl[idx[j]] += p[idx[j]] * (dwt[j] - dot) * inv;
+    }
+  }
+  if (dx != nullptr) {
+    // dx[T, D] = d_logits[T, E] @ W[E, D].
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans,
+                static_cast<int>(t_count), static_cast<int>(d),
+                static_cast<int>(e_count), 1.0f, d_logits,
+                static_cast<int>(e_count), w, static_cast<int>(d),
+                accumulate_dx ? 1.0f : 0.0f, dx, static_cast<int>(d));
+  }
+  if (dw != nullptr) {
+    // dW[E, D] += d_logits^T[E, T] @ x[T, D].
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans,
+                static_cast<int>(e_count), static_cast<int>(d),
+                static_cast<int>(t_count), 1.0f, d_logits,
+                static_cast<int>(e_count), x, static_cast<int>(d), 1.0f, dw,
+                static_cast<int>(d));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kernels
+}  // namespace shardd

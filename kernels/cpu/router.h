@@ -1,0 +1,76 @@
+#ifndef SHARDD_KERNELS_CPU_ROUTER_H_
+#define SHARDD_KERNELS_CPU_ROUTER_H_
+
+// MoE router on the CPU, fp32: a bias-free linear layer, softmax over all
+// experts, top-k, and renormalization of the k selected weights (NeMo's
+// Gemma4Gate steps 3-4, without its input norm and scale, which the model
+// applies before calling this).
+//
+//   logits[T, E]  = x[T, D] @ W[E, D]^T                    (cblas_sgemm)
+//   probs[t, :]   = softmax(logits[t, :])
+//   indices[t, :] = top-k of probs[t, :], largest first; equal probabilities
+//                   are ordered by the lower expert index (deterministic)
+//   weights[t, k] = probs[t, indices[t, k]] / max(sum_j probs[t, idx_j], 1e-20)
+//
+// All arrays are dense, row-major, with the shapes given in brackets. GEMMs
+// run on OpenBLAS, whose thread count is the caller's business
+// (openblas_set_num_threads or OPENBLAS_NUM_THREADS); everything else is a
+// single-threaded loop that allocates nothing once the cache is warm.
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace shardd {
+namespace kernels {
+
+struct RouterDims {
+  int64_t tokens = 0;   // T >= 0
+  int64_t dim = 0;      // D >= 1
+  int64_t experts = 0;  // E >= 1
+  int64_t top_k = 0;    // K in [1, E]
+};
+
+// What RouterForward saves for RouterBackward, plus backward scratch. Owned
+// by the caller, one per router call that still needs its backward (e.g. one
+// per layer and pass); reused across steps, it only grows. Not thread-safe.
+struct RouterCache {
+  RouterDims dims;               // of the last forward
+  bool has_forward = false;      // set by a successful RouterForward
+  std::vector<float> probs;      // [T, E] softmax output
+  std::vector<int32_t> indices;  // [T, K] copy of the selected experts
+  std::vector<float> denom;      // [T] clamped sum of the selected probs
+  std::vector<float> d_logits;   // [T, E] backward scratch
+
+  // Bytes held (capacity), for memory accounting.
+  size_t bytes() const;
+};
+
+// Forward. x: [T, D]; w: [E, D]; indices: [T, K] out; weights: [T, K] out.
+// x, w, indices and weights may be null only when T == 0.
+// Errors: INVALID_ARGUMENT for a negative T, D or E < 1, K outside [1, E],
+// a dimension that does not fit cblas' int, or a null pointer.
+absl::Status RouterForward(const RouterDims& dims, const float* x,
+                           const float* w, int32_t* indices, float* weights,
+                           RouterCache* cache);
+
+// Backward of RouterForward, given d_weights = dL/dweights [T, K].
+//   dx [T, D]: dL/dx. Overwritten, or added to when `accumulate_dx` is true
+//     (useful when x also feeds another branch). Null skips it.
+//   dw [E, D]: dL/dW, always ADDED to (gradients accumulate across passes and
+//     micro-batches; zero it at the start of a step). Null skips it: a frozen
+//     router just passes dw = nullptr, and then x may be null too.
+// x [T, D] and w [E, D] must be the forward's inputs. Gradients are those of
+// the piecewise-smooth function with the top-k selection held fixed.
+// Errors: FAILED_PRECONDITION if `cache` holds no forward or `dims` differ
+// from the forward's; INVALID_ARGUMENT for a required null pointer.
+absl::Status RouterBackward(const RouterDims& dims, const float* x,
+                            const float* w, const float* d_weights, float* dx,
+                            bool accumulate_dx, float* dw, RouterCache* cache);
+
+}  // namespace kernels
+}  // namespace shardd
+
+#endif  // SHARDD_KERNELS_CPU_ROUTER_H_

@@ -1,0 +1,348 @@
+#include "kernels/cpu/router.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace shardd {
+namespace kernels {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+std::vector<float> RandomVector(size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(-scale, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+// The router written plainly in double. With `fixed` non-null the selection
+// is taken from it instead of being recomputed, which is the function whose
+// gradient RouterBackward returns.
+struct RefOut {
+  std::vector<double> probs;     // [T, E]
+  std::vector<int32_t> indices;  // [T, K]
+  std::vector<double> weights;   // [T, K]
+};
+
+RefOut RefRouter(const RouterDims& dm, const std::vector<double>& x,
+                 const std::vector<double>& w, const int32_t* fixed) {
+  RefOut out;
+  out.probs.assign(dm.tokens * dm.experts, 0.0);
+  out.indices.assign(dm.tokens * dm.top_k, 0);
+  out.weights.assign(dm.tokens * dm.top_k, 0.0);
+  for (int64_t t = 0; t < dm.tokens; ++t) {
+    std::vector<double> logit(dm.experts);
+    for (int64_t e = 0; e < dm.experts; ++e) {
+      double s = 0.0;
+      for (int64_t j = 0; j < dm.dim; ++j) {
+        s += x[t * dm.dim + j] * w[e * dm.dim + j];
+      }
+      logit[e] = s;
+    }
+    const double mx = *std::max_element(logit.begin(), logit.end());
+    double z = 0.0;
+    for (double l : logit) z += std::exp(l - mx);
+    double* p = &out.probs[t * dm.experts];
+    for (int64_t e = 0; e < dm.experts; ++e) p[e] = std::exp(logit[e] - mx) / z;
+    // Selection: a full sort by (prob desc, index asc).
+    std::vector<int32_t> order(dm.experts);
+    for (int64_t e = 0; e < dm.experts; ++e) order[e] = e;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int32_t a, int32_t b) { return p[a] > p[b]; });
+    double sum = 0.0;
+    for (int64_t k = 0; k < dm.top_k; ++k) {
+      const int32_t e = fixed ? fixed[t * dm.top_k + k] : order[k];
+      out.indices[t * dm.top_k + k] = e;
+      sum += p[e];
+    }
+    for (int64_t k = 0; k < dm.top_k; ++k) {
+      out.weights[t * dm.top_k + k] =
+          p[out.indices[t * dm.top_k + k]] / std::max(sum, 1e-20);
+    }
+  }
+  return out;
+}
+
+std::vector<double> ToDouble(const std::vector<float>& v) {
+  return std::vector<double>(v.begin(), v.end());
+}
+
+// L = sum_{t,k} r[t,k] * weights[t,k] with the selection fixed.
+double RefLoss(const RouterDims& dm, const std::vector<double>& x,
+               const std::vector<double>& w, const int32_t* fixed,
+               const std::vector<float>& r) {
+  const RefOut out = RefRouter(dm, x, w, fixed);
+  double loss = 0.0;
+  for (size_t i = 0; i < r.size(); ++i) loss += r[i] * out.weights[i];
+  return loss;
+}
+
+// Central differences of RefLoss with respect to every entry of `param`.
+std::vector<double> FiniteDiff(const RouterDims& dm, std::vector<double> x,
+                               std::vector<double> w, bool wrt_x,
+                               const int32_t* fixed,
+                               const std::vector<float>& r) {
+  constexpr double kEps = 1e-3;
+  std::vector<double>& param = wrt_x ? x : w;
+  std::vector<double> grad(param.size());
+  for (size_t i = 0; i < param.size(); ++i) {
+    const double saved = param[i];
+    param[i] = saved + kEps;
+    const double up = RefLoss(dm, x, w, fixed, r);
+    param[i] = saved - kEps;
+    const double down = RefLoss(dm, x, w, fixed, r);
+    param[i] = saved;
+    grad[i] = (up - down) / (2 * kEps);
+  }
+  return grad;
+}
+
+void ExpectClose(const std::vector<float>& got, const std::vector<double>& want,
+                 double rel_tol, const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  double scale = 1e-3;  // absolute floor for all-zero gradients
+  for (double v : want) scale = std::max(scale, std::abs(v));
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_NEAR(got[i], want[i], rel_tol * scale) << what << "[" << i << "]";
+  }
+}
+
+TEST(RouterTest, ZeroWeightsSelectFirstExpertsWithEqualWeights) {
+  // All logits 0 => probs 1/E everywhere; ties go to the lowest indices.
+  const RouterDims dm{3, 4, 5, 3};
+  std::vector<float> x = RandomVector(3 * 4, 1);
+  std::vector<float> w(5 * 4, 0.0f);
+  std::vector<int32_t> idx(3 * 3, -7);
+  std::vector<float> wt(3 * 3, -7.0f);
+  RouterCache cache;
+  SHARDD_ASSERT_OK(
+      RouterForward(dm, x.data(), w.data(), idx.data(), wt.data(), &cache));
+  for (int t = 0; t < 3; ++t) {
+    EXPECT_THAT(
+        std::vector<int32_t>(idx.begin() + 3 * t, idx.begin() + 3 * t + 3),
+        ElementsAre(0, 1, 2));
+    for (int k = 0; k < 3; ++k) EXPECT_FLOAT_EQ(wt[3 * t + k], 1.0f / 3.0f);
+    for (int e = 0; e < 5; ++e) EXPECT_FLOAT_EQ(cache.probs[5 * t + e], 0.2f);
+  }
+}
+
+TEST(RouterTest, TiesGoToTheLowerExpertIndex) {
+  // D = 1, x = 1: logits are W itself = [0, 2, 2, 1]; experts 1 and 2 tie.
+  std::vector<float> x = {1.0f};
+  std::vector<float> w = {0.0f, 2.0f, 2.0f, 1.0f};
+  RouterCache cache;
+  {
+    std::vector<int32_t> idx(1);
+    std::vector<float> wt(1);
+    SHARDD_ASSERT_OK(RouterForward({1, 1, 4, 1}, x.data(), w.data(), idx.data(),
+                                   wt.data(), &cache));
+    EXPECT_EQ(idx[0], 1);
+    EXPECT_FLOAT_EQ(wt[0], 1.0f);
+  }
+  {
+    std::vector<int32_t> idx(3);
+    std::vector<float> wt(3);
+    SHARDD_ASSERT_OK(RouterForward({1, 1, 4, 3}, x.data(), w.data(), idx.data(),
+                                   wt.data(), &cache));
+    EXPECT_THAT(idx, ElementsAre(1, 2, 3));
+    // Renormalized over the selection: e^2, e^2, e^1 over 2 e^2 + e.
+    const double e1 = std::exp(1.0), e2 = std::exp(2.0);
+    EXPECT_NEAR(wt[0], e2 / (2 * e2 + e1), 1e-6);
+    EXPECT_NEAR(wt[1], e2 / (2 * e2 + e1), 1e-6);
+    EXPECT_NEAR(wt[2], e1 / (2 * e2 + e1), 1e-6);
+  }
+}
+
+TEST(RouterTest, ForwardMatchesReference) {
+  for (int64_t k : {1, 2, 4}) {
+    const RouterDims dm{7, 6, 4, k};
+    std::vector<float> x = RandomVector(7 * 6, 11);
+    std::vector<float> w = RandomVector(4 * 6, 12);
+    std::vector<int32_t> idx(7 * k);
+    std::vector<float> wt(7 * k);
+    RouterCache cache;
+    SHARDD_ASSERT_OK(
+        RouterForward(dm, x.data(), w.data(), idx.data(), wt.data(), &cache));
+    const RefOut ref = RefRouter(dm, ToDouble(x), ToDouble(w), nullptr);
+    EXPECT_EQ(idx, ref.indices) << "k=" << k;
+    for (size_t i = 0; i < wt.size(); ++i) {
+      EXPECT_NEAR(wt[i], ref.weights[i], 1e-6) << "k=" << k << " i=" << i;
+    }
+    for (int64_t t = 0; t < 7; ++t) {
+      double sum = 0.0;
+      for (int64_t j = 0; j < k; ++j) sum += wt[t * k + j];
+      EXPECT_NEAR(sum, 1.0, 1e-6);
+    }
+    for (size_t i = 0; i < ref.probs.size(); ++i) {
+      EXPECT_NEAR(cache.probs[i], ref.probs[i], 1e-6);
+    }
+  }
+}
+
+TEST(RouterTest, BackwardMatchesFiniteDifferences) {
+  for (int64_t k : {1, 2, 3, 4}) {
+    SCOPED_TRACE(k);
+    const RouterDims dm{7, 6, 4, k};
+    // Scale 2 makes the routing peaked enough to exercise the softmax.
+    std::vector<float> x = RandomVector(7 * 6, 21, 2.0f);
+    std::vector<float> w = RandomVector(4 * 6, 22);
+    std::vector<float> r = RandomVector(7 * k, 23);  // = dL/dweights
+    std::vector<int32_t> idx(7 * k);
+    std::vector<float> wt(7 * k);
+    RouterCache cache;
+    SHARDD_ASSERT_OK(
+        RouterForward(dm, x.data(), w.data(), idx.data(), wt.data(), &cache));
+    std::vector<float> dx(7 * 6, 123.0f);  // overwritten
+    std::vector<float> dw(4 * 6, 0.0f);
+    SHARDD_ASSERT_OK(RouterBackward(dm, x.data(), w.data(), r.data(), dx.data(),
+                                    false, dw.data(), &cache));
+    const std::vector<double> fd_x =
+        FiniteDiff(dm, ToDouble(x), ToDouble(w), true, idx.data(), r);
+    const std::vector<double> fd_w =
+        FiniteDiff(dm, ToDouble(x), ToDouble(w), false, idx.data(), r);
+    ExpectClose(dx, fd_x, 1e-3, "dx");
+    ExpectClose(dw, fd_w, 1e-3, "dw");
+    if (k == 1) {
+      // A single selected weight is always 1: nothing flows back (up to
+      // rounding).
+      for (float v : dx) EXPECT_NEAR(v, 0.0f, 1e-6);
+    } else {
+      double norm = 0.0;
+      for (double v : fd_x) norm += v * v;
+      EXPECT_GT(norm, 1e-4);  // the check above was not vacuous
+    }
+  }
+}
+
+TEST(RouterTest, BackwardMatchesFloatFiniteDifferencesOfTheKernel) {
+  // The kernel differentiated against itself (fp32), skipping perturbations
+  // that change the selection.
+  const RouterDims dm{5, 4, 6, 2};
+  std::vector<float> x = RandomVector(5 * 4, 31, 2.0f);
+  std::vector<float> w = RandomVector(6 * 4, 32);
+  std::vector<float> r = RandomVector(5 * 2, 33);
+  std::vector<int32_t> idx(10), idx2(10);
+  std::vector<float> wt(10), wt2(10);
+  RouterCache cache, scratch;
+  SHARDD_ASSERT_OK(
+      RouterForward(dm, x.data(), w.data(), idx.data(), wt.data(), &cache));
+  std::vector<float> dx(5 * 4);
+  SHARDD_ASSERT_OK(RouterBackward(dm, x.data(), w.data(), r.data(), dx.data(),
+                                  false, nullptr, &cache));
+  auto loss = [&](bool* same) {
+    EXPECT_THAT(RouterForward(dm, x.data(), w.data(), idx2.data(), wt2.data(),
+                              &scratch),
+                IsOk());
+    *same = idx2 == idx;
+    double l = 0.0;
+    for (int i = 0; i < 10; ++i) l += static_cast<double>(r[i]) * wt2[i];
+    return l;
+  };
+  int checked = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const float saved = x[i];
+    bool same_up, same_down;
+    x[i] = saved + 1e-2f;
+    const double up = loss(&same_up);
+    x[i] = saved - 1e-2f;
+    const double down = loss(&same_down);
+    x[i] = saved;
+    if (!same_up || !same_down) continue;
+    EXPECT_NEAR(dx[i], (up - down) / 2e-2, 2e-2) << i;
+    ++checked;
+  }
+  EXPECT_GE(checked, 15);
+}
+
+TEST(RouterTest, AccumulateSemantics) {
+  const RouterDims dm{7, 6, 4, 2};
+  std::vector<float> x = RandomVector(7 * 6, 41);
+  std::vector<float> w = RandomVector(4 * 6, 42);
+  std::vector<float> r = RandomVector(7 * 2, 43);
+  std::vector<int32_t> idx(14);
+  std::vector<float> wt(14);
+  RouterCache cache;
+  SHARDD_ASSERT_OK(
+      RouterForward(dm, x.data(), w.data(), idx.data(), wt.data(), &cache));
+  std::vector<float> dx(42, 0.0f), dw(24, 0.0f);
+  SHARDD_ASSERT_OK(RouterBackward(dm, x.data(), w.data(), r.data(), dx.data(),
+                                  false, dw.data(), &cache));
+  // Accumulating dx adds onto what is there; dw always accumulates.
+  std::vector<float> dx2(42, 1.0f), dw2 = dw;
+  SHARDD_ASSERT_OK(RouterBackward(dm, x.data(), w.data(), r.data(), dx2.data(),
+                                  true, dw2.data(), &cache));
+  for (int i = 0; i < 42; ++i) EXPECT_NEAR(dx2[i], 1.0f + dx[i], 1e-6);
+  for (int i = 0; i < 24; ++i) EXPECT_NEAR(dw2[i], 2.0f * dw[i], 1e-6);
+
+  // Frozen router: no dW, and x is not needed.
+  std::vector<float> dx3(42, 5.0f);
+  SHARDD_ASSERT_OK(RouterBackward(dm, nullptr, w.data(), r.data(), dx3.data(),
+                                  false, nullptr, &cache));
+  for (int i = 0; i < 42; ++i) EXPECT_FLOAT_EQ(dx3[i], dx[i]);
+}
+
+TEST(RouterTest, ZeroTokens) {
+  RouterCache cache;
+  SHARDD_ASSERT_OK(
+      RouterForward({0, 6, 4, 2}, nullptr, nullptr, nullptr, nullptr, &cache));
+  std::vector<float> dw(24, 3.0f);
+  SHARDD_ASSERT_OK(RouterBackward({0, 6, 4, 2}, nullptr, nullptr, nullptr,
+                                  nullptr, false, dw.data(), &cache));
+  for (float v : dw) EXPECT_EQ(v, 3.0f);
+}
+
+TEST(RouterTest, RejectsBadArguments) {
+  std::vector<float> x(12, 0.0f), w(8, 0.0f), wt(6);
+  std::vector<int32_t> idx(6);
+  RouterCache cache;
+  EXPECT_THAT(RouterForward({3, 4, 2, 3}, x.data(), w.data(), idx.data(),
+                            wt.data(), &cache),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("top_k must be in [1, experts=2]")));
+  EXPECT_THAT(RouterForward({3, 4, 2, 0}, x.data(), w.data(), idx.data(),
+                            wt.data(), &cache),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("top_k")));
+  EXPECT_THAT(RouterForward({3, 0, 2, 1}, x.data(), w.data(), idx.data(),
+                            wt.data(), &cache),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("dim")));
+  EXPECT_THAT(
+      RouterForward({-1, 4, 2, 1}, x.data(), w.data(), idx.data(), wt.data(),
+                    &cache),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("tokens")));
+  EXPECT_THAT(RouterForward({3, 4, 2, 1}, nullptr, w.data(), idx.data(),
+                            wt.data(), &cache),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("null")));
+  EXPECT_THAT(RouterForward({3, 4, 2, 1}, x.data(), w.data(), idx.data(),
+                            wt.data(), nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("cache")));
+  // Backward before any forward, and with other dims than the forward's.
+  std::vector<float> r(6), dx(12), dw(8);
+  EXPECT_THAT(RouterBackward({3, 4, 2, 2}, x.data(), w.data(), r.data(),
+                             dx.data(), false, dw.data(), &cache),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("")));
+  SHARDD_ASSERT_OK(RouterForward({3, 4, 2, 2}, x.data(), w.data(), idx.data(),
+                                 wt.data(), &cache));
+  EXPECT_THAT(RouterBackward({3, 4, 2, 1}, x.data(), w.data(), r.data(),
+                             dx.data(), false, dw.data(), &cache),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("dims differ")));
+  EXPECT_THAT(
+      RouterBackward({3, 4, 2, 2}, x.data(), w.data(), nullptr, dx.data(),
+                     false, dw.data(), &cache),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("d_weights")));
+}
+
+}  // namespace
+}  // namespace kernels
+}  // namespace shardd
