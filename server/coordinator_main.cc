@@ -1,6 +1,6 @@
 // shardd-coordinator: serves the Coordinator gRPC service.
 //
-//   shardd-coordinator --listen=127.0.0.1:0 --data-dir=/tmp/shardd \
+//   shardd-coordinator --listen=127.0.0.1:0 --data-dir=/tmp/shardd
 //       [--workers=4] [--heartbeat-timeout=10s]
 //
 // Prints "shardd-coordinator listening on HOST:PORT" on stderr once serving

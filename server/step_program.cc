@@ -424,7 +424,6 @@ class Runner {
   }
 
   const UnitState& state(int unit) const { return states_[unit]; }
-  int count() const { return count_; }
   int events() const { return events_; }
 
   absl::Status Apply(const Command& c) {

@@ -2,7 +2,7 @@
 // with --coordinator, registers with the coordinator (which assigns the
 // rank) and heartbeats until it stops.
 //
-//   shardd-worker --listen=127.0.0.1:0 --device=cpu \
+//   shardd-worker --listen=127.0.0.1:0 --device=cpu
 //       [--coordinator=HOST:PORT] [--port_file=PATH]
 //
 // Exits 1 when the coordinator cannot be reached within

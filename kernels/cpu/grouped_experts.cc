@@ -82,8 +82,8 @@ bool SameDims(const ExpertDims& a, const ExpertDims& b) {
 // exp(x) that the compiler can vectorize (libm's expf is a call): Cody-Waite
 // range reduction x = n ln2 + r and Cephes' degree-6 polynomial for e^r, a
 // few ulp from expf. x is clamped to [-40, 40]: beyond it tanh and the upper
-// sigmoid are exactly +-1 in fp32 anyway, and silu(g < -40) is off by under
-// 1e-15 absolute. (The compiler evaluates the saturated branch in every
+// sigmoid are exactly +-1 in fp32 anyway (Silu handles the lower side). (The
+// compiler evaluates the saturated branch in every
 // vector lane; with a wider clamp, e.g. [-87, 88], that branch makes
 // subnormals whose microcode assists cost 10x.) NaN maps to -40; callers
 // multiply by g, which carries the NaN on.
@@ -108,9 +108,15 @@ inline float VecExp(float x) {
 
 // The gate nonlinearities f(g) and their derivatives f'(g).
 struct Silu {
-  static float Value(float g) { return g / (1.0f + VecExp(-g)); }
-  static void ValueAndGrad(float g, float* f, float* df) {
+  // sigmoid(g), and exactly 0 below -40 where the clamped exp would leave
+  // g * e^-40 instead of the true |silu(g)| < 2e-16.
+  static float Sigmoid(float g) {
     const float s = 1.0f / (1.0f + VecExp(-g));
+    return g > -40.0f ? s : 0.0f;
+  }
+  static float Value(float g) { return g * Sigmoid(g); }
+  static void ValueAndGrad(float g, float* f, float* df) {
+    const float s = Sigmoid(g);
     *f = g * s;
     *df = s * (1.0f + g * (1.0f - s));
   }
@@ -127,8 +133,12 @@ struct GeluTanh {
   static void ValueAndGrad(float g, float* f, float* df) {
     const float th = Tanh(kC * (g + kA * g * g * g));
     *f = 0.5f * g * (1.0f + th);
+    // Past |g| = 10, th is exactly +-1 and the second term 0; clamping g
+    // there keeps inf * 0 out of it for huge g.
+    float gc = g > -10.0f ? g : -10.0f;
+    gc = gc < 10.0f ? gc : 10.0f;
     *df = 0.5f * (1.0f + th) +
-          0.5f * g * (1.0f - th * th) * kC * (1.0f + 3.0f * kA * g * g);
+          0.5f * gc * (1.0f - th * th) * kC * (1.0f + 3.0f * kA * gc * gc);
   }
 };
 

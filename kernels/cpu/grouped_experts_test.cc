@@ -318,6 +318,41 @@ TEST(GroupedExpertsTest, ActivationsInClosedForm) {
   EXPECT_GT(std::abs(y - 3.0 * 0.8413447460685429), 3e-4);
 }
 
+TEST(GroupedExpertsTest, ActivationsSaturateAndPropagateNaN) {
+  // D = 2, x = [g, 1], W_gu = identity: h = [g, u = 1]; W_d = [1, 0], w = 1:
+  // y = [act(g), 0] and, with dy = [1, 0], dx[0] = act'(g). Far from 0 both
+  // gates are the identity (g > 0) or vanish (g < 0), with finite gradients.
+  const std::vector<float> w_gu = {1.0f, 0.0f, 0.0f, 1.0f}, w_d = {1.0f, 0.0f},
+                           weights = {1.0f}, dy = {1.0f, 0.0f};
+  const std::vector<int32_t> idx = {0};
+  const ExpertDims dm{1, 2, 1, 1, 1};
+  for (GatedActivation act :
+       {GatedActivation::kSwiGLU, GatedActivation::kGeGLU}) {
+    for (float g : {-1e30f, -1000.0f, -60.0f, 60.0f, 1000.0f, 1e30f}) {
+      GroupedExpertsWorkspace ws;
+      const std::vector<float> x = {g, 1.0f};
+      std::vector<float> y(2), dx(2);
+      float dwt = 0.0f;
+      SHARDD_ASSERT_OK(GroupedExpertsForward(
+          dm, act, x.data(), idx.data(), weights.data(), nullptr, w_gu.data(),
+          w_d.data(), y.data(), &ws));
+      SHARDD_ASSERT_OK(GroupedExpertsBackward(dm, act, w_gu.data(), w_d.data(),
+                                              dy.data(), dx.data(), false, &dwt,
+                                              nullptr, nullptr, &ws));
+      EXPECT_EQ(y[0], g > 0 ? g : 0.0f) << g;
+      EXPECT_EQ(dx[0], g > 0 ? 1.0f : 0.0f) << g;
+      EXPECT_EQ(dwt, y[0]) << g;  // dL/dw = act(g) * u
+    }
+    GroupedExpertsWorkspace ws;
+    const std::vector<float> x = {std::nanf(""), 1.0f};
+    std::vector<float> y(2);
+    SHARDD_ASSERT_OK(GroupedExpertsForward(dm, act, x.data(), idx.data(),
+                                           weights.data(), nullptr, w_gu.data(),
+                                           w_d.data(), y.data(), &ws));
+    EXPECT_TRUE(std::isnan(y[0]));
+  }
+}
+
 TEST(GroupedExpertsTest, StableSortByExpert) {
   // E = 4, K = 2. Hand-derived layout (rows in token order, then k order):
   //   expert 0: t0k1 t1k0 t2k1 t4k1   expert 1: t2k0 t3k1
@@ -361,6 +396,19 @@ TEST(GroupedExpertsTest, ZeroTokens) {
       false, nullptr, dw_gu.data(), dw_d.data(), &ws));
   for (float v : dw_gu) EXPECT_EQ(v, 0.0f);
   for (float v : dw_d) EXPECT_EQ(v, 0.0f);
+
+  // Tokens present but all masked: zero outputs and gradients, no GEMM.
+  const ExpertDims masked{3, 6, 5, 4, 2};
+  Problem p = MakeProblem(masked, GatedActivation::kSwiGLU, 900);
+  p.mask = {0, 0, 0};
+  const std::vector<float> dy = RandomVector(3 * 6, 17);
+  const Grads g = RunKernel(p, dy, &ws);
+  EXPECT_EQ(ws.rows, 0);
+  for (float v : g.y) EXPECT_EQ(v, 0.0f);
+  for (float v : g.dx) EXPECT_EQ(v, 0.0f);
+  for (float v : g.d_weights) EXPECT_EQ(v, 0.0f);
+  for (float v : g.dw_gu) EXPECT_EQ(v, 0.0f);
+  for (float v : g.dw_d) EXPECT_EQ(v, 0.0f);
 }
 
 TEST(GroupedExpertsTest, BackwardAccumulates) {
