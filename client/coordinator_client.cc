@@ -1,10 +1,13 @@
 #include "client/coordinator_client.h"
 
 #include <chrono>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "common/grpc_status.h"
 
 namespace shardd {
@@ -85,6 +88,74 @@ absl::StatusOr<v1::GetStatusResponse> CoordinatorClient::GetStatus(
       stub_->GetStatus(NewContext().get(), request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
   return response;
+}
+
+absl::StatusOr<v1::SubmitStepResponse> CoordinatorClient::SubmitStep(
+    const v1::SubmitStepRequest& request) {
+  v1::SubmitStepResponse response;
+  grpc::Status status =
+      stub_->SubmitStep(NewContext().get(), request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::Status CoordinatorClient::WatchStep(
+    const v1::WatchStepRequest& request, absl::Duration idle_timeout,
+    const std::function<bool(const v1::StepEvent&)>& on_event) {
+  if (idle_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("idle_timeout: must be > 0");
+  }
+  grpc::ClientContext context;
+  // A watchdog cancels the stream when it goes quiet for too long.
+  absl::Mutex mu;
+  absl::Time last_event = absl::Now();
+  bool stop = false;
+  bool idle = false;
+  std::thread watchdog([&] {
+    absl::MutexLock lock(&mu);
+    while (!stop) {
+      const absl::Time due = last_event + idle_timeout;
+      if (absl::Now() >= due) {
+        idle = true;
+        context.TryCancel();
+        return;
+      }
+      mu.AwaitWithDeadline(absl::Condition(&stop), due);
+    }
+  });
+  std::unique_ptr<grpc::ClientReader<v1::StepEvent>> reader =
+      stub_->WatchStep(&context, request);
+  v1::StepEvent event;
+  bool ended = false;
+  bool stopped_early = false;
+  while (reader->Read(&event)) {
+    {
+      absl::MutexLock lock(&mu);
+      last_event = absl::Now();
+    }
+    ended = ended || event.done() || !event.error().empty();
+    if (!on_event(event)) {
+      stopped_early = true;
+      context.TryCancel();
+      break;
+    }
+    // After the last event the server finishes; Read then returns false.
+  }
+  {
+    absl::MutexLock lock(&mu);
+    stop = true;
+  }
+  watchdog.join();
+  const grpc::Status status = reader->Finish();
+  if (ended || stopped_early) return absl::OkStatus();
+  if (idle) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("WatchStep: no event from the coordinator at ", address_,
+                     " for ", absl::FormatDuration(idle_timeout)));
+  }
+  if (!status.ok()) return FromGrpcStatus(status);
+  return absl::InternalError(
+      "WatchStep: the stream ended before the job's last event");
 }
 
 absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus>

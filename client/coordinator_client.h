@@ -5,6 +5,7 @@
 // deadline; errors come back as absl::Status with the server's code and
 // message (transport failures as UNAVAILABLE / DEADLINE_EXCEEDED).
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -44,6 +45,20 @@ class CoordinatorClient {
       const v1::GetPlanRequest& request);
   absl::StatusOr<v1::GetStatusResponse> GetStatus(
       const v1::GetStatusRequest& request = {});
+  absl::StatusOr<v1::SubmitStepResponse> SubmitStep(
+      const v1::SubmitStepRequest& request);
+
+  // Streams a job's events to `on_event` until the job ends (OK after the
+  // event with done or error set), `on_event` returns false (OK, the
+  // stream is cancelled), or the stream fails. The stream itself has no
+  // deadline (jobs run for hours); instead it is cancelled when no event
+  // arrives for `idle_timeout`. Errors: those of WatchStep (NOT_FOUND),
+  // UNAVAILABLE (coordinator gone or shutting down), DEADLINE_EXCEEDED (no
+  // event for idle_timeout; the message says so), INTERNAL (the stream
+  // ended without the job's last event).
+  absl::Status WatchStep(
+      const v1::WatchStepRequest& request, absl::Duration idle_timeout,
+      const std::function<bool(const v1::StepEvent&)>& on_event);
 
   // grpc.health.v1 Check of `service` ("" = the whole server).
   // Errors: NOT_FOUND (unknown service), UNAVAILABLE, DEADLINE_EXCEEDED.

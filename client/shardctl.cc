@@ -1,11 +1,14 @@
 #include "client/shardctl.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -15,13 +18,30 @@
 #include "client/coordinator_client.h"
 #include "client/plan_printer.h"
 #include "client/shardctl_args.h"
+#include "client/train_report.h"
 #include "google/protobuf/util/json_util.h"
+#include "nlohmann/json.hpp"
 #include "server/coordinator_service.h"
 #include "server/native_spec.h"
 #include "server/strategy_registry.h"
 
 namespace shardd {
 namespace {
+
+const char* JobStateName(v1::JobState state) {
+  switch (state) {
+    case v1::JOB_QUEUED:
+      return "queued";
+    case v1::JOB_RUNNING:
+      return "running";
+    case v1::JOB_DONE:
+      return "done";
+    case v1::JOB_FAILED:
+      return "failed";
+    default:
+      return "unknown";
+  }
+}
 
 // Larger files are refused before parsing (the coordinator's own limit on
 // model descriptions is 16 MiB).
@@ -236,6 +256,171 @@ absl::Status RunStatus(const ShardctlArgs& args, Backend* backend,
                            worker.alive() ? "alive" : "dead",
                            worker.last_heartbeat_ms_ago());
   }
+  out << "\nJobs (" << response->jobs_size() << ")\n";
+  if (response->jobs_size() > 0) {
+    out << absl::StrFormat("  %-6s  %-18s  %-8s  %5s  %13s  %9s  %11s  %s\n",
+                           "id", "model", "state", "world", "steps", "loss",
+                           "tokens/s", "error");
+    for (const v1::JobInfo& job : response->jobs()) {
+      out << absl::StrFormat(
+          "  %-6s  %-18s  %-8s  %5d  %13s  %9s  %11s  %s\n", job.job_id(),
+          job.model_id(), JobStateName(job.state()), job.world_size(),
+          absl::StrCat(job.steps_done(), "/", job.total_steps()),
+          job.steps_done() > 0 ? absl::StrFormat("%.4f", job.loss()) : "-",
+          job.steps_done() > 0
+              ? HumanCount(static_cast<int64_t>(job.tokens_per_second()))
+              : "-",
+          job.error());
+    }
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// train
+
+absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
+  absl::StatusOr<std::unique_ptr<CoordinatorClient>> connected =
+      CoordinatorClient::Connect(args.coordinator, args.timeout);
+  if (!connected.ok()) return connected.status();
+  CoordinatorClient& client = **connected;
+  client.set_call_timeout(args.timeout);
+
+  std::string model_id = args.model_id;
+  std::string model_name = args.model_id;
+  v1::ShardingPlan plan;
+  v1::ModelSummary model_summary;
+  if (!args.model_path.empty()) {
+    absl::StatusOr<std::string> text = ReadFile("--model", args.model_path);
+    if (!text.ok()) return text.status();
+    absl::StatusOr<v1::ModelSpec> spec = ModelSpecFromJson(*text);
+    if (!spec.ok()) return spec.status();
+    v1::SubmitModelRequest request;
+    *request.mutable_spec() = *std::move(spec);
+    *request.mutable_options() = args.options;
+    request.set_name(BaseName(args.model_path));
+    model_name = request.name();
+    v1::MeshSpec* mesh = request.mutable_options()->mutable_mesh();
+    if (mesh->dp_shard() == 0) {
+      // Default: shard over every live worker.
+      absl::StatusOr<v1::GetStatusResponse> status = client.GetStatus();
+      if (!status.ok()) return status.status();
+      int live = 0;
+      for (const v1::WorkerInfo& worker : status->workers()) {
+        if (worker.alive()) ++live;
+      }
+      if (live == 0) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "--dp: no live workers on the coordinator at ", args.coordinator,
+            "; start shardd-worker processes with --coordinator ",
+            args.coordinator, " (shardctl status lists them)"));
+      }
+      const int replicate = std::max(1, mesh->dp_replicate());
+      if (live % replicate != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--replicate: ", replicate, " does not divide the ",
+                         live, " live workers; pass --dp N"));
+      }
+      mesh->set_dp_shard(live / replicate);
+    }
+    absl::StatusOr<v1::SubmitModelResponse> submitted =
+        client.SubmitModel(request);
+    if (!submitted.ok()) return submitted.status();
+    model_id = submitted->model_id();
+    plan = submitted->plan();
+    model_summary = submitted->summary();
+  } else {
+    v1::GetPlanRequest request;
+    request.set_model_id(args.model_id);
+    absl::StatusOr<v1::GetPlanResponse> stored = client.GetPlan(request);
+    if (!stored.ok()) return stored.status();
+    plan = stored->plan();
+    model_summary = stored->summary();
+  }
+
+  v1::SubmitStepRequest step;
+  step.set_model_id(model_id);
+  *step.mutable_config() = args.train;
+  absl::StatusOr<v1::SubmitStepResponse> job = client.SubmitStep(step);
+  if (!job.ok()) return job.status();
+  const v1::TrainConfig& config = args.train;
+
+  if (!args.json) {
+    out << absl::StrFormat("Model   %s (%s, %s parameters), id %s\n",
+                           model_name, plan.architecture(),
+                           HumanCount(model_summary.total_params()), model_id);
+    out << absl::StrFormat(
+        "Plan    strategy %s, %d units, dp_shard %d x dp_replicate %d on %d "
+        "workers, planned peak unsharded %s per rank\n",
+        plan.strategy(), plan.units_size(), plan.mesh().dp_shard(),
+        plan.mesh().dp_replicate(), job->world_size(),
+        HumanBytes(plan.memory().peak_unsharded_bytes()));
+    out << absl::StrFormat(
+        "Job     %s: %d steps of %d sequences x %d tokens, %d micro-batch%s%s, "
+        "lr %g, %s%s\n",
+        job->job_id(), config.steps(), config.global_batch(), config.seq_len(),
+        std::max(1, config.microbatches()),
+        std::max(1, config.microbatches()) == 1 ? "" : "es",
+        config.defer_grad_sync() ? " (deferred grad sync)" : "", config.lr(),
+        config.data_path().empty()
+            ? absl::StrCat("synthetic Markov data (seed ", config.seed(), ")")
+            : absl::StrCat("data ", config.data_path()),
+        config.fine_grained() ? ", one RPC per command" : "");
+    out << std::flush;
+  }
+
+  std::vector<v1::StepEvent> events;
+  std::string failure;
+  TrainProgress progress(out, tty && !args.json, config.steps(),
+                         args.log_every);
+  v1::WatchStepRequest watch;
+  watch.set_job_id(job->job_id());
+  auto on_event = [&](const v1::StepEvent& event) {
+    if (!event.error().empty()) {
+      failure = event.error();
+      return true;
+    }
+    events.push_back(event);
+    if (!args.json) progress.Update(event);
+    return true;
+  };
+  absl::Status watched = client.WatchStep(watch, args.watch_timeout, on_event);
+  progress.Close();
+  if (!watched.ok()) {
+    return absl::Status(watched.code(), absl::StrCat("job ", job->job_id(),
+                                                     ": ", watched.message()));
+  }
+  if (!failure.empty()) {
+    // The error names the step, the rank and the cause.
+    return absl::AbortedError(
+        absl::StrCat("job ", job->job_id(), " failed: ", failure));
+  }
+  const TrainSummary summary = SummarizeTraining(events);
+  if (args.json) {
+    nlohmann::ordered_json json;
+    json["job_id"] = job->job_id();
+    json["model_id"] = model_id;
+    json["world_size"] = job->world_size();
+    json["steps"] = summary.steps;
+    json["first_loss"] = summary.first_loss;
+    json["final_loss"] = summary.final_loss;
+    json["final_window"] = summary.final_window;
+    json["data_entropy_rate"] = summary.entropy_rate;
+    json["gap_percent"] = summary.gap_percent;
+    json["tokens"] = summary.tokens;
+    json["step_seconds"] = summary.step_seconds;
+    json["tokens_per_second"] = summary.tokens_per_second;
+    json["peak_unsharded_bytes"] = summary.measured_peak;
+    json["planned_peak_unsharded_bytes"] = summary.planned_peak;
+    json["all_gathers_per_step"] = summary.all_gathers;
+    json["reduce_scatters_per_step"] = summary.reduce_scatters;
+    nlohmann::ordered_json losses = nlohmann::ordered_json::array();
+    for (const v1::StepEvent& event : events) losses.push_back(event.loss());
+    json["losses"] = std::move(losses);
+    out << json.dump(2) << "\n";
+  } else {
+    out << FormatTrainSummary(summary);
+  }
   return absl::OkStatus();
 }
 
@@ -243,6 +428,11 @@ absl::Status RunStatus(const ShardctlArgs& args, Backend* backend,
 
 int RunShardctl(const std::vector<std::string>& argv, std::ostream& out,
                 std::ostream& err) {
+  return RunShardctl(argv, out, err, ShardctlEnvironment());
+}
+
+int RunShardctl(const std::vector<std::string>& argv, std::ostream& out,
+                std::ostream& err, const ShardctlEnvironment& environment) {
   absl::StatusOr<ShardctlArgs> args = ParseShardctlArgs(argv);
   if (!args.ok()) {
     err << "shardctl: " << args.status().message()
@@ -254,7 +444,10 @@ int RunShardctl(const std::vector<std::string>& argv, std::ostream& out,
     return kShardctlOk;
   }
   absl::Status status;
-  absl::StatusOr<std::unique_ptr<Backend>> backend = MakeBackend(*args);
+  absl::StatusOr<std::unique_ptr<Backend>> backend =
+      args->command == ShardctlCommand::kTrain
+          ? absl::StatusOr<std::unique_ptr<Backend>>(nullptr)
+          : MakeBackend(*args);
   if (!backend.ok()) {
     status = backend.status();
   } else {
@@ -267,6 +460,9 @@ int RunShardctl(const std::vector<std::string>& argv, std::ostream& out,
         break;
       case ShardctlCommand::kStatus:
         status = RunStatus(*args, backend->get(), out);
+        break;
+      case ShardctlCommand::kTrain:
+        status = RunTrain(*args, environment.out_is_tty, out);
         break;
       case ShardctlCommand::kHelp:
         break;

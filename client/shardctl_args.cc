@@ -109,10 +109,11 @@ absl::StatusOr<ShardctlCommand> ParseCommand(absl::string_view name) {
   if (name == "strategies") return ShardctlCommand::kStrategies;
   if (name == "plan") return ShardctlCommand::kPlan;
   if (name == "status") return ShardctlCommand::kStatus;
+  if (name == "train") return ShardctlCommand::kTrain;
   if (name == "help") return ShardctlCommand::kHelp;
   return Usage(absl::StrCat("unknown command '", name,
-                            "'; expected one of: strategies, plan, status, "
-                            "help"));
+                            "'; expected one of: strategies, plan, train, "
+                            "status, help"));
 }
 
 absl::string_view CommandName(ShardctlCommand command) {
@@ -123,6 +124,8 @@ absl::string_view CommandName(ShardctlCommand command) {
       return "plan";
     case ShardctlCommand::kStatus:
       return "status";
+    case ShardctlCommand::kTrain:
+      return "train";
     case ShardctlCommand::kHelp:
       break;
   }
@@ -132,7 +135,8 @@ absl::string_view CommandName(ShardctlCommand command) {
 // Flags without a value.
 const std::set<std::string>& BoolFlags() {
   static const auto* flags = new std::set<std::string>{
-      "--json", "--defer-grad-sync", "--no-mixed-precision", "--timeline"};
+      "--json", "--defer-grad-sync", "--no-mixed-precision", "--timeline",
+      "--fine-grained"};
   return *flags;
 }
 
@@ -160,6 +164,34 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                                       "--bucket-elements",
                                                       "--timeline",
                                                       "--device-memory"};
+  static const auto* train =
+      new std::set<std::string>{"--coordinator",
+                                "--timeout",
+                                "--json",
+                                "--model",
+                                "--model-id",
+                                "--steps",
+                                "--global-batch",
+                                "--seq",
+                                "--microbatches",
+                                "--data",
+                                "--lr",
+                                "--seed",
+                                "--dp",
+                                "--replicate",
+                                "--strategy",
+                                "--defer-grad-sync",
+                                "--fine-grained",
+                                "--passes",
+                                "--no-grad-passes",
+                                "--no-mixed-precision",
+                                "--grad-clip",
+                                "--weight-decay",
+                                "--reshard-after-forward",
+                                "--fwd-prefetch",
+                                "--bwd-prefetch",
+                                "--log-every",
+                                "--watch-timeout"};
   static const auto* none = new std::set<std::string>{};
   switch (command) {
     case ShardctlCommand::kStrategies:
@@ -168,6 +200,8 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
       return *status;
     case ShardctlCommand::kPlan:
       return *plan;
+    case ShardctlCommand::kTrain:
+      return *train;
     case ShardctlCommand::kHelp:
       break;
   }
@@ -253,6 +287,64 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
     options.set_bucket_elements(*n);
   } else if (flag == "--timeline") {
     options.set_include_timeline(true);
+  } else if (flag == "--model-id") {
+    if (value.empty()) return Usage("--model-id: expected a model id (m-...)");
+    args->model_id = value;
+  } else if (flag == "--steps") {
+    absl::StatusOr<int32_t> n = ParseInt(flag, value, 1);
+    if (!n.ok()) return n.status();
+    args->train.set_steps(*n);
+  } else if (flag == "--global-batch") {
+    absl::StatusOr<int64_t> n = ParseInt64(flag, value, 1);
+    if (!n.ok()) return n.status();
+    args->train.set_global_batch(*n);
+  } else if (flag == "--seq") {
+    absl::StatusOr<int64_t> n = ParseInt64(flag, value, 1);
+    if (!n.ok()) return n.status();
+    args->train.set_seq_len(*n);
+  } else if (flag == "--data") {
+    if (value.empty()) return Usage("--data: expected a file path");
+    args->train.set_data_path(value);
+  } else if (flag == "--lr" || flag == "--grad-clip" ||
+             flag == "--weight-decay") {
+    double x = 0;
+    const bool positive = flag == "--lr";
+    if (!absl::SimpleAtod(value, &x) || !std::isfinite(x) || x < 0 ||
+        (positive && x == 0)) {
+      return Usage(absl::StrCat(flag, ": expected a number ",
+                                positive ? "> 0" : ">= 0", ", got '", value,
+                                "'"));
+    }
+    if (flag == "--lr") {
+      args->train.set_lr(x);
+    } else if (flag == "--grad-clip") {
+      // On the wire 0 means the default and a negative value "off".
+      args->train.set_grad_clip(x == 0 ? -1.0 : x);
+    } else {
+      args->train.set_weight_decay(x);
+    }
+  } else if (flag == "--seed") {
+    uint64_t seed = 0;
+    if (!absl::SimpleAtoi(value, &seed)) {
+      return Usage(absl::StrCat(
+          "--seed: expected an integer in [0, 2^64), got '", value, "'"));
+    }
+    args->train.set_seed(seed);
+  } else if (flag == "--fine-grained") {
+    args->train.set_fine_grained(true);
+  } else if (flag == "--log-every") {
+    absl::StatusOr<int32_t> n = ParseInt(flag, value, 1);
+    if (!n.ok()) return n.status();
+    args->log_every = *n;
+  } else if (flag == "--watch-timeout") {
+    double seconds = 0;
+    if (!absl::SimpleAtod(value, &seconds) || !(seconds > 0) ||
+        seconds > 7 * 86400) {
+      return Usage(absl::StrCat(
+          "--watch-timeout: expected seconds in (0, 604800], got '", value,
+          "'"));
+    }
+    args->watch_timeout = absl::Seconds(seconds);
   } else if (flag == "--device-memory") {
     absl::StatusOr<int64_t> bytes = ParseDeviceMemory(flag, value);
     if (!bytes.ok()) return bytes.status();
@@ -268,8 +360,15 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
 absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
     const std::vector<std::string>& argv) {
   ShardctlArgs args;
+  args.train.set_steps(100);
+  args.train.set_global_batch(32);
+  args.train.set_seq_len(64);
+  args.train.set_microbatches(1);
+  args.train.set_lr(1e-3);
+  args.train.set_grad_clip(1.0);
   if (argv.empty()) {
-    return Usage("a command is required: strategies, plan, status or help");
+    return Usage(
+        "a command is required: strategies, plan, train, status or help");
   }
   const std::string& first = argv[0];
   if (first == "--help" || first == "-h" || first == "help") {
@@ -286,7 +385,7 @@ absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
   }
   if (absl::StartsWith(first, "-")) {
     return Usage(
-        absl::StrCat("expected a command (strategies, plan, status) "
+        absl::StrCat("expected a command (strategies, plan, train, status) "
                      "before '",
                      first, "'"));
   }
@@ -361,6 +460,43 @@ absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
         return Usage("status: --coordinator HOST:PORT is required");
       }
       break;
+    case ShardctlCommand::kTrain: {
+      if (args.coordinator.empty()) {
+        return Usage("train: --coordinator HOST:PORT is required");
+      }
+      const bool has_model = seen.count("--model") > 0;
+      const bool has_id = seen.count("--model-id") > 0;
+      if (has_model == has_id) {
+        return Usage(
+            "train: exactly one of --model FILE or --model-id ID is "
+            "required");
+      }
+      if (has_id) {
+        // The stored model's plan options are fixed.
+        for (const char* fixed :
+             {"--dp", "--replicate", "--strategy", "--passes",
+              "--no-grad-passes", "--no-mixed-precision",
+              "--reshard-after-forward", "--fwd-prefetch", "--bwd-prefetch"}) {
+          if (seen.count(fixed) > 0) {
+            return Usage(absl::StrCat(
+                "train: ", fixed,
+                " cannot be combined with --model-id (the stored model's "
+                "plan options apply; submit with --model to change them)"));
+          }
+        }
+      }
+      // The step shape belongs to the job, not to the model.
+      if (args.options.microbatches() > 0) {
+        args.train.set_microbatches(args.options.microbatches());
+      }
+      args.train.set_defer_grad_sync(args.options.defer_grad_sync());
+      args.options.clear_microbatches();
+      args.options.clear_defer_grad_sync();
+      if (seen.count("--replicate") == 0) {
+        args.options.mutable_mesh()->set_dp_replicate(1);
+      }
+      break;
+    }
     default:
       break;
   }
@@ -426,11 +562,65 @@ Output:
     case ShardctlCommand::kStatus:
       return R"(Usage: shardctl status --coordinator HOST:PORT [--json]
 
-Shows a coordinator's incarnation, uptime, stored models and workers.
+Shows a coordinator's incarnation, uptime, stored models, workers and
+training jobs.
 
   --coordinator HOST:PORT  the coordinator (required)
   --timeout SECONDS        connect and call deadline (default 30)
   --json                   print the response as JSON
+)";
+    case ShardctlCommand::kTrain:
+      return R"(Usage: shardctl train --coordinator HOST:PORT (--model FILE | --model-id ID) [options]
+
+Trains a model on the coordinator's workers: submits the model planned
+over the live workers, queues the job, and follows it to the end with a
+progress line (step, loss, tokens/s, ETA; plain lines when the output is
+not a terminal), then prints a summary: the final loss (mean of the last
+10% of steps) against the data's entropy rate (the best reachable loss of
+the synthetic Markov data), tokens/s, the measured against the planned
+peak of unsharded bytes per rank, and collectives per step. Exits 1 when
+the job fails, naming the rank and its error.
+
+Model (exactly one):
+  --model FILE                 a native shardd spec or an HF config; the
+                               CPU workers train attention-free MoE specs
+                               such as tests/data/small_moe.json
+  --model-id ID                a model the coordinator already has
+Mesh and plan (with --model):
+  --dp N                       ranks each parameter is sharded over
+                               (default: the live workers / --replicate)
+  --replicate R                HSDP replicas (default 1)
+  --strategy NAME              a registry strategy (see shardctl strategies)
+  --passes P                   forward passes per micro-batch (default 1)
+  --no-grad-passes K           leading passes without gradients
+  --no-mixed-precision         fp32 all the way (default: bf16 gather and
+                               compute, fp32 master and reduce)
+  --reshard-after-forward V    true, false, or a smaller group size N
+  --fwd-prefetch N, --bwd-prefetch N   prefetch depths
+Job:
+  --steps N                    optimizer steps (default 100)
+  --global-batch B             sequences per step (default 32); divisible
+                               by world size x micro-batches
+  --seq S                      tokens per sequence (default 64)
+  --microbatches M             gradient accumulation steps (default 1)
+  --defer-grad-sync            reduce-scatter only after the last
+                               micro-batch
+  --data PATH                  token file on the workers (.bin of uint16 /
+                               uint32 ids, or text read as bytes); default:
+                               synthetic Markov data from --seed
+  --seed N                     data and initialization seed (default 0)
+  --lr X                       AdamW learning rate (default 0.001)
+  --weight-decay X             decoupled weight decay (default 0)
+  --grad-clip X                global gradient-norm clip (default 1.0;
+                               0: off)
+  --fine-grained               one RPC per command instead of per step
+Output:
+  --json                       no progress; one JSON object at the end
+  --log-every N                progress line every N steps when not on a
+                               terminal (default: about 20 lines)
+  --watch-timeout SECONDS      give up when no event arrives for this long
+                               (default 600)
+  --timeout SECONDS            connect and call deadline (default 30)
 )";
     case ShardctlCommand::kHelp:
       break;
@@ -442,10 +632,11 @@ Usage: shardctl COMMAND [flags]
 Commands:
   strategies   list sharding strategies and supported architectures
   plan         plan a model over N ranks: units, memory, communication
-  status       show a coordinator's models and workers
+  train        train a model on a coordinator's workers
+  status       show a coordinator's models, workers and jobs
   help [CMD]   this text, or a command's flags (also: CMD --help)
 
-Exit codes: 0 success, 1 planning or RPC error, 2 usage error.
+Exit codes: 0 success, 1 planning, RPC or training error, 2 usage error.
 )";
 }
 

@@ -12,11 +12,12 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "client/plan_printer.h"
+#include "proto/coordinator.pb.h"
 #include "proto/plan.pb.h"
 
 namespace shardd {
 
-enum class ShardctlCommand { kHelp, kStrategies, kPlan, kStatus };
+enum class ShardctlCommand { kHelp, kStrategies, kPlan, kStatus, kTrain };
 
 struct ShardctlArgs {
   ShardctlCommand command = ShardctlCommand::kHelp;
@@ -29,20 +30,34 @@ struct ShardctlArgs {
   absl::Duration timeout = absl::Seconds(30);
   bool json = false;
 
-  // plan: exactly one of the two is set.
+  // plan: exactly one of the two is set; train: model_path or model_id.
   std::string hf_config_path;  // --hf-config: an HF config.json.
   std::string model_path;      // --model: native spec or HF config.
+  std::string model_id;        // --model-id: a model the coordinator has.
+  // Plan options. For train the step shape (microbatches, defer_grad_sync)
+  // moves to `train`, and a mesh without --dp gets dp_shard 0: the client
+  // fills in the live workers (divided by --replicate).
   v1::PlanOptions options;
   // --device-memory: the per-rank peak is checked against it. Applied by
   // the client only, so remote and in-process plans print the same.
   int64_t device_memory_bytes = kDefaultDeviceMemoryBytes;
+
+  // train: the job (defaults: 100 steps, 32 sequences of 64 tokens, one
+  // micro-batch, lr 1e-3, grad clip 1.0, synthetic data).
+  v1::TrainConfig train;
+  // Plain progress lines every N steps when the output is not a terminal;
+  // 0: about 20 lines per job.
+  int32_t log_every = 0;
+  // Give up watching when the coordinator sends no event for this long.
+  absl::Duration watch_timeout = absl::Minutes(10);
 };
 
 // Parses argv without the program name.
 // Errors: INVALID_ARGUMENT for usage errors, naming the flag and what it
 // accepts ("--dp: expected an integer >= 1, got 'x'"): unknown command or
 // flag, missing or malformed value, a flag the command does not take, a
-// missing required flag. Sizes (--device-memory) are "80GiB", "80GB"
+// missing required flag, train's --dp or --model-id combined with options
+// the stored model already fixes. Sizes (--device-memory) are "80GiB", "80GB"
 // (decimal), "1024MiB" or a plain number of GiB, in (0, 1 PiB].
 absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
     const std::vector<std::string>& args);

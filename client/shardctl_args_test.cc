@@ -267,5 +267,136 @@ TEST(ShardctlArgsTest, StrategiesAndStatus) {
   EXPECT_TRUE(status.json);
 }
 
+TEST(ShardctlArgsTest, TrainWithEveryFlag) {
+  SHARDD_ASSERT_OK_AND_ASSIGN(ShardctlArgs args,
+                              Parse({"train",
+                                     "--coordinator=127.0.0.1:7070",
+                                     "--model",
+                                     "tests/data/small_moe.json",
+                                     "--steps",
+                                     "300",
+                                     "--global-batch",
+                                     "64",
+                                     "--seq",
+                                     "32",
+                                     "--microbatches",
+                                     "2",
+                                     "--data",
+                                     "/data/tokens.bin",
+                                     "--lr",
+                                     "0.003",
+                                     "--seed",
+                                     "18446744073709551615",
+                                     "--dp",
+                                     "2",
+                                     "--replicate",
+                                     "2",
+                                     "--strategy",
+                                     "default",
+                                     "--defer-grad-sync",
+                                     "--fine-grained",
+                                     "--passes",
+                                     "3",
+                                     "--no-grad-passes",
+                                     "1",
+                                     "--no-mixed-precision",
+                                     "--grad-clip",
+                                     "0.5",
+                                     "--weight-decay",
+                                     "0.01",
+                                     "--log-every",
+                                     "7",
+                                     "--watch-timeout",
+                                     "90",
+                                     "--json"}));
+  EXPECT_EQ(args.command, ShardctlCommand::kTrain);
+  EXPECT_EQ(args.model_path, "tests/data/small_moe.json");
+  const v1::TrainConfig& t = args.train;
+  EXPECT_EQ(t.steps(), 300);
+  EXPECT_EQ(t.global_batch(), 64);
+  EXPECT_EQ(t.seq_len(), 32);
+  EXPECT_EQ(t.microbatches(), 2);
+  EXPECT_TRUE(t.defer_grad_sync());
+  EXPECT_TRUE(t.fine_grained());
+  EXPECT_EQ(t.data_path(), "/data/tokens.bin");
+  EXPECT_DOUBLE_EQ(t.lr(), 0.003);
+  EXPECT_EQ(t.seed(), 18446744073709551615ull);
+  EXPECT_DOUBLE_EQ(t.grad_clip(), 0.5);
+  EXPECT_DOUBLE_EQ(t.weight_decay(), 0.01);
+  // The step shape belongs to the job, not to the model's plan options.
+  const v1::PlanOptions& o = args.options;
+  EXPECT_EQ(o.microbatches(), 0);
+  EXPECT_FALSE(o.has_defer_grad_sync());
+  EXPECT_EQ(o.mesh().dp_shard(), 2);
+  EXPECT_EQ(o.mesh().dp_replicate(), 2);
+  EXPECT_EQ(o.strategy(), "default");
+  EXPECT_EQ(o.passes(), 3);
+  EXPECT_EQ(o.no_grad_passes(), 1);
+  EXPECT_FALSE(o.mixed_precision());
+  EXPECT_EQ(args.log_every, 7);
+  EXPECT_EQ(args.watch_timeout, absl::Seconds(90));
+  EXPECT_TRUE(args.json);
+}
+
+TEST(ShardctlArgsTest, TrainDefaults) {
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      ShardctlArgs args,
+      Parse({"train", "--coordinator", "h:1", "--model-id", "m-1"}));
+  EXPECT_EQ(args.model_id, "m-1");
+  EXPECT_EQ(args.train.steps(), 100);
+  EXPECT_EQ(args.train.global_batch(), 32);
+  EXPECT_EQ(args.train.seq_len(), 64);
+  EXPECT_EQ(args.train.microbatches(), 1);
+  EXPECT_DOUBLE_EQ(args.train.lr(), 1e-3);
+  EXPECT_DOUBLE_EQ(args.train.grad_clip(), 1.0);
+  EXPECT_DOUBLE_EQ(args.train.weight_decay(), 0.0);
+  EXPECT_FALSE(args.train.fine_grained());
+  // No --dp: the client shards over the live workers.
+  EXPECT_EQ(args.options.mesh().dp_shard(), 0);
+  EXPECT_EQ(args.options.mesh().dp_replicate(), 1);
+}
+
+TEST(ShardctlArgsTest, TrainUsageErrors) {
+  auto usage = [](std::vector<std::string> argv, const std::string& message) {
+    EXPECT_THAT(Parse(argv), StatusIs(absl::StatusCode::kInvalidArgument,
+                                      HasSubstr(message)))
+        << message;
+  };
+  usage({"train", "--model", "m.json"}, "--coordinator HOST:PORT is required");
+  usage({"train", "--coordinator", "h:1"}, "exactly one of --model");
+  usage({"train", "--coordinator", "h:1", "--model", "a", "--model-id", "b"},
+        "exactly one of --model");
+  usage({"train", "--coordinator", "h:1", "--model-id", "m-1", "--dp", "2"},
+        "--dp cannot be combined with --model-id");
+  usage({"train", "--coordinator", "h:1", "--model", "a", "--steps", "0"},
+        "--steps: expected an integer >= 1");
+  usage({"train", "--coordinator", "h:1", "--model", "a", "--lr", "0"},
+        "--lr: expected a number > 0");
+  usage({"train", "--coordinator", "h:1", "--model", "a", "--grad-clip", "-1"},
+        "--grad-clip: expected a number >= 0");
+  SHARDD_ASSERT_OK_AND_ASSIGN(ShardctlArgs no_clip,
+                              Parse({"train", "--coordinator", "h:1", "--model",
+                                     "a", "--grad-clip", "0"}));
+  EXPECT_LT(no_clip.train.grad_clip(), 0);  // "Off" on the wire.
+  usage({"train", "--coordinator", "h:1", "--model", "a", "--weight-decay",
+         "nan"},
+        "--weight-decay");
+  usage({"train", "--coordinator", "h:1", "--model", "a", "--seed", "-3"},
+        "--seed");
+  usage({"train", "--coordinator", "h:1", "--model", "a", "--hf-config", "x"},
+        "unknown flag '--hf-config'");
+  usage({"plan", "--model", "a", "--dp", "2", "--steps", "3"},
+        "unknown flag '--steps'");
+}
+
+TEST(ShardctlArgsTest, TrainHasHelp) {
+  SHARDD_ASSERT_OK_AND_ASSIGN(ShardctlArgs args, Parse({"train", "--help"}));
+  EXPECT_EQ(args.command, ShardctlCommand::kHelp);
+  EXPECT_EQ(args.help_for, ShardctlCommand::kTrain);
+  EXPECT_THAT(ShardctlUsage(ShardctlCommand::kTrain),
+              HasSubstr("--global-batch B"));
+  EXPECT_THAT(ShardctlUsage(ShardctlCommand::kHelp), HasSubstr("train"));
+}
+
 }  // namespace
 }  // namespace shardd

@@ -1,7 +1,7 @@
 // shardd-coordinator: serves the Coordinator gRPC service.
 //
 //   shardd-coordinator --listen=127.0.0.1:0 --data-dir=/tmp/shardd
-//       [--workers=4] [--heartbeat-timeout=10s]
+//       [--workers=4] [--heartbeat-timeout=10s] [--collective-timeout=60s]
 //
 // Prints "shardd-coordinator listening on HOST:PORT" on stderr once serving
 // and writes the bound port to DATA_DIR/coordinator.port. SIGTERM or SIGINT
@@ -30,6 +30,7 @@
 #include "common/logging.h"
 #include "server/coordinator_server.h"
 #include "server/coordinator_service.h"
+#include "server/grpc_worker_client.h"
 #include "server/strategy_registry.h"
 #include "server/worker_registry.h"
 
@@ -45,6 +46,11 @@ ABSL_FLAG(int, workers, 0,
 ABSL_FLAG(absl::Duration, heartbeat_timeout, absl::Seconds(10),
           "A worker without a heartbeat for this long is dead (workers "
           "heartbeat every third of it), e.g. 10s or 500ms");
+ABSL_FLAG(absl::Duration, collective_timeout, absl::Seconds(60),
+          "Training jobs: how long a worker waits for its peers in one "
+          "collective; every worker RPC of a job gets this plus 30s");
+ABSL_FLAG(int, max_pending_jobs, 16,
+          "Training jobs queued or running at once; more are refused");
 ABSL_FLAG(int, shutdown_grace_ms, 5000,
           "How long in-flight calls may finish after SIGTERM/SIGINT");
 
@@ -128,12 +134,32 @@ int Run() {
     return 2;
   }
 
+  const absl::Duration collective_timeout =
+      absl::GetFlag(FLAGS_collective_timeout);
+  if (collective_timeout < absl::Milliseconds(100) ||
+      collective_timeout > absl::Hours(24)) {
+    std::fprintf(stderr,
+                 "shardd-coordinator: --collective_timeout: expected 100ms to "
+                 "24h, got %s\n",
+                 absl::FormatDuration(collective_timeout).c_str());
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_max_pending_jobs) < 1) {
+    std::fprintf(stderr,
+                 "shardd-coordinator: --max_pending_jobs: expected an integer "
+                 ">= 1\n");
+    return 2;
+  }
+
   std::unique_ptr<StrategyRegistry> registry =
       StrategyRegistry::CreateWithBuiltins();
   CoordinatorServiceOptions service_options;
   service_options.max_models = absl::GetFlag(FLAGS_max_models);
   service_options.max_workers = absl::GetFlag(FLAGS_workers);
   service_options.heartbeat_timeout = heartbeat_timeout;
+  service_options.worker_clients = GrpcWorkerClientFactory();
+  service_options.jobs.collective_timeout = collective_timeout;
+  service_options.jobs.max_pending_jobs = absl::GetFlag(FLAGS_max_pending_jobs);
   CoordinatorService service(registry.get(), service_options);
 
   CoordinatorServerOptions server_options;
@@ -162,6 +188,9 @@ int Run() {
   while (sigwait(&stop_signals, &signal_number) != 0) {
   }
   SHARDD_LOG(INFO) << "signal " << signal_number << ": shutting down";
+  // Jobs first: their watchers then receive the failure event before the
+  // server ends the streams.
+  service.Shutdown();
   (*server)->Shutdown(
       absl::Milliseconds(absl::GetFlag(FLAGS_shutdown_grace_ms)));
   if (!data_dir.empty()) {
@@ -186,7 +215,7 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "Serves the shardd Coordinator gRPC service.\n"
       "  shardd-coordinator --listen=127.0.0.1:7070 --data-dir=DIR "
-      "[--workers=N] [--heartbeat-timeout=10s]\n"
+      "[--workers=N] [--heartbeat-timeout=10s] [--collective-timeout=60s]\n"
       "Dashes and underscores in flag names are interchangeable.");
   // Accept dashed spellings (--data-dir) of the underscore flag names.
   std::vector<std::string> normalized(argv, argv + argc);

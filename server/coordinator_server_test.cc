@@ -107,15 +107,17 @@ TEST_F(CoordinatorServerTest, ServesOnPickedPortWithHealthAndStatusCodes) {
               std::string(service_.SubmitModel({}).status().message()));
   }
   {
-    // The stream ends at once with UNIMPLEMENTED and no events.
+    // A refused stream ends at once with the service's error, no events.
     grpc::ClientContext context;
     context.set_deadline(In(10));
-    auto reader = stub->WatchStep(&context, {});
+    v1::WatchStepRequest request;
+    request.set_job_id("j-404");
+    auto reader = stub->WatchStep(&context, request);
     v1::StepEvent event;
     EXPECT_FALSE(reader->Read(&event));
     grpc::Status status = reader->Finish();
-    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED);
-    EXPECT_THAT(status.error_message(), HasSubstr("WatchStep"));
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
+    EXPECT_THAT(status.error_message(), HasSubstr("j-404"));
   }
 
   server->Shutdown(absl::Seconds(2));

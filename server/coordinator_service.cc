@@ -1,6 +1,7 @@
 #include "server/coordinator_service.h"
 
 #include <algorithm>
+#include <cmath>
 #include <random>
 #include <string>
 #include <utility>
@@ -16,6 +17,7 @@
 #include "server/hf_config.h"
 #include "server/model_util.h"
 #include "server/native_spec.h"
+#include "server/step_program.h"
 
 namespace shardd {
 namespace {
@@ -47,9 +49,6 @@ absl::Status NotYet(absl::string_view rpc, absl::string_view why) {
       absl::StrCat(rpc, ": not implemented yet (", why, ")"));
 }
 
-constexpr absl::string_view kWorkersIssue =
-    "steps land with the workers issue, issue 3";
-
 WorkerRegistryOptions RegistryOptions(const CoordinatorServiceOptions& o) {
   WorkerRegistryOptions options;
   options.max_workers = o.max_workers;
@@ -59,6 +58,72 @@ WorkerRegistryOptions RegistryOptions(const CoordinatorServiceOptions& o) {
 }
 constexpr absl::string_view kCheckpointIssue =
     "checkpoints land with the durability issue, issue 5";
+
+// Bounds on a job's config; they keep the numbers far from overflow.
+constexpr int32_t kMaxSteps = 100000000;
+constexpr int64_t kMaxSeqLen = int64_t{1} << 24;
+constexpr int64_t kMaxGlobalBatch = int64_t{1} << 32;
+constexpr size_t kMaxDataPathBytes = 4096;
+
+// Checks a TrainConfig's ranges (as the workers will, so that a bad value
+// fails here rather than on every rank) and sets microbatches 0 to 1, the
+// step shape the job is planned for. The other zero values stay: the
+// workers fill in the defaults documented on TrainConfig.
+absl::StatusOr<v1::TrainConfig> NormalizeTrainConfig(v1::TrainConfig config) {
+  if (config.steps() < 1 || config.steps() > kMaxSteps) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.steps: must be in [1, ", kMaxSteps, "], got ", config.steps()));
+  }
+  if (config.global_batch() < 1 || config.global_batch() > kMaxGlobalBatch) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.global_batch: sequences per step, must be in [1, ",
+                     kMaxGlobalBatch, "], got ", config.global_batch()));
+  }
+  if (config.seq_len() < 1 || config.seq_len() > kMaxSeqLen) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.seq_len: must be in [1, ", kMaxSeqLen, "], got ",
+                     config.seq_len()));
+  }
+  if (config.microbatches() < 0 || config.microbatches() > kMaxMicrobatches) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.microbatches: must be in [1, ", kMaxMicrobatches,
+                     "] (0 means 1), got ", config.microbatches()));
+  }
+  if (config.microbatches() == 0) config.set_microbatches(1);
+  if (config.data_path().size() > kMaxDataPathBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.data_path: longer than ", kMaxDataPathBytes, " bytes"));
+  }
+  struct Value {
+    const char* name;
+    double value;
+    const char* allowed;
+    bool ok;
+  };
+  auto finite = [](double x) { return std::isfinite(x); };
+  const Value values[] = {
+      {"lr", config.lr(), "finite and >= 0 (0: the default)",
+       finite(config.lr()) && config.lr() >= 0},
+      {"beta1", config.beta1(), "in [0, 1) (0: the default)",
+       finite(config.beta1()) && config.beta1() >= 0 && config.beta1() < 1},
+      {"beta2", config.beta2(), "in [0, 1) (0: the default)",
+       finite(config.beta2()) && config.beta2() >= 0 && config.beta2() < 1},
+      {"eps", config.eps(), "finite and >= 0 (0: the default)",
+       finite(config.eps()) && config.eps() >= 0},
+      {"weight_decay", config.weight_decay(), "finite and >= 0",
+       finite(config.weight_decay()) && config.weight_decay() >= 0},
+      {"grad_clip", config.grad_clip(),
+       "finite (0: the default, negative: no clipping)",
+       finite(config.grad_clip())},
+  };
+  for (const Value& v : values) {
+    if (!v.ok) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config.", v.name, ": must be ", v.allowed, ", got ", v.value));
+    }
+  }
+  return config;
+}
 
 }  // namespace
 
@@ -97,7 +162,13 @@ CoordinatorService::CoordinatorService(const StrategyRegistry* registry,
       start_time_(options_.clock()),
       workers_(RegistryOptions(options_)),
       kv_(options_.kv),
-      barriers_(options_.barriers) {}
+      barriers_(options_.barriers),
+      jobs_(std::make_unique<JobRunner>(&workers_, options_.worker_clients,
+                                        options_.jobs)) {}
+
+CoordinatorService::~CoordinatorService() { Shutdown(); }
+
+void CoordinatorService::Shutdown() { jobs_->Shutdown(); }
 
 absl::StatusOr<v1::ListStrategiesResponse> CoordinatorService::ListStrategies(
     const v1::ListStrategiesRequest& /*request*/) const {
@@ -178,9 +249,11 @@ absl::StatusOr<v1::SubmitModelResponse> CoordinatorService::SubmitModel(
                           PlanModel(model_id, spec, request.options()));
   StoredModel stored;
   stored.name = request.name();
+  stored.options = request.options();
   stored.summary = Summarize(spec);
   stored.spec = std::move(spec);
   stored.plan = std::move(plan);
+  // Options are a few bytes next to the plan; not counted.
   stored.bytes = stored.spec.ByteSizeLong() + stored.plan.ByteSizeLong();
 
   absl::MutexLock lock(&mu_);
@@ -266,6 +339,18 @@ absl::StatusOr<v1::GetStatusResponse> CoordinatorService::GetStatus(
     info->set_alive(worker.alive);
     info->set_last_heartbeat_ms_ago(
         absl::ToInt64Milliseconds(now - worker.last_heartbeat));
+  }
+  for (const JobSummary& job : jobs_->ListJobs()) {
+    v1::JobInfo* info = response.add_jobs();
+    info->set_job_id(job.job_id);
+    info->set_model_id(job.model_id);
+    info->set_state(job.state);
+    info->set_world_size(job.world_size);
+    info->set_steps_done(job.steps_done);
+    info->set_total_steps(job.total_steps);
+    info->set_loss(job.last_loss);
+    info->set_tokens_per_second(job.tokens_per_second);
+    info->set_error(job.error);
   }
   return response;
 }
@@ -392,13 +477,78 @@ absl::StatusOr<v1::BarrierResponse> CoordinatorService::Barrier(
 }
 
 absl::StatusOr<v1::SubmitStepResponse> CoordinatorService::SubmitStep(
-    const v1::SubmitStepRequest& /*request*/) {
-  return NotYet("SubmitStep", kWorkersIssue);
+    const v1::SubmitStepRequest& request) {
+  if (request.model_id().empty()) {
+    return absl::InvalidArgumentError(
+        "model_id: required (the id SubmitModel returned)");
+  }
+  SHARDD_ASSIGN_OR_RETURN(v1::TrainConfig config,
+                          NormalizeTrainConfig(request.config()));
+  if (!options_.worker_clients) {
+    return absl::FailedPreconditionError(
+        "SubmitStep: this coordinator has no worker transport configured");
+  }
+  JobSpec job;
+  job.model_id = request.model_id();
+  v1::PlanOptions options;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = models_.find(request.model_id());
+    if (it == models_.end()) {
+      return absl::NotFoundError(absl::StrCat(
+          "model_id: no model '", request.model_id(), "' on this coordinator"));
+    }
+    job.model = it->second.spec;
+    options = it->second.options;
+  }
+  // The memory model depends on the step shape: plan for the one the
+  // workers will run.
+  options.set_microbatches(config.microbatches());
+  options.set_defer_grad_sync(config.defer_grad_sync());
+  options.set_include_timeline(false);
+  SHARDD_ASSIGN_OR_RETURN(job.plan,
+                          PlanModel(request.model_id(), job.model, options));
+  const int world = job.plan.world_size();
+  const int64_t split = int64_t{world} * config.microbatches();
+  if (config.global_batch() % split != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.global_batch: must be divisible by world size x "
+        "microbatches (",
+        world, " x ", config.microbatches(), " = ", split,
+        ") so that every rank trains on the same number of sequences, got ",
+        config.global_batch()));
+  }
+  absl::StatusOr<v1::StepProgram> program = CompileStepProgram(job.plan);
+  if (!program.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("step program: ", program.status().message()));
+  }
+  job.program = *std::move(program);
+  job.config = std::move(config);
+  SHARDD_ASSIGN_OR_RETURN(std::string job_id, jobs_->Submit(std::move(job)));
+  SHARDD_LOG(INFO) << "job " << job_id << " queued: model "
+                   << request.model_id() << " on " << world << " workers";
+  v1::SubmitStepResponse response;
+  response.set_job_id(job_id);
+  response.set_world_size(world);
+  return response;
 }
 
-absl::Status CoordinatorService::StartWatchStep(
-    const v1::WatchStepRequest& /*request*/) {
-  return NotYet("WatchStep", kWorkersIssue);
+absl::StatusOr<StepWatch> CoordinatorService::WatchStep(
+    const v1::WatchStepRequest& request) {
+  if (request.job_id().empty()) {
+    return absl::InvalidArgumentError(
+        "job_id: required (the id SubmitStep returned)");
+  }
+  if (request.from_step() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("from_step: must be >= 0 (0 replays every event), got ",
+                     request.from_step()));
+  }
+  StepWatch watch;
+  SHARDD_ASSIGN_OR_RETURN(watch.log, jobs_->Events(request.job_id()));
+  watch.start_index = watch.log->StartIndex(request.from_step());
+  return watch;
 }
 
 absl::StatusOr<v1::SaveCheckpointResponse> CoordinatorService::SaveCheckpoint(

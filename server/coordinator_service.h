@@ -5,9 +5,11 @@
 // models and their plans, worker membership (worker_registry.h), the
 // rendezvous key-value store (kv_store.h) and barriers (barrier.h), status.
 // The gRPC adapter (grpc_coordinator_service.h) only converts statuses and
-// finishes waiting calls (Get with wait, Barrier) asynchronously; tests drive
-// this class directly. Steps and checkpoints answer UNIMPLEMENTED until the
-// issues that add them land.
+// finishes waiting calls (Get with wait, Barrier) and WatchStep streams
+// asynchronously; tests drive this class directly. Training jobs
+// (SubmitStep/WatchStep) run in a JobRunner (job_runner.h) that reaches the
+// workers through the injected WorkerClientFactory. Checkpoints answer
+// UNIMPLEMENTED until the issue that adds them lands.
 //
 // Thread-safe: every method may be called concurrently.
 
@@ -15,6 +17,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -27,9 +30,11 @@
 #include "proto/model.pb.h"
 #include "proto/plan.pb.h"
 #include "server/barrier.h"
+#include "server/job_runner.h"
 #include "server/kv_store.h"
 #include "server/sharding_planner.h"
 #include "server/strategy_registry.h"
+#include "server/worker_client.h"
 #include "server/worker_registry.h"
 
 namespace shardd {
@@ -56,6 +61,18 @@ struct CoordinatorServiceOptions {
   absl::Duration heartbeat_timeout = absl::Seconds(10);
   KvStoreOptions kv;
   BarrierTableOptions barriers;
+  // How jobs reach workers (grpc_worker_client.h in the binary, fakes in
+  // tests). Unset: SubmitStep answers FAILED_PRECONDITION.
+  WorkerClientFactory worker_clients;
+  // Job limits, the collective timeout sent to workers, RPC deadlines.
+  JobRunnerOptions jobs;
+};
+
+// What WatchStep streams: a job's event log and the position of the first
+// event to send.
+struct StepWatch {
+  std::shared_ptr<JobEventLog> log;
+  int64_t start_index = 0;
 };
 
 // The model id SubmitModel assigns: "m-" followed by 16 lower-case hex digits
@@ -70,6 +87,9 @@ class CoordinatorService {
   // `registry` is not owned and must outlive the service.
   explicit CoordinatorService(const StrategyRegistry* registry,
                               CoordinatorServiceOptions options = {});
+
+  // Shutdown().
+  ~CoordinatorService();
 
   CoordinatorService(const CoordinatorService&) = delete;
   CoordinatorService& operator=(const CoordinatorService&) = delete;
@@ -99,8 +119,8 @@ class CoordinatorService {
       const v1::GetPlanRequest& request) const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Stored models in submission order, workers in rank order (alive or
-  // dead, with the time since their last heartbeat), uptime and
-  // incarnation. Errors: none.
+  // dead, with the time since their last heartbeat), kept jobs in
+  // submission order, uptime and incarnation. Errors: none.
   absl::StatusOr<v1::GetStatusResponse> GetStatus(
       const v1::GetStatusRequest& request) const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -151,12 +171,39 @@ class CoordinatorService {
   // Membership, for the step runner (thread-safe; owned by the service).
   WorkerRegistry* workers() { return &workers_; }
 
-  // Not implemented yet: each returns UNIMPLEMENTED naming the issue that
-  // adds it (issue 3 for steps; issue 5 for checkpoints).
+  // Queues a training job of `config.steps` steps for a stored model. The
+  // model is planned again with its stored options and the config's step
+  // shape (microbatches, defer_grad_sync; passes come from the model's
+  // options), so the plan's memory model matches what workers run; the
+  // step program is compiled once here. The plan's world size W must be
+  // served by live workers of ranks 0..W-1. microbatches 0 means 1; the
+  // other zero values reach the workers, which fill in the defaults
+  // documented on TrainConfig.
+  // Errors: INVALID_ARGUMENT (empty model_id; steps outside [1, 10^8];
+  // global_batch, seq_len < 1; microbatches outside [0, 1024]; global_batch
+  // not divisible by W * microbatches; lr, eps or weight_decay negative or
+  // not finite, a beta outside [0, 1), grad_clip not finite; data_path over
+  // 4096 bytes; the step
+  // shape does not compile), NOT_FOUND (unknown model), FAILED_PRECONDITION
+  // (workers missing or dead: the message names the ranks; no worker
+  // transport), RESOURCE_EXHAUSTED (too many jobs pending), UNAVAILABLE
+  // (shutting down).
   absl::StatusOr<v1::SubmitStepResponse> SubmitStep(
       const v1::SubmitStepRequest& request);
-  // WatchStep streams; the transport asks here whether it may start.
-  absl::Status StartWatchStep(const v1::WatchStepRequest& request);
+  // The events WatchStep streams: the job's log, from the first event whose
+  // step is >= from_step (0: from the start). The transport sends stored
+  // events, then new ones until the job ends.
+  // Errors: INVALID_ARGUMENT (empty job_id, negative from_step), NOT_FOUND
+  // (unknown job).
+  absl::StatusOr<StepWatch> WatchStep(const v1::WatchStepRequest& request);
+
+  // Fails queued and running jobs and waits for their threads (bounded by
+  // the jobs' poll interval and their calls' cancellation). The destructor
+  // does it too. Idempotent.
+  void Shutdown();
+
+  // Not implemented yet: each returns UNIMPLEMENTED naming the issue that
+  // adds it (issue 5 for checkpoints).
   absl::StatusOr<v1::SaveCheckpointResponse> SaveCheckpoint(
       const v1::SaveCheckpointRequest& request);
   absl::StatusOr<v1::LoadCheckpointResponse> LoadCheckpoint(
@@ -170,6 +217,7 @@ class CoordinatorService {
   struct StoredModel {
     std::string name;
     v1::ModelSpec spec;
+    v1::PlanOptions options;  // As submitted; jobs plan with them again.
     v1::ModelSummary summary;
     v1::ShardingPlan plan;
     size_t bytes = 0;  // Serialized size of spec and plan.
@@ -196,6 +244,8 @@ class CoordinatorService {
   mutable WorkerRegistry workers_;
   KvStore kv_;
   BarrierTable barriers_;
+  // Declared after workers_, which it uses: destroyed (and joined) first.
+  std::unique_ptr<JobRunner> jobs_;
 
   mutable absl::Mutex mu_;
   // Model id -> model and its plan.

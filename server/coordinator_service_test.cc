@@ -1,5 +1,6 @@
 #include "server/coordinator_service.h"
 
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -17,7 +18,9 @@
 #include "server/model_util.h"
 #include "server/native_spec.h"
 #include "server/sharding_planner.h"
+#include "server/step_program.h"
 #include "server/strategy_registry.h"
+#include "server/worker_client.h"
 
 namespace shardd {
 namespace {
@@ -406,16 +409,13 @@ TEST_F(CoordinatorServiceTest, RandomIncarnationIsNonZeroAndDiffers) {
   EXPECT_NE(a->incarnation(), b->incarnation());
 }
 
-TEST_F(CoordinatorServiceTest, LaterIssuesAnswerUnimplementedNamingThem) {
+TEST_F(CoordinatorServiceTest, CheckpointsAnswerUnimplementedNamingTheIssue) {
   auto service = MakeService();
   auto unimplemented = [](absl::string_view rpc, absl::string_view issue) {
     return StatusIs(absl::StatusCode::kUnimplemented,
                     ::testing::AllOf(HasSubstr(std::string(rpc)),
                                      HasSubstr(std::string(issue))));
   };
-  EXPECT_THAT(service->SubmitStep({}), unimplemented("SubmitStep", "issue 3"));
-  EXPECT_THAT(service->StartWatchStep({}),
-              unimplemented("WatchStep", "issue 3"));
   EXPECT_THAT(service->SaveCheckpoint({}),
               unimplemented("SaveCheckpoint", "issue 5"));
   EXPECT_THAT(service->LoadCheckpoint({}),
@@ -594,6 +594,259 @@ TEST_F(CoordinatorServiceTest, ConcurrentSubmissionsStoreEachModelOnce) {
   for (int t = 2; t < kThreads; ++t) EXPECT_EQ(ids[t], ids[t % 2]);
   SHARDD_ASSERT_OK_AND_ASSIGN(auto status, service->GetStatus({}));
   EXPECT_THAT(status.models(), SizeIs(2));
+}
+
+// ---------------------------------------------------------------------------
+// Training jobs through the service, with in-memory workers.
+
+// Records what the coordinator sends; every step succeeds with loss 2.5 on
+// 64 tokens per rank.
+class RecordingWorkers {
+ public:
+  class Client final : public WorkerClient {
+   public:
+    Client(RecordingWorkers* owner, std::string address)
+        : owner_(owner), address_(std::move(address)) {}
+    const std::string& address() const override { return address_; }
+    absl::StatusOr<v1::LoadPlanResponse> LoadPlan(
+        const v1::LoadPlanRequest& request,
+        const WorkerCallOptions& /*options*/) override {
+      absl::MutexLock lock(&owner_->mu_);
+      owner_->loads_.push_back(request);
+      return v1::LoadPlanResponse();
+    }
+    absl::StatusOr<v1::ExecuteResponse> Execute(
+        const v1::ExecuteRequest& request,
+        const WorkerCallOptions& /*options*/) override {
+      absl::MutexLock lock(&owner_->mu_);
+      owner_->programs_.push_back(request.program());
+      v1::ExecuteResponse response;
+      response.set_loss(2.5);
+      response.set_tokens(64);
+      return response;
+    }
+    absl::StatusOr<v1::ExecuteResponse> RunCommand(
+        const v1::RunCommandRequest& /*request*/,
+        const WorkerCallOptions& /*options*/) override {
+      return absl::UnimplementedError("not used");
+    }
+    absl::StatusOr<v1::GetStatsResponse> GetStats(
+        const WorkerCallOptions& /*options*/) override {
+      return v1::GetStatsResponse();
+    }
+
+   private:
+    RecordingWorkers* const owner_;
+    const std::string address_;
+  };
+
+  WorkerClientFactory Factory() {
+    return [this](const std::string& address)
+               -> absl::StatusOr<std::unique_ptr<WorkerClient>> {
+      return std::make_unique<Client>(this, address);
+    };
+  }
+  std::vector<v1::LoadPlanRequest> loads() {
+    absl::MutexLock lock(&mu_);
+    return loads_;
+  }
+  std::vector<v1::StepProgram> programs() {
+    absl::MutexLock lock(&mu_);
+    return programs_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<v1::LoadPlanRequest> loads_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::StepProgram> programs_ ABSL_GUARDED_BY(mu_);
+};
+
+v1::SubmitStepRequest StepRequest(const std::string& model_id) {
+  v1::SubmitStepRequest request;
+  request.set_model_id(model_id);
+  v1::TrainConfig* config = request.mutable_config();
+  config->set_steps(3);
+  config->set_global_batch(8);
+  config->set_seq_len(4);
+  return request;
+}
+
+// Waits (bounded) for a job's log to end and returns its events.
+std::vector<v1::StepEvent> EventsAfterEnd(CoordinatorService* service,
+                                          const std::string& job_id) {
+  v1::WatchStepRequest watch;
+  watch.set_job_id(job_id);
+  absl::StatusOr<StepWatch> log = service->WatchStep(watch);
+  EXPECT_THAT(log, IsOk());
+  if (!log.ok()) return {};
+  const absl::Time until = absl::Now() + absl::Seconds(20);
+  while (!log->log->ended() && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  EXPECT_TRUE(log->log->ended());
+  return log->log->Snapshot();
+}
+
+TEST_F(CoordinatorServiceTest, SubmitStepChecksItsInput) {
+  RecordingWorkers workers;
+  CoordinatorServiceOptions options;
+  options.worker_clients = workers.Factory();
+  auto service = MakeService(options);
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto model,
+                              service->SubmitModel(SpecRequest(TinySpec(), 1)));
+  SHARDD_ASSERT_OK(service->RegisterWorker(WorkerRequest(5000, 1)).status());
+  auto invalid = [&](const v1::SubmitStepRequest& request,
+                     const std::string& field) {
+    EXPECT_THAT(service->SubmitStep(request),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(field)))
+        << field;
+  };
+  invalid(StepRequest(""), "model_id");
+  auto with = [&](auto mutate) {
+    v1::SubmitStepRequest request = StepRequest(model.model_id());
+    mutate(request.mutable_config());
+    return request;
+  };
+  invalid(with([](v1::TrainConfig* c) { c->set_steps(0); }), "config.steps");
+  invalid(with([](v1::TrainConfig* c) { c->set_global_batch(0); }),
+          "config.global_batch");
+  invalid(with([](v1::TrainConfig* c) { c->set_seq_len(-1); }),
+          "config.seq_len");
+  invalid(with([](v1::TrainConfig* c) { c->set_microbatches(-2); }),
+          "config.microbatches");
+  invalid(with([](v1::TrainConfig* c) { c->set_lr(-0.1); }), "config.lr");
+  invalid(with([](v1::TrainConfig* c) { c->set_beta1(1.0); }), "config.beta1");
+  invalid(with([](v1::TrainConfig* c) { c->set_grad_clip(std::nan("")); }),
+          "config.grad_clip");
+  invalid(with([](v1::TrainConfig* c) { c->set_eps(-1e-9); }), "config.eps");
+  // 8 sequences cannot be split into 3 micro-batches of whole rows.
+  invalid(with([](v1::TrainConfig* c) { c->set_microbatches(3); }),
+          "divisible");
+  EXPECT_THAT(service->SubmitStep(StepRequest("m-0000000000000000")),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("m-0000")));
+
+  auto no_transport = MakeService();
+  SHARDD_ASSERT_OK(no_transport->SubmitModel(SpecRequest(TinySpec(), 1)));
+  EXPECT_THAT(
+      no_transport->SubmitStep(StepRequest(model.model_id())),
+      StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("transport")));
+  EXPECT_TRUE(workers.loads().empty());
+}
+
+TEST_F(CoordinatorServiceTest, SubmitStepNeedsLiveWorkersForThePlansWorld) {
+  RecordingWorkers workers;
+  CoordinatorServiceOptions options;
+  options.worker_clients = workers.Factory();
+  auto service = MakeService(options);
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto model,
+                              service->SubmitModel(SpecRequest(TinySpec(), 2)));
+  EXPECT_THAT(service->SubmitStep(StepRequest(model.model_id())),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("ranks 0-1 have not registered")));
+  SHARDD_ASSERT_OK(service->RegisterWorker(WorkerRequest(5000, 1)).status());
+  EXPECT_THAT(service->SubmitStep(StepRequest(model.model_id())),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("rank 1 has not registered")));
+  EXPECT_TRUE(workers.loads().empty());
+}
+
+TEST_F(CoordinatorServiceTest, SubmitStepPlansForTheStepShapeAndRunsTheJob) {
+  RecordingWorkers workers;
+  CoordinatorServiceOptions options;
+  options.worker_clients = workers.Factory();
+  auto service = MakeService(options);
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto model,
+                              service->SubmitModel(SpecRequest(TinySpec(), 2)));
+  ASSERT_EQ(model.plan().step().microbatches(), 1);
+  SHARDD_ASSERT_OK(service->RegisterWorker(WorkerRequest(5000, 1)).status());
+  SHARDD_ASSERT_OK(service->RegisterWorker(WorkerRequest(5001, 2)).status());
+
+  v1::SubmitStepRequest request = StepRequest(model.model_id());
+  request.mutable_config()->set_microbatches(2);
+  request.mutable_config()->set_defer_grad_sync(true);
+  request.mutable_config()->set_weight_decay(0.05);
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::SubmitStepResponse submitted,
+                              service->SubmitStep(request));
+  EXPECT_EQ(submitted.job_id(), "j-1");
+  EXPECT_EQ(submitted.world_size(), 2);
+  const std::vector<v1::StepEvent> events =
+      EventsAfterEnd(service.get(), submitted.job_id());
+  ASSERT_EQ(events.size(), 3u);
+  EXPECT_TRUE(events.back().done());
+  EXPECT_DOUBLE_EQ(events.back().loss(), 2.5);
+  EXPECT_EQ(events.back().tokens(), 128);
+
+  // The workers got the plan for the job's step shape, the config, and the
+  // program compiled from that plan.
+  v1::GetPlanRequest replan;
+  replan.set_model_id(model.model_id());
+  replan.set_replan(true);
+  *replan.mutable_options() = Options(2);
+  replan.mutable_options()->set_microbatches(2);
+  replan.mutable_options()->set_defer_grad_sync(true);
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::GetPlanResponse expected,
+                              service->GetPlan(replan));
+  const std::vector<v1::LoadPlanRequest> loads = workers.loads();
+  ASSERT_EQ(loads.size(), 2u);
+  for (const v1::LoadPlanRequest& load : loads) {
+    EXPECT_EQ(load.plan().step().microbatches(), 2);
+    EXPECT_TRUE(load.plan().step().defer_grad_sync());
+    EXPECT_EQ(load.plan().memory().peak_unsharded_bytes(),
+              expected.plan().memory().peak_unsharded_bytes());
+    EXPECT_EQ(load.train().microbatches(), 2);
+    // Zero optimizer values travel as they are: workers own the defaults.
+    EXPECT_DOUBLE_EQ(load.train().lr(), 0.0);
+    EXPECT_DOUBLE_EQ(load.train().beta2(), 0.0);
+    EXPECT_DOUBLE_EQ(load.train().weight_decay(), 0.05);
+    EXPECT_EQ(load.train().steps(), 3);
+    EXPECT_EQ(load.train().global_batch(), 8);
+    EXPECT_EQ(load.model().architecture(), "TinyTestForCausalLM");
+  }
+  EXPECT_EQ(events.back().planned_peak_unsharded_bytes(),
+            expected.plan().memory().peak_unsharded_bytes());
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::StepProgram compiled,
+                              CompileStepProgram(loads[0].plan()));
+  const std::vector<v1::StepProgram> programs = workers.programs();
+  ASSERT_EQ(programs.size(), 6u);  // 3 steps x 2 ranks.
+  for (v1::StepProgram program : programs) {
+    EXPECT_GE(program.step(), 0);
+    EXPECT_LE(program.step(), 2);
+    program.set_step(0);
+    EXPECT_EQ(program.SerializeAsString(), compiled.SerializeAsString());
+  }
+
+  // Status lists the finished job.
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto status, service->GetStatus({}));
+  ASSERT_THAT(status.jobs(), SizeIs(1));
+  EXPECT_EQ(status.jobs(0).job_id(), "j-1");
+  EXPECT_EQ(status.jobs(0).model_id(), model.model_id());
+  EXPECT_EQ(status.jobs(0).state(), v1::JOB_DONE);
+  EXPECT_EQ(status.jobs(0).steps_done(), 3);
+  EXPECT_EQ(status.jobs(0).total_steps(), 3);
+  EXPECT_EQ(status.jobs(0).world_size(), 2);
+
+  // Watching from step 2 starts at the second event.
+  v1::WatchStepRequest watch;
+  watch.set_job_id("j-1");
+  watch.set_from_step(2);
+  SHARDD_ASSERT_OK_AND_ASSIGN(StepWatch from_two, service->WatchStep(watch));
+  EXPECT_EQ(from_two.start_index, 1);
+}
+
+TEST_F(CoordinatorServiceTest, WatchStepErrors) {
+  auto service = MakeService();
+  v1::WatchStepRequest request;
+  EXPECT_THAT(
+      service->WatchStep(request),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("job_id")));
+  request.set_job_id("j-1");
+  request.set_from_step(-1);
+  EXPECT_THAT(
+      service->WatchStep(request),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("from_step")));
+  request.set_from_step(0);
+  EXPECT_THAT(service->WatchStep(request),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("j-1")));
 }
 
 }  // namespace

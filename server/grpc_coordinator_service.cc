@@ -8,6 +8,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/grpc_status.h"
+#include "server/job_runner.h"
 
 namespace shardd {
 namespace {
@@ -24,8 +25,7 @@ grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* context,
   return reactor;
 }
 
-// A stream that ends at once with a status: used while WatchStep has no
-// events to send.
+// A stream that ends at once with a status (WatchStep refused).
 class FinishedWriteReactor final
     : public grpc::ServerWriteReactor<v1::StepEvent> {
  public:
@@ -207,13 +207,169 @@ grpc::ServerUnaryReactor* StartWaiting(
   return reactor;
 }
 
+// One WatchStep stream: sends the job's events from its position, then
+// waits for new ones without holding any thread (the job's thread wakes it
+// through the log's listener), and finishes when the log ends. At most one
+// write is in flight; Finish is called once, never during a write, so the
+// reactor (deleted in OnDone, after Finish) is never touched after it.
+class WatchStream final : public JobEventLog::Listener {
+ public:
+  WatchStream(grpc::ServerWriteReactor<v1::StepEvent>* reactor,
+              std::shared_ptr<JobEventLog> log, int64_t index)
+      : reactor_(reactor), log_(std::move(log)), index_(index) {}
+
+  // Writes the next event, finishes, or waits for the log to call back.
+  void Pump() ABSL_LOCKS_EXCLUDED(mu_) {
+    bool write = false;
+    grpc::Status finish;
+    {
+      absl::MutexLock lock(&mu_);
+      if (finished_ || writing_) return;
+      if (cancelled_) {
+        finish = grpc::Status(grpc::StatusCode::CANCELLED,
+                              "the watch was cancelled");
+      } else {
+        switch (log_->Read(&index_, &event_)) {
+          case JobEventLog::ReadResult::kEvent:
+            write = true;
+            break;
+          case JobEventLog::ReadResult::kEnded:
+            break;  // OK: the job's last event was sent.
+          case JobEventLog::ReadResult::kWait:
+            if (!stopping_) return;
+            finish = ToGrpcStatus(ShuttingDown());
+            break;
+        }
+      }
+      if (write) {
+        writing_ = true;
+      } else {
+        finished_ = true;
+      }
+    }
+    // event_ is not changed while writing_ is set.
+    if (write) {
+      reactor_->StartWrite(&event_);
+    } else {
+      reactor_->Finish(finish);
+    }
+  }
+
+  void OnWriteDone(bool ok) ABSL_LOCKS_EXCLUDED(mu_) {
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      if (ok) {
+        ++index_;
+      } else {
+        cancelled_ = true;  // The stream broke (client gone).
+      }
+    }
+    Pump();
+  }
+
+  void Cancel() ABSL_LOCKS_EXCLUDED(mu_) {
+    {
+      absl::MutexLock lock(&mu_);
+      cancelled_ = true;
+    }
+    Pump();
+  }
+
+  // The server stops: send what is stored, then end with UNAVAILABLE
+  // instead of waiting for more.
+  void Stop() ABSL_LOCKS_EXCLUDED(mu_) {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    Pump();
+  }
+
+  void OnEventsAvailable() override { Pump(); }
+
+ private:
+  grpc::ServerWriteReactor<v1::StepEvent>* const reactor_;
+  const std::shared_ptr<JobEventLog> log_;
+
+  absl::Mutex mu_;
+  int64_t index_ ABSL_GUARDED_BY(mu_);
+  v1::StepEvent event_ ABSL_GUARDED_BY(mu_);
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace grpc_coordinator_internal
+
+using grpc_coordinator_internal::WatchStream;
+
+// The open WatchStep streams, so that a shutdown can end them.
+class GrpcCoordinatorService::WatchStreams {
+ public:
+  // Registers a stream; false (nothing registered) once stopping.
+  bool Add(const std::shared_ptr<WatchStream>& stream)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return false;
+    streams_.insert(stream);
+    return true;
+  }
+  void Remove(const std::shared_ptr<WatchStream>& stream)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    streams_.erase(stream);
+  }
+  std::set<std::shared_ptr<WatchStream>> Stop() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    return streams_;
+  }
+  size_t size() const ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return streams_.size();
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::set<std::shared_ptr<WatchStream>> streams_ ABSL_GUARDED_BY(mu_);
+};
+
+namespace grpc_coordinator_internal {
+
+// The reactor of a WatchStep call; deletes itself when gRPC is done with it.
+class WatchReactor final : public grpc::ServerWriteReactor<v1::StepEvent> {
+ public:
+  explicit WatchReactor(
+      std::shared_ptr<GrpcCoordinatorService::WatchStreams> owner)
+      : owner_(std::move(owner)) {}
+  void set_stream(std::shared_ptr<WatchStream> stream) {
+    stream_ = std::move(stream);
+  }
+  void OnWriteDone(bool ok) override { stream_->OnWriteDone(ok); }
+  void OnCancel() override { stream_->Cancel(); }
+  void OnDone() override {
+    owner_->Remove(stream_);
+    delete this;
+  }
+
+ private:
+  const std::shared_ptr<GrpcCoordinatorService::WatchStreams> owner_;
+  std::shared_ptr<WatchStream> stream_;
+};
+
 }  // namespace grpc_coordinator_internal
 
 using grpc_coordinator_internal::ShuttingDown;
 using grpc_coordinator_internal::StartWaiting;
+using grpc_coordinator_internal::WatchReactor;
 
 GrpcCoordinatorService::GrpcCoordinatorService(CoordinatorService* service)
-    : service_(service), waiting_(std::make_shared<WaitingCalls>()) {}
+    : service_(service),
+      waiting_(std::make_shared<WaitingCalls>()),
+      watches_(std::make_shared<WatchStreams>()) {}
 
 GrpcCoordinatorService::~GrpcCoordinatorService() { CancelWaitingCalls(); }
 
@@ -221,6 +377,13 @@ void GrpcCoordinatorService::CancelWaitingCalls() {
   for (const std::shared_ptr<WaitingCall>& call : waiting_->Stop()) {
     call->Abandon(ShuttingDown());
   }
+  for (const std::shared_ptr<WatchStream>& stream : watches_->Stop()) {
+    stream->Stop();
+  }
+}
+
+size_t GrpcCoordinatorService::watch_streams() const {
+  return watches_->size();
 }
 
 size_t GrpcCoordinatorService::waiting_calls() const {
@@ -304,12 +467,22 @@ grpc::ServerUnaryReactor* GrpcCoordinatorService::SubmitStep(
 grpc::ServerWriteReactor<v1::StepEvent>* GrpcCoordinatorService::WatchStep(
     grpc::CallbackServerContext* /*context*/,
     const v1::WatchStepRequest* request) {
-  absl::Status status = service_->StartWatchStep(*request);
-  if (status.ok()) {
-    // Unreachable until steps exist; never leave a stream hanging.
-    status = absl::InternalError("WatchStep: no event source for this job");
+  absl::StatusOr<StepWatch> watch = service_->WatchStep(*request);
+  if (!watch.ok())
+    return new FinishedWriteReactor(ToGrpcStatus(watch.status()));
+  auto* reactor = new WatchReactor(watches_);
+  auto stream =
+      std::make_shared<WatchStream>(reactor, watch->log, watch->start_index);
+  reactor->set_stream(stream);
+  if (!watches_->Add(stream)) {
+    // Shutting down: finish through the stream, which owns Finish.
+    stream->Stop();
+    return reactor;
   }
-  return new FinishedWriteReactor(ToGrpcStatus(status));
+  // Listen before the first read, so no event falls in between.
+  watch->log->AddListener(stream);
+  stream->Pump();
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* GrpcCoordinatorService::SaveCheckpoint(

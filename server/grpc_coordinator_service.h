@@ -6,7 +6,9 @@
 // keeping the code and message. Calls that wait (Get, Barrier) finish
 // asynchronously, from whichever thread completes them, so no gRPC thread is
 // ever parked; a cancelled call (client gone, deadline passed) withdraws its
-// wait from the service.
+// wait from the service. WatchStep streams write the job's stored events
+// and then each new one from the job's thread as it is published (a write
+// never blocks), one write in flight per stream.
 
 #include <cstddef>
 #include <memory>
@@ -82,20 +84,26 @@ class GrpcCoordinatorService final : public v1::Coordinator::CallbackService {
 
   // Ends every waiting call (Get with wait, Barrier) with UNAVAILABLE and
   // answers later ones at once with UNAVAILABLE, so a server shutdown does
-  // not wait out long waits. CoordinatorServer::Shutdown calls it first.
-  // Idempotent, thread-safe.
+  // not wait out long waits; WatchStep streams send the events stored so
+  // far and then end (OK when the job ended, else UNAVAILABLE).
+  // CoordinatorServer::Shutdown calls it first. Idempotent, thread-safe.
   void CancelWaitingCalls();
 
   // Calls waiting now.
   size_t waiting_calls() const;
+  // WatchStep streams open now.
+  size_t watch_streams() const;
 
-  // The waiting calls, shared with each call so that a late completion never
-  // touches a destroyed object. Defined in the .cc file.
+  // The waiting calls and the watch streams, shared with each call so that a
+  // late completion never touches a destroyed object. Defined in the .cc
+  // file.
   class WaitingCalls;
+  class WatchStreams;
 
  private:
   CoordinatorService* service_;  // Not owned.
   std::shared_ptr<WaitingCalls> waiting_;
+  std::shared_ptr<WatchStreams> watches_;
 };
 
 }  // namespace shardd

@@ -399,18 +399,6 @@ TEST_F(InProcessCoordinatorTest, LaterRpcsAnswerUnimplementedWithAMessage) {
         AllOf(StartsWith(rpc + ": not implemented yet"), HasSubstr("issue")));
   };
   {
-    v1::SubmitStepResponse r;
-    expect_unimplemented(stub_->SubmitStep(Context().get(), {}, &r),
-                         "SubmitStep");
-  }
-  {
-    auto context = Context();
-    auto reader = stub_->WatchStep(context.get(), {});
-    v1::StepEvent event;
-    EXPECT_FALSE(reader->Read(&event));
-    expect_unimplemented(reader->Finish(), "WatchStep");
-  }
-  {
     v1::SaveCheckpointResponse r;
     expect_unimplemented(stub_->SaveCheckpoint(Context().get(), {}, &r),
                          "SaveCheckpoint");

@@ -518,7 +518,8 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
       ++loss_terms;
       tokens += ce.count;
       a.dx.resize(t * dim);
-      float* dnorm = final_norm.frozen ? nullptr : Zeroed(&scratch, dim);
+      // The kernel always writes dweight; a frozen norm's is dropped.
+      float* dnorm = Zeroed(&scratch, dim);
       SHARDD_RETURN_IF_ERROR(kernels::RmsNormBackward(
           dh.data(), a.final_x.data(), norm_w, a.final_inv.data(), t, dim,
           a.dx.data(), dnorm));
@@ -606,7 +607,7 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
       }
       SHARDD_ASSIGN_OR_RETURN(const float* norm_w,
                               params->Param(spec.norm.name));
-      float* dnorm = spec.norm.frozen ? nullptr : Zeroed(&scratch, dim);
+      float* dnorm = Zeroed(&scratch, dim);  // Dropped by AddGrad if frozen.
       // Residual: d(x_in) = d(x_out) + RMSNorm'(d normed).
       SHARDD_RETURN_IF_ERROR(kernels::RmsNormBackward(
           a.dn.data(), la.x_in.data(), norm_w, la.inv_rms.data(), t, dim,

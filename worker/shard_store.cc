@@ -81,6 +81,17 @@ absl::StatusOr<std::unique_ptr<ShardStore>> ShardStore::Create(
           "float32 or bfloat16, got compute ",
           DTypeName(state->compute), " and reduce ", DTypeName(state->reduce)));
     }
+    const v1::ReshardPolicy& policy = unit.reshard_after_forward();
+    if (policy.policy_case() == v1::ReshardPolicy::kGroupSize &&
+        policy.group_size() > 1 && policy.group_size() < world) {
+      // Keeping a 1/G slice needs a sub-group all-gather the CPU worker does
+      // not have yet; refusing beats silently resharding fully.
+      return absl::UnimplementedError(absl::StrCat(
+          "unit '", unit.name(), "': reshard_after_forward group_size ",
+          policy.group_size(),
+          " (reshard to a smaller group) is planned but not executed by the "
+          "CPU worker yet; use true or false"));
+    }
     const int64_t bytes = state->shard_numel * 4;
     state->master = TrackedBuffer(tracker, MemoryKind::kShardParams, bytes);
     state->grads = TrackedBuffer(tracker, MemoryKind::kShardGrads, bytes);
@@ -92,6 +103,8 @@ absl::StatusOr<std::unique_ptr<ShardStore>> ShardStore::Create(
       if (!b->empty()) std::memset(b->data(), 0, static_cast<size_t>(bytes));
     }
     state->copies.resize(unit.params_size());
+    // A flat bucket's gradient keeps the bucket's layout.
+    if (state->flat) state->grad_chunk_numel = state->shard_numel;
     float* master = state->master.as<float>();
 
     for (int p = 0; p < unit.params_size(); ++p) {
@@ -122,11 +135,16 @@ absl::StatusOr<std::unique_ptr<ShardStore>> ShardStore::Create(
                          begin - info.unsharded_offset, end - begin,
                          master + (begin - own_begin));
         }
+        info.grad_offset = info.unsharded_offset;
       } else {
         info.dim0 = layout.global_shape(0);
         info.row_numel = info.dim0 > 0 ? info.numel / info.dim0 : 0;
         info.rows_per_rank = layout.rows_per_rank();
         info.shard_offset = layout.shard_offset();
+        if (!info.frozen) {
+          info.grad_offset = state->grad_chunk_numel;
+          state->grad_chunk_numel += layout.local_numel();
+        }
         const int64_t first_row = r * info.rows_per_rank;
         const int64_t valid = std::max<int64_t>(
             0, std::min(info.rows_per_rank, info.dim0 - first_row));
@@ -136,6 +154,7 @@ absl::StatusOr<std::unique_ptr<ShardStore>> ShardStore::Create(
                          master + info.shard_offset);
         }
       }
+      if (!info.frozen && !info.flat) state->trainable.push_back(info);
       store->params_[layout.name()] = info;
     }
     store->units_.push_back(std::move(state));
@@ -213,7 +232,12 @@ absl::Status ShardStore::AllocGrad(int unit) {
     return absl::FailedPreconditionError(
         absl::StrCat("AllocGrad: unit ", unit, " already has a gradient"));
   }
-  const int64_t bytes = state->gathered_numel * DTypeBytes(state->reduce);
+  if (state->grad_chunk_numel == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("AllocGrad: unit ", unit, " has no trainable parameters"));
+  }
+  const int64_t bytes =
+      state->grad_chunk_numel * state->world * DTypeBytes(state->reduce);
   state->unsharded_grad =
       TrackedBuffer(tracker_, MemoryKind::kUnshardedGrads, bytes);
   std::memset(state->unsharded_grad.data(), 0, static_cast<size_t>(bytes));
@@ -228,26 +252,39 @@ absl::Status ShardStore::ReduceScatter(int unit, Communicator* shard_group,
         absl::StrCat("ReduceScatter: unit ", unit, " has no gradient"));
   }
   const int64_t elem = DTypeBytes(state->reduce);
+  const int64_t chunk = state->grad_chunk_numel;
   // The reduced chunk lands in this rank's own slot of the input.
-  char* out = state->unsharded_grad.as<char>() +
-              options_.shard_rank * state->shard_numel * elem;
+  char* out =
+      state->unsharded_grad.as<char>() + options_.shard_rank * chunk * elem;
   SHARDD_RETURN_IF_ERROR(shard_group->ReduceScatter(
-      state->unsharded_grad.data(), out, state->shard_numel, state->reduce,
-      ReduceOp::kAvg, options_.collective_timeout));
+      state->unsharded_grad.data(), out, chunk, state->reduce, ReduceOp::kAvg,
+      options_.collective_timeout));
   if (replicas != nullptr && replicas->world_size() > 1) {
-    SHARDD_RETURN_IF_ERROR(replicas->AllReduce(out, state->shard_numel,
-                                               state->reduce, ReduceOp::kAvg,
+    SHARDD_RETURN_IF_ERROR(replicas->AllReduce(out, chunk, state->reduce,
+                                               ReduceOp::kAvg,
                                                options_.collective_timeout));
   }
+  // Add the reduced chunk into the sharded gradient: a flat bucket chunk
+  // matches the shard element for element; a dim-0 chunk holds only the
+  // trainable parameters' shards, which go back to their shard offsets.
   float* grads = state->grads.as<float>();
-  if (state->reduce == v1::BFLOAT16) {
-    const uint16_t* in = reinterpret_cast<const uint16_t*>(out);
-    for (int64_t i = 0; i < state->shard_numel; ++i) {
-      grads[i] += kernels::Bf16ToFp32(in[i]);
+  auto add = [&](int64_t from, int64_t to, int64_t n) {
+    if (state->reduce == v1::BFLOAT16) {
+      const uint16_t* in = reinterpret_cast<const uint16_t*>(out) + from;
+      for (int64_t i = 0; i < n; ++i)
+        grads[to + i] += kernels::Bf16ToFp32(in[i]);
+    } else {
+      const float* in = reinterpret_cast<const float*>(out) + from;
+      for (int64_t i = 0; i < n; ++i) grads[to + i] += in[i];
     }
+  };
+  if (state->flat) {
+    add(0, 0, chunk);
   } else {
-    const float* in = reinterpret_cast<const float*>(out);
-    for (int64_t i = 0; i < state->shard_numel; ++i) grads[i] += in[i];
+    for (const ParamInfo& param : state->trainable) {
+      add(param.grad_offset, param.shard_offset,
+          param.rows_per_rank * param.row_numel);
+    }
   }
   state->unsharded_grad.Reset();
   return absl::OkStatus();
@@ -313,7 +350,7 @@ absl::Status ShardStore::AccumulateGrad(const std::string& name,
   char* base = unit->unsharded_grad.as<char>();
   if (param->flat) {
     AddInto(values, param->numel, unit->reduce,
-            base + param->unsharded_offset * elem);
+            base + param->grad_offset * elem);
     return absl::OkStatus();
   }
   for (int r = 0; r < unit->world; ++r) {
@@ -323,7 +360,7 @@ absl::Status ShardStore::AccumulateGrad(const std::string& name,
     if (rows <= 0) break;
     AddInto(values + first_row * param->row_numel, rows * param->row_numel,
             unit->reduce,
-            base + (r * unit->shard_numel + param->shard_offset) * elem);
+            base + (r * unit->grad_chunk_numel + param->grad_offset) * elem);
   }
   return absl::OkStatus();
 }

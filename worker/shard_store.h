@@ -8,8 +8,11 @@
 //                     (bf16 under mixed precision), then one all-gather into
 //                     the unit's flat buffer of gathered_numel elements;
 //   Reshard(u)        frees the gathered buffer;
-//   AllocGrad(u)      a zeroed unsharded gradient buffer in the reduce dtype,
-//                     laid out like the gathered buffer;
+//   AllocGrad(u)      a zeroed unsharded gradient buffer in the reduce dtype
+//                     for the unit's trainable parameters only: each rank's
+//                     chunk is its trainable parameter shards back to back
+//                     (frozen ones take no room; a flat bucket keeps its
+//                     flat layout);
 //   ReduceScatter(u)  reduce-scatter (average) of that buffer into the
 //                     sharded fp32 gradient (accumulating), an HSDP
 //                     all-reduce (average) across replicas, then frees it.
@@ -54,7 +57,8 @@ class ShardStore {
   // the initialisation rules; it must be the model the plan was made from.
   // Errors: INVALID_ARGUMENT (shard_rank outside [0, dp_shard), a plan
   // parameter missing from the model, a unit whose dtypes the CPU path cannot
-  // hold).
+  // hold), UNIMPLEMENTED (a reshard to a smaller group, group_size in
+  // (1, dp_shard)).
   static absl::StatusOr<std::unique_ptr<ShardStore>> Create(
       const v1::ShardingPlan& plan, const v1::ModelSpec& model,
       const ShardStoreOptions& options, MemoryTracker* tracker);
@@ -114,10 +118,15 @@ class ShardStore {
     int64_t dim0 = 0;
     int64_t shard_offset = 0;      // Dim-0: offset in each rank's chunk.
     int64_t unsharded_offset = 0;  // Flat: offset in the bucket.
+    // Offset in each rank's chunk of the gradient buffer (dim-0: among the
+    // trainable parameters; flat: unsharded_offset).
+    int64_t grad_offset = 0;
   };
   struct UnitState {
     int64_t shard_numel = 0;
     int64_t gathered_numel = 0;
+    // Elements per rank of the unsharded gradient buffer.
+    int64_t grad_chunk_numel = 0;
     int world = 1;
     v1::DType compute = v1::FLOAT32;
     v1::DType reduce = v1::FLOAT32;
@@ -130,6 +139,8 @@ class ShardStore {
     TrackedBuffer gathered;
     TrackedBuffer unsharded_grad;
     TrackedBuffer staging;  // Copy-in / reduce-scatter output scratch.
+    // Dim-0 layout: the trainable parameters, in gradient-buffer order.
+    std::vector<ParamInfo> trainable;
     // Copy-outs of this unit's parameters, by param index.
     std::vector<TrackedBuffer> copies;
   };

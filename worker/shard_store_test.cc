@@ -260,6 +260,69 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ShardStoreTest,
                                info.param.mixed ? "_bf16" : "_fp32");
                          });
 
+TEST(ShardStoreFrozenTest, GradientBufferHoldsOnlyTrainableParameters) {
+  v1::ModelSpec model = TinyModel();
+  // Freeze layer 0's router: model.layers.0.moe.gate.weight.
+  model.mutable_root()
+      ->mutable_children(0)
+      ->mutable_children(1)
+      ->mutable_children(0)
+      ->mutable_children(1)
+      ->mutable_children(0)
+      ->mutable_params(0)
+      ->set_frozen(true);
+  const v1::ShardingPlan plan = PlanFor(model, 2, "default", false);
+  int unit = -1;
+  for (int u = 0; u < plan.units_size(); ++u) {
+    if (plan.units(u).name() == "model.layers.0") unit = u;
+  }
+  ASSERT_GE(unit, 0);
+  int64_t trainable_local = 0;
+  double expected_total = 0.0;
+  for (const v1::ParamLayout& p : plan.units(unit).params()) {
+    if (p.name() == "model.layers.0.moe.gate.weight") {
+      ASSERT_TRUE(p.frozen());
+      continue;
+    }
+    trainable_local += p.local_numel();
+    for (int64_t i = 0; i < p.numel(); ++i) expected_total += (i % 7 + 1) / 8.0;
+  }
+  expected_total *= 1.5;  // Mean of rank factors 1 and 2.
+  std::vector<MemoryTracker> trackers(2);
+  std::vector<double> totals(2, 0.0);
+  RunRanks(plan, model, &trackers,
+           [&](int rank, ShardStore* store, Communicator* comm) {
+             SHARDD_ASSERT_OK(store->AllocGrad(unit));
+             // Two ranks' chunks of the trainable shards only: the same
+             // bytes the plan's step model counts for this unit.
+             EXPECT_EQ(trackers[rank].Snapshot().live_unsharded,
+                       trainable_local * 2 * 4);
+             for (const v1::ParamLayout& p : plan.units(unit).params()) {
+               std::vector<float> g(p.numel());
+               for (int64_t i = 0; i < p.numel(); ++i) {
+                 g[i] = static_cast<float>((rank + 1) * (i % 7 + 1)) / 8.0f;
+               }
+               absl::Status s = store->AccumulateGrad(p.name(), g.data());
+               if (p.frozen()) {
+                 EXPECT_THAT(s, StatusIs(absl::StatusCode::kFailedPrecondition,
+                                         HasSubstr("frozen")));
+               } else {
+                 SHARDD_EXPECT_OK(s);
+               }
+             }
+             SHARDD_ASSERT_OK(store->ReduceScatter(unit, comm, nullptr));
+             const ShardStore::UnitShard shard = store->shard(unit);
+             for (const v1::ParamLayout& p : plan.units(unit).params()) {
+               for (int64_t i = 0; i < p.local_numel(); ++i) {
+                 const float g = shard.grads[p.shard_offset() + i];
+                 if (p.frozen()) ASSERT_EQ(g, 0.0f) << p.name();
+                 totals[rank] += g;
+               }
+             }
+           });
+  EXPECT_NEAR(totals[0] + totals[1], expected_total, 1e-3 * expected_total);
+}
+
 TEST(ShardStoreErrorsTest, StateErrorsAndUnknownNames) {
   const v1::ModelSpec model = TinyModel();
   const v1::ShardingPlan plan = PlanFor(model, 1, "default", false);
@@ -270,6 +333,11 @@ TEST(ShardStoreErrorsTest, StateErrorsAndUnknownNames) {
       ShardStore::Create(plan, model, options, &tracker).status(),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("shard_rank")));
   options.shard_rank = 0;
+  v1::ShardingPlan partial = PlanFor(model, 4, "default", false);
+  partial.mutable_units(0)->mutable_reshard_after_forward()->set_group_size(2);
+  EXPECT_THAT(
+      ShardStore::Create(partial, model, options, &tracker).status(),
+      StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("group_size 2")));
   auto store = ShardStore::Create(plan, model, options, &tracker);
   ASSERT_TRUE(store.ok()) << store.status();
   EXPECT_THAT((*store)->Reshard(0),

@@ -1,9 +1,13 @@
-// shardd-worker: one per GPU (or CPU rank). Serves the Worker service and,
-// with --coordinator, registers with the coordinator (which assigns the
-// rank) and heartbeats until it stops.
+// shardd-worker: one per GPU (or CPU rank). Serves the Worker service (a
+// WorkerRuntime: LoadPlan, Execute, RunCommand, GetStats) and, with
+// --coordinator, registers with the coordinator (which assigns the rank) and
+// heartbeats until it stops. The coordinator's key-value store is the
+// rendezvous for the job's Gloo groups; without --coordinator only plans of
+// world size 1 load.
 //
 //   shardd-worker --listen=127.0.0.1:0 --device=cpu
 //       [--coordinator=HOST:PORT] [--port_file=PATH]
+//       [--collective_bind=127.0.0.1]
 //
 // Exits 1 when the coordinator cannot be reached within
 // --coordinator_timeout. The port file is written once the worker is serving
@@ -32,6 +36,7 @@
 #include "common/logging.h"
 #include "worker/coordinator_agent.h"
 #include "worker/grpc_worker_service.h"
+#include "worker/worker_runtime.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:0",
           "host:port for the Worker service (port 0 picks a free one)");
@@ -48,6 +53,9 @@ ABSL_FLAG(int, requested_rank, -1,
 ABSL_FLAG(std::string, device, "cpu", "cpu or cuda:N");
 ABSL_FLAG(std::string, port_file, "",
           "if set, the bound port is written here once serving");
+ABSL_FLAG(std::string, collective_bind, "127.0.0.1",
+          "address this worker's Gloo endpoints listen on; the other workers "
+          "must reach it (set a routable address for multi-host jobs)");
 ABSL_FLAG(bool, log_json, false, "log one JSON object per line");
 
 namespace {
@@ -59,6 +67,9 @@ void OnSignal(int) { g_stop.store(true); }
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Gloo writes to peers that may have died; a write to a closed socket
+  // must fail with EPIPE (the step then fails with ABORTED), not kill us.
+  signal(SIGPIPE, SIG_IGN);
   absl::SetProgramUsageMessage("shardd worker: holds shards, runs commands");
   // Accept dashed spellings (--port-file) of the underscore flag names.
   std::vector<std::string> normalized(argv, argv + argc);
@@ -85,7 +96,15 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  shardd::GrpcWorkerService service([] { g_stop.store(true); });
+  shardd::WorkerRuntimeOptions runtime_options;
+  runtime_options.bind_address = absl::GetFlag(FLAGS_collective_bind);
+  if (runtime_options.bind_address.empty()) {
+    std::fprintf(stderr,
+                 "shardd-worker: --collective_bind must not be empty\n");
+    return 2;
+  }
+  shardd::WorkerRuntime runtime(runtime_options);
+  shardd::GrpcWorkerService service(&runtime, [] { g_stop.store(true); });
   shardd::GrpcServerOptions options;
   options.address = absl::GetFlag(FLAGS_listen);
   auto running = shardd::StartGrpcServer(options, {&service});
@@ -121,6 +140,7 @@ int main(int argc, char** argv) {
       return 1;
     }
     agent = *std::move(started);
+    service.set_kv_client(agent.get());
     SHARDD_LOG(INFO) << "shardd-worker registered with " << coordinator
                      << " as rank " << agent->rank();
   }
@@ -142,9 +162,15 @@ int main(int argc, char** argv) {
   }
   // Stop heartbeating first: the coordinator then sees this worker leave
   // (after its heartbeat timeout) rather than a worker that stops answering.
+  // (That also cancels a rendezvous in flight.) Then finish queued calls
+  // with UNAVAILABLE and wait for the running one, so the server's shutdown
+  // does not wait on them; the runtime thread is gone before the agent.
   if (agent != nullptr) agent->Stop();
+  service.Stop();
+  service.set_kv_client(nullptr);
   running->server->Shutdown(std::chrono::system_clock::now() +
                             std::chrono::seconds(5));
+  runtime.Reset();
   SHARDD_LOG(INFO) << "shardd-worker stopped";
   return 0;
 }

@@ -1,0 +1,53 @@
+#ifndef SHARDD_SERVER_GRPC_WORKER_CLIENT_H_
+#define SHARDD_SERVER_GRPC_WORKER_CLIENT_H_
+
+// WorkerClient over gRPC: blocking calls on the generated Worker stub, one
+// channel per worker. A call's deadline becomes the ClientContext deadline
+// and a cancellation becomes ClientContext::TryCancel, so a hung worker
+// never holds a caller longer than its deadline.
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/worker.grpc.pb.h"
+#include "server/worker_client.h"
+
+namespace shardd {
+
+class GrpcWorkerClient final : public WorkerClient {
+ public:
+  // Opens a channel to `address` ("host:port"); it connects lazily, on the
+  // first call. Errors: INVALID_ARGUMENT (empty address or no ':port').
+  static absl::StatusOr<std::unique_ptr<WorkerClient>> Create(
+      const std::string& address);
+
+  const std::string& address() const override { return address_; }
+
+  absl::StatusOr<v1::LoadPlanResponse> LoadPlan(
+      const v1::LoadPlanRequest& request,
+      const WorkerCallOptions& options) override;
+  absl::StatusOr<v1::ExecuteResponse> Execute(
+      const v1::ExecuteRequest& request,
+      const WorkerCallOptions& options) override;
+  absl::StatusOr<v1::ExecuteResponse> RunCommand(
+      const v1::RunCommandRequest& request,
+      const WorkerCallOptions& options) override;
+  absl::StatusOr<v1::GetStatsResponse> GetStats(
+      const WorkerCallOptions& options) override;
+
+ private:
+  GrpcWorkerClient(std::string address, std::shared_ptr<grpc::Channel> channel);
+
+  const std::string address_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Worker::Stub> stub_;
+};
+
+// A WorkerClientFactory making GrpcWorkerClients.
+WorkerClientFactory GrpcWorkerClientFactory();
+
+}  // namespace shardd
+
+#endif  // SHARDD_SERVER_GRPC_WORKER_CLIENT_H_

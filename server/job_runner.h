@@ -1,0 +1,236 @@
+#ifndef SHARDD_SERVER_JOB_RUNNER_H_
+#define SHARDD_SERVER_JOB_RUNNER_H_
+
+// Runs training jobs (SubmitStep / WatchStep) against the workers, free of
+// any transport: workers are reached through WorkerClient (worker_client.h)
+// and membership comes from the WorkerRegistry.
+//
+// A job is a plan laid out for W ranks, its compiled step program and a
+// TrainConfig. Jobs run one at a time, in submission order (they share the
+// workers, and a worker holds one plan). A job's thread:
+//   1. checks that ranks 0..W-1 are registered and alive and snapshots
+//      their addresses and incarnations (registry rank r is plan rank r);
+//   2. LoadPlan on every rank concurrently (plan, model, train config, job
+//      id and membership epoch for the rendezvous keys);
+//   3. for each step s (0-based; the event reports s + 1 steps done):
+//      Execute(program with step s) on every rank concurrently, or, in the
+//      fine-grained mode, RunCommand for each command in program order on
+//      every rank concurrently (a command waits for all ranks before the
+//      next one: its collectives need every rank);
+//   4. aggregates each step (token-weighted mean loss over ranks, global
+//      tokens, max measured peak and collectives over ranks, rank 0's
+//      gradient norm) into a StepEvent.
+// Every call carries a deadline (collective_timeout + rpc_margin). While
+// calls are in flight the runner polls the registry: a worker declared dead
+// (no heartbeat for the registry's timeout) or restarted fails the job
+// without waiting for its hung call. Any failure ends the job with one
+// event whose `error` names the step, the rank, its address and the error,
+// e.g. "step 3/100: rank 2 (127.0.0.1:4567): ABORTED: ...".
+//
+// Events are kept in memory (the last max_events_per_job of each job; the
+// last max_finished_jobs finished jobs) and can be watched from any step.
+//
+// Thread-safe.
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "proto/coordinator.pb.h"
+#include "proto/model.pb.h"
+#include "proto/plan.pb.h"
+#include "proto/worker.pb.h"
+#include "server/worker_client.h"
+#include "server/worker_registry.h"
+
+namespace shardd {
+
+// The events of one job, in order. An event with `done` or `error` set ends
+// the log; later appends are ignored. Thread-safe.
+class JobEventLog {
+ public:
+  // Told when events were appended or the log ended. Called on the
+  // appending thread without the log's lock held; it may read the log.
+  class Listener {
+   public:
+    virtual ~Listener() = default;
+    virtual void OnEventsAvailable() = 0;
+  };
+
+  JobEventLog(std::string job_id, size_t max_events);
+
+  JobEventLog(const JobEventLog&) = delete;
+  JobEventLog& operator=(const JobEventLog&) = delete;
+
+  const std::string& job_id() const { return job_id_; }
+
+  // Appends `event` (dropping the oldest stored event beyond max_events)
+  // and tells the listeners.
+  void Append(v1::StepEvent event) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Adds a listener, held weakly (it goes away with its owner). Register
+  // before the first Read so that no append is missed.
+  void AddListener(std::weak_ptr<Listener> listener) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The position of the first event with step >= from_step: the next event
+  // to come when none is stored yet; the oldest stored one when from_step
+  // is older than what is kept.
+  int64_t StartIndex(int64_t from_step) const ABSL_LOCKS_EXCLUDED(mu_);
+
+  enum class ReadResult {
+    kEvent,  // *out is the event at *index.
+    kWait,   // Not appended yet.
+    kEnded,  // The log ended and every event before *index was read.
+  };
+  // Reads the event at position *index. A position older than the oldest
+  // stored event moves *index to the oldest one first.
+  ReadResult Read(int64_t* index, v1::StepEvent* out) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  bool ended() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The stored events (tests, status).
+  std::vector<v1::StepEvent> Snapshot() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  const std::string job_id_;
+  const size_t max_events_;
+
+  mutable absl::Mutex mu_;
+  // Position of events_.front() among all events ever appended.
+  int64_t first_index_ ABSL_GUARDED_BY(mu_) = 0;
+  std::deque<v1::StepEvent> events_ ABSL_GUARDED_BY(mu_);
+  bool ended_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::weak_ptr<Listener>> listeners_ ABSL_GUARDED_BY(mu_);
+};
+
+struct JobRunnerOptions {
+  // Queued plus running jobs; more are refused with RESOURCE_EXHAUSTED.
+  int max_pending_jobs = 16;
+  // Finished jobs kept for WatchStep and status (oldest dropped first).
+  int max_finished_jobs = 256;
+  // Events kept per job (oldest dropped first).
+  size_t max_events_per_job = 100000;
+  // Sent to the workers (LoadPlanRequest.collective_timeout_ms): bounds each
+  // wait for a peer inside a collective.
+  absl::Duration collective_timeout = absl::Seconds(60);
+  // Added to collective_timeout for every RPC's deadline: a worker reports
+  // a collective timeout itself before the coordinator gives up on it.
+  absl::Duration rpc_margin = absl::Seconds(30);
+  // How often a waiting job checks the workers' liveness and shutdown.
+  absl::Duration poll_interval = absl::Milliseconds(100);
+  // After the first failed call of a round, how long the others may still
+  // answer before they are cancelled, so that the error reported is the
+  // cause (e.g. the dead worker) rather than a peer's aborted collective.
+  absl::Duration failure_grace = absl::Milliseconds(300);
+};
+
+// What SubmitStep hands the runner: everything a job needs, checked.
+struct JobSpec {
+  std::string model_id;
+  v1::ModelSpec model;
+  // Laid out for plan.world_size() ranks; plan.step() is the job's step
+  // shape (microbatches, passes, defer_grad_sync).
+  v1::ShardingPlan plan;
+  // CompileStepProgram(plan).
+  v1::StepProgram program;
+  // Normalized: defaults filled in, steps >= 1.
+  v1::TrainConfig config;
+};
+
+// A job as GetStatus shows it.
+struct JobSummary {
+  std::string job_id;
+  std::string model_id;
+  v1::JobState state = v1::JOB_STATE_UNSPECIFIED;
+  int32_t world_size = 0;
+  int64_t steps_done = 0;
+  int32_t total_steps = 0;
+  double last_loss = 0.0;
+  double tokens_per_second = 0.0;
+  std::string error;
+};
+
+class JobRunner {
+ public:
+  // `workers` is not owned and must outlive the runner; `factory` makes a
+  // client per worker address for each job.
+  JobRunner(WorkerRegistry* workers, WorkerClientFactory factory,
+            JobRunnerOptions options = {});
+  // Shutdown().
+  ~JobRunner();
+
+  JobRunner(const JobRunner&) = delete;
+  JobRunner& operator=(const JobRunner&) = delete;
+
+  // Queues a job and returns its id ("j-<n>", n counting from 1).
+  // Errors: INVALID_ARGUMENT (plan.world_size() < 1, config.steps < 1, an
+  // empty program), FAILED_PRECONDITION (ranks 0..W-1 are not all
+  // registered and alive: the message names the missing and dead ranks),
+  // RESOURCE_EXHAUSTED (max_pending_jobs queued or running), UNAVAILABLE
+  // (shutting down).
+  absl::StatusOr<std::string> Submit(JobSpec spec) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The event log of a job. Errors: NOT_FOUND (unknown or forgotten job).
+  absl::StatusOr<std::shared_ptr<JobEventLog>> Events(
+      const std::string& job_id) const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Every kept job in submission order.
+  std::vector<JobSummary> ListJobs() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Fails queued and running jobs ("the coordinator is shutting down"),
+  // cancels their calls, and joins their threads; later Submits answer
+  // UNAVAILABLE. Idempotent.
+  void Shutdown() ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Job;
+  class RankPool;
+  struct WorkerSnapshot {
+    std::string address;
+    uint64_t incarnation = 0;
+  };
+
+  void RunJob(Job* job) ABSL_LOCKS_EXCLUDED(mu_);
+  // The job's work after its turn came; returns the failure, if any.
+  absl::Status RunSteps(Job* job) ABSL_LOCKS_EXCLUDED(mu_);
+  // Runs `call(rank, options)` on every rank concurrently until all
+  // returned, one failed, the deadline passed, a worker died or the runner
+  // stops. Errors name the rank: "rank 2 (ADDR): CODE: message".
+  absl::Status RunOnAllRanks(
+      const std::vector<WorkerSnapshot>& workers, RankPool* pool,
+      const std::function<absl::Status(int, const WorkerCallOptions&)>& call,
+      absl::string_view what) ABSL_LOCKS_EXCLUDED(mu_);
+  // OK while ranks 0..W-1 are alive with the snapshot's incarnations.
+  absl::Status CheckMembership(
+      const std::vector<WorkerSnapshot>& snapshot) const;
+  void Publish(Job* job, v1::StepEvent event) ABSL_LOCKS_EXCLUDED(mu_);
+  bool stopping() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  WorkerRegistry* const workers_;  // Not owned.
+  const WorkerClientFactory factory_;
+  const JobRunnerOptions options_;
+
+  mutable absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t next_job_ ABSL_GUARDED_BY(mu_) = 1;
+  // Job id -> job; order_ lists ids in submission order.
+  std::map<std::string, std::unique_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> order_ ABSL_GUARDED_BY(mu_);
+  // Jobs not finished, in submission order; the front one runs.
+  std::deque<Job*> queue_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace shardd
+
+#endif  // SHARDD_SERVER_JOB_RUNNER_H_

@@ -1,0 +1,574 @@
+#include "worker/worker_runtime.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "server/model_util.h"
+#include "worker/data/batch_sampler.h"
+#include "worker/data/markov_source.h"
+#include "worker/gloo_communicator.h"
+#include "worker/kv_gloo_store.h"
+
+namespace shardd {
+namespace {
+
+// A hyper-parameter that must be finite and >= 0; 0 means `fallback`.
+absl::StatusOr<double> NonNegativeOr(double value, double fallback,
+                                     const char* field) {
+  if (!std::isfinite(value) || value < 0.0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("train.", field, ": must be finite and >= 0 (0 = default ",
+                     fallback, "), got ", value));
+  }
+  return value == 0.0 ? fallback : value;
+}
+
+absl::StatusOr<double> BetaOr(double value, double fallback,
+                              const char* field) {
+  if (!std::isfinite(value) || value < 0.0 || value >= 1.0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("train.", field, ": must be in [0, 1) (0 = default ",
+                     fallback, "), got ", value));
+  }
+  return value == 0.0 ? fallback : value;
+}
+
+std::string ShapeString(const google::protobuf::RepeatedField<int64_t>& s) {
+  return absl::StrCat("[", absl::StrJoin(s, ", "), "]");
+}
+
+// The plan must have been cut from `model`: same mesh arithmetic, every
+// unit parameter present in the model with the same shape, same total.
+absl::Status CheckPlanMatchesModel(const v1::ShardingPlan& plan,
+                                   const v1::ModelSpec& model) {
+  SHARDD_RETURN_IF_ERROR(ValidateModelSpec(model));
+  const v1::MeshSpec& mesh = plan.mesh();
+  if (mesh.dp_shard() < 1 || mesh.dp_replicate() < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("plan.mesh: dp_shard and dp_replicate must be >= 1, got ",
+                     mesh.dp_shard(), " and ", mesh.dp_replicate()));
+  }
+  if (mesh.tp() > 1 || mesh.cp() > 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "plan.mesh: tp and cp must be 1, got ", mesh.tp(), " and ", mesh.cp()));
+  }
+  const int64_t world =
+      static_cast<int64_t>(mesh.dp_shard()) * mesh.dp_replicate();
+  if (plan.world_size() != world) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "plan.world_size: ", plan.world_size(), " is not dp_shard (",
+        mesh.dp_shard(), ") x dp_replicate (", mesh.dp_replicate(), ")"));
+  }
+  if (plan.units_size() == 0) {
+    return absl::InvalidArgumentError("plan.units: the plan has no units");
+  }
+  absl::flat_hash_map<std::string, const v1::TensorSpec*> params;
+  for (const ParamRef& ref : ListParams(model)) params[ref.fqn] = ref.tensor;
+  for (const v1::FsdpUnit& unit : plan.units()) {
+    for (const v1::ParamLayout& param : unit.params()) {
+      auto it = params.find(param.name());
+      if (it == params.end()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "plan.units[", unit.index(), "] (", unit.name(), "): parameter ",
+            param.name(), " is not in the model (plan and model differ)"));
+      }
+      if (!std::equal(param.global_shape().begin(), param.global_shape().end(),
+                      it->second->shape().begin(), it->second->shape().end())) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("plan.units[", unit.index(), "] (", unit.name(),
+                         "): parameter ", param.name(), " has shape ",
+                         ShapeString(param.global_shape()), " in the plan but ",
+                         ShapeString(it->second->shape()), " in the model"));
+      }
+    }
+  }
+  const int64_t total = Summarize(model).total_params();
+  if (plan.total_params() != total) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "plan.total_params: ", plan.total_params(), " but the model has ",
+        total, " parameters (plan and model differ)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<v1::TrainConfig> ResolveTrainConfig(const v1::TrainConfig& train,
+                                                   int world_size,
+                                                   int plan_microbatches) {
+  if (world_size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("world size must be >= 1, got ", world_size));
+  }
+  v1::TrainConfig out = train;
+  if (train.global_batch() < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "train.global_batch: must be >= 1, got ", train.global_batch()));
+  }
+  if (train.seq_len() < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("train.seq_len: must be >= 1, got ", train.seq_len()));
+  }
+  const int plan_m = plan_microbatches < 1 ? 1 : plan_microbatches;
+  if (train.microbatches() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("train.microbatches: must be >= 1 (0 = the plan's ",
+                     plan_m, "), got ", train.microbatches()));
+  }
+  if (train.microbatches() != 0 && train.microbatches() != plan_m) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("train.microbatches: ", train.microbatches(),
+                     " differs from the plan's step shape (", plan_m,
+                     " micro-batches); plan with the same microbatches"));
+  }
+  out.set_microbatches(plan_m);
+  const int64_t per_step = static_cast<int64_t>(world_size) * plan_m;
+  if (train.global_batch() % per_step != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("train.global_batch: ", train.global_batch(),
+                     " sequences must be divisible by world size (", world_size,
+                     ") x microbatches (", plan_m, ") = ", per_step));
+  }
+  SHARDD_ASSIGN_OR_RETURN(
+      const double lr, NonNegativeOr(train.lr(), kDefaultLearningRate, "lr"));
+  SHARDD_ASSIGN_OR_RETURN(const double beta1,
+                          BetaOr(train.beta1(), kDefaultBeta1, "beta1"));
+  SHARDD_ASSIGN_OR_RETURN(const double beta2,
+                          BetaOr(train.beta2(), kDefaultBeta2, "beta2"));
+  SHARDD_ASSIGN_OR_RETURN(const double eps,
+                          NonNegativeOr(train.eps(), kDefaultEps, "eps"));
+  SHARDD_ASSIGN_OR_RETURN(
+      const double weight_decay,
+      NonNegativeOr(train.weight_decay(), kDefaultWeightDecay, "weight_decay"));
+  if (!std::isfinite(train.grad_clip())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "train.grad_clip: must be finite (0 = default ", kDefaultGradClip,
+        ", < 0 = no clipping), got ", train.grad_clip()));
+  }
+  out.set_lr(lr);
+  out.set_beta1(beta1);
+  out.set_beta2(beta2);
+  out.set_eps(eps);
+  out.set_weight_decay(weight_decay);
+  out.set_grad_clip(train.grad_clip() == 0.0 ? kDefaultGradClip
+                                             : train.grad_clip());
+  return out;
+}
+
+absl::StatusOr<int64_t> ModelVocabSize(const v1::ModelSpec& model) {
+  int64_t vocab = 0;
+  ForEachParam(model, [&](const ParamRef& ref) {
+    if (vocab == 0 && ref.path.back()->kind() == v1::MODULE_EMBEDDING &&
+        ref.tensor->shape_size() > 0) {
+      vocab = ref.tensor->shape(0);
+    }
+  });
+  if (vocab == 0) vocab = model.dims().vocab_size();
+  if (vocab < 1) {
+    return absl::InvalidArgumentError(
+        "model: no vocabulary size (no MODULE_EMBEDDING parameter and no "
+        "dims.vocab_size)");
+  }
+  return vocab;
+}
+
+struct WorkerRuntime::Job {
+  v1::ShardingPlan plan;
+  v1::TrainConfig train;  // Resolved (defaults filled in).
+  std::string job_id;
+  uint64_t membership_epoch = 0;
+  int rank = 0;
+  int shard_rank = 0;
+  int replica_rank = 0;
+  double entropy_rate = 0.0;
+  std::unique_ptr<data::BatchSampler> sampler;
+  std::unique_ptr<Communicator> shard_group;
+  std::unique_ptr<Communicator> replicas;
+  // Declared last: destroyed first, while the communicators still exist.
+  std::unique_ptr<StepExecutor> executor;
+
+  // The fine-grained step this runtime believes open (the executor decides;
+  // this only checks `step` and `index`).
+  bool step_open = false;
+  int64_t step = 0;
+  int next_index = 0;
+};
+
+WorkerRuntime::WorkerRuntime(WorkerRuntimeOptions options)
+    : options_(std::move(options)) {}
+
+WorkerRuntime::~WorkerRuntime() { Reset(); }
+
+void WorkerRuntime::Reset() {
+  absl::MutexLock lock(&mu_);
+  DropJobLocked();
+}
+
+void WorkerRuntime::DropJobLocked() {
+  if (job_ == nullptr) return;
+  {
+    absl::MutexLock lock(&stats_mu_);
+    const CommunicatorStats s = job_->shard_group->stats();
+    retired_.all_gather.calls += s.all_gather.calls;
+    retired_.all_gather.bytes += s.all_gather.bytes;
+    retired_.reduce_scatter.calls += s.reduce_scatter.calls;
+    retired_.reduce_scatter.bytes += s.reduce_scatter.bytes;
+    live_shard_group_ = nullptr;
+  }
+  job_.reset();
+}
+
+bool WorkerRuntime::has_plan() const {
+  absl::MutexLock lock(&mu_);
+  return job_ != nullptr;
+}
+
+uint64_t WorkerRuntime::plan_fingerprint() const {
+  absl::MutexLock lock(&mu_);
+  return job_ == nullptr ? 0 : job_->plan.fingerprint();
+}
+
+absl::Status WorkerRuntime::WithExecutor(
+    absl::FunctionRef<void(const StepExecutor&)> fn) const {
+  absl::MutexLock lock(&mu_);
+  if (job_ == nullptr) {
+    return absl::FailedPreconditionError("no plan loaded: call LoadPlan first");
+  }
+  fn(*job_->executor);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::LoadPlan(
+    const v1::LoadPlanRequest& request, KeyValueClient* kv) {
+  const v1::ShardingPlan& plan = request.plan();
+  // Everything that can be checked locally is checked before the current
+  // job is dropped: a bad request changes nothing.
+  SHARDD_RETURN_IF_ERROR(CheckPlanMatchesModel(plan, request.model()));
+  const int world = plan.world_size();
+  const int dp_shard = plan.mesh().dp_shard();
+  const int dp_replicate = plan.mesh().dp_replicate();
+  if (request.rank() < 0 || request.rank() >= world) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank: must be in [0, ", world, ") (the plan's world: ", dp_shard,
+        " x ", dp_replicate, "), got ", request.rank()));
+  }
+  if (request.job_id().empty()) {
+    return absl::InvalidArgumentError(
+        "job_id: must be non-empty (it names the job's collective groups)");
+  }
+  if (request.collective_timeout_ms() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "collective_timeout_ms: must be >= 0 (0 = default ",
+        absl::ToInt64Milliseconds(options_.default_collective_timeout),
+        "), got ", request.collective_timeout_ms()));
+  }
+  SHARDD_ASSIGN_OR_RETURN(
+      const v1::TrainConfig train,
+      ResolveTrainConfig(request.train(), world, plan.step().microbatches()));
+  SHARDD_ASSIGN_OR_RETURN(const int64_t vocab, ModelVocabSize(request.model()));
+
+  auto job = std::make_unique<Job>();
+  job->plan = plan;
+  job->train = train;
+  job->job_id = request.job_id();
+  job->membership_epoch = request.membership_epoch();
+  job->rank = request.rank();
+  job->shard_rank = request.rank() % dp_shard;
+  job->replica_rank = request.rank() / dp_shard;
+
+  data::DataSourceOptions source_options;
+  source_options.path = train.data_path();
+  source_options.model_vocab_size = vocab;
+  source_options.seed = train.seed();
+  SHARDD_ASSIGN_OR_RETURN(std::shared_ptr<const data::SequenceSource> source,
+                          data::CreateDataSource(source_options));
+  if (const auto* markov =
+          dynamic_cast<const data::MarkovSource*>(source.get())) {
+    job->entropy_rate = markov->chain().entropy_rate();
+  }
+  data::BatchSamplerOptions sampler_options;
+  sampler_options.global_batch = train.global_batch();
+  sampler_options.seq_len = train.seq_len();
+  sampler_options.microbatches = train.microbatches();
+  sampler_options.ranks = world;
+  sampler_options.model_vocab_size = vocab;
+  SHARDD_ASSIGN_OR_RETURN(data::BatchSampler sampler,
+                          data::BatchSampler::Create(source, sampler_options));
+  job->sampler = std::make_unique<data::BatchSampler>(std::move(sampler));
+
+  if (world > 1 && kv == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "world size ", world,
+        " needs the coordinator's key-value store for the collective "
+        "rendezvous, and this worker has none (start it with --coordinator)"));
+  }
+
+  absl::MutexLock lock(&mu_);
+  DropJobLocked();
+  tracker_.ResetPeaks();
+
+  const absl::Duration timeout =
+      request.collective_timeout_ms() > 0
+          ? absl::Milliseconds(request.collective_timeout_ms())
+          : options_.default_collective_timeout;
+  const std::string base =
+      absl::StrCat(request.job_id(), "/", request.membership_epoch(), "/");
+  KvGlooStore store(kv, timeout);
+  auto join = [&](const std::string& prefix, int rank,
+                  int size) -> absl::StatusOr<std::unique_ptr<Communicator>> {
+    SHARDD_ASSIGN_OR_RETURN(
+        std::unique_ptr<GlooCommunicator> comm,
+        GlooCommunicator::Create(&store, prefix, rank, size,
+                                 options_.bind_address, timeout));
+    if (size > 1) {
+      // Once everyone passed the barrier every rank's Create has returned,
+      // so the group's rendezvous keys can go.
+      SHARDD_RETURN_IF_ERROR(comm->Barrier(timeout));
+      if (rank == 0) {
+        const absl::Status deleted = kv->Delete(prefix + "/", true);
+        if (!deleted.ok()) {
+          SHARDD_LOG(WARNING) << "could not delete rendezvous keys " << prefix
+                              << "/: " << deleted.ToString();
+        }
+      }
+    }
+    return std::unique_ptr<Communicator>(std::move(comm));
+  };
+  auto with_context = [&](const absl::Status& status, const std::string& what) {
+    return absl::Status(
+        status.code(),
+        absl::StrCat("rank ", job->rank, ": joining ", what, " of job ",
+                     job->job_id, " epoch ", job->membership_epoch, ": ",
+                     status.message()));
+  };
+  {
+    const std::string prefix = absl::StrCat(base, "shard", job->replica_rank);
+    auto group = join(prefix, job->shard_rank, dp_shard);
+    if (!group.ok()) {
+      return with_context(group.status(), "shard group " + prefix);
+    }
+    job->shard_group = *std::move(group);
+  }
+  if (dp_replicate > 1) {
+    const std::string prefix = absl::StrCat(base, "replica", job->shard_rank);
+    auto group = join(prefix, job->replica_rank, dp_replicate);
+    if (!group.ok()) {
+      return with_context(group.status(), "replicate group " + prefix);
+    }
+    job->replicas = *std::move(group);
+  }
+
+  StepExecutorOptions executor_options;
+  executor_options.shard_rank = job->shard_rank;
+  executor_options.replica_rank = job->replica_rank;
+  executor_options.seed = request.seed();
+  executor_options.collective_timeout = timeout;
+  executor_options.adamw.lr = train.lr();
+  executor_options.adamw.beta1 = train.beta1();
+  executor_options.adamw.beta2 = train.beta2();
+  executor_options.adamw.eps = train.eps();
+  executor_options.adamw.weight_decay = train.weight_decay();
+  executor_options.max_grad_norm =
+      train.grad_clip() > 0 ? train.grad_clip() : 0;
+  SHARDD_ASSIGN_OR_RETURN(
+      job->executor,
+      StepExecutor::Create(plan, request.model(), executor_options,
+                           job->shard_group.get(), job->replicas.get(),
+                           &tracker_));
+
+  v1::LoadPlanResponse response;
+  response.set_shard_bytes(
+      tracker_.Snapshot().live[static_cast<int>(MemoryKind::kShardParams)]);
+  response.set_data_entropy_rate(job->entropy_rate);
+  SHARDD_LOG(INFO) << "rank " << job->rank << " loaded plan "
+                   << plan.fingerprint() << " (job " << job->job_id
+                   << ", epoch " << job->membership_epoch << ", shard rank "
+                   << job->shard_rank << "/" << dp_shard << ", replica rank "
+                   << job->replica_rank << "/" << dp_replicate << ", "
+                   << job->sampler->source().Describe() << ")";
+  {
+    absl::MutexLock stats_lock(&stats_mu_);
+    live_shard_group_ = job->shard_group.get();
+  }
+  job_ = std::move(job);
+  return response;
+}
+
+absl::Status WorkerRuntime::CheckJobLocked(uint64_t fingerprint) const {
+  if (job_ == nullptr) {
+    return absl::FailedPreconditionError("no plan loaded: call LoadPlan first");
+  }
+  if (fingerprint != job_->plan.fingerprint()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "stale plan: worker holds fingerprint ", job_->plan.fingerprint(),
+        ", program names ", fingerprint));
+  }
+  const absl::Status health = job_->executor->health();
+  if (!health.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank ", job_->rank, ": job ", job_->job_id, " epoch ",
+                     job_->membership_epoch,
+                     " failed in an earlier step; LoadPlan again with a new "
+                     "membership_epoch to continue (",
+                     health.message(), ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WorkerRuntime::FetchBatchesLocked(
+    int64_t step, int microbatches,
+    std::vector<data::MicroBatch>* batches) const {
+  if (step < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("step: must be >= 0, got ", step));
+  }
+  const int job_m = job_->train.microbatches();
+  if (microbatches != job_m) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("program.microbatches: ", microbatches,
+                     " differs from the job's train config (", job_m, ")"));
+  }
+  batches->resize(job_m);
+  for (int m = 0; m < job_m; ++m) {
+    SHARDD_RETURN_IF_ERROR(
+        job_->sampler->Fill(step, job_->rank, m, &(*batches)[m]));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WorkerRuntime::StepError(const absl::Status& status) const {
+  if (status.ok()) return status;
+  return absl::Status(
+      status.code(),
+      absl::StrCat("rank ", job_->rank, " (job ", job_->job_id, " epoch ",
+                   job_->membership_epoch, "): ", status.message()));
+}
+
+v1::ExecuteResponse WorkerRuntime::ToResponse(const StepResult& r) const {
+  v1::ExecuteResponse response;
+  response.set_loss(r.loss);
+  response.set_tokens(r.tokens);
+  response.set_seconds(r.seconds);
+  response.set_step(r.optimizer_steps);
+  response.set_grad_norm(r.grad_norm);
+  response.set_peak_unsharded_bytes(r.peak_unsharded_bytes);
+  response.set_peak_workspace_bytes(r.peak_workspace_bytes);
+  response.set_all_gathers(r.collectives.all_gathers);
+  response.set_reduce_scatters(r.collectives.reduce_scatters);
+  // Comparable with the plan's CommReport: the HSDP replica all-reduces
+  // only, not the one small gradient-norm all-reduce per step.
+  response.set_all_reduces(r.collectives.replica_all_reduces);
+  response.set_all_gather_bytes(r.collectives.all_gather_bytes);
+  response.set_reduce_scatter_bytes(r.collectives.reduce_scatter_bytes);
+  return response;
+}
+
+absl::StatusOr<v1::ExecuteResponse> WorkerRuntime::Execute(
+    const v1::ExecuteRequest& request) {
+  const v1::StepProgram& program = request.program();
+  absl::MutexLock lock(&mu_);
+  SHARDD_RETURN_IF_ERROR(CheckJobLocked(program.plan_fingerprint()));
+  std::vector<data::MicroBatch> batches;
+  SHARDD_RETURN_IF_ERROR(
+      FetchBatchesLocked(program.step(), program.microbatches(), &batches));
+  absl::StatusOr<StepResult> result = job_->executor->Execute(program, batches);
+  if (!result.ok()) {
+    const absl::Status error = StepError(result.status());
+    SHARDD_LOG(WARNING) << "Execute failed: " << error.ToString();
+    return error;
+  }
+  return ToResponse(*result);
+}
+
+absl::StatusOr<v1::ExecuteResponse> WorkerRuntime::RunCommand(
+    const v1::RunCommandRequest& request) {
+  absl::MutexLock lock(&mu_);
+  SHARDD_RETURN_IF_ERROR(CheckJobLocked(request.plan_fingerprint()));
+  Job& job = *job_;
+  StepExecutor& executor = *job.executor;
+  if (request.begin_step()) {
+    const v1::StepShape& shape = job.plan.step();
+    v1::StepProgram header;
+    header.set_plan_fingerprint(request.plan_fingerprint());
+    header.set_step(request.step());
+    header.set_microbatches(shape.microbatches());
+    header.set_passes(shape.passes());
+    header.set_no_grad_passes(shape.no_grad_passes());
+    header.set_defer_grad_sync(shape.defer_grad_sync());
+    std::vector<data::MicroBatch> batches;
+    SHARDD_RETURN_IF_ERROR(
+        FetchBatchesLocked(request.step(), header.microbatches(), &batches));
+    SHARDD_RETURN_IF_ERROR(StepError(executor.BeginStep(header, batches)));
+    job.step_open = true;
+    job.step = request.step();
+    job.next_index = 0;
+  }
+  const bool has_command =
+      request.command().op() != v1::Command::OP_UNSPECIFIED;
+  if ((has_command || request.end_step()) && !job.step_open) {
+    return absl::FailedPreconditionError(
+        "no step in progress: send begin_step first");
+  }
+  if ((has_command || request.end_step()) && request.step() != job.step) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", request.step(), " is not the open step ", job.step));
+  }
+  if (has_command) {
+    if (request.index() != job.next_index) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "out of program order: step ", job.step, " expects command index ",
+          job.next_index, ", got ", request.index()));
+    }
+    const absl::Status status = executor.ExecuteCommand(request.command());
+    if (!status.ok()) {
+      // A rejected command leaves the step open; a failed one ends it (the
+      // executor then refuses more commands with its own error).
+      if (!executor.health().ok()) job.step_open = false;
+      const absl::Status error = StepError(status);
+      SHARDD_LOG(WARNING) << "RunCommand failed: " << error.ToString();
+      return error;
+    }
+    ++job.next_index;
+  }
+  v1::ExecuteResponse response;
+  if (request.end_step()) {
+    job.step_open = false;
+    absl::StatusOr<StepResult> result = executor.EndStep();
+    if (!result.ok()) return StepError(result.status());
+    response = ToResponse(*result);
+  }
+  return response;
+}
+
+v1::GetStatsResponse WorkerRuntime::GetStats() const {
+  v1::GetStatsResponse response;
+  const MemorySnapshot memory = tracker_.Snapshot();
+  response.set_live_bytes(memory.live_total);
+  response.set_peak_bytes(memory.peak_total);
+  absl::MutexLock lock(&stats_mu_);
+  CommunicatorStats total = retired_;
+  if (live_shard_group_ != nullptr) {
+    const CommunicatorStats s = live_shard_group_->stats();
+    total.all_gather.calls += s.all_gather.calls;
+    total.all_gather.bytes += s.all_gather.bytes;
+    total.reduce_scatter.calls += s.reduce_scatter.calls;
+    total.reduce_scatter.bytes += s.reduce_scatter.bytes;
+  }
+  response.set_all_gathers(total.all_gather.calls);
+  response.set_reduce_scatters(total.reduce_scatter.calls);
+  response.set_all_gather_bytes(total.all_gather.bytes);
+  response.set_reduce_scatter_bytes(total.reduce_scatter.bytes);
+  return response;
+}
+
+}  // namespace shardd

@@ -1,0 +1,203 @@
+#ifndef SHARDD_WORKER_WORKER_RUNTIME_H_
+#define SHARDD_WORKER_WORKER_RUNTIME_H_
+
+// The worker's training job, independent of any transport: what the Worker
+// service's LoadPlan, Execute, RunCommand and GetStats do (the gRPC adapter,
+// grpc_worker_service.h, only moves messages and threads).
+//
+// LoadPlan installs one job: it validates the request, joins the job's Gloo
+// groups through the coordinator's key-value store, opens the data and
+// creates a StepExecutor (step_executor.h) holding this rank's shards.
+// Execute and RunCommand then run step programs on it.
+//
+// Ranks. The request's `rank` r in [0, world_size) of the plan's mesh
+// (dp_shard x dp_replicate) gives
+//   shard rank   s = r % dp_shard    (position in its shard group),
+//   replica rank q = r / dp_shard    (position in its replicate group),
+//   data rank        q * dp_shard + s (= r) among R = dp_shard * dp_replicate
+//                    BatchSampler ranks: each rank reads its own rows of
+//                    every micro-batch (batch_sampler.h), replicas included.
+// Collective groups (GlooCommunicator, rendezvous keys in the KV store):
+//   "<job_id>/<membership_epoch>/shard<q>"    the dp_shard ranks with replica
+//                                             rank q, at rank s;
+//   "<job_id>/<membership_epoch>/replica<s>"  (dp_replicate > 1 only) the
+//                                             dp_replicate ranks with shard
+//                                             rank s, at rank q.
+// Every LoadPlan of a world above 1 needs a fresh (job_id, membership_epoch)
+// pair: a group's keys are written once and only deleted after every rank
+// has joined, so a retry under the same names could read a dead peer's
+// endpoint.
+//
+// Training config (ResolveTrainConfig): zero fields take the defaults
+// documented on TrainConfig in proto/coordinator.proto.
+//
+// Failures. A step that fails (a collective timed out or a peer died:
+// ABORTED / DEADLINE_EXCEEDED, naming the rank, step and command) leaves the
+// job unusable when the executor says so; later steps answer
+// FAILED_PRECONDITION with the original error, and a new LoadPlan (fresh
+// membership epoch) starts over. Nothing crashes and every wait is bounded
+// by the collective timeout.
+//
+// Thread-safe. LoadPlan, Execute, RunCommand and Reset serialize on one
+// mutex for as long as they run (a step can block in collectives for up to
+// the collective timeout); GetStats never waits for them.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "proto/coordinator.pb.h"
+#include "proto/plan.pb.h"
+#include "proto/worker.pb.h"
+#include "worker/communicator.h"
+#include "worker/data/batch_sampler.h"
+#include "worker/kv_client.h"
+#include "worker/memory_tracker.h"
+#include "worker/step_executor.h"
+
+namespace shardd {
+
+// Defaults for TrainConfig fields left at 0 (see proto/coordinator.proto).
+inline constexpr double kDefaultLearningRate = 3e-3;
+inline constexpr double kDefaultBeta1 = 0.9;
+inline constexpr double kDefaultBeta2 = 0.95;
+inline constexpr double kDefaultEps = 1e-8;
+inline constexpr double kDefaultWeightDecay = 0.0;
+inline constexpr double kDefaultGradClip = 1.0;
+inline constexpr int64_t kDefaultCollectiveTimeoutMs = 60000;
+
+// `train` with its zero fields replaced by the defaults, for a job of
+// `world_size` data-parallel ranks whose plan's step has `plan_microbatches`
+// micro-batches (0 counts as 1). microbatches 0 takes the plan's. A
+// negative grad_clip (clipping off) stays negative.
+// Errors: INVALID_ARGUMENT naming the field: global_batch < 1, seq_len < 1,
+// microbatches < 0 or different from the plan's, global_batch not divisible
+// by world_size * microbatches (naming global_batch, the world size and
+// microbatches), lr, eps or weight_decay negative or not finite, a beta
+// outside [0, 1), grad_clip not finite, world_size < 1.
+absl::StatusOr<v1::TrainConfig> ResolveTrainConfig(const v1::TrainConfig& train,
+                                                   int world_size,
+                                                   int plan_microbatches);
+
+// The model's vocabulary: dim 0 of its embedding parameter (the first
+// parameter of a MODULE_EMBEDDING module), else dims.vocab_size.
+// Errors: INVALID_ARGUMENT when neither is set.
+absl::StatusOr<int64_t> ModelVocabSize(const v1::ModelSpec& model);
+
+struct WorkerRuntimeOptions {
+  // Where this worker's Gloo endpoints listen (an IP address or host name of
+  // this machine, reachable by the peers).
+  std::string bind_address = "127.0.0.1";
+  // Used when LoadPlanRequest.collective_timeout_ms is 0.
+  absl::Duration default_collective_timeout =
+      absl::Milliseconds(kDefaultCollectiveTimeoutMs);
+};
+
+class WorkerRuntime {
+ public:
+  explicit WorkerRuntime(WorkerRuntimeOptions options = {});
+  // Drops the job (bounded by the collective timeout when a collective is
+  // still running on the executor's communication thread).
+  ~WorkerRuntime();
+
+  WorkerRuntime(const WorkerRuntime&) = delete;
+  WorkerRuntime& operator=(const WorkerRuntime&) = delete;
+
+  // Installs the job `request` describes and returns this rank's master
+  // shard bytes and the data's entropy rate. `kv` (not owned; used only
+  // during the call) is the rendezvous store; null is allowed only for a
+  // world of one rank. A request that fails validation leaves the current
+  // job in place; any later failure leaves no job.
+  // Errors: INVALID_ARGUMENT (rank outside [0, world_size); a plan whose
+  // mesh, world size or units do not match its model (missing parameter,
+  // other shape, other total); an invalid model; bad train config, see
+  // ResolveTrainConfig; empty job_id; negative collective_timeout_ms; a
+  // data file that cannot be used); FAILED_PRECONDITION (world size > 1 and
+  // no `kv`); DEADLINE_EXCEEDED / ABORTED (a peer did not join the
+  // collective groups in time); and the errors of StepExecutor::Create.
+  absl::StatusOr<v1::LoadPlanResponse> LoadPlan(
+      const v1::LoadPlanRequest& request, KeyValueClient* kv)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Runs one whole step program on this rank's micro-batches of
+  // program.step(). Errors: FAILED_PRECONDITION ("no plan loaded: call
+  // LoadPlan first"; "stale plan: worker holds fingerprint X, program names
+  // Y"; the job failed in an earlier step; a fine-grained step is open);
+  // INVALID_ARGUMENT (program.microbatches differs from the job's, negative
+  // step, a malformed program); ABORTED / DEADLINE_EXCEEDED (a collective
+  // failed; the message names this rank); INTERNAL (non-finite gradient
+  // norm: the update was skipped, the job stays usable).
+  absl::StatusOr<v1::ExecuteResponse> Execute(const v1::ExecuteRequest& request)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Fine-grained mode: one request does, in this order, what it asks of
+  // begin_step (fetch step `step`'s micro-batches and start it with the
+  // plan's step shape), the command (when command.op is set; `index` must
+  // be the step's next position, 0 after begin_step, and `step` the open
+  // step's), end_step (finish the step; the response is filled as
+  // Execute's). Requests without end_step return an empty response.
+  // Errors: as Execute, plus FAILED_PRECONDITION for a command or end_step
+  // outside a step, a step other than the open one, an index out of
+  // program order, and the executor's command checks (NOT_FOUND for a unit
+  // out of range, INVALID_ARGUMENT for an unknown op).
+  absl::StatusOr<v1::ExecuteResponse> RunCommand(
+      const v1::RunCommandRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Live and peak bytes of every tracked buffer (peaks restart at LoadPlan
+  // and at each step's start) and this process's collective totals on the
+  // shard groups (all jobs so far). Never blocks on a running step.
+  v1::GetStatsResponse GetStats() const ABSL_LOCKS_EXCLUDED(stats_mu_);
+
+  // Drops the job (its communicators close, so peers blocked on this rank
+  // fail with ABORTED). Idempotent.
+  void Reset() ABSL_LOCKS_EXCLUDED(mu_);
+
+  bool has_plan() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The loaded plan's fingerprint (0 without a plan).
+  uint64_t plan_fingerprint() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Runs `fn` on the job's executor under the runtime's mutex (tests,
+  // checkpoints). Errors: FAILED_PRECONDITION without a plan.
+  absl::Status WithExecutor(absl::FunctionRef<void(const StepExecutor&)> fn)
+      const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Job;
+
+  // Drops the job; its communicators' stats move into the retired totals.
+  void DropJobLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // FAILED_PRECONDITION unless a healthy job holds `fingerprint`.
+  absl::Status CheckJobLocked(uint64_t fingerprint) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status FetchBatchesLocked(int64_t step, int microbatches,
+                                  std::vector<data::MicroBatch>* batches) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds the rank and job to a step failure, keeping its code.
+  absl::Status StepError(const absl::Status& status) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::ExecuteResponse ToResponse(const StepResult& result) const;
+
+  const WorkerRuntimeOptions options_;
+  // Outlives every job: buffers of a dropped job are freed into it.
+  MemoryTracker tracker_;
+
+  mutable absl::Mutex mu_;
+  std::unique_ptr<Job> job_ ABSL_GUARDED_BY(mu_);
+
+  // What GetStats reads without mu_: the job's shard group (replaced only
+  // under both mutexes) and the totals of dropped groups.
+  mutable absl::Mutex stats_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  const Communicator* live_shard_group_ ABSL_GUARDED_BY(stats_mu_) = nullptr;
+  CommunicatorStats retired_ ABSL_GUARDED_BY(stats_mu_);
+};
+
+}  // namespace shardd
+
+#endif  // SHARDD_WORKER_WORKER_RUNTIME_H_

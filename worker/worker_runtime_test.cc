@@ -1,0 +1,572 @@
+#include "worker/worker_runtime.h"
+
+#include <cmath>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/sharding_planner.h"
+#include "server/step_program.h"
+#include "server/strategy_registry.h"
+#include "worker/in_memory_kv_client.h"
+
+namespace shardd {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+constexpr int64_t kVocab = 32, kDim = 16, kExperts = 4, kInter = 8;
+constexpr int64_t kSeq = 8;
+constexpr int64_t kGlobalBatch = 8;
+
+v1::TensorSpec* AddParam(v1::ModuleSpec* m, const std::string& name,
+                         std::vector<int64_t> shape) {
+  v1::TensorSpec* t = m->add_params();
+  t->set_name(name);
+  for (int64_t d : shape) t->add_shape(d);
+  t->set_dtype(v1::FLOAT32);
+  return t;
+}
+
+v1::ModuleSpec* AddChild(v1::ModuleSpec* m, const std::string& name,
+                         v1::ModuleKind kind) {
+  v1::ModuleSpec* c = m->add_children();
+  c->set_name(name);
+  c->set_kind(kind);
+  return c;
+}
+
+// Embedding, 2 MoE layers (RMSNorm, router, 4 experts top-2 SwiGLU), final
+// norm, head tied to the embedding.
+v1::ModelSpec TinyMoe(int64_t vocab = kVocab) {
+  v1::ModelSpec spec;
+  spec.set_architecture("ShardMoEForCausalLM");
+  spec.set_dtype(v1::FLOAT32);
+  v1::ModelDims* dims = spec.mutable_dims();
+  dims->set_top_k(2);
+  dims->set_activation(v1::SWIGLU);
+  dims->set_rms_norm_eps(1e-6);
+  v1::ModuleSpec* root = spec.mutable_root();
+  root->set_kind(v1::MODULE_MODEL);
+  v1::ModuleSpec* model = AddChild(root, "model", v1::MODULE_GENERIC);
+  AddParam(AddChild(model, "embed_tokens", v1::MODULE_EMBEDDING), "weight",
+           {vocab, kDim});
+  v1::ModuleSpec* layers = AddChild(model, "layers", v1::MODULE_LAYER_LIST);
+  for (int i = 0; i < 2; ++i) {
+    v1::ModuleSpec* layer =
+        AddChild(layers, std::to_string(i), v1::MODULE_DECODER_LAYER);
+    AddParam(AddChild(layer, "input_layernorm", v1::MODULE_NORM), "weight",
+             {kDim});
+    v1::ModuleSpec* moe = AddChild(layer, "moe", v1::MODULE_MOE);
+    AddParam(AddChild(moe, "gate", v1::MODULE_ROUTER), "weight",
+             {kExperts, kDim});
+    v1::ModuleSpec* experts =
+        AddChild(moe, "experts", v1::MODULE_GROUPED_EXPERTS);
+    AddParam(experts, "gate_and_up_projs", {kExperts, kDim, 2 * kInter});
+    AddParam(experts, "down_projs", {kExperts, kInter, kDim});
+  }
+  AddParam(AddChild(model, "norm", v1::MODULE_NORM), "weight", {kDim});
+  v1::TensorSpec* head = AddParam(AddChild(root, "lm_head", v1::MODULE_LM_HEAD),
+                                  "weight", {vocab, kDim});
+  head->set_tied_to("model.embed_tokens.weight");
+  return spec;
+}
+
+v1::ShardingPlan MakePlan(const v1::ModelSpec& model, int dp_shard,
+                          int dp_replicate, int microbatches = 1,
+                          bool defer = false) {
+  static StrategyRegistry* registry =
+      StrategyRegistry::CreateWithBuiltins().release();
+  ShardingPlanner planner(registry);
+  v1::PlanOptions options;
+  options.set_strategy("default");
+  options.mutable_mesh()->set_dp_shard(dp_shard);
+  options.mutable_mesh()->set_dp_replicate(dp_replicate);
+  options.set_mixed_precision(false);
+  options.set_microbatches(microbatches);
+  options.set_defer_grad_sync(defer);
+  absl::StatusOr<v1::ShardingPlan> plan = planner.Plan(model, options);
+  EXPECT_TRUE(plan.ok()) << plan.status();
+  return plan.ok() ? *plan : v1::ShardingPlan();
+}
+
+v1::LoadPlanRequest MakeLoad(const v1::ShardingPlan& plan,
+                             const v1::ModelSpec& model, int rank,
+                             uint64_t epoch = 1) {
+  v1::LoadPlanRequest request;
+  *request.mutable_plan() = plan;
+  *request.mutable_model() = model;
+  request.set_rank(rank);
+  request.set_seed(11);
+  request.set_job_id("job");
+  request.set_membership_epoch(epoch);
+  request.set_collective_timeout_ms(20000);
+  v1::TrainConfig* train = request.mutable_train();
+  train->set_global_batch(kGlobalBatch);
+  train->set_seq_len(kSeq);
+  train->set_seed(3);
+  return request;
+}
+
+// Runs fn(rank) on `world` threads and joins them.
+void RunRanks(int world, const std::function<void(int)>& fn) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) threads.emplace_back(fn, r);
+  for (std::thread& t : threads) t.join();
+}
+
+struct RankSteps {
+  v1::LoadPlanResponse load;
+  std::vector<v1::ExecuteResponse> steps;
+};
+
+// Loads `plan` on `world` runtimes sharing one KV store and runs `steps`
+// Execute steps on each.
+std::vector<RankSteps> Train(const v1::ModelSpec& model,
+                             const v1::ShardingPlan& plan, int steps) {
+  const int world = plan.world_size();
+  const absl::StatusOr<v1::StepProgram> program = CompileStepProgram(plan);
+  EXPECT_THAT(program.status(), IsOk());
+  if (!program.ok()) return {};
+  InMemoryKeyValueClient kv;
+  std::vector<RankSteps> out(world);
+  RunRanks(world, [&](int rank) {
+    WorkerRuntime runtime;
+    absl::StatusOr<v1::LoadPlanResponse> load =
+        runtime.LoadPlan(MakeLoad(plan, model, rank), &kv);
+    ASSERT_THAT(load.status(), IsOk());
+    out[rank].load = *load;
+    for (int s = 0; s < steps; ++s) {
+      v1::ExecuteRequest request;
+      *request.mutable_program() = *program;
+      request.mutable_program()->set_step(s);
+      absl::StatusOr<v1::ExecuteResponse> response = runtime.Execute(request);
+      ASSERT_THAT(response.status(), IsOk())
+          << "rank " << rank << " step " << s;
+      out[rank].steps.push_back(*response);
+    }
+  });
+  return out;
+}
+
+double MeanLoss(const std::vector<RankSteps>& ranks, int step) {
+  double sum = 0;
+  for (const RankSteps& r : ranks) sum += r.steps[step].loss();
+  return sum / ranks.size();
+}
+
+int64_t ShardBytes(const v1::ShardingPlan& plan) {
+  int64_t elements = 0;
+  for (const v1::FsdpUnit& unit : plan.units()) elements += unit.shard_numel();
+  return elements * 4;  // fp32 master shards.
+}
+
+TEST(ResolveTrainConfigTest, FillsDefaultsAndChecksTheBatchShape) {
+  v1::TrainConfig train;
+  train.set_global_batch(12);
+  train.set_seq_len(4);
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::TrainConfig resolved,
+                              ResolveTrainConfig(train, 2, 3));
+  EXPECT_EQ(resolved.microbatches(), 3);
+  EXPECT_DOUBLE_EQ(resolved.lr(), 3e-3);
+  EXPECT_DOUBLE_EQ(resolved.beta1(), 0.9);
+  EXPECT_DOUBLE_EQ(resolved.beta2(), 0.95);
+  EXPECT_DOUBLE_EQ(resolved.eps(), 1e-8);
+  EXPECT_DOUBLE_EQ(resolved.weight_decay(), 0.0);
+  EXPECT_DOUBLE_EQ(resolved.grad_clip(), 1.0);
+
+  train.set_lr(0.5);
+  train.set_grad_clip(-1);  // Off: stays negative.
+  SHARDD_ASSERT_OK_AND_ASSIGN(resolved, ResolveTrainConfig(train, 2, 3));
+  EXPECT_DOUBLE_EQ(resolved.lr(), 0.5);
+  EXPECT_LT(resolved.grad_clip(), 0);
+
+  // 12 sequences over 4 ranks x 2 micro-batches: 12 % 8 != 0.
+  EXPECT_THAT(
+      ResolveTrainConfig(train, 4, 2).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               AllOf(HasSubstr("global_batch"), HasSubstr("world size (4)"),
+                     HasSubstr("microbatches (2)"))));
+  v1::TrainConfig bad = train;
+  bad.set_seq_len(0);
+  EXPECT_THAT(
+      ResolveTrainConfig(bad, 1, 1).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("seq_len")));
+  bad = train;
+  bad.set_microbatches(2);
+  EXPECT_THAT(
+      ResolveTrainConfig(bad, 1, 3).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("microbatches")));
+  bad = train;
+  bad.set_beta2(1.0);
+  EXPECT_THAT(ResolveTrainConfig(bad, 1, 1).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("beta2")));
+  bad = train;
+  bad.set_lr(-1);
+  EXPECT_THAT(ResolveTrainConfig(bad, 1, 1).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("lr")));
+  bad = train;
+  bad.set_weight_decay(std::nan(""));
+  EXPECT_THAT(
+      ResolveTrainConfig(bad, 1, 1).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("weight_decay")));
+}
+
+TEST(WorkerRuntimeTest, ModelVocabSizeComesFromTheEmbedding) {
+  SHARDD_ASSERT_OK_AND_ASSIGN(int64_t vocab, ModelVocabSize(TinyMoe(40)));
+  EXPECT_EQ(vocab, 40);
+}
+
+TEST(WorkerRuntimeTest, OneAndTwoRanksAndHsdpTrainTheSameModel) {
+  const v1::ModelSpec model = TinyMoe();
+  constexpr int kSteps = 3;
+  const v1::ShardingPlan plan1 = MakePlan(model, 1, 1);
+  const v1::ShardingPlan plan2 = MakePlan(model, 2, 1);
+  const v1::ShardingPlan plan4 = MakePlan(model, 2, 2);  // HSDP 2 x 2.
+  const std::vector<RankSteps> one = Train(model, plan1, kSteps);
+  const std::vector<RankSteps> two = Train(model, plan2, kSteps);
+  const std::vector<RankSteps> four = Train(model, plan4, kSteps);
+  ASSERT_EQ(one.size(), 1u);
+  ASSERT_EQ(two.size(), 2u);
+  ASSERT_EQ(four.size(), 4u);
+  for (const auto* ranks : {&one, &two, &four}) {
+    for (const RankSteps& r : *ranks) ASSERT_EQ(r.steps.size(), kSteps);
+  }
+
+  // The Markov chain's entropy rate is positive and below log V (uniform
+  // next-token distribution), the same on every rank.
+  const double entropy = one[0].load.data_entropy_rate();
+  EXPECT_GT(entropy, 0.0);
+  EXPECT_LT(entropy, std::log(static_cast<double>(kVocab)));
+  EXPECT_EQ(one[0].load.shard_bytes(), ShardBytes(plan1));
+  for (const RankSteps& r : two) {
+    EXPECT_EQ(r.load.shard_bytes(), ShardBytes(plan2));
+    EXPECT_EQ(r.load.data_entropy_rate(), entropy);
+  }
+  // 1 rank holds everything; 2 shard ranks about half each (padding aside).
+  EXPECT_LT(ShardBytes(plan2), ShardBytes(plan1));
+
+  for (int s = 0; s < kSteps; ++s) {
+    const double reference = one[0].steps[s].loss();
+    ASSERT_TRUE(std::isfinite(reference));
+    // The global loss is the mean of the ranks' means: every rank trains on
+    // global_batch / world rows of seq_len targets.
+    EXPECT_NEAR(MeanLoss(two, s), reference, 1e-5 * reference) << "step " << s;
+    EXPECT_NEAR(MeanLoss(four, s), reference, 1e-5 * reference) << "step " << s;
+    const double norm = one[0].steps[s].grad_norm();
+    for (const auto* ranks : {&two, &four}) {
+      const int world = static_cast<int>(ranks->size());
+      for (const RankSteps& r : *ranks) {
+        const v1::ExecuteResponse& step = r.steps[s];
+        EXPECT_EQ(step.tokens(), kGlobalBatch / world * kSeq);
+        EXPECT_EQ(step.step(), s + 1);
+        EXPECT_NEAR(step.grad_norm(), norm, 1e-5 * norm);
+      }
+    }
+    EXPECT_EQ(one[0].steps[s].tokens(), kGlobalBatch * kSeq);
+  }
+  // Two ranks see different sequences, so their own losses differ.
+  EXPECT_NE(two[0].steps[0].loss(), two[1].steps[0].loss());
+
+  // Measured peaks and collectives are the plan's predictions.
+  for (const auto& [ranks, plan] :
+       {std::make_pair(&two, &plan2), std::make_pair(&four, &plan4)}) {
+    for (const RankSteps& r : *ranks) {
+      for (const v1::ExecuteResponse& step : r.steps) {
+        EXPECT_EQ(step.peak_unsharded_bytes(),
+                  plan->memory().peak_unsharded_bytes());
+        EXPECT_EQ(step.all_gathers(), plan->comm().all_gathers());
+        EXPECT_EQ(step.reduce_scatters(), plan->comm().reduce_scatters());
+        EXPECT_EQ(step.all_reduces(), plan->comm().all_reduces());
+        EXPECT_EQ(step.all_gather_bytes(), plan->comm().all_gather_bytes());
+      }
+    }
+  }
+  EXPECT_GT(plan4.comm().all_reduces(), 0);
+  EXPECT_EQ(plan2.comm().all_reduces(), 0);
+}
+
+TEST(WorkerRuntimeTest, FineGrainedCommandsEqualExecute) {
+  const v1::ModelSpec model = TinyMoe();
+  // Two micro-batches with deferred sync: the longest command sequence.
+  const v1::ShardingPlan plan = MakePlan(model, 2, 1, 2, /*defer=*/true);
+  SHARDD_ASSERT_OK_AND_ASSIGN(const v1::StepProgram program,
+                              CompileStepProgram(plan));
+  constexpr int kSteps = 2;
+  const std::vector<RankSteps> whole = Train(model, plan, kSteps);
+  ASSERT_EQ(whole.size(), 2u);
+
+  InMemoryKeyValueClient kv;
+  std::vector<std::vector<v1::ExecuteResponse>> fine(2);
+  RunRanks(2, [&](int rank) {
+    WorkerRuntime runtime;
+    ASSERT_THAT(runtime.LoadPlan(MakeLoad(plan, model, rank), &kv).status(),
+                IsOk());
+    const int n = program.commands_size();
+    for (int s = 0; s < kSteps; ++s) {
+      v1::RunCommandRequest request;
+      request.set_plan_fingerprint(plan.fingerprint());
+      request.set_step(s);
+      v1::ExecuteResponse last;
+      if (rank == 0) {
+        // One request per command, begin and end on their own.
+        request.set_begin_step(true);
+        ASSERT_THAT(runtime.RunCommand(request).status(), IsOk());
+        request.set_begin_step(false);
+        for (int i = 0; i < n; ++i) {
+          *request.mutable_command() = program.commands(i);
+          request.set_index(i);
+          ASSERT_THAT(runtime.RunCommand(request).status(), IsOk())
+              << "command " << i;
+        }
+        request.clear_command();
+        request.set_end_step(true);
+        SHARDD_ASSERT_OK_AND_ASSIGN(last, runtime.RunCommand(request));
+      } else {
+        // begin_step with the first command, end_step with the last.
+        for (int i = 0; i < n; ++i) {
+          request.set_begin_step(i == 0);
+          request.set_end_step(i == n - 1);
+          *request.mutable_command() = program.commands(i);
+          request.set_index(i);
+          SHARDD_ASSERT_OK_AND_ASSIGN(last, runtime.RunCommand(request));
+        }
+      }
+      fine[rank].push_back(last);
+    }
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_EQ(fine[rank].size(), kSteps);
+    for (int s = 0; s < kSteps; ++s) {
+      const v1::ExecuteResponse& a = whole[rank].steps[s];
+      const v1::ExecuteResponse& b = fine[rank][s];
+      // The same code path on the same data: bit-identical.
+      EXPECT_EQ(a.loss(), b.loss()) << "rank " << rank << " step " << s;
+      EXPECT_EQ(a.grad_norm(), b.grad_norm());
+      EXPECT_EQ(a.tokens(), b.tokens());
+      EXPECT_EQ(b.step(), s + 1);
+      EXPECT_EQ(a.all_gathers(), b.all_gathers());
+      EXPECT_EQ(a.reduce_scatters(), b.reduce_scatters());
+      EXPECT_EQ(a.peak_unsharded_bytes(), b.peak_unsharded_bytes());
+    }
+  }
+}
+
+TEST(WorkerRuntimeTest, RefusesStepsWithoutAPlanOrOnAStalePlan) {
+  const v1::ModelSpec model = TinyMoe();
+  const v1::ShardingPlan plan = MakePlan(model, 1, 1);
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::StepProgram program,
+                              CompileStepProgram(plan));
+  WorkerRuntime runtime;
+  v1::ExecuteRequest execute;
+  *execute.mutable_program() = program;
+  EXPECT_THAT(runtime.Execute(execute).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("no plan loaded: call LoadPlan first")));
+  v1::RunCommandRequest command;
+  command.set_plan_fingerprint(plan.fingerprint());
+  command.set_begin_step(true);
+  EXPECT_THAT(runtime.RunCommand(command).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("no plan loaded")));
+  EXPECT_FALSE(runtime.has_plan());
+
+  // World size 1 needs no rendezvous store.
+  ASSERT_THAT(runtime.LoadPlan(MakeLoad(plan, model, 0), nullptr).status(),
+              IsOk());
+  EXPECT_EQ(runtime.plan_fingerprint(), plan.fingerprint());
+  execute.mutable_program()->set_plan_fingerprint(plan.fingerprint() + 1);
+  EXPECT_THAT(runtime.Execute(execute).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("stale plan"),
+                             HasSubstr(absl::StrCat("worker holds fingerprint ",
+                                                    plan.fingerprint())),
+                             HasSubstr(absl::StrCat("program names ",
+                                                    plan.fingerprint() + 1)))));
+  command.set_plan_fingerprint(plan.fingerprint() + 1);
+  EXPECT_THAT(
+      runtime.RunCommand(command).status(),
+      StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("stale plan")));
+
+  // Fine-grained order checks.
+  command.set_plan_fingerprint(plan.fingerprint());
+  command.set_begin_step(false);
+  *command.mutable_command() = program.commands(0);
+  EXPECT_THAT(
+      runtime.RunCommand(command).status(),
+      StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("begin_step")));
+  command.set_begin_step(true);
+  command.set_index(1);
+  EXPECT_THAT(runtime.RunCommand(command).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("out of program order")));
+  // The step opened by that request stays open: Execute is refused, the
+  // right index goes on.
+  execute.mutable_program()->set_plan_fingerprint(plan.fingerprint());
+  EXPECT_THAT(runtime.Execute(execute).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  command.set_begin_step(false);
+  command.set_index(0);
+  EXPECT_THAT(runtime.RunCommand(command).status(), IsOk());
+  command.set_step(5);
+  command.set_index(1);
+  EXPECT_THAT(runtime.RunCommand(command).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("not the open step")));
+}
+
+TEST(WorkerRuntimeTest, LoadPlanRejectsBadRequestsAndKeepsTheCurrentJob) {
+  const v1::ModelSpec model = TinyMoe();
+  const v1::ShardingPlan plan1 = MakePlan(model, 1, 1);
+  const v1::ShardingPlan plan2 = MakePlan(model, 2, 1);
+  WorkerRuntime runtime;
+  ASSERT_THAT(runtime.LoadPlan(MakeLoad(plan1, model, 0), nullptr).status(),
+              IsOk());
+
+  v1::LoadPlanRequest bad = MakeLoad(plan2, model, 0);
+  bad.mutable_train()->set_global_batch(6);  // 6 % (2 x 4) != 0.
+  bad.mutable_train()->set_microbatches(4);
+  EXPECT_THAT(
+      runtime.LoadPlan(bad, nullptr).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("microbatches")));
+  bad = MakeLoad(plan2, model, 0);
+  bad.mutable_train()->set_global_batch(7);
+  InMemoryKeyValueClient kv;
+  EXPECT_THAT(
+      runtime.LoadPlan(bad, &kv).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               AllOf(HasSubstr("global_batch"), HasSubstr("world size (2)"),
+                     HasSubstr("microbatches (1)"))));
+  bad = MakeLoad(plan2, model, 0);
+  bad.mutable_train()->set_seq_len(0);
+  EXPECT_THAT(
+      runtime.LoadPlan(bad, &kv).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("seq_len")));
+  EXPECT_THAT(runtime.LoadPlan(MakeLoad(plan2, model, 2), &kv).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("rank"), HasSubstr("[0, 2)"))));
+  EXPECT_THAT(runtime.LoadPlan(MakeLoad(plan2, model, 1), nullptr).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("--coordinator")));
+  // A plan cut from another model.
+  EXPECT_THAT(
+      runtime.LoadPlan(MakeLoad(plan1, TinyMoe(40), 0), nullptr).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("model.embed_tokens.weight")));
+  bad = MakeLoad(plan1, model, 0);
+  bad.set_job_id("");
+  EXPECT_THAT(
+      runtime.LoadPlan(bad, nullptr).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("job_id")));
+  bad = MakeLoad(plan1, model, 0);
+  bad.mutable_train()->set_data_path("/nonexistent/tokens.u16");
+  EXPECT_FALSE(runtime.LoadPlan(bad, nullptr).ok());
+  // None of them touched the loaded job, and nothing went to the store.
+  EXPECT_EQ(runtime.plan_fingerprint(), plan1.fingerprint());
+  EXPECT_EQ(kv.set_calls(), 0);
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::StepProgram program,
+                              CompileStepProgram(plan1));
+  v1::ExecuteRequest execute;
+  *execute.mutable_program() = program;
+  EXPECT_THAT(runtime.Execute(execute).status(), IsOk());
+}
+
+TEST(WorkerRuntimeTest, APeerDyingFailsTheStepAndANewPlanRecovers) {
+  const v1::ModelSpec model = TinyMoe();
+  const v1::ShardingPlan plan = MakePlan(model, 2, 1);
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::StepProgram program,
+                              CompileStepProgram(plan));
+  v1::ExecuteRequest execute;
+  *execute.mutable_program() = program;
+  InMemoryKeyValueClient kv;
+  WorkerRuntime runtimes[2];
+  RunRanks(2, [&](int rank) {
+    ASSERT_THAT(
+        runtimes[rank].LoadPlan(MakeLoad(plan, model, rank, 1), &kv).status(),
+        IsOk());
+  });
+  // The rendezvous keys are gone once both ranks joined.
+  EXPECT_EQ(kv.size(), 0);
+  // Rank 1 goes away (its connections close); rank 0's step fails fast.
+  runtimes[1].Reset();
+  const absl::Time start = absl::Now();
+  absl::Status failed = runtimes[0].Execute(execute).status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(15));
+  EXPECT_TRUE(failed.code() == absl::StatusCode::kAborted ||
+              failed.code() == absl::StatusCode::kDeadlineExceeded)
+      << failed;
+  EXPECT_THAT(failed.message(), HasSubstr("rank 0"));
+  // The job is done for, and says why.
+  EXPECT_THAT(runtimes[0].Execute(execute).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("LoadPlan again")));
+  const v1::GetStatsResponse stats = runtimes[0].GetStats();
+  EXPECT_GT(stats.live_bytes(), 0);  // The shards are still held.
+
+  // A new membership epoch brings both back.
+  std::vector<double> losses(2);
+  RunRanks(2, [&](int rank) {
+    ASSERT_THAT(
+        runtimes[rank].LoadPlan(MakeLoad(plan, model, rank, 2), &kv).status(),
+        IsOk());
+    SHARDD_ASSERT_OK_AND_ASSIGN(v1::ExecuteResponse response,
+                                runtimes[rank].Execute(execute));
+    losses[rank] = response.loss();
+  });
+  EXPECT_TRUE(std::isfinite(losses[0]));
+  EXPECT_TRUE(std::isfinite(losses[1]));
+}
+
+TEST(WorkerRuntimeTest, StatsCountTheJobsCollectivesAndMemory) {
+  const v1::ModelSpec model = TinyMoe();
+  const v1::ShardingPlan plan = MakePlan(model, 2, 1);
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::StepProgram program,
+                              CompileStepProgram(plan));
+  InMemoryKeyValueClient kv;
+  WorkerRuntime runtimes[2];
+  EXPECT_EQ(runtimes[0].GetStats().live_bytes(), 0);
+  constexpr int kSteps = 2;
+  RunRanks(2, [&](int rank) {
+    ASSERT_THAT(
+        runtimes[rank].LoadPlan(MakeLoad(plan, model, rank), &kv).status(),
+        IsOk());
+    for (int s = 0; s < kSteps; ++s) {
+      v1::ExecuteRequest execute;
+      *execute.mutable_program() = program;
+      execute.mutable_program()->set_step(s);
+      ASSERT_THAT(runtimes[rank].Execute(execute).status(), IsOk());
+    }
+  });
+  for (WorkerRuntime& runtime : runtimes) {
+    const v1::GetStatsResponse stats = runtime.GetStats();
+    // Master shards, sharded gradients and two AdamW moments (all fp32)
+    // stay live between steps.
+    EXPECT_GE(stats.live_bytes(), 4 * ShardBytes(plan));
+    EXPECT_GE(stats.peak_bytes(),
+              stats.live_bytes() + plan.memory().peak_unsharded_bytes());
+    EXPECT_EQ(stats.all_gathers(), kSteps * plan.comm().all_gathers());
+    EXPECT_EQ(stats.reduce_scatters(), kSteps * plan.comm().reduce_scatters());
+    EXPECT_EQ(stats.all_gather_bytes(),
+              kSteps * plan.comm().all_gather_bytes());
+    EXPECT_EQ(stats.reduce_scatter_bytes(),
+              kSteps * plan.comm().reduce_scatter_bytes());
+  }
+  // Dropping the job frees everything; the totals remain.
+  runtimes[0].Reset();
+  runtimes[1].Reset();
+  const v1::GetStatsResponse after = runtimes[0].GetStats();
+  EXPECT_EQ(after.live_bytes(), 0);
+  EXPECT_EQ(after.all_gathers(), kSteps * plan.comm().all_gathers());
+}
+
+}  // namespace
+}  // namespace shardd
