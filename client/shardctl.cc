@@ -351,10 +351,9 @@ absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
                            HumanCount(model_summary.total_params()), model_id);
     out << absl::StrFormat(
         "Plan    strategy %s, %d units, dp_shard %d x dp_replicate %d on %d "
-        "workers, planned peak unsharded %s per rank\n",
+        "workers\n",
         plan.strategy(), plan.units_size(), plan.mesh().dp_shard(),
-        plan.mesh().dp_replicate(), job->world_size(),
-        HumanBytes(plan.memory().peak_unsharded_bytes()));
+        plan.mesh().dp_replicate(), job->world_size());
     out << absl::StrFormat(
         "Job     %s: %d steps of %d sequences x %d tokens, %d micro-batch%s%s, "
         "lr %g, %s%s\n",

@@ -89,6 +89,11 @@ std::vector<v1::StepEvent> JobEventLog::Snapshot() const {
 
 struct JobRunner::Job {
   std::string id;
+  std::string model_id;
+  int32_t world_size = 0;
+  int32_t total_steps = 0;
+  // Read without the lock by the job's thread while it runs; cleared (under
+  // JobRunner::mu_) when it ends, since plans of large worlds are big.
   JobSpec spec;
   std::shared_ptr<JobEventLog> events;
   std::thread thread;
@@ -254,6 +259,9 @@ absl::StatusOr<std::string> JobRunner::Submit(JobSpec spec) {
     id = absl::StrCat("j-", next_job_++);
     auto job = std::make_unique<Job>();
     job->id = id;
+    job->model_id = spec.model_id;
+    job->world_size = world;
+    job->total_steps = spec.config.steps();
     job->spec = std::move(spec);
     job->events =
         std::make_shared<JobEventLog>(id, options_.max_events_per_job);
@@ -290,11 +298,11 @@ std::vector<JobSummary> JobRunner::ListJobs() const {
     const Job& job = *jobs_.at(id);
     JobSummary summary;
     summary.job_id = job.id;
-    summary.model_id = job.spec.model_id;
+    summary.model_id = job.model_id;
     summary.state = job.state;
-    summary.world_size = job.spec.plan.world_size();
+    summary.world_size = job.world_size;
     summary.steps_done = job.steps_done;
-    summary.total_steps = job.spec.config.steps();
+    summary.total_steps = job.total_steps;
     summary.last_loss = job.last_loss;
     summary.tokens_per_second = job.tokens_per_second;
     summary.error = job.error;
@@ -304,6 +312,8 @@ std::vector<JobSummary> JobRunner::ListJobs() const {
 }
 
 void JobRunner::Shutdown() {
+  // One Shutdown at a time: a thread is joined once.
+  absl::MutexLock shutdown_lock(&shutdown_mu_);
   std::vector<Job*> jobs;
   {
     absl::MutexLock lock(&mu_);
@@ -326,7 +336,7 @@ void JobRunner::RunJob(Job* job) {
   {
     absl::MutexLock lock(&mu_);
     auto my_turn = [this, job]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return stopping_ || queue_.front() == job;
+      return stopping_ || (!queue_.empty() && queue_.front() == job);
     };
     mu_.Await(absl::Condition(&my_turn));
     if (!stopping_) job->state = v1::JOB_RUNNING;
@@ -336,25 +346,28 @@ void JobRunner::RunJob(Job* job) {
     status = absl::UnavailableError(
         "the coordinator is shutting down (the job never started)");
   } else {
-    SHARDD_LOG(INFO) << "job " << job->id << ": model " << job->spec.model_id
-                     << ", " << job->spec.config.steps() << " steps on "
-                     << job->spec.plan.world_size() << " workers";
+    SHARDD_LOG(INFO) << "job " << job->id << ": model " << job->model_id << ", "
+                     << job->total_steps << " steps on " << job->world_size
+                     << " workers";
     status = RunSteps(job);
   }
   if (status.ok()) {
     SHARDD_LOG(INFO) << "job " << job->id << " done";
-    return;  // RunSteps published the final event.
+  } else {
+    // RunSteps published the final event of a job that succeeded.
+    SHARDD_LOG(WARNING) << "job " << job->id << " failed: " << status.message();
+    v1::StepEvent event;
+    event.set_job_id(job->id);
+    {
+      absl::MutexLock lock(&mu_);
+      event.set_step(job->steps_done + 1);
+    }
+    event.set_total_steps(job->total_steps);
+    event.set_error(std::string(status.message()));
+    Publish(job, std::move(event));
   }
-  SHARDD_LOG(WARNING) << "job " << job->id << " failed: " << status.message();
-  v1::StepEvent event;
-  event.set_job_id(job->id);
-  {
-    absl::MutexLock lock(&mu_);
-    event.set_step(job->steps_done + 1);
-  }
-  event.set_total_steps(job->spec.config.steps());
-  event.set_error(std::string(status.message()));
-  Publish(job, std::move(event));
+  absl::MutexLock lock(&mu_);
+  job->spec = JobSpec();
 }
 
 absl::Status JobRunner::CheckMembership(
@@ -366,18 +379,19 @@ absl::Status JobRunner::CheckMembership(
     const std::string label = RankLabel(rank, snapshot[rank].address);
     auto it = by_rank.find(rank);
     if (it == by_rank.end()) {
-      return absl::UnavailableError(
-          absl::StrCat(label, ": the worker left the coordinator"));
+      return absl::UnavailableError(absl::StrCat(
+          label, ": UNAVAILABLE: the worker left the coordinator"));
     }
     const WorkerState& worker = *it->second;
     if (worker.incarnation != snapshot[rank].incarnation) {
       return absl::UnavailableError(absl::StrCat(
-          label, ": the worker restarted (", worker.address,
+          label, ": UNAVAILABLE: the worker restarted (", worker.address,
           " registered with a new incarnation), so its shards are gone"));
     }
     if (!worker.alive) {
       return absl::UnavailableError(absl::StrCat(
-          label, ": the worker was declared dead (no heartbeat for ",
+          label,
+          ": UNAVAILABLE: the worker was declared dead (no heartbeat for ",
           absl::FormatDuration(workers_->heartbeat_timeout()), ")"));
     }
   }

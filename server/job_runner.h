@@ -191,7 +191,7 @@ class JobRunner {
   // Fails queued and running jobs ("the coordinator is shutting down"),
   // cancels their calls, and joins their threads; later Submits answer
   // UNAVAILABLE. Idempotent.
-  void Shutdown() ABSL_LOCKS_EXCLUDED(mu_);
+  void Shutdown() ABSL_LOCKS_EXCLUDED(mu_, shutdown_mu_);
 
  private:
   struct Job;
@@ -221,6 +221,8 @@ class JobRunner {
   const WorkerClientFactory factory_;
   const JobRunnerOptions options_;
 
+  // Held by Shutdown (never with mu_ inside a job thread's wait).
+  absl::Mutex shutdown_mu_;
   mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   int64_t next_job_ ABSL_GUARDED_BY(mu_) = 1;

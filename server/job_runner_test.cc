@@ -522,10 +522,35 @@ TEST_F(JobRunnerTest, WorkerDeclaredDeadDuringAStepFailsTheJob) {
   Advance(absl::Milliseconds(600));
   const std::vector<v1::StepEvent> events = WaitForEnd(id);
   ASSERT_EQ(events.size(), 1u);
-  EXPECT_THAT(events[0].error(), AllOf(HasSubstr("step 1/2: rank 1 (fake-1:1)"),
-                                       HasSubstr("declared dead")));
+  EXPECT_THAT(events[0].error(),
+              HasSubstr("step 1/2: rank 1 (fake-1:1): UNAVAILABLE: the worker "
+                        "was declared dead (no heartbeat for 1s)"));
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
   EXPECT_EQ(cluster_.blocked(), 0);  // The hung call was cancelled.
+}
+
+TEST_F(JobRunnerTest, WorkerRestartedDuringAStepFailsTheJob) {
+  RegisterWorkers(2);
+  cluster_.script().hang_rank = 1;
+  cluster_.script().hang_step = 0;
+  cluster_.script().ignore_deadline = true;
+  StartRunner();
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::string id, runner_->Submit(Spec(2, 2)));
+  WaitForBlocked(1);
+  // The same address comes back with a new incarnation: its shards are
+  // gone even though rank 1 is alive again.
+  WorkerRegistration restarted;
+  restarted.address = AddressOf(1);
+  restarted.incarnation = 999;
+  restarted.requested_rank = 1;
+  SHARDD_ASSERT_OK_AND_ASSIGN(RegisterResult result,
+                              registry_->Register(restarted));
+  ASSERT_EQ(result.rank, 1);
+  const std::vector<v1::StepEvent> events = WaitForEnd(id);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_THAT(
+      events[0].error(),
+      HasSubstr("rank 1 (fake-1:1): UNAVAILABLE: the worker restarted"));
 }
 
 TEST_F(JobRunnerTest, SubmitNamesMissingAndDeadRanks) {

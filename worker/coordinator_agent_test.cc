@@ -309,8 +309,11 @@ TEST_F(CoordinatorAgentTest,
   ASSERT_TRUE(WaitFor(
       [&] {
         v1::GetStatusResponse status = Status();
+        // The coordinator sees a registration before the agent has counted
+        // its reply, so wait for both sides.
         return status.workers_size() == 2 && status.workers(0).alive() &&
-               status.workers(1).alive();
+               status.workers(1).alive() && agents[0]->registrations() == 2 &&
+               agents[1]->registrations() == 2;
       },
       absl::Seconds(10)));
   v1::GetStatusResponse status = Status();

@@ -52,9 +52,11 @@ InitRule InitRuleFor(const v1::TensorSpec& tensor, v1::ModuleKind owner_kind,
   int64_t fan_in = 1;
   const int dims = tensor.shape_size();
   if (owner_kind == v1::MODULE_EMBEDDING) {
-    // Embedding rows are looked up, not multiplied: a small fixed bound keeps
-    // the residual stream at unit scale after RMSNorm.
-    rule.bound = 0.5;
+    // Embedding rows are looked up, not multiplied; with a tied LM head they
+    // also produce the logits of RMS-normalised states, so they start small
+    // (uniform with std 0.02, the usual LM choice): the first loss is then
+    // about log(vocab) instead of many nats above it.
+    rule.bound = 0.02 * std::sqrt(3.0);
     return rule;
   }
   if (owner_kind == v1::MODULE_GROUPED_EXPERTS && dims == 3) {

@@ -36,8 +36,8 @@ struct InitRule {
 // The rule for a parameter, from its name, module kind and shape:
 // norm weights (1-D params of MODULE_NORM, names ending in "norm.weight" or
 // "layernorm.weight", "layer_scalar", "scale") are ones; names ending in
-// "bias" are zeros; embeddings use bound 1 (std ~0.58) scaled down by
-// `embedding_scale`; everything else uses 1/sqrt(fan_in) with fan_in the
+// "bias" are zeros; embeddings are uniform with std 0.02; everything else
+// uses bound 1/sqrt(fan_in) with fan_in the
 // parameter's reduction dimension (shape[1] of a 2-D (out, in) weight, D for
 // gate_and_up_projs [E, D, 2I], I for down_projs [E, I, D]).
 InitRule InitRuleFor(const v1::TensorSpec& tensor, v1::ModuleKind owner_kind,

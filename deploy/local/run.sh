@@ -1,36 +1,86 @@
 #!/usr/bin/env bash
-# The README's first command: installs what is missing, builds, starts a
-# coordinator on loopback, drives it with shardctl, and stops every process
+# The README's first command. Installs what is missing, builds, starts a
+# coordinator and 4 CPU workers on loopback, trains a small MoE language
+# model (tests/data/small_moe.json) on synthetic Markov data with FSDP over
+# the 4 workers for a few hundred steps, shows the loss falling toward the
+# data's entropy rate (the best reachable loss), then stops every process
 # it started.
 #
-# Today the job plans models against the running coordinator (strategies,
-# the tiny MoE and DiffusionGemma-26B cut over 8 ranks with both strategies).
-# Worker processes and training join with the workers issue.
+# Knobs (environment): SHARDD_WORKERS (4), SHARDD_STEPS (300),
+# SHARDD_TRAIN_ARGS (extra `shardctl train` flags, e.g. "--microbatches 2
+# --defer-grad-sync" or "--fine-grained").
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-tools/setup.sh
-bazel build //server:shardd-coordinator //client:shardctl
+workers=${SHARDD_WORKERS:-4}
+steps=${SHARDD_STEPS:-300}
+read -r -a extra_args <<<"${SHARDD_TRAIN_ARGS:-}"
 
-workdir=$(mktemp -d /tmp/shardd-local.XXXXXX)
-coordinator_pid=""
-cleanup() {
-  if [[ -n "$coordinator_pid" ]] && kill -0 "$coordinator_pid" 2>/dev/null; then
-    kill -TERM "$coordinator_pid" 2>/dev/null || true
-    for _ in $(seq 50); do
-      kill -0 "$coordinator_pid" 2>/dev/null || break
-      sleep 0.1
-    done
-    kill -KILL "$coordinator_pid" 2>/dev/null || true
-  fi
-  rm -rf "$workdir"
-}
-trap cleanup EXIT INT TERM
+tools/setup.sh
+bazel build //server:shardd-coordinator //worker:shardd-worker //client:shardctl
 
 bin=bazel-bin
-"$bin/server/shardd-coordinator" --listen=127.0.0.1:0 --data-dir="$workdir/data" \
+workdir=$(mktemp -d /tmp/shardd-local.XXXXXX)
+pids=()
+
+# Stops every started process: SIGTERM, up to 10 s for all of them to exit,
+# then SIGKILL for any left. Workers go first so that none outlives the
+# coordinator it reports to.
+stop_all() {
+  local pid alive=()
+  for pid in "$@"; do
+    if kill -0 "$pid" 2>/dev/null; then
+      kill -TERM "$pid" 2>/dev/null || true
+      alive+=("$pid")
+    fi
+  done
+  ((${#alive[@]} == 0)) && return 0
+  for _ in $(seq 100); do
+    local left=()
+    for pid in "${alive[@]}"; do
+      kill -0 "$pid" 2>/dev/null && left+=("$pid")
+    done
+    ((${#left[@]} == 0)) && break
+    alive=("${left[@]}")
+    sleep 0.1
+  done
+  for pid in "${alive[@]}"; do
+    if kill -0 "$pid" 2>/dev/null; then
+      echo "run.sh: process $pid did not stop within 10 s; killing it" >&2
+      kill -KILL "$pid" 2>/dev/null || true
+    fi
+  done
+  # Reap them (they are our children).
+  for pid in "$@"; do wait "$pid" 2>/dev/null || true; done
+}
+
+cleanup() {
+  local status=$?
+  trap - EXIT INT TERM
+  if ((${#pids[@]} > 0)); then
+    # pids[0] is the coordinator; stop the workers first.
+    stop_all "${pids[@]:1}"
+    stop_all "${pids[0]}"
+    echo "== stopped the coordinator and $((${#pids[@]} - 1)) workers"
+  fi
+  if ((status != 0)) && [[ -d "$workdir" ]]; then
+    for log in "$workdir"/*.log; do
+      [[ -s "$log" ]] || continue
+      echo "---- last lines of $(basename "$log") ----" >&2
+      tail -n 20 "$log" >&2
+    done
+  fi
+  rm -rf "$workdir"
+  exit "$status"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+"$bin/server/shardd-coordinator" --listen=127.0.0.1:0 \
+  --data-dir="$workdir/data" --workers="$workers" \
   2>"$workdir/coordinator.log" &
-coordinator_pid=$!
+pids+=($!)
 
 # Wait (bounded) for the coordinator to publish its port.
 port=""
@@ -39,30 +89,51 @@ for _ in $(seq 100); do
     port=$(cat "$workdir/data/coordinator.port")
     break
   fi
-  kill -0 "$coordinator_pid" 2>/dev/null || break
+  kill -0 "${pids[0]}" 2>/dev/null || break
   sleep 0.1
 done
 if [[ -z "$port" ]]; then
-  echo "run.sh: coordinator did not start; its log:" >&2
-  cat "$workdir/coordinator.log" >&2
+  echo "run.sh: the coordinator did not start" >&2
   exit 1
 fi
 addr="127.0.0.1:$port"
-echo "== coordinator at $addr"
+echo "== coordinator at $addr (--workers $workers)"
+
+for i in $(seq 0 $((workers - 1))); do
+  "$bin/worker/shardd-worker" --coordinator="$addr" --listen=127.0.0.1:0 \
+    --device=cpu --requested-rank="$i" \
+    2>"$workdir/worker$i.log" &
+  pids+=($!)
+done
 
 shardctl() { "$bin/client/shardctl" "$@"; }
 
-echo "== shardctl strategies"
-shardctl strategies --coordinator "$addr"
-echo
-echo "== shardctl plan --model tests/data/tiny_moe.json --dp 4"
-shardctl plan --coordinator "$addr" --model tests/data/tiny_moe.json --dp 4
-echo
-for strategy in default diffusion_gemma; do
-  echo "== shardctl plan --hf-config tests/data/diffusion_gemma_26b.json --dp 8 --strategy $strategy"
-  shardctl plan --coordinator "$addr" --hf-config tests/data/diffusion_gemma_26b.json \
-    --dp 8 --strategy "$strategy"
-  echo
+# Wait (bounded) until every worker registered and heartbeats.
+live=0
+for _ in $(seq 150); do
+  live=$(shardctl status --coordinator "$addr" 2>/dev/null | grep -c ' alive ' || true)
+  ((live >= workers)) && break
+  for pid in "${pids[@]:1}"; do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      echo "run.sh: a worker exited before registering" >&2
+      exit 1
+    fi
+  done
+  sleep 0.2
 done
+if ((live < workers)); then
+  echo "run.sh: only $live of $workers workers registered within 30 s" >&2
+  exit 1
+fi
+echo "== $workers workers registered"
+shardctl status --coordinator "$addr"
+echo
+
+echo "== shardctl train --model tests/data/small_moe.json --steps $steps ${extra_args[*]}"
+shardctl train --coordinator "$addr" --model tests/data/small_moe.json \
+  --steps "$steps" --global-batch 64 --seq 64 --lr 0.01 --seed 1 \
+  "${extra_args[@]}"
+echo
+
 echo "== shardctl status"
 shardctl status --coordinator "$addr"

@@ -1,0 +1,324 @@
+// End to end: the real shardd-coordinator, two shardd-worker processes and
+// shardctl train, as subprocesses on loopback. Every wait is bounded and
+// every process is killed in teardown.
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/coordinator_client.h"
+#include "gmock/gmock.h"
+#include "grpc/grpc.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "proto/coordinator.pb.h"
+
+extern char** environ;
+
+namespace shardd {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kCoordinatorBinary[] = "server/shardd-coordinator";
+constexpr char kWorkerBinary[] = "worker/shardd-worker";
+constexpr char kShardctlBinary[] = "client/shardctl";
+constexpr char kSmallMoe[] = "tests/data/small_moe.json";
+constexpr int kWorkers = 2;
+
+std::string TempDir() {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  return dir != nullptr ? dir : "/tmp";
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+// Starts `argv` with stdout and stderr redirected to files; -1 on failure.
+pid_t Spawn(const std::vector<std::string>& argv, const std::string& out_path,
+            const std::string& err_path) {
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, out_path.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, err_path.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  std::vector<char*> args;
+  for (const std::string& arg : argv) {
+    args.push_back(const_cast<char*>(arg.c_str()));
+  }
+  args.push_back(nullptr);
+  pid_t pid = -1;
+  const int rc =
+      posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  return rc == 0 ? pid : -1;
+}
+
+// The exit code, -1 when killed by a signal, -2 when still running at the
+// deadline.
+int WaitFor(pid_t pid, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    int status = 0;
+    const pid_t done = waitpid(pid, &status, WNOHANG);
+    if (done == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    if (done < 0) return -1;
+    if (absl::Now() >= deadline) return -2;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+}
+
+// SIGTERM, a bounded wait, then SIGKILL.
+void Stop(pid_t pid) {
+  if (pid <= 0) return;
+  kill(pid, SIGTERM);
+  if (WaitFor(pid, absl::Seconds(10)) == -2) {
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+  }
+}
+
+struct ProcessResult {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+
+class TrainIntegrationTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc_init();
+    dir_ = absl::StrCat(TempDir(), "/train_", getpid(), "_", ++counter_);
+    const std::string data_dir = dir_ + "/data";
+    coordinator_ = Spawn({kCoordinatorBinary, "--listen=127.0.0.1:0",
+                          absl::StrCat("--data-dir=", data_dir),
+                          absl::StrCat("--workers=", kWorkers),
+                          "--heartbeat-timeout=2s", "--collective-timeout=20s"},
+                         dir_ + "_coordinator.out", dir_ + "_coordinator.err");
+    ASSERT_GT(coordinator_, 0);
+    int port = 0;
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (absl::Now() < deadline && port == 0) {
+      std::string text = ReadFile(data_dir + "/coordinator.port");
+      if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(text), &port)) port = 0;
+      ASSERT_EQ(waitpid(coordinator_, nullptr, WNOHANG), 0)
+          << "coordinator exited: " << ReadFile(dir_ + "_coordinator.err");
+      if (port == 0) absl::SleepFor(absl::Milliseconds(20));
+    }
+    ASSERT_GT(port, 0) << ReadFile(dir_ + "_coordinator.err");
+    address_ = absl::StrCat("127.0.0.1:", port);
+
+    for (int rank = 0; rank < kWorkers; ++rank) {
+      const pid_t pid =
+          Spawn({kWorkerBinary, absl::StrCat("--coordinator=", address_),
+                 "--listen=127.0.0.1:0", "--device=cpu",
+                 absl::StrCat("--requested-rank=", rank)},
+                absl::StrCat(dir_, "_worker", rank, ".out"),
+                absl::StrCat(dir_, "_worker", rank, ".err"));
+      ASSERT_GT(pid, 0);
+      workers_.push_back(pid);
+    }
+    auto client = CoordinatorClient::Connect(address_, absl::Seconds(10));
+    ASSERT_TRUE(client.ok()) << client.status();
+    client_ = *std::move(client);
+    // Bounded wait for every worker to register and heartbeat.
+    const absl::Time joined_by = absl::Now() + absl::Seconds(30);
+    int alive = 0;
+    while (absl::Now() < joined_by) {
+      auto status = client_->GetStatus();
+      alive = 0;
+      if (status.ok()) {
+        for (const v1::WorkerInfo& worker : status->workers()) {
+          if (worker.alive()) ++alive;
+        }
+      }
+      if (alive == kWorkers) break;
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    ASSERT_EQ(alive, kWorkers) << ReadFile(dir_ + "_worker0.err");
+  }
+
+  void TearDown() override {
+    client_.reset();
+    for (pid_t pid : workers_) Stop(pid);
+    Stop(coordinator_);
+    grpc_shutdown();
+  }
+
+  // Runs shardctl with `args`; killed after `timeout`.
+  ProcessResult Shardctl(std::vector<std::string> args,
+                         absl::Duration timeout = absl::Seconds(120)) {
+    args.insert(args.begin(), kShardctlBinary);
+    const std::string base = absl::StrCat(dir_, "_shardctl", ++runs_);
+    const pid_t pid = Spawn(args, base + ".out", base + ".err");
+    ProcessResult result;
+    EXPECT_GT(pid, 0);
+    if (pid <= 0) return result;
+    result.exit_code = WaitFor(pid, timeout);
+    if (result.exit_code == -2) {
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+      ADD_FAILURE() << "shardctl did not finish within " << timeout;
+    }
+    result.out = ReadFile(base + ".out");
+    result.err = ReadFile(base + ".err");
+    return result;
+  }
+
+  std::vector<std::string> TrainArgs(int steps) {
+    return {"train",
+            "--coordinator",
+            address_,
+            "--model",
+            kSmallMoe,
+            "--steps",
+            absl::StrCat(steps),
+            "--global-batch",
+            "16",
+            "--seq",
+            "32",
+            "--lr",
+            "0.01",
+            "--seed",
+            "3",
+            "--json"};
+  }
+
+  static int counter_;
+  std::string dir_;
+  std::string address_;
+  pid_t coordinator_ = -1;
+  std::vector<pid_t> workers_;
+  std::unique_ptr<CoordinatorClient> client_;
+  int runs_ = 0;
+};
+
+int TrainIntegrationTest::counter_ = 0;
+
+TEST_F(TrainIntegrationTest, TrainsAndMeasuresThePlannedPeak) {
+  ProcessResult run = Shardctl(TrainArgs(20));
+  ASSERT_EQ(run.exit_code, 0) << run.err << "\n"
+                              << ReadFile(dir_ + "_coordinator.err");
+  auto json = nlohmann::json::parse(run.out, nullptr, false);
+  ASSERT_FALSE(json.is_discarded()) << run.out;
+  ASSERT_TRUE(json["losses"].is_array());
+  ASSERT_EQ(json["losses"].size(), 20u);
+  EXPECT_EQ(json["steps"], 20);
+  EXPECT_EQ(json["world_size"], kWorkers);
+  const double first = json["losses"][0];
+  const double last = json["losses"][19];
+  const double final_loss = json["final_loss"];
+  // Learning: the loss falls well below its start, toward the floor.
+  EXPECT_LT(last, first);
+  EXPECT_LT(final_loss, 0.5 * first);
+  const double entropy = json["data_entropy_rate"];
+  EXPECT_GT(entropy, 0.0);
+  EXPECT_GT(final_loss, entropy * 0.9);  // Nobody beats the floor.
+  // Memory: the measured peak of unsharded bytes is the planner's.
+  const int64_t measured = json["peak_unsharded_bytes"];
+  const int64_t planned = json["planned_peak_unsharded_bytes"];
+  EXPECT_GT(planned, 0);
+  EXPECT_EQ(measured, planned);
+  EXPECT_GT(json["all_gathers_per_step"].get<int64_t>(), 0);
+  EXPECT_GT(json["reduce_scatters_per_step"].get<int64_t>(), 0);
+
+  // The job is listed as done.
+  auto status = client_->GetStatus();
+  ASSERT_TRUE(status.ok()) << status.status();
+  ASSERT_EQ(status->jobs_size(), 1);
+  EXPECT_EQ(status->jobs(0).state(), v1::JOB_DONE);
+  EXPECT_EQ(status->jobs(0).steps_done(), 20);
+}
+
+TEST_F(TrainIntegrationTest, FineGrainedModeGivesTheSameLosses) {
+  ProcessResult whole = Shardctl(TrainArgs(4));
+  ASSERT_EQ(whole.exit_code, 0) << whole.err;
+  std::vector<std::string> args = TrainArgs(4);
+  args.push_back("--fine-grained");
+  ProcessResult fine = Shardctl(args);
+  ASSERT_EQ(fine.exit_code, 0) << fine.err;
+  auto a = nlohmann::json::parse(whole.out, nullptr, false);
+  auto b = nlohmann::json::parse(fine.out, nullptr, false);
+  ASSERT_FALSE(a.is_discarded());
+  ASSERT_FALSE(b.is_discarded());
+  EXPECT_EQ(a["losses"], b["losses"]);
+  EXPECT_EQ(a["peak_unsharded_bytes"], b["peak_unsharded_bytes"]);
+}
+
+TEST_F(TrainIntegrationTest, AWorkerKilledMidJobFailsItNamingTheRank) {
+  std::vector<std::string> args = TrainArgs(100000);
+  const std::string base = dir_ + "_long";
+  args.insert(args.begin(), kShardctlBinary);
+  const pid_t train = Spawn(args, base + ".out", base + ".err");
+  ASSERT_GT(train, 0);
+  // Wait (bounded) until the job made progress, then kill rank 1.
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  bool running = false;
+  while (absl::Now() < deadline && !running) {
+    auto status = client_->GetStatus();
+    running = status.ok() && status->jobs_size() == 1 &&
+              status->jobs(0).steps_done() >= 2;
+    if (!running) absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_TRUE(running);
+  const absl::Time killed_at = absl::Now();
+  ASSERT_EQ(kill(workers_[1], SIGKILL), 0);
+  const int code = WaitFor(train, absl::Seconds(30));
+  if (code == -2) {
+    kill(train, SIGKILL);
+    waitpid(train, nullptr, 0);
+  }
+  EXPECT_EQ(code, 1);
+  // Within the heartbeat timeout (2 s) plus slack, not the 20 s collective
+  // timeout or a hang.
+  EXPECT_LT(absl::Now() - killed_at, absl::Seconds(10));
+  const std::string err = ReadFile(base + ".err");
+  EXPECT_THAT(err, HasSubstr("job j-1 failed: step "));
+  EXPECT_THAT(err, HasSubstr("rank 1 (127.0.0.1:"));
+  auto status = client_->GetStatus();
+  ASSERT_TRUE(status.ok());
+  EXPECT_EQ(status->jobs(0).state(), v1::JOB_FAILED);
+  // Once the coordinator declared rank 1 dead (heartbeat timeout), a new
+  // job is refused at once, naming it.
+  const absl::Time dead_by = absl::Now() + absl::Seconds(20);
+  bool dead = false;
+  while (absl::Now() < dead_by && !dead) {
+    auto workers = client_->GetStatus();
+    ASSERT_TRUE(workers.ok());
+    for (const v1::WorkerInfo& worker : workers->workers()) {
+      if (worker.rank() == 1 && !worker.alive()) dead = true;
+    }
+    if (!dead) absl::SleepFor(absl::Milliseconds(50));
+  }
+  ASSERT_TRUE(dead);
+  // (Without --dp, shardctl would plan for the one live worker and train.)
+  std::vector<std::string> two = TrainArgs(2);
+  two.push_back("--dp");
+  two.push_back(absl::StrCat(kWorkers));
+  ProcessResult refused = Shardctl(two, absl::Seconds(30));
+  EXPECT_EQ(refused.exit_code, 1);
+  EXPECT_THAT(refused.err, HasSubstr("FAILED_PRECONDITION"));
+  EXPECT_THAT(refused.err, HasSubstr("rank 1 is dead"));
+}
+
+}  // namespace
+}  // namespace shardd
