@@ -249,6 +249,29 @@ TEST_F(TrainIntegrationTest, TrainsAndMeasuresThePlannedPeak) {
   EXPECT_EQ(status->jobs(0).steps_done(), 20);
 }
 
+// Learning: 2 workers train the small MoE on synthetic Markov data until the
+// loss (mean of the last 10% of steps) is within 5% of the data's entropy
+// rate, the best any model can reach.
+TEST_F(TrainIntegrationTest, LossComesWithinFivePercentOfTheEntropyRate) {
+  std::vector<std::string> args = TrainArgs(300);
+  // A larger batch than the smoke test's: 64 sequences of 64 tokens, as the
+  // local launcher trains.
+  for (size_t i = 0; i + 1 < args.size(); ++i) {
+    if (args[i] == "--global-batch") args[i + 1] = "64";
+    if (args[i] == "--seq") args[i + 1] = "64";
+  }
+  ProcessResult run = Shardctl(args, absl::Seconds(240));
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  auto json = nlohmann::json::parse(run.out, nullptr, false);
+  ASSERT_FALSE(json.is_discarded()) << run.out;
+  const double entropy = json["data_entropy_rate"];
+  const double final_loss = json["final_loss"];
+  ASSERT_GT(entropy, 0.0);
+  EXPECT_LT(final_loss, 1.05 * entropy)
+      << "final loss " << final_loss << " vs entropy rate " << entropy;
+  EXPECT_GT(final_loss, 0.95 * entropy);
+}
+
 TEST_F(TrainIntegrationTest, FineGrainedModeGivesTheSameLosses) {
   ProcessResult whole = Shardctl(TrainArgs(4));
   ASSERT_EQ(whole.exit_code, 0) << whole.err;
