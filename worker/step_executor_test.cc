@@ -656,7 +656,8 @@ TEST_P(StepExecutorEquivalenceTest, SameParametersAndLossesAsOneRank) {
 
 std::vector<EquivalenceCase> EquivalenceCases() {
   std::vector<EquivalenceCase> cases;
-  for (const char* strategy : {"default", "diffusion_gemma", "megatron_fsdp"}) {
+  for (const char* strategy :
+       {"default", "diffusion_gemma", "deepseek_v4", "megatron_fsdp"}) {
     for (int world : {1, 2, 4}) {
       if (world == 1 && std::string(strategy) == "default") continue;
       Shape s;
@@ -664,11 +665,13 @@ std::vector<EquivalenceCase> EquivalenceCases() {
       s.dp_shard = world;
       cases.push_back({absl::StrCat(strategy, "_W", world), s});
     }
+    // HSDP: 2 shard ranks x 2 replicas.
+    Shape hsdp;
+    hsdp.strategy = strategy;
+    hsdp.dp_shard = 2;
+    hsdp.dp_replicate = 2;
+    cases.push_back({absl::StrCat(strategy, "_hsdp_2x2"), hsdp});
   }
-  Shape hsdp;
-  hsdp.dp_shard = 2;
-  hsdp.dp_replicate = 2;
-  cases.push_back({"hsdp_2x2", hsdp});
   // Gradient accumulation: 2 micro-batches of B/2 equal one batch of B,
   // with and without deferred gradient sync.
   for (bool defer : {false, true}) {
