@@ -15,6 +15,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/grpc_server.h"
+#include "common/model_builder.h"
 #include "gmock/gmock.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
@@ -34,22 +35,8 @@ namespace {
 
 using ::testing::HasSubstr;
 
-v1::TensorSpec* AddParam(v1::ModuleSpec* m, const std::string& name,
-                         std::vector<int64_t> shape) {
-  v1::TensorSpec* t = m->add_params();
-  t->set_name(name);
-  for (int64_t d : shape) t->add_shape(d);
-  t->set_dtype(v1::FLOAT32);
-  return t;
-}
-
-v1::ModuleSpec* AddChild(v1::ModuleSpec* m, const std::string& name,
-                         v1::ModuleKind kind) {
-  v1::ModuleSpec* c = m->add_children();
-  c->set_name(name);
-  c->set_kind(kind);
-  return c;
-}
+using ::shardd::testing_util::AddChild;
+using ::shardd::testing_util::AddParam;
 
 // Embedding (vocab 16, hidden 8), one MoE layer (4 experts, top-2), final
 // norm, tied head.

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/model_builder.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "server/model_util.h"
@@ -36,22 +37,8 @@ class MapSource : public ParamSource {
   std::map<std::string, std::vector<float>> grads;
 };
 
-v1::TensorSpec* AddParam(v1::ModuleSpec* m, const std::string& name,
-                         std::vector<int64_t> shape) {
-  v1::TensorSpec* t = m->add_params();
-  t->set_name(name);
-  for (int64_t d : shape) t->add_shape(d);
-  t->set_dtype(v1::FLOAT32);
-  return t;
-}
-
-v1::ModuleSpec* AddChild(v1::ModuleSpec* m, const std::string& name,
-                         v1::ModuleKind kind) {
-  v1::ModuleSpec* c = m->add_children();
-  c->set_name(name);
-  c->set_kind(kind);
-  return c;
-}
+using ::shardd::testing_util::AddChild;
+using ::shardd::testing_util::AddParam;
 
 constexpr int64_t kVocab = 13, kDim = 6, kExperts = 4, kInter = 3, kMlp = 5;
 

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
+#include "common/model_builder.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/bf16.h"
@@ -26,22 +27,8 @@ using ::testing::HasSubstr;
 
 constexpr uint64_t kSeed = 1234;
 
-v1::TensorSpec* AddParam(v1::ModuleSpec* m, const std::string& name,
-                         std::vector<int64_t> shape) {
-  v1::TensorSpec* t = m->add_params();
-  t->set_name(name);
-  for (int64_t d : shape) t->add_shape(d);
-  t->set_dtype(v1::FLOAT32);
-  return t;
-}
-
-v1::ModuleSpec* AddChild(v1::ModuleSpec* m, const std::string& name,
-                         v1::ModuleKind kind) {
-  v1::ModuleSpec* c = m->add_children();
-  c->set_name(name);
-  c->set_kind(kind);
-  return c;
-}
+using ::shardd::testing_util::AddChild;
+using ::shardd::testing_util::AddParam;
 
 // Embedding, 2 MoE layers (norm, router, 3 experts so dim 0 pads over 2 and 4
 // ranks, dense MLP), final norm, tied head.

@@ -12,6 +12,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "common/model_builder.h"
 #include "common/status_macros.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
@@ -39,22 +40,8 @@ constexpr int64_t kVocab = 30, kDim = 16, kExperts = 4, kInter = 8, kMlp = 12,
 constexpr uint64_t kSeed = 7;
 constexpr char kFrozen[] = "model.layers.0.moe.gate.weight";
 
-v1::TensorSpec* AddParam(v1::ModuleSpec* m, const std::string& name,
-                         std::vector<int64_t> shape) {
-  v1::TensorSpec* t = m->add_params();
-  t->set_name(name);
-  for (int64_t d : shape) t->add_shape(d);
-  t->set_dtype(v1::FLOAT32);
-  return t;
-}
-
-v1::ModuleSpec* AddChild(v1::ModuleSpec* m, const std::string& name,
-                         v1::ModuleKind kind) {
-  v1::ModuleSpec* c = m->add_children();
-  c->set_name(name);
-  c->set_kind(kind);
-  return c;
-}
+using ::shardd::testing_util::AddChild;
+using ::shardd::testing_util::AddParam;
 
 // Embedding, 2 layers of [RMSNorm, MoE (4 experts, top-2, SwiGLU) + dense
 // MLP], final norm, head tied to the embedding. `freeze` freezes layer 0's

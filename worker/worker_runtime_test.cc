@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/model_builder.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -28,22 +29,8 @@ constexpr int64_t kVocab = 32, kDim = 16, kExperts = 4, kInter = 8;
 constexpr int64_t kSeq = 8;
 constexpr int64_t kGlobalBatch = 8;
 
-v1::TensorSpec* AddParam(v1::ModuleSpec* m, const std::string& name,
-                         std::vector<int64_t> shape) {
-  v1::TensorSpec* t = m->add_params();
-  t->set_name(name);
-  for (int64_t d : shape) t->add_shape(d);
-  t->set_dtype(v1::FLOAT32);
-  return t;
-}
-
-v1::ModuleSpec* AddChild(v1::ModuleSpec* m, const std::string& name,
-                         v1::ModuleKind kind) {
-  v1::ModuleSpec* c = m->add_children();
-  c->set_name(name);
-  c->set_kind(kind);
-  return c;
-}
+using ::shardd::testing_util::AddChild;
+using ::shardd::testing_util::AddParam;
 
 // Embedding, 2 MoE layers (RMSNorm, router, 4 experts top-2 SwiGLU), final
 // norm, head tied to the embedding.
