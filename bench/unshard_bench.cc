@@ -1,0 +1,266 @@
+// ShardStore::Unshard + Reshard (copy-in, all-gather into a fresh gathered
+// buffer, free) against a raw GlooCommunicator::AllGather of the same bytes,
+// W ranks as threads of this process over loopback Gloo.
+//
+// For every (world, gathered elements, dtype) the three variants run
+// interleaved, kReps times each, between barriers:
+//   unshard    ShardStore::Unshard(u) then Reshard(u) (the full path);
+//   raw_warm   AllGather in place into one preallocated output buffer,
+//              reused across repetitions (already faulted in);
+//   raw_cold   AllGather in place into a buffer freshly aligned_alloc'ed
+//              (and freed) every repetition, as Unshard does: the same page
+//              faults on first touch, without the copy-in or bookkeeping.
+// With --no_mmap the process first sets glibc's malloc to one arena, no
+// mmap'ed chunks and a 1 GiB trim threshold (mallopt), so a freed gathered
+// buffer stays mapped and the next Unshard reuses its pages: what a
+// per-unit buffer cache in ShardStore would buy, without changing it.
+// Times are rank 0's, from just after a barrier to the op's return; the
+// table shows medians. GB/s = gathered bytes (the whole output buffer) / time.
+//
+// Run: bazel run -c opt //bench:unshard_bench [-- --no_mmap]
+
+#include <malloc.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/dtype.h"
+#include "kernels/cpu/bf16.h"
+#include "proto/model.pb.h"
+#include "proto/plan.pb.h"
+#include "server/sharding_planner.h"
+#include "server/strategy_registry.h"
+#include "worker/gloo_communicator.h"
+#include "worker/in_memory_kv_client.h"
+#include "worker/kv_gloo_store.h"
+#include "worker/memory_tracker.h"
+#include "worker/shard_store.h"
+
+namespace shardd {
+namespace {
+
+constexpr int kReps = 15;
+constexpr int64_t kCols = 1024;
+constexpr absl::Duration kTimeout = absl::Seconds(60);
+
+v1::ModuleSpec* AddChild(v1::ModuleSpec* m, const std::string& name,
+                         v1::ModuleKind kind) {
+  v1::ModuleSpec* c = m->add_children();
+  c->set_name(name);
+  c->set_kind(kind);
+  return c;
+}
+
+// One decoder layer whose MLP holds `params` weights of [rows, kCols], so the
+// layer's unit gathers params * rows * kCols elements.
+v1::ModelSpec OneLayerModel(int64_t rows, int params) {
+  v1::ModelSpec spec;
+  spec.set_architecture("ShardMoEForCausalLM");
+  spec.set_dtype(v1::FLOAT32);
+  v1::ModuleSpec* root = spec.mutable_root();
+  root->set_kind(v1::MODULE_MODEL);
+  v1::ModuleSpec* model = AddChild(root, "model", v1::MODULE_GENERIC);
+  v1::ModuleSpec* layers = AddChild(model, "layers", v1::MODULE_LAYER_LIST);
+  v1::ModuleSpec* layer = AddChild(layers, "0", v1::MODULE_DECODER_LAYER);
+  v1::ModuleSpec* mlp = AddChild(layer, "mlp", v1::MODULE_MLP);
+  for (int p = 0; p < params; ++p) {
+    v1::TensorSpec* t =
+        AddChild(mlp, absl::StrCat("proj", p), v1::MODULE_GENERIC)
+            ->add_params();
+    t->set_name("weight");
+    t->add_shape(rows);
+    t->add_shape(kCols);
+    t->set_dtype(v1::FLOAT32);
+  }
+  return spec;
+}
+
+double Seconds(std::chrono::steady_clock::time_point a,
+               std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+struct Row {
+  int world;
+  int64_t gathered;
+  int params;
+  bool mixed;
+  int64_t bytes = 0;
+  double unshard = 0, warm = 0, cold = 0;  // Median seconds.
+  double copy_in = 0;  // Median seconds of the copy-in alone.
+};
+
+bool RunCase(Row* row) {
+  const int world = row->world;
+  const int64_t rows = row->gathered / row->params / kCols;
+  const v1::ModelSpec model = OneLayerModel(rows, row->params);
+  static StrategyRegistry* registry =
+      StrategyRegistry::CreateWithBuiltins().release();
+  ShardingPlanner planner(registry);
+  v1::PlanOptions options;
+  options.mutable_mesh()->set_dp_shard(world);
+  options.set_mixed_precision(row->mixed);
+  absl::StatusOr<v1::ShardingPlan> plan = planner.Plan(model, options);
+  if (!plan.ok()) {
+    std::fprintf(stderr, "plan: %s\n", plan.status().ToString().c_str());
+    return false;
+  }
+  int unit = 0;
+  for (int u = 0; u < plan->units_size(); ++u) {
+    if (plan->units(u).gathered_numel() > plan->units(unit).gathered_numel()) {
+      unit = u;
+    }
+  }
+  const v1::FsdpUnit& fsdp = plan->units(unit);
+  const v1::DType dtype = row->mixed ? v1::BFLOAT16 : v1::FLOAT32;
+  const int64_t elem = DTypeBytes(dtype);
+  const int64_t shard_numel = fsdp.shard_numel();
+  row->gathered = fsdp.gathered_numel();
+  row->bytes = row->gathered * elem;
+
+  InMemoryKeyValueClient kv;
+  static int generation = 0;
+  const std::string prefix = absl::StrCat("unshard-bench/", ++generation);
+  std::vector<double> t_unshard, t_warm, t_cold, t_copy;
+  bool ok = true;
+  absl::Mutex mu;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      auto fail = [&](const absl::Status& s) {
+        absl::MutexLock lock(&mu);
+        std::fprintf(stderr, "rank %d: %s\n", r, s.ToString().c_str());
+        ok = false;
+      };
+      KvGlooStore store(&kv, kTimeout);
+      auto comm = GlooCommunicator::Create(&store, prefix, r, world,
+                                           "127.0.0.1", kTimeout);
+      if (!comm.ok()) return fail(comm.status());
+      MemoryTracker tracker;
+      ShardStoreOptions store_options;
+      store_options.shard_rank = r;
+      store_options.seed = 1;
+      store_options.collective_timeout = kTimeout;
+      auto shards = ShardStore::Create(*plan, model, store_options, &tracker);
+      if (!shards.ok()) return fail(shards.status());
+      // The raw baseline's preallocated output, with this rank's slot
+      // filled like Unshard's copy-in and every page touched once.
+      std::vector<char> warm(static_cast<size_t>(row->bytes), 1);
+      const size_t slot = static_cast<size_t>(r * shard_numel * elem);
+      GlooCommunicator* c = comm->get();
+      for (int rep = -1; rep < kReps; ++rep) {  // rep -1: warm-up.
+        absl::Status s = c->Barrier(kTimeout);
+        auto t0 = std::chrono::steady_clock::now();
+        if (s.ok()) s = (*shards)->Unshard(unit, c);
+        if (s.ok()) s = (*shards)->Reshard(unit);
+        auto t1 = std::chrono::steady_clock::now();
+        if (s.ok()) s = c->Barrier(kTimeout);
+        auto t2 = std::chrono::steady_clock::now();
+        if (s.ok()) {
+          s = c->AllGather(warm.data() + slot, warm.data(), shard_numel, dtype,
+                           kTimeout);
+        }
+        auto t3 = std::chrono::steady_clock::now();
+        if (s.ok()) s = c->Barrier(kTimeout);
+        auto t4 = std::chrono::steady_clock::now();
+        if (s.ok()) {
+          const size_t rounded =
+              (static_cast<size_t>(row->bytes) + 63) / 64 * 64;
+          char* fresh = static_cast<char*>(std::aligned_alloc(64, rounded));
+          std::memcpy(fresh + slot, warm.data() + slot,
+                      static_cast<size_t>(shard_numel * elem));
+          s = c->AllGather(fresh + slot, fresh, shard_numel, dtype, kTimeout);
+          std::free(fresh);
+        }
+        auto t5 = std::chrono::steady_clock::now();
+        if (!s.ok()) return fail(s);
+        // Unshard's copy-in alone (rank 0 only, outside the collectives):
+        // the master shard into this rank's slot of a warm buffer.
+        double copy_seconds = 0;
+        if (r == 0) {
+          const float* master = (*shards)->shard(unit).params;
+          auto c0 = std::chrono::steady_clock::now();
+          if (row->mixed) {
+            kernels::Fp32ToBf16Array(
+                master, reinterpret_cast<uint16_t*>(warm.data() + slot),
+                shard_numel);
+          } else {
+            std::memcpy(warm.data() + slot, master,
+                        static_cast<size_t>(shard_numel) * 4);
+          }
+          copy_seconds = Seconds(c0, std::chrono::steady_clock::now());
+        }
+        if (r == 0 && rep >= 0) {
+          t_unshard.push_back(Seconds(t0, t1));
+          t_warm.push_back(Seconds(t2, t3));
+          t_cold.push_back(Seconds(t4, t5));
+          t_copy.push_back(copy_seconds);
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  if (!ok) return false;
+  row->unshard = Median(t_unshard);
+  row->warm = Median(t_warm);
+  row->cold = Median(t_cold);
+  row->copy_in = Median(t_copy);
+  return true;
+}
+
+}  // namespace
+}  // namespace shardd
+
+int main(int argc, char** argv) {
+  using shardd::Row;
+  const bool no_mmap = argc > 1 && std::strcmp(argv[1], "--no_mmap") == 0;
+  if (no_mmap) {
+    mallopt(M_ARENA_MAX, 1);
+    mallopt(M_MMAP_MAX, 0);
+    mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  }
+  std::printf("malloc: %s\n\n",
+              no_mmap ? "--no_mmap (freed buffers reused)" : "glibc defaults");
+  std::printf(
+      "| W | gathered elements | params | dtype | MB gathered | unshard GB/s "
+      "| raw_warm GB/s | raw_cold GB/s | unshard / raw_warm | unshard / "
+      "raw_cold | copy-in ms | unshard ms |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::fflush(stdout);
+  for (int world : {2, 4}) {
+    for (int64_t m : {1, 4, 16}) {
+      for (int params : {1, 4}) {
+        for (bool mixed : {false, true}) {
+          Row row{world, m << 20, params, mixed};
+          if (!shardd::RunCase(&row)) return 1;
+          const double gb = static_cast<double>(row.bytes) / 1e9;
+          std::printf(
+              "| %d | %lldM | %d | %s | %.0f | %.2f | %.2f | %.2f | %.2f | "
+              "%.2f | %.2f | %.2f |\n",
+              world, static_cast<long long>(row.gathered >> 20), params,
+              mixed ? "bf16" : "fp32", row.bytes / 1048576.0, gb / row.unshard,
+              gb / row.warm, gb / row.cold, row.warm / row.unshard,
+              row.cold / row.unshard, row.copy_in * 1e3, row.unshard * 1e3);
+          std::fflush(stdout);
+        }
+      }
+    }
+  }
+  return 0;
+}
