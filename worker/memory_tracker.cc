@@ -30,6 +30,8 @@ const char* MemoryKindName(MemoryKind kind) {
       return "unsharded_grads";
     case MemoryKind::kWorkspace:
       return "workspace";
+    case MemoryKind::kCached:
+      return "cached";
     case MemoryKind::kNumKinds:
       break;
   }
@@ -40,7 +42,8 @@ void MemoryTracker::Allocate(MemoryKind kind, int64_t bytes) {
   if (bytes <= 0) return;
   absl::MutexLock lock(&mu_);
   state_.live[Index(kind)] += bytes;
-  state_.live_total += bytes;
+  // Cached blocks are reserved, not in use: they stay out of the totals.
+  if (kind != MemoryKind::kCached) state_.live_total += bytes;
   if (kind == MemoryKind::kGatheredParams ||
       kind == MemoryKind::kUnshardedGrads) {
     state_.live_unsharded += bytes;
@@ -57,7 +60,7 @@ void MemoryTracker::Free(MemoryKind kind, int64_t bytes) {
     bytes = live;
   }
   live -= bytes;
-  state_.live_total -= bytes;
+  if (kind != MemoryKind::kCached) state_.live_total -= bytes;
   if (kind == MemoryKind::kGatheredParams ||
       kind == MemoryKind::kUnshardedGrads) {
     state_.live_unsharded -= bytes;
@@ -90,17 +93,55 @@ int64_t MemoryTracker::over_frees() const {
   return over_frees_;
 }
 
+BufferCache::~BufferCache() { Trim(); }
+
+void* BufferCache::Take(int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  auto it = free_.find(bytes);
+  if (it == free_.end()) return nullptr;
+  void* data = it->second;
+  free_.erase(it);
+  cached_bytes_ -= bytes;
+  if (tracker_ != nullptr) tracker_->Free(MemoryKind::kCached, bytes);
+  return data;
+}
+
+void BufferCache::Give(void* data, int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  free_.emplace(bytes, data);
+  cached_bytes_ += bytes;
+  if (tracker_ != nullptr) tracker_->Allocate(MemoryKind::kCached, bytes);
+}
+
+void BufferCache::Trim() {
+  absl::MutexLock lock(&mu_);
+  for (auto& [bytes, data] : free_) {
+    std::free(data);
+    if (tracker_ != nullptr) tracker_->Free(MemoryKind::kCached, bytes);
+  }
+  free_.clear();
+  cached_bytes_ = 0;
+}
+
+int64_t BufferCache::cached_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return cached_bytes_;
+}
+
 TrackedBuffer::TrackedBuffer(MemoryTracker* tracker, MemoryKind kind,
-                             int64_t bytes)
-    : tracker_(tracker), kind_(kind), bytes_(bytes) {
+                             int64_t bytes, BufferCache* cache)
+    : tracker_(tracker), kind_(kind), cache_(cache), bytes_(bytes) {
   if (bytes_ <= 0) {
     bytes_ = 0;
     return;
   }
-  const size_t rounded =
-      (static_cast<size_t>(bytes_) + kAlignment - 1) / kAlignment * kAlignment;
-  data_ = std::aligned_alloc(kAlignment, rounded);
-  if (data_ == nullptr) throw std::bad_alloc();
+  if (cache_ != nullptr) data_ = cache_->Take(bytes_);
+  if (data_ == nullptr) {
+    const size_t rounded = (static_cast<size_t>(bytes_) + kAlignment - 1) /
+                           kAlignment * kAlignment;
+    data_ = std::aligned_alloc(kAlignment, rounded);
+    if (data_ == nullptr) throw std::bad_alloc();
+  }
   if (tracker_ != nullptr) tracker_->Allocate(kind_, bytes_);
 }
 
@@ -109,6 +150,7 @@ TrackedBuffer::~TrackedBuffer() { Reset(); }
 TrackedBuffer::TrackedBuffer(TrackedBuffer&& other) noexcept
     : tracker_(other.tracker_),
       kind_(other.kind_),
+      cache_(other.cache_),
       data_(std::exchange(other.data_, nullptr)),
       bytes_(std::exchange(other.bytes_, 0)) {}
 
@@ -117,6 +159,7 @@ TrackedBuffer& TrackedBuffer::operator=(TrackedBuffer&& other) noexcept {
     Reset();
     tracker_ = other.tracker_;
     kind_ = other.kind_;
+    cache_ = other.cache_;
     data_ = std::exchange(other.data_, nullptr);
     bytes_ = std::exchange(other.bytes_, 0);
   }
@@ -125,9 +168,14 @@ TrackedBuffer& TrackedBuffer::operator=(TrackedBuffer&& other) noexcept {
 
 void TrackedBuffer::Reset() {
   if (data_ == nullptr) return;
-  std::free(data_);
-  data_ = nullptr;
+  // Account the release before the cache counts the block as cached.
   if (tracker_ != nullptr) tracker_->Free(kind_, bytes_);
+  if (cache_ != nullptr) {
+    cache_->Give(data_, bytes_);
+  } else {
+    std::free(data_);
+  }
+  data_ = nullptr;
   bytes_ = 0;
 }
 

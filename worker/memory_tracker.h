@@ -9,6 +9,7 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
@@ -23,6 +24,7 @@ enum class MemoryKind {
   kGatheredParams,   // All-gather buffers (unsharded parameters).
   kUnshardedGrads,   // Unsharded gradient buffers before reduce-scatter.
   kWorkspace,        // Compute copies, activations, scratch.
+  kCached,           // Freed blocks a BufferCache keeps for reuse.
   kNumKinds,
 };
 
@@ -31,6 +33,7 @@ const char* MemoryKindName(MemoryKind kind);
 struct MemorySnapshot {
   std::array<int64_t, static_cast<int>(MemoryKind::kNumKinds)> live{};
   std::array<int64_t, static_cast<int>(MemoryKind::kNumKinds)> peak{};
+  // In use: every kind but kCached (reserved for reuse, reported apart).
   int64_t live_total = 0;
   int64_t peak_total = 0;
   // Gathered params + unsharded grads: what the planner predicts.
@@ -57,11 +60,40 @@ class MemoryTracker {
   int64_t over_frees_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
+// Keeps freed blocks for reuse by size, like a caching allocator: a buffer
+// that is gathered and freed every step then costs no fresh pages (and no
+// page faults) after the first step. Cached blocks are accounted as kCached,
+// so "live" kinds stay exactly what is in use and kCached is what is
+// reserved on top. Thread-safe. Must outlive the buffers that use it.
+class BufferCache {
+ public:
+  explicit BufferCache(MemoryTracker* tracker) : tracker_(tracker) {}
+  ~BufferCache();
+  BufferCache(const BufferCache&) = delete;
+  BufferCache& operator=(const BufferCache&) = delete;
+
+  // A cached block of exactly `bytes`, or null.
+  void* Take(int64_t bytes);
+  // Keeps `data` (from Take or the aligned allocator) for a later Take.
+  void Give(void* data, int64_t bytes);
+  // Frees every cached block.
+  void Trim();
+  int64_t cached_bytes() const;
+
+ private:
+  MemoryTracker* tracker_;
+  mutable absl::Mutex mu_;
+  std::multimap<int64_t, void*> free_ ABSL_GUARDED_BY(mu_);
+  int64_t cached_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
 // A heap buffer whose bytes are accounted to a tracker for its lifetime.
 class TrackedBuffer {
  public:
   TrackedBuffer() = default;
-  TrackedBuffer(MemoryTracker* tracker, MemoryKind kind, int64_t bytes);
+  // With a non-null `cache` the memory comes from and returns to it.
+  TrackedBuffer(MemoryTracker* tracker, MemoryKind kind, int64_t bytes,
+                BufferCache* cache = nullptr);
   ~TrackedBuffer();
   TrackedBuffer(TrackedBuffer&& other) noexcept;
   TrackedBuffer& operator=(TrackedBuffer&& other) noexcept;
@@ -81,6 +113,7 @@ class TrackedBuffer {
  private:
   MemoryTracker* tracker_ = nullptr;
   MemoryKind kind_ = MemoryKind::kWorkspace;
+  BufferCache* cache_ = nullptr;
   void* data_ = nullptr;
   int64_t bytes_ = 0;
 };

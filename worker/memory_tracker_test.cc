@@ -53,6 +53,35 @@ TEST(MemoryTrackerTest, TrackedBufferAccountsItsLifetime) {
   EXPECT_EQ(tracker.over_frees(), 0);
 }
 
+TEST(MemoryTrackerTest, CachedBlocksAreReusedAndAccountedApart) {
+  MemoryTracker tracker;
+  BufferCache cache(&tracker);
+  void* first = nullptr;
+  {
+    TrackedBuffer a(&tracker, MemoryKind::kGatheredParams, 4096, &cache);
+    first = a.data();
+    EXPECT_EQ(tracker.Snapshot().live_unsharded, 4096);
+  }
+  // Freed into the cache: not live as gathered params, but reserved.
+  MemorySnapshot s = tracker.Snapshot();
+  EXPECT_EQ(s.live_unsharded, 0);
+  EXPECT_EQ(s.live[I(MemoryKind::kCached)], 4096);
+  EXPECT_EQ(cache.cached_bytes(), 4096);
+  // The same size comes back as the same block; another size does not.
+  TrackedBuffer b(&tracker, MemoryKind::kGatheredParams, 4096, &cache);
+  EXPECT_EQ(b.data(), first);
+  EXPECT_EQ(tracker.Snapshot().live[I(MemoryKind::kCached)], 0);
+  TrackedBuffer c(&tracker, MemoryKind::kUnshardedGrads, 512, &cache);
+  EXPECT_NE(c.data(), first);
+  b.Reset();
+  c.Reset();
+  cache.Trim();
+  s = tracker.Snapshot();
+  EXPECT_EQ(s.live_total, 0);
+  EXPECT_EQ(s.peak_unsharded, 4096 + 512);
+  EXPECT_EQ(tracker.over_frees(), 0);
+}
+
 TEST(MemoryTrackerTest, ConcurrentUpdatesBalance) {
   MemoryTracker tracker;
   std::vector<std::thread> threads;

@@ -197,7 +197,7 @@ absl::Status ShardStore::Unshard(int unit, Communicator* shard_group) {
   }
   const int64_t elem = DTypeBytes(state->compute);
   state->gathered = TrackedBuffer(tracker_, MemoryKind::kGatheredParams,
-                                  state->gathered_numel * elem);
+                                  state->gathered_numel * elem, &cache_);
   // Copy-in straight into this rank's slot, then gather in place.
   char* slot = state->gathered.as<char>() +
                options_.shard_rank * state->shard_numel * elem;
@@ -239,7 +239,7 @@ absl::Status ShardStore::AllocGrad(int unit) {
   const int64_t bytes =
       state->grad_chunk_numel * state->world * DTypeBytes(state->reduce);
   state->unsharded_grad =
-      TrackedBuffer(tracker_, MemoryKind::kUnshardedGrads, bytes);
+      TrackedBuffer(tracker_, MemoryKind::kUnshardedGrads, bytes, &cache_);
   std::memset(state->unsharded_grad.data(), 0, static_cast<size_t>(bytes));
   return absl::OkStatus();
 }

@@ -24,7 +24,8 @@
 // bf16) into a workspace tensor that lives until the unit reshards. Gathered
 // and gradient buffers are accounted as kGatheredParams / kUnshardedGrads, so
 // their measured peak is the planner's peak_unsharded_bytes for the same
-// program; copy-outs are kWorkspace.
+// program; copy-outs are kWorkspace. Freed gathered and gradient blocks are
+// kept for reuse (kCached) instead of going back to the system.
 
 #include <cstdint>
 #include <memory>
@@ -146,7 +147,7 @@ class ShardStore {
   };
 
   ShardStore(MemoryTracker* tracker, ShardStoreOptions options)
-      : tracker_(tracker), options_(options) {}
+      : tracker_(tracker), options_(options), cache_(tracker) {}
 
   absl::StatusOr<UnitState*> Unit(int unit);
   absl::StatusOr<const ParamInfo*> Param(const std::string& name) const;
@@ -154,6 +155,10 @@ class ShardStore {
 
   MemoryTracker* tracker_;
   ShardStoreOptions options_;
+  // Gathered buffers and unsharded gradients come and go every step; reusing
+  // their blocks avoids faulting fresh pages in on every Unshard. Declared
+  // before units_ so it outlives their buffers.
+  BufferCache cache_;
   std::vector<std::unique_ptr<UnitState>> units_;
   absl::flat_hash_map<std::string, ParamInfo> params_;
 };
