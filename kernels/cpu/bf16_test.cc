@@ -165,9 +165,9 @@ TEST(Bf16ArrayTest, ArrayConversionEqualsTheScalarOne) {
     std::memcpy(&f, &bits, sizeof(f));
     in.push_back(f);
   }
-  for (uint32_t bits : {0x7F800000u, 0xFF800000u, 0x7FC00000u, 0x7F800001u,
-                        0xFFFFFFFFu, 0x7F7FFFFFu, 0x00000001u, 0x3F808000u,
-                        0x3F818000u}) {
+  for (uint32_t bits :
+       {0x7F800000u, 0xFF800000u, 0x7FC00000u, 0x7F800001u, 0xFFFFFFFFu,
+        0x7F7FFFFFu, 0x00000001u, 0x3F808000u, 0x3F818000u}) {
     float f;
     std::memcpy(&f, &bits, sizeof(f));
     in.push_back(f);

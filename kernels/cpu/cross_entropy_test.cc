@@ -10,6 +10,7 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/grad_check.h"
 
 namespace shardd {
 namespace kernels {
@@ -57,30 +58,8 @@ RefResult RefLoss(const std::vector<double>& h, const std::vector<double>& w,
   return res;
 }
 
-template <typename T, typename F>
-std::vector<double> NumericGrad(std::vector<T>& v, double eps, F f) {
-  std::vector<double> g(v.size());
-  for (size_t i = 0; i < v.size(); ++i) {
-    const T saved = v[i];
-    v[i] = saved + static_cast<T>(eps);
-    const double lp = f();
-    v[i] = saved - static_cast<T>(eps);
-    const double lm = f();
-    v[i] = saved;
-    g[i] = (lp - lm) / (2 * eps);
-  }
-  return g;
-}
-
-void ExpectNearAll(const std::vector<float>& got,
-                   const std::vector<double>& want, double tol,
-                   const char* what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (size_t i = 0; i < got.size(); ++i)
-    EXPECT_NEAR(got[i], want[i], tol * std::max(1.0, std::abs(want[i])))
-        << what << "[" << i << "]";
-}
-
+using testing_util::ExpectGradNear;
+using testing_util::NumericGrad;
 TEST(CrossEntropyTest, HandComputedTwoClass) {
   // D = 1, W rows [1] and [0]: logits = [x, 0]. -log softmax:
   //   target 0: log(1 + e^-x); target 1: log(1 + e^x).
@@ -204,8 +183,8 @@ TEST(CrossEntropyTest, BackwardMatchesFiniteDifferences) {
     const RefResult r = RefLoss(hd, wd, targets, d, v, -1);
     return r.sum / r.count;
   };
-  ExpectNearAll(dh, NumericGrad(hd, 1e-6, ref_mean), 1e-4, "dh");
-  ExpectNearAll(dw, NumericGrad(wd, 1e-6, ref_mean), 1e-4, "dW");
+  ExpectGradNear(dh, NumericGrad(hd, 1e-6, ref_mean), 1e-4, "dh");
+  ExpectGradNear(dw, NumericGrad(wd, 1e-6, ref_mean), 1e-4, "dW");
 
   auto kernel_mean = [&] {
     auto r =
@@ -213,8 +192,8 @@ TEST(CrossEntropyTest, BackwardMatchesFiniteDifferences) {
     EXPECT_TRUE(r.ok());
     return r->mean_loss;
   };
-  ExpectNearAll(dh, NumericGrad(h, 1e-3, kernel_mean), 1e-2, "dh fp32");
-  ExpectNearAll(dw, NumericGrad(w, 1e-3, kernel_mean), 1e-2, "dW fp32");
+  ExpectGradNear(dh, NumericGrad(h, 1e-3, kernel_mean), 1e-2, "dh fp32");
+  ExpectGradNear(dw, NumericGrad(w, 1e-3, kernel_mean), 1e-2, "dW fp32");
 }
 
 TEST(CrossEntropyTest, BlockedEqualsUnblocked) {
@@ -290,7 +269,7 @@ TEST(CrossEntropyTest, MicroBatchesWithGlobalScaleSumToGlobalMeanGradient) {
     const RefResult r = RefLoss(hd, wd, targets, d, v, -1);
     return r.sum / r.count;
   };
-  ExpectNearAll(dw_full, NumericGrad(wd, 1e-6, ref_mean), 1e-4, "dW");
+  ExpectGradNear(dw_full, NumericGrad(wd, 1e-6, ref_mean), 1e-4, "dW");
 }
 
 TEST(CrossEntropyTest, AccumulationSemantics) {

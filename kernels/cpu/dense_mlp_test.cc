@@ -9,6 +9,7 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/grad_check.h"
 
 namespace shardd {
 namespace kernels {
@@ -58,30 +59,8 @@ std::vector<double> RefForward(GatedActivation act,
   return y;
 }
 
-template <typename T, typename F>
-std::vector<double> NumericGrad(std::vector<T>& v, double eps, F f) {
-  std::vector<double> g(v.size());
-  for (size_t i = 0; i < v.size(); ++i) {
-    const T saved = v[i];
-    v[i] = saved + static_cast<T>(eps);
-    const double lp = f();
-    v[i] = saved - static_cast<T>(eps);
-    const double lm = f();
-    v[i] = saved;
-    g[i] = (lp - lm) / (2 * eps);
-  }
-  return g;
-}
-
-void ExpectGradNear(const std::vector<float>& got,
-                    const std::vector<double>& want, double rel,
-                    const char* what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (size_t i = 0; i < got.size(); ++i)
-    EXPECT_NEAR(got[i], want[i], rel * std::max(1.0, std::abs(want[i])))
-        << what << "[" << i << "]";
-}
-
+using testing_util::ExpectGradNear;
+using testing_util::NumericGrad;
 TEST(DenseMlpTest, HandComputedScalar) {
   // D = I = 1, all weights 1, x = 2: y = act(2) * 2.
   const DenseMlpDims dims{1, 1, 1};

@@ -9,6 +9,7 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/grad_check.h"
 
 namespace shardd {
 namespace kernels {
@@ -45,21 +46,7 @@ double ReferenceLoss(const std::vector<double>& x, const std::vector<double>& w,
 }
 
 // Central differences of `f` with respect to every entry of `v`.
-template <typename T, typename F>
-std::vector<double> NumericGrad(std::vector<T>& v, double eps, F f) {
-  std::vector<double> g(v.size());
-  for (size_t i = 0; i < v.size(); ++i) {
-    const T saved = v[i];
-    v[i] = saved + static_cast<T>(eps);
-    const double lp = f();
-    v[i] = saved - static_cast<T>(eps);
-    const double lm = f();
-    v[i] = saved;
-    g[i] = (lp - lm) / (2 * eps);
-  }
-  return g;
-}
-
+using testing_util::NumericGrad;
 std::vector<double> ToDouble(const std::vector<float>& v) {
   return std::vector<double>(v.begin(), v.end());
 }
