@@ -32,6 +32,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "bench/local_gloo_group.h"
 #include "proto/model.pb.h"
 #include "proto/plan.pb.h"
 #include "server/native_spec.h"
@@ -121,48 +122,37 @@ double RunWorld(const v1::ModelSpec& model, int world, bool mixed) {
 
   static int generation = 0;
   const std::string prefix = absl::StrCat("train-step-bench/", ++generation);
-  InMemoryKeyValueClient kv;
   absl::Mutex mu;
-  bool ok = true;
   // [step] slowest rank's seconds.
   std::vector<double> step_seconds(kWarmup + kTimed, 0.0);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      auto fail = [&](const absl::Status& s) {
-        absl::MutexLock lock(&mu);
-        std::fprintf(stderr, "rank %d: %s\n", r, s.ToString().c_str());
-        ok = false;
-      };
-      KvGlooStore store(&kv, kTimeout);
-      auto comm = GlooCommunicator::Create(&store, prefix, r, world,
-                                           "127.0.0.1", kTimeout);
-      if (!comm.ok()) return fail(comm.status());
-      MemoryTracker tracker;
-      StepExecutorOptions options;
-      options.shard_rank = r;
-      options.seed = 7;
-      options.collective_timeout = kTimeout;
-      options.adamw.lr = 1e-3;
-      options.max_grad_norm = 1.0;
-      auto executor = StepExecutor::Create(*plan, model, options, comm->get(),
-                                           nullptr, &tracker);
-      if (!executor.ok()) return fail(executor.status());
-      for (int s = 0; s < kWarmup + kTimed; ++s) {
-        v1::StepProgram step = *program;
-        step.set_step(s);
-        absl::StatusOr<data::MicroBatch> batch = sampler->Get(s, r, 0);
-        if (!batch.ok()) return fail(batch.status());
-        std::vector<data::MicroBatch> batches;
-        batches.push_back(*std::move(batch));
-        absl::StatusOr<StepResult> result = (*executor)->Execute(step, batches);
-        if (!result.ok()) return fail(result.status());
-        absl::MutexLock lock(&mu);
-        step_seconds[s] = std::max(step_seconds[s], result->seconds);
-      }
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  const bool ok = RunOnLocalGlooGroup(
+      world, prefix, kTimeout,
+      [&](int r, GlooCommunicator* comm) -> absl::Status {
+        MemoryTracker tracker;
+        StepExecutorOptions options;
+        options.shard_rank = r;
+        options.seed = 7;
+        options.collective_timeout = kTimeout;
+        options.adamw.lr = 1e-3;
+        options.max_grad_norm = 1.0;
+        auto executor = StepExecutor::Create(*plan, model, options, comm,
+                                             nullptr, &tracker);
+        if (!executor.ok()) return executor.status();
+        for (int s = 0; s < kWarmup + kTimed; ++s) {
+          v1::StepProgram step = *program;
+          step.set_step(s);
+          absl::StatusOr<data::MicroBatch> batch = sampler->Get(s, r, 0);
+          if (!batch.ok()) return batch.status();
+          std::vector<data::MicroBatch> batches;
+          batches.push_back(*std::move(batch));
+          absl::StatusOr<StepResult> result =
+              (*executor)->Execute(step, batches);
+          if (!result.ok()) return result.status();
+          absl::MutexLock lock(&mu);
+          step_seconds[s] = std::max(step_seconds[s], result->seconds);
+        }
+        return absl::OkStatus();
+      });
   if (!ok) return -1;
   return Median(
       std::vector<double>(step_seconds.begin() + kWarmup, step_seconds.end()));

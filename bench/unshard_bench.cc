@@ -35,6 +35,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "bench/local_gloo_group.h"
 #include "common/dtype.h"
 #include "kernels/cpu/bf16.h"
 #include "proto/model.pb.h"
@@ -134,88 +135,73 @@ bool RunCase(Row* row) {
   row->gathered = fsdp.gathered_numel();
   row->bytes = row->gathered * elem;
 
-  InMemoryKeyValueClient kv;
   static int generation = 0;
   const std::string prefix = absl::StrCat("unshard-bench/", ++generation);
   std::vector<double> t_unshard, t_warm, t_cold, t_copy;
-  bool ok = true;
-  absl::Mutex mu;
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      auto fail = [&](const absl::Status& s) {
-        absl::MutexLock lock(&mu);
-        std::fprintf(stderr, "rank %d: %s\n", r, s.ToString().c_str());
-        ok = false;
-      };
-      KvGlooStore store(&kv, kTimeout);
-      auto comm = GlooCommunicator::Create(&store, prefix, r, world,
-                                           "127.0.0.1", kTimeout);
-      if (!comm.ok()) return fail(comm.status());
-      MemoryTracker tracker;
-      ShardStoreOptions store_options;
-      store_options.shard_rank = r;
-      store_options.seed = 1;
-      store_options.collective_timeout = kTimeout;
-      auto shards = ShardStore::Create(*plan, model, store_options, &tracker);
-      if (!shards.ok()) return fail(shards.status());
-      // The raw baseline's preallocated output, with this rank's slot
-      // filled like Unshard's copy-in and every page touched once.
-      std::vector<char> warm(static_cast<size_t>(row->bytes), 1);
-      const size_t slot = static_cast<size_t>(r * shard_numel * elem);
-      GlooCommunicator* c = comm->get();
-      for (int rep = -1; rep < kReps; ++rep) {  // rep -1: warm-up.
-        absl::Status s = c->Barrier(kTimeout);
-        auto t0 = std::chrono::steady_clock::now();
-        if (s.ok()) s = (*shards)->Unshard(unit, c);
-        if (s.ok()) s = (*shards)->Reshard(unit);
-        auto t1 = std::chrono::steady_clock::now();
-        if (s.ok()) s = c->Barrier(kTimeout);
-        auto t2 = std::chrono::steady_clock::now();
-        if (s.ok()) {
-          s = c->AllGather(warm.data() + slot, warm.data(), shard_numel, dtype,
-                           kTimeout);
-        }
-        auto t3 = std::chrono::steady_clock::now();
-        if (s.ok()) s = c->Barrier(kTimeout);
-        auto t4 = std::chrono::steady_clock::now();
-        if (s.ok()) {
-          const size_t rounded =
-              (static_cast<size_t>(row->bytes) + 63) / 64 * 64;
-          char* fresh = static_cast<char*>(std::aligned_alloc(64, rounded));
-          std::memcpy(fresh + slot, warm.data() + slot,
-                      static_cast<size_t>(shard_numel * elem));
-          s = c->AllGather(fresh + slot, fresh, shard_numel, dtype, kTimeout);
-          std::free(fresh);
-        }
-        auto t5 = std::chrono::steady_clock::now();
-        if (!s.ok()) return fail(s);
-        // Unshard's copy-in alone (rank 0 only, outside the collectives):
-        // the master shard into this rank's slot of a warm buffer.
-        double copy_seconds = 0;
-        if (r == 0) {
-          const float* master = (*shards)->shard(unit).params;
-          auto c0 = std::chrono::steady_clock::now();
-          if (row->mixed) {
-            kernels::Fp32ToBf16Array(
-                master, reinterpret_cast<uint16_t*>(warm.data() + slot),
-                shard_numel);
-          } else {
-            std::memcpy(warm.data() + slot, master,
-                        static_cast<size_t>(shard_numel) * 4);
+  const bool ok = RunOnLocalGlooGroup(
+      world, prefix, kTimeout, [&](int r, GlooCommunicator* c) -> absl::Status {
+        MemoryTracker tracker;
+        ShardStoreOptions store_options;
+        store_options.shard_rank = r;
+        store_options.seed = 1;
+        store_options.collective_timeout = kTimeout;
+        auto shards = ShardStore::Create(*plan, model, store_options, &tracker);
+        if (!shards.ok()) return shards.status();
+        // The raw baseline's preallocated output, with this rank's slot
+        // filled like Unshard's copy-in and every page touched once.
+        std::vector<char> warm(static_cast<size_t>(row->bytes), 1);
+        const size_t slot = static_cast<size_t>(r * shard_numel * elem);
+        for (int rep = -1; rep < kReps; ++rep) {  // rep -1: warm-up.
+          absl::Status s = c->Barrier(kTimeout);
+          auto t0 = std::chrono::steady_clock::now();
+          if (s.ok()) s = (*shards)->Unshard(unit, c);
+          if (s.ok()) s = (*shards)->Reshard(unit);
+          auto t1 = std::chrono::steady_clock::now();
+          if (s.ok()) s = c->Barrier(kTimeout);
+          auto t2 = std::chrono::steady_clock::now();
+          if (s.ok()) {
+            s = c->AllGather(warm.data() + slot, warm.data(), shard_numel,
+                             dtype, kTimeout);
           }
-          copy_seconds = Seconds(c0, std::chrono::steady_clock::now());
+          auto t3 = std::chrono::steady_clock::now();
+          if (s.ok()) s = c->Barrier(kTimeout);
+          auto t4 = std::chrono::steady_clock::now();
+          if (s.ok()) {
+            const size_t rounded =
+                (static_cast<size_t>(row->bytes) + 63) / 64 * 64;
+            char* fresh = static_cast<char*>(std::aligned_alloc(64, rounded));
+            std::memcpy(fresh + slot, warm.data() + slot,
+                        static_cast<size_t>(shard_numel * elem));
+            s = c->AllGather(fresh + slot, fresh, shard_numel, dtype, kTimeout);
+            std::free(fresh);
+          }
+          auto t5 = std::chrono::steady_clock::now();
+          if (!s.ok()) return s;
+          // Unshard's copy-in alone (rank 0 only, outside the collectives):
+          // the master shard into this rank's slot of a warm buffer.
+          double copy_seconds = 0;
+          if (r == 0) {
+            const float* master = (*shards)->shard(unit).params;
+            auto c0 = std::chrono::steady_clock::now();
+            if (row->mixed) {
+              kernels::Fp32ToBf16Array(
+                  master, reinterpret_cast<uint16_t*>(warm.data() + slot),
+                  shard_numel);
+            } else {
+              std::memcpy(warm.data() + slot, master,
+                          static_cast<size_t>(shard_numel) * 4);
+            }
+            copy_seconds = Seconds(c0, std::chrono::steady_clock::now());
+          }
+          if (r == 0 && rep >= 0) {
+            t_unshard.push_back(Seconds(t0, t1));
+            t_warm.push_back(Seconds(t2, t3));
+            t_cold.push_back(Seconds(t4, t5));
+            t_copy.push_back(copy_seconds);
+          }
         }
-        if (r == 0 && rep >= 0) {
-          t_unshard.push_back(Seconds(t0, t1));
-          t_warm.push_back(Seconds(t2, t3));
-          t_cold.push_back(Seconds(t4, t5));
-          t_copy.push_back(copy_seconds);
-        }
-      }
-    });
-  }
-  for (std::thread& t : threads) t.join();
+        return absl::OkStatus();
+      });
   if (!ok) return false;
   row->unshard = Median(t_unshard);
   row->warm = Median(t_warm);
