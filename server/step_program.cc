@@ -367,6 +367,9 @@ struct UnitState {
   bool pending = false;  // A prefetched all-gather not waited yet.
   bool grad = false;     // The unsharded gradient is allocated.
   int slice_group = 0;   // kSlice: the group size of the slice.
+  // A prefetched re-gather from a slice: the slice (of this group size)
+  // stays until the WAIT_UNSHARD.
+  int pending_slice_group = 0;
 };
 
 // One computation of the step (FORWARD/BACKWARD of a part).
@@ -517,10 +520,8 @@ class Runner {
                   "gathered");
     }
     const UnitInfo& m = info_.units[c.unit()];
+    const int slice_group = s.params == ParamState::kSlice ? s.slice_group : 0;
     if (replay_ != nullptr) {
-      if (s.params == ParamState::kSlice) {
-        live_params_ -= m.gathered_bytes / s.slice_group;
-      }
       live_params_ += m.gathered_bytes;
       v1::CommReport* comm = replay_->comm;
       comm->set_all_gathers(comm->all_gathers() + 1);
@@ -529,7 +530,17 @@ class Runner {
     s.params = ParamState::kGathered;
     s.slice_group = 0;
     s.pending = c.prefetch();
+    // A slice is the re-gather's input: the worker frees it once the gather
+    // is waited for (here, or at the WAIT_UNSHARD of a prefetch), so until
+    // then both count.
     Emit(index, c.prefetch() ? "prefetch" : "unshard", c.unit(), Prepare());
+    if (slice_group != 0) {
+      if (c.prefetch()) {
+        s.pending_slice_group = slice_group;
+      } else if (replay_ != nullptr) {
+        live_params_ -= m.gathered_bytes / slice_group;
+      }
+    }
     return absl::OkStatus();
   }
 
@@ -542,6 +553,11 @@ class Runner {
                   "runs)");
     }
     s.pending = false;
+    if (s.pending_slice_group != 0 && replay_ != nullptr) {
+      live_params_ -=
+          info_.units[c.unit()].gathered_bytes / s.pending_slice_group;
+    }
+    s.pending_slice_group = 0;
     return absl::OkStatus();
   }
 
@@ -565,8 +581,13 @@ class Runner {
     }
     const UnitInfo& m = info_.units[c.unit()];
     if (replay_ != nullptr) {
+      if (g != 0) {
+        // The slice is copied out of the gathered buffer before that is
+        // freed: both are live for a moment.
+        live_params_ += m.gathered_bytes / g;
+        ObservePeak(index, "reshard", c.unit(), Cleanup());
+      }
       live_params_ -= m.gathered_bytes;
-      if (g != 0) live_params_ += m.gathered_bytes / g;
     }
     s.params = g != 0 ? ParamState::kSlice : ParamState::kSharded;
     s.slice_group = g;
@@ -731,10 +752,32 @@ class Runner {
 
   void Emit(int command, const char* op, int unit, const Context& context) {
     if (replay_ == nullptr) return;
-    v1::MemoryReport* memory = replay_->memory;
     const int index = events_++;
-    const int64_t total = live_params_ + live_grads_;
+    ObservePeak(command, op, unit, context, index);
+    v1::MemoryReport* memory = replay_->memory;
     const bool forward = absl::string_view(context.phase) == "forward";
+    if (replay_->include_timeline && index < kMaxTimelineEvents) {
+      v1::TimelineEvent* event = memory->add_timeline();
+      event->set_microbatch(context.microbatch);
+      event->set_pass(forward ? context.pass : -1);
+      event->set_phase(context.phase);
+      event->set_op(op);
+      event->set_unit(unit);
+      event->set_live_param_bytes(live_params_);
+      event->set_live_grad_bytes(live_grads_);
+      event->set_command(command);
+    }
+  }
+
+  // Records a new peak without a timeline event of its own (a transient
+  // inside one command); `event` is the timeline event the peak belongs to,
+  // by default the command's own, emitted next.
+  void ObservePeak(int command, const char* op, int unit,
+                   const Context& context, int event = -1) {
+    if (replay_ == nullptr) return;
+    v1::MemoryReport* memory = replay_->memory;
+    const int index = event >= 0 ? event : events_;
+    const int64_t total = live_params_ + live_grads_;
     if (total > memory->peak_unsharded_bytes()) {
       memory->set_peak_unsharded_bytes(total);
       memory->set_peak_param_bytes(live_params_);
@@ -746,17 +789,6 @@ class Runner {
       if (unit >= 0) absl::StrAppend(&where, ", unit ", info_.units[unit].name);
       absl::StrAppend(&where, ", after ", op, " (command ", command, ")");
       memory->set_peak_where(std::move(where));
-    }
-    if (replay_->include_timeline && index < kMaxTimelineEvents) {
-      v1::TimelineEvent* event = memory->add_timeline();
-      event->set_microbatch(context.microbatch);
-      event->set_pass(forward ? context.pass : -1);
-      event->set_phase(context.phase);
-      event->set_op(op);
-      event->set_unit(unit);
-      event->set_live_param_bytes(live_params_);
-      event->set_live_grad_bytes(live_grads_);
-      event->set_command(command);
     }
   }
 

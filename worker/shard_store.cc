@@ -81,17 +81,6 @@ absl::StatusOr<std::unique_ptr<ShardStore>> ShardStore::Create(
           "float32 or bfloat16, got compute ",
           DTypeName(state->compute), " and reduce ", DTypeName(state->reduce)));
     }
-    const v1::ReshardPolicy& policy = unit.reshard_after_forward();
-    if (policy.policy_case() == v1::ReshardPolicy::kGroupSize &&
-        policy.group_size() > 1 && policy.group_size() < world) {
-      // Keeping a 1/G slice needs a sub-group all-gather the CPU worker does
-      // not have yet; refusing beats silently resharding fully.
-      return absl::UnimplementedError(absl::StrCat(
-          "unit '", unit.name(), "': reshard_after_forward group_size ",
-          policy.group_size(),
-          " (reshard to a smaller group) is planned but not executed by the "
-          "CPU worker yet; use true or false"));
-    }
     const int64_t bytes = state->shard_numel * 4;
     state->master = TrackedBuffer(tracker, MemoryKind::kShardParams, bytes);
     state->grads = TrackedBuffer(tracker, MemoryKind::kShardGrads, bytes);
@@ -184,18 +173,59 @@ bool ShardStore::gathered(int unit) const {
   return unit >= 0 && unit < num_units() && !units_[unit]->gathered.empty();
 }
 
+int ShardStore::slice_group_size(int unit) const {
+  return unit >= 0 && unit < num_units() ? units_[unit]->slice_group : 0;
+}
+
+void ShardStore::DropSlice(int unit) {
+  if (unit < 0 || unit >= num_units()) return;
+  units_[unit]->slice.Reset();
+  units_[unit]->slice_group = 0;
+}
+
 bool ShardStore::grad_allocated(int unit) const {
   return unit >= 0 && unit < num_units() &&
          !units_[unit]->unsharded_grad.empty();
 }
 
-absl::Status ShardStore::Unshard(int unit, Communicator* shard_group) {
+absl::Status ShardStore::Unshard(int unit, Communicator* shard_group,
+                                 const SliceGroups* slice_groups) {
   SHARDD_ASSIGN_OR_RETURN(UnitState * state, Unit(unit));
   if (!state->gathered.empty()) {
     return absl::FailedPreconditionError(
         absl::StrCat("Unshard: unit ", unit, " is already gathered"));
   }
   const int64_t elem = DTypeBytes(state->compute);
+  if (state->slice_group > 1) {
+    // Re-gather from the slices kept at the post-forward reshard: only the
+    // G ranks of this rank's slice group take part.
+    const int g = state->slice_group;
+    Communicator* group = nullptr;
+    if (slice_groups != nullptr) {
+      auto it = slice_groups->find(g);
+      if (it != slice_groups->end()) group = it->second;
+    }
+    if (group == nullptr || group->world_size() != g ||
+        group->rank() != options_.shard_rank % g) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "Unshard: unit ", unit, " holds a 1/", g,
+          " slice and needs a slice group of ", g,
+          " ranks with this rank at ", options_.shard_rank % g));
+    }
+    state->gathered = TrackedBuffer(tracker_, MemoryKind::kGatheredParams,
+                                    state->gathered_numel * elem, &cache_);
+    const absl::Status status =
+        group->AllGather(state->slice.data(), state->gathered.data(),
+                         state->gathered_numel / g, state->compute,
+                         options_.collective_timeout);
+    if (!status.ok()) {
+      state->gathered.Reset();
+      return status;
+    }
+    // Consumed; the buffer goes at DropSlice.
+    state->slice_group = 0;
+    return absl::OkStatus();
+  }
   state->gathered = TrackedBuffer(tracker_, MemoryKind::kGatheredParams,
                                   state->gathered_numel * elem, &cache_);
   // Copy-in straight into this rank's slot, then gather in place.
@@ -215,11 +245,28 @@ absl::Status ShardStore::Unshard(int unit, Communicator* shard_group) {
   return status;
 }
 
-absl::Status ShardStore::Reshard(int unit) {
+absl::Status ShardStore::Reshard(int unit, int group_size) {
   SHARDD_ASSIGN_OR_RETURN(UnitState * state, Unit(unit));
   if (state->gathered.empty()) {
     return absl::FailedPreconditionError(
         absl::StrCat("Reshard: unit ", unit, " is not gathered"));
+  }
+  const int g = group_size;
+  if (g != 0 && (g < 2 || g >= state->world || state->world % g != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Reshard: group_size must be 0 (free) or a divisor of dp_shard (",
+        state->world, ") between 2 and ", state->world - 1, ", got ", g));
+  }
+  if (g != 0) {
+    const int64_t elem = DTypeBytes(state->compute);
+    const int64_t slice_bytes = state->gathered_numel / g * elem;
+    state->slice = TrackedBuffer(tracker_, MemoryKind::kGatheredParams,
+                                 slice_bytes, &cache_);
+    std::memcpy(state->slice.data(),
+                state->gathered.as<char>() +
+                    (options_.shard_rank % g) * slice_bytes,
+                static_cast<size_t>(slice_bytes));
+    state->slice_group = g;
   }
   for (TrackedBuffer& copy : state->copies) copy.Reset();
   state->gathered.Reset();

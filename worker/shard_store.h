@@ -7,7 +7,10 @@
 //   Unshard(u)        copy-in of the fp32 master shard into the compute dtype
 //                     (bf16 under mixed precision), then one all-gather into
 //                     the unit's flat buffer of gathered_numel elements;
-//   Reshard(u)        frees the gathered buffer;
+//   Reshard(u[, G])   frees the gathered buffer, or (G > 1, FSDP2's
+//                     reshard_after_forward=int) keeps the 1/G slice of it
+//                     this rank holds within its slice group, so the next
+//                     Unshard all-gathers over G ranks instead of dp_shard;
 //   AllocGrad(u)      a zeroed unsharded gradient buffer in the reduce dtype
 //                     for the unit's trainable parameters only: each rank's
 //                     chunk is its trainable parameter shards back to back
@@ -28,6 +31,7 @@
 // kept for reuse (kCached) instead of going back to the system.
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -42,6 +46,11 @@
 #include "worker/memory_tracker.h"
 
 namespace shardd {
+
+// Slice groups by size G: this rank's group of G consecutive shard ranks
+// (shard ranks q*G .. q*G+G-1, with this rank at shard_rank % G), used to
+// re-gather units resharded to a slice.
+using SliceGroups = std::map<int, Communicator*>;
 
 struct ShardStoreOptions {
   // This rank's position in the shard group (dp_shard ranks).
@@ -58,8 +67,7 @@ class ShardStore {
   // the initialisation rules; it must be the model the plan was made from.
   // Errors: INVALID_ARGUMENT (shard_rank outside [0, dp_shard), a plan
   // parameter missing from the model, a unit whose dtypes the CPU path cannot
-  // hold), UNIMPLEMENTED (a reshard to a smaller group, group_size in
-  // (1, dp_shard)).
+  // hold).
   static absl::StatusOr<std::unique_ptr<ShardStore>> Create(
       const v1::ShardingPlan& plan, const v1::ModelSpec& model,
       const ShardStoreOptions& options, MemoryTracker* tracker);
@@ -68,14 +76,29 @@ class ShardStore {
   // FAILED_PRECONDITION (the unit is not in the state the op needs: already
   // gathered, not gathered, gradient already or not allocated), and the
   // communicator's codes (DEADLINE_EXCEEDED, ABORTED, ...).
-  absl::Status Unshard(int unit, Communicator* shard_group);
-  absl::Status Reshard(int unit);
+  //
+  // A unit holding a slice is gathered from `slice_groups` (the group of the
+  // slice's size); INVALID_ARGUMENT when that group is missing or does not
+  // have G ranks with this rank at shard_rank % G. The slice stays
+  // allocated (and counted) until DropSlice(u): the caller frees it when it
+  // has waited for the gather, the point the plan's replay assumes.
+  absl::Status Unshard(int unit, Communicator* shard_group,
+                       const SliceGroups* slice_groups = nullptr);
+  // `group_size` 0 frees everything; G in [2, dp_shard) with dp_shard % G == 0
+  // keeps this rank's 1/G slice (copied out before the gathered buffer is
+  // freed). INVALID_ARGUMENT for any other G.
+  absl::Status Reshard(int unit, int group_size = 0);
   absl::Status AllocGrad(int unit);
   // `replicas` may be null (no HSDP).
   absl::Status ReduceScatter(int unit, Communicator* shard_group,
                              Communicator* replicas);
 
   bool gathered(int unit) const;
+  // The G of the slice a unit holds after Reshard(u, G); 0 when none.
+  int slice_group_size(int unit) const;
+  // Frees a unit's slice: after the re-gather that consumed it, or after an
+  // aborted step; a no-op without one.
+  void DropSlice(int unit);
   bool grad_allocated(int unit) const;
 
   // The unsharded fp32 values of a parameter whose unit is gathered; valid
@@ -140,6 +163,11 @@ class ShardStore {
     TrackedBuffer gathered;
     TrackedBuffer unsharded_grad;
     TrackedBuffer staging;  // Copy-in / reduce-scatter output scratch.
+    // Reshard(u, G > 1): gathered elements [p*S, (p+1)*S), S =
+    // gathered_numel / G, p = shard_rank % G; accounted as gathered
+    // parameters (the plan's replay counts it so).
+    TrackedBuffer slice;
+    int slice_group = 0;
     // Dim-0 layout: the trainable parameters, in gradient-buffer order.
     std::vector<ParamInfo> trainable;
     // Copy-outs of this unit's parameters, by param index.

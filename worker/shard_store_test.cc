@@ -312,6 +312,94 @@ TEST(ShardStoreFrozenTest, GradientBufferHoldsOnlyTrainableParameters) {
   EXPECT_NEAR(totals[0] + totals[1], expected_total, 1e-3 * expected_total);
 }
 
+// Reshard to a smaller group (FSDP2's reshard_after_forward=int): after
+// Reshard(u, 2) on 4 ranks each rank keeps half of the gathered buffer, and
+// Unshard re-gathers it over its pair of ranks only.
+class ShardStoreSliceTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ShardStoreSliceTest, ReshardToSliceAndRegatherOverTheSliceGroup) {
+  const Case c = GetParam();
+  const v1::ModelSpec model = TinyModel();
+  const v1::ShardingPlan plan = PlanFor(model, c.world, c.strategy, c.mixed);
+  constexpr int kGroup = 2;
+  InMemoryKeyValueClient kv;
+  static int generation = 0;
+  const std::string prefix = absl::StrCat("slice-test/", ++generation);
+  std::vector<MemoryTracker> trackers(c.world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < c.world; ++r) {
+    threads.emplace_back([&, r] {
+      KvGlooStore kv_store(&kv, absl::Seconds(20));
+      auto comm = GlooCommunicator::Create(&kv_store, prefix + "/all", r,
+                                           c.world, "127.0.0.1",
+                                           absl::Seconds(20));
+      ASSERT_TRUE(comm.ok()) << comm.status();
+      auto pair = GlooCommunicator::Create(
+          &kv_store, absl::StrCat(prefix, "/q", r / kGroup), r % kGroup,
+          kGroup, "127.0.0.1", absl::Seconds(20));
+      ASSERT_TRUE(pair.ok()) << pair.status();
+      ShardStoreOptions options;
+      options.shard_rank = r;
+      options.seed = kSeed;
+      options.collective_timeout = absl::Seconds(20);
+      auto store = ShardStore::Create(plan, model, options, &trackers[r]);
+      ASSERT_TRUE(store.ok()) << store.status();
+      const SliceGroups slices = {{kGroup, pair->get()}};
+      for (int u = 0; u < plan.units_size(); ++u) {
+        const v1::FsdpUnit& unit = plan.units(u);
+        const int64_t gathered_bytes =
+            unit.gathered_numel() * DTypeBytes(unit.precision().compute_dtype());
+        SHARDD_ASSERT_OK((*store)->Unshard(u, comm->get()));
+        EXPECT_THAT((*store)->Reshard(u, 3),
+                    StatusIs(absl::StatusCode::kInvalidArgument,
+                             HasSubstr("group_size")));
+        SHARDD_ASSERT_OK((*store)->Reshard(u, kGroup));
+        EXPECT_EQ((*store)->slice_group_size(u), kGroup);
+        EXPECT_FALSE((*store)->gathered(u));
+        EXPECT_EQ(trackers[r].Snapshot().live_unsharded,
+                  gathered_bytes / kGroup);
+        // Without its slice group the unit cannot be re-gathered.
+        EXPECT_THAT((*store)->Unshard(u, comm->get()),
+                    StatusIs(absl::StatusCode::kInvalidArgument,
+                             HasSubstr("slice group of 2")));
+        SHARDD_ASSERT_OK((*store)->Unshard(u, comm->get(), &slices));
+        EXPECT_EQ((*store)->slice_group_size(u), 0);
+        // The consumed slice stays until DropSlice.
+        EXPECT_EQ(trackers[r].Snapshot().live_unsharded,
+                  gathered_bytes + gathered_bytes / kGroup);
+        (*store)->DropSlice(u);
+        EXPECT_EQ(trackers[r].Snapshot().live_unsharded, gathered_bytes);
+        for (const v1::ParamLayout& p : unit.params()) {
+          const std::vector<float> whole = WholeParam(model, p.name());
+          auto view = (*store)->ParamView(p.name());
+          ASSERT_TRUE(view.ok()) << view.status();
+          for (int64_t i = 0; i < p.numel(); ++i) {
+            const float expected =
+                c.mixed ? kernels::RoundToBf16(whole[i]) : whole[i];
+            ASSERT_EQ((*view)[i], expected) << p.name() << "[" << i << "]";
+          }
+        }
+        SHARDD_ASSERT_OK((*store)->Reshard(u));
+        EXPECT_EQ(trackers[r].Snapshot().live_unsharded, 0);
+      }
+      // Only the pair's all-gathers moved the re-gathers.
+      EXPECT_EQ((*pair)->stats().all_gather.calls, plan.units_size());
+      EXPECT_EQ((*comm)->stats().all_gather.calls, plan.units_size());
+    });
+  }
+  for (std::thread& t : threads) t.join();
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, ShardStoreSliceTest,
+                         ::testing::Values(Case{4, "default", true},
+                                           Case{4, "diffusion_gemma", false},
+                                           Case{4, "megatron_fsdp", false}),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return absl::StrCat(
+                               info.param.strategy, "_w", info.param.world,
+                               info.param.mixed ? "_bf16" : "_fp32");
+                         });
+
 TEST(ShardStoreErrorsTest, StateErrorsAndUnknownNames) {
   const v1::ModelSpec model = TinyModel();
   const v1::ShardingPlan plan = PlanFor(model, 1, "default", false);
@@ -322,11 +410,6 @@ TEST(ShardStoreErrorsTest, StateErrorsAndUnknownNames) {
       ShardStore::Create(plan, model, options, &tracker).status(),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("shard_rank")));
   options.shard_rank = 0;
-  v1::ShardingPlan partial = PlanFor(model, 4, "default", false);
-  partial.mutable_units(0)->mutable_reshard_after_forward()->set_group_size(2);
-  EXPECT_THAT(
-      ShardStore::Create(partial, model, options, &tracker).status(),
-      StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("group_size 2")));
   auto store = ShardStore::Create(plan, model, options, &tracker);
   ASSERT_TRUE(store.ok()) << store.status();
   EXPECT_THAT((*store)->Reshard(0),

@@ -243,11 +243,13 @@ std::vector<std::pair<int64_t, int64_t>> Merge(
 StepExecutor::StepExecutor(const v1::ShardingPlan& plan,
                            const StepExecutorOptions& options,
                            Communicator* shard_group, Communicator* replicas,
+                           const SliceGroups& slice_groups,
                            MemoryTracker* tracker)
     : plan_(plan),
       options_(options),
       shard_group_(shard_group),
       replicas_(replicas),
+      slice_groups_(slice_groups),
       tracker_(tracker) {}
 
 StepExecutor::~StepExecutor() {
@@ -258,7 +260,8 @@ StepExecutor::~StepExecutor() {
 absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(
     const v1::ShardingPlan& plan, const v1::ModelSpec& model,
     const StepExecutorOptions& options, Communicator* shard_group,
-    Communicator* replicas, MemoryTracker* tracker) {
+    Communicator* replicas, MemoryTracker* tracker,
+    const SliceGroups& slice_groups) {
   if (shard_group == nullptr || tracker == nullptr) {
     return absl::InvalidArgumentError(
         "shard_group and tracker: must not be null");
@@ -311,8 +314,27 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(
     }
   }
 
-  auto executor = absl::WrapUnique(
-      new StepExecutor(plan, options, shard_group, replicas, tracker));
+  // Every slice size the plan reshards to needs its group; the slice's
+  // re-gather would otherwise fail mid-step.
+  for (const v1::FsdpUnit& unit : plan.units()) {
+    const v1::ReshardPolicy& policy = unit.reshard_after_forward();
+    if (policy.policy_case() != v1::ReshardPolicy::kGroupSize) continue;
+    const int g = policy.group_size();
+    if (g <= 1 || g >= dp_shard) continue;
+    auto it = slice_groups.find(g);
+    if (it == slice_groups.end() || it->second == nullptr ||
+        it->second->world_size() != g ||
+        it->second->rank() != options.shard_rank % g) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "slice_groups: unit '", unit.name(),
+          "' reshards after forward to groups of ", g,
+          " ranks, which needs a slice group of ", g,
+          " ranks with this rank at shard_rank % ", g, " (",
+          options.shard_rank % g, ")"));
+    }
+  }
+  auto executor = absl::WrapUnique(new StepExecutor(
+      plan, options, shard_group, replicas, slice_groups, tracker));
   ShardStoreOptions store_options;
   store_options.shard_rank = options.shard_rank;
   store_options.seed = options.seed;
@@ -471,6 +493,9 @@ absl::Status StepExecutor::BeginStepLocked(
   tracker_->ResetPeaks();
   shard_stats_start_ = shard_group_->stats();
   if (replicas_ != nullptr) replica_stats_start_ = replicas_->stats();
+  for (const auto& [g, group] : slice_groups_) {
+    slice_stats_start_[g] = group->stats();
+  }
   step_start_ = absl::Now();
   header_.Clear();
   header_.set_plan_fingerprint(header.plan_fingerprint());
@@ -602,10 +627,15 @@ absl::Status StepExecutor::RunCommandLocked(const v1::Command& c,
             absl::StrCat("unit ", u, " is already gathered")));
       }
       Communicator* group = shard_group_;
-      const int64_t ticket = comm_->Enqueue(
-          label, [store, group, u] { return store->Unshard(u, group); });
+      const SliceGroups* slices = &slice_groups_;
+      const int64_t ticket =
+          comm_->Enqueue(label, [store, group, slices, u] {
+            return store->Unshard(u, group, slices);
+          });
       run.gathered = true;
       run.pending = c.prefetch();
+      run.gather_from_slice = run.slice;
+      run.slice = false;
       run.gather_ticket = ticket;
       run.last_ticket = ticket;
       touched_ = true;
@@ -614,6 +644,7 @@ absl::Status StepExecutor::RunCommandLocked(const v1::Command& c,
       if (!c.prefetch()) {
         const absl::Status status = comm_->Wait(ticket);
         if (!status.ok()) return fail(status);
+        DropSliceLocked(u, label);
       }
       return absl::OkStatus();
     }
@@ -628,6 +659,7 @@ absl::Status StepExecutor::RunCommandLocked(const v1::Command& c,
       run.pending = false;
       const absl::Status status = comm_->Wait(run.gather_ticket);
       if (!status.ok()) return fail(status);
+      DropSliceLocked(u, label);
       return absl::OkStatus();
     }
     case v1::Command::RESHARD: {
@@ -649,10 +681,17 @@ absl::Status StepExecutor::RunCommandLocked(const v1::Command& c,
             "group_size: must be 0 (free) or a divisor of mesh.dp_shard (", dp,
             ") between 2 and ", dp - 1, ", got ", g)));
       }
-      // group_size > 1 frees everything too (the file comment says why).
-      const int64_t ticket =
-          comm_->Enqueue(label, [store, u] { return store->Reshard(u); });
+      if (g != 0 && slice_groups_.count(g) == 0) {
+        return reject(absl::FailedPreconditionError(absl::StrCat(
+            "group_size ", g,
+            ": this worker has no slice group of that size (the plan "
+            "reshards no unit to ",
+            g, " ranks)")));
+      }
+      const int64_t ticket = comm_->Enqueue(
+          label, [store, u, g] { return store->Reshard(u, g); });
       run.gathered = false;
+      run.slice = g != 0;
       run.last_ticket = ticket;
       last_free_ticket_ = ticket;
       touched_ = true;
@@ -874,6 +913,17 @@ absl::StatusOr<StepResult> StepExecutor::EndStepLocked() {
       (shard.all_gather.time - shard_stats_start_.all_gather.time) +
       (shard.reduce_scatter.time - shard_stats_start_.reduce_scatter.time) +
       (shard.all_reduce.time - shard_stats_start_.all_reduce.time);
+  // Re-gathers from post-forward slices (reshard to a smaller group) move
+  // the whole buffer too: the plan counts them among the all-gathers.
+  for (const auto& [g, group] : slice_groups_) {
+    const CommunicatorStats now = group->stats();
+    const CommunicatorStats& start = slice_stats_start_.at(g);
+    const int64_t calls = now.all_gather.calls - start.all_gather.calls;
+    c.all_gathers += calls;
+    c.slice_all_gathers += calls;
+    c.all_gather_bytes += now.all_gather.bytes - start.all_gather.bytes;
+    time += now.all_gather.time - start.all_gather.time;
+  }
   if (replicas_ != nullptr) {
     const CommunicatorStats rep = replicas_->stats();
     c.replica_all_reduces =
@@ -898,17 +948,33 @@ absl::StatusOr<StepResult> StepExecutor::EndStepLocked() {
   return result;
 }
 
+void StepExecutor::DropSliceLocked(int unit, const std::string& label) {
+  UnitRun& run = units_[unit];
+  if (!run.gather_from_slice) return;
+  run.gather_from_slice = false;
+  ShardStore* store = store_.get();
+  const int64_t ticket = comm_->Enqueue(label, [store, unit] {
+    store->DropSlice(unit);
+    return absl::OkStatus();
+  });
+  units_[unit].last_ticket = ticket;
+  last_free_ticket_ = ticket;
+}
+
 void StepExecutor::AbortStepLocked(const absl::Status& error, bool clean) {
   comm_->CancelAndDrain();
   for (size_t u = 0; u < units_.size(); ++u) {
     const int unit = static_cast<int>(u);
     if (store_->gathered(unit)) store_->Reshard(unit).IgnoreError();
+    store_->DropSlice(unit);
     // The ShardStore frees an unsharded gradient only by reduce-scattering
     // it: one left behind makes the executor unusable.
     if (store_->grad_allocated(unit)) clean = false;
     units_[u].gathered = false;
     units_[u].pending = false;
     units_[u].grad = false;
+    units_[u].slice = false;
+    units_[u].gather_from_slice = false;
   }
   ZeroShardGrads();
   comm_->Reset();

@@ -23,10 +23,9 @@
 //   WAIT_UNSHARD   blocks until that unit's all-gather finished; its status.
 //   RESHARD        enqueues the free; FIFO order puts it after the unit's
 //                  gather and after any reduce-scatter issued before it.
-//                  group_size > 1 (keep a 1/G slice) is run as a full free:
-//                  the CPU ShardStore keeps no post-forward slices, so the
-//                  next UNSHARD gathers everything again (numerically the
-//                  same; the measured peak is then below the plan's).
+//                  group_size G > 1 keeps this rank's 1/G slice and the
+//                  next UNSHARD of the unit gathers it back over the slice
+//                  group of G ranks (ShardStore::Reshard/Unshard).
 //   ALLOC_GRAD     allocates the zeroed unsharded gradient on the caller
 //                  thread, after the queued operations on the unit finished
 //                  (and, with exact_memory_order, after every queued free).
@@ -131,6 +130,8 @@ struct StepCollectives {
   int64_t replica_all_reduce_bytes = 0;
   int64_t norm_all_reduces = 0;  // Shard group: the gradient norm.
   int64_t norm_all_reduce_bytes = 0;
+  // Of all_gathers: re-gathers from post-forward slices over a slice group.
+  int64_t slice_all_gathers = 0;
   // Wall time inside successful collectives of both groups.
   double seconds = 0.0;
 };
@@ -173,10 +174,15 @@ class StepExecutor {
   // under HSDP, an AdamW hyper-parameter out of range, max_grad_norm < 0 or
   // not finite, collective_timeout not positive) and the errors of
   // ShardStore::Create and MoeModel::Create.
+  //
+  // `slice_groups` (see SliceGroups in shard_store.h) must hold a group for
+  // every G in (1, dp_shard) a unit's reshard_after_forward names;
+  // INVALID_ARGUMENT otherwise.
   static absl::StatusOr<std::unique_ptr<StepExecutor>> Create(
       const v1::ShardingPlan& plan, const v1::ModelSpec& model,
       const StepExecutorOptions& options, Communicator* shard_group,
-      Communicator* replicas, MemoryTracker* tracker);
+      Communicator* replicas, MemoryTracker* tracker,
+      const SliceGroups& slice_groups = {});
 
   // Skips queued collectives and waits for the running one (at most about
   // collective_timeout).
@@ -235,6 +241,10 @@ class StepExecutor {
     int64_t gather_ticket = -1;  // Queue ticket of the last UNSHARD.
     int64_t last_ticket = -1;    // Last queued operation on the unit.
     bool grad = false;           // Unsharded gradient allocated.
+    // Holds a post-forward slice (RESHARD with group_size), and: the
+    // current gather reads it (freed once the gather is waited for).
+    bool slice = false;
+    bool gather_from_slice = false;
     bool trainable = false;
     // This rank's trainable, unpadded elements of the master shard:
     // [begin, end) offsets into the unit's shard.
@@ -243,6 +253,7 @@ class StepExecutor {
 
   StepExecutor(const v1::ShardingPlan& plan, const StepExecutorOptions& options,
                Communicator* shard_group, Communicator* replicas,
+               const SliceGroups& slice_groups,
                MemoryTracker* tracker);
 
   absl::Status CheckHeaderLocked(const v1::StepProgram& program) const
@@ -261,6 +272,12 @@ class StepExecutor {
   // unless `clean` (nothing of the step left the rank's state unusable).
   void AbortStepLocked(const absl::Status& error, bool clean)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Queues the free of the slice a finished re-gather of `unit` consumed
+  // (when it gathered from one) as a free: in program order with the other frees,
+  // and waited for by the next ALLOC_GRAD, so the measured memory follows
+  // the plan's replay.
+  void DropSliceLocked(int unit, const std::string& label)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string CommandLabelLocked(const v1::Command& command) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ZeroShardGrads();
@@ -269,6 +286,7 @@ class StepExecutor {
   const StepExecutorOptions options_;
   Communicator* const shard_group_;
   Communicator* const replicas_;
+  const SliceGroups slice_groups_;
   MemoryTracker* const tracker_;
   v1::ModelSpec model_spec_;
   // Fixed after Create; used by the caller thread and the queued tasks
@@ -298,6 +316,7 @@ class StepExecutor {
   absl::Time step_start_ ABSL_GUARDED_BY(mu_);
   CommunicatorStats shard_stats_start_ ABSL_GUARDED_BY(mu_);
   CommunicatorStats replica_stats_start_ ABSL_GUARDED_BY(mu_);
+  std::map<int, CommunicatorStats> slice_stats_start_ ABSL_GUARDED_BY(mu_);
   int64_t peak_activation_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   double grad_norm_ ABSL_GUARDED_BY(mu_) = 0.0;
   double clip_coefficient_ ABSL_GUARDED_BY(mu_) = 1.0;

@@ -104,6 +104,8 @@ struct Shape {
   int passes = 1;
   int no_grad_passes = 0;
   bool defer = false;
+  // > 0: reshard_after_forward to groups of this many ranks.
+  int reshard_group = 0;
 };
 
 v1::ShardingPlan MakePlan(const v1::ModelSpec& model, const Shape& s) {
@@ -119,6 +121,9 @@ v1::ShardingPlan MakePlan(const v1::ModelSpec& model, const Shape& s) {
   options.set_passes(s.passes);
   options.set_no_grad_passes(s.no_grad_passes);
   options.set_defer_grad_sync(s.defer);
+  if (s.reshard_group > 0) {
+    options.mutable_reshard_after_forward()->set_group_size(s.reshard_group);
+  }
   // Several buckets per rank and parameters straddling ranks.
   options.set_bucket_elements(700);
   absl::StatusOr<v1::ShardingPlan> plan = planner.Plan(model, options);
@@ -141,6 +146,7 @@ struct RankCtx {
   int data_rank = 0;  // Position among all data-parallel ranks.
   Communicator* shard = nullptr;
   Communicator* replicas = nullptr;
+  SliceGroups slices;
   MemoryTracker* tracker = nullptr;
 };
 
@@ -172,8 +178,23 @@ void RunWorld(const v1::ShardingPlan& plan, Fn body) {
         ASSERT_TRUE(created.ok()) << created.status();
         replicas = std::move(*created);
       }
+      // Slice groups for units resharded to fewer ranks after forward.
+      std::vector<std::unique_ptr<GlooCommunicator>> slice_comms;
+      SliceGroups slices;
+      for (const v1::FsdpUnit& unit : plan.units()) {
+        const int size = unit.reshard_after_forward().group_size();
+        if (size <= 1 || size >= dp || slices.count(size) != 0) continue;
+        auto created = GlooCommunicator::Create(
+            &store,
+            absl::StrCat(prefix, "/slice", r, "/g", size, "/q", s / size),
+            s % size, size, "127.0.0.1", absl::Seconds(20));
+        ASSERT_TRUE(created.ok()) << created.status();
+        slices[size] = created->get();
+        slice_comms.push_back(std::move(*created));
+      }
       MemoryTracker tracker;
       RankCtx ctx;
+      ctx.slices = slices;
       ctx.shard_rank = s;
       ctx.replica_rank = r;
       ctx.data_rank = g;
@@ -331,7 +352,7 @@ WorldRun Train(const v1::ModelSpec& model, const v1::ShardingPlan& plan,
     options.shard_rank = ctx.shard_rank;
     options.replica_rank = ctx.replica_rank;
     auto executor = StepExecutor::Create(plan, model, options, ctx.shard,
-                                         ctx.replicas, ctx.tracker);
+                                         ctx.replicas, ctx.tracker, ctx.slices);
     ASSERT_TRUE(executor.ok()) << executor.status();
     {
       absl::MutexLock lock(&mu);
@@ -368,6 +389,7 @@ struct MemoryCase {
   int passes;
   int no_grad_passes;
   bool defer;
+  int reshard_group = 0;
 };
 
 class StepExecutorMemoryTest : public ::testing::TestWithParam<MemoryCase> {};
@@ -383,6 +405,7 @@ TEST_P(StepExecutorMemoryTest, MeasuredPeakAndCollectivesMatchThePlan) {
   shape.passes = c.passes;
   shape.no_grad_passes = c.no_grad_passes;
   shape.defer = c.defer;
+  shape.reshard_group = c.reshard_group;
   const v1::ShardingPlan plan = MakePlan(model, shape);
   ASSERT_GT(plan.memory().peak_unsharded_bytes(), 0);
   const WorldRun run = Train(model, plan, BaseOptions(), /*steps=*/2,
@@ -395,6 +418,12 @@ TEST_P(StepExecutorMemoryTest, MeasuredPeakAndCollectivesMatchThePlan) {
           << "rank " << r << " step " << result.step;
       const StepCollectives& got = result.collectives;
       EXPECT_EQ(got.all_gathers, plan.comm().all_gathers());
+      // Re-gathers from slices really run over the slice groups.
+      if (c.reshard_group > 0) {
+        EXPECT_GT(got.slice_all_gathers, 0);
+      } else {
+        EXPECT_EQ(got.slice_all_gathers, 0);
+      }
       EXPECT_EQ(got.all_gather_bytes, plan.comm().all_gather_bytes());
       EXPECT_EQ(got.reduce_scatters, plan.comm().reduce_scatters());
       EXPECT_EQ(got.reduce_scatter_bytes, plan.comm().reduce_scatter_bytes());
@@ -432,6 +461,10 @@ std::vector<MemoryCase> MemoryCases() {
       cases.push_back({strategy, world, 2, 1, 0, true});
       cases.push_back({strategy, world, 1, 2, 1, false});
     }
+    // Reshard after forward to pairs of ranks: slices kept, re-gathered
+    // over the pair; with 2 passes they are gathered again in each pass.
+    cases.push_back({strategy, 4, 1, 1, 0, false, 2});
+    cases.push_back({strategy, 4, 2, 2, 1, true, 2});
   }
   return cases;
 }
@@ -446,6 +479,9 @@ INSTANTIATE_TEST_SUITE_P(Shapes, StepExecutorMemoryTest,
                            absl::StrAppend(&name, "_W", c.world, "_M",
                                            c.microbatches, "_P", c.passes,
                                            c.defer ? "_Defer" : "");
+                           if (c.reshard_group > 0) {
+                             absl::StrAppend(&name, "_Slice", c.reshard_group);
+                           }
                            return name;
                          });
 
@@ -658,6 +694,13 @@ std::vector<EquivalenceCase> EquivalenceCases() {
     hsdp.dp_shard = 2;
     hsdp.dp_replicate = 2;
     cases.push_back({absl::StrCat(strategy, "_hsdp_2x2"), hsdp});
+    // FSDP2's reshard_after_forward=2 on 4 ranks: backward re-gathers each
+    // layer from the slices over pairs of ranks.
+    Shape slices;
+    slices.strategy = strategy;
+    slices.dp_shard = 4;
+    slices.reshard_group = 2;
+    cases.push_back({absl::StrCat(strategy, "_W4_slice2"), slices});
   }
   // Gradient accumulation: 2 micro-batches of B/2 equal one batch of B,
   // with and without deferred gradient sync.

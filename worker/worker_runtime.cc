@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -194,6 +195,8 @@ struct WorkerRuntime::Job {
   std::unique_ptr<data::BatchSampler> sampler;
   std::unique_ptr<Communicator> shard_group;
   std::unique_ptr<Communicator> replicas;
+  // Slice groups by size, for units resharded to a smaller group.
+  std::map<int, std::unique_ptr<Communicator>> slice_groups;
   // Declared last: destroyed first, while the communicators still exist.
   std::unique_ptr<StepExecutor> executor;
 
@@ -368,6 +371,29 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::LoadPlan(
     job->replicas = *std::move(group);
   }
 
+  // Units resharded after forward to G ranks re-gather within groups of G
+  // consecutive shard ranks (on one node when ranks fill nodes in order,
+  // as FSDP2's reshard_after_forward=int intends).
+  SliceGroups slice_groups;
+  for (const v1::FsdpUnit& unit : plan.units()) {
+    const v1::ReshardPolicy& policy = unit.reshard_after_forward();
+    if (policy.policy_case() != v1::ReshardPolicy::kGroupSize) continue;
+    const int g = policy.group_size();
+    if (g <= 1 || g >= dp_shard || dp_shard % g != 0 ||
+        job->slice_groups.count(g) != 0) {
+      continue;
+    }
+    const std::string prefix =
+        absl::StrCat(base, "slice", job->replica_rank, "/g", g, "/q",
+                     job->shard_rank / g);
+    auto group = join(prefix, job->shard_rank % g, g);
+    if (!group.ok()) {
+      return with_context(group.status(), "slice group " + prefix);
+    }
+    slice_groups[g] = group->get();
+    job->slice_groups[g] = *std::move(group);
+  }
+
   StepExecutorOptions executor_options;
   executor_options.shard_rank = job->shard_rank;
   executor_options.replica_rank = job->replica_rank;
@@ -384,7 +410,7 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::LoadPlan(
       job->executor,
       StepExecutor::Create(plan, request.model(), executor_options,
                            job->shard_group.get(), job->replicas.get(),
-                           &tracker_));
+                           &tracker_, slice_groups));
 
   v1::LoadPlanResponse response;
   response.set_shard_bytes(
