@@ -1,19 +1,21 @@
-// ShardStore::Unshard + Reshard (copy-in, all-gather into a fresh gathered
-// buffer, free) against a raw GlooCommunicator::AllGather of the same bytes,
-// W ranks as threads of this process over loopback Gloo.
+// ShardStore::Unshard + Reshard (copy-in, all-gather into the unit's
+// gathered buffer, free to the BufferCache) against a raw
+// GlooCommunicator::AllGather of the same bytes, W ranks as threads of this
+// process over loopback Gloo.
 //
 // For every (world, gathered elements, dtype) the three variants run
 // interleaved, kReps times each, between barriers:
 //   unshard    ShardStore::Unshard(u) then Reshard(u) (the full path);
-//   raw_warm   AllGather in place into one preallocated output buffer,
-//              reused across repetitions (already faulted in);
-//   raw_cold   AllGather in place into a buffer freshly aligned_alloc'ed
-//              (and freed) every repetition, as Unshard does: the same page
-//              faults on first touch, without the copy-in or bookkeeping.
+//   raw_inplace  AllGather in place into one preallocated output buffer
+//              whose own slot already holds the data (no input copy at
+//              all; the best case of a bare all-gather);
+//   raw_oop    AllGather from a separate, persistent input buffer already in
+//              the gather dtype into the same preallocated output: what an
+//              all-gather from a sharded parameter costs (Gloo copies the
+//              input into its slot), i.e. "a raw Gloo all-gather of the same
+//              bytes" from a shard.
 // With --no_mmap the process first sets glibc's malloc to one arena, no
-// mmap'ed chunks and a 1 GiB trim threshold (mallopt), so a freed gathered
-// buffer stays mapped and the next Unshard reuses its pages: what a
-// per-unit buffer cache in ShardStore would buy, without changing it.
+// mmap'ed chunks and a 1 GiB trim threshold (mallopt).
 // Times are rank 0's, from just after a barrier to the op's return; the
 // table shows medians. GB/s = gathered bytes (the whole output buffer) / time.
 //
@@ -102,8 +104,9 @@ struct Row {
   int64_t gathered;
   int params;
   bool mixed;
+  bool keep = false;  // keep_compute_shard (bf16 copies beside the master).
   int64_t bytes = 0;
-  double unshard = 0, warm = 0, cold = 0;  // Median seconds.
+  double unshard = 0, warm = 0, oop = 0;  // Median seconds.
   double copy_in = 0;  // Median seconds of the copy-in alone.
 };
 
@@ -117,6 +120,7 @@ bool RunCase(Row* row) {
   v1::PlanOptions options;
   options.mutable_mesh()->set_dp_shard(world);
   options.set_mixed_precision(row->mixed);
+  options.set_keep_compute_shard(row->keep);
   absl::StatusOr<v1::ShardingPlan> plan = planner.Plan(model, options);
   if (!plan.ok()) {
     std::fprintf(stderr, "plan: %s\n", plan.status().ToString().c_str());
@@ -137,7 +141,7 @@ bool RunCase(Row* row) {
 
   static int generation = 0;
   const std::string prefix = absl::StrCat("unshard-bench/", ++generation);
-  std::vector<double> t_unshard, t_warm, t_cold, t_copy;
+  std::vector<double> t_unshard, t_warm, t_oop, t_copy;
   const bool ok = RunOnLocalGlooGroup(
       world, prefix, kTimeout, [&](int r, GlooCommunicator* c) -> absl::Status {
         MemoryTracker tracker;
@@ -150,6 +154,8 @@ bool RunCase(Row* row) {
         // The raw baseline's preallocated output, with this rank's slot
         // filled like Unshard's copy-in and every page touched once.
         std::vector<char> warm(static_cast<size_t>(row->bytes), 1);
+        // raw_oop's input: this rank's shard in the gather dtype.
+        std::vector<char> input(static_cast<size_t>(shard_numel * elem), 2);
         const size_t slot = static_cast<size_t>(r * shard_numel * elem);
         for (int rep = -1; rep < kReps; ++rep) {  // rep -1: warm-up.
           absl::Status s = c->Barrier(kTimeout);
@@ -167,13 +173,8 @@ bool RunCase(Row* row) {
           if (s.ok()) s = c->Barrier(kTimeout);
           auto t4 = std::chrono::steady_clock::now();
           if (s.ok()) {
-            const size_t rounded =
-                (static_cast<size_t>(row->bytes) + 63) / 64 * 64;
-            char* fresh = static_cast<char*>(std::aligned_alloc(64, rounded));
-            std::memcpy(fresh + slot, warm.data() + slot,
-                        static_cast<size_t>(shard_numel * elem));
-            s = c->AllGather(fresh + slot, fresh, shard_numel, dtype, kTimeout);
-            std::free(fresh);
+            s = c->AllGather(input.data(), warm.data(), shard_numel, dtype,
+                             kTimeout);
           }
           auto t5 = std::chrono::steady_clock::now();
           if (!s.ok()) return s;
@@ -183,7 +184,10 @@ bool RunCase(Row* row) {
           if (r == 0) {
             const float* master = (*shards)->shard(unit).params;
             auto c0 = std::chrono::steady_clock::now();
-            if (row->mixed) {
+            if (row->keep) {
+              std::memcpy(warm.data() + slot, input.data(),
+                          static_cast<size_t>(shard_numel * elem));
+            } else if (row->mixed) {
               kernels::Fp32ToBf16Array(
                   master, reinterpret_cast<uint16_t*>(warm.data() + slot),
                   shard_numel);
@@ -196,7 +200,7 @@ bool RunCase(Row* row) {
           if (r == 0 && rep >= 0) {
             t_unshard.push_back(Seconds(t0, t1));
             t_warm.push_back(Seconds(t2, t3));
-            t_cold.push_back(Seconds(t4, t5));
+            t_oop.push_back(Seconds(t4, t5));
             t_copy.push_back(copy_seconds);
           }
         }
@@ -205,7 +209,7 @@ bool RunCase(Row* row) {
   if (!ok) return false;
   row->unshard = Median(t_unshard);
   row->warm = Median(t_warm);
-  row->cold = Median(t_cold);
+  row->oop = Median(t_oop);
   row->copy_in = Median(t_copy);
   return true;
 }
@@ -225,24 +229,26 @@ int main(int argc, char** argv) {
               no_mmap ? "--no_mmap (freed buffers reused)" : "glibc defaults");
   std::printf(
       "| W | gathered elements | params | dtype | MB gathered | unshard GB/s "
-      "| raw_warm GB/s | raw_cold GB/s | unshard / raw_warm | unshard / "
-      "raw_cold | copy-in ms | unshard ms |\n"
+      "| raw_inplace GB/s | raw_oop GB/s | unshard / raw_inplace | unshard / "
+      "raw_oop | copy-in ms | unshard ms |\n"
       "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   std::fflush(stdout);
   for (int world : {2, 4}) {
     for (int64_t m : {1, 4, 16}) {
       for (int params : {1, 4}) {
-        for (bool mixed : {false, true}) {
-          Row row{world, m << 20, params, mixed};
+        for (int mode : {0, 1, 2}) {
+          const bool mixed = mode > 0;
+          Row row{world, m << 20, params, mixed, /*keep=*/mode == 2};
           if (!shardd::RunCase(&row)) return 1;
           const double gb = static_cast<double>(row.bytes) / 1e9;
           std::printf(
               "| %d | %lldM | %d | %s | %.0f | %.2f | %.2f | %.2f | %.2f | "
               "%.2f | %.2f | %.2f |\n",
               world, static_cast<long long>(row.gathered >> 20), params,
-              mixed ? "bf16" : "fp32", row.bytes / 1048576.0, gb / row.unshard,
-              gb / row.warm, gb / row.cold, row.warm / row.unshard,
-              row.cold / row.unshard, row.copy_in * 1e3, row.unshard * 1e3);
+              mode == 0 ? "fp32" : (mode == 1 ? "bf16" : "bf16 keep"),
+              row.bytes / 1048576.0, gb / row.unshard,
+              gb / row.warm, gb / row.oop, row.warm / row.unshard,
+              row.oop / row.unshard, row.copy_in * 1e3, row.unshard * 1e3);
           std::fflush(stdout);
         }
       }

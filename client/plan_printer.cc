@@ -420,8 +420,15 @@ std::string FormatPlanTable(const v1::ShardingPlan& plan,
               absl::StrCat(DTypeName(plan.precision().reduce_dtype()))});
   mem.AddRow({"optimizer", HumanBytes(memory.optimizer_bytes()),
               "AdamW exp_avg + exp_avg_sq"});
+  if (memory.compute_shard_bytes() > 0) {
+    mem.AddRow({"compute shards", HumanBytes(memory.compute_shard_bytes()),
+                absl::StrCat(DTypeName(plan.precision().compute_dtype()),
+                             " copies of the shards (--keep-compute-shard)")});
+  }
   mem.AddRow({"persistent", HumanBytes(memory.persistent_bytes()),
-              "params + grads + optimizer"});
+              memory.compute_shard_bytes() > 0
+                  ? "params + grads + optimizer + compute shards"
+                  : "params + grads + optimizer"});
   mem.AddRow(
       {"peak unsharded", HumanBytes(memory.peak_unsharded_bytes()),
        absl::StrCat("gathered params ", HumanBytes(memory.peak_param_bytes()),
@@ -551,6 +558,7 @@ nlohmann::ordered_json PlanToJson(const v1::ShardingPlan& plan,
   per_rank["sharded_param_bytes"] = memory.sharded_param_bytes();
   per_rank["grad_bytes"] = memory.grad_bytes();
   per_rank["optimizer_bytes"] = memory.optimizer_bytes();
+  per_rank["compute_shard_bytes"] = memory.compute_shard_bytes();
   per_rank["peak_unsharded_bytes"] = memory.peak_unsharded_bytes();
   per_rank["peak_param_bytes"] = memory.peak_param_bytes();
   per_rank["peak_grad_bytes"] = memory.peak_grad_bytes();

@@ -135,7 +135,8 @@ absl::string_view CommandName(ShardctlCommand command) {
 // Flags without a value.
 const std::set<std::string>& BoolFlags() {
   static const auto* flags = new std::set<std::string>{
-      "--json", "--defer-grad-sync", "--no-mixed-precision", "--timeline",
+      "--json", "--defer-grad-sync", "--no-mixed-precision",
+      "--keep-compute-shard", "--timeline",
       "--fine-grained"};
   return *flags;
 }
@@ -161,6 +162,7 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                                       "--fwd-prefetch",
                                                       "--bwd-prefetch",
                                                       "--no-mixed-precision",
+                                                      "--keep-compute-shard",
                                                       "--bucket-elements",
                                                       "--timeline",
                                                       "--device-memory"};
@@ -185,6 +187,7 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                 "--passes",
                                 "--no-grad-passes",
                                 "--no-mixed-precision",
+                                "--keep-compute-shard",
                                 "--grad-clip",
                                 "--weight-decay",
                                 "--reshard-after-forward",
@@ -281,6 +284,8 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
     options.set_backward_prefetch_depth(*n);
   } else if (flag == "--no-mixed-precision") {
     options.set_mixed_precision(false);
+  } else if (flag == "--keep-compute-shard") {
+    options.set_keep_compute_shard(true);
   } else if (flag == "--bucket-elements") {
     absl::StatusOr<int64_t> n = ParseInt64(flag, value, 1);
     if (!n.ok()) return n.status();
@@ -476,7 +481,7 @@ absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
         for (const char* fixed :
              {"--dp", "--replicate", "--strategy", "--passes",
               "--no-grad-passes", "--no-mixed-precision",
-              "--reshard-after-forward", "--fwd-prefetch", "--bwd-prefetch"}) {
+              "--keep-compute-shard", "--reshard-after-forward", "--fwd-prefetch", "--bwd-prefetch"}) {
           if (seen.count(fixed) > 0) {
             return Usage(absl::StrCat(
                 "train: ", fixed,
@@ -537,6 +542,9 @@ Plan:
   --fwd-prefetch N             forward prefetch depth (default 1)
   --bwd-prefetch N             backward prefetch depth (default 2)
   --no-mixed-precision         gather and reduce in the parameter dtype
+  --keep-compute-shard         keep a bf16 copy of every shard beside the
+                               fp32 master (+2 bytes per sharded parameter)
+                               so unshards skip the fp32->bf16 conversion
   --bucket-elements N          megatron_fsdp bucket size (default 40M)
 Device:
   --device-memory SIZE         memory per GPU to check the peak against
@@ -595,6 +603,8 @@ Mesh and plan (with --model):
   --no-grad-passes K           leading passes without gradients
   --no-mixed-precision         fp32 all the way (default: bf16 gather and
                                compute, fp32 master and reduce)
+  --keep-compute-shard         keep a bf16 copy of every shard, refreshed
+                               by the optimizer (unshards skip the cast)
   --reshard-after-forward V    true, false, or a smaller group size N
   --fwd-prefetch N, --bwd-prefetch N   prefetch depths
 Job:

@@ -237,6 +237,7 @@ uint64_t Fingerprint(const ShardingPlan& plan) {
     f.AddInt(unit.precision().param_dtype());
     f.AddInt(unit.precision().compute_dtype());
     f.AddInt(unit.precision().reduce_dtype());
+    f.AddInt(unit.precision().keep_compute_shard() ? 1 : 0);
     const v1::ReshardPolicy& policy = unit.reshard_after_forward();
     f.AddInt(policy.policy_case());
     f.AddInt(policy.policy_case() == v1::ReshardPolicy::kGroupSize
@@ -354,6 +355,8 @@ absl::StatusOr<ShardingPlan> ShardingPlanner::Plan(
     if (DTypeBytes(own) > DTypeBytes(widest)) widest = own;
     if (mixed && !draft.keep_param_dtype) {
       *unit->mutable_precision() = DefaultMixed();
+      unit->mutable_precision()->set_keep_compute_shard(
+          options.keep_compute_shard());
       // ParamLayout.dtype is the master (sharded) dtype.
       for (v1::ParamLayout& param : *unit->mutable_params()) {
         param.set_dtype(v1::FLOAT32);

@@ -41,6 +41,7 @@ struct UnitInfo {
   int64_t grad_bytes = 0;         // Unsharded grads, reduce dtype.
   int64_t shard_grad_bytes = 0;   // Sharded grads, reduce dtype.
   int64_t shard_param_bytes = 0;  // Master shard, param dtype.
+  int64_t compute_shard_bytes = 0;  // keep_compute_shard's copy.
   int64_t trainable_shard_numel = 0;
   std::vector<int> forward_prefetch;
   std::vector<int> backward_prefetch;
@@ -206,6 +207,11 @@ absl::Status AnalyzeUnit(const ShardingPlan& plan, int i, int dp_shard,
                                   &m->shard_grad_bytes));
   SHARDD_RETURN_IF_ERROR(MulBytes(i, "shard_numel", u.shard_numel(), param_size,
                                   &m->shard_param_bytes));
+  if (u.precision().keep_compute_shard() &&
+      u.precision().compute_dtype() != u.precision().param_dtype()) {
+    SHARDD_RETURN_IF_ERROR(MulBytes(i, "shard_numel", u.shard_numel(),
+                                    compute_size, &m->compute_shard_bytes));
+  }
 
   const v1::ReshardPolicy& policy = u.reshard_after_forward();
   switch (policy.policy_case()) {
@@ -1088,10 +1094,12 @@ void FillPersistent(const PlanInfo& info, v1::MemoryReport* memory) {
     // AdamW: exp_avg and exp_avg_sq in fp32 for every trainable element.
     memory->set_optimizer_bytes(memory->optimizer_bytes() +
                                 2 * m.trainable_shard_numel * 4);
+    memory->set_compute_shard_bytes(memory->compute_shard_bytes() +
+                                    m.compute_shard_bytes);
   }
-  memory->set_persistent_bytes(memory->sharded_param_bytes() +
-                               memory->grad_bytes() +
-                               memory->optimizer_bytes());
+  memory->set_persistent_bytes(
+      memory->sharded_param_bytes() + memory->grad_bytes() +
+      memory->optimizer_bytes() + memory->compute_shard_bytes());
 }
 
 void FinishReport(const Runner& runner, v1::MemoryReport* memory) {

@@ -146,6 +146,15 @@ absl::StatusOr<std::unique_ptr<ShardStore>> ShardStore::Create(
       if (!info.frozen && !info.flat) state->trainable.push_back(info);
       store->params_[layout.name()] = info;
     }
+    if (unit.precision().keep_compute_shard() &&
+        state->compute != v1::FLOAT32) {
+      state->compute_shard =
+          TrackedBuffer(tracker, MemoryKind::kShardParams,
+                        state->shard_numel * DTypeBytes(state->compute));
+      store->units_.push_back(std::move(state));
+      store->RefreshComputeShard(u, 0, store->units_.back()->shard_numel);
+      continue;
+    }
     store->units_.push_back(std::move(state));
   }
   return store;
@@ -171,6 +180,15 @@ absl::StatusOr<const ShardStore::ParamInfo*> ShardStore::Param(
 
 bool ShardStore::gathered(int unit) const {
   return unit >= 0 && unit < num_units() && !units_[unit]->gathered.empty();
+}
+
+void ShardStore::RefreshComputeShard(int unit, int64_t begin, int64_t count) {
+  if (unit < 0 || unit >= num_units()) return;
+  UnitState& state = *units_[unit];
+  if (state.compute_shard.empty() || count <= 0) return;
+  // bf16 is the only compute dtype narrower than the fp32 master here.
+  kernels::Fp32ToBf16Array(state.master.as<float>() + begin,
+                           state.compute_shard.as<uint16_t>() + begin, count);
 }
 
 int ShardStore::slice_group_size(int unit) const {
@@ -228,6 +246,15 @@ absl::Status ShardStore::Unshard(int unit, Communicator* shard_group,
   }
   state->gathered = TrackedBuffer(tracker_, MemoryKind::kGatheredParams,
                                   state->gathered_numel * elem, &cache_);
+  if (!state->compute_shard.empty()) {
+    // The compute-dtype copy is the all-gather's input as it is (the
+    // backend copies it into this rank's slot).
+    absl::Status status = shard_group->AllGather(
+        state->compute_shard.data(), state->gathered.data(),
+        state->shard_numel, state->compute, options_.collective_timeout);
+    if (!status.ok()) state->gathered.Reset();
+    return status;
+  }
   // Copy-in straight into this rank's slot, then gather in place.
   char* slot = state->gathered.as<char>() +
                options_.shard_rank * state->shard_numel * elem;

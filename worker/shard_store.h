@@ -7,6 +7,8 @@
 //   Unshard(u)        copy-in of the fp32 master shard into the compute dtype
 //                     (bf16 under mixed precision), then one all-gather into
 //                     the unit's flat buffer of gathered_numel elements;
+//                     with keep_compute_shard the persistent compute-dtype
+//                     copy of the shard is gathered as it is;
 //   Reshard(u[, G])   frees the gathered buffer, or (G > 1, FSDP2's
 //                     reshard_after_forward=int) keeps the 1/G slice of it
 //                     this rank holds within its slice group, so the next
@@ -96,6 +98,12 @@ class ShardStore {
   bool gathered(int unit) const;
   // The G of the slice a unit holds after Reshard(u, G); 0 when none.
   int slice_group_size(int unit) const;
+  // Rewrites elements [begin, begin + count) of a unit's compute-dtype shard
+  // copy from the master (after the optimizer updated them); a no-op for
+  // units without one (MixedPrecision.keep_compute_shard off, or fp32
+  // compute). The caller keeps the range inside the shard.
+  void RefreshComputeShard(int unit, int64_t begin, int64_t count);
+
   // Frees a unit's slice: after the re-gather that consumed it, or after an
   // aborted step; a no-op without one.
   void DropSlice(int unit);
@@ -168,6 +176,9 @@ class ShardStore {
     // parameters (the plan's replay counts it so).
     TrackedBuffer slice;
     int slice_group = 0;
+    // keep_compute_shard: the master shard in the compute dtype, accounted
+    // as shard parameters.
+    TrackedBuffer compute_shard;
     // Dim-0 layout: the trainable parameters, in gradient-buffer order.
     std::vector<ParamInfo> trainable;
     // Copy-outs of this unit's parameters, by param index.

@@ -66,13 +66,15 @@ v1::ModelSpec TinyModel() {
 }
 
 v1::ShardingPlan PlanFor(const v1::ModelSpec& model, int world,
-                         const std::string& strategy, bool mixed) {
+                         const std::string& strategy, bool mixed,
+                         bool keep_compute_shard = false) {
   static auto* registry = StrategyRegistry::CreateWithBuiltins().release();
   ShardingPlanner planner(registry);
   v1::PlanOptions options;
   options.mutable_mesh()->set_dp_shard(world);
   options.set_strategy(strategy);
   options.set_mixed_precision(mixed);
+  options.set_keep_compute_shard(keep_compute_shard);
   options.set_bucket_elements(50);  // Several buckets, params straddling ranks.
   auto plan = planner.Plan(model, options);
   EXPECT_TRUE(plan.ok()) << plan.status();
@@ -125,6 +127,7 @@ struct Case {
   int world;
   std::string strategy;
   bool mixed;
+  bool keep_compute_shard = false;
 };
 
 class ShardStoreTest : public ::testing::TestWithParam<Case> {};
@@ -132,11 +135,17 @@ class ShardStoreTest : public ::testing::TestWithParam<Case> {};
 TEST_P(ShardStoreTest, UnshardRebuildsEveryParameterAndGradsAverage) {
   const Case c = GetParam();
   const v1::ModelSpec model = TinyModel();
-  const v1::ShardingPlan plan = PlanFor(model, c.world, c.strategy, c.mixed);
+  const v1::ShardingPlan plan = PlanFor(model, c.world, c.strategy, c.mixed,
+                                        c.keep_compute_shard);
   std::vector<MemoryTracker> trackers(c.world);
   RunRanks(
       plan, model, &trackers,
       [&](int rank, ShardStore* store, Communicator* comm) {
+        // Master shards, plus their bf16 copies with keep_compute_shard.
+        EXPECT_EQ(trackers[rank].Snapshot()
+                      .live[static_cast<int>(MemoryKind::kShardParams)],
+                  plan.memory().sharded_param_bytes() +
+                      plan.memory().compute_shard_bytes());
         for (int u = 0; u < plan.units_size(); ++u) {
           const v1::FsdpUnit& unit = plan.units(u);
           SHARDD_ASSERT_OK(store->Unshard(u, comm));
@@ -240,11 +249,15 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ShardStoreTest,
                                            Case{4, "default", true},
                                            Case{3, "diffusion_gemma", false},
                                            Case{2, "megatron_fsdp", false},
-                                           Case{3, "megatron_fsdp", true}),
+                                           Case{3, "megatron_fsdp", true},
+                                           Case{4, "default", true, true},
+                                           Case{3, "megatron_fsdp", true,
+                                                true}),
                          [](const ::testing::TestParamInfo<Case>& info) {
                            return absl::StrCat(
                                info.param.strategy, "_w", info.param.world,
-                               info.param.mixed ? "_bf16" : "_fp32");
+                               info.param.mixed ? "_bf16" : "_fp32",
+                               info.param.keep_compute_shard ? "_keep" : "");
                          });
 
 TEST(ShardStoreFrozenTest, GradientBufferHoldsOnlyTrainableParameters) {

@@ -848,6 +848,10 @@ absl::Status StepExecutor::OptimizerStepLocked(const std::string& label) {
           shard.params + range.first, shard.grads + range.first,
           shard.exp_avg + range.first, shard.exp_avg_sq + range.first, n, step,
           options_.adamw);
+      // The range is still in cache: refresh its compute-dtype copy now.
+      if (status.ok()) {
+        store_->RefreshComputeShard(static_cast<int>(u), range.first, n);
+      }
       if (!status.ok()) {
         // Unreachable: Create checked the configuration and the ranges.
         const absl::Status error = absl::InternalError(

@@ -106,6 +106,7 @@ struct Shape {
   bool defer = false;
   // > 0: reshard_after_forward to groups of this many ranks.
   int reshard_group = 0;
+  bool keep_compute_shard = false;
 };
 
 v1::ShardingPlan MakePlan(const v1::ModelSpec& model, const Shape& s) {
@@ -124,6 +125,7 @@ v1::ShardingPlan MakePlan(const v1::ModelSpec& model, const Shape& s) {
   if (s.reshard_group > 0) {
     options.mutable_reshard_after_forward()->set_group_size(s.reshard_group);
   }
+  options.set_keep_compute_shard(s.keep_compute_shard);
   // Several buckets per rank and parameters straddling ranks.
   options.set_bucket_elements(700);
   absl::StatusOr<v1::ShardingPlan> plan = planner.Plan(model, options);
@@ -1005,6 +1007,43 @@ namespace {
 // layout: a sharded bf16 run must equal a one-rank bf16 run as tightly as fp32
 // runs equal each other (only the fp32 reduction order differs). Against the
 // fp32 reference the stated bf16 tolerance is 2% on the loss over these steps.
+// keep_compute_shard changes where the bf16 bytes of an unshard come from
+// (a copy the optimizer refreshes instead of a cast at every unshard), not
+// what they are: losses, gradient norms and parameters are bitwise equal,
+// and the copies cost exactly the planned persistent bytes.
+TEST(StepExecutorMixedPrecisionTest, KeepingComputeShardsChangesNoBit) {
+  const v1::ModelSpec model = TinyMoe(/*freeze=*/true);
+  for (const char* strategy : {"default", "megatron_fsdp"}) {
+    SCOPED_TRACE(strategy);
+    Shape cast;
+    cast.mixed = true;
+    cast.dp_shard = 2;
+    cast.strategy = strategy;
+    Shape keep = cast;
+    keep.keep_compute_shard = true;
+    const v1::ShardingPlan cast_plan = MakePlan(model, cast);
+    const v1::ShardingPlan keep_plan = MakePlan(model, keep);
+    EXPECT_EQ(cast_plan.memory().compute_shard_bytes(), 0);
+    EXPECT_EQ(keep_plan.memory().compute_shard_bytes(),
+              keep_plan.memory().sharded_param_bytes() / 2);
+    EXPECT_EQ(keep_plan.memory().persistent_bytes(),
+              cast_plan.memory().persistent_bytes() +
+                  keep_plan.memory().compute_shard_bytes());
+    EXPECT_NE(keep_plan.fingerprint(), cast_plan.fingerprint());
+    const WorldRun a = Train(model, cast_plan, EquivalenceOptions(), kSteps,
+                             kGlobalBatch);
+    const WorldRun b = Train(model, keep_plan, EquivalenceOptions(), kSteps,
+                             kGlobalBatch);
+    for (size_t r = 0; r < a.results.size(); ++r) {
+      for (int s = 0; s < kSteps; ++s) {
+        EXPECT_EQ(a.results[r][s].loss, b.results[r][s].loss) << "step " << s;
+        EXPECT_EQ(a.results[r][s].grad_norm, b.results[r][s].grad_norm);
+      }
+    }
+    EXPECT_EQ(a.final[0], b.final[0]);
+  }
+}
+
 TEST(StepExecutorMixedPrecisionTest, ShardedBf16EqualsOneRankBf16NearFp32) {
   const v1::ModelSpec model = TinyMoe(/*freeze=*/true);
   Shape one;
