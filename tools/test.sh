@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
-# The README's test command: installs what is missing, runs the whole test
-# suite, and (when CUDA is present) checks that the CUDA targets compile and
-# link. Extra arguments go to `bazel test`.
+# The README's test command: installs what is missing and runs the whole test
+# suite. Where nvcc is present (/usr/local/cuda) the suite runs under
+# --config=cuda, so the CUDA kernels, the NCCL communicator and the device
+# allocator compile and link too and their CPU-runnable tests run; tests
+# tagged "gpu" are built but not run there (they need a GPU: run them with
+# `bazel test --config=cuda --test_tag_filters=gpu //...` on a GPU machine).
+# The default (CUDA-free) build is then checked to still build. Extra
+# arguments go to `bazel test`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh
 status=0
-bazel test //... "$@" || status=$?
 if [[ -x /usr/local/cuda/bin/nvcc ]]; then
-  bazel build --config=cuda //kernels/... || status=1
+  bazel test --config=cuda --test_tag_filters=-gpu //... "$@" || status=$?
+  bazel build //... || status=1
+else
+  bazel test //... "$@" || status=$?
 fi
 exit $status

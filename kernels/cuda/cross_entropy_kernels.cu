@@ -1,0 +1,187 @@
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels/cuda/cross_entropy_kernels.h"
+#include "kernels/cuda/device_math.h"
+
+namespace shardd {
+namespace kernels {
+namespace cuda {
+namespace {
+
+constexpr int kRowThreads = 512;
+constexpr int kReduceThreads = 1024;
+constexpr int64_t kMaxBlocks = 65535;
+
+// Mirrors CrossEntropyDeviceResult (cross_entropy.h), which .cu files cannot
+// include (absl); cross_entropy.cc static_asserts the two layouts agree.
+struct DeviceResult {
+  double loss_sum;
+  int64_t count;
+  int64_t invalid_targets;
+  double mean_loss;
+};
+
+// Running (max, sum of exp(x - max)) of an online softmax.
+struct MaxSum {
+  float max;
+  float sum;
+};
+
+__device__ __forceinline__ void OnlineAdd(float x, MaxSum& acc) {
+  if (x > acc.max) {
+    acc.sum = acc.sum * expf(acc.max - x) + 1.0f;
+    acc.max = x;
+  } else if (x != -INFINITY) {  // NaN propagates through expf
+    acc.sum += expf(x - acc.max);
+  }
+}
+
+__device__ __forceinline__ MaxSum Merge(MaxSum a, MaxSum b) {
+  const float m = fmaxf(a.max, b.max);
+  if (m == -INFINITY) return {m, a.sum + b.sum};
+  return {m, a.sum * expf(a.max - m) + b.sum * expf(b.max - m)};
+}
+
+__device__ MaxSum BlockMerge(MaxSum acc, MaxSum* scratch) {
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    MaxSum other;
+    other.max = __shfl_xor_sync(0xFFFFFFFFu, acc.max, offset);
+    other.sum = __shfl_xor_sync(0xFFFFFFFFu, acc.sum, offset);
+    acc = Merge(acc, other);
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();
+  if (lane == 0) scratch[warp] = acc;
+  __syncthreads();
+  acc = lane < (blockDim.x >> 5) ? scratch[lane] : MaxSum{-INFINITY, 0.0f};
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    MaxSum other;
+    other.max = __shfl_xor_sync(0xFFFFFFFFu, acc.max, offset);
+    other.sum = __shfl_xor_sync(0xFFFFFFFFu, acc.sum, offset);
+    acc = Merge(acc, other);
+  }
+  return acc;
+}
+
+// One block per row (grid-stride). The log-sum-exp is an online softmax in
+// one read of the row; the gradient pass reads it once more. Each element is
+// read and written by one thread, so d_logits may alias logits.
+template <typename DL>
+__global__ void __launch_bounds__(kRowThreads)
+    CrossEntropyRowsKernel(const float* logits, int64_t rows, int64_t vocab,
+                           const int32_t* __restrict__ targets,
+                           int32_t ignore_index, double* __restrict__ row_loss,
+                           int32_t* __restrict__ row_flag, float loss_scale,
+                           DL* d_logits) {
+  __shared__ MaxSum scratch[32];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float* row = logits + r * vocab;
+    const int32_t target = targets[r];
+    const bool ignored = target == ignore_index;
+    if (ignored || target < 0 || target >= vocab) {
+      if (threadIdx.x == 0) {
+        row_loss[r] = 0.0;
+        row_flag[r] = ignored ? kCeRowIgnored : kCeRowInvalid;
+      }
+      if (d_logits != nullptr) {
+        DL* dl = d_logits + r * vocab;
+        for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) {
+          StoreFromFloat(dl + j, 0.0f);
+        }
+      }
+      continue;
+    }
+    const float target_logit = row[target];  // read before any overwrite
+    MaxSum acc{-INFINITY, 0.0f};
+    for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) {
+      OnlineAdd(row[j], acc);
+    }
+    acc = BlockMerge(acc, scratch);
+    if (threadIdx.x == 0) {
+      const double lse = double{acc.max} + log(double{acc.sum});
+      row_loss[r] = lse - double{target_logit};
+      row_flag[r] = kCeRowCounted;
+    }
+    if (d_logits != nullptr) {
+      DL* dl = d_logits + r * vocab;
+      const float scale =
+          static_cast<float>(double{loss_scale} / double{acc.sum});
+      for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) {
+        float g = expf(row[j] - acc.max) * scale;
+        if (j == target) g -= loss_scale;
+        StoreFromFloat(dl + j, g);
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kReduceThreads)
+    CrossEntropyReduceKernel(const double* __restrict__ row_loss,
+                             const int32_t* __restrict__ row_flag,
+                             int64_t tokens, DeviceResult* result) {
+  __shared__ double loss_scratch[32];
+  __shared__ long long count_scratch[32];
+  __shared__ long long invalid_scratch[32];
+  double loss = 0.0;
+  long long count = 0, invalid = 0;
+  for (int64_t t = threadIdx.x; t < tokens; t += blockDim.x) {
+    loss += row_loss[t];
+    count += row_flag[t] == kCeRowCounted;
+    invalid += row_flag[t] == kCeRowInvalid;
+  }
+  loss = BlockSum(loss, loss_scratch);
+  count = BlockSum(count, count_scratch);
+  invalid = BlockSum(invalid, invalid_scratch);
+  if (threadIdx.x == 0) {
+    result->loss_sum = loss;
+    result->count = count;
+    result->invalid_targets = invalid;
+    result->mean_loss = count > 0 ? loss / static_cast<double>(count) : 0.0;
+  }
+}
+
+template <typename DL>
+cudaError_t Rows(float* logits, int64_t rows, int64_t vocab,
+                 const int32_t* targets, int32_t ignore_index, double* row_loss,
+                 int32_t* row_flag, float loss_scale, DL* d_logits,
+                 cudaStream_t stream) {
+  const int grid = static_cast<int>(
+      std::min<int64_t>(std::max<int64_t>(rows, 1), kMaxBlocks));
+  CrossEntropyRowsKernel<DL><<<grid, kRowThreads, 0, stream>>>(
+      logits, rows, vocab, targets, ignore_index, row_loss, row_flag,
+      loss_scale, d_logits);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t LaunchCrossEntropyRows(float* logits, int64_t rows, int64_t vocab,
+                                   const int32_t* targets, int32_t ignore_index,
+                                   double* row_loss, int32_t* row_flag,
+                                   float loss_scale, float* d_logits,
+                                   cudaStream_t stream) {
+  return Rows(logits, rows, vocab, targets, ignore_index, row_loss, row_flag,
+              loss_scale, d_logits, stream);
+}
+
+cudaError_t LaunchCrossEntropyRows(float* logits, int64_t rows, int64_t vocab,
+                                   const int32_t* targets, int32_t ignore_index,
+                                   double* row_loss, int32_t* row_flag,
+                                   float loss_scale, uint16_t* d_logits,
+                                   cudaStream_t stream) {
+  return Rows(logits, rows, vocab, targets, ignore_index, row_loss, row_flag,
+              loss_scale, d_logits, stream);
+}
+
+cudaError_t LaunchCrossEntropyReduce(const double* row_loss,
+                                     const int32_t* row_flag, int64_t tokens,
+                                     void* result, cudaStream_t stream) {
+  CrossEntropyReduceKernel<<<1, kReduceThreads, 0, stream>>>(
+      row_loss, row_flag, tokens, static_cast<DeviceResult*>(result));
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace kernels
+}  // namespace shardd

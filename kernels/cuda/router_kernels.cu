@@ -1,0 +1,218 @@
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels/cuda/device_math.h"
+#include "kernels/cuda/router_kernels.h"
+
+namespace shardd {
+namespace kernels {
+namespace cuda {
+namespace {
+
+constexpr float kMinDenominator = 1e-20f;  // as kernels/cpu/router.cc
+constexpr int kWarpsPerBlock = 8;
+constexpr int kThreads = 32 * kWarpsPerBlock;
+constexpr int kPerLane = kRouterMaxExperts / 32;
+constexpr int64_t kMaxBlocks = 65535;
+
+int GridFor(int64_t tokens) {
+  return static_cast<int>(std::min<int64_t>(
+      (tokens + kWarpsPerBlock - 1) / kWarpsPerBlock, kMaxBlocks));
+}
+
+// Selection key: probabilities are in [0, 1], so NaN ranks below every real
+// one (-1) and taken experts below that (-2). Among equal keys the lower
+// expert wins, so with finite probabilities the selection equals the CPU's
+// stable insertion, and an all-NaN row selects experts 0..K-1 as the CPU does.
+__device__ __forceinline__ float SelectionKey(float p) {
+  return isnan(p) ? -1.0f : p;
+}
+
+__device__ __forceinline__ bool Better(float key_a, int index_a, float key_b,
+                                       int index_b) {
+  return key_a > key_b || (key_a == key_b && index_a < index_b);
+}
+
+// One warp per token; lane l holds experts l, l + 32, ... in registers.
+__global__ void __launch_bounds__(kThreads) RouterSoftmaxTopKKernel(
+    float* __restrict__ probs, int64_t tokens, int experts, int top_k,
+    int32_t* __restrict__ indices, float* __restrict__ weights,
+    int32_t* __restrict__ saved_indices, float* __restrict__ denom) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock +
+                   (threadIdx.x >> 5);
+       t < tokens; t += warp_stride) {
+    float* row = probs + t * experts;
+    float v[kPerLane];
+    float max_v = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int e = lane + 32 * j;
+      v[j] = e < experts ? row[e] : -INFINITY;
+      max_v = fmaxf(max_v, v[j]);
+    }
+    max_v = WarpMax(max_v);
+    // A NaN logit makes the CPU's sum, hence every probability, NaN; fmaxf
+    // skips NaN, and the exp below then propagates it the same way.
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int e = lane + 32 * j;
+      v[j] = e < experts ? expf(v[j] - max_v) : 0.0f;
+      sum += v[j];
+    }
+    sum = WarpSum(sum);
+    const float inv_sum = 1.0f / sum;
+    uint32_t taken = 0;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int e = lane + 32 * j;
+      v[j] *= inv_sum;
+      if (e < experts) {
+        row[e] = v[j];
+      } else {
+        taken |= 1u << j;  // padding is never selected
+      }
+    }
+
+    // K rounds of a warp argmax; lane k keeps the k-th pick.
+    int my_index = 0;
+    float my_value = 0.0f;
+    for (int k = 0; k < top_k; ++k) {
+      float best_key = -2.0f;
+      int best_index = INT32_MAX;
+      float best_value = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) {
+        const int e = lane + 32 * j;
+        if (!(taken & (1u << j))) {
+          const float key = SelectionKey(v[j]);
+          if (Better(key, e, best_key, best_index)) {
+            best_key = key;
+            best_index = e;
+            best_value = v[j];
+          }
+        }
+      }
+      for (int offset = 16; offset > 0; offset >>= 1) {
+        const float other_key = __shfl_xor_sync(0xFFFFFFFFu, best_key, offset);
+        const int other_index =
+            __shfl_xor_sync(0xFFFFFFFFu, best_index, offset);
+        const float other_value =
+            __shfl_xor_sync(0xFFFFFFFFu, best_value, offset);
+        if (Better(other_key, other_index, best_key, best_index)) {
+          best_key = other_key;
+          best_index = other_index;
+          best_value = other_value;
+        }
+      }
+      if ((best_index & 31) == lane) taken |= 1u << (best_index >> 5);
+      if (lane == k) {
+        my_index = best_index;
+        my_value = best_value;
+      }
+    }
+
+    // Renormalize; the sum runs in pick order like the CPU loop.
+    float picked_sum = 0.0f;
+    for (int k = 0; k < top_k; ++k) {
+      picked_sum += __shfl_sync(0xFFFFFFFFu, my_value, k);
+    }
+    const float d = picked_sum > kMinDenominator ? picked_sum : kMinDenominator;
+    const float inv_d = 1.0f / d;
+    if (lane < top_k) {
+      const int64_t slot = t * top_k + lane;
+      indices[slot] = my_index;
+      saved_indices[slot] = my_index;
+      weights[slot] = my_value * inv_d;
+    }
+    if (lane == 0) denom[t] = d;
+  }
+}
+
+// One warp per token. With w_j = p_j / S (S the clamped sum of the picks):
+//   dp_j = (dw_j - sum_i dw_i w_i) / S  (S constant when it was clamped),
+//   dlogit_e = p_e (dp_e - sum_j p_j dp_j),
+// evaluated in the CPU kernel's order.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    RouterDLogitsKernel(const float* __restrict__ probs,
+                        const int32_t* __restrict__ saved_indices,
+                        const float* __restrict__ denom,
+                        const float* __restrict__ d_weights, int64_t tokens,
+                        int experts, int top_k, T* __restrict__ d_logits) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock +
+                   (threadIdx.x >> 5);
+       t < tokens; t += warp_stride) {
+    const float* p = probs + t * experts;
+    const int32_t* idx = saved_indices + t * top_k;
+    const float* dwt = d_weights + t * top_k;
+    const float inv = 1.0f / denom[t];
+    float raw_sum = 0.0f;
+    for (int j = 0; j < top_k; ++j) raw_sum += p[idx[j]];
+    float dot = 0.0f;
+    if (raw_sum > kMinDenominator) {
+      for (int j = 0; j < top_k; ++j) dot += dwt[j] * p[idx[j]] * inv;
+    }
+    float inner = 0.0f;
+    for (int j = 0; j < top_k; ++j) inner += p[idx[j]] * (dwt[j] - dot) * inv;
+    T* dl = d_logits + t * experts;
+    for (int e = lane; e < experts; e += 32) {
+      const float pe = p[e];
+      float value = -pe * inner;
+      for (int j = 0; j < top_k; ++j) {
+        if (idx[j] == e) value += pe * (dwt[j] - dot) * inv;
+      }
+      StoreFromFloat(dl + e, value);
+    }
+  }
+}
+
+template <typename T>
+cudaError_t DLogits(const float* probs, const int32_t* saved_indices,
+                    const float* denom, const float* d_weights, int64_t tokens,
+                    int64_t experts, int64_t top_k, T* d_logits,
+                    cudaStream_t stream) {
+  RouterDLogitsKernel<T><<<GridFor(tokens), kThreads, 0, stream>>>(
+      probs, saved_indices, denom, d_weights, tokens, static_cast<int>(experts),
+      static_cast<int>(top_k), d_logits);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t LaunchRouterSoftmaxTopK(float* probs, int64_t tokens,
+                                    int64_t experts, int64_t top_k,
+                                    int32_t* indices, float* weights,
+                                    int32_t* saved_indices, float* denom,
+                                    cudaStream_t stream) {
+  RouterSoftmaxTopKKernel<<<GridFor(tokens), kThreads, 0, stream>>>(
+      probs, tokens, static_cast<int>(experts), static_cast<int>(top_k),
+      indices, weights, saved_indices, denom);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchRouterDLogits(const float* probs,
+                                const int32_t* saved_indices,
+                                const float* denom, const float* d_weights,
+                                int64_t tokens, int64_t experts, int64_t top_k,
+                                float* d_logits, cudaStream_t stream) {
+  return DLogits(probs, saved_indices, denom, d_weights, tokens, experts, top_k,
+                 d_logits, stream);
+}
+
+cudaError_t LaunchRouterDLogits(const float* probs,
+                                const int32_t* saved_indices,
+                                const float* denom, const float* d_weights,
+                                int64_t tokens, int64_t experts, int64_t top_k,
+                                uint16_t* d_logits, cudaStream_t stream) {
+  return DLogits(probs, saved_indices, denom, d_weights, tokens, experts, top_k,
+                 d_logits, stream);
+}
+
+}  // namespace cuda
+}  // namespace kernels
+}  // namespace shardd
