@@ -20,7 +20,8 @@ std::chrono::system_clock::time_point DeadlineIn(absl::Duration timeout) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Connect(
-    absl::string_view address, absl::Duration timeout) {
+    absl::string_view address, absl::Duration timeout,
+    const ChannelSecurity& security) {
   if (address.empty()) {
     return absl::InvalidArgumentError(
         "coordinator: address required (HOST:PORT)");
@@ -31,8 +32,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Connect(
   grpc::ChannelArguments args;
   // Plans for very large worlds can exceed gRPC's 4 MiB default.
   args.SetMaxReceiveMessageSize(-1);
-  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
-      std::string(address), grpc::InsecureChannelCredentials(), args);
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> secure_channel =
+      CreateSecureChannel(std::string(address), security, args);
+  if (!secure_channel.ok()) return secure_channel.status();
+  std::shared_ptr<grpc::Channel> channel = *std::move(secure_channel);
   if (!channel->WaitForConnected(DeadlineIn(timeout))) {
     return absl::UnavailableError(
         absl::StrFormat("coordinator at %s: not reachable within %s", address,

@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "common/grpc_security.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/coordinator.grpc.pb.h"
 #include "proto/health.grpc.pb.h"
@@ -20,12 +21,15 @@ namespace shardd {
 
 class CoordinatorClient {
  public:
-  // Opens a channel to `address` ("host:port") and waits until it is
+  // Opens a channel to `address` ("host:port") with `security` (TLS, and
+  // the client token sent with every call) and waits until it is
   // connected, at most `timeout`.
-  // Errors: INVALID_ARGUMENT (empty address, timeout <= 0), UNAVAILABLE
-  // (not connected within the timeout; the message names the address).
+  // Errors: INVALID_ARGUMENT (empty address, timeout <= 0, bad TLS files
+  // naming the flag), UNAVAILABLE (not connected within the timeout, e.g.
+  // a TLS handshake failure; the message names the address).
   static absl::StatusOr<std::unique_ptr<CoordinatorClient>> Connect(
-      absl::string_view address, absl::Duration timeout = absl::Seconds(10));
+      absl::string_view address, absl::Duration timeout = absl::Seconds(10),
+      const ChannelSecurity& security = ChannelSecurity());
 
   CoordinatorClient(const CoordinatorClient&) = delete;
   CoordinatorClient& operator=(const CoordinatorClient&) = delete;

@@ -19,6 +19,7 @@
 #include "client/plan_printer.h"
 #include "client/shardctl_args.h"
 #include "client/train_report.h"
+#include "common/grpc_security.h"
 #include "google/protobuf/util/json_util.h"
 #include "nlohmann/json.hpp"
 #include "server/coordinator_service.h"
@@ -98,10 +99,31 @@ class LocalBackend final : public Backend {
   CoordinatorService service_;
 };
 
+// The channel security the flags ask for; reads the token file.
+absl::StatusOr<ChannelSecurity> SecurityOf(const ShardctlArgs& args) {
+  ChannelSecurity security;
+  security.tls_ca_file = args.tls_ca_file;
+  security.tls_cert_file = args.tls_cert_file;
+  security.tls_key_file = args.tls_key_file;
+  if (!args.token_file.empty()) {
+    absl::StatusOr<std::string> token =
+        ReadTokenFile(args.token_file, "--token-file");
+    if (!token.ok()) return token.status();
+    security.bearer_token = *std::move(token);
+  }
+  return security;
+}
+
+absl::StatusOr<std::unique_ptr<CoordinatorClient>> ConnectTo(
+    const ShardctlArgs& args) {
+  absl::StatusOr<ChannelSecurity> security = SecurityOf(args);
+  if (!security.ok()) return security.status();
+  return CoordinatorClient::Connect(args.coordinator, args.timeout, *security);
+}
+
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const ShardctlArgs& args) {
   if (args.coordinator.empty()) return std::make_unique<LocalBackend>();
-  absl::StatusOr<std::unique_ptr<CoordinatorClient>> client =
-      CoordinatorClient::Connect(args.coordinator, args.timeout);
+  absl::StatusOr<std::unique_ptr<CoordinatorClient>> client = ConnectTo(args);
   if (!client.ok()) return client.status();
   (*client)->set_call_timeout(args.timeout);
   return std::make_unique<RemoteBackend>(*std::move(client));
@@ -281,7 +303,7 @@ absl::Status RunStatus(const ShardctlArgs& args, Backend* backend,
 
 absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
   absl::StatusOr<std::unique_ptr<CoordinatorClient>> connected =
-      CoordinatorClient::Connect(args.coordinator, args.timeout);
+      ConnectTo(args);
   if (!connected.ok()) return connected.status();
   CoordinatorClient& client = **connected;
   client.set_call_timeout(args.timeout);
@@ -438,6 +460,7 @@ int RunShardctl(const std::vector<std::string>& argv, std::ostream& out,
         << "\nRun 'shardctl --help' for usage.\n";
     return kShardctlUsage;
   }
+  if (args->token_file.empty()) args->token_file = environment.token_file;
   if (args->command == ShardctlCommand::kHelp) {
     out << ShardctlUsage(args->help_for);
     return kShardctlOk;

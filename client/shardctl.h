@@ -20,6 +20,8 @@ struct ShardctlEnvironment {
   // `out` is a terminal: train draws a progress line instead of printing
   // plain lines.
   bool out_is_tty = false;
+  // $SHARDD_TOKEN_FILE: the client token file when --token-file is absent.
+  std::string token_file;
 };
 
 // Runs shardctl with `argv` (without the program name). Results go to `out`;

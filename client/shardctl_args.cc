@@ -134,19 +134,27 @@ absl::string_view CommandName(ShardctlCommand command) {
 
 // Flags without a value.
 const std::set<std::string>& BoolFlags() {
-  static const auto* flags = new std::set<std::string>{
-      "--json", "--defer-grad-sync", "--no-mixed-precision",
-      "--keep-compute-shard", "--timeline",
-      "--fine-grained"};
+  static const auto* flags = new std::set<std::string>{"--json",
+                                                       "--defer-grad-sync",
+                                                       "--no-mixed-precision",
+                                                       "--keep-compute-shard",
+                                                       "--timeline",
+                                                       "--fine-grained"};
   return *flags;
 }
 
 const std::set<std::string>& FlagsOf(ShardctlCommand command) {
-  static const auto* strategies =
-      new std::set<std::string>{"--coordinator", "--timeout", "--json"};
-  static const auto* status =
-      new std::set<std::string>{"--coordinator", "--timeout", "--json"};
+  static const auto* strategies = new std::set<std::string>{
+      "--coordinator", "--timeout", "--json",      "--tls-ca",
+      "--tls-cert",    "--tls-key", "--token-file"};
+  static const auto* status = new std::set<std::string>{
+      "--coordinator", "--timeout", "--json",      "--tls-ca",
+      "--tls-cert",    "--tls-key", "--token-file"};
   static const auto* plan = new std::set<std::string>{"--coordinator",
+                                                      "--tls-ca",
+                                                      "--tls-cert",
+                                                      "--tls-key",
+                                                      "--token-file",
                                                       "--timeout",
                                                       "--json",
                                                       "--hf-config",
@@ -168,6 +176,10 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                                       "--device-memory"};
   static const auto* train =
       new std::set<std::string>{"--coordinator",
+                                "--tls-ca",
+                                "--tls-cert",
+                                "--tls-key",
+                                "--token-file",
                                 "--timeout",
                                 "--json",
                                 "--model",
@@ -218,6 +230,15 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
   if (flag == "--coordinator") {
     if (value.empty()) return Usage("--coordinator: expected HOST:PORT");
     args->coordinator = value;
+  } else if (flag == "--tls-ca" || flag == "--tls-cert" ||
+             flag == "--tls-key" || flag == "--token-file") {
+    if (value.empty())
+      return Usage(absl::StrCat(flag, ": expected a file path"));
+    std::string& field = flag == "--tls-ca"     ? args->tls_ca_file
+                         : flag == "--tls-cert" ? args->tls_cert_file
+                         : flag == "--tls-key"  ? args->tls_key_file
+                                                : args->token_file;
+    field = value;
   } else if (flag == "--timeout") {
     double seconds = 0;
     if (!absl::SimpleAtod(value, &seconds) || !(seconds > 0) ||
@@ -481,7 +502,8 @@ absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
         for (const char* fixed :
              {"--dp", "--replicate", "--strategy", "--passes",
               "--no-grad-passes", "--no-mixed-precision",
-              "--keep-compute-shard", "--reshard-after-forward", "--fwd-prefetch", "--bwd-prefetch"}) {
+              "--keep-compute-shard", "--reshard-after-forward",
+              "--fwd-prefetch", "--bwd-prefetch"}) {
           if (seen.count(fixed) > 0) {
             return Usage(absl::StrCat(
                 "train: ", fixed,
@@ -520,6 +542,11 @@ architectures shardd can read from a Hugging Face config.json. Without
   --coordinator HOST:PORT  ask a running shardd-coordinator
   --timeout SECONDS        connect and call deadline (default 30)
   --json                   print the response as JSON
+Security (with --coordinator):
+  --tls-ca FILE                CA that verifies the coordinator (TLS)
+  --tls-cert FILE, --tls-key FILE   client certificate (mutual TLS)
+  --token-file FILE            client bearer token, first line (default:
+                               $SHARDD_TOKEN_FILE)
 )";
     case ShardctlCommand::kPlan:
       return R"(Usage: shardctl plan (--hf-config FILE | --model FILE) --dp N [options]
@@ -566,6 +593,11 @@ Output:
   --timeline                   include the live-memory timeline (JSON)
   --coordinator HOST:PORT      plan on a running shardd-coordinator
   --timeout SECONDS            connect and call deadline (default 30)
+Security (with --coordinator):
+  --tls-ca FILE                CA that verifies the coordinator (TLS)
+  --tls-cert FILE, --tls-key FILE   client certificate (mutual TLS)
+  --token-file FILE            client bearer token, first line (default:
+                               $SHARDD_TOKEN_FILE)
 )";
     case ShardctlCommand::kStatus:
       return R"(Usage: shardctl status --coordinator HOST:PORT [--json]
@@ -576,6 +608,11 @@ training jobs.
   --coordinator HOST:PORT  the coordinator (required)
   --timeout SECONDS        connect and call deadline (default 30)
   --json                   print the response as JSON
+Security (with --coordinator):
+  --tls-ca FILE                CA that verifies the coordinator (TLS)
+  --tls-cert FILE, --tls-key FILE   client certificate (mutual TLS)
+  --token-file FILE            client bearer token, first line (default:
+                               $SHARDD_TOKEN_FILE)
 )";
     case ShardctlCommand::kTrain:
       return R"(Usage: shardctl train --coordinator HOST:PORT (--model FILE | --model-id ID) [options]
@@ -631,6 +668,11 @@ Output:
   --watch-timeout SECONDS      give up when no event arrives for this long
                                (default 600)
   --timeout SECONDS            connect and call deadline (default 30)
+Security (with --coordinator):
+  --tls-ca FILE                CA that verifies the coordinator (TLS)
+  --tls-cert FILE, --tls-key FILE   client certificate (mutual TLS)
+  --token-file FILE            client bearer token, first line (default:
+                               $SHARDD_TOKEN_FILE)
 )";
     case ShardctlCommand::kHelp:
       break;

@@ -28,6 +28,13 @@ struct ShardctlArgs {
   std::string coordinator;
   // Connect and per-call deadline.
   absl::Duration timeout = absl::Seconds(30);
+  // Security of the connection to the coordinator: --tls-ca (set: TLS),
+  // --tls-cert/--tls-key (client certificate for mutual TLS) and
+  // --token-file (the client bearer token; default: $SHARDD_TOKEN_FILE).
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string token_file;
   bool json = false;
 
   // plan: exactly one of the two is set; train: model_path or model_id.

@@ -19,6 +19,20 @@ absl::StatusOr<ShardctlArgs> Parse(std::vector<std::string> args) {
   return ParseShardctlArgs(args);
 }
 
+TEST(ShardctlArgsTest, SecurityFlags) {
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      ShardctlArgs args,
+      Parse({"status", "--coordinator", "h:1", "--tls-ca", "ca.pem",
+             "--tls-cert=c.pem", "--tls-key", "c.key", "--token-file", "t"}));
+  EXPECT_EQ(args.tls_ca_file, "ca.pem");
+  EXPECT_EQ(args.tls_cert_file, "c.pem");
+  EXPECT_EQ(args.tls_key_file, "c.key");
+  EXPECT_EQ(args.token_file, "t");
+  EXPECT_THAT(
+      Parse({"status", "--coordinator", "h:1", "--token-file="}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--token-file")));
+}
+
 TEST(ShardctlArgsTest, PlanWithEveryFlag) {
   SHARDD_ASSERT_OK_AND_ASSIGN(ShardctlArgs args,
                               Parse({"plan",

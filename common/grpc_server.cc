@@ -24,7 +24,11 @@ absl::StatusOr<RunningServer> StartGrpcServer(
 
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(address,
+                           options.credentials != nullptr
+                               ? options.credentials
+                               : grpc::InsecureServerCredentials(),
+                           &port);
   builder.SetMaxReceiveMessageSize(options.max_receive_message_bytes);
   builder.SetMaxSendMessageSize(options.max_send_message_bytes);
   for (grpc::Service* service : services) builder.RegisterService(service);

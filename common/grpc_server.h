@@ -19,6 +19,9 @@ struct GrpcServerOptions {
   std::string address = "127.0.0.1:0";
   int max_receive_message_bytes = 256 << 20;
   int max_send_message_bytes = 256 << 20;
+  // TLS or plaintext (common/grpc_security.h MakeServerCredentials); null:
+  // plaintext.
+  std::shared_ptr<grpc::ServerCredentials> credentials;
 };
 
 struct RunningServer {

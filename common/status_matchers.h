@@ -50,6 +50,15 @@ MATCHER_P(StatusIs, code, "has code " + testing::PrintToString(code)) {
   return status.code() == code;
 }
 
+// A StatusOr that is OK and whose value matches `value_matcher`.
+MATCHER_P(IsOkAndHolds, value_matcher, "is OK and holds a matching value") {
+  if (!arg.ok()) {
+    *result_listener << "status " << arg.status().ToString();
+    return false;
+  }
+  return testing::ExplainMatchResult(value_matcher, *arg, result_listener);
+}
+
 }  // namespace shardd
 
 #define SHARDD_ASSERT_OK(expr) ASSERT_THAT((expr), ::shardd::IsOk())

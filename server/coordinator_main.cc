@@ -2,6 +2,8 @@
 //
 //   shardd-coordinator --listen=127.0.0.1:0 --data-dir=/tmp/shardd
 //       [--workers=4] [--heartbeat-timeout=10s] [--collective-timeout=60s]
+//       [--tls-cert=F --tls-key=F [--tls-client-ca=F]]
+//       [--client-token-file=F] [--worker-token-file=F] [--worker-tls-ca=F]
 //
 // Prints "shardd-coordinator listening on HOST:PORT" on stderr once serving
 // and writes the bound port to DATA_DIR/coordinator.port. SIGTERM or SIGINT
@@ -27,6 +29,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "common/grpc_security.h"
 #include "common/logging.h"
 #include "server/coordinator_server.h"
 #include "server/coordinator_service.h"
@@ -51,6 +54,22 @@ ABSL_FLAG(absl::Duration, collective_timeout, absl::Seconds(60),
           "collective; every worker RPC of a job gets this plus 30s");
 ABSL_FLAG(int, max_pending_jobs, 16,
           "Training jobs queued or running at once; more are refused");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain to serve TLS with (with --tls-key); also "
+          "the client certificate shown to workers that require one");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle: require client certificates signed by it (mutual "
+          "TLS); needs --tls-cert");
+ABSL_FLAG(std::string, client_token_file, "",
+          "File whose first line is the bearer token clients (shardctl) must "
+          "send; empty: client calls need no token");
+ABSL_FLAG(std::string, worker_token_file, "",
+          "File whose first line is the bearer token workers must send; the "
+          "coordinator also sends it to workers; empty: none");
+ABSL_FLAG(std::string, worker_tls_ca, "",
+          "PEM CA bundle that verifies the workers' certificates; set: "
+          "connect to workers over TLS");
 ABSL_FLAG(int, shutdown_grace_ms, 5000,
           "How long in-flight calls may finish after SIGTERM/SIGINT");
 
@@ -82,6 +101,13 @@ absl::Status WritePortFile(const std::filesystem::path& dir, int port) {
                                             error.message()));
   }
   return absl::OkStatus();
+}
+
+// The first line of a token file named by `flag`, or "" when unset.
+absl::StatusOr<std::string> TokenFromFlag(const std::string& path,
+                                          absl::string_view flag) {
+  if (path.empty()) return std::string();
+  return ReadTokenFile(path, flag);
 }
 
 int Run() {
@@ -151,19 +177,56 @@ int Run() {
     return 2;
   }
 
+  absl::StatusOr<std::string> client_token = TokenFromFlag(
+      absl::GetFlag(FLAGS_client_token_file), "--client-token-file");
+  absl::StatusOr<std::string> worker_token = TokenFromFlag(
+      absl::GetFlag(FLAGS_worker_token_file), "--worker-token-file");
+  for (const absl::Status& status :
+       {client_token.status(), worker_token.status()}) {
+    if (!status.ok()) {
+      std::fprintf(stderr, "shardd-coordinator: %s\n",
+                   std::string(status.message()).c_str());
+      return 2;
+    }
+  }
+  ChannelSecurity worker_channel;
+  worker_channel.bearer_token = *worker_token;
+  worker_channel.tls_ca_file = absl::GetFlag(FLAGS_worker_tls_ca);
+  if (!worker_channel.tls_ca_file.empty()) {
+    // Workers with --tls-client-ca need a client certificate: ours.
+    worker_channel.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+    worker_channel.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  }
+  // Checks the CA now rather than at the first job (--tls-cert and
+  // --tls-key are checked when the server starts).
+  if (!worker_channel.tls_ca_file.empty()) {
+    if (absl::StatusOr<std::string> ca =
+            ReadSecurityFile(worker_channel.tls_ca_file, "--worker-tls-ca");
+        !ca.ok()) {
+      std::fprintf(stderr, "shardd-coordinator: %s\n",
+                   std::string(ca.status().message()).c_str());
+      return 2;
+    }
+  }
+
   std::unique_ptr<StrategyRegistry> registry =
       StrategyRegistry::CreateWithBuiltins();
   CoordinatorServiceOptions service_options;
   service_options.max_models = absl::GetFlag(FLAGS_max_models);
   service_options.max_workers = absl::GetFlag(FLAGS_workers);
   service_options.heartbeat_timeout = heartbeat_timeout;
-  service_options.worker_clients = GrpcWorkerClientFactory();
+  service_options.worker_clients = GrpcWorkerClientFactory(worker_channel);
   service_options.jobs.collective_timeout = collective_timeout;
   service_options.jobs.max_pending_jobs = absl::GetFlag(FLAGS_max_pending_jobs);
   CoordinatorService service(registry.get(), service_options);
 
   CoordinatorServerOptions server_options;
   server_options.listen_address = absl::GetFlag(FLAGS_listen);
+  server_options.security.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  server_options.security.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  server_options.security.tls_client_ca_file =
+      absl::GetFlag(FLAGS_tls_client_ca);
+  server_options.authorizer = Authorizer(*client_token, *worker_token);
   absl::StatusOr<std::unique_ptr<CoordinatorServer>> server =
       CoordinatorServer::Start(server_options, &service);
   if (!server.ok()) {

@@ -46,8 +46,13 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
         "max_receive_message_bytes, max_send_message_bytes: must be >= 1");
   }
 
-  auto grpc_service = std::make_unique<GrpcCoordinatorService>(service);
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      MakeServerCredentials(options.security);
+  if (!credentials.ok()) return credentials.status();
+  auto grpc_service =
+      std::make_unique<GrpcCoordinatorService>(service, options.authorizer);
   GrpcServerOptions grpc_options;
+  grpc_options.credentials = *std::move(credentials);
   grpc_options.address = options.listen_address;
   grpc_options.max_receive_message_bytes = options.max_receive_message_bytes;
   grpc_options.max_send_message_bytes = options.max_send_message_bytes;

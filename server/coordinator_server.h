@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/grpc_security.h"
 #include "grpcpp/grpcpp.h"
 #include "server/coordinator_service.h"
 #include "server/grpc_coordinator_service.h"
@@ -24,6 +25,10 @@ struct CoordinatorServerOptions {
   int max_receive_message_bytes = 32 << 20;
   // Plans for very large worlds list per-rank rows and can be big.
   int max_send_message_bytes = 1 << 30;
+  // TLS of the listening port (default: plaintext).
+  ServerSecurity security;
+  // Bearer tokens the calls must carry (default: none required).
+  Authorizer authorizer;
 };
 
 class CoordinatorServer {
@@ -31,7 +36,8 @@ class CoordinatorServer {
   // Builds and starts the server. `service` is not owned and must outlive
   // the server.
   // Errors: INVALID_ARGUMENT (listen_address not HOST:PORT with a port in
-  // 0..65535, or a message size < 1), UNAVAILABLE (cannot bind the address).
+  // 0..65535, a message size < 1, or bad TLS files, naming the flag),
+  // UNAVAILABLE (cannot bind the address).
   static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(
       const CoordinatorServerOptions& options, CoordinatorService* service);
 

@@ -25,6 +25,21 @@ grpc::ServerUnaryReactor* Reply(grpc::CallbackServerContext* context,
   return reactor;
 }
 
+// Null when `authorizer` lets the call through; else the call's reactor,
+// finished with the refusal.
+grpc::ServerUnaryReactor* Refused(const Authorizer& authorizer,
+                                  grpc::CallbackServerContext* context,
+                                  Authorizer::Role role) {
+  absl::Status status = authorizer.Check(*context, role);
+  if (status.ok()) return nullptr;
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+constexpr Authorizer::Role kClientRole = Authorizer::Role::kClient;
+constexpr Authorizer::Role kWorkerRole = Authorizer::Role::kWorker;
+
 // A stream that ends at once with a status (WatchStep refused).
 class FinishedWriteReactor final
     : public grpc::ServerWriteReactor<v1::StepEvent> {
@@ -366,8 +381,10 @@ using grpc_coordinator_internal::ShuttingDown;
 using grpc_coordinator_internal::StartWaiting;
 using grpc_coordinator_internal::WatchReactor;
 
-GrpcCoordinatorService::GrpcCoordinatorService(CoordinatorService* service)
+GrpcCoordinatorService::GrpcCoordinatorService(CoordinatorService* service,
+                                               Authorizer authorizer)
     : service_(service),
+      authorizer_(std::move(authorizer)),
       waiting_(std::make_shared<WaitingCalls>()),
       watches_(std::make_shared<WatchStreams>()) {}
 
@@ -394,18 +411,30 @@ grpc::ServerUnaryReactor* GrpcCoordinatorService::ListStrategies(
     grpc::CallbackServerContext* context,
     const v1::ListStrategiesRequest* request,
     v1::ListStrategiesResponse* response) {
+  if (grpc::ServerUnaryReactor* refused =
+          Refused(authorizer_, context, kClientRole)) {
+    return refused;
+  }
   return Reply(context, service_->ListStrategies(*request), response);
 }
 
 grpc::ServerUnaryReactor* GrpcCoordinatorService::SubmitModel(
     grpc::CallbackServerContext* context, const v1::SubmitModelRequest* request,
     v1::SubmitModelResponse* response) {
+  if (grpc::ServerUnaryReactor* refused =
+          Refused(authorizer_, context, kClientRole)) {
+    return refused;
+  }
   return Reply(context, service_->SubmitModel(*request), response);
 }
 
 grpc::ServerUnaryReactor* GrpcCoordinatorService::GetPlan(
     grpc::CallbackServerContext* context, const v1::GetPlanRequest* request,
     v1::GetPlanResponse* response) {
+  if (grpc::ServerUnaryReactor* refused =
+          Refused(authorizer_, context, kClientRole)) {
+    return refused;
+  }
   return Reply(context, service_->GetPlan(*request), response);
 }
 
@@ -413,24 +442,40 @@ grpc::ServerUnaryReactor* GrpcCoordinatorService::RegisterWorker(
     grpc::CallbackServerContext* context,
     const v1::RegisterWorkerRequest* request,
     v1::RegisterWorkerResponse* response) {
+  if (grpc::ServerUnaryReactor* refused =
+          Refused(authorizer_, context, kWorkerRole)) {
+    return refused;
+  }
   return Reply(context, service_->RegisterWorker(*request), response);
 }
 
 grpc::ServerUnaryReactor* GrpcCoordinatorService::Heartbeat(
     grpc::CallbackServerContext* context, const v1::HeartbeatRequest* request,
     v1::HeartbeatResponse* response) {
+  if (grpc::ServerUnaryReactor* refused =
+          Refused(authorizer_, context, kWorkerRole)) {
+    return refused;
+  }
   return Reply(context, service_->Heartbeat(*request), response);
 }
 
 grpc::ServerUnaryReactor* GrpcCoordinatorService::Put(
     grpc::CallbackServerContext* context, const v1::PutRequest* request,
     v1::PutResponse* response) {
+  if (grpc::ServerUnaryReactor* refused =
+          Refused(authorizer_, context, kWorkerRole)) {
+    return refused;
+  }
   return Reply(context, service_->Put(*request), response);
 }
 
 grpc::ServerUnaryReactor* GrpcCoordinatorService::Get(
-    grpc::CallbackServerContext* /*context*/, const v1::GetRequest* request,
+    grpc::CallbackServerContext* context, const v1::GetRequest* request,
     v1::GetResponse* response) {
+  if (grpc::ServerUnaryReactor* refused =
+          Refused(authorizer_, context, kWorkerRole)) {
+    return refused;
+  }
   CoordinatorService* service = service_;
   return StartWaiting<v1::GetResponse>(
       waiting_, response,
@@ -443,12 +488,20 @@ grpc::ServerUnaryReactor* GrpcCoordinatorService::Get(
 grpc::ServerUnaryReactor* GrpcCoordinatorService::Delete(
     grpc::CallbackServerContext* context, const v1::DeleteRequest* request,
     v1::DeleteResponse* response) {
+  if (grpc::ServerUnaryReactor* refused =
+          Refused(authorizer_, context, kWorkerRole)) {
+    return refused;
+  }
   return Reply(context, service_->Delete(*request), response);
 }
 
 grpc::ServerUnaryReactor* GrpcCoordinatorService::Barrier(
-    grpc::CallbackServerContext* /*context*/, const v1::BarrierRequest* request,
+    grpc::CallbackServerContext* context, const v1::BarrierRequest* request,
     v1::BarrierResponse* response) {
+  if (grpc::ServerUnaryReactor* refused =
+          Refused(authorizer_, context, kWorkerRole)) {
+    return refused;
+  }
   CoordinatorService* service = service_;
   return StartWaiting<v1::BarrierResponse>(
       waiting_, response,
@@ -461,12 +514,19 @@ grpc::ServerUnaryReactor* GrpcCoordinatorService::Barrier(
 grpc::ServerUnaryReactor* GrpcCoordinatorService::SubmitStep(
     grpc::CallbackServerContext* context, const v1::SubmitStepRequest* request,
     v1::SubmitStepResponse* response) {
+  if (grpc::ServerUnaryReactor* refused =
+          Refused(authorizer_, context, kClientRole)) {
+    return refused;
+  }
   return Reply(context, service_->SubmitStep(*request), response);
 }
 
 grpc::ServerWriteReactor<v1::StepEvent>* GrpcCoordinatorService::WatchStep(
-    grpc::CallbackServerContext* /*context*/,
-    const v1::WatchStepRequest* request) {
+    grpc::CallbackServerContext* context, const v1::WatchStepRequest* request) {
+  if (absl::Status status = authorizer_.Check(*context, kClientRole);
+      !status.ok()) {
+    return new FinishedWriteReactor(ToGrpcStatus(status));
+  }
   absl::StatusOr<StepWatch> watch = service_->WatchStep(*request);
   if (!watch.ok())
     return new FinishedWriteReactor(ToGrpcStatus(watch.status()));
@@ -489,6 +549,10 @@ grpc::ServerUnaryReactor* GrpcCoordinatorService::SaveCheckpoint(
     grpc::CallbackServerContext* context,
     const v1::SaveCheckpointRequest* request,
     v1::SaveCheckpointResponse* response) {
+  if (grpc::ServerUnaryReactor* refused =
+          Refused(authorizer_, context, kClientRole)) {
+    return refused;
+  }
   return Reply(context, service_->SaveCheckpoint(*request), response);
 }
 
@@ -496,6 +560,10 @@ grpc::ServerUnaryReactor* GrpcCoordinatorService::LoadCheckpoint(
     grpc::CallbackServerContext* context,
     const v1::LoadCheckpointRequest* request,
     v1::LoadCheckpointResponse* response) {
+  if (grpc::ServerUnaryReactor* refused =
+          Refused(authorizer_, context, kClientRole)) {
+    return refused;
+  }
   return Reply(context, service_->LoadCheckpoint(*request), response);
 }
 
@@ -503,12 +571,20 @@ grpc::ServerUnaryReactor* GrpcCoordinatorService::ListCheckpoints(
     grpc::CallbackServerContext* context,
     const v1::ListCheckpointsRequest* request,
     v1::ListCheckpointsResponse* response) {
+  if (grpc::ServerUnaryReactor* refused =
+          Refused(authorizer_, context, kClientRole)) {
+    return refused;
+  }
   return Reply(context, service_->ListCheckpoints(*request), response);
 }
 
 grpc::ServerUnaryReactor* GrpcCoordinatorService::GetStatus(
     grpc::CallbackServerContext* context, const v1::GetStatusRequest* request,
     v1::GetStatusResponse* response) {
+  if (grpc::ServerUnaryReactor* refused =
+          Refused(authorizer_, context, kClientRole)) {
+    return refused;
+  }
   return Reply(context, service_->GetStatus(*request), response);
 }
 

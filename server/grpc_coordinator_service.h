@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <memory>
 
+#include "common/grpc_security.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/coordinator.grpc.pb.h"
 #include "server/coordinator_service.h"
@@ -22,8 +23,12 @@ namespace shardd {
 class GrpcCoordinatorService final : public v1::Coordinator::CallbackService {
  public:
   // `service` is not owned and must outlive this object and the server it is
-  // registered with.
-  explicit GrpcCoordinatorService(CoordinatorService* service);
+  // registered with. `authorizer` checks every call's bearer token first:
+  // the worker token for RegisterWorker, Heartbeat, Put, Get, Delete and
+  // Barrier, the client token for the rest; a refused call ends with
+  // UNAUTHENTICATED or PERMISSION_DENIED without reaching `service`.
+  explicit GrpcCoordinatorService(CoordinatorService* service,
+                                  Authorizer authorizer = Authorizer());
   ~GrpcCoordinatorService() override;
 
   GrpcCoordinatorService(const GrpcCoordinatorService&) = delete;
@@ -102,6 +107,7 @@ class GrpcCoordinatorService final : public v1::Coordinator::CallbackService {
 
  private:
   CoordinatorService* service_;  // Not owned.
+  const Authorizer authorizer_;
   std::shared_ptr<WaitingCalls> waiting_;
   std::shared_ptr<WatchStreams> watches_;
 };

@@ -31,7 +31,7 @@ absl::StatusOr<Response> Invoke(const WorkerCallOptions& options,
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<WorkerClient>> GrpcWorkerClient::Create(
-    const std::string& address) {
+    const std::string& address, const ChannelSecurity& security) {
   const size_t colon = address.rfind(':');
   if (address.empty() || colon == std::string::npos || colon == 0 ||
       colon + 1 == address.size()) {
@@ -45,10 +45,11 @@ absl::StatusOr<std::unique_ptr<WorkerClient>> GrpcWorkerClient::Create(
   // Each worker gets its own connection even when addresses share a
   // host, so one slow worker does not share a transport with another.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
-      address, grpc::InsecureChannelCredentials(), args);
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
+      CreateSecureChannel(address, security, args);
+  if (!channel.ok()) return channel.status();
   return std::unique_ptr<WorkerClient>(
-      new GrpcWorkerClient(address, std::move(channel)));
+      new GrpcWorkerClient(address, *std::move(channel)));
 }
 
 GrpcWorkerClient::GrpcWorkerClient(std::string address,
@@ -89,9 +90,9 @@ absl::StatusOr<v1::GetStatsResponse> GrpcWorkerClient::GetStats(
       });
 }
 
-WorkerClientFactory GrpcWorkerClientFactory() {
-  return [](const std::string& address) {
-    return GrpcWorkerClient::Create(address);
+WorkerClientFactory GrpcWorkerClientFactory(ChannelSecurity security) {
+  return [security = std::move(security)](const std::string& address) {
+    return GrpcWorkerClient::Create(address, security);
   };
 }
 

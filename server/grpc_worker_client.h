@@ -10,6 +10,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/grpc_security.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/worker.grpc.pb.h"
 #include "server/worker_client.h"
@@ -19,9 +20,12 @@ namespace shardd {
 class GrpcWorkerClient final : public WorkerClient {
  public:
   // Opens a channel to `address` ("host:port"); it connects lazily, on the
-  // first call. Errors: INVALID_ARGUMENT (empty address or no ':port').
+  // first call, with `security` (TLS to the worker, and the worker token
+  // the coordinator presents). Errors: INVALID_ARGUMENT (empty address or no
+  // ':port', or bad TLS files, naming the flag).
   static absl::StatusOr<std::unique_ptr<WorkerClient>> Create(
-      const std::string& address);
+      const std::string& address,
+      const ChannelSecurity& security = ChannelSecurity());
 
   const std::string& address() const override { return address_; }
 
@@ -45,8 +49,9 @@ class GrpcWorkerClient final : public WorkerClient {
   std::unique_ptr<v1::Worker::Stub> stub_;
 };
 
-// A WorkerClientFactory making GrpcWorkerClients.
-WorkerClientFactory GrpcWorkerClientFactory();
+// A WorkerClientFactory making GrpcWorkerClients with `security`.
+WorkerClientFactory GrpcWorkerClientFactory(
+    ChannelSecurity security = ChannelSecurity());
 
 }  // namespace shardd
 

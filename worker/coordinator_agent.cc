@@ -132,12 +132,13 @@ absl::StatusOr<std::unique_ptr<CoordinatorAgent>> CoordinatorAgent::Start(
               std::min(100, max_backoff_ms));
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, std::min(100, max_backoff_ms));
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, max_backoff_ms);
-  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
-      options.coordinator, grpc::InsecureChannelCredentials(), args);
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
+      CreateSecureChannel(options.coordinator, options.security, args);
+  if (!channel.ok()) return channel.status();
 
   const absl::Time give_up = absl::Now() + options.connect_timeout;
   std::unique_ptr<CoordinatorAgent> agent(
-      new CoordinatorAgent(std::move(options), std::move(channel)));
+      new CoordinatorAgent(std::move(options), *std::move(channel)));
   if (absl::Status status = agent->RegisterUntil(give_up); !status.ok()) {
     return status;
   }

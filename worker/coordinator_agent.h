@@ -27,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/grpc_security.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/coordinator.grpc.pb.h"
 #include "worker/kv_client.h"
@@ -45,6 +46,8 @@ struct AgentRegistration {
 struct CoordinatorAgentOptions {
   // host:port of the coordinator.
   std::string coordinator;
+  // TLS to the coordinator and the worker token sent with every call.
+  ChannelSecurity security;
   // host:port of this worker's Worker service, as others should dial it.
   std::string address;
   std::string device = "cpu";

@@ -32,11 +32,16 @@ grpc::ServerUnaryReactor* UseRunCommand(grpc::CallbackServerContext* context,
           "a whole program with Execute")));
 }
 
+constexpr Authorizer::Role kWorkerRole = Authorizer::Role::kWorker;
+
 }  // namespace
 
 GrpcWorkerService::GrpcWorkerService(WorkerRuntime* runtime,
-                                     std::function<void()> on_shutdown)
-    : runtime_(runtime), on_shutdown_(std::move(on_shutdown)) {
+                                     std::function<void()> on_shutdown,
+                                     Authorizer authorizer)
+    : runtime_(runtime),
+      on_shutdown_(std::move(on_shutdown)),
+      authorizer_(std::move(authorizer)) {
   SHARDD_CHECK(runtime_ != nullptr);
   thread_ = std::thread([this] { Loop(); });
 }
@@ -109,6 +114,10 @@ void GrpcWorkerService::Loop() {
 grpc::ServerUnaryReactor* GrpcWorkerService::LoadPlan(
     grpc::CallbackServerContext* context, const v1::LoadPlanRequest* request,
     v1::LoadPlanResponse* response) {
+  if (absl::Status status = authorizer_.Check(*context, kWorkerRole);
+      !status.ok()) {
+    return Finish(context, status);
+  }
   return Enqueue(context, [this, request, response]() -> absl::Status {
     absl::StatusOr<v1::LoadPlanResponse> result =
         runtime_->LoadPlan(*request, kv_client());
@@ -121,6 +130,10 @@ grpc::ServerUnaryReactor* GrpcWorkerService::LoadPlan(
 grpc::ServerUnaryReactor* GrpcWorkerService::Execute(
     grpc::CallbackServerContext* context, const v1::ExecuteRequest* request,
     v1::ExecuteResponse* response) {
+  if (absl::Status status = authorizer_.Check(*context, kWorkerRole);
+      !status.ok()) {
+    return Finish(context, status);
+  }
   return Enqueue(context, [this, request, response]() -> absl::Status {
     absl::StatusOr<v1::ExecuteResponse> result = runtime_->Execute(*request);
     if (!result.ok()) return result.status();
@@ -132,6 +145,10 @@ grpc::ServerUnaryReactor* GrpcWorkerService::Execute(
 grpc::ServerUnaryReactor* GrpcWorkerService::RunCommand(
     grpc::CallbackServerContext* context, const v1::RunCommandRequest* request,
     v1::ExecuteResponse* response) {
+  if (absl::Status status = authorizer_.Check(*context, kWorkerRole);
+      !status.ok()) {
+    return Finish(context, status);
+  }
   return Enqueue(context, [this, request, response]() -> absl::Status {
     absl::StatusOr<v1::ExecuteResponse> result = runtime_->RunCommand(*request);
     if (!result.ok()) return result.status();
@@ -143,30 +160,50 @@ grpc::ServerUnaryReactor* GrpcWorkerService::RunCommand(
 grpc::ServerUnaryReactor* GrpcWorkerService::Unshard(
     grpc::CallbackServerContext* context, const v1::UnitRequest*,
     v1::CommandResponse*) {
+  if (absl::Status status = authorizer_.Check(*context, kWorkerRole);
+      !status.ok()) {
+    return Finish(context, status);
+  }
   return UseRunCommand(context, "Unshard", "UNSHARD");
 }
 
 grpc::ServerUnaryReactor* GrpcWorkerService::Reshard(
     grpc::CallbackServerContext* context, const v1::UnitRequest*,
     v1::CommandResponse*) {
+  if (absl::Status status = authorizer_.Check(*context, kWorkerRole);
+      !status.ok()) {
+    return Finish(context, status);
+  }
   return UseRunCommand(context, "Reshard", "RESHARD");
 }
 
 grpc::ServerUnaryReactor* GrpcWorkerService::ReduceScatter(
     grpc::CallbackServerContext* context, const v1::UnitRequest*,
     v1::CommandResponse*) {
+  if (absl::Status status = authorizer_.Check(*context, kWorkerRole);
+      !status.ok()) {
+    return Finish(context, status);
+  }
   return UseRunCommand(context, "ReduceScatter", "REDUCE_SCATTER");
 }
 
 grpc::ServerUnaryReactor* GrpcWorkerService::ExpertForward(
     grpc::CallbackServerContext* context, const v1::ExpertForwardRequest*,
     v1::ExpertForwardResponse*) {
+  if (absl::Status status = authorizer_.Check(*context, kWorkerRole);
+      !status.ok()) {
+    return Finish(context, status);
+  }
   return UseRunCommand(context, "ExpertForward", "FORWARD EXPERTS");
 }
 
 grpc::ServerUnaryReactor* GrpcWorkerService::GetStats(
     grpc::CallbackServerContext* context, const v1::GetStatsRequest*,
     v1::GetStatsResponse* response) {
+  if (absl::Status status = authorizer_.Check(*context, kWorkerRole);
+      !status.ok()) {
+    return Finish(context, status);
+  }
   *response = runtime_->GetStats();
   return Finish(context, absl::OkStatus());
 }
@@ -174,6 +211,10 @@ grpc::ServerUnaryReactor* GrpcWorkerService::GetStats(
 grpc::ServerUnaryReactor* GrpcWorkerService::Shutdown(
     grpc::CallbackServerContext* context, const v1::ShutdownRequest*,
     v1::ShutdownResponse*) {
+  if (absl::Status status = authorizer_.Check(*context, kWorkerRole);
+      !status.ok()) {
+    return Finish(context, status);
+  }
   grpc::ServerUnaryReactor* reactor = Finish(context, absl::OkStatus());
   if (on_shutdown_) on_shutdown_();
   return reactor;

@@ -24,6 +24,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "common/grpc_security.h"
 #include "proto/worker.grpc.pb.h"
 #include "worker/kv_client.h"
 #include "worker/worker_runtime.h"
@@ -34,8 +35,11 @@ class GrpcWorkerService final : public v1::Worker::CallbackService {
  public:
   // `runtime` is not owned and must outlive the service. `on_shutdown` runs
   // (once per Shutdown RPC) after the reply is queued; the owner stops the
-  // server from another thread.
-  GrpcWorkerService(WorkerRuntime* runtime, std::function<void()> on_shutdown);
+  // server from another thread. `authorizer` checks every call for the
+  // worker token (the coordinator presents it) before anything runs; a
+  // refused call ends with UNAUTHENTICATED or PERMISSION_DENIED.
+  GrpcWorkerService(WorkerRuntime* runtime, std::function<void()> on_shutdown,
+                    Authorizer authorizer = Authorizer());
   // Stop().
   ~GrpcWorkerService() override;
 
@@ -99,6 +103,7 @@ class GrpcWorkerService final : public v1::Worker::CallbackService {
 
   WorkerRuntime* const runtime_;
   const std::function<void()> on_shutdown_;
+  const Authorizer authorizer_;
 
   absl::Mutex mu_;
   KeyValueClient* kv_ ABSL_GUARDED_BY(mu_) = nullptr;

@@ -8,6 +8,8 @@
 //   shardd-worker --listen=127.0.0.1:0 --device=cpu
 //       [--coordinator=HOST:PORT] [--port_file=PATH]
 //       [--collective_bind=127.0.0.1]
+//       [--tls_cert=F --tls_key=F [--tls_client_ca=F]] [--tls_ca=F]
+//       [--worker_token_file=F]
 //
 // Exits 1 when the coordinator cannot be reached within
 // --coordinator_timeout. The port file is written once the worker is serving
@@ -32,6 +34,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/match.h"
 #include "absl/time/time.h"
+#include "common/grpc_security.h"
 #include "common/grpc_server.h"
 #include "common/logging.h"
 #include "worker/coordinator_agent.h"
@@ -50,13 +53,28 @@ ABSL_FLAG(std::string, advertise_address, "",
           "the bound --listen address; set it when listening on 0.0.0.0)");
 ABSL_FLAG(int, requested_rank, -1,
           "rank to ask the coordinator for (-1: any; the coordinator decides)");
-ABSL_FLAG(std::string, device, "cpu", "cpu or cuda:N");
+ABSL_FLAG(std::string, device, "cpu",
+          "cpu (cuda:N is recognised and refused until the GPU step "
+          "executor lands)");
 ABSL_FLAG(std::string, port_file, "",
           "if set, the bound port is written here once serving");
 ABSL_FLAG(std::string, collective_bind, "127.0.0.1",
           "address this worker's Gloo endpoints listen on; the other workers "
           "must reach it (set a routable address for multi-host jobs)");
 ABSL_FLAG(bool, log_json, false, "log one JSON object per line");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain to serve TLS with (with --tls_key); also "
+          "the client certificate shown to a coordinator that requires one");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle: require client certificates signed by it (mutual "
+          "TLS); needs --tls_cert");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA bundle that verifies the coordinator; set: connect to it "
+          "over TLS");
+ABSL_FLAG(std::string, worker_token_file, "",
+          "File whose first line is the worker bearer token: sent to the "
+          "coordinator and required from callers of this worker");
 
 namespace {
 
@@ -95,6 +113,18 @@ int main(int argc, char** argv) {
                  device.c_str());
     return 2;
   }
+  if (device != "cpu") {
+    // Refuse rather than train on the CPU under a GPU's name: the CUDA
+    // kernels, NCCL communicator and device allocator exist (kernels/cuda,
+    // worker/nccl_communicator.h, worker/device_allocator.h) but the step
+    // executor does not run on them yet.
+    std::fprintf(stderr,
+                 "shardd-worker: --device %s: this worker runs step programs "
+                 "on the CPU only (--device cpu); the GPU step executor is "
+                 "not part of this build yet\n",
+                 device.c_str());
+    return 2;
+  }
 
   shardd::WorkerRuntimeOptions runtime_options;
   runtime_options.bind_address = absl::GetFlag(FLAGS_collective_bind);
@@ -103,10 +133,37 @@ int main(int argc, char** argv) {
                  "shardd-worker: --collective_bind must not be empty\n");
     return 2;
   }
+  std::string worker_token;
+  if (const std::string path = absl::GetFlag(FLAGS_worker_token_file);
+      !path.empty()) {
+    absl::StatusOr<std::string> token =
+        shardd::ReadTokenFile(path, "--worker-token-file");
+    if (!token.ok()) {
+      std::fprintf(stderr, "shardd-worker: %s\n",
+                   std::string(token.status().message()).c_str());
+      return 2;
+    }
+    worker_token = *std::move(token);
+  }
+  shardd::ServerSecurity server_security;
+  server_security.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  server_security.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  server_security.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      shardd::MakeServerCredentials(server_security);
+  if (!credentials.ok()) {
+    std::fprintf(stderr, "shardd-worker: %s\n",
+                 std::string(credentials.status().message()).c_str());
+    return 2;
+  }
+
   shardd::WorkerRuntime runtime(runtime_options);
-  shardd::GrpcWorkerService service(&runtime, [] { g_stop.store(true); });
+  shardd::GrpcWorkerService service(
+      &runtime, [] { g_stop.store(true); },
+      shardd::Authorizer(/*client_token=*/"", worker_token));
   shardd::GrpcServerOptions options;
   options.address = absl::GetFlag(FLAGS_listen);
+  options.credentials = *std::move(credentials);
   auto running = shardd::StartGrpcServer(options, {&service});
   if (!running.ok()) {
     std::fprintf(stderr, "shardd-worker: %s\n",
@@ -120,6 +177,13 @@ int main(int argc, char** argv) {
   if (!coordinator.empty()) {
     shardd::CoordinatorAgentOptions agent_options;
     agent_options.coordinator = coordinator;
+    agent_options.security.tls_ca_file = absl::GetFlag(FLAGS_tls_ca);
+    if (!agent_options.security.tls_ca_file.empty()) {
+      // A coordinator with --tls-client-ca needs a client certificate.
+      agent_options.security.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+      agent_options.security.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+    }
+    agent_options.security.bearer_token = worker_token;
     agent_options.address = absl::GetFlag(FLAGS_advertise_address).empty()
                                 ? running->address
                                 : absl::GetFlag(FLAGS_advertise_address);

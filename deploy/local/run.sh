@@ -8,13 +8,16 @@
 #
 # Knobs (environment): SHARDD_WORKERS (4), SHARDD_STEPS (300),
 # SHARDD_TRAIN_ARGS (extra `shardctl train` flags, e.g. "--microbatches 2
-# --defer-grad-sync" or "--fine-grained").
+# --defer-grad-sync" or "--fine-grained"), SHARDD_TLS (1: every endpoint
+# serves mutual TLS with a throwaway CA from tools/make_test_certs.sh, and
+# clients and workers present their bearer tokens; 0: plaintext, no tokens).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 workers=${SHARDD_WORKERS:-4}
 steps=${SHARDD_STEPS:-300}
 read -r -a extra_args <<<"${SHARDD_TRAIN_ARGS:-}"
+tls=${SHARDD_TLS:-1}
 
 tools/setup.sh
 bazel build //server:shardd-coordinator //worker:shardd-worker //client:shardctl
@@ -77,8 +80,29 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
+coordinator_security=()
+worker_security=()
+client_security=()
+if [[ "$tls" == 1 ]]; then
+  certs="$workdir/certs"
+  tools/make_test_certs.sh "$certs"
+  # One certificate for every process (all on 127.0.0.1); the tokens tell
+  # clients from workers.
+  coordinator_security=(--tls-cert="$certs/server.pem"
+    --tls-key="$certs/server.key" --tls-client-ca="$certs/ca.pem"
+    --client-token-file="$certs/client.token"
+    --worker-token-file="$certs/worker.token" --worker-tls-ca="$certs/ca.pem")
+  worker_security=(--tls-cert="$certs/server.pem" --tls-key="$certs/server.key"
+    --tls-client-ca="$certs/ca.pem" --tls-ca="$certs/ca.pem"
+    --worker-token-file="$certs/worker.token")
+  client_security=(--tls-ca "$certs/ca.pem" --tls-cert "$certs/client.pem"
+    --tls-key "$certs/client.key" --token-file "$certs/client.token")
+  echo "== mutual TLS and bearer tokens on (test CA in $certs; SHARDD_TLS=0: off)"
+fi
+
 "$bin/server/shardd-coordinator" --listen=127.0.0.1:0 \
   --data-dir="$workdir/data" --workers="$workers" \
+  "${coordinator_security[@]}" \
   2>"$workdir/coordinator.log" &
 pids+=($!)
 
@@ -101,12 +125,17 @@ echo "== coordinator at $addr (--workers $workers)"
 
 for i in $(seq 0 $((workers - 1))); do
   "$bin/worker/shardd-worker" --coordinator="$addr" --listen=127.0.0.1:0 \
-    --device=cpu --requested-rank="$i" \
+    --device=cpu --requested-rank="$i" "${worker_security[@]}" \
     2>"$workdir/worker$i.log" &
   pids+=($!)
 done
 
-shardctl() { "$bin/client/shardctl" "$@"; }
+# The security flags go after the command name.
+shardctl() {
+  local command="$1"
+  shift
+  "$bin/client/shardctl" "$command" "${client_security[@]}" "$@"
+}
 
 # Wait (bounded) until every worker registered and heartbeats.
 live=0
