@@ -34,6 +34,7 @@
 #include "server/coordinator_server.h"
 #include "server/coordinator_service.h"
 #include "server/grpc_worker_client.h"
+#include "server/state_store.h"
 #include "server/strategy_registry.h"
 #include "server/worker_registry.h"
 
@@ -209,9 +210,24 @@ int Run() {
     }
   }
 
+  // Durable state: models and plans survive a restart (kill -9 included)
+  // with the same --data-dir.
+  std::unique_ptr<StateStore> state;
+  if (!data_dir.empty()) {
+    absl::StatusOr<std::unique_ptr<StateStore>> opened =
+        StateStore::Open((data_dir / "state.db").string());
+    if (!opened.ok()) {
+      std::fprintf(stderr, "shardd-coordinator: --data-dir: %s\n",
+                   opened.status().ToString().c_str());
+      return 1;
+    }
+    state = *std::move(opened);
+  }
+
   std::unique_ptr<StrategyRegistry> registry =
       StrategyRegistry::CreateWithBuiltins();
   CoordinatorServiceOptions service_options;
+  service_options.state = state.get();
   service_options.max_models = absl::GetFlag(FLAGS_max_models);
   service_options.max_workers = absl::GetFlag(FLAGS_workers);
   service_options.heartbeat_timeout = heartbeat_timeout;

@@ -164,7 +164,42 @@ CoordinatorService::CoordinatorService(const StrategyRegistry* registry,
       kv_(options_.kv),
       barriers_(options_.barriers),
       jobs_(std::make_unique<JobRunner>(&workers_, options_.worker_clients,
-                                        options_.jobs)) {}
+                                        options_.jobs)) {
+  LoadStoredModels();
+}
+
+void CoordinatorService::LoadStoredModels() {
+  if (options_.state == nullptr) return;
+  absl::StatusOr<std::vector<std::pair<std::string, std::string>>> rows =
+      options_.state->List("models");
+  if (!rows.ok()) {
+    SHARDD_LOG(ERROR) << "cannot read stored models from "
+                      << options_.state->path() << ": " << rows.status();
+    return;
+  }
+  absl::MutexLock lock(&mu_);
+  for (const auto& [model_id, bytes] : *rows) {
+    v1::StoredModelRecord record;
+    if (!record.ParseFromString(bytes)) {
+      // Never silently: the operator must see that a model is missing.
+      SHARDD_LOG(ERROR) << "stored model " << model_id
+                        << " does not parse; it is not loaded";
+      continue;
+    }
+    StoredModel stored;
+    stored.name = record.name();
+    stored.options = std::move(*record.mutable_options());
+    stored.summary = Summarize(record.spec());
+    stored.spec = std::move(*record.mutable_spec());
+    stored.plan = std::move(*record.mutable_plan());
+    stored.bytes = stored.spec.ByteSizeLong() + stored.plan.ByteSizeLong();
+    stored_bytes_ += stored.bytes;
+    models_.emplace(model_id, std::move(stored));
+    order_.push_back(model_id);
+  }
+  SHARDD_LOG(INFO) << "loaded " << order_.size() << " stored models from "
+                   << options_.state->path();
+}
 
 CoordinatorService::~CoordinatorService() { Shutdown(); }
 
@@ -270,6 +305,24 @@ absl::StatusOr<v1::SubmitModelResponse> CoordinatorService::SubmitModel(
           "models: storing this model and plan (", stored.bytes,
           " bytes) would exceed the limit of ", options_.max_stored_bytes,
           " bytes for stored models (", stored_bytes_, " in use)"));
+    }
+    if (options_.state != nullptr) {
+      // Durable before acknowledged (and before other callers see it).
+      v1::StoredModelRecord record;
+      record.set_name(stored.name);
+      *record.mutable_spec() = stored.spec;
+      *record.mutable_options() = stored.options;
+      *record.mutable_plan() = stored.plan;
+      std::string bytes;
+      if (!record.SerializeToString(&bytes)) {
+        return absl::InternalError("cannot serialize the model record");
+      }
+      const absl::Status saved = options_.state->Put("models", model_id, bytes);
+      if (!saved.ok()) {
+        return absl::UnavailableError(
+            absl::StrCat("the model could not be stored durably: ",
+                         saved.message()));
+      }
     }
     stored_bytes_ += stored.bytes;
     it = models_.emplace(model_id, std::move(stored)).first;

@@ -33,6 +33,7 @@
 #include "server/job_runner.h"
 #include "server/kv_store.h"
 #include "server/sharding_planner.h"
+#include "server/state_store.h"
 #include "server/strategy_registry.h"
 #include "server/worker_client.h"
 #include "server/worker_registry.h"
@@ -66,6 +67,10 @@ struct CoordinatorServiceOptions {
   WorkerClientFactory worker_clients;
   // Job limits, the collective timeout sent to workers, RPC deadlines.
   JobRunnerOptions jobs;
+  // Durable state (not owned; may be null: nothing survives a restart).
+  // With a store, a submitted model is acknowledged only once it is
+  // durable, and the service starts with the models stored there.
+  StateStore* state = nullptr;
 };
 
 // What WatchStep streams: a job's event log and the position of the first
@@ -107,7 +112,8 @@ class CoordinatorService {
   // architecture, bad spec; bad plan options such as dp 0 or an unknown
   // strategy -- the message names the field), RESOURCE_EXHAUSTED (the model
   // description is larger than max_model_bytes, max_models are stored, or
-  // storing it would exceed max_stored_bytes).
+  // storing it would exceed max_stored_bytes), UNAVAILABLE (the state store
+  // could not make it durable; nothing was stored).
   absl::StatusOr<v1::SubmitModelResponse> SubmitModel(
       const v1::SubmitModelRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -222,6 +228,9 @@ class CoordinatorService {
     v1::ShardingPlan plan;
     size_t bytes = 0;  // Serialized size of spec and plan.
   };
+
+  // Loads the models of options_.state (constructor).
+  void LoadStoredModels();
 
   // Parses and validates the request's source. Errors: as SubmitModel.
   absl::StatusOr<v1::ModelSpec> ParseSource(

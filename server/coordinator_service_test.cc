@@ -1,7 +1,10 @@
 #include "server/coordinator_service.h"
 
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <thread>
@@ -186,6 +189,56 @@ TEST_F(CoordinatorServiceTest, SubmitSpecStoresPlanAndSummary) {
   EXPECT_EQ(stored.plan().SerializeAsString(),
             response.plan().SerializeAsString());
   EXPECT_EQ(stored.summary().total_params(), kTinyParams);
+}
+
+// With a StateStore, models and plans outlive the service: a new service
+// on the reopened store (a restarted coordinator) answers GetPlan and lists
+// them in the same order, with the first submission's name.
+TEST_F(CoordinatorServiceTest, StoredModelsSurviveARestart) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string path =
+      absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/coordinator_state_",
+                   getpid(), ".db");
+  std::string first_id;
+  std::string second_plan;
+  {
+    SHARDD_ASSERT_OK_AND_ASSIGN(auto state, StateStore::Open(path));
+    CoordinatorServiceOptions options;
+    options.state = state.get();
+    auto service = MakeService(options);
+    v1::SubmitModelRequest a = SpecRequest(TinySpec(), 2);
+    a.set_name("first");
+    SHARDD_ASSERT_OK_AND_ASSIGN(auto ra, service->SubmitModel(a));
+    first_id = ra.model_id();
+    v1::SubmitModelRequest b = SpecRequest(TinySpec(), 4);
+    b.set_name("second");
+    SHARDD_ASSERT_OK_AND_ASSIGN(auto rb, service->SubmitModel(b));
+    second_plan = rb.plan().SerializeAsString();
+    EXPECT_THAT(state->List("models"),
+                IsOkAndHolds(::testing::SizeIs(2)));
+  }
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto state, StateStore::Open(path));
+  CoordinatorServiceOptions options;
+  options.state = state.get();
+  auto restarted = MakeService(options);
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::GetStatusResponse status,
+                              restarted->GetStatus(v1::GetStatusRequest()));
+  ASSERT_EQ(status.models_size(), 2);
+  EXPECT_EQ(status.models(0).model_id(), first_id);
+  EXPECT_EQ(status.models(0).name(), "first");
+  EXPECT_EQ(status.models(1).name(), "second");
+  v1::GetPlanRequest get;
+  get.set_model_id(status.models(1).model_id());
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::GetPlanResponse plan,
+                              restarted->GetPlan(get));
+  EXPECT_EQ(plan.plan().SerializeAsString(), second_plan);
+  EXPECT_EQ(plan.summary().total_params(), kTinyParams);
+  // Submitting the same content again finds the stored entry.
+  v1::SubmitModelRequest again = SpecRequest(TinySpec(), 2);
+  again.set_name("renamed");
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto ragain, restarted->SubmitModel(again));
+  EXPECT_EQ(ragain.model_id(), first_id);
+  EXPECT_THAT(state->List("models"), IsOkAndHolds(::testing::SizeIs(2)));
 }
 
 TEST_F(CoordinatorServiceTest, SameContentTwiceGivesSameIdAndOneEntry) {

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
@@ -486,9 +487,16 @@ ProcessResult RunProcess(const std::vector<std::string>& argv,
 class SubprocessCoordinatorTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    data_dir_ = absl::StrCat(TempDir(), "/coordinator_data_", getpid(),
-                             "/not/yet/created");
+    static int counter = 0;
+    data_dir_ = absl::StrCat(TempDir(), "/coordinator_data_", getpid(), "_",
+                             ++counter, "/not/yet/created");
     err_path_ = absl::StrCat(TempDir(), "/coordinator_", getpid(), ".err");
+    Start();
+  }
+
+  // Starts the coordinator on data_dir_ and waits for its port file.
+  void Start() {
+    reaped_ = false;
     pid_ = Spawn({kCoordinatorBinary, "--listen=127.0.0.1:0",
                   absl::StrCat("--data-dir=", data_dir_)},
                  absl::StrCat(TempDir(), "/coordinator_", getpid(), ".out"),
@@ -626,6 +634,48 @@ TEST_F(SubprocessCoordinatorTest, ShardctlMatchesInProcessAndStopsOnSigterm) {
   if (code != -2) reaped_ = true;
   EXPECT_EQ(code, 0) << ReadFileOrDie(err_path_);
   EXPECT_FALSE(std::ifstream(data_dir_ + "/coordinator.port").good());
+}
+
+// kill -9 and a restart on the same --data-dir: the stored model and its
+// plan are still there (SQLite state store), and a second coordinator on a
+// directory in use is refused instead of sharing it.
+TEST_F(SubprocessCoordinatorTest, StoredModelsSurviveKillNine) {
+  ProcessResult plan = Shardctl(
+      {"plan", "--model", kTinyMoe, "--dp", "4", "--json", "--coordinator",
+       address_});
+  ASSERT_EQ(plan.exit_code, 0) << plan.err;
+  auto plan_json = nlohmann::json::parse(plan.out, nullptr, false);
+  ASSERT_FALSE(plan_json.is_discarded());
+  const std::string model_id = plan_json["model_id"];
+
+  ProcessResult second = RunProcess(
+      {kCoordinatorBinary, "--listen=127.0.0.1:0",
+       absl::StrCat("--data-dir=", data_dir_)},
+      absl::Seconds(30));
+  EXPECT_EQ(second.exit_code, 1);
+  EXPECT_THAT(second.err, HasSubstr("state.db"));
+
+  ASSERT_EQ(kill(pid_, SIGKILL), 0);
+  ASSERT_EQ(waitpid(pid_, nullptr, 0), pid_);
+  reaped_ = true;
+  // The killed process left its port file behind; the restart rewrites it.
+  std::remove((data_dir_ + "/coordinator.port").c_str());
+  Start();
+  if (HasFatalFailure()) return;
+
+  ProcessResult status =
+      Shardctl({"status", "--coordinator", address_, "--json"});
+  ASSERT_EQ(status.exit_code, 0) << status.err;
+  auto status_json = nlohmann::json::parse(status.out, nullptr, false);
+  ASSERT_FALSE(status_json.is_discarded());
+  ASSERT_EQ(status_json["models"].size(), 1u) << status.out;
+  EXPECT_EQ(status_json["models"][0]["model_id"], model_id);
+  // The plan is served from the store, identical to the first answer.
+  ProcessResult again = Shardctl(
+      {"plan", "--model", kTinyMoe, "--dp", "4", "--json", "--coordinator",
+       address_});
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_EQ(again.out, plan.out);
 }
 
 TEST(CoordinatorBinaryTest, BadFlagsExitWithAMessage) {
