@@ -33,6 +33,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/time/time.h"
 #include "common/grpc_security.h"
 #include "common/grpc_server.h"
@@ -54,8 +55,8 @@ ABSL_FLAG(std::string, advertise_address, "",
 ABSL_FLAG(int, requested_rank, -1,
           "rank to ask the coordinator for (-1: any; the coordinator decides)");
 ABSL_FLAG(std::string, device, "cpu",
-          "cpu (cuda:N is recognised and refused until the GPU step "
-          "executor lands)");
+          "cpu, or cuda:N to run steps on CUDA device N over NCCL (CUDA "
+          "builds only; other builds refuse it)");
 ABSL_FLAG(std::string, port_file, "",
           "if set, the bound port is written here once serving");
 ABSL_FLAG(std::string, collective_bind, "127.0.0.1",
@@ -113,21 +114,30 @@ int main(int argc, char** argv) {
                  device.c_str());
     return 2;
   }
+  int device_ordinal = -1;
   if (device != "cpu") {
-    // Refuse rather than train on the CPU under a GPU's name: the CUDA
-    // kernels, NCCL communicator and device allocator exist (kernels/cuda,
-    // worker/nccl_communicator.h, worker/device_allocator.h) but the step
-    // executor does not run on them yet.
-    std::fprintf(stderr,
-                 "shardd-worker: --device %s: this worker runs step programs "
-                 "on the CPU only (--device cpu); the GPU step executor is "
-                 "not part of this build yet\n",
-                 device.c_str());
-    return 2;
+    if (!absl::SimpleAtoi(device.substr(5), &device_ordinal) ||
+        device_ordinal < 0) {
+      std::fprintf(stderr,
+                   "shardd-worker: --device: expected cuda:N with N a device "
+                   "ordinal >= 0, got '%s'\n",
+                   device.c_str());
+      return 2;
+    }
+    if (!shardd::DeviceStepsSupported()) {
+      // Refuse rather than train on the CPU under a GPU's name.
+      std::fprintf(stderr,
+                   "shardd-worker: --device %s: this worker was built "
+                   "without CUDA and runs step programs on the CPU only "
+                   "(--device cpu; build with --config=cuda for GPUs)\n",
+                   device.c_str());
+      return 2;
+    }
   }
 
   shardd::WorkerRuntimeOptions runtime_options;
   runtime_options.bind_address = absl::GetFlag(FLAGS_collective_bind);
+  runtime_options.device = device_ordinal;
   if (runtime_options.bind_address.empty()) {
     std::fprintf(stderr,
                  "shardd-worker: --collective_bind must not be empty\n");

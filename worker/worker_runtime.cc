@@ -19,8 +19,22 @@
 #include "worker/data/markov_source.h"
 #include "worker/gloo_communicator.h"
 #include "worker/kv_gloo_store.h"
+#include "worker/step_runner.h"
+
+#ifdef SHARDD_WITH_CUDA
+#include "worker/device_step_runner.h"
+#endif
 
 namespace shardd {
+
+bool DeviceStepsSupported() {
+#ifdef SHARDD_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
 namespace {
 
 // A hyper-parameter that must be finite and >= 0; 0 means `fallback`.
@@ -198,7 +212,8 @@ struct WorkerRuntime::Job {
   // Slice groups by size, for units resharded to a smaller group.
   std::map<int, std::unique_ptr<Communicator>> slice_groups;
   // Declared last: destroyed first, while the communicators still exist.
-  std::unique_ptr<StepExecutor> executor;
+  // A device runner owns its own (NCCL) communicators.
+  std::unique_ptr<StepRunner> executor;
 
   // The fine-grained step this runtime believes open (the executor decides;
   // this only checks `step` and `index`).
@@ -221,12 +236,15 @@ void WorkerRuntime::DropJobLocked() {
   if (job_ == nullptr) return;
   {
     absl::MutexLock lock(&stats_mu_);
-    const CommunicatorStats s = job_->shard_group->stats();
-    retired_.all_gather.calls += s.all_gather.calls;
-    retired_.all_gather.bytes += s.all_gather.bytes;
-    retired_.reduce_scatter.calls += s.reduce_scatter.calls;
-    retired_.reduce_scatter.bytes += s.reduce_scatter.bytes;
+    if (live_shard_group_ != nullptr) {
+      const CommunicatorStats s = live_shard_group_->stats();
+      retired_.all_gather.calls += s.all_gather.calls;
+      retired_.all_gather.bytes += s.all_gather.bytes;
+      retired_.reduce_scatter.calls += s.reduce_scatter.calls;
+      retired_.reduce_scatter.bytes += s.reduce_scatter.bytes;
+    }
     live_shard_group_ = nullptr;
+    live_memory_ = nullptr;
   }
   job_.reset();
 }
@@ -247,7 +265,12 @@ absl::Status WorkerRuntime::WithExecutor(
   if (job_ == nullptr) {
     return absl::FailedPreconditionError("no plan loaded: call LoadPlan first");
   }
-  fn(*job_->executor);
+  const StepExecutor* executor = job_->executor->cpu_executor();
+  if (executor == nullptr) {
+    return absl::FailedPreconditionError(
+        "the job's steps run on a GPU: there is no CPU StepExecutor");
+  }
+  fn(*executor);
   return absl::OkStatus();
 }
 
@@ -326,6 +349,43 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::LoadPlan(
           : options_.default_collective_timeout;
   const std::string base =
       absl::StrCat(request.job_id(), "/", request.membership_epoch(), "/");
+  StepExecutorOptions executor_options;
+  executor_options.shard_rank = job->shard_rank;
+  executor_options.replica_rank = job->replica_rank;
+  executor_options.seed = request.seed();
+  executor_options.collective_timeout = timeout;
+  executor_options.adamw.lr = train.lr();
+  executor_options.adamw.beta1 = train.beta1();
+  executor_options.adamw.beta2 = train.beta2();
+  executor_options.adamw.eps = train.eps();
+  executor_options.adamw.weight_decay = train.weight_decay();
+  executor_options.max_grad_norm =
+      train.grad_clip() > 0 ? train.grad_clip() : 0;
+  if (options_.device >= 0) {
+#ifdef SHARDD_WITH_CUDA
+    DeviceStepRunnerOptions device_options;
+    device_options.device = options_.device;
+    device_options.shard_rank = job->shard_rank;
+    device_options.replica_rank = job->replica_rank;
+    device_options.group_prefix = base;
+    device_options.timeout = timeout;
+    device_options.executor = executor_options;
+    absl::StatusOr<std::unique_ptr<StepRunner>> runner =
+        CreateDeviceStepRunner(plan, request.model(), device_options, kv);
+    if (!runner.ok()) {
+      return absl::Status(
+          runner.status().code(),
+          absl::StrCat("rank ", job->rank, ": device cuda:", options_.device,
+                       ": ", runner.status().message()));
+    }
+    job->executor = *std::move(runner);
+    return InstallJobLocked(std::move(job));
+#else
+    return absl::FailedPreconditionError(absl::StrCat(
+        "device cuda:", options_.device,
+        ": this worker was built without CUDA (build with --config=cuda)"));
+#endif
+  }
   KvGlooStore store(kv, timeout);
   auto join = [&](const std::string& prefix, int rank,
                   int size) -> absl::StatusOr<std::unique_ptr<Communicator>> {
@@ -383,9 +443,8 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::LoadPlan(
         job->slice_groups.count(g) != 0) {
       continue;
     }
-    const std::string prefix =
-        absl::StrCat(base, "slice", job->replica_rank, "/g", g, "/q",
-                     job->shard_rank / g);
+    const std::string prefix = absl::StrCat(base, "slice", job->replica_rank,
+                                            "/g", g, "/q", job->shard_rank / g);
     auto group = join(prefix, job->shard_rank % g, g);
     if (!group.ok()) {
       return with_context(group.status(), "slice group " + prefix);
@@ -394,27 +453,26 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::LoadPlan(
     job->slice_groups[g] = *std::move(group);
   }
 
-  StepExecutorOptions executor_options;
-  executor_options.shard_rank = job->shard_rank;
-  executor_options.replica_rank = job->replica_rank;
-  executor_options.seed = request.seed();
-  executor_options.collective_timeout = timeout;
-  executor_options.adamw.lr = train.lr();
-  executor_options.adamw.beta1 = train.beta1();
-  executor_options.adamw.beta2 = train.beta2();
-  executor_options.adamw.eps = train.eps();
-  executor_options.adamw.weight_decay = train.weight_decay();
-  executor_options.max_grad_norm =
-      train.grad_clip() > 0 ? train.grad_clip() : 0;
   SHARDD_ASSIGN_OR_RETURN(
-      job->executor,
+      std::unique_ptr<StepExecutor> executor,
       StepExecutor::Create(plan, request.model(), executor_options,
                            job->shard_group.get(), job->replicas.get(),
                            &tracker_, slice_groups));
+  job->executor = std::make_unique<CpuStepRunner>(
+      std::move(executor), job->shard_group.get(), &tracker_);
+  return InstallJobLocked(std::move(job));
+}
 
+absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::InstallJobLocked(
+    std::unique_ptr<Job> job) {
+  const v1::ShardingPlan& plan = job->plan;
+  const int dp_shard = plan.mesh().dp_shard();
+  const int dp_replicate = plan.mesh().dp_replicate();
   v1::LoadPlanResponse response;
   response.set_shard_bytes(
-      tracker_.Snapshot().live[static_cast<int>(MemoryKind::kShardParams)]);
+      job->executor->memory()
+          ->Snapshot()
+          .live[static_cast<int>(MemoryKind::kShardParams)]);
   response.set_data_entropy_rate(job->entropy_rate);
   SHARDD_LOG(INFO) << "rank " << job->rank << " loaded plan "
                    << plan.fingerprint() << " (job " << job->job_id
@@ -424,7 +482,8 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::LoadPlan(
                    << job->sampler->source().Describe() << ")";
   {
     absl::MutexLock stats_lock(&stats_mu_);
-    live_shard_group_ = job->shard_group.get();
+    live_shard_group_ = job->executor->shard_group();
+    live_memory_ = job->executor->memory();
   }
   job_ = std::move(job);
   return response;
@@ -521,7 +580,7 @@ absl::StatusOr<v1::ExecuteResponse> WorkerRuntime::RunCommand(
   absl::MutexLock lock(&mu_);
   SHARDD_RETURN_IF_ERROR(CheckJobLocked(request.plan_fingerprint()));
   Job& job = *job_;
-  StepExecutor& executor = *job.executor;
+  StepRunner& executor = *job.executor;
   if (request.begin_step()) {
     const v1::StepShape& shape = job.plan.step();
     v1::StepProgram header;
@@ -578,10 +637,11 @@ absl::StatusOr<v1::ExecuteResponse> WorkerRuntime::RunCommand(
 
 v1::GetStatsResponse WorkerRuntime::GetStats() const {
   v1::GetStatsResponse response;
-  const MemorySnapshot memory = tracker_.Snapshot();
+  absl::MutexLock lock(&stats_mu_);
+  const MemorySnapshot memory =
+      (live_memory_ != nullptr ? live_memory_ : &tracker_)->Snapshot();
   response.set_live_bytes(memory.live_total);
   response.set_peak_bytes(memory.peak_total);
-  absl::MutexLock lock(&stats_mu_);
   CommunicatorStats total = retired_;
   if (live_shard_group_ != nullptr) {
     const CommunicatorStats s = live_shard_group_->stats();

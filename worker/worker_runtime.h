@@ -61,6 +61,7 @@
 #include "worker/kv_client.h"
 #include "worker/memory_tracker.h"
 #include "worker/step_executor.h"
+#include "worker/step_runner.h"
 
 namespace shardd {
 
@@ -98,7 +99,14 @@ struct WorkerRuntimeOptions {
   // Used when LoadPlanRequest.collective_timeout_ms is 0.
   absl::Duration default_collective_timeout =
       absl::Milliseconds(kDefaultCollectiveTimeoutMs);
+  // CUDA device ordinal the steps run on (DeviceStepExecutor over NCCL
+  // groups, see device_step_runner.h); -1 runs them on the CPU over Gloo.
+  // A device needs a CUDA build (DeviceStepsSupported()).
+  int device = -1;
 };
+
+// True when this binary was built with the GPU step path (--config=cuda).
+bool DeviceStepsSupported();
 
 class WorkerRuntime {
  public:
@@ -164,13 +172,18 @@ class WorkerRuntime {
   uint64_t plan_fingerprint() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Runs `fn` on the job's executor under the runtime's mutex (tests,
-  // checkpoints). Errors: FAILED_PRECONDITION without a plan.
+  // checkpoints). Errors: FAILED_PRECONDITION without a plan, or when the
+  // job's steps run on a device (no CPU executor).
   absl::Status WithExecutor(absl::FunctionRef<void(const StepExecutor&)> fn)
       const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Job;
 
+  // Publishes a created job (after LoadPlan dropped the old one) and
+  // answers LoadPlan.
+  absl::StatusOr<v1::LoadPlanResponse> InstallJobLocked(
+      std::unique_ptr<Job> job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops the job; its communicators' stats move into the retired totals.
   void DropJobLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FAILED_PRECONDITION unless a healthy job holds `fingerprint`.
@@ -195,6 +208,8 @@ class WorkerRuntime {
   // under both mutexes) and the totals of dropped groups.
   mutable absl::Mutex stats_mu_ ABSL_ACQUIRED_AFTER(mu_);
   const Communicator* live_shard_group_ ABSL_GUARDED_BY(stats_mu_) = nullptr;
+  // The tracker of the job's shard memory (tracker_, or a device's).
+  const MemoryTracker* live_memory_ ABSL_GUARDED_BY(stats_mu_) = nullptr;
   CommunicatorStats retired_ ABSL_GUARDED_BY(stats_mu_);
 };
 

@@ -1,0 +1,221 @@
+#include "worker/shard_layout.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "server/model_util.h"
+#include "worker/param_init.h"
+
+namespace shardd {
+namespace {
+
+// Sorted, merged [begin, end) ranges.
+std::vector<std::pair<int64_t, int64_t>> Merge(
+    std::vector<std::pair<int64_t, int64_t>> ranges) {
+  std::sort(ranges.begin(), ranges.end());
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (const auto& r : ranges) {
+    if (r.first >= r.second) continue;
+    if (!out.empty() && r.first <= out.back().second) {
+      out.back().second = std::max(out.back().second, r.second);
+    } else {
+      out.push_back(r);
+    }
+  }
+  return out;
+}
+
+// Rows [r * rows_per_rank, min((r+1) * rows_per_rank, dim0)) that rank r
+// holds; 0 past the end.
+int64_t ValidRows(int64_t dim0, int64_t rows_per_rank, int r) {
+  return std::max<int64_t>(0,
+                           std::min(rows_per_rank, dim0 - r * rows_per_rank));
+}
+
+}  // namespace
+
+bool IsContiguous(const std::vector<CopySegment>& segments, int64_t numel) {
+  return segments.size() == 1 && segments[0].dst == 0 &&
+         segments[0].count == numel;
+}
+
+absl::StatusOr<std::vector<UnitLayout>> ComputeUnitLayouts(
+    const v1::ShardingPlan& plan, int shard_rank) {
+  const int world = plan.mesh().dp_shard();
+  if (world < 1 || shard_rank < 0 || shard_rank >= world) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shard_rank: must be in [0, ", world, "), got ", shard_rank));
+  }
+  const int r = shard_rank;
+  std::vector<UnitLayout> layouts;
+  layouts.reserve(plan.units_size());
+  for (int u = 0; u < plan.units_size(); ++u) {
+    const v1::FsdpUnit& unit = plan.units(u);
+    UnitLayout layout;
+    layout.world = world;
+    layout.flat = plan.flat_buckets();
+    layout.shard_numel = unit.shard_numel();
+    layout.gathered_numel = unit.gathered_numel();
+    const int64_t shard = layout.shard_numel;
+    if (layout.flat) layout.grad_chunk_numel = shard;
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    bool any_trainable = false;
+    for (int p = 0; p < unit.params_size(); ++p) {
+      const v1::ParamLayout& param = unit.params(p);
+      ParamPlacement placement;
+      placement.name = param.name();
+      placement.index = p;
+      placement.frozen = param.frozen();
+      placement.numel = param.numel();
+      const std::string where = absl::StrCat(
+          "units[", u, "] (", unit.name(), ") parameter '", param.name(), "'");
+      if (layout.flat) {
+        const int64_t offset = param.unsharded_offset();
+        if (offset < 0 || offset + param.numel() > layout.gathered_numel) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, ": falls outside the gathered bucket (",
+                           layout.gathered_numel, " elements)"));
+        }
+        placement.gathered.push_back({offset, 0, param.numel()});
+        if (!param.frozen()) {
+          placement.grad.push_back({0, offset, param.numel()});
+          any_trainable = true;
+          // This rank holds bucket elements [r*S, (r+1)*S).
+          const int64_t own = r * shard;
+          const int64_t begin = std::max(own, offset);
+          const int64_t end = std::min(own + shard, offset + param.numel());
+          if (begin < end) ranges.emplace_back(begin - own, end - own);
+        }
+      } else {
+        if (param.global_shape_size() == 0 || param.global_shape(0) <= 0) {
+          if (param.numel() == 0) {
+            layout.params.push_back(std::move(placement));
+            continue;
+          }
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, ": a dim-0 sharded parameter needs a shape"));
+        }
+        const int64_t dim0 = param.global_shape(0);
+        const int64_t row_numel = param.numel() / dim0;
+        const int64_t rows_per_rank = param.rows_per_rank();
+        if (param.shard_offset() < 0 ||
+            param.shard_offset() + rows_per_rank * row_numel > shard) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, ": falls outside shard_numel (", shard, ")"));
+        }
+        int64_t grad_offset = 0;
+        if (!param.frozen()) {
+          grad_offset = layout.grad_chunk_numel;
+          layout.grad_chunk_numel += rows_per_rank * row_numel;
+          any_trainable = true;
+        }
+        for (int q = 0; q < world; ++q) {
+          const int64_t rows = ValidRows(dim0, rows_per_rank, q);
+          if (rows <= 0) break;
+          const int64_t count = rows * row_numel;
+          const int64_t first = q * rows_per_rank * row_numel;
+          placement.gathered.push_back(
+              {q * shard + param.shard_offset(), first, count});
+          if (!param.frozen()) {
+            // Rank q's chunk offset is added once the chunk size is known.
+            placement.grad.push_back({first, grad_offset, count});
+          }
+        }
+        if (!param.frozen()) {
+          const int64_t rows = ValidRows(dim0, rows_per_rank, r);
+          ranges.emplace_back(param.shard_offset(),
+                              param.shard_offset() + rows * row_numel);
+          // The whole local shard (padding too) comes back reduced.
+          layout.shard_grad.push_back(
+              {grad_offset, param.shard_offset(), rows_per_rank * row_numel});
+        }
+      }
+      layout.params.push_back(std::move(placement));
+    }
+    // Dim-0 gradient segments are one per rank q, in rank order: place
+    // each in rank q's chunk now that the chunk size is known.
+    if (!layout.flat) {
+      for (ParamPlacement& placement : layout.params) {
+        for (size_t q = 0; q < placement.grad.size(); ++q) {
+          placement.grad[q].dst +=
+              static_cast<int64_t>(q) * layout.grad_chunk_numel;
+        }
+      }
+    }
+    if (layout.flat && any_trainable) {
+      layout.shard_grad.push_back({0, 0, shard});
+    }
+    if (!any_trainable) layout.grad_chunk_numel = 0;
+    layout.trainable_ranges = Merge(std::move(ranges));
+    layouts.push_back(std::move(layout));
+  }
+  return layouts;
+}
+
+absl::Status InitMasterShards(const v1::ShardingPlan& plan,
+                              const v1::ModelSpec& model, int shard_rank,
+                              uint64_t seed,
+                              const std::vector<float*>& shards) {
+  const int world = plan.mesh().dp_shard();
+  if (world < 1 || shard_rank < 0 || shard_rank >= world) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shard_rank: must be in [0, ", world, "), got ", shard_rank));
+  }
+  if (static_cast<int>(shards.size()) != plan.units_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shards: need one per unit (", plan.units_size(),
+                     "), got ", shards.size()));
+  }
+  struct Owner {
+    const v1::TensorSpec* tensor;
+    v1::ModuleKind kind;
+  };
+  absl::flat_hash_map<std::string, Owner> owners;
+  for (const ParamRef& ref : ListParams(model)) {
+    owners[ref.fqn] =
+        Owner{ref.tensor,
+              ref.path.empty() ? v1::MODULE_GENERIC : ref.path.back()->kind()};
+  }
+  const int r = shard_rank;
+  for (int u = 0; u < plan.units_size(); ++u) {
+    const v1::FsdpUnit& unit = plan.units(u);
+    const int64_t shard = unit.shard_numel();
+    float* master = shards[u];
+    if (shard > 0) std::memset(master, 0, static_cast<size_t>(shard) * 4);
+    for (const v1::ParamLayout& layout : unit.params()) {
+      auto owner = owners.find(layout.name());
+      if (owner == owners.end()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "plan parameter '", layout.name(), "' is not in the model"));
+      }
+      const InitRule rule =
+          InitRuleFor(*owner->second.tensor, owner->second.kind, layout.name());
+      if (plan.flat_buckets()) {
+        const int64_t own_begin = r * shard;
+        const int64_t begin = std::max(own_begin, layout.unsharded_offset());
+        const int64_t end = std::min(
+            own_begin + shard, layout.unsharded_offset() + layout.numel());
+        if (begin < end) {
+          InitParamRange(seed, layout.name(), rule,
+                         begin - layout.unsharded_offset(), end - begin,
+                         master + (begin - own_begin));
+        }
+      } else {
+        if (layout.global_shape_size() == 0) continue;
+        const int64_t dim0 = layout.global_shape(0);
+        const int64_t row_numel = dim0 > 0 ? layout.numel() / dim0 : 0;
+        const int64_t first_row = r * layout.rows_per_rank();
+        const int64_t valid = ValidRows(dim0, layout.rows_per_rank(), r);
+        if (valid > 0) {
+          InitParamRange(seed, layout.name(), rule, first_row * row_numel,
+                         valid * row_numel, master + layout.shard_offset());
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace shardd

@@ -1,0 +1,88 @@
+#ifndef SHARDD_WORKER_SHARD_LAYOUT_H_
+#define SHARDD_WORKER_SHARD_LAYOUT_H_
+
+// Where each parameter of an FSDP unit lives in the unit's buffers, as
+// element ranges: the arithmetic ShardStore does inline on host memory,
+// factored out (transport- and device-free) for stores that move data with
+// copies they enqueue instead, such as DeviceShardStore. Offsets count
+// elements of the buffer's own dtype.
+//
+//   gathered buffer  [world * shard_numel]   rank r's shard at r * shard_numel
+//   gradient buffer  [world * grad_chunk]    rank r's chunk at r * grad_chunk:
+//                    its trainable parameters' shards back to back (dim-0), or
+//                    the flat bucket's layout (flat buckets)
+//   shard            [shard_numel]           this rank's master shard
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "proto/model.pb.h"
+#include "proto/plan.pb.h"
+
+namespace shardd {
+
+// `count` elements from offset `src` of one buffer to offset `dst` of
+// another.
+struct CopySegment {
+  int64_t src = 0;
+  int64_t dst = 0;
+  int64_t count = 0;
+};
+
+struct ParamPlacement {
+  std::string name;
+  int index = 0;  // In the unit's params.
+  bool frozen = false;
+  int64_t numel = 0;
+  // Gathered buffer -> the contiguous unsharded parameter [numel]. A single
+  // segment with dst 0 and count numel means the parameter is contiguous in
+  // the gathered buffer (a zero-copy view is possible).
+  std::vector<CopySegment> gathered;
+  // The contiguous unsharded parameter -> gradient buffer; empty when
+  // frozen. A single full segment means the gradient is contiguous there.
+  std::vector<CopySegment> grad;
+};
+
+struct UnitLayout {
+  int world = 1;
+  bool flat = false;
+  int64_t shard_numel = 0;
+  int64_t gathered_numel = 0;
+  // Elements per rank of the unsharded gradient buffer (0: nothing
+  // trainable).
+  int64_t grad_chunk_numel = 0;
+  std::vector<ParamPlacement> params;
+  // This rank's reduced gradient chunk -> its sharded fp32 gradient.
+  std::vector<CopySegment> shard_grad;
+  // This rank's trainable, unpadded elements of the shard: sorted, merged
+  // [begin, end) ranges (what the optimizer updates).
+  std::vector<std::pair<int64_t, int64_t>> trainable_ranges;
+};
+
+// One layout per unit of `plan` for shard rank `shard_rank`.
+// Errors: INVALID_ARGUMENT (shard_rank outside [0, dp_shard), a dim-0
+// parameter without a shape, a parameter falling outside its unit's shard
+// or gathered buffer).
+absl::StatusOr<std::vector<UnitLayout>> ComputeUnitLayouts(
+    const v1::ShardingPlan& plan, int shard_rank);
+
+// True when the placement is a single segment covering the whole
+// parameter (`segments` as in ParamPlacement).
+bool IsContiguous(const std::vector<CopySegment>& segments, int64_t numel);
+
+// Writes shard rank `shard_rank`'s fp32 master shard of every unit (padding
+// zero) exactly as ShardStore::Create initialises it (InitParamRange of
+// param_init.h with `seed`). `shards[u]` must hold shard_numel elements of
+// unit u. Errors: INVALID_ARGUMENT (a plan parameter missing from `model`,
+// shard_rank out of range, wrong number of shards).
+absl::Status InitMasterShards(const v1::ShardingPlan& plan,
+                              const v1::ModelSpec& model, int shard_rank,
+                              uint64_t seed, const std::vector<float*>& shards);
+
+}  // namespace shardd
+
+#endif  // SHARDD_WORKER_SHARD_LAYOUT_H_
