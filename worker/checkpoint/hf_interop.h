@@ -1,0 +1,111 @@
+#ifndef SHARDD_WORKER_CHECKPOINT_HF_INTEROP_H_
+#define SHARDD_WORKER_CHECKPOINT_HF_INTEROP_H_
+
+// Hugging Face safetensors checkpoints <-> shardd parameters.
+//
+// HF MoE checkpoints store one Linear per expert; shardd stacks a layer's
+// experts into grouped tensors (server/hf_config.cc):
+//
+//   Qwen3-MoE:
+//   model.layers.L.mlp.experts.E.{gate_proj,up_proj,down_proj}.weight
+//              model.layers.L.mlp.gate.weight (router)
+//   Mixtral:   model.layers.L.block_sparse_moe.experts.E.{w1,w3,w2}.weight
+//              (w1 = gate, w3 = up, w2 = down)
+//              model.layers.L.block_sparse_moe.gate.weight (router)
+//   shardd:    model.layers.L.moe.experts.gate_and_up_projs [E, D, 2I]
+//                (gate^T in columns [0, I), up^T in [I, 2I))
+//              model.layers.L.moe.experts.down_projs        [E, I, D] (down^T)
+//              model.layers.L.moe.gate.weight               [E, D]
+//
+// HF Linear weights are [out, in]: gate/up [I, D], down [D, I]; hence the
+// transposes. Every other tensor keeps its name, shape and bytes. Values are
+// moved bit for bit in their stored dtype (no conversion), so import then
+// export gives back the original bytes.
+//
+// The conversion works on whole tensors in memory: fine for conversion
+// tools and tests; a loader of a large model should instead import once into
+// a shardd checkpoint (ImportHfToCheckpoint) and let each rank read its
+// shard from that.
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace shardd {
+namespace checkpoint {
+
+// A whole tensor in memory, row-major.
+struct HostTensor {
+  std::string name;
+  std::string dtype;  // Safetensors tag.
+  std::vector<int64_t> shape;
+  std::vector<uint8_t> bytes;
+};
+
+enum class HfMoeNaming {
+  kNone,  // No per-expert tensors or routers.
+  kQwen3Moe,
+  kMixtral,
+};
+
+// Reads every tensor of an HF checkpoint. `path` is a .safetensors file, a
+// model.safetensors.index.json (sharded: {"weight_map": {tensor: file}}), or
+// a directory holding either (the index preferred). Returns the tensors
+// sorted by name. Errors: NOT_FOUND (no checkpoint at `path`);
+// INVALID_ARGUMENT (a weight_map file name with "/" or ".."); DATA_LOSS (a
+// malformed index or safetensors file, a tensor the weight_map puts in a
+// file that lacks it, a tensor in a file the weight_map does not list there,
+// a tensor in two files).
+absl::StatusOr<std::vector<HostTensor>> ReadHfTensors(const std::string& path);
+
+// Writes `tensors` as an HF checkpoint into directory `dir` (created if
+// missing): model.safetensors, or, when max_shard_bytes > 0 and the data is
+// larger, model-0000K-of-0000N.safetensors files of at most max_shard_bytes
+// of tensor data each (a larger tensor gets a file of its own) plus
+// model.safetensors.index.json. Tensors are written in the order given, with
+// __metadata__ {"format": "pt"}. Errors: those of WriteSafetensors.
+absl::Status WriteHfTensors(const std::string& dir,
+                            const std::vector<HostTensor>& tensors,
+                            int64_t max_shard_bytes = 0);
+
+// HF names -> shardd: stacks each MoE layer's experts and renames its
+// router; returns the tensors sorted by name and, in `naming`, which naming
+// the input used. Errors: INVALID_ARGUMENT naming the tensor: Qwen3 and
+// Mixtral naming mixed; an expert missing a projection or experts not
+// numbered 0..E-1; expert shapes or dtypes that disagree (gate/up [I, D],
+// down [D, I]); a per-expert tensor of another kind (e.g. a bias); two
+// tensors with one name after conversion.
+absl::StatusOr<std::vector<HostTensor>> HfToShardd(
+    std::vector<HostTensor> tensors, HfMoeNaming* naming = nullptr);
+
+// shardd names -> HF `naming` (the inverse of HfToShardd); sorted by name.
+// Errors: INVALID_ARGUMENT for grouped-expert tensors with naming kNone,
+// shapes that are not [E, D, 2I] / [E, I, D] with matching E, D, I, a layer
+// with only one of the two, or other moe.experts tensors (biases) that
+// these namings have no place for.
+absl::StatusOr<std::vector<HostTensor>> ShardToHf(
+    std::vector<HostTensor> tensors, HfMoeNaming naming);
+
+// ReadHfTensors + HfToShardd, then saves the result as a committed shardd
+// checkpoint of `step` under `root` (one file, one chunk per tensor) that
+// any world size and strategy can load. Returns its path. Errors: those of
+// the parts (BeginCheckpoint, WriteRankFile, CommitCheckpoint).
+absl::StatusOr<std::string> ImportHfToCheckpoint(const std::string& hf_path,
+                                                 const std::string& root,
+                                                 int64_t step = 0);
+
+// Reads the parameters of a committed shardd checkpoint (every tensor
+// without a "/" state suffix), ShardToHf, WriteHfTensors. Errors: those of
+// CheckpointReader (after VerifyAll) and the parts.
+absl::Status ExportCheckpointToHf(const std::string& checkpoint_dir,
+                                  HfMoeNaming naming, const std::string& dir,
+                                  int64_t max_shard_bytes = 0);
+
+}  // namespace checkpoint
+}  // namespace shardd
+
+#endif  // SHARDD_WORKER_CHECKPOINT_HF_INTEROP_H_

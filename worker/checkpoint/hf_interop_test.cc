@@ -1,0 +1,397 @@
+#include "worker/checkpoint/hf_interop.h"
+
+#include <stdlib.h>
+
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_matchers.h"
+#include "gtest/gtest.h"
+#include "worker/checkpoint/checkpoint_reader.h"
+#include "worker/checkpoint/file_util.h"
+#include "worker/checkpoint/safetensors.h"
+
+namespace shardd {
+namespace checkpoint {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int64_t kHidden = 6, kInter = 4, kExperts = 3, kVocab = 11;
+
+std::string TestDir(const std::string& name) {
+  std::string test =
+      ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  for (char& c : test) {
+    if (c == '/') c = '_';
+  }
+  const std::string dir =
+      absl::StrCat(getenv("TEST_TMPDIR"), "/", test, "/", name);
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+HostTensor Random(const std::string& name, const std::string& dtype,
+                  std::vector<int64_t> shape, std::mt19937_64* rng) {
+  HostTensor t{name, dtype, std::move(shape), {}};
+  int64_t numel = 1;
+  for (int64_t d : t.shape) numel *= d;
+  // Arbitrary bit patterns (NaNs, denormals): the copy must be bit exact.
+  t.bytes.resize(numel * SafetensorsDTypeBytes(dtype));
+  for (uint8_t& b : t.bytes) b = static_cast<uint8_t>((*rng)());
+  return t;
+}
+
+// A small HF MoE checkpoint: 2 layers; with Qwen3 naming layer 0 is dense
+// (gate_proj/up_proj/down_proj under mlp, as mlp_only_layers makes it).
+std::vector<HostTensor> SyntheticHf(HfMoeNaming naming,
+                                    const std::string& dtype) {
+  std::mt19937_64 rng(naming == HfMoeNaming::kMixtral ? 7 : 11);
+  const bool mixtral = naming == HfMoeNaming::kMixtral;
+  const std::string moe = mixtral ? "block_sparse_moe" : "mlp";
+  const char* proj[3] = {mixtral ? "w1" : "gate_proj",
+                         mixtral ? "w3" : "up_proj",
+                         mixtral ? "w2" : "down_proj"};
+  std::vector<HostTensor> t;
+  t.push_back(
+      Random("model.embed_tokens.weight", dtype, {kVocab, kHidden}, &rng));
+  t.push_back(Random("model.norm.weight", dtype, {kHidden}, &rng));
+  t.push_back(Random("lm_head.weight", dtype, {kVocab, kHidden}, &rng));
+  for (int l = 0; l < 2; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    t.push_back(Random(p + "input_layernorm.weight", dtype, {kHidden}, &rng));
+    t.push_back(
+        Random(p + "self_attn.q_proj.weight", dtype, {8, kHidden}, &rng));
+    if (!mixtral && l == 0) {
+      t.push_back(
+          Random(p + "mlp.gate_proj.weight", dtype, {5, kHidden}, &rng));
+      t.push_back(Random(p + "mlp.up_proj.weight", dtype, {5, kHidden}, &rng));
+      t.push_back(
+          Random(p + "mlp.down_proj.weight", dtype, {kHidden, 5}, &rng));
+      continue;
+    }
+    t.push_back(
+        Random(p + moe + ".gate.weight", dtype, {kExperts, kHidden}, &rng));
+    for (int e = 0; e < kExperts; ++e) {
+      const std::string x = absl::StrCat(p, moe, ".experts.", e, ".");
+      t.push_back(
+          Random(x + proj[0] + ".weight", dtype, {kInter, kHidden}, &rng));
+      t.push_back(
+          Random(x + proj[1] + ".weight", dtype, {kInter, kHidden}, &rng));
+      t.push_back(
+          Random(x + proj[2] + ".weight", dtype, {kHidden, kInter}, &rng));
+    }
+  }
+  std::sort(t.begin(), t.end(), [](const HostTensor& a, const HostTensor& b) {
+    return a.name < b.name;
+  });
+  return t;
+}
+
+std::map<std::string, const HostTensor*> ByName(
+    const std::vector<HostTensor>& tensors) {
+  std::map<std::string, const HostTensor*> out;
+  for (const HostTensor& t : tensors) out[t.name] = &t;
+  return out;
+}
+
+void ExpectSameTensors(const std::vector<HostTensor>& a,
+                       const std::vector<HostTensor>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].name, b[i].name);
+    EXPECT_EQ(a[i].dtype, b[i].dtype) << a[i].name;
+    EXPECT_EQ(a[i].shape, b[i].shape) << a[i].name;
+    EXPECT_TRUE(a[i].bytes == b[i].bytes) << a[i].name << " differs";
+  }
+}
+
+std::string FileBytes(const std::string& path) {
+  absl::StatusOr<std::string> s = ReadFileToString(path, 1 << 24);
+  EXPECT_THAT(s, IsOk());
+  return s.ok() ? *s : "";
+}
+
+// Element (e, row, col) of a [E, rows, cols] tensor or (row, col) of a 2-D
+// one, as raw bytes.
+std::string At(const HostTensor& t, int64_t index) {
+  const int64_t esize = SafetensorsDTypeBytes(t.dtype);
+  return std::string(
+      reinterpret_cast<const char*>(t.bytes.data()) + index * esize, esize);
+}
+
+// The stacked layout: gate_and_up[e][d][i] = gate_e[i][d],
+// gate_and_up[e][d][I + i] = up_e[i][d], down[e][i][d] = down_e[d][i].
+void ExpectStacked(const std::vector<HostTensor>& hf,
+                   const std::vector<HostTensor>& shardd,
+                   const std::string& hf_moe, const char* const proj[3],
+                   int layer) {
+  auto h = ByName(hf);
+  auto s = ByName(shardd);
+  const std::string p = absl::StrCat("model.layers.", layer, ".");
+  const HostTensor* gu = s.at(p + "moe.experts.gate_and_up_projs");
+  const HostTensor* dn = s.at(p + "moe.experts.down_projs");
+  EXPECT_EQ(gu->shape, std::vector<int64_t>({kExperts, kHidden, 2 * kInter}));
+  EXPECT_EQ(dn->shape, std::vector<int64_t>({kExperts, kInter, kHidden}));
+  EXPECT_TRUE(s.at(p + "moe.gate.weight")->bytes ==
+              h.at(p + hf_moe + ".gate.weight")->bytes);
+  for (int64_t e = 0; e < kExperts; ++e) {
+    const std::string x = absl::StrCat(p, hf_moe, ".experts.", e, ".");
+    const HostTensor* gate = h.at(x + proj[0] + ".weight");
+    const HostTensor* up = h.at(x + proj[1] + ".weight");
+    const HostTensor* down = h.at(x + proj[2] + ".weight");
+    for (int64_t d = 0; d < kHidden; ++d) {
+      for (int64_t i = 0; i < kInter; ++i) {
+        const int64_t row = (e * kHidden + d) * 2 * kInter;
+        ASSERT_EQ(At(*gu, row + i), At(*gate, i * kHidden + d));
+        ASSERT_EQ(At(*gu, row + kInter + i), At(*up, i * kHidden + d));
+        ASSERT_EQ(At(*dn, (e * kInter + i) * kHidden + d),
+                  At(*down, d * kInter + i));
+      }
+    }
+  }
+}
+
+TEST(HfInteropTest, Qwen3Bf16RoundTripIsBitExact) {
+  const std::vector<HostTensor> hf =
+      SyntheticHf(HfMoeNaming::kQwen3Moe, "BF16");
+  const std::string in = TestDir("in");
+  SHARDD_ASSERT_OK(WriteHfTensors(in, hf));
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::vector<HostTensor> read, ReadHfTensors(in));
+  ExpectSameTensors(read, hf);
+
+  HfMoeNaming naming = HfMoeNaming::kNone;
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::vector<HostTensor> shardd,
+                              HfToShardd(read, &naming));
+  EXPECT_EQ(naming, HfMoeNaming::kQwen3Moe);
+  const char* proj[3] = {"gate_proj", "up_proj", "down_proj"};
+  ExpectStacked(hf, shardd, "mlp", proj, 1);
+  auto s = ByName(shardd);
+  EXPECT_EQ(s.count("model.layers.0.mlp.gate_proj.weight"), 1u);  // Dense.
+  EXPECT_EQ(s.count("model.layers.1.mlp.experts.0.up_proj.weight"), 0u);
+  EXPECT_EQ(shardd.size(), hf.size() - 3 * kExperts + 2);
+
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::vector<HostTensor> back,
+                              ShardToHf(shardd, HfMoeNaming::kQwen3Moe));
+  ExpectSameTensors(back, hf);
+  const std::string out = TestDir("out");
+  SHARDD_ASSERT_OK(WriteHfTensors(out, back));
+  // Same tensors, same order, same metadata: the very same file.
+  EXPECT_EQ(FileBytes(out + "/model.safetensors"),
+            FileBytes(in + "/model.safetensors"));
+}
+
+TEST(HfInteropTest, MixtralF32ShardedRoundTripIsBitExact) {
+  const std::vector<HostTensor> hf = SyntheticHf(HfMoeNaming::kMixtral, "F32");
+  const std::string in = TestDir("in");
+  SHARDD_ASSERT_OK(WriteHfTensors(in, hf, /*max_shard_bytes=*/600));
+  EXPECT_TRUE(std::filesystem::exists(in + "/model.safetensors.index.json"));
+  EXPECT_FALSE(std::filesystem::exists(in + "/model.safetensors"));
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::vector<HostTensor> read, ReadHfTensors(in));
+  ExpectSameTensors(read, hf);
+
+  HfMoeNaming naming = HfMoeNaming::kNone;
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::vector<HostTensor> shardd,
+                              HfToShardd(read, &naming));
+  EXPECT_EQ(naming, HfMoeNaming::kMixtral);
+  const char* proj[3] = {"w1", "w3", "w2"};
+  ExpectStacked(hf, shardd, "block_sparse_moe", proj, 0);
+  ExpectStacked(hf, shardd, "block_sparse_moe", proj, 1);
+
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::vector<HostTensor> back,
+                              ShardToHf(shardd, HfMoeNaming::kMixtral));
+  ExpectSameTensors(back, hf);
+  const std::string out = TestDir("out");
+  SHARDD_ASSERT_OK(WriteHfTensors(out, back, 600));
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      std::vector<HostTensor> reread,
+      ReadHfTensors(out + "/model.safetensors.index.json"));
+  ExpectSameTensors(reread, hf);
+  EXPECT_EQ(FileBytes(out + "/model.safetensors.index.json"),
+            FileBytes(in + "/model.safetensors.index.json"));
+}
+
+TEST(HfInteropTest, EveryElementSizeTransposesExactly) {
+  for (const char* dtype : {"U8", "F16", "F32", "F64"}) {
+    const std::vector<HostTensor> hf =
+        SyntheticHf(HfMoeNaming::kMixtral, dtype);
+    SHARDD_ASSERT_OK_AND_ASSIGN(std::vector<HostTensor> shardd, HfToShardd(hf));
+    const char* proj[3] = {"w1", "w3", "w2"};
+    ExpectStacked(hf, shardd, "block_sparse_moe", proj, 1);
+    SHARDD_ASSERT_OK_AND_ASSIGN(std::vector<HostTensor> back,
+                                ShardToHf(shardd, HfMoeNaming::kMixtral));
+    ExpectSameTensors(back, hf);
+  }
+}
+
+TEST(HfInteropTest, ThroughAShardedCheckpointAndBack) {
+  const std::vector<HostTensor> hf =
+      SyntheticHf(HfMoeNaming::kQwen3Moe, "BF16");
+  const std::string in = TestDir("in");
+  SHARDD_ASSERT_OK(WriteHfTensors(in, hf, 500));
+  const std::string root = TestDir("ckpt");
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::string path,
+                              ImportHfToCheckpoint(in, root, 0));
+  EXPECT_EQ(path, root + "/step-00000000");
+
+  // A rank of a 2-way dim-0 layout reads only its expert rows: rows
+  // [2, 3) (expert 2) of gate_and_up_projs [3, 6, 8].
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto reader, CheckpointReader::Open(path));
+  const TensorRecord* gu =
+      reader->FindTensor("model.layers.1.moe.experts.gate_and_up_projs");
+  ASSERT_NE(gu, nullptr);
+  EXPECT_EQ(gu->dtype, "BF16");
+  std::vector<uint16_t> expert2(kHidden * 2 * kInter);
+  SHARDD_ASSERT_OK(reader->ReadElements(
+      "model.layers.1.moe.experts.gate_and_up_projs", 2 * kHidden * 2 * kInter,
+      3 * kHidden * 2 * kInter, expert2.data()));
+  EXPECT_EQ(reader->data_bytes_read(), kHidden * 2 * kInter * 2);
+  auto h = ByName(hf);
+  const HostTensor* up2 = h.at("model.layers.1.mlp.experts.2.up_proj.weight");
+  for (int64_t d = 0; d < kHidden; ++d) {
+    for (int64_t i = 0; i < kInter; ++i) {
+      uint16_t want;
+      memcpy(&want, up2->bytes.data() + 2 * (i * kHidden + d), 2);
+      ASSERT_EQ(expert2[d * 2 * kInter + kInter + i], want);
+    }
+  }
+
+  const std::string out = TestDir("out");
+  SHARDD_ASSERT_OK(
+      ExportCheckpointToHf(path, HfMoeNaming::kQwen3Moe, out, 500));
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::vector<HostTensor> back, ReadHfTensors(out));
+  ExpectSameTensors(back, hf);
+  for (const auto& entry : std::filesystem::directory_iterator(in)) {
+    const std::string name = entry.path().filename().string();
+    EXPECT_EQ(FileBytes(out + "/" + name), FileBytes(in + "/" + name)) << name;
+  }
+}
+
+std::vector<HostTensor> Without(std::vector<HostTensor> t,
+                                const std::string& name) {
+  t.erase(std::remove_if(t.begin(), t.end(),
+                         [&](const HostTensor& x) { return x.name == name; }),
+          t.end());
+  return t;
+}
+
+TEST(HfInteropTest, ImportRejectsInconsistentExperts) {
+  const std::vector<HostTensor> hf = SyntheticHf(HfMoeNaming::kQwen3Moe, "F32");
+  EXPECT_THAT(
+      HfToShardd(Without(hf, "model.layers.1.mlp.experts.1.up_proj.weight")),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("\"model.layers.1.mlp.experts.1.up_proj.weight\" is "
+                         "missing")));
+  // Experts 0 and 2 only: numbering has a hole.
+  std::vector<HostTensor> hole = hf;
+  for (const char* p : {"gate_proj", "up_proj", "down_proj"}) {
+    hole = Without(hole,
+                   absl::StrCat("model.layers.1.mlp.experts.1.", p, ".weight"));
+  }
+  EXPECT_THAT(HfToShardd(hole),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("experts.1.gate_proj.weight\" is missing")));
+  std::vector<HostTensor> shape = hf;
+  for (HostTensor& t : shape) {
+    if (t.name == "model.layers.1.mlp.experts.2.down_proj.weight") {
+      t.shape = {kInter, kHidden};
+    }
+  }
+  EXPECT_THAT(HfToShardd(shape),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("experts.2.down_proj.weight\": F32 [4, 6], "
+                                 "expected F32 [6, 4]")));
+  std::vector<HostTensor> bias = hf;
+  bias.push_back({"model.layers.1.mlp.experts.0.up_proj.bias",
+                  "F32",
+                  {4},
+                  std::vector<uint8_t>(16)});
+  EXPECT_THAT(HfToShardd(bias),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("unsupported per-expert tensor")));
+  std::vector<HostTensor> mixed = hf;
+  mixed.push_back({"model.layers.1.block_sparse_moe.gate.weight",
+                   "F32",
+                   {kExperts, kHidden},
+                   std::vector<uint8_t>(kExperts * kHidden * 4)});
+  EXPECT_THAT(HfToShardd(mixed),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("uses Mixtral naming but")));
+  std::vector<HostTensor> clash = hf;
+  clash.push_back(
+      {"model.layers.1.moe.gate.weight", "F32", {1}, std::vector<uint8_t>(4)});
+  EXPECT_THAT(HfToShardd(clash),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("two tensors have this name")));
+}
+
+TEST(HfInteropTest, ExportRejectsWhatHfCannotHold) {
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      std::vector<HostTensor> shardd,
+      HfToShardd(SyntheticHf(HfMoeNaming::kMixtral, "BF16")));
+  EXPECT_THAT(ShardToHf(shardd, HfMoeNaming::kNone),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("need an HF naming")));
+  EXPECT_THAT(
+      ShardToHf(Without(shardd, "model.layers.0.moe.experts.down_projs"),
+                HfMoeNaming::kMixtral),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("model.layers.0.moe.experts.down_projs is missing")));
+  std::vector<HostTensor> bias = shardd;
+  bias.push_back({"model.layers.0.moe.experts.down_proj_bias",
+                  "BF16",
+                  {kExperts, kHidden},
+                  std::vector<uint8_t>(kExperts * kHidden * 2)});
+  EXPECT_THAT(ShardToHf(bias, HfMoeNaming::kMixtral),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("has no Hugging Face counterpart")));
+  std::vector<HostTensor> shape = shardd;
+  for (HostTensor& t : shape) {
+    if (t.name == "model.layers.1.moe.experts.down_projs") {
+      t.shape = {kExperts, kHidden, kInter};
+    }
+  }
+  EXPECT_THAT(ShardToHf(shape, HfMoeNaming::kMixtral),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("[E, D, 2I] and [E, I, D]")));
+}
+
+TEST(HfInteropTest, ReadRejectsBadCheckpoints) {
+  EXPECT_THAT(ReadHfTensors(TestDir("empty")),
+              StatusIs(absl::StatusCode::kNotFound));
+  const std::string dir = TestDir("bad");
+  const std::vector<HostTensor> hf = SyntheticHf(HfMoeNaming::kMixtral, "F32");
+  SHARDD_ASSERT_OK(WriteHfTensors(dir, hf, 600));
+  const std::string index = dir + "/model.safetensors.index.json";
+  SHARDD_ASSERT_OK(WriteStringToFile(
+      index, R"({"weight_map": {"lm_head.weight": "../model.safetensors"}})"));
+  EXPECT_THAT(ReadHfTensors(dir), StatusIs(absl::StatusCode::kInvalidArgument,
+                                           HasSubstr("plain name")));
+  std::string first_shard;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("model-00001-of-", 0) == 0) first_shard = name;
+  }
+  ASSERT_FALSE(first_shard.empty());
+  // The index misses the file's real tensors.
+  SHARDD_ASSERT_OK(WriteStringToFile(
+      index,
+      absl::StrCat(R"({"weight_map": {"nope": ")", first_shard, R"("}})")));
+  EXPECT_THAT(ReadHfTensors(dir),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstr("is not listed for this file")));
+  SHARDD_ASSERT_OK(WriteStringToFile(index, R"({"metadata": {}})"));
+  EXPECT_THAT(ReadHfTensors(dir),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("weight_map")));
+}
+
+}  // namespace
+}  // namespace checkpoint
+}  // namespace shardd
