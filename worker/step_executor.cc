@@ -405,6 +405,22 @@ int64_t StepExecutor::optimizer_steps() const {
   return optimizer_steps_;
 }
 
+absl::Status StepExecutor::RestoreOptimizerSteps(int64_t steps) {
+  if (steps < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("optimizer steps ", steps, " must be >= 0"));
+  }
+  absl::MutexLock lock(&mu_);
+  if (!failed_.ok()) return failed_;
+  if (in_step_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", header_.step(),
+                     " is in progress: restore optimizer steps between steps"));
+  }
+  optimizer_steps_ = steps;
+  return absl::OkStatus();
+}
+
 absl::Status StepExecutor::health() const {
   absl::MutexLock lock(&mu_);
   return failed_;

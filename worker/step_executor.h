@@ -230,6 +230,16 @@ class StepExecutor {
   absl::Status health() const;
   // The shards, for tests and checkpoints. Not to be used while a step runs.
   const ShardStore& shards() const { return *store_; }
+  // For restoring a checkpoint into the shards (LoadRankShards of
+  // shard_checkpoint.h). Not to be used while a step runs.
+  ShardStore* mutable_shards() { return store_.get(); }
+
+  // After loading a checkpoint: sets the completed optimizer steps to the
+  // checkpoint's step, so AdamW's bias correction goes on from there
+  // (StepResult::optimizer_steps counts from it too). Errors:
+  // INVALID_ARGUMENT (steps < 0); FAILED_PRECONDITION (a step in progress,
+  // or the executor failed earlier).
+  absl::Status RestoreOptimizerSteps(int64_t steps);
 
  private:
   class CommThread;
