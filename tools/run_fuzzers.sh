@@ -61,18 +61,36 @@ cxxflags=(-std=c++17 -g -O1 -fno-omit-frame-pointer
           -fno-sanitize-recover=undefined
           -I. -I"$bin")
 
-# target name -> sources (besides the fuzzer itself) and seed corpora.
+# Sources every target links: the model parsers and the protos.
+common_srcs=(server/native_spec.cc server/hf_config.cc server/model_util.cc
+             server/json_describe.cc common/dtype.cc
+             "$bin/proto/model.pb.cc")
+# The coordinator's logic (no gRPC adapters, no mains).
+coordinator_srcs=()
+for f in server/*.cc; do
+  case "$f" in
+    *_test.cc|*_main.cc|server/grpc_*|server/coordinator_server.cc) ;;
+    server/native_spec.cc|server/hf_config.cc|server/model_util.cc) ;;
+    server/json_describe.cc) ;;
+    *) coordinator_srcs+=("$f") ;;
+  esac
+done
+coordinator_srcs+=(common/logging.cc "$bin/proto/plan.pb.cc"
+                   "$bin/proto/coordinator.pb.cc" "$bin/proto/worker.pb.cc")
+checkpoint_srcs=(worker/checkpoint/checkpoint_index.cc
+                 worker/checkpoint/json_text.cc worker/checkpoint/safetensors.cc
+                 worker/checkpoint/file_util.cc)
+
+# build_and_run NAME "EXTRA SOURCES" "EXTRA LIBS" CORPUS_DIR...
 build_and_run() {
-  local name="$1"; shift
+  local name="$1" extra_srcs="$2" extra_libs="$3"; shift 3
   local corpus_dirs=("$@")
   local exe="$out/$name"
   echo "== building $name with $cxx"
+  # shellcheck disable=SC2086  # word splitting of the source lists
   "$cxx" "${cxxflags[@]}" -o "$exe" \
-    "tests/fuzz/$name.cc" \
-    server/native_spec.cc server/hf_config.cc server/model_util.cc \
-    server/json_describe.cc \
-    common/dtype.cc "$bin/proto/model.pb.cc" \
-    -lprotobuf "${absl_libs[@]}" -lpthread
+    "tests/fuzz/$name.cc" "${common_srcs[@]}" $extra_srcs \
+    -lprotobuf "${absl_libs[@]}" $extra_libs -lpthread
   local work="$out/corpus/$name"
   mkdir -p "$work" "$out/artifacts"
   echo "== fuzzing $name for ${seconds}s ($jobs job(s)); corpus $work"
@@ -90,8 +108,12 @@ build_and_run() {
 }
 
 status=0
-build_and_run config_parser_fuzzer tests/fuzz/corpus/config_parser tests/data ||
-  status=$?
+build_and_run config_parser_fuzzer "" "" \
+  tests/fuzz/corpus/config_parser tests/data || status=$?
+build_and_run submit_model_fuzzer "${coordinator_srcs[*]}" "-lsqlite3" \
+  tests/fuzz/corpus/submit_model || status=$?
+build_and_run checkpoint_index_fuzzer "${checkpoint_srcs[*]}" "-lxxhash" \
+  tests/fuzz/corpus/checkpoint_index || status=$?
 if [[ $status -ne 0 ]]; then
   echo "run_fuzzers.sh: FAILED (exit $status); artifacts in $out/artifacts" >&2
 else
