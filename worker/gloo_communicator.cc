@@ -26,6 +26,7 @@
 #include "gloo/rendezvous/store.h"
 #include "gloo/transport/tcp/device.h"
 #include "kernels/cpu/bf16.h"
+#include "worker/collective_args.h"
 #include "worker/gloo_status.h"
 
 namespace shardd {
@@ -48,62 +49,6 @@ absl::StatusOr<std::chrono::milliseconds> ToGlooTimeout(
   const int64_t ms =
       absl::ToInt64Milliseconds(absl::Ceil(timeout, absl::Milliseconds(1)));
   return std::chrono::milliseconds(ms);
-}
-
-bool IsReducible(v1::DType dtype) {
-  return dtype == v1::FLOAT32 || dtype == v1::BFLOAT16 || dtype == v1::INT32 ||
-         dtype == v1::INT64;
-}
-
-// Element size of a dtype any collective may move, or INVALID_ARGUMENT.
-absl::StatusOr<int64_t> ElementBytes(v1::DType dtype, bool needs_reduction,
-                                     ReduceOp op) {
-  const int64_t bytes = DTypeBytes(dtype);
-  if (bytes <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("dtype ", v1::DType_Name(dtype),
-                     " is not supported; allowed: FLOAT32, BFLOAT16, FLOAT16, "
-                     "FLOAT8_E4M3, INT32, INT64"));
-  }
-  if (needs_reduction) {
-    if (!IsReducible(dtype)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "dtype ", v1::DType_Name(dtype),
-          " cannot be reduced; allowed: FLOAT32, BFLOAT16, INT32, INT64"));
-    }
-    if (op == ReduceOp::kAvg && (dtype == v1::INT32 || dtype == v1::INT64)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("op kAvg needs a float dtype, got ",
-                       v1::DType_Name(dtype), "; use kSum"));
-    }
-  }
-  return bytes;
-}
-
-// count * ranks * element_bytes, or INVALID_ARGUMENT when count is negative
-// or the product overflows.
-absl::StatusOr<int64_t> BufferBytes(int64_t count, int64_t ranks,
-                                    int64_t element_bytes,
-                                    absl::string_view count_name) {
-  if (count < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(count_name, " must be >= 0, got ", count));
-  }
-  const int64_t per_element = ranks * element_bytes;
-  if (count > std::numeric_limits<int64_t>::max() / per_element) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(count_name, " ", count, " overflows the buffer size"));
-  }
-  return count * per_element;
-}
-
-absl::Status CheckBuffer(const void* ptr, int64_t bytes,
-                         absl::string_view name) {
-  if (ptr == nullptr && bytes > 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, " must not be null when the count is positive"));
-  }
-  return absl::OkStatus();
 }
 
 template <typename T>
@@ -336,15 +281,15 @@ absl::Status GlooCommunicator::AllGather(const void* input, void* output,
   constexpr auto kKind = &CommunicatorStats::all_gather;
   auto checked = [&]() -> absl::StatusOr<int64_t> {
     SHARDD_ASSIGN_OR_RETURN(const int64_t element,
-                            ElementBytes(dtype, false, ReduceOp::kSum));
+                            CollectiveElementBytes(dtype, false, ReduceOp::kSum));
     SHARDD_ASSIGN_OR_RETURN(
         const int64_t chunk,
-        BufferBytes(count_per_rank, 1, element, "count_per_rank"));
+        CollectiveBufferBytes(count_per_rank, 1, element, "count_per_rank"));
     SHARDD_ASSIGN_OR_RETURN(
         const int64_t total,
-        BufferBytes(count_per_rank, world_size_, element, "count_per_rank"));
-    SHARDD_RETURN_IF_ERROR(CheckBuffer(input, chunk, "input"));
-    SHARDD_RETURN_IF_ERROR(CheckBuffer(output, total, "output"));
+        CollectiveBufferBytes(count_per_rank, world_size_, element, "count_per_rank"));
+    SHARDD_RETURN_IF_ERROR(CheckCollectiveBuffer(input, chunk, "input"));
+    SHARDD_RETURN_IF_ERROR(CheckCollectiveBuffer(output, total, "output"));
     SHARDD_RETURN_IF_ERROR(ToGlooTimeout(timeout).status());
     const auto in = reinterpret_cast<uintptr_t>(input);
     const auto out = reinterpret_cast<uintptr_t>(output);
@@ -386,12 +331,12 @@ absl::Status GlooCommunicator::ReduceScatter(const void* input, void* output,
   constexpr auto kKind = &CommunicatorStats::reduce_scatter;
   auto checked = [&]() -> absl::StatusOr<int64_t> {
     SHARDD_ASSIGN_OR_RETURN(const int64_t element,
-                            ElementBytes(dtype, true, op));
+                            CollectiveElementBytes(dtype, true, op));
     SHARDD_ASSIGN_OR_RETURN(
         const int64_t total,
-        BufferBytes(count_per_rank, world_size_, element, "count_per_rank"));
-    SHARDD_RETURN_IF_ERROR(CheckBuffer(input, total, "input"));
-    SHARDD_RETURN_IF_ERROR(CheckBuffer(output, total, "output"));
+        CollectiveBufferBytes(count_per_rank, world_size_, element, "count_per_rank"));
+    SHARDD_RETURN_IF_ERROR(CheckCollectiveBuffer(input, total, "input"));
+    SHARDD_RETURN_IF_ERROR(CheckCollectiveBuffer(output, total, "output"));
     SHARDD_RETURN_IF_ERROR(ToGlooTimeout(timeout).status());
     return total;
   }();
@@ -426,10 +371,10 @@ absl::Status GlooCommunicator::AllReduce(void* inout, int64_t count,
   constexpr auto kKind = &CommunicatorStats::all_reduce;
   auto checked = [&]() -> absl::StatusOr<int64_t> {
     SHARDD_ASSIGN_OR_RETURN(const int64_t element,
-                            ElementBytes(dtype, true, op));
+                            CollectiveElementBytes(dtype, true, op));
     SHARDD_ASSIGN_OR_RETURN(const int64_t total,
-                            BufferBytes(count, 1, element, "count"));
-    SHARDD_RETURN_IF_ERROR(CheckBuffer(inout, total, "inout"));
+                            CollectiveBufferBytes(count, 1, element, "count"));
+    SHARDD_RETURN_IF_ERROR(CheckCollectiveBuffer(inout, total, "inout"));
     SHARDD_RETURN_IF_ERROR(ToGlooTimeout(timeout).status());
     return total;
   }();
@@ -490,10 +435,10 @@ absl::Status GlooCommunicator::Broadcast(void* inout, int64_t count,
           absl::StrCat("root must be in [0, ", world_size_, "), got ", root));
     }
     SHARDD_ASSIGN_OR_RETURN(const int64_t element,
-                            ElementBytes(dtype, false, ReduceOp::kSum));
+                            CollectiveElementBytes(dtype, false, ReduceOp::kSum));
     SHARDD_ASSIGN_OR_RETURN(const int64_t total,
-                            BufferBytes(count, 1, element, "count"));
-    SHARDD_RETURN_IF_ERROR(CheckBuffer(inout, total, "inout"));
+                            CollectiveBufferBytes(count, 1, element, "count"));
+    SHARDD_RETURN_IF_ERROR(CheckCollectiveBuffer(inout, total, "inout"));
     SHARDD_RETURN_IF_ERROR(ToGlooTimeout(timeout).status());
     return total;
   }();

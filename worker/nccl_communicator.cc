@@ -14,6 +14,7 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "kernels/cuda/cuda_status.h"
+#include "worker/collective_args.h"
 
 namespace shardd {
 namespace nccl_internal {
@@ -107,46 +108,6 @@ absl::Status MakeDeviceCurrent(int device) {
   return CudaStatus(error, absl::StrCat("cudaSetDevice(", device, ")"));
 }
 
-absl::Status CheckDuration(absl::Duration duration, absl::string_view name) {
-  if (duration <= absl::ZeroDuration() ||
-      duration == absl::InfiniteDuration()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, " must be positive and finite, got ",
-                     absl::FormatDuration(duration)));
-  }
-  return absl::OkStatus();
-}
-
-bool IsReducible(v1::DType dtype) {
-  return dtype == v1::FLOAT32 || dtype == v1::BFLOAT16 || dtype == v1::INT32 ||
-         dtype == v1::INT64;
-}
-
-// Element size of a dtype a collective may move, or INVALID_ARGUMENT.
-absl::StatusOr<int64_t> ElementBytes(v1::DType dtype, bool needs_reduction,
-                                     ReduceOp op) {
-  const int64_t bytes = DTypeBytes(dtype);
-  if (bytes <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("dtype ", v1::DType_Name(dtype),
-                     " is not supported; allowed: FLOAT32, BFLOAT16, FLOAT16, "
-                     "FLOAT8_E4M3, INT32, INT64"));
-  }
-  if (needs_reduction) {
-    if (!IsReducible(dtype)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "dtype ", v1::DType_Name(dtype),
-          " cannot be reduced; allowed: FLOAT32, BFLOAT16, INT32, INT64"));
-    }
-    if (op == ReduceOp::kAvg && (dtype == v1::INT32 || dtype == v1::INT64)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("op kAvg needs a float dtype, got ",
-                       v1::DType_Name(dtype), "; use kSum"));
-    }
-  }
-  return bytes;
-}
-
 ncclDataType_t NcclReduceType(v1::DType dtype) {
   switch (dtype) {
     case v1::BFLOAT16:
@@ -162,23 +123,6 @@ ncclDataType_t NcclReduceType(v1::DType dtype) {
 
 ncclRedOp_t NcclOp(ReduceOp op) {
   return op == ReduceOp::kAvg ? ncclAvg : ncclSum;
-}
-
-// count * ranks * element_bytes, or INVALID_ARGUMENT when count is negative
-// or the product overflows.
-absl::StatusOr<int64_t> BufferBytes(int64_t count, int64_t ranks,
-                                    int64_t element_bytes,
-                                    absl::string_view count_name) {
-  if (count < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(count_name, " must be >= 0, got ", count));
-  }
-  const int64_t per_element = ranks * element_bytes;
-  if (count > std::numeric_limits<int64_t>::max() / per_element) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(count_name, " ", count, " overflows the buffer size"));
-  }
-  return count * per_element;
 }
 
 // OK when [a, a + a_bytes) and [b, b + b_bytes) do not overlap.
@@ -329,13 +273,13 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
         absl::StrCat("options.device must be >= 0, got ", options.device));
   }
   SHARDD_RETURN_IF_ERROR(
-      CheckDuration(options.init_timeout, "options.init_timeout"));
+      CheckPositiveFinite(options.init_timeout, "options.init_timeout"));
   SHARDD_RETURN_IF_ERROR(
-      CheckDuration(options.finalize_timeout, "options.finalize_timeout"));
-  SHARDD_RETURN_IF_ERROR(CheckDuration(options.watchdog_poll_interval,
+      CheckPositiveFinite(options.finalize_timeout, "options.finalize_timeout"));
+  SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(options.watchdog_poll_interval,
                                        "options.watchdog_poll_interval"));
   SHARDD_RETURN_IF_ERROR(
-      CheckDuration(options.wait_poll_interval, "options.wait_poll_interval"));
+      CheckPositiveFinite(options.wait_poll_interval, "options.wait_poll_interval"));
 
   int device_count = 0;
   const cudaError_t count_error = cudaGetDeviceCount(&device_count);
@@ -732,14 +676,14 @@ absl::StatusOr<NcclWork> NcclCommunicator::AllGatherAsync(
   constexpr auto kKind = &CommunicatorStats::all_gather;
   auto checked = [&]() -> absl::StatusOr<int64_t> {
     SHARDD_ASSIGN_OR_RETURN(const int64_t element,
-                            ElementBytes(dtype, false, ReduceOp::kSum));
+                            CollectiveElementBytes(dtype, false, ReduceOp::kSum));
     SHARDD_ASSIGN_OR_RETURN(
         const int64_t chunk,
-        BufferBytes(count_per_rank, 1, element, "count_per_rank"));
+        CollectiveBufferBytes(count_per_rank, 1, element, "count_per_rank"));
     SHARDD_ASSIGN_OR_RETURN(
         const int64_t total,
-        BufferBytes(count_per_rank, world_size_, element, "count_per_rank"));
-    SHARDD_RETURN_IF_ERROR(CheckDuration(timeout, "timeout"));
+        CollectiveBufferBytes(count_per_rank, world_size_, element, "count_per_rank"));
+    SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(timeout, "timeout"));
     SHARDD_RETURN_IF_ERROR(CheckDeviceBuffer(input, chunk, "input"));
     SHARDD_RETURN_IF_ERROR(CheckDeviceBuffer(output, total, "output"));
     const bool in_place =
@@ -767,14 +711,14 @@ absl::StatusOr<NcclWork> NcclCommunicator::ReduceScatterAsync(
   constexpr auto kKind = &CommunicatorStats::reduce_scatter;
   auto checked = [&]() -> absl::StatusOr<int64_t> {
     SHARDD_ASSIGN_OR_RETURN(const int64_t element,
-                            ElementBytes(dtype, true, op));
+                            CollectiveElementBytes(dtype, true, op));
     SHARDD_ASSIGN_OR_RETURN(
         const int64_t chunk,
-        BufferBytes(count_per_rank, 1, element, "count_per_rank"));
+        CollectiveBufferBytes(count_per_rank, 1, element, "count_per_rank"));
     SHARDD_ASSIGN_OR_RETURN(
         const int64_t total,
-        BufferBytes(count_per_rank, world_size_, element, "count_per_rank"));
-    SHARDD_RETURN_IF_ERROR(CheckDuration(timeout, "timeout"));
+        CollectiveBufferBytes(count_per_rank, world_size_, element, "count_per_rank"));
+    SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(timeout, "timeout"));
     SHARDD_RETURN_IF_ERROR(CheckDeviceBuffer(input, total, "input"));
     SHARDD_RETURN_IF_ERROR(CheckDeviceBuffer(output, chunk, "output"));
     const bool in_place =
@@ -803,10 +747,10 @@ absl::StatusOr<NcclWork> NcclCommunicator::AllReduceAsync(
   constexpr auto kKind = &CommunicatorStats::all_reduce;
   auto checked = [&]() -> absl::StatusOr<int64_t> {
     SHARDD_ASSIGN_OR_RETURN(const int64_t element,
-                            ElementBytes(dtype, true, op));
+                            CollectiveElementBytes(dtype, true, op));
     SHARDD_ASSIGN_OR_RETURN(const int64_t total,
-                            BufferBytes(count, 1, element, "count"));
-    SHARDD_RETURN_IF_ERROR(CheckDuration(timeout, "timeout"));
+                            CollectiveBufferBytes(count, 1, element, "count"));
+    SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(timeout, "timeout"));
     SHARDD_RETURN_IF_ERROR(CheckDeviceBuffer(inout, total, "inout"));
     return total;
   }();
@@ -831,10 +775,10 @@ absl::StatusOr<NcclWork> NcclCommunicator::BroadcastAsync(
           absl::StrCat("root must be in [0, ", world_size_, "), got ", root));
     }
     SHARDD_ASSIGN_OR_RETURN(const int64_t element,
-                            ElementBytes(dtype, false, ReduceOp::kSum));
+                            CollectiveElementBytes(dtype, false, ReduceOp::kSum));
     SHARDD_ASSIGN_OR_RETURN(const int64_t total,
-                            BufferBytes(count, 1, element, "count"));
-    SHARDD_RETURN_IF_ERROR(CheckDuration(timeout, "timeout"));
+                            CollectiveBufferBytes(count, 1, element, "count"));
+    SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(timeout, "timeout"));
     SHARDD_RETURN_IF_ERROR(CheckDeviceBuffer(inout, total, "inout"));
     return total;
   }();
@@ -885,7 +829,7 @@ absl::Status NcclCommunicator::Broadcast(void* inout, int64_t count,
 
 absl::Status NcclCommunicator::Barrier(absl::Duration timeout) {
   constexpr auto kKind = &CommunicatorStats::barrier;
-  const absl::Status valid = CheckDuration(timeout, "timeout");
+  const absl::Status valid = CheckPositiveFinite(timeout, "timeout");
   if (!valid.ok()) return RecordInvalid(kKind, valid);
   absl::StatusOr<NcclWork> work =
       Enqueue(kKind, "Barrier", reduce_scatter_stream_, /*bytes=*/0,
@@ -898,7 +842,7 @@ absl::Status NcclCommunicator::Barrier(absl::Duration timeout) {
 }
 
 absl::Status NcclCommunicator::Synchronize(absl::Duration timeout) {
-  SHARDD_RETURN_IF_ERROR(CheckDuration(timeout, "timeout"));
+  SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(timeout, "timeout"));
   SHARDD_RETURN_IF_ERROR(MakeDeviceCurrent(options_.device));
   auto events = std::make_shared<OperationEvents>();
   events->pool = event_pool_;
