@@ -31,6 +31,70 @@ inline v1::ModuleSpec* AddChild(v1::ModuleSpec* m, const std::string& name,
   return c;
 }
 
+// The worker tests' tiny MoE LM: embedding [vocab, dim]; `layers` decoder
+// layers of [input_layernorm, moe (router [experts, dim], grouped experts
+// [experts, dim, 2 * inter] / [experts, inter, dim], top-2 SwiGLU) + dense
+// SwiGLU mlp of `mlp` units]; final norm; lm_head tied to the embedding.
+// `freeze_router0` freezes model.layers.0.moe.gate.weight.
+struct TinyMoeShape {
+  int64_t vocab = 30;  // 30 pads dim 0 over 4 ranks (2 rows on rank 3).
+  int64_t dim = 16;
+  int64_t experts = 4;
+  int64_t inter = 8;
+  int64_t mlp = 12;
+  int layers = 2;
+  bool freeze_router0 = false;
+};
+
+inline v1::ModelSpec TinyMoeSpec(const TinyMoeShape& s) {
+  v1::ModelSpec spec;
+  spec.set_architecture("ShardMoEForCausalLM");
+  spec.set_dtype(v1::FLOAT32);
+  v1::ModelDims* dims = spec.mutable_dims();
+  dims->set_vocab_size(s.vocab);
+  dims->set_hidden_size(s.dim);
+  dims->set_num_layers(s.layers);
+  dims->set_num_experts(s.experts);
+  dims->set_top_k(2);
+  dims->set_moe_intermediate_size(s.inter);
+  dims->set_dense_intermediate_size(s.mlp);
+  dims->set_activation(v1::SWIGLU);
+  dims->set_tie_word_embeddings(true);
+  dims->set_rms_norm_eps(1e-6);
+  v1::ModuleSpec* root = spec.mutable_root();
+  root->set_kind(v1::MODULE_MODEL);
+  v1::ModuleSpec* model = AddChild(root, "model", v1::MODULE_GENERIC);
+  AddParam(AddChild(model, "embed_tokens", v1::MODULE_EMBEDDING), "weight",
+           {s.vocab, s.dim});
+  v1::ModuleSpec* layers = AddChild(model, "layers", v1::MODULE_LAYER_LIST);
+  for (int i = 0; i < s.layers; ++i) {
+    v1::ModuleSpec* layer =
+        AddChild(layers, std::to_string(i), v1::MODULE_DECODER_LAYER);
+    AddParam(AddChild(layer, "input_layernorm", v1::MODULE_NORM), "weight",
+             {s.dim});
+    v1::ModuleSpec* moe = AddChild(layer, "moe", v1::MODULE_MOE);
+    v1::TensorSpec* gate = AddParam(AddChild(moe, "gate", v1::MODULE_ROUTER),
+                                    "weight", {s.experts, s.dim});
+    if (s.freeze_router0 && i == 0) gate->set_frozen(true);
+    v1::ModuleSpec* experts =
+        AddChild(moe, "experts", v1::MODULE_GROUPED_EXPERTS);
+    AddParam(experts, "gate_and_up_projs", {s.experts, s.dim, 2 * s.inter});
+    AddParam(experts, "down_projs", {s.experts, s.inter, s.dim});
+    v1::ModuleSpec* dense = AddChild(layer, "mlp", v1::MODULE_MLP);
+    AddParam(AddChild(dense, "gate_proj", v1::MODULE_GENERIC), "weight",
+             {s.mlp, s.dim});
+    AddParam(AddChild(dense, "up_proj", v1::MODULE_GENERIC), "weight",
+             {s.mlp, s.dim});
+    AddParam(AddChild(dense, "down_proj", v1::MODULE_GENERIC), "weight",
+             {s.dim, s.mlp});
+  }
+  AddParam(AddChild(model, "norm", v1::MODULE_NORM), "weight", {s.dim});
+  v1::TensorSpec* head = AddParam(AddChild(root, "lm_head", v1::MODULE_LM_HEAD),
+                                  "weight", {s.vocab, s.dim});
+  head->set_tied_to("model.embed_tokens.weight");
+  return spec;
+}
+
 }  // namespace testing_util
 }  // namespace shardd
 

@@ -38,56 +38,17 @@ constexpr char kFrozen[] = "model.layers.0.moe.gate.weight";
 using ::shardd::testing_util::AddChild;
 using ::shardd::testing_util::AddParam;
 
-// Embedding, 2 layers of [RMSNorm, MoE (4 experts, top-2, SwiGLU) + dense
-// MLP], final norm, head tied to the embedding. `freeze` freezes layer 0's
-// router (kFrozen).
+// The shared tiny MoE (common/model_builder.h) with these constants.
+// `freeze` freezes layer 0's router (kFrozen).
 v1::ModelSpec TinyMoe(bool freeze) {
-  v1::ModelSpec spec;
-  spec.set_architecture("ShardMoEForCausalLM");
-  spec.set_dtype(v1::FLOAT32);
-  v1::ModelDims* dims = spec.mutable_dims();
-  dims->set_vocab_size(kVocab);
-  dims->set_hidden_size(kDim);
-  dims->set_num_layers(2);
-  dims->set_num_experts(kExperts);
-  dims->set_top_k(2);
-  dims->set_moe_intermediate_size(kInter);
-  dims->set_dense_intermediate_size(kMlp);
-  dims->set_activation(v1::SWIGLU);
-  dims->set_tie_word_embeddings(true);
-  dims->set_rms_norm_eps(1e-6);
-  v1::ModuleSpec* root = spec.mutable_root();
-  root->set_kind(v1::MODULE_MODEL);
-  v1::ModuleSpec* model = AddChild(root, "model", v1::MODULE_GENERIC);
-  AddParam(AddChild(model, "embed_tokens", v1::MODULE_EMBEDDING), "weight",
-           {kVocab, kDim});
-  v1::ModuleSpec* layers = AddChild(model, "layers", v1::MODULE_LAYER_LIST);
-  for (int i = 0; i < 2; ++i) {
-    v1::ModuleSpec* layer =
-        AddChild(layers, std::to_string(i), v1::MODULE_DECODER_LAYER);
-    AddParam(AddChild(layer, "input_layernorm", v1::MODULE_NORM), "weight",
-             {kDim});
-    v1::ModuleSpec* moe = AddChild(layer, "moe", v1::MODULE_MOE);
-    v1::TensorSpec* gate = AddParam(AddChild(moe, "gate", v1::MODULE_ROUTER),
-                                    "weight", {kExperts, kDim});
-    if (freeze && i == 0) gate->set_frozen(true);
-    v1::ModuleSpec* experts =
-        AddChild(moe, "experts", v1::MODULE_GROUPED_EXPERTS);
-    AddParam(experts, "gate_and_up_projs", {kExperts, kDim, 2 * kInter});
-    AddParam(experts, "down_projs", {kExperts, kInter, kDim});
-    v1::ModuleSpec* mlp = AddChild(layer, "mlp", v1::MODULE_MLP);
-    AddParam(AddChild(mlp, "gate_proj", v1::MODULE_GENERIC), "weight",
-             {kMlp, kDim});
-    AddParam(AddChild(mlp, "up_proj", v1::MODULE_GENERIC), "weight",
-             {kMlp, kDim});
-    AddParam(AddChild(mlp, "down_proj", v1::MODULE_GENERIC), "weight",
-             {kDim, kMlp});
-  }
-  AddParam(AddChild(model, "norm", v1::MODULE_NORM), "weight", {kDim});
-  v1::TensorSpec* head = AddParam(AddChild(root, "lm_head", v1::MODULE_LM_HEAD),
-                                  "weight", {kVocab, kDim});
-  head->set_tied_to("model.embed_tokens.weight");
-  return spec;
+  testing_util::TinyMoeShape shape;
+  shape.vocab = kVocab;
+  shape.dim = kDim;
+  shape.experts = kExperts;
+  shape.inter = kInter;
+  shape.mlp = kMlp;
+  shape.freeze_router0 = freeze;
+  return testing_util::TinyMoeSpec(shape);
 }
 
 // Skips the test without a usable GPU.

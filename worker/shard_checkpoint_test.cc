@@ -50,56 +50,17 @@ constexpr int64_t kVocab = 30, kDim = 16, kExperts = 4, kInter = 8, kMlp = 12,
 constexpr uint64_t kSeed = 7;
 constexpr char kFrozen[] = "model.layers.0.moe.gate.weight";
 
-// Embedding, 2 layers of [RMSNorm, MoE (4 experts, top-2, SwiGLU) + dense
-// MLP of `mlp` units], final norm, head tied to the embedding. `freeze`
-// freezes layer 0's router (kFrozen).
+// The shared tiny MoE (common/model_builder.h) with a dense MLP of `mlp`
+// units. `freeze` freezes layer 0's router (kFrozen).
 v1::ModelSpec TinyMoe(bool freeze, int64_t mlp = kMlp) {
-  v1::ModelSpec spec;
-  spec.set_architecture("ShardMoEForCausalLM");
-  spec.set_dtype(v1::FLOAT32);
-  v1::ModelDims* dims = spec.mutable_dims();
-  dims->set_vocab_size(kVocab);
-  dims->set_hidden_size(kDim);
-  dims->set_num_layers(2);
-  dims->set_num_experts(kExperts);
-  dims->set_top_k(2);
-  dims->set_moe_intermediate_size(kInter);
-  dims->set_dense_intermediate_size(mlp);
-  dims->set_activation(v1::SWIGLU);
-  dims->set_tie_word_embeddings(true);
-  dims->set_rms_norm_eps(1e-6);
-  v1::ModuleSpec* root = spec.mutable_root();
-  root->set_kind(v1::MODULE_MODEL);
-  v1::ModuleSpec* model = AddChild(root, "model", v1::MODULE_GENERIC);
-  AddParam(AddChild(model, "embed_tokens", v1::MODULE_EMBEDDING), "weight",
-           {kVocab, kDim});
-  v1::ModuleSpec* layers = AddChild(model, "layers", v1::MODULE_LAYER_LIST);
-  for (int i = 0; i < 2; ++i) {
-    v1::ModuleSpec* layer =
-        AddChild(layers, std::to_string(i), v1::MODULE_DECODER_LAYER);
-    AddParam(AddChild(layer, "input_layernorm", v1::MODULE_NORM), "weight",
-             {kDim});
-    v1::ModuleSpec* moe = AddChild(layer, "moe", v1::MODULE_MOE);
-    v1::TensorSpec* gate = AddParam(AddChild(moe, "gate", v1::MODULE_ROUTER),
-                                    "weight", {kExperts, kDim});
-    if (freeze && i == 0) gate->set_frozen(true);
-    v1::ModuleSpec* experts =
-        AddChild(moe, "experts", v1::MODULE_GROUPED_EXPERTS);
-    AddParam(experts, "gate_and_up_projs", {kExperts, kDim, 2 * kInter});
-    AddParam(experts, "down_projs", {kExperts, kInter, kDim});
-    v1::ModuleSpec* dense = AddChild(layer, "mlp", v1::MODULE_MLP);
-    AddParam(AddChild(dense, "gate_proj", v1::MODULE_GENERIC), "weight",
-             {mlp, kDim});
-    AddParam(AddChild(dense, "up_proj", v1::MODULE_GENERIC), "weight",
-             {mlp, kDim});
-    AddParam(AddChild(dense, "down_proj", v1::MODULE_GENERIC), "weight",
-             {kDim, mlp});
-  }
-  AddParam(AddChild(model, "norm", v1::MODULE_NORM), "weight", {kDim});
-  v1::TensorSpec* head = AddParam(AddChild(root, "lm_head", v1::MODULE_LM_HEAD),
-                                  "weight", {kVocab, kDim});
-  head->set_tied_to("model.embed_tokens.weight");
-  return spec;
+  testing_util::TinyMoeShape shape;
+  shape.vocab = kVocab;
+  shape.dim = kDim;
+  shape.experts = kExperts;
+  shape.inter = kInter;
+  shape.mlp = mlp;
+  shape.freeze_router0 = freeze;
+  return testing_util::TinyMoeSpec(shape);
 }
 
 absl::StatusOr<v1::ShardingPlan> TryPlan(const v1::ModelSpec& model,
@@ -565,7 +526,13 @@ PhaseRun RunPhase(const v1::ModelSpec& model, const v1::ShardingPlan& plan,
   PhaseRun run;
   run.losses.assign(last - first, 0.0);
   run.grad_norms.assign(last - first, 0.0);
-  std::vector<double> tokens(last - first, 0.0);
+  // Per data rank, summed in rank order after the run: adding as threads
+  // finish would make the global loss depend on their timing in its last
+  // bits.
+  std::vector<std::vector<double>> rank_loss(
+      dp, std::vector<double>(last - first, 0.0));
+  std::vector<std::vector<double>> rank_tokens(
+      dp, std::vector<double>(last - first, 0.0));
   if (rank_files != nullptr) rank_files->assign(dp, checkpoint::RankFile());
   absl::Mutex mu;
   RunWorld(plan, [&](const RankCtx& ctx) {
@@ -598,8 +565,8 @@ PhaseRun RunPhase(const v1::ModelSpec& model, const v1::ShardingPlan& plan,
                                   executor->Execute(step_program, batches));
       EXPECT_EQ(result.optimizer_steps, s + 1);
       absl::MutexLock lock(&mu);
-      run.losses[s - first] += result.loss * result.tokens;
-      tokens[s - first] += result.tokens;
+      rank_loss[ctx.data_rank][s - first] = result.loss * result.tokens;
+      rank_tokens[ctx.data_rank][s - first] = result.tokens;
       if (ctx.shard_rank == 0) run.grad_norms[s - first] = result.grad_norm;
     }
     if (!save_tmp.empty()) {
@@ -620,7 +587,12 @@ PhaseRun RunPhase(const v1::ModelSpec& model, const v1::ShardingPlan& plan,
     }
   });
   for (size_t i = 0; i < run.losses.size(); ++i) {
-    if (tokens[i] > 0) run.losses[i] /= tokens[i];
+    double tokens = 0.0;
+    for (int r = 0; r < dp; ++r) {
+      run.losses[i] += rank_loss[r][i];
+      tokens += rank_tokens[r][i];
+    }
+    if (tokens > 0) run.losses[i] /= tokens;
   }
   return run;
 }
