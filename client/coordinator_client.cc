@@ -93,6 +93,15 @@ absl::StatusOr<v1::GetStatusResponse> CoordinatorClient::GetStatus(
   return response;
 }
 
+absl::StatusOr<v1::ListCheckpointsResponse> CoordinatorClient::ListCheckpoints(
+    const v1::ListCheckpointsRequest& request) {
+  v1::ListCheckpointsResponse response;
+  grpc::Status status =
+      stub_->ListCheckpoints(NewContext().get(), request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
 absl::StatusOr<v1::SubmitStepResponse> CoordinatorClient::SubmitStep(
     const v1::SubmitStepRequest& request) {
   v1::SubmitStepResponse response;

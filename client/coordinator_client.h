@@ -51,6 +51,8 @@ class CoordinatorClient {
       const v1::GetStatusRequest& request = {});
   absl::StatusOr<v1::SubmitStepResponse> SubmitStep(
       const v1::SubmitStepRequest& request);
+  absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(
+      const v1::ListCheckpointsRequest& request);
 
   // Streams a job's events to `on_event` until the job ends (OK after the
   // event with done or error set), `on_event` returns false (OK, the

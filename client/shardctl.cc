@@ -25,6 +25,8 @@
 #include "server/coordinator_service.h"
 #include "server/native_spec.h"
 #include "server/strategy_registry.h"
+#include "worker/checkpoint/consolidate.h"
+#include "worker/checkpoint/hf_interop.h"
 
 namespace shardd {
 namespace {
@@ -299,6 +301,62 @@ absl::Status RunStatus(const ShardctlArgs& args, Backend* backend,
 }
 
 // ---------------------------------------------------------------------------
+// checkpoint list
+
+absl::Status RunCheckpointList(const ShardctlArgs& args, std::ostream& out) {
+  absl::StatusOr<std::unique_ptr<CoordinatorClient>> connected =
+      ConnectTo(args);
+  if (!connected.ok()) return connected.status();
+  (*connected)->set_call_timeout(args.timeout);
+  v1::ListCheckpointsRequest request;
+  request.set_job_id(args.checkpoint_job);
+  absl::StatusOr<v1::ListCheckpointsResponse> response =
+      (*connected)->ListCheckpoints(request);
+  if (!response.ok()) return response.status();
+  if (args.json) {
+    absl::StatusOr<std::string> json = ToJson(*response);
+    if (!json.ok()) return json.status();
+    out << *json;
+    return absl::OkStatus();
+  }
+  out << "Checkpoints (" << response->checkpoints_size() << ")\n";
+  if (response->checkpoints_size() > 0) {
+    out << absl::StrFormat("  %-28s  %10s  %5s  %s\n", "name", "step", "world",
+                           "strategy");
+    for (const v1::CheckpointInfo& info : response->checkpoints()) {
+      out << absl::StrFormat("  %-28s  %10d  %5d  %s\n", info.name(),
+                             info.step(), info.world_size(), info.strategy());
+    }
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// checkpoint consolidate
+
+absl::Status RunCheckpointConsolidate(const ShardctlArgs& args,
+                                      std::ostream& out) {
+  if (args.hf_naming.empty()) {
+    absl::StatusOr<std::string> written =
+        checkpoint::ConsolidateCheckpoint(args.checkpoint_path, args.out_path);
+    if (!written.ok()) return written.status();
+    out << "Consolidated " << args.checkpoint_path << " into " << *written
+        << "\n";
+    return absl::OkStatus();
+  }
+  checkpoint::HfMoeNaming naming = checkpoint::HfMoeNaming::kNone;
+  if (args.hf_naming == "qwen3-moe")
+    naming = checkpoint::HfMoeNaming::kQwen3Moe;
+  if (args.hf_naming == "mixtral") naming = checkpoint::HfMoeNaming::kMixtral;
+  absl::Status exported = checkpoint::ExportCheckpointToHf(
+      args.checkpoint_path, naming, args.out_path);
+  if (!exported.ok()) return exported;
+  out << "Exported " << args.checkpoint_path << " as HF safetensors ("
+      << args.hf_naming << " naming) into " << args.out_path << "\n";
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
 // train
 
 absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
@@ -387,6 +445,9 @@ absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
             ? absl::StrCat("synthetic Markov data (seed ", config.seed(), ")")
             : absl::StrCat("data ", config.data_path()),
         config.fine_grained() ? ", one RPC per command" : "");
+    if (!config.resume_from().empty()) {
+      out << "Resume  from checkpoint " << config.resume_from() << "\n";
+    }
     out << std::flush;
   }
 
@@ -438,9 +499,23 @@ absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
     nlohmann::ordered_json losses = nlohmann::ordered_json::array();
     for (const v1::StepEvent& event : events) losses.push_back(event.loss());
     json["losses"] = std::move(losses);
+    nlohmann::ordered_json steps = nlohmann::ordered_json::array();
+    for (const v1::StepEvent& event : events) steps.push_back(event.step());
+    json["step_numbers"] = std::move(steps);
+    nlohmann::ordered_json checkpoints = nlohmann::ordered_json::array();
+    for (const v1::StepEvent& event : events) {
+      if (!event.checkpoint().empty())
+        checkpoints.push_back(event.checkpoint());
+    }
+    json["checkpoints"] = std::move(checkpoints);
     out << json.dump(2) << "\n";
   } else {
     out << FormatTrainSummary(summary);
+    for (const v1::StepEvent& event : events) {
+      if (!event.checkpoint().empty()) {
+        out << "Checkpoint  " << event.checkpoint() << "\n";
+      }
+    }
   }
   return absl::OkStatus();
 }
@@ -467,7 +542,9 @@ int RunShardctl(const std::vector<std::string>& argv, std::ostream& out,
   }
   absl::Status status;
   absl::StatusOr<std::unique_ptr<Backend>> backend =
-      args->command == ShardctlCommand::kTrain
+      args->command == ShardctlCommand::kTrain ||
+              args->command == ShardctlCommand::kCheckpointList ||
+              args->command == ShardctlCommand::kCheckpointConsolidate
           ? absl::StatusOr<std::unique_ptr<Backend>>(nullptr)
           : MakeBackend(*args);
   if (!backend.ok()) {
@@ -485,6 +562,12 @@ int RunShardctl(const std::vector<std::string>& argv, std::ostream& out,
         break;
       case ShardctlCommand::kTrain:
         status = RunTrain(*args, environment.out_is_tty, out);
+        break;
+      case ShardctlCommand::kCheckpointList:
+        status = RunCheckpointList(*args, out);
+        break;
+      case ShardctlCommand::kCheckpointConsolidate:
+        status = RunCheckpointConsolidate(*args, out);
         break;
       case ShardctlCommand::kHelp:
         break;

@@ -110,10 +110,11 @@ absl::StatusOr<ShardctlCommand> ParseCommand(absl::string_view name) {
   if (name == "plan") return ShardctlCommand::kPlan;
   if (name == "status") return ShardctlCommand::kStatus;
   if (name == "train") return ShardctlCommand::kTrain;
+  if (name == "checkpoint") return ShardctlCommand::kCheckpointList;
   if (name == "help") return ShardctlCommand::kHelp;
   return Usage(absl::StrCat("unknown command '", name,
                             "'; expected one of: strategies, plan, train, "
-                            "status, help"));
+                            "status, checkpoint, help"));
 }
 
 absl::string_view CommandName(ShardctlCommand command) {
@@ -126,6 +127,10 @@ absl::string_view CommandName(ShardctlCommand command) {
       return "status";
     case ShardctlCommand::kTrain:
       return "train";
+    case ShardctlCommand::kCheckpointList:
+      return "checkpoint list";
+    case ShardctlCommand::kCheckpointConsolidate:
+      return "checkpoint consolidate";
     case ShardctlCommand::kHelp:
       break;
   }
@@ -206,7 +211,14 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                 "--fwd-prefetch",
                                 "--bwd-prefetch",
                                 "--log-every",
-                                "--watch-timeout"};
+                                "--watch-timeout",
+                                "--checkpoint-every",
+                                "--resume-from"};
+  static const auto* checkpoint_list = new std::set<std::string>{
+      "--coordinator", "--timeout", "--json",       "--tls-ca",
+      "--tls-cert",    "--tls-key", "--token-file", "--job"};
+  static const auto* checkpoint_consolidate =
+      new std::set<std::string>{"--checkpoint", "--out", "--hf"};
   static const auto* none = new std::set<std::string>{};
   switch (command) {
     case ShardctlCommand::kStrategies:
@@ -217,6 +229,10 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
       return *plan;
     case ShardctlCommand::kTrain:
       return *train;
+    case ShardctlCommand::kCheckpointList:
+      return *checkpoint_list;
+    case ShardctlCommand::kCheckpointConsolidate:
+      return *checkpoint_consolidate;
     case ShardctlCommand::kHelp:
       break;
   }
@@ -316,6 +332,35 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
   } else if (flag == "--model-id") {
     if (value.empty()) return Usage("--model-id: expected a model id (m-...)");
     args->model_id = value;
+  } else if (flag == "--checkpoint-every") {
+    absl::StatusOr<int32_t> n = ParseInt(flag, value, 1);
+    if (!n.ok()) return n.status();
+    args->train.set_checkpoint_every(*n);
+  } else if (flag == "--resume-from") {
+    if (value.empty()) {
+      return Usage(
+          "--resume-from: expected a checkpoint name (JOB/step-NNNNNNNN, see "
+          "shardctl checkpoint list)");
+    }
+    args->train.set_resume_from(value);
+  } else if (flag == "--checkpoint") {
+    if (value.empty()) {
+      return Usage("--checkpoint: expected a checkpoint directory");
+    }
+    args->checkpoint_path = value;
+  } else if (flag == "--out") {
+    if (value.empty()) return Usage("--out: expected a directory");
+    args->out_path = value;
+  } else if (flag == "--hf") {
+    if (value != "qwen3-moe" && value != "mixtral" && value != "none") {
+      return Usage(absl::StrCat(
+          "--hf: expected the HF naming qwen3-moe, mixtral or none, got '",
+          value, "'"));
+    }
+    args->hf_naming = value;
+  } else if (flag == "--job") {
+    if (value.empty()) return Usage("--job: expected a job id (j-...)");
+    args->checkpoint_job = value;
   } else if (flag == "--steps") {
     absl::StatusOr<int32_t> n = ParseInt(flag, value, 1);
     if (!n.ok()) return n.status();
@@ -418,10 +463,29 @@ absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
   absl::StatusOr<ShardctlCommand> command = ParseCommand(first);
   if (!command.ok()) return command.status();
   args.command = *command;
+  size_t first_flag = 1;
+  if (args.command == ShardctlCommand::kCheckpointList) {
+    // "checkpoint" takes a subcommand.
+    if (argv.size() >= 2 && argv[1] == "consolidate") {
+      args.command = ShardctlCommand::kCheckpointConsolidate;
+    } else if (argv.size() < 2 || argv[1] != "list") {
+      if (argv.size() >= 2 && (argv[1] == "--help" || argv[1] == "-h")) {
+        ShardctlArgs help;
+        help.command = ShardctlCommand::kHelp;
+        help.help_for = ShardctlCommand::kCheckpointList;
+        return help;
+      }
+      return Usage(
+          absl::StrCat("checkpoint: expected the subcommand 'list' or "
+                       "'consolidate', got '",
+                       argv.size() >= 2 ? argv[1] : std::string(), "'"));
+    }
+    first_flag = 2;
+  }
 
   const std::set<std::string>& allowed = FlagsOf(args.command);
   std::set<std::string> seen;
-  for (size_t i = 1; i < argv.size(); ++i) {
+  for (size_t i = first_flag; i < argv.size(); ++i) {
     const std::string& arg = argv[i];
     if (arg == "--help" || arg == "-h") {
       ShardctlArgs help;
@@ -484,6 +548,18 @@ absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
     case ShardctlCommand::kStatus:
       if (args.coordinator.empty()) {
         return Usage("status: --coordinator HOST:PORT is required");
+      }
+      break;
+    case ShardctlCommand::kCheckpointList:
+      if (args.coordinator.empty()) {
+        return Usage("checkpoint list: --coordinator HOST:PORT is required");
+      }
+      break;
+    case ShardctlCommand::kCheckpointConsolidate:
+      if (args.checkpoint_path.empty() || args.out_path.empty()) {
+        return Usage(
+            "checkpoint consolidate: --checkpoint DIR and --out DIR are "
+            "required");
       }
       break;
     case ShardctlCommand::kTrain: {
@@ -661,6 +737,14 @@ Job:
   --grad-clip X                global gradient-norm clip (default 1.0;
                                0: off)
   --fine-grained               one RPC per command instead of per step
+Checkpoints (the coordinator's --checkpoint-dir, shared with the workers):
+  --checkpoint-every N         save after every N-th step to
+                               JOB/step-NNNNNNNN (atomic; a failed save
+                               fails the job)
+  --resume-from NAME           start from a committed checkpoint (e.g.
+                               j-1/step-00000020, see shardctl checkpoint
+                               list) in any world size and strategy: runs
+                               --steps more steps from its step on
 Output:
   --json                       no progress; one JSON object at the end
   --log-every N                progress line every N steps when not on a
@@ -674,6 +758,38 @@ Security (with --coordinator):
   --token-file FILE            client bearer token, first line (default:
                                $SHARDD_TOKEN_FILE)
 )";
+    case ShardctlCommand::kCheckpointList:
+      return R"(Usage: shardctl checkpoint list --coordinator HOST:PORT [--job ID] [--json]
+
+Lists the committed checkpoints in the coordinator's checkpoint directory:
+name (pass it to train --resume-from), step, and the world size and
+strategy that saved it.
+
+  --coordinator HOST:PORT  the coordinator (required)
+  --job ID                 only this job's checkpoints
+  --timeout SECONDS        connect and call deadline (default 30)
+  --json                   print the response as JSON
+Security (with --coordinator):
+  --tls-ca FILE                CA that verifies the coordinator (TLS)
+  --tls-cert FILE, --tls-key FILE   client certificate (mutual TLS)
+  --token-file FILE            client bearer token, first line (default:
+                               $SHARDD_TOKEN_FILE)
+)";
+    case ShardctlCommand::kCheckpointConsolidate:
+      return R"(Usage: shardctl checkpoint consolidate --checkpoint DIR --out DIR [--hf NAMING]
+
+Reads a committed checkpoint (saved by any number of ranks, e.g.
+CHECKPOINT_DIR/j-1/step-00000020), verifies every file, and writes it
+again as if saved by one rank: OUT/step-NNNNNNNN, one file, parameters and
+AdamW state whole, same step. With --hf it instead exports the parameters
+as a Hugging Face safetensors checkpoint into OUT. Local: reads and writes
+files on this machine, holding the whole model in memory; no coordinator.
+
+  --checkpoint DIR             the checkpoint directory (required)
+  --out DIR                    where the result goes (required)
+  --hf NAMING                  export to HF with the expert naming
+                               qwen3-moe, mixtral, or none (no MoE layers)
+)";
     case ShardctlCommand::kHelp:
       break;
   }
@@ -686,6 +802,8 @@ Commands:
   plan         plan a model over N ranks: units, memory, communication
   train        train a model on a coordinator's workers
   status       show a coordinator's models, workers and jobs
+  checkpoint list   list the committed checkpoints of the jobs
+  checkpoint consolidate   rewrite a checkpoint as one rank's, or export HF
   help [CMD]   this text, or a command's flags (also: CMD --help)
 
 Exit codes: 0 success, 1 planning, RPC or training error, 2 usage error.

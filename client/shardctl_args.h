@@ -17,7 +17,15 @@
 
 namespace shardd {
 
-enum class ShardctlCommand { kHelp, kStrategies, kPlan, kStatus, kTrain };
+enum class ShardctlCommand {
+  kHelp,
+  kStrategies,
+  kPlan,
+  kStatus,
+  kTrain,
+  kCheckpointList,         // "checkpoint list"
+  kCheckpointConsolidate,  // "checkpoint consolidate"
+};
 
 struct ShardctlArgs {
   ShardctlCommand command = ShardctlCommand::kHelp;
@@ -55,6 +63,14 @@ struct ShardctlArgs {
   // Plain progress lines every N steps when the output is not a terminal;
   // 0: about 20 lines per job.
   int32_t log_every = 0;
+  // checkpoint list: only this job's checkpoints (--job); empty: all.
+  std::string checkpoint_job;
+  // checkpoint consolidate: the checkpoint directory (--checkpoint), where
+  // the result goes (--out) and, with --hf, the HF naming of the export
+  // ("qwen3-moe", "mixtral" or "none"; empty: a shardd checkpoint).
+  std::string checkpoint_path;
+  std::string out_path;
+  std::string hf_naming;
   // Give up watching when the coordinator sends no event for this long.
   absl::Duration watch_timeout = absl::Minutes(10);
 };

@@ -143,6 +143,59 @@ TEST(ShardctlArgsTest, BadNumbersNameTheFlag) {
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--timeout")));
 }
 
+TEST(ShardctlArgsTest, CheckpointFlagsAndCheckpointList) {
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      ShardctlArgs train,
+      Parse({"train", "--coordinator", "h:1", "--model", "m.json",
+             "--checkpoint-every", "3", "--resume-from", "j-1/step-00000003"}));
+  EXPECT_EQ(train.train.checkpoint_every(), 3);
+  EXPECT_EQ(train.train.resume_from(), "j-1/step-00000003");
+  EXPECT_THAT(Parse({"train", "--coordinator", "h:1", "--model", "m.json",
+                     "--checkpoint-every", "0"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--checkpoint-every")));
+  EXPECT_THAT(
+      Parse({"train", "--coordinator", "h:1", "--model", "m.json",
+             "--resume-from="}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--resume-from")));
+
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      ShardctlArgs list, Parse({"checkpoint", "list", "--coordinator", "h:1",
+                                "--job", "j-2", "--json"}));
+  EXPECT_EQ(list.command, ShardctlCommand::kCheckpointList);
+  EXPECT_EQ(list.checkpoint_job, "j-2");
+  EXPECT_TRUE(list.json);
+  EXPECT_THAT(
+      Parse({"checkpoint", "list"}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--coordinator")));
+  EXPECT_THAT(Parse({"checkpoint", "frobnicate"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("subcommand 'list' or 'consolidate'")));
+  EXPECT_THAT(Parse({"checkpoint"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("subcommand 'list' or 'consolidate'")));
+  SHARDD_ASSERT_OK_AND_ASSIGN(ShardctlArgs help,
+                              Parse({"checkpoint", "list", "--help"}));
+  EXPECT_EQ(help.command, ShardctlCommand::kHelp);
+  EXPECT_EQ(help.help_for, ShardctlCommand::kCheckpointList);
+  EXPECT_THAT(ShardctlUsage(ShardctlCommand::kCheckpointList),
+              HasSubstr("shardctl checkpoint list"));
+
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      ShardctlArgs consolidate,
+      Parse({"checkpoint", "consolidate", "--checkpoint", "c/j-1/step-1",
+             "--out", "o", "--hf", "mixtral"}));
+  EXPECT_EQ(consolidate.command, ShardctlCommand::kCheckpointConsolidate);
+  EXPECT_EQ(consolidate.checkpoint_path, "c/j-1/step-1");
+  EXPECT_EQ(consolidate.out_path, "o");
+  EXPECT_EQ(consolidate.hf_naming, "mixtral");
+  EXPECT_THAT(Parse({"checkpoint", "consolidate", "--checkpoint", "c"}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--out")));
+  EXPECT_THAT(Parse({"checkpoint", "consolidate", "--checkpoint", "c", "--out",
+                     "o", "--hf", "llama"}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--hf")));
+}
+
 TEST(ShardctlArgsTest, UsageErrors) {
   EXPECT_THAT(Parse({}), StatusIs(absl::StatusCode::kInvalidArgument,
                                   HasSubstr("command is required")));

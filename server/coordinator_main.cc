@@ -4,6 +4,7 @@
 //       [--workers=4] [--heartbeat-timeout=10s] [--collective-timeout=60s]
 //       [--tls-cert=F --tls-key=F [--tls-client-ca=F]]
 //       [--client-token-file=F] [--worker-token-file=F] [--worker-tls-ca=F]
+//       [--checkpoint-dir=DIR]
 //
 // Prints "shardd-coordinator listening on HOST:PORT" on stderr once serving
 // and writes the bound port to DATA_DIR/coordinator.port. SIGTERM or SIGINT
@@ -43,6 +44,11 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:7070",
 ABSL_FLAG(std::string, data_dir, "",
           "Directory for the coordinator's files (created if missing); the "
           "bound port is written to coordinator.port in it");
+ABSL_FLAG(std::string, checkpoint_dir, "",
+          "Directory of the jobs' checkpoints (JOB/step-NNNNNNNN); default "
+          "DATA_DIR/checkpoints. Workers must get the same directory (on a "
+          "shared file system) as --checkpoint-root; empty with no "
+          "--data-dir: checkpoints are off");
 ABSL_FLAG(bool, log_json, false, "Log one JSON object per line");
 ABSL_FLAG(int, max_models, 1024, "Most models kept at once");
 ABSL_FLAG(int, workers, 0,
@@ -132,6 +138,28 @@ int Run() {
                    "shardd-coordinator: --data-dir: cannot create %s: %s\n",
                    data_dir.c_str(), error.message().c_str());
       return 1;
+    }
+  }
+  std::string checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  if (checkpoint_dir.empty() && !data_dir.empty()) {
+    checkpoint_dir = (data_dir / "checkpoints").string();
+  }
+  if (!checkpoint_dir.empty()) {
+    std::error_code error;
+    // Absolute, so it names the same directory as the workers' root.
+    const std::filesystem::path absolute =
+        std::filesystem::absolute(checkpoint_dir, error);
+    if (!error) std::filesystem::create_directories(absolute, error);
+    if (error) {
+      std::fprintf(stderr,
+                   "shardd-coordinator: --checkpoint-dir: cannot create %s: "
+                   "%s\n",
+                   checkpoint_dir.c_str(), error.message().c_str());
+      return 1;
+    }
+    checkpoint_dir = absolute.lexically_normal().string();
+    while (checkpoint_dir.size() > 1 && checkpoint_dir.back() == '/') {
+      checkpoint_dir.pop_back();
     }
   }
   if (absl::GetFlag(FLAGS_max_models) < 1) {
@@ -234,6 +262,7 @@ int Run() {
   service_options.worker_clients = GrpcWorkerClientFactory(worker_channel);
   service_options.jobs.collective_timeout = collective_timeout;
   service_options.jobs.max_pending_jobs = absl::GetFlag(FLAGS_max_pending_jobs);
+  service_options.jobs.checkpoint_dir = checkpoint_dir;
   CoordinatorService service(registry.get(), service_options);
 
   CoordinatorServerOptions server_options;

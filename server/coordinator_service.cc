@@ -56,8 +56,6 @@ WorkerRegistryOptions RegistryOptions(const CoordinatorServiceOptions& o) {
   options.clock = o.clock;
   return options;
 }
-constexpr absl::string_view kCheckpointIssue =
-    "checkpoints land with the durability issue, issue 5";
 
 // Bounds on a job's config; they keep the numbers far from overflow.
 constexpr int32_t kMaxSteps = 100000000;
@@ -319,9 +317,8 @@ absl::StatusOr<v1::SubmitModelResponse> CoordinatorService::SubmitModel(
       }
       const absl::Status saved = options_.state->Put("models", model_id, bytes);
       if (!saved.ok()) {
-        return absl::UnavailableError(
-            absl::StrCat("the model could not be stored durably: ",
-                         saved.message()));
+        return absl::UnavailableError(absl::StrCat(
+            "the model could not be stored durably: ", saved.message()));
       }
     }
     stored_bytes_ += stored.bytes;
@@ -606,17 +603,35 @@ absl::StatusOr<StepWatch> CoordinatorService::WatchStep(
 
 absl::StatusOr<v1::SaveCheckpointResponse> CoordinatorService::SaveCheckpoint(
     const v1::SaveCheckpointRequest& /*request*/) {
-  return NotYet("SaveCheckpoint", kCheckpointIssue);
+  return NotYet("SaveCheckpoint",
+                "issue 5: on-demand saves are not wired yet; use "
+                "TrainConfig.checkpoint_every (shardctl train "
+                "--checkpoint-every N)");
 }
 
 absl::StatusOr<v1::LoadCheckpointResponse> CoordinatorService::LoadCheckpoint(
     const v1::LoadCheckpointRequest& /*request*/) {
-  return NotYet("LoadCheckpoint", kCheckpointIssue);
+  return NotYet("LoadCheckpoint",
+                "issue 5: loading into an idle model is not wired yet; use "
+                "TrainConfig.resume_from (shardctl train --resume-from "
+                "JOB/step-NNNNNNNN)");
 }
 
 absl::StatusOr<v1::ListCheckpointsResponse> CoordinatorService::ListCheckpoints(
-    const v1::ListCheckpointsRequest& /*request*/) {
-  return NotYet("ListCheckpoints", kCheckpointIssue);
+    const v1::ListCheckpointsRequest& request) {
+  if (options_.jobs.checkpoint_dir.empty()) {
+    return absl::FailedPreconditionError(
+        "ListCheckpoints: this coordinator has no checkpoint directory "
+        "(start it with --checkpoint-dir or --data-dir)");
+  }
+  SHARDD_ASSIGN_OR_RETURN(
+      std::vector<v1::CheckpointInfo> found,
+      ListJobCheckpoints(options_.jobs.checkpoint_dir, request.job_id()));
+  v1::ListCheckpointsResponse response;
+  for (v1::CheckpointInfo& info : found) {
+    *response.add_checkpoints() = std::move(info);
+  }
+  return response;
 }
 
 }  // namespace shardd

@@ -8,8 +8,10 @@
 // finishes waiting calls (Get with wait, Barrier) and WatchStep streams
 // asynchronously; tests drive this class directly. Training jobs
 // (SubmitStep/WatchStep) run in a JobRunner (job_runner.h) that reaches the
-// workers through the injected WorkerClientFactory. Checkpoints answer
-// UNIMPLEMENTED until the issue that adds them lands.
+// workers through the injected WorkerClientFactory. Checkpoints: jobs save
+// and resume through TrainConfig (checkpoint_every, resume_from; see
+// job_runner.h) and ListCheckpoints lists options.jobs.checkpoint_dir;
+// SaveCheckpoint and LoadCheckpoint still answer UNIMPLEMENTED.
 //
 // Thread-safe: every method may be called concurrently.
 

@@ -196,9 +196,8 @@ TEST_F(CoordinatorServiceTest, SubmitSpecStoresPlanAndSummary) {
 // them in the same order, with the first submission's name.
 TEST_F(CoordinatorServiceTest, StoredModelsSurviveARestart) {
   const char* tmp = std::getenv("TEST_TMPDIR");
-  const std::string path =
-      absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/coordinator_state_",
-                   getpid(), ".db");
+  const std::string path = absl::StrCat(tmp != nullptr ? tmp : "/tmp",
+                                        "/coordinator_state_", getpid(), ".db");
   std::string first_id;
   std::string second_plan;
   {
@@ -214,8 +213,7 @@ TEST_F(CoordinatorServiceTest, StoredModelsSurviveARestart) {
     b.set_name("second");
     SHARDD_ASSERT_OK_AND_ASSIGN(auto rb, service->SubmitModel(b));
     second_plan = rb.plan().SerializeAsString();
-    EXPECT_THAT(state->List("models"),
-                IsOkAndHolds(::testing::SizeIs(2)));
+    EXPECT_THAT(state->List("models"), IsOkAndHolds(::testing::SizeIs(2)));
   }
   SHARDD_ASSERT_OK_AND_ASSIGN(auto state, StateStore::Open(path));
   CoordinatorServiceOptions options;
@@ -473,8 +471,10 @@ TEST_F(CoordinatorServiceTest, CheckpointsAnswerUnimplementedNamingTheIssue) {
               unimplemented("SaveCheckpoint", "issue 5"));
   EXPECT_THAT(service->LoadCheckpoint({}),
               unimplemented("LoadCheckpoint", "issue 5"));
+  // ListCheckpoints works once a checkpoint directory is configured.
   EXPECT_THAT(service->ListCheckpoints({}),
-              unimplemented("ListCheckpoints", "issue 5"));
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("--checkpoint-dir")));
 }
 
 v1::RegisterWorkerRequest WorkerRequest(int port, uint64_t incarnation) {

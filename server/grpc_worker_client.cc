@@ -90,6 +90,22 @@ absl::StatusOr<v1::GetStatsResponse> GrpcWorkerClient::GetStats(
       });
 }
 
+absl::StatusOr<v1::SaveShardsResponse> GrpcWorkerClient::SaveShards(
+    const v1::SaveShardsRequest& request, const WorkerCallOptions& options) {
+  return Invoke<v1::SaveShardsResponse>(
+      options, [&](grpc::ClientContext* context, v1::SaveShardsResponse* out) {
+        return stub_->SaveShards(context, request, out);
+      });
+}
+
+absl::StatusOr<v1::LoadShardsResponse> GrpcWorkerClient::LoadShards(
+    const v1::LoadShardsRequest& request, const WorkerCallOptions& options) {
+  return Invoke<v1::LoadShardsResponse>(
+      options, [&](grpc::ClientContext* context, v1::LoadShardsResponse* out) {
+        return stub_->LoadShards(context, request, out);
+      });
+}
+
 WorkerClientFactory GrpcWorkerClientFactory(ChannelSecurity security) {
   return [security = std::move(security)](const std::string& address) {
     return GrpcWorkerClient::Create(address, security);

@@ -40,6 +40,12 @@ class GrpcWorkerClient final : public WorkerClient {
       const WorkerCallOptions& options) override;
   absl::StatusOr<v1::GetStatsResponse> GetStats(
       const WorkerCallOptions& options) override;
+  absl::StatusOr<v1::SaveShardsResponse> SaveShards(
+      const v1::SaveShardsRequest& request,
+      const WorkerCallOptions& options) override;
+  absl::StatusOr<v1::LoadShardsResponse> LoadShards(
+      const v1::LoadShardsRequest& request,
+      const WorkerCallOptions& options) override;
 
  private:
   GrpcWorkerClient(std::string address, std::shared_ptr<grpc::Channel> channel);

@@ -1,16 +1,25 @@
 #include "server/job_runner.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <functional>
+#include <limits>
+#include <system_error>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/step_program.h"
+#include "worker/checkpoint/checkpoint_reader.h"
+#include "worker/checkpoint/checkpoint_writer.h"
+#include "worker/shard_checkpoint.h"
 
 namespace shardd {
 
@@ -92,6 +101,8 @@ struct JobRunner::Job {
   std::string model_id;
   int32_t world_size = 0;
   int32_t total_steps = 0;
+  // The step the job starts from (the checkpoint's, with resume_from).
+  int64_t first_step = 0;
   // Read without the lock by the job's thread while it runs; cleared (under
   // JobRunner::mu_) when it ends, since plans of large worlds are big.
   JobSpec spec;
@@ -202,14 +213,126 @@ absl::Status Prefixed(absl::string_view prefix, const absl::Status& status) {
   return absl::Status(status.code(), absl::StrCat(prefix, status.message()));
 }
 
+// The n of a "j-<n>" job id, or 0.
+int64_t JobNumber(absl::string_view name) {
+  int64_t n = 0;
+  if (!absl::ConsumePrefix(&name, "j-") || !absl::SimpleAtoi(name, &n)) {
+    return 0;
+  }
+  return n;
+}
+
+// The RankFile a worker's SaveShards reported.
+checkpoint::RankFile ToRankFile(const v1::SaveShardsResponse& response) {
+  checkpoint::RankFile out;
+  out.file.name = response.file_name();
+  out.file.size_bytes = response.size_bytes();
+  out.file.xxh64 = response.xxh64();
+  for (const v1::CheckpointChunk& chunk : response.chunks()) {
+    checkpoint::TensorChunk piece;
+    piece.tensor = chunk.tensor();
+    piece.dtype = chunk.dtype();
+    piece.global_shape.assign(chunk.global_shape().begin(),
+                              chunk.global_shape().end());
+    piece.chunk.file = chunk.file();
+    piece.chunk.tensor = chunk.file_tensor();
+    piece.chunk.begin = chunk.begin();
+    piece.chunk.end = chunk.end();
+    out.chunks.push_back(std::move(piece));
+  }
+  return out;
+}
+
 }  // namespace
+
+absl::Status CheckRelativeCheckpointPath(const std::string& path,
+                                         absl::string_view field) {
+  const absl::Status bad = absl::InvalidArgumentError(absl::StrCat(
+      field,
+      ": expected a checkpoint path relative to the checkpoint dir (e.g. "
+      "j-1/step-00000020), without '.', '..' or empty components, got '",
+      path, "'"));
+  if (path.empty() || path.front() == '/') return bad;
+  for (absl::string_view part : absl::StrSplit(path, '/')) {
+    if (part.empty() || part == "." || part == "..") return bad;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<v1::CheckpointInfo>> ListJobCheckpoints(
+    const std::string& checkpoint_dir, const std::string& job_id) {
+  if (!job_id.empty()) {
+    SHARDD_RETURN_IF_ERROR(CheckRelativeCheckpointPath(job_id, "job_id"));
+    if (job_id.find('/') != std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "job_id: expected a job id (j-<n>), got '", job_id, "'"));
+    }
+  }
+  std::vector<std::string> jobs;
+  if (!job_id.empty()) {
+    jobs.push_back(job_id);
+  } else {
+    std::error_code error;
+    std::filesystem::directory_iterator it(checkpoint_dir, error);
+    if (error && error != std::errc::no_such_file_or_directory) {
+      return absl::InternalError(
+          absl::StrCat("listing ", checkpoint_dir, ": ", error.message()));
+    }
+    for (; !error && it != std::filesystem::directory_iterator();
+         it.increment(error)) {
+      if (it->is_directory(error)) jobs.push_back(it->path().filename());
+    }
+    // j-2 before j-10.
+    std::sort(jobs.begin(), jobs.end(),
+              [](const std::string& a, const std::string& b) {
+                const int64_t na = JobNumber(a);
+                const int64_t nb = JobNumber(b);
+                return na != nb ? na < nb : a < b;
+              });
+  }
+  std::vector<v1::CheckpointInfo> out;
+  for (const std::string& job : jobs) {
+    SHARDD_ASSIGN_OR_RETURN(
+        std::vector<checkpoint::CheckpointInfo> found,
+        checkpoint::ListCheckpoints(checkpoint_dir + "/" + job));
+    for (const checkpoint::CheckpointInfo& info : found) {
+      v1::CheckpointInfo entry;
+      entry.set_name(absl::StrCat(job, "/", info.name));
+      entry.set_job_id(job);
+      entry.set_step(info.step);
+      // ListCheckpoints parsed the index already; reading it again here
+      // keeps its interface small (an index is a few KiB).
+      absl::StatusOr<std::unique_ptr<checkpoint::CheckpointReader>> reader =
+          checkpoint::CheckpointReader::Open(info.path);
+      if (reader.ok()) {
+        const checkpoint::SavedBy& by = (*reader)->index().saved_by;
+        entry.set_world_size(static_cast<int32_t>(by.world_size));
+        entry.set_strategy(by.strategy);
+      }
+      out.push_back(std::move(entry));
+    }
+  }
+  return out;
+}
 
 // ---------------------------------------------------------------------------
 // JobRunner
 
 JobRunner::JobRunner(WorkerRegistry* workers, WorkerClientFactory factory,
                      JobRunnerOptions options)
-    : workers_(workers), factory_(std::move(factory)), options_(options) {}
+    : workers_(workers), factory_(std::move(factory)), options_(options) {
+  if (options_.checkpoint_dir.empty()) return;
+  // Job ids restart at j-1 with the process; checkpoints must not collide.
+  std::error_code error;
+  std::filesystem::directory_iterator it(options_.checkpoint_dir, error);
+  int64_t highest = 0;
+  for (; !error && it != std::filesystem::directory_iterator();
+       it.increment(error)) {
+    highest = std::max(highest, JobNumber(it->path().filename().string()));
+  }
+  absl::MutexLock lock(&mu_);
+  next_job_ = highest + 1;
+}
 
 JobRunner::~JobRunner() { Shutdown(); }
 
@@ -225,6 +348,42 @@ absl::StatusOr<std::string> JobRunner::Submit(JobSpec spec) {
   }
   if (spec.program.commands_size() == 0) {
     return absl::InvalidArgumentError("program: has no commands");
+  }
+  if (spec.config.checkpoint_every() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.checkpoint_every: must be >= 0 (0 = never), got ",
+                     spec.config.checkpoint_every()));
+  }
+  int64_t first_step = 0;
+  const std::string& resume_from = spec.config.resume_from();
+  if (!resume_from.empty()) {
+    SHARDD_RETURN_IF_ERROR(
+        CheckRelativeCheckpointPath(resume_from, "config.resume_from"));
+  }
+  if ((spec.config.checkpoint_every() > 0 || !resume_from.empty()) &&
+      options_.checkpoint_dir.empty()) {
+    return absl::FailedPreconditionError(
+        "checkpoints: this coordinator has no checkpoint directory (start it "
+        "with --checkpoint-dir or --data-dir)");
+  }
+  if (!resume_from.empty()) {
+    // Refuse a missing checkpoint now; the workers verify the data files.
+    absl::StatusOr<std::unique_ptr<checkpoint::CheckpointReader>> reader =
+        checkpoint::CheckpointReader::Open(options_.checkpoint_dir + "/" +
+                                           resume_from);
+    if (!reader.ok()) {
+      return absl::Status(
+          reader.status().code(),
+          absl::StrCat("config.resume_from: ", reader.status().message()));
+    }
+    first_step = (*reader)->index().step;
+    if (first_step + spec.config.steps() >
+        std::numeric_limits<int32_t>::max()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.steps: the checkpoint's step ", first_step,
+                       " plus ", spec.config.steps(), " steps exceeds ",
+                       std::numeric_limits<int32_t>::max()));
+    }
   }
   // Refuse at once instead of queueing a job nobody can run.
   SHARDD_RETURN_IF_ERROR(workers_->CheckRanksAlive(world));
@@ -261,7 +420,9 @@ absl::StatusOr<std::string> JobRunner::Submit(JobSpec spec) {
     job->id = id;
     job->model_id = spec.model_id;
     job->world_size = world;
-    job->total_steps = spec.config.steps();
+    job->first_step = first_step;
+    job->steps_done = first_step;
+    job->total_steps = static_cast<int32_t>(first_step + spec.config.steps());
     job->spec = std::move(spec);
     job->events =
         std::make_shared<JobEventLog>(id, options_.max_events_per_job);
@@ -563,7 +724,7 @@ absl::Status JobRunner::RunSteps(Job* job) {
   // The spec is immutable once submitted.
   const JobSpec& spec = job->spec;
   const int world = spec.plan.world_size();
-  const int32_t total = spec.config.steps();
+  const int32_t total = job->total_steps;
 
   SHARDD_RETURN_IF_ERROR(workers_->CheckRanksAlive(world));
   std::vector<WorkerSnapshot> snapshot(world);
@@ -610,6 +771,80 @@ absl::Status JobRunner::RunSteps(Job* job) {
             return absl::OkStatus();
           },
           "LoadPlan")));
+  if (!spec.config.resume_from().empty()) {
+    v1::LoadShardsRequest request;
+    request.set_plan_fingerprint(spec.plan.fingerprint());
+    request.set_checkpoint_dir(spec.config.resume_from());
+    std::vector<int64_t> steps(world, -1);
+    SHARDD_RETURN_IF_ERROR(Prefixed(
+        absl::StrCat("LoadShards ", spec.config.resume_from(), ": "),
+        RunOnAllRanks(
+            snapshot, &pool,
+            [&](int rank, const WorkerCallOptions& options) -> absl::Status {
+              SHARDD_ASSIGN_OR_RETURN(
+                  v1::LoadShardsResponse response,
+                  clients[rank]->LoadShards(request, options));
+              steps[rank] = response.step();
+              return absl::OkStatus();
+            },
+            "LoadShards")));
+    for (int rank = 0; rank < world; ++rank) {
+      if (steps[rank] != job->first_step) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "LoadShards ", spec.config.resume_from(), ": ",
+            RankLabel(rank, snapshot[rank].address), " loaded step ",
+            steps[rank], " but the checkpoint was at step ", job->first_step,
+            " when the job was submitted (it was replaced meanwhile)"));
+      }
+    }
+    SHARDD_LOG(INFO) << "job " << job->id << ": resumed from "
+                     << spec.config.resume_from() << " at step "
+                     << job->first_step;
+  }
+
+  // Saves the shards after `steps_done` steps; returns the checkpoint's
+  // name relative to the checkpoint dir.
+  const std::string job_root = options_.checkpoint_dir + "/" + job->id;
+  auto save = [&](int64_t steps_done) -> absl::StatusOr<std::string> {
+    SHARDD_ASSIGN_OR_RETURN(const std::string tmp,
+                            checkpoint::BeginCheckpoint(job_root, steps_done));
+    const int dp_shard = spec.plan.mesh().dp_shard();
+    v1::SaveShardsRequest request;
+    request.set_plan_fingerprint(spec.plan.fingerprint());
+    request.set_tmp_dir(absl::StrCat(
+        job->id, "/", std::filesystem::path(tmp).filename().string()));
+    std::vector<checkpoint::RankFile> files(dp_shard);
+    absl::Status saved = RunOnAllRanks(
+        snapshot, &pool,
+        [&](int rank, const WorkerCallOptions& options) -> absl::Status {
+          // Replica 0 holds every shard once; the other replicas the same.
+          if (rank >= dp_shard) return absl::OkStatus();
+          SHARDD_ASSIGN_OR_RETURN(v1::SaveShardsResponse response,
+                                  clients[rank]->SaveShards(request, options));
+          files[rank] = ToRankFile(response);
+          return absl::OkStatus();
+        },
+        "SaveShards");
+    absl::StatusOr<std::string> committed;
+    if (saved.ok()) {
+      absl::StatusOr<checkpoint::CheckpointIndex> index =
+          BuildIndex(spec.plan, steps_done, files);
+      committed = index.ok()
+                      ? checkpoint::CommitCheckpoint(job_root, tmp, *index)
+                      : absl::StatusOr<std::string>(index.status());
+    } else {
+      committed = saved;
+    }
+    if (!committed.ok()) {
+      std::error_code ignored;
+      std::filesystem::remove_all(tmp, ignored);
+      return committed.status();
+    }
+    return absl::StrCat(job->id, "/",
+                        checkpoint::CheckpointDirName(steps_done));
+  };
+  const int32_t checkpoint_every = spec.config.checkpoint_every();
+
   const double entropy_rate = loaded[0].data_entropy_rate();
   const int64_t planned_peak = spec.plan.memory().peak_unsharded_bytes();
 
@@ -617,7 +852,7 @@ absl::Status JobRunner::RunSteps(Job* job) {
   *execute.mutable_program() = spec.program;
   const int commands = spec.program.commands_size();
   std::vector<v1::ExecuteResponse> results(world);
-  for (int64_t step = 0; step < total; ++step) {
+  for (int64_t step = job->first_step; step < total; ++step) {
     const std::string label = absl::StrCat(StepLabel(step + 1, total), ": ");
     if (stopping()) {
       return absl::UnavailableError(
@@ -695,6 +930,14 @@ absl::Status JobRunner::RunSteps(Job* job) {
     event.set_data_entropy_rate(entropy_rate);
     event.set_total_steps(total);
     event.set_done(step + 1 == total);
+    if (checkpoint_every > 0 && (step + 1) % checkpoint_every == 0) {
+      absl::StatusOr<std::string> name = save(step + 1);
+      if (!name.ok()) {
+        return Prefixed(absl::StrCat(label, "checkpoint: "), name.status());
+      }
+      SHARDD_LOG(INFO) << "job " << job->id << ": saved checkpoint " << *name;
+      event.set_checkpoint(*name);
+    }
     Publish(job, std::move(event));
   }
   return absl::OkStatus();

@@ -17,6 +17,16 @@
 //      fine-grained mode, RunCommand for each command in program order on
 //      every rank concurrently (a command waits for all ranks before the
 //      next one: its collectives need every rank);
+//   3a. with config.resume_from, before the first step: LoadShards on every
+//      rank (each reads what it owns under its own plan, any saved world
+//      size or strategy); the steps then run from the checkpoint's step on;
+//   3b. with config.checkpoint_every N, after every step k with k % N == 0:
+//      BeginCheckpoint under <checkpoint_dir>/<job-id>, SaveShards on the
+//      ranks of replica 0, BuildIndex and CommitCheckpoint (atomic: a crash
+//      leaves the previous checkpoints valid). The step's event names the
+//      checkpoint. A failed save fails the job (training on without the
+//      checkpoints asked for would hide the failure until it is needed);
+//      the half-written save directory is removed;
 //   4. aggregates each step (token-weighted mean loss over ranks, global
 //      tokens, max measured peak and collectives over ranks, rank 0's
 //      gradient norm) into a StepEvent.
@@ -133,6 +143,15 @@ struct JobRunnerOptions {
   // answer before they are cancelled, so that the error reported is the
   // cause (e.g. the dead worker) rather than a peer's aborted collective.
   absl::Duration failure_grace = absl::Milliseconds(300);
+  // Where jobs' checkpoints live: <checkpoint_dir>/<job-id>/step-NNNNNNNN
+  // (worker/checkpoint/checkpoint_writer.h). Workers resolve the same
+  // relative paths under their --checkpoint-root, so both must name one
+  // directory on a file system they share (one machine, or a network file
+  // system). Empty: jobs asking for checkpoint_every or resume_from are
+  // refused with FAILED_PRECONDITION. Job ids continue after the highest
+  // j-<n> directory found here, so a restarted coordinator does not reuse
+  // a job's checkpoint directory.
+  std::string checkpoint_dir;
 };
 
 // What SubmitStep hands the runner: everything a job needs, checked.
@@ -147,6 +166,18 @@ struct JobSpec {
   // Normalized: defaults filled in, steps >= 1.
   v1::TrainConfig config;
 };
+
+// The committed checkpoints under `checkpoint_dir`, for job `job_id` (every
+// job's when empty), by job then newest first; names relative to
+// checkpoint_dir ("j-1/step-00000003"). A missing directory lists nothing.
+// Errors: INVALID_ARGUMENT (job_id not a plain name); file system errors.
+absl::StatusOr<std::vector<v1::CheckpointInfo>> ListJobCheckpoints(
+    const std::string& checkpoint_dir, const std::string& job_id);
+
+// Checks a checkpoint path a request names: non-empty, relative, without
+// empty, "." or ".." components. Errors: INVALID_ARGUMENT naming `field`.
+absl::Status CheckRelativeCheckpointPath(const std::string& path,
+                                         absl::string_view field);
 
 // A job as GetStatus shows it.
 struct JobSummary {
@@ -175,10 +206,13 @@ class JobRunner {
 
   // Queues a job and returns its id ("j-<n>", n counting from 1).
   // Errors: INVALID_ARGUMENT (plan.world_size() < 1, config.steps < 1, an
-  // empty program), FAILED_PRECONDITION (ranks 0..W-1 are not all
-  // registered and alive: the message names the missing and dead ranks),
-  // RESOURCE_EXHAUSTED (max_pending_jobs queued or running), UNAVAILABLE
-  // (shutting down).
+  // empty program, config.checkpoint_every < 0, config.resume_from not a
+  // plain relative path), NOT_FOUND (resume_from is not a committed
+  // checkpoint), DATA_LOSS (its index.json is malformed),
+  // FAILED_PRECONDITION (checkpoints asked for without a checkpoint_dir),
+  // FAILED_PRECONDITION (ranks 0..W-1 are not all registered and alive: the
+  // message names the missing and dead ranks), RESOURCE_EXHAUSTED
+  // (max_pending_jobs queued or running), UNAVAILABLE (shutting down).
   absl::StatusOr<std::string> Submit(JobSpec spec) ABSL_LOCKS_EXCLUDED(mu_);
 
   // The event log of a job. Errors: NOT_FOUND (unknown or forgotten job).

@@ -1,6 +1,8 @@
 #include "server/job_runner.h"
 
 #include <atomic>
+#include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <string>
@@ -585,6 +587,56 @@ TEST_F(JobRunnerTest, RejectsMalformedSpecs) {
   EXPECT_THAT(
       runner_->Submit(empty),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("program")));
+}
+
+TEST_F(JobRunnerTest, CheckpointOptionsAreCheckedAndJobIdsContinue) {
+  RegisterWorkers(1);
+  StartRunner();
+  JobSpec every = Spec(1, 1);
+  every.config.set_checkpoint_every(3);
+  EXPECT_THAT(runner_->Submit(every),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("--checkpoint-dir")));
+  every.config.set_checkpoint_every(-1);
+  EXPECT_THAT(runner_->Submit(every),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("config.checkpoint_every")));
+
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string dir =
+      absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/job_runner_ckpt");
+  std::filesystem::create_directories(dir + "/j-7");
+  JobRunnerOptions options;
+  options.checkpoint_dir = dir;
+  StartRunner(options);
+  for (const std::string& bad :
+       {std::string("../j-1/step-00000003"), std::string("/abs/step-1"),
+        std::string("j-1//step-1"), std::string("j-1/./step-1")}) {
+    JobSpec resume = Spec(1, 1);
+    resume.config.set_resume_from(bad);
+    EXPECT_THAT(runner_->Submit(resume),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("config.resume_from")))
+        << bad;
+  }
+  JobSpec missing = Spec(1, 1);
+  missing.config.set_resume_from("j-1/step-00000003");
+  EXPECT_THAT(
+      runner_->Submit(missing),
+      StatusIs(absl::StatusCode::kNotFound, HasSubstr("config.resume_from")));
+  // j-7 exists in the checkpoint dir: a restarted coordinator goes on
+  // after it instead of reusing its directory.
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::string id, runner_->Submit(Spec(1, 1)));
+  EXPECT_EQ(id, "j-8");
+
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::vector<v1::CheckpointInfo> listed,
+                              ListJobCheckpoints(dir, ""));
+  EXPECT_TRUE(listed.empty());
+  EXPECT_THAT(
+      ListJobCheckpoints(dir, "../etc").status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("job_id")));
+  SHARDD_ASSERT_OK_AND_ASSIGN(listed, ListJobCheckpoints(dir + "/missing", ""));
+  EXPECT_TRUE(listed.empty());
 }
 
 TEST_F(JobRunnerTest, JobsRunOneAtATimeAndThePendingLimitHolds) {

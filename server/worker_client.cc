@@ -2,6 +2,8 @@
 
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+
 namespace shardd {
 
 uint64_t CallCanceller::Add(std::function<void()> cancel) {
@@ -28,6 +30,18 @@ void CallCanceller::Cancel() {
   cancelled_ = true;
   for (auto& [handle, cancel] : callbacks_) cancel();
   callbacks_.clear();
+}
+
+absl::StatusOr<v1::SaveShardsResponse> WorkerClient::SaveShards(
+    const v1::SaveShardsRequest&, const WorkerCallOptions&) {
+  return absl::UnimplementedError(
+      absl::StrCat("SaveShards: not supported by the client of ", address()));
+}
+
+absl::StatusOr<v1::LoadShardsResponse> WorkerClient::LoadShards(
+    const v1::LoadShardsRequest&, const WorkerCallOptions&) {
+  return absl::UnimplementedError(
+      absl::StrCat("LoadShards: not supported by the client of ", address()));
 }
 
 bool CallCanceller::cancelled() const {

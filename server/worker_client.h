@@ -80,6 +80,11 @@ class WorkerClient {
       const WorkerCallOptions& options) = 0;
   virtual absl::StatusOr<v1::GetStatsResponse> GetStats(
       const WorkerCallOptions& options) = 0;
+  // Checkpoints. The defaults answer UNIMPLEMENTED (fakes that never save).
+  virtual absl::StatusOr<v1::SaveShardsResponse> SaveShards(
+      const v1::SaveShardsRequest& request, const WorkerCallOptions& options);
+  virtual absl::StatusOr<v1::LoadShardsResponse> LoadShards(
+      const v1::LoadShardsRequest& request, const WorkerCallOptions& options);
 };
 
 // Makes a client for the worker at `address`. Errors: INVALID_ARGUMENT

@@ -410,9 +410,10 @@ TEST_F(InProcessCoordinatorTest, LaterRpcsAnswerUnimplementedWithAMessage) {
                          "LoadCheckpoint");
   }
   {
+    // Implemented; this coordinator has no checkpoint directory.
     v1::ListCheckpointsResponse r;
-    expect_unimplemented(stub_->ListCheckpoints(Context().get(), {}, &r),
-                         "ListCheckpoints");
+    EXPECT_EQ(stub_->ListCheckpoints(Context().get(), {}, &r).error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
   }
 }
 
@@ -640,18 +641,16 @@ TEST_F(SubprocessCoordinatorTest, ShardctlMatchesInProcessAndStopsOnSigterm) {
 // plan are still there (SQLite state store), and a second coordinator on a
 // directory in use is refused instead of sharing it.
 TEST_F(SubprocessCoordinatorTest, StoredModelsSurviveKillNine) {
-  ProcessResult plan = Shardctl(
-      {"plan", "--model", kTinyMoe, "--dp", "4", "--json", "--coordinator",
-       address_});
+  ProcessResult plan = Shardctl({"plan", "--model", kTinyMoe, "--dp", "4",
+                                 "--json", "--coordinator", address_});
   ASSERT_EQ(plan.exit_code, 0) << plan.err;
   auto plan_json = nlohmann::json::parse(plan.out, nullptr, false);
   ASSERT_FALSE(plan_json.is_discarded());
   const std::string model_id = plan_json["model_id"];
 
-  ProcessResult second = RunProcess(
-      {kCoordinatorBinary, "--listen=127.0.0.1:0",
-       absl::StrCat("--data-dir=", data_dir_)},
-      absl::Seconds(30));
+  ProcessResult second = RunProcess({kCoordinatorBinary, "--listen=127.0.0.1:0",
+                                     absl::StrCat("--data-dir=", data_dir_)},
+                                    absl::Seconds(30));
   EXPECT_EQ(second.exit_code, 1);
   EXPECT_THAT(second.err, HasSubstr("state.db"));
 
@@ -671,9 +670,8 @@ TEST_F(SubprocessCoordinatorTest, StoredModelsSurviveKillNine) {
   ASSERT_EQ(status_json["models"].size(), 1u) << status.out;
   EXPECT_EQ(status_json["models"][0]["model_id"], model_id);
   // The plan is served from the store, identical to the first answer.
-  ProcessResult again = Shardctl(
-      {"plan", "--model", kTinyMoe, "--dp", "4", "--json", "--coordinator",
-       address_});
+  ProcessResult again = Shardctl({"plan", "--model", kTinyMoe, "--dp", "4",
+                                  "--json", "--coordinator", address_});
   ASSERT_EQ(again.exit_code, 0) << again.err;
   EXPECT_EQ(again.out, plan.out);
 }

@@ -157,6 +157,38 @@ grpc::ServerUnaryReactor* GrpcWorkerService::RunCommand(
   });
 }
 
+grpc::ServerUnaryReactor* GrpcWorkerService::SaveShards(
+    grpc::CallbackServerContext* context, const v1::SaveShardsRequest* request,
+    v1::SaveShardsResponse* response) {
+  if (absl::Status status = authorizer_.Check(*context, kWorkerRole);
+      !status.ok()) {
+    return Finish(context, status);
+  }
+  return Enqueue(context, [this, request, response]() -> absl::Status {
+    absl::StatusOr<v1::SaveShardsResponse> result =
+        runtime_->SaveShards(*request);
+    if (!result.ok()) return result.status();
+    *response = *std::move(result);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* GrpcWorkerService::LoadShards(
+    grpc::CallbackServerContext* context, const v1::LoadShardsRequest* request,
+    v1::LoadShardsResponse* response) {
+  if (absl::Status status = authorizer_.Check(*context, kWorkerRole);
+      !status.ok()) {
+    return Finish(context, status);
+  }
+  return Enqueue(context, [this, request, response]() -> absl::Status {
+    absl::StatusOr<v1::LoadShardsResponse> result =
+        runtime_->LoadShards(*request);
+    if (!result.ok()) return result.status();
+    *response = *std::move(result);
+    return absl::OkStatus();
+  });
+}
+
 grpc::ServerUnaryReactor* GrpcWorkerService::Unshard(
     grpc::CallbackServerContext* context, const v1::UnitRequest*,
     v1::CommandResponse*) {

@@ -8,7 +8,8 @@
 // run on a gRPC callback thread: each is queued, in arrival order, for one
 // runtime thread owned by this service, which runs it and finishes the
 // call. The runtime serializes them anyway, so one thread loses nothing and
-// keeps the order in which a coordinator sent them. A call cancelled before
+// keeps the order in which a coordinator sent them. SaveShards and
+// LoadShards are queued the same way. A call cancelled before
 // its turn is finished with CANCELLED without running. GetStats and
 // Shutdown answer inline (the runtime's stats never wait for a step).
 //
@@ -85,6 +86,15 @@ class GrpcWorkerService final : public v1::Worker::CallbackService {
   grpc::ServerUnaryReactor* Shutdown(grpc::CallbackServerContext* context,
                                      const v1::ShutdownRequest* request,
                                      v1::ShutdownResponse* response) override;
+  // Queued like Execute (they touch the shards between steps).
+  grpc::ServerUnaryReactor* SaveShards(
+      grpc::CallbackServerContext* context,
+      const v1::SaveShardsRequest* request,
+      v1::SaveShardsResponse* response) override;
+  grpc::ServerUnaryReactor* LoadShards(
+      grpc::CallbackServerContext* context,
+      const v1::LoadShardsRequest* request,
+      v1::LoadShardsResponse* response) override;
 
  private:
   struct Call {

@@ -133,6 +133,57 @@ TEST_F(WorkerServiceTest, SingleUnitRpcsPointToRunCommand) {
   EXPECT_THAT(status.error_message(), HasSubstr("REDUCE_SCATTER"));
 }
 
+TEST_F(WorkerServiceTest, CheckpointRpcsNeedAPlanAndACheckpointRoot) {
+  v1::SaveShardsResponse saved;
+  grpc::Status status =
+      stub_->SaveShards(Context().get(), v1::SaveShardsRequest(), &saved);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(status.error_message(), HasSubstr("--checkpoint-root"));
+  v1::LoadShardsResponse loaded;
+  status = stub_->LoadShards(Context().get(), v1::LoadShardsRequest(), &loaded);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(status.error_message(), HasSubstr("--checkpoint-root"));
+}
+
+TEST(WorkerServiceAuthTest, CheckpointRpcsNeedTheWorkerToken) {
+  WorkerRuntimeOptions options;
+  options.checkpoint_root = "/nonexistent";
+  WorkerRuntime runtime(options);
+  GrpcWorkerService service(&runtime, nullptr,
+                            Authorizer("client-token", "worker-token"));
+  auto running = StartGrpcServer(GrpcServerOptions{}, {&service});
+  ASSERT_TRUE(running.ok()) << running.status();
+  auto stub = v1::Worker::NewStub(grpc::CreateChannel(
+      running->address, grpc::InsecureChannelCredentials()));
+  for (const char* token : {"", "client-token"}) {
+    grpc::ClientContext save_context;
+    save_context.set_deadline(std::chrono::system_clock::now() +
+                              std::chrono::seconds(10));
+    if (*token != '\0') {
+      save_context.AddMetadata("authorization", std::string("Bearer ") + token);
+    }
+    v1::SaveShardsResponse saved;
+    const grpc::Status status =
+        stub->SaveShards(&save_context, v1::SaveShardsRequest(), &saved);
+    EXPECT_TRUE(status.error_code() == grpc::StatusCode::UNAUTHENTICATED ||
+                status.error_code() == grpc::StatusCode::PERMISSION_DENIED)
+        << token << ": " << status.error_message();
+    grpc::ClientContext load_context;
+    load_context.set_deadline(std::chrono::system_clock::now() +
+                              std::chrono::seconds(10));
+    if (*token != '\0') {
+      load_context.AddMetadata("authorization", std::string("Bearer ") + token);
+    }
+    v1::LoadShardsResponse loaded;
+    const grpc::Status load_status =
+        stub->LoadShards(&load_context, v1::LoadShardsRequest(), &loaded);
+    EXPECT_TRUE(load_status.error_code() == grpc::StatusCode::UNAUTHENTICATED ||
+                load_status.error_code() == grpc::StatusCode::PERMISSION_DENIED)
+        << token << ": " << load_status.error_message();
+  }
+  running->server->Shutdown();
+}
+
 TEST_F(WorkerServiceTest, LoadPlanAndExecuteOneRank) {
   const v1::ModelSpec model = TinyMoe();
   const v1::ShardingPlan plan = MakePlan(model, 1);

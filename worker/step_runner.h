@@ -40,6 +40,8 @@ class StepRunner {
   // The CPU executor (tests, checkpoints); null when the steps run on a
   // device.
   virtual const StepExecutor* cpu_executor() const { return nullptr; }
+  // The same, mutable (loading a checkpoint into its shards).
+  virtual StepExecutor* mutable_cpu_executor() { return nullptr; }
   // For statistics: the shard group whose collectives count, and the
   // tracker of the memory holding the shards (host or device).
   virtual const Communicator* shard_group() const = 0;
@@ -74,6 +76,7 @@ class CpuStepRunner final : public StepRunner {
     return executor_->optimizer_steps();
   }
   const StepExecutor* cpu_executor() const override { return executor_.get(); }
+  StepExecutor* mutable_cpu_executor() override { return executor_.get(); }
   const Communicator* shard_group() const override { return shard_group_; }
   const MemoryTracker* memory() const override { return tracker_; }
 

@@ -9,7 +9,7 @@
 //       [--coordinator=HOST:PORT] [--port_file=PATH]
 //       [--collective_bind=127.0.0.1]
 //       [--tls_cert=F --tls_key=F [--tls_client_ca=F]] [--tls_ca=F]
-//       [--worker_token_file=F]
+//       [--worker_token_file=F] [--checkpoint_root=DIR]
 //
 // Exits 1 when the coordinator cannot be reached within
 // --coordinator_timeout. The port file is written once the worker is serving
@@ -63,6 +63,10 @@ ABSL_FLAG(std::string, collective_bind, "127.0.0.1",
           "address this worker's Gloo endpoints listen on; the other workers "
           "must reach it (set a routable address for multi-host jobs)");
 ABSL_FLAG(bool, log_json, false, "log one JSON object per line");
+ABSL_FLAG(std::string, checkpoint_root, "",
+          "Directory checkpoint paths are confined to: the coordinator's "
+          "--checkpoint-dir on a shared file system; empty: checkpoints are "
+          "refused");
 ABSL_FLAG(std::string, tls_cert, "",
           "PEM certificate chain to serve TLS with (with --tls_key); also "
           "the client certificate shown to a coordinator that requires one");
@@ -138,6 +142,11 @@ int main(int argc, char** argv) {
   shardd::WorkerRuntimeOptions runtime_options;
   runtime_options.bind_address = absl::GetFlag(FLAGS_collective_bind);
   runtime_options.device = device_ordinal;
+  runtime_options.checkpoint_root = absl::GetFlag(FLAGS_checkpoint_root);
+  while (runtime_options.checkpoint_root.size() > 1 &&
+         runtime_options.checkpoint_root.back() == '/') {
+    runtime_options.checkpoint_root.pop_back();
+  }
   if (runtime_options.bind_address.empty()) {
     std::fprintf(stderr,
                  "shardd-worker: --collective_bind must not be empty\n");

@@ -12,13 +12,17 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/model_util.h"
+#include "worker/checkpoint/checkpoint_reader.h"
+#include "worker/checkpoint/checkpoint_writer.h"
 #include "worker/data/batch_sampler.h"
 #include "worker/data/markov_source.h"
 #include "worker/gloo_communicator.h"
 #include "worker/kv_gloo_store.h"
+#include "worker/shard_checkpoint.h"
 #include "worker/step_runner.h"
 
 #ifdef SHARDD_WITH_CUDA
@@ -178,6 +182,25 @@ absl::StatusOr<v1::TrainConfig> ResolveTrainConfig(const v1::TrainConfig& train,
   out.set_grad_clip(train.grad_clip() == 0.0 ? kDefaultGradClip
                                              : train.grad_clip());
   return out;
+}
+
+absl::StatusOr<std::string> ResolveUnderRoot(const std::string& root,
+                                             const std::string& relative,
+                                             absl::string_view field) {
+  const std::string allowed =
+      "a relative path under the checkpoint root, without '.', '..' or "
+      "empty components";
+  if (relative.empty() || relative.front() == '/') {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": expected ", allowed, ", got '", relative, "'"));
+  }
+  for (absl::string_view part : absl::StrSplit(relative, '/')) {
+    if (part.empty() || part == "." || part == "..") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": expected ", allowed, ", got '", relative, "'"));
+    }
+  }
+  return absl::StrCat(root, "/", relative);
 }
 
 absl::StatusOr<int64_t> ModelVocabSize(const v1::ModelSpec& model) {
@@ -632,6 +655,92 @@ absl::StatusOr<v1::ExecuteResponse> WorkerRuntime::RunCommand(
     if (!result.ok()) return StepError(result.status());
     response = ToResponse(*result);
   }
+  return response;
+}
+
+absl::StatusOr<StepExecutor*> WorkerRuntime::CheckpointExecutorLocked(
+    uint64_t fingerprint) {
+  if (options_.checkpoint_root.empty()) {
+    return absl::FailedPreconditionError(
+        "checkpoints: this worker has no checkpoint root (start it with "
+        "--checkpoint-root, the coordinator's --checkpoint-dir)");
+  }
+  SHARDD_RETURN_IF_ERROR(CheckJobLocked(fingerprint));
+  if (job_->step_open) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoints: step ", job_->step,
+                     " is open (fine-grained mode); end it first"));
+  }
+  StepExecutor* executor = job_->executor->mutable_cpu_executor();
+  if (executor == nullptr) {
+    return absl::FailedPreconditionError(
+        "checkpoints: the job's steps run on a GPU, and GPU shards cannot be "
+        "checkpointed yet");
+  }
+  return executor;
+}
+
+absl::StatusOr<v1::SaveShardsResponse> WorkerRuntime::SaveShards(
+    const v1::SaveShardsRequest& request) {
+  absl::MutexLock lock(&mu_);
+  SHARDD_ASSIGN_OR_RETURN(StepExecutor * executor,
+                          CheckpointExecutorLocked(request.plan_fingerprint()));
+  if (job_->replica_rank != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "SaveShards: rank ", job_->rank, " is replica ", job_->replica_rank,
+        "; only replica 0 saves (the replicas hold the same shards)"));
+  }
+  SHARDD_ASSIGN_OR_RETURN(
+      const std::string dir,
+      ResolveUnderRoot(options_.checkpoint_root, request.tmp_dir(), "tmp_dir"));
+  absl::StatusOr<checkpoint::RankFile> saved =
+      SaveRankShards(job_->plan, executor->shards(), dir, job_->shard_rank);
+  if (!saved.ok()) return StepError(saved.status());
+  v1::SaveShardsResponse response;
+  response.set_file_name(saved->file.name);
+  response.set_size_bytes(saved->file.size_bytes);
+  response.set_xxh64(saved->file.xxh64);
+  response.set_shard_rank(job_->shard_rank);
+  for (const checkpoint::TensorChunk& chunk : saved->chunks) {
+    v1::CheckpointChunk* out = response.add_chunks();
+    out->set_tensor(chunk.tensor);
+    out->set_dtype(chunk.dtype);
+    out->mutable_global_shape()->Add(chunk.global_shape.begin(),
+                                     chunk.global_shape.end());
+    out->set_file(chunk.chunk.file);
+    out->set_file_tensor(chunk.chunk.tensor);
+    out->set_begin(chunk.chunk.begin);
+    out->set_end(chunk.chunk.end);
+  }
+  SHARDD_LOG(INFO) << "rank " << job_->rank << " saved "
+                   << saved->file.size_bytes << " bytes to " << dir << "/"
+                   << saved->file.name;
+  return response;
+}
+
+absl::StatusOr<v1::LoadShardsResponse> WorkerRuntime::LoadShards(
+    const v1::LoadShardsRequest& request) {
+  absl::MutexLock lock(&mu_);
+  SHARDD_ASSIGN_OR_RETURN(StepExecutor * executor,
+                          CheckpointExecutorLocked(request.plan_fingerprint()));
+  SHARDD_ASSIGN_OR_RETURN(
+      const std::string dir,
+      ResolveUnderRoot(options_.checkpoint_root, request.checkpoint_dir(),
+                       "checkpoint_dir"));
+  absl::StatusOr<std::unique_ptr<checkpoint::CheckpointReader>> reader =
+      checkpoint::CheckpointReader::Open(dir);
+  if (!reader.ok()) return StepError(reader.status());
+  // Every file is checked before any shard changes, so a corrupted
+  // checkpoint leaves the freshly initialized shards alone.
+  SHARDD_RETURN_IF_ERROR(StepError((*reader)->VerifyAll()));
+  absl::StatusOr<int64_t> step = LoadRankShards(
+      job_->plan, executor->mutable_shards(), reader->get(), job_->shard_rank);
+  if (!step.ok()) return StepError(step.status());
+  SHARDD_RETURN_IF_ERROR(StepError(executor->RestoreOptimizerSteps(*step)));
+  SHARDD_LOG(INFO) << "rank " << job_->rank << " loaded checkpoint " << dir
+                   << " (step " << *step << ")";
+  v1::LoadShardsResponse response;
+  response.set_step(*step);
   return response;
 }
 

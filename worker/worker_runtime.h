@@ -51,6 +51,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "proto/coordinator.pb.h"
@@ -103,7 +104,18 @@ struct WorkerRuntimeOptions {
   // groups, see device_step_runner.h); -1 runs them on the CPU over Gloo.
   // A device needs a CUDA build (DeviceStepsSupported()).
   int device = -1;
+  // Directory every checkpoint path of SaveShards / LoadShards is resolved
+  // under (the coordinator's --checkpoint-dir, on a file system shared with
+  // it). Empty: checkpoints are refused with FAILED_PRECONDITION.
+  std::string checkpoint_root;
 };
+
+// `root`/`relative` for a path a request names: `relative` must be
+// non-empty, not absolute, without empty, "." or ".." components.
+// Errors: INVALID_ARGUMENT naming `field` and what is allowed.
+absl::StatusOr<std::string> ResolveUnderRoot(const std::string& root,
+                                             const std::string& relative,
+                                             absl::string_view field);
 
 // True when this binary was built with the GPU step path (--config=cuda).
 bool DeviceStepsSupported();
@@ -158,6 +170,30 @@ class WorkerRuntime {
   absl::StatusOr<v1::ExecuteResponse> RunCommand(
       const v1::RunCommandRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Writes this shard rank's master shards and AdamW state into the save
+  // directory checkpoint_root/request.tmp_dir (SaveRankShards) and returns
+  // the file's record and chunks for the committer. Only replica 0 of an
+  // HSDP mesh saves (the replicas hold the same shards).
+  // Errors: FAILED_PRECONDITION (no checkpoint root, no or stale plan, the
+  // job failed, a fine-grained step open, steps on a GPU, a replica other
+  // than 0); INVALID_ARGUMENT (tmp_dir not a plain relative path); those of
+  // SaveRankShards (file system errors).
+  absl::StatusOr<v1::SaveShardsResponse> SaveShards(
+      const v1::SaveShardsRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Verifies every file of the committed checkpoint
+  // checkpoint_root/request.checkpoint_dir (size and XXH64), loads this
+  // rank's shards from it (LoadRankShards, any saving world size and
+  // strategy) and sets the optimizer step count to its step, which it
+  // returns. Errors: FAILED_PRECONDITION as SaveShards (replicas load too);
+  // INVALID_ARGUMENT (checkpoint_dir not a plain relative path, a tensor of
+  // another shape); NOT_FOUND (no committed checkpoint there, a parameter
+  // missing); DATA_LOSS (a file truncated or corrupted, naming it; a bad
+  // index.json). After a DATA_LOSS or INTERNAL while reading shard data the
+  // shards may be partly overwritten: LoadPlan again.
+  absl::StatusOr<v1::LoadShardsResponse> LoadShards(
+      const v1::LoadShardsRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
+
   // Live and peak bytes of every tracked buffer (peaks restart at LoadPlan
   // and at each step's start) and this process's collective totals on the
   // shard groups (all jobs so far). Never blocks on a running step.
@@ -188,6 +224,10 @@ class WorkerRuntime {
   void DropJobLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FAILED_PRECONDITION unless a healthy job holds `fingerprint`.
   absl::Status CheckJobLocked(uint64_t fingerprint) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // CheckJobLocked, plus a checkpoint root, no open step and a CPU
+  // executor; returns the executor.
+  absl::StatusOr<StepExecutor*> CheckpointExecutorLocked(uint64_t fingerprint)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status FetchBatchesLocked(int64_t step, int microbatches,
                                   std::vector<data::MicroBatch>* batches) const

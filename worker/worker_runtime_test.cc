@@ -1,6 +1,7 @@
 #include "worker/worker_runtime.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <string>
@@ -17,7 +18,9 @@
 #include "server/sharding_planner.h"
 #include "server/step_program.h"
 #include "server/strategy_registry.h"
+#include "worker/checkpoint/checkpoint_writer.h"
 #include "worker/in_memory_kv_client.h"
+#include "worker/shard_checkpoint.h"
 
 namespace shardd {
 namespace {
@@ -553,6 +556,112 @@ TEST(WorkerRuntimeTest, StatsCountTheJobsCollectivesAndMemory) {
   const v1::GetStatsResponse after = runtimes[0].GetStats();
   EXPECT_EQ(after.live_bytes(), 0);
   EXPECT_EQ(after.all_gathers(), kSteps * plan.comm().all_gathers());
+}
+
+// Checkpoints through the runtime: paths are confined to the checkpoint
+// root; a save after 2 steps loaded into a fresh runtime restores the step
+// count and gives the same step-3 loss as the runtime that went on.
+TEST(WorkerRuntimeTest, CheckpointPathsAreConfinedAndASaveLoadsElsewhere) {
+  const v1::ModelSpec model = TinyMoe();
+  const v1::ShardingPlan plan = MakePlan(model, 1, 1);
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::StepProgram program,
+                              CompileStepProgram(plan));
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string root =
+      absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/runtime_ckpt");
+
+  WorkerRuntime no_root;
+  ASSERT_THAT(no_root.LoadPlan(MakeLoad(plan, model, 0), nullptr).status(),
+              IsOk());
+  v1::SaveShardsRequest save;
+  save.set_plan_fingerprint(plan.fingerprint());
+  save.set_tmp_dir("job/x");
+  EXPECT_THAT(no_root.SaveShards(save).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("--checkpoint-root")));
+
+  WorkerRuntimeOptions options;
+  options.checkpoint_root = root;
+  WorkerRuntime runtime(options);
+  ASSERT_THAT(runtime.LoadPlan(MakeLoad(plan, model, 0), nullptr).status(),
+              IsOk());
+  v1::ExecuteRequest execute;
+  *execute.mutable_program() = program;
+  for (int s = 0; s < 2; ++s) {
+    execute.mutable_program()->set_step(s);
+    ASSERT_THAT(runtime.Execute(execute).status(), IsOk());
+  }
+  for (const std::string& bad :
+       {std::string(""), std::string("/abs/dir"), std::string("../up"),
+        std::string("job/../../up"), std::string("job//x"),
+        std::string("./job")}) {
+    save.set_tmp_dir(bad);
+    EXPECT_THAT(
+        runtime.SaveShards(save).status(),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("tmp_dir")))
+        << bad;
+  }
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::string tmp_dir,
+                              checkpoint::BeginCheckpoint(root + "/job", 2));
+  save.set_tmp_dir(
+      absl::StrCat("job/", tmp_dir.substr(tmp_dir.rfind('/') + 1)));
+  v1::SaveShardsRequest stale = save;
+  stale.set_plan_fingerprint(plan.fingerprint() + 1);
+  EXPECT_THAT(
+      runtime.SaveShards(stale).status(),
+      StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("stale plan")));
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::SaveShardsResponse saved,
+                              runtime.SaveShards(save));
+  EXPECT_EQ(saved.shard_rank(), 0);
+  EXPECT_EQ(saved.file_name(), checkpoint::RankFileName(0));
+  EXPECT_GT(saved.size_bytes(), 0);
+  checkpoint::RankFile file;
+  file.file.name = saved.file_name();
+  file.file.size_bytes = saved.size_bytes();
+  file.file.xxh64 = saved.xxh64();
+  for (const v1::CheckpointChunk& chunk : saved.chunks()) {
+    checkpoint::TensorChunk piece;
+    piece.tensor = chunk.tensor();
+    piece.dtype = chunk.dtype();
+    piece.global_shape.assign(chunk.global_shape().begin(),
+                              chunk.global_shape().end());
+    piece.chunk = {chunk.file(), chunk.file_tensor(), chunk.begin(),
+                   chunk.end()};
+    file.chunks.push_back(std::move(piece));
+  }
+  SHARDD_ASSERT_OK_AND_ASSIGN(checkpoint::CheckpointIndex index,
+                              BuildIndex(plan, 2, {file}));
+  ASSERT_THAT(
+      checkpoint::CommitCheckpoint(root + "/job", tmp_dir, index).status(),
+      IsOk());
+
+  WorkerRuntime resumed(options);
+  ASSERT_THAT(resumed.LoadPlan(MakeLoad(plan, model, 0), nullptr).status(),
+              IsOk());
+  v1::LoadShardsRequest load;
+  load.set_plan_fingerprint(plan.fingerprint());
+  load.set_checkpoint_dir("job/../job/step-00000002");
+  EXPECT_THAT(resumed.LoadShards(load).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("checkpoint_dir")));
+  load.set_checkpoint_dir("job/step-00000009");
+  EXPECT_THAT(resumed.LoadShards(load).status(),
+              StatusIs(absl::StatusCode::kNotFound));
+  load.set_checkpoint_dir("job/step-00000002");
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::LoadShardsResponse loaded,
+                              resumed.LoadShards(load));
+  EXPECT_EQ(loaded.step(), 2);
+
+  execute.mutable_program()->set_step(2);
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ExecuteResponse went_on,
+                              runtime.Execute(execute));
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ExecuteResponse restored,
+                              resumed.Execute(execute));
+  EXPECT_EQ(restored.step(), 3);
+  EXPECT_EQ(went_on.step(), 3);
+  EXPECT_NEAR(restored.loss(), went_on.loss(), 1e-6 * went_on.loss());
+  EXPECT_NEAR(restored.grad_norm(), went_on.grad_norm(),
+              1e-5 * went_on.grad_norm());
 }
 
 }  // namespace

@@ -100,8 +100,12 @@ if [[ "$tls" == 1 ]]; then
   echo "== mutual TLS and bearer tokens on (test CA in $certs; SHARDD_TLS=0: off)"
 fi
 
+# Checkpoints: the coordinator and the workers share one directory (one
+# machine), so the workers resolve the coordinator's relative paths in it.
+checkpoints="$workdir/data/checkpoints"
 "$bin/server/shardd-coordinator" --listen=127.0.0.1:0 \
   --data-dir="$workdir/data" --workers="$workers" \
+  --checkpoint-dir="$checkpoints" \
   "${coordinator_security[@]}" \
   2>"$workdir/coordinator.log" &
 pids+=($!)
@@ -126,6 +130,7 @@ echo "== coordinator at $addr (--workers $workers)"
 for i in $(seq 0 $((workers - 1))); do
   "$bin/worker/shardd-worker" --coordinator="$addr" --listen=127.0.0.1:0 \
     --device=cpu --requested-rank="$i" "${worker_security[@]}" \
+    --checkpoint-root="$checkpoints" \
     2>"$workdir/worker$i.log" &
   pids+=($!)
 done

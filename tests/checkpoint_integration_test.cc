@@ -1,0 +1,358 @@
+// End to end checkpoints: the real shardd-coordinator, two shardd-worker
+// processes (sharing the coordinator's checkpoint directory as their
+// --checkpoint-root, as on one machine) and shardctl, as subprocesses on
+// loopback. A job saves every N steps; another job resumes from a
+// checkpoint in another world size or strategy and continues exactly; a
+// corrupted checkpoint and a path escaping the directory are refused.
+// Every wait is bounded and every process is killed in teardown.
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/coordinator_client.h"
+#include "gmock/gmock.h"
+#include "grpc/grpc.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "proto/coordinator.pb.h"
+
+extern char** environ;
+
+namespace shardd {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kCoordinatorBinary[] = "server/shardd-coordinator";
+constexpr char kWorkerBinary[] = "worker/shardd-worker";
+constexpr char kShardctlBinary[] = "client/shardctl";
+constexpr char kSmallMoe[] = "tests/data/small_moe.json";
+constexpr int kWorkers = 2;
+
+std::string TempDir() {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  return dir != nullptr ? dir : "/tmp";
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+// Starts `argv` with stdout and stderr redirected to files; -1 on failure.
+pid_t Spawn(const std::vector<std::string>& argv, const std::string& out_path,
+            const std::string& err_path) {
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, out_path.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, err_path.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  std::vector<char*> args;
+  for (const std::string& arg : argv) {
+    args.push_back(const_cast<char*>(arg.c_str()));
+  }
+  args.push_back(nullptr);
+  pid_t pid = -1;
+  const int rc =
+      posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  return rc == 0 ? pid : -1;
+}
+
+// The exit code, -1 when killed by a signal, -2 when still running at the
+// deadline.
+int WaitFor(pid_t pid, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    int status = 0;
+    const pid_t done = waitpid(pid, &status, WNOHANG);
+    if (done == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    if (done < 0) return -1;
+    if (absl::Now() >= deadline) return -2;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+}
+
+// SIGTERM, a bounded wait, then SIGKILL.
+void Stop(pid_t pid) {
+  if (pid <= 0) return;
+  kill(pid, SIGTERM);
+  if (WaitFor(pid, absl::Seconds(10)) == -2) {
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+  }
+}
+
+struct ProcessResult {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+
+class CheckpointIntegrationTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc_init();
+    dir_ = absl::StrCat(TempDir(), "/ckpt_", getpid(), "_", ++counter_);
+    const std::string data_dir = dir_ + "/data";
+    checkpoint_dir_ = dir_ + "/checkpoints";
+    coordinator_ = Spawn({kCoordinatorBinary, "--listen=127.0.0.1:0",
+                          absl::StrCat("--data-dir=", data_dir),
+                          absl::StrCat("--checkpoint-dir=", checkpoint_dir_),
+                          absl::StrCat("--workers=", kWorkers),
+                          "--heartbeat-timeout=2s", "--collective-timeout=20s"},
+                         dir_ + "_coordinator.out", dir_ + "_coordinator.err");
+    ASSERT_GT(coordinator_, 0);
+    int port = 0;
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (absl::Now() < deadline && port == 0) {
+      std::string text = ReadFile(data_dir + "/coordinator.port");
+      if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(text), &port)) port = 0;
+      ASSERT_EQ(waitpid(coordinator_, nullptr, WNOHANG), 0)
+          << "coordinator exited: " << ReadFile(dir_ + "_coordinator.err");
+      if (port == 0) absl::SleepFor(absl::Milliseconds(20));
+    }
+    ASSERT_GT(port, 0) << ReadFile(dir_ + "_coordinator.err");
+    address_ = absl::StrCat("127.0.0.1:", port);
+
+    for (int rank = 0; rank < kWorkers; ++rank) {
+      const pid_t pid =
+          Spawn({kWorkerBinary, absl::StrCat("--coordinator=", address_),
+                 "--listen=127.0.0.1:0", "--device=cpu",
+                 absl::StrCat("--requested-rank=", rank),
+                 absl::StrCat("--checkpoint-root=", checkpoint_dir_)},
+                absl::StrCat(dir_, "_worker", rank, ".out"),
+                absl::StrCat(dir_, "_worker", rank, ".err"));
+      ASSERT_GT(pid, 0);
+      workers_.push_back(pid);
+    }
+    auto client = CoordinatorClient::Connect(address_, absl::Seconds(10));
+    ASSERT_TRUE(client.ok()) << client.status();
+    client_ = *std::move(client);
+    const absl::Time joined_by = absl::Now() + absl::Seconds(30);
+    int alive = 0;
+    while (absl::Now() < joined_by) {
+      auto status = client_->GetStatus();
+      alive = 0;
+      if (status.ok()) {
+        for (const v1::WorkerInfo& worker : status->workers()) {
+          if (worker.alive()) ++alive;
+        }
+      }
+      if (alive == kWorkers) break;
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    ASSERT_EQ(alive, kWorkers) << ReadFile(dir_ + "_worker0.err");
+  }
+
+  void TearDown() override {
+    client_.reset();
+    for (pid_t pid : workers_) Stop(pid);
+    Stop(coordinator_);
+    grpc_shutdown();
+  }
+
+  ProcessResult Shardctl(std::vector<std::string> args,
+                         absl::Duration timeout = absl::Seconds(120)) {
+    args.insert(args.begin(), kShardctlBinary);
+    const std::string base = absl::StrCat(dir_, "_shardctl", ++runs_);
+    const pid_t pid = Spawn(args, base + ".out", base + ".err");
+    ProcessResult result;
+    EXPECT_GT(pid, 0);
+    if (pid <= 0) return result;
+    result.exit_code = WaitFor(pid, timeout);
+    if (result.exit_code == -2) {
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+      ADD_FAILURE() << "shardctl did not finish within " << timeout;
+    }
+    result.out = ReadFile(base + ".out");
+    result.err = ReadFile(base + ".err");
+    return result;
+  }
+
+  // fp32 all the way, so different world sizes give the same losses.
+  std::vector<std::string> TrainArgs(int steps,
+                                     std::vector<std::string> extra) {
+    std::vector<std::string> args = {"train",
+                                     "--coordinator",
+                                     address_,
+                                     "--model",
+                                     kSmallMoe,
+                                     "--steps",
+                                     absl::StrCat(steps),
+                                     "--global-batch",
+                                     "16",
+                                     "--seq",
+                                     "32",
+                                     "--lr",
+                                     "0.01",
+                                     "--seed",
+                                     "3",
+                                     "--no-mixed-precision",
+                                     "--json"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return args;
+  }
+
+  // Runs a training job; its JSON summary (discarded on failure).
+  nlohmann::json Train(int steps, std::vector<std::string> extra) {
+    ProcessResult run = Shardctl(TrainArgs(steps, std::move(extra)));
+    EXPECT_EQ(run.exit_code, 0) << run.err << "\n"
+                                << ReadFile(dir_ + "_coordinator.err");
+    if (run.exit_code != 0) return nlohmann::json::value_t::discarded;
+    return nlohmann::json::parse(run.out, nullptr, false);
+  }
+
+  static std::vector<double> Losses(const nlohmann::json& json) {
+    std::vector<double> out;
+    if (json.is_discarded() || !json["losses"].is_array()) return out;
+    for (const auto& loss : json["losses"]) out.push_back(loss);
+    return out;
+  }
+
+  static int counter_;
+  std::string dir_;
+  std::string checkpoint_dir_;
+  std::string address_;
+  pid_t coordinator_ = -1;
+  std::vector<pid_t> workers_;
+  std::unique_ptr<CoordinatorClient> client_;
+  int runs_ = 0;
+};
+
+int CheckpointIntegrationTest::counter_ = 0;
+
+// Saves every 3 steps over 2 ranks, then resumes from step 3 on 1 rank, on
+// 2 ranks with megatron_fsdp (flat ranges instead of dim-0 rows), and from
+// a consolidated single-rank copy of the checkpoint: the
+// losses of steps 4..6 equal the uninterrupted job's to 1e-5 relative (the
+// step-k loss uses the parameters after k-1 updates, so the parameters,
+// AdamW moments, step count and data position all came back).
+TEST_F(CheckpointIntegrationTest, ResumesInAnotherWorldSizeAndStrategy) {
+  const nlohmann::json first =
+      Train(6, {"--dp", "2", "--checkpoint-every", "3"});
+  ASSERT_FALSE(first.is_discarded());
+  const std::vector<double> losses = Losses(first);
+  ASSERT_EQ(losses.size(), 6u);
+  EXPECT_EQ(first["checkpoints"],
+            nlohmann::json({"j-1/step-00000003", "j-1/step-00000006"}));
+
+  ProcessResult list =
+      Shardctl({"checkpoint", "list", "--coordinator", address_, "--json"});
+  ASSERT_EQ(list.exit_code, 0) << list.err;
+  auto listed = nlohmann::json::parse(list.out, nullptr, false);
+  ASSERT_FALSE(listed.is_discarded()) << list.out;
+  ASSERT_EQ(listed["checkpoints"].size(), 2u) << list.out;
+  // Newest first.
+  EXPECT_EQ(listed["checkpoints"][0]["name"], "j-1/step-00000006");
+  EXPECT_EQ(listed["checkpoints"][1]["name"], "j-1/step-00000003");
+  EXPECT_EQ(listed["checkpoints"][1]["step"], "3");  // int64 as JSON string
+  EXPECT_EQ(listed["checkpoints"][1]["world_size"], 2);
+
+  // A single-rank copy of the step-3 checkpoint (local, no coordinator),
+  // and an HF export of its parameters.
+  ProcessResult consolidated =
+      Shardctl({"checkpoint", "consolidate", "--checkpoint",
+                checkpoint_dir_ + "/j-1/step-00000003", "--out",
+                checkpoint_dir_ + "/single"});
+  ASSERT_EQ(consolidated.exit_code, 0) << consolidated.err;
+  EXPECT_THAT(consolidated.out, HasSubstr("single/step-00000003"));
+  ProcessResult exported =
+      Shardctl({"checkpoint", "consolidate", "--checkpoint",
+                checkpoint_dir_ + "/j-1/step-00000003", "--out", dir_ + "/hf",
+                "--hf", "qwen3-moe"});
+  ASSERT_EQ(exported.exit_code, 0) << exported.err;
+  EXPECT_FALSE(ReadFile(dir_ + "/hf/model.safetensors").empty());
+
+  struct Variant {
+    std::string checkpoint;
+    std::vector<std::string> flags;
+  };
+  const std::vector<Variant> variants = {
+      {"j-1/step-00000003", {"--dp", "1"}},
+      {"j-1/step-00000003", {"--dp", "2", "--strategy", "megatron_fsdp"}},
+      {"single/step-00000003", {"--dp", "2"}},
+  };
+  for (const Variant& v : variants) {
+    const std::vector<std::string>& variant = v.flags;
+    std::vector<std::string> extra = variant;
+    extra.push_back("--resume-from");
+    extra.push_back(v.checkpoint);
+    const nlohmann::json resumed = Train(3, extra);
+    ASSERT_FALSE(resumed.is_discarded()) << absl::StrJoin(variant, " ");
+    EXPECT_EQ(resumed["step_numbers"], nlohmann::json({4, 5, 6}));
+    const std::vector<double> got = Losses(resumed);
+    ASSERT_EQ(got.size(), 3u);
+    for (size_t s = 0; s < got.size(); ++s) {
+      EXPECT_NEAR(got[s], losses[s + 3], 1e-5 * losses[s + 3])
+          << "step " << s + 4 << " resumed from " << v.checkpoint << " with "
+          << absl::StrJoin(variant, " ");
+    }
+  }
+}
+
+TEST_F(CheckpointIntegrationTest, CorruptedOrEscapingCheckpointsAreRefused) {
+  const nlohmann::json first =
+      Train(3, {"--dp", "2", "--checkpoint-every", "3"});
+  ASSERT_FALSE(first.is_discarded());
+  const std::string file =
+      checkpoint_dir_ + "/j-1/step-00000003/rank-00001.safetensors";
+  {
+    std::fstream io(file, std::ios::in | std::ios::out | std::ios::binary);
+    ASSERT_TRUE(io.is_open()) << file;
+    io.seekg(0, std::ios::end);
+    const std::streamoff size = io.tellg();
+    ASSERT_GT(size, 16);
+    // A byte in the tensor data, past the header.
+    io.seekg(size - 5);
+    char byte = 0;
+    io.read(&byte, 1);
+    byte = static_cast<char>(byte ^ 0x40);
+    io.seekp(size - 5);
+    io.write(&byte, 1);
+    ASSERT_TRUE(io.good());
+  }
+  ProcessResult corrupted = Shardctl(
+      TrainArgs(2, {"--dp", "2", "--resume-from", "j-1/step-00000003"}));
+  EXPECT_EQ(corrupted.exit_code, 1) << corrupted.out;
+  EXPECT_THAT(corrupted.err, HasSubstr("DATA_LOSS"));
+  EXPECT_THAT(corrupted.err, HasSubstr("rank-00001.safetensors"));
+
+  for (const std::string& bad :
+       {std::string("../checkpoints/j-1/step-00000003"),
+        std::string("j-1/../j-1/step-00000003"),
+        checkpoint_dir_ + "/j-1/step-00000003"}) {
+    ProcessResult escaping =
+        Shardctl(TrainArgs(2, {"--dp", "2", "--resume-from", bad}));
+    EXPECT_EQ(escaping.exit_code, 1) << bad;
+    EXPECT_THAT(escaping.err, HasSubstr("INVALID_ARGUMENT")) << bad;
+    EXPECT_THAT(escaping.err, HasSubstr("resume_from")) << bad;
+  }
+  ProcessResult missing = Shardctl(
+      TrainArgs(2, {"--dp", "2", "--resume-from", "j-1/step-00000099"}));
+  EXPECT_EQ(missing.exit_code, 1);
+  EXPECT_THAT(missing.err, HasSubstr("NOT_FOUND"));
+}
+
+}  // namespace
+}  // namespace shardd
