@@ -2,16 +2,12 @@
 // shardctl train, as subprocesses on loopback. Every wait is bounded and
 // every process is killed in teardown.
 
-#include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
-#include <fstream>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -27,8 +23,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "proto/coordinator.pb.h"
-
-extern char** environ;
+#include "tests/subprocess.h"
 
 namespace shardd {
 namespace {
@@ -41,62 +36,11 @@ constexpr char kShardctlBinary[] = "client/shardctl";
 constexpr char kSmallMoe[] = "tests/data/small_moe.json";
 constexpr int kWorkers = 2;
 
-std::string TempDir() {
-  const char* dir = std::getenv("TEST_TMPDIR");
-  return dir != nullptr ? dir : "/tmp";
-}
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return buffer.str();
-}
-
-// Starts `argv` with stdout and stderr redirected to files; -1 on failure.
-pid_t Spawn(const std::vector<std::string>& argv, const std::string& out_path,
-            const std::string& err_path) {
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, out_path.c_str(),
-                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, err_path.c_str(),
-                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  std::vector<char*> args;
-  for (const std::string& arg : argv) {
-    args.push_back(const_cast<char*>(arg.c_str()));
-  }
-  args.push_back(nullptr);
-  pid_t pid = -1;
-  const int rc =
-      posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  return rc == 0 ? pid : -1;
-}
-
-// The exit code, -1 when killed by a signal, -2 when still running at the
-// deadline.
-int WaitFor(pid_t pid, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (true) {
-    int status = 0;
-    const pid_t done = waitpid(pid, &status, WNOHANG);
-    if (done == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    if (done < 0) return -1;
-    if (absl::Now() >= deadline) return -2;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-}
-
-// SIGTERM, a bounded wait, then SIGKILL.
-void Stop(pid_t pid) {
-  if (pid <= 0) return;
-  kill(pid, SIGTERM);
-  if (WaitFor(pid, absl::Seconds(10)) == -2) {
-    kill(pid, SIGKILL);
-    waitpid(pid, nullptr, 0);
-  }
-}
+using ::shardd::testing_util::ReadFile;
+using ::shardd::testing_util::Spawn;
+using ::shardd::testing_util::Stop;
+using ::shardd::testing_util::TempDir;
+using ::shardd::testing_util::WaitFor;
 
 struct ProcessResult {
   int exit_code = -1;
