@@ -13,6 +13,7 @@
 #include "server/step_program.h"
 #include "worker/cuda_memory_backend.h"
 #include "worker/device_shard_kernels.h"
+#include "worker/step_checks.h"
 
 namespace shardd {
 
@@ -74,21 +75,6 @@ class DeviceStepExecutor::Params : public DeviceParamSource {
 namespace {
 
 int OrOne(int value) { return value < 1 ? 1 : value; }
-
-MoeModelOptions ModelOptionsFor(int microbatches, int passes,
-                                int no_grad_passes, float scale) {
-  MoeModelOptions options;
-  options.microbatches = OrOne(microbatches);
-  options.passes = OrOne(passes);
-  options.no_grad_passes = no_grad_passes;
-  options.self_conditioning_scale = scale;
-  return options;
-}
-
-bool SameShape(const MoeModelOptions& a, const MoeModelOptions& b) {
-  return a.microbatches == b.microbatches && a.passes == b.passes &&
-         a.no_grad_passes == b.no_grad_passes;
-}
 
 DeviceDType ActivationDType(const v1::ShardingPlan& plan) {
   for (const v1::FsdpUnit& unit : plan.units()) {
@@ -315,29 +301,7 @@ absl::Status DeviceStepExecutor::CheckHeaderLocked(
                      " is still in progress (fine-grained mode: EndStep it "
                      "first)"));
   }
-  if (program.plan_fingerprint() != plan_.fingerprint()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "stale plan: program.plan_fingerprint ", program.plan_fingerprint(),
-        " is not the fingerprint of the plan this worker holds (",
-        plan_.fingerprint(), "); reload the plan"));
-  }
-  if (program.microbatches() < 1 || program.microbatches() > kMaxMicrobatches) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("program.microbatches: must be between 1 and ",
-                     kMaxMicrobatches, ", got ", program.microbatches()));
-  }
-  if (program.passes() < 1 || program.passes() > kMaxPasses) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("program.passes: must be between 1 and ", kMaxPasses,
-                     ", got ", program.passes()));
-  }
-  if (program.no_grad_passes() < 0 ||
-      program.no_grad_passes() >= program.passes()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "program.no_grad_passes: must be between 0 and passes - 1 (",
-        program.passes() - 1, "), got ", program.no_grad_passes()));
-  }
-  return absl::OkStatus();
+  return CheckProgramHeader(program, plan_.fingerprint());
 }
 
 absl::Status DeviceStepExecutor::BeginStep(
@@ -349,27 +313,11 @@ absl::Status DeviceStepExecutor::BeginStep(
 
 absl::Status DeviceStepExecutor::BeginStepLocked(
     const v1::StepProgram& header, absl::Span<const data::MicroBatch> batches) {
-  if (static_cast<int64_t>(batches.size()) != header.microbatches()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("batches: the program has ", header.microbatches(),
-                     " micro-batches, got ", batches.size()));
-  }
-  for (size_t m = 0; m < batches.size(); ++m) {
-    const data::MicroBatch& b = batches[m];
-    const int64_t n = b.rows * b.seq_len;
-    if (b.rows < 1 || b.seq_len < 1 ||
-        static_cast<int64_t>(b.inputs.size()) != n ||
-        static_cast<int64_t>(b.targets.size()) != n) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "batches[", m, "]: need rows >= 1, seq_len >= 1 and rows * seq_len ",
-          "inputs and targets, got rows ", b.rows, ", seq_len ", b.seq_len,
-          ", ", b.inputs.size(), " inputs, ", b.targets.size(), " targets"));
-    }
-  }
+  SHARDD_RETURN_IF_ERROR(CheckStepBatches(header, batches));
   const MoeModelOptions wanted = ModelOptionsFor(
       header.microbatches(), header.passes(), header.no_grad_passes(),
       options_.step.self_conditioning_scale);
-  if (!SameShape(wanted, model_options_)) {
+  if (!SameStepShape(wanted, model_options_)) {
     DeviceMoeModelOptions model_options;
     model_options.model = wanted;
     model_options.device = options_.device;

@@ -14,6 +14,7 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/step_program.h"
+#include "worker/step_checks.h"
 
 namespace shardd {
 
@@ -206,21 +207,6 @@ class StepExecutor::Params : public ParamSource {
 namespace {
 
 int OrOne(int value) { return value < 1 ? 1 : value; }
-
-MoeModelOptions ModelOptionsFor(int microbatches, int passes,
-                                int no_grad_passes, float scale) {
-  MoeModelOptions options;
-  options.microbatches = OrOne(microbatches);
-  options.passes = OrOne(passes);
-  options.no_grad_passes = no_grad_passes;
-  options.self_conditioning_scale = scale;
-  return options;
-}
-
-bool SameShape(const MoeModelOptions& a, const MoeModelOptions& b) {
-  return a.microbatches == b.microbatches && a.passes == b.passes &&
-         a.no_grad_passes == b.no_grad_passes;
-}
 
 // Sorted, merged [begin, end) ranges.
 std::vector<std::pair<int64_t, int64_t>> Merge(
@@ -435,29 +421,7 @@ absl::Status StepExecutor::CheckHeaderLocked(
                      " is still in progress (fine-grained mode: EndStep it "
                      "first)"));
   }
-  if (program.plan_fingerprint() != plan_.fingerprint()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "stale plan: program.plan_fingerprint ", program.plan_fingerprint(),
-        " is not the fingerprint of the plan this worker holds (",
-        plan_.fingerprint(), "); reload the plan"));
-  }
-  if (program.microbatches() < 1 || program.microbatches() > kMaxMicrobatches) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("program.microbatches: must be between 1 and ",
-                     kMaxMicrobatches, ", got ", program.microbatches()));
-  }
-  if (program.passes() < 1 || program.passes() > kMaxPasses) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("program.passes: must be between 1 and ", kMaxPasses,
-                     ", got ", program.passes()));
-  }
-  if (program.no_grad_passes() < 0 ||
-      program.no_grad_passes() >= program.passes()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "program.no_grad_passes: must be between 0 and passes - 1 (",
-        program.passes() - 1, "), got ", program.no_grad_passes()));
-  }
-  return absl::OkStatus();
+  return CheckProgramHeader(program, plan_.fingerprint());
 }
 
 absl::Status StepExecutor::BeginStep(
@@ -469,27 +433,11 @@ absl::Status StepExecutor::BeginStep(
 
 absl::Status StepExecutor::BeginStepLocked(
     const v1::StepProgram& header, absl::Span<const data::MicroBatch> batches) {
-  if (static_cast<int64_t>(batches.size()) != header.microbatches()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("batches: the program has ", header.microbatches(),
-                     " micro-batches, got ", batches.size()));
-  }
-  for (size_t m = 0; m < batches.size(); ++m) {
-    const data::MicroBatch& b = batches[m];
-    const int64_t n = b.rows * b.seq_len;
-    if (b.rows < 1 || b.seq_len < 1 ||
-        static_cast<int64_t>(b.inputs.size()) != n ||
-        static_cast<int64_t>(b.targets.size()) != n) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "batches[", m, "]: need rows >= 1, seq_len >= 1 and rows * seq_len ",
-          "inputs and targets, got rows ", b.rows, ", seq_len ", b.seq_len,
-          ", ", b.inputs.size(), " inputs, ", b.targets.size(), " targets"));
-    }
-  }
+  SHARDD_RETURN_IF_ERROR(CheckStepBatches(header, batches));
   const MoeModelOptions wanted = ModelOptionsFor(
       header.microbatches(), header.passes(), header.no_grad_passes(),
       options_.self_conditioning_scale);
-  if (!SameShape(wanted, model_options_)) {
+  if (!SameStepShape(wanted, model_options_)) {
     SHARDD_ASSIGN_OR_RETURN(model_, MoeModel::Create(model_spec_, wanted));
     model_options_ = wanted;
   }
