@@ -341,11 +341,7 @@ absl::Status DeviceStepExecutor::BeginStepLocked(
   allocator_->ResetPeaks();
   tracker_->ResetPeaks();
   allocator_start_ = allocator_->stats();
-  shard_stats_start_ = shard_group_->stats();
-  if (replicas_ != nullptr) replica_stats_start_ = replicas_->stats();
-  for (const auto& [g, group] : slice_groups_) {
-    slice_stats_start_[g] = group->stats();
-  }
+  stats_start_ = SnapshotCollectives(*shard_group_, replicas_, slice_groups_);
   model_syncs_start_ = model_->host_synchronizations();
   comm_syncs_start_ = CommunicatorSyncs();
   host_syncs_start_ = host_syncs_;
@@ -764,50 +760,11 @@ absl::StatusOr<DeviceStepResult> DeviceStepExecutor::EndStepLocked() {
   result.optimizer_steps = optimizer_steps_;
   result.commands = command_index_;
 
-  const CommunicatorStats shard = shard_group_->stats();
-  StepCollectives& c = result.collectives;
-  c.all_gathers = shard.all_gather.calls - shard_stats_start_.all_gather.calls;
-  c.all_gather_bytes =
-      shard.all_gather.bytes - shard_stats_start_.all_gather.bytes;
-  c.reduce_scatters =
-      shard.reduce_scatter.calls - shard_stats_start_.reduce_scatter.calls;
-  c.reduce_scatter_bytes =
-      shard.reduce_scatter.bytes - shard_stats_start_.reduce_scatter.bytes;
-  c.norm_all_reduces =
-      shard.all_reduce.calls - shard_stats_start_.all_reduce.calls;
-  c.norm_all_reduce_bytes =
-      shard.all_reduce.bytes - shard_stats_start_.all_reduce.bytes;
-  absl::Duration time =
-      (shard.all_gather.time - shard_stats_start_.all_gather.time) +
-      (shard.reduce_scatter.time - shard_stats_start_.reduce_scatter.time) +
-      (shard.all_reduce.time - shard_stats_start_.all_reduce.time);
-  for (const auto& [g, group] : slice_groups_) {
-    const CommunicatorStats now = group->stats();
-    const CommunicatorStats& start = slice_stats_start_.at(g);
-    const int64_t calls = now.all_gather.calls - start.all_gather.calls;
-    c.all_gathers += calls;
-    c.slice_all_gathers += calls;
-    c.all_gather_bytes += now.all_gather.bytes - start.all_gather.bytes;
-    time += now.all_gather.time - start.all_gather.time;
-  }
-  if (replicas_ != nullptr) {
-    const CommunicatorStats rep = replicas_->stats();
-    c.replica_all_reduces =
-        rep.all_reduce.calls - replica_stats_start_.all_reduce.calls;
-    c.replica_all_reduce_bytes =
-        rep.all_reduce.bytes - replica_stats_start_.all_reduce.bytes;
-    time += rep.all_reduce.time - replica_stats_start_.all_reduce.time;
-  }
-  c.seconds = absl::ToDoubleSeconds(time);
+  result.collectives = CollectivesBetween(
+      stats_start_,
+      SnapshotCollectives(*shard_group_, replicas_, slice_groups_));
 
-  const MemorySnapshot memory = tracker_->Snapshot();
-  result.peak_unsharded_bytes = memory.peak_unsharded;
-  result.peak_gathered_param_bytes =
-      memory.peak[static_cast<int>(MemoryKind::kGatheredParams)];
-  result.peak_unsharded_grad_bytes =
-      memory.peak[static_cast<int>(MemoryKind::kUnshardedGrads)];
-  result.peak_workspace_bytes =
-      memory.peak[static_cast<int>(MemoryKind::kWorkspace)];
+  SetMemoryPeaks(tracker_->Snapshot(), &result);
   result.peak_activation_bytes = peak_activation_bytes_;
 
   out.model_host_synchronizations =

@@ -215,9 +215,7 @@ class DeviceStepExecutor {
   int embed_backwards_ ABSL_GUARDED_BY(mu_) = 0;
   std::string optimizer_label_ ABSL_GUARDED_BY(mu_);
   absl::Time step_start_ ABSL_GUARDED_BY(mu_);
-  CommunicatorStats shard_stats_start_ ABSL_GUARDED_BY(mu_);
-  CommunicatorStats replica_stats_start_ ABSL_GUARDED_BY(mu_);
-  std::map<int, CommunicatorStats> slice_stats_start_ ABSL_GUARDED_BY(mu_);
+  CollectiveStatsSnapshot stats_start_ ABSL_GUARDED_BY(mu_);
   int64_t model_syncs_start_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t comm_syncs_start_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t host_syncs_start_ ABSL_GUARDED_BY(mu_) = 0;

@@ -243,6 +243,58 @@ StepExecutor::~StepExecutor() {
   comm_.reset();
 }
 
+StepCollectives CollectivesBetween(const CollectiveStatsSnapshot& start,
+                                   const CollectiveStatsSnapshot& end) {
+  auto delta = [](const CollectiveStats& a, const CollectiveStats& b) {
+    CollectiveStats d;
+    d.calls = b.calls - a.calls;
+    d.bytes = b.bytes - a.bytes;
+    d.time = b.time - a.time;
+    return d;
+  };
+  StepCollectives c;
+  const CollectiveStats gathers =
+      delta(start.shard.all_gather, end.shard.all_gather);
+  const CollectiveStats scatters =
+      delta(start.shard.reduce_scatter, end.shard.reduce_scatter);
+  const CollectiveStats norms =
+      delta(start.shard.all_reduce, end.shard.all_reduce);
+  const CollectiveStats replicas =
+      delta(start.replicas.all_reduce, end.replicas.all_reduce);
+  c.all_gathers = gathers.calls;
+  c.all_gather_bytes = gathers.bytes;
+  c.reduce_scatters = scatters.calls;
+  c.reduce_scatter_bytes = scatters.bytes;
+  c.norm_all_reduces = norms.calls;
+  c.norm_all_reduce_bytes = norms.bytes;
+  c.replica_all_reduces = replicas.calls;
+  c.replica_all_reduce_bytes = replicas.bytes;
+  absl::Duration time =
+      gathers.time + scatters.time + norms.time + replicas.time;
+  for (const auto& [size, now] : end.slices) {
+    auto it = start.slices.find(size);
+    const CollectiveStats slice = delta(
+        it != start.slices.end() ? it->second.all_gather : CollectiveStats(),
+        now.all_gather);
+    c.all_gathers += slice.calls;
+    c.slice_all_gathers += slice.calls;
+    c.all_gather_bytes += slice.bytes;
+    time += slice.time;
+  }
+  c.seconds = absl::ToDoubleSeconds(time);
+  return c;
+}
+
+void SetMemoryPeaks(const MemorySnapshot& memory, StepResult* result) {
+  result->peak_unsharded_bytes = memory.peak_unsharded;
+  result->peak_gathered_param_bytes =
+      memory.peak[static_cast<int>(MemoryKind::kGatheredParams)];
+  result->peak_unsharded_grad_bytes =
+      memory.peak[static_cast<int>(MemoryKind::kUnshardedGrads)];
+  result->peak_workspace_bytes =
+      memory.peak[static_cast<int>(MemoryKind::kWorkspace)];
+}
+
 absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(
     const v1::ShardingPlan& plan, const v1::ModelSpec& model,
     const StepExecutorOptions& options, Communicator* shard_group,
@@ -311,12 +363,12 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(
     if (it == slice_groups.end() || it->second == nullptr ||
         it->second->world_size() != g ||
         it->second->rank() != options.shard_rank % g) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "slice_groups: unit '", unit.name(),
-          "' reshards after forward to groups of ", g,
-          " ranks, which needs a slice group of ", g,
-          " ranks with this rank at shard_rank % ", g, " (",
-          options.shard_rank % g, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("slice_groups: unit '", unit.name(),
+                       "' reshards after forward to groups of ", g,
+                       " ranks, which needs a slice group of ", g,
+                       " ranks with this rank at shard_rank % ", g, " (",
+                       options.shard_rank % g, ")"));
     }
   }
   auto executor = absl::WrapUnique(new StepExecutor(
@@ -455,11 +507,7 @@ absl::Status StepExecutor::BeginStepLocked(
 
   comm_->Reset();
   tracker_->ResetPeaks();
-  shard_stats_start_ = shard_group_->stats();
-  if (replicas_ != nullptr) replica_stats_start_ = replicas_->stats();
-  for (const auto& [g, group] : slice_groups_) {
-    slice_stats_start_[g] = group->stats();
-  }
+  stats_start_ = SnapshotCollectives(*shard_group_, replicas_, slice_groups_);
   step_start_ = absl::Now();
   header_.Clear();
   header_.set_plan_fingerprint(header.plan_fingerprint());
@@ -592,10 +640,9 @@ absl::Status StepExecutor::RunCommandLocked(const v1::Command& c,
       }
       Communicator* group = shard_group_;
       const SliceGroups* slices = &slice_groups_;
-      const int64_t ticket =
-          comm_->Enqueue(label, [store, group, slices, u] {
-            return store->Unshard(u, group, slices);
-          });
+      const int64_t ticket = comm_->Enqueue(label, [store, group, slices, u] {
+        return store->Unshard(u, group, slices);
+      });
       run.gathered = true;
       run.pending = c.prefetch();
       run.gather_from_slice = run.slice;
@@ -652,8 +699,8 @@ absl::Status StepExecutor::RunCommandLocked(const v1::Command& c,
             "reshards no unit to ",
             g, " ranks)")));
       }
-      const int64_t ticket = comm_->Enqueue(
-          label, [store, u, g] { return store->Reshard(u, g); });
+      const int64_t ticket =
+          comm_->Enqueue(label, [store, u, g] { return store->Reshard(u, g); });
       run.gathered = false;
       run.slice = g != 0;
       run.last_ticket = ticket;
@@ -864,52 +911,11 @@ absl::StatusOr<StepResult> StepExecutor::EndStepLocked() {
   result.optimizer_steps = optimizer_steps_;
   result.commands = command_index_;
 
-  const CommunicatorStats shard = shard_group_->stats();
-  StepCollectives& c = result.collectives;
-  c.all_gathers = shard.all_gather.calls - shard_stats_start_.all_gather.calls;
-  c.all_gather_bytes =
-      shard.all_gather.bytes - shard_stats_start_.all_gather.bytes;
-  c.reduce_scatters =
-      shard.reduce_scatter.calls - shard_stats_start_.reduce_scatter.calls;
-  c.reduce_scatter_bytes =
-      shard.reduce_scatter.bytes - shard_stats_start_.reduce_scatter.bytes;
-  c.norm_all_reduces =
-      shard.all_reduce.calls - shard_stats_start_.all_reduce.calls;
-  c.norm_all_reduce_bytes =
-      shard.all_reduce.bytes - shard_stats_start_.all_reduce.bytes;
-  absl::Duration time =
-      (shard.all_gather.time - shard_stats_start_.all_gather.time) +
-      (shard.reduce_scatter.time - shard_stats_start_.reduce_scatter.time) +
-      (shard.all_reduce.time - shard_stats_start_.all_reduce.time);
-  // Re-gathers from post-forward slices (reshard to a smaller group) move
-  // the whole buffer too: the plan counts them among the all-gathers.
-  for (const auto& [g, group] : slice_groups_) {
-    const CommunicatorStats now = group->stats();
-    const CommunicatorStats& start = slice_stats_start_.at(g);
-    const int64_t calls = now.all_gather.calls - start.all_gather.calls;
-    c.all_gathers += calls;
-    c.slice_all_gathers += calls;
-    c.all_gather_bytes += now.all_gather.bytes - start.all_gather.bytes;
-    time += now.all_gather.time - start.all_gather.time;
-  }
-  if (replicas_ != nullptr) {
-    const CommunicatorStats rep = replicas_->stats();
-    c.replica_all_reduces =
-        rep.all_reduce.calls - replica_stats_start_.all_reduce.calls;
-    c.replica_all_reduce_bytes =
-        rep.all_reduce.bytes - replica_stats_start_.all_reduce.bytes;
-    time += rep.all_reduce.time - replica_stats_start_.all_reduce.time;
-  }
-  c.seconds = absl::ToDoubleSeconds(time);
+  result.collectives = CollectivesBetween(
+      stats_start_,
+      SnapshotCollectives(*shard_group_, replicas_, slice_groups_));
 
-  const MemorySnapshot memory = tracker_->Snapshot();
-  result.peak_unsharded_bytes = memory.peak_unsharded;
-  result.peak_gathered_param_bytes =
-      memory.peak[static_cast<int>(MemoryKind::kGatheredParams)];
-  result.peak_unsharded_grad_bytes =
-      memory.peak[static_cast<int>(MemoryKind::kUnshardedGrads)];
-  result.peak_workspace_bytes =
-      memory.peak[static_cast<int>(MemoryKind::kWorkspace)];
+  SetMemoryPeaks(tracker_->Snapshot(), &result);
   result.peak_activation_bytes = peak_activation_bytes_;
   in_step_ = false;
   stepped_ = false;

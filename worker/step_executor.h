@@ -72,6 +72,7 @@
 // Thread-safe: public methods serialize on an internal mutex.
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -161,6 +162,38 @@ struct StepResult {
   int64_t peak_workspace_bytes = 0;
   int64_t peak_activation_bytes = 0;
 };
+
+// Communicator counters at one moment: the shard group, the replicate group
+// (zeros without HSDP) and each slice group by size.
+struct CollectiveStatsSnapshot {
+  CommunicatorStats shard;
+  CommunicatorStats replicas;
+  std::map<int, CommunicatorStats> slices;
+};
+
+// Takes a snapshot. `replicas` may be null. Works for any communicator
+// backend (the GPU executor passes its NCCL groups).
+template <typename Group>
+CollectiveStatsSnapshot SnapshotCollectives(
+    const Communicator& shard, const Communicator* replicas,
+    const std::map<int, Group*>& slices) {
+  CollectiveStatsSnapshot snapshot;
+  snapshot.shard = shard.stats();
+  if (replicas != nullptr) snapshot.replicas = replicas->stats();
+  for (const auto& [size, group] : slices)
+    snapshot.slices[size] = group->stats();
+  return snapshot;
+}
+
+// The collectives issued between two snapshots of the same groups. Slice
+// groups' all-gathers (re-gathers from post-forward slices) count among the
+// all-gathers too, as the plan counts them.
+StepCollectives CollectivesBetween(const CollectiveStatsSnapshot& start,
+                                   const CollectiveStatsSnapshot& end);
+
+// Copies a tracker's peaks into a step result (peak_unsharded_bytes and the
+// per-kind peaks of gathered parameters, unsharded gradients, workspace).
+void SetMemoryPeaks(const MemorySnapshot& memory, StepResult* result);
 
 class StepExecutor {
  public:
@@ -263,8 +296,7 @@ class StepExecutor {
 
   StepExecutor(const v1::ShardingPlan& plan, const StepExecutorOptions& options,
                Communicator* shard_group, Communicator* replicas,
-               const SliceGroups& slice_groups,
-               MemoryTracker* tracker);
+               const SliceGroups& slice_groups, MemoryTracker* tracker);
 
   absl::Status CheckHeaderLocked(const v1::StepProgram& program) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -283,9 +315,9 @@ class StepExecutor {
   void AbortStepLocked(const absl::Status& error, bool clean)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Queues the free of the slice a finished re-gather of `unit` consumed
-  // (when it gathered from one) as a free: in program order with the other frees,
-  // and waited for by the next ALLOC_GRAD, so the measured memory follows
-  // the plan's replay.
+  // (when it gathered from one) as a free: in program order with the other
+  // frees, and waited for by the next ALLOC_GRAD, so the measured memory
+  // follows the plan's replay.
   void DropSliceLocked(int unit, const std::string& label)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string CommandLabelLocked(const v1::Command& command) const
@@ -324,9 +356,7 @@ class StepExecutor {
   int embed_backwards_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t last_free_ticket_ ABSL_GUARDED_BY(mu_) = -1;
   absl::Time step_start_ ABSL_GUARDED_BY(mu_);
-  CommunicatorStats shard_stats_start_ ABSL_GUARDED_BY(mu_);
-  CommunicatorStats replica_stats_start_ ABSL_GUARDED_BY(mu_);
-  std::map<int, CommunicatorStats> slice_stats_start_ ABSL_GUARDED_BY(mu_);
+  CollectiveStatsSnapshot stats_start_ ABSL_GUARDED_BY(mu_);
   int64_t peak_activation_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   double grad_norm_ ABSL_GUARDED_BY(mu_) = 0.0;
   double clip_coefficient_ ABSL_GUARDED_BY(mu_) = 1.0;
