@@ -102,6 +102,24 @@ absl::StatusOr<v1::ListCheckpointsResponse> CoordinatorClient::ListCheckpoints(
   return response;
 }
 
+absl::StatusOr<v1::SaveCheckpointResponse> CoordinatorClient::SaveCheckpoint(
+    const v1::SaveCheckpointRequest& request) {
+  v1::SaveCheckpointResponse response;
+  grpc::Status status =
+      stub_->SaveCheckpoint(NewContext().get(), request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::StatusOr<v1::LoadCheckpointResponse> CoordinatorClient::LoadCheckpoint(
+    const v1::LoadCheckpointRequest& request) {
+  v1::LoadCheckpointResponse response;
+  grpc::Status status =
+      stub_->LoadCheckpoint(NewContext().get(), request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
 absl::StatusOr<v1::SubmitStepResponse> CoordinatorClient::SubmitStep(
     const v1::SubmitStepRequest& request) {
   v1::SubmitStepResponse response;

@@ -53,6 +53,10 @@ class CoordinatorClient {
       const v1::SubmitStepRequest& request);
   absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(
       const v1::ListCheckpointsRequest& request);
+  absl::StatusOr<v1::SaveCheckpointResponse> SaveCheckpoint(
+      const v1::SaveCheckpointRequest& request);
+  absl::StatusOr<v1::LoadCheckpointResponse> LoadCheckpoint(
+      const v1::LoadCheckpointRequest& request);
 
   // Streams a job's events to `on_event` until the job ends (OK after the
   // event with done or error set), `on_event` returns false (OK, the

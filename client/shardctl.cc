@@ -12,12 +12,16 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "client/coordinator_client.h"
 #include "client/plan_printer.h"
+#include "client/plan_timeline.h"
 #include "client/shardctl_args.h"
+#include "client/timeline_svg.h"
 #include "client/train_report.h"
 #include "common/grpc_security.h"
 #include "google/protobuf/util/json_util.h"
@@ -41,6 +45,8 @@ const char* JobStateName(v1::JobState state) {
       return "done";
     case v1::JOB_FAILED:
       return "failed";
+    case v1::JOB_RECOVERING:
+      return "recovering";
     default:
       return "unknown";
   }
@@ -212,10 +218,96 @@ absl::Status RunStrategies(const ShardctlArgs& args, Backend* backend,
   return absl::OkStatus();
 }
 
+// ---- pictures (section: timeline-svg)
+
+// Writes `text` to `path` whole. Errors: INTERNAL naming `flag` and the path.
+absl::Status WriteTextFile(absl::string_view flag, const std::string& path,
+                           const std::string& text) {
+  std::ofstream file(path, std::ios::binary | std::ios::trunc);
+  if (file) file << text;
+  if (file) file.close();
+  if (!file) {
+    return absl::InternalError(
+        absl::StrCat(flag, ": cannot write '", path, "'"));
+  }
+  return absl::OkStatus();
+}
+
+// plan --timeline-svg [--compare-strategy]: draws `plan`'s timeline, with
+// the compared strategy's plan of the same request overlaid.
+absl::Status WritePlanTimelineSvg(const ShardctlArgs& args, Backend* backend,
+                                  const v1::SubmitModelRequest& request,
+                                  const v1::ShardingPlan& plan,
+                                  std::ostream* out) {
+  v1::ShardingPlan compare;
+  if (!args.compare_strategy.empty()) {
+    v1::SubmitModelRequest other = request;
+    other.mutable_options()->set_strategy(args.compare_strategy);
+    other.mutable_options()->set_include_timeline(true);
+    absl::StatusOr<v1::SubmitModelResponse> planned =
+        backend->SubmitModel(other);
+    if (!planned.ok()) {
+      return absl::Status(
+          planned.status().code(),
+          absl::StrCat("--compare-strategy ", args.compare_strategy, ": ",
+                       planned.status().message()));
+    }
+    compare = planned->plan();
+  }
+  absl::StatusOr<ChartSpec> chart = PlanTimelineChart(
+      plan, request.name(), args.compare_strategy.empty() ? nullptr : &compare);
+  if (!chart.ok()) return chart.status();
+  absl::StatusOr<std::string> svg = RenderChartSvg(*chart);
+  if (!svg.ok()) return svg.status();
+  absl::Status written =
+      WriteTextFile("--timeline-svg", args.timeline_svg_path, *svg);
+  if (!written.ok()) return written;
+  if (out != nullptr) {
+    *out << "\nTimeline  wrote " << args.timeline_svg_path << " (peak "
+         << HumanBytes(plan.memory().peak_unsharded_bytes()) << " "
+         << plan.strategy();
+    if (!args.compare_strategy.empty()) {
+      *out << ", " << HumanBytes(compare.memory().peak_unsharded_bytes()) << " "
+           << compare.strategy();
+    }
+    *out << ")\n";
+  }
+  return absl::OkStatus();
+}
+
+// train --loss-svg: the loss curve of the finished job.
+absl::Status WriteLossSvg(const ShardctlArgs& args,
+                          const std::string& model_name,
+                          const v1::ShardingPlan& plan, int world_size,
+                          const std::vector<v1::StepEvent>& events,
+                          double entropy_rate, std::ostream* out) {
+  std::vector<std::pair<double, double>> losses;
+  for (const v1::StepEvent& event : events) {
+    losses.push_back({static_cast<double>(event.step()), event.loss()});
+  }
+  if (losses.empty()) {
+    return absl::FailedPreconditionError(
+        "--loss-svg: the job reported no steps");
+  }
+  const ChartSpec chart =
+      LossChart(absl::StrCat(model_name, ": training loss, ", plan.strategy(),
+                             ", world size ", world_size),
+                losses, entropy_rate);
+  absl::StatusOr<std::string> svg = RenderChartSvg(chart);
+  if (!svg.ok()) return svg.status();
+  absl::Status written = WriteTextFile("--loss-svg", args.loss_svg_path, *svg);
+  if (!written.ok()) return written;
+  if (out != nullptr) *out << "Loss curve  " << args.loss_svg_path << "\n";
+  return absl::OkStatus();
+}
+
 absl::Status RunPlan(const ShardctlArgs& args, Backend* backend,
                      std::ostream& out) {
   v1::SubmitModelRequest request;
   *request.mutable_options() = args.options;
+  if (!args.timeline_svg_path.empty()) {
+    request.mutable_options()->set_include_timeline(true);
+  }
   if (!args.hf_config_path.empty()) {
     absl::StatusOr<std::string> text =
         ReadFile("--hf-config", args.hf_config_path);
@@ -235,12 +327,25 @@ absl::Status RunPlan(const ShardctlArgs& args, Backend* backend,
   absl::StatusOr<v1::SubmitModelResponse> response =
       backend->SubmitModel(request);
   if (!response.ok()) return response.status();
+  // The timeline asked for by --timeline-svg only goes into the picture.
+  v1::ShardingPlan without_timeline;
+  const v1::ShardingPlan* shown = &response->plan();
+  if (!args.options.include_timeline() && shown->memory().timeline_size() > 0) {
+    without_timeline = *shown;
+    without_timeline.mutable_memory()->clear_timeline();
+    shown = &without_timeline;
+  }
   if (args.json) {
-    out << FormatPlanJson(response->plan(), &response->summary(),
+    out << FormatPlanJson(*shown, &response->summary(),
                           args.device_memory_bytes);
   } else {
-    out << FormatPlanTable(response->plan(), &response->summary(),
+    out << FormatPlanTable(*shown, &response->summary(),
                            args.device_memory_bytes);
+  }
+  if (!args.timeline_svg_path.empty()) {
+    absl::Status drawn = WritePlanTimelineSvg(
+        args, backend, request, response->plan(), args.json ? nullptr : &out);
+    if (!drawn.ok()) return drawn;
   }
   return absl::OkStatus();
 }
@@ -273,7 +378,16 @@ absl::Status RunStatus(const ShardctlArgs& args, Backend* backend,
           HumanCount(model.total_params()), model.world_size());
     }
   }
-  out << "\nWorkers (" << response->workers_size() << ")\n";
+  int alive = 0;
+  for (const v1::WorkerInfo& worker : response->workers()) {
+    alive += worker.alive() ? 1 : 0;
+  }
+  out << "\nWorkers (" << response->workers_size();
+  if (response->workers_size() > 0) {
+    out << ": " << alive << " alive, " << response->workers_size() - alive
+        << " dead";
+  }
+  out << ")\n";
   for (const v1::WorkerInfo& worker : response->workers()) {
     out << absl::StrFormat("  rank %d  %s  %s  %s  last heartbeat %d ms ago\n",
                            worker.rank(), worker.address(), worker.device(),
@@ -282,18 +396,22 @@ absl::Status RunStatus(const ShardctlArgs& args, Backend* backend,
   }
   out << "\nJobs (" << response->jobs_size() << ")\n";
   if (response->jobs_size() > 0) {
-    out << absl::StrFormat("  %-6s  %-18s  %-8s  %5s  %13s  %9s  %11s  %s\n",
-                           "id", "model", "state", "world", "steps", "loss",
-                           "tokens/s", "error");
+    out << absl::StrFormat(
+        "  %-6s  %-18s  %-10s  %5s  %13s  %9s  %11s  %5s  %-24s  %s\n", "id",
+        "model", "state", "world", "steps", "loss", "tokens/s", "recov",
+        "last checkpoint", "error");
     for (const v1::JobInfo& job : response->jobs()) {
       out << absl::StrFormat(
-          "  %-6s  %-18s  %-8s  %5d  %13s  %9s  %11s  %s\n", job.job_id(),
-          job.model_id(), JobStateName(job.state()), job.world_size(),
+          "  %-6s  %-18s  %-10s  %5d  %13s  %9s  %11s  %5d  %-24s  %s\n",
+          job.job_id(), job.model_id(), JobStateName(job.state()),
+          job.world_size(),
           absl::StrCat(job.steps_done(), "/", job.total_steps()),
           job.steps_done() > 0 ? absl::StrFormat("%.4f", job.loss()) : "-",
           job.steps_done() > 0
               ? HumanCount(static_cast<int64_t>(job.tokens_per_second()))
               : "-",
+          job.recoveries(),
+          job.last_checkpoint().empty() ? "-" : job.last_checkpoint(),
           job.error());
     }
   }
@@ -328,6 +446,53 @@ absl::Status RunCheckpointList(const ShardctlArgs& args, std::ostream& out) {
                              info.step(), info.world_size(), info.strategy());
     }
   }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// checkpoint save / load
+
+absl::Status RunCheckpointSave(const ShardctlArgs& args, std::ostream& out) {
+  absl::StatusOr<std::unique_ptr<CoordinatorClient>> connected =
+      ConnectTo(args);
+  if (!connected.ok()) return connected.status();
+  (*connected)->set_call_timeout(args.timeout);
+  v1::SaveCheckpointRequest request;
+  request.set_job_id(args.checkpoint_job);
+  absl::StatusOr<v1::SaveCheckpointResponse> response =
+      (*connected)->SaveCheckpoint(request);
+  if (!response.ok()) return response.status();
+  if (args.json) {
+    absl::StatusOr<std::string> json = ToJson(*response);
+    if (!json.ok()) return json.status();
+    out << *json;
+    return absl::OkStatus();
+  }
+  out << "Saved checkpoint " << response->checkpoint() << " (step "
+      << response->step() << ")\n";
+  return absl::OkStatus();
+}
+
+absl::Status RunCheckpointLoad(const ShardctlArgs& args, std::ostream& out) {
+  absl::StatusOr<std::unique_ptr<CoordinatorClient>> connected =
+      ConnectTo(args);
+  if (!connected.ok()) return connected.status();
+  (*connected)->set_call_timeout(args.timeout);
+  v1::LoadCheckpointRequest request;
+  request.set_job_id(args.checkpoint_job);
+  request.set_checkpoint(args.checkpoint_path);
+  absl::StatusOr<v1::LoadCheckpointResponse> response =
+      (*connected)->LoadCheckpoint(request);
+  if (!response.ok()) return response.status();
+  if (args.json) {
+    absl::StatusOr<std::string> json = ToJson(*response);
+    if (!json.ok()) return json.status();
+    out << *json;
+    return absl::OkStatus();
+  }
+  out << "Job " << args.checkpoint_job << " rolled back to "
+      << args.checkpoint_path << "; it trains on from step "
+      << response->step() << "\n";
   return absl::OkStatus();
 }
 
@@ -451,22 +616,75 @@ absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
     out << std::flush;
   }
 
+  // The committed trajectory: a rollback to a checkpoint drops the steps
+  // after it (they run again).
   std::vector<v1::StepEvent> events;
+  // Interruptions and recoveries, in order, as printed.
+  std::vector<std::string> incidents;
   std::string failure;
   TrainProgress progress(out, tty && !args.json, config.steps(),
                          args.log_every);
-  v1::WatchStepRequest watch;
-  watch.set_job_id(job->job_id());
+  int64_t last_step = 0;
   auto on_event = [&](const v1::StepEvent& event) {
     if (!event.error().empty()) {
       failure = event.error();
       return true;
     }
+    if (!event.interruption().empty() || !event.recovery().empty()) {
+      const std::string line =
+          event.interruption().empty()
+              ? absl::StrCat("recovered at step ", event.step(), ": ",
+                             event.recovery())
+              : absl::StrCat("interrupted at step ", event.step(), ": ",
+                             event.interruption());
+      incidents.push_back(line);
+      if (!event.recovery().empty()) {
+        while (!events.empty() && events.back().step() > event.step()) {
+          events.pop_back();
+        }
+        last_step = event.step();
+      }
+      if (!args.json) {
+        progress.Close();
+        out << line << "\n" << std::flush;
+      }
+      return true;
+    }
     events.push_back(event);
+    last_step = event.step();
     if (!args.json) progress.Update(event);
     return true;
   };
-  absl::Status watched = client.WatchStep(watch, args.watch_timeout, on_event);
+  // A coordinator that went away may be restarting (its jobs go on): keep
+  // watching from the last step seen for up to --reconnect-timeout.
+  absl::Status watched;
+  absl::Time reconnect_deadline = absl::InfiniteFuture();
+  while (true) {
+    v1::WatchStepRequest watch;
+    watch.set_job_id(job->job_id());
+    watch.set_from_step(last_step + 1);
+    const size_t seen = events.size() + incidents.size();
+    watched = client.WatchStep(watch, args.watch_timeout, on_event);
+    const bool lost = absl::IsUnavailable(watched) ||
+                      (absl::IsInternal(watched) &&
+                       absl::StrContains(watched.message(), "stream ended"));
+    if (!lost) break;
+    if (events.size() + incidents.size() > seen) {
+      reconnect_deadline = absl::InfiniteFuture();  // It was making progress.
+    }
+    if (reconnect_deadline == absl::InfiniteFuture()) {
+      reconnect_deadline = absl::Now() + args.reconnect_timeout;
+      if (!args.json) {
+        progress.Close();
+        out << "lost the coordinator (" << watched.message()
+            << "); reconnecting for up to "
+            << absl::FormatDuration(args.reconnect_timeout) << "\n"
+            << std::flush;
+      }
+    }
+    if (absl::Now() >= reconnect_deadline) break;
+    absl::SleepFor(absl::Milliseconds(500));
+  }
   progress.Close();
   if (!watched.ok()) {
     return absl::Status(watched.code(), absl::StrCat("job ", job->job_id(),
@@ -508,6 +726,7 @@ absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
         checkpoints.push_back(event.checkpoint());
     }
     json["checkpoints"] = std::move(checkpoints);
+    json["incidents"] = incidents;
     out << json.dump(2) << "\n";
   } else {
     out << FormatTrainSummary(summary);
@@ -516,6 +735,12 @@ absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
         out << "Checkpoint  " << event.checkpoint() << "\n";
       }
     }
+  }
+  if (!args.loss_svg_path.empty()) {
+    absl::Status drawn =
+        WriteLossSvg(args, model_name, plan, job->world_size(), events,
+                     summary.entropy_rate, args.json ? nullptr : &out);
+    if (!drawn.ok()) return drawn;
   }
   return absl::OkStatus();
 }
@@ -544,7 +769,9 @@ int RunShardctl(const std::vector<std::string>& argv, std::ostream& out,
   absl::StatusOr<std::unique_ptr<Backend>> backend =
       args->command == ShardctlCommand::kTrain ||
               args->command == ShardctlCommand::kCheckpointList ||
-              args->command == ShardctlCommand::kCheckpointConsolidate
+              args->command == ShardctlCommand::kCheckpointConsolidate ||
+              args->command == ShardctlCommand::kCheckpointSave ||
+              args->command == ShardctlCommand::kCheckpointLoad
           ? absl::StatusOr<std::unique_ptr<Backend>>(nullptr)
           : MakeBackend(*args);
   if (!backend.ok()) {
@@ -568,6 +795,12 @@ int RunShardctl(const std::vector<std::string>& argv, std::ostream& out,
         break;
       case ShardctlCommand::kCheckpointConsolidate:
         status = RunCheckpointConsolidate(*args, out);
+        break;
+      case ShardctlCommand::kCheckpointSave:
+        status = RunCheckpointSave(*args, out);
+        break;
+      case ShardctlCommand::kCheckpointLoad:
+        status = RunCheckpointLoad(*args, out);
         break;
       case ShardctlCommand::kHelp:
         break;

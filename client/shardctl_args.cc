@@ -131,6 +131,10 @@ absl::string_view CommandName(ShardctlCommand command) {
       return "checkpoint list";
     case ShardctlCommand::kCheckpointConsolidate:
       return "checkpoint consolidate";
+    case ShardctlCommand::kCheckpointSave:
+      return "checkpoint save";
+    case ShardctlCommand::kCheckpointLoad:
+      return "checkpoint load";
     case ShardctlCommand::kHelp:
       break;
   }
@@ -178,6 +182,8 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                                       "--keep-compute-shard",
                                                       "--bucket-elements",
                                                       "--timeline",
+                                                      "--timeline-svg",
+                                                      "--compare-strategy",
                                                       "--device-memory"};
   static const auto* train =
       new std::set<std::string>{"--coordinator",
@@ -213,12 +219,21 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                 "--log-every",
                                 "--watch-timeout",
                                 "--checkpoint-every",
-                                "--resume-from"};
+                                "--resume-from",
+                                "--loss-svg",
+                                "--max-recoveries",
+                                "--reconnect-timeout"};
   static const auto* checkpoint_list = new std::set<std::string>{
       "--coordinator", "--timeout", "--json",       "--tls-ca",
       "--tls-cert",    "--tls-key", "--token-file", "--job"};
   static const auto* checkpoint_consolidate =
       new std::set<std::string>{"--checkpoint", "--out", "--hf"};
+  static const auto* checkpoint_save = new std::set<std::string>{
+      "--coordinator", "--timeout", "--json",       "--tls-ca",
+      "--tls-cert",    "--tls-key", "--token-file", "--job"};
+  static const auto* checkpoint_load = new std::set<std::string>{
+      "--coordinator", "--timeout",    "--json", "--tls-ca",    "--tls-cert",
+      "--tls-key",     "--token-file", "--job",  "--checkpoint"};
   static const auto* none = new std::set<std::string>{};
   switch (command) {
     case ShardctlCommand::kStrategies:
@@ -233,6 +248,10 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
       return *checkpoint_list;
     case ShardctlCommand::kCheckpointConsolidate:
       return *checkpoint_consolidate;
+    case ShardctlCommand::kCheckpointSave:
+      return *checkpoint_save;
+    case ShardctlCommand::kCheckpointLoad:
+      return *checkpoint_load;
     case ShardctlCommand::kHelp:
       break;
   }
@@ -407,6 +426,20 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
     absl::StatusOr<int32_t> n = ParseInt(flag, value, 1);
     if (!n.ok()) return n.status();
     args->log_every = *n;
+  } else if (flag == "--max-recoveries") {
+    absl::StatusOr<int32_t> n = ParseInt(flag, value, -1);
+    if (!n.ok()) return n.status();
+    // 0 in the config means the coordinator's default; ask for "never" as -1.
+    args->train.set_max_recoveries(*n == 0 ? -1 : *n);
+  } else if (flag == "--reconnect-timeout") {
+    double seconds = 0;
+    if (!absl::SimpleAtod(value, &seconds) || !(seconds >= 0) ||
+        seconds > 7 * 86400) {
+      return Usage(absl::StrCat(
+          "--reconnect-timeout: expected seconds in [0, 604800], got '", value,
+          "'"));
+    }
+    args->reconnect_timeout = absl::Seconds(seconds);
   } else if (flag == "--watch-timeout") {
     double seconds = 0;
     if (!absl::SimpleAtod(value, &seconds) || !(seconds > 0) ||
@@ -416,6 +449,16 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
           "'"));
     }
     args->watch_timeout = absl::Seconds(seconds);
+  } else if (flag == "--timeline-svg" || flag == "--loss-svg") {
+    if (value.empty())
+      return Usage(absl::StrCat(flag, ": expected a file path"));
+    (flag == "--timeline-svg" ? args->timeline_svg_path : args->loss_svg_path) =
+        value;
+  } else if (flag == "--compare-strategy") {
+    if (value.empty()) {
+      return Usage("--compare-strategy: expected a strategy name");
+    }
+    args->compare_strategy = value;
   } else if (flag == "--device-memory") {
     absl::StatusOr<int64_t> bytes = ParseDeviceMemory(flag, value);
     if (!bytes.ok()) return bytes.status();
@@ -468,6 +511,10 @@ absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
     // "checkpoint" takes a subcommand.
     if (argv.size() >= 2 && argv[1] == "consolidate") {
       args.command = ShardctlCommand::kCheckpointConsolidate;
+    } else if (argv.size() >= 2 && argv[1] == "save") {
+      args.command = ShardctlCommand::kCheckpointSave;
+    } else if (argv.size() >= 2 && argv[1] == "load") {
+      args.command = ShardctlCommand::kCheckpointLoad;
     } else if (argv.size() < 2 || argv[1] != "list") {
       if (argv.size() >= 2 && (argv[1] == "--help" || argv[1] == "-h")) {
         ShardctlArgs help;
@@ -476,8 +523,8 @@ absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
         return help;
       }
       return Usage(
-          absl::StrCat("checkpoint: expected the subcommand 'list' or "
-                       "'consolidate', got '",
+          absl::StrCat("checkpoint: expected the subcommand 'list', "
+                       "'save', 'load' or 'consolidate', got '",
                        argv.size() >= 2 ? argv[1] : std::string(), "'"));
     }
     first_flag = 2;
@@ -540,6 +587,12 @@ absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
       if (seen.count("--dp") == 0) {
         return Usage("plan: --dp N (ranks to shard over) is required");
       }
+      if (seen.count("--compare-strategy") > 0 &&
+          seen.count("--timeline-svg") == 0) {
+        return Usage(
+            "plan: --compare-strategy draws into the --timeline-svg FILE "
+            "picture; give both");
+      }
       if (seen.count("--replicate") == 0) {
         args.options.mutable_mesh()->set_dp_replicate(1);
       }
@@ -553,6 +606,21 @@ absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
     case ShardctlCommand::kCheckpointList:
       if (args.coordinator.empty()) {
         return Usage("checkpoint list: --coordinator HOST:PORT is required");
+      }
+      break;
+    case ShardctlCommand::kCheckpointSave:
+      if (args.coordinator.empty() || args.checkpoint_job.empty()) {
+        return Usage(
+            "checkpoint save: --coordinator HOST:PORT and --job ID are "
+            "required");
+      }
+      break;
+    case ShardctlCommand::kCheckpointLoad:
+      if (args.coordinator.empty() || args.checkpoint_job.empty() ||
+          args.checkpoint_path.empty()) {
+        return Usage(
+            "checkpoint load: --coordinator HOST:PORT, --job ID and "
+            "--checkpoint NAME are required");
       }
       break;
     case ShardctlCommand::kCheckpointConsolidate:
@@ -667,6 +735,10 @@ Step:
 Output:
   --json                       one JSON object instead of the table
   --timeline                   include the live-memory timeline (JSON)
+  --timeline-svg FILE          draw the live-memory timeline of one step
+                               (stacked per unit, peak marked) as SVG
+  --compare-strategy NAME      with --timeline-svg: plan NAME too and
+                               overlay its total and peak
   --coordinator HOST:PORT      plan on a running shardd-coordinator
   --timeout SECONDS            connect and call deadline (default 30)
 Security (with --coordinator):
@@ -749,8 +821,18 @@ Output:
   --json                       no progress; one JSON object at the end
   --log-every N                progress line every N steps when not on a
                                terminal (default: about 20 lines)
+  --loss-svg FILE              draw the loss curve (with the data's entropy
+                               rate) as SVG at the end
   --watch-timeout SECONDS      give up when no event arrives for this long
                                (default 600)
+  --max-recoveries N           faults the job recovers from by itself (it
+                               waits for its workers, then resumes from
+                               their state, an HSDP replica, or its last
+                               checkpoint); 0: never (default: the
+                               coordinator's --max-recoveries)
+  --reconnect-timeout SECONDS  keep reconnecting this long to a coordinator
+                               that went away (it may be restarting; its
+                               jobs go on) (default 120)
   --timeout SECONDS            connect and call deadline (default 30)
 Security (with --coordinator):
   --tls-ca FILE                CA that verifies the coordinator (TLS)
@@ -767,6 +849,42 @@ strategy that saved it.
 
   --coordinator HOST:PORT  the coordinator (required)
   --job ID                 only this job's checkpoints
+  --timeout SECONDS        connect and call deadline (default 30)
+  --json                   print the response as JSON
+Security (with --coordinator):
+  --tls-ca FILE                CA that verifies the coordinator (TLS)
+  --tls-cert FILE, --tls-key FILE   client certificate (mutual TLS)
+  --token-file FILE            client bearer token, first line (default:
+                               $SHARDD_TOKEN_FILE)
+)";
+    case ShardctlCommand::kCheckpointSave:
+      return R"(Usage: shardctl checkpoint save --coordinator HOST:PORT --job ID [--json]
+
+Asks a running job to commit a checkpoint after the step in progress and
+waits for it: prints its name (for train --resume-from or checkpoint load)
+and step.
+
+  --coordinator HOST:PORT  the coordinator (required)
+  --job ID                 the running job (required)
+  --timeout SECONDS        connect and call deadline (default 30)
+  --json                   print the response as JSON
+Security (with --coordinator):
+  --tls-ca FILE                CA that verifies the coordinator (TLS)
+  --tls-cert FILE, --tls-key FILE   client certificate (mutual TLS)
+  --token-file FILE            client bearer token, first line (default:
+                               $SHARDD_TOKEN_FILE)
+)";
+    case ShardctlCommand::kCheckpointLoad:
+      return R"(Usage: shardctl checkpoint load --coordinator HOST:PORT --job ID --checkpoint NAME [--json]
+
+Rolls a running job back to committed checkpoint NAME (see checkpoint list;
+any job's, saved at any world size or with any strategy) after the step in
+progress, e.g. to before a loss spike; the job trains on from its step up
+to its last step.
+
+  --coordinator HOST:PORT  the coordinator (required)
+  --job ID                 the running job (required)
+  --checkpoint NAME        e.g. j-1/step-00000020 (required)
   --timeout SECONDS        connect and call deadline (default 30)
   --json                   print the response as JSON
 Security (with --coordinator):

@@ -25,6 +25,8 @@ enum class ShardctlCommand {
   kTrain,
   kCheckpointList,         // "checkpoint list"
   kCheckpointConsolidate,  // "checkpoint consolidate"
+  kCheckpointSave,         // "checkpoint save"
+  kCheckpointLoad,         // "checkpoint load"
 };
 
 struct ShardctlArgs {
@@ -73,6 +75,15 @@ struct ShardctlArgs {
   std::string hf_naming;
   // Give up watching when the coordinator sends no event for this long.
   absl::Duration watch_timeout = absl::Minutes(10);
+  // plan --timeline-svg: where the live-memory timeline SVG goes (empty:
+  // none); --compare-strategy: a second strategy whose total it overlays.
+  std::string timeline_svg_path;
+  std::string compare_strategy;
+  // train --loss-svg: where the loss curve SVG goes (empty: none).
+  std::string loss_svg_path;
+  // train: how long to keep reconnecting to a coordinator that went away
+  // (it may be restarting) before giving up.
+  absl::Duration reconnect_timeout = absl::Seconds(120);
 };
 
 // Parses argv without the program name.

@@ -170,10 +170,10 @@ TEST(ShardctlArgsTest, CheckpointFlagsAndCheckpointList) {
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--coordinator")));
   EXPECT_THAT(Parse({"checkpoint", "frobnicate"}),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("subcommand 'list' or 'consolidate'")));
+                       HasSubstr("subcommand 'list', 'save', 'load' or 'consolidate'")));
   EXPECT_THAT(Parse({"checkpoint"}),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("subcommand 'list' or 'consolidate'")));
+                       HasSubstr("subcommand 'list', 'save', 'load' or 'consolidate'")));
   SHARDD_ASSERT_OK_AND_ASSIGN(ShardctlArgs help,
                               Parse({"checkpoint", "list", "--help"}));
   EXPECT_EQ(help.command, ShardctlCommand::kHelp);
@@ -194,6 +194,38 @@ TEST(ShardctlArgsTest, CheckpointFlagsAndCheckpointList) {
   EXPECT_THAT(Parse({"checkpoint", "consolidate", "--checkpoint", "c", "--out",
                      "o", "--hf", "llama"}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--hf")));
+
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      ShardctlArgs save, Parse({"checkpoint", "save", "--coordinator", "h:1",
+                                "--job", "j-3"}));
+  EXPECT_EQ(save.command, ShardctlCommand::kCheckpointSave);
+  EXPECT_EQ(save.checkpoint_job, "j-3");
+  EXPECT_THAT(Parse({"checkpoint", "save", "--coordinator", "h:1"}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--job")));
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      ShardctlArgs load,
+      Parse({"checkpoint", "load", "--coordinator", "h:1", "--job", "j-3",
+             "--checkpoint", "j-3/step-00000004"}));
+  EXPECT_EQ(load.command, ShardctlCommand::kCheckpointLoad);
+  EXPECT_EQ(load.checkpoint_path, "j-3/step-00000004");
+  EXPECT_THAT(Parse({"checkpoint", "load", "--coordinator", "h:1", "--job",
+                     "j-3"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--checkpoint NAME")));
+  EXPECT_THAT(Parse({"checkpoint", "save", "--coordinator", "h:1", "--job",
+                     "j-3", "--out", "x"}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--out")));
+
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      ShardctlArgs recovering,
+      Parse({"train", "--coordinator", "h:1", "--model-id", "m-1",
+             "--max-recoveries", "0", "--reconnect-timeout", "5"}));
+  EXPECT_EQ(recovering.train.max_recoveries(), -1);  // 0 asks for never.
+  EXPECT_EQ(recovering.reconnect_timeout, absl::Seconds(5));
+  EXPECT_THAT(Parse({"train", "--coordinator", "h:1", "--model-id", "m-1",
+                     "--reconnect-timeout", "-1"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--reconnect-timeout")));
 }
 
 TEST(ShardctlArgsTest, UsageErrors) {
@@ -463,6 +495,47 @@ TEST(ShardctlArgsTest, TrainHasHelp) {
   EXPECT_THAT(ShardctlUsage(ShardctlCommand::kTrain),
               HasSubstr("--global-batch B"));
   EXPECT_THAT(ShardctlUsage(ShardctlCommand::kHelp), HasSubstr("train"));
+}
+
+// (section: timeline-svg)
+TEST(ShardctlArgsTest, PictureFlags) {
+  absl::StatusOr<ShardctlArgs> plan =
+      Parse({"plan", "--model", "m.json", "--dp", "8", "--timeline-svg",
+             "out.svg", "--compare-strategy=diffusion_gemma"});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->timeline_svg_path, "out.svg");
+  EXPECT_EQ(plan->compare_strategy, "diffusion_gemma");
+  // The picture does not turn on the JSON timeline.
+  EXPECT_FALSE(plan->options.include_timeline());
+
+  absl::StatusOr<ShardctlArgs> alone =
+      Parse({"plan", "--model", "m.json", "--dp", "8", "--compare-strategy",
+             "default"});
+  ASSERT_FALSE(alone.ok());
+  EXPECT_THAT(std::string(alone.status().message()),
+              HasSubstr("--timeline-svg"));
+  absl::StatusOr<ShardctlArgs> empty =
+      Parse({"plan", "--model", "m.json", "--dp", "8", "--timeline-svg="});
+  ASSERT_FALSE(empty.ok());
+  EXPECT_THAT(std::string(empty.status().message()),
+              HasSubstr("--timeline-svg: expected a file path"));
+
+  absl::StatusOr<ShardctlArgs> train =
+      Parse({"train", "--coordinator", "h:1", "--model", "m.json", "--loss-svg",
+             "loss.svg"});
+  ASSERT_TRUE(train.ok()) << train.status();
+  EXPECT_EQ(train->loss_svg_path, "loss.svg");
+  // Each flag belongs to its command.
+  EXPECT_FALSE(Parse({"train", "--coordinator", "h:1", "--model", "m.json",
+                      "--timeline-svg", "x.svg"})
+                   .ok());
+  EXPECT_FALSE(
+      Parse({"plan", "--model", "m.json", "--dp", "8", "--loss-svg", "x.svg"})
+          .ok());
+  EXPECT_THAT(ShardctlUsage(ShardctlCommand::kPlan),
+              HasSubstr("--compare-strategy NAME"));
+  EXPECT_THAT(ShardctlUsage(ShardctlCommand::kTrain),
+              HasSubstr("--loss-svg FILE"));
 }
 
 }  // namespace

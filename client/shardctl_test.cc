@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <fstream>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -223,6 +225,79 @@ TEST(ShardctlTest, PlanChecksTheFitAgainstDeviceMemory) {
   EXPECT_EQ(bad.code, kShardctlUsage);
   EXPECT_THAT(bad.err, StartsWith("shardctl: --device-memory: expected a size "
                                   "like 80GiB, 80GB or 80 (GiB), got 'lots'"));
+}
+
+// (section: timeline-svg)
+std::string ReadWhole(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+std::string TestTmp(const std::string& name) {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  return absl::StrCat(dir != nullptr ? dir : "/tmp", "/", name);
+}
+
+size_t Count(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos;
+       at = text.find(what, at + what.size())) {
+    ++n;
+  }
+  return n;
+}
+
+TEST(ShardctlTest, PlanDrawsTheTimeline) {
+  const std::string path = TestTmp("tiny_timeline.svg");
+  Result r = Shardctl(
+      {"plan", "--model", kTinyMoe, "--dp", "4", "--timeline-svg", path});
+  ASSERT_EQ(r.code, kShardctlOk) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("Timeline  wrote " + path));
+  const std::string svg = ReadWhole(path);
+  EXPECT_THAT(svg, StartsWith("<?xml"));
+  EXPECT_THAT(svg, HasSubstr("tiny_moe.json: default, world size 4"));
+  EXPECT_THAT(svg, HasSubstr("class=\"area\""));
+  EXPECT_EQ(Count(svg, "<g class=\"peak\">"), 1u);
+  EXPECT_THAT(svg, HasSubstr("gathered params: "));
+  EXPECT_THAT(svg, HasSubstr("unsharded grads: "));
+  EXPECT_THAT(svg, HasSubstr("</svg>"));
+
+  // --json stays one JSON object, without the timeline the picture needed.
+  Result json = Shardctl({"plan", "--model", kTinyMoe, "--dp", "4", "--json",
+                          "--timeline-svg", path});
+  ASSERT_EQ(json.code, kShardctlOk) << json.err;
+  const nlohmann::json parsed = nlohmann::json::parse(json.out);
+  EXPECT_FALSE(parsed["per_rank"].contains("timeline"));
+  // Same plan, same picture.
+  EXPECT_EQ(ReadWhole(path), svg);
+}
+
+TEST(ShardctlTest, PlanOverlaysACompareStrategy) {
+  const std::string path = TestTmp("dg_compare.svg");
+  Result r =
+      Shardctl({"plan", "--hf-config", "tests/data/diffusion_gemma_26b.json",
+                "--dp", "8", "--strategy", "default", "--compare-strategy",
+                "diffusion_gemma", "--timeline-svg", path});
+  ASSERT_EQ(r.code, kShardctlOk) << r.err;
+  const std::string svg = ReadWhole(path);
+  EXPECT_THAT(svg, HasSubstr("default vs diffusion_gemma, world size 8"));
+  EXPECT_EQ(Count(svg, "<g class=\"peak\">"), 2u);
+  EXPECT_THAT(svg, HasSubstr(">default peak "));
+  EXPECT_THAT(svg, HasSubstr(">diffusion_gemma peak "));
+  EXPECT_EQ(Count(svg, "class=\"line\""), 1u);
+  EXPECT_THAT(svg, HasSubstr("diffusion_gemma total"));
+
+  Result bad =
+      Shardctl({"plan", "--model", kTinyMoe, "--dp", "4", "--compare-strategy",
+                "no_such_strategy", "--timeline-svg", path});
+  EXPECT_EQ(bad.code, kShardctlError);
+  EXPECT_THAT(bad.err, HasSubstr("--compare-strategy no_such_strategy"));
+  Result unwritable = Shardctl({"plan", "--model", kTinyMoe, "--dp", "4",
+                                "--timeline-svg", "/nonexistent/dir/x.svg"});
+  EXPECT_EQ(unwritable.code, kShardctlError);
+  EXPECT_THAT(unwritable.err, HasSubstr("--timeline-svg: cannot write"));
 }
 
 }  // namespace

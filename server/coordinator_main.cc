@@ -4,11 +4,13 @@
 //       [--workers=4] [--heartbeat-timeout=10s] [--collective-timeout=60s]
 //       [--tls-cert=F --tls-key=F [--tls-client-ca=F]]
 //       [--client-token-file=F] [--worker-token-file=F] [--worker-tls-ca=F]
-//       [--checkpoint-dir=DIR]
+//       [--checkpoint-dir=DIR] [--metrics-listen=HOST:PORT]
 //
 // Prints "shardd-coordinator listening on HOST:PORT" on stderr once serving
-// and writes the bound port to DATA_DIR/coordinator.port. SIGTERM or SIGINT
-// shut it down gracefully (exit 0).
+// and writes the bound port to DATA_DIR/coordinator.port. With
+// --metrics-listen it also serves Prometheus metrics over HTTP
+// (docs/observability.md) and prints "shardd-coordinator metrics listening
+// on HOST:PORT". SIGTERM or SIGINT shut it down gracefully (exit 0).
 
 #include <signal.h>
 #include <unistd.h>
@@ -32,6 +34,9 @@
 #include "absl/time/time.h"
 #include "common/grpc_security.h"
 #include "common/logging.h"
+#include "common/metrics_http_server.h"
+#include "common/metrics_registry.h"
+#include "server/coordinator_metrics.h"
 #include "server/coordinator_server.h"
 #include "server/coordinator_service.h"
 #include "server/grpc_worker_client.h"
@@ -41,6 +46,14 @@
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070",
           "HOST:PORT to serve on; port 0 picks a free port");
+ABSL_FLAG(std::string, health_listen, "",
+          "HOST:PORT of a plaintext listener that serves only the gRPC "
+          "health service (for Kubernetes gRPC probes, which cannot speak "
+          "TLS); empty: none");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "HOST:PORT of a plaintext HTTP listener serving Prometheus "
+          "metrics on /metrics (and /healthz); port 0 picks a free port; "
+          "empty: none");
 ABSL_FLAG(std::string, data_dir, "",
           "Directory for the coordinator's files (created if missing); the "
           "bound port is written to coordinator.port in it");
@@ -59,6 +72,12 @@ ABSL_FLAG(absl::Duration, heartbeat_timeout, absl::Seconds(10),
 ABSL_FLAG(absl::Duration, collective_timeout, absl::Seconds(60),
           "Training jobs: how long a worker waits for its peers in one "
           "collective; every worker RPC of a job gets this plus 30s");
+ABSL_FLAG(absl::Duration, recovery_timeout, absl::Minutes(5),
+          "How long a job interrupted by a fault waits for its workers to be "
+          "alive again before it fails");
+ABSL_FLAG(int, max_recoveries, 3,
+          "Faults a job recovers from by itself when its TrainConfig leaves "
+          "max_recoveries at 0 (0 here: jobs fail on their first fault)");
 ABSL_FLAG(int, max_pending_jobs, 16,
           "Training jobs queued or running at once; more are refused");
 ABSL_FLAG(std::string, tls_cert, "",
@@ -115,6 +134,17 @@ absl::StatusOr<std::string> TokenFromFlag(const std::string& path,
                                           absl::string_view flag) {
   if (path.empty()) return std::string();
   return ReadTokenFile(path, flag);
+}
+
+// A startup line on stderr: plain text, or with --log-json a JSON log line
+// (so that every line is one JSON object), with the same text.
+void Announce(const std::string& line) {
+  if (absl::GetFlag(FLAGS_log_json)) {
+    SHARDD_LOG(INFO) << line;
+    return;
+  }
+  std::fprintf(stderr, "%s\n", line.c_str());
+  std::fflush(stderr);
 }
 
 int Run() {
@@ -263,6 +293,9 @@ int Run() {
   service_options.jobs.collective_timeout = collective_timeout;
   service_options.jobs.max_pending_jobs = absl::GetFlag(FLAGS_max_pending_jobs);
   service_options.jobs.checkpoint_dir = checkpoint_dir;
+  service_options.jobs.recovery_timeout = absl::GetFlag(FLAGS_recovery_timeout);
+  service_options.jobs.default_max_recoveries =
+      std::max(0, absl::GetFlag(FLAGS_max_recoveries));
   CoordinatorService service(registry.get(), service_options);
 
   CoordinatorServerOptions server_options;
@@ -272,6 +305,7 @@ int Run() {
   server_options.security.tls_client_ca_file =
       absl::GetFlag(FLAGS_tls_client_ca);
   server_options.authorizer = Authorizer(*client_token, *worker_token);
+  server_options.health_listen_address = absl::GetFlag(FLAGS_health_listen);
   absl::StatusOr<std::unique_ptr<CoordinatorServer>> server =
       CoordinatorServer::Start(server_options, &service);
   if (!server.ok()) {
@@ -288,14 +322,36 @@ int Run() {
       return 1;
     }
   }
-  std::fprintf(stderr, "shardd-coordinator listening on %s\n",
-               (*server)->address().c_str());
-  std::fflush(stderr);
+  Announce(absl::StrCat("shardd-coordinator listening on ",
+                        (*server)->address()));
+
+  // Declared after the service, whose status its collector reads.
+  MetricsRegistry metrics;
+  std::unique_ptr<MetricsHttpServer> metrics_server;
+  if (const std::string listen = absl::GetFlag(FLAGS_metrics_listen);
+      !listen.empty()) {
+    absl::Status registered = RegisterCoordinatorMetrics(&service, &metrics);
+    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> started =
+        registered.ok() ? MetricsHttpServer::Start({listen}, &metrics)
+                        : registered;
+    if (!started.ok()) {
+      std::fprintf(stderr, "shardd-coordinator: %s\n",
+                   started.status().ToString().c_str());
+      (*server)->Shutdown(absl::ZeroDuration());
+      return started.status().code() == absl::StatusCode::kInvalidArgument
+                 ? 2
+                 : 1;
+    }
+    metrics_server = *std::move(started);
+    Announce(absl::StrCat("shardd-coordinator metrics listening on ",
+                          metrics_server->address()));
+  }
 
   int signal_number = 0;
   while (sigwait(&stop_signals, &signal_number) != 0) {
   }
   SHARDD_LOG(INFO) << "signal " << signal_number << ": shutting down";
+  if (metrics_server != nullptr) metrics_server->Shutdown();
   // Jobs first: their watchers then receive the failure event before the
   // server ends the streams.
   service.Shutdown();

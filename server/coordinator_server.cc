@@ -8,7 +8,6 @@
 #include "absl/strings/string_view.h"
 #include "common/grpc_server.h"
 #include "common/logging.h"
-#include "grpcpp/health_check_service_interface.h"
 
 namespace shardd {
 namespace {
@@ -56,45 +55,41 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   grpc_options.address = options.listen_address;
   grpc_options.max_receive_message_bytes = options.max_receive_message_bytes;
   grpc_options.max_send_message_bytes = options.max_send_message_bytes;
+  grpc_options.health_address = options.health_listen_address;
   // Turns on the health service and reflection as well.
   absl::StatusOr<RunningServer> running =
       StartGrpcServer(grpc_options, {grpc_service.get()});
   if (!running.ok()) return running.status();
-  std::unique_ptr<grpc::Server> server = std::move(running->server);
-  const int bound_port = running->port;
-  if (grpc::HealthCheckServiceInterface* health =
-          server->GetHealthCheckService()) {
-    health->SetServingStatus(true);
-  }
-  std::string address = absl::StrCat(host, ":", bound_port);
+  running->SetServing(true);
+  std::string address = absl::StrCat(host, ":", running->port);
   SHARDD_LOG(INFO) << "coordinator serving on " << address;
-  return std::unique_ptr<CoordinatorServer>(
-      new CoordinatorServer(std::move(grpc_service), std::move(server),
-                            bound_port, std::move(address)));
+  return std::unique_ptr<CoordinatorServer>(new CoordinatorServer(
+      std::move(grpc_service), *std::move(running), std::move(address)));
 }
 
 CoordinatorServer::CoordinatorServer(
-    std::unique_ptr<GrpcCoordinatorService> grpc_service,
-    std::unique_ptr<grpc::Server> server, int port, std::string address)
+    std::unique_ptr<GrpcCoordinatorService> grpc_service, RunningServer running,
+    std::string address)
     : grpc_service_(std::move(grpc_service)),
-      server_(std::move(server)),
-      port_(port),
+      running_(std::move(running)),
+      port_(running_.port),
       address_(std::move(address)) {}
 
 CoordinatorServer::~CoordinatorServer() { Shutdown(absl::Seconds(5)); }
 
 void CoordinatorServer::Shutdown(absl::Duration deadline) {
   if (shut_down_.exchange(true)) return;
-  if (grpc::HealthCheckServiceInterface* health =
-          server_->GetHealthCheckService()) {
-    health->SetServingStatus(false);
-  }
+  running_.SetServing(false);
   // Waiting Gets and Barriers could last until their own timeouts; end them
   // now so that only short calls use the grace period.
   grpc_service_->CancelWaitingCalls();
-  server_->Shutdown(std::chrono::system_clock::now() +
-                    absl::ToChronoMilliseconds(deadline));
-  server_->Wait();
+  running_.server->Shutdown(std::chrono::system_clock::now() +
+                            absl::ToChronoMilliseconds(deadline));
+  running_.server->Wait();
+  if (running_.health_server != nullptr) {
+    running_.health_server->Shutdown(std::chrono::system_clock::now());
+    running_.health_server->Wait();
+  }
   SHARDD_LOG(INFO) << "coordinator on " << address_ << " stopped";
 }
 

@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/grpc_security.h"
+#include "common/grpc_server.h"
 #include "grpcpp/grpcpp.h"
 #include "server/coordinator_service.h"
 #include "server/grpc_coordinator_service.h"
@@ -29,6 +30,9 @@ struct CoordinatorServerOptions {
   ServerSecurity security;
   // Bearer tokens the calls must carry (default: none required).
   Authorizer authorizer;
+  // "host:port" of a plaintext listener serving only grpc.health.v1 (for
+  // Kubernetes gRPC probes, which cannot speak TLS); empty: none.
+  std::string health_listen_address;
 };
 
 class CoordinatorServer {
@@ -51,6 +55,8 @@ class CoordinatorServer {
   int port() const { return port_; }
   // "host:port" with the bound port.
   const std::string& address() const { return address_; }
+  // The bound port of the health-only listener; 0 without one.
+  int health_port() const { return running_.health_port; }
 
   // Calls waiting now (Get with wait, Barrier); for tests and status.
   size_t waiting_calls() const { return grpc_service_->waiting_calls(); }
@@ -63,11 +69,11 @@ class CoordinatorServer {
 
  private:
   CoordinatorServer(std::unique_ptr<GrpcCoordinatorService> grpc_service,
-                    std::unique_ptr<grpc::Server> server, int port,
-                    std::string address);
+                    RunningServer running, std::string address);
 
   std::unique_ptr<GrpcCoordinatorService> grpc_service_;
-  std::unique_ptr<grpc::Server> server_;
+  // The server and the optional health-only server.
+  RunningServer running_;
   const int port_;
   const std::string address_;
   std::atomic<bool> shut_down_{false};

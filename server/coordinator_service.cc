@@ -44,16 +44,34 @@ uint64_t RandomIncarnation() {
   return value;
 }
 
-absl::Status NotYet(absl::string_view rpc, absl::string_view why) {
-  return absl::UnimplementedError(
-      absl::StrCat(rpc, ": not implemented yet (", why, ")"));
-}
-
-WorkerRegistryOptions RegistryOptions(const CoordinatorServiceOptions& o) {
+WorkerRegistryOptions RegistryOptions(const CoordinatorServiceOptions& o,
+                                      uint64_t generation) {
   WorkerRegistryOptions options;
   options.max_workers = o.max_workers;
   options.heartbeat_timeout = o.heartbeat_timeout;
   options.clock = o.clock;
+  options.initial_epoch = generation << 32;
+  return options;
+}
+
+// This run's generation: how many times a coordinator opened the state (0
+// without a store, or when it cannot be recorded, which is logged).
+uint64_t NextGeneration(JobJournal* journal) {
+  if (journal == nullptr) return 0;
+  absl::StatusOr<uint64_t> generation = journal->BumpGeneration();
+  if (!generation.ok()) {
+    SHARDD_LOG(ERROR) << "cannot record the coordinator's generation: "
+                      << generation.status()
+                      << "; membership epochs start at 0";
+    return 0;
+  }
+  return *generation;
+}
+
+JobRunnerOptions JobOptions(const CoordinatorServiceOptions& o,
+                            JobJournal* journal) {
+  JobRunnerOptions options = o.jobs;
+  options.journal = journal;
   return options;
 }
 
@@ -158,11 +176,15 @@ CoordinatorService::CoordinatorService(const StrategyRegistry* registry,
       incarnation_(options_.incarnation != 0 ? options_.incarnation
                                              : RandomIncarnation()),
       start_time_(options_.clock()),
-      workers_(RegistryOptions(options_)),
+      journal_(options_.state != nullptr
+                   ? std::make_unique<JobJournal>(options_.state)
+                   : nullptr),
+      generation_(NextGeneration(journal_.get())),
+      workers_(RegistryOptions(options_, generation_)),
       kv_(options_.kv),
       barriers_(options_.barriers),
       jobs_(std::make_unique<JobRunner>(&workers_, options_.worker_clients,
-                                        options_.jobs)) {
+                                        JobOptions(options_, journal_.get()))) {
   LoadStoredModels();
 }
 
@@ -401,6 +423,8 @@ absl::StatusOr<v1::GetStatusResponse> CoordinatorService::GetStatus(
     info->set_loss(job.last_loss);
     info->set_tokens_per_second(job.tokens_per_second);
     info->set_error(job.error);
+    info->set_recoveries(job.recoveries);
+    info->set_last_checkpoint(job.last_checkpoint);
   }
   return response;
 }
@@ -601,20 +625,37 @@ absl::StatusOr<StepWatch> CoordinatorService::WatchStep(
   return watch;
 }
 
-absl::StatusOr<v1::SaveCheckpointResponse> CoordinatorService::SaveCheckpoint(
-    const v1::SaveCheckpointRequest& /*request*/) {
-  return NotYet("SaveCheckpoint",
-                "issue 5: on-demand saves are not wired yet; use "
-                "TrainConfig.checkpoint_every (shardctl train "
-                "--checkpoint-every N)");
+void CoordinatorService::SaveCheckpointAsync(
+    const v1::SaveCheckpointRequest& request, SaveCheckpointCallback done) {
+  if (request.job_id().empty()) {
+    return done(absl::InvalidArgumentError(
+        "job_id: required (the running job to checkpoint)"));
+  }
+  jobs_->RequestSave(request.job_id(),
+                     [done = std::move(done)](
+                         absl::StatusOr<CheckpointResult> result) {
+                       if (!result.ok()) return done(result.status());
+                       v1::SaveCheckpointResponse response;
+                       response.set_checkpoint(result->checkpoint);
+                       response.set_step(result->step);
+                       done(std::move(response));
+                     });
 }
 
-absl::StatusOr<v1::LoadCheckpointResponse> CoordinatorService::LoadCheckpoint(
-    const v1::LoadCheckpointRequest& /*request*/) {
-  return NotYet("LoadCheckpoint",
-                "issue 5: loading into an idle model is not wired yet; use "
-                "TrainConfig.resume_from (shardctl train --resume-from "
-                "JOB/step-NNNNNNNN)");
+void CoordinatorService::LoadCheckpointAsync(
+    const v1::LoadCheckpointRequest& request, LoadCheckpointCallback done) {
+  if (request.job_id().empty()) {
+    return done(absl::InvalidArgumentError(
+        "job_id: required (the running job to roll back)"));
+  }
+  jobs_->RequestLoad(request.job_id(), request.checkpoint(),
+                     [done = std::move(done)](
+                         absl::StatusOr<CheckpointResult> result) {
+                       if (!result.ok()) return done(result.status());
+                       v1::LoadCheckpointResponse response;
+                       response.set_step(result->step);
+                       done(std::move(response));
+                     });
 }
 
 absl::StatusOr<v1::ListCheckpointsResponse> CoordinatorService::ListCheckpoints(

@@ -11,7 +11,9 @@
 // workers through the injected WorkerClientFactory. Checkpoints: jobs save
 // and resume through TrainConfig (checkpoint_every, resume_from; see
 // job_runner.h) and ListCheckpoints lists options.jobs.checkpoint_dir;
-// SaveCheckpoint and LoadCheckpoint still answer UNIMPLEMENTED.
+// SaveCheckpoint and LoadCheckpoint reach a running job between its steps.
+// With a StateStore, jobs and their progress are durable (job_journal.h)
+// and membership epochs grow across restarts.
 //
 // Thread-safe: every method may be called concurrently.
 
@@ -32,6 +34,7 @@
 #include "proto/model.pb.h"
 #include "proto/plan.pb.h"
 #include "server/barrier.h"
+#include "server/job_journal.h"
 #include "server/job_runner.h"
 #include "server/kv_store.h"
 #include "server/sharding_planner.h"
@@ -210,12 +213,18 @@ class CoordinatorService {
   // does it too. Idempotent.
   void Shutdown();
 
-  // Not implemented yet: each returns UNIMPLEMENTED naming the issue that
-  // adds it (issue 5 for checkpoints).
-  absl::StatusOr<v1::SaveCheckpointResponse> SaveCheckpoint(
-      const v1::SaveCheckpointRequest& request);
-  absl::StatusOr<v1::LoadCheckpointResponse> LoadCheckpoint(
-      const v1::LoadCheckpointRequest& request);
+  // On-demand checkpoints of a running job (JobRunner::RequestSave /
+  // RequestLoad): `done` runs once, when the job served the request (between
+  // steps) or at once for a refusal. Errors: INVALID_ARGUMENT (no job_id),
+  // then those of RequestSave / RequestLoad.
+  using SaveCheckpointCallback =
+      std::function<void(absl::StatusOr<v1::SaveCheckpointResponse>)>;
+  using LoadCheckpointCallback =
+      std::function<void(absl::StatusOr<v1::LoadCheckpointResponse>)>;
+  void SaveCheckpointAsync(const v1::SaveCheckpointRequest& request,
+                           SaveCheckpointCallback done);
+  void LoadCheckpointAsync(const v1::LoadCheckpointRequest& request,
+                           LoadCheckpointCallback done);
   absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(
       const v1::ListCheckpointsRequest& request);
 
@@ -249,6 +258,10 @@ class CoordinatorService {
   const CoordinatorServiceOptions options_;
   const uint64_t incarnation_;
   const absl::Time start_time_;
+  // Durable jobs (null without options_.state) and this run's generation;
+  // declared before workers_ and jobs_, which are built from them.
+  const std::unique_ptr<JobJournal> journal_;
+  const uint64_t generation_;
 
   // Each is thread-safe on its own. mutable: GetStatus lists workers (which
   // notices deaths) from a const method.

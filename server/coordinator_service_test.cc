@@ -460,17 +460,21 @@ TEST_F(CoordinatorServiceTest, RandomIncarnationIsNonZeroAndDiffers) {
   EXPECT_NE(a->incarnation(), b->incarnation());
 }
 
-TEST_F(CoordinatorServiceTest, CheckpointsAnswerUnimplementedNamingTheIssue) {
+TEST_F(CoordinatorServiceTest, OnDemandCheckpointsNeedAJobAndADirectory) {
   auto service = MakeService();
-  auto unimplemented = [](absl::string_view rpc, absl::string_view issue) {
-    return StatusIs(absl::StatusCode::kUnimplemented,
-                    ::testing::AllOf(HasSubstr(std::string(rpc)),
-                                     HasSubstr(std::string(issue))));
-  };
-  EXPECT_THAT(service->SaveCheckpoint({}),
-              unimplemented("SaveCheckpoint", "issue 5"));
-  EXPECT_THAT(service->LoadCheckpoint({}),
-              unimplemented("LoadCheckpoint", "issue 5"));
+  absl::StatusOr<v1::SaveCheckpointResponse> saved;
+  service->SaveCheckpointAsync({}, [&](auto r) { saved = std::move(r); });
+  EXPECT_THAT(saved, StatusIs(absl::StatusCode::kInvalidArgument,
+                              HasSubstr("job_id")));
+  v1::SaveCheckpointRequest save;
+  save.set_job_id("j-1");
+  service->SaveCheckpointAsync(save, [&](auto r) { saved = std::move(r); });
+  EXPECT_THAT(saved, StatusIs(absl::StatusCode::kFailedPrecondition,
+                              HasSubstr("--checkpoint-dir")));
+  absl::StatusOr<v1::LoadCheckpointResponse> loaded;
+  service->LoadCheckpointAsync({}, [&](auto r) { loaded = std::move(r); });
+  EXPECT_THAT(loaded, StatusIs(absl::StatusCode::kInvalidArgument,
+                               HasSubstr("job_id")));
   // ListCheckpoints works once a checkpoint directory is configured.
   EXPECT_THAT(service->ListCheckpoints({}),
               StatusIs(absl::StatusCode::kFailedPrecondition,

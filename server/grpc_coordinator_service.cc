@@ -553,7 +553,14 @@ grpc::ServerUnaryReactor* GrpcCoordinatorService::SaveCheckpoint(
           Refused(authorizer_, context, kClientRole)) {
     return refused;
   }
-  return Reply(context, service_->SaveCheckpoint(*request), response);
+  CoordinatorService* service = service_;
+  return StartWaiting<v1::SaveCheckpointResponse>(
+      waiting_, response,
+      [service, request](CoordinatorService::SaveCheckpointCallback done) {
+        service->SaveCheckpointAsync(*request, std::move(done));
+        return uint64_t{0};  // Served by the job; nothing to withdraw.
+      },
+      [](uint64_t) {});
 }
 
 grpc::ServerUnaryReactor* GrpcCoordinatorService::LoadCheckpoint(
@@ -564,7 +571,14 @@ grpc::ServerUnaryReactor* GrpcCoordinatorService::LoadCheckpoint(
           Refused(authorizer_, context, kClientRole)) {
     return refused;
   }
-  return Reply(context, service_->LoadCheckpoint(*request), response);
+  CoordinatorService* service = service_;
+  return StartWaiting<v1::LoadCheckpointResponse>(
+      waiting_, response,
+      [service, request](CoordinatorService::LoadCheckpointCallback done) {
+        service->LoadCheckpointAsync(*request, std::move(done));
+        return uint64_t{0};  // Served by the job; nothing to withdraw.
+      },
+      [](uint64_t) {});
 }
 
 grpc::ServerUnaryReactor* GrpcCoordinatorService::ListCheckpoints(

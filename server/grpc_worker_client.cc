@@ -106,6 +106,15 @@ absl::StatusOr<v1::LoadShardsResponse> GrpcWorkerClient::LoadShards(
       });
 }
 
+absl::StatusOr<v1::HealReplicasResponse> GrpcWorkerClient::HealReplicas(
+    const v1::HealReplicasRequest& request, const WorkerCallOptions& options) {
+  return Invoke<v1::HealReplicasResponse>(
+      options,
+      [&](grpc::ClientContext* context, v1::HealReplicasResponse* out) {
+        return stub_->HealReplicas(context, request, out);
+      });
+}
+
 WorkerClientFactory GrpcWorkerClientFactory(ChannelSecurity security) {
   return [security = std::move(security)](const std::string& address) {
     return GrpcWorkerClient::Create(address, security);

@@ -46,6 +46,9 @@ class GrpcWorkerClient final : public WorkerClient {
   absl::StatusOr<v1::LoadShardsResponse> LoadShards(
       const v1::LoadShardsRequest& request,
       const WorkerCallOptions& options) override;
+  absl::StatusOr<v1::HealReplicasResponse> HealReplicas(
+      const v1::HealReplicasRequest& request,
+      const WorkerCallOptions& options) override;
 
  private:
   GrpcWorkerClient(std::string address, std::shared_ptr<grpc::Channel> channel);

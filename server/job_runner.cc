@@ -10,6 +10,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -63,11 +64,13 @@ void JobEventLog::AddListener(std::weak_ptr<Listener> listener) {
 
 int64_t JobEventLog::StartIndex(int64_t from_step) const {
   absl::MutexLock lock(&mu_);
-  // Steps only grow along the log, so the first match is found by bisection.
-  auto it = std::lower_bound(events_.begin(), events_.end(), from_step,
-                             [](const v1::StepEvent& event, int64_t step) {
-                               return event.step() < step;
-                             });
+  // Steps go back after a rollback to a checkpoint, so a watcher that asks
+  // for a step seen before the rollback sees the rollback and the steps
+  // that run again: the first match wins. Once per watch, so linear.
+  auto it = std::find_if(events_.begin(), events_.end(),
+                         [from_step](const v1::StepEvent& event) {
+                           return event.step() >= from_step;
+                         });
   return first_index_ + (it - events_.begin());
 }
 
@@ -108,12 +111,25 @@ struct JobRunner::Job {
   JobSpec spec;
   std::shared_ptr<JobEventLog> events;
   std::thread thread;
+  // Restored from the journal: the first attempt recovers.
+  bool restored = false;
   // The fields below are guarded by JobRunner::mu_.
   v1::JobState state = v1::JOB_QUEUED;
   int64_t steps_done = 0;
   double last_loss = 0.0;
   double tokens_per_second = 0.0;
   std::string error;
+  int32_t recoveries = 0;
+  // The checkpoint a recovery reloads: the last one committed or loaded.
+  std::string last_checkpoint;
+  // On-demand saves and rollbacks, served between steps.
+  std::deque<Control> controls;
+};
+
+struct JobRunner::Control {
+  bool save = false;
+  std::string checkpoint;  // Rollback target.
+  CheckpointCallback done;
 };
 
 // One thread per rank, so that every rank's blocking call of a round is in
@@ -211,6 +227,13 @@ std::string StepLabel(int64_t step, int32_t total) {
 absl::Status Prefixed(absl::string_view prefix, const absl::Status& status) {
   if (status.ok()) return status;
   return absl::Status(status.code(), absl::StrCat(prefix, status.message()));
+}
+
+// TrainConfig.max_recoveries resolved: 0 means the runner's default,
+// negative never.
+int MaxRecoveries(const v1::TrainConfig& config, int fallback) {
+  if (config.max_recoveries() == 0) return fallback;
+  return std::max(0, config.max_recoveries());
 }
 
 // The n of a "j-<n>" job id, or 0.
@@ -321,17 +344,93 @@ absl::StatusOr<std::vector<v1::CheckpointInfo>> ListJobCheckpoints(
 JobRunner::JobRunner(WorkerRegistry* workers, WorkerClientFactory factory,
                      JobRunnerOptions options)
     : workers_(workers), factory_(std::move(factory)), options_(options) {
-  if (options_.checkpoint_dir.empty()) return;
-  // Job ids restart at j-1 with the process; checkpoints must not collide.
-  std::error_code error;
-  std::filesystem::directory_iterator it(options_.checkpoint_dir, error);
   int64_t highest = 0;
-  for (; !error && it != std::filesystem::directory_iterator();
-       it.increment(error)) {
-    highest = std::max(highest, JobNumber(it->path().filename().string()));
+  if (!options_.checkpoint_dir.empty()) {
+    // Without a journal job ids restart at j-1 with the process; their
+    // checkpoint directories must not collide.
+    std::error_code error;
+    std::filesystem::directory_iterator it(options_.checkpoint_dir, error);
+    for (; !error && it != std::filesystem::directory_iterator();
+         it.increment(error)) {
+      highest = std::max(highest, JobNumber(it->path().filename().string()));
+    }
   }
+  {
+    absl::MutexLock lock(&mu_);
+    next_job_ = highest + 1;
+  }
+  RestoreJobs();
+}
+
+void JobRunner::RestoreJobs() {
+  if (options_.journal == nullptr) return;
+  absl::StatusOr<int64_t> next = options_.journal->NextJob();
+  absl::StatusOr<std::vector<StoredJob>> stored = options_.journal->LoadAll();
+  if (!next.ok() || !stored.ok()) {
+    // Never silently: the operator must see that jobs were not carried on.
+    SHARDD_LOG(ERROR) << "cannot read the stored jobs: "
+                      << (next.ok() ? stored.status() : next.status());
+    return;
+  }
+  int carried = 0;
   absl::MutexLock lock(&mu_);
-  next_job_ = highest + 1;
+  next_job_ = std::max(next_job_, *next);
+  for (StoredJob& entry : *stored) {
+    const v1::StoredJobRecord& record = entry.record;
+    const v1::StoredJobProgress& progress = entry.progress;
+    next_job_ = std::max(next_job_, JobNumber(record.job_id()) + 1);
+    auto job = std::make_unique<Job>();
+    job->id = record.job_id();
+    job->model_id = record.model_id();
+    job->world_size = record.plan().world_size();
+    job->total_steps = record.total_steps();
+    job->first_step = record.first_step();
+    job->steps_done = progress.steps_done();
+    job->last_loss = progress.last_loss();
+    job->error = progress.error();
+    job->recoveries = progress.recoveries();
+    job->last_checkpoint = progress.last_checkpoint();
+    job->events =
+        std::make_shared<JobEventLog>(job->id, options_.max_events_per_job);
+    Job* raw = job.get();
+    jobs_.emplace(job->id, std::move(job));
+    order_.push_back(raw->id);
+    if (progress.state() == v1::JOB_DONE ||
+        progress.state() == v1::JOB_FAILED) {
+      // Finished: its end is all that is left to watch.
+      raw->state = progress.state();
+      v1::StepEvent end;
+      end.set_job_id(raw->id);
+      end.set_total_steps(raw->total_steps);
+      if (raw->state == v1::JOB_DONE) {
+        end.set_step(raw->steps_done);
+        end.set_loss(raw->last_loss);
+        end.set_done(true);
+      } else {
+        end.set_step(raw->steps_done + 1);
+        end.set_error(raw->error);
+      }
+      raw->events->Append(std::move(end));
+      continue;
+    }
+    raw->spec.model_id = record.model_id();
+    raw->spec.model = record.model();
+    raw->spec.plan = record.plan();
+    raw->spec.config = record.config();
+    raw->restored = true;
+    if (!raw->spec.program.ParseFromString(record.program()) ||
+        raw->spec.program.commands_size() == 0) {
+      // RunJob fails it with this error (an empty program cannot run).
+      raw->spec.program.Clear();
+      raw->error = "its stored step program does not parse";
+    }
+    raw->state = v1::JOB_QUEUED;
+    queue_.push_back(raw);
+    raw->thread = std::thread([this, raw] { RunJob(raw); });
+    ++carried;
+  }
+  SHARDD_LOG(INFO) << "loaded " << order_.size() << " stored jobs ("
+                   << carried << " to carry on); next job j-" << next_job_;
 }
 
 JobRunner::~JobRunner() { Shutdown(); }
@@ -415,7 +514,7 @@ absl::StatusOr<std::string> JobRunner::Submit(JobSpec spec) {
         ++it;
       }
     }
-    id = absl::StrCat("j-", next_job_++);
+    id = absl::StrCat("j-", next_job_);
     auto job = std::make_unique<Job>();
     job->id = id;
     job->model_id = spec.model_id;
@@ -423,6 +522,28 @@ absl::StatusOr<std::string> JobRunner::Submit(JobSpec spec) {
     job->first_step = first_step;
     job->steps_done = first_step;
     job->total_steps = static_cast<int32_t>(first_step + spec.config.steps());
+    job->last_checkpoint = spec.config.resume_from();
+    if (options_.journal != nullptr) {
+      // Durable before it is acknowledged; ids are never reused.
+      v1::StoredJobRecord record;
+      record.set_job_id(id);
+      record.set_model_id(spec.model_id);
+      *record.mutable_model() = spec.model;
+      *record.mutable_plan() = spec.plan;
+      record.set_program(spec.program.SerializeAsString());
+      *record.mutable_config() = spec.config;
+      record.set_first_step(first_step);
+      record.set_total_steps(job->total_steps);
+      const absl::Status created = options_.journal->Create(
+          record, ProgressLocked(*job), next_job_ + 1);
+      if (!created.ok()) {
+        return absl::Status(
+            created.code(),
+            absl::StrCat("state store: the job could not be recorded: ",
+                         created.message()));
+      }
+    }
+    ++next_job_;
     job->spec = std::move(spec);
     job->events =
         std::make_shared<JobEventLog>(id, options_.max_events_per_job);
@@ -434,6 +555,13 @@ absl::StatusOr<std::string> JobRunner::Submit(JobSpec spec) {
   }
   for (std::unique_ptr<Job>& job : reaped) {
     if (job->thread.joinable()) job->thread.join();
+    if (options_.journal != nullptr) {
+      const absl::Status erased = options_.journal->Erase(job->id);
+      if (!erased.ok()) {
+        SHARDD_LOG(WARNING) << "could not forget job " << job->id
+                            << " in the state store: " << erased;
+      }
+    }
   }
   return id;
 }
@@ -467,6 +595,8 @@ std::vector<JobSummary> JobRunner::ListJobs() const {
     summary.last_loss = job.last_loss;
     summary.tokens_per_second = job.tokens_per_second;
     summary.error = job.error;
+    summary.recoveries = job.recoveries;
+    summary.last_checkpoint = job.last_checkpoint;
     out.push_back(std::move(summary));
   }
   return out;
@@ -506,11 +636,43 @@ void JobRunner::RunJob(Job* job) {
   if (stopping()) {
     status = absl::UnavailableError(
         "the coordinator is shutting down (the job never started)");
+  } else if (job->spec.program.commands_size() == 0) {
+    absl::MutexLock lock(&mu_);
+    status = absl::FailedPreconditionError(absl::StrCat(
+        "the stored job cannot be carried on: ", job->error));
   } else {
     SHARDD_LOG(INFO) << "job " << job->id << ": model " << job->model_id << ", "
                      << job->total_steps << " steps on " << job->world_size
-                     << " workers";
-    status = RunSteps(job);
+                     << " workers" << (job->restored ? " (carried on)" : "");
+    bool recovering = job->restored;
+    while (true) {
+      if (recovering) {
+        // Waiting is the recovery's last resort: its failure is final.
+        status = WaitForWorkers(job);
+        if (!status.ok()) break;
+      }
+      status = RunSteps(job, recovering);
+      if (status.ok() || !Recoverable(job, status)) break;
+      v1::StepEvent interruption;
+      interruption.set_job_id(job->id);
+      int32_t recoveries = 0;
+      {
+        absl::MutexLock lock(&mu_);
+        recoveries = ++job->recoveries;
+        interruption.set_step(job->steps_done + 1);
+      }
+      interruption.set_total_steps(job->total_steps);
+      interruption.set_interruption(absl::StrCat(
+          status.message(), " (recovery ", recoveries, " of ",
+          MaxRecoveries(job->spec.config, options_.default_max_recoveries),
+          ": waiting up to ", absl::FormatDuration(options_.recovery_timeout),
+          " for ranks 0-", job->world_size - 1, " to be alive)"));
+      SHARDD_LOG(WARNING) << "job " << job->id
+                          << " interrupted: " << interruption.interruption();
+      status = Publish(job, std::move(interruption));
+      if (!status.ok()) break;
+      recovering = true;
+    }
   }
   if (status.ok()) {
     SHARDD_LOG(INFO) << "job " << job->id << " done";
@@ -525,10 +687,156 @@ void JobRunner::RunJob(Job* job) {
     }
     event.set_total_steps(job->total_steps);
     event.set_error(std::string(status.message()));
-    Publish(job, std::move(event));
+    // Never fails for an error event (the journal's failure is logged).
+    Publish(job, std::move(event)).IgnoreError();
   }
+  FailControls(job, absl::AbortedError(absl::StrCat(
+                        "job ", job->id,
+                        status.ok() ? " finished" : " failed",
+                        " before it got to the request")));
   absl::MutexLock lock(&mu_);
   job->spec = JobSpec();
+}
+
+bool JobRunner::Recoverable(Job* job, const absl::Status& status) {
+  if (stopping()) return false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (job->recoveries >= MaxRecoveries(job->spec.config,
+                                         options_.default_max_recoveries)) {
+      return false;
+    }
+  }
+  switch (status.code()) {
+    // A peer that died, restarted or hung, or a link that broke.
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kAborted:
+    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kCancelled:
+      return true;
+    // Also what a restarted worker answers for a plan it no longer holds.
+    case absl::StatusCode::kFailedPrecondition:
+      return absl::StrContains(status.message(), "no plan loaded") ||
+             absl::StrContains(status.message(), "stale plan") ||
+             absl::StrContains(status.message(), "failed in an earlier step");
+    default:
+      return false;
+  }
+}
+
+absl::Status JobRunner::WaitForWorkers(Job* job) {
+  {
+    absl::MutexLock lock(&mu_);
+    job->state = v1::JOB_RECOVERING;
+  }
+  const absl::Time deadline = absl::Now() + options_.recovery_timeout;
+  while (true) {
+    absl::Status alive = workers_->CheckRanksAlive(job->world_size);
+    if (alive.ok()) {
+      // A killed worker stays "alive" until its heartbeat times out: ask
+      // every rank directly, so that the recovery starts with all of them
+      // answering.
+      for (const WorkerState& worker : workers_->List()) {
+        if (worker.rank < 0 || worker.rank >= job->world_size) continue;
+        absl::StatusOr<std::unique_ptr<WorkerClient>> client =
+            factory_(worker.address);
+        WorkerCallOptions options;
+        options.deadline =
+            absl::Now() + std::min(absl::Seconds(2), options_.rpc_margin);
+        absl::Status answered = client.ok()
+                                    ? (*client)->GetStats(options).status()
+                                    : client.status();
+        if (!answered.ok()) {
+          alive = absl::UnavailableError(
+              absl::StrCat(RankLabel(worker.rank, worker.address),
+                           " does not answer: ", Describe(answered)));
+          break;
+        }
+      }
+      if (alive.ok()) return alive;
+    }
+    if (stopping()) {
+      return absl::UnavailableError("the coordinator is shutting down");
+    }
+    if (absl::Now() >= deadline) {
+      return absl::UnavailableError(absl::StrCat(
+          "recovery: the workers did not come back within ",
+          absl::FormatDuration(options_.recovery_timeout), ": ",
+          alive.message()));
+    }
+    absl::SleepFor(options_.poll_interval);
+  }
+}
+
+void JobRunner::RequestSave(const std::string& job_id,
+                            CheckpointCallback done) {
+  RequestControl(job_id, /*save=*/true, "", std::move(done));
+}
+
+void JobRunner::RequestLoad(const std::string& job_id,
+                            const std::string& checkpoint,
+                            CheckpointCallback done) {
+  RequestControl(job_id, /*save=*/false, checkpoint, std::move(done));
+}
+
+void JobRunner::RequestControl(const std::string& job_id, bool save,
+                               const std::string& checkpoint,
+                               CheckpointCallback done) {
+  auto refuse = [&](absl::Status status) { done(std::move(status)); };
+  if (options_.checkpoint_dir.empty()) {
+    return refuse(absl::FailedPreconditionError(
+        "checkpoints: this coordinator has no checkpoint directory (start it "
+        "with --checkpoint-dir or --data-dir)"));
+  }
+  if (!save) {
+    absl::Status path = CheckRelativeCheckpointPath(checkpoint, "checkpoint");
+    if (!path.ok()) return refuse(std::move(path));
+    absl::StatusOr<std::unique_ptr<checkpoint::CheckpointReader>> reader =
+        checkpoint::CheckpointReader::Open(options_.checkpoint_dir + "/" +
+                                           checkpoint);
+    if (!reader.ok()) {
+      return refuse(absl::Status(
+          reader.status().code(),
+          absl::StrCat("checkpoint: ", reader.status().message())));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) {
+    return refuse(absl::NotFoundError(
+        absl::StrCat("job_id: no job '", job_id, "' on this coordinator")));
+  }
+  Job* job = it->second.get();
+  if (job->state != v1::JOB_RUNNING) {
+    return refuse(absl::FailedPreconditionError(absl::StrCat(
+        "job_id: job ", job_id, " is ", v1::JobState_Name(job->state),
+        "; checkpoints are saved and loaded on demand while it runs")));
+  }
+  Control control;
+  control.save = save;
+  control.checkpoint = checkpoint;
+  control.done = std::move(done);
+  job->controls.push_back(std::move(control));
+}
+
+void JobRunner::FailControls(Job* job, const absl::Status& status) {
+  std::deque<Control> controls;
+  {
+    absl::MutexLock lock(&mu_);
+    controls.swap(job->controls);
+  }
+  for (Control& control : controls) control.done(status);
+}
+
+v1::StoredJobProgress JobRunner::ProgressLocked(const Job& job) const {
+  v1::StoredJobProgress progress;
+  progress.set_state(job.state);
+  progress.set_steps_done(job.steps_done);
+  progress.set_last_checkpoint(job.last_checkpoint);
+  progress.set_last_loss(job.last_loss);
+  progress.set_error(job.error);
+  progress.set_recoveries(job.recoveries);
+  return progress;
 }
 
 absl::Status JobRunner::CheckMembership(
@@ -699,34 +1007,75 @@ absl::Status JobRunner::RunOnAllRanks(
   return absl::OkStatus();
 }
 
-void JobRunner::Publish(Job* job, v1::StepEvent event) {
+absl::Status JobRunner::Publish(Job* job, v1::StepEvent event) {
+  const bool failed = !event.error().empty();
+  v1::StoredJobProgress progress;
+  bool shutting_down = false;
   {
     absl::MutexLock lock(&mu_);
-    const bool failed = !event.error().empty();
-    if (!failed) {
+    shutting_down = stopping_;
+    if (!event.interruption().empty()) {
+      job->state = v1::JOB_RECOVERING;
+    } else if (!event.recovery().empty()) {
+      job->state = v1::JOB_RUNNING;
+      job->steps_done = event.step();
+      if (!event.checkpoint().empty()) {
+        job->last_checkpoint = event.checkpoint();
+      }
+    } else if (!failed) {
       job->steps_done = event.step();
       job->last_loss = event.loss();
       job->tokens_per_second = event.tokens_per_second();
+      if (!event.checkpoint().empty()) {
+        job->last_checkpoint = event.checkpoint();
+      }
     }
-    // The job's state changes before its last event is out, so a watcher
-    // that saw the end finds the job finished (and the next one may start).
     if (failed || event.done()) {
       job->state = failed ? v1::JOB_FAILED : v1::JOB_DONE;
       job->error = event.error();
+    }
+    progress = ProgressLocked(*job);
+  }
+  // A shutdown leaves the job "running" in the journal: a restarted
+  // coordinator carries it on.
+  if (options_.journal != nullptr && !(failed && shutting_down)) {
+    const absl::Status stored = options_.journal->Update(job->id, progress);
+    if (!stored.ok()) {
+      SHARDD_LOG(ERROR) << "job " << job->id
+                        << ": progress not durable: " << stored;
+      if (!failed) {
+        return absl::InternalError(absl::StrCat(
+            "state store: the progress after step ", event.step(),
+            " could not be made durable: ", stored.message()));
+      }
+    }
+  }
+  {
+    // The job's state changes before its last event is out, so a watcher
+    // that saw the end finds the job finished (and the next one may start).
+    absl::MutexLock lock(&mu_);
+    if (failed || event.done()) {
       auto it = std::find(queue_.begin(), queue_.end(), job);
       if (it != queue_.end()) queue_.erase(it);
     }
   }
   job->events->Append(std::move(event));
+  return absl::OkStatus();
 }
 
-absl::Status JobRunner::RunSteps(Job* job) {
+absl::Status JobRunner::RunSteps(Job* job, bool recovering) {
   // The spec is immutable once submitted.
   const JobSpec& spec = job->spec;
   const int world = spec.plan.world_size();
+  const int dp_shard = spec.plan.mesh().dp_shard();
+  const int dp_replicate = std::max(1, spec.plan.mesh().dp_replicate());
   const int32_t total = job->total_steps;
+  const uint64_t fingerprint = spec.plan.fingerprint();
 
-  SHARDD_RETURN_IF_ERROR(workers_->CheckRanksAlive(world));
+  if (absl::Status alive = workers_->CheckRanksAlive(world); !alive.ok()) {
+    // A worker that went away while the job was queued: worth waiting for.
+    return absl::UnavailableError(alive.message());
+  }
   std::vector<WorkerSnapshot> snapshot(world);
   for (const WorkerState& worker : workers_->List()) {
     if (worker.rank >= 0 && worker.rank < world) {
@@ -749,6 +1098,95 @@ absl::Status JobRunner::RunSteps(Job* job) {
   }
   RankPool pool(world);
 
+  // Where the job starts: its first step (fresh shards, or resume_from), or
+  // after a fault what the workers still hold.
+  int64_t start = job->first_step;
+  std::string load_from = spec.config.resume_from();
+  std::vector<bool> keep(world, false);
+  std::vector<int32_t> heal_sources;  // By shard rank; empty: no healing.
+  std::string recovery;
+  if (recovering) {
+    std::vector<int64_t> held(world, -1);
+    SHARDD_RETURN_IF_ERROR(Prefixed(
+        "recovery: GetStats: ",
+        RunOnAllRanks(
+            snapshot, &pool,
+            [&](int rank, const WorkerCallOptions& options) -> absl::Status {
+              SHARDD_ASSIGN_OR_RETURN(v1::GetStatsResponse stats,
+                                      clients[rank]->GetStats(options));
+              if (stats.job_id() == job->id &&
+                  stats.plan_fingerprint() == fingerprint) {
+                held[rank] = stats.optimizer_steps();
+              }
+              return absl::OkStatus();
+            },
+            "GetStats")));
+    int64_t committed = 0;
+    std::string last_checkpoint;
+    {
+      absl::MutexLock lock(&mu_);
+      committed = job->steps_done;
+      last_checkpoint = job->last_checkpoint;
+    }
+    const int64_t highest = *std::max_element(held.begin(), held.end());
+    const bool all_hold =
+        std::all_of(held.begin(), held.end(),
+                    [&](int64_t steps) { return steps == highest; });
+    // Holders must not be behind what was acknowledged.
+    const bool usable = highest >= 0 && highest >= committed;
+    std::vector<int32_t> sources(dp_shard, -1);
+    bool healable = usable && dp_replicate > 1;
+    for (int s = 0; healable && s < dp_shard; ++s) {
+      for (int r = 0; r < dp_replicate; ++r) {
+        if (held[r * dp_shard + s] == highest) {
+          sources[s] = r;
+          break;
+        }
+      }
+      healable = sources[s] >= 0;
+    }
+    if (usable && all_hold) {
+      start = highest;
+      keep.assign(world, true);
+      load_from.clear();
+      recovery = absl::StrCat("every worker still held step ", highest,
+                              "; rebuilt the collective groups");
+    } else if (healable) {
+      start = highest;
+      std::vector<int> healed;
+      for (int rank = 0; rank < world; ++rank) {
+        keep[rank] = held[rank] == highest;
+        if (!keep[rank]) healed.push_back(rank);
+      }
+      heal_sources = sources;
+      load_from.clear();
+      recovery = absl::StrCat("healed ranks ", FormatRankList(healed),
+                              " from their replica peers at step ", highest,
+                              " (no checkpoint, no lost step)");
+    } else if (!last_checkpoint.empty()) {
+      absl::StatusOr<std::unique_ptr<checkpoint::CheckpointReader>> reader =
+          checkpoint::CheckpointReader::Open(options_.checkpoint_dir + "/" +
+                                             last_checkpoint);
+      SHARDD_RETURN_IF_ERROR(Prefixed(
+          absl::StrCat("recovery: checkpoint ", last_checkpoint, ": "),
+          reader.status()));
+      start = (*reader)->index().step;
+      load_from = last_checkpoint;
+      recovery = absl::StrCat("reloaded checkpoint ", last_checkpoint,
+                              " at step ", start);
+      if (committed > start) {
+        absl::StrAppend(&recovery, "; steps ", start + 1, "-", committed,
+                        " run again");
+      }
+    } else {
+      start = job->first_step;
+      load_from.clear();
+      recovery = absl::StrCat("no worker state or checkpoint to resume from: "
+                              "started over from step ",
+                              start);
+    }
+  }
+
   v1::LoadPlanRequest load;
   *load.mutable_plan() = spec.plan;
   *load.mutable_model() = spec.model;
@@ -766,18 +1204,49 @@ absl::Status JobRunner::RunSteps(Job* job) {
           [&](int rank, const WorkerCallOptions& options) -> absl::Status {
             v1::LoadPlanRequest request = load;
             request.set_rank(rank);
+            request.set_keep_state(keep[rank]);
             SHARDD_ASSIGN_OR_RETURN(loaded[rank],
                                     clients[rank]->LoadPlan(request, options));
+            if (keep[rank] && loaded[rank].kept_step() != start) {
+              return absl::AbortedError(absl::StrCat(
+                  "kept step ", loaded[rank].kept_step(), " instead of ",
+                  start, " (its state changed during the recovery)"));
+            }
             return absl::OkStatus();
           },
           "LoadPlan")));
-  if (!spec.config.resume_from().empty()) {
+  if (!heal_sources.empty()) {
+    v1::HealReplicasRequest request;
+    request.set_plan_fingerprint(fingerprint);
+    for (int32_t source : heal_sources) request.add_source_replica(source);
+    SHARDD_RETURN_IF_ERROR(Prefixed(
+        "recovery: HealReplicas: ",
+        RunOnAllRanks(
+            snapshot, &pool,
+            [&](int rank, const WorkerCallOptions& options) -> absl::Status {
+              SHARDD_ASSIGN_OR_RETURN(
+                  v1::HealReplicasResponse response,
+                  clients[rank]->HealReplicas(request, options));
+              if (response.step() != start) {
+                return absl::AbortedError(absl::StrCat(
+                    "holds step ", response.step(), " after healing, not ",
+                    start));
+              }
+              return absl::OkStatus();
+            },
+            "HealReplicas")));
+  }
+
+  // Loads committed checkpoint `name` into every rank and checks that each
+  // rank holds step `expected` afterwards.
+  auto load_checkpoint = [&](const std::string& name,
+                             int64_t expected) -> absl::Status {
     v1::LoadShardsRequest request;
-    request.set_plan_fingerprint(spec.plan.fingerprint());
-    request.set_checkpoint_dir(spec.config.resume_from());
+    request.set_plan_fingerprint(fingerprint);
+    request.set_checkpoint_dir(name);
     std::vector<int64_t> steps(world, -1);
     SHARDD_RETURN_IF_ERROR(Prefixed(
-        absl::StrCat("LoadShards ", spec.config.resume_from(), ": "),
+        absl::StrCat("LoadShards ", name, ": "),
         RunOnAllRanks(
             snapshot, &pool,
             [&](int rank, const WorkerCallOptions& options) -> absl::Status {
@@ -789,17 +1258,29 @@ absl::Status JobRunner::RunSteps(Job* job) {
             },
             "LoadShards")));
     for (int rank = 0; rank < world; ++rank) {
-      if (steps[rank] != job->first_step) {
+      if (steps[rank] != expected) {
         return absl::FailedPreconditionError(absl::StrCat(
-            "LoadShards ", spec.config.resume_from(), ": ",
-            RankLabel(rank, snapshot[rank].address), " loaded step ",
-            steps[rank], " but the checkpoint was at step ", job->first_step,
-            " when the job was submitted (it was replaced meanwhile)"));
+            "LoadShards ", name, ": ", RankLabel(rank, snapshot[rank].address),
+            " loaded step ", steps[rank], " but the checkpoint was at step ",
+            expected, " when it was chosen (it was replaced meanwhile)"));
       }
     }
-    SHARDD_LOG(INFO) << "job " << job->id << ": resumed from "
-                     << spec.config.resume_from() << " at step "
-                     << job->first_step;
+    return absl::OkStatus();
+  };
+  if (!load_from.empty()) {
+    SHARDD_RETURN_IF_ERROR(load_checkpoint(load_from, start));
+    SHARDD_LOG(INFO) << "job " << job->id << ": loaded " << load_from
+                     << " at step " << start;
+  }
+  if (recovering) {
+    SHARDD_LOG(INFO) << "job " << job->id << " recovered: " << recovery;
+    v1::StepEvent event;
+    event.set_job_id(job->id);
+    event.set_step(start);
+    event.set_total_steps(total);
+    event.set_recovery(recovery);
+    event.set_checkpoint(load_from);
+    SHARDD_RETURN_IF_ERROR(Publish(job, std::move(event)));
   }
 
   // Saves the shards after `steps_done` steps; returns the checkpoint's
@@ -808,9 +1289,8 @@ absl::Status JobRunner::RunSteps(Job* job) {
   auto save = [&](int64_t steps_done) -> absl::StatusOr<std::string> {
     SHARDD_ASSIGN_OR_RETURN(const std::string tmp,
                             checkpoint::BeginCheckpoint(job_root, steps_done));
-    const int dp_shard = spec.plan.mesh().dp_shard();
     v1::SaveShardsRequest request;
-    request.set_plan_fingerprint(spec.plan.fingerprint());
+    request.set_plan_fingerprint(fingerprint);
     request.set_tmp_dir(absl::StrCat(
         job->id, "/", std::filesystem::path(tmp).filename().string()));
     std::vector<checkpoint::RankFile> files(dp_shard);
@@ -845,6 +1325,75 @@ absl::Status JobRunner::RunSteps(Job* job) {
   };
   const int32_t checkpoint_every = spec.config.checkpoint_every();
 
+  // Serves the on-demand saves and rollbacks queued so far, between steps
+  // (`*step` steps done; `saved`: the checkpoint already committed for it).
+  // A rollback moves *step back and publishes a recovery event; with
+  // `last`, the job is about to end and rollbacks are refused.
+  auto serve_controls = [&](int64_t* step, std::string saved,
+                            bool last) -> absl::Status {
+    while (true) {
+      Control control;
+      {
+        absl::MutexLock lock(&mu_);
+        if (job->controls.empty()) return absl::OkStatus();
+        control = std::move(job->controls.front());
+        job->controls.pop_front();
+      }
+      if (control.save) {
+        absl::StatusOr<std::string> name =
+            saved.empty() ? save(*step) : absl::StatusOr<std::string>(saved);
+        if (!name.ok()) {
+          control.done(name.status());
+          // The workers may be gone: the job's next step tells.
+          continue;
+        }
+        saved = *name;
+        {
+          absl::MutexLock lock(&mu_);
+          job->last_checkpoint = saved;
+        }
+        SHARDD_LOG(INFO) << "job " << job->id << ": saved checkpoint " << saved
+                         << " on request";
+        control.done(CheckpointResult{saved, *step});
+        continue;
+      }
+      absl::StatusOr<std::unique_ptr<checkpoint::CheckpointReader>> reader =
+          checkpoint::CheckpointReader::Open(options_.checkpoint_dir + "/" +
+                                             control.checkpoint);
+      if (!reader.ok()) {
+        control.done(reader.status());
+        continue;
+      }
+      const int64_t target = (*reader)->index().step;
+      if (last || target >= total) {
+        control.done(absl::InvalidArgumentError(absl::StrCat(
+            "checkpoint: ", control.checkpoint, " holds step ", target,
+            (last ? " but the job has just run its last step"
+                  : absl::StrCat(", not before the job's last step ", total)))));
+        continue;
+      }
+      const absl::Status loaded_status =
+          load_checkpoint(control.checkpoint, target);
+      if (!loaded_status.ok()) {
+        control.done(loaded_status);
+        // The shards may be half overwritten: recover (or fail) the job.
+        return loaded_status;
+      }
+      *step = target;
+      saved.clear();
+      control.done(CheckpointResult{control.checkpoint, target});
+      v1::StepEvent event;
+      event.set_job_id(job->id);
+      event.set_step(target);
+      event.set_total_steps(total);
+      event.set_checkpoint(control.checkpoint);
+      event.set_recovery(absl::StrCat("rolled back to checkpoint ",
+                                      control.checkpoint, " at step ", target,
+                                      " on request"));
+      SHARDD_RETURN_IF_ERROR(Publish(job, std::move(event)));
+    }
+  };
+
   const double entropy_rate = loaded[0].data_entropy_rate();
   const int64_t planned_peak = spec.plan.memory().peak_unsharded_bytes();
 
@@ -852,13 +1401,14 @@ absl::Status JobRunner::RunSteps(Job* job) {
   *execute.mutable_program() = spec.program;
   const int commands = spec.program.commands_size();
   std::vector<v1::ExecuteResponse> results(world);
-  for (int64_t step = job->first_step; step < total; ++step) {
+  for (int64_t step = start; step < total; ++step) {
+    SHARDD_RETURN_IF_ERROR(serve_controls(&step, "", /*last=*/false));
     const std::string label = absl::StrCat(StepLabel(step + 1, total), ": ");
     if (stopping()) {
       return absl::UnavailableError(
           absl::StrCat(label, "the coordinator is shutting down"));
     }
-    const absl::Time start = absl::Now();
+    const absl::Time begin = absl::Now();
     if (!spec.config.fine_grained()) {
       execute.mutable_program()->set_step(step);
       SHARDD_RETURN_IF_ERROR(Prefixed(
@@ -896,7 +1446,7 @@ absl::Status JobRunner::RunSteps(Job* job) {
                 "RunCommand")));
       }
     }
-    const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    const double seconds = absl::ToDoubleSeconds(absl::Now() - begin);
 
     int64_t tokens = 0;
     double weighted_loss = 0.0;
@@ -938,7 +1488,13 @@ absl::Status JobRunner::RunSteps(Job* job) {
       SHARDD_LOG(INFO) << "job " << job->id << ": saved checkpoint " << *name;
       event.set_checkpoint(*name);
     }
-    Publish(job, std::move(event));
+    if (event.done()) {
+      // Saves asked for during the last step are served before the end.
+      int64_t steps_done = step + 1;
+      SHARDD_RETURN_IF_ERROR(
+          serve_controls(&steps_done, event.checkpoint(), /*last=*/true));
+    }
+    SHARDD_RETURN_IF_ERROR(Publish(job, std::move(event)));
   }
   return absl::OkStatus();
 }

@@ -32,10 +32,41 @@
 //      gradient norm) into a StepEvent.
 // Every call carries a deadline (collective_timeout + rpc_margin). While
 // calls are in flight the runner polls the registry: a worker declared dead
-// (no heartbeat for the registry's timeout) or restarted fails the job
-// without waiting for its hung call. Any failure ends the job with one
-// event whose `error` names the step, the rank, its address and the error,
-// e.g. "step 3/100: rank 2 (127.0.0.1:4567): ABORTED: ...".
+// (no heartbeat for the registry's timeout) or restarted fails the step
+// without waiting for its hung call. A failure names the step, the rank, its
+// address and the error, e.g. "step 3/100: rank 2 (127.0.0.1:4567):
+// ABORTED: ...".
+//
+// Recovery. A step either commits on every rank or on none (workers apply
+// AdamW only after the step's last collective). When a step fails for a
+// reason that may pass (a worker died, restarted or left; a collective or
+// RPC aborted, timed out or found its peer unreachable) and the job has
+// recoveries left (TrainConfig.max_recoveries), the runner publishes an
+// event with `interruption` set (the stream goes on), the job turns
+// JOB_RECOVERING and waits up to recovery_timeout for ranks 0..W-1 to be
+// alive again, then asks every worker what it holds (GetStats) and picks the
+// cheapest way back, announced by an event with `recovery` set:
+//   - every rank still holds the job at the same step k: LoadPlan with
+//     keep_state (new collective groups, same shards) and go on from k;
+//   - HSDP (dp_replicate >= 2): for every shard rank some replica still
+//     holds step k = the highest step held: the others LoadPlan fresh, the
+//     holders keep their state, HealReplicas copies it to the rest, go on
+//     from k (no checkpoint, no lost step);
+//   - otherwise reload the job's last checkpoint (one it committed, or its
+//     resume_from; steps after it run again and, the data being indexed by
+//     step, give the same results), or, without one, start over from the
+//     job's first step.
+// Bad input (INVALID_ARGUMENT, NOT_FOUND, DATA_LOSS, ...) and a state store
+// that cannot record progress fail the job at once: one event whose `error`
+// says why ends the stream.
+//
+// Durability (with a JobJournal). Submit answers once the job is durable;
+// each step's progress (steps done, last checkpoint) is durable before its
+// event is published. A runner created on the same journal after a crash
+// lists the finished jobs and carries the unfinished ones on as recovering
+// jobs: workers that kept running still hold their shards, so a job whose
+// coordinator was killed loses no committed step. Shutdown leaves the
+// journal saying "running", so a restart also carries jobs on.
 //
 // Events are kept in memory (the last max_events_per_job of each job; the
 // last max_finished_jobs finished jobs) and can be watched from any step.
@@ -61,6 +92,7 @@
 #include "proto/model.pb.h"
 #include "proto/plan.pb.h"
 #include "proto/worker.pb.h"
+#include "server/job_journal.h"
 #include "server/worker_client.h"
 #include "server/worker_registry.h"
 
@@ -143,6 +175,13 @@ struct JobRunnerOptions {
   // answer before they are cancelled, so that the error reported is the
   // cause (e.g. the dead worker) rather than a peer's aborted collective.
   absl::Duration failure_grace = absl::Milliseconds(300);
+  // Durable jobs (job_journal.h; not owned, may be null: jobs do not survive
+  // a restart).
+  JobJournal* journal = nullptr;
+  // How long a recovering job waits for ranks 0..W-1 to be alive again.
+  absl::Duration recovery_timeout = absl::Minutes(5);
+  // What TrainConfig.max_recoveries = 0 means.
+  int default_max_recoveries = 3;
   // Where jobs' checkpoints live: <checkpoint_dir>/<job-id>/step-NNNNNNNN
   // (worker/checkpoint/checkpoint_writer.h). Workers resolve the same
   // relative paths under their --checkpoint-root, so both must name one
@@ -190,7 +229,18 @@ struct JobSummary {
   double last_loss = 0.0;
   double tokens_per_second = 0.0;
   std::string error;
+  int32_t recoveries = 0;
+  std::string last_checkpoint;
 };
+
+// What an on-demand save or rollback did: the checkpoint (relative to the
+// checkpoint dir) and the step it holds.
+struct CheckpointResult {
+  std::string checkpoint;
+  int64_t step = 0;
+};
+using CheckpointCallback =
+    std::function<void(absl::StatusOr<CheckpointResult>)>;
 
 class JobRunner {
  public:
@@ -222,6 +272,25 @@ class JobRunner {
   // Every kept job in submission order.
   std::vector<JobSummary> ListJobs() const ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Asks running job `job_id` to commit a checkpoint after the step in
+  // progress. `done` runs exactly once: on the job's thread once committed,
+  // or at once for a refusal. Errors: NOT_FOUND (unknown job),
+  // FAILED_PRECONDITION (no checkpoint_dir; the job is queued, recovering
+  // or finished), ABORTED (the job stopped before it saved), the save's
+  // own errors.
+  void RequestSave(const std::string& job_id, CheckpointCallback done)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Asks running job `job_id` to roll back to committed checkpoint
+  // `checkpoint` (any job's, any world size or strategy) after the step in
+  // progress and to train on from its step. `done` as RequestSave.
+  // Errors: as RequestSave, plus INVALID_ARGUMENT (not a plain relative
+  // path; the checkpoint's step is not before the job's last step),
+  // NOT_FOUND (no such committed checkpoint), DATA_LOSS (a malformed
+  // index.json), the workers' LoadShards errors.
+  void RequestLoad(const std::string& job_id, const std::string& checkpoint,
+                   CheckpointCallback done) ABSL_LOCKS_EXCLUDED(mu_);
+
   // Fails queued and running jobs ("the coordinator is shutting down"),
   // cancels their calls, and joins their threads; later Submits answer
   // UNAVAILABLE. Idempotent.
@@ -229,15 +298,33 @@ class JobRunner {
 
  private:
   struct Job;
+  struct Control;
   class RankPool;
   struct WorkerSnapshot {
     std::string address;
     uint64_t incarnation = 0;
   };
 
+  // Starts the journal's jobs (constructor).
+  void RestoreJobs() ABSL_LOCKS_EXCLUDED(mu_);
   void RunJob(Job* job) ABSL_LOCKS_EXCLUDED(mu_);
-  // The job's work after its turn came; returns the failure, if any.
-  absl::Status RunSteps(Job* job) ABSL_LOCKS_EXCLUDED(mu_);
+  // One attempt at the job's steps after its turn came (`recovering`: after
+  // a fault or a restart); returns the failure, if any.
+  absl::Status RunSteps(Job* job, bool recovering) ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits until ranks 0..W-1 are alive (recovery_timeout).
+  absl::Status WaitForWorkers(Job* job) ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether a failed attempt may be recovered from.
+  bool Recoverable(Job* job, const absl::Status& status)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Queues a save or rollback; `done` answers a refusal at once.
+  void RequestControl(const std::string& job_id, bool save,
+                      const std::string& checkpoint, CheckpointCallback done)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Answers every queued control of `job` with `status`.
+  void FailControls(Job* job, const absl::Status& status)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  v1::StoredJobProgress ProgressLocked(const Job& job) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Runs `call(rank, options)` on every rank concurrently until all
   // returned, one failed, the deadline passed, a worker died or the runner
   // stops. Errors name the rank: "rank 2 (ADDR): CODE: message".
@@ -248,7 +335,10 @@ class JobRunner {
   // OK while ranks 0..W-1 are alive with the snapshot's incarnations.
   absl::Status CheckMembership(
       const std::vector<WorkerSnapshot>& snapshot) const;
-  void Publish(Job* job, v1::StepEvent event) ABSL_LOCKS_EXCLUDED(mu_);
+  // Records `event` in the job (steps done, state, last checkpoint), makes
+  // the progress durable (with a journal) and then appends the event.
+  // Errors: INTERNAL (the journal failed; nothing was appended).
+  absl::Status Publish(Job* job, v1::StepEvent event) ABSL_LOCKS_EXCLUDED(mu_);
   bool stopping() const ABSL_LOCKS_EXCLUDED(mu_);
 
   WorkerRegistry* const workers_;  // Not owned.

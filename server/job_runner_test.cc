@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -21,6 +22,8 @@
 #include "proto/coordinator.pb.h"
 #include "proto/worker.pb.h"
 #include "server/worker_client.h"
+#include "server/job_journal.h"
+#include "server/state_store.h"
 #include "server/worker_registry.h"
 
 namespace shardd {
@@ -54,6 +57,19 @@ struct Script {
   // Execute of step >= gate_step waits for `gate` (released by the test).
   int64_t gate_step = -1;
   double entropy_rate = 1.25;
+  // Failures and hangs fire once (then the step succeeds when run again).
+  bool once = false;
+  // Ranks whose state is lost when their scripted failure fires (a worker
+  // restarted in the middle of the step).
+  std::set<int> wipe_on_failure;
+};
+
+// What a fake rank holds, like a worker's GetStats: the job, its plan and
+// the committed steps (-1: nothing).
+struct RankState {
+  std::string job;
+  uint64_t fingerprint = 0;
+  int64_t steps = -1;
 };
 
 struct Call {
@@ -112,8 +128,11 @@ class FakeCluster {
       auto it = script_.failures.find(rank);
       if (it != script_.failures.end() && it->second.first == step) {
         failure = it->second.second;
+        if (script_.wipe_on_failure.count(rank) != 0) ranks_.erase(rank);
+        if (script_.once) script_.failures.erase(it);
       }
       hang = rank == script_.hang_rank && step == script_.hang_step;
+      if (hang && script_.once) script_.hang_rank = -1;
       ignore_deadline = script_.ignore_deadline;
       gated = script_.gate_step >= 0 && step >= script_.gate_step;
       if (hang || gated) ++blocked_;
@@ -157,9 +176,45 @@ class FakeCluster {
     return response;
   }
 
-  void RecordLoad(const v1::LoadPlanRequest& request) {
+  // Installs the plan on `rank` and returns the kept step (-1: fresh).
+  int64_t RecordLoad(int rank, const v1::LoadPlanRequest& request) {
     absl::MutexLock lock(&mu_);
     loads_.push_back(request);
+    RankState& state = ranks_[rank];
+    if (request.keep_state() && state.job == request.job_id() &&
+        state.fingerprint == request.plan().fingerprint() &&
+        state.steps >= 0) {
+      return state.steps;
+    }
+    state.job = request.job_id();
+    state.fingerprint = request.plan().fingerprint();
+    state.steps = 0;
+    return -1;
+  }
+  void Commit(int rank, int64_t steps) {
+    absl::MutexLock lock(&mu_);
+    auto it = ranks_.find(rank);
+    if (it != ranks_.end()) it->second.steps = steps;
+  }
+  RankState State(int rank) {
+    absl::MutexLock lock(&mu_);
+    auto it = ranks_.find(rank);
+    return it == ranks_.end() ? RankState() : it->second;
+  }
+  // HealReplicas on `rank` of a dp_shard x replicas mesh.
+  int64_t Heal(int rank, int dp_shard, const v1::HealReplicasRequest& request) {
+    absl::MutexLock lock(&mu_);
+    heals_.push_back(request);
+    const int source = request.source_replica(rank % dp_shard);
+    if (source >= 0) {
+      const RankState from = ranks_[source * dp_shard + rank % dp_shard];
+      ranks_[rank].steps = from.steps;
+    }
+    return ranks_[rank].steps;
+  }
+  std::vector<v1::HealReplicasRequest> heals() {
+    absl::MutexLock lock(&mu_);
+    return heals_;
   }
   double entropy_rate() {
     absl::MutexLock lock(&mu_);
@@ -174,6 +229,8 @@ class FakeCluster {
   std::vector<v1::LoadPlanRequest> loads_ ABSL_GUARDED_BY(mu_);
   int64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 0;
   int blocked_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<int, RankState> ranks_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::HealReplicasRequest> heals_ ABSL_GUARDED_BY(mu_);
 };
 
 class FakeWorker final : public WorkerClient {
@@ -186,12 +243,13 @@ class FakeWorker final : public WorkerClient {
   absl::StatusOr<v1::LoadPlanResponse> LoadPlan(
       const v1::LoadPlanRequest& request,
       const WorkerCallOptions& options) override {
-    cluster_->RecordLoad(request);
     absl::Status status = cluster_->Work(rank_, "LoadPlan", -1, -1, false,
                                          false, request.job_id(), options);
     if (!status.ok()) return status;
     job_ = request.job_id();
+    dp_shard_ = std::max(1, request.plan().mesh().dp_shard());
     v1::LoadPlanResponse response;
+    response.set_kept_step(cluster_->RecordLoad(rank_, request));
     response.set_data_entropy_rate(rank_ == 0 ? cluster_->entropy_rate()
                                               : 99.0);
     return response;
@@ -204,6 +262,7 @@ class FakeWorker final : public WorkerClient {
     absl::Status status =
         cluster_->Work(rank_, "Execute", step, -1, false, false, job_, options);
     if (!status.ok()) return status;
+    cluster_->Commit(rank_, step + 1);
     return cluster_->Result(rank_, step);
   }
 
@@ -215,12 +274,26 @@ class FakeWorker final : public WorkerClient {
                        request.begin_step(), request.end_step(), job_, options);
     if (!status.ok()) return status;
     if (!request.end_step()) return v1::ExecuteResponse();
+    cluster_->Commit(rank_, request.step() + 1);
     return cluster_->Result(rank_, request.step());
   }
 
   absl::StatusOr<v1::GetStatsResponse> GetStats(
       const WorkerCallOptions& /*options*/) override {
-    return v1::GetStatsResponse();
+    const RankState state = cluster_->State(rank_);
+    v1::GetStatsResponse response;
+    response.set_job_id(state.job);
+    response.set_plan_fingerprint(state.fingerprint);
+    response.set_optimizer_steps(state.steps);
+    return response;
+  }
+
+  absl::StatusOr<v1::HealReplicasResponse> HealReplicas(
+      const v1::HealReplicasRequest& request,
+      const WorkerCallOptions& /*options*/) override {
+    v1::HealReplicasResponse response;
+    response.set_step(cluster_->Heal(rank_, dp_shard_, request));
+    return response;
   }
 
  private:
@@ -228,6 +301,7 @@ class FakeWorker final : public WorkerClient {
   const std::string address_;
   const int rank_;
   std::string job_;  // Set by LoadPlan, read by later calls (one thread).
+  int dp_shard_ = 1;
 };
 
 // Addresses are "fake-<rank>:1".
@@ -260,6 +334,8 @@ class JobRunnerTest : public ::testing::Test {
     if (runner_ != nullptr) runner_->Shutdown();
   }
 
+  bool recover_ = false;
+
   void Advance(absl::Duration d) {
     absl::MutexLock lock(&clock_mu_);
     now_ += d;
@@ -280,6 +356,8 @@ class JobRunnerTest : public ::testing::Test {
     if (options.poll_interval == JobRunnerOptions().poll_interval) {
       options.poll_interval = absl::Milliseconds(10);
     }
+    // Most tests check how a fault fails a job; the recovery tests opt in.
+    if (!recover_) options.default_max_recoveries = 0;
     runner_ = std::make_unique<JobRunner>(
         registry_.get(),
         [this](const std::string& address)
@@ -758,6 +836,250 @@ TEST_F(JobRunnerTest, WatchReplaysStoredEventsThenStreamsLiveOnes) {
   }
   EXPECT_THAT(seen, ElementsAre(2, 3, 4, 5));
   EXPECT_TRUE(event.done());
+}
+
+// ---------------------------------------------------------------------------
+// Recovery
+
+// The events of a kind: steps (loss events), interruptions, recoveries.
+std::vector<int64_t> StepsOf(const std::vector<v1::StepEvent>& events) {
+  std::vector<int64_t> steps;
+  for (const v1::StepEvent& event : events) {
+    if (event.interruption().empty() && event.recovery().empty() &&
+        event.error().empty()) {
+      steps.push_back(event.step());
+    }
+  }
+  return steps;
+}
+std::vector<const v1::StepEvent*> Recoveries(
+    const std::vector<v1::StepEvent>& events) {
+  std::vector<const v1::StepEvent*> out;
+  for (const v1::StepEvent& event : events) {
+    if (!event.recovery().empty()) out.push_back(&event);
+  }
+  return out;
+}
+
+TEST_F(JobRunnerTest, AFailedStepResumesFromTheStateEveryWorkerKept) {
+  recover_ = true;
+  RegisterWorkers(2);
+  cluster_.script().once = true;
+  // Rank 1 loses its peer; rank 0's collective aborts: nothing committed.
+  cluster_.script().failures[1] = {2, absl::UnavailableError("peer gone")};
+  cluster_.script().failures[0] = {2, absl::AbortedError("collective")};
+  StartRunner();
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::string id,
+                              runner_->Submit(Spec(2, 5)));
+  const std::vector<v1::StepEvent> events = WaitForEnd(id);
+  EXPECT_THAT(StepsOf(events), ElementsAre(1, 2, 3, 4, 5));
+  ASSERT_EQ(events.size(), 7u);
+  EXPECT_EQ(events[2].step(), 3);
+  EXPECT_THAT(events[2].interruption(),
+              AllOf(HasSubstr("step 3/5"), HasSubstr("rank 1 (fake-1:1)"),
+                    HasSubstr("recovery 1 of 3")));
+  EXPECT_EQ(events[3].step(), 2);
+  EXPECT_THAT(events[3].recovery(), HasSubstr("every worker still held"));
+  EXPECT_TRUE(events.back().done());
+  // The second LoadPlan kept both ranks' state.
+  const std::vector<v1::LoadPlanRequest> loads = cluster_.loads();
+  ASSERT_EQ(loads.size(), 4u);
+  EXPECT_FALSE(loads[0].keep_state());
+  EXPECT_TRUE(loads[2].keep_state());
+  EXPECT_TRUE(loads[3].keep_state());
+  EXPECT_EQ(cluster_.State(0).steps, 5);
+  const std::vector<JobSummary> jobs = runner_->ListJobs();
+  ASSERT_EQ(jobs.size(), 1u);
+  EXPECT_EQ(jobs[0].state, v1::JOB_DONE);
+  EXPECT_EQ(jobs[0].recoveries, 1);
+}
+
+TEST_F(JobRunnerTest, ALostReplicaHealsFromItsPeerWithNoLostStep) {
+  recover_ = true;
+  RegisterWorkers(4);
+  cluster_.script().once = true;
+  for (int rank = 0; rank < 4; ++rank) {
+    cluster_.script().failures[rank] = {3, absl::AbortedError("collective")};
+  }
+  cluster_.script().wipe_on_failure = {3};
+  StartRunner();
+  JobSpec spec = Spec(4, 5);
+  spec.plan.mutable_mesh()->set_dp_shard(2);
+  spec.plan.mutable_mesh()->set_dp_replicate(2);
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::string id, runner_->Submit(spec));
+  const std::vector<v1::StepEvent> events = WaitForEnd(id);
+  EXPECT_THAT(StepsOf(events), ElementsAre(1, 2, 3, 4, 5));
+  const auto recoveries = Recoveries(events);
+  ASSERT_EQ(recoveries.size(), 1u);
+  EXPECT_EQ(recoveries[0]->step(), 3);
+  EXPECT_THAT(recoveries[0]->recovery(),
+              AllOf(HasSubstr("healed ranks 3"), HasSubstr("step 3")));
+  // Every rank took part; both shard groups copy from replica 0.
+  const std::vector<v1::HealReplicasRequest> heals = cluster_.heals();
+  ASSERT_EQ(heals.size(), 4u);
+  EXPECT_THAT(heals[0].source_replica(), ElementsAre(0, 0));
+  const std::vector<v1::LoadPlanRequest> loads = cluster_.loads();
+  ASSERT_EQ(loads.size(), 8u);
+  for (size_t i = 4; i < 8; ++i) {
+    EXPECT_EQ(loads[i].keep_state(), loads[i].rank() != 3) << i;
+  }
+  for (int rank = 0; rank < 4; ++rank) EXPECT_EQ(cluster_.State(rank).steps, 5);
+}
+
+TEST_F(JobRunnerTest, WithoutStateOrCheckpointTheJobStartsOver) {
+  recover_ = true;
+  RegisterWorkers(1);
+  cluster_.script().once = true;
+  cluster_.script().failures[0] = {2, absl::UnavailableError("restarted")};
+  cluster_.script().wipe_on_failure = {0};
+  StartRunner();
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::string id,
+                              runner_->Submit(Spec(1, 4)));
+  const std::vector<v1::StepEvent> events = WaitForEnd(id);
+  EXPECT_THAT(StepsOf(events), ElementsAre(1, 2, 1, 2, 3, 4));
+  const auto recoveries = Recoveries(events);
+  ASSERT_EQ(recoveries.size(), 1u);
+  EXPECT_EQ(recoveries[0]->step(), 0);
+  EXPECT_THAT(recoveries[0]->recovery(), HasSubstr("started over from step 0"));
+  EXPECT_TRUE(events.back().done());
+}
+
+TEST_F(JobRunnerTest, RecoveriesAreBoundedAndBadInputIsNotRetried) {
+  recover_ = true;
+  RegisterWorkers(1);
+  cluster_.script().failures[0] = {1, absl::AbortedError("always")};
+  StartRunner();
+  JobSpec spec = Spec(1, 3);
+  spec.config.set_max_recoveries(2);
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::string id, runner_->Submit(spec));
+  std::vector<v1::StepEvent> events = WaitForEnd(id);
+  int interruptions = 0;
+  for (const v1::StepEvent& event : events) {
+    interruptions += event.interruption().empty() ? 0 : 1;
+  }
+  EXPECT_EQ(interruptions, 2);
+  EXPECT_THAT(events.back().error(), HasSubstr("ABORTED: always"));
+
+  cluster_.script().failures[0] = {0, absl::InvalidArgumentError("bad")};
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::string bad,
+                              runner_->Submit(Spec(1, 3)));
+  events = WaitForEnd(bad);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_THAT(events[0].error(), HasSubstr("INVALID_ARGUMENT: bad"));
+}
+
+TEST_F(JobRunnerTest, ARecoveringJobGivesUpWhenItsWorkerDoesNotComeBack) {
+  recover_ = true;
+  RegisterWorkers(2);
+  cluster_.script().hang_rank = 1;
+  cluster_.script().hang_step = 1;
+  JobRunnerOptions options;
+  options.recovery_timeout = absl::Milliseconds(300);
+  StartRunner(options);
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::string id,
+                              runner_->Submit(Spec(2, 3)));
+  WaitForBlocked(1);
+  Advance(absl::Seconds(2));  // Both miss heartbeats; rank 0 comes back.
+  WorkerRegistration back;
+  back.address = AddressOf(0);
+  back.incarnation = 100;
+  back.requested_rank = 0;
+  ASSERT_THAT(registry_->Register(back), IsOk());
+  const std::vector<v1::StepEvent> events = WaitForEnd(id);
+  ASSERT_GE(events.size(), 2u);
+  EXPECT_THAT(events[events.size() - 2].interruption(),
+              HasSubstr("declared dead"));
+  EXPECT_THAT(events.back().error(),
+              AllOf(HasSubstr("did not come back within"), HasSubstr("1")));
+}
+
+TEST_F(JobRunnerTest, ARestartedRunnerCarriesTheJobOnFromItsJournal) {
+  recover_ = true;
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string dir =
+      absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/job_runner_journal");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<StateStore> store,
+                              StateStore::Open(dir + "/state.db"));
+  JobJournal journal(store.get());
+  RegisterWorkers(1);
+  JobRunnerOptions options;
+  options.journal = &journal;
+  StartRunner(options);
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::string done_id,
+                              runner_->Submit(Spec(1, 2)));
+  ASSERT_TRUE(WaitForEnd(done_id).back().done());
+  // The second job is in step 4 when the coordinator goes away.
+  cluster_.script().once = true;
+  cluster_.script().hang_rank = 0;
+  cluster_.script().hang_step = 3;
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::string id,
+                              runner_->Submit(Spec(1, 6)));
+  WaitForBlocked(1);
+  runner_->Shutdown();
+  EXPECT_EQ(cluster_.State(0).steps, 3);
+
+  StartRunner(options);
+  const std::vector<v1::StepEvent> events = WaitForEnd(id);
+  EXPECT_THAT(StepsOf(events), ElementsAre(4, 5, 6));
+  const auto recoveries = Recoveries(events);
+  ASSERT_EQ(recoveries.size(), 1u);
+  EXPECT_EQ(recoveries[0]->step(), 3);
+  EXPECT_TRUE(events.back().done());
+  // The finished job is still listed, and ids go on.
+  const std::vector<v1::StepEvent> first = WaitForEnd(done_id);
+  ASSERT_EQ(first.size(), 1u);
+  EXPECT_TRUE(first[0].done());
+  EXPECT_EQ(first[0].step(), 2);
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::string next,
+                              runner_->Submit(Spec(1, 1)));
+  EXPECT_EQ(next, "j-3");
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::vector<StoredJob> stored,
+                              journal.LoadAll());
+  ASSERT_EQ(stored.size(), 3u);
+  EXPECT_EQ(stored[1].progress.state(), v1::JOB_DONE);
+  EXPECT_EQ(stored[1].progress.steps_done(), 6);
+  EXPECT_EQ(stored[1].progress.recoveries(), 0);  // A restart is no fault.
+  runner_->Shutdown();
+}
+
+TEST_F(JobRunnerTest, OnDemandCheckpointRequestsAreRefusedWhenTheyCannotRun) {
+  RegisterWorkers(1);
+  StartRunner();
+  absl::StatusOr<CheckpointResult> result;
+  runner_->RequestSave("j-1", [&](absl::StatusOr<CheckpointResult> r) {
+    result = std::move(r);
+  });
+  EXPECT_THAT(result, StatusIs(absl::StatusCode::kFailedPrecondition,
+                               HasSubstr("--checkpoint-dir")));
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  JobRunnerOptions options;
+  options.checkpoint_dir =
+      absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/job_runner_demand");
+  StartRunner(options);
+  runner_->RequestSave("j-9", [&](absl::StatusOr<CheckpointResult> r) {
+    result = std::move(r);
+  });
+  EXPECT_THAT(result, StatusIs(absl::StatusCode::kNotFound, HasSubstr("j-9")));
+  runner_->RequestLoad("j-1", "../x", [&](absl::StatusOr<CheckpointResult> r) {
+    result = std::move(r);
+  });
+  EXPECT_THAT(result, StatusIs(absl::StatusCode::kInvalidArgument,
+                               HasSubstr("checkpoint")));
+  runner_->RequestLoad("j-1", "j-1/step-00000001",
+                       [&](absl::StatusOr<CheckpointResult> r) {
+                         result = std::move(r);
+                       });
+  EXPECT_THAT(result, StatusIs(absl::StatusCode::kNotFound));
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::string id,
+                              runner_->Submit(Spec(1, 1)));
+  WaitForEnd(id);
+  runner_->RequestSave(id, [&](absl::StatusOr<CheckpointResult> r) {
+    result = std::move(r);
+  });
+  EXPECT_THAT(result, StatusIs(absl::StatusCode::kFailedPrecondition,
+                               HasSubstr("JOB_DONE")));
 }
 
 TEST(JobEventLogTest, KeepsTheLastEventsAndEndsOnDoneOrError) {

@@ -44,6 +44,12 @@ absl::StatusOr<v1::LoadShardsResponse> WorkerClient::LoadShards(
       absl::StrCat("LoadShards: not supported by the client of ", address()));
 }
 
+absl::StatusOr<v1::HealReplicasResponse> WorkerClient::HealReplicas(
+    const v1::HealReplicasRequest&, const WorkerCallOptions&) {
+  return absl::UnimplementedError(
+      absl::StrCat("HealReplicas: not supported by the client of ", address()));
+}
+
 bool CallCanceller::cancelled() const {
   absl::MutexLock lock(&mu_);
   return cancelled_;

@@ -85,6 +85,9 @@ class WorkerClient {
       const v1::SaveShardsRequest& request, const WorkerCallOptions& options);
   virtual absl::StatusOr<v1::LoadShardsResponse> LoadShards(
       const v1::LoadShardsRequest& request, const WorkerCallOptions& options);
+  // HSDP healing. The default answers UNIMPLEMENTED.
+  virtual absl::StatusOr<v1::HealReplicasResponse> HealReplicas(
+      const v1::HealReplicasRequest& request, const WorkerCallOptions& options);
 };
 
 // Makes a client for the worker at `address`. Errors: INVALID_ARGUMENT

@@ -37,7 +37,8 @@ WorkerRegistry::WorkerRegistry(WorkerRegistryOptions options)
     : options_([&options] {
         if (!options.clock) options.clock = [] { return absl::Now(); };
         return std::move(options);
-      }()) {}
+      }()),
+      epoch_(options_.initial_epoch) {}
 
 int WorkerRegistry::RankLimit() const {
   return options_.max_workers > 0
@@ -51,6 +52,7 @@ void WorkerRegistry::SweepLocked(absl::Time now) {
         now - worker.last_heartbeat >= options_.heartbeat_timeout) {
       worker.alive = false;
       ++epoch_;
+      ++declared_dead_;
       SHARDD_LOG(WARNING) << "worker rank " << rank << " at " << worker.address
                           << " declared dead: no heartbeat for "
                           << Age(now - worker.last_heartbeat) << " (timeout "
@@ -270,6 +272,12 @@ uint64_t WorkerRegistry::membership_epoch() {
   absl::MutexLock lock(&mu_);
   SweepLocked(options_.clock());
   return epoch_;
+}
+
+int64_t WorkerRegistry::declared_dead() {
+  absl::MutexLock lock(&mu_);
+  SweepLocked(options_.clock());
+  return declared_dead_;
 }
 
 int WorkerRegistry::live_workers() {

@@ -42,6 +42,10 @@ struct WorkerRegistryOptions {
   absl::Duration heartbeat_timeout = absl::Seconds(10);
   // Time source; defaults to absl::Now. Tests inject a fake.
   std::function<absl::Time()> clock;
+  // The membership epoch before the first join. A coordinator with durable
+  // state starts each run at (generation << 32), so epochs only grow across
+  // restarts.
+  uint64_t initial_epoch = 0;
 };
 
 // What a worker tells the coordinator when it joins.
@@ -116,6 +120,10 @@ class WorkerRegistry {
 
   uint64_t membership_epoch() ABSL_LOCKS_EXCLUDED(mu_);
   int live_workers() ABSL_LOCKS_EXCLUDED(mu_);
+  // Workers declared dead for a missed heartbeat deadline since this
+  // registry was created (a worker that dies, revives and dies again counts
+  // twice; Remove does not count).
+  int64_t declared_dead() ABSL_LOCKS_EXCLUDED(mu_);
 
   absl::Duration heartbeat_timeout() const {
     return options_.heartbeat_timeout;
@@ -144,7 +152,8 @@ class WorkerRegistry {
   std::map<int, WorkerState> workers_ ABSL_GUARDED_BY(mu_);
   // Address -> rank, for restarts and retries.
   std::map<std::string, int> rank_of_address_ ABSL_GUARDED_BY(mu_);
-  uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t epoch_ ABSL_GUARDED_BY(mu_);
+  int64_t declared_dead_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // "0-3, 5, 7-8": ranks (sorted, distinct) with consecutive runs folded.

@@ -154,6 +154,7 @@ TEST_F(WorkerRegistryTest, WorkerDiesExactlyAtTheTimeoutAndHeartbeatsDelayIt) {
   SHARDD_ASSERT_OK(registry.Heartbeat(0, 1).status());
   Advance(absl::Seconds(1) - absl::Milliseconds(1));
   EXPECT_EQ(registry.live_workers(), 2);  // 9.999 s < 10 s.
+  EXPECT_EQ(registry.declared_dead(), 0);
   Advance(absl::Milliseconds(1));
   // Rank 1: 10 s since registration -> dead; rank 0: 1 s since heartbeat.
   std::vector<WorkerState> workers = registry.List();
@@ -163,6 +164,7 @@ TEST_F(WorkerRegistryTest, WorkerDiesExactlyAtTheTimeoutAndHeartbeatsDelayIt) {
   EXPECT_EQ(workers[1].last_heartbeat, now_ - absl::Seconds(10));
   EXPECT_EQ(registry.membership_epoch(), 3u);  // One bump for the death.
   EXPECT_EQ(registry.membership_epoch(), 3u);  // Noticed only once.
+  EXPECT_EQ(registry.declared_dead(), 1);    // Counted only once.
   // The dead worker's heartbeat is refused: it must register again.
   EXPECT_THAT(registry.Heartbeat(1, 2),
               StatusIs(absl::StatusCode::kAborted,

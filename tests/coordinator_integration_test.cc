@@ -391,26 +391,25 @@ TEST_F(InProcessCoordinatorTest, ShutdownEndsWaitingCallsAtOnce) {
   EXPECT_EQ(get_status.error_code(), grpc::StatusCode::UNAVAILABLE);
 }
 
-TEST_F(InProcessCoordinatorTest, LaterRpcsAnswerUnimplementedWithAMessage) {
-  auto expect_unimplemented = [](const grpc::Status& status,
-                                 const std::string& rpc) {
-    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << rpc;
-    EXPECT_THAT(
-        status.error_message(),
-        AllOf(StartsWith(rpc + ": not implemented yet"), HasSubstr("issue")));
-  };
+TEST_F(InProcessCoordinatorTest, CheckpointRpcsNameWhatIsMissing) {
   {
     v1::SaveCheckpointResponse r;
-    expect_unimplemented(stub_->SaveCheckpoint(Context().get(), {}, &r),
-                         "SaveCheckpoint");
+    const grpc::Status status = stub_->SaveCheckpoint(Context().get(), {}, &r);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(status.error_message(), HasSubstr("job_id"));
   }
   {
+    v1::LoadCheckpointRequest request;
+    request.set_job_id("j-1");
+    request.set_checkpoint("j-1/step-00000001");
     v1::LoadCheckpointResponse r;
-    expect_unimplemented(stub_->LoadCheckpoint(Context().get(), {}, &r),
-                         "LoadCheckpoint");
+    const grpc::Status status =
+        stub_->LoadCheckpoint(Context().get(), request, &r);
+    // This coordinator has no checkpoint directory.
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(status.error_message(), HasSubstr("checkpoint"));
   }
   {
-    // Implemented; this coordinator has no checkpoint directory.
     v1::ListCheckpointsResponse r;
     EXPECT_EQ(stub_->ListCheckpoints(Context().get(), {}, &r).error_code(),
               grpc::StatusCode::FAILED_PRECONDITION);

@@ -135,10 +135,12 @@ class NetworkFaultTest : public ::testing::Test {
     return false;
   }
 
-  std::vector<std::string> Train(int steps) {
+  // recoveries: --max-recoveries (0: fail on the first fault).
+  std::vector<std::string> Train(int steps, int recoveries = 0) {
     return {kShardctlBinary, "train", "--coordinator", address_, "--model",
             kSmallMoe, "--steps", absl::StrCat(steps), "--global-batch", "8",
-            "--seq", "32", "--dp", "1", "--json"};
+            "--seq", "32", "--dp", "1", "--json", "--max-recoveries",
+            absl::StrCat(recoveries)};
   }
 
   std::string ns_, host_if_, ns_if_, host_ip_, ns_ip_, dir_, address_;
@@ -149,7 +151,8 @@ class NetworkFaultTest : public ::testing::Test {
   std::unique_ptr<CoordinatorClient> client_;
 };
 
-TEST_F(NetworkFaultTest, CutLinkFailsTheJobCleanlyAndTheWorkerRejoins) {
+TEST_F(NetworkFaultTest,
+       CutLinkFailsOrInterruptsTheJobCleanlyAndTheWorkerRejoins) {
   std::string out;
   // Sanity: training works across the veth link.
   ASSERT_EQ(RunCommand(Train(3), absl::Seconds(120), &out), 0) << out;
@@ -196,6 +199,29 @@ TEST_F(NetworkFaultTest, CutLinkFailsTheJobCleanlyAndTheWorkerRejoins) {
       "%.2f s after the link came back\n",
       absl::ToDoubleSeconds(detected), absl::ToDoubleSeconds(failed),
       absl::ToDoubleSeconds(rejoined));
+
+  // A job allowed to recover waits out the cut and goes on from the step
+  // the worker still holds.
+  const std::string recovering_base = dir_ + "_recovering";
+  const pid_t recovering =
+      Spawn(Train(400, /*recoveries=*/3), recovering_base + ".out",
+            recovering_base + ".err");
+  ASSERT_GT(recovering, 0);
+  absl::SleepFor(absl::Seconds(2));
+  ASSERT_EQ(Ip({"link", "set", host_if_, "down"}, &out), 0) << out;
+  link_down_ = true;
+  ASSERT_TRUE(WaitForAlive(false, absl::Seconds(10)));
+  ASSERT_EQ(Ip({"link", "set", host_if_, "up"}, &out), 0) << out;
+  link_down_ = false;
+  const int recovered = WaitFor(recovering, absl::Seconds(180));
+  if (recovered == -2) {
+    kill(recovering, SIGKILL);
+    waitpid(recovering, nullptr, 0);
+  }
+  EXPECT_EQ(recovered, 0) << ReadFile(recovering_base + ".err");
+  const std::string summary = ReadFile(recovering_base + ".out");
+  EXPECT_THAT(summary, HasSubstr("interrupted at step"));
+  EXPECT_THAT(summary, HasSubstr("every worker still held step"));
 }
 
 }  // namespace

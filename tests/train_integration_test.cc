@@ -272,6 +272,9 @@ TEST_F(TrainIntegrationTest, OneAndTwoWorkerProcessesGiveTheSameLosses) {
 
 TEST_F(TrainIntegrationTest, AWorkerKilledMidJobFailsItNamingTheRank) {
   std::vector<std::string> args = TrainArgs(100000);
+  // Fail on the first fault (recovery is recovery_integration_test's).
+  args.push_back("--max-recoveries");
+  args.push_back("0");
   const std::string base = dir_ + "_long";
   args.insert(args.begin(), kShardctlBinary);
   const pid_t train = Spawn(args, base + ".out", base + ".err");

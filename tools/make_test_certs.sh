@@ -8,6 +8,10 @@
 #
 # Writes: ca.pem ca.key server.pem server.key client.pem client.key
 #         client.token worker.token
+#
+# SHARDD_CERT_SANS (environment): more subjectAltName entries for the server
+# certificate, e.g. "DNS:shardd-coordinator,DNS:*.shardd-worker.ns.svc"
+# (deploy/k8s/make-secrets.sh).
 set -euo pipefail
 
 if [[ $# -ne 1 ]]; then
@@ -41,7 +45,7 @@ sign() {
 }
 
 sign server localhost \
-  "subjectAltName=IP:127.0.0.1,DNS:localhost
+  "subjectAltName=IP:127.0.0.1,DNS:localhost${SHARDD_CERT_SANS:+,$SHARDD_CERT_SANS}
 extendedKeyUsage=serverAuth,clientAuth
 basicConstraints=CA:FALSE"
 sign client shardd-client \

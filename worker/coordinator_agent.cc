@@ -48,8 +48,10 @@ int64_t WaitMs(absl::Duration d) {
 // Errors that retrying the same registration cannot fix.
 bool Permanent(absl::StatusCode code) {
   switch (code) {
+    // RESOURCE_EXHAUSTED (every rank held by a live worker) is not here: a
+    // replacement started right after a worker died waits for the
+    // coordinator to notice the death and free the rank.
     case absl::StatusCode::kInvalidArgument:
-    case absl::StatusCode::kResourceExhausted:
     case absl::StatusCode::kFailedPrecondition:
     case absl::StatusCode::kAlreadyExists:
     case absl::StatusCode::kPermissionDenied:
@@ -272,6 +274,7 @@ void CoordinatorAgent::HeartbeatLoop() {
       registration_.membership_epoch = response.membership_epoch();
       continue;
     }
+    heartbeat_failures_.fetch_add(1);
     if (status.code() == absl::StatusCode::kAborted ||
         status.code() == absl::StatusCode::kNotFound) {
       failures = 0;

@@ -100,6 +100,9 @@ class CoordinatorAgent final : public KeyValueClient {
   uint64_t incarnation() const { return incarnation_; }
   // Successful registrations so far (1 after Start, +1 per re-registration).
   int registrations() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Heartbeats that failed so far (unreachable coordinator, timeouts, or
+  // refused: the coordinator forgot this worker).
+  int64_t heartbeat_failures() const { return heartbeat_failures_.load(); }
 
   // KeyValueClient over the coordinator's Put/Get/Delete. Errors: the
   // coordinator's, plus UNAVAILABLE/DEADLINE_EXCEEDED when it cannot be
@@ -151,6 +154,8 @@ class CoordinatorAgent final : public KeyValueClient {
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   // Calls in flight, cancelled by Stop.
   std::set<grpc::ClientContext*> calls_ ABSL_GUARDED_BY(mu_);
+
+  std::atomic<int64_t> heartbeat_failures_{0};
 
   // Serializes joining the heartbeat thread (Stop may race the destructor).
   absl::Mutex join_mu_;

@@ -354,17 +354,24 @@ TEST_F(CoordinatorAgentTest, RefusedRegistrationFailsAtOnce) {
   StartCoordinator("127.0.0.1:0", /*max_workers=*/1);
   SHARDD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<CoordinatorAgent> first,
                               CoordinatorAgent::Start(AgentOptions(23000)));
-  const absl::Time start = absl::Now();
-  EXPECT_THAT(
-      CoordinatorAgent::Start(AgentOptions(23001)),
-      StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("refused")));
-  // Not retried until connect_timeout (5 s).
-  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  // Every rank held: retried (a dead worker's rank frees up once its
+  // heartbeat times out) until connect_timeout, naming the cause.
+  CoordinatorAgentOptions full = AgentOptions(23001);
+  full.connect_timeout = absl::Milliseconds(600);
+  full.max_backoff = absl::Milliseconds(50);
+  absl::Time start = absl::Now();
+  EXPECT_THAT(CoordinatorAgent::Start(full),
+              StatusIs(absl::StatusCode::kDeadlineExceeded,
+                       HasSubstr("RESOURCE_EXHAUSTED")));
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(500));
+  start = absl::Now();
   CoordinatorAgentOptions bad = AgentOptions(23002);
   bad.address.clear();
   EXPECT_THAT(
       CoordinatorAgent::Start(bad),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("address")));
+  // A malformed registration is not retried.
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
 }
 
 }  // namespace

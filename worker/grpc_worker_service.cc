@@ -189,6 +189,23 @@ grpc::ServerUnaryReactor* GrpcWorkerService::LoadShards(
   });
 }
 
+grpc::ServerUnaryReactor* GrpcWorkerService::HealReplicas(
+    grpc::CallbackServerContext* context,
+    const v1::HealReplicasRequest* request,
+    v1::HealReplicasResponse* response) {
+  if (absl::Status status = authorizer_.Check(*context, kWorkerRole);
+      !status.ok()) {
+    return Finish(context, status);
+  }
+  return Enqueue(context, [this, request, response]() -> absl::Status {
+    absl::StatusOr<v1::HealReplicasResponse> result =
+        runtime_->HealReplicas(*request);
+    if (!result.ok()) return result.status();
+    *response = *std::move(result);
+    return absl::OkStatus();
+  });
+}
+
 grpc::ServerUnaryReactor* GrpcWorkerService::Unshard(
     grpc::CallbackServerContext* context, const v1::UnitRequest*,
     v1::CommandResponse*) {

@@ -8,8 +8,8 @@
 // run on a gRPC callback thread: each is queued, in arrival order, for one
 // runtime thread owned by this service, which runs it and finishes the
 // call. The runtime serializes them anyway, so one thread loses nothing and
-// keeps the order in which a coordinator sent them. SaveShards and
-// LoadShards are queued the same way. A call cancelled before
+// keeps the order in which a coordinator sent them. SaveShards,
+// LoadShards and HealReplicas are queued the same way. A call cancelled before
 // its turn is finished with CANCELLED without running. GetStats and
 // Shutdown answer inline (the runtime's stats never wait for a step).
 //
@@ -95,6 +95,12 @@ class GrpcWorkerService final : public v1::Worker::CallbackService {
       grpc::CallbackServerContext* context,
       const v1::LoadShardsRequest* request,
       v1::LoadShardsResponse* response) override;
+  // Queued like Execute: the replica broadcasts are collectives that can
+  // block for a collective timeout, and run between steps.
+  grpc::ServerUnaryReactor* HealReplicas(
+      grpc::CallbackServerContext* context,
+      const v1::HealReplicasRequest* request,
+      v1::HealReplicasResponse* response) override;
 
  private:
   struct Call {

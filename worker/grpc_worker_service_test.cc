@@ -145,6 +145,18 @@ TEST_F(WorkerServiceTest, CheckpointRpcsNeedAPlanAndACheckpointRoot) {
   EXPECT_THAT(status.error_message(), HasSubstr("--checkpoint-root"));
 }
 
+// (section: worker-recovery) HealReplicas is served (queued like the
+// checkpoint RPCs) and refuses a worker without a plan.
+TEST_F(WorkerServiceTest, HealReplicasNeedsAPlan) {
+  v1::HealReplicasRequest request;
+  request.add_source_replica(0);
+  v1::HealReplicasResponse response;
+  const grpc::Status status =
+      stub_->HealReplicas(Context().get(), request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(status.error_message(), HasSubstr("no plan loaded"));
+}
+
 TEST(WorkerServiceAuthTest, CheckpointRpcsNeedTheWorkerToken) {
   WorkerRuntimeOptions options;
   options.checkpoint_root = "/nonexistent";

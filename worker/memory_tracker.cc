@@ -49,6 +49,7 @@ void MemoryTracker::Allocate(MemoryKind kind, int64_t bytes) {
     state_.live_unsharded += bytes;
   }
   UpdatePeaksLocked();
+  RecordLocked(kind);
 }
 
 void MemoryTracker::Free(MemoryKind kind, int64_t bytes) {
@@ -65,6 +66,30 @@ void MemoryTracker::Free(MemoryKind kind, int64_t bytes) {
       kind == MemoryKind::kUnshardedGrads) {
     state_.live_unsharded -= bytes;
   }
+  RecordLocked(kind);
+}
+
+void MemoryTracker::RecordLocked(MemoryKind kind) {
+  if (!recording_ || timeline_.size() >= max_points_) return;
+  if (kind != MemoryKind::kGatheredParams &&
+      kind != MemoryKind::kUnshardedGrads) {
+    return;
+  }
+  timeline_.push_back({state_.live[Index(MemoryKind::kGatheredParams)],
+                       state_.live[Index(MemoryKind::kUnshardedGrads)]});
+}
+
+void MemoryTracker::StartTimeline(size_t max_points) {
+  absl::MutexLock lock(&mu_);
+  recording_ = true;
+  max_points_ = max_points;
+  timeline_.clear();
+}
+
+std::vector<MemoryTimelinePoint> MemoryTracker::StopTimeline() {
+  absl::MutexLock lock(&mu_);
+  recording_ = false;
+  return std::exchange(timeline_, {});
 }
 
 void MemoryTracker::UpdatePeaksLocked() {

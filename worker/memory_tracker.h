@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -41,6 +42,13 @@ struct MemorySnapshot {
   int64_t peak_unsharded = 0;
 };
 
+// Live unsharded bytes right after one change of either kind (a point of a
+// measured memory timeline, MemoryTracker::StartTimeline).
+struct MemoryTimelinePoint {
+  int64_t gathered_params = 0;
+  int64_t unsharded_grads = 0;
+};
+
 class MemoryTracker {
  public:
   void Allocate(MemoryKind kind, int64_t bytes);
@@ -52,12 +60,25 @@ class MemoryTracker {
   MemorySnapshot Snapshot() const;
   int64_t over_frees() const;
 
+  // Measured timeline: from now on, every allocation or free of gathered
+  // parameters or unsharded gradients appends the live bytes of both kinds
+  // (the first `max_points`; later changes are not stored). Restarts an
+  // ongoing recording.
+  void StartTimeline(size_t max_points);
+  // Stops recording and returns the points (empty when none was started).
+  std::vector<MemoryTimelinePoint> StopTimeline();
+
  private:
+  void RecordLocked(MemoryKind kind) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   void UpdatePeaksLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
   MemorySnapshot state_ ABSL_GUARDED_BY(mu_);
   int64_t over_frees_ ABSL_GUARDED_BY(mu_) = 0;
+  bool recording_ ABSL_GUARDED_BY(mu_) = false;
+  size_t max_points_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<MemoryTimelinePoint> timeline_ ABSL_GUARDED_BY(mu_);
 };
 
 // Keeps freed blocks for reuse by size, like a caching allocator: a buffer

@@ -101,5 +101,27 @@ TEST(MemoryTrackerTest, ConcurrentUpdatesBalance) {
   EXPECT_EQ(tracker.over_frees(), 0);
 }
 
+// (section: timeline-svg)
+TEST(MemoryTrackerTest, TimelineRecordsUnshardedChangesOnly) {
+  MemoryTracker tracker;
+  tracker.Allocate(MemoryKind::kGatheredParams, 100);  // Not recording yet.
+  EXPECT_TRUE(tracker.StopTimeline().empty());
+  tracker.StartTimeline(3);
+  tracker.Allocate(MemoryKind::kWorkspace, 7);  // Other kinds: no point.
+  tracker.Allocate(MemoryKind::kUnshardedGrads, 40);
+  tracker.Free(MemoryKind::kGatheredParams, 100);
+  tracker.Allocate(MemoryKind::kGatheredParams, 10);
+  tracker.Allocate(MemoryKind::kGatheredParams, 10);  // Over max_points.
+  const std::vector<MemoryTimelinePoint> points = tracker.StopTimeline();
+  ASSERT_EQ(points.size(), 3u);
+  EXPECT_EQ(points[0].gathered_params, 100);
+  EXPECT_EQ(points[0].unsharded_grads, 40);
+  EXPECT_EQ(points[1].gathered_params, 0);
+  EXPECT_EQ(points[1].unsharded_grads, 40);
+  EXPECT_EQ(points[2].gathered_params, 10);
+  tracker.Free(MemoryKind::kUnshardedGrads, 40);  // Stopped: no point.
+  EXPECT_TRUE(tracker.StopTimeline().empty());
+}
+
 }  // namespace
 }  // namespace shardd

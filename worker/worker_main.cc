@@ -10,6 +10,19 @@
 //       [--collective_bind=127.0.0.1]
 //       [--tls_cert=F --tls_key=F [--tls_client_ca=F]] [--tls_ca=F]
 //       [--worker_token_file=F] [--checkpoint_root=DIR]
+//       [--debug_save_delay=D (fault tests only)]
+//       [--memory_timeline_svg=FILE]
+//       [--health_listen=HOST:PORT]
+//       [--metrics_listen=HOST:PORT]
+//
+// --metrics_listen serves Prometheus metrics over plaintext HTTP on /metrics
+// (and /healthz), see docs/observability.md; the bound address is logged as
+// "shardd-worker metrics listening on HOST:PORT".
+//
+// The gRPC health service (on --listen and, plaintext, on --health_listen)
+// reports NOT_SERVING until the worker has registered with the coordinator
+// (at once without --coordinator) and again once it is stopping, so a
+// readiness probe passes only for a worker that has joined.
 //
 // Exits 1 when the coordinator cannot be reached within
 // --coordinator_timeout. The port file is written once the worker is serving
@@ -38,12 +51,19 @@
 #include "common/grpc_security.h"
 #include "common/grpc_server.h"
 #include "common/logging.h"
+#include "common/metrics_http_server.h"
+#include "common/metrics_registry.h"
 #include "worker/coordinator_agent.h"
 #include "worker/grpc_worker_service.h"
+#include "worker/worker_metrics.h"
 #include "worker/worker_runtime.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:0",
           "host:port for the Worker service (port 0 picks a free one)");
+ABSL_FLAG(std::string, health_listen, "",
+          "host:port of a plaintext listener that serves only the gRPC "
+          "health service (for Kubernetes gRPC probes, which cannot speak "
+          "TLS); empty: none");
 ABSL_FLAG(std::string, coordinator, "",
           "coordinator host:port to register with (empty: run standalone)");
 ABSL_FLAG(absl::Duration, coordinator_timeout, absl::Seconds(30),
@@ -63,10 +83,23 @@ ABSL_FLAG(std::string, collective_bind, "127.0.0.1",
           "address this worker's Gloo endpoints listen on; the other workers "
           "must reach it (set a routable address for multi-host jobs)");
 ABSL_FLAG(bool, log_json, false, "log one JSON object per line");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "host:port of a plaintext HTTP listener serving Prometheus "
+          "metrics on /metrics (and /healthz); port 0 picks a free one; "
+          "empty: none");
 ABSL_FLAG(std::string, checkpoint_root, "",
           "Directory checkpoint paths are confined to: the coordinator's "
           "--checkpoint-dir on a shared file system; empty: checkpoints are "
           "refused");
+ABSL_FLAG(absl::Duration, debug_save_delay, absl::ZeroDuration(),
+          "fault-injection aid for tests only: after SaveShards wrote and "
+          "fsynced this rank's checkpoint file, sleep this long (e.g. 5s) "
+          "before answering, so a test can kill the worker in the middle of "
+          "a checkpoint; 0 (default) in production");
+ABSL_FLAG(std::string, memory_timeline_svg, "",
+          "Draw the measured memory timeline (gathered parameters and "
+          "unsharded gradients after every allocation and free) of the "
+          "first step this worker runs on the CPU into this SVG file");
 ABSL_FLAG(std::string, tls_cert, "",
           "PEM certificate chain to serve TLS with (with --tls_key); also "
           "the client certificate shown to a coordinator that requires one");
@@ -143,6 +176,13 @@ int main(int argc, char** argv) {
   runtime_options.bind_address = absl::GetFlag(FLAGS_collective_bind);
   runtime_options.device = device_ordinal;
   runtime_options.checkpoint_root = absl::GetFlag(FLAGS_checkpoint_root);
+  runtime_options.debug_save_delay = absl::GetFlag(FLAGS_debug_save_delay);
+  runtime_options.memory_timeline_svg =
+      absl::GetFlag(FLAGS_memory_timeline_svg);
+  if (runtime_options.debug_save_delay < absl::ZeroDuration()) {
+    std::fprintf(stderr, "shardd-worker: --debug-save-delay must be >= 0\n");
+    return 2;
+  }
   while (runtime_options.checkpoint_root.size() > 1 &&
          runtime_options.checkpoint_root.back() == '/') {
     runtime_options.checkpoint_root.pop_back();
@@ -176,6 +216,25 @@ int main(int argc, char** argv) {
     return 2;
   }
 
+  // Families and the step hook exist before the runtime that calls it.
+  shardd::MetricsRegistry metrics;
+  std::unique_ptr<shardd::WorkerMetrics> worker_metrics;
+  const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  if (!metrics_listen.empty()) {
+    absl::StatusOr<std::unique_ptr<shardd::WorkerMetrics>> created =
+        shardd::WorkerMetrics::Create(&metrics);
+    if (!created.ok()) {
+      std::fprintf(stderr, "shardd-worker: %s\n",
+                   created.status().ToString().c_str());
+      return 1;
+    }
+    worker_metrics = *std::move(created);
+    runtime_options.on_step = [m = worker_metrics.get()](
+                                  const shardd::StepResult& result) {
+      m->RecordStep(result);
+    };
+  }
+
   shardd::WorkerRuntime runtime(runtime_options);
   shardd::GrpcWorkerService service(
       &runtime, [] { g_stop.store(true); },
@@ -183,16 +242,38 @@ int main(int argc, char** argv) {
   shardd::GrpcServerOptions options;
   options.address = absl::GetFlag(FLAGS_listen);
   options.credentials = *std::move(credentials);
+  options.health_address = absl::GetFlag(FLAGS_health_listen);
   auto running = shardd::StartGrpcServer(options, {&service});
   if (!running.ok()) {
     std::fprintf(stderr, "shardd-worker: %s\n",
                  running.status().ToString().c_str());
     return 1;
   }
+  // Declared after the runtime and stopped before the agent goes: its
+  // collector reads both.
+  std::unique_ptr<shardd::MetricsHttpServer> metrics_server;
+  if (worker_metrics != nullptr) {
+    worker_metrics->set_runtime(&runtime);
+    absl::StatusOr<std::unique_ptr<shardd::MetricsHttpServer>> started =
+        shardd::MetricsHttpServer::Start({metrics_listen}, &metrics);
+    if (!started.ok()) {
+      std::fprintf(stderr, "shardd-worker: %s\n",
+                   started.status().ToString().c_str());
+      running->server->Shutdown(std::chrono::system_clock::now());
+      return started.status().code() == absl::StatusCode::kInvalidArgument
+                 ? 2
+                 : 1;
+    }
+    metrics_server = *std::move(started);
+    SHARDD_LOG(INFO) << "shardd-worker metrics listening on "
+                     << metrics_server->address();
+  }
+  const std::string coordinator = absl::GetFlag(FLAGS_coordinator);
+  // Not ready until registered: gRPC's health service starts SERVING.
+  running->SetServing(coordinator.empty());
   // Register only once serving, so the coordinator never hands out an
   // address that does not answer yet.
   std::unique_ptr<shardd::CoordinatorAgent> agent;
-  const std::string coordinator = absl::GetFlag(FLAGS_coordinator);
   if (!coordinator.empty()) {
     shardd::CoordinatorAgentOptions agent_options;
     agent_options.coordinator = coordinator;
@@ -224,6 +305,8 @@ int main(int argc, char** argv) {
     }
     agent = *std::move(started);
     service.set_kv_client(agent.get());
+    if (worker_metrics != nullptr) worker_metrics->set_agent(agent.get());
+    running->SetServing(true);
     SHARDD_LOG(INFO) << "shardd-worker registered with " << coordinator
                      << " as rank " << agent->rank();
   }
@@ -248,11 +331,16 @@ int main(int argc, char** argv) {
   // (That also cancels a rendezvous in flight.) Then finish queued calls
   // with UNAVAILABLE and wait for the running one, so the server's shutdown
   // does not wait on them; the runtime thread is gone before the agent.
+  running->SetServing(false);
+  if (metrics_server != nullptr) metrics_server->Shutdown();
   if (agent != nullptr) agent->Stop();
   service.Stop();
   service.set_kv_client(nullptr);
   running->server->Shutdown(std::chrono::system_clock::now() +
                             std::chrono::seconds(5));
+  if (running->health_server != nullptr) {
+    running->health_server->Shutdown(std::chrono::system_clock::now());
+  }
   runtime.Reset();
   SHARDD_LOG(INFO) << "shardd-worker stopped";
   return 0;

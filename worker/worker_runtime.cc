@@ -9,10 +9,12 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/model_util.h"
@@ -23,6 +25,7 @@
 #include "worker/gloo_communicator.h"
 #include "worker/kv_gloo_store.h"
 #include "worker/shard_checkpoint.h"
+#include "worker/shard_state_transfer.h"
 #include "worker/step_runner.h"
 
 #ifdef SHARDD_WITH_CUDA
@@ -118,6 +121,22 @@ absl::Status CheckPlanMatchesModel(const v1::ShardingPlan& plan,
         total, " parameters (plan and model differ)"));
   }
   return absl::OkStatus();
+}
+
+// Adds every counter of `from` to `to` (all collective kinds).
+void AddCommunicatorStats(const CommunicatorStats& from,
+                          CommunicatorStats* to) {
+  for (auto [src, dst] :
+       {std::make_pair(&from.all_gather, &to->all_gather),
+        std::make_pair(&from.reduce_scatter, &to->reduce_scatter),
+        std::make_pair(&from.all_reduce, &to->all_reduce),
+        std::make_pair(&from.broadcast, &to->broadcast),
+        std::make_pair(&from.barrier, &to->barrier)}) {
+    dst->calls += src->calls;
+    dst->failures += src->failures;
+    dst->bytes += src->bytes;
+    dst->time += src->time;
+  }
 }
 
 }  // namespace
@@ -225,6 +244,7 @@ struct WorkerRuntime::Job {
   v1::TrainConfig train;  // Resolved (defaults filled in).
   std::string job_id;
   uint64_t membership_epoch = 0;
+  absl::Duration collective_timeout = absl::Seconds(60);
   int rank = 0;
   int shard_rank = 0;
   int replica_rank = 0;
@@ -243,6 +263,20 @@ struct WorkerRuntime::Job {
   bool step_open = false;
   int64_t step = 0;
   int next_index = 0;
+
+  // Set when a HealReplicas broadcast failed (the executor's own health
+  // covers failed steps).
+  absl::Status failed;
+  // The shards no longer hold a committed step (a broadcast or checkpoint
+  // load failed part-way): keep_state must not keep them.
+  bool state_lost = false;
+};
+
+struct WorkerRuntime::KeptState {
+  std::string job_id;
+  uint64_t plan_fingerprint = 0;
+  int64_t optimizer_steps = 0;
+  ShardStateSnapshot snapshot;
 };
 
 WorkerRuntime::WorkerRuntime(WorkerRuntimeOptions options)
@@ -252,7 +286,57 @@ WorkerRuntime::~WorkerRuntime() { Reset(); }
 
 void WorkerRuntime::Reset() {
   absl::MutexLock lock(&mu_);
+  retained_.reset();
   DropJobLocked();
+  PublishJobLocked();
+}
+
+absl::Status WorkerRuntime::JobHealthLocked() const {
+  if (!job_->failed.ok()) return job_->failed;
+  return job_->executor->health();
+}
+
+void WorkerRuntime::PublishJobLocked() {
+  JobInfo info;
+  if (job_ != nullptr) {
+    info.job_id = job_->job_id;
+    info.plan_fingerprint = job_->plan.fingerprint();
+    info.optimizer_steps =
+        job_->state_lost ? -1 : job_->executor->optimizer_steps();
+    info.step_failed = !JobHealthLocked().ok();
+  } else if (retained_ != nullptr) {
+    info.job_id = retained_->job_id;
+    info.plan_fingerprint = retained_->plan_fingerprint;
+    info.optimizer_steps = retained_->optimizer_steps;
+    info.step_failed = true;
+  }
+  absl::MutexLock lock(&stats_mu_);
+  live_job_ = std::move(info);
+}
+
+std::unique_ptr<WorkerRuntime::KeptState> WorkerRuntime::TakeKeptStateLocked(
+    const std::string& job_id, uint64_t fingerprint) {
+  if (job_ == nullptr) {
+    if (retained_ != nullptr && retained_->job_id == job_id &&
+        retained_->plan_fingerprint == fingerprint) {
+      return std::move(retained_);
+    }
+    return nullptr;
+  }
+  if (job_->job_id != job_id || job_->plan.fingerprint() != fingerprint ||
+      job_->state_lost) {
+    return nullptr;
+  }
+  const StepExecutor* executor = job_->executor->cpu_executor();
+  if (executor == nullptr) return nullptr;
+  // A failed executor is fine: its step committed fully or not at all, so
+  // the masters and moments are those of its optimizer step count.
+  auto kept = std::make_unique<KeptState>();
+  kept->job_id = job_id;
+  kept->plan_fingerprint = fingerprint;
+  kept->optimizer_steps = executor->optimizer_steps();
+  kept->snapshot = CaptureShardState(executor->shards());
+  return kept;
 }
 
 void WorkerRuntime::DropJobLocked() {
@@ -260,11 +344,7 @@ void WorkerRuntime::DropJobLocked() {
   {
     absl::MutexLock lock(&stats_mu_);
     if (live_shard_group_ != nullptr) {
-      const CommunicatorStats s = live_shard_group_->stats();
-      retired_.all_gather.calls += s.all_gather.calls;
-      retired_.all_gather.bytes += s.all_gather.bytes;
-      retired_.reduce_scatter.calls += s.reduce_scatter.calls;
-      retired_.reduce_scatter.bytes += s.reduce_scatter.bytes;
+      AddCommunicatorStats(live_shard_group_->stats(), &retired_);
     }
     live_shard_group_ = nullptr;
     live_memory_ = nullptr;
@@ -363,13 +443,41 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::LoadPlan(
   }
 
   absl::MutexLock lock(&mu_);
+  std::unique_ptr<KeptState> kept;
+  if (request.keep_state() && options_.device < 0) {
+    kept = TakeKeptStateLocked(request.job_id(), plan.fingerprint());
+  }
+  // Any other retained state belongs to a job this request replaces.
+  retained_.reset();
+  // Dropped before the rendezvous, as without keep_state: its
+  // communicators close, so peers still blocked on them fail now.
   DropJobLocked();
   tracker_.ResetPeaks();
+  absl::StatusOr<v1::LoadPlanResponse> response =
+      BuildJobLocked(request, kv, std::move(job), &kept);
+  if (!response.ok() && kept != nullptr) {
+    SHARDD_LOG(WARNING) << "LoadPlan of job " << request.job_id()
+                        << " failed; retaining its state of step "
+                        << kept->optimizer_steps
+                        << " for a later keep_state LoadPlan";
+    retained_ = std::move(kept);
+  }
+  PublishJobLocked();
+  return response;
+}
 
+absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::BuildJobLocked(
+    const v1::LoadPlanRequest& request, KeyValueClient* kv,
+    std::unique_ptr<Job> job, std::unique_ptr<KeptState>* kept) {
+  const v1::ShardingPlan& plan = request.plan();
+  const v1::TrainConfig& train = job->train;
+  const int dp_shard = plan.mesh().dp_shard();
+  const int dp_replicate = plan.mesh().dp_replicate();
   const absl::Duration timeout =
       request.collective_timeout_ms() > 0
           ? absl::Milliseconds(request.collective_timeout_ms())
           : options_.default_collective_timeout;
+  job->collective_timeout = timeout;
   const std::string base =
       absl::StrCat(request.job_id(), "/", request.membership_epoch(), "/");
   StepExecutorOptions executor_options;
@@ -402,7 +510,7 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::LoadPlan(
                        ": ", runner.status().message()));
     }
     job->executor = *std::move(runner);
-    return InstallJobLocked(std::move(job));
+    return InstallJobLocked(std::move(job), /*kept_step=*/-1);
 #else
     return absl::FailedPreconditionError(absl::StrCat(
         "device cuda:", options_.device,
@@ -481,13 +589,29 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::LoadPlan(
       StepExecutor::Create(plan, request.model(), executor_options,
                            job->shard_group.get(), job->replicas.get(),
                            &tracker_, slice_groups));
+  int64_t kept_step = -1;
+  if (*kept != nullptr) {
+    // Same job and fingerprint, so the same layout: a failure here is a bug.
+    absl::Status restored =
+        RestoreShardState((*kept)->snapshot, executor->mutable_shards());
+    if (restored.ok()) {
+      restored = executor->RestoreOptimizerSteps((*kept)->optimizer_steps);
+    }
+    if (!restored.ok()) {
+      return absl::InternalError(
+          absl::StrCat("rank ", job->rank, ": keeping the state of job ",
+                       job->job_id, " failed: ", restored.ToString()));
+    }
+    kept_step = (*kept)->optimizer_steps;
+    kept->reset();  // Free the snapshot now.
+  }
   job->executor = std::make_unique<CpuStepRunner>(
       std::move(executor), job->shard_group.get(), &tracker_);
-  return InstallJobLocked(std::move(job));
+  return InstallJobLocked(std::move(job), kept_step);
 }
 
 absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::InstallJobLocked(
-    std::unique_ptr<Job> job) {
+    std::unique_ptr<Job> job, int64_t kept_step) {
   const v1::ShardingPlan& plan = job->plan;
   const int dp_shard = plan.mesh().dp_shard();
   const int dp_replicate = plan.mesh().dp_replicate();
@@ -497,18 +621,24 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::InstallJobLocked(
           ->Snapshot()
           .live[static_cast<int>(MemoryKind::kShardParams)]);
   response.set_data_entropy_rate(job->entropy_rate);
+  response.set_kept_step(kept_step);
   SHARDD_LOG(INFO) << "rank " << job->rank << " loaded plan "
                    << plan.fingerprint() << " (job " << job->job_id
                    << ", epoch " << job->membership_epoch << ", shard rank "
                    << job->shard_rank << "/" << dp_shard << ", replica rank "
                    << job->replica_rank << "/" << dp_replicate << ", "
-                   << job->sampler->source().Describe() << ")";
+                   << job->sampler->source().Describe() << ", "
+                   << (kept_step >= 0
+                           ? absl::StrCat("kept state of step ", kept_step)
+                           : std::string("fresh shards"))
+                   << ")";
   {
     absl::MutexLock stats_lock(&stats_mu_);
     live_shard_group_ = job->executor->shard_group();
     live_memory_ = job->executor->memory();
   }
   job_ = std::move(job);
+  PublishJobLocked();
   return response;
 }
 
@@ -521,7 +651,7 @@ absl::Status WorkerRuntime::CheckJobLocked(uint64_t fingerprint) const {
         "stale plan: worker holds fingerprint ", job_->plan.fingerprint(),
         ", program names ", fingerprint));
   }
-  const absl::Status health = job_->executor->health();
+  const absl::Status health = JobHealthLocked();
   if (!health.ok()) {
     return absl::FailedPreconditionError(
         absl::StrCat("rank ", job_->rank, ": job ", job_->job_id, " epoch ",
@@ -586,15 +716,21 @@ absl::StatusOr<v1::ExecuteResponse> WorkerRuntime::Execute(
   const v1::StepProgram& program = request.program();
   absl::MutexLock lock(&mu_);
   SHARDD_RETURN_IF_ERROR(CheckJobLocked(program.plan_fingerprint()));
+  absl::Cleanup publish = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    PublishJobLocked();
+  };
   std::vector<data::MicroBatch> batches;
   SHARDD_RETURN_IF_ERROR(
       FetchBatchesLocked(program.step(), program.microbatches(), &batches));
+  timeline_capture_.BeginStep();
   absl::StatusOr<StepResult> result = job_->executor->Execute(program, batches);
   if (!result.ok()) {
     const absl::Status error = StepError(result.status());
     SHARDD_LOG(WARNING) << "Execute failed: " << error.ToString();
     return error;
   }
+  DrawTimelineLocked(program.step());
+  if (options_.on_step) options_.on_step(*result);
   return ToResponse(*result);
 }
 
@@ -602,6 +738,9 @@ absl::StatusOr<v1::ExecuteResponse> WorkerRuntime::RunCommand(
     const v1::RunCommandRequest& request) {
   absl::MutexLock lock(&mu_);
   SHARDD_RETURN_IF_ERROR(CheckJobLocked(request.plan_fingerprint()));
+  absl::Cleanup publish = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    PublishJobLocked();
+  };
   Job& job = *job_;
   StepRunner& executor = *job.executor;
   if (request.begin_step()) {
@@ -617,6 +756,7 @@ absl::StatusOr<v1::ExecuteResponse> WorkerRuntime::RunCommand(
     SHARDD_RETURN_IF_ERROR(
         FetchBatchesLocked(request.step(), header.microbatches(), &batches));
     SHARDD_RETURN_IF_ERROR(StepError(executor.BeginStep(header, batches)));
+    timeline_capture_.BeginStep();
     job.step_open = true;
     job.step = request.step();
     job.next_index = 0;
@@ -653,9 +793,19 @@ absl::StatusOr<v1::ExecuteResponse> WorkerRuntime::RunCommand(
     job.step_open = false;
     absl::StatusOr<StepResult> result = executor.EndStep();
     if (!result.ok()) return StepError(result.status());
+    DrawTimelineLocked(job.step);
+    if (options_.on_step) options_.on_step(*result);
     response = ToResponse(*result);
   }
   return response;
+}
+
+void WorkerRuntime::DrawTimelineLocked(int64_t step) {
+  const absl::Status drawn =
+      timeline_capture_.EndStep(job_->plan, job_->rank, step);
+  if (!drawn.ok()) {
+    SHARDD_LOG(WARNING) << "memory timeline: " << drawn.ToString();
+  }
 }
 
 absl::StatusOr<StepExecutor*> WorkerRuntime::CheckpointExecutorLocked(
@@ -715,6 +865,13 @@ absl::StatusOr<v1::SaveShardsResponse> WorkerRuntime::SaveShards(
   SHARDD_LOG(INFO) << "rank " << job_->rank << " saved "
                    << saved->file.size_bytes << " bytes to " << dir << "/"
                    << saved->file.name;
+  if (options_.debug_save_delay > absl::ZeroDuration()) {
+    // The file is written and fsynced; the answer is not sent yet.
+    SHARDD_LOG(WARNING) << "rank " << job_->rank << ": --debug-save-delay: "
+                        << "sleeping " << options_.debug_save_delay
+                        << " before answering SaveShards";
+    absl::SleepFor(options_.debug_save_delay);
+  }
   return response;
 }
 
@@ -733,10 +890,21 @@ absl::StatusOr<v1::LoadShardsResponse> WorkerRuntime::LoadShards(
   // Every file is checked before any shard changes, so a corrupted
   // checkpoint leaves the freshly initialized shards alone.
   SHARDD_RETURN_IF_ERROR(StepError((*reader)->VerifyAll()));
+  absl::Cleanup publish = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    PublishJobLocked();
+  };
   absl::StatusOr<int64_t> step = LoadRankShards(
       job_->plan, executor->mutable_shards(), reader->get(), job_->shard_rank);
-  if (!step.ok()) return StepError(step.status());
-  SHARDD_RETURN_IF_ERROR(StepError(executor->RestoreOptimizerSteps(*step)));
+  if (!step.ok()) {
+    // The shards may be partly overwritten: nothing to keep_state.
+    job_->state_lost = true;
+    return StepError(step.status());
+  }
+  if (const absl::Status restored = executor->RestoreOptimizerSteps(*step);
+      !restored.ok()) {
+    job_->state_lost = true;
+    return StepError(restored);
+  }
   SHARDD_LOG(INFO) << "rank " << job_->rank << " loaded checkpoint " << dir
                    << " (step " << *step << ")";
   v1::LoadShardsResponse response;
@@ -744,9 +912,88 @@ absl::StatusOr<v1::LoadShardsResponse> WorkerRuntime::LoadShards(
   return response;
 }
 
+absl::StatusOr<v1::HealReplicasResponse> WorkerRuntime::HealReplicas(
+    const v1::HealReplicasRequest& request) {
+  absl::MutexLock lock(&mu_);
+  SHARDD_RETURN_IF_ERROR(CheckJobLocked(request.plan_fingerprint()));
+  if (job_->step_open) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("HealReplicas: step ", job_->step,
+                     " is open (fine-grained mode); end it first"));
+  }
+  StepExecutor* executor = job_->executor->mutable_cpu_executor();
+  if (executor == nullptr) {
+    return absl::FailedPreconditionError(
+        "HealReplicas: the job's steps run on a GPU, and GPU shards cannot be "
+        "healed from replicas yet");
+  }
+  const int dp_shard = job_->plan.mesh().dp_shard();
+  const int dp_replicate = job_->plan.mesh().dp_replicate();
+  if (dp_replicate < 2 || job_->replicas == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("HealReplicas: the plan has no replicas (dp_replicate ",
+                     dp_replicate, "): there is nothing to heal from"));
+  }
+  if (request.source_replica_size() != dp_shard) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("source_replica: needs one entry per shard rank (",
+                     dp_shard, "), got ", request.source_replica_size()));
+  }
+  for (int s = 0; s < dp_shard; ++s) {
+    const int source = request.source_replica(s);
+    if (source < -1 || source >= dp_replicate) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("source_replica[", s, "]: must be in [-1, ",
+                       dp_replicate, ") (-1 = leave the group), got ", source));
+    }
+  }
+  absl::Cleanup publish = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    PublishJobLocked();
+  };
+  v1::HealReplicasResponse response;
+  const int root = request.source_replica(job_->shard_rank);
+  int64_t steps = executor->optimizer_steps();
+  if (root < 0) {
+    response.set_step(steps);
+    return response;
+  }
+  absl::StatusOr<int64_t> received =
+      BroadcastShardState(executor->mutable_shards(), &steps,
+                          job_->replicas.get(), root, job_->collective_timeout);
+  absl::Status status = received.status();
+  if (status.ok()) status = executor->RestoreOptimizerSteps(steps);
+  if (!status.ok()) {
+    const bool receiver = job_->replica_rank != root;
+    // FAILED_PRECONDITION comes before any state moved (layouts differ, or
+    // the group was already broken).
+    if (receiver && status.code() != absl::StatusCode::kFailedPrecondition) {
+      job_->state_lost = true;
+    }
+    const absl::Status error = absl::AbortedError(
+        absl::StrCat("rank ", job_->rank, " (job ", job_->job_id, " epoch ",
+                     job_->membership_epoch, "): HealReplicas from replica ",
+                     root, " of shard rank ", job_->shard_rank, " failed",
+                     job_->state_lost ? " and this rank's state is lost" : "",
+                     "; LoadPlan again: ", status.ToString()));
+    job_->failed = error;
+    SHARDD_LOG(WARNING) << error.ToString();
+    return error;
+  }
+  SHARDD_LOG(INFO) << "rank " << job_->rank << " healed shard rank "
+                   << job_->shard_rank << " from replica " << root << ": step "
+                   << steps << ", received " << *received << " bytes";
+  response.set_step(steps);
+  response.set_received_bytes(*received);
+  return response;
+}
+
 v1::GetStatsResponse WorkerRuntime::GetStats() const {
   v1::GetStatsResponse response;
   absl::MutexLock lock(&stats_mu_);
+  response.set_job_id(live_job_.job_id);
+  response.set_plan_fingerprint(live_job_.plan_fingerprint);
+  response.set_optimizer_steps(live_job_.optimizer_steps);
+  response.set_step_failed(live_job_.step_failed);
   const MemorySnapshot memory =
       (live_memory_ != nullptr ? live_memory_ : &tracker_)->Snapshot();
   response.set_live_bytes(memory.live_total);
@@ -764,6 +1011,20 @@ v1::GetStatsResponse WorkerRuntime::GetStats() const {
   response.set_all_gather_bytes(total.all_gather.bytes);
   response.set_reduce_scatter_bytes(total.reduce_scatter.bytes);
   return response;
+}
+
+CommunicatorStats WorkerRuntime::CollectiveTotals() const {
+  absl::MutexLock lock(&stats_mu_);
+  CommunicatorStats total = retired_;
+  if (live_shard_group_ != nullptr) {
+    AddCommunicatorStats(live_shard_group_->stats(), &total);
+  }
+  return total;
+}
+
+MemorySnapshot WorkerRuntime::MemoryUsage() const {
+  absl::MutexLock lock(&stats_mu_);
+  return (live_memory_ != nullptr ? live_memory_ : &tracker_)->Snapshot();
 }
 
 }  // namespace shardd

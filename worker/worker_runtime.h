@@ -28,6 +28,21 @@
 // has joined, so a retry under the same names could read a dead peer's
 // endpoint.
 //
+// Recovery without a checkpoint (CPU jobs). LoadPlan with keep_state, for
+// the job and plan fingerprint this worker holds, keeps the shards' training
+// state (fp32 masters, AdamW moments, optimizer step count) and only
+// rebuilds the collective groups for the new membership epoch; this works
+// after a failed step too, because a step commits on this rank fully or not
+// at all (step_executor.h). The state is carried across the rebuild as a
+// host snapshot (shard_state_transfer.h), taken before the old job and its
+// communicators are dropped, so peers still blocked on them fail at once
+// and the worker holds about one extra copy of masters and moments (3x the
+// shard bytes) only while the new groups form. If that LoadPlan then fails
+// (a peer missing from the rendezvous), the snapshot is retained and a
+// later keep_state LoadPlan of the same job and fingerprint still finds it.
+// HealReplicas then lets HSDP replicas that lost their state (a restarted
+// worker) copy it from a replica that kept it.
+//
 // Training config (ResolveTrainConfig): zero fields take the defaults
 // documented on TrainConfig in proto/coordinator.proto.
 //
@@ -43,6 +58,7 @@
 // the collective timeout); GetStats never waits for them.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -60,6 +76,7 @@
 #include "worker/communicator.h"
 #include "worker/data/batch_sampler.h"
 #include "worker/kv_client.h"
+#include "worker/memory_timeline.h"  // (section: timeline-svg)
 #include "worker/memory_tracker.h"
 #include "worker/step_executor.h"
 #include "worker/step_runner.h"
@@ -108,6 +125,18 @@ struct WorkerRuntimeOptions {
   // under (the coordinator's --checkpoint-dir, on a file system shared with
   // it). Empty: checkpoints are refused with FAILED_PRECONDITION.
   std::string checkpoint_root;
+  // Fault-injection aid for tests (worker flag --debug-save-delay): after
+  // SaveShards wrote and fsynced this rank's checkpoint file it sleeps this
+  // long before answering, so a test can kill the worker in the middle of a
+  // checkpoint. Zero (the default) in production.
+  absl::Duration debug_save_delay = absl::ZeroDuration();
+  // Where to draw the measured memory timeline of the first step this
+  // worker runs on the CPU (worker/memory_timeline.h); empty: none.
+  std::string memory_timeline_svg;
+  // Runs after every successful step (Execute, or RunCommand's end_step),
+  // on the calling thread under the runtime's mutex: it must be quick and
+  // must not call back into the runtime. Unset: nothing runs. (Metrics.)
+  std::function<void(const StepResult&)> on_step;
 };
 
 // `root`/`relative` for a path a request names: `relative` must be
@@ -131,10 +160,19 @@ class WorkerRuntime {
   WorkerRuntime& operator=(const WorkerRuntime&) = delete;
 
   // Installs the job `request` describes and returns this rank's master
-  // shard bytes and the data's entropy rate. `kv` (not owned; used only
-  // during the call) is the rendezvous store; null is allowed only for a
-  // world of one rank. A request that fails validation leaves the current
-  // job in place; any later failure leaves no job.
+  // shard bytes, the data's entropy rate and kept_step. `kv` (not owned;
+  // used only during the call) is the rendezvous store; null is allowed only
+  // for a world of one rank. A request that fails validation leaves the
+  // current job in place; any later failure leaves no job (but keeps a
+  // keep_state snapshot, see the file comment).
+  //
+  // keep_state: when the worker holds (or retained from a failed LoadPlan)
+  // a CPU job with request.job_id and the plan's fingerprint whose state is
+  // intact, the new job starts from its masters, moments and optimizer step
+  // count, and kept_step is that step count; the old job's last step may
+  // have failed. Otherwise (another job or plan, keep_state false, a GPU
+  // job, or state lost by a failed HealReplicas or LoadShards) the shards
+  // are freshly initialized from `seed` and kept_step is -1.
   // Errors: INVALID_ARGUMENT (rank outside [0, world_size); a plan whose
   // mesh, world size or units do not match its model (missing parameter,
   // other shape, other total); an invalid model; bad train config, see
@@ -194,10 +232,39 @@ class WorkerRuntime {
   absl::StatusOr<v1::LoadShardsResponse> LoadShards(
       const v1::LoadShardsRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Heals the HSDP replicas of this rank's shard rank s = rank % dp_shard:
+  // when request.source_replica[s] >= 0, that replica broadcasts its master
+  // shards, AdamW moments and optimizer step count over the replicate group
+  // (BroadcastShardState) and this rank takes them; -1 leaves the group as
+  // it is. Every rank of the job calls it with the same vector. Returns the
+  // step count this rank holds afterwards and the bytes it received (0 on
+  // the source and in an untouched group).
+  // Errors: FAILED_PRECONDITION (no or stale plan, the job failed, a
+  // fine-grained step open, a GPU job, dp_replicate 1); INVALID_ARGUMENT
+  // (source_replica without one entry per shard rank, an entry outside
+  // [-1, dp_replicate)); ABORTED (the broadcast failed or timed out: the
+  // job is marked failed like a failed step, and a receiving rank's state
+  // counts as lost, so a keep_state LoadPlan initializes it afresh; LoadPlan
+  // again).
+  absl::StatusOr<v1::HealReplicasResponse> HealReplicas(
+      const v1::HealReplicasRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
+
   // Live and peak bytes of every tracked buffer (peaks restart at LoadPlan
   // and at each step's start) and this process's collective totals on the
   // shard groups (all jobs so far). Never blocks on a running step.
+  // The job fields describe the job as of its last finished call (LoadPlan,
+  // step, command, checkpoint, heal): job_id, plan_fingerprint, completed
+  // optimizer steps (-1 when its state was lost) and step_failed (the job
+  // refuses steps until a LoadPlan). Without a job but with a retained
+  // keep_state snapshot they describe the snapshot, with step_failed true.
   v1::GetStatsResponse GetStats() const ABSL_LOCKS_EXCLUDED(stats_mu_);
+
+  // For metrics; like GetStats, never blocks on a running step. This
+  // process's shard-group collective counters over all jobs (every kind,
+  // failures included), and the per-kind live and peak bytes of the job's
+  // memory tracker (peaks restart at LoadPlan and at each step's start).
+  CommunicatorStats CollectiveTotals() const ABSL_LOCKS_EXCLUDED(stats_mu_);
+  MemorySnapshot MemoryUsage() const ABSL_LOCKS_EXCLUDED(stats_mu_);
 
   // Drops the job (its communicators close, so peers blocked on this rank
   // fail with ABORTED). Idempotent.
@@ -215,11 +282,37 @@ class WorkerRuntime {
 
  private:
   struct Job;
+  // Training state carried from a job to its keep_state successor.
+  struct KeptState;
+  // GetStats' view of the job.
+  struct JobInfo {
+    std::string job_id;
+    uint64_t plan_fingerprint = 0;
+    int64_t optimizer_steps = 0;
+    bool step_failed = false;
+  };
 
+  // The part of LoadPlan after the old job is dropped: joins the groups,
+  // creates the executor, restores `kept` into it (then frees it) and
+  // installs the job.
+  absl::StatusOr<v1::LoadPlanResponse> BuildJobLocked(
+      const v1::LoadPlanRequest& request, KeyValueClient* kv,
+      std::unique_ptr<Job> job, std::unique_ptr<KeptState>* kept)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The state a keep_state LoadPlan of (job_id, fingerprint) keeps: a
+  // snapshot of the held job's, or the retained one; null when none fits.
+  std::unique_ptr<KeptState> TakeKeptStateLocked(const std::string& job_id,
+                                                 uint64_t fingerprint)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes a created job (after LoadPlan dropped the old one) and
   // answers LoadPlan.
   absl::StatusOr<v1::LoadPlanResponse> InstallJobLocked(
-      std::unique_ptr<Job> job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      std::unique_ptr<Job> job, int64_t kept_step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // OK, or why the job refuses steps (its executor failed, or a heal did).
+  absl::Status JobHealthLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Copies the job's (or retained snapshot's) JobInfo for GetStats.
+  void PublishJobLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops the job; its communicators' stats move into the retired totals.
   void DropJobLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FAILED_PRECONDITION unless a healthy job holds `fingerprint`.
@@ -236,13 +329,20 @@ class WorkerRuntime {
   absl::Status StepError(const absl::Status& status) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::ExecuteResponse ToResponse(const StepResult& result) const;
+  // Ends timeline_capture_'s step (drawing it once); failures are logged.
+  void DrawTimelineLocked(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const WorkerRuntimeOptions options_;
   // Outlives every job: buffers of a dropped job are freed into it.
   MemoryTracker tracker_;
+  // Records one step of tracker_ for options_.memory_timeline_svg.
+  StepTimelineCapture timeline_capture_ ABSL_GUARDED_BY(mu_){
+      options_.memory_timeline_svg, &tracker_};
 
   mutable absl::Mutex mu_;
   std::unique_ptr<Job> job_ ABSL_GUARDED_BY(mu_);
+  // Only without a job: the state of a keep_state LoadPlan that failed.
+  std::unique_ptr<KeptState> retained_ ABSL_GUARDED_BY(mu_);
 
   // What GetStats reads without mu_: the job's shard group (replaced only
   // under both mutexes) and the totals of dropped groups.
@@ -251,6 +351,7 @@ class WorkerRuntime {
   // The tracker of the job's shard memory (tracker_, or a device's).
   const MemoryTracker* live_memory_ ABSL_GUARDED_BY(stats_mu_) = nullptr;
   CommunicatorStats retired_ ABSL_GUARDED_BY(stats_mu_);
+  JobInfo live_job_ ABSL_GUARDED_BY(stats_mu_);
 };
 
 }  // namespace shardd

@@ -1,7 +1,9 @@
 #include "worker/worker_runtime.h"
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
@@ -662,6 +664,440 @@ TEST(WorkerRuntimeTest, CheckpointPathsAreConfinedAndASaveLoadsElsewhere) {
   EXPECT_NEAR(restored.loss(), went_on.loss(), 1e-6 * went_on.loss());
   EXPECT_NEAR(restored.grad_norm(), went_on.grad_norm(),
               1e-5 * went_on.grad_norm());
+}
+
+// ---- Recovery: keep_state, HealReplicas, job stats (worker-recovery) ----
+
+// This rank's master shards and both AdamW moments, unit after unit.
+std::vector<float> StateOf(const WorkerRuntime& runtime) {
+  std::vector<float> state;
+  const absl::Status status = runtime.WithExecutor([&](const StepExecutor& e) {
+    const ShardStore& store = e.shards();
+    for (int u = 0; u < store.num_units(); ++u) {
+      const ShardStore::UnitShard s = store.shard(u);
+      for (const float* part : {s.params, s.exp_avg, s.exp_avg_sq}) {
+        if (part != nullptr) state.insert(state.end(), part, part + s.numel);
+      }
+    }
+  });
+  EXPECT_THAT(status, IsOk());
+  return state;
+}
+
+// Bitwise equality (NaNs included) with a readable failure.
+void ExpectSameBits(const std::vector<float>& a, const std::vector<float>& b,
+                    const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  ASSERT_FALSE(a.empty()) << what;
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+      << what;
+}
+
+v1::ExecuteRequest StepRequest(const v1::StepProgram& program, int64_t step) {
+  v1::ExecuteRequest request;
+  *request.mutable_program() = program;
+  request.mutable_program()->set_step(step);
+  return request;
+}
+
+struct Reference {
+  std::vector<v1::ExecuteResponse> last;  // Per rank: the last step.
+  std::vector<std::vector<float>> state;  // Per rank, after it.
+};
+
+// An uninterrupted run of `steps` steps on every rank.
+Reference Uninterrupted(const v1::ModelSpec& model,
+                        const v1::ShardingPlan& plan, int steps) {
+  const int world = plan.world_size();
+  const absl::StatusOr<v1::StepProgram> program = CompileStepProgram(plan);
+  EXPECT_THAT(program.status(), IsOk());
+  Reference out;
+  if (!program.ok()) return out;
+  out.last.resize(world);
+  out.state.resize(world);
+  InMemoryKeyValueClient kv;
+  RunRanks(world, [&](int rank) {
+    WorkerRuntime runtime;
+    ASSERT_THAT(runtime.LoadPlan(MakeLoad(plan, model, rank), &kv).status(),
+                IsOk());
+    for (int s = 0; s < steps; ++s) {
+      SHARDD_ASSERT_OK_AND_ASSIGN(out.last[rank],
+                                  runtime.Execute(StepRequest(*program, s)));
+    }
+    out.state[rank] = StateOf(runtime);
+  });
+  return out;
+}
+
+void ExpectMatches(const Reference& reference, int rank,
+                   const v1::ExecuteResponse& step,
+                   const std::vector<float>& state) {
+  const v1::ExecuteResponse& want = reference.last[rank];
+  EXPECT_EQ(step.step(), want.step()) << "rank " << rank;
+  EXPECT_EQ(step.loss(), want.loss()) << "rank " << rank;
+  EXPECT_EQ(step.grad_norm(), want.grad_norm()) << "rank " << rank;
+  ExpectSameBits(state, reference.state[rank], absl::StrCat("rank ", rank));
+}
+
+// Two steps, a keep_state LoadPlan at a new epoch (after one that failed in
+// the rendezvous, which must not lose the state), then step 3: bit for bit
+// the uninterrupted run.
+TEST(WorkerRuntimeRecoveryTest, KeepStateAtANewEpochContinuesExactly) {
+  const v1::ModelSpec model = TinyMoe();
+  const v1::ShardingPlan plan = MakePlan(model, 2, 1);
+  SHARDD_ASSERT_OK_AND_ASSIGN(const v1::StepProgram program,
+                              CompileStepProgram(plan));
+  const Reference reference = Uninterrupted(model, plan, 3);
+  ASSERT_EQ(reference.last.size(), 2u);
+
+  InMemoryKeyValueClient kv;
+  WorkerRuntime runtimes[2];
+  RunRanks(2, [&](int rank) {
+    SHARDD_ASSERT_OK_AND_ASSIGN(
+        const v1::LoadPlanResponse load,
+        runtimes[rank].LoadPlan(MakeLoad(plan, model, rank, 1), &kv));
+    EXPECT_EQ(load.kept_step(), -1);
+    for (int s = 0; s < 2; ++s) {
+      ASSERT_THAT(runtimes[rank].Execute(StepRequest(program, s)).status(),
+                  IsOk());
+    }
+  });
+  const std::vector<float> before = StateOf(runtimes[0]);
+
+  // Rank 0 alone: the rendezvous of epoch 2 times out, and leaves no job,
+  // but the state stays retained (and visible in the stats).
+  v1::LoadPlanRequest lonely = MakeLoad(plan, model, 0, 2);
+  lonely.set_keep_state(true);
+  lonely.set_collective_timeout_ms(300);
+  EXPECT_FALSE(runtimes[0].LoadPlan(lonely, &kv).ok());
+  EXPECT_FALSE(runtimes[0].has_plan());
+  v1::GetStatsResponse stats = runtimes[0].GetStats();
+  EXPECT_EQ(stats.job_id(), "job");
+  EXPECT_EQ(stats.plan_fingerprint(), plan.fingerprint());
+  EXPECT_EQ(stats.optimizer_steps(), 2);
+  EXPECT_TRUE(stats.step_failed());
+
+  std::vector<v1::ExecuteResponse> third(2);
+  RunRanks(2, [&](int rank) {
+    v1::LoadPlanRequest request = MakeLoad(plan, model, rank, 3);
+    request.set_keep_state(true);
+    SHARDD_ASSERT_OK_AND_ASSIGN(const v1::LoadPlanResponse load,
+                                runtimes[rank].LoadPlan(request, &kv));
+    EXPECT_EQ(load.kept_step(), 2) << "rank " << rank;
+    SHARDD_ASSERT_OK_AND_ASSIGN(
+        third[rank], runtimes[rank].Execute(StepRequest(program, 2)));
+  });
+  EXPECT_NE(StateOf(runtimes[0]), before);  // Step 3 moved it.
+  for (int rank = 0; rank < 2; ++rank) {
+    ExpectMatches(reference, rank, third[rank], StateOf(runtimes[rank]));
+  }
+}
+
+// Step 3 fails on both ranks (rank 1 stops in the middle of it: rank 0's
+// Execute fails, rank 1's fine-grained step stays open); both keep their
+// state of step 2 and redo step 3 exactly.
+TEST(WorkerRuntimeRecoveryTest, KeepStateAfterAFailedStep) {
+  const v1::ModelSpec model = TinyMoe();
+  const v1::ShardingPlan plan = MakePlan(model, 2, 1);
+  SHARDD_ASSERT_OK_AND_ASSIGN(const v1::StepProgram program,
+                              CompileStepProgram(plan));
+  // Rank 1 stops before the program's last reduce-scatter, after the
+  // forward and backward ran and gradients were partly reduced.
+  int stop = -1;
+  for (int i = 0; i < program.commands_size(); ++i) {
+    if (program.commands(i).op() == v1::Command::REDUCE_SCATTER) stop = i;
+  }
+  ASSERT_GT(stop, 0);
+  const Reference reference = Uninterrupted(model, plan, 3);
+  ASSERT_EQ(reference.last.size(), 2u);
+
+  InMemoryKeyValueClient kv;
+  WorkerRuntime runtimes[2];
+  std::vector<v1::ExecuteResponse> third(2);
+  RunRanks(2, [&](int rank) {
+    WorkerRuntime& runtime = runtimes[rank];
+    v1::LoadPlanRequest load = MakeLoad(plan, model, rank, 1);
+    load.set_collective_timeout_ms(3000);
+    ASSERT_THAT(runtime.LoadPlan(load, &kv).status(), IsOk());
+    for (int s = 0; s < 2; ++s) {
+      ASSERT_THAT(runtime.Execute(StepRequest(program, s)).status(), IsOk());
+    }
+    if (rank == 0) {
+      const absl::Status failed =
+          runtime.Execute(StepRequest(program, 2)).status();
+      EXPECT_TRUE(failed.code() == absl::StatusCode::kAborted ||
+                  failed.code() == absl::StatusCode::kDeadlineExceeded)
+          << failed;
+      const v1::GetStatsResponse stats = runtime.GetStats();
+      EXPECT_TRUE(stats.step_failed());
+      EXPECT_EQ(stats.optimizer_steps(), 2);
+    } else {
+      v1::RunCommandRequest request;
+      request.set_plan_fingerprint(plan.fingerprint());
+      request.set_step(2);
+      for (int i = 0; i < stop; ++i) {
+        request.set_begin_step(i == 0);
+        *request.mutable_command() = program.commands(i);
+        request.set_index(i);
+        ASSERT_THAT(runtime.RunCommand(request).status(), IsOk())
+            << "command " << i;
+      }
+      EXPECT_FALSE(runtime.GetStats().step_failed());
+    }
+    v1::LoadPlanRequest keep = MakeLoad(plan, model, rank, 2);
+    keep.set_keep_state(true);
+    SHARDD_ASSERT_OK_AND_ASSIGN(const v1::LoadPlanResponse kept,
+                                runtime.LoadPlan(keep, &kv));
+    EXPECT_EQ(kept.kept_step(), 2) << "rank " << rank;
+    EXPECT_FALSE(runtime.GetStats().step_failed());
+    SHARDD_ASSERT_OK_AND_ASSIGN(third[rank],
+                                runtime.Execute(StepRequest(program, 2)));
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    ExpectMatches(reference, rank, third[rank], StateOf(runtimes[rank]));
+  }
+}
+
+// keep_state keeps only the same job and plan; a bad request changes
+// nothing; the stats name the job.
+TEST(WorkerRuntimeRecoveryTest, KeepStateNeedsTheSameJobAndPlan) {
+  const v1::ModelSpec model = TinyMoe();
+  const v1::ShardingPlan plan = MakePlan(model, 1, 1);
+  // The same layout under another fingerprint (as a re-planned job's).
+  v1::ShardingPlan other_plan = plan;
+  other_plan.set_fingerprint(plan.fingerprint() + 1);
+  ASSERT_NE(plan.fingerprint(), other_plan.fingerprint());
+  SHARDD_ASSERT_OK_AND_ASSIGN(const v1::StepProgram program,
+                              CompileStepProgram(plan));
+  WorkerRuntime fresh;
+  ASSERT_THAT(fresh.LoadPlan(MakeLoad(plan, model, 0), nullptr).status(),
+              IsOk());
+  const std::vector<float> initial = StateOf(fresh);
+
+  WorkerRuntime runtime;
+  EXPECT_EQ(runtime.GetStats().job_id(), "");
+  v1::LoadPlanRequest keep = MakeLoad(plan, model, 0);
+  keep.set_keep_state(true);  // Nothing held: fresh.
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::LoadPlanResponse load,
+                              runtime.LoadPlan(keep, nullptr));
+  EXPECT_EQ(load.kept_step(), -1);
+  v1::GetStatsResponse stats = runtime.GetStats();
+  EXPECT_EQ(stats.job_id(), "job");
+  EXPECT_EQ(stats.plan_fingerprint(), plan.fingerprint());
+  EXPECT_EQ(stats.optimizer_steps(), 0);
+  EXPECT_FALSE(stats.step_failed());
+  for (int s = 0; s < 2; ++s) {
+    ASSERT_THAT(runtime.Execute(StepRequest(program, s)).status(), IsOk());
+  }
+  EXPECT_EQ(runtime.GetStats().optimizer_steps(), 2);
+  const std::vector<float> trained = StateOf(runtime);
+  ASSERT_NE(trained, initial);
+
+  v1::LoadPlanRequest bad = keep;
+  bad.mutable_train()->set_seq_len(0);
+  EXPECT_THAT(runtime.LoadPlan(bad, nullptr).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  ExpectSameBits(StateOf(runtime), trained, "after a bad request");
+
+  keep.set_membership_epoch(2);
+  SHARDD_ASSERT_OK_AND_ASSIGN(load, runtime.LoadPlan(keep, nullptr));
+  EXPECT_EQ(load.kept_step(), 2);
+  ExpectSameBits(StateOf(runtime), trained, "kept");
+  EXPECT_EQ(runtime.GetStats().optimizer_steps(), 2);
+
+  v1::LoadPlanRequest other_job = keep;
+  other_job.set_job_id("other");
+  SHARDD_ASSERT_OK_AND_ASSIGN(load, runtime.LoadPlan(other_job, nullptr));
+  EXPECT_EQ(load.kept_step(), -1);
+  ExpectSameBits(StateOf(runtime), initial, "another job");
+  stats = runtime.GetStats();
+  EXPECT_EQ(stats.job_id(), "other");
+  EXPECT_EQ(stats.optimizer_steps(), 0);
+
+  ASSERT_THAT(runtime.Execute(StepRequest(program, 0)).status(), IsOk());
+  v1::LoadPlanRequest other_fingerprint = MakeLoad(other_plan, model, 0);
+  other_fingerprint.set_job_id("other");
+  other_fingerprint.set_keep_state(true);
+  SHARDD_ASSERT_OK_AND_ASSIGN(load,
+                              runtime.LoadPlan(other_fingerprint, nullptr));
+  EXPECT_EQ(load.kept_step(), -1);
+  ExpectSameBits(StateOf(runtime), initial, "another plan");
+  EXPECT_EQ(runtime.GetStats().plan_fingerprint(), other_plan.fingerprint());
+
+  runtime.Reset();
+  stats = runtime.GetStats();
+  EXPECT_EQ(stats.job_id(), "");
+  EXPECT_EQ(stats.plan_fingerprint(), 0u);
+}
+
+// HSDP 2 x 2: after 2 steps rank 3 restarts (fresh shards), the others keep
+// their state at a new epoch, HealReplicas copies shard rank 1's state from
+// replica 0 (and, to exercise both groups, shard rank 0's from replica 1);
+// step 3 is then bit for bit the uninterrupted run's on every rank.
+TEST(WorkerRuntimeRecoveryTest, HealReplicasRestoresARestartedRank) {
+  const v1::ModelSpec model = TinyMoe();
+  const v1::ShardingPlan plan = MakePlan(model, 2, 2);
+  SHARDD_ASSERT_OK_AND_ASSIGN(const v1::StepProgram program,
+                              CompileStepProgram(plan));
+  const Reference reference = Uninterrupted(model, plan, 3);
+  ASSERT_EQ(reference.last.size(), 4u);
+
+  InMemoryKeyValueClient kv;
+  WorkerRuntime runtimes[4];
+  RunRanks(4, [&](int rank) {
+    ASSERT_THAT(
+        runtimes[rank].LoadPlan(MakeLoad(plan, model, rank, 1), &kv).status(),
+        IsOk());
+    for (int s = 0; s < 2; ++s) {
+      ASSERT_THAT(runtimes[rank].Execute(StepRequest(program, s)).status(),
+                  IsOk());
+    }
+  });
+  runtimes[3].Reset();  // The "restarted" worker.
+  RunRanks(4, [&](int rank) {
+    v1::LoadPlanRequest request = MakeLoad(plan, model, rank, 2);
+    request.set_keep_state(rank != 3);
+    SHARDD_ASSERT_OK_AND_ASSIGN(const v1::LoadPlanResponse load,
+                                runtimes[rank].LoadPlan(request, &kv));
+    EXPECT_EQ(load.kept_step(), rank == 3 ? -1 : 2) << "rank " << rank;
+  });
+  EXPECT_EQ(runtimes[3].GetStats().optimizer_steps(), 0);
+
+  // Requests refused before any collective.
+  v1::HealReplicasRequest heal;
+  heal.set_plan_fingerprint(plan.fingerprint());
+  heal.add_source_replica(1);
+  EXPECT_THAT(runtimes[0].HealReplicas(heal).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("one entry per shard rank (2)")));
+  heal.add_source_replica(2);
+  EXPECT_THAT(runtimes[0].HealReplicas(heal).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("source_replica[1]")));
+  heal.set_source_replica(1, -2);
+  EXPECT_THAT(runtimes[0].HealReplicas(heal).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  heal.set_source_replica(1, 0);
+  v1::HealReplicasRequest stale = heal;
+  stale.set_plan_fingerprint(plan.fingerprint() + 1);
+  EXPECT_THAT(
+      runtimes[0].HealReplicas(stale).status(),
+      StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("stale plan")));
+
+  std::vector<v1::HealReplicasResponse> healed(4);
+  std::vector<v1::ExecuteResponse> third(4);
+  RunRanks(4, [&](int rank) {
+    SHARDD_ASSERT_OK_AND_ASSIGN(healed[rank],
+                                runtimes[rank].HealReplicas(heal));
+    SHARDD_ASSERT_OK_AND_ASSIGN(
+        third[rank], runtimes[rank].Execute(StepRequest(program, 2)));
+  });
+  // Receivers: rank 0 (shard rank 0, from replica 1 = rank 2) and rank 3
+  // (shard rank 1, from replica 0 = rank 1): masters and two moments.
+  const int64_t state_bytes = 3 * ShardBytes(plan);
+  for (int rank = 0; rank < 4; ++rank) {
+    EXPECT_EQ(healed[rank].step(), 2) << "rank " << rank;
+    EXPECT_EQ(healed[rank].received_bytes(),
+              rank == 0 || rank == 3 ? state_bytes : 0)
+        << "rank " << rank;
+    ExpectMatches(reference, rank, third[rank], StateOf(runtimes[rank]));
+    EXPECT_EQ(runtimes[rank].GetStats().optimizer_steps(), 3);
+  }
+}
+
+TEST(WorkerRuntimeRecoveryTest, HealReplicasRefusesJobsWithoutReplicas) {
+  const v1::ModelSpec model = TinyMoe();
+  const v1::ShardingPlan plan = MakePlan(model, 1, 1);
+  WorkerRuntime runtime;
+  v1::HealReplicasRequest heal;
+  heal.set_plan_fingerprint(plan.fingerprint());
+  heal.add_source_replica(0);
+  EXPECT_THAT(runtime.HealReplicas(heal).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("no plan loaded")));
+  ASSERT_THAT(runtime.LoadPlan(MakeLoad(plan, model, 0), nullptr).status(),
+              IsOk());
+  EXPECT_THAT(runtime.HealReplicas(heal).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("no replicas")));
+}
+
+// A heal whose source never shows up: ABORTED, the job fails, and the
+// receiver's state counts as lost (keep_state starts afresh).
+TEST(WorkerRuntimeRecoveryTest, AFailedHealFailsTheJobAndLosesTheState) {
+  const v1::ModelSpec model = TinyMoe();
+  const v1::ShardingPlan plan = MakePlan(model, 1, 2);  // Two replicas.
+  SHARDD_ASSERT_OK_AND_ASSIGN(const v1::StepProgram program,
+                              CompileStepProgram(plan));
+  InMemoryKeyValueClient kv;
+  WorkerRuntime runtimes[2];
+  RunRanks(2, [&](int rank) {
+    v1::LoadPlanRequest load = MakeLoad(plan, model, rank, 1);
+    load.set_collective_timeout_ms(500);
+    ASSERT_THAT(runtimes[rank].LoadPlan(load, &kv).status(), IsOk());
+    ASSERT_THAT(runtimes[rank].Execute(StepRequest(program, 0)).status(),
+                IsOk());
+  });
+  v1::HealReplicasRequest heal;
+  heal.set_plan_fingerprint(plan.fingerprint());
+  heal.add_source_replica(1);
+  // Rank 1 (the source) never takes part.
+  EXPECT_THAT(runtimes[0].HealReplicas(heal).status(),
+              StatusIs(absl::StatusCode::kAborted,
+                       AllOf(HasSubstr("rank 0"), HasSubstr("LoadPlan again"),
+                             HasSubstr("lost"))));
+  v1::GetStatsResponse stats = runtimes[0].GetStats();
+  EXPECT_TRUE(stats.step_failed());
+  EXPECT_EQ(stats.optimizer_steps(), -1);
+  EXPECT_THAT(runtimes[0].Execute(StepRequest(program, 1)).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("HealReplicas")));
+  // -1 everywhere is a no-op that needs no peer.
+  heal.set_source_replica(0, -1);
+  SHARDD_ASSERT_OK_AND_ASSIGN(const v1::HealReplicasResponse noop,
+                              runtimes[1].HealReplicas(heal));
+  EXPECT_EQ(noop.step(), 1);
+  EXPECT_EQ(noop.received_bytes(), 0);
+
+  RunRanks(2, [&](int rank) {
+    v1::LoadPlanRequest keep = MakeLoad(plan, model, rank, 2);
+    keep.set_keep_state(true);
+    SHARDD_ASSERT_OK_AND_ASSIGN(const v1::LoadPlanResponse load,
+                                runtimes[rank].LoadPlan(keep, &kv));
+    EXPECT_EQ(load.kept_step(), rank == 0 ? -1 : 1) << "rank " << rank;
+  });
+}
+
+// --debug-save-delay: SaveShards answers only after the delay, with the
+// rank file already complete on disk.
+TEST(WorkerRuntimeRecoveryTest, DebugSaveDelayHoldsTheAnswer) {
+  const v1::ModelSpec model = TinyMoe();
+  const v1::ShardingPlan plan = MakePlan(model, 1, 1);
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string root =
+      absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/runtime_save_delay");
+  WorkerRuntimeOptions options;
+  options.checkpoint_root = root;
+  options.debug_save_delay = absl::Milliseconds(300);
+  WorkerRuntime runtime(options);
+  ASSERT_THAT(runtime.LoadPlan(MakeLoad(plan, model, 0), nullptr).status(),
+              IsOk());
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::string tmp_dir,
+                              checkpoint::BeginCheckpoint(root + "/job", 0));
+  v1::SaveShardsRequest save;
+  save.set_plan_fingerprint(plan.fingerprint());
+  save.set_tmp_dir(
+      absl::StrCat("job/", tmp_dir.substr(tmp_dir.rfind('/') + 1)));
+  const absl::Time start = absl::Now();
+  SHARDD_ASSERT_OK_AND_ASSIGN(const v1::SaveShardsResponse saved,
+                              runtime.SaveShards(save));
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(300));
+  std::FILE* file =
+      std::fopen((tmp_dir + "/" + saved.file_name()).c_str(), "rb");
+  ASSERT_NE(file, nullptr);
+  std::fseek(file, 0, SEEK_END);
+  EXPECT_EQ(std::ftell(file), saved.size_bytes());
+  std::fclose(file);
 }
 
 }  // namespace

@@ -10,7 +10,10 @@
 # SHARDD_TRAIN_ARGS (extra `shardctl train` flags, e.g. "--microbatches 2
 # --defer-grad-sync" or "--fine-grained"), SHARDD_TLS (1: every endpoint
 # serves mutual TLS with a throwaway CA from tools/make_test_certs.sh, and
-# clients and workers present their bearer tokens; 0: plaintext, no tokens).
+# clients and workers present their bearer tokens; 0: plaintext, no tokens),
+# SHARDD_PICTURES (where the pictures go: the loss curve, and the memory
+# timeline of one step as rank 0 measured it and as the planner predicts
+# it; default: a new /tmp/shardd-pictures.XXXXXX, kept after the run).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -24,6 +27,8 @@ bazel build //server:shardd-coordinator //worker:shardd-worker //client:shardctl
 
 bin=bazel-bin
 workdir=$(mktemp -d /tmp/shardd-local.XXXXXX)
+pictures=${SHARDD_PICTURES:-$(mktemp -d /tmp/shardd-pictures.XXXXXX)}
+mkdir -p "$pictures"
 pids=()
 
 # Stops every started process: SIGTERM, up to 10 s for all of them to exit,
@@ -128,8 +133,12 @@ addr="127.0.0.1:$port"
 echo "== coordinator at $addr (--workers $workers)"
 
 for i in $(seq 0 $((workers - 1))); do
+  # Rank 0 draws the memory it measures in its first step.
+  timeline_flag=()
+  ((i == 0)) && timeline_flag=(--memory-timeline-svg="$pictures/memory-measured.svg")
   "$bin/worker/shardd-worker" --coordinator="$addr" --listen=127.0.0.1:0 \
     --device=cpu --requested-rank="$i" "${worker_security[@]}" \
+    "${timeline_flag[@]}" \
     --checkpoint-root="$checkpoints" \
     2>"$workdir/worker$i.log" &
   pids+=($!)
@@ -166,7 +175,21 @@ echo
 echo "== shardctl train --model tests/data/small_moe.json --steps $steps ${extra_args[*]}"
 shardctl train --coordinator "$addr" --model tests/data/small_moe.json \
   --steps "$steps" --global-batch 64 --seq 64 --lr 0.01 --seed 1 \
-  "${extra_args[@]}"
+  --loss-svg "$pictures/loss.svg" "${extra_args[@]}"
+echo
+
+# The planner's prediction of the same step, for comparison with the
+# measured one (in-process: no coordinator needed).
+"$bin/client/shardctl" plan --model tests/data/small_moe.json --dp "$workers" \
+  --timeline-svg "$pictures/memory-planned.svg" >/dev/null
+echo "== pictures in $pictures:"
+for picture in loss.svg memory-measured.svg memory-planned.svg; do
+  if [[ -s "$pictures/$picture" ]]; then
+    echo "   $pictures/$picture"
+  else
+    echo "   ($picture was not written; see the worker0 log)"
+  fi
+done
 echo
 
 echo "== shardctl status"

@@ -1,0 +1,133 @@
+#include "server/coordinator_metrics.h"
+
+#include <map>
+#include <string>
+
+#include "common/status_macros.h"
+#include "proto/coordinator.pb.h"
+
+namespace shardd {
+namespace {
+
+// The `state` label of a job state.
+const char* StateLabel(v1::JobState state) {
+  switch (state) {
+    case v1::JOB_QUEUED:
+      return "queued";
+    case v1::JOB_RUNNING:
+      return "running";
+    case v1::JOB_DONE:
+      return "done";
+    case v1::JOB_FAILED:
+      return "failed";
+    case v1::JOB_RECOVERING:
+      return "recovering";
+    default:
+      return "unknown";
+  }
+}
+
+}  // namespace
+
+absl::Status RegisterCoordinatorMetrics(CoordinatorService* service,
+                                        MetricsRegistry* registry) {
+  SHARDD_ASSIGN_OR_RETURN(
+      GaugeFamily * uptime,
+      registry->AddGauge("shardd_coordinator_uptime_seconds",
+                         "Seconds since this coordinator started.", {}));
+  SHARDD_ASSIGN_OR_RETURN(
+      GaugeFamily * models,
+      registry->AddGauge("shardd_coordinator_models",
+                         "Models stored (SubmitModel).", {}));
+  SHARDD_ASSIGN_OR_RETURN(
+      GaugeFamily * workers,
+      registry->AddGauge("shardd_coordinator_workers",
+                         "Registered workers by liveness.", {"state"}));
+  SHARDD_ASSIGN_OR_RETURN(
+      GaugeFamily * epoch,
+      registry->AddGauge("shardd_coordinator_membership_epoch",
+                         "Current worker membership epoch.", {}));
+  SHARDD_ASSIGN_OR_RETURN(
+      CounterFamily * declared_dead,
+      registry->AddCounter("shardd_coordinator_workers_declared_dead_total",
+                           "Workers declared dead because their heartbeat "
+                           "deadline passed.",
+                           {}));
+  SHARDD_ASSIGN_OR_RETURN(
+      GaugeFamily * jobs,
+      registry->AddGauge("shardd_coordinator_jobs",
+                         "Kept training jobs by state.", {"state"}));
+  SHARDD_ASSIGN_OR_RETURN(
+      GaugeFamily * steps_done,
+      registry->AddGauge("shardd_coordinator_job_steps_done",
+                         "Steps a job has finished.", {"job_id"}));
+  SHARDD_ASSIGN_OR_RETURN(
+      GaugeFamily * total_steps,
+      registry->AddGauge("shardd_coordinator_job_total_steps",
+                         "Steps a job was submitted with.", {"job_id"}));
+  SHARDD_ASSIGN_OR_RETURN(
+      GaugeFamily * loss,
+      registry->AddGauge("shardd_coordinator_job_loss",
+                         "Loss of a job's last finished step.", {"job_id"}));
+  SHARDD_ASSIGN_OR_RETURN(
+      GaugeFamily * tokens_per_second,
+      registry->AddGauge("shardd_coordinator_job_tokens_per_second",
+                         "Training throughput of a job's recent steps.",
+                         {"job_id"}));
+  SHARDD_ASSIGN_OR_RETURN(
+      GaugeFamily * recoveries,
+      registry->AddGauge("shardd_coordinator_job_recoveries",
+                         "Faults a job recovered from so far.", {"job_id"}));
+  SHARDD_ASSIGN_OR_RETURN(
+      GaugeFamily * job_state,
+      registry->AddGauge("shardd_coordinator_job_state",
+                         "1 for a job's current state (one series per job).",
+                         {"job_id", "model_id", "state"}));
+
+  registry->AddCollector([=] {
+    // GetStatus has no error paths; an error would leave the last values.
+    absl::StatusOr<v1::GetStatusResponse> status =
+        service->GetStatus(v1::GetStatusRequest());
+    if (!status.ok()) return;
+    uptime->Set({}, status->uptime_ms() / 1000.0);
+    models->Set({}, status->models_size());
+    int alive = 0;
+    for (const v1::WorkerInfo& worker : status->workers()) {
+      alive += worker.alive() ? 1 : 0;
+    }
+    workers->Set({"alive"}, alive);
+    workers->Set({"dead"}, status->workers_size() - alive);
+    epoch->Set({}, static_cast<double>(service->workers()->membership_epoch()));
+    declared_dead->Set(
+        {}, static_cast<double>(service->workers()->declared_dead()));
+
+    // Every state appears (zeros included), so a rate or alert on one never
+    // sees the series vanish.
+    std::map<std::string, int> by_state;
+    for (v1::JobState state :
+         {v1::JOB_QUEUED, v1::JOB_RUNNING, v1::JOB_RECOVERING, v1::JOB_DONE,
+          v1::JOB_FAILED}) {
+      by_state[StateLabel(state)] = 0;
+    }
+    // Per-job series follow the kept jobs: forgotten jobs disappear.
+    for (GaugeFamily* family : {steps_done, total_steps, loss,
+                                tokens_per_second, recoveries, job_state}) {
+      family->Clear();
+    }
+    for (const v1::JobInfo& job : status->jobs()) {
+      ++by_state[StateLabel(job.state())];
+      const LabelValues id = {job.job_id()};
+      steps_done->Set(id, static_cast<double>(job.steps_done()));
+      total_steps->Set(id, job.total_steps());
+      loss->Set(id, job.loss());
+      tokens_per_second->Set(id, job.tokens_per_second());
+      recoveries->Set(id, job.recoveries());
+      job_state->Set({job.job_id(), job.model_id(), StateLabel(job.state())},
+                     1);
+    }
+    for (const auto& [state, count] : by_state) jobs->Set({state}, count);
+  });
+  return absl::OkStatus();
+}
+
+}  // namespace shardd
