@@ -269,7 +269,8 @@ TEST_F(MetricsIntegrationTest, CountersMatchWhatWasTrained) {
     EXPECT_EQ(w.Sum("shardd_worker_collective_errors_total"), 0.0);
     EXPECT_THAT(w.Find("shardd_worker_heartbeat_failures_total"),
                 Optional(0.0));
-    EXPECT_THAT(w.Find("shardd_worker_rank"), Optional(static_cast<double>(rank)));
+    EXPECT_THAT(w.Find("shardd_worker_rank"),
+                Optional(static_cast<double>(rank)));
     EXPECT_THAT(w.Find("shardd_worker_optimizer_steps"),
                 Optional(double{kSteps}));
     EXPECT_EQ(w.Count("shardd_worker_memory_live_bytes"), 7);
