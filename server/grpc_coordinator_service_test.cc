@@ -96,6 +96,8 @@ class WatchStepTest : public ::testing::Test {
       return std::make_unique<FakeWorker>(&behaviour_, address);
     };
     options.jobs.poll_interval = absl::Milliseconds(10);
+    // A failed step fails the job here (recovery is job_runner_test's).
+    options.jobs.default_max_recoveries = 0;
     service_ = std::make_unique<CoordinatorService>(registry_.get(), options);
     grpc_service_ = std::make_unique<GrpcCoordinatorService>(service_.get());
     GrpcServerOptions server_options;
