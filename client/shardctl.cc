@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -13,10 +14,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
-#include "absl/time/clock.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
 #include "client/coordinator_client.h"
 #include "client/plan_printer.h"
 #include "client/plan_timeline.h"
@@ -419,17 +420,20 @@ absl::Status RunStatus(const ShardctlArgs& args, Backend* backend,
 }
 
 // ---------------------------------------------------------------------------
-// checkpoint list
+// checkpoint list / save / load: one call to the coordinator each
 
-absl::Status RunCheckpointList(const ShardctlArgs& args, std::ostream& out) {
+// Connects, makes the call `call(client)` and prints its response as JSON
+// (--json) or with `print_text`.
+template <typename Response>
+absl::Status CallAndPrint(
+    const ShardctlArgs& args, std::ostream& out,
+    const std::function<absl::StatusOr<Response>(CoordinatorClient&)>& call,
+    const std::function<void(const Response&)>& print_text) {
   absl::StatusOr<std::unique_ptr<CoordinatorClient>> connected =
       ConnectTo(args);
   if (!connected.ok()) return connected.status();
   (*connected)->set_call_timeout(args.timeout);
-  v1::ListCheckpointsRequest request;
-  request.set_job_id(args.checkpoint_job);
-  absl::StatusOr<v1::ListCheckpointsResponse> response =
-      (*connected)->ListCheckpoints(request);
+  absl::StatusOr<Response> response = call(**connected);
   if (!response.ok()) return response.status();
   if (args.json) {
     absl::StatusOr<std::string> json = ToJson(*response);
@@ -437,63 +441,55 @@ absl::Status RunCheckpointList(const ShardctlArgs& args, std::ostream& out) {
     out << *json;
     return absl::OkStatus();
   }
-  out << "Checkpoints (" << response->checkpoints_size() << ")\n";
-  if (response->checkpoints_size() > 0) {
-    out << absl::StrFormat("  %-28s  %10s  %5s  %s\n", "name", "step", "world",
-                           "strategy");
-    for (const v1::CheckpointInfo& info : response->checkpoints()) {
-      out << absl::StrFormat("  %-28s  %10d  %5d  %s\n", info.name(),
-                             info.step(), info.world_size(), info.strategy());
-    }
-  }
+  print_text(*response);
   return absl::OkStatus();
 }
 
-// ---------------------------------------------------------------------------
-// checkpoint save / load
+absl::Status RunCheckpointList(const ShardctlArgs& args, std::ostream& out) {
+  v1::ListCheckpointsRequest request;
+  request.set_job_id(args.checkpoint_job);
+  return CallAndPrint<v1::ListCheckpointsResponse>(
+      args, out,
+      [&](CoordinatorClient& client) {
+        return client.ListCheckpoints(request);
+      },
+      [&](const v1::ListCheckpointsResponse& response) {
+        out << "Checkpoints (" << response.checkpoints_size() << ")\n";
+        if (response.checkpoints_size() == 0) return;
+        out << absl::StrFormat("  %-28s  %10s  %5s  %s\n", "name", "step",
+                               "world", "strategy");
+        for (const v1::CheckpointInfo& info : response.checkpoints()) {
+          out << absl::StrFormat("  %-28s  %10d  %5d  %s\n", info.name(),
+                                 info.step(), info.world_size(),
+                                 info.strategy());
+        }
+      });
+}
 
 absl::Status RunCheckpointSave(const ShardctlArgs& args, std::ostream& out) {
-  absl::StatusOr<std::unique_ptr<CoordinatorClient>> connected =
-      ConnectTo(args);
-  if (!connected.ok()) return connected.status();
-  (*connected)->set_call_timeout(args.timeout);
   v1::SaveCheckpointRequest request;
   request.set_job_id(args.checkpoint_job);
-  absl::StatusOr<v1::SaveCheckpointResponse> response =
-      (*connected)->SaveCheckpoint(request);
-  if (!response.ok()) return response.status();
-  if (args.json) {
-    absl::StatusOr<std::string> json = ToJson(*response);
-    if (!json.ok()) return json.status();
-    out << *json;
-    return absl::OkStatus();
-  }
-  out << "Saved checkpoint " << response->checkpoint() << " (step "
-      << response->step() << ")\n";
-  return absl::OkStatus();
+  return CallAndPrint<v1::SaveCheckpointResponse>(
+      args, out,
+      [&](CoordinatorClient& client) { return client.SaveCheckpoint(request); },
+      [&](const v1::SaveCheckpointResponse& response) {
+        out << "Saved checkpoint " << response.checkpoint() << " (step "
+            << response.step() << ")\n";
+      });
 }
 
 absl::Status RunCheckpointLoad(const ShardctlArgs& args, std::ostream& out) {
-  absl::StatusOr<std::unique_ptr<CoordinatorClient>> connected =
-      ConnectTo(args);
-  if (!connected.ok()) return connected.status();
-  (*connected)->set_call_timeout(args.timeout);
   v1::LoadCheckpointRequest request;
   request.set_job_id(args.checkpoint_job);
   request.set_checkpoint(args.checkpoint_path);
-  absl::StatusOr<v1::LoadCheckpointResponse> response =
-      (*connected)->LoadCheckpoint(request);
-  if (!response.ok()) return response.status();
-  if (args.json) {
-    absl::StatusOr<std::string> json = ToJson(*response);
-    if (!json.ok()) return json.status();
-    out << *json;
-    return absl::OkStatus();
-  }
-  out << "Job " << args.checkpoint_job << " rolled back to "
-      << args.checkpoint_path << "; it trains on from step "
-      << response->step() << "\n";
-  return absl::OkStatus();
+  return CallAndPrint<v1::LoadCheckpointResponse>(
+      args, out,
+      [&](CoordinatorClient& client) { return client.LoadCheckpoint(request); },
+      [&](const v1::LoadCheckpointResponse& response) {
+        out << "Job " << args.checkpoint_job << " rolled back to "
+            << args.checkpoint_path << "; it trains on from step "
+            << response.step() << "\n";
+      });
 }
 
 // ---------------------------------------------------------------------------
