@@ -14,6 +14,10 @@
 # SHARDD_PICTURES (where the pictures go: the loss curve, and the memory
 # timeline of one step as rank 0 measured it and as the planner predicts
 # it; default: a new /tmp/shardd-pictures.XXXXXX, kept after the run).
+#
+# Every process serves Prometheus metrics on a free loopback port
+# (--metrics-listen); the addresses are printed, and the end of the run
+# shows a few of the scraped values.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -110,7 +114,7 @@ fi
 checkpoints="$workdir/data/checkpoints"
 "$bin/server/shardd-coordinator" --listen=127.0.0.1:0 \
   --data-dir="$workdir/data" --workers="$workers" \
-  --checkpoint-dir="$checkpoints" \
+  --checkpoint-dir="$checkpoints" --metrics-listen=127.0.0.1:0 \
   "${coordinator_security[@]}" \
   2>"$workdir/coordinator.log" &
 pids+=($!)
@@ -139,7 +143,7 @@ for i in $(seq 0 $((workers - 1))); do
   "$bin/worker/shardd-worker" --coordinator="$addr" --listen=127.0.0.1:0 \
     --device=cpu --requested-rank="$i" "${worker_security[@]}" \
     "${timeline_flag[@]}" \
-    --checkpoint-root="$checkpoints" \
+    --checkpoint-root="$checkpoints" --metrics-listen=127.0.0.1:0 \
     2>"$workdir/worker$i.log" &
   pids+=($!)
 done
@@ -169,6 +173,30 @@ if ((live < workers)); then
   exit 1
 fi
 echo "== $workers workers registered"
+
+# The metrics address each process logged once serving ("... metrics
+# listening on HOST:PORT").
+metrics_address() {
+  sed -n 's/.*metrics listening on \([0-9.]*:[0-9]*\).*/\1/p' "$1" | head -n 1
+}
+# Prints the samples of the named metric families from a /metrics endpoint.
+scrape() {
+  local address="$1"
+  shift
+  python3 - "http://$address/metrics" "$@" <<'PY'
+import sys, urllib.request
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+text = opener.open(sys.argv[1], timeout=5).read().decode()
+for line in text.splitlines():
+    if line.split("{")[0].split(" ")[0] in sys.argv[2:]:
+        print("   " + line)
+PY
+}
+echo "== Prometheus metrics (GET http://ADDRESS/metrics):"
+echo "   coordinator $(metrics_address "$workdir/coordinator.log")"
+for i in $(seq 0 $((workers - 1))); do
+  echo "   worker $i    $(metrics_address "$workdir/worker$i.log")"
+done
 shardctl status --coordinator "$addr"
 echo
 
@@ -194,3 +222,13 @@ echo
 
 echo "== shardctl status"
 shardctl status --coordinator "$addr"
+echo
+
+echo "== scraped from the coordinator's /metrics"
+scrape "$(metrics_address "$workdir/coordinator.log")" \
+  shardd_coordinator_job_steps_done shardd_coordinator_job_loss \
+  shardd_coordinator_job_tokens_per_second shardd_coordinator_workers
+echo "== scraped from rank 0's /metrics"
+scrape "$(metrics_address "$workdir/worker0.log")" \
+  shardd_worker_steps_total shardd_worker_collective_bytes_total \
+  shardd_worker_memory_peak_bytes

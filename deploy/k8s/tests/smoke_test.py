@@ -11,6 +11,10 @@ DNS names -> 127.0.0.1 and the selected pod's port. The kubelet's probes are
 played too: a plaintext grpc.health.v1 Check on each probe's port must say
 SERVING (workers only after registering). The Job trains a few steps
 (--steps lowered, --json added) and must report a finite loss for each.
+Then Prometheus is played: every pod annotated prometheus.io/scrape is
+scraped on its annotated port and path, which must be a named "metrics"
+container port that a NetworkPolicy opens to Prometheus pods, and the
+scraped step counters must equal the steps trained.
 
 A wrong flag, path, port, key or probe in a manifest fails this test.
 Every process is stopped (SIGTERM, then SIGKILL) and every wait is bounded.
@@ -28,6 +32,7 @@ import subprocess
 import sys
 import time
 import unittest
+import urllib.request
 
 import grpc
 import yaml
@@ -81,10 +86,11 @@ def expand(text, env):
 class Pod:
     """One pod of a rendered workload, materialized on this machine."""
 
-    def __init__(self, name, spec, labels, root):
+    def __init__(self, name, spec, metadata, root):
         self.name = name
         self.spec = spec
-        self.labels = labels
+        self.labels = metadata["labels"]
+        self.annotations = metadata.get("annotations", {})
         self.container = spec["containers"][0]
         # Container port -> the loopback port standing in for it.
         self.ports = {p["containerPort"]: free_port()
@@ -297,11 +303,62 @@ class SmokeTest(unittest.TestCase):
             name = (f"{owner['metadata']['name']}-{i}"
                     if owner["kind"] == "StatefulSet"
                     else f"{owner['metadata']['name']}-7d9f8-x2x4q")
-            pod = Pod(name, template["spec"], template["metadata"]["labels"],
+            pod = Pod(name, template["spec"], template["metadata"],
                       self.root)
             self.mount_volumes(pod)
             pods.append(pod)
         return pods
+
+    # -- playing Prometheus --------------------------------------------------
+
+    def scrape(self, pod):
+        """GETs the pod's annotated metrics endpoint; {(name, labels):
+        value} of its samples (labels as a sorted tuple of pairs)."""
+        port = int(pod.annotations["prometheus.io/port"])
+        path = pod.annotations.get("prometheus.io/path", "/metrics")
+        named = [p for p in pod.container["ports"]
+                 if p["containerPort"] == port]
+        self.assertEqual([p.get("name") for p in named], ["metrics"],
+                         f"{pod.name}: prometheus.io/port {port} is not the "
+                         f"container port named metrics")
+        self.assertTrue(self.admits_prometheus(pod, port),
+                        f"{pod.name}: no NetworkPolicy admits Prometheus "
+                        f"pods to port {port}")
+        url = f"http://127.0.0.1:{pod.port_for(port)}{path}"
+        # Straight to loopback, whatever proxy the environment names.
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(url, timeout=5) as response:
+            self.assertEqual(response.status, 200)
+            text = response.read().decode()
+        samples = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            m = re.fullmatch(r"([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)", line)
+            self.assertIsNotNone(m, f"{pod.name}: bad sample line {line!r}")
+            labels = tuple(sorted(re.findall(r'(\w+)="([^"]*)"',
+                                             m.group(2) or "")))
+            samples[(m.group(1), labels)] = float(m.group(3))
+        return samples
+
+    def admits_prometheus(self, pod, port):
+        prometheus = {"app.kubernetes.io/name": "prometheus"}
+        for policy in k8s_util.by_kind(self.objects, "NetworkPolicy"):
+            selector = policy["spec"]["podSelector"].get("matchLabels", {})
+            if any(pod.labels.get(k) != v for k, v in selector.items()):
+                continue
+            for rule in policy["spec"].get("ingress", []):
+                ports = [p.get("port") for p in rule.get("ports", [])]
+                if ports and port not in ports:
+                    continue
+                for peer in rule.get("from", []):
+                    labels = peer.get("podSelector", {}).get("matchLabels",
+                                                             {})
+                    if (labels and "namespaceSelector" in peer and
+                            all(prometheus.get(k) == v
+                                for k, v in labels.items())):
+                        return True
+        return False
 
     # -- the test ----------------------------------------------------------
 
@@ -346,6 +403,25 @@ class SmokeTest(unittest.TestCase):
             self.assertTrue(math.isfinite(loss) and loss > 0, losses)
         print(f"{len(workers)} workers trained {TRAIN_STEPS} steps; "
               f"losses {losses}")
+
+        # Prometheus' view: every pod that asks to be scraped is, and
+        # counts the steps trained.
+        scraped = [p for p in self.pods
+                   if p.annotations.get("prometheus.io/scrape") == "true"]
+        self.assertEqual(sorted(p.name for p in scraped),
+                         sorted(p.name for p in [coordinator] + workers))
+        for worker in workers:
+            samples = self.scrape(worker)
+            self.assertEqual(samples.get(("shardd_worker_steps_total", ())),
+                             TRAIN_STEPS, f"{worker.name}: {samples}")
+        samples = self.scrape(coordinator)
+        done = [v for (name, labels), v in samples.items()
+                if name == "shardd_coordinator_job_steps_done"]
+        self.assertEqual(done, [TRAIN_STEPS], samples)
+        self.assertEqual(
+            samples.get(("shardd_coordinator_workers",
+                         (("state", "alive"),))), len(workers), samples)
+        print(f"scraped {len(scraped)} metrics endpoints")
         print("client command line: " + " ".join(argv))
 
 
