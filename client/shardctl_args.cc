@@ -561,6 +561,26 @@ absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
     if (!seen.insert(flag).second) {
       return Usage(absl::StrCat(flag, ": given more than once"));
     }
+    // plan --timeline FILE.svg (or --timeline=FILE.svg) is the short form of
+    // --timeline-svg FILE; a bare --timeline keeps meaning the JSON timeline.
+    // plan takes no positional arguments, so a following word that is not a
+    // flag can only be the file.
+    if (flag == "--timeline" && args.command == ShardctlCommand::kPlan &&
+        (has_inline_value ||
+         (i + 1 < argv.size() && !absl::StartsWith(argv[i + 1], "-")))) {
+      if (!has_inline_value) value = argv[++i];
+      if (!absl::EndsWithIgnoreCase(value, ".svg")) {
+        return Usage(absl::StrCat(
+            "--timeline: takes no value (the JSON timeline) or an SVG file "
+            "name ending in .svg (the picture), got '",
+            value, "'"));
+      }
+      if (!seen.insert("--timeline-svg").second) {
+        return Usage("--timeline FILE.svg and --timeline-svg: give one");
+      }
+      flag = "--timeline-svg";
+      has_inline_value = true;
+    }
     if (BoolFlags().count(flag) > 0) {
       if (has_inline_value) {
         return Usage(absl::StrCat(flag, ": takes no value"));
@@ -736,7 +756,8 @@ Output:
   --json                       one JSON object instead of the table
   --timeline                   include the live-memory timeline (JSON)
   --timeline-svg FILE          draw the live-memory timeline of one step
-                               (stacked per unit, peak marked) as SVG
+                               (stacked per unit, peak marked) as SVG;
+                               --timeline FILE.svg says the same
   --compare-strategy NAME      with --timeline-svg: plan NAME too and
                                overlay its total and peak
   --coordinator HOST:PORT      plan on a running shardd-coordinator

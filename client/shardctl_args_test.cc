@@ -520,6 +520,34 @@ TEST(ShardctlArgsTest, PictureFlags) {
   EXPECT_THAT(std::string(empty.status().message()),
               HasSubstr("--timeline-svg: expected a file path"));
 
+  // --timeline FILE.svg is the short form; a bare --timeline stays JSON.
+  absl::StatusOr<ShardctlArgs> short_form =
+      Parse({"plan", "--model", "m.json", "--timeline", "t.svg", "--dp", "8",
+             "--compare-strategy", "default"});
+  ASSERT_TRUE(short_form.ok()) << short_form.status();
+  EXPECT_EQ(short_form->timeline_svg_path, "t.svg");
+  EXPECT_FALSE(short_form->options.include_timeline());
+  absl::StatusOr<ShardctlArgs> inline_form = Parse(
+      {"plan", "--model", "m.json", "--dp", "8", "--timeline=Out.SVG"});
+  ASSERT_TRUE(inline_form.ok()) << inline_form.status();
+  EXPECT_EQ(inline_form->timeline_svg_path, "Out.SVG");
+  absl::StatusOr<ShardctlArgs> bare =
+      Parse({"plan", "--model", "m.json", "--timeline", "--dp", "8"});
+  ASSERT_TRUE(bare.ok()) << bare.status();
+  EXPECT_TRUE(bare->options.include_timeline());
+  EXPECT_TRUE(bare->timeline_svg_path.empty());
+  absl::StatusOr<ShardctlArgs> not_svg =
+      Parse({"plan", "--model", "m.json", "--dp", "8", "--timeline", "t.png"});
+  ASSERT_FALSE(not_svg.ok());
+  EXPECT_THAT(std::string(not_svg.status().message()),
+              HasSubstr("ending in .svg"));
+  absl::StatusOr<ShardctlArgs> both =
+      Parse({"plan", "--model", "m.json", "--dp", "8", "--timeline", "a.svg",
+             "--timeline-svg", "b.svg"});
+  ASSERT_FALSE(both.ok());
+  EXPECT_THAT(std::string(both.status().message()),
+              HasSubstr("more than once"));
+
   absl::StatusOr<ShardctlArgs> train =
       Parse({"train", "--coordinator", "h:1", "--model", "m.json", "--loss-svg",
              "loss.svg"});
