@@ -168,12 +168,16 @@ TEST(ShardctlArgsTest, CheckpointFlagsAndCheckpointList) {
   EXPECT_THAT(
       Parse({"checkpoint", "list"}),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--coordinator")));
-  EXPECT_THAT(Parse({"checkpoint", "frobnicate"}),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("subcommand 'list', 'save', 'load' or 'consolidate'")));
-  EXPECT_THAT(Parse({"checkpoint"}),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("subcommand 'list', 'save', 'load' or 'consolidate'")));
+  EXPECT_THAT(
+      Parse({"checkpoint", "frobnicate"}),
+      StatusIs(
+          absl::StatusCode::kInvalidArgument,
+          HasSubstr("subcommand 'list', 'save', 'load' or 'consolidate'")));
+  EXPECT_THAT(
+      Parse({"checkpoint"}),
+      StatusIs(
+          absl::StatusCode::kInvalidArgument,
+          HasSubstr("subcommand 'list', 'save', 'load' or 'consolidate'")));
   SHARDD_ASSERT_OK_AND_ASSIGN(ShardctlArgs help,
                               Parse({"checkpoint", "list", "--help"}));
   EXPECT_EQ(help.command, ShardctlCommand::kHelp);
@@ -196,8 +200,8 @@ TEST(ShardctlArgsTest, CheckpointFlagsAndCheckpointList) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--hf")));
 
   SHARDD_ASSERT_OK_AND_ASSIGN(
-      ShardctlArgs save, Parse({"checkpoint", "save", "--coordinator", "h:1",
-                                "--job", "j-3"}));
+      ShardctlArgs save,
+      Parse({"checkpoint", "save", "--coordinator", "h:1", "--job", "j-3"}));
   EXPECT_EQ(save.command, ShardctlCommand::kCheckpointSave);
   EXPECT_EQ(save.checkpoint_job, "j-3");
   EXPECT_THAT(Parse({"checkpoint", "save", "--coordinator", "h:1"}),
@@ -208,10 +212,10 @@ TEST(ShardctlArgsTest, CheckpointFlagsAndCheckpointList) {
              "--checkpoint", "j-3/step-00000004"}));
   EXPECT_EQ(load.command, ShardctlCommand::kCheckpointLoad);
   EXPECT_EQ(load.checkpoint_path, "j-3/step-00000004");
-  EXPECT_THAT(Parse({"checkpoint", "load", "--coordinator", "h:1", "--job",
-                     "j-3"}),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("--checkpoint NAME")));
+  EXPECT_THAT(
+      Parse({"checkpoint", "load", "--coordinator", "h:1", "--job", "j-3"}),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("--checkpoint NAME")));
   EXPECT_THAT(Parse({"checkpoint", "save", "--coordinator", "h:1", "--job",
                      "j-3", "--out", "x"}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--out")));
@@ -527,8 +531,8 @@ TEST(ShardctlArgsTest, PictureFlags) {
   ASSERT_TRUE(short_form.ok()) << short_form.status();
   EXPECT_EQ(short_form->timeline_svg_path, "t.svg");
   EXPECT_FALSE(short_form->options.include_timeline());
-  absl::StatusOr<ShardctlArgs> inline_form = Parse(
-      {"plan", "--model", "m.json", "--dp", "8", "--timeline=Out.SVG"});
+  absl::StatusOr<ShardctlArgs> inline_form =
+      Parse({"plan", "--model", "m.json", "--dp", "8", "--timeline=Out.SVG"});
   ASSERT_TRUE(inline_form.ok()) << inline_form.status();
   EXPECT_EQ(inline_form->timeline_svg_path, "Out.SVG");
   absl::StatusOr<ShardctlArgs> bare =
