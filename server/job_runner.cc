@@ -7,14 +7,15 @@
 #include <system_error>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "common/error_info.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/step_program.h"
@@ -223,10 +224,10 @@ std::string StepLabel(int64_t step, int32_t total) {
   return absl::StrCat("step ", step, "/", total);
 }
 
-// The same status with `prefix` before its message.
+// The same status (code and reason) with `prefix` before its message.
 absl::Status Prefixed(absl::string_view prefix, const absl::Status& status) {
   if (status.ok()) return status;
-  return absl::Status(status.code(), absl::StrCat(prefix, status.message()));
+  return WithMessage(status, absl::StrCat(prefix, status.message()));
 }
 
 // TrainConfig.max_recoveries resolved: 0 means the runner's default,
@@ -429,8 +430,8 @@ void JobRunner::RestoreJobs() {
     raw->thread = std::thread([this, raw] { RunJob(raw); });
     ++carried;
   }
-  SHARDD_LOG(INFO) << "loaded " << order_.size() << " stored jobs ("
-                   << carried << " to carry on); next job j-" << next_job_;
+  SHARDD_LOG(INFO) << "loaded " << order_.size() << " stored jobs (" << carried
+                   << " to carry on); next job j-" << next_job_;
 }
 
 JobRunner::~JobRunner() { Shutdown(); }
@@ -534,8 +535,8 @@ absl::StatusOr<std::string> JobRunner::Submit(JobSpec spec) {
       *record.mutable_config() = spec.config;
       record.set_first_step(first_step);
       record.set_total_steps(job->total_steps);
-      const absl::Status created = options_.journal->Create(
-          record, ProgressLocked(*job), next_job_ + 1);
+      const absl::Status created =
+          options_.journal->Create(record, ProgressLocked(*job), next_job_ + 1);
       if (!created.ok()) {
         return absl::Status(
             created.code(),
@@ -638,8 +639,8 @@ void JobRunner::RunJob(Job* job) {
         "the coordinator is shutting down (the job never started)");
   } else if (job->spec.program.commands_size() == 0) {
     absl::MutexLock lock(&mu_);
-    status = absl::FailedPreconditionError(absl::StrCat(
-        "the stored job cannot be carried on: ", job->error));
+    status = absl::FailedPreconditionError(
+        absl::StrCat("the stored job cannot be carried on: ", job->error));
   } else {
     SHARDD_LOG(INFO) << "job " << job->id << ": model " << job->model_id << ", "
                      << job->total_steps << " steps on " << job->world_size
@@ -691,8 +692,7 @@ void JobRunner::RunJob(Job* job) {
     Publish(job, std::move(event)).IgnoreError();
   }
   FailControls(job, absl::AbortedError(absl::StrCat(
-                        "job ", job->id,
-                        status.ok() ? " finished" : " failed",
+                        "job ", job->id, status.ok() ? " finished" : " failed",
                         " before it got to the request")));
   absl::MutexLock lock(&mu_);
   job->spec = JobSpec();
@@ -702,8 +702,8 @@ bool JobRunner::Recoverable(Job* job, const absl::Status& status) {
   if (stopping()) return false;
   {
     absl::MutexLock lock(&mu_);
-    if (job->recoveries >= MaxRecoveries(job->spec.config,
-                                         options_.default_max_recoveries)) {
+    if (job->recoveries >=
+        MaxRecoveries(job->spec.config, options_.default_max_recoveries)) {
       return false;
     }
   }
@@ -714,11 +714,13 @@ bool JobRunner::Recoverable(Job* job, const absl::Status& status) {
     case absl::StatusCode::kDeadlineExceeded:
     case absl::StatusCode::kCancelled:
       return true;
-    // Also what a restarted worker answers for a plan it no longer holds.
-    case absl::StatusCode::kFailedPrecondition:
-      return absl::StrContains(status.message(), "no plan loaded") ||
-             absl::StrContains(status.message(), "stale plan") ||
-             absl::StrContains(status.message(), "failed in an earlier step");
+    // Also what a restarted worker answers for a plan it no longer holds,
+    // or one that lost a step: the worker says so with a reason
+    // (common/error_info.h), never only in words.
+    case absl::StatusCode::kFailedPrecondition: {
+      const std::string reason = ErrorReasonOf(status);
+      return reason == kReasonPlanNotHeld || reason == kReasonStepFailedEarlier;
+    }
     default:
       return false;
   }
@@ -759,10 +761,10 @@ absl::Status JobRunner::WaitForWorkers(Job* job) {
       return absl::UnavailableError("the coordinator is shutting down");
     }
     if (absl::Now() >= deadline) {
-      return absl::UnavailableError(absl::StrCat(
-          "recovery: the workers did not come back within ",
-          absl::FormatDuration(options_.recovery_timeout), ": ",
-          alive.message()));
+      return absl::UnavailableError(
+          absl::StrCat("recovery: the workers did not come back within ",
+                       absl::FormatDuration(options_.recovery_timeout), ": ",
+                       alive.message()));
     }
     absl::SleepFor(options_.poll_interval);
   }
@@ -988,7 +990,7 @@ absl::Status JobRunner::RunOnAllRanks(
                       more > 0 ? absl::StrCat(" and ", more, " more") : "",
                       ")");
     }
-    return absl::Status(round->results[cause].code(), message);
+    return WithMessage(round->results[cause], message);
   }
   if (timed_out) {
     const int rank = unanswered.empty() ? 0 : unanswered.front();
@@ -1044,9 +1046,9 @@ absl::Status JobRunner::Publish(Job* job, v1::StepEvent event) {
       SHARDD_LOG(ERROR) << "job " << job->id
                         << ": progress not durable: " << stored;
       if (!failed) {
-        return absl::InternalError(absl::StrCat(
-            "state store: the progress after step ", event.step(),
-            " could not be made durable: ", stored.message()));
+        return absl::InternalError(
+            absl::StrCat("state store: the progress after step ", event.step(),
+                         " could not be made durable: ", stored.message()));
       }
     }
   }
@@ -1167,9 +1169,9 @@ absl::Status JobRunner::RunSteps(Job* job, bool recovering) {
       absl::StatusOr<std::unique_ptr<checkpoint::CheckpointReader>> reader =
           checkpoint::CheckpointReader::Open(options_.checkpoint_dir + "/" +
                                              last_checkpoint);
-      SHARDD_RETURN_IF_ERROR(Prefixed(
-          absl::StrCat("recovery: checkpoint ", last_checkpoint, ": "),
-          reader.status()));
+      SHARDD_RETURN_IF_ERROR(
+          Prefixed(absl::StrCat("recovery: checkpoint ", last_checkpoint, ": "),
+                   reader.status()));
       start = (*reader)->index().step;
       load_from = last_checkpoint;
       recovery = absl::StrCat("reloaded checkpoint ", last_checkpoint,
@@ -1181,9 +1183,10 @@ absl::Status JobRunner::RunSteps(Job* job, bool recovering) {
     } else {
       start = job->first_step;
       load_from.clear();
-      recovery = absl::StrCat("no worker state or checkpoint to resume from: "
-                              "started over from step ",
-                              start);
+      recovery = absl::StrCat(
+          "no worker state or checkpoint to resume from: "
+          "started over from step ",
+          start);
     }
   }
 
@@ -1209,8 +1212,8 @@ absl::Status JobRunner::RunSteps(Job* job, bool recovering) {
                                     clients[rank]->LoadPlan(request, options));
             if (keep[rank] && loaded[rank].kept_step() != start) {
               return absl::AbortedError(absl::StrCat(
-                  "kept step ", loaded[rank].kept_step(), " instead of ",
-                  start, " (its state changed during the recovery)"));
+                  "kept step ", loaded[rank].kept_step(), " instead of ", start,
+                  " (its state changed during the recovery)"));
             }
             return absl::OkStatus();
           },
@@ -1228,9 +1231,9 @@ absl::Status JobRunner::RunSteps(Job* job, bool recovering) {
                   v1::HealReplicasResponse response,
                   clients[rank]->HealReplicas(request, options));
               if (response.step() != start) {
-                return absl::AbortedError(absl::StrCat(
-                    "holds step ", response.step(), " after healing, not ",
-                    start));
+                return absl::AbortedError(
+                    absl::StrCat("holds step ", response.step(),
+                                 " after healing, not ", start));
               }
               return absl::OkStatus();
             },
@@ -1368,8 +1371,9 @@ absl::Status JobRunner::RunSteps(Job* job, bool recovering) {
       if (last || target >= total) {
         control.done(absl::InvalidArgumentError(absl::StrCat(
             "checkpoint: ", control.checkpoint, " holds step ", target,
-            (last ? " but the job has just run its last step"
-                  : absl::StrCat(", not before the job's last step ", total)))));
+            (last
+                 ? " but the job has just run its last step"
+                 : absl::StrCat(", not before the job's last step ", total)))));
         continue;
       }
       const absl::Status loaded_status =

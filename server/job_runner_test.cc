@@ -16,14 +16,15 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/error_info.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/coordinator.pb.h"
 #include "proto/worker.pb.h"
-#include "server/worker_client.h"
 #include "server/job_journal.h"
 #include "server/state_store.h"
+#include "server/worker_client.h"
 #include "server/worker_registry.h"
 
 namespace shardd {
@@ -182,8 +183,7 @@ class FakeCluster {
     loads_.push_back(request);
     RankState& state = ranks_[rank];
     if (request.keep_state() && state.job == request.job_id() &&
-        state.fingerprint == request.plan().fingerprint() &&
-        state.steps >= 0) {
+        state.fingerprint == request.plan().fingerprint() && state.steps >= 0) {
       return state.steps;
     }
     state.job = request.job_id();
@@ -944,6 +944,34 @@ TEST_F(JobRunnerTest, WithoutStateOrCheckpointTheJobStartsOver) {
   EXPECT_TRUE(events.back().done());
 }
 
+// A worker that lost its plan answers FAILED_PRECONDITION with a reason; the
+// runner recovers on the reason, not on the message's wording.
+TEST_F(JobRunnerTest, APlanNotHeldReasonIsRecoveredAndItsWordsAloneAreNot) {
+  recover_ = true;
+  RegisterWorkers(1);
+  cluster_.script().once = true;
+  cluster_.script().failures[0] = {
+      1, WithErrorReason(absl::FailedPreconditionError("lost it"),
+                         kReasonPlanNotHeld)};
+  cluster_.script().wipe_on_failure = {0};
+  StartRunner();
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::string id,
+                              runner_->Submit(Spec(1, 3)));
+  std::vector<v1::StepEvent> events = WaitForEnd(id);
+  ASSERT_EQ(Recoveries(events).size(), 1u);
+  EXPECT_TRUE(events.back().done()) << events.back().DebugString();
+
+  // The same words with no reason: a precondition the runner cannot fix.
+  cluster_.script().once = true;
+  cluster_.script().failures[0] = {
+      1, absl::FailedPreconditionError("no plan loaded: call LoadPlan first")};
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::string bad,
+                              runner_->Submit(Spec(1, 3)));
+  events = WaitForEnd(bad);
+  EXPECT_TRUE(Recoveries(events).empty());
+  EXPECT_THAT(events.back().error(), HasSubstr("FAILED_PRECONDITION"));
+}
+
 TEST_F(JobRunnerTest, RecoveriesAreBoundedAndBadInputIsNotRetried) {
   recover_ = true;
   RegisterWorkers(1);
@@ -1035,8 +1063,7 @@ TEST_F(JobRunnerTest, ARestartedRunnerCarriesTheJobOnFromItsJournal) {
   SHARDD_ASSERT_OK_AND_ASSIGN(const std::string next,
                               runner_->Submit(Spec(1, 1)));
   EXPECT_EQ(next, "j-3");
-  SHARDD_ASSERT_OK_AND_ASSIGN(std::vector<StoredJob> stored,
-                              journal.LoadAll());
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::vector<StoredJob> stored, journal.LoadAll());
   ASSERT_EQ(stored.size(), 3u);
   EXPECT_EQ(stored[1].progress.state(), v1::JOB_DONE);
   EXPECT_EQ(stored[1].progress.steps_done(), 6);
@@ -1067,17 +1094,15 @@ TEST_F(JobRunnerTest, OnDemandCheckpointRequestsAreRefusedWhenTheyCannotRun) {
   });
   EXPECT_THAT(result, StatusIs(absl::StatusCode::kInvalidArgument,
                                HasSubstr("checkpoint")));
-  runner_->RequestLoad("j-1", "j-1/step-00000001",
-                       [&](absl::StatusOr<CheckpointResult> r) {
-                         result = std::move(r);
-                       });
+  runner_->RequestLoad(
+      "j-1", "j-1/step-00000001",
+      [&](absl::StatusOr<CheckpointResult> r) { result = std::move(r); });
   EXPECT_THAT(result, StatusIs(absl::StatusCode::kNotFound));
   SHARDD_ASSERT_OK_AND_ASSIGN(const std::string id,
                               runner_->Submit(Spec(1, 1)));
   WaitForEnd(id);
-  runner_->RequestSave(id, [&](absl::StatusOr<CheckpointResult> r) {
-    result = std::move(r);
-  });
+  runner_->RequestSave(
+      id, [&](absl::StatusOr<CheckpointResult> r) { result = std::move(r); });
   EXPECT_THAT(result, StatusIs(absl::StatusCode::kFailedPrecondition,
                                HasSubstr("JOB_DONE")));
 }

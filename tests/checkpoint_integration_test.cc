@@ -6,28 +6,19 @@
 // corrupted checkpoint and a path escaping the directory are refused.
 // Every wait is bounded and every process is killed in teardown.
 
-#include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
-#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/strip.h"
-#include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "client/coordinator_client.h"
+#include "common/status_matchers.h"
 #include "gmock/gmock.h"
-#include "grpc/grpc.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "proto/coordinator.pb.h"
+#include "tests/local_cluster.h"
 #include "tests/subprocess.h"
 
 namespace shardd {
@@ -35,104 +26,34 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr char kCoordinatorBinary[] = "server/shardd-coordinator";
-constexpr char kWorkerBinary[] = "worker/shardd-worker";
-constexpr char kShardctlBinary[] = "client/shardctl";
 constexpr char kSmallMoe[] = "tests/data/small_moe.json";
 constexpr int kWorkers = 2;
 
+using ::shardd::testing_util::LocalCluster;
 using ::shardd::testing_util::ReadFile;
-using ::shardd::testing_util::Spawn;
-using ::shardd::testing_util::Stop;
-using ::shardd::testing_util::TempDir;
-using ::shardd::testing_util::WaitFor;
+using ProcessResult = LocalCluster::Result;
 
-struct ProcessResult {
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
+LocalCluster::Options ClusterOptions() {
+  LocalCluster::Options options;
+  options.name = "ckpt";
+  options.workers = kWorkers;
+  options.checkpoints = true;
+  return options;
+}
 
 class CheckpointIntegrationTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    grpc_init();
-    dir_ = absl::StrCat(TempDir(), "/ckpt_", getpid(), "_", ++counter_);
-    const std::string data_dir = dir_ + "/data";
-    checkpoint_dir_ = dir_ + "/checkpoints";
-    coordinator_ = Spawn({kCoordinatorBinary, "--listen=127.0.0.1:0",
-                          absl::StrCat("--data-dir=", data_dir),
-                          absl::StrCat("--checkpoint-dir=", checkpoint_dir_),
-                          absl::StrCat("--workers=", kWorkers),
-                          "--heartbeat-timeout=2s", "--collective-timeout=20s"},
-                         dir_ + "_coordinator.out", dir_ + "_coordinator.err");
-    ASSERT_GT(coordinator_, 0);
-    int port = 0;
-    const absl::Time deadline = absl::Now() + absl::Seconds(30);
-    while (absl::Now() < deadline && port == 0) {
-      std::string text = ReadFile(data_dir + "/coordinator.port");
-      if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(text), &port)) port = 0;
-      ASSERT_EQ(waitpid(coordinator_, nullptr, WNOHANG), 0)
-          << "coordinator exited: " << ReadFile(dir_ + "_coordinator.err");
-      if (port == 0) absl::SleepFor(absl::Milliseconds(20));
-    }
-    ASSERT_GT(port, 0) << ReadFile(dir_ + "_coordinator.err");
-    address_ = absl::StrCat("127.0.0.1:", port);
-
-    for (int rank = 0; rank < kWorkers; ++rank) {
-      const pid_t pid =
-          Spawn({kWorkerBinary, absl::StrCat("--coordinator=", address_),
-                 "--listen=127.0.0.1:0", "--device=cpu",
-                 absl::StrCat("--requested-rank=", rank),
-                 absl::StrCat("--checkpoint-root=", checkpoint_dir_)},
-                absl::StrCat(dir_, "_worker", rank, ".out"),
-                absl::StrCat(dir_, "_worker", rank, ".err"));
-      ASSERT_GT(pid, 0);
-      workers_.push_back(pid);
-    }
-    auto client = CoordinatorClient::Connect(address_, absl::Seconds(10));
-    ASSERT_TRUE(client.ok()) << client.status();
-    client_ = *std::move(client);
-    const absl::Time joined_by = absl::Now() + absl::Seconds(30);
-    int alive = 0;
-    while (absl::Now() < joined_by) {
-      auto status = client_->GetStatus();
-      alive = 0;
-      if (status.ok()) {
-        for (const v1::WorkerInfo& worker : status->workers()) {
-          if (worker.alive()) ++alive;
-        }
-      }
-      if (alive == kWorkers) break;
-      absl::SleepFor(absl::Milliseconds(50));
-    }
-    ASSERT_EQ(alive, kWorkers) << ReadFile(dir_ + "_worker0.err");
-  }
-
-  void TearDown() override {
-    client_.reset();
-    for (pid_t pid : workers_) Stop(pid);
-    Stop(coordinator_);
-    grpc_shutdown();
+    SHARDD_ASSERT_OK(cluster_.StartCoordinator());
+    SHARDD_ASSERT_OK(cluster_.StartWorkers(kWorkers));
+    dir_ = cluster_.dir();
+    checkpoint_dir_ = cluster_.checkpoint_dir();
+    address_ = cluster_.address();
   }
 
   ProcessResult Shardctl(std::vector<std::string> args,
                          absl::Duration timeout = absl::Seconds(120)) {
-    args.insert(args.begin(), kShardctlBinary);
-    const std::string base = absl::StrCat(dir_, "_shardctl", ++runs_);
-    const pid_t pid = Spawn(args, base + ".out", base + ".err");
-    ProcessResult result;
-    EXPECT_GT(pid, 0);
-    if (pid <= 0) return result;
-    result.exit_code = WaitFor(pid, timeout);
-    if (result.exit_code == -2) {
-      kill(pid, SIGKILL);
-      waitpid(pid, nullptr, 0);
-      ADD_FAILURE() << "shardctl did not finish within " << timeout;
-    }
-    result.out = ReadFile(base + ".out");
-    result.err = ReadFile(base + ".err");
-    return result;
+    return cluster_.Shardctl(std::move(args), timeout);
   }
 
   // fp32 all the way, so different world sizes give the same losses.
@@ -162,8 +83,7 @@ class CheckpointIntegrationTest : public ::testing::Test {
   // Runs a training job; its JSON summary (discarded on failure).
   nlohmann::json Train(int steps, std::vector<std::string> extra) {
     ProcessResult run = Shardctl(TrainArgs(steps, std::move(extra)));
-    EXPECT_EQ(run.exit_code, 0) << run.err << "\n"
-                                << ReadFile(dir_ + "_coordinator.err");
+    EXPECT_EQ(run.exit_code, 0) << run.err << "\n" << cluster_.CoordinatorLog();
     if (run.exit_code != 0) return nlohmann::json::value_t::discarded;
     return nlohmann::json::parse(run.out, nullptr, false);
   }
@@ -175,17 +95,11 @@ class CheckpointIntegrationTest : public ::testing::Test {
     return out;
   }
 
-  static int counter_;
+  LocalCluster cluster_{ClusterOptions()};
   std::string dir_;
   std::string checkpoint_dir_;
   std::string address_;
-  pid_t coordinator_ = -1;
-  std::vector<pid_t> workers_;
-  std::unique_ptr<CoordinatorClient> client_;
-  int runs_ = 0;
 };
-
-int CheckpointIntegrationTest::counter_ = 0;
 
 // Saves every 3 steps over 2 ranks, then resumes from step 3 on 1 rank, on
 // 2 ranks with megatron_fsdp (flat ranges instead of dim-0 rows), and from

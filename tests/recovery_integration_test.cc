@@ -15,10 +15,6 @@
 // shows that no acknowledged step was lost and nothing half-applied stayed.
 // Every wait is bounded and every process is killed in teardown.
 
-#include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -26,136 +22,45 @@
 #include <vector>
 
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/coordinator_client.h"
+#include "common/status_matchers.h"
 #include "gmock/gmock.h"
-#include "grpc/grpc.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "proto/coordinator.pb.h"
-#include "tests/subprocess.h"
+#include "tests/local_cluster.h"
 
 namespace shardd {
 namespace {
 
+using ::shardd::testing_util::LocalCluster;
 using ::testing::HasSubstr;
 
-constexpr char kCoordinatorBinary[] = "server/shardd-coordinator";
-constexpr char kWorkerBinary[] = "worker/shardd-worker";
-constexpr char kShardctlBinary[] = "client/shardctl";
 constexpr char kSmallMoe[] = "tests/data/small_moe.json";
-
-using ::shardd::testing_util::ReadFile;
-using ::shardd::testing_util::Spawn;
-using ::shardd::testing_util::Stop;
-using ::shardd::testing_util::TempDir;
-using ::shardd::testing_util::WaitFor;
-using ::shardd::testing_util::WaitForPortFile;
-
-void KillNow(pid_t pid) {
-  if (pid <= 0) return;
-  kill(pid, SIGKILL);
-  waitpid(pid, nullptr, 0);
-}
 
 class RecoveryIntegrationTest : public ::testing::Test {
  protected:
-  void SetUp() override { grpc_init(); }
-
-  void TearDown() override {
-    client_.reset();
-    if (shardctl_ > 0) KillNow(shardctl_);
-    for (auto& [rank, pid] : workers_) Stop(pid);
-    Stop(coordinator_);
-    grpc_shutdown();
+  // Makes the cluster (for `workers` workers) and starts its coordinator.
+  void StartCluster(int workers) {
+    LocalCluster::Options options;
+    options.name = "recovery";
+    options.workers = workers;
+    options.checkpoints = true;
+    options.coordinator_flags = {"--heartbeat-timeout=2s",
+                                 "--collective-timeout=15s",
+                                 "--recovery-timeout=60s"};
+    options.call_timeout = absl::Seconds(5);
+    cluster_ = std::make_unique<LocalCluster>(options);
+    SHARDD_ASSERT_OK(cluster_->StartCoordinator());
+    client_ = cluster_->client();
+    address_ = cluster_->address();
+    checkpoint_dir_ = cluster_->checkpoint_dir();
   }
 
-  // Starts (or restarts, on the same port and data dir) the coordinator.
-  void StartCoordinator(int workers) {
-    if (dir_.empty()) {
-      dir_ = absl::StrCat(TempDir(), "/recovery_", getpid(), "_", ++counter_);
-      checkpoint_dir_ = dir_ + "/checkpoints";
-      std::filesystem::create_directories(dir_);
-    }
-    workers_wanted_ = workers;
-    const std::string data_dir = dir_ + "/data";
-    std::filesystem::remove(data_dir + "/coordinator.port");
-    const std::string listen =
-        port_ == 0 ? "127.0.0.1:0" : absl::StrCat("127.0.0.1:", port_);
-    ++coordinator_runs_;
-    coordinator_ = Spawn(
-        {kCoordinatorBinary, absl::StrCat("--listen=", listen),
-         absl::StrCat("--data-dir=", data_dir),
-         absl::StrCat("--checkpoint-dir=", checkpoint_dir_),
-         absl::StrCat("--workers=", workers), "--heartbeat-timeout=2s",
-         "--collective-timeout=15s", "--recovery-timeout=60s"},
-        absl::StrCat(dir_, "/coordinator", coordinator_runs_, ".out"),
-        absl::StrCat(dir_, "/coordinator", coordinator_runs_, ".err"));
-    ASSERT_GT(coordinator_, 0);
-    const int port = WaitForPortFile(data_dir, coordinator_, absl::Seconds(30));
-    ASSERT_GT(port, 0) << CoordinatorLog();
-    if (port_ != 0) ASSERT_EQ(port, port_);
-    port_ = port;
-    address_ = absl::StrCat("127.0.0.1:", port_);
-    if (client_ == nullptr) {
-      auto client = CoordinatorClient::Connect(address_, absl::Seconds(10));
-      ASSERT_TRUE(client.ok()) << client.status();
-      client_ = *std::move(client);
-      client_->set_call_timeout(absl::Seconds(5));
-    }
-  }
-
-  std::string CoordinatorLog() {
-    return ReadFile(
-        absl::StrCat(dir_, "/coordinator", coordinator_runs_, ".err"));
-  }
-
-  void StartWorker(int rank, std::vector<std::string> extra = {}) {
-    std::vector<std::string> argv = {
-        kWorkerBinary, absl::StrCat("--coordinator=", address_),
-        "--listen=127.0.0.1:0", "--device=cpu",
-        absl::StrCat("--requested-rank=", rank),
-        absl::StrCat("--checkpoint-root=", checkpoint_dir_)};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    const int run = ++worker_runs_[rank];
-    const pid_t pid =
-        Spawn(argv, absl::StrCat(dir_, "/worker", rank, "_", run, ".out"),
-              absl::StrCat(dir_, "/worker", rank, "_", run, ".err"));
-    ASSERT_GT(pid, 0);
-    workers_[rank] = pid;
-  }
-
-  void KillWorker(int rank) {
-    KillNow(workers_[rank]);
-    workers_.erase(rank);
-  }
-
-  void KillCoordinator() {
-    KillNow(coordinator_);
-    coordinator_ = -1;
-  }
-
-  // Waits until `n` workers are alive in the coordinator's view.
-  void WaitForWorkers(int n) {
-    const absl::Time deadline = absl::Now() + absl::Seconds(40);
-    int alive = 0;
-    while (absl::Now() < deadline) {
-      auto status = client_->GetStatus();
-      alive = 0;
-      if (status.ok()) {
-        for (const v1::WorkerInfo& worker : status->workers()) {
-          if (worker.alive()) ++alive;
-        }
-      }
-      if (alive == n) return;
-      absl::SleepFor(absl::Milliseconds(50));
-    }
-    FAIL() << alive << " of " << n << " workers alive\n" << CoordinatorLog();
-  }
+  std::string CoordinatorLog() { return cluster_->CoordinatorLog(); }
 
   // The job's state as GetStatus shows it (empty job_id: not listed).
   v1::JobInfo Job(const std::string& job_id) {
@@ -187,8 +92,7 @@ class RecoveryIntegrationTest : public ::testing::Test {
 
   std::vector<std::string> TrainArgs(int steps,
                                      std::vector<std::string> extra) {
-    std::vector<std::string> args = {kShardctlBinary,
-                                     "train",
+    std::vector<std::string> args = {"train",
                                      "--coordinator",
                                      address_,
                                      "--model",
@@ -211,26 +115,18 @@ class RecoveryIntegrationTest : public ::testing::Test {
 
   // Starts shardctl train in the background.
   void StartTraining(int steps, std::vector<std::string> extra) {
-    training_run_ = ++shardctl_runs_;
-    shardctl_ = Spawn(TrainArgs(steps, std::move(extra)),
-                      absl::StrCat(dir_, "/shardctl", training_run_, ".out"),
-                      absl::StrCat(dir_, "/shardctl", training_run_, ".err"));
-    ASSERT_GT(shardctl_, 0);
+    SHARDD_ASSERT_OK(
+        cluster_->StartShardctl(TrainArgs(steps, std::move(extra))));
   }
 
   // Waits for the background shardctl; its JSON summary.
   nlohmann::json FinishTraining() {
-    const int code = WaitFor(shardctl_, absl::Seconds(240));
-    if (code == -2) KillNow(shardctl_);
-    shardctl_ = -1;
-    const std::string out =
-        ReadFile(absl::StrCat(dir_, "/shardctl", training_run_, ".out"));
-    const std::string err =
-        ReadFile(absl::StrCat(dir_, "/shardctl", training_run_, ".err"));
-    EXPECT_EQ(code, 0) << err << "\n" << CoordinatorLog();
-    if (code != 0) return nlohmann::json::value_t::discarded;
-    nlohmann::json json = nlohmann::json::parse(out, nullptr, false);
-    EXPECT_FALSE(json.is_discarded()) << "not JSON:\n" << out;
+    const LocalCluster::Result run =
+        cluster_->FinishShardctl(absl::Seconds(240));
+    EXPECT_EQ(run.exit_code, 0) << run.err << "\n" << CoordinatorLog();
+    if (run.exit_code != 0) return nlohmann::json::value_t::discarded;
+    nlohmann::json json = nlohmann::json::parse(run.out, nullptr, false);
+    EXPECT_FALSE(json.is_discarded()) << "not JSON:\n" << run.out;
     return json;
   }
 
@@ -239,16 +135,12 @@ class RecoveryIntegrationTest : public ::testing::Test {
     return FinishTraining();
   }
 
-  // Runs shardctl to completion; exit code and stdout.
+  // Runs shardctl to completion; exit code, and stdout then stderr.
   int Shardctl(std::vector<std::string> args, std::string* out) {
-    args.insert(args.begin(), kShardctlBinary);
-    ++shardctl_runs_;
-    const std::string base = absl::StrCat(dir_, "/ctl", shardctl_runs_);
-    const pid_t pid = Spawn(args, base + ".out", base + ".err");
-    const int code = WaitFor(pid, absl::Seconds(60));
-    if (code == -2) KillNow(pid);
-    *out = ReadFile(base + ".out") + ReadFile(base + ".err");
-    return code;
+    const LocalCluster::Result run =
+        cluster_->Shardctl(std::move(args), absl::Seconds(60));
+    *out = run.out + run.err;
+    return run.exit_code;
   }
 
   // step -> loss of a summary's committed trajectory.
@@ -285,35 +177,22 @@ class RecoveryIntegrationTest : public ::testing::Test {
     return out;
   }
 
-  static int counter_;
-  std::string dir_;
-  std::string checkpoint_dir_;
+  std::unique_ptr<LocalCluster> cluster_;
+  CoordinatorClient* client_ = nullptr;
   std::string address_;
-  int port_ = 0;
-  int workers_wanted_ = 0;
-  int coordinator_runs_ = 0;
-  int shardctl_runs_ = 0;
-  int training_run_ = 0;  // The background shardctl train's run number.
-  std::map<int, int> worker_runs_;
-  pid_t coordinator_ = -1;
-  pid_t shardctl_ = -1;
-  std::map<int, pid_t> workers_;
-  std::unique_ptr<CoordinatorClient> client_;
+  std::string checkpoint_dir_;
 };
 
-int RecoveryIntegrationTest::counter_ = 0;
-
 TEST_F(RecoveryIntegrationTest, CoordinatorKilledMidJobCarriesOnAfterRestart) {
-  ASSERT_NO_FATAL_FAILURE(StartCoordinator(2));
-  for (int rank = 0; rank < 2; ++rank) StartWorker(rank);
-  ASSERT_NO_FATAL_FAILURE(WaitForWorkers(2));
+  ASSERT_NO_FATAL_FAILURE(StartCluster(2));
+  SHARDD_ASSERT_OK(cluster_->StartWorkers(2));
   const nlohmann::json reference = Train(30, {"--dp", "2"});
   ASSERT_FALSE(reference.is_discarded());
 
   StartTraining(30, {"--dp", "2"});
   ASSERT_NO_FATAL_FAILURE(WaitForSteps("j-2", 5));
-  KillCoordinator();
-  ASSERT_NO_FATAL_FAILURE(StartCoordinator(2));
+  SHARDD_ASSERT_OK(cluster_->KillCoordinator());
+  SHARDD_ASSERT_OK(cluster_->StartCoordinator());
   const nlohmann::json resumed = FinishTraining();
   ASSERT_FALSE(resumed.is_discarded());
   ExpectSameLosses(resumed, LossByStep(reference), 30);
@@ -325,17 +204,17 @@ TEST_F(RecoveryIntegrationTest, CoordinatorKilledMidJobCarriesOnAfterRestart) {
   EXPECT_EQ(Job("j-1").state(), v1::JOB_DONE);
 }
 
-TEST_F(RecoveryIntegrationTest, KilledWorkerRestartsAndTheJobReloadsItsCheckpoint) {
-  ASSERT_NO_FATAL_FAILURE(StartCoordinator(2));
-  for (int rank = 0; rank < 2; ++rank) StartWorker(rank);
-  ASSERT_NO_FATAL_FAILURE(WaitForWorkers(2));
+TEST_F(RecoveryIntegrationTest,
+       KilledWorkerRestartsAndTheJobReloadsItsCheckpoint) {
+  ASSERT_NO_FATAL_FAILURE(StartCluster(2));
+  SHARDD_ASSERT_OK(cluster_->StartWorkers(2));
   const nlohmann::json reference = Train(24, {"--dp", "2"});
   ASSERT_FALSE(reference.is_discarded());
 
   StartTraining(24, {"--dp", "2", "--checkpoint-every", "4"});
   ASSERT_NO_FATAL_FAILURE(WaitForSteps("j-2", 6));
-  KillWorker(1);
-  StartWorker(1);
+  SHARDD_ASSERT_OK(cluster_->KillWorker(1));
+  SHARDD_ASSERT_OK(cluster_->StartWorker(1));
   const nlohmann::json resumed = FinishTraining();
   ASSERT_FALSE(resumed.is_discarded());
   ExpectSameLosses(resumed, LossByStep(reference), 24);
@@ -344,16 +223,15 @@ TEST_F(RecoveryIntegrationTest, KilledWorkerRestartsAndTheJobReloadsItsCheckpoin
 }
 
 TEST_F(RecoveryIntegrationTest, LostHsdpReplicaHealsFromItsPeer) {
-  ASSERT_NO_FATAL_FAILURE(StartCoordinator(4));
-  for (int rank = 0; rank < 4; ++rank) StartWorker(rank);
-  ASSERT_NO_FATAL_FAILURE(WaitForWorkers(4));
+  ASSERT_NO_FATAL_FAILURE(StartCluster(4));
+  SHARDD_ASSERT_OK(cluster_->StartWorkers(4));
   const nlohmann::json reference = Train(16, {"--dp", "2", "--replicate", "2"});
   ASSERT_FALSE(reference.is_discarded());
 
   StartTraining(16, {"--dp", "2", "--replicate", "2"});
   ASSERT_NO_FATAL_FAILURE(WaitForSteps("j-2", 4));
-  KillWorker(3);
-  StartWorker(3);
+  SHARDD_ASSERT_OK(cluster_->KillWorker(3));
+  SHARDD_ASSERT_OK(cluster_->StartWorker(3));
   const nlohmann::json resumed = FinishTraining();
   ASSERT_FALSE(resumed.is_discarded());
   ExpectSameLosses(resumed, LossByStep(reference), 16);
@@ -363,10 +241,10 @@ TEST_F(RecoveryIntegrationTest, LostHsdpReplicaHealsFromItsPeer) {
 }
 
 TEST_F(RecoveryIntegrationTest, WorkerKilledWhileWritingACheckpoint) {
-  ASSERT_NO_FATAL_FAILURE(StartCoordinator(2));
-  StartWorker(0);
-  StartWorker(1, {"--debug-save-delay=4s"});
-  ASSERT_NO_FATAL_FAILURE(WaitForWorkers(2));
+  ASSERT_NO_FATAL_FAILURE(StartCluster(2));
+  SHARDD_ASSERT_OK(cluster_->StartWorker(0));
+  SHARDD_ASSERT_OK(cluster_->StartWorker(1, {"--debug-save-delay=4s"}));
+  SHARDD_ASSERT_OK(cluster_->WaitForWorkers(2));
   StartTraining(8, {"--dp", "2", "--checkpoint-every", "2"});
   // The first save (after step 2) commits; kill rank 1 inside the second.
   const std::string job_dir = checkpoint_dir_ + "/j-1";
@@ -374,8 +252,8 @@ TEST_F(RecoveryIntegrationTest, WorkerKilledWhileWritingACheckpoint) {
   bool killed = false;
   while (!killed && absl::Now() < deadline) {
     std::error_code error;
-    bool committed_first = std::filesystem::exists(
-        job_dir + "/step-00000002/index.json", error);
+    bool committed_first =
+        std::filesystem::exists(job_dir + "/step-00000002/index.json", error);
     if (committed_first) {
       for (const auto& entry :
            std::filesystem::directory_iterator(job_dir, error)) {
@@ -383,7 +261,7 @@ TEST_F(RecoveryIntegrationTest, WorkerKilledWhileWritingACheckpoint) {
         // checkpoint::BeginCheckpoint's temporary directory for step 4.
         if (absl::StartsWith(name, ".tmp") &&
             absl::StrContains(name, "step-4-")) {
-          KillWorker(1);
+          SHARDD_ASSERT_OK(cluster_->KillWorker(1));
           killed = true;
           break;
         }
@@ -393,7 +271,7 @@ TEST_F(RecoveryIntegrationTest, WorkerKilledWhileWritingACheckpoint) {
   }
   ASSERT_TRUE(killed) << CoordinatorLog();
   EXPECT_FALSE(std::filesystem::exists(job_dir + "/step-00000004"));
-  StartWorker(1);
+  SHARDD_ASSERT_OK(cluster_->StartWorker(1));
   const nlohmann::json resumed = FinishTraining();
   ASSERT_FALSE(resumed.is_discarded());
   EXPECT_THAT(Incidents(resumed),
@@ -409,17 +287,16 @@ TEST_F(RecoveryIntegrationTest, WorkerKilledWhileWritingACheckpoint) {
 }
 
 TEST_F(RecoveryIntegrationTest, OnDemandSaveAndRollbackOfARunningJob) {
-  ASSERT_NO_FATAL_FAILURE(StartCoordinator(2));
-  for (int rank = 0; rank < 2; ++rank) StartWorker(rank);
-  ASSERT_NO_FATAL_FAILURE(WaitForWorkers(2));
+  ASSERT_NO_FATAL_FAILURE(StartCluster(2));
+  SHARDD_ASSERT_OK(cluster_->StartWorkers(2));
   const nlohmann::json reference = Train(40, {"--dp", "2"});
   ASSERT_FALSE(reference.is_discarded());
 
   StartTraining(40, {"--dp", "2"});
   ASSERT_NO_FATAL_FAILURE(WaitForSteps("j-2", 3));
   std::string out;
-  ASSERT_EQ(Shardctl({"checkpoint", "save", "--coordinator", address_,
-                      "--job", "j-2", "--json"},
+  ASSERT_EQ(Shardctl({"checkpoint", "save", "--coordinator", address_, "--job",
+                      "j-2", "--json"},
                      &out),
             0)
       << out;
@@ -428,8 +305,8 @@ TEST_F(RecoveryIntegrationTest, OnDemandSaveAndRollbackOfARunningJob) {
   const std::string name = saved["checkpoint"];
   EXPECT_THAT(name, HasSubstr("j-2/step-"));
   ASSERT_NO_FATAL_FAILURE(WaitForSteps("j-2", 10));
-  ASSERT_EQ(Shardctl({"checkpoint", "load", "--coordinator", address_,
-                      "--job", "j-2", "--checkpoint", name},
+  ASSERT_EQ(Shardctl({"checkpoint", "load", "--coordinator", address_, "--job",
+                      "j-2", "--checkpoint", name},
                      &out),
             0)
       << out;
@@ -437,10 +314,11 @@ TEST_F(RecoveryIntegrationTest, OnDemandSaveAndRollbackOfARunningJob) {
   const nlohmann::json rolled = FinishTraining();
   ASSERT_FALSE(rolled.is_discarded());
   ExpectSameLosses(rolled, LossByStep(reference), 40);
-  EXPECT_THAT(Incidents(rolled), HasSubstr("rolled back to checkpoint " + name));
+  EXPECT_THAT(Incidents(rolled),
+              HasSubstr("rolled back to checkpoint " + name));
   // A finished job takes no more requests.
-  EXPECT_EQ(Shardctl({"checkpoint", "save", "--coordinator", address_,
-                      "--job", "j-2"},
+  EXPECT_EQ(Shardctl({"checkpoint", "save", "--coordinator", address_, "--job",
+                      "j-2"},
                      &out),
             1);
   EXPECT_THAT(out, HasSubstr("FAILED_PRECONDITION"));

@@ -2,131 +2,53 @@
 // shardctl train, as subprocesses on loopback. Every wait is bounded and
 // every process is killed in teardown.
 
-#include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
-#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/coordinator_client.h"
+#include "common/status_matchers.h"
 #include "gmock/gmock.h"
-#include "grpc/grpc.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "proto/coordinator.pb.h"
-#include "tests/subprocess.h"
+#include "tests/local_cluster.h"
 
 namespace shardd {
 namespace {
 
 using ::testing::HasSubstr;
 
-constexpr char kCoordinatorBinary[] = "server/shardd-coordinator";
-constexpr char kWorkerBinary[] = "worker/shardd-worker";
-constexpr char kShardctlBinary[] = "client/shardctl";
 constexpr char kSmallMoe[] = "tests/data/small_moe.json";
 constexpr int kWorkers = 2;
 
-using ::shardd::testing_util::ReadFile;
-using ::shardd::testing_util::Spawn;
-using ::shardd::testing_util::Stop;
-using ::shardd::testing_util::TempDir;
-using ::shardd::testing_util::WaitFor;
+using ::shardd::testing_util::LocalCluster;
+using ProcessResult = LocalCluster::Result;
 
-struct ProcessResult {
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
+LocalCluster::Options ClusterOptions() {
+  LocalCluster::Options options;
+  options.name = "train";
+  options.workers = kWorkers;
+  return options;
+}
 
 class TrainIntegrationTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    grpc_init();
-    dir_ = absl::StrCat(TempDir(), "/train_", getpid(), "_", ++counter_);
-    const std::string data_dir = dir_ + "/data";
-    coordinator_ = Spawn({kCoordinatorBinary, "--listen=127.0.0.1:0",
-                          absl::StrCat("--data-dir=", data_dir),
-                          absl::StrCat("--workers=", kWorkers),
-                          "--heartbeat-timeout=2s", "--collective-timeout=20s"},
-                         dir_ + "_coordinator.out", dir_ + "_coordinator.err");
-    ASSERT_GT(coordinator_, 0);
-    int port = 0;
-    const absl::Time deadline = absl::Now() + absl::Seconds(30);
-    while (absl::Now() < deadline && port == 0) {
-      std::string text = ReadFile(data_dir + "/coordinator.port");
-      if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(text), &port)) port = 0;
-      ASSERT_EQ(waitpid(coordinator_, nullptr, WNOHANG), 0)
-          << "coordinator exited: " << ReadFile(dir_ + "_coordinator.err");
-      if (port == 0) absl::SleepFor(absl::Milliseconds(20));
-    }
-    ASSERT_GT(port, 0) << ReadFile(dir_ + "_coordinator.err");
-    address_ = absl::StrCat("127.0.0.1:", port);
-
-    for (int rank = 0; rank < kWorkers; ++rank) {
-      const pid_t pid =
-          Spawn({kWorkerBinary, absl::StrCat("--coordinator=", address_),
-                 "--listen=127.0.0.1:0", "--device=cpu",
-                 absl::StrCat("--requested-rank=", rank)},
-                absl::StrCat(dir_, "_worker", rank, ".out"),
-                absl::StrCat(dir_, "_worker", rank, ".err"));
-      ASSERT_GT(pid, 0);
-      workers_.push_back(pid);
-    }
-    auto client = CoordinatorClient::Connect(address_, absl::Seconds(10));
-    ASSERT_TRUE(client.ok()) << client.status();
-    client_ = *std::move(client);
-    // Bounded wait for every worker to register and heartbeat.
-    const absl::Time joined_by = absl::Now() + absl::Seconds(30);
-    int alive = 0;
-    while (absl::Now() < joined_by) {
-      auto status = client_->GetStatus();
-      alive = 0;
-      if (status.ok()) {
-        for (const v1::WorkerInfo& worker : status->workers()) {
-          if (worker.alive()) ++alive;
-        }
-      }
-      if (alive == kWorkers) break;
-      absl::SleepFor(absl::Milliseconds(50));
-    }
-    ASSERT_EQ(alive, kWorkers) << ReadFile(dir_ + "_worker0.err");
-  }
-
-  void TearDown() override {
-    client_.reset();
-    for (pid_t pid : workers_) Stop(pid);
-    Stop(coordinator_);
-    grpc_shutdown();
+    SHARDD_ASSERT_OK(cluster_.StartCoordinator());
+    SHARDD_ASSERT_OK(cluster_.StartWorkers(kWorkers));
+    address_ = cluster_.address();
+    client_ = cluster_.client();
   }
 
   // Runs shardctl with `args`; killed after `timeout`.
   ProcessResult Shardctl(std::vector<std::string> args,
                          absl::Duration timeout = absl::Seconds(120)) {
-    args.insert(args.begin(), kShardctlBinary);
-    const std::string base = absl::StrCat(dir_, "_shardctl", ++runs_);
-    const pid_t pid = Spawn(args, base + ".out", base + ".err");
-    ProcessResult result;
-    EXPECT_GT(pid, 0);
-    if (pid <= 0) return result;
-    result.exit_code = WaitFor(pid, timeout);
-    if (result.exit_code == -2) {
-      kill(pid, SIGKILL);
-      waitpid(pid, nullptr, 0);
-      ADD_FAILURE() << "shardctl did not finish within " << timeout;
-    }
-    result.out = ReadFile(base + ".out");
-    result.err = ReadFile(base + ".err");
-    return result;
+    return cluster_.Shardctl(std::move(args), timeout);
   }
 
   std::vector<std::string> TrainArgs(int steps) {
@@ -148,21 +70,14 @@ class TrainIntegrationTest : public ::testing::Test {
             "--json"};
   }
 
-  static int counter_;
-  std::string dir_;
+  LocalCluster cluster_{ClusterOptions()};
   std::string address_;
-  pid_t coordinator_ = -1;
-  std::vector<pid_t> workers_;
-  std::unique_ptr<CoordinatorClient> client_;
-  int runs_ = 0;
+  CoordinatorClient* client_ = nullptr;
 };
-
-int TrainIntegrationTest::counter_ = 0;
 
 TEST_F(TrainIntegrationTest, TrainsAndMeasuresThePlannedPeak) {
   ProcessResult run = Shardctl(TrainArgs(20));
-  ASSERT_EQ(run.exit_code, 0) << run.err << "\n"
-                              << ReadFile(dir_ + "_coordinator.err");
+  ASSERT_EQ(run.exit_code, 0) << run.err << "\n" << cluster_.CoordinatorLog();
   auto json = nlohmann::json::parse(run.out, nullptr, false);
   ASSERT_FALSE(json.is_discarded()) << run.out;
   ASSERT_TRUE(json["losses"].is_array());
@@ -275,10 +190,7 @@ TEST_F(TrainIntegrationTest, AWorkerKilledMidJobFailsItNamingTheRank) {
   // Fail on the first fault (recovery is recovery_integration_test's).
   args.push_back("--max-recoveries");
   args.push_back("0");
-  const std::string base = dir_ + "_long";
-  args.insert(args.begin(), kShardctlBinary);
-  const pid_t train = Spawn(args, base + ".out", base + ".err");
-  ASSERT_GT(train, 0);
+  SHARDD_ASSERT_OK(cluster_.StartShardctl(args));
   // Wait (bounded) until the job made progress, then kill rank 1.
   const absl::Time deadline = absl::Now() + absl::Seconds(60);
   bool running = false;
@@ -290,17 +202,13 @@ TEST_F(TrainIntegrationTest, AWorkerKilledMidJobFailsItNamingTheRank) {
   }
   ASSERT_TRUE(running);
   const absl::Time killed_at = absl::Now();
-  ASSERT_EQ(kill(workers_[1], SIGKILL), 0);
-  const int code = WaitFor(train, absl::Seconds(30));
-  if (code == -2) {
-    kill(train, SIGKILL);
-    waitpid(train, nullptr, 0);
-  }
-  EXPECT_EQ(code, 1);
+  SHARDD_ASSERT_OK(cluster_.KillWorker(1));
+  const ProcessResult train = cluster_.FinishShardctl(absl::Seconds(30));
+  EXPECT_EQ(train.exit_code, 1);
   // Within the heartbeat timeout (2 s) plus slack, not the 20 s collective
   // timeout or a hang.
   EXPECT_LT(absl::Now() - killed_at, absl::Seconds(10));
-  const std::string err = ReadFile(base + ".err");
+  const std::string& err = train.err;
   EXPECT_THAT(err, HasSubstr("job j-1 failed: step "));
   EXPECT_THAT(err, HasSubstr("rank 1 (127.0.0.1:"));
   auto status = client_->GetStatus();

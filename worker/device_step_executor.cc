@@ -6,6 +6,7 @@
 
 #include "absl/memory/memory.h"
 #include "absl/strings/str_cat.h"
+#include "common/error_info.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "kernels/cuda/adamw.h"
@@ -421,8 +422,7 @@ absl::Status DeviceStepExecutor::RunCommandLocked(const v1::Command& c,
   const std::string label = CommandLabelLocked(c);
   auto reject = [&](const absl::Status& status) {
     *rejected = true;
-    return absl::Status(status.code(),
-                        absl::StrCat(label, ": ", status.message()));
+    return WithMessage(status, absl::StrCat(label, ": ", status.message()));
   };
   auto fail = [&](const absl::Status& status) {
     const absl::Status error(

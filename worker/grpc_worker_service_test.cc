@@ -14,7 +14,9 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/error_info.h"
 #include "common/grpc_server.h"
+#include "common/grpc_status.h"
 #include "common/model_builder.h"
 #include "gmock/gmock.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -155,6 +157,8 @@ TEST_F(WorkerServiceTest, HealReplicasNeedsAPlan) {
       stub_->HealReplicas(Context().get(), request, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(status.error_message(), HasSubstr("no plan loaded"));
+  // The coordinator acts on the reason, which crosses gRPC with the status.
+  EXPECT_EQ(ErrorReasonOf(FromGrpcStatus(status)), kReasonPlanNotHeld);
 }
 
 TEST(WorkerServiceAuthTest, CheckpointRpcsNeedTheWorkerToken) {
@@ -266,6 +270,7 @@ TEST_F(WorkerServiceTest, LoadPlanAndExecuteOneRank) {
   status = stub_->Execute(Context().get(), execute, &step);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(status.error_message(), HasSubstr("stale plan"));
+  EXPECT_EQ(ErrorReasonOf(FromGrpcStatus(status)), kReasonPlanNotHeld);
 }
 
 TEST_F(WorkerServiceTest, ABlockedLoadPlanDoesNotBlockOtherRpcs) {

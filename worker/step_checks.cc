@@ -1,6 +1,7 @@
 #include "worker/step_checks.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/error_info.h"
 #include "server/step_program.h"
 
 namespace shardd {
@@ -13,10 +14,12 @@ int OrOne(int value) { return value < 1 ? 1 : value; }
 absl::Status CheckProgramHeader(const v1::StepProgram& program,
                                 uint64_t plan_fingerprint) {
   if (program.plan_fingerprint() != plan_fingerprint) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "stale plan: program.plan_fingerprint ", program.plan_fingerprint(),
-        " is not the fingerprint of the plan this worker holds (",
-        plan_fingerprint, "); reload the plan"));
+    return WithErrorReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            "stale plan: program.plan_fingerprint ", program.plan_fingerprint(),
+            " is not the fingerprint of the plan this worker holds (",
+            plan_fingerprint, "); reload the plan")),
+        kReasonPlanNotHeld);
   }
   if (program.microbatches() < 1 || program.microbatches() > kMaxMicrobatches) {
     return absl::InvalidArgumentError(

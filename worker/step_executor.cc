@@ -11,6 +11,7 @@
 
 #include "absl/memory/memory.h"
 #include "absl/strings/str_cat.h"
+#include "common/error_info.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/step_program.h"
@@ -591,8 +592,7 @@ absl::Status StepExecutor::RunCommandLocked(const v1::Command& c,
   const std::string label = CommandLabelLocked(c);
   auto reject = [&](const absl::Status& status) {
     *rejected = true;
-    return absl::Status(status.code(),
-                        absl::StrCat(label, ": ", status.message()));
+    return WithMessage(status, absl::StrCat(label, ": ", status.message()));
   };
   // After the command started: the step cannot go on.
   auto fail = [&](const absl::Status& status) {
@@ -600,10 +600,9 @@ absl::Status StepExecutor::RunCommandLocked(const v1::Command& c,
     return status;
   };
   auto fail_here = [&](const absl::Status& status) {
-    return fail(
-        absl::Status(status.code(),
-                     absl::StrCat(label, " on shard rank ", options_.shard_rank,
-                                  ": ", status.message())));
+    return fail(WithMessage(
+        status, absl::StrCat(label, " on shard rank ", options_.shard_rank,
+                             ": ", status.message())));
   };
 
   // A collective queued earlier may have failed meanwhile.

@@ -15,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "common/error_info.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/model_util.h"
@@ -366,7 +367,9 @@ absl::Status WorkerRuntime::WithExecutor(
     absl::FunctionRef<void(const StepExecutor&)> fn) const {
   absl::MutexLock lock(&mu_);
   if (job_ == nullptr) {
-    return absl::FailedPreconditionError("no plan loaded: call LoadPlan first");
+    return WithErrorReason(
+        absl::FailedPreconditionError("no plan loaded: call LoadPlan first"),
+        kReasonPlanNotHeld);
   }
   const StepExecutor* executor = job_->executor->cpu_executor();
   if (executor == nullptr) {
@@ -644,21 +647,27 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::InstallJobLocked(
 
 absl::Status WorkerRuntime::CheckJobLocked(uint64_t fingerprint) const {
   if (job_ == nullptr) {
-    return absl::FailedPreconditionError("no plan loaded: call LoadPlan first");
+    return WithErrorReason(
+        absl::FailedPreconditionError("no plan loaded: call LoadPlan first"),
+        kReasonPlanNotHeld);
   }
   if (fingerprint != job_->plan.fingerprint()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "stale plan: worker holds fingerprint ", job_->plan.fingerprint(),
-        ", program names ", fingerprint));
+    return WithErrorReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            "stale plan: worker holds fingerprint ", job_->plan.fingerprint(),
+            ", program names ", fingerprint)),
+        kReasonPlanNotHeld);
   }
   const absl::Status health = JobHealthLocked();
   if (!health.ok()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("rank ", job_->rank, ": job ", job_->job_id, " epoch ",
-                     job_->membership_epoch,
-                     " failed in an earlier step; LoadPlan again with a new "
-                     "membership_epoch to continue (",
-                     health.message(), ")"));
+    return WithErrorReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            "rank ", job_->rank, ": job ", job_->job_id, " epoch ",
+            job_->membership_epoch,
+            " failed in an earlier step; LoadPlan again with a new "
+            "membership_epoch to continue (",
+            health.message(), ")")),
+        kReasonStepFailedEarlier);
   }
   return absl::OkStatus();
 }
