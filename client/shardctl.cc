@@ -25,6 +25,7 @@
 #include "client/timeline_svg.h"
 #include "client/train_report.h"
 #include "common/grpc_security.h"
+#include "common/job_state_name.h"
 #include "google/protobuf/util/json_util.h"
 #include "nlohmann/json.hpp"
 #include "server/coordinator_service.h"
@@ -35,23 +36,6 @@
 
 namespace shardd {
 namespace {
-
-const char* JobStateName(v1::JobState state) {
-  switch (state) {
-    case v1::JOB_QUEUED:
-      return "queued";
-    case v1::JOB_RUNNING:
-      return "running";
-    case v1::JOB_DONE:
-      return "done";
-    case v1::JOB_FAILED:
-      return "failed";
-    case v1::JOB_RECOVERING:
-      return "recovering";
-    default:
-      return "unknown";
-  }
-}
 
 // Larger files are refused before parsing (the coordinator's own limit on
 // model descriptions is 16 MiB).

@@ -3,31 +3,11 @@
 #include <map>
 #include <string>
 
+#include "common/job_state_name.h"
 #include "common/status_macros.h"
 #include "proto/coordinator.pb.h"
 
 namespace shardd {
-namespace {
-
-// The `state` label of a job state.
-const char* StateLabel(v1::JobState state) {
-  switch (state) {
-    case v1::JOB_QUEUED:
-      return "queued";
-    case v1::JOB_RUNNING:
-      return "running";
-    case v1::JOB_DONE:
-      return "done";
-    case v1::JOB_FAILED:
-      return "failed";
-    case v1::JOB_RECOVERING:
-      return "recovering";
-    default:
-      return "unknown";
-  }
-}
-
-}  // namespace
 
 absl::Status RegisterCoordinatorMetrics(CoordinatorService* service,
                                         MetricsRegistry* registry) {
@@ -107,7 +87,7 @@ absl::Status RegisterCoordinatorMetrics(CoordinatorService* service,
     for (v1::JobState state :
          {v1::JOB_QUEUED, v1::JOB_RUNNING, v1::JOB_RECOVERING, v1::JOB_DONE,
           v1::JOB_FAILED}) {
-      by_state[StateLabel(state)] = 0;
+      by_state[JobStateName(state)] = 0;
     }
     // Per-job series follow the kept jobs: forgotten jobs disappear.
     for (GaugeFamily* family : {steps_done, total_steps, loss,
@@ -115,14 +95,14 @@ absl::Status RegisterCoordinatorMetrics(CoordinatorService* service,
       family->Clear();
     }
     for (const v1::JobInfo& job : status->jobs()) {
-      ++by_state[StateLabel(job.state())];
+      ++by_state[JobStateName(job.state())];
       const LabelValues id = {job.job_id()};
       steps_done->Set(id, static_cast<double>(job.steps_done()));
       total_steps->Set(id, job.total_steps());
       loss->Set(id, job.loss());
       tokens_per_second->Set(id, job.tokens_per_second());
       recoveries->Set(id, job.recoveries());
-      job_state->Set({job.job_id(), job.model_id(), StateLabel(job.state())},
+      job_state->Set({job.job_id(), job.model_id(), JobStateName(job.state())},
                      1);
     }
     for (const auto& [state, count] : by_state) jobs->Set({state}, count);
