@@ -246,9 +246,9 @@ int main(int argc, char** argv) {
               "%.2f | %.2f | %.2f |\n",
               world, static_cast<long long>(row.gathered >> 20), params,
               mode == 0 ? "fp32" : (mode == 1 ? "bf16" : "bf16 keep"),
-              row.bytes / 1048576.0, gb / row.unshard,
-              gb / row.warm, gb / row.oop, row.warm / row.unshard,
-              row.oop / row.unshard, row.copy_in * 1e3, row.unshard * 1e3);
+              row.bytes / 1048576.0, gb / row.unshard, gb / row.warm,
+              gb / row.oop, row.warm / row.unshard, row.oop / row.unshard,
+              row.copy_in * 1e3, row.unshard * 1e3);
           std::fflush(stdout);
         }
       }

@@ -246,9 +246,9 @@ TEST(TimelineSvgTest, WellFormedWithAxesLegendAndTitle) {
   // Byte ticks in GiB, from 0 up to at least the peak.
   std::vector<const Element*> y_ticks = Find(*root, "text", "y-tick");
   ASSERT_GE(y_ticks.size(), 3u);
-  EXPECT_EQ(Number(std::string(
-                absl::StripSuffix(y_ticks.front()->text, " GiB"))),
-            0.0);
+  EXPECT_EQ(
+      Number(std::string(absl::StripSuffix(y_ticks.front()->text, " GiB"))),
+      0.0);
   for (const Element* tick : y_ticks) {
     EXPECT_TRUE(absl::EndsWith(tick->text, " GiB")) << tick->text;
   }
@@ -281,8 +281,7 @@ TEST(TimelineSvgTest, AreasAreStackedSteps) {
     };
     return absl::StrCat(fmt(px), " ", fmt(py));
   };
-  EXPECT_TRUE(absl::StartsWith(d, absl::StrCat("M", point(5, 3 * kGiB))))
-      << d;
+  EXPECT_TRUE(absl::StartsWith(d, absl::StrCat("M", point(5, 3 * kGiB)))) << d;
   EXPECT_TRUE(absl::StrContains(d, point(7, 3 * kGiB))) << d;
   EXPECT_TRUE(absl::StrContains(d, point(7, 2 * kGiB))) << d;
   EXPECT_TRUE(absl::StrContains(d, point(9, 2 * kGiB))) << d;

@@ -322,8 +322,8 @@ int Run() {
       return 1;
     }
   }
-  Announce(absl::StrCat("shardd-coordinator listening on ",
-                        (*server)->address()));
+  Announce(
+      absl::StrCat("shardd-coordinator listening on ", (*server)->address()));
 
   // Declared after the service, whose status its collector reads.
   MetricsRegistry metrics;
@@ -338,9 +338,8 @@ int Run() {
       std::fprintf(stderr, "shardd-coordinator: %s\n",
                    started.status().ToString().c_str());
       (*server)->Shutdown(absl::ZeroDuration());
-      return started.status().code() == absl::StatusCode::kInvalidArgument
-                 ? 2
-                 : 1;
+      return started.status().code() == absl::StatusCode::kInvalidArgument ? 2
+                                                                           : 1;
     }
     metrics_server = *std::move(started);
     Announce(absl::StrCat("shardd-coordinator metrics listening on ",

@@ -631,15 +631,15 @@ void CoordinatorService::SaveCheckpointAsync(
     return done(absl::InvalidArgumentError(
         "job_id: required (the running job to checkpoint)"));
   }
-  jobs_->RequestSave(request.job_id(),
-                     [done = std::move(done)](
-                         absl::StatusOr<CheckpointResult> result) {
-                       if (!result.ok()) return done(result.status());
-                       v1::SaveCheckpointResponse response;
-                       response.set_checkpoint(result->checkpoint);
-                       response.set_step(result->step);
-                       done(std::move(response));
-                     });
+  jobs_->RequestSave(
+      request.job_id(),
+      [done = std::move(done)](absl::StatusOr<CheckpointResult> result) {
+        if (!result.ok()) return done(result.status());
+        v1::SaveCheckpointResponse response;
+        response.set_checkpoint(result->checkpoint);
+        response.set_step(result->step);
+        done(std::move(response));
+      });
 }
 
 void CoordinatorService::LoadCheckpointAsync(
@@ -648,14 +648,14 @@ void CoordinatorService::LoadCheckpointAsync(
     return done(absl::InvalidArgumentError(
         "job_id: required (the running job to roll back)"));
   }
-  jobs_->RequestLoad(request.job_id(), request.checkpoint(),
-                     [done = std::move(done)](
-                         absl::StatusOr<CheckpointResult> result) {
-                       if (!result.ok()) return done(result.status());
-                       v1::LoadCheckpointResponse response;
-                       response.set_step(result->step);
-                       done(std::move(response));
-                     });
+  jobs_->RequestLoad(
+      request.job_id(), request.checkpoint(),
+      [done = std::move(done)](absl::StatusOr<CheckpointResult> result) {
+        if (!result.ok()) return done(result.status());
+        v1::LoadCheckpointResponse response;
+        response.set_step(result->step);
+        done(std::move(response));
+      });
 }
 
 absl::StatusOr<v1::ListCheckpointsResponse> CoordinatorService::ListCheckpoints(

@@ -464,8 +464,8 @@ TEST_F(CoordinatorServiceTest, OnDemandCheckpointsNeedAJobAndADirectory) {
   auto service = MakeService();
   absl::StatusOr<v1::SaveCheckpointResponse> saved;
   service->SaveCheckpointAsync({}, [&](auto r) { saved = std::move(r); });
-  EXPECT_THAT(saved, StatusIs(absl::StatusCode::kInvalidArgument,
-                              HasSubstr("job_id")));
+  EXPECT_THAT(
+      saved, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("job_id")));
   v1::SaveCheckpointRequest save;
   save.set_job_id("j-1");
   service->SaveCheckpointAsync(save, [&](auto r) { saved = std::move(r); });

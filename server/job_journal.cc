@@ -33,8 +33,8 @@ absl::Status JobJournal::Update(const std::string& job_id,
 }
 
 absl::Status JobJournal::Erase(const std::string& job_id) {
-  return store_->Commit({{kJobs, job_id, std::nullopt},
-                         {kProgress, job_id, std::nullopt}});
+  return store_->Commit(
+      {{kJobs, job_id, std::nullopt}, {kProgress, job_id, std::nullopt}});
 }
 
 absl::StatusOr<std::vector<StoredJob>> JobJournal::LoadAll() const {
@@ -49,9 +49,9 @@ absl::StatusOr<std::vector<StoredJob>> JobJournal::LoadAll() const {
     }
     absl::StatusOr<std::string> progress = store_->Get(kProgress, job_id);
     if (!progress.ok() || !job.progress.ParseFromString(*progress)) {
-      return absl::DataLossError(
-          absl::StrCat("stored progress of job ", job_id, " in ",
-                       store_->path(), " is missing or does not parse"));
+      return absl::DataLossError(absl::StrCat("stored progress of job ", job_id,
+                                              " in ", store_->path(),
+                                              " is missing or does not parse"));
     }
     jobs.push_back(std::move(job));
   }

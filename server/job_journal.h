@@ -41,8 +41,7 @@ class JobJournal {
   // Records a new job, its initial progress and next_job = its number + 1,
   // atomically. Errors: those of StateStore::Commit.
   absl::Status Create(const v1::StoredJobRecord& record,
-                      const v1::StoredJobProgress& progress,
-                      int64_t next_job);
+                      const v1::StoredJobProgress& progress, int64_t next_job);
 
   // Rewrites a job's progress. Errors: those of StateStore::Commit.
   absl::Status Update(const std::string& job_id,

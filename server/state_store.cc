@@ -21,10 +21,9 @@ constexpr size_t kMaxNameBytes = 256;
 constexpr size_t kMaxValueBytes = size_t{1} << 30;
 
 absl::Status SqliteError(sqlite3* db, int rc, absl::string_view what) {
-  const std::string message =
-      absl::StrCat(what, ": SQLite error ", rc, " (",
-                   db != nullptr ? sqlite3_errmsg(db) : sqlite3_errstr(rc),
-                   ")");
+  const std::string message = absl::StrCat(
+      what, ": SQLite error ", rc, " (",
+      db != nullptr ? sqlite3_errmsg(db) : sqlite3_errstr(rc), ")");
   switch (rc & 0xff) {
     case SQLITE_CORRUPT:
     case SQLITE_NOTADB:
@@ -128,8 +127,8 @@ absl::StatusOr<std::unique_ptr<StateStore>> StateStore::Open(
         "PRAGMA synchronous=FULL"}) {
     absl::Status status = store->ExecLocked(pragma);
     if (!status.ok()) {
-      return absl::Status(status.code(), absl::StrCat("open ", path, ": ",
-                                                      status.message()));
+      return absl::Status(status.code(),
+                          absl::StrCat("open ", path, ": ", status.message()));
     }
   }
   {
@@ -167,10 +166,9 @@ absl::StatusOr<std::unique_ptr<StateStore>> StateStore::Open(
                      ";COMMIT;")
             .c_str()));
   } else if (application_id != kApplicationId) {
-    return absl::DataLossError(
-        absl::StrCat("open ", path,
-                     ": not a shardd state database (application_id ",
-                     application_id, ")"));
+    return absl::DataLossError(absl::StrCat(
+        "open ", path, ": not a shardd state database (application_id ",
+        application_id, ")"));
   } else {
     Statement version(db, "PRAGMA user_version");
     SHARDD_RETURN_IF_ERROR(version.status("user_version"));
@@ -228,12 +226,11 @@ absl::Status StateStore::Commit(const std::vector<Write>& writes) {
 
 absl::Status StateStore::Put(absl::string_view table, absl::string_view key,
                              absl::string_view value) {
-  return Commit({Write{std::string(table), std::string(key),
-                       std::string(value)}});
+  return Commit(
+      {Write{std::string(table), std::string(key), std::string(value)}});
 }
 
-absl::Status StateStore::Erase(absl::string_view table,
-                               absl::string_view key) {
+absl::Status StateStore::Erase(absl::string_view table, absl::string_view key) {
   return Commit({Write{std::string(table), std::string(key), std::nullopt}});
 }
 

@@ -44,8 +44,8 @@ TEST(StateStoreTest, PutGetListEraseAndReopen) {
                 StatusIs(absl::StatusCode::kNotFound, HasSubstr("models/m-3")));
     // Insertion order of the first put; an update keeps the position.
     EXPECT_THAT(store->List("models"),
-                IsOkAndHolds(ElementsAre(Pair("m-2", "two again"),
-                                         Pair("m-1", "one"))));
+                IsOkAndHolds(
+                    ElementsAre(Pair("m-2", "two again"), Pair("m-1", "one"))));
     SHARDD_ASSERT_OK(store->Erase("models", "m-2"));
     EXPECT_THAT(store->Put("models", "", "x"),
                 StatusIs(absl::StatusCode::kInvalidArgument,
@@ -62,10 +62,10 @@ TEST(StateStoreTest, CommitIsAllOrNothing) {
   SHARDD_ASSERT_OK_AND_ASSIGN(auto store, StateStore::Open(TempPath("tx.db")));
   SHARDD_ASSERT_OK(store->Put("jobs", "j-1", "step 4"));
   // The second write is invalid: the first must not be applied either.
-  EXPECT_THAT(store->Commit({{"jobs", "j-1", std::string("step 5")},
-                             {"jobs", std::string(300, 'k'), std::string("x")}}),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("writes[1].key")));
+  EXPECT_THAT(
+      store->Commit({{"jobs", "j-1", std::string("step 5")},
+                     {"jobs", std::string(300, 'k'), std::string("x")}}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("writes[1].key")));
   EXPECT_THAT(store->Get("jobs", "j-1"), IsOkAndHolds("step 4"));
   SHARDD_ASSERT_OK(store->Commit({{"jobs", "j-1", std::string("step 5")},
                                   {"checkpoints", "j-1/5", std::string("p")},
@@ -120,9 +120,11 @@ TEST(StateStoreTest, KillNineLosesNothingAcknowledged) {
       if (!store.ok()) _exit(3);
       for (int i = 0;; ++i) {
         // A value large enough to span several pages.
-        const std::string value(4096 + i % 977, static_cast<char>('a' + i % 26));
-        if (!(*store)->Commit({{"steps", absl::StrCat("k", i), value},
-                               {"meta", "last", absl::StrCat(i)}})
+        const std::string value(4096 + i % 977,
+                                static_cast<char>('a' + i % 26));
+        if (!(*store)
+                 ->Commit({{"steps", absl::StrCat("k", i), value},
+                           {"meta", "last", absl::StrCat(i)}})
                  .ok()) {
           _exit(4);
         }

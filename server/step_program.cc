@@ -36,11 +36,11 @@ struct UnitInfo {
   std::string name;
   bool is_root = false;
   ForwardPolicy policy = ForwardPolicy::kFree;
-  int group_size = 0;             // kPartial: the smaller shard group.
-  int64_t gathered_bytes = 0;     // Unsharded params, compute dtype.
-  int64_t grad_bytes = 0;         // Unsharded grads, reduce dtype.
-  int64_t shard_grad_bytes = 0;   // Sharded grads, reduce dtype.
-  int64_t shard_param_bytes = 0;  // Master shard, param dtype.
+  int group_size = 0;               // kPartial: the smaller shard group.
+  int64_t gathered_bytes = 0;       // Unsharded params, compute dtype.
+  int64_t grad_bytes = 0;           // Unsharded grads, reduce dtype.
+  int64_t shard_grad_bytes = 0;     // Sharded grads, reduce dtype.
+  int64_t shard_param_bytes = 0;    // Master shard, param dtype.
   int64_t compute_shard_bytes = 0;  // keep_compute_shard's copy.
   int64_t trainable_shard_numel = 0;
   std::vector<int> forward_prefetch;

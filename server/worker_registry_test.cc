@@ -164,7 +164,7 @@ TEST_F(WorkerRegistryTest, WorkerDiesExactlyAtTheTimeoutAndHeartbeatsDelayIt) {
   EXPECT_EQ(workers[1].last_heartbeat, now_ - absl::Seconds(10));
   EXPECT_EQ(registry.membership_epoch(), 3u);  // One bump for the death.
   EXPECT_EQ(registry.membership_epoch(), 3u);  // Noticed only once.
-  EXPECT_EQ(registry.declared_dead(), 1);    // Counted only once.
+  EXPECT_EQ(registry.declared_dead(), 1);      // Counted only once.
   // The dead worker's heartbeat is refused: it must register again.
   EXPECT_THAT(registry.Heartbeat(1, 2),
               StatusIs(absl::StatusCode::kAborted,

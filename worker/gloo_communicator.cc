@@ -280,14 +280,15 @@ absl::Status GlooCommunicator::AllGather(const void* input, void* output,
                                          absl::Duration timeout) {
   constexpr auto kKind = &CommunicatorStats::all_gather;
   auto checked = [&]() -> absl::StatusOr<int64_t> {
-    SHARDD_ASSIGN_OR_RETURN(const int64_t element,
-                            CollectiveElementBytes(dtype, false, ReduceOp::kSum));
+    SHARDD_ASSIGN_OR_RETURN(
+        const int64_t element,
+        CollectiveElementBytes(dtype, false, ReduceOp::kSum));
     SHARDD_ASSIGN_OR_RETURN(
         const int64_t chunk,
         CollectiveBufferBytes(count_per_rank, 1, element, "count_per_rank"));
-    SHARDD_ASSIGN_OR_RETURN(
-        const int64_t total,
-        CollectiveBufferBytes(count_per_rank, world_size_, element, "count_per_rank"));
+    SHARDD_ASSIGN_OR_RETURN(const int64_t total,
+                            CollectiveBufferBytes(count_per_rank, world_size_,
+                                                  element, "count_per_rank"));
     SHARDD_RETURN_IF_ERROR(CheckCollectiveBuffer(input, chunk, "input"));
     SHARDD_RETURN_IF_ERROR(CheckCollectiveBuffer(output, total, "output"));
     SHARDD_RETURN_IF_ERROR(ToGlooTimeout(timeout).status());
@@ -332,9 +333,9 @@ absl::Status GlooCommunicator::ReduceScatter(const void* input, void* output,
   auto checked = [&]() -> absl::StatusOr<int64_t> {
     SHARDD_ASSIGN_OR_RETURN(const int64_t element,
                             CollectiveElementBytes(dtype, true, op));
-    SHARDD_ASSIGN_OR_RETURN(
-        const int64_t total,
-        CollectiveBufferBytes(count_per_rank, world_size_, element, "count_per_rank"));
+    SHARDD_ASSIGN_OR_RETURN(const int64_t total,
+                            CollectiveBufferBytes(count_per_rank, world_size_,
+                                                  element, "count_per_rank"));
     SHARDD_RETURN_IF_ERROR(CheckCollectiveBuffer(input, total, "input"));
     SHARDD_RETURN_IF_ERROR(CheckCollectiveBuffer(output, total, "output"));
     SHARDD_RETURN_IF_ERROR(ToGlooTimeout(timeout).status());
@@ -434,8 +435,9 @@ absl::Status GlooCommunicator::Broadcast(void* inout, int64_t count,
       return absl::InvalidArgumentError(
           absl::StrCat("root must be in [0, ", world_size_, "), got ", root));
     }
-    SHARDD_ASSIGN_OR_RETURN(const int64_t element,
-                            CollectiveElementBytes(dtype, false, ReduceOp::kSum));
+    SHARDD_ASSIGN_OR_RETURN(
+        const int64_t element,
+        CollectiveElementBytes(dtype, false, ReduceOp::kSum));
     SHARDD_ASSIGN_OR_RETURN(const int64_t total,
                             CollectiveBufferBytes(count, 1, element, "count"));
     SHARDD_RETURN_IF_ERROR(CheckCollectiveBuffer(inout, total, "inout"));

@@ -274,12 +274,12 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
   }
   SHARDD_RETURN_IF_ERROR(
       CheckPositiveFinite(options.init_timeout, "options.init_timeout"));
-  SHARDD_RETURN_IF_ERROR(
-      CheckPositiveFinite(options.finalize_timeout, "options.finalize_timeout"));
+  SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(options.finalize_timeout,
+                                             "options.finalize_timeout"));
   SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(options.watchdog_poll_interval,
-                                       "options.watchdog_poll_interval"));
-  SHARDD_RETURN_IF_ERROR(
-      CheckPositiveFinite(options.wait_poll_interval, "options.wait_poll_interval"));
+                                             "options.watchdog_poll_interval"));
+  SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(options.wait_poll_interval,
+                                             "options.wait_poll_interval"));
 
   int device_count = 0;
   const cudaError_t count_error = cudaGetDeviceCount(&device_count);
@@ -675,14 +675,15 @@ absl::StatusOr<NcclWork> NcclCommunicator::AllGatherAsync(
     const NcclWaitFor& wait_for, absl::Duration timeout) {
   constexpr auto kKind = &CommunicatorStats::all_gather;
   auto checked = [&]() -> absl::StatusOr<int64_t> {
-    SHARDD_ASSIGN_OR_RETURN(const int64_t element,
-                            CollectiveElementBytes(dtype, false, ReduceOp::kSum));
+    SHARDD_ASSIGN_OR_RETURN(
+        const int64_t element,
+        CollectiveElementBytes(dtype, false, ReduceOp::kSum));
     SHARDD_ASSIGN_OR_RETURN(
         const int64_t chunk,
         CollectiveBufferBytes(count_per_rank, 1, element, "count_per_rank"));
-    SHARDD_ASSIGN_OR_RETURN(
-        const int64_t total,
-        CollectiveBufferBytes(count_per_rank, world_size_, element, "count_per_rank"));
+    SHARDD_ASSIGN_OR_RETURN(const int64_t total,
+                            CollectiveBufferBytes(count_per_rank, world_size_,
+                                                  element, "count_per_rank"));
     SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(timeout, "timeout"));
     SHARDD_RETURN_IF_ERROR(CheckDeviceBuffer(input, chunk, "input"));
     SHARDD_RETURN_IF_ERROR(CheckDeviceBuffer(output, total, "output"));
@@ -715,9 +716,9 @@ absl::StatusOr<NcclWork> NcclCommunicator::ReduceScatterAsync(
     SHARDD_ASSIGN_OR_RETURN(
         const int64_t chunk,
         CollectiveBufferBytes(count_per_rank, 1, element, "count_per_rank"));
-    SHARDD_ASSIGN_OR_RETURN(
-        const int64_t total,
-        CollectiveBufferBytes(count_per_rank, world_size_, element, "count_per_rank"));
+    SHARDD_ASSIGN_OR_RETURN(const int64_t total,
+                            CollectiveBufferBytes(count_per_rank, world_size_,
+                                                  element, "count_per_rank"));
     SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(timeout, "timeout"));
     SHARDD_RETURN_IF_ERROR(CheckDeviceBuffer(input, total, "input"));
     SHARDD_RETURN_IF_ERROR(CheckDeviceBuffer(output, chunk, "output"));
@@ -774,8 +775,9 @@ absl::StatusOr<NcclWork> NcclCommunicator::BroadcastAsync(
       return absl::InvalidArgumentError(
           absl::StrCat("root must be in [0, ", world_size_, "), got ", root));
     }
-    SHARDD_ASSIGN_OR_RETURN(const int64_t element,
-                            CollectiveElementBytes(dtype, false, ReduceOp::kSum));
+    SHARDD_ASSIGN_OR_RETURN(
+        const int64_t element,
+        CollectiveElementBytes(dtype, false, ReduceOp::kSum));
     SHARDD_ASSIGN_OR_RETURN(const int64_t total,
                             CollectiveBufferBytes(count, 1, element, "count"));
     SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(timeout, "timeout"));

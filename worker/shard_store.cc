@@ -225,17 +225,16 @@ absl::Status ShardStore::Unshard(int unit, Communicator* shard_group,
     }
     if (group == nullptr || group->world_size() != g ||
         group->rank() != options_.shard_rank % g) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "Unshard: unit ", unit, " holds a 1/", g,
-          " slice and needs a slice group of ", g,
-          " ranks with this rank at ", options_.shard_rank % g));
+      return absl::InvalidArgumentError(
+          absl::StrCat("Unshard: unit ", unit, " holds a 1/", g,
+                       " slice and needs a slice group of ", g,
+                       " ranks with this rank at ", options_.shard_rank % g));
     }
     state->gathered = TrackedBuffer(tracker_, MemoryKind::kGatheredParams,
                                     state->gathered_numel * elem, &cache_);
-    const absl::Status status =
-        group->AllGather(state->slice.data(), state->gathered.data(),
-                         state->gathered_numel / g, state->compute,
-                         options_.collective_timeout);
+    const absl::Status status = group->AllGather(
+        state->slice.data(), state->gathered.data(), state->gathered_numel / g,
+        state->compute, options_.collective_timeout);
     if (!status.ok()) {
       state->gathered.Reset();
       return status;
@@ -250,8 +249,8 @@ absl::Status ShardStore::Unshard(int unit, Communicator* shard_group,
     // The compute-dtype copy is the all-gather's input as it is (the
     // backend copies it into this rank's slot).
     absl::Status status = shard_group->AllGather(
-        state->compute_shard.data(), state->gathered.data(),
-        state->shard_numel, state->compute, options_.collective_timeout);
+        state->compute_shard.data(), state->gathered.data(), state->shard_numel,
+        state->compute, options_.collective_timeout);
     if (!status.ok()) state->gathered.Reset();
     return status;
   }
@@ -289,10 +288,10 @@ absl::Status ShardStore::Reshard(int unit, int group_size) {
     const int64_t slice_bytes = state->gathered_numel / g * elem;
     state->slice = TrackedBuffer(tracker_, MemoryKind::kGatheredParams,
                                  slice_bytes, &cache_);
-    std::memcpy(state->slice.data(),
-                state->gathered.as<char>() +
-                    (options_.shard_rank % g) * slice_bytes,
-                static_cast<size_t>(slice_bytes));
+    std::memcpy(
+        state->slice.data(),
+        state->gathered.as<char>() + (options_.shard_rank % g) * slice_bytes,
+        static_cast<size_t>(slice_bytes));
     state->slice_group = g;
   }
   for (TrackedBuffer& copy : state->copies) copy.Reset();

@@ -135,14 +135,15 @@ class ShardStoreTest : public ::testing::TestWithParam<Case> {};
 TEST_P(ShardStoreTest, UnshardRebuildsEveryParameterAndGradsAverage) {
   const Case c = GetParam();
   const v1::ModelSpec model = TinyModel();
-  const v1::ShardingPlan plan = PlanFor(model, c.world, c.strategy, c.mixed,
-                                        c.keep_compute_shard);
+  const v1::ShardingPlan plan =
+      PlanFor(model, c.world, c.strategy, c.mixed, c.keep_compute_shard);
   std::vector<MemoryTracker> trackers(c.world);
   RunRanks(
       plan, model, &trackers,
       [&](int rank, ShardStore* store, Communicator* comm) {
         // Master shards, plus their bf16 copies with keep_compute_shard.
-        EXPECT_EQ(trackers[rank].Snapshot()
+        EXPECT_EQ(trackers[rank]
+                      .Snapshot()
                       .live[static_cast<int>(MemoryKind::kShardParams)],
                   plan.memory().sharded_param_bytes() +
                       plan.memory().compute_shard_bytes());
@@ -243,22 +244,18 @@ TEST_P(ShardStoreTest, ShardedGradientsSumToTheAverage) {
   EXPECT_NEAR(total, expected_total, 1e-3 * expected_total);
 }
 
-INSTANTIATE_TEST_SUITE_P(Layouts, ShardStoreTest,
-                         ::testing::Values(Case{1, "default", false},
-                                           Case{2, "default", false},
-                                           Case{4, "default", true},
-                                           Case{3, "diffusion_gemma", false},
-                                           Case{2, "megatron_fsdp", false},
-                                           Case{3, "megatron_fsdp", true},
-                                           Case{4, "default", true, true},
-                                           Case{3, "megatron_fsdp", true,
-                                                true}),
-                         [](const ::testing::TestParamInfo<Case>& info) {
-                           return absl::StrCat(
-                               info.param.strategy, "_w", info.param.world,
-                               info.param.mixed ? "_bf16" : "_fp32",
-                               info.param.keep_compute_shard ? "_keep" : "");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, ShardStoreTest,
+    ::testing::Values(
+        Case{1, "default", false}, Case{2, "default", false},
+        Case{4, "default", true}, Case{3, "diffusion_gemma", false},
+        Case{2, "megatron_fsdp", false}, Case{3, "megatron_fsdp", true},
+        Case{4, "default", true, true}, Case{3, "megatron_fsdp", true, true}),
+    [](const ::testing::TestParamInfo<Case>& info) {
+      return absl::StrCat(info.param.strategy, "_w", info.param.world,
+                          info.param.mixed ? "_bf16" : "_fp32",
+                          info.param.keep_compute_shard ? "_keep" : "");
+    });
 
 TEST(ShardStoreFrozenTest, GradientBufferHoldsOnlyTrainableParameters) {
   v1::ModelSpec model = TinyModel();
@@ -343,13 +340,13 @@ TEST_P(ShardStoreSliceTest, ReshardToSliceAndRegatherOverTheSliceGroup) {
   for (int r = 0; r < c.world; ++r) {
     threads.emplace_back([&, r] {
       KvGlooStore kv_store(&kv, absl::Seconds(20));
-      auto comm = GlooCommunicator::Create(&kv_store, prefix + "/all", r,
-                                           c.world, "127.0.0.1",
-                                           absl::Seconds(20));
+      auto comm =
+          GlooCommunicator::Create(&kv_store, prefix + "/all", r, c.world,
+                                   "127.0.0.1", absl::Seconds(20));
       ASSERT_TRUE(comm.ok()) << comm.status();
       auto pair = GlooCommunicator::Create(
-          &kv_store, absl::StrCat(prefix, "/q", r / kGroup), r % kGroup,
-          kGroup, "127.0.0.1", absl::Seconds(20));
+          &kv_store, absl::StrCat(prefix, "/q", r / kGroup), r % kGroup, kGroup,
+          "127.0.0.1", absl::Seconds(20));
       ASSERT_TRUE(pair.ok()) << pair.status();
       ShardStoreOptions options;
       options.shard_rank = r;
@@ -361,7 +358,8 @@ TEST_P(ShardStoreSliceTest, ReshardToSliceAndRegatherOverTheSliceGroup) {
       for (int u = 0; u < plan.units_size(); ++u) {
         const v1::FsdpUnit& unit = plan.units(u);
         const int64_t gathered_bytes =
-            unit.gathered_numel() * DTypeBytes(unit.precision().compute_dtype());
+            unit.gathered_numel() *
+            DTypeBytes(unit.precision().compute_dtype());
         SHARDD_ASSERT_OK((*store)->Unshard(u, comm->get()));
         EXPECT_THAT((*store)->Reshard(u, 3),
                     StatusIs(absl::StatusCode::kInvalidArgument,

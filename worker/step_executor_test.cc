@@ -991,10 +991,10 @@ TEST(StepExecutorMixedPrecisionTest, KeepingComputeShardsChangesNoBit) {
               cast_plan.memory().persistent_bytes() +
                   keep_plan.memory().compute_shard_bytes());
     EXPECT_NE(keep_plan.fingerprint(), cast_plan.fingerprint());
-    const WorldRun a = Train(model, cast_plan, EquivalenceOptions(), kSteps,
-                             kGlobalBatch);
-    const WorldRun b = Train(model, keep_plan, EquivalenceOptions(), kSteps,
-                             kGlobalBatch);
+    const WorldRun a =
+        Train(model, cast_plan, EquivalenceOptions(), kSteps, kGlobalBatch);
+    const WorldRun b =
+        Train(model, keep_plan, EquivalenceOptions(), kSteps, kGlobalBatch);
     for (size_t r = 0; r < a.results.size(); ++r) {
       for (int s = 0; s < kSteps; ++s) {
         EXPECT_EQ(a.results[r][s].loss, b.results[r][s].loss) << "step " << s;

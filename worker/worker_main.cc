@@ -229,10 +229,10 @@ int main(int argc, char** argv) {
       return 1;
     }
     worker_metrics = *std::move(created);
-    runtime_options.on_step = [m = worker_metrics.get()](
-                                  const shardd::StepResult& result) {
-      m->RecordStep(result);
-    };
+    runtime_options.on_step =
+        [m = worker_metrics.get()](const shardd::StepResult& result) {
+          m->RecordStep(result);
+        };
   }
 
   shardd::WorkerRuntime runtime(runtime_options);
@@ -260,9 +260,8 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "shardd-worker: %s\n",
                    started.status().ToString().c_str());
       running->server->Shutdown(std::chrono::system_clock::now());
-      return started.status().code() == absl::StatusCode::kInvalidArgument
-                 ? 2
-                 : 1;
+      return started.status().code() == absl::StatusCode::kInvalidArgument ? 2
+                                                                           : 1;
     }
     metrics_server = *std::move(started);
     SHARDD_LOG(INFO) << "shardd-worker metrics listening on "

@@ -13,8 +13,8 @@ void Fp32ToBf16Array(const float* in, uint16_t* out, int64_t n) {
     std::memcpy(&bits, in + i, sizeof(bits));
     const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
     const uint32_t nan = (bits >> 16) | 0x0040u;
-    const uint32_t is_nan = 0u - static_cast<uint32_t>((bits & 0x7FFFFFFFu) >
-                                                        0x7F800000u);
+    const uint32_t is_nan =
+        0u - static_cast<uint32_t>((bits & 0x7FFFFFFFu) > 0x7F800000u);
     out[i] = static_cast<uint16_t>((nan & is_nan) | (rounded & ~is_nan));
   }
 }

@@ -6,10 +6,9 @@ namespace shardd {
 
 absl::Status CudaStatus(cudaError_t error, absl::string_view what) {
   if (error == cudaSuccess) return absl::OkStatus();
-  const std::string message =
-      absl::StrCat(what, ": CUDA error ", static_cast<int>(error), " (",
-                   cudaGetErrorName(error), ": ", cudaGetErrorString(error),
-                   ")");
+  const std::string message = absl::StrCat(
+      what, ": CUDA error ", static_cast<int>(error), " (",
+      cudaGetErrorName(error), ": ", cudaGetErrorString(error), ")");
   switch (error) {
     case cudaErrorMemoryAllocation:
       return absl::ResourceExhaustedError(message);
@@ -29,10 +28,9 @@ absl::Status CudaStatus(cudaError_t error, absl::string_view what) {
 
 absl::Status CublasStatus(cublasStatus_t status, absl::string_view what) {
   if (status == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
-  const std::string message =
-      absl::StrCat(what, ": cuBLAS error ", static_cast<int>(status), " (",
-                   cublasGetStatusName(status), ": ",
-                   cublasGetStatusString(status), ")");
+  const std::string message = absl::StrCat(
+      what, ": cuBLAS error ", static_cast<int>(status), " (",
+      cublasGetStatusName(status), ": ", cublasGetStatusString(status), ")");
   switch (status) {
     case CUBLAS_STATUS_ALLOC_FAILED:
       return absl::ResourceExhaustedError(message);

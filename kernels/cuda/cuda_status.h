@@ -33,12 +33,12 @@ absl::Status NcclStatus(ncclResult_t result, absl::string_view what);
 
 }  // namespace shardd
 
-#define SHARDD_CUDA_RETURN_IF_ERROR(expr, what)                    \
-  do {                                                             \
-    const cudaError_t shardd_cuda_error_ = (expr);                 \
-    if (shardd_cuda_error_ != cudaSuccess) {                       \
-      return ::shardd::CudaStatus(shardd_cuda_error_, (what));     \
-    }                                                              \
+#define SHARDD_CUDA_RETURN_IF_ERROR(expr, what)                \
+  do {                                                         \
+    const cudaError_t shardd_cuda_error_ = (expr);             \
+    if (shardd_cuda_error_ != cudaSuccess) {                   \
+      return ::shardd::CudaStatus(shardd_cuda_error_, (what)); \
+    }                                                          \
   } while (false)
 
 #endif  // SHARDD_KERNELS_CUDA_CUDA_STATUS_H_
