@@ -11,7 +11,6 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "common/status_matchers.h"
@@ -26,7 +25,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr char kSmallMoe[] = "tests/data/small_moe.json";
 constexpr int kWorkers = 2;
 
 using ::shardd::testing_util::LocalCluster;
@@ -59,25 +57,8 @@ class CheckpointIntegrationTest : public ::testing::Test {
   // fp32 all the way, so different world sizes give the same losses.
   std::vector<std::string> TrainArgs(int steps,
                                      std::vector<std::string> extra) {
-    std::vector<std::string> args = {"train",
-                                     "--coordinator",
-                                     address_,
-                                     "--model",
-                                     kSmallMoe,
-                                     "--steps",
-                                     absl::StrCat(steps),
-                                     "--global-batch",
-                                     "16",
-                                     "--seq",
-                                     "32",
-                                     "--lr",
-                                     "0.01",
-                                     "--seed",
-                                     "3",
-                                     "--no-mixed-precision",
-                                     "--json"};
-    args.insert(args.end(), extra.begin(), extra.end());
-    return args;
+    extra.insert(extra.begin(), "--no-mixed-precision");
+    return cluster_.TrainArgs(steps, /*seed=*/3, extra);
   }
 
   // Runs a training job; its JSON summary (discarded on failure).

@@ -20,6 +20,7 @@ namespace {
 constexpr char kCoordinatorBinary[] = "server/shardd-coordinator";
 constexpr char kWorkerBinary[] = "worker/shardd-worker";
 constexpr char kShardctlBinary[] = "client/shardctl";
+constexpr char kSmallMoe[] = "tests/data/small_moe.json";
 constexpr size_t kTailBytes = 4096;
 
 void KillNow(pid_t pid) {
@@ -263,6 +264,28 @@ LocalCluster::Result LocalCluster::FinishShardctl(absl::Duration timeout) {
   const pid_t pid = background_;
   background_ = -1;
   return Collect(pid, background_base_, timeout);
+}
+
+std::vector<std::string> LocalCluster::TrainArgs(
+    int steps, int seed, const std::vector<std::string>& extra) const {
+  std::vector<std::string> args = {"train",
+                                   "--coordinator",
+                                   address_,
+                                   "--model",
+                                   kSmallMoe,
+                                   "--steps",
+                                   absl::StrCat(steps),
+                                   "--global-batch",
+                                   "16",
+                                   "--seq",
+                                   "32",
+                                   "--lr",
+                                   "0.01",
+                                   "--seed",
+                                   absl::StrCat(seed),
+                                   "--json"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
 }
 
 }  // namespace testing_util

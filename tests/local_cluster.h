@@ -106,6 +106,13 @@ class LocalCluster {
   // exit_code of -1 and empty output when none was started.
   Result FinishShardctl(absl::Duration timeout);
 
+  // shardctl arguments that train tests/data/small_moe.json on this
+  // cluster for `steps` steps (global batch 16 x 32 tokens, lr 0.01, data
+  // seed `seed`, a JSON summary on stdout), then `extra`. The test target
+  // needs //tests/data:configs in its data.
+  std::vector<std::string> TrainArgs(
+      int steps, int seed, const std::vector<std::string>& extra = {}) const;
+
   // Connected by the first StartCoordinator; null before.
   CoordinatorClient* client() { return client_.get(); }
   // "127.0.0.1:PORT" of the coordinator ("" before it started).

@@ -57,36 +57,39 @@ class NetworkFaultTest : public ::testing::Test {
       GTEST_SKIP() << "ip netns add failed (no CAP_SYS_ADMIN here?): " << out;
     }
     created_ = true;
-    ASSERT_EQ(Ip({"link", "add", host_if_, "type", "veth", "peer", "name",
-                  ns_if_}, &out), 0) << out;
+    ASSERT_EQ(
+        Ip({"link", "add", host_if_, "type", "veth", "peer", "name", ns_if_},
+           &out),
+        0)
+        << out;
     ASSERT_EQ(Ip({"link", "set", ns_if_, "netns", ns_}, &out), 0) << out;
     ASSERT_EQ(Ip({"addr", "add", host_ip_ + "/30", "dev", host_if_}, &out), 0)
         << out;
     ASSERT_EQ(Ip({"link", "set", host_if_, "up"}, &out), 0) << out;
     ASSERT_EQ(InNs({"ip", "addr", "add", ns_ip_ + "/30", "dev", ns_if_}, &out),
-              0) << out;
+              0)
+        << out;
     ASSERT_EQ(InNs({"ip", "link", "set", ns_if_, "up"}, &out), 0) << out;
     ASSERT_EQ(InNs({"ip", "link", "set", "lo", "up"}, &out), 0) << out;
 
     grpc_init();
     dir_ = absl::StrCat(TempDir(), "/netfault_", getpid());
     const std::string data_dir = dir_ + "/data";
-    coordinator_ = Spawn(
-        {kCoordinatorBinary, absl::StrCat("--listen=", host_ip_, ":0"),
-         absl::StrCat("--data-dir=", data_dir), "--workers=1",
-         "--heartbeat-timeout=1s", "--collective-timeout=3s"},
-        dir_ + "_coordinator.out", dir_ + "_coordinator.err");
+    coordinator_ =
+        Spawn({kCoordinatorBinary, absl::StrCat("--listen=", host_ip_, ":0"),
+               absl::StrCat("--data-dir=", data_dir), "--workers=1",
+               "--heartbeat-timeout=1s", "--collective-timeout=3s"},
+              dir_ + "_coordinator.out", dir_ + "_coordinator.err");
     ASSERT_GT(coordinator_, 0);
-    const int port =
-        WaitForPortFile(data_dir, coordinator_, absl::Seconds(30));
+    const int port = WaitForPortFile(data_dir, coordinator_, absl::Seconds(30));
     ASSERT_GT(port, 0) << ReadFile(dir_ + "_coordinator.err");
     address_ = absl::StrCat(host_ip_, ":", port);
     // `ip netns exec` execs the worker: the pid is the worker's.
     worker_ = Spawn({"ip", "netns", "exec", ns_, kWorkerBinary,
                      absl::StrCat("--coordinator=", address_),
                      absl::StrCat("--listen=", ns_ip_, ":0"),
-                     absl::StrCat("--collective_bind=", ns_ip_),
-                     "--device=cpu", "--requested-rank=0"},
+                     absl::StrCat("--collective_bind=", ns_ip_), "--device=cpu",
+                     "--requested-rank=0"},
                     dir_ + "_worker.out", dir_ + "_worker.err");
     ASSERT_GT(worker_, 0);
     auto client = CoordinatorClient::Connect(address_, absl::Seconds(10));
@@ -137,9 +140,22 @@ class NetworkFaultTest : public ::testing::Test {
 
   // recoveries: --max-recoveries (0: fail on the first fault).
   std::vector<std::string> Train(int steps, int recoveries = 0) {
-    return {kShardctlBinary, "train", "--coordinator", address_, "--model",
-            kSmallMoe, "--steps", absl::StrCat(steps), "--global-batch", "8",
-            "--seq", "32", "--dp", "1", "--json", "--max-recoveries",
+    return {kShardctlBinary,
+            "train",
+            "--coordinator",
+            address_,
+            "--model",
+            kSmallMoe,
+            "--steps",
+            absl::StrCat(steps),
+            "--global-batch",
+            "8",
+            "--seq",
+            "32",
+            "--dp",
+            "1",
+            "--json",
+            "--max-recoveries",
             absl::StrCat(recoveries)};
   }
 

@@ -22,7 +22,6 @@
 #include <vector>
 
 #include "absl/strings/match.h"
-#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/coordinator_client.h"
@@ -38,8 +37,6 @@ namespace {
 
 using ::shardd::testing_util::LocalCluster;
 using ::testing::HasSubstr;
-
-constexpr char kSmallMoe[] = "tests/data/small_moe.json";
 
 class RecoveryIntegrationTest : public ::testing::Test {
  protected:
@@ -92,25 +89,8 @@ class RecoveryIntegrationTest : public ::testing::Test {
 
   std::vector<std::string> TrainArgs(int steps,
                                      std::vector<std::string> extra) {
-    std::vector<std::string> args = {"train",
-                                     "--coordinator",
-                                     address_,
-                                     "--model",
-                                     kSmallMoe,
-                                     "--steps",
-                                     absl::StrCat(steps),
-                                     "--global-batch",
-                                     "16",
-                                     "--seq",
-                                     "32",
-                                     "--lr",
-                                     "0.01",
-                                     "--seed",
-                                     "5",
-                                     "--no-mixed-precision",
-                                     "--json"};
-    args.insert(args.end(), extra.begin(), extra.end());
-    return args;
+    extra.insert(extra.begin(), "--no-mixed-precision");
+    return cluster_->TrainArgs(steps, /*seed=*/5, extra);
   }
 
   // Starts shardctl train in the background.

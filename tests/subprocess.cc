@@ -74,7 +74,7 @@ void Stop(pid_t pid) {
 }
 
 int RunCommand(const std::vector<std::string>& argv, absl::Duration timeout,
-        std::string* out) {
+               std::string* out) {
   static int counter = 0;
   const std::string base =
       absl::StrCat(TempDir(), "/run_", getpid(), "_", ++counter);

@@ -35,7 +35,7 @@ void Stop(pid_t pid);
 // Runs a command to completion (bounded by `timeout`, then SIGKILL) and
 // returns its exit code (-1 signal, -2 timeout); output in *out if given.
 int RunCommand(const std::vector<std::string>& argv, absl::Duration timeout,
-        std::string* out = nullptr);
+               std::string* out = nullptr);
 
 // Reads the port a shardd-coordinator wrote to DATA_DIR/coordinator.port,
 // waiting up to `timeout` while `pid` runs; 0 when none appeared.

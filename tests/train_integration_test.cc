@@ -23,7 +23,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr char kSmallMoe[] = "tests/data/small_moe.json";
 constexpr int kWorkers = 2;
 
 using ::shardd::testing_util::LocalCluster;
@@ -41,7 +40,6 @@ class TrainIntegrationTest : public ::testing::Test {
   void SetUp() override {
     SHARDD_ASSERT_OK(cluster_.StartCoordinator());
     SHARDD_ASSERT_OK(cluster_.StartWorkers(kWorkers));
-    address_ = cluster_.address();
     client_ = cluster_.client();
   }
 
@@ -52,26 +50,10 @@ class TrainIntegrationTest : public ::testing::Test {
   }
 
   std::vector<std::string> TrainArgs(int steps) {
-    return {"train",
-            "--coordinator",
-            address_,
-            "--model",
-            kSmallMoe,
-            "--steps",
-            absl::StrCat(steps),
-            "--global-batch",
-            "16",
-            "--seq",
-            "32",
-            "--lr",
-            "0.01",
-            "--seed",
-            "3",
-            "--json"};
+    return cluster_.TrainArgs(steps, /*seed=*/3);
   }
 
   LocalCluster cluster_{ClusterOptions()};
-  std::string address_;
   CoordinatorClient* client_ = nullptr;
 };
 

@@ -42,8 +42,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return 0;
   }
   absl::StatusOr<std::string> serialized = ckpt::SerializeIndex(*index);
-  if (!serialized.ok()) Fail("accepted index does not serialize",
-                             serialized.status());
+  if (!serialized.ok())
+    Fail("accepted index does not serialize", serialized.status());
   absl::StatusOr<ckpt::CheckpointIndex> back = ckpt::ParseIndex(*serialized);
   if (!back.ok()) Fail("serialized index does not parse", back.status());
   absl::StatusOr<std::string> again = ckpt::SerializeIndex(*back);

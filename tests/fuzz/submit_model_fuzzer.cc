@@ -35,8 +35,8 @@ namespace {
   std::abort();
 }
 
-constexpr const char* kStrategies[] = {"",         "default", "diffusion_gemma",
-                                       "deepseek_v4", "megatron_fsdp", "nope"};
+constexpr const char* kStrategies[] = {
+    "", "default", "diffusion_gemma", "deepseek_v4", "megatron_fsdp", "nope"};
 
 }  // namespace
 
