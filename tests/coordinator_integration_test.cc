@@ -3,9 +3,7 @@
 // shardd-coordinator and shardctl binaries as subprocesses. Loopback only;
 // every wait is bounded.
 
-#include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -20,9 +18,7 @@
 #include <thread>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/coordinator_client.h"
@@ -41,8 +37,7 @@
 #include "server/coordinator_server.h"
 #include "server/coordinator_service.h"
 #include "server/strategy_registry.h"
-
-extern char** environ;
+#include "tests/subprocess.h"
 
 namespace shardd {
 namespace {
@@ -52,6 +47,10 @@ using ::testing::Contains;
 using ::testing::HasSubstr;
 using ::testing::SizeIs;
 using ::testing::StartsWith;
+using testing_util::Spawn;
+using testing_util::TempDir;
+using testing_util::WaitFor;
+using testing_util::WaitForPortFile;
 using HealthResponse = ::grpc::health::v1::HealthCheckResponse;
 
 constexpr char kMixtral[] = "tests/data/mixtral_8x7b.json";
@@ -66,11 +65,6 @@ std::string ReadFileOrDie(const std::string& path) {
   std::stringstream buffer;
   buffer << in.rdbuf();
   return buffer.str();
-}
-
-std::string TempDir() {
-  const char* dir = std::getenv("TEST_TMPDIR");
-  return dir != nullptr ? dir : "/tmp";
 }
 
 std::chrono::system_clock::time_point In(absl::Duration d) {
@@ -425,43 +419,6 @@ struct ProcessResult {
   std::string err;
 };
 
-// Starts `argv` with stdout and stderr redirected to files. Returns the pid
-// or -1.
-pid_t Spawn(const std::vector<std::string>& argv, const std::string& out_path,
-            const std::string& err_path) {
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, out_path.c_str(),
-                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, err_path.c_str(),
-                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  std::vector<char*> args;
-  for (const std::string& arg : argv)
-    args.push_back(const_cast<char*>(arg.c_str()));
-  args.push_back(nullptr);
-  pid_t pid = -1;
-  const int rc =
-      posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  return rc == 0 ? pid : -1;
-}
-
-// Waits for `pid` until `timeout`; returns the exit code, or -1 when it was
-// killed by a signal, or -2 when still running at the deadline.
-int WaitFor(pid_t pid, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (true) {
-    int status = 0;
-    const pid_t done = waitpid(pid, &status, WNOHANG);
-    if (done == pid) {
-      return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    }
-    if (done < 0) return -1;
-    if (absl::Now() >= deadline) return -2;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-}
-
 int g_run_counter = 0;
 
 ProcessResult RunProcess(const std::vector<std::string>& argv,
@@ -504,23 +461,9 @@ class SubprocessCoordinatorTest : public ::testing::Test {
     ASSERT_GT(pid_, 0) << "cannot start " << kCoordinatorBinary;
 
     // The port file appears once the server listens (written atomically).
-    const std::string port_file = data_dir_ + "/coordinator.port";
-    const absl::Time deadline = absl::Now() + absl::Seconds(30);
-    int port = 0;
-    while (absl::Now() < deadline) {
-      std::ifstream in(port_file);
-      std::string text;
-      if (in && std::getline(in, text) &&
-          absl::SimpleAtoi(absl::StripAsciiWhitespace(text), &port) &&
-          port > 0) {
-        break;
-      }
-      int status = 0;
-      ASSERT_EQ(waitpid(pid_, &status, WNOHANG), 0)
-          << "coordinator exited early: " << ReadFileOrDie(err_path_);
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-    ASSERT_GT(port, 0) << "no port file within 30 s: "
+    const int port = WaitForPortFile(data_dir_, pid_, absl::Seconds(30));
+    ASSERT_GT(port, 0) << "no port file within 30 s (or the coordinator "
+                          "exited): "
                        << ReadFileOrDie(err_path_);
     address_ = absl::StrCat("127.0.0.1:", port);
   }
