@@ -462,19 +462,7 @@ absl::StatusOr<std::unique_ptr<DeviceMoeModel>> DeviceMoeModel::Create(
     return absl::FailedPreconditionError(absl::StrCat(
         "device: must be a CUDA device index >= 0, got ", options.device));
   }
-  int count = 0;
-  const cudaError_t count_error = cudaGetDeviceCount(&count);
-  if (count_error != cudaSuccess) {
-    cudaGetLastError();  // Not sticky: clear it for later calls.
-    return absl::FailedPreconditionError(
-        absl::StrCat("no usable CUDA device: cudaGetDeviceCount: ",
-                     cudaGetErrorString(count_error)));
-  }
-  if (options.device >= count) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("device: CUDA device ", options.device,
-                     " does not exist (", count, " visible)"));
-  }
+  SHARDD_RETURN_IF_ERROR(CheckCudaDevice(options.device));
   Impl& m = *impl;
   SHARDD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device),
                               "DeviceMoeModel: cudaSetDevice");

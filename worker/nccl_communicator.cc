@@ -281,20 +281,7 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
   SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(options.wait_poll_interval,
                                              "options.wait_poll_interval"));
 
-  int device_count = 0;
-  const cudaError_t count_error = cudaGetDeviceCount(&device_count);
-  if (count_error != cudaSuccess) {
-    cudaGetLastError();
-    return CudaStatus(count_error, "no usable CUDA device: cudaGetDeviceCount");
-  }
-  if (device_count == 0) {
-    return absl::FailedPreconditionError("no CUDA device is visible");
-  }
-  if (options.device >= device_count) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("options.device must be in [0, ", device_count, "), got ",
-                     options.device));
-  }
+  SHARDD_RETURN_IF_ERROR(CheckCudaDevice(options.device));
   const absl::Time deadline = absl::Now() + options.init_timeout;
   SHARDD_RETURN_IF_ERROR(MakeDeviceCurrent(options.device));
 

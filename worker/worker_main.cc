@@ -170,6 +170,13 @@ int main(int argc, char** argv) {
                    device.c_str());
       return 2;
     }
+    // A GPU worker on a node without its GPU must not join a job.
+    const absl::Status usable = shardd::CheckDeviceUsable(device_ordinal);
+    if (!usable.ok()) {
+      std::fprintf(stderr, "shardd-worker: --device %s: %s\n", device.c_str(),
+                   std::string(usable.message()).c_str());
+      return 1;
+    }
   }
 
   shardd::WorkerRuntimeOptions runtime_options;

@@ -30,6 +30,7 @@
 #include "worker/step_runner.h"
 
 #ifdef SHARDD_WITH_CUDA
+#include "kernels/cuda/cuda_status.h"
 #include "worker/device_step_runner.h"
 #endif
 
@@ -40,6 +41,15 @@ bool DeviceStepsSupported() {
   return true;
 #else
   return false;
+#endif
+}
+
+absl::Status CheckDeviceUsable(int device) {
+#ifdef SHARDD_WITH_CUDA
+  return CheckCudaDevice(device);
+#else
+  return absl::FailedPreconditionError(absl::StrCat(
+      "CUDA device ", device, ": this binary was built without CUDA"));
 #endif
 }
 

@@ -149,6 +149,13 @@ absl::StatusOr<std::string> ResolveUnderRoot(const std::string& root,
 // True when this binary was built with the GPU step path (--config=cuda).
 bool DeviceStepsSupported();
 
+// Whether CUDA device `device` can run steps on this machine, checked once at
+// startup so that a worker without its GPU exits with the reason instead of
+// registering and failing every job. Errors: FAILED_PRECONDITION (a build
+// without CUDA, no driver, no device visible), INVALID_ARGUMENT (no such
+// device ordinal).
+absl::Status CheckDeviceUsable(int device);
+
 class WorkerRuntime {
  public:
   explicit WorkerRuntime(WorkerRuntimeOptions options = {});

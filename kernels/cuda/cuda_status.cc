@@ -63,4 +63,26 @@ absl::Status NcclStatus(ncclResult_t result, absl::string_view what) {
   }
 }
 
+absl::Status CheckCudaDevice(int device) {
+  int device_count = 0;
+  const cudaError_t error = cudaGetDeviceCount(&device_count);
+  if (error != cudaSuccess) {
+    cudaGetLastError();  // Clear it: the next CUDA call must not see it.
+    const absl::Status status =
+        CudaStatus(error, "no usable CUDA device: cudaGetDeviceCount");
+    // No driver or no device is a precondition of this machine, whatever
+    // the CUDA error says.
+    return absl::FailedPreconditionError(status.message());
+  }
+  if (device_count == 0) {
+    return absl::FailedPreconditionError("no CUDA device is visible");
+  }
+  if (device < 0 || device >= device_count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CUDA device ", device, " does not exist: ", device_count,
+                     " visible, ordinals 0 to ", device_count - 1));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace shardd

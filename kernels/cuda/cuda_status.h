@@ -31,6 +31,12 @@ absl::Status CublasStatus(cublasStatus_t status, absl::string_view what);
 // INTERNAL.
 absl::Status NcclStatus(ncclResult_t result, absl::string_view what);
 
+// OK when CUDA device `device` is visible and the driver answers. Errors:
+// FAILED_PRECONDITION (no driver, or no device visible), INVALID_ARGUMENT
+// (`device` is negative or not below the number of visible devices), each
+// saying which. Creates no context on the device.
+absl::Status CheckCudaDevice(int device);
+
 }  // namespace shardd
 
 #define SHARDD_CUDA_RETURN_IF_ERROR(expr, what)                \

@@ -46,5 +46,25 @@ TEST(CudaStatusTest, MapsNcclErrors) {
               StatusIs(absl::StatusCode::kUnavailable));
 }
 
+// Runs with and without a GPU: the answer must match what the driver says.
+TEST(CudaStatusTest, CheckCudaDeviceMatchesTheDriver) {
+  int count = 0;
+  const cudaError_t error = cudaGetDeviceCount(&count);
+  cudaGetLastError();
+  if (error != cudaSuccess || count == 0) {
+    EXPECT_THAT(CheckCudaDevice(0),
+                StatusIs(absl::StatusCode::kFailedPrecondition,
+                         HasSubstr("CUDA device")));
+    return;
+  }
+  EXPECT_THAT(CheckCudaDevice(0), IsOk());
+  EXPECT_THAT(CheckCudaDevice(count - 1), IsOk());
+  EXPECT_THAT(CheckCudaDevice(count),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("does not exist")));
+  EXPECT_THAT(CheckCudaDevice(-1),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
 }  // namespace
 }  // namespace shardd
