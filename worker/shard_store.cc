@@ -450,29 +450,65 @@ ShardStore::UnitShard ShardStore::shard(int unit) const {
   return out;
 }
 
+float* ShardStore::BufferOf(const UnitState& unit, ShardBuffer buffer) {
+  switch (buffer) {
+    case ShardBuffer::kExpAvg:
+      return unit.exp_avg.as<float>();
+    case ShardBuffer::kExpAvgSq:
+      return unit.exp_avg_sq.as<float>();
+    case ShardBuffer::kParams:
+      break;
+  }
+  return unit.master.as<float>();
+}
+
+// The (shard offset, unsharded offset, count) runs of `param` this rank
+// owns: a flat bucket's overlap with the rank's element range, or the
+// rank's valid dim-0 rows.
+template <typename Fn>
+void ShardStore::ForEachOwnedRun(const UnitState& unit, const ParamInfo& param,
+                                 Fn fn) const {
+  const int r = options_.shard_rank;
+  if (param.flat) {
+    const int64_t own_begin = r * unit.shard_numel;
+    const int64_t begin = std::max(own_begin, param.unsharded_offset);
+    const int64_t end = std::min(own_begin + unit.shard_numel,
+                                 param.unsharded_offset + param.numel);
+    if (end > begin) {
+      fn(begin - own_begin, begin - param.unsharded_offset, end - begin);
+    }
+    return;
+  }
+  const int64_t first_row = r * param.rows_per_rank;
+  const int64_t rows = std::min(param.rows_per_rank, param.dim0 - first_row);
+  if (rows > 0) {
+    fn(param.shard_offset, first_row * param.row_numel, rows * param.row_numel);
+  }
+}
+
 absl::Status ShardStore::CopyOwnedParamSlice(const std::string& name,
-                                             float* out) const {
+                                             float* out,
+                                             ShardBuffer buffer) const {
   SHARDD_ASSIGN_OR_RETURN(const ParamInfo* param, Param(name));
   const UnitState& unit = *units_[param->unit];
-  const float* master = unit.master.as<const float>();
-  const int r = options_.shard_rank;
-  if (param->flat) {
-    const int64_t own_begin = r * unit.shard_numel;
-    const int64_t begin = std::max(own_begin, param->unsharded_offset);
-    const int64_t end = std::min(own_begin + unit.shard_numel,
-                                 param->unsharded_offset + param->numel);
-    for (int64_t i = begin; i < end; ++i) {
-      out[i - param->unsharded_offset] = master[i - own_begin];
-    }
-    return absl::OkStatus();
-  }
-  const int64_t first_row = r * param->rows_per_rank;
-  const int64_t rows = std::min(param->rows_per_rank, param->dim0 - first_row);
-  if (rows > 0) {
-    std::memcpy(out + first_row * param->row_numel,
-                master + param->shard_offset,
-                static_cast<size_t>(rows * param->row_numel) * sizeof(float));
-  }
+  const float* from = BufferOf(unit, buffer);
+  ForEachOwnedRun(unit, *param, [&](int64_t shard, int64_t full, int64_t n) {
+    std::memcpy(out + full, from + shard, static_cast<size_t>(n) * 4);
+  });
+  return absl::OkStatus();
+}
+
+absl::Status ShardStore::WriteOwnedParamSlice(const std::string& name,
+                                              const float* in,
+                                              ShardBuffer buffer) {
+  SHARDD_ASSIGN_OR_RETURN(const ParamInfo* param, Param(name));
+  const UnitState& unit = *units_[param->unit];
+  float* to = BufferOf(unit, buffer);
+  ForEachOwnedRun(unit, *param, [&](int64_t shard, int64_t full, int64_t n) {
+    std::memcpy(to + shard, in + full, static_cast<size_t>(n) * 4);
+    if (buffer == ShardBuffer::kParams)
+      RefreshComputeShard(param->unit, shard, n);
+  });
   return absl::OkStatus();
 }
 

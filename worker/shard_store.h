@@ -54,6 +54,10 @@ namespace shardd {
 // re-gather units resharded to a slice.
 using SliceGroups = std::map<int, Communicator*>;
 
+// Which per-element buffer of a shard to read: the fp32 master parameters
+// or AdamW's first / second moment.
+enum class ShardBuffer { kParams, kExpAvg, kExpAvgSq };
+
 struct ShardStoreOptions {
   // This rank's position in the shard group (dp_shard ranks).
   int shard_rank = 0;
@@ -134,9 +138,18 @@ class ShardStore {
   // The unsharded value of a parameter assembled from this rank's shard only
   // (other ranks' rows are left untouched in `out`): used by tests and
   // checkpoints to compare against an unsharded run. Writes the rows/elements
-  // this rank holds into `out` (numel elements of the full parameter).
+  // this rank holds into `out` (numel elements of the full parameter), taken
+  // from the master parameters or from one of AdamW's moments.
   // Errors: NOT_FOUND.
-  absl::Status CopyOwnedParamSlice(const std::string& name, float* out) const;
+  absl::Status CopyOwnedParamSlice(
+      const std::string& name, float* out,
+      ShardBuffer buffer = ShardBuffer::kParams) const;
+  // The inverse: overwrites this rank's elements of `buffer` from the
+  // unsharded values `in` (numel elements), refreshing a kept compute shard.
+  // Padding is left as it is. Not to be used while a step runs.
+  // Errors: NOT_FOUND.
+  absl::Status WriteOwnedParamSlice(const std::string& name, const float* in,
+                                    ShardBuffer buffer = ShardBuffer::kParams);
 
  private:
   struct ParamInfo {
@@ -189,6 +202,10 @@ class ShardStore {
       : tracker_(tracker), options_(options), cache_(tracker) {}
 
   absl::StatusOr<UnitState*> Unit(int unit);
+  static float* BufferOf(const UnitState& unit, ShardBuffer buffer);
+  template <typename Fn>
+  void ForEachOwnedRun(const UnitState& unit, const ParamInfo& param,
+                       Fn fn) const;
   absl::StatusOr<const ParamInfo*> Param(const std::string& name) const;
   bool ViewsInPlace(const UnitState& unit, const ParamInfo& param) const;
 
