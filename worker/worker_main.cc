@@ -53,6 +53,7 @@
 #include "common/logging.h"
 #include "common/metrics_http_server.h"
 #include "common/metrics_registry.h"
+#include "kernels/cpu/simd_level.h"
 #include "worker/coordinator_agent.h"
 #include "worker/grpc_worker_service.h"
 #include "worker/worker_metrics.h"
@@ -178,6 +179,20 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
+
+  // A bad SHARDD_CPU_ISA would fail every step; refuse before registering.
+  const absl::StatusOr<shardd::kernels::SimdLevel> simd =
+      shardd::kernels::ActiveSimdLevel();
+  if (!simd.ok()) {
+    std::fprintf(stderr, "shardd-worker: %s\n",
+                 std::string(simd.status().message()).c_str());
+    return 2;
+  }
+  SHARDD_LOG(INFO) << "shardd-worker CPU kernels at "
+                   << shardd::kernels::SimdLevelName(*simd) << " (best here: "
+                   << shardd::kernels::SimdLevelName(
+                          shardd::kernels::SupportedSimdLevel())
+                   << ")";
 
   shardd::WorkerRuntimeOptions runtime_options;
   runtime_options.bind_address = absl::GetFlag(FLAGS_collective_bind);

@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/simd_level.h"
 
 namespace shardd {
 namespace kernels {
@@ -68,17 +69,21 @@ bool SameDims(const ExpertDims& a, const ExpertDims& b) {
          a.top_k == b.top_k;
 }
 
-// The activation loops are built for AVX-512, AVX2 and baseline x86-64 and
-// the best one is picked at load time (GCC function multi-versioning). The
-// results are the same bit for bit on every path: no FMA contraction
-// (-ffp-contract=off in BUILD), per-lane arithmetic only, and fixed-lane
-// reductions. (OpenBLAS' own kernels still depend on the CPU.)
+// The activation loops are built for each SimdLevel (simd_level.h): the
+// bodies are always-inlined into one wrapper per level compiled for that
+// level's instructions, and the kernels call the wrapper of
+// ActiveSimdLevel(). The results are the same bit for bit on every path: no
+// FMA contraction (-ffp-contract=off in BUILD), per-lane arithmetic only,
+// and fixed-lane reductions. (OpenBLAS' own kernels still depend on the
+// CPU.)
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define SHARDD_SIMD_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define SHARDD_TARGET_X86_64_V3 __attribute__((target("arch=x86-64-v3")))
+#define SHARDD_TARGET_X86_64_V4 __attribute__((target("arch=x86-64-v4")))
 #else
-#define SHARDD_SIMD_CLONES
+#define SHARDD_TARGET_X86_64_V3
+#define SHARDD_TARGET_X86_64_V4
 #endif
+#define SHARDD_ALWAYS_INLINE inline __attribute__((always_inline))
 
 // exp(x) that the compiler can vectorize (libm's expf is a call): Cody-Waite
 // range reduction x = n ln2 + r and Cephes' degree-6 polynomial for e^r,
@@ -145,8 +150,9 @@ struct GeluTanh {
 
 // a[r, i] = f(h[r, i]) * h[r, I + i] * w[r] for n rows.
 template <typename Act>
-SHARDD_SIMD_CLONES void ActivationForward(const float* h, const float* w,
-                                          int64_t n, int64_t inter, float* a) {
+SHARDD_ALWAYS_INLINE void ActivationForwardBody(const float* h, const float* w,
+                                                int64_t n, int64_t inter,
+                                                float* a) {
   for (int64_t r = 0; r < n; ++r) {
     const float* __restrict g = h + r * 2 * inter;
     const float* __restrict u = g + inter;
@@ -159,10 +165,10 @@ SHARDD_SIMD_CLONES void ActivationForward(const float* h, const float* w,
 
 // From da = dL/da [n, I]: dh = dL/dh [n, 2I] and dw[r] = dL/dw[r].
 template <typename Act>
-SHARDD_SIMD_CLONES void ActivationBackward(const float* h, const float* w,
-                                           const float* da, int64_t n,
-                                           int64_t inter, float* dh,
-                                           float* dw) {
+SHARDD_ALWAYS_INLINE void ActivationBackwardBody(const float* h, const float* w,
+                                                 const float* da, int64_t n,
+                                                 int64_t inter, float* dh,
+                                                 float* dw) {
   // dw[r] is summed in kLanes fixed partial sums, so the result does not
   // depend on the vector width the compiler picked.
   constexpr int64_t kLanes = 8;
@@ -191,6 +197,53 @@ SHARDD_SIMD_CLONES void ActivationBackward(const float* h, const float* w,
     for (int64_t l = 0; l < kLanes; ++l) sum += acc[l];
     dw[r] = sum;
   }
+}
+
+// One wrapper per level around each body, and the dispatch between them.
+#define SHARDD_ACTIVATION_AT(suffix, attr)                                    \
+  template <typename Act>                                                     \
+  attr void ActivationForward##suffix(const float* h, const float* w,         \
+                                      int64_t n, int64_t inter, float* a) {   \
+    ActivationForwardBody<Act>(h, w, n, inter, a);                            \
+  }                                                                           \
+  template <typename Act>                                                     \
+  attr void ActivationBackward##suffix(const float* h, const float* w,        \
+                                       const float* da, int64_t n,            \
+                                       int64_t inter, float* dh, float* dw) { \
+    ActivationBackwardBody<Act>(h, w, da, n, inter, dh, dw);                  \
+  }
+SHARDD_ACTIVATION_AT(Baseline, )
+SHARDD_ACTIVATION_AT(V3, SHARDD_TARGET_X86_64_V3)
+SHARDD_ACTIVATION_AT(V4, SHARDD_TARGET_X86_64_V4)
+#undef SHARDD_ACTIVATION_AT
+
+template <typename Act>
+void ActivationForward(SimdLevel level, const float* h, const float* w,
+                       int64_t n, int64_t inter, float* a) {
+  switch (level) {
+    case SimdLevel::kX86_64_V4:
+      return ActivationForwardV4<Act>(h, w, n, inter, a);
+    case SimdLevel::kX86_64_V3:
+      return ActivationForwardV3<Act>(h, w, n, inter, a);
+    case SimdLevel::kBaseline:
+      break;
+  }
+  ActivationForwardBaseline<Act>(h, w, n, inter, a);
+}
+
+template <typename Act>
+void ActivationBackward(SimdLevel level, const float* h, const float* w,
+                        const float* da, int64_t n, int64_t inter, float* dh,
+                        float* dw) {
+  switch (level) {
+    case SimdLevel::kX86_64_V4:
+      return ActivationBackwardV4<Act>(h, w, da, n, inter, dh, dw);
+    case SimdLevel::kX86_64_V3:
+      return ActivationBackwardV3<Act>(h, w, da, n, inter, dh, dw);
+    case SimdLevel::kBaseline:
+      break;
+  }
+  ActivationBackwardBaseline<Act>(h, w, da, n, inter, dh, dw);
 }
 
 // out[t] (+)= sum over k of rows[row_of_slot[t * K + k]], skipping masked
@@ -234,6 +287,7 @@ absl::Status GroupedExpertsForward(const ExpertDims& dims,
                                    const float* w_d, float* y,
                                    GroupedExpertsWorkspace* ws) {
   SHARDD_RETURN_IF_ERROR(ValidateDims(dims));
+  SHARDD_ASSIGN_OR_RETURN(const SimdLevel level, ActiveSimdLevel());
   if (ws == nullptr) {
     return absl::InvalidArgumentError("experts workspace must not be null");
   }
@@ -308,9 +362,9 @@ absl::Status GroupedExpertsForward(const ExpertDims& dims,
     // Activated while h is still in cache.
     const float* w = ws->row_weight.data() + begin;
     if (activation == GatedActivation::kSwiGLU) {
-      ActivationForward<Silu>(h, w, rows, inter, a);
+      ActivationForward<Silu>(level, h, w, rows, inter, a);
     } else {
-      ActivationForward<GeluTanh>(h, w, rows, inter, a);
+      ActivationForward<GeluTanh>(level, h, w, rows, inter, a);
     }
     // o[n_e, D] = a[n_e, I] @ W_d[e][I, D].
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans,
@@ -345,6 +399,7 @@ absl::Status GroupedExpertsBackward(
   const int64_t t_count = dims.tokens, d = dims.dim, inter = dims.intermediate,
                 e_count = dims.experts, k = dims.top_k;
   if (t_count == 0) return absl::OkStatus();
+  SHARDD_ASSIGN_OR_RETURN(const SimdLevel level, ActiveSimdLevel());
   if (dy == nullptr || w_d == nullptr || (dx != nullptr && w_gu == nullptr)) {
     return absl::InvalidArgumentError(
         "experts dy and w_d (and w_gu for dx) must not be null");
@@ -388,9 +443,9 @@ absl::Status GroupedExpertsBackward(
     float* dwr = ws->row_dweight.data() + begin;
     float* dh = ws->dh.data() + begin * 2 * inter;
     if (activation == GatedActivation::kSwiGLU) {
-      ActivationBackward<Silu>(h, w, da, rows, inter, dh, dwr);
+      ActivationBackward<Silu>(level, h, w, da, rows, inter, dh, dwr);
     } else {
-      ActivationBackward<GeluTanh>(h, w, da, rows, inter, dh, dwr);
+      ActivationBackward<GeluTanh>(level, h, w, da, rows, inter, dh, dwr);
     }
     if (dw_gu != nullptr) {
       // dW_gu[e][D, 2I] += Xe[n_e, D]^T @ dH[n_e, 2I].

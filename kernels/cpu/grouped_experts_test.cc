@@ -10,6 +10,7 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/simd_level.h"
 
 namespace shardd {
 namespace kernels {
@@ -409,6 +410,40 @@ TEST(GroupedExpertsTest, ZeroTokens) {
   for (float v : g.d_weights) EXPECT_EQ(v, 0.0f);
   for (float v : g.dw_gu) EXPECT_EQ(v, 0.0f);
   for (float v : g.dw_d) EXPECT_EQ(v, 0.0f);
+}
+
+// The activation loops run at every SimdLevel this CPU supports and must
+// give the same bits at each (no FMA contraction, per-lane math, fixed-lane
+// sums): an intermediate size that is no multiple of any vector width, both
+// activations, gate values far into saturation, and a mask.
+TEST(GroupedExpertsTest, EverySimdLevelGivesTheSameBits) {
+  const SimdLevel supported = SupportedSimdLevel();
+  for (GatedActivation act :
+       {GatedActivation::kSwiGLU, GatedActivation::kGeGLU}) {
+    Problem p = MakeProblem({23, 9, 37, 5, 2}, act, 900);
+    for (float& w : p.w_gu) w *= 40.0f;  // gates in the hundreds
+    p.mask.assign(23, 1);
+    p.mask[4] = 0;
+    const std::vector<float> dy = RandomVector(23 * 9, 15);
+    SHARDD_ASSERT_OK(OverrideSimdLevel(SimdLevel::kBaseline));
+    GroupedExpertsWorkspace base_ws;
+    const Grads base = RunKernel(p, dy, &base_ws);
+    for (SimdLevel level : {SimdLevel::kX86_64_V3, SimdLevel::kX86_64_V4}) {
+      if (level > supported) continue;
+      SCOPED_TRACE(SimdLevelName(level));
+      SHARDD_ASSERT_OK(OverrideSimdLevel(level));
+      GroupedExpertsWorkspace ws;
+      const Grads got = RunKernel(p, dy, &ws);
+      EXPECT_EQ(got.y, base.y);
+      EXPECT_EQ(got.dx, base.dx);
+      EXPECT_EQ(got.d_weights, base.d_weights);
+      EXPECT_EQ(got.dw_gu, base.dw_gu);
+      EXPECT_EQ(got.dw_d, base.dw_d);
+    }
+  }
+  SHARDD_ASSERT_OK(OverrideSimdLevel(supported));
+  std::printf("[simd] compared x86-64 with every level up to %s\n",
+              SimdLevelName(supported));
 }
 
 TEST(GroupedExpertsTest, BackwardAccumulates) {
