@@ -155,8 +155,9 @@ void ExpectStepWithinRounding(const std::set<std::string>& frozen,
 
 double FreeRunningLossTolerance(int updates, double loss,
                                 const kernels::AdamWConfig& adamw,
-                                int64_t trainable, double clipped_norm,
+                                double clipped_norm,
                                 const StepTolerances& tol) {
+  constexpr double kLambda = 7.0;
   double drift = 0.0;
   for (int s = 0; s < updates; ++s) {
     const double t = s + 1;
@@ -165,8 +166,7 @@ double FreeRunningLossTolerance(int updates, double loss,
     const double kappa = (1 - adamw.beta1) / bc1 *
                          std::sqrt(bc2 / (1 - adamw.beta2)) *
                          (1 + std::sqrt(t));
-    drift += adamw.lr * kappa * std::sqrt(static_cast<double>(trainable)) * 2 *
-             tol.grad * clipped_norm;
+    drift += adamw.lr * kappa * kLambda * 2 * tol.grad * clipped_norm;
   }
   return tol.loss * std::fabs(loss) + drift;
 }

@@ -171,13 +171,12 @@ TEST(FreeRunningLossToleranceTest, StartsAtTheLossBoundAndGrows) {
   StepTolerances tol;
   tol.loss = 1e-5;
   tol.grad = 1e-4;
-  EXPECT_DOUBLE_EQ(FreeRunningLossTolerance(0, 3.0, adamw, 1000, 1.0, tol),
-                   3e-5);
-  // First update: kappa = 1 * 1 * (1 + 1) = 2.
-  EXPECT_NEAR(FreeRunningLossTolerance(1, 3.0, adamw, 10000, 1.0, tol),
-              3e-5 + 1e-2 * 2 * 100 * 2 * 1e-4, 1e-12);
-  EXPECT_GT(FreeRunningLossTolerance(5, 3.0, adamw, 10000, 1.0, tol),
-            FreeRunningLossTolerance(4, 3.0, adamw, 10000, 1.0, tol));
+  EXPECT_DOUBLE_EQ(FreeRunningLossTolerance(0, 3.0, adamw, 1.0, tol), 3e-5);
+  // First update: kappa = 1 * 1 * (1 + 1) = 2, lambda = 7.
+  EXPECT_NEAR(FreeRunningLossTolerance(1, 3.0, adamw, 1.0, tol),
+              3e-5 + 1e-2 * 2 * 7 * 2 * 1e-4, 1e-15);
+  EXPECT_GT(FreeRunningLossTolerance(5, 3.0, adamw, 1.0, tol),
+            FreeRunningLossTolerance(4, 3.0, adamw, 1.0, tol));
 }
 
 }  // namespace

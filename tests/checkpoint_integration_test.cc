@@ -84,10 +84,13 @@ class CheckpointIntegrationTest : public ::testing::Test {
 
 // Saves every 3 steps over 2 ranks, then resumes from step 3 on 1 rank, on
 // 2 ranks with megatron_fsdp (flat ranges instead of dim-0 rows), and from
-// a consolidated single-rank copy of the checkpoint: the
-// losses of steps 4..6 equal the uninterrupted job's to 1e-5 relative (the
-// step-k loss uses the parameters after k-1 updates, so the parameters,
-// AdamW moments, step count and data position all came back).
+// a consolidated single-rank copy of the checkpoint: the losses of steps
+// 4..6 equal the uninterrupted job's (the step-k loss uses the parameters
+// after k-1 updates, so the parameters, AdamW moments, step count and data
+// position all came back). Step 4's loss comes from the restored parameters
+// themselves, so it differs by one forward pass's rounding at most; steps
+// 5 and 6 by what rounding can do through 1 and 2 free-running updates at
+// another world size (LocalCluster::TrainArgsLossTolerance).
 TEST_F(CheckpointIntegrationTest, ResumesInAnotherWorldSizeAndStrategy) {
   const nlohmann::json first =
       Train(6, {"--dp", "2", "--checkpoint-every", "3"});
@@ -144,7 +147,10 @@ TEST_F(CheckpointIntegrationTest, ResumesInAnotherWorldSizeAndStrategy) {
     const std::vector<double> got = Losses(resumed);
     ASSERT_EQ(got.size(), 3u);
     for (size_t s = 0; s < got.size(); ++s) {
-      EXPECT_NEAR(got[s], losses[s + 3], 1e-5 * losses[s + 3])
+      SHARDD_ASSERT_OK_AND_ASSIGN(const double allowed,
+                                  LocalCluster::TrainArgsLossTolerance(
+                                      static_cast<int>(s), losses[s + 3], 2));
+      EXPECT_NEAR(got[s], losses[s + 3], allowed)
           << "step " << s + 4 << " resumed from " << v.checkpoint << " with "
           << absl::StrJoin(variant, " ");
     }

@@ -5,13 +5,18 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "grpc/grpc.h"
 #include "proto/coordinator.pb.h"
+#include "server/native_spec.h"
+#include "testing/numerics.h"
 #include "tests/subprocess.h"
+#include "worker/worker_runtime.h"
 
 namespace shardd {
 namespace testing_util {
@@ -286,6 +291,34 @@ std::vector<std::string> LocalCluster::TrainArgs(
                                    "--json"};
   args.insert(args.end(), extra.begin(), extra.end());
   return args;
+}
+
+absl::StatusOr<double> LocalCluster::TrainArgsLossTolerance(int updates,
+                                                            double loss,
+                                                            int world) {
+  std::ifstream in(kSmallMoe);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", kSmallMoe));
+  std::stringstream text;
+  text << in.rdbuf();
+  absl::StatusOr<v1::ModelSpec> model = ModelSpecFromJson(text.str());
+  if (!model.ok()) return model.status();
+  // TrainArgs' config, with the worker's defaults for what it leaves out.
+  v1::TrainConfig train;
+  train.set_global_batch(16);
+  train.set_seq_len(32);
+  train.set_lr(0.01);
+  absl::StatusOr<v1::TrainConfig> resolved =
+      ResolveTrainConfig(train, world, 1);
+  if (!resolved.ok()) return resolved.status();
+  kernels::AdamWConfig adamw;
+  adamw.lr = resolved->lr();
+  adamw.beta1 = resolved->beta1();
+  adamw.beta2 = resolved->beta2();
+  adamw.eps = resolved->eps();
+  const StepTolerances tol = MoeStepTolerances(
+      model->dims(), train.global_batch() * train.seq_len(), world);
+  return FreeRunningLossTolerance(updates, loss, adamw, resolved->grad_clip(),
+                                  tol);
 }
 
 }  // namespace testing_util

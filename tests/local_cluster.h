@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "client/coordinator_client.h"
 
@@ -112,6 +113,14 @@ class LocalCluster {
   // needs //tests/data:configs in its data.
   std::vector<std::string> TrainArgs(
       int steps, int seed, const std::vector<std::string>& extra = {}) const;
+
+  // The tolerance on the mean loss after `updates` optimizer steps when
+  // jobs of TrainArgs at other world sizes or strategies are compared:
+  // testing/numerics.h's FreeRunningLossTolerance for that model, batch and
+  // train config, with `world` the larger world. Errors: reading or parsing
+  // the model file, the train config's.
+  static absl::StatusOr<double> TrainArgsLossTolerance(int updates, double loss,
+                                                       int world);
 
   // Connected by the first StartCoordinator; null before.
   CoordinatorClient* client() { return client_.get(); }

@@ -3,6 +3,8 @@
 // every process is killed in teardown.
 
 #include <memory>
+#include <cmath>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -132,9 +134,10 @@ TEST_F(TrainIntegrationTest, FineGrainedModeGivesTheSameLosses) {
 // Equivalence across processes: fp32 all the way, the same global batch
 // trained by one worker process and sharded over two (also with two
 // micro-batches and deferred sync, and with reshard-after-forward) gives the
-// same loss at every step, to 1e-5 relative. The step-k loss is computed
-// with the parameters after k-1 optimizer steps, so equal losses mean equal
-// updates; parameters themselves are compared in step_executor_test.
+// same loss at every step within what fp32 rounding allows the free-running
+// jobs (LocalCluster::TrainArgsLossTolerance; the first loss, from the same
+// parameters, within one step's rounding). Every step's update is compared
+// from a shared state in step_executor_test.
 TEST_F(TrainIntegrationTest, OneAndTwoWorkerProcessesGiveTheSameLosses) {
   auto run = [&](std::vector<std::string> extra) {
     std::vector<std::string> args = TrainArgs(5);
@@ -161,8 +164,14 @@ TEST_F(TrainIntegrationTest, OneAndTwoWorkerProcessesGiveTheSameLosses) {
     const std::vector<double> got = run(variant);
     ASSERT_EQ(got.size(), one.size()) << absl::StrJoin(variant, " ");
     for (size_t s = 0; s < one.size(); ++s) {
-      EXPECT_NEAR(got[s], one[s], 1e-5 * one[s])
+      SHARDD_ASSERT_OK_AND_ASSIGN(
+          const double allowed,
+          LocalCluster::TrainArgsLossTolerance(static_cast<int>(s), one[s], 2));
+      EXPECT_NEAR(got[s], one[s], allowed)
           << "step " << s + 1 << " with " << absl::StrJoin(variant, " ");
+      std::printf("[loss] step %zu, %s: |%.9g - %.9g| = %.3g, allowed %.3g\n",
+                  s + 1, absl::StrJoin(variant, " ").c_str(), got[s], one[s],
+                  std::fabs(got[s] - one[s]), allowed);
     }
   }
 }

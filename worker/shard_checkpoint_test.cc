@@ -10,6 +10,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -23,6 +24,7 @@
 #include "server/sharding_planner.h"
 #include "server/step_program.h"
 #include "server/strategy_registry.h"
+#include "testing/numerics.h"
 #include "worker/checkpoint/checkpoint_index.h"
 #include "worker/checkpoint/checkpoint_reader.h"
 #include "worker/checkpoint/checkpoint_writer.h"
@@ -500,7 +502,15 @@ StepExecutorOptions TrainOptions() {
   return options;
 }
 
-using ParamMap = std::map<std::string, std::vector<float>>;
+using ::shardd::testing_util::BoundUse;
+using ::shardd::testing_util::ParamMap;
+using ::shardd::testing_util::TrainingState;
+
+// Parameters and AdamW moments reassembled from every rank's shards.
+struct StateMaps {
+  ParamMap params, exp_avg, exp_avg_sq;
+  TrainingState view() const { return {&params, &exp_avg, &exp_avg_sq}; }
+};
 
 struct PhaseRun {
   // Global (token-weighted) loss and gradient norm of each step run.
@@ -508,16 +518,38 @@ struct PhaseRun {
   std::vector<double> grad_norms;
   // Parameters reassembled from every rank's shard.
   ParamMap final;
+  // The state before the first step (after a load), and after each step.
+  StateMaps start;
+  std::vector<StateMaps> after;
 };
+
+void CollectState(const v1::ShardingPlan& plan, const ShardStore& shards,
+                  StateMaps* out) {
+  for (const v1::FsdpUnit& unit : plan.units()) {
+    for (const v1::ParamLayout& param : unit.params()) {
+      for (auto [map, buffer] :
+           {std::make_pair(&out->params, ShardBuffer::kParams),
+            std::make_pair(&out->exp_avg, ShardBuffer::kExpAvg),
+            std::make_pair(&out->exp_avg_sq, ShardBuffer::kExpAvgSq)}) {
+        std::vector<float>& values = (*map)[param.name()];
+        values.resize(param.numel(), 0.0f);
+        SHARDD_EXPECT_OK(
+            shards.CopyOwnedParamSlice(param.name(), values.data(), buffer));
+      }
+    }
+  }
+}
 
 // Runs steps [first, last) of `plan` on every rank. With `load_dir`, each
 // rank first loads its shards from that checkpoint and restores the
 // optimizer steps; with `save_tmp`, each rank saves its shards there at the
-// end (into (*rank_files)[shard_rank]).
+// end (into (*rank_files)[shard_rank]). With `restart` (a run from step 0),
+// every step s > first starts from restart's state after step s - 1.
 PhaseRun RunPhase(const v1::ModelSpec& model, const v1::ShardingPlan& plan,
                   int first, int last, int64_t global_batch,
                   const std::string& load_dir, const std::string& save_tmp,
-                  std::vector<checkpoint::RankFile>* rank_files) {
+                  std::vector<checkpoint::RankFile>* rank_files,
+                  const PhaseRun* restart = nullptr) {
   const int dp = plan.mesh().dp_shard();
   absl::StatusOr<v1::StepProgram> compiled = CompileStepProgram(plan);
   EXPECT_TRUE(compiled.ok()) << compiled.status();
@@ -534,6 +566,7 @@ PhaseRun RunPhase(const v1::ModelSpec& model, const v1::ShardingPlan& plan,
   std::vector<std::vector<double>> rank_tokens(
       dp, std::vector<double>(last - first, 0.0));
   if (rank_files != nullptr) rank_files->assign(dp, checkpoint::RankFile());
+  run.after.resize(last - first);
   absl::Mutex mu;
   RunWorld(plan, [&](const RankCtx& ctx) {
     StepExecutorOptions options = TrainOptions();
@@ -552,7 +585,26 @@ PhaseRun RunPhase(const v1::ModelSpec& model, const v1::ShardingPlan& plan,
       EXPECT_EQ(step, first);
       SHARDD_ASSERT_OK(executor->RestoreOptimizerSteps(step));
     }
+    {
+      absl::MutexLock lock(&mu);
+      CollectState(plan, executor->shards(), &run.start);
+    }
     for (int s = first; s < last; ++s) {
+      if (restart != nullptr && s > first) {
+        const StateMaps& from = restart->after[s - 1];
+        ShardStore* shards = executor->mutable_shards();
+        for (const v1::FsdpUnit& unit : plan.units()) {
+          for (const v1::ParamLayout& param : unit.params()) {
+            const std::string& name = param.name();
+            SHARDD_EXPECT_OK(shards->WriteOwnedParamSlice(
+                name, from.params.at(name).data()));
+            SHARDD_EXPECT_OK(shards->WriteOwnedParamSlice(
+                name, from.exp_avg.at(name).data(), ShardBuffer::kExpAvg));
+            SHARDD_EXPECT_OK(shards->WriteOwnedParamSlice(
+                name, from.exp_avg_sq.at(name).data(), ShardBuffer::kExpAvgSq));
+          }
+        }
+      }
       v1::StepProgram step_program = program;
       step_program.set_step(s);
       std::vector<data::MicroBatch> batches;
@@ -565,6 +617,7 @@ PhaseRun RunPhase(const v1::ModelSpec& model, const v1::ShardingPlan& plan,
                                   executor->Execute(step_program, batches));
       EXPECT_EQ(result.optimizer_steps, s + 1);
       absl::MutexLock lock(&mu);
+      CollectState(plan, executor->shards(), &run.after[s - first]);
       rank_loss[ctx.data_rank][s - first] = result.loss * result.tokens;
       rank_tokens[ctx.data_rank][s - first] = result.tokens;
       if (ctx.shard_rank == 0) run.grad_norms[s - first] = result.grad_norm;
@@ -634,6 +687,15 @@ TEST(ShardCheckpointTrainingTest, ResumingAtOtherWorldsAndStrategiesMatches) {
     EXPECT_EQ(reader->index().step, kSteps);
   }
 
+  // Resuming must restore the saved state exactly (bitwise: the shards only
+  // move), and each step after it must be the uninterrupted run's step
+  // within fp32 rounding: another world size or strategy sums in another
+  // order (testing/numerics.h). Steps after the first start from the
+  // uninterrupted run's state, as in step_executor_test, since AdamW
+  // amplifies last-bit differences where a gradient is near zero.
+  const testing_util::StepTolerances tol = testing_util::MoeStepTolerances(
+      model.dims(), kGlobalBatch * kSeq, /*world=*/4);
+  const std::set<std::string> frozen = {kFrozen};
   struct Target {
     std::string strategy;
     int world;
@@ -646,43 +708,30 @@ TEST(ShardCheckpointTrainingTest, ResumingAtOtherWorldsAndStrategiesMatches) {
     SCOPED_TRACE(absl::StrCat(t.strategy, " at ", t.world, " ranks"));
     const v1::ShardingPlan plan = MakePlan(model, t.strategy, t.world);
     const PhaseRun resumed = RunPhase(model, plan, kSteps, 2 * kSteps,
-                                      kGlobalBatch, dir, "", nullptr);
-    double max_loss = 0.0, max_norm = 0.0, max_param = 0.0;
+                                      kGlobalBatch, dir, "", nullptr, &full);
+    const StateMaps& saved = full.after[kSteps - 1];
+    EXPECT_EQ(resumed.start.params, saved.params);
+    EXPECT_EQ(resumed.start.exp_avg, saved.exp_avg);
+    EXPECT_EQ(resumed.start.exp_avg_sq, saved.exp_avg_sq);
+    BoundUse use;
     for (int i = 0; i < kSteps; ++i) {
-      const double want = full.losses[kSteps + i];
-      EXPECT_NEAR(resumed.losses[i], want, 1e-5 * want) << "step " << i;
-      max_loss = std::max(max_loss, RelativeDiff(resumed.losses[i], want));
-      const double norm = full.grad_norms[kSteps + i];
-      EXPECT_NEAR(resumed.grad_norms[i], norm, 1e-5 * norm) << "step " << i;
-      max_norm = std::max(max_norm, RelativeDiff(resumed.grad_norms[i], norm));
-    }
-    ASSERT_EQ(resumed.final.size(), full.final.size());
-    int64_t checked = 0;
-    for (const auto& [name, want] : full.final) {
-      const std::vector<float>& got = resumed.final.at(name);
-      ASSERT_EQ(got.size(), want.size()) << name;
-      int bad = 0;
-      for (size_t i = 0; i < want.size(); ++i) {
-        const double diff = std::fabs(double{got[i]} - want[i]);
-        if (diff > 1e-5 * std::fabs(want[i]) + 1e-7 && ++bad <= 3) {
-          ADD_FAILURE() << name << "[" << i << "]: " << got[i] << " vs "
-                        << want[i];
-        }
-        // Relative difference where it is meaningful.
-        if (std::fabs(want[i]) > 1e-3) {
-          max_param = std::max(max_param, RelativeDiff(got[i], want[i]));
-        }
-        ++checked;
-      }
-      EXPECT_EQ(bad, 0) << name;
+      const int s = kSteps + i;
+      const double want = full.losses[s];
+      EXPECT_NEAR(resumed.losses[i], want, tol.loss * want) << "step " << s;
+      use.loss =
+          std::max(use.loss, RelativeDiff(resumed.losses[i], want) / tol.loss);
+      const double norm = full.grad_norms[s];
+      EXPECT_NEAR(resumed.grad_norms[i], norm, tol.grad * norm) << "step " << s;
+      use.grad_norm = std::max(
+          use.grad_norm, RelativeDiff(resumed.grad_norms[i], norm) / tol.grad);
+      testing_util::ExpectStepWithinRounding(
+          frozen, TrainOptions().adamw, s, tol, full.after[s - 1].view(),
+          full.after[s].view(), resumed.after[i].view(), &use);
     }
     std::printf(
-        "[resume] diffusion_gemma@4 -> %-15s@%d: max relative diff: loss "
-        "%.3g, grad norm %.3g, parameters %.3g (%lld elements)\n",
-        t.strategy.c_str(), t.world, max_loss, max_norm, max_param,
-        static_cast<long long>(checked));
-    // The resumed run really continued training (parameters moved since the
-    // save), and the restored bias correction mattered: see the next test.
+        "[resume] diffusion_gemma@4 -> %-15s@%d: share of each bound used: "
+        "%s\n",
+        t.strategy.c_str(), t.world, use.ToString().c_str());
   }
 }
 
