@@ -1,0 +1,209 @@
+#!/usr/bin/env bash
+# Runs the numerically sensitive tests under every OpenBLAS kernel this CPU
+# can execute (OPENBLAS_CORETYPE), every SIMD level of the project's own
+# activation kernels (SHARDD_CPU_ISA) and 1 and 2 OpenBLAS threads, and
+# prints the matrix. A machine of another kind (AVX2-only AMD, AVX-512
+# Intel) picks one of these kernels by itself, so passing here for all of
+# them is what makes tools/test.sh pass there. docs/testing.md explains the
+# tolerances and records the matrix.
+#
+#   tools/test_portability.sh [--quick] [--markdown FILE]
+#
+# --quick: only the diagonal (each core type at the best SIMD level and
+#          1 thread, each SIMD level with the CPU's own core type) instead of
+#          the whole cross product.
+# --markdown FILE: also writes the matrix as a Markdown table to FILE.
+#
+# Unit-level tests run for every combination; the multi-process training and
+# checkpoint tests (they start real workers, which inherit the environment)
+# once per core type. Exits non-zero if any run fails or if OpenBLAS did not
+# take the core type it was given.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+quick=0
+markdown=""
+while (($#)); do
+  case "$1" in
+    --quick) quick=1 ;;
+    --markdown)
+      shift
+      markdown="${1:?--markdown needs a file}"
+      ;;
+    *)
+      echo "usage: $0 [--quick] [--markdown FILE]" >&2
+      exit 2
+      ;;
+  esac
+  shift
+done
+
+tools/setup.sh >/dev/null
+config=()
+[[ -x /usr/local/cuda/bin/nvcc ]] && config=(--config=cuda)
+
+unit_tests=(
+  //worker:step_executor_test
+  //worker:shard_checkpoint_test
+  //worker:worker_runtime_test
+  //worker:moe_model_test
+  //worker:device_moe_model_cpu_test
+  //testing:numerics_test
+  //kernels/cpu:adamw_test
+  //kernels/cpu:cross_entropy_test
+  //kernels/cpu:dense_mlp_test
+  //kernels/cpu:embedding_test
+  //kernels/cpu:grouped_experts_test
+  //kernels/cpu:rms_norm_test
+  //kernels/cpu:router_test
+  //kernels/cpu:simd_level_test
+)
+process_tests=(
+  //tests:train_integration_test
+  //tests:checkpoint_integration_test
+)
+bazel build "${config[@]}" "${unit_tests[@]}" "${process_tests[@]}"
+
+flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+has() {
+  local f
+  for f in "$@"; do [[ "$flags" == *" $f "* ]] || return 1; done
+}
+cpu_model=$(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
+
+# OpenBLAS 0.3.21's x86-64 kernels and the instructions each one needs.
+core_types=()
+has pni && core_types+=(Prescott)
+has ssse3 sse4_1 sse4_2 popcnt && core_types+=(Nehalem)
+has avx && core_types+=(Sandybridge)
+has avx2 fma && core_types+=(Haswell Zen)
+has avx512f avx512bw avx512cd avx512dq avx512vl && core_types+=(SkylakeX)
+has avx512f avx512bw avx512cd avx512dq avx512vl avx512_bf16 &&
+  core_types+=(Cooperlake)
+# GCC's micro-architecture levels (simd_level.h).
+simd_levels=(x86-64)
+has avx avx2 bmi1 bmi2 f16c fma abm movbe xsave && simd_levels+=(x86-64-v3)
+has avx512f avx512bw avx512cd avx512dq avx512vl &&
+  [[ " ${simd_levels[*]} " == *" x86-64-v3 "* ]] && simd_levels+=(x86-64-v4)
+native_core=$(OPENBLAS_VERBOSE=2 bazel-bin/kernels/cpu/router_test \
+  --gtest_list_tests 2>&1 | sed -n 's/^Core: //p' | head -1)
+
+echo "portability: ${cpu_model}; OpenBLAS picks ${native_core} by itself"
+echo "portability: core types: ${core_types[*]}"
+echo "portability: SIMD levels: ${simd_levels[*]}"
+
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+declare -A cell
+failures=0
+passes=0
+
+# run_units CORE LEVEL THREADS: every unit test binary under that setting.
+run_units() {
+  local core=$1 level=$2 threads=$3 target bin name status=PASS
+  local log="$logs/${core}_${level}_${threads}.log"
+  : >"$log"
+  # OpenBLAS must really use the kernel asked for.
+  local got
+  got=$(OPENBLAS_VERBOSE=2 OPENBLAS_CORETYPE=$core \
+    bazel-bin/kernels/cpu/router_test --gtest_list_tests 2>&1 |
+    sed -n 's/^Core: //p' | head -1)
+  if [[ "${got,,}" != "${core,,}" ]]; then
+    echo "portability: OPENBLAS_CORETYPE=$core gave core '$got'" | tee -a "$log"
+    status=FAIL
+  fi
+  for target in "${unit_tests[@]}"; do
+    name=${target#//}
+    bin="bazel-bin/${name/://}"
+    local tmp
+    tmp=$(mktemp -d)
+    if ! (cd "$tmp" && TEST_TMPDIR="$tmp" OPENBLAS_CORETYPE=$core \
+      OPENBLAS_NUM_THREADS=$threads SHARDD_CPU_ISA=$level \
+      "$OLDPWD/$bin" >>"$log" 2>&1); then
+      echo "portability: FAILED $target (core $core, $level, $threads threads)"
+      status=FAIL
+    fi
+    rm -rf "$tmp"
+  done
+  cell["$core|$level|$threads"]=$status
+  if [[ $status == PASS ]]; then
+    passes=$((passes + 1))
+  else
+    failures=$((failures + 1))
+  fi
+  printf 'portability: %-11s %-9s threads=%s  %s\n' "$core" "$level" \
+    "$threads" "$status"
+}
+
+best_level=${simd_levels[-1]}
+for core in "${core_types[@]}"; do
+  for level in "${simd_levels[@]}"; do
+    for threads in 1 2; do
+      if ((quick)); then
+        # The diagonal: every core type at the best level with 1 thread,
+        # every level and thread count with OpenBLAS' own choice.
+        if ! { [[ $level == "$best_level" && $threads == 1 ]] ||
+          [[ "${core,,}" == "${native_core,,}" ]]; }; then
+          continue
+        fi
+      fi
+      run_units "$core" "$level" "$threads"
+    done
+  done
+done
+
+# The multi-process tests: once per core type, through bazel (runfiles,
+# scratch directories), with the environment passed to the test and so to
+# the workers it starts.
+declare -A process_cell
+for core in "${core_types[@]}"; do
+  if bazel test "${config[@]}" --nocache_test_results \
+    --test_env=OPENBLAS_CORETYPE="$core" --test_env=OPENBLAS_NUM_THREADS=1 \
+    "${process_tests[@]}" >"$logs/process_$core.log" 2>&1; then
+    process_cell[$core]=PASS
+    passes=$((passes + 1))
+  else
+    process_cell[$core]=FAIL
+    failures=$((failures + 1))
+    grep -E '^//' "$logs/process_$core.log" || true
+  fi
+  printf 'portability: %-11s multi-process tests  %s\n' "$core" \
+    "${process_cell[$core]}"
+done
+
+table() {
+  local header="| OPENBLAS_CORETYPE |" rule="|---|" level threads core row
+  for level in "${simd_levels[@]}"; do
+    for threads in 1 2; do
+      header+=" $level, $threads thr |"
+      rule+="---|"
+    done
+  done
+  header+=" multi-process |"
+  rule+="---|"
+  echo "$header"
+  echo "$rule"
+  for core in "${core_types[@]}"; do
+    row="| $core |"
+    for level in "${simd_levels[@]}"; do
+      for threads in 1 2; do
+        row+=" ${cell["$core|$level|$threads"]:-—} |"
+      done
+    done
+    row+=" ${process_cell[$core]} |"
+    echo "$row"
+  done
+}
+
+echo
+echo "CPU: ${cpu_model} (OpenBLAS' own choice: ${native_core})"
+table
+if [[ -n "$markdown" ]]; then
+  {
+    echo "CPU: ${cpu_model} (OpenBLAS' own choice: ${native_core})"
+    echo
+    table
+  } >"$markdown"
+fi
+echo "portability: ${passes} settings passed, ${failures} failed"
+exit $((failures > 0))
