@@ -45,15 +45,15 @@ run() {
   local out
   out=$(bazel-bin/worker/step_executor_test --gtest_filter="$filter" 2>&1 ||
     true)
-  local failed passed
-  failed=$(grep -c '^\[  FAILED  \] [A-Za-z]' <<<"$out" || true)
+  # Failed cases, once each, without gtest's dump of the parameter.
+  local names failed passed
+  names=$(grep '^\[  FAILED  \] [A-Za-z]' <<<"$out" |
+    sed 's/^\[  FAILED  \] //; s/, where GetParam.*//; s/ (.*//' | sort -u ||
+    true)
+  failed=$(grep -c . <<<"$names" || true)
   passed=$(grep -c '^\[       OK \]' <<<"$out" || true)
-  # Each failed case is listed twice (as it ends and in the summary).
-  failed=$((failed / 2))
-  printf '%-34s %3d cases fail, %3d pass:' "$name" "$failed" "$passed"
-  grep '^\[  FAILED  \] [A-Za-z]' <<<"$out" | sort -u |
-    sed 's/^\[  FAILED  \] //; s/ (.*//; s/^/ /' | head -40 | tr -d '\n'
-  echo
+  printf '%-20s %2d cases fail, %2d pass\n' "$name" "$failed" "$passed"
+  [[ -n "$names" ]] && sed 's/^/    /' <<<"$names"
   if [[ $name != unmodified && $failed -eq 0 ]]; then
     echo "mutation_check: $name was not caught" >&2
     status=1
