@@ -289,7 +289,9 @@ TEST(WorkerRuntimeTest, OneAndTwoRanksAndHsdpTrainTheSameModel) {
         EXPECT_EQ(step.step(), s + 1);
         // Every rank of a world reports the one all-reduced norm.
         EXPECT_EQ(step.grad_norm(), ranks->front().steps[s].grad_norm());
-        if (s == 0) EXPECT_NEAR(step.grad_norm(), norm, tol.grad * norm);
+        if (s == 0) {
+          EXPECT_NEAR(step.grad_norm(), norm, tol.grad * norm);
+        }
       }
     }
     EXPECT_EQ(one[0].steps[s].tokens(), kGlobalBatch * kSeq);
