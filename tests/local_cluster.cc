@@ -310,15 +310,15 @@ absl::StatusOr<double> LocalCluster::TrainArgsLossTolerance(int updates,
   absl::StatusOr<v1::TrainConfig> resolved =
       ResolveTrainConfig(train, world, 1);
   if (!resolved.ok()) return resolved.status();
-  kernels::AdamWConfig adamw;
-  adamw.lr = resolved->lr();
-  adamw.beta1 = resolved->beta1();
-  adamw.beta2 = resolved->beta2();
-  adamw.eps = resolved->eps();
+  // The drift bound needs the clipping threshold as a bound on ||g||.
+  if (resolved->grad_clip() <= 0) {
+    return absl::FailedPreconditionError(
+        "TrainArgsLossTolerance needs gradient clipping on");
+  }
   const StepTolerances tol = MoeStepTolerances(
       model->dims(), train.global_batch() * train.seq_len(), world);
-  return FreeRunningLossTolerance(updates, loss, adamw, resolved->grad_clip(),
-                                  tol);
+  return FreeRunningLossTolerance(updates, loss, AdamWConfigOf(*resolved),
+                                  resolved->grad_clip(), tol);
 }
 
 }  // namespace testing_util

@@ -152,6 +152,16 @@ void AddCommunicatorStats(const CommunicatorStats& from,
 
 }  // namespace
 
+kernels::AdamWConfig AdamWConfigOf(const v1::TrainConfig& train) {
+  kernels::AdamWConfig adamw;
+  adamw.lr = train.lr();
+  adamw.beta1 = train.beta1();
+  adamw.beta2 = train.beta2();
+  adamw.eps = train.eps();
+  adamw.weight_decay = train.weight_decay();
+  return adamw;
+}
+
 absl::StatusOr<v1::TrainConfig> ResolveTrainConfig(const v1::TrainConfig& train,
                                                    int world_size,
                                                    int plan_microbatches) {
@@ -498,11 +508,7 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::BuildJobLocked(
   executor_options.replica_rank = job->replica_rank;
   executor_options.seed = request.seed();
   executor_options.collective_timeout = timeout;
-  executor_options.adamw.lr = train.lr();
-  executor_options.adamw.beta1 = train.beta1();
-  executor_options.adamw.beta2 = train.beta2();
-  executor_options.adamw.eps = train.eps();
-  executor_options.adamw.weight_decay = train.weight_decay();
+  executor_options.adamw = AdamWConfigOf(train);
   executor_options.max_grad_norm =
       train.grad_clip() > 0 ? train.grad_clip() : 0;
   if (options_.device >= 0) {

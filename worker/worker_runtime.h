@@ -70,6 +70,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "kernels/cpu/adamw.h"
 #include "proto/coordinator.pb.h"
 #include "proto/plan.pb.h"
 #include "proto/worker.pb.h"
@@ -104,6 +105,10 @@ inline constexpr int64_t kDefaultCollectiveTimeoutMs = 60000;
 absl::StatusOr<v1::TrainConfig> ResolveTrainConfig(const v1::TrainConfig& train,
                                                    int world_size,
                                                    int plan_microbatches);
+
+// The AdamW hyper-parameters of a resolved train config (lr, betas, eps,
+// weight decay).
+kernels::AdamWConfig AdamWConfigOf(const v1::TrainConfig& train);
 
 // The model's vocabulary: dim 0 of its embedding parameter (the first
 // parameter of a MODULE_EMBEDDING module), else dims.vocab_size.

@@ -266,11 +266,7 @@ TEST(WorkerRuntimeTest, OneAndTwoRanksAndHsdpTrainTheSameModel) {
   SHARDD_ASSERT_OK_AND_ASSIGN(
       const v1::TrainConfig train,
       ResolveTrainConfig(MakeLoad(plan1, model, 0).train(), 1, 1));
-  kernels::AdamWConfig adamw;
-  adamw.lr = train.lr();
-  adamw.beta1 = train.beta1();
-  adamw.beta2 = train.beta2();
-  adamw.eps = train.eps();
+  const kernels::AdamWConfig adamw = AdamWConfigOf(train);
   for (int s = 0; s < kSteps; ++s) {
     const double reference = one[0].steps[s].loss();
     ASSERT_TRUE(std::isfinite(reference));
