@@ -59,6 +59,13 @@ StepTolerances MoeStepTolerances(const v1::ModelDims& dims, int64_t tokens,
   return t;
 }
 
+double ExpectRelativelyNear(double got, double want, double rel_tol) {
+  const double bound = rel_tol * std::fabs(want);
+  const double diff = std::fabs(got - want);
+  EXPECT_LE(diff, bound) << got << " vs " << want;
+  return Share(diff, bound);
+}
+
 void BoundUse::Merge(const BoundUse& o) {
   loss = std::max(loss, o.loss);
   grad_norm = std::max(grad_norm, o.grad_norm);

@@ -62,6 +62,16 @@ struct TrainingState {
   const ParamMap* exp_avg_sq = nullptr;
 };
 
+// The same, owning its maps.
+struct TrainingStateMaps {
+  ParamMap params, exp_avg, exp_avg_sq;
+  TrainingState view() const { return {&params, &exp_avg, &exp_avg_sq}; }
+};
+
+// Expects |got - want| <= rel_tol |want| and returns the share of that
+// bound used.
+double ExpectRelativelyNear(double got, double want, double rel_tol);
+
 // The largest share of its bound each check used (1 = at the bound).
 struct BoundUse {
   double loss = 0.0, grad_norm = 0.0, exp_avg = 0.0, exp_avg_sq = 0.0,

@@ -25,6 +25,7 @@
 #include "server/step_program.h"
 #include "server/strategy_registry.h"
 #include "testing/numerics.h"
+#include "testing/shard_state.h"
 #include "worker/checkpoint/checkpoint_index.h"
 #include "worker/checkpoint/checkpoint_reader.h"
 #include "worker/checkpoint/checkpoint_writer.h"
@@ -503,42 +504,22 @@ StepExecutorOptions TrainOptions() {
 }
 
 using ::shardd::testing_util::BoundUse;
+using ::shardd::testing_util::CollectOwnedState;
+using ::shardd::testing_util::ExpectRelativelyNear;
 using ::shardd::testing_util::ParamMap;
-using ::shardd::testing_util::TrainingState;
-
-// Parameters and AdamW moments reassembled from every rank's shards.
-struct StateMaps {
-  ParamMap params, exp_avg, exp_avg_sq;
-  TrainingState view() const { return {&params, &exp_avg, &exp_avg_sq}; }
-};
+using ::shardd::testing_util::TrainingStateMaps;
+using ::shardd::testing_util::WriteOwnedState;
 
 struct PhaseRun {
   // Global (token-weighted) loss and gradient norm of each step run.
   std::vector<double> losses;
   std::vector<double> grad_norms;
-  // Parameters reassembled from every rank's shard.
-  ParamMap final;
-  // The state before the first step (after a load), and after each step.
-  StateMaps start;
-  std::vector<StateMaps> after;
+  // The state reassembled from every rank's shards before the first step
+  // (after a load), and after each step.
+  TrainingStateMaps start;
+  std::vector<TrainingStateMaps> after;
+  const ParamMap& final() const { return after.back().params; }
 };
-
-void CollectState(const v1::ShardingPlan& plan, const ShardStore& shards,
-                  StateMaps* out) {
-  for (const v1::FsdpUnit& unit : plan.units()) {
-    for (const v1::ParamLayout& param : unit.params()) {
-      for (auto [map, buffer] :
-           {std::make_pair(&out->params, ShardBuffer::kParams),
-            std::make_pair(&out->exp_avg, ShardBuffer::kExpAvg),
-            std::make_pair(&out->exp_avg_sq, ShardBuffer::kExpAvgSq)}) {
-        std::vector<float>& values = (*map)[param.name()];
-        values.resize(param.numel(), 0.0f);
-        SHARDD_EXPECT_OK(
-            shards.CopyOwnedParamSlice(param.name(), values.data(), buffer));
-      }
-    }
-  }
-}
 
 // Runs steps [first, last) of `plan` on every rank. With `load_dir`, each
 // rank first loads its shards from that checkpoint and restores the
@@ -587,23 +568,12 @@ PhaseRun RunPhase(const v1::ModelSpec& model, const v1::ShardingPlan& plan,
     }
     {
       absl::MutexLock lock(&mu);
-      CollectState(plan, executor->shards(), &run.start);
+      CollectOwnedState(plan, executor->shards(), &run.start);
     }
     for (int s = first; s < last; ++s) {
       if (restart != nullptr && s > first) {
-        const StateMaps& from = restart->after[s - 1];
-        ShardStore* shards = executor->mutable_shards();
-        for (const v1::FsdpUnit& unit : plan.units()) {
-          for (const v1::ParamLayout& param : unit.params()) {
-            const std::string& name = param.name();
-            SHARDD_EXPECT_OK(shards->WriteOwnedParamSlice(
-                name, from.params.at(name).data()));
-            SHARDD_EXPECT_OK(shards->WriteOwnedParamSlice(
-                name, from.exp_avg.at(name).data(), ShardBuffer::kExpAvg));
-            SHARDD_EXPECT_OK(shards->WriteOwnedParamSlice(
-                name, from.exp_avg_sq.at(name).data(), ShardBuffer::kExpAvgSq));
-          }
-        }
+        WriteOwnedState(plan, restart->after[s - 1],
+                        executor->mutable_shards());
       }
       v1::StepProgram step_program = program;
       step_program.set_step(s);
@@ -617,7 +587,7 @@ PhaseRun RunPhase(const v1::ModelSpec& model, const v1::ShardingPlan& plan,
                                   executor->Execute(step_program, batches));
       EXPECT_EQ(result.optimizer_steps, s + 1);
       absl::MutexLock lock(&mu);
-      CollectState(plan, executor->shards(), &run.after[s - first]);
+      CollectOwnedState(plan, executor->shards(), &run.after[s - first]);
       rank_loss[ctx.data_rank][s - first] = result.loss * result.tokens;
       rank_tokens[ctx.data_rank][s - first] = result.tokens;
       if (ctx.shard_rank == 0) run.grad_norms[s - first] = result.grad_norm;
@@ -629,15 +599,6 @@ PhaseRun RunPhase(const v1::ModelSpec& model, const v1::ShardingPlan& plan,
       absl::MutexLock lock(&mu);
       (*rank_files)[ctx.shard_rank] = std::move(file);
     }
-    absl::MutexLock lock(&mu);
-    for (const v1::FsdpUnit& unit : plan.units()) {
-      for (const v1::ParamLayout& param : unit.params()) {
-        std::vector<float>& values = run.final[param.name()];
-        values.resize(param.numel(), 0.0f);
-        SHARDD_EXPECT_OK(executor->shards().CopyOwnedParamSlice(param.name(),
-                                                                values.data()));
-      }
-    }
   });
   for (size_t i = 0; i < run.losses.size(); ++i) {
     double tokens = 0.0;
@@ -648,10 +609,6 @@ PhaseRun RunPhase(const v1::ModelSpec& model, const v1::ShardingPlan& plan,
     if (tokens > 0) run.losses[i] /= tokens;
   }
   return run;
-}
-
-double RelativeDiff(double got, double want) {
-  return std::fabs(got - want) / std::max(std::fabs(want), 1e-30);
 }
 
 TEST(ShardCheckpointTrainingTest, ResumingAtOtherWorldsAndStrategiesMatches) {
@@ -709,21 +666,20 @@ TEST(ShardCheckpointTrainingTest, ResumingAtOtherWorldsAndStrategiesMatches) {
     const v1::ShardingPlan plan = MakePlan(model, t.strategy, t.world);
     const PhaseRun resumed = RunPhase(model, plan, kSteps, 2 * kSteps,
                                       kGlobalBatch, dir, "", nullptr, &full);
-    const StateMaps& saved = full.after[kSteps - 1];
+    const TrainingStateMaps& saved = full.after[kSteps - 1];
     EXPECT_EQ(resumed.start.params, saved.params);
     EXPECT_EQ(resumed.start.exp_avg, saved.exp_avg);
     EXPECT_EQ(resumed.start.exp_avg_sq, saved.exp_avg_sq);
     BoundUse use;
     for (int i = 0; i < kSteps; ++i) {
       const int s = kSteps + i;
-      const double want = full.losses[s];
-      EXPECT_NEAR(resumed.losses[i], want, tol.loss * want) << "step " << s;
-      use.loss =
-          std::max(use.loss, RelativeDiff(resumed.losses[i], want) / tol.loss);
-      const double norm = full.grad_norms[s];
-      EXPECT_NEAR(resumed.grad_norms[i], norm, tol.grad * norm) << "step " << s;
+      SCOPED_TRACE(absl::StrCat("step ", s));
+      use.loss = std::max(
+          use.loss,
+          ExpectRelativelyNear(resumed.losses[i], full.losses[s], tol.loss));
       use.grad_norm = std::max(
-          use.grad_norm, RelativeDiff(resumed.grad_norms[i], norm) / tol.grad);
+          use.grad_norm, ExpectRelativelyNear(resumed.grad_norms[i],
+                                              full.grad_norms[s], tol.grad));
       testing_util::ExpectStepWithinRounding(
           frozen, TrainOptions().adamw, s, tol, full.after[s - 1].view(),
           full.after[s].view(), resumed.after[i].view(), &use);
@@ -755,10 +711,10 @@ TEST(ShardCheckpointTrainingTest, OptimizerStepCountIsRestored) {
       RunPhase(model, plan, 0, 2, kGlobalBatch, "", "", nullptr);
   const PhaseRun resumed =
       RunPhase(model, plan, 1, 2, kGlobalBatch, dir, "", nullptr);
-  EXPECT_EQ(resumed.final, full.final);  // Same layout: bitwise.
+  EXPECT_EQ(resumed.final(), full.final());  // Same layout: bitwise.
 
   // Without the restored count (step 1 again instead of 2).
-  PhaseRun restarted;
+  ParamMap restarted;
   RunWorld(plan, [&](const RankCtx& ctx) {
     StepExecutorOptions options = TrainOptions();
     options.shard_rank = ctx.shard_rank;
@@ -787,7 +743,7 @@ TEST(ShardCheckpointTrainingTest, OptimizerStepCountIsRestored) {
     if (ctx.shard_rank == 0) {
       for (const v1::FsdpUnit& unit : plan.units()) {
         for (const v1::ParamLayout& param : unit.params()) {
-          std::vector<float>& values = restarted.final[param.name()];
+          std::vector<float>& values = restarted[param.name()];
           values.resize(param.numel(), 0.0f);
           SHARDD_EXPECT_OK(executor->shards().CopyOwnedParamSlice(
               param.name(), values.data()));
@@ -797,8 +753,8 @@ TEST(ShardCheckpointTrainingTest, OptimizerStepCountIsRestored) {
   });
   // Rank 0's rows differ from the uninterrupted run's.
   int differing = 0;
-  for (const auto& [name, values] : restarted.final) {
-    const std::vector<float>& want = full.final.at(name);
+  for (const auto& [name, values] : restarted) {
+    const std::vector<float>& want = full.final().at(name);
     for (size_t i = 0; i < values.size(); ++i) {
       if (values[i] != 0.0f &&
           std::fabs(values[i] - want[i]) > 1e-5 * std::fabs(want[i]) + 1e-7) {

@@ -24,6 +24,7 @@
 #include "server/step_program.h"
 #include "server/strategy_registry.h"
 #include "testing/numerics.h"
+#include "testing/shard_state.h"
 #include "worker/data/batch_sampler.h"
 #include "worker/gloo_communicator.h"
 #include "worker/in_memory_kv_client.h"
@@ -45,6 +46,8 @@ constexpr char kFrozen[] = "model.layers.0.moe.gate.weight";
 
 using ::shardd::testing_util::AddChild;
 using ::shardd::testing_util::AddParam;
+using ::shardd::testing_util::CollectOwnedState;
+using ::shardd::testing_util::ExpectRelativelyNear;
 using ::shardd::testing_util::ExpectStepWithinRounding;
 
 // The shared tiny MoE (common/model_builder.h) with these constants.
@@ -252,17 +255,18 @@ using ::shardd::testing_util::MoeStepTolerances;
 using ::shardd::testing_util::ParamMap;
 using ::shardd::testing_util::StepTolerances;
 using ::shardd::testing_util::TrainingState;
+using ::shardd::testing_util::TrainingStateMaps;
+using ::shardd::testing_util::WriteOwnedState;
 
 // The plan's parameters as this rank holds them (other ranks' rows zero).
 void CollectParams(const v1::ShardingPlan& plan, const ShardStore& shards,
-                   ParamMap* out, ShardBuffer buffer = ShardBuffer::kParams) {
+                   ParamMap* out) {
   for (const v1::FsdpUnit& unit : plan.units()) {
     for (const v1::ParamLayout& param : unit.params()) {
       std::vector<float>& values = (*out)[param.name()];
       values.resize(param.numel(), 0.0f);
-      EXPECT_THAT(
-          shards.CopyOwnedParamSlice(param.name(), values.data(), buffer),
-          IsOk());
+      EXPECT_THAT(shards.CopyOwnedParamSlice(param.name(), values.data()),
+                  IsOk());
     }
   }
 }
@@ -303,7 +307,7 @@ struct WorldRun {
   std::vector<ParamMap> initial;
   std::vector<ParamMap> final;
   // [replica][step]: parameters and AdamW moments after each step.
-  std::vector<std::vector<ParamMap>> params, exp_avg, exp_avg_sq;
+  std::vector<std::vector<TrainingStateMaps>> states;
 };
 
 struct TrainOptions {
@@ -325,24 +329,6 @@ TrainOptions FineGrained() {
   return options;
 }
 
-// Overwrites the parameters and AdamW moments this rank owns with the
-// values of `params`, `exp_avg` and `exp_avg_sq`.
-void RestoreState(const v1::ShardingPlan& plan, const ParamMap& params,
-                  const ParamMap& exp_avg, const ParamMap& exp_avg_sq,
-                  ShardStore* shards) {
-  for (const v1::FsdpUnit& unit : plan.units()) {
-    for (const v1::ParamLayout& param : unit.params()) {
-      const std::string& name = param.name();
-      SHARDD_EXPECT_OK(
-          shards->WriteOwnedParamSlice(name, params.at(name).data()));
-      SHARDD_EXPECT_OK(shards->WriteOwnedParamSlice(
-          name, exp_avg.at(name).data(), ShardBuffer::kExpAvg));
-      SHARDD_EXPECT_OK(shards->WriteOwnedParamSlice(
-          name, exp_avg_sq.at(name).data(), ShardBuffer::kExpAvgSq));
-    }
-  }
-}
-
 // Trains `steps` steps of `plan` on every rank and gathers the results.
 WorldRun Train(const v1::ModelSpec& model, const v1::ShardingPlan& plan,
                const StepExecutorOptions& base, int steps, int64_t global_batch,
@@ -357,9 +343,7 @@ WorldRun Train(const v1::ModelSpec& model, const v1::ShardingPlan& plan,
   run.results.resize(dp * rep);
   run.initial.resize(rep);
   run.final.resize(rep);
-  for (auto* per_step : {&run.params, &run.exp_avg, &run.exp_avg_sq}) {
-    per_step->assign(rep, std::vector<ParamMap>(steps));
-  }
+  run.states.assign(rep, std::vector<TrainingStateMaps>(steps));
   absl::Mutex mu;
   RunWorld(plan, [&](const RankCtx& ctx) {
     StepExecutorOptions options = base;
@@ -375,10 +359,8 @@ WorldRun Train(const v1::ModelSpec& model, const v1::ShardingPlan& plan,
     }
     for (int s = 0; s < steps; ++s) {
       if (train.restart != nullptr && s > 0) {
-        RestoreState(plan, train.restart->params[0][s - 1],
-                     train.restart->exp_avg[0][s - 1],
-                     train.restart->exp_avg_sq[0][s - 1],
-                     (*executor)->mutable_shards());
+        WriteOwnedState(plan, train.restart->states[0][s - 1],
+                        (*executor)->mutable_shards());
       }
       v1::StepProgram step_program = program;
       step_program.set_step(s);
@@ -395,12 +377,8 @@ WorldRun Train(const v1::ModelSpec& model, const v1::ShardingPlan& plan,
       EXPECT_EQ(result->optimizer_steps, s + 1);
       run.results[ctx.data_rank].push_back(*result);
       absl::MutexLock lock(&mu);
-      const ShardStore& shards = (*executor)->shards();
-      CollectParams(plan, shards, &run.params[ctx.replica_rank][s]);
-      CollectParams(plan, shards, &run.exp_avg[ctx.replica_rank][s],
-                    ShardBuffer::kExpAvg);
-      CollectParams(plan, shards, &run.exp_avg_sq[ctx.replica_rank][s],
-                    ShardBuffer::kExpAvgSq);
+      CollectOwnedState(plan, (*executor)->shards(),
+                        &run.states[ctx.replica_rank][s]);
     }
     ExpectPaddingZero(plan, (*executor)->shards(), ctx.shard_rank);
     absl::MutexLock lock(&mu);
@@ -564,9 +542,7 @@ WorldRun UnshardedTraining(const v1::ModelSpec& spec,
                            const WorldRun* restart = nullptr) {
   WorldRun run;
   run.results.resize(1);
-  run.params.resize(1);
-  run.exp_avg.resize(1);
-  run.exp_avg_sq.resize(1);
+  run.states.resize(1);
   MapSource source;
   std::map<std::string, bool> frozen;
   ParamMap exp_avg, exp_avg_sq;
@@ -592,9 +568,10 @@ WorldRun UnshardedTraining(const v1::ModelSpec& spec,
   if (!program.ok() || !model.ok()) return run;
   for (int s = 0; s < steps; ++s) {
     if (restart != nullptr && s > 0) {
-      source.values = restart->params[0][s - 1];
-      exp_avg = restart->exp_avg[0][s - 1];
-      exp_avg_sq = restart->exp_avg_sq[0][s - 1];
+      const TrainingStateMaps& from = restart->states[0][s - 1];
+      source.values = from.params;
+      exp_avg = from.exp_avg;
+      exp_avg_sq = from.exp_avg_sq;
     }
     (*model)->ResetStep();
     absl::StatusOr<data::MicroBatch> batch = sampler.Get(s, 0, 0);
@@ -629,9 +606,7 @@ WorldRun UnshardedTraining(const v1::ModelSpec& spec,
           exp_avg_sq[name].data(), static_cast<int64_t>(values.size()), s + 1,
           options.adamw));
     }
-    run.params[0].push_back(source.values);
-    run.exp_avg[0].push_back(exp_avg);
-    run.exp_avg_sq[0].push_back(exp_avg_sq);
+    run.states[0].push_back({source.values, exp_avg, exp_avg_sq});
   }
   run.final.push_back(source.values);
   return run;
@@ -653,8 +628,7 @@ StepTolerances Tolerances(int world) {
 }
 
 TrainingState StateAfter(const WorldRun& run, size_t replica, int step) {
-  return {&run.params[replica][step], &run.exp_avg[replica][step],
-          &run.exp_avg_sq[replica][step]};
+  return run.states[replica][step].view();
 }
 
 // The global loss of a step: every rank holds the same number of tokens, so
@@ -671,8 +645,8 @@ double MeanLoss(const WorldRun& run, int step) {
 void ExpectSameStepsAs(const v1::ModelSpec& model, const WorldRun& ref,
                        const WorldRun& run, const StepExecutorOptions& options,
                        const StepTolerances& tol) {
-  ASSERT_EQ(ref.params[0].size(), run.params[0].size());
-  const int steps = static_cast<int>(ref.params[0].size());
+  ASSERT_EQ(ref.states[0].size(), run.states[0].size());
+  const int steps = static_cast<int>(ref.states[0].size());
   std::set<std::string> frozen;
   for (const ParamRef& param : ListParams(model)) {
     if (param.tensor->frozen()) frozen.insert(param.fqn);
@@ -683,22 +657,21 @@ void ExpectSameStepsAs(const v1::ModelSpec& model, const WorldRun& ref,
   }
   BoundUse use;
   for (int s = 0; s < steps; ++s) {
-    const double want_loss = ref.results[0][s].loss;
-    const double loss_diff = std::fabs(MeanLoss(run, s) - want_loss);
-    EXPECT_LE(loss_diff, tol.loss * want_loss) << "loss of step " << s;
-    use.loss = std::max(use.loss, loss_diff / (tol.loss * want_loss));
-    const double want_norm = ref.results[0][s].grad_norm;
+    SCOPED_TRACE(absl::StrCat("step ", s));
+    use.loss = std::max(
+        use.loss, ExpectRelativelyNear(MeanLoss(run, s), ref.results[0][s].loss,
+                                       tol.loss));
     for (const auto& rank : run.results) {
       ASSERT_EQ(rank.size(), static_cast<size_t>(steps));
-      const double norm_diff = std::fabs(rank[s].grad_norm - want_norm);
-      EXPECT_LE(norm_diff, tol.grad * want_norm) << "norm of step " << s;
       use.grad_norm =
-          std::max(use.grad_norm, norm_diff / (tol.grad * want_norm));
+          std::max(use.grad_norm,
+                   ExpectRelativelyNear(rank[s].grad_norm,
+                                        ref.results[0][s].grad_norm, tol.grad));
     }
     const TrainingState before =
         s == 0 ? TrainingState{&ref.initial[0], &zeros, &zeros}
                : StateAfter(ref, 0, s - 1);
-    for (size_t replica = 0; replica < run.params.size(); ++replica) {
+    for (size_t replica = 0; replica < run.states.size(); ++replica) {
       SCOPED_TRACE(absl::StrCat("replica ", replica));
       if (s == 0) {
         EXPECT_EQ(run.initial[replica], ref.initial[0]);
@@ -842,12 +815,14 @@ TEST_P(StepExecutorIdenticalDataTest, BitwiseEqualToOneRank) {
           << "rank " << r << " step " << s;
     }
   }
-  for (size_t replica = 0; replica < run.params.size(); ++replica) {
+  for (size_t replica = 0; replica < run.states.size(); ++replica) {
     for (int s = 0; s < kSteps; ++s) {
       SCOPED_TRACE(absl::StrCat("replica ", replica, " step ", s));
-      EXPECT_EQ(run.params[replica][s], ref.params[0][s]);
-      EXPECT_EQ(run.exp_avg[replica][s], ref.exp_avg[0][s]);
-      EXPECT_EQ(run.exp_avg_sq[replica][s], ref.exp_avg_sq[0][s]);
+      const TrainingStateMaps& got = run.states[replica][s];
+      const TrainingStateMaps& want = ref.states[0][s];
+      EXPECT_EQ(got.params, want.params);
+      EXPECT_EQ(got.exp_avg, want.exp_avg);
+      EXPECT_EQ(got.exp_avg_sq, want.exp_avg_sq);
     }
   }
 }
@@ -1206,11 +1181,11 @@ TEST(StepExecutorMixedPrecisionTest, ShardedBf16EqualsOneRankBf16NearFp32) {
   const StepTolerances tol = Tolerances(1);
   const kernels::AdamWConfig& adamw = EquivalenceOptions().adamw;
   for (int s = 0; s < kSteps; ++s) {
-    const ParamMap& w = s == 0 ? fp32.initial[0] : fp32.params[0][s - 1];
+    const ParamMap& w = s == 0 ? fp32.initial[0] : fp32.states[0][s - 1].params;
     double first_order = 0.0;
-    for (const auto& [name, m] : fp32.exp_avg[0][s]) {
+    for (const auto& [name, m] : fp32.states[0][s].exp_avg) {
       const std::vector<float>* m_prev =
-          s == 0 ? nullptr : &fp32.exp_avg[0][s - 1].at(name);
+          s == 0 ? nullptr : &fp32.states[0][s - 1].exp_avg.at(name);
       for (size_t i = 0; i < m.size(); ++i) {
         const double g =
             (m[i] - (m_prev ? adamw.beta1 * (*m_prev)[i] : 0.0)) /
