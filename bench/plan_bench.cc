@@ -21,7 +21,7 @@
 #include "benchmark/benchmark.h"
 #include "proto/model.pb.h"
 #include "proto/plan.pb.h"
-#include "server/hf_config.h"
+#include "model/hf_config.h"
 #include "server/sharding_planner.h"
 #include "server/strategy_registry.h"
 

@@ -35,7 +35,7 @@
 #include "bench/local_gloo_group.h"
 #include "proto/model.pb.h"
 #include "proto/plan.pb.h"
-#include "server/native_spec.h"
+#include "model/native_spec.h"
 #include "server/sharding_planner.h"
 #include "server/step_program.h"
 #include "server/strategy_registry.h"

@@ -29,7 +29,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "nlohmann/json.hpp"
 #include "server/coordinator_service.h"
-#include "server/native_spec.h"
+#include "model/native_spec.h"
 #include "server/strategy_registry.h"
 #include "worker/checkpoint/consolidate.h"
 #include "worker/checkpoint/hf_interop.h"

@@ -14,9 +14,9 @@
 #include "common/status_macros.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
-#include "server/hf_config.h"
-#include "server/model_util.h"
-#include "server/native_spec.h"
+#include "model/hf_config.h"
+#include "model/model_util.h"
+#include "model/native_spec.h"
 #include "server/step_program.h"
 
 namespace shardd {

@@ -11,7 +11,7 @@
 #include "absl/status/statusor.h"
 #include "proto/model.pb.h"
 #include "proto/plan.pb.h"
-#include "server/model_util.h"
+#include "model/model_util.h"
 #include "server/sharding_strategy.h"
 
 namespace shardd {

@@ -7,7 +7,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/default_strategy.h"
-#include "server/model_util.h"
+#include "model/model_util.h"
 #include "server/strategy_test_util.h"
 
 namespace shardd {

@@ -8,7 +8,7 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/model_util.h"
+#include "model/model_util.h"
 #include "server/strategy_test_util.h"
 
 namespace shardd {

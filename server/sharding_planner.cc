@@ -13,7 +13,7 @@
 #include "common/dtype.h"
 #include "common/fingerprint.h"
 #include "common/status_macros.h"
-#include "server/model_util.h"
+#include "model/model_util.h"
 #include "server/sharding_strategy.h"
 #include "server/step_model.h"
 #include "server/unit_layout.h"

@@ -13,7 +13,7 @@
 #include "gtest/gtest.h"
 #include "proto/model.pb.h"
 #include "proto/plan.pb.h"
-#include "server/hf_config.h"
+#include "model/hf_config.h"
 #include "server/strategy_registry.h"
 
 namespace shardd {

@@ -12,7 +12,7 @@
 #include "absl/status/statusor.h"
 #include "proto/model.pb.h"
 #include "proto/plan.pb.h"
-#include "server/model_util.h"
+#include "model/model_util.h"
 
 namespace shardd {
 

@@ -13,7 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "proto/model.pb.h"
-#include "server/model_util.h"
+#include "model/model_util.h"
 #include "server/sharding_strategy.h"
 
 namespace shardd {

@@ -24,7 +24,7 @@
 
 #include "absl/status/status.h"
 #include "proto/plan.pb.h"
-#include "server/model_util.h"
+#include "model/model_util.h"
 
 namespace shardd {
 

@@ -13,7 +13,7 @@
 #include "absl/time/clock.h"
 #include "grpc/grpc.h"
 #include "proto/coordinator.pb.h"
-#include "server/native_spec.h"
+#include "model/native_spec.h"
 #include "testing/numerics.h"
 #include "tests/subprocess.h"
 #include "worker/worker_runtime.h"

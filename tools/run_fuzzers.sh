@@ -62,16 +62,16 @@ cxxflags=(-std=c++17 -g -O1 -fno-omit-frame-pointer
           -I. -I"$bin")
 
 # Sources every target links: the model parsers and the protos.
-common_srcs=(server/native_spec.cc server/hf_config.cc server/model_util.cc
-             server/json_describe.cc common/dtype.cc
+common_srcs=(model/native_spec.cc model/hf_config.cc model/model_util.cc
+             model/json_describe.cc common/dtype.cc
              "$bin/proto/model.pb.cc")
 # The coordinator's logic (no gRPC adapters, no mains).
 coordinator_srcs=()
 for f in server/*.cc; do
   case "$f" in
     *_test.cc|*_main.cc|server/grpc_*|server/coordinator_server.cc) ;;
-    server/native_spec.cc|server/hf_config.cc|server/model_util.cc) ;;
-    server/json_describe.cc) ;;
+    model/native_spec.cc|model/hf_config.cc|model/model_util.cc) ;;
+    model/json_describe.cc) ;;
     *) coordinator_srcs+=("$f") ;;
   esac
 done

@@ -25,7 +25,7 @@
 #include "kernels/cuda/grouped_experts.h"
 #include "kernels/cuda/rms_norm.h"
 #include "kernels/cuda/router.h"
-#include "server/model_util.h"
+#include "model/model_util.h"
 #include "worker/device_moe_model_kernels.h"
 
 namespace shardd {

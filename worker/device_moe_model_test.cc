@@ -21,7 +21,7 @@
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/bf16.h"
-#include "server/model_util.h"
+#include "model/model_util.h"
 #include "worker/cuda_memory_backend.h"
 #include "worker/device_allocator.h"
 #include "worker/moe_model.h"

@@ -13,7 +13,7 @@
 #include "kernels/cpu/grouped_experts.h"
 #include "kernels/cpu/rms_norm.h"
 #include "kernels/cpu/router.h"
-#include "server/model_util.h"
+#include "model/model_util.h"
 
 namespace shardd {
 namespace {

@@ -11,7 +11,7 @@
 #include "common/model_builder.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
-#include "server/model_util.h"
+#include "model/model_util.h"
 
 namespace shardd {
 namespace {

@@ -5,7 +5,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "server/model_util.h"
+#include "model/model_util.h"
 #include "worker/param_init.h"
 
 namespace shardd {

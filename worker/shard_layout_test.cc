@@ -8,7 +8,7 @@
 #include "common/model_builder.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
-#include "server/model_util.h"
+#include "model/model_util.h"
 #include "server/sharding_planner.h"
 #include "server/strategy_registry.h"
 #include "worker/memory_tracker.h"

@@ -9,7 +9,7 @@
 #include "common/dtype.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/bf16.h"
-#include "server/model_util.h"
+#include "model/model_util.h"
 #include "worker/param_init.h"
 
 namespace shardd {

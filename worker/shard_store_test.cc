@@ -12,7 +12,7 @@
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/bf16.h"
-#include "server/model_util.h"
+#include "model/model_util.h"
 #include "server/sharding_planner.h"
 #include "server/strategy_registry.h"
 #include "worker/gloo_communicator.h"

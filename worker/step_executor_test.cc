@@ -19,7 +19,7 @@
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/adamw.h"
-#include "server/model_util.h"
+#include "model/model_util.h"
 #include "server/sharding_planner.h"
 #include "server/step_program.h"
 #include "server/strategy_registry.h"

@@ -18,7 +18,7 @@
 #include "common/error_info.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
-#include "server/model_util.h"
+#include "model/model_util.h"
 #include "worker/checkpoint/checkpoint_reader.h"
 #include "worker/checkpoint/checkpoint_writer.h"
 #include "worker/data/batch_sampler.h"

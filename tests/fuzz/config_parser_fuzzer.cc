@@ -15,9 +15,9 @@
 #include "absl/strings/string_view.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "proto/model.pb.h"
-#include "server/hf_config.h"
-#include "server/model_util.h"
-#include "server/native_spec.h"
+#include "model/hf_config.h"
+#include "model/model_util.h"
+#include "model/native_spec.h"
 
 namespace {
 

@@ -14,7 +14,7 @@
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "proto/plan.pb.h"
-#include "server/model_util.h"
+#include "model/model_util.h"
 #include "server/unit_layout.h"
 #include "worker/checkpoint/checkpoint_index.h"
 #include "worker/checkpoint/checkpoint_writer.h"

@@ -4,7 +4,7 @@
 // Hugging Face safetensors checkpoints <-> shardd parameters.
 //
 // HF MoE checkpoints store one Linear per expert; shardd stacks a layer's
-// experts into grouped tensors (server/hf_config.cc):
+// experts into grouped tensors (model/hf_config.cc):
 //
 //   Qwen3-MoE:
 //   model.layers.L.mlp.experts.E.{gate_proj,up_proj,down_proj}.weight

@@ -1,4 +1,4 @@
-#include "server/native_spec.h"
+#include "model/native_spec.h"
 
 #include <cstdint>
 #include <fstream>
@@ -14,8 +14,8 @@
 #include "google/protobuf/util/message_differencer.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "server/hf_config.h"
-#include "server/model_util.h"
+#include "model/hf_config.h"
+#include "model/model_util.h"
 
 namespace shardd {
 namespace {

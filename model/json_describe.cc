@@ -1,4 +1,4 @@
-#include "server/json_describe.h"
+#include "model/json_describe.h"
 
 #include <string>
 

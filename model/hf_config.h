@@ -1,5 +1,5 @@
-#ifndef SHARDD_SERVER_HF_CONFIG_H_
-#define SHARDD_SERVER_HF_CONFIG_H_
+#ifndef SHARDD_MODEL_HF_CONFIG_H_
+#define SHARDD_MODEL_HF_CONFIG_H_
 
 // Hugging Face config.json -> module tree with exact parameter names, shapes
 // and dtypes. Grouped experts are always stored stacked as
@@ -26,4 +26,4 @@ absl::StatusOr<v1::ModelSpec> ModelSpecFromHfConfig(absl::string_view json);
 
 }  // namespace shardd
 
-#endif  // SHARDD_SERVER_HF_CONFIG_H_
+#endif  // SHARDD_MODEL_HF_CONFIG_H_

@@ -1,4 +1,4 @@
-#include "server/model_util.h"
+#include "model/model_util.h"
 
 #include <cstdint>
 #include <string>

@@ -1,5 +1,5 @@
-#ifndef SHARDD_SERVER_JSON_DESCRIBE_H_
-#define SHARDD_SERVER_JSON_DESCRIBE_H_
+#ifndef SHARDD_MODEL_JSON_DESCRIBE_H_
+#define SHARDD_MODEL_JSON_DESCRIBE_H_
 
 #include <string>
 
@@ -14,4 +14,4 @@ std::string DescribeJson(const nlohmann::json& value);
 
 }  // namespace shardd
 
-#endif  // SHARDD_SERVER_JSON_DESCRIBE_H_
+#endif  // SHARDD_MODEL_JSON_DESCRIBE_H_

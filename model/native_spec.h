@@ -1,5 +1,5 @@
-#ifndef SHARDD_SERVER_NATIVE_SPEC_H_
-#define SHARDD_SERVER_NATIVE_SPEC_H_
+#ifndef SHARDD_MODEL_NATIVE_SPEC_H_
+#define SHARDD_MODEL_NATIVE_SPEC_H_
 
 // shardd's native JSON model spec: the module tree written by hand (see
 // docs/model-spec.md). Used for custom models and by the training path.
@@ -28,4 +28,4 @@ absl::StatusOr<v1::ModelSpec> ModelSpecFromJson(absl::string_view json);
 
 }  // namespace shardd
 
-#endif  // SHARDD_SERVER_NATIVE_SPEC_H_
+#endif  // SHARDD_MODEL_NATIVE_SPEC_H_

@@ -1,4 +1,4 @@
-#include "server/native_spec.h"
+#include "model/native_spec.h"
 
 #include <cmath>
 #include <cstdint>
@@ -14,9 +14,9 @@
 #include "common/dtype.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
-#include "server/hf_config.h"
-#include "server/json_describe.h"
-#include "server/model_util.h"
+#include "model/hf_config.h"
+#include "model/json_describe.h"
+#include "model/model_util.h"
 
 namespace shardd {
 namespace {

@@ -1,4 +1,4 @@
-#include "server/hf_config.h"
+#include "model/hf_config.h"
 
 #include <cmath>
 #include <cstdint>
@@ -14,7 +14,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "server/model_util.h"
+#include "model/model_util.h"
 
 namespace shardd {
 namespace {

@@ -1,4 +1,4 @@
-#include "server/hf_config.h"
+#include "model/hf_config.h"
 
 #include <algorithm>
 #include <cmath>
@@ -17,8 +17,8 @@
 #include "common/dtype.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
-#include "server/json_describe.h"
-#include "server/model_util.h"
+#include "model/json_describe.h"
+#include "model/model_util.h"
 
 namespace shardd {
 namespace {

@@ -1,5 +1,5 @@
-#ifndef SHARDD_SERVER_MODEL_UTIL_H_
-#define SHARDD_SERVER_MODEL_UTIL_H_
+#ifndef SHARDD_MODEL_MODEL_UTIL_H_
+#define SHARDD_MODEL_MODEL_UTIL_H_
 
 // Walking and checking model module trees.
 
@@ -53,4 +53,4 @@ absl::Status ValidateModelSpec(const v1::ModelSpec& model);
 
 }  // namespace shardd
 
-#endif  // SHARDD_SERVER_MODEL_UTIL_H_
+#endif  // SHARDD_MODEL_MODEL_UTIL_H_
