@@ -138,6 +138,26 @@ class NetworkFaultTest : public ::testing::Test {
     return false;
   }
 
+  // Whether a job of `total_steps` steps has finished at least one step and
+  // not all of them within `timeout`. Cutting the link only once a job is
+  // seen mid-run keeps the test independent of how fast steps run here.
+  bool WaitForJobMidRun(int total_steps, absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (absl::Now() < deadline) {
+      auto status = client_->GetStatus();
+      if (status.ok()) {
+        for (const v1::JobInfo& job : status->jobs()) {
+          if (job.total_steps() == total_steps && job.steps_done() >= 1 &&
+              job.steps_done() < total_steps) {
+            return true;
+          }
+        }
+      }
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return false;
+  }
+
   // recoveries: --max-recoveries (0: fail on the first fault).
   std::vector<std::string> Train(int steps, int recoveries = 0) {
     return {kShardctlBinary,
@@ -177,7 +197,8 @@ TEST_F(NetworkFaultTest,
   const std::string job_base = dir_ + "_long";
   const pid_t job = Spawn(Train(100000), job_base + ".out", job_base + ".err");
   ASSERT_GT(job, 0);
-  absl::SleepFor(absl::Seconds(2));
+  ASSERT_TRUE(WaitForJobMidRun(100000, absl::Seconds(60)))
+      << ReadFile(job_base + ".err");
   ASSERT_EQ(WaitFor(job, absl::ZeroDuration()), -2)
       << "the job ended before the cut: " << ReadFile(job_base + ".err");
   const absl::Time cut = absl::Now();
@@ -217,13 +238,16 @@ TEST_F(NetworkFaultTest,
       absl::ToDoubleSeconds(rejoined));
 
   // A job allowed to recover waits out the cut and goes on from the step
-  // the worker still holds.
+  // the worker still holds. 2000 steps take a few seconds here: long enough
+  // to be cut mid-run on a fast machine, short enough to finish in the wait.
   const std::string recovering_base = dir_ + "_recovering";
+  constexpr int kRecoveringSteps = 2000;
   const pid_t recovering =
-      Spawn(Train(400, /*recoveries=*/3), recovering_base + ".out",
+      Spawn(Train(kRecoveringSteps, /*recoveries=*/3), recovering_base + ".out",
             recovering_base + ".err");
   ASSERT_GT(recovering, 0);
-  absl::SleepFor(absl::Seconds(2));
+  ASSERT_TRUE(WaitForJobMidRun(kRecoveringSteps, absl::Seconds(60)))
+      << ReadFile(recovering_base + ".err");
   ASSERT_EQ(Ip({"link", "set", host_if_, "down"}, &out), 0) << out;
   link_down_ = true;
   ASSERT_TRUE(WaitForAlive(false, absl::Seconds(10)));
