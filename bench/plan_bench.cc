@@ -22,8 +22,8 @@
 #include "proto/model.pb.h"
 #include "proto/plan.pb.h"
 #include "model/hf_config.h"
-#include "server/sharding_planner.h"
-#include "server/strategy_registry.h"
+#include "planner/sharding_planner.h"
+#include "planner/strategy_registry.h"
 
 namespace shardd {
 namespace {

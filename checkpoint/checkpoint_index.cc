@@ -1,4 +1,4 @@
-#include "worker/checkpoint/checkpoint_index.h"
+#include "checkpoint/checkpoint_index.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -13,9 +13,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
-#include "worker/checkpoint/file_util.h"
-#include "worker/checkpoint/json_text.h"
-#include "worker/checkpoint/safetensors.h"
+#include "checkpoint/file_util.h"
+#include "checkpoint/json_text.h"
+#include "checkpoint/safetensors.h"
 
 namespace shardd {
 namespace checkpoint {

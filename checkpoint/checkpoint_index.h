@@ -1,5 +1,5 @@
-#ifndef SHARDD_WORKER_CHECKPOINT_CHECKPOINT_INDEX_H_
-#define SHARDD_WORKER_CHECKPOINT_CHECKPOINT_INDEX_H_
+#ifndef SHARDD_CHECKPOINT_CHECKPOINT_INDEX_H_
+#define SHARDD_CHECKPOINT_CHECKPOINT_INDEX_H_
 
 // index.json: what a checkpoint holds and where (DCP-style metadata).
 //
@@ -122,4 +122,4 @@ absl::StatusOr<ElementRange> RowsToElements(const std::vector<int64_t>& shape,
 }  // namespace checkpoint
 }  // namespace shardd
 
-#endif  // SHARDD_WORKER_CHECKPOINT_CHECKPOINT_INDEX_H_
+#endif  // SHARDD_CHECKPOINT_CHECKPOINT_INDEX_H_

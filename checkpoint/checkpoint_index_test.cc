@@ -1,4 +1,4 @@
-#include "worker/checkpoint/checkpoint_index.h"
+#include "checkpoint/checkpoint_index.h"
 
 #include <string>
 

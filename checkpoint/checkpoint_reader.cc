@@ -1,4 +1,4 @@
-#include "worker/checkpoint/checkpoint_reader.h"
+#include "checkpoint/checkpoint_reader.h"
 
 #include <errno.h>
 #include <unistd.h>
@@ -13,7 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "worker/checkpoint/file_util.h"
+#include "checkpoint/file_util.h"
 
 namespace shardd {
 namespace checkpoint {

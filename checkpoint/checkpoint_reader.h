@@ -1,5 +1,5 @@
-#ifndef SHARDD_WORKER_CHECKPOINT_CHECKPOINT_READER_H_
-#define SHARDD_WORKER_CHECKPOINT_CHECKPOINT_READER_H_
+#ifndef SHARDD_CHECKPOINT_CHECKPOINT_READER_H_
+#define SHARDD_CHECKPOINT_CHECKPOINT_READER_H_
 
 // Reading a committed checkpoint into any world size and strategy: a rank
 // asks for the global element ranges it owns (ReadElements) and only the
@@ -15,8 +15,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "worker/checkpoint/checkpoint_index.h"
-#include "worker/checkpoint/safetensors.h"
+#include "checkpoint/checkpoint_index.h"
+#include "checkpoint/safetensors.h"
 
 namespace shardd {
 namespace checkpoint {
@@ -79,4 +79,4 @@ class CheckpointReader {
 }  // namespace checkpoint
 }  // namespace shardd
 
-#endif  // SHARDD_WORKER_CHECKPOINT_CHECKPOINT_READER_H_
+#endif  // SHARDD_CHECKPOINT_CHECKPOINT_READER_H_

@@ -1,4 +1,4 @@
-#include "worker/checkpoint/checkpoint_reader.h"
+#include "checkpoint/checkpoint_reader.h"
 
 #include <stdlib.h>
 #include <unistd.h>
@@ -15,11 +15,11 @@
 #include "gtest/gtest.h"
 #include "proto/plan.pb.h"
 #include "model/model_util.h"
-#include "server/unit_layout.h"
-#include "worker/checkpoint/checkpoint_index.h"
-#include "worker/checkpoint/checkpoint_writer.h"
-#include "worker/checkpoint/file_util.h"
-#include "worker/checkpoint/shard_ranges.h"
+#include "layout/unit_layout.h"
+#include "checkpoint/checkpoint_index.h"
+#include "checkpoint/checkpoint_writer.h"
+#include "checkpoint/file_util.h"
+#include "layout/shard_ranges.h"
 
 namespace shardd {
 namespace checkpoint {

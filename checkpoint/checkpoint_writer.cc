@@ -1,4 +1,4 @@
-#include "worker/checkpoint/checkpoint_writer.h"
+#include "checkpoint/checkpoint_writer.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -21,8 +21,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
-#include "worker/checkpoint/file_util.h"
-#include "worker/checkpoint/safetensors.h"
+#include "checkpoint/file_util.h"
+#include "checkpoint/safetensors.h"
 
 namespace shardd {
 namespace checkpoint {

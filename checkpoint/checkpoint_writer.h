@@ -1,5 +1,5 @@
-#ifndef SHARDD_WORKER_CHECKPOINT_CHECKPOINT_WRITER_H_
-#define SHARDD_WORKER_CHECKPOINT_CHECKPOINT_WRITER_H_
+#ifndef SHARDD_CHECKPOINT_CHECKPOINT_WRITER_H_
+#define SHARDD_CHECKPOINT_CHECKPOINT_WRITER_H_
 
 // Atomic checkpoint saves.
 //
@@ -25,7 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "worker/checkpoint/checkpoint_index.h"
+#include "checkpoint/checkpoint_index.h"
 
 namespace shardd {
 namespace checkpoint {
@@ -120,4 +120,4 @@ absl::StatusOr<int> RemoveStaleTemporaries(const std::string& root);
 }  // namespace checkpoint
 }  // namespace shardd
 
-#endif  // SHARDD_WORKER_CHECKPOINT_CHECKPOINT_WRITER_H_
+#endif  // SHARDD_CHECKPOINT_CHECKPOINT_WRITER_H_

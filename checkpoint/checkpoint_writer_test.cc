@@ -1,4 +1,4 @@
-#include "worker/checkpoint/checkpoint_writer.h"
+#include "checkpoint/checkpoint_writer.h"
 
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -12,10 +12,10 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
-#include "worker/checkpoint/checkpoint_index.h"
-#include "worker/checkpoint/checkpoint_reader.h"
-#include "worker/checkpoint/file_util.h"
-#include "worker/checkpoint/safetensors.h"
+#include "checkpoint/checkpoint_index.h"
+#include "checkpoint/checkpoint_reader.h"
+#include "checkpoint/file_util.h"
+#include "checkpoint/safetensors.h"
 
 namespace shardd {
 namespace checkpoint {

@@ -1,4 +1,4 @@
-#include "worker/checkpoint/consolidate.h"
+#include "checkpoint/consolidate.h"
 
 #include <cstdint>
 #include <filesystem>
@@ -10,10 +10,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "worker/checkpoint/checkpoint_index.h"
-#include "worker/checkpoint/checkpoint_reader.h"
-#include "worker/checkpoint/checkpoint_writer.h"
-#include "worker/checkpoint/safetensors.h"
+#include "checkpoint/checkpoint_index.h"
+#include "checkpoint/checkpoint_reader.h"
+#include "checkpoint/checkpoint_writer.h"
+#include "checkpoint/safetensors.h"
 
 namespace shardd {
 namespace checkpoint {

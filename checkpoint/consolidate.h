@@ -1,5 +1,5 @@
-#ifndef SHARDD_WORKER_CHECKPOINT_CONSOLIDATE_H_
-#define SHARDD_WORKER_CHECKPOINT_CONSOLIDATE_H_
+#ifndef SHARDD_CHECKPOINT_CONSOLIDATE_H_
+#define SHARDD_CHECKPOINT_CONSOLIDATE_H_
 
 // Consolidating a checkpoint saved by many ranks into one saved as if by a
 // single rank: one file holding every tensor (parameters and AdamW state)
@@ -33,4 +33,4 @@ absl::StatusOr<std::string> ConsolidateCheckpoint(
 }  // namespace checkpoint
 }  // namespace shardd
 
-#endif  // SHARDD_WORKER_CHECKPOINT_CONSOLIDATE_H_
+#endif  // SHARDD_CHECKPOINT_CONSOLIDATE_H_

@@ -1,4 +1,4 @@
-#include "worker/checkpoint/consolidate.h"
+#include "checkpoint/consolidate.h"
 
 #include <cstdint>
 #include <cstdlib>
@@ -12,9 +12,9 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "worker/checkpoint/checkpoint_index.h"
-#include "worker/checkpoint/checkpoint_reader.h"
-#include "worker/checkpoint/checkpoint_writer.h"
+#include "checkpoint/checkpoint_index.h"
+#include "checkpoint/checkpoint_reader.h"
+#include "checkpoint/checkpoint_writer.h"
 
 namespace shardd {
 namespace checkpoint {

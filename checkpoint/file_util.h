@@ -1,5 +1,5 @@
-#ifndef SHARDD_WORKER_CHECKPOINT_FILE_UTIL_H_
-#define SHARDD_WORKER_CHECKPOINT_FILE_UTIL_H_
+#ifndef SHARDD_CHECKPOINT_FILE_UTIL_H_
+#define SHARDD_CHECKPOINT_FILE_UTIL_H_
 
 // POSIX file helpers for checkpoints: an owning file descriptor, full
 // reads/writes that retry short transfers and EINTR, and fsync of files and
@@ -104,4 +104,4 @@ bool IsPlainName(absl::string_view name);
 }  // namespace checkpoint
 }  // namespace shardd
 
-#endif  // SHARDD_WORKER_CHECKPOINT_FILE_UTIL_H_
+#endif  // SHARDD_CHECKPOINT_FILE_UTIL_H_

@@ -1,4 +1,4 @@
-#include "worker/checkpoint/file_util.h"
+#include "checkpoint/file_util.h"
 
 #include <stdlib.h>
 

@@ -1,4 +1,4 @@
-#include "worker/checkpoint/hf_interop.h"
+#include "checkpoint/hf_interop.h"
 
 #include <algorithm>
 #include <array>
@@ -22,12 +22,12 @@
 #include "absl/strings/strip.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
-#include "worker/checkpoint/checkpoint_index.h"
-#include "worker/checkpoint/checkpoint_reader.h"
-#include "worker/checkpoint/checkpoint_writer.h"
-#include "worker/checkpoint/file_util.h"
-#include "worker/checkpoint/json_text.h"
-#include "worker/checkpoint/safetensors.h"
+#include "checkpoint/checkpoint_index.h"
+#include "checkpoint/checkpoint_reader.h"
+#include "checkpoint/checkpoint_writer.h"
+#include "checkpoint/file_util.h"
+#include "checkpoint/json_text.h"
+#include "checkpoint/safetensors.h"
 
 namespace shardd {
 namespace checkpoint {

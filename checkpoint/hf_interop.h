@@ -1,5 +1,5 @@
-#ifndef SHARDD_WORKER_CHECKPOINT_HF_INTEROP_H_
-#define SHARDD_WORKER_CHECKPOINT_HF_INTEROP_H_
+#ifndef SHARDD_CHECKPOINT_HF_INTEROP_H_
+#define SHARDD_CHECKPOINT_HF_INTEROP_H_
 
 // Hugging Face safetensors checkpoints <-> shardd parameters.
 //
@@ -108,4 +108,4 @@ absl::Status ExportCheckpointToHf(const std::string& checkpoint_dir,
 }  // namespace checkpoint
 }  // namespace shardd
 
-#endif  // SHARDD_WORKER_CHECKPOINT_HF_INTEROP_H_
+#endif  // SHARDD_CHECKPOINT_HF_INTEROP_H_

@@ -1,4 +1,4 @@
-#include "worker/checkpoint/hf_interop.h"
+#include "checkpoint/hf_interop.h"
 
 #include <stdlib.h>
 
@@ -13,9 +13,9 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
-#include "worker/checkpoint/checkpoint_reader.h"
-#include "worker/checkpoint/file_util.h"
-#include "worker/checkpoint/safetensors.h"
+#include "checkpoint/checkpoint_reader.h"
+#include "checkpoint/file_util.h"
+#include "checkpoint/safetensors.h"
 
 namespace shardd {
 namespace checkpoint {

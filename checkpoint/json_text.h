@@ -1,5 +1,5 @@
-#ifndef SHARDD_WORKER_CHECKPOINT_JSON_TEXT_H_
-#define SHARDD_WORKER_CHECKPOINT_JSON_TEXT_H_
+#ifndef SHARDD_CHECKPOINT_JSON_TEXT_H_
+#define SHARDD_CHECKPOINT_JSON_TEXT_H_
 
 // Exception-free JSON text in and out for the checkpoint files (safetensors
 // headers, index.json, Hugging Face index files), on nlohmann-json.
@@ -43,4 +43,4 @@ std::string DescribeJsonValue(const nlohmann::json& value);
 }  // namespace checkpoint
 }  // namespace shardd
 
-#endif  // SHARDD_WORKER_CHECKPOINT_JSON_TEXT_H_
+#endif  // SHARDD_CHECKPOINT_JSON_TEXT_H_

@@ -1,4 +1,4 @@
-#include "worker/checkpoint/json_text.h"
+#include "checkpoint/json_text.h"
 
 #include <string>
 

@@ -1,4 +1,4 @@
-#include "worker/checkpoint/safetensors.h"
+#include "checkpoint/safetensors.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -15,7 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
-#include "worker/checkpoint/json_text.h"
+#include "checkpoint/json_text.h"
 
 namespace shardd {
 namespace checkpoint {

@@ -1,5 +1,5 @@
-#ifndef SHARDD_WORKER_CHECKPOINT_SAFETENSORS_H_
-#define SHARDD_WORKER_CHECKPOINT_SAFETENSORS_H_
+#ifndef SHARDD_CHECKPOINT_SAFETENSORS_H_
+#define SHARDD_CHECKPOINT_SAFETENSORS_H_
 
 // The safetensors file format (https://github.com/huggingface/safetensors):
 //
@@ -29,7 +29,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "proto/model.pb.h"
-#include "worker/checkpoint/file_util.h"
+#include "checkpoint/file_util.h"
 
 namespace shardd {
 namespace checkpoint {
@@ -174,4 +174,4 @@ class SafetensorsReader {
 }  // namespace checkpoint
 }  // namespace shardd
 
-#endif  // SHARDD_WORKER_CHECKPOINT_SAFETENSORS_H_
+#endif  // SHARDD_CHECKPOINT_SAFETENSORS_H_

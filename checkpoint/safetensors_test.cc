@@ -1,4 +1,4 @@
-#include "worker/checkpoint/safetensors.h"
+#include "checkpoint/safetensors.h"
 
 #include <stdlib.h>
 #include <unistd.h>
@@ -11,7 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
-#include "worker/checkpoint/file_util.h"
+#include "checkpoint/file_util.h"
 
 namespace shardd {
 namespace checkpoint {

@@ -541,7 +541,7 @@ nlohmann::ordered_json PlanToJson(const v1::ShardingPlan& plan,
       // one entry per rank (large for big worlds).
       // Flat buckets: the span of shard ranks holding the parameter (the
       // per-rank pieces follow from it, see FlatRangesOf in
-      // server/unit_layout.h).
+      // layout/unit_layout.h).
       if (plan.flat_buckets()) {
         p["first_shard_rank"] = param.first_shard_rank();
         p["last_shard_rank"] = param.last_shard_rank();

@@ -1,7 +1,7 @@
 #ifndef SHARDD_CLIENT_PLAN_TIMELINE_H_
 #define SHARDD_CLIENT_PLAN_TIMELINE_H_
 
-// Builds the charts shardctl draws (client/timeline_svg.h) from plans and
+// Builds the charts shardctl draws (viz/timeline_svg.h) from plans and
 // training results: the planner's live-memory timeline of one step, per
 // unit, optionally overlaid with a second strategy's total; and the loss
 // curve of a training job.
@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "client/timeline_svg.h"
+#include "viz/timeline_svg.h"
 #include "proto/plan.pb.h"
 
 namespace shardd {

@@ -22,7 +22,7 @@
 #include "client/plan_printer.h"
 #include "client/plan_timeline.h"
 #include "client/shardctl_args.h"
-#include "client/timeline_svg.h"
+#include "viz/timeline_svg.h"
 #include "client/train_report.h"
 #include "common/grpc_security.h"
 #include "common/job_state_name.h"
@@ -30,9 +30,9 @@
 #include "nlohmann/json.hpp"
 #include "server/coordinator_service.h"
 #include "model/native_spec.h"
-#include "server/strategy_registry.h"
-#include "worker/checkpoint/consolidate.h"
-#include "worker/checkpoint/hf_interop.h"
+#include "planner/strategy_registry.h"
+#include "checkpoint/consolidate.h"
+#include "checkpoint/hf_interop.h"
 
 namespace shardd {
 namespace {

@@ -1,5 +1,5 @@
-#ifndef SHARDD_WORKER_PARAM_INIT_H_
-#define SHARDD_WORKER_PARAM_INIT_H_
+#ifndef SHARDD_LAYOUT_PARAM_INIT_H_
+#define SHARDD_LAYOUT_PARAM_INIT_H_
 
 // Deterministic parameter initialisation that does not depend on the layout:
 // element i of parameter P always gets the same value, whether one process
@@ -53,4 +53,4 @@ uint64_t ParamStreamId(absl::string_view fqn);
 
 }  // namespace shardd
 
-#endif  // SHARDD_WORKER_PARAM_INIT_H_
+#endif  // SHARDD_LAYOUT_PARAM_INIT_H_

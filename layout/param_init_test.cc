@@ -1,4 +1,4 @@
-#include "worker/param_init.h"
+#include "layout/param_init.h"
 
 #include <cmath>
 #include <vector>

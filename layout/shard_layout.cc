@@ -1,4 +1,4 @@
-#include "worker/shard_layout.h"
+#include "layout/shard_layout.h"
 
 #include <algorithm>
 #include <cstring>
@@ -6,7 +6,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "model/model_util.h"
-#include "worker/param_init.h"
+#include "layout/param_init.h"
 
 namespace shardd {
 namespace {

@@ -1,5 +1,5 @@
-#ifndef SHARDD_WORKER_SHARD_LAYOUT_H_
-#define SHARDD_WORKER_SHARD_LAYOUT_H_
+#ifndef SHARDD_LAYOUT_SHARD_LAYOUT_H_
+#define SHARDD_LAYOUT_SHARD_LAYOUT_H_
 
 // Where each parameter of an FSDP unit lives in the unit's buffers, as
 // element ranges: the arithmetic ShardStore does inline on host memory,
@@ -85,4 +85,4 @@ absl::Status InitMasterShards(const v1::ShardingPlan& plan,
 
 }  // namespace shardd
 
-#endif  // SHARDD_WORKER_SHARD_LAYOUT_H_
+#endif  // SHARDD_LAYOUT_SHARD_LAYOUT_H_

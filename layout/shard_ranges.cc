@@ -1,11 +1,11 @@
-#include "worker/checkpoint/shard_ranges.h"
+#include "layout/shard_ranges.h"
 
 #include <cstdint>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "server/unit_layout.h"
+#include "layout/unit_layout.h"
 
 namespace shardd {
 namespace checkpoint {

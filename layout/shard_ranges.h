@@ -1,5 +1,5 @@
-#ifndef SHARDD_WORKER_CHECKPOINT_SHARD_RANGES_H_
-#define SHARDD_WORKER_CHECKPOINT_SHARD_RANGES_H_
+#ifndef SHARDD_LAYOUT_SHARD_RANGES_H_
+#define SHARDD_LAYOUT_SHARD_RANGES_H_
 
 // Which global elements of a parameter a shard rank holds, and where they sit
 // in its local shard: the bridge between a plan's ParamLayout (ShardStore's
@@ -38,4 +38,4 @@ absl::StatusOr<std::vector<OwnedRange>> OwnedElementRanges(
 }  // namespace checkpoint
 }  // namespace shardd
 
-#endif  // SHARDD_WORKER_CHECKPOINT_SHARD_RANGES_H_
+#endif  // SHARDD_LAYOUT_SHARD_RANGES_H_

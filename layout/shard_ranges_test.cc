@@ -1,4 +1,4 @@
-#include "worker/checkpoint/shard_ranges.h"
+#include "layout/shard_ranges.h"
 
 #include <cstdint>
 #include <deque>
@@ -9,7 +9,7 @@
 #include "gtest/gtest.h"
 #include "proto/plan.pb.h"
 #include "model/model_util.h"
-#include "server/unit_layout.h"
+#include "layout/unit_layout.h"
 
 namespace shardd {
 namespace checkpoint {

@@ -1,4 +1,4 @@
-#include "server/unit_layout.h"
+#include "layout/unit_layout.h"
 
 #include <cstdint>
 #include <string>

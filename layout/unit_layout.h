@@ -1,5 +1,5 @@
-#ifndef SHARDD_SERVER_UNIT_LAYOUT_H_
-#define SHARDD_SERVER_UNIT_LAYOUT_H_
+#ifndef SHARDD_LAYOUT_UNIT_LAYOUT_H_
+#define SHARDD_LAYOUT_UNIT_LAYOUT_H_
 
 // Layout math of one FSDP unit over a shard group of W ranks.
 //
@@ -54,4 +54,4 @@ std::vector<v1::FlatRange> FlatRangesOf(const v1::ParamLayout& param,
 
 }  // namespace shardd
 
-#endif  // SHARDD_SERVER_UNIT_LAYOUT_H_
+#endif  // SHARDD_LAYOUT_UNIT_LAYOUT_H_

@@ -1,4 +1,4 @@
-#include "server/unit_layout.h"
+#include "layout/unit_layout.h"
 
 #include <cstdint>
 #include <deque>
@@ -11,7 +11,7 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/strategy_test_util.h"
+#include "testing/strategy_test_util.h"
 
 namespace shardd {
 namespace {

@@ -1,4 +1,4 @@
-#include "server/default_strategy.h"
+#include "planner/default_strategy.h"
 
 #include <algorithm>
 #include <map>

@@ -1,5 +1,5 @@
-#ifndef SHARDD_SERVER_DEFAULT_STRATEGY_H_
-#define SHARDD_SERVER_DEFAULT_STRATEGY_H_
+#ifndef SHARDD_PLANNER_DEFAULT_STRATEGY_H_
+#define SHARDD_PLANNER_DEFAULT_STRATEGY_H_
 
 // The "default" strategy (NeMo AutoModel's DefaultParallelizationStrategy on
 // the pure-FSDP path): one unit per decoder layer plus a root unit for the
@@ -12,7 +12,7 @@
 #include "proto/model.pb.h"
 #include "proto/plan.pb.h"
 #include "model/model_util.h"
-#include "server/sharding_strategy.h"
+#include "planner/sharding_strategy.h"
 
 namespace shardd {
 
@@ -69,4 +69,4 @@ class DefaultStrategy : public ShardingStrategy {
 
 }  // namespace shardd
 
-#endif  // SHARDD_SERVER_DEFAULT_STRATEGY_H_
+#endif  // SHARDD_PLANNER_DEFAULT_STRATEGY_H_

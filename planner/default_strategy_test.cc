@@ -1,4 +1,4 @@
-#include "server/default_strategy.h"
+#include "planner/default_strategy.h"
 
 #include <string>
 #include <vector>
@@ -7,7 +7,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "model/model_util.h"
-#include "server/strategy_test_util.h"
+#include "testing/strategy_test_util.h"
 
 namespace shardd {
 namespace {

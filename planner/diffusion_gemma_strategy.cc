@@ -1,9 +1,9 @@
-#include "server/diffusion_gemma_strategy.h"
+#include "planner/diffusion_gemma_strategy.h"
 
 #include <utility>
 #include <vector>
 
-#include "server/default_strategy.h"
+#include "planner/default_strategy.h"
 
 namespace shardd {
 

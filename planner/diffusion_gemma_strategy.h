@@ -1,5 +1,5 @@
-#ifndef SHARDD_SERVER_DIFFUSION_GEMMA_STRATEGY_H_
-#define SHARDD_SERVER_DIFFUSION_GEMMA_STRATEGY_H_
+#ifndef SHARDD_PLANNER_DIFFUSION_GEMMA_STRATEGY_H_
+#define SHARDD_PLANNER_DIFFUSION_GEMMA_STRATEGY_H_
 
 // "diffusion_gemma": NeMo AutoModel's fully_shard_diffusion_gemma on the
 // pure-FSDP path. Each layer's grouped experts (moe.experts) are wrapped
@@ -11,7 +11,7 @@
 #include "absl/status/statusor.h"
 #include "proto/model.pb.h"
 #include "proto/plan.pb.h"
-#include "server/sharding_strategy.h"
+#include "planner/sharding_strategy.h"
 
 namespace shardd {
 
@@ -39,4 +39,4 @@ class DiffusionGemmaStrategy : public ShardingStrategy {
 
 }  // namespace shardd
 
-#endif  // SHARDD_SERVER_DIFFUSION_GEMMA_STRATEGY_H_
+#endif  // SHARDD_PLANNER_DIFFUSION_GEMMA_STRATEGY_H_

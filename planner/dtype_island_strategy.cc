@@ -1,11 +1,11 @@
-#include "server/dtype_island_strategy.h"
+#include "planner/dtype_island_strategy.h"
 
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "server/default_strategy.h"
+#include "planner/default_strategy.h"
 
 namespace shardd {
 namespace {

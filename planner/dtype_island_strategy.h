@@ -1,5 +1,5 @@
-#ifndef SHARDD_SERVER_DTYPE_ISLAND_STRATEGY_H_
-#define SHARDD_SERVER_DTYPE_ISLAND_STRATEGY_H_
+#ifndef SHARDD_PLANNER_DTYPE_ISLAND_STRATEGY_H_
+#define SHARDD_PLANNER_DTYPE_ISLAND_STRATEGY_H_
 
 // "deepseek_v4": NeMo AutoModel's fully_shard_deepseek_v4 nesting. fp32 and
 // bf16 parameters never share an FSDP unit: fp32 islands inside a layer (or
@@ -11,7 +11,7 @@
 #include "absl/status/statusor.h"
 #include "proto/model.pb.h"
 #include "proto/plan.pb.h"
-#include "server/sharding_strategy.h"
+#include "planner/sharding_strategy.h"
 
 namespace shardd {
 
@@ -44,4 +44,4 @@ class DtypeIslandStrategy : public ShardingStrategy {
 
 }  // namespace shardd
 
-#endif  // SHARDD_SERVER_DTYPE_ISLAND_STRATEGY_H_
+#endif  // SHARDD_PLANNER_DTYPE_ISLAND_STRATEGY_H_

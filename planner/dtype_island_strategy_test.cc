@@ -1,4 +1,4 @@
-#include "server/dtype_island_strategy.h"
+#include "planner/dtype_island_strategy.h"
 
 #include <string>
 #include <vector>
@@ -6,9 +6,9 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/default_strategy.h"
+#include "planner/default_strategy.h"
 #include "model/model_util.h"
-#include "server/strategy_test_util.h"
+#include "testing/strategy_test_util.h"
 
 namespace shardd {
 namespace {

@@ -1,5 +1,5 @@
-#ifndef SHARDD_SERVER_MEGATRON_FSDP_STRATEGY_H_
-#define SHARDD_SERVER_MEGATRON_FSDP_STRATEGY_H_
+#ifndef SHARDD_PLANNER_MEGATRON_FSDP_STRATEGY_H_
+#define SHARDD_PLANNER_MEGATRON_FSDP_STRATEGY_H_
 
 // "megatron_fsdp": Megatron-FSDP style contiguous flat buckets. The planner
 // shards each bucket as flat ranges (a parameter may straddle ranks), and
@@ -11,7 +11,7 @@
 #include "absl/status/statusor.h"
 #include "proto/model.pb.h"
 #include "proto/plan.pb.h"
-#include "server/sharding_strategy.h"
+#include "planner/sharding_strategy.h"
 
 namespace shardd {
 
@@ -40,4 +40,4 @@ class MegatronFsdpStrategy : public ShardingStrategy {
 
 }  // namespace shardd
 
-#endif  // SHARDD_SERVER_MEGATRON_FSDP_STRATEGY_H_
+#endif  // SHARDD_PLANNER_MEGATRON_FSDP_STRATEGY_H_

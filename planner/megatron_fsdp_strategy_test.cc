@@ -1,4 +1,4 @@
-#include "server/megatron_fsdp_strategy.h"
+#include "planner/megatron_fsdp_strategy.h"
 
 #include <cstdint>
 #include <random>
@@ -9,7 +9,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "model/model_util.h"
-#include "server/strategy_test_util.h"
+#include "testing/strategy_test_util.h"
 
 namespace shardd {
 namespace {

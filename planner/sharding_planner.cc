@@ -1,4 +1,4 @@
-#include "server/sharding_planner.h"
+#include "planner/sharding_planner.h"
 
 #include <cstdint>
 #include <cstring>
@@ -14,9 +14,9 @@
 #include "common/fingerprint.h"
 #include "common/status_macros.h"
 #include "model/model_util.h"
-#include "server/sharding_strategy.h"
-#include "server/step_model.h"
-#include "server/unit_layout.h"
+#include "planner/sharding_strategy.h"
+#include "program/step_model.h"
+#include "layout/unit_layout.h"
 
 namespace shardd {
 namespace {

@@ -1,5 +1,5 @@
-#ifndef SHARDD_SERVER_SHARDING_PLANNER_H_
-#define SHARDD_SERVER_SHARDING_PLANNER_H_
+#ifndef SHARDD_PLANNER_SHARDING_PLANNER_H_
+#define SHARDD_PLANNER_SHARDING_PLANNER_H_
 
 // Model + options -> ShardingPlan: strategy grouping, per-unit layout,
 // reshard flags, prefetch chains, mixed precision, and the step model.
@@ -7,7 +7,7 @@
 #include "absl/status/statusor.h"
 #include "proto/model.pb.h"
 #include "proto/plan.pb.h"
-#include "server/strategy_registry.h"
+#include "planner/strategy_registry.h"
 
 namespace shardd {
 
@@ -36,4 +36,4 @@ class ShardingPlanner {
 
 }  // namespace shardd
 
-#endif  // SHARDD_SERVER_SHARDING_PLANNER_H_
+#endif  // SHARDD_PLANNER_SHARDING_PLANNER_H_

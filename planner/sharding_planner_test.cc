@@ -1,4 +1,4 @@
-#include "server/sharding_planner.h"
+#include "planner/sharding_planner.h"
 
 #include <cstdint>
 #include <fstream>
@@ -14,7 +14,7 @@
 #include "proto/model.pb.h"
 #include "proto/plan.pb.h"
 #include "model/hf_config.h"
-#include "server/strategy_registry.h"
+#include "planner/strategy_registry.h"
 
 namespace shardd {
 namespace {

@@ -1,5 +1,5 @@
-#ifndef SHARDD_SERVER_SHARDING_STRATEGY_H_
-#define SHARDD_SERVER_SHARDING_STRATEGY_H_
+#ifndef SHARDD_PLANNER_SHARDING_STRATEGY_H_
+#define SHARDD_PLANNER_SHARDING_STRATEGY_H_
 
 // A sharding strategy decides which parameters form which FSDP unit. The
 // planner then computes layouts, prefetch chains, reshard flags and the
@@ -66,4 +66,4 @@ class ShardingStrategy {
 
 }  // namespace shardd
 
-#endif  // SHARDD_SERVER_SHARDING_STRATEGY_H_
+#endif  // SHARDD_PLANNER_SHARDING_STRATEGY_H_

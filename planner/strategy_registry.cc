@@ -1,4 +1,4 @@
-#include "server/strategy_registry.h"
+#include "planner/strategy_registry.h"
 
 #include <typeinfo>
 #include <utility>
@@ -6,10 +6,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
-#include "server/default_strategy.h"
-#include "server/diffusion_gemma_strategy.h"
-#include "server/dtype_island_strategy.h"
-#include "server/megatron_fsdp_strategy.h"
+#include "planner/default_strategy.h"
+#include "planner/diffusion_gemma_strategy.h"
+#include "planner/dtype_island_strategy.h"
+#include "planner/megatron_fsdp_strategy.h"
 
 namespace shardd {
 namespace {

@@ -1,5 +1,5 @@
-#ifndef SHARDD_SERVER_STRATEGY_REGISTRY_H_
-#define SHARDD_SERVER_STRATEGY_REGISTRY_H_
+#ifndef SHARDD_PLANNER_STRATEGY_REGISTRY_H_
+#define SHARDD_PLANNER_STRATEGY_REGISTRY_H_
 
 // Strategies keyed on the model's architecture class name (a bare name such
 // as "DiffusionGemmaForBlockDiffusion"); any other name gets "default".
@@ -16,7 +16,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "proto/coordinator.pb.h"
-#include "server/sharding_strategy.h"
+#include "planner/sharding_strategy.h"
 
 namespace shardd {
 
@@ -63,4 +63,4 @@ class StrategyRegistry {
 
 }  // namespace shardd
 
-#endif  // SHARDD_SERVER_STRATEGY_REGISTRY_H_
+#endif  // SHARDD_PLANNER_STRATEGY_REGISTRY_H_

@@ -1,4 +1,4 @@
-#include "server/strategy_registry.h"
+#include "planner/strategy_registry.h"
 
 #include <atomic>
 #include <memory>
@@ -10,7 +10,7 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/default_strategy.h"
+#include "planner/default_strategy.h"
 
 namespace shardd {
 namespace {

@@ -1,14 +1,14 @@
-#include "server/step_model.h"
+#include "program/step_model.h"
 
 // The schedule, the byte counts and the accounting rules live with the
-// step program (server/step_program.h): this model is a replay of the
+// step program (program/step_program.h): this model is a replay of the
 // compiled program, so it cannot drift from what the workers execute.
 
 #include <utility>
 
 #include "absl/status/status.h"
 #include "common/status_macros.h"
-#include "server/step_program.h"
+#include "program/step_program.h"
 
 namespace shardd {
 

@@ -1,16 +1,16 @@
-#ifndef SHARDD_SERVER_STEP_MODEL_H_
-#define SHARDD_SERVER_STEP_MODEL_H_
+#ifndef SHARDD_PROGRAM_STEP_MODEL_H_
+#define SHARDD_PROGRAM_STEP_MODEL_H_
 
 // Memory and communication model of one training step on one rank (every
 // rank of the FSDP layout is symmetric). It compiles the plan into the step
-// program the workers run (server/step_program.h) and replays it, recording
+// program the workers run (program/step_program.h) and replays it, recording
 // the live unsharded bytes after every unshard, reshard, gradient allocation
 // and reduce-scatter; a worker executing the same program measures the same
 // peak. See docs/design.md, "Memory model".
 
 #include "absl/status/status.h"
 #include "proto/plan.pb.h"
-#include "server/step_program.h"  // kMaxMicrobatches and the other bounds.
+#include "program/step_program.h"  // kMaxMicrobatches and the other bounds.
 
 namespace shardd {
 
@@ -29,4 +29,4 @@ absl::Status ModelStep(bool include_timeline, v1::ShardingPlan* plan);
 
 }  // namespace shardd
 
-#endif  // SHARDD_SERVER_STEP_MODEL_H_
+#endif  // SHARDD_PROGRAM_STEP_MODEL_H_

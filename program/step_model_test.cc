@@ -1,4 +1,4 @@
-#include "server/step_model.h"
+#include "program/step_model.h"
 
 #include <cstdint>
 #include <string>
@@ -9,7 +9,7 @@
 #include "gtest/gtest.h"
 #include "proto/plan.pb.h"
 #include "proto/worker.pb.h"
-#include "server/step_program.h"
+#include "program/step_program.h"
 
 namespace shardd {
 namespace {

@@ -1,4 +1,4 @@
-#include "server/step_program.h"
+#include "program/step_program.h"
 
 // Structure: AnalyzePlan turns the plan into per-unit facts (sizes, policy,
 // trainability) and the part owners; a Runner is the state machine of one

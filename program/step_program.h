@@ -1,11 +1,11 @@
-#ifndef SHARDD_SERVER_STEP_PROGRAM_H_
-#define SHARDD_SERVER_STEP_PROGRAM_H_
+#ifndef SHARDD_PROGRAM_STEP_PROGRAM_H_
+#define SHARDD_PROGRAM_STEP_PROGRAM_H_
 
 // Step programs: the schedule of one training step as a list of commands
 // (v1::StepProgram, proto/worker.proto). The coordinator compiles a laid-out
 // plan into one program that every rank runs on its own shards; a worker
 // validates it on receipt; the planner's memory and communication model
-// (server/step_model.h) is a replay of the same commands, so the peak a
+// (program/step_model.h) is a replay of the same commands, so the peak a
 // worker measures is the predicted one by construction.
 //
 // Parts and the units that own them (a FORWARD/BACKWARD of a part needs its
@@ -168,4 +168,4 @@ std::string CommandToString(const v1::Command& command);
 
 }  // namespace shardd
 
-#endif  // SHARDD_SERVER_STEP_PROGRAM_H_
+#endif  // SHARDD_PROGRAM_STEP_PROGRAM_H_

@@ -1,4 +1,4 @@
-#include "server/step_program.h"
+#include "program/step_program.h"
 
 #include <algorithm>
 #include <cstdint>

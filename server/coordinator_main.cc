@@ -41,7 +41,7 @@
 #include "server/coordinator_service.h"
 #include "server/grpc_worker_client.h"
 #include "server/state_store.h"
-#include "server/strategy_registry.h"
+#include "planner/strategy_registry.h"
 #include "server/worker_registry.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070",

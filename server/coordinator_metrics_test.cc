@@ -12,7 +12,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/coordinator_service.h"
-#include "server/strategy_registry.h"
+#include "planner/strategy_registry.h"
 
 namespace shardd {
 namespace {

@@ -18,7 +18,7 @@
 #include "proto/coordinator.grpc.pb.h"
 #include "proto/health.grpc.pb.h"
 #include "server/coordinator_service.h"
-#include "server/strategy_registry.h"
+#include "planner/strategy_registry.h"
 
 namespace shardd {
 namespace {

@@ -17,7 +17,7 @@
 #include "model/hf_config.h"
 #include "model/model_util.h"
 #include "model/native_spec.h"
-#include "server/step_program.h"
+#include "program/step_program.h"
 
 namespace shardd {
 namespace {

@@ -37,9 +37,9 @@
 #include "server/job_journal.h"
 #include "server/job_runner.h"
 #include "server/kv_store.h"
-#include "server/sharding_planner.h"
+#include "planner/sharding_planner.h"
 #include "server/state_store.h"
-#include "server/strategy_registry.h"
+#include "planner/strategy_registry.h"
 #include "server/worker_client.h"
 #include "server/worker_registry.h"
 

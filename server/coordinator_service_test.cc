@@ -20,9 +20,9 @@
 #include "gtest/gtest.h"
 #include "model/model_util.h"
 #include "model/native_spec.h"
-#include "server/sharding_planner.h"
-#include "server/step_program.h"
-#include "server/strategy_registry.h"
+#include "planner/sharding_planner.h"
+#include "program/step_program.h"
+#include "planner/strategy_registry.h"
 #include "server/worker_client.h"
 
 namespace shardd {

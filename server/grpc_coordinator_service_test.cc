@@ -23,7 +23,7 @@
 #include "gtest/gtest.h"
 #include "proto/coordinator.grpc.pb.h"
 #include "server/coordinator_service.h"
-#include "server/strategy_registry.h"
+#include "planner/strategy_registry.h"
 #include "server/worker_client.h"
 
 namespace shardd {

@@ -17,10 +17,10 @@
 #include "common/error_info.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
-#include "server/step_program.h"
-#include "worker/checkpoint/checkpoint_reader.h"
-#include "worker/checkpoint/checkpoint_writer.h"
-#include "worker/shard_checkpoint.h"
+#include "program/step_program.h"
+#include "checkpoint/checkpoint_reader.h"
+#include "checkpoint/checkpoint_writer.h"
+#include "checkpoint/plan_index.h"
 
 namespace shardd {
 
@@ -1310,7 +1310,7 @@ absl::Status JobRunner::RunSteps(Job* job, bool recovering) {
     absl::StatusOr<std::string> committed;
     if (saved.ok()) {
       absl::StatusOr<checkpoint::CheckpointIndex> index =
-          BuildIndex(spec.plan, steps_done, files);
+          checkpoint::BuildIndex(spec.plan, steps_done, files);
       committed = index.ok()
                       ? checkpoint::CommitCheckpoint(job_root, tmp, *index)
                       : absl::StatusOr<std::string>(index.status());

@@ -183,7 +183,7 @@ struct JobRunnerOptions {
   // What TrainConfig.max_recoveries = 0 means.
   int default_max_recoveries = 3;
   // Where jobs' checkpoints live: <checkpoint_dir>/<job-id>/step-NNNNNNNN
-  // (worker/checkpoint/checkpoint_writer.h). Workers resolve the same
+  // (checkpoint/checkpoint_writer.h). Workers resolve the same
   // relative paths under their --checkpoint-root, so both must name one
   // directory on a file system they share (one machine, or a network file
   // system). Empty: jobs asking for checkpoint_every or resume_from are

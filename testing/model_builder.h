@@ -1,5 +1,5 @@
-#ifndef SHARDD_COMMON_MODEL_BUILDER_H_
-#define SHARDD_COMMON_MODEL_BUILDER_H_
+#ifndef SHARDD_TESTING_MODEL_BUILDER_H_
+#define SHARDD_TESTING_MODEL_BUILDER_H_
 
 // Test helpers for writing module trees by hand (test-only target).
 
@@ -98,4 +98,4 @@ inline v1::ModelSpec TinyMoeSpec(const TinyMoeShape& s) {
 }  // namespace testing_util
 }  // namespace shardd
 
-#endif  // SHARDD_COMMON_MODEL_BUILDER_H_
+#endif  // SHARDD_TESTING_MODEL_BUILDER_H_

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "common/model_builder.h"
+#include "testing/model_builder.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest-spi.h"
 #include "gtest/gtest.h"

@@ -1,5 +1,5 @@
-#ifndef SHARDD_SERVER_STRATEGY_TEST_UTIL_H_
-#define SHARDD_SERVER_STRATEGY_TEST_UTIL_H_
+#ifndef SHARDD_TESTING_STRATEGY_TEST_UTIL_H_
+#define SHARDD_TESTING_STRATEGY_TEST_UTIL_H_
 
 // Small hand-built module trees and checks for the strategy and layout
 // tests. The shapes are tiny so expectations can be derived by hand.
@@ -14,7 +14,7 @@
 #include "gtest/gtest.h"
 #include "proto/model.pb.h"
 #include "model/model_util.h"
-#include "server/sharding_strategy.h"
+#include "planner/sharding_strategy.h"
 
 namespace shardd {
 namespace testing_util {
@@ -157,4 +157,4 @@ inline ::testing::AssertionResult EveryParamOnce(const v1::ModelSpec& model,
 }  // namespace testing_util
 }  // namespace shardd
 
-#endif  // SHARDD_SERVER_STRATEGY_TEST_UTIL_H_
+#endif  // SHARDD_TESTING_STRATEGY_TEST_UTIL_H_

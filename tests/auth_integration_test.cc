@@ -28,7 +28,7 @@
 #include "server/coordinator_server.h"
 #include "server/coordinator_service.h"
 #include "server/grpc_worker_client.h"
-#include "server/strategy_registry.h"
+#include "planner/strategy_registry.h"
 #include "worker/grpc_worker_service.h"
 #include "worker/worker_runtime.h"
 

@@ -23,7 +23,7 @@
 #include "gtest/gtest.h"
 #include "server/coordinator_server.h"
 #include "server/coordinator_service.h"
-#include "server/strategy_registry.h"
+#include "planner/strategy_registry.h"
 
 namespace shardd {
 namespace {

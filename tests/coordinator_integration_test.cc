@@ -36,7 +36,7 @@
 #include "proto/health.grpc.pb.h"
 #include "server/coordinator_server.h"
 #include "server/coordinator_service.h"
-#include "server/strategy_registry.h"
+#include "planner/strategy_registry.h"
 #include "tests/subprocess.h"
 
 namespace shardd {

@@ -77,9 +77,9 @@ for f in server/*.cc; do
 done
 coordinator_srcs+=(common/logging.cc "$bin/proto/plan.pb.cc"
                    "$bin/proto/coordinator.pb.cc" "$bin/proto/worker.pb.cc")
-checkpoint_srcs=(worker/checkpoint/checkpoint_index.cc
-                 worker/checkpoint/json_text.cc worker/checkpoint/safetensors.cc
-                 worker/checkpoint/file_util.cc)
+checkpoint_srcs=(checkpoint/checkpoint_index.cc
+                 checkpoint/json_text.cc checkpoint/safetensors.cc
+                 checkpoint/file_util.cc)
 
 # build_and_run NAME "EXTRA SOURCES" "EXTRA LIBS" CORPUS_DIR...
 build_and_run() {

@@ -6,11 +6,14 @@
 # tagged "gpu" are built but not run there (they need a GPU: run them with
 # `bazel test --config=cuda --test_tag_filters=gpu //...` on a GPU machine).
 # The default (CUDA-free) build is then checked to still build. Extra
-# arguments go to `bazel test`.
+# arguments go to `bazel test`. First, tools/check_layering.sh checks that
+# no package depends on one above it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh
 status=0
+# Dependencies point one way (docs/design.md, "Package map").
+tools/check_layering.sh || status=1
 if [[ -x /usr/local/cuda/bin/nvcc ]]; then
   bazel test --config=cuda --test_tag_filters=-gpu //... "$@" || status=$?
   bazel build //... || status=1

@@ -1,4 +1,4 @@
-#include "client/timeline_svg.h"
+#include "viz/timeline_svg.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,5 +1,5 @@
-#ifndef SHARDD_CLIENT_TIMELINE_SVG_H_
-#define SHARDD_CLIENT_TIMELINE_SVG_H_
+#ifndef SHARDD_VIZ_TIMELINE_SVG_H_
+#define SHARDD_VIZ_TIMELINE_SVG_H_
 
 // A small SVG chart writer for shardd's pictures: the live-memory timeline
 // of a training step (stacked areas per unit or memory kind, overlaid
@@ -112,4 +112,4 @@ std::string FormatChartBytes(double bytes);
 
 }  // namespace shardd
 
-#endif  // SHARDD_CLIENT_TIMELINE_SVG_H_
+#endif  // SHARDD_VIZ_TIMELINE_SVG_H_

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "common/model_builder.h"
+#include "testing/model_builder.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "worker/device_allocator.h"

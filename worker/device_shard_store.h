@@ -69,7 +69,7 @@
 #include "worker/device_allocator.h"
 #include "worker/device_param_source.h"
 #include "worker/nccl_communicator.h"
-#include "worker/shard_layout.h"
+#include "layout/shard_layout.h"
 
 namespace shardd {
 

@@ -11,7 +11,7 @@
 #include "common/status_macros.h"
 #include "kernels/cuda/adamw.h"
 #include "kernels/cuda/cuda_status.h"
-#include "server/step_program.h"
+#include "program/step_program.h"
 #include "worker/cuda_memory_backend.h"
 #include "worker/device_shard_kernels.h"
 #include "worker/step_checks.h"

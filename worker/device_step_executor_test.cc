@@ -10,12 +10,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/model_builder.h"
+#include "testing/model_builder.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
-#include "server/sharding_planner.h"
-#include "server/step_program.h"
-#include "server/strategy_registry.h"
+#include "planner/sharding_planner.h"
+#include "program/step_program.h"
+#include "planner/strategy_registry.h"
 #include "worker/cuda_memory_backend.h"
 #include "worker/data/batch_sampler.h"
 #include "worker/device_allocator.h"
@@ -38,7 +38,7 @@ constexpr char kFrozen[] = "model.layers.0.moe.gate.weight";
 using ::shardd::testing_util::AddChild;
 using ::shardd::testing_util::AddParam;
 
-// The shared tiny MoE (common/model_builder.h) with these constants.
+// The shared tiny MoE (testing/model_builder.h) with these constants.
 // `freeze` freezes layer 0's router (kFrozen).
 v1::ModelSpec TinyMoe(bool freeze) {
   testing_util::TinyMoeShape shape;

@@ -2,7 +2,7 @@
 #define SHARDD_WORKER_MEMORY_TIMELINE_H_
 
 // A worker's measured memory timeline of one step, drawn as an SVG
-// (client/timeline_svg.h) beside the planner's: the gathered parameters
+// (viz/timeline_svg.h) beside the planner's: the gathered parameters
 // and unsharded gradients live after every allocation and free of the
 // step (MemoryTracker::StartTimeline), stacked by kind, with the measured
 // peak marked and the plan's predicted peak as a reference line. Enabled by
@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "client/timeline_svg.h"
+#include "viz/timeline_svg.h"
 #include "proto/plan.pb.h"
 #include "worker/memory_tracker.h"
 

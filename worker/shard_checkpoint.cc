@@ -11,7 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
-#include "worker/checkpoint/shard_ranges.h"
+#include "layout/shard_ranges.h"
 
 namespace shardd {
 namespace {
@@ -150,51 +150,6 @@ absl::StatusOr<checkpoint::RankFile> SaveRankShards(
     }
   }
   return checkpoint::WriteRankFile(tmp_dir, shard_rank, tensors);
-}
-
-absl::StatusOr<checkpoint::CheckpointIndex> BuildIndex(
-    const v1::ShardingPlan& plan, int64_t step,
-    absl::Span<const checkpoint::RankFile> rank_files) {
-  if (step < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("step ", step, " must be >= 0"));
-  }
-  checkpoint::CheckpointIndex index;
-  index.step = step;
-  index.data_position["step"] = step;
-  index.saved_by.strategy = plan.strategy();
-  index.saved_by.world_size = plan.world_size();
-  index.saved_by.mesh["dp_shard"] = plan.mesh().dp_shard();
-  index.saved_by.mesh["dp_replicate"] = std::max(1, plan.mesh().dp_replicate());
-  for (const checkpoint::RankFile& rank_file : rank_files) {
-    SHARDD_RETURN_IF_ERROR(checkpoint::AddRankFile(rank_file, &index));
-  }
-  for (const v1::FsdpUnit& unit : plan.units()) {
-    for (const v1::ParamLayout& param : unit.params()) {
-      if (param.numel() == 0) continue;
-      std::vector<std::string> names = {param.name()};
-      if (!param.frozen()) {
-        names.push_back(param.name() + checkpoint::kExpAvgSuffix);
-        names.push_back(param.name() + checkpoint::kExpAvgSqSuffix);
-      }
-      for (const std::string& name : names) {
-        auto it = index.tensors.find(name);
-        if (it == index.tensors.end()) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "tensor \"", name, "\" of the plan is in none of the ",
-              rank_files.size(), " rank files"));
-        }
-        if (it->second.shape != GlobalShape(param)) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("tensor \"", name, "\": the rank files say ",
-                           ShapeText(it->second.shape), ", the plan ",
-                           ShapeText(GlobalShape(param))));
-        }
-      }
-    }
-  }
-  SHARDD_RETURN_IF_ERROR(checkpoint::ValidateIndex(&index));
-  return index;
 }
 
 absl::StatusOr<int64_t> LoadRankShards(const v1::ShardingPlan& plan,

@@ -1,7 +1,7 @@
 #ifndef SHARDD_WORKER_SHARD_CHECKPOINT_H_
 #define SHARDD_WORKER_SHARD_CHECKPOINT_H_
 
-// Saving a ShardStore into a resharding checkpoint (worker/checkpoint/) and
+// Saving a ShardStore into a resharding checkpoint (checkpoint/) and
 // loading one into a ShardStore of any world size and strategy.
 //
 // What is saved. For every parameter of the plan, the global elements this
@@ -17,7 +17,8 @@
 //      directory. Under HSDP (dp_replicate > 1) the replicas hold identical
 //      shards, so the other replicas write nothing: the caller picks replica
 //      0 (two replicas writing the same RankFileName would collide);
-//   3. the committer gathers the RankFiles, calls BuildIndex and
+//   3. the committer gathers the RankFiles, calls checkpoint::BuildIndex
+//      (checkpoint/plan_index.h) and
 //      checkpoint::CommitCheckpoint.
 //
 // Load: every rank (all replicas) opens the committed checkpoint,
@@ -32,9 +33,9 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "proto/plan.pb.h"
-#include "worker/checkpoint/checkpoint_index.h"
-#include "worker/checkpoint/checkpoint_reader.h"
-#include "worker/checkpoint/checkpoint_writer.h"
+#include "checkpoint/checkpoint_index.h"
+#include "checkpoint/checkpoint_reader.h"
+#include "checkpoint/checkpoint_writer.h"
 #include "worker/shard_store.h"
 
 namespace shardd {
@@ -42,26 +43,13 @@ namespace shardd {
 // Writes shard rank `shard_rank`'s owned elements of every parameter of
 // `plan` (master, and AdamW moments of trainable parameters) from `shards`
 // to tmp_dir/RankFileName(shard_rank), fsynced, and returns its record and
-// chunks for BuildIndex. Not to be called while a step runs on `shards`.
+// chunks for checkpoint::BuildIndex. Not to be called while a step runs on `shards`.
 // Errors: INVALID_ARGUMENT (shard_rank outside [0, dp_shard), `shards` not
 // holding the plan's units or shard sizes, a malformed layout); the errors
 // of checkpoint::WriteRankFile (file system errors).
 absl::StatusOr<checkpoint::RankFile> SaveRankShards(
     const v1::ShardingPlan& plan, const ShardStore& shards,
     const std::string& tmp_dir, int shard_rank);
-
-// The index of a save: every rank's file and chunks, `step` (completed
-// optimizer steps), data_position {"step": step} (the batch sampler is
-// indexed by step), saved_by from the plan (strategy, world_size, mesh
-// dp_shard / dp_replicate). Checks that the files hold every tensor of the
-// plan with the plan's global shape, each element exactly once.
-// Errors: INVALID_ARGUMENT (step < 0, a file added twice, ranks disagreeing
-// on a tensor's shape or dtype, a tensor of the plan missing or with
-// another shape, chunks overlapping or leaving elements uncovered, e.g. a
-// rank's file left out).
-absl::StatusOr<checkpoint::CheckpointIndex> BuildIndex(
-    const v1::ShardingPlan& plan, int64_t step,
-    absl::Span<const checkpoint::RankFile> rank_files);
 
 // Fills shard rank `shard_rank`'s master shards, exp_avg and exp_avg_sq in
 // `shards` (built from `plan`) from the checkpoint, reading exactly the

@@ -1,3 +1,4 @@
+#include "checkpoint/plan_index.h"
 #include "worker/shard_checkpoint.h"
 
 #include <stdlib.h>
@@ -17,19 +18,19 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "common/model_builder.h"
+#include "testing/model_builder.h"
 #include "common/status_macros.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
-#include "server/sharding_planner.h"
-#include "server/step_program.h"
-#include "server/strategy_registry.h"
+#include "planner/sharding_planner.h"
+#include "program/step_program.h"
+#include "planner/strategy_registry.h"
 #include "testing/numerics.h"
 #include "testing/shard_state.h"
-#include "worker/checkpoint/checkpoint_index.h"
-#include "worker/checkpoint/checkpoint_reader.h"
-#include "worker/checkpoint/checkpoint_writer.h"
-#include "worker/checkpoint/shard_ranges.h"
+#include "checkpoint/checkpoint_index.h"
+#include "checkpoint/checkpoint_reader.h"
+#include "checkpoint/checkpoint_writer.h"
+#include "layout/shard_ranges.h"
 #include "worker/data/batch_sampler.h"
 #include "worker/gloo_communicator.h"
 #include "worker/in_memory_kv_client.h"
@@ -53,7 +54,7 @@ constexpr int64_t kVocab = 30, kDim = 16, kExperts = 4, kInter = 8, kMlp = 12,
 constexpr uint64_t kSeed = 7;
 constexpr char kFrozen[] = "model.layers.0.moe.gate.weight";
 
-// The shared tiny MoE (common/model_builder.h) with a dense MLP of `mlp`
+// The shared tiny MoE (testing/model_builder.h) with a dense MLP of `mlp`
 // units. `freeze` freezes layer 0's router (kFrozen).
 v1::ModelSpec TinyMoe(bool freeze, int64_t mlp = kMlp) {
   testing_util::TinyMoeShape shape;
@@ -212,7 +213,7 @@ absl::StatusOr<std::string> SaveStores(
     files.push_back(std::move(file));
   }
   SHARDD_ASSIGN_OR_RETURN(const checkpoint::CheckpointIndex index,
-                          BuildIndex(plan, step, files));
+                          checkpoint::BuildIndex(plan, step, files));
   return checkpoint::CommitCheckpoint(root, tmp, index);
 }
 
@@ -303,9 +304,9 @@ TEST(ShardCheckpointTest, BuildIndexRefusesAMissingRankFile) {
         SaveRankShards(plan, *stores[r]->store, tmp, r));
     files.push_back(std::move(file));
   }
-  EXPECT_THAT(BuildIndex(plan, 1, files),
+  EXPECT_THAT(checkpoint::BuildIndex(plan, 1, files),
               StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(BuildIndex(plan, -1, files),
+  EXPECT_THAT(checkpoint::BuildIndex(plan, -1, files),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("step")));
   EXPECT_THAT(
       SaveRankShards(plan, *stores[0]->store, tmp, 4),
@@ -633,7 +634,7 @@ TEST(ShardCheckpointTrainingTest, ResumingAtOtherWorldsAndStrategiesMatches) {
     EXPECT_EQ(before.losses[s], full.losses[s]) << "step " << s;
   }
   SHARDD_ASSERT_OK_AND_ASSIGN(const checkpoint::CheckpointIndex index,
-                              BuildIndex(original, kSteps, files));
+                              checkpoint::BuildIndex(original, kSteps, files));
   SHARDD_ASSERT_OK_AND_ASSIGN(const std::string dir,
                               checkpoint::CommitCheckpoint(root, tmp, index));
   {
@@ -704,7 +705,7 @@ TEST(ShardCheckpointTrainingTest, OptimizerStepCountIsRestored) {
   std::vector<checkpoint::RankFile> files;
   RunPhase(model, plan, 0, 1, kGlobalBatch, "", tmp, &files);
   SHARDD_ASSERT_OK_AND_ASSIGN(const checkpoint::CheckpointIndex index,
-                              BuildIndex(plan, 1, files));
+                              checkpoint::BuildIndex(plan, 1, files));
   SHARDD_ASSERT_OK_AND_ASSIGN(const std::string dir,
                               checkpoint::CommitCheckpoint(root, tmp, index));
   const PhaseRun full =

@@ -1,18 +1,18 @@
-#include "worker/shard_layout.h"
+#include "layout/shard_layout.h"
 
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/model_builder.h"
+#include "testing/model_builder.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "model/model_util.h"
-#include "server/sharding_planner.h"
-#include "server/strategy_registry.h"
+#include "planner/sharding_planner.h"
+#include "planner/strategy_registry.h"
 #include "worker/memory_tracker.h"
-#include "worker/param_init.h"
+#include "layout/param_init.h"
 #include "worker/shard_store.h"
 
 namespace shardd {

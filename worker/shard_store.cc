@@ -10,7 +10,7 @@
 #include "common/status_macros.h"
 #include "kernels/cpu/bf16.h"
 #include "model/model_util.h"
-#include "worker/param_init.h"
+#include "layout/param_init.h"
 
 namespace shardd {
 namespace {

@@ -8,17 +8,17 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
-#include "common/model_builder.h"
+#include "testing/model_builder.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/bf16.h"
 #include "model/model_util.h"
-#include "server/sharding_planner.h"
-#include "server/strategy_registry.h"
+#include "planner/sharding_planner.h"
+#include "planner/strategy_registry.h"
 #include "worker/gloo_communicator.h"
 #include "worker/in_memory_kv_client.h"
 #include "worker/kv_gloo_store.h"
-#include "worker/param_init.h"
+#include "layout/param_init.h"
 
 namespace shardd {
 namespace {

@@ -2,7 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/error_info.h"
-#include "server/step_program.h"
+#include "program/step_program.h"
 
 namespace shardd {
 namespace {

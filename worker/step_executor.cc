@@ -14,7 +14,7 @@
 #include "common/error_info.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
-#include "server/step_program.h"
+#include "program/step_program.h"
 #include "worker/step_checks.h"
 
 namespace shardd {

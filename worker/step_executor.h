@@ -1,7 +1,7 @@
 #ifndef SHARDD_WORKER_STEP_EXECUTOR_H_
 #define SHARDD_WORKER_STEP_EXECUTOR_H_
 
-// Runs step programs (proto/worker.proto, server/step_program.h) on one rank:
+// Runs step programs (proto/worker.proto, program/step_program.h) on one rank:
 // the rank's ShardStore holds the shards, a MoeModel computes FORWARD and
 // BACKWARD, a communication thread runs the collectives, and OPTIMIZER_STEP
 // clips the global gradient norm and applies AdamW to the master shards.
@@ -48,7 +48,7 @@
 // thread, in program order with RESHARD; ALLOC_GRAD allocates on the caller
 // thread only once every free issued before it has happened
 // (exact_memory_order). So the live unsharded bytes never exceed the step
-// model's replay (server/step_program.h: UNSHARD allocates when issued,
+// model's replay (program/step_program.h: UNSHARD allocates when issued,
 // RESHARD / REDUCE_SCATTER free when issued) and reach its peak: the measured
 // peak_unsharded_bytes equals plan.memory().peak_unsharded_bytes().
 //

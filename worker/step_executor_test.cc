@@ -14,15 +14,15 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
-#include "common/model_builder.h"
+#include "testing/model_builder.h"
 #include "common/status_macros.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/adamw.h"
 #include "model/model_util.h"
-#include "server/sharding_planner.h"
-#include "server/step_program.h"
-#include "server/strategy_registry.h"
+#include "planner/sharding_planner.h"
+#include "program/step_program.h"
+#include "planner/strategy_registry.h"
 #include "testing/numerics.h"
 #include "testing/shard_state.h"
 #include "worker/data/batch_sampler.h"
@@ -31,7 +31,7 @@
 #include "worker/kv_gloo_store.h"
 #include "worker/memory_tracker.h"
 #include "worker/moe_model.h"
-#include "worker/param_init.h"
+#include "layout/param_init.h"
 
 namespace shardd {
 namespace {
@@ -50,7 +50,7 @@ using ::shardd::testing_util::CollectOwnedState;
 using ::shardd::testing_util::ExpectRelativelyNear;
 using ::shardd::testing_util::ExpectStepWithinRounding;
 
-// The shared tiny MoE (common/model_builder.h) with these constants.
+// The shared tiny MoE (testing/model_builder.h) with these constants.
 // `freeze` freezes layer 0's router (kFrozen).
 v1::ModelSpec TinyMoe(bool freeze) {
   testing_util::TinyMoeShape shape;

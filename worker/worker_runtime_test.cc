@@ -13,16 +13,17 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "common/model_builder.h"
+#include "testing/model_builder.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/sharding_planner.h"
-#include "server/step_program.h"
-#include "server/strategy_registry.h"
+#include "planner/sharding_planner.h"
+#include "program/step_program.h"
+#include "planner/strategy_registry.h"
 #include "testing/numerics.h"
-#include "worker/checkpoint/checkpoint_writer.h"
+#include "checkpoint/checkpoint_writer.h"
 #include "worker/in_memory_kv_client.h"
+#include "checkpoint/plan_index.h"
 #include "worker/shard_checkpoint.h"
 
 namespace shardd {
@@ -658,7 +659,7 @@ TEST(WorkerRuntimeTest, CheckpointPathsAreConfinedAndASaveLoadsElsewhere) {
     file.chunks.push_back(std::move(piece));
   }
   SHARDD_ASSERT_OK_AND_ASSIGN(checkpoint::CheckpointIndex index,
-                              BuildIndex(plan, 2, {file}));
+                              checkpoint::BuildIndex(plan, 2, {file}));
   ASSERT_THAT(
       checkpoint::CommitCheckpoint(root + "/job", tmp_dir, index).status(),
       IsOk());

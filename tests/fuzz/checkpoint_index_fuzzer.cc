@@ -14,7 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
-#include "worker/checkpoint/checkpoint_index.h"
+#include "checkpoint/checkpoint_index.h"
 
 namespace {
 

@@ -24,8 +24,8 @@
 #include "absl/strings/match.h"
 #include "proto/coordinator.pb.h"
 #include "server/coordinator_service.h"
-#include "server/step_program.h"
-#include "server/strategy_registry.h"
+#include "program/step_program.h"
+#include "planner/strategy_registry.h"
 
 namespace {
 
