@@ -15,9 +15,9 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "worker/gloo_communicator.h"
-#include "worker/in_memory_kv_client.h"
-#include "worker/kv_gloo_store.h"
+#include "worker/comm/gloo_communicator.h"
+#include "worker/comm/in_memory_kv_client.h"
+#include "worker/comm/kv_gloo_store.h"
 
 namespace shardd {
 

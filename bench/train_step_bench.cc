@@ -40,11 +40,11 @@
 #include "program/step_program.h"
 #include "planner/strategy_registry.h"
 #include "worker/data/batch_sampler.h"
-#include "worker/gloo_communicator.h"
-#include "worker/in_memory_kv_client.h"
-#include "worker/kv_gloo_store.h"
-#include "worker/memory_tracker.h"
-#include "worker/step_executor.h"
+#include "worker/comm/gloo_communicator.h"
+#include "worker/comm/in_memory_kv_client.h"
+#include "worker/comm/kv_gloo_store.h"
+#include "worker/memory/memory_tracker.h"
+#include "worker/exec/step_executor.h"
 
 namespace shardd {
 namespace {

@@ -44,11 +44,11 @@
 #include "proto/plan.pb.h"
 #include "planner/sharding_planner.h"
 #include "planner/strategy_registry.h"
-#include "worker/gloo_communicator.h"
-#include "worker/in_memory_kv_client.h"
-#include "worker/kv_gloo_store.h"
-#include "worker/memory_tracker.h"
-#include "worker/shard_store.h"
+#include "worker/comm/gloo_communicator.h"
+#include "worker/comm/in_memory_kv_client.h"
+#include "worker/comm/kv_gloo_store.h"
+#include "worker/memory/memory_tracker.h"
+#include "worker/shards/shard_store.h"
 
 namespace shardd {
 namespace {

@@ -39,7 +39,7 @@
 #include "server/coordinator_metrics.h"
 #include "server/coordinator_server.h"
 #include "server/coordinator_service.h"
-#include "server/grpc_worker_client.h"
+#include "server/jobs/grpc_worker_client.h"
 #include "server/state_store.h"
 #include "planner/strategy_registry.h"
 #include "server/worker_registry.h"

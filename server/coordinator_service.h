@@ -34,13 +34,13 @@
 #include "proto/model.pb.h"
 #include "proto/plan.pb.h"
 #include "server/barrier.h"
-#include "server/job_journal.h"
-#include "server/job_runner.h"
+#include "server/jobs/job_journal.h"
+#include "server/jobs/job_runner.h"
 #include "server/kv_store.h"
 #include "planner/sharding_planner.h"
 #include "server/state_store.h"
 #include "planner/strategy_registry.h"
-#include "server/worker_client.h"
+#include "server/jobs/worker_client.h"
 #include "server/worker_registry.h"
 
 namespace shardd {

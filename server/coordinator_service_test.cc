@@ -23,7 +23,7 @@
 #include "planner/sharding_planner.h"
 #include "program/step_program.h"
 #include "planner/strategy_registry.h"
-#include "server/worker_client.h"
+#include "server/jobs/worker_client.h"
 
 namespace shardd {
 namespace {

@@ -8,7 +8,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/grpc_status.h"
-#include "server/job_runner.h"
+#include "server/jobs/job_runner.h"
 
 namespace shardd {
 namespace {

@@ -24,7 +24,7 @@
 #include "proto/coordinator.grpc.pb.h"
 #include "server/coordinator_service.h"
 #include "planner/strategy_registry.h"
-#include "server/worker_client.h"
+#include "server/jobs/worker_client.h"
 
 namespace shardd {
 namespace {

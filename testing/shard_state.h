@@ -7,7 +7,7 @@
 
 #include "proto/plan.pb.h"
 #include "testing/numerics.h"
-#include "worker/shard_store.h"
+#include "worker/shards/shard_store.h"
 
 namespace shardd {
 namespace testing_util {

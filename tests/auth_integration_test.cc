@@ -27,9 +27,9 @@
 #include "proto/worker.grpc.pb.h"
 #include "server/coordinator_server.h"
 #include "server/coordinator_service.h"
-#include "server/grpc_worker_client.h"
+#include "server/jobs/grpc_worker_client.h"
 #include "planner/strategy_registry.h"
-#include "worker/grpc_worker_service.h"
+#include "worker/grpc/grpc_worker_service.h"
 #include "worker/worker_runtime.h"
 
 namespace shardd {

@@ -1,4 +1,4 @@
-#include "worker/coordinator_agent.h"
+#include "worker/grpc/coordinator_agent.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>

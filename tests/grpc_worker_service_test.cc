@@ -1,4 +1,4 @@
-#include "worker/grpc_worker_service.h"
+#include "worker/grpc/grpc_worker_service.h"
 
 #include <atomic>
 #include <chrono>
@@ -28,8 +28,8 @@
 #include "planner/sharding_planner.h"
 #include "program/step_program.h"
 #include "planner/strategy_registry.h"
-#include "worker/coordinator_agent.h"
-#include "worker/in_memory_kv_client.h"
+#include "worker/grpc/coordinator_agent.h"
+#include "worker/comm/in_memory_kv_client.h"
 #include "worker/worker_runtime.h"
 
 namespace shardd {

@@ -115,11 +115,18 @@ def main(argv):
             old = pkg + "/" + f
             new = renames.get(old, new_pkg + "/" + os.path.basename(f))
             file_map[old] = new
-        kind = block[1].lstrip("#").split("(")[0].split("\n")[-1].strip()
         for b in blocks:
-            if b[0] == "stmt" and b[1].startswith("load(") and kind in b[1]:
-                loads_needed.setdefault(new_pkg, set()).add(
-                    b[1].strip() + "\n")
+            stmt = "".join(l for l in b[1].splitlines(True)
+                           if not l.startswith("#"))
+            if b[0] != "stmt" or not stmt.startswith("load("):
+                continue
+            symbols = re.findall(r'"(\w+)"', b[1])
+            used = [s for s in symbols
+                    if re.search(r"\b%s\(" % s, block[1])]
+            if used:
+                source = re.match(r'load\("([^"]+)"', stmt).group(1)
+                loads_needed.setdefault(new_pkg, {}).setdefault(
+                    source, set()).update(used)
 
     def resolve(label_pkg, label_name, ctx_pkg):
         pkg = label_pkg if label_pkg is not None else ctx_pkg
@@ -158,9 +165,13 @@ def main(argv):
                          else b[1])
         text = "".join(parts)
         extra = []
-        for l in sorted(loads_needed.get(pkg, ())):
-            if l not in text:
-                extra.append(l)
+        for source, symbols in sorted(loads_needed.get(pkg, {}).items()):
+            missing = [s for s in sorted(symbols)
+                       if not re.search(r'load\("%s"[^)]*"%s"' % (
+                           re.escape(source), s), text)]
+            if missing:
+                extra.append("load(%s)\n" % ", ".join(
+                    ['"%s"' % source] + ['"%s"' % s for s in missing]))
         for origin, b in moved_blocks.get(pkg, []):
             extra.append("\n" + rewrite_labels(b[1], pkg, origin))
         if extra:

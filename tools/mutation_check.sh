@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Shows that the equivalence tests catch broken gradient reductions: applies
 # one deliberate bug at a time to the reduce-scatter path, rebuilds
-# //worker:step_executor_test, runs its equivalence suites and reports how
+# //worker/exec:step_executor_test, runs its equivalence suites and reports how
 # many cases fail; then restores the sources. Every mutation must make
 # tests fail. docs/testing.md records a run.
 #
@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-files=(worker/shard_store.cc worker/step_executor.cc)
+files=(worker/shards/shard_store.cc worker/exec/step_executor.cc)
 if ! git diff --quiet -- "${files[@]}"; then
   echo "mutation_check: ${files[*]} have uncommitted changes" >&2
   exit 2
@@ -38,7 +38,7 @@ mutate() {
 status=0
 run() {
   local name=$1
-  bazel build "${config[@]}" //worker:step_executor_test >/dev/null 2>&1 || {
+  bazel build "${config[@]}" //worker/exec:step_executor_test >/dev/null 2>&1 || {
     echo "mutation_check: $name does not build" >&2
     exit 2
   }
@@ -65,27 +65,27 @@ run() {
 run unmodified
 
 # 1. The reduce-scatter sums instead of averaging over the shard group.
-mutate worker/shard_store.cc \
+mutate worker/shards/shard_store.cc \
   's/(shard_group->ReduceScatter\(\s*state->unsharded_grad\.data\(\), out, chunk, state->reduce, )ReduceOp::kAvg/${1}ReduceOp::kSum/s'
 run missing_average
 
 # 2. Shard rank 1's contribution is lost: it reduces a zeroed buffer.
-mutate worker/shard_store.cc \
+mutate worker/shards/shard_store.cc \
   's/(  SHARDD_RETURN_IF_ERROR\(shard_group->ReduceScatter\()/  if (options_.shard_rank == 1) {\n    std::memset(state->unsharded_grad.data(), 0,\n                chunk * elem * shard_group->world_size());\n  }\n$1/s'
 run one_rank_dropped
 
 # 3. Padding rows counted: the last rank's padding rows get a copy of the
 #    last real row's gradient, and the executor counts them as trainable
 #    rows (norm, clipping, AdamW).
-mutate worker/shard_store.cc \
+mutate worker/shards/shard_store.cc \
   's/(    if \(rows <= 0\) break;\n)(    AddInto\(values)/$1    for (int64_t p = rows; p < param->rows_per_rank; ++p) {\n      AddInto(values + (param->dim0 - 1) * param->row_numel, param->row_numel,\n              unit->reduce,\n              base + (r * unit->grad_chunk_numel + param->grad_offset +\n                      p * param->row_numel) * elem);\n    }\n$2/s'
-mutate worker/step_executor.cc \
+mutate worker/exec/step_executor.cc \
   's/std::min\(rows_per_rank, dim0 - r \* rows_per_rank\)\)/rows_per_rank)/s'
 run padding_row_counted
 
 # 4. A wrong offset in the flat (Megatron-FSDP) buffer: the reduced chunk
 #    lands one element late.
-mutate worker/shard_store.cc 's/add\(0, 0, chunk\);/add(0, 1, chunk - 1);/s'
+mutate worker/shards/shard_store.cc 's/add\(0, 0, chunk\);/add(0, 1, chunk - 1);/s'
 run flat_offset_by_one
 
 exit $status

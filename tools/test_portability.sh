@@ -43,11 +43,11 @@ config=()
 [[ -x /usr/local/cuda/bin/nvcc ]] && config=(--config=cuda)
 
 unit_tests=(
-  //worker:step_executor_test
-  //worker:shard_checkpoint_test
+  //worker/exec:step_executor_test
+  //worker/shards:shard_checkpoint_test
   //worker:worker_runtime_test
-  //worker:moe_model_test
-  //worker:device_moe_model_cpu_test
+  //worker/model:moe_model_test
+  //worker/model:device_moe_model_cpu_test
   //testing:numerics_test
   //kernels/cpu:adamw_test
   //kernels/cpu:cross_entropy_test

@@ -54,8 +54,8 @@
 #include "common/metrics_http_server.h"
 #include "common/metrics_registry.h"
 #include "kernels/cpu/simd_level.h"
-#include "worker/coordinator_agent.h"
-#include "worker/grpc_worker_service.h"
+#include "worker/grpc/coordinator_agent.h"
+#include "worker/grpc/grpc_worker_service.h"
 #include "worker/worker_metrics.h"
 #include "worker/worker_runtime.h"
 

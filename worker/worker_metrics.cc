@@ -3,8 +3,8 @@
 #include <utility>
 
 #include "common/status_macros.h"
-#include "worker/communicator.h"
-#include "worker/memory_tracker.h"
+#include "worker/comm/communicator.h"
+#include "worker/memory/memory_tracker.h"
 
 namespace shardd {
 

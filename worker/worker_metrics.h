@@ -21,8 +21,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/metrics_registry.h"
-#include "worker/coordinator_agent.h"
-#include "worker/step_executor.h"
+#include "worker/grpc/coordinator_agent.h"
+#include "worker/exec/step_executor.h"
 #include "worker/worker_runtime.h"
 
 namespace shardd {

@@ -7,7 +7,7 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "worker/step_executor.h"
+#include "worker/exec/step_executor.h"
 #include "worker/worker_runtime.h"
 
 namespace shardd {

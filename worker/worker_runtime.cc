@@ -23,15 +23,15 @@
 #include "checkpoint/checkpoint_writer.h"
 #include "worker/data/batch_sampler.h"
 #include "worker/data/markov_source.h"
-#include "worker/gloo_communicator.h"
-#include "worker/kv_gloo_store.h"
-#include "worker/shard_checkpoint.h"
-#include "worker/shard_state_transfer.h"
-#include "worker/step_runner.h"
+#include "worker/comm/gloo_communicator.h"
+#include "worker/comm/kv_gloo_store.h"
+#include "worker/shards/shard_checkpoint.h"
+#include "worker/shards/shard_state_transfer.h"
+#include "worker/exec/step_runner.h"
 
 #ifdef SHARDD_WITH_CUDA
 #include "kernels/cuda/cuda_status.h"
-#include "worker/device_step_runner.h"
+#include "worker/exec/device_step_runner.h"
 #endif
 
 namespace shardd {

@@ -74,13 +74,13 @@
 #include "proto/coordinator.pb.h"
 #include "proto/plan.pb.h"
 #include "proto/worker.pb.h"
-#include "worker/communicator.h"
+#include "worker/comm/communicator.h"
 #include "worker/data/batch_sampler.h"
-#include "worker/kv_client.h"
-#include "worker/memory_timeline.h"  // (section: timeline-svg)
-#include "worker/memory_tracker.h"
-#include "worker/step_executor.h"
-#include "worker/step_runner.h"
+#include "worker/comm/kv_client.h"
+#include "worker/memory/memory_timeline.h"  // (section: timeline-svg)
+#include "worker/memory/memory_tracker.h"
+#include "worker/exec/step_executor.h"
+#include "worker/exec/step_runner.h"
 
 namespace shardd {
 
@@ -136,7 +136,7 @@ struct WorkerRuntimeOptions {
   // checkpoint. Zero (the default) in production.
   absl::Duration debug_save_delay = absl::ZeroDuration();
   // Where to draw the measured memory timeline of the first step this
-  // worker runs on the CPU (worker/memory_timeline.h); empty: none.
+  // worker runs on the CPU (worker/memory/memory_timeline.h); empty: none.
   std::string memory_timeline_svg;
   // Runs after every successful step (Execute, or RunCommand's end_step),
   // on the calling thread under the runtime's mutex: it must be quick and

@@ -22,9 +22,9 @@
 #include "planner/strategy_registry.h"
 #include "testing/numerics.h"
 #include "checkpoint/checkpoint_writer.h"
-#include "worker/in_memory_kv_client.h"
+#include "worker/comm/in_memory_kv_client.h"
 #include "checkpoint/plan_index.h"
-#include "worker/shard_checkpoint.h"
+#include "worker/shards/shard_checkpoint.h"
 
 namespace shardd {
 namespace {

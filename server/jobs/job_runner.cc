@@ -1,0 +1,1505 @@
+#include "server/jobs/job_runner.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <functional>
+#include <limits>
+#include <system_error>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "common/error_info.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "program/step_program.h"
+#include "checkpoint/checkpoint_reader.h"
+#include "checkpoint/checkpoint_writer.h"
+#include "checkpoint/plan_index.h"
+
+namespace shardd {
+
+// ---------------------------------------------------------------------------
+// JobEventLog
+
+JobEventLog::JobEventLog(std::string job_id, size_t max_events)
+    : job_id_(std::move(job_id)),
+      max_events_(std::max<size_t>(1, max_events)) {}
+
+void JobEventLog::Append(v1::StepEvent event) {
+  std::vector<std::shared_ptr<Listener>> listeners;
+  {
+    absl::MutexLock lock(&mu_);
+    if (ended_) return;
+    ended_ = event.done() || !event.error().empty();
+    events_.push_back(std::move(event));
+    while (events_.size() > max_events_) {
+      events_.pop_front();
+      ++first_index_;
+    }
+    // Notify outside the lock (listeners read the log); drop the dead.
+    std::vector<std::weak_ptr<Listener>> alive;
+    for (std::weak_ptr<Listener>& weak : listeners_) {
+      if (std::shared_ptr<Listener> listener = weak.lock()) {
+        listeners.push_back(std::move(listener));
+        alive.push_back(std::move(weak));
+      }
+    }
+    listeners_ = std::move(alive);
+  }
+  for (const std::shared_ptr<Listener>& listener : listeners) {
+    listener->OnEventsAvailable();
+  }
+}
+
+void JobEventLog::AddListener(std::weak_ptr<Listener> listener) {
+  absl::MutexLock lock(&mu_);
+  listeners_.push_back(std::move(listener));
+}
+
+int64_t JobEventLog::StartIndex(int64_t from_step) const {
+  absl::MutexLock lock(&mu_);
+  // Steps go back after a rollback to a checkpoint, so a watcher that asks
+  // for a step seen before the rollback sees the rollback and the steps
+  // that run again: the first match wins. Once per watch, so linear.
+  auto it = std::find_if(events_.begin(), events_.end(),
+                         [from_step](const v1::StepEvent& event) {
+                           return event.step() >= from_step;
+                         });
+  return first_index_ + (it - events_.begin());
+}
+
+JobEventLog::ReadResult JobEventLog::Read(int64_t* index,
+                                          v1::StepEvent* out) const {
+  absl::MutexLock lock(&mu_);
+  if (*index < first_index_) *index = first_index_;
+  const int64_t offset = *index - first_index_;
+  if (offset < static_cast<int64_t>(events_.size())) {
+    *out = events_[offset];
+    return ReadResult::kEvent;
+  }
+  return ended_ ? ReadResult::kEnded : ReadResult::kWait;
+}
+
+bool JobEventLog::ended() const {
+  absl::MutexLock lock(&mu_);
+  return ended_;
+}
+
+std::vector<v1::StepEvent> JobEventLog::Snapshot() const {
+  absl::MutexLock lock(&mu_);
+  return std::vector<v1::StepEvent>(events_.begin(), events_.end());
+}
+
+// ---------------------------------------------------------------------------
+// JobRunner internals
+
+struct JobRunner::Job {
+  std::string id;
+  std::string model_id;
+  int32_t world_size = 0;
+  int32_t total_steps = 0;
+  // The step the job starts from (the checkpoint's, with resume_from).
+  int64_t first_step = 0;
+  // Read without the lock by the job's thread while it runs; cleared (under
+  // JobRunner::mu_) when it ends, since plans of large worlds are big.
+  JobSpec spec;
+  std::shared_ptr<JobEventLog> events;
+  std::thread thread;
+  // Restored from the journal: the first attempt recovers.
+  bool restored = false;
+  // The fields below are guarded by JobRunner::mu_.
+  v1::JobState state = v1::JOB_QUEUED;
+  int64_t steps_done = 0;
+  double last_loss = 0.0;
+  double tokens_per_second = 0.0;
+  std::string error;
+  int32_t recoveries = 0;
+  // The checkpoint a recovery reloads: the last one committed or loaded.
+  std::string last_checkpoint;
+  // On-demand saves and rollbacks, served between steps.
+  std::deque<Control> controls;
+};
+
+struct JobRunner::Control {
+  bool save = false;
+  std::string checkpoint;  // Rollback target.
+  CheckpointCallback done;
+};
+
+// One thread per rank, so that every rank's blocking call of a round is in
+// flight at the same time (a collective needs all of them).
+class JobRunner::RankPool {
+ public:
+  explicit RankPool(int ranks) : tasks_(ranks) {
+    threads_.reserve(ranks);
+    for (int rank = 0; rank < ranks; ++rank) {
+      threads_.emplace_back([this, rank] { Loop(rank); });
+    }
+  }
+
+  ~RankPool() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    for (std::thread& thread : threads_) thread.join();
+  }
+
+  RankPool(const RankPool&) = delete;
+  RankPool& operator=(const RankPool&) = delete;
+
+  // Runs `task` on `rank`'s thread; the rank must be idle.
+  void Run(int rank, std::function<void()> task) {
+    absl::MutexLock lock(&mu_);
+    tasks_[rank] = std::move(task);
+  }
+
+ private:
+  void Loop(int rank) {
+    while (true) {
+      std::function<void()> task;
+      {
+        absl::MutexLock lock(&mu_);
+        auto ready = [this, rank]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return stop_ || tasks_[rank] != nullptr;
+        };
+        mu_.Await(absl::Condition(&ready));
+        if (tasks_[rank] == nullptr) return;  // Stopping, nothing left.
+        task = std::move(tasks_[rank]);
+        tasks_[rank] = nullptr;
+      }
+      task();
+    }
+  }
+
+  absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::thread> threads_;
+};
+
+namespace {
+
+// The results of one round of calls.
+struct Round {
+  explicit Round(int ranks) : remaining(ranks), results(ranks) {}
+  absl::Mutex mu;
+  int remaining ABSL_GUARDED_BY(mu);
+  std::vector<absl::Status> results ABSL_GUARDED_BY(mu);
+  std::vector<bool> answered ABSL_GUARDED_BY(mu);
+  // Ranks whose call failed, in the order they failed.
+  std::vector<int> failures ABSL_GUARDED_BY(mu);
+};
+
+std::string RankLabel(int rank, const std::string& address) {
+  return absl::StrCat("rank ", rank, " (", address, ")");
+}
+
+std::string Describe(const absl::Status& status) {
+  return absl::StrCat(absl::StatusCodeToString(status.code()), ": ",
+                      status.message());
+}
+
+// Collective failures on healthy ranks are a consequence; a cancelled call
+// was stopped by us. Either is a worse explanation than any other error.
+int CauseRank(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kCancelled:
+      return 2;
+    case absl::StatusCode::kAborted:
+      return 1;
+    default:
+      return 0;
+  }
+}
+
+std::string StepLabel(int64_t step, int32_t total) {
+  return absl::StrCat("step ", step, "/", total);
+}
+
+// The same status (code and reason) with `prefix` before its message.
+absl::Status Prefixed(absl::string_view prefix, const absl::Status& status) {
+  if (status.ok()) return status;
+  return WithMessage(status, absl::StrCat(prefix, status.message()));
+}
+
+// TrainConfig.max_recoveries resolved: 0 means the runner's default,
+// negative never.
+int MaxRecoveries(const v1::TrainConfig& config, int fallback) {
+  if (config.max_recoveries() == 0) return fallback;
+  return std::max(0, config.max_recoveries());
+}
+
+// The n of a "j-<n>" job id, or 0.
+int64_t JobNumber(absl::string_view name) {
+  int64_t n = 0;
+  if (!absl::ConsumePrefix(&name, "j-") || !absl::SimpleAtoi(name, &n)) {
+    return 0;
+  }
+  return n;
+}
+
+// The RankFile a worker's SaveShards reported.
+checkpoint::RankFile ToRankFile(const v1::SaveShardsResponse& response) {
+  checkpoint::RankFile out;
+  out.file.name = response.file_name();
+  out.file.size_bytes = response.size_bytes();
+  out.file.xxh64 = response.xxh64();
+  for (const v1::CheckpointChunk& chunk : response.chunks()) {
+    checkpoint::TensorChunk piece;
+    piece.tensor = chunk.tensor();
+    piece.dtype = chunk.dtype();
+    piece.global_shape.assign(chunk.global_shape().begin(),
+                              chunk.global_shape().end());
+    piece.chunk.file = chunk.file();
+    piece.chunk.tensor = chunk.file_tensor();
+    piece.chunk.begin = chunk.begin();
+    piece.chunk.end = chunk.end();
+    out.chunks.push_back(std::move(piece));
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::Status CheckRelativeCheckpointPath(const std::string& path,
+                                         absl::string_view field) {
+  const absl::Status bad = absl::InvalidArgumentError(absl::StrCat(
+      field,
+      ": expected a checkpoint path relative to the checkpoint dir (e.g. "
+      "j-1/step-00000020), without '.', '..' or empty components, got '",
+      path, "'"));
+  if (path.empty() || path.front() == '/') return bad;
+  for (absl::string_view part : absl::StrSplit(path, '/')) {
+    if (part.empty() || part == "." || part == "..") return bad;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<v1::CheckpointInfo>> ListJobCheckpoints(
+    const std::string& checkpoint_dir, const std::string& job_id) {
+  if (!job_id.empty()) {
+    SHARDD_RETURN_IF_ERROR(CheckRelativeCheckpointPath(job_id, "job_id"));
+    if (job_id.find('/') != std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "job_id: expected a job id (j-<n>), got '", job_id, "'"));
+    }
+  }
+  std::vector<std::string> jobs;
+  if (!job_id.empty()) {
+    jobs.push_back(job_id);
+  } else {
+    std::error_code error;
+    std::filesystem::directory_iterator it(checkpoint_dir, error);
+    if (error && error != std::errc::no_such_file_or_directory) {
+      return absl::InternalError(
+          absl::StrCat("listing ", checkpoint_dir, ": ", error.message()));
+    }
+    for (; !error && it != std::filesystem::directory_iterator();
+         it.increment(error)) {
+      if (it->is_directory(error)) jobs.push_back(it->path().filename());
+    }
+    // j-2 before j-10.
+    std::sort(jobs.begin(), jobs.end(),
+              [](const std::string& a, const std::string& b) {
+                const int64_t na = JobNumber(a);
+                const int64_t nb = JobNumber(b);
+                return na != nb ? na < nb : a < b;
+              });
+  }
+  std::vector<v1::CheckpointInfo> out;
+  for (const std::string& job : jobs) {
+    SHARDD_ASSIGN_OR_RETURN(
+        std::vector<checkpoint::CheckpointInfo> found,
+        checkpoint::ListCheckpoints(checkpoint_dir + "/" + job));
+    for (const checkpoint::CheckpointInfo& info : found) {
+      v1::CheckpointInfo entry;
+      entry.set_name(absl::StrCat(job, "/", info.name));
+      entry.set_job_id(job);
+      entry.set_step(info.step);
+      // ListCheckpoints parsed the index already; reading it again here
+      // keeps its interface small (an index is a few KiB).
+      absl::StatusOr<std::unique_ptr<checkpoint::CheckpointReader>> reader =
+          checkpoint::CheckpointReader::Open(info.path);
+      if (reader.ok()) {
+        const checkpoint::SavedBy& by = (*reader)->index().saved_by;
+        entry.set_world_size(static_cast<int32_t>(by.world_size));
+        entry.set_strategy(by.strategy);
+      }
+      out.push_back(std::move(entry));
+    }
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// JobRunner
+
+JobRunner::JobRunner(WorkerRegistry* workers, WorkerClientFactory factory,
+                     JobRunnerOptions options)
+    : workers_(workers), factory_(std::move(factory)), options_(options) {
+  int64_t highest = 0;
+  if (!options_.checkpoint_dir.empty()) {
+    // Without a journal job ids restart at j-1 with the process; their
+    // checkpoint directories must not collide.
+    std::error_code error;
+    std::filesystem::directory_iterator it(options_.checkpoint_dir, error);
+    for (; !error && it != std::filesystem::directory_iterator();
+         it.increment(error)) {
+      highest = std::max(highest, JobNumber(it->path().filename().string()));
+    }
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    next_job_ = highest + 1;
+  }
+  RestoreJobs();
+}
+
+void JobRunner::RestoreJobs() {
+  if (options_.journal == nullptr) return;
+  absl::StatusOr<int64_t> next = options_.journal->NextJob();
+  absl::StatusOr<std::vector<StoredJob>> stored = options_.journal->LoadAll();
+  if (!next.ok() || !stored.ok()) {
+    // Never silently: the operator must see that jobs were not carried on.
+    SHARDD_LOG(ERROR) << "cannot read the stored jobs: "
+                      << (next.ok() ? stored.status() : next.status());
+    return;
+  }
+  int carried = 0;
+  absl::MutexLock lock(&mu_);
+  next_job_ = std::max(next_job_, *next);
+  for (StoredJob& entry : *stored) {
+    const v1::StoredJobRecord& record = entry.record;
+    const v1::StoredJobProgress& progress = entry.progress;
+    next_job_ = std::max(next_job_, JobNumber(record.job_id()) + 1);
+    auto job = std::make_unique<Job>();
+    job->id = record.job_id();
+    job->model_id = record.model_id();
+    job->world_size = record.plan().world_size();
+    job->total_steps = record.total_steps();
+    job->first_step = record.first_step();
+    job->steps_done = progress.steps_done();
+    job->last_loss = progress.last_loss();
+    job->error = progress.error();
+    job->recoveries = progress.recoveries();
+    job->last_checkpoint = progress.last_checkpoint();
+    job->events =
+        std::make_shared<JobEventLog>(job->id, options_.max_events_per_job);
+    Job* raw = job.get();
+    jobs_.emplace(job->id, std::move(job));
+    order_.push_back(raw->id);
+    if (progress.state() == v1::JOB_DONE ||
+        progress.state() == v1::JOB_FAILED) {
+      // Finished: its end is all that is left to watch.
+      raw->state = progress.state();
+      v1::StepEvent end;
+      end.set_job_id(raw->id);
+      end.set_total_steps(raw->total_steps);
+      if (raw->state == v1::JOB_DONE) {
+        end.set_step(raw->steps_done);
+        end.set_loss(raw->last_loss);
+        end.set_done(true);
+      } else {
+        end.set_step(raw->steps_done + 1);
+        end.set_error(raw->error);
+      }
+      raw->events->Append(std::move(end));
+      continue;
+    }
+    raw->spec.model_id = record.model_id();
+    raw->spec.model = record.model();
+    raw->spec.plan = record.plan();
+    raw->spec.config = record.config();
+    raw->restored = true;
+    if (!raw->spec.program.ParseFromString(record.program()) ||
+        raw->spec.program.commands_size() == 0) {
+      // RunJob fails it with this error (an empty program cannot run).
+      raw->spec.program.Clear();
+      raw->error = "its stored step program does not parse";
+    }
+    raw->state = v1::JOB_QUEUED;
+    queue_.push_back(raw);
+    raw->thread = std::thread([this, raw] { RunJob(raw); });
+    ++carried;
+  }
+  SHARDD_LOG(INFO) << "loaded " << order_.size() << " stored jobs (" << carried
+                   << " to carry on); next job j-" << next_job_;
+}
+
+JobRunner::~JobRunner() { Shutdown(); }
+
+absl::StatusOr<std::string> JobRunner::Submit(JobSpec spec) {
+  const int world = spec.plan.world_size();
+  if (world < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("plan.world_size: must be >= 1, got ", world));
+  }
+  if (spec.config.steps() < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.steps: must be >= 1, got ", spec.config.steps()));
+  }
+  if (spec.program.commands_size() == 0) {
+    return absl::InvalidArgumentError("program: has no commands");
+  }
+  if (spec.config.checkpoint_every() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.checkpoint_every: must be >= 0 (0 = never), got ",
+                     spec.config.checkpoint_every()));
+  }
+  int64_t first_step = 0;
+  const std::string& resume_from = spec.config.resume_from();
+  if (!resume_from.empty()) {
+    SHARDD_RETURN_IF_ERROR(
+        CheckRelativeCheckpointPath(resume_from, "config.resume_from"));
+  }
+  if ((spec.config.checkpoint_every() > 0 || !resume_from.empty()) &&
+      options_.checkpoint_dir.empty()) {
+    return absl::FailedPreconditionError(
+        "checkpoints: this coordinator has no checkpoint directory (start it "
+        "with --checkpoint-dir or --data-dir)");
+  }
+  if (!resume_from.empty()) {
+    // Refuse a missing checkpoint now; the workers verify the data files.
+    absl::StatusOr<std::unique_ptr<checkpoint::CheckpointReader>> reader =
+        checkpoint::CheckpointReader::Open(options_.checkpoint_dir + "/" +
+                                           resume_from);
+    if (!reader.ok()) {
+      return absl::Status(
+          reader.status().code(),
+          absl::StrCat("config.resume_from: ", reader.status().message()));
+    }
+    first_step = (*reader)->index().step;
+    if (first_step + spec.config.steps() >
+        std::numeric_limits<int32_t>::max()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.steps: the checkpoint's step ", first_step,
+                       " plus ", spec.config.steps(), " steps exceeds ",
+                       std::numeric_limits<int32_t>::max()));
+    }
+  }
+  // Refuse at once instead of queueing a job nobody can run.
+  SHARDD_RETURN_IF_ERROR(workers_->CheckRanksAlive(world));
+
+  std::vector<std::unique_ptr<Job>> reaped;
+  std::string id;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) {
+      return absl::UnavailableError("the coordinator is shutting down");
+    }
+    if (static_cast<int>(queue_.size()) >= options_.max_pending_jobs) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "jobs: ", queue_.size(), " jobs are queued or running, the limit is ",
+          options_.max_pending_jobs, "; watch one to its end first"));
+    }
+    // Forget the oldest finished jobs beyond the limit.
+    int finished = static_cast<int>(jobs_.size() - queue_.size());
+    for (auto it = order_.begin();
+         it != order_.end() && finished >= options_.max_finished_jobs;) {
+      auto job = jobs_.find(*it);
+      const v1::JobState state = job->second->state;
+      if (state == v1::JOB_DONE || state == v1::JOB_FAILED) {
+        reaped.push_back(std::move(job->second));
+        jobs_.erase(job);
+        it = order_.erase(it);
+        --finished;
+      } else {
+        ++it;
+      }
+    }
+    id = absl::StrCat("j-", next_job_);
+    auto job = std::make_unique<Job>();
+    job->id = id;
+    job->model_id = spec.model_id;
+    job->world_size = world;
+    job->first_step = first_step;
+    job->steps_done = first_step;
+    job->total_steps = static_cast<int32_t>(first_step + spec.config.steps());
+    job->last_checkpoint = spec.config.resume_from();
+    if (options_.journal != nullptr) {
+      // Durable before it is acknowledged; ids are never reused.
+      v1::StoredJobRecord record;
+      record.set_job_id(id);
+      record.set_model_id(spec.model_id);
+      *record.mutable_model() = spec.model;
+      *record.mutable_plan() = spec.plan;
+      record.set_program(spec.program.SerializeAsString());
+      *record.mutable_config() = spec.config;
+      record.set_first_step(first_step);
+      record.set_total_steps(job->total_steps);
+      const absl::Status created =
+          options_.journal->Create(record, ProgressLocked(*job), next_job_ + 1);
+      if (!created.ok()) {
+        return absl::Status(
+            created.code(),
+            absl::StrCat("state store: the job could not be recorded: ",
+                         created.message()));
+      }
+    }
+    ++next_job_;
+    job->spec = std::move(spec);
+    job->events =
+        std::make_shared<JobEventLog>(id, options_.max_events_per_job);
+    Job* raw = job.get();
+    queue_.push_back(raw);
+    order_.push_back(id);
+    jobs_.emplace(id, std::move(job));
+    raw->thread = std::thread([this, raw] { RunJob(raw); });
+  }
+  for (std::unique_ptr<Job>& job : reaped) {
+    if (job->thread.joinable()) job->thread.join();
+    if (options_.journal != nullptr) {
+      const absl::Status erased = options_.journal->Erase(job->id);
+      if (!erased.ok()) {
+        SHARDD_LOG(WARNING) << "could not forget job " << job->id
+                            << " in the state store: " << erased;
+      }
+    }
+  }
+  return id;
+}
+
+absl::StatusOr<std::shared_ptr<JobEventLog>> JobRunner::Events(
+    const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("job_id: no job '", job_id,
+                     "' on this coordinator (finished jobs are kept for a "
+                     "while, and not across restarts)"));
+  }
+  return it->second->events;
+}
+
+std::vector<JobSummary> JobRunner::ListJobs() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<JobSummary> out;
+  out.reserve(order_.size());
+  for (const std::string& id : order_) {
+    const Job& job = *jobs_.at(id);
+    JobSummary summary;
+    summary.job_id = job.id;
+    summary.model_id = job.model_id;
+    summary.state = job.state;
+    summary.world_size = job.world_size;
+    summary.steps_done = job.steps_done;
+    summary.total_steps = job.total_steps;
+    summary.last_loss = job.last_loss;
+    summary.tokens_per_second = job.tokens_per_second;
+    summary.error = job.error;
+    summary.recoveries = job.recoveries;
+    summary.last_checkpoint = job.last_checkpoint;
+    out.push_back(std::move(summary));
+  }
+  return out;
+}
+
+void JobRunner::Shutdown() {
+  // One Shutdown at a time: a thread is joined once.
+  absl::MutexLock shutdown_lock(&shutdown_mu_);
+  std::vector<Job*> jobs;
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    for (auto& [id, job] : jobs_) jobs.push_back(job.get());
+  }
+  // Submit refuses new jobs and never forgets one while stopping, so the
+  // pointers stay valid. Running jobs notice within poll_interval.
+  for (Job* job : jobs) {
+    if (job->thread.joinable()) job->thread.join();
+  }
+}
+
+bool JobRunner::stopping() const {
+  absl::MutexLock lock(&mu_);
+  return stopping_;
+}
+
+void JobRunner::RunJob(Job* job) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto my_turn = [this, job]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return stopping_ || (!queue_.empty() && queue_.front() == job);
+    };
+    mu_.Await(absl::Condition(&my_turn));
+    if (!stopping_) job->state = v1::JOB_RUNNING;
+  }
+  absl::Status status;
+  if (stopping()) {
+    status = absl::UnavailableError(
+        "the coordinator is shutting down (the job never started)");
+  } else if (job->spec.program.commands_size() == 0) {
+    absl::MutexLock lock(&mu_);
+    status = absl::FailedPreconditionError(
+        absl::StrCat("the stored job cannot be carried on: ", job->error));
+  } else {
+    SHARDD_LOG(INFO) << "job " << job->id << ": model " << job->model_id << ", "
+                     << job->total_steps << " steps on " << job->world_size
+                     << " workers" << (job->restored ? " (carried on)" : "");
+    bool recovering = job->restored;
+    while (true) {
+      if (recovering) {
+        // Waiting is the recovery's last resort: its failure is final.
+        status = WaitForWorkers(job);
+        if (!status.ok()) break;
+      }
+      status = RunSteps(job, recovering);
+      if (status.ok() || !Recoverable(job, status)) break;
+      v1::StepEvent interruption;
+      interruption.set_job_id(job->id);
+      int32_t recoveries = 0;
+      {
+        absl::MutexLock lock(&mu_);
+        recoveries = ++job->recoveries;
+        interruption.set_step(job->steps_done + 1);
+      }
+      interruption.set_total_steps(job->total_steps);
+      interruption.set_interruption(absl::StrCat(
+          status.message(), " (recovery ", recoveries, " of ",
+          MaxRecoveries(job->spec.config, options_.default_max_recoveries),
+          ": waiting up to ", absl::FormatDuration(options_.recovery_timeout),
+          " for ranks 0-", job->world_size - 1, " to be alive)"));
+      SHARDD_LOG(WARNING) << "job " << job->id
+                          << " interrupted: " << interruption.interruption();
+      status = Publish(job, std::move(interruption));
+      if (!status.ok()) break;
+      recovering = true;
+    }
+  }
+  if (status.ok()) {
+    SHARDD_LOG(INFO) << "job " << job->id << " done";
+  } else {
+    // RunSteps published the final event of a job that succeeded.
+    SHARDD_LOG(WARNING) << "job " << job->id << " failed: " << status.message();
+    v1::StepEvent event;
+    event.set_job_id(job->id);
+    {
+      absl::MutexLock lock(&mu_);
+      event.set_step(job->steps_done + 1);
+    }
+    event.set_total_steps(job->total_steps);
+    event.set_error(std::string(status.message()));
+    // Never fails for an error event (the journal's failure is logged).
+    Publish(job, std::move(event)).IgnoreError();
+  }
+  FailControls(job, absl::AbortedError(absl::StrCat(
+                        "job ", job->id, status.ok() ? " finished" : " failed",
+                        " before it got to the request")));
+  absl::MutexLock lock(&mu_);
+  job->spec = JobSpec();
+}
+
+bool JobRunner::Recoverable(Job* job, const absl::Status& status) {
+  if (stopping()) return false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (job->recoveries >=
+        MaxRecoveries(job->spec.config, options_.default_max_recoveries)) {
+      return false;
+    }
+  }
+  switch (status.code()) {
+    // A peer that died, restarted or hung, or a link that broke.
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kAborted:
+    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kCancelled:
+      return true;
+    // Also what a restarted worker answers for a plan it no longer holds,
+    // or one that lost a step: the worker says so with a reason
+    // (common/error_info.h), never only in words.
+    case absl::StatusCode::kFailedPrecondition: {
+      const std::string reason = ErrorReasonOf(status);
+      return reason == kReasonPlanNotHeld || reason == kReasonStepFailedEarlier;
+    }
+    default:
+      return false;
+  }
+}
+
+absl::Status JobRunner::WaitForWorkers(Job* job) {
+  {
+    absl::MutexLock lock(&mu_);
+    job->state = v1::JOB_RECOVERING;
+  }
+  const absl::Time deadline = absl::Now() + options_.recovery_timeout;
+  while (true) {
+    absl::Status alive = workers_->CheckRanksAlive(job->world_size);
+    if (alive.ok()) {
+      // A killed worker stays "alive" until its heartbeat times out: ask
+      // every rank directly, so that the recovery starts with all of them
+      // answering.
+      for (const WorkerState& worker : workers_->List()) {
+        if (worker.rank < 0 || worker.rank >= job->world_size) continue;
+        absl::StatusOr<std::unique_ptr<WorkerClient>> client =
+            factory_(worker.address);
+        WorkerCallOptions options;
+        options.deadline =
+            absl::Now() + std::min(absl::Seconds(2), options_.rpc_margin);
+        absl::Status answered = client.ok()
+                                    ? (*client)->GetStats(options).status()
+                                    : client.status();
+        if (!answered.ok()) {
+          alive = absl::UnavailableError(
+              absl::StrCat(RankLabel(worker.rank, worker.address),
+                           " does not answer: ", Describe(answered)));
+          break;
+        }
+      }
+      if (alive.ok()) return alive;
+    }
+    if (stopping()) {
+      return absl::UnavailableError("the coordinator is shutting down");
+    }
+    if (absl::Now() >= deadline) {
+      return absl::UnavailableError(
+          absl::StrCat("recovery: the workers did not come back within ",
+                       absl::FormatDuration(options_.recovery_timeout), ": ",
+                       alive.message()));
+    }
+    absl::SleepFor(options_.poll_interval);
+  }
+}
+
+void JobRunner::RequestSave(const std::string& job_id,
+                            CheckpointCallback done) {
+  RequestControl(job_id, /*save=*/true, "", std::move(done));
+}
+
+void JobRunner::RequestLoad(const std::string& job_id,
+                            const std::string& checkpoint,
+                            CheckpointCallback done) {
+  RequestControl(job_id, /*save=*/false, checkpoint, std::move(done));
+}
+
+void JobRunner::RequestControl(const std::string& job_id, bool save,
+                               const std::string& checkpoint,
+                               CheckpointCallback done) {
+  auto refuse = [&](absl::Status status) { done(std::move(status)); };
+  if (options_.checkpoint_dir.empty()) {
+    return refuse(absl::FailedPreconditionError(
+        "checkpoints: this coordinator has no checkpoint directory (start it "
+        "with --checkpoint-dir or --data-dir)"));
+  }
+  if (!save) {
+    absl::Status path = CheckRelativeCheckpointPath(checkpoint, "checkpoint");
+    if (!path.ok()) return refuse(std::move(path));
+    absl::StatusOr<std::unique_ptr<checkpoint::CheckpointReader>> reader =
+        checkpoint::CheckpointReader::Open(options_.checkpoint_dir + "/" +
+                                           checkpoint);
+    if (!reader.ok()) {
+      return refuse(absl::Status(
+          reader.status().code(),
+          absl::StrCat("checkpoint: ", reader.status().message())));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) {
+    return refuse(absl::NotFoundError(
+        absl::StrCat("job_id: no job '", job_id, "' on this coordinator")));
+  }
+  Job* job = it->second.get();
+  if (job->state != v1::JOB_RUNNING) {
+    return refuse(absl::FailedPreconditionError(absl::StrCat(
+        "job_id: job ", job_id, " is ", v1::JobState_Name(job->state),
+        "; checkpoints are saved and loaded on demand while it runs")));
+  }
+  Control control;
+  control.save = save;
+  control.checkpoint = checkpoint;
+  control.done = std::move(done);
+  job->controls.push_back(std::move(control));
+}
+
+void JobRunner::FailControls(Job* job, const absl::Status& status) {
+  std::deque<Control> controls;
+  {
+    absl::MutexLock lock(&mu_);
+    controls.swap(job->controls);
+  }
+  for (Control& control : controls) control.done(status);
+}
+
+v1::StoredJobProgress JobRunner::ProgressLocked(const Job& job) const {
+  v1::StoredJobProgress progress;
+  progress.set_state(job.state);
+  progress.set_steps_done(job.steps_done);
+  progress.set_last_checkpoint(job.last_checkpoint);
+  progress.set_last_loss(job.last_loss);
+  progress.set_error(job.error);
+  progress.set_recoveries(job.recoveries);
+  return progress;
+}
+
+absl::Status JobRunner::CheckMembership(
+    const std::vector<WorkerSnapshot>& snapshot) const {
+  const std::vector<WorkerState> now = workers_->List();
+  std::map<int, const WorkerState*> by_rank;
+  for (const WorkerState& worker : now) by_rank[worker.rank] = &worker;
+  for (int rank = 0; rank < static_cast<int>(snapshot.size()); ++rank) {
+    const std::string label = RankLabel(rank, snapshot[rank].address);
+    auto it = by_rank.find(rank);
+    if (it == by_rank.end()) {
+      return absl::UnavailableError(absl::StrCat(
+          label, ": UNAVAILABLE: the worker left the coordinator"));
+    }
+    const WorkerState& worker = *it->second;
+    if (worker.incarnation != snapshot[rank].incarnation) {
+      return absl::UnavailableError(absl::StrCat(
+          label, ": UNAVAILABLE: the worker restarted (", worker.address,
+          " registered with a new incarnation), so its shards are gone"));
+    }
+    if (!worker.alive) {
+      return absl::UnavailableError(absl::StrCat(
+          label,
+          ": UNAVAILABLE: the worker was declared dead (no heartbeat for ",
+          absl::FormatDuration(workers_->heartbeat_timeout()), ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status JobRunner::RunOnAllRanks(
+    const std::vector<WorkerSnapshot>& workers, RankPool* pool,
+    const std::function<absl::Status(int, const WorkerCallOptions&)>& call,
+    absl::string_view what) {
+  const int world = static_cast<int>(workers.size());
+  const absl::Duration timeout =
+      options_.collective_timeout + options_.rpc_margin;
+  const absl::Time deadline = absl::Now() + timeout;
+  // Shared with the tasks, which may finish their bookkeeping after the
+  // wait below saw remaining == 0.
+  auto round = std::make_shared<Round>(world);
+  {
+    absl::MutexLock lock(&round->mu);
+    round->answered.assign(world, false);
+  }
+  CallCanceller canceller;
+  WorkerCallOptions call_options;
+  call_options.deadline = deadline;
+  call_options.canceller = &canceller;
+  for (int rank = 0; rank < world; ++rank) {
+    // `call` and `canceller` outlive the task: this function waits for
+    // every task before it returns.
+    pool->Run(rank, [round, rank, &call, call_options] {
+      absl::Status status = call(rank, call_options);
+      absl::MutexLock lock(&round->mu);
+      if (!status.ok()) round->failures.push_back(rank);
+      round->results[rank] = std::move(status);
+      round->answered[rank] = true;
+      --round->remaining;
+    });
+  }
+
+  // Decided here rather than by a call's result: a dead or restarted
+  // worker, shutdown, or the deadline.
+  absl::Status verdict;
+  bool timed_out = false;
+  std::vector<int> unanswered;
+  absl::Time first_failure = absl::InfiniteFuture();
+  while (true) {
+    const absl::Time now = absl::Now();
+    if (now >= deadline) {
+      timed_out = true;
+      absl::MutexLock lock(&round->mu);
+      for (int rank = 0; rank < world; ++rank) {
+        if (!round->answered[rank]) unanswered.push_back(rank);
+      }
+      break;
+    }
+    absl::Time wake = std::min(now + options_.poll_interval, deadline);
+    const bool seen_failure = first_failure != absl::InfiniteFuture();
+    if (seen_failure)
+      wake = std::min(wake, first_failure + options_.failure_grace);
+    bool finished = false;
+    {
+      absl::MutexLock lock(&round->mu);
+      Round* r = round.get();
+      auto ready = [r, seen_failure]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) {
+        return r->remaining == 0 || (!seen_failure && !r->failures.empty());
+      };
+      round->mu.AwaitWithDeadline(absl::Condition(&ready), wake);
+      if (round->remaining == 0) {
+        finished = true;
+      } else if (!round->failures.empty()) {
+        if (!seen_failure) {
+          first_failure = absl::Now();
+        } else if (absl::Now() >= first_failure + options_.failure_grace) {
+          finished = true;  // The others get cancelled below.
+        }
+      }
+    }
+    if (finished) break;
+    if (stopping()) {
+      verdict = absl::UnavailableError("the coordinator is shutting down");
+      break;
+    }
+    verdict = CheckMembership(workers);
+    if (!verdict.ok()) break;
+  }
+
+  canceller.Cancel();
+  absl::MutexLock lock(&round->mu);
+  Round* r = round.get();
+  auto all_answered = [r]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) {
+    return r->remaining == 0;
+  };
+  // Clients end cancelled calls promptly (gRPC: TryCancel).
+  round->mu.Await(absl::Condition(&all_answered));
+
+  if (!verdict.ok()) return verdict;
+  // The most likely cause among the failures: the earliest one that is not
+  // a peer's aborted collective or our own cancellation.
+  int cause = -1;
+  for (int rank : round->failures) {
+    if (cause < 0 || CauseRank(round->results[rank].code()) <
+                         CauseRank(round->results[cause].code())) {
+      cause = rank;
+    }
+  }
+  if (cause >= 0 && (!timed_out || round->results[cause].code() !=
+                                       absl::StatusCode::kCancelled)) {
+    std::string message = absl::StrCat(RankLabel(cause, workers[cause].address),
+                                       ": ", Describe(round->results[cause]));
+    std::vector<std::string> others;
+    for (int rank : round->failures) {
+      if (rank == cause ||
+          round->results[rank].code() == absl::StatusCode::kCancelled) {
+        continue;
+      }
+      others.push_back(
+          absl::StrCat("rank ", rank, " ",
+                       absl::StatusCodeToString(round->results[rank].code())));
+    }
+    if (!others.empty()) {
+      constexpr size_t kMaxOthers = 3;
+      const size_t more =
+          others.size() > kMaxOthers ? others.size() - kMaxOthers : 0;
+      others.resize(std::min(others.size(), kMaxOthers));
+      absl::StrAppend(&message, " (also failed: ", absl::StrJoin(others, ", "),
+                      more > 0 ? absl::StrCat(" and ", more, " more") : "",
+                      ")");
+    }
+    return WithMessage(round->results[cause], message);
+  }
+  if (timed_out) {
+    const int rank = unanswered.empty() ? 0 : unanswered.front();
+    std::string message = absl::StrCat(
+        RankLabel(rank, workers[rank].address),
+        ": DEADLINE_EXCEEDED: no answer to ", what, " within ",
+        absl::FormatDuration(timeout), " (collective timeout ",
+        absl::FormatDuration(options_.collective_timeout), " + margin ",
+        absl::FormatDuration(options_.rpc_margin), ")");
+    if (unanswered.size() > 1) {
+      absl::StrAppend(&message, "; ranks ", FormatRankList(unanswered),
+                      " did not answer");
+    }
+    return absl::DeadlineExceededError(message);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status JobRunner::Publish(Job* job, v1::StepEvent event) {
+  const bool failed = !event.error().empty();
+  v1::StoredJobProgress progress;
+  bool shutting_down = false;
+  {
+    absl::MutexLock lock(&mu_);
+    shutting_down = stopping_;
+    if (!event.interruption().empty()) {
+      job->state = v1::JOB_RECOVERING;
+    } else if (!event.recovery().empty()) {
+      job->state = v1::JOB_RUNNING;
+      job->steps_done = event.step();
+      if (!event.checkpoint().empty()) {
+        job->last_checkpoint = event.checkpoint();
+      }
+    } else if (!failed) {
+      job->steps_done = event.step();
+      job->last_loss = event.loss();
+      job->tokens_per_second = event.tokens_per_second();
+      if (!event.checkpoint().empty()) {
+        job->last_checkpoint = event.checkpoint();
+      }
+    }
+    if (failed || event.done()) {
+      job->state = failed ? v1::JOB_FAILED : v1::JOB_DONE;
+      job->error = event.error();
+    }
+    progress = ProgressLocked(*job);
+  }
+  // A shutdown leaves the job "running" in the journal: a restarted
+  // coordinator carries it on.
+  if (options_.journal != nullptr && !(failed && shutting_down)) {
+    const absl::Status stored = options_.journal->Update(job->id, progress);
+    if (!stored.ok()) {
+      SHARDD_LOG(ERROR) << "job " << job->id
+                        << ": progress not durable: " << stored;
+      if (!failed) {
+        return absl::InternalError(
+            absl::StrCat("state store: the progress after step ", event.step(),
+                         " could not be made durable: ", stored.message()));
+      }
+    }
+  }
+  {
+    // The job's state changes before its last event is out, so a watcher
+    // that saw the end finds the job finished (and the next one may start).
+    absl::MutexLock lock(&mu_);
+    if (failed || event.done()) {
+      auto it = std::find(queue_.begin(), queue_.end(), job);
+      if (it != queue_.end()) queue_.erase(it);
+    }
+  }
+  job->events->Append(std::move(event));
+  return absl::OkStatus();
+}
+
+absl::Status JobRunner::RunSteps(Job* job, bool recovering) {
+  // The spec is immutable once submitted.
+  const JobSpec& spec = job->spec;
+  const int world = spec.plan.world_size();
+  const int dp_shard = spec.plan.mesh().dp_shard();
+  const int dp_replicate = std::max(1, spec.plan.mesh().dp_replicate());
+  const int32_t total = job->total_steps;
+  const uint64_t fingerprint = spec.plan.fingerprint();
+
+  if (absl::Status alive = workers_->CheckRanksAlive(world); !alive.ok()) {
+    // A worker that went away while the job was queued: worth waiting for.
+    return absl::UnavailableError(alive.message());
+  }
+  std::vector<WorkerSnapshot> snapshot(world);
+  for (const WorkerState& worker : workers_->List()) {
+    if (worker.rank >= 0 && worker.rank < world) {
+      snapshot[worker.rank] = {worker.address, worker.incarnation};
+    }
+  }
+  // A worker dying between the check and here shows up at the first poll
+  // (incarnation 0 never matches a registered worker).
+  const uint64_t epoch = workers_->membership_epoch();
+  std::vector<std::unique_ptr<WorkerClient>> clients(world);
+  for (int rank = 0; rank < world; ++rank) {
+    absl::StatusOr<std::unique_ptr<WorkerClient>> client =
+        factory_(snapshot[rank].address);
+    if (!client.ok()) {
+      return absl::Status(client.status().code(),
+                          absl::StrCat(RankLabel(rank, snapshot[rank].address),
+                                       ": ", Describe(client.status())));
+    }
+    clients[rank] = *std::move(client);
+  }
+  RankPool pool(world);
+
+  // Where the job starts: its first step (fresh shards, or resume_from), or
+  // after a fault what the workers still hold.
+  int64_t start = job->first_step;
+  std::string load_from = spec.config.resume_from();
+  std::vector<bool> keep(world, false);
+  std::vector<int32_t> heal_sources;  // By shard rank; empty: no healing.
+  std::string recovery;
+  if (recovering) {
+    std::vector<int64_t> held(world, -1);
+    SHARDD_RETURN_IF_ERROR(Prefixed(
+        "recovery: GetStats: ",
+        RunOnAllRanks(
+            snapshot, &pool,
+            [&](int rank, const WorkerCallOptions& options) -> absl::Status {
+              SHARDD_ASSIGN_OR_RETURN(v1::GetStatsResponse stats,
+                                      clients[rank]->GetStats(options));
+              if (stats.job_id() == job->id &&
+                  stats.plan_fingerprint() == fingerprint) {
+                held[rank] = stats.optimizer_steps();
+              }
+              return absl::OkStatus();
+            },
+            "GetStats")));
+    int64_t committed = 0;
+    std::string last_checkpoint;
+    {
+      absl::MutexLock lock(&mu_);
+      committed = job->steps_done;
+      last_checkpoint = job->last_checkpoint;
+    }
+    const int64_t highest = *std::max_element(held.begin(), held.end());
+    const bool all_hold =
+        std::all_of(held.begin(), held.end(),
+                    [&](int64_t steps) { return steps == highest; });
+    // Holders must not be behind what was acknowledged.
+    const bool usable = highest >= 0 && highest >= committed;
+    std::vector<int32_t> sources(dp_shard, -1);
+    bool healable = usable && dp_replicate > 1;
+    for (int s = 0; healable && s < dp_shard; ++s) {
+      for (int r = 0; r < dp_replicate; ++r) {
+        if (held[r * dp_shard + s] == highest) {
+          sources[s] = r;
+          break;
+        }
+      }
+      healable = sources[s] >= 0;
+    }
+    if (usable && all_hold) {
+      start = highest;
+      keep.assign(world, true);
+      load_from.clear();
+      recovery = absl::StrCat("every worker still held step ", highest,
+                              "; rebuilt the collective groups");
+    } else if (healable) {
+      start = highest;
+      std::vector<int> healed;
+      for (int rank = 0; rank < world; ++rank) {
+        keep[rank] = held[rank] == highest;
+        if (!keep[rank]) healed.push_back(rank);
+      }
+      heal_sources = sources;
+      load_from.clear();
+      recovery = absl::StrCat("healed ranks ", FormatRankList(healed),
+                              " from their replica peers at step ", highest,
+                              " (no checkpoint, no lost step)");
+    } else if (!last_checkpoint.empty()) {
+      absl::StatusOr<std::unique_ptr<checkpoint::CheckpointReader>> reader =
+          checkpoint::CheckpointReader::Open(options_.checkpoint_dir + "/" +
+                                             last_checkpoint);
+      SHARDD_RETURN_IF_ERROR(
+          Prefixed(absl::StrCat("recovery: checkpoint ", last_checkpoint, ": "),
+                   reader.status()));
+      start = (*reader)->index().step;
+      load_from = last_checkpoint;
+      recovery = absl::StrCat("reloaded checkpoint ", last_checkpoint,
+                              " at step ", start);
+      if (committed > start) {
+        absl::StrAppend(&recovery, "; steps ", start + 1, "-", committed,
+                        " run again");
+      }
+    } else {
+      start = job->first_step;
+      load_from.clear();
+      recovery = absl::StrCat(
+          "no worker state or checkpoint to resume from: "
+          "started over from step ",
+          start);
+    }
+  }
+
+  v1::LoadPlanRequest load;
+  *load.mutable_plan() = spec.plan;
+  *load.mutable_model() = spec.model;
+  *load.mutable_train() = spec.config;
+  load.set_seed(spec.config.seed());
+  load.set_job_id(job->id);
+  load.set_membership_epoch(epoch);
+  load.set_collective_timeout_ms(
+      absl::ToInt64Milliseconds(options_.collective_timeout));
+  std::vector<v1::LoadPlanResponse> loaded(world);
+  SHARDD_RETURN_IF_ERROR(Prefixed(
+      "LoadPlan: ",
+      RunOnAllRanks(
+          snapshot, &pool,
+          [&](int rank, const WorkerCallOptions& options) -> absl::Status {
+            v1::LoadPlanRequest request = load;
+            request.set_rank(rank);
+            request.set_keep_state(keep[rank]);
+            SHARDD_ASSIGN_OR_RETURN(loaded[rank],
+                                    clients[rank]->LoadPlan(request, options));
+            if (keep[rank] && loaded[rank].kept_step() != start) {
+              return absl::AbortedError(absl::StrCat(
+                  "kept step ", loaded[rank].kept_step(), " instead of ", start,
+                  " (its state changed during the recovery)"));
+            }
+            return absl::OkStatus();
+          },
+          "LoadPlan")));
+  if (!heal_sources.empty()) {
+    v1::HealReplicasRequest request;
+    request.set_plan_fingerprint(fingerprint);
+    for (int32_t source : heal_sources) request.add_source_replica(source);
+    SHARDD_RETURN_IF_ERROR(Prefixed(
+        "recovery: HealReplicas: ",
+        RunOnAllRanks(
+            snapshot, &pool,
+            [&](int rank, const WorkerCallOptions& options) -> absl::Status {
+              SHARDD_ASSIGN_OR_RETURN(
+                  v1::HealReplicasResponse response,
+                  clients[rank]->HealReplicas(request, options));
+              if (response.step() != start) {
+                return absl::AbortedError(
+                    absl::StrCat("holds step ", response.step(),
+                                 " after healing, not ", start));
+              }
+              return absl::OkStatus();
+            },
+            "HealReplicas")));
+  }
+
+  // Loads committed checkpoint `name` into every rank and checks that each
+  // rank holds step `expected` afterwards.
+  auto load_checkpoint = [&](const std::string& name,
+                             int64_t expected) -> absl::Status {
+    v1::LoadShardsRequest request;
+    request.set_plan_fingerprint(fingerprint);
+    request.set_checkpoint_dir(name);
+    std::vector<int64_t> steps(world, -1);
+    SHARDD_RETURN_IF_ERROR(Prefixed(
+        absl::StrCat("LoadShards ", name, ": "),
+        RunOnAllRanks(
+            snapshot, &pool,
+            [&](int rank, const WorkerCallOptions& options) -> absl::Status {
+              SHARDD_ASSIGN_OR_RETURN(
+                  v1::LoadShardsResponse response,
+                  clients[rank]->LoadShards(request, options));
+              steps[rank] = response.step();
+              return absl::OkStatus();
+            },
+            "LoadShards")));
+    for (int rank = 0; rank < world; ++rank) {
+      if (steps[rank] != expected) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "LoadShards ", name, ": ", RankLabel(rank, snapshot[rank].address),
+            " loaded step ", steps[rank], " but the checkpoint was at step ",
+            expected, " when it was chosen (it was replaced meanwhile)"));
+      }
+    }
+    return absl::OkStatus();
+  };
+  if (!load_from.empty()) {
+    SHARDD_RETURN_IF_ERROR(load_checkpoint(load_from, start));
+    SHARDD_LOG(INFO) << "job " << job->id << ": loaded " << load_from
+                     << " at step " << start;
+  }
+  if (recovering) {
+    SHARDD_LOG(INFO) << "job " << job->id << " recovered: " << recovery;
+    v1::StepEvent event;
+    event.set_job_id(job->id);
+    event.set_step(start);
+    event.set_total_steps(total);
+    event.set_recovery(recovery);
+    event.set_checkpoint(load_from);
+    SHARDD_RETURN_IF_ERROR(Publish(job, std::move(event)));
+  }
+
+  // Saves the shards after `steps_done` steps; returns the checkpoint's
+  // name relative to the checkpoint dir.
+  const std::string job_root = options_.checkpoint_dir + "/" + job->id;
+  auto save = [&](int64_t steps_done) -> absl::StatusOr<std::string> {
+    SHARDD_ASSIGN_OR_RETURN(const std::string tmp,
+                            checkpoint::BeginCheckpoint(job_root, steps_done));
+    v1::SaveShardsRequest request;
+    request.set_plan_fingerprint(fingerprint);
+    request.set_tmp_dir(absl::StrCat(
+        job->id, "/", std::filesystem::path(tmp).filename().string()));
+    std::vector<checkpoint::RankFile> files(dp_shard);
+    absl::Status saved = RunOnAllRanks(
+        snapshot, &pool,
+        [&](int rank, const WorkerCallOptions& options) -> absl::Status {
+          // Replica 0 holds every shard once; the other replicas the same.
+          if (rank >= dp_shard) return absl::OkStatus();
+          SHARDD_ASSIGN_OR_RETURN(v1::SaveShardsResponse response,
+                                  clients[rank]->SaveShards(request, options));
+          files[rank] = ToRankFile(response);
+          return absl::OkStatus();
+        },
+        "SaveShards");
+    absl::StatusOr<std::string> committed;
+    if (saved.ok()) {
+      absl::StatusOr<checkpoint::CheckpointIndex> index =
+          checkpoint::BuildIndex(spec.plan, steps_done, files);
+      committed = index.ok()
+                      ? checkpoint::CommitCheckpoint(job_root, tmp, *index)
+                      : absl::StatusOr<std::string>(index.status());
+    } else {
+      committed = saved;
+    }
+    if (!committed.ok()) {
+      std::error_code ignored;
+      std::filesystem::remove_all(tmp, ignored);
+      return committed.status();
+    }
+    return absl::StrCat(job->id, "/",
+                        checkpoint::CheckpointDirName(steps_done));
+  };
+  const int32_t checkpoint_every = spec.config.checkpoint_every();
+
+  // Serves the on-demand saves and rollbacks queued so far, between steps
+  // (`*step` steps done; `saved`: the checkpoint already committed for it).
+  // A rollback moves *step back and publishes a recovery event; with
+  // `last`, the job is about to end and rollbacks are refused.
+  auto serve_controls = [&](int64_t* step, std::string saved,
+                            bool last) -> absl::Status {
+    while (true) {
+      Control control;
+      {
+        absl::MutexLock lock(&mu_);
+        if (job->controls.empty()) return absl::OkStatus();
+        control = std::move(job->controls.front());
+        job->controls.pop_front();
+      }
+      if (control.save) {
+        absl::StatusOr<std::string> name =
+            saved.empty() ? save(*step) : absl::StatusOr<std::string>(saved);
+        if (!name.ok()) {
+          control.done(name.status());
+          // The workers may be gone: the job's next step tells.
+          continue;
+        }
+        saved = *name;
+        {
+          absl::MutexLock lock(&mu_);
+          job->last_checkpoint = saved;
+        }
+        SHARDD_LOG(INFO) << "job " << job->id << ": saved checkpoint " << saved
+                         << " on request";
+        control.done(CheckpointResult{saved, *step});
+        continue;
+      }
+      absl::StatusOr<std::unique_ptr<checkpoint::CheckpointReader>> reader =
+          checkpoint::CheckpointReader::Open(options_.checkpoint_dir + "/" +
+                                             control.checkpoint);
+      if (!reader.ok()) {
+        control.done(reader.status());
+        continue;
+      }
+      const int64_t target = (*reader)->index().step;
+      if (last || target >= total) {
+        control.done(absl::InvalidArgumentError(absl::StrCat(
+            "checkpoint: ", control.checkpoint, " holds step ", target,
+            (last
+                 ? " but the job has just run its last step"
+                 : absl::StrCat(", not before the job's last step ", total)))));
+        continue;
+      }
+      const absl::Status loaded_status =
+          load_checkpoint(control.checkpoint, target);
+      if (!loaded_status.ok()) {
+        control.done(loaded_status);
+        // The shards may be half overwritten: recover (or fail) the job.
+        return loaded_status;
+      }
+      *step = target;
+      saved.clear();
+      control.done(CheckpointResult{control.checkpoint, target});
+      v1::StepEvent event;
+      event.set_job_id(job->id);
+      event.set_step(target);
+      event.set_total_steps(total);
+      event.set_checkpoint(control.checkpoint);
+      event.set_recovery(absl::StrCat("rolled back to checkpoint ",
+                                      control.checkpoint, " at step ", target,
+                                      " on request"));
+      SHARDD_RETURN_IF_ERROR(Publish(job, std::move(event)));
+    }
+  };
+
+  const double entropy_rate = loaded[0].data_entropy_rate();
+  const int64_t planned_peak = spec.plan.memory().peak_unsharded_bytes();
+
+  v1::ExecuteRequest execute;
+  *execute.mutable_program() = spec.program;
+  const int commands = spec.program.commands_size();
+  std::vector<v1::ExecuteResponse> results(world);
+  for (int64_t step = start; step < total; ++step) {
+    SHARDD_RETURN_IF_ERROR(serve_controls(&step, "", /*last=*/false));
+    const std::string label = absl::StrCat(StepLabel(step + 1, total), ": ");
+    if (stopping()) {
+      return absl::UnavailableError(
+          absl::StrCat(label, "the coordinator is shutting down"));
+    }
+    const absl::Time begin = absl::Now();
+    if (!spec.config.fine_grained()) {
+      execute.mutable_program()->set_step(step);
+      SHARDD_RETURN_IF_ERROR(Prefixed(
+          label,
+          RunOnAllRanks(
+              snapshot, &pool,
+              [&](int rank, const WorkerCallOptions& options) -> absl::Status {
+                SHARDD_ASSIGN_OR_RETURN(
+                    results[rank], clients[rank]->Execute(execute, options));
+                return absl::OkStatus();
+              },
+              "Execute")));
+    } else {
+      for (int i = 0; i < commands; ++i) {
+        v1::RunCommandRequest request;
+        request.set_plan_fingerprint(spec.program.plan_fingerprint());
+        request.set_step(step);
+        *request.mutable_command() = spec.program.commands(i);
+        request.set_begin_step(i == 0);
+        request.set_end_step(i == commands - 1);
+        request.set_index(i);
+        SHARDD_RETURN_IF_ERROR(Prefixed(
+            absl::StrCat(label, "commands[", i, "] (",
+                         CommandToString(spec.program.commands(i)), "): "),
+            RunOnAllRanks(
+                snapshot, &pool,
+                [&](int rank,
+                    const WorkerCallOptions& options) -> absl::Status {
+                  SHARDD_ASSIGN_OR_RETURN(
+                      v1::ExecuteResponse response,
+                      clients[rank]->RunCommand(request, options));
+                  if (i == commands - 1) results[rank] = std::move(response);
+                  return absl::OkStatus();
+                },
+                "RunCommand")));
+      }
+    }
+    const double seconds = absl::ToDoubleSeconds(absl::Now() - begin);
+
+    int64_t tokens = 0;
+    double weighted_loss = 0.0;
+    double plain_loss = 0.0;
+    int64_t peak = 0;
+    int64_t all_gathers = 0;
+    int64_t reduce_scatters = 0;
+    for (const v1::ExecuteResponse& result : results) {
+      tokens += result.tokens();
+      weighted_loss += result.loss() * static_cast<double>(result.tokens());
+      plain_loss += result.loss();
+      peak = std::max(peak, result.peak_unsharded_bytes());
+      all_gathers = std::max(all_gathers, result.all_gathers());
+      reduce_scatters = std::max(reduce_scatters, result.reduce_scatters());
+    }
+    v1::StepEvent event;
+    event.set_job_id(job->id);
+    event.set_step(step + 1);
+    event.set_loss(tokens > 0 ? weighted_loss / static_cast<double>(tokens)
+                              : plain_loss / world);
+    event.set_tokens(tokens);
+    event.set_step_seconds(seconds);
+    event.set_tokens_per_second(
+        seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0);
+    // Every rank computes the same global norm (an all-reduce).
+    event.set_grad_norm(results[0].grad_norm());
+    event.set_peak_unsharded_bytes(peak);
+    event.set_planned_peak_unsharded_bytes(planned_peak);
+    event.set_all_gathers(all_gathers);
+    event.set_reduce_scatters(reduce_scatters);
+    event.set_data_entropy_rate(entropy_rate);
+    event.set_total_steps(total);
+    event.set_done(step + 1 == total);
+    if (checkpoint_every > 0 && (step + 1) % checkpoint_every == 0) {
+      absl::StatusOr<std::string> name = save(step + 1);
+      if (!name.ok()) {
+        return Prefixed(absl::StrCat(label, "checkpoint: "), name.status());
+      }
+      SHARDD_LOG(INFO) << "job " << job->id << ": saved checkpoint " << *name;
+      event.set_checkpoint(*name);
+    }
+    if (event.done()) {
+      // Saves asked for during the last step are served before the end.
+      int64_t steps_done = step + 1;
+      SHARDD_RETURN_IF_ERROR(
+          serve_controls(&steps_done, event.checkpoint(), /*last=*/true));
+    }
+    SHARDD_RETURN_IF_ERROR(Publish(job, std::move(event)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace shardd

@@ -1,0 +1,1220 @@
+#include "worker/exec/step_executor.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "testing/model_builder.h"
+#include "common/status_macros.h"
+#include "common/status_matchers.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/adamw.h"
+#include "model/model_util.h"
+#include "planner/sharding_planner.h"
+#include "program/step_program.h"
+#include "planner/strategy_registry.h"
+#include "testing/numerics.h"
+#include "testing/shard_state.h"
+#include "worker/data/batch_sampler.h"
+#include "worker/comm/gloo_communicator.h"
+#include "worker/comm/in_memory_kv_client.h"
+#include "worker/comm/kv_gloo_store.h"
+#include "worker/memory/memory_tracker.h"
+#include "worker/model/moe_model.h"
+#include "layout/param_init.h"
+
+namespace shardd {
+namespace {
+
+using ::testing::HasSubstr;
+
+// vocab 30 pads dim 0 over 4 ranks (8 rows each, 2 of padding on rank 3).
+constexpr int64_t kVocab = 30, kDim = 16, kExperts = 4, kInter = 8, kMlp = 12,
+                  kSeq = 8;
+constexpr uint64_t kSeed = 7;
+constexpr char kFrozen[] = "model.layers.0.moe.gate.weight";
+
+using ::shardd::testing_util::AddChild;
+using ::shardd::testing_util::AddParam;
+using ::shardd::testing_util::CollectOwnedState;
+using ::shardd::testing_util::ExpectRelativelyNear;
+using ::shardd::testing_util::ExpectStepWithinRounding;
+
+// The shared tiny MoE (testing/model_builder.h) with these constants.
+// `freeze` freezes layer 0's router (kFrozen).
+v1::ModelSpec TinyMoe(bool freeze) {
+  testing_util::TinyMoeShape shape;
+  shape.vocab = kVocab;
+  shape.dim = kDim;
+  shape.experts = kExperts;
+  shape.inter = kInter;
+  shape.mlp = kMlp;
+  shape.freeze_router0 = freeze;
+  return testing_util::TinyMoeSpec(shape);
+}
+
+struct Shape {
+  std::string strategy = "default";
+  int dp_shard = 1;
+  int dp_replicate = 1;
+  bool mixed = false;
+  int microbatches = 1;
+  int passes = 1;
+  int no_grad_passes = 0;
+  bool defer = false;
+  // > 0: reshard_after_forward to groups of this many ranks.
+  int reshard_group = 0;
+  bool keep_compute_shard = false;
+};
+
+v1::ShardingPlan MakePlan(const v1::ModelSpec& model, const Shape& s) {
+  static StrategyRegistry* registry =
+      StrategyRegistry::CreateWithBuiltins().release();
+  ShardingPlanner planner(registry);
+  v1::PlanOptions options;
+  options.set_strategy(s.strategy);
+  options.mutable_mesh()->set_dp_shard(s.dp_shard);
+  options.mutable_mesh()->set_dp_replicate(s.dp_replicate);
+  options.set_mixed_precision(s.mixed);
+  options.set_microbatches(s.microbatches);
+  options.set_passes(s.passes);
+  options.set_no_grad_passes(s.no_grad_passes);
+  options.set_defer_grad_sync(s.defer);
+  if (s.reshard_group > 0) {
+    options.mutable_reshard_after_forward()->set_group_size(s.reshard_group);
+  }
+  options.set_keep_compute_shard(s.keep_compute_shard);
+  // Several buckets per rank and parameters straddling ranks.
+  options.set_bucket_elements(700);
+  absl::StatusOr<v1::ShardingPlan> plan = planner.Plan(model, options);
+  EXPECT_TRUE(plan.ok()) << plan.status();
+  return plan.ok() ? *plan : v1::ShardingPlan();
+}
+
+StepExecutorOptions BaseOptions() {
+  StepExecutorOptions options;
+  options.seed = kSeed;
+  options.collective_timeout = absl::Seconds(20);
+  options.adamw.lr = 1e-2;
+  options.adamw.weight_decay = 0.1;
+  return options;
+}
+
+struct RankCtx {
+  int shard_rank = 0;
+  int replica_rank = 0;
+  int data_rank = 0;  // Position among all data-parallel ranks.
+  Communicator* shard = nullptr;
+  Communicator* replicas = nullptr;
+  SliceGroups slices;
+  MemoryTracker* tracker = nullptr;
+};
+
+// Runs body(ctx) on one thread per rank of the plan's mesh, each with its
+// own Gloo shard group (and replicate group under HSDP) over loopback.
+template <typename Fn>
+void RunWorld(const v1::ShardingPlan& plan, Fn body) {
+  const int dp = plan.mesh().dp_shard();
+  const int rep = std::max(1, plan.mesh().dp_replicate());
+  static std::atomic<int> generation{0};
+  const std::string prefix =
+      absl::StrCat("step-executor-test/", generation.fetch_add(1));
+  InMemoryKeyValueClient kv;
+  std::vector<std::thread> threads;
+  for (int g = 0; g < dp * rep; ++g) {
+    threads.emplace_back([&, g] {
+      const int s = g % dp;
+      const int r = g / dp;
+      KvGlooStore store(&kv, absl::Seconds(20));
+      auto shard =
+          GlooCommunicator::Create(&store, absl::StrCat(prefix, "/shard", r), s,
+                                   dp, "127.0.0.1", absl::Seconds(20));
+      ASSERT_TRUE(shard.ok()) << shard.status();
+      std::unique_ptr<GlooCommunicator> replicas;
+      if (rep > 1) {
+        auto created = GlooCommunicator::Create(
+            &store, absl::StrCat(prefix, "/replica", s), r, rep, "127.0.0.1",
+            absl::Seconds(20));
+        ASSERT_TRUE(created.ok()) << created.status();
+        replicas = std::move(*created);
+      }
+      // Slice groups for units resharded to fewer ranks after forward.
+      std::vector<std::unique_ptr<GlooCommunicator>> slice_comms;
+      SliceGroups slices;
+      for (const v1::FsdpUnit& unit : plan.units()) {
+        const int size = unit.reshard_after_forward().group_size();
+        if (size <= 1 || size >= dp || slices.count(size) != 0) continue;
+        auto created = GlooCommunicator::Create(
+            &store,
+            absl::StrCat(prefix, "/slice", r, "/g", size, "/q", s / size),
+            s % size, size, "127.0.0.1", absl::Seconds(20));
+        ASSERT_TRUE(created.ok()) << created.status();
+        slices[size] = created->get();
+        slice_comms.push_back(std::move(*created));
+      }
+      MemoryTracker tracker;
+      RankCtx ctx;
+      ctx.slices = slices;
+      ctx.shard_rank = s;
+      ctx.replica_rank = r;
+      ctx.data_rank = g;
+      ctx.shard = shard->get();
+      ctx.replicas = replicas.get();
+      ctx.tracker = &tracker;
+      body(ctx);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+}
+
+data::BatchSampler MakeSampler(const v1::ShardingPlan& plan,
+                               int64_t global_batch) {
+  data::DataSourceOptions source_options;
+  source_options.model_vocab_size = kVocab;
+  source_options.seed = kSeed;
+  auto source = data::CreateDataSource(source_options);
+  EXPECT_TRUE(source.ok()) << source.status();
+  data::BatchSamplerOptions options;
+  options.global_batch = global_batch;
+  options.seq_len = kSeq;
+  options.microbatches = plan.step().microbatches();
+  options.ranks =
+      plan.mesh().dp_shard() * std::max(1, plan.mesh().dp_replicate());
+  options.model_vocab_size = kVocab;
+  auto sampler = data::BatchSampler::Create(*source, options);
+  EXPECT_TRUE(sampler.ok()) << sampler.status();
+  return *std::move(sampler);
+}
+
+std::vector<data::MicroBatch> BatchesFor(const data::BatchSampler& sampler,
+                                         int64_t step, int data_rank) {
+  std::vector<data::MicroBatch> batches;
+  for (int m = 0; m < sampler.options().microbatches; ++m) {
+    auto batch = sampler.Get(step, data_rank, m);
+    EXPECT_TRUE(batch.ok()) << batch.status();
+    batches.push_back(*std::move(batch));
+  }
+  return batches;
+}
+
+// The fine-grained mode: one call per command. With `probe`, first sends
+// commands that must be rejected without effect.
+absl::StatusOr<StepResult> RunFineGrained(
+    StepExecutor* executor, const v1::StepProgram& program,
+    const std::vector<data::MicroBatch>& batches, bool probe) {
+  v1::StepProgram header = program;
+  header.clear_commands();
+  if (probe) {
+    v1::Command step;
+    step.set_op(v1::Command::OPTIMIZER_STEP);
+    EXPECT_THAT(executor->ExecuteCommand(step),
+                StatusIs(absl::StatusCode::kFailedPrecondition,
+                         HasSubstr("BeginStep")));
+  }
+  SHARDD_RETURN_IF_ERROR(executor->BeginStep(header, batches));
+  if (probe) {
+    v1::Command step;
+    step.set_op(v1::Command::OPTIMIZER_STEP);
+    EXPECT_THAT(executor->ExecuteCommand(step),
+                StatusIs(absl::StatusCode::kFailedPrecondition,
+                         HasSubstr("computations have not all run")));
+    v1::Command wait;
+    wait.set_op(v1::Command::WAIT_UNSHARD);
+    wait.set_unit(0);
+    EXPECT_THAT(executor->ExecuteCommand(wait),
+                StatusIs(absl::StatusCode::kFailedPrecondition,
+                         HasSubstr("no pending prefetched UNSHARD")));
+    v1::Command unshard;
+    unshard.set_op(v1::Command::UNSHARD);
+    unshard.set_unit(999);
+    EXPECT_THAT(executor->ExecuteCommand(unshard),
+                StatusIs(absl::StatusCode::kNotFound));
+    v1::Command forward;
+    forward.set_op(v1::Command::OP_UNSPECIFIED);
+    EXPECT_THAT(executor->ExecuteCommand(forward),
+                StatusIs(absl::StatusCode::kInvalidArgument));
+  }
+  for (const v1::Command& command : program.commands()) {
+    SHARDD_RETURN_IF_ERROR(executor->ExecuteCommand(command));
+  }
+  return executor->EndStep();
+}
+
+using ::shardd::testing_util::BoundUse;
+using ::shardd::testing_util::MoeStepTolerances;
+using ::shardd::testing_util::ParamMap;
+using ::shardd::testing_util::StepTolerances;
+using ::shardd::testing_util::TrainingState;
+using ::shardd::testing_util::TrainingStateMaps;
+using ::shardd::testing_util::WriteOwnedState;
+
+// The plan's parameters as this rank holds them (other ranks' rows zero).
+void CollectParams(const v1::ShardingPlan& plan, const ShardStore& shards,
+                   ParamMap* out) {
+  for (const v1::FsdpUnit& unit : plan.units()) {
+    for (const v1::ParamLayout& param : unit.params()) {
+      std::vector<float>& values = (*out)[param.name()];
+      values.resize(param.numel(), 0.0f);
+      EXPECT_THAT(shards.CopyOwnedParamSlice(param.name(), values.data()),
+                  IsOk());
+    }
+  }
+}
+
+// Padding of this rank's shards (from the plan's layout) holds exact zeros
+// in the master shard and the AdamW moments.
+void ExpectPaddingZero(const v1::ShardingPlan& plan, const ShardStore& shards,
+                       int shard_rank) {
+  for (int u = 0; u < plan.units_size(); ++u) {
+    const v1::FsdpUnit& unit = plan.units(u);
+    const ShardStore::UnitShard shard = shards.shard(u);
+    auto expect_zero = [&](int64_t i) {
+      EXPECT_EQ(shard.params[i], 0.0f) << unit.name() << " element " << i;
+      EXPECT_EQ(shard.exp_avg[i], 0.0f) << unit.name() << " element " << i;
+      EXPECT_EQ(shard.exp_avg_sq[i], 0.0f) << unit.name() << " element " << i;
+    };
+    if (plan.flat_buckets()) {
+      for (int64_t i = 0; i < shard.numel; ++i) {
+        if (shard_rank * shard.numel + i >= unit.numel()) expect_zero(i);
+      }
+      continue;
+    }
+    for (const v1::ParamLayout& param : unit.params()) {
+      const int64_t row_numel = param.numel() / param.global_shape(0);
+      const int64_t valid = param.valid_rows(shard_rank);
+      for (int64_t i = param.shard_offset() + valid * row_numel;
+           i < param.shard_offset() + param.local_numel(); ++i) {
+        expect_zero(i);
+      }
+    }
+  }
+}
+
+struct WorldRun {
+  // [data rank][step]
+  std::vector<std::vector<StepResult>> results;
+  // [replica] parameters reassembled from that replica's shard ranks.
+  std::vector<ParamMap> initial;
+  std::vector<ParamMap> final;
+  // [replica][step]: parameters and AdamW moments after each step.
+  std::vector<std::vector<TrainingStateMaps>> states;
+};
+
+struct TrainOptions {
+  // One ExecuteCommand call per command instead of Execute.
+  bool fine_grained = false;
+  // When set (a one-replica run of the same model and steps): every step
+  // s > 0 starts from restart's parameters and AdamW moments after step
+  // s - 1 instead of this run's own, so each step is compared from the same
+  // state (see the equivalence tests).
+  const WorldRun* restart = nullptr;
+  // When set: every rank trains on this sampler's data-rank-0 micro-batches
+  // instead of its own share of the global batch.
+  const data::BatchSampler* shared_data = nullptr;
+};
+
+TrainOptions FineGrained() {
+  TrainOptions options;
+  options.fine_grained = true;
+  return options;
+}
+
+// Trains `steps` steps of `plan` on every rank and gathers the results.
+WorldRun Train(const v1::ModelSpec& model, const v1::ShardingPlan& plan,
+               const StepExecutorOptions& base, int steps, int64_t global_batch,
+               const TrainOptions& train = {}) {
+  const int dp = plan.mesh().dp_shard();
+  const int rep = std::max(1, plan.mesh().dp_replicate());
+  absl::StatusOr<v1::StepProgram> compiled = CompileStepProgram(plan);
+  EXPECT_TRUE(compiled.ok()) << compiled.status();
+  const v1::StepProgram program = compiled.ok() ? *compiled : v1::StepProgram();
+  const data::BatchSampler sampler = MakeSampler(plan, global_batch);
+  WorldRun run;
+  run.results.resize(dp * rep);
+  run.initial.resize(rep);
+  run.final.resize(rep);
+  run.states.assign(rep, std::vector<TrainingStateMaps>(steps));
+  absl::Mutex mu;
+  RunWorld(plan, [&](const RankCtx& ctx) {
+    StepExecutorOptions options = base;
+    options.shard_rank = ctx.shard_rank;
+    options.replica_rank = ctx.replica_rank;
+    auto executor = StepExecutor::Create(plan, model, options, ctx.shard,
+                                         ctx.replicas, ctx.tracker, ctx.slices);
+    ASSERT_TRUE(executor.ok()) << executor.status();
+    {
+      absl::MutexLock lock(&mu);
+      CollectParams(plan, (*executor)->shards(),
+                    &run.initial[ctx.replica_rank]);
+    }
+    for (int s = 0; s < steps; ++s) {
+      if (train.restart != nullptr && s > 0) {
+        WriteOwnedState(plan, train.restart->states[0][s - 1],
+                        (*executor)->mutable_shards());
+      }
+      v1::StepProgram step_program = program;
+      step_program.set_step(s);
+      const std::vector<data::MicroBatch> batches =
+          train.shared_data != nullptr ? BatchesFor(*train.shared_data, s, 0)
+                                       : BatchesFor(sampler, s, ctx.data_rank);
+      absl::StatusOr<StepResult> result =
+          train.fine_grained
+              ? RunFineGrained(executor->get(), step_program, batches,
+                               /*probe=*/s == 0)
+              : (*executor)->Execute(step_program, batches);
+      ASSERT_TRUE(result.ok()) << result.status();
+      EXPECT_EQ(result->step, s);
+      EXPECT_EQ(result->optimizer_steps, s + 1);
+      run.results[ctx.data_rank].push_back(*result);
+      absl::MutexLock lock(&mu);
+      CollectOwnedState(plan, (*executor)->shards(),
+                        &run.states[ctx.replica_rank][s]);
+    }
+    ExpectPaddingZero(plan, (*executor)->shards(), ctx.shard_rank);
+    absl::MutexLock lock(&mu);
+    CollectParams(plan, (*executor)->shards(), &run.final[ctx.replica_rank]);
+  });
+  return run;
+}
+
+// ---- (1) Measured peak unsharded memory = the plan's prediction -----------
+
+struct MemoryCase {
+  std::string strategy;
+  int world;
+  int microbatches;
+  int passes;
+  int no_grad_passes;
+  bool defer;
+  int reshard_group = 0;
+};
+
+class StepExecutorMemoryTest : public ::testing::TestWithParam<MemoryCase> {};
+
+TEST_P(StepExecutorMemoryTest, MeasuredPeakAndCollectivesMatchThePlan) {
+  const MemoryCase c = GetParam();
+  const v1::ModelSpec model = TinyMoe(/*freeze=*/false);
+  Shape shape;
+  shape.strategy = c.strategy;
+  shape.dp_shard = c.world;
+  shape.mixed = true;  // bf16 gathers: the bytes differ from fp32's.
+  shape.microbatches = c.microbatches;
+  shape.passes = c.passes;
+  shape.no_grad_passes = c.no_grad_passes;
+  shape.defer = c.defer;
+  shape.reshard_group = c.reshard_group;
+  const v1::ShardingPlan plan = MakePlan(model, shape);
+  ASSERT_GT(plan.memory().peak_unsharded_bytes(), 0);
+  const WorldRun run = Train(model, plan, BaseOptions(), /*steps=*/2,
+                             /*global_batch=*/2 * c.world * c.microbatches);
+  for (int r = 0; r < c.world; ++r) {
+    ASSERT_EQ(run.results[r].size(), 2u);
+    for (const StepResult& result : run.results[r]) {
+      EXPECT_EQ(result.peak_unsharded_bytes,
+                plan.memory().peak_unsharded_bytes())
+          << "rank " << r << " step " << result.step;
+      const StepCollectives& got = result.collectives;
+      EXPECT_EQ(got.all_gathers, plan.comm().all_gathers());
+      // Re-gathers from slices really run over the slice groups.
+      if (c.reshard_group > 0) {
+        EXPECT_GT(got.slice_all_gathers, 0);
+      } else {
+        EXPECT_EQ(got.slice_all_gathers, 0);
+      }
+      EXPECT_EQ(got.all_gather_bytes, plan.comm().all_gather_bytes());
+      EXPECT_EQ(got.reduce_scatters, plan.comm().reduce_scatters());
+      EXPECT_EQ(got.reduce_scatter_bytes, plan.comm().reduce_scatter_bytes());
+      EXPECT_EQ(got.replica_all_reduces, 0);
+      EXPECT_EQ(got.norm_all_reduces, 1);
+      EXPECT_EQ(got.norm_all_reduce_bytes, 4);
+      EXPECT_GT(result.peak_activation_bytes, 0);
+      EXPECT_GT(result.tokens, 0);
+      EXPECT_TRUE(std::isfinite(result.loss));
+    }
+  }
+  const StepResult& r0 = run.results[0][0];
+  std::printf(
+      "[memory] %-15s ranks=%d M=%d P=%d no_grad=%d defer=%d: peak unsharded "
+      "%lld B (plan %lld; params %lld, grads %lld), all-gathers %lld (%lld "
+      "B), reduce-scatters %lld (%lld B), activations %lld B, %.1f ms\n",
+      c.strategy.c_str(), c.world, c.microbatches, c.passes, c.no_grad_passes,
+      c.defer, static_cast<long long>(r0.peak_unsharded_bytes),
+      static_cast<long long>(plan.memory().peak_unsharded_bytes()),
+      static_cast<long long>(r0.peak_gathered_param_bytes),
+      static_cast<long long>(r0.peak_unsharded_grad_bytes),
+      static_cast<long long>(r0.collectives.all_gathers),
+      static_cast<long long>(r0.collectives.all_gather_bytes),
+      static_cast<long long>(r0.collectives.reduce_scatters),
+      static_cast<long long>(r0.collectives.reduce_scatter_bytes),
+      static_cast<long long>(r0.peak_activation_bytes), r0.seconds * 1e3);
+}
+
+std::vector<MemoryCase> MemoryCases() {
+  std::vector<MemoryCase> cases;
+  for (const char* strategy : {"default", "diffusion_gemma"}) {
+    for (int world : {1, 2}) {
+      cases.push_back({strategy, world, 1, 1, 0, false});
+      cases.push_back({strategy, world, 2, 1, 0, false});
+      cases.push_back({strategy, world, 2, 1, 0, true});
+      cases.push_back({strategy, world, 1, 2, 1, false});
+    }
+    // Reshard after forward to pairs of ranks: slices kept, re-gathered
+    // over the pair; with 2 passes they are gathered again in each pass.
+    cases.push_back({strategy, 4, 1, 1, 0, false, 2});
+    cases.push_back({strategy, 4, 2, 2, 1, true, 2});
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, StepExecutorMemoryTest,
+                         ::testing::ValuesIn(MemoryCases()),
+                         [](const ::testing::TestParamInfo<MemoryCase>& info) {
+                           const MemoryCase& c = info.param;
+                           std::string name = c.strategy == "default"
+                                                  ? "Default"
+                                                  : "Diffusion";
+                           absl::StrAppend(&name, "_W", c.world, "_M",
+                                           c.microbatches, "_P", c.passes,
+                                           c.defer ? "_Defer" : "");
+                           if (c.reshard_group > 0) {
+                             absl::StrAppend(&name, "_Slice", c.reshard_group);
+                           }
+                           return name;
+                         });
+
+// ---- (2) Equivalence across world sizes ------------------------------------
+
+constexpr int kSteps = 3;
+constexpr int64_t kGlobalBatch = 8;
+
+StepExecutorOptions EquivalenceOptions() {
+  StepExecutorOptions options = BaseOptions();
+  options.max_grad_norm = 0.05;  // Small enough to clip every step.
+  return options;
+}
+
+// 1 rank, 1 micro-batch, the default strategy: the unsharded reference.
+const WorldRun& Reference() {
+  static const WorldRun* run = [] {
+    const v1::ModelSpec model = TinyMoe(/*freeze=*/true);
+    return new WorldRun(Train(model, MakePlan(model, Shape()),
+                              EquivalenceOptions(), kSteps, kGlobalBatch));
+  }();
+  return *run;
+}
+
+// The same training written without any sharding: whole tensors in maps,
+// MoeModel on them, the global norm, clipping and AdamW on every trainable
+// tensor. Returns the final parameters and the losses.
+class MapSource : public ParamSource {
+ public:
+  absl::StatusOr<const float*> Param(const std::string& name) override {
+    auto it = values.find(name);
+    if (it == values.end()) return absl::NotFoundError(name);
+    return it->second.data();
+  }
+  absl::Status AccumulateGrad(const std::string& name,
+                              const float* g) override {
+    std::vector<float>& v = grads[name];
+    v.resize(values.at(name).size(), 0.0f);
+    for (size_t i = 0; i < v.size(); ++i) v[i] += g[i];
+    return absl::OkStatus();
+  }
+  ParamMap values;
+  ParamMap grads;
+};
+
+// With `restart` (a one-replica run), every step s > 0 starts from
+// restart's state after step s - 1, as TrainOptions::restart does.
+WorldRun UnshardedTraining(const v1::ModelSpec& spec,
+                           const StepExecutorOptions& options, int steps,
+                           int64_t global_batch,
+                           const WorldRun* restart = nullptr) {
+  WorldRun run;
+  run.results.resize(1);
+  run.states.resize(1);
+  MapSource source;
+  std::map<std::string, bool> frozen;
+  ParamMap exp_avg, exp_avg_sq;
+  for (const ParamRef& ref : ListParams(spec)) {
+    if (!ref.tensor->tied_to().empty()) continue;
+    std::vector<float>& values = source.values[ref.fqn];
+    values.resize(Numel(*ref.tensor));
+    InitParamRange(kSeed, ref.fqn,
+                   InitRuleFor(*ref.tensor, ref.path.back()->kind(), ref.fqn),
+                   0, static_cast<int64_t>(values.size()), values.data());
+    frozen[ref.fqn] = ref.tensor->frozen();
+    exp_avg[ref.fqn].assign(values.size(), 0.0f);
+    exp_avg_sq[ref.fqn].assign(values.size(), 0.0f);
+  }
+  run.initial.push_back(source.values);
+  const v1::ShardingPlan plan = MakePlan(spec, Shape());
+  absl::StatusOr<v1::StepProgram> program = CompileStepProgram(plan);
+  EXPECT_TRUE(program.ok()) << program.status();
+  const data::BatchSampler sampler = MakeSampler(plan, global_batch);
+  absl::StatusOr<std::unique_ptr<MoeModel>> model =
+      MoeModel::Create(spec, MoeModelOptions());
+  EXPECT_TRUE(model.ok()) << model.status();
+  if (!program.ok() || !model.ok()) return run;
+  for (int s = 0; s < steps; ++s) {
+    if (restart != nullptr && s > 0) {
+      const TrainingStateMaps& from = restart->states[0][s - 1];
+      source.values = from.params;
+      exp_avg = from.exp_avg;
+      exp_avg_sq = from.exp_avg_sq;
+    }
+    (*model)->ResetStep();
+    absl::StatusOr<data::MicroBatch> batch = sampler.Get(s, 0, 0);
+    EXPECT_TRUE(batch.ok()) << batch.status();
+    if (!batch.ok()) return run;
+    SHARDD_EXPECT_OK((*model)->SetBatch(0, batch->inputs.data(),
+                                        batch->targets.data(), batch->rows,
+                                        batch->seq_len));
+    source.grads.clear();
+    for (const v1::Command& c : program->commands()) {
+      if (c.op() == v1::Command::FORWARD || c.op() == v1::Command::BACKWARD) {
+        SHARDD_EXPECT_OK((*model)->Run(c, &source));
+      }
+    }
+    StepResult result;
+    result.loss = (*model)->step_loss();
+    double sum = 0.0;
+    for (const auto& [name, g] : source.grads) {
+      for (float x : g) sum += static_cast<double>(x) * x;
+    }
+    result.grad_norm = std::sqrt(sum);
+    run.results[0].push_back(result);
+    const double clip =
+        std::min(1.0, options.max_grad_norm / (result.grad_norm + 1e-6));
+    for (auto& [name, values] : source.values) {
+      if (frozen.at(name)) continue;
+      std::vector<float>& g = source.grads[name];
+      g.resize(values.size(), 0.0f);
+      for (float& x : g) x *= static_cast<float>(clip);
+      SHARDD_EXPECT_OK(kernels::AdamWStep(
+          values.data(), g.data(), exp_avg[name].data(),
+          exp_avg_sq[name].data(), static_cast<int64_t>(values.size()), s + 1,
+          options.adamw));
+    }
+    run.states[0].push_back({source.values, exp_avg, exp_avg_sq});
+  }
+  run.final.push_back(source.values);
+  return run;
+}
+
+// How close a sharded step must come to the one-rank step: the two compute
+// the same sums in other orders (each rank's GEMMs over its own tokens, the
+// reduce-scatter over the ranks' partial sums, OpenBLAS' blocking from the
+// shapes and the CPU's kernel), so they agree within fp32 rounding, whose
+// bounds testing/numerics.h derives. Free-running runs cannot be compared
+// that way: AdamW divides by sqrt(v) + eps and so amplifies the last-bit
+// difference of a gradient near zero into a visible parameter difference,
+// which the next steps carry on (measured in docs/testing.md). Each step
+// therefore starts from the reference's state (TrainOptions::restart).
+
+StepTolerances Tolerances(int world) {
+  return MoeStepTolerances(TinyMoe(/*freeze=*/true).dims(), kGlobalBatch * kSeq,
+                           world);
+}
+
+TrainingState StateAfter(const WorldRun& run, size_t replica, int step) {
+  return run.states[replica][step].view();
+}
+
+// The global loss of a step: every rank holds the same number of tokens, so
+// it is the mean of the ranks' losses.
+double MeanLoss(const WorldRun& run, int step) {
+  double loss = 0.0;
+  for (const auto& rank : run.results) loss += rank[step].loss;
+  return loss / run.results.size();
+}
+
+// A run from the same state as `ref` at every step (TrainOptions::restart)
+// ends every step within rounding of it (ExpectStepWithinRounding), with
+// its loss and gradient norm within `tol`.
+void ExpectSameStepsAs(const v1::ModelSpec& model, const WorldRun& ref,
+                       const WorldRun& run, const StepExecutorOptions& options,
+                       const StepTolerances& tol) {
+  ASSERT_EQ(ref.states[0].size(), run.states[0].size());
+  const int steps = static_cast<int>(ref.states[0].size());
+  std::set<std::string> frozen;
+  for (const ParamRef& param : ListParams(model)) {
+    if (param.tensor->frozen()) frozen.insert(param.fqn);
+  }
+  ParamMap zeros;
+  for (const auto& [name, values] : ref.initial[0]) {
+    zeros[name].assign(values.size(), 0.0f);
+  }
+  BoundUse use;
+  for (int s = 0; s < steps; ++s) {
+    SCOPED_TRACE(absl::StrCat("step ", s));
+    use.loss = std::max(
+        use.loss, ExpectRelativelyNear(MeanLoss(run, s), ref.results[0][s].loss,
+                                       tol.loss));
+    for (const auto& rank : run.results) {
+      ASSERT_EQ(rank.size(), static_cast<size_t>(steps));
+      use.grad_norm =
+          std::max(use.grad_norm,
+                   ExpectRelativelyNear(rank[s].grad_norm,
+                                        ref.results[0][s].grad_norm, tol.grad));
+    }
+    const TrainingState before =
+        s == 0 ? TrainingState{&ref.initial[0], &zeros, &zeros}
+               : StateAfter(ref, 0, s - 1);
+    for (size_t replica = 0; replica < run.states.size(); ++replica) {
+      SCOPED_TRACE(absl::StrCat("replica ", replica));
+      if (s == 0) {
+        EXPECT_EQ(run.initial[replica], ref.initial[0]);
+      }
+      ExpectStepWithinRounding(frozen, options.adamw, s, tol, before,
+                               StateAfter(ref, 0, s),
+                               StateAfter(run, replica, s), &use);
+    }
+  }
+  std::printf("[equivalence] share of each bound used: %s\n",
+              use.ToString().c_str());
+}
+
+TEST(StepExecutorReferenceTest, ClipsAndFreezes) {
+  const WorldRun& ref = Reference();
+  ASSERT_EQ(ref.results.size(), 1u);
+  ASSERT_EQ(ref.results[0].size(), static_cast<size_t>(kSteps));
+  for (const StepResult& r : ref.results[0]) {
+    // Clipping engaged: the reported factor is max_norm / (norm + 1e-6).
+    EXPECT_GT(r.grad_norm, 0.05);
+    EXPECT_NEAR(r.clip_coefficient, 0.05 / (r.grad_norm + 1e-6), 1e-12);
+    EXPECT_EQ(r.tokens, kGlobalBatch * kSeq);
+  }
+  for (const StepResult& r : ref.results[0]) {
+    EXPECT_TRUE(std::isfinite(r.loss) && r.loss > 0) << r.loss;
+  }
+  // Against the same training without sharding or an executor, from the
+  // same state at every step. Both run the same kernels on the same shapes
+  // and give the same gradients, but the executor rounds the squared norm to
+  // fp32 for its all-reduce where this sums in double: the clip coefficient
+  // can differ in its last bit (it does on some steps under OpenBLAS'
+  // SkylakeX kernels), so the comparison is within rounding, not bitwise.
+  const WorldRun unsharded =
+      UnshardedTraining(TinyMoe(/*freeze=*/true), EquivalenceOptions(), kSteps,
+                        kGlobalBatch, &ref);
+  ExpectSameStepsAs(TinyMoe(/*freeze=*/true), ref, unsharded,
+                    EquivalenceOptions(), Tolerances(1));
+  // The frozen router never moves (no update, no weight decay); the others do.
+  EXPECT_EQ(ref.final[0].at(kFrozen), ref.initial[0].at(kFrozen));
+  for (const auto& [name, values] : ref.final[0]) {
+    if (name == kFrozen) continue;
+    EXPECT_NE(values, ref.initial[0].at(name)) << name;
+  }
+}
+
+struct EquivalenceCase {
+  std::string name;
+  Shape shape;
+};
+
+class StepExecutorEquivalenceTest
+    : public ::testing::TestWithParam<EquivalenceCase> {};
+
+TEST_P(StepExecutorEquivalenceTest, SameStepsAsOneRankWithinRounding) {
+  const EquivalenceCase& c = GetParam();
+  const v1::ModelSpec model = TinyMoe(/*freeze=*/true);
+  const v1::ShardingPlan plan = MakePlan(model, c.shape);
+  TrainOptions train;
+  train.restart = &Reference();
+  const WorldRun run =
+      Train(model, plan, EquivalenceOptions(), kSteps, kGlobalBatch, train);
+  const int world = c.shape.dp_shard * c.shape.dp_replicate;
+  ExpectSameStepsAs(model, Reference(), run, EquivalenceOptions(),
+                    Tolerances(world));
+}
+
+std::vector<EquivalenceCase> EquivalenceCases() {
+  std::vector<EquivalenceCase> cases;
+  for (const char* strategy :
+       {"default", "diffusion_gemma", "deepseek_v4", "megatron_fsdp"}) {
+    for (int world : {1, 2, 4}) {
+      if (world == 1 && std::string(strategy) == "default") continue;
+      Shape s;
+      s.strategy = strategy;
+      s.dp_shard = world;
+      cases.push_back({absl::StrCat(strategy, "_W", world), s});
+    }
+    // HSDP: 2 shard ranks x 2 replicas.
+    Shape hsdp;
+    hsdp.strategy = strategy;
+    hsdp.dp_shard = 2;
+    hsdp.dp_replicate = 2;
+    cases.push_back({absl::StrCat(strategy, "_hsdp_2x2"), hsdp});
+    // FSDP2's reshard_after_forward=2 on 4 ranks: backward re-gathers each
+    // layer from the slices over pairs of ranks.
+    Shape slices;
+    slices.strategy = strategy;
+    slices.dp_shard = 4;
+    slices.reshard_group = 2;
+    cases.push_back({absl::StrCat(strategy, "_W4_slice2"), slices});
+  }
+  // Gradient accumulation: 2 micro-batches of B/2 equal one batch of B,
+  // with and without deferred gradient sync.
+  for (bool defer : {false, true}) {
+    Shape s;
+    s.dp_shard = 2;
+    s.microbatches = 2;
+    s.defer = defer;
+    cases.push_back({defer ? "accumulate_deferred_W2" : "accumulate_W2", s});
+  }
+  return cases;
+}
+
+std::string CaseName(const ::testing::TestParamInfo<EquivalenceCase>& info) {
+  return info.param.name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, StepExecutorEquivalenceTest,
+                         ::testing::ValuesIn(EquivalenceCases()), CaseName);
+
+// With the same micro-batches on every rank nothing is left to round
+// differently: each rank computes the one-rank gradient bit for bit, the
+// average of two equal fp32 values is exact ((g + g) / 2 = g), and AdamW is
+// elementwise. So 2 shard ranks, and 2 x 2 HSDP, must reproduce a one-rank
+// run bit for bit over several free-running steps: this pins the optimizer,
+// its moments and the shard bookkeeping exactly, where the test above can
+// only bound them. (4 ranks would sum g + g + g + g, and 3g rounds.)
+// Clipping is off: the global norm is summed per shard, which rounds.
+class StepExecutorIdenticalDataTest
+    : public ::testing::TestWithParam<EquivalenceCase> {};
+
+TEST_P(StepExecutorIdenticalDataTest, BitwiseEqualToOneRank) {
+  const EquivalenceCase& c = GetParam();
+  const v1::ModelSpec model = TinyMoe(/*freeze=*/true);
+  StepExecutorOptions options = BaseOptions();
+  options.max_grad_norm = 0.0;
+  Shape one = c.shape;
+  one.dp_shard = 1;
+  one.dp_replicate = 1;
+  const v1::ShardingPlan one_plan = MakePlan(model, one);
+  const data::BatchSampler data = MakeSampler(one_plan, kGlobalBatch / 2);
+  TrainOptions train;
+  train.shared_data = &data;
+  const WorldRun ref =
+      Train(model, one_plan, options, kSteps, kGlobalBatch, train);
+  const WorldRun run = Train(model, MakePlan(model, c.shape), options, kSteps,
+                             kGlobalBatch, train);
+  for (size_t r = 0; r < run.results.size(); ++r) {
+    for (int s = 0; s < kSteps; ++s) {
+      EXPECT_EQ(run.results[r][s].loss, ref.results[0][s].loss)
+          << "rank " << r << " step " << s;
+    }
+  }
+  for (size_t replica = 0; replica < run.states.size(); ++replica) {
+    for (int s = 0; s < kSteps; ++s) {
+      SCOPED_TRACE(absl::StrCat("replica ", replica, " step ", s));
+      const TrainingStateMaps& got = run.states[replica][s];
+      const TrainingStateMaps& want = ref.states[0][s];
+      EXPECT_EQ(got.params, want.params);
+      EXPECT_EQ(got.exp_avg, want.exp_avg);
+      EXPECT_EQ(got.exp_avg_sq, want.exp_avg_sq);
+    }
+  }
+}
+
+std::vector<EquivalenceCase> IdenticalDataCases() {
+  std::vector<EquivalenceCase> cases;
+  for (const EquivalenceCase& c : EquivalenceCases()) {
+    if (c.shape.dp_shard == 2) cases.push_back(c);
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, StepExecutorIdenticalDataTest,
+                         ::testing::ValuesIn(IdenticalDataCases()), CaseName);
+
+// ---- (3) Fine-grained mode = whole programs --------------------------------
+
+TEST(StepExecutorFineGrainedTest, OneCallPerCommandGivesIdenticalResults) {
+  const v1::ModelSpec model = TinyMoe(/*freeze=*/false);
+  Shape shape;
+  shape.strategy = "diffusion_gemma";
+  shape.dp_shard = 2;
+  shape.microbatches = 2;
+  shape.passes = 2;
+  shape.no_grad_passes = 1;
+  shape.defer = true;
+  const v1::ShardingPlan plan = MakePlan(model, shape);
+  const StepExecutorOptions options = EquivalenceOptions();
+  const WorldRun whole = Train(model, plan, options, 2, kGlobalBatch);
+  const WorldRun fine =
+      Train(model, plan, options, 2, kGlobalBatch, FineGrained());
+  ASSERT_EQ(whole.results.size(), fine.results.size());
+  for (size_t r = 0; r < whole.results.size(); ++r) {
+    ASSERT_EQ(whole.results[r].size(), fine.results[r].size());
+    for (size_t s = 0; s < whole.results[r].size(); ++s) {
+      const StepResult& a = whole.results[r][s];
+      const StepResult& b = fine.results[r][s];
+      EXPECT_EQ(a.loss, b.loss);
+      EXPECT_EQ(a.grad_norm, b.grad_norm);
+      EXPECT_EQ(a.tokens, b.tokens);
+      EXPECT_EQ(a.commands, b.commands);
+      EXPECT_EQ(a.peak_unsharded_bytes, b.peak_unsharded_bytes);
+      EXPECT_EQ(a.peak_unsharded_bytes, plan.memory().peak_unsharded_bytes());
+      EXPECT_EQ(a.collectives.all_gathers, b.collectives.all_gathers);
+      EXPECT_EQ(a.collectives.reduce_scatters, b.collectives.reduce_scatters);
+    }
+  }
+  EXPECT_EQ(whole.final, fine.final);  // Bitwise.
+}
+
+// ---- (4) Stale plans and malformed programs --------------------------------
+
+TEST(StepExecutorValidationTest, RefusesStalePlansAndBadProgramsWithoutEffect) {
+  const v1::ModelSpec model = TinyMoe(/*freeze=*/false);
+  const v1::ShardingPlan plan = MakePlan(model, Shape());
+  SHARDD_ASSERT_OK_AND_ASSIGN(const v1::StepProgram program,
+                              CompileStepProgram(plan));
+  const data::BatchSampler sampler = MakeSampler(plan, 2);
+  RunWorld(plan, [&](const RankCtx& ctx) {
+    SHARDD_ASSERT_OK_AND_ASSIGN(
+        std::unique_ptr<StepExecutor> executor,
+        StepExecutor::Create(plan, model, BaseOptions(), ctx.shard, nullptr,
+                             ctx.tracker));
+    const std::vector<data::MicroBatch> batches = BatchesFor(sampler, 0, 0);
+
+    v1::StepProgram stale = program;
+    stale.set_plan_fingerprint(plan.fingerprint() + 1);
+    EXPECT_THAT(executor->Execute(stale, batches),
+                StatusIs(absl::StatusCode::kFailedPrecondition,
+                         HasSubstr("stale plan")));
+    EXPECT_THAT(executor->BeginStep(stale, batches),
+                StatusIs(absl::StatusCode::kFailedPrecondition,
+                         HasSubstr("stale plan")));
+
+    v1::StepProgram truncated = program;
+    truncated.mutable_commands()->RemoveLast();  // No OPTIMIZER_STEP.
+    EXPECT_THAT(executor->Execute(truncated, batches),
+                StatusIs(absl::StatusCode::kInvalidArgument));
+
+    EXPECT_THAT(
+        executor->Execute(program, {}),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("batches")));
+    std::vector<data::MicroBatch> bad = batches;
+    bad[0].inputs[3] = static_cast<int32_t>(kVocab);
+    EXPECT_THAT(
+        executor->Execute(program, bad),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("batches[0]")));
+    bad = batches;
+    bad[0].targets.pop_back();
+    EXPECT_THAT(
+        executor->Execute(program, bad),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("batches[0]")));
+
+    // A step that ends early is aborted; one that never started anything
+    // leaves the executor usable.
+    EXPECT_THAT(executor->EndStep(),
+                StatusIs(absl::StatusCode::kFailedPrecondition));
+    SHARDD_EXPECT_OK(executor->BeginStep(program, batches));
+    EXPECT_THAT(executor->Execute(program, batches),
+                StatusIs(absl::StatusCode::kFailedPrecondition,
+                         HasSubstr("in progress")));
+    EXPECT_THAT(executor->EndStep(),
+                StatusIs(absl::StatusCode::kFailedPrecondition,
+                         HasSubstr("before OPTIMIZER_STEP")));
+
+    // Nothing above changed the shards or the step count.
+    EXPECT_EQ(executor->optimizer_steps(), 0);
+    SHARDD_EXPECT_OK(executor->health());
+    SHARDD_ASSERT_OK_AND_ASSIGN(const StepResult result,
+                                executor->Execute(program, batches));
+    EXPECT_EQ(result.optimizer_steps, 1);
+    EXPECT_EQ(result.commands, program.commands_size());
+  });
+}
+
+TEST(StepExecutorValidationTest, NonFiniteGradientNormSkipsTheUpdate) {
+  const v1::ModelSpec model = TinyMoe(/*freeze=*/false);
+  const v1::ShardingPlan plan = MakePlan(model, Shape());
+  SHARDD_ASSERT_OK_AND_ASSIGN(const v1::StepProgram program,
+                              CompileStepProgram(plan));
+  const data::BatchSampler sampler = MakeSampler(plan, 2);
+  RunWorld(plan, [&](const RankCtx& ctx) {
+    StepExecutorOptions options = BaseOptions();
+    // Absurd steps blow the parameters up until the loss overflows.
+    options.adamw.lr = 1e30;
+    options.adamw.weight_decay = 0.0;
+    SHARDD_ASSERT_OK_AND_ASSIGN(
+        std::unique_ptr<StepExecutor> executor,
+        StepExecutor::Create(plan, model, options, ctx.shard, nullptr,
+                             ctx.tracker));
+    absl::Status failure;
+    int s = 0;
+    for (; s < 10 && failure.ok(); ++s) {
+      std::vector<float> before;
+      for (int u = 0; u < plan.units_size(); ++u) {
+        const ShardStore::UnitShard shard = executor->shards().shard(u);
+        before.insert(before.end(), shard.params, shard.params + shard.numel);
+      }
+      v1::StepProgram step = program;
+      step.set_step(s);
+      absl::StatusOr<StepResult> result =
+          executor->Execute(step, BatchesFor(sampler, s, 0));
+      if (result.ok()) continue;
+      failure = result.status();
+      std::vector<float> after;
+      for (int u = 0; u < plan.units_size(); ++u) {
+        const ShardStore::UnitShard shard = executor->shards().shard(u);
+        after.insert(after.end(), shard.params, shard.params + shard.numel);
+      }
+      EXPECT_EQ(before, after);
+    }
+    ASSERT_THAT(failure,
+                StatusIs(absl::StatusCode::kInternal, HasSubstr("not finite")));
+    EXPECT_EQ(executor->optimizer_steps(), s - 1);
+    // All ranks skipped the same step: the executor stays usable.
+    SHARDD_EXPECT_OK(executor->health());
+  });
+}
+
+TEST(StepExecutorValidationTest, CreateChecksItsArguments) {
+  const v1::ModelSpec model = TinyMoe(/*freeze=*/false);
+  Shape two;
+  two.dp_shard = 2;
+  const v1::ShardingPlan plan = MakePlan(model, two);
+  RunWorld(MakePlan(model, Shape()), [&](const RankCtx& ctx) {
+    // A one-rank group for a two-rank plan.
+    EXPECT_THAT(
+        StepExecutor::Create(plan, model, BaseOptions(), ctx.shard, nullptr,
+                             ctx.tracker),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("shard_group")));
+    StepExecutorOptions options = BaseOptions();
+    options.adamw.beta1 = 1.5;
+    EXPECT_THAT(
+        StepExecutor::Create(MakePlan(model, Shape()), model, options,
+                             ctx.shard, nullptr, ctx.tracker),
+        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("adamw")));
+    options = BaseOptions();
+    options.max_grad_norm = -1;
+    EXPECT_THAT(StepExecutor::Create(MakePlan(model, Shape()), model, options,
+                                     ctx.shard, nullptr, ctx.tracker),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("max_grad_norm")));
+  });
+}
+
+// ---- (5) A rank that stops taking part -------------------------------------
+
+struct FaultCase {
+  v1::Command::Op stop_before;
+};
+
+class StepExecutorFaultTest : public ::testing::TestWithParam<FaultCase> {};
+
+TEST_P(StepExecutorFaultTest, PeersFailWithinTheTimeoutAndCommitNothing) {
+  const v1::Command::Op stop_before = GetParam().stop_before;
+  const v1::ModelSpec model = TinyMoe(/*freeze=*/false);
+  Shape shape;
+  shape.dp_shard = 2;
+  const v1::ShardingPlan plan = MakePlan(model, shape);
+  SHARDD_ASSERT_OK_AND_ASSIGN(const v1::StepProgram program,
+                              CompileStepProgram(plan));
+  int stop = 0;
+  while (program.commands(stop).op() != stop_before) ++stop;
+  const data::BatchSampler sampler = MakeSampler(plan, 4);
+  const absl::Duration timeout = absl::Seconds(1);
+  absl::Notification peer_done;
+  RunWorld(plan, [&](const RankCtx& ctx) {
+    StepExecutorOptions options = BaseOptions();
+    options.shard_rank = ctx.shard_rank;
+    options.collective_timeout = timeout;
+    SHARDD_ASSERT_OK_AND_ASSIGN(
+        std::unique_ptr<StepExecutor> executor,
+        StepExecutor::Create(plan, model, options, ctx.shard, nullptr,
+                             ctx.tracker));
+    // One good step, so the optimizer state is not trivially zero.
+    SHARDD_ASSERT_OK_AND_ASSIGN(
+        const StepResult first,
+        executor->Execute(program, BatchesFor(sampler, 0, ctx.data_rank)));
+    EXPECT_EQ(first.optimizer_steps, 1);
+    v1::StepProgram second = program;
+    second.set_step(1);
+    const std::vector<data::MicroBatch> batches =
+        BatchesFor(sampler, 1, ctx.data_rank);
+
+    if (ctx.shard_rank == 1) {
+      // Runs the commands before `stop`, then goes silent while staying
+      // connected: its peer can only notice through the timeout.
+      v1::StepProgram header = second;
+      header.clear_commands();
+      SHARDD_ASSERT_OK(executor->BeginStep(header, batches));
+      for (int i = 0; i < stop; ++i) {
+        SHARDD_ASSERT_OK(executor->ExecuteCommand(second.commands(i)));
+      }
+      peer_done.WaitForNotificationWithTimeout(absl::Seconds(30));
+      return;
+    }
+
+    std::vector<std::vector<float>> before;
+    for (int u = 0; u < plan.units_size(); ++u) {
+      const ShardStore::UnitShard s = executor->shards().shard(u);
+      for (const float* p : {s.params, s.exp_avg, s.exp_avg_sq}) {
+        before.emplace_back(p, p + s.numel);
+      }
+    }
+    const absl::Time start = absl::Now();
+    const absl::StatusOr<StepResult> result =
+        executor->Execute(second, batches);
+    const absl::Duration elapsed = absl::Now() - start;
+    peer_done.Notify();
+    const std::string op = v1::Command::Op_Name(stop_before);
+    EXPECT_THAT(result,
+                StatusIs(absl::StatusCode::kAborted, HasSubstr("commands[")));
+    EXPECT_THAT(result.status().message(), HasSubstr(op));
+    EXPECT_THAT(result.status().message(), HasSubstr("DEADLINE_EXCEEDED"));
+    EXPECT_LT(elapsed, 2 * timeout);
+    std::printf("[fault] stop before %s: peer failed after %.2f s: %s\n",
+                op.c_str(), absl::ToDoubleSeconds(elapsed),
+                result.status().ToString().c_str());
+
+    // Nothing was committed, and the executor refuses further steps.
+    EXPECT_EQ(executor->optimizer_steps(), 1);
+    std::vector<std::vector<float>> after;
+    for (int u = 0; u < plan.units_size(); ++u) {
+      const ShardStore::UnitShard s = executor->shards().shard(u);
+      for (const float* p : {s.params, s.exp_avg, s.exp_avg_sq}) {
+        after.emplace_back(p, p + s.numel);
+      }
+    }
+    EXPECT_EQ(before, after);
+    EXPECT_THAT(executor->health(),
+                StatusIs(absl::StatusCode::kFailedPrecondition));
+    v1::StepProgram third = program;
+    third.set_step(2);
+    EXPECT_THAT(
+        executor->Execute(third, batches),
+        StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("unusable")));
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    StopPoints, StepExecutorFaultTest,
+    ::testing::Values(FaultCase{v1::Command::REDUCE_SCATTER},
+                      FaultCase{v1::Command::OPTIMIZER_STEP}),
+    [](const ::testing::TestParamInfo<FaultCase>& info) {
+      return v1::Command::Op_Name(info.param.stop_before);
+    });
+
+}  // namespace
+}  // namespace shardd
+
+namespace shardd {
+namespace {
+
+// ---- Mixed precision ------------------------------------------------------
+// bf16 gathers round each master element on its own, so the compute weights
+// do not depend on the layout: from the same state, a sharded bf16 step must
+// equal a one-rank bf16 step within the fp32 bounds (only the fp32 reduction
+// order differs). Against fp32, the loss moves by at most the first-order
+// effect of rounding every weight to bf16 (derived in the test).
+// keep_compute_shard changes where the bf16 bytes of an unshard come from
+// (a copy the optimizer refreshes instead of a cast at every unshard), not
+// what they are: losses, gradient norms and parameters are bitwise equal,
+// and the copies cost exactly the planned persistent bytes.
+TEST(StepExecutorMixedPrecisionTest, KeepingComputeShardsChangesNoBit) {
+  const v1::ModelSpec model = TinyMoe(/*freeze=*/true);
+  for (const char* strategy : {"default", "megatron_fsdp"}) {
+    SCOPED_TRACE(strategy);
+    Shape cast;
+    cast.mixed = true;
+    cast.dp_shard = 2;
+    cast.strategy = strategy;
+    Shape keep = cast;
+    keep.keep_compute_shard = true;
+    const v1::ShardingPlan cast_plan = MakePlan(model, cast);
+    const v1::ShardingPlan keep_plan = MakePlan(model, keep);
+    EXPECT_EQ(cast_plan.memory().compute_shard_bytes(), 0);
+    EXPECT_EQ(keep_plan.memory().compute_shard_bytes(),
+              keep_plan.memory().sharded_param_bytes() / 2);
+    EXPECT_EQ(keep_plan.memory().persistent_bytes(),
+              cast_plan.memory().persistent_bytes() +
+                  keep_plan.memory().compute_shard_bytes());
+    EXPECT_NE(keep_plan.fingerprint(), cast_plan.fingerprint());
+    const WorldRun a =
+        Train(model, cast_plan, EquivalenceOptions(), kSteps, kGlobalBatch);
+    const WorldRun b =
+        Train(model, keep_plan, EquivalenceOptions(), kSteps, kGlobalBatch);
+    for (size_t r = 0; r < a.results.size(); ++r) {
+      for (int s = 0; s < kSteps; ++s) {
+        EXPECT_EQ(a.results[r][s].loss, b.results[r][s].loss) << "step " << s;
+        EXPECT_EQ(a.results[r][s].grad_norm, b.results[r][s].grad_norm);
+      }
+    }
+    EXPECT_EQ(a.final[0], b.final[0]);
+  }
+}
+
+TEST(StepExecutorMixedPrecisionTest, ShardedBf16EqualsOneRankBf16NearFp32) {
+  const v1::ModelSpec model = TinyMoe(/*freeze=*/true);
+  Shape one;
+  one.mixed = true;
+  one.dp_shard = 1;
+  const WorldRun single = Train(model, MakePlan(model, one),
+                                EquivalenceOptions(), kSteps, kGlobalBatch);
+  // Against fp32, from the fp32 reference's state at every step. bf16
+  // compute rounds each weight once, w -> w (1 + d) with |d| <= 2^-8 (bf16
+  // keeps 8 significant bits), so to first order the loss moves by
+  // sum_i d_i w_i dL/dw_i: at most 2^-8 sum_i |w_i dL/dw_i|, with dL/dw the
+  // unclipped gradient (the reference's first moment / ((1 - beta1) clip)).
+  // Second-order terms are 2^-8 times smaller; fp32's own rounding is
+  // tol.loss.
+  const WorldRun& fp32 = Reference();
+  TrainOptions from_fp32;
+  from_fp32.restart = &fp32;
+  const WorldRun bf16 = Train(model, MakePlan(model, one), EquivalenceOptions(),
+                              kSteps, kGlobalBatch, from_fp32);
+  const StepTolerances tol = Tolerances(1);
+  const kernels::AdamWConfig& adamw = EquivalenceOptions().adamw;
+  for (int s = 0; s < kSteps; ++s) {
+    const ParamMap& w = s == 0 ? fp32.initial[0] : fp32.states[0][s - 1].params;
+    double first_order = 0.0;
+    for (const auto& [name, m] : fp32.states[0][s].exp_avg) {
+      const std::vector<float>* m_prev =
+          s == 0 ? nullptr : &fp32.states[0][s - 1].exp_avg.at(name);
+      for (size_t i = 0; i < m.size(); ++i) {
+        const double g =
+            (m[i] - (m_prev ? adamw.beta1 * (*m_prev)[i] : 0.0)) /
+            ((1 - adamw.beta1) * fp32.results[0][s].clip_coefficient);
+        first_order += std::fabs(w.at(name)[i] * g);
+      }
+    }
+    const double want = fp32.results[0][s].loss;
+    const double allowed = 0x1p-8 * first_order + tol.loss * want;
+    EXPECT_NEAR(bf16.results[0][s].loss, want, allowed) << "step " << s;
+    std::printf(
+        "[bf16] step %d: |loss - fp32 loss| %.3e, %.2e of the bound %.3e\n", s,
+        std::fabs(bf16.results[0][s].loss - want),
+        std::fabs(bf16.results[0][s].loss - want) / allowed, allowed);
+  }
+  for (const char* strategy : {"default", "diffusion_gemma"}) {
+    SCOPED_TRACE(strategy);
+    Shape two;
+    two.mixed = true;
+    two.dp_shard = 2;
+    two.strategy = strategy;
+    TrainOptions train;
+    train.restart = &single;
+    const WorldRun run =
+        Train(model, MakePlan(model, two), EquivalenceOptions(), kSteps,
+              kGlobalBatch, train);
+    ExpectSameStepsAs(model, single, run, EquivalenceOptions(), Tolerances(2));
+  }
+}
+
+}  // namespace
+}  // namespace shardd

@@ -1,0 +1,89 @@
+#ifndef SHARDD_WORKER_MODEL_DEVICE_MOE_MODEL_H_
+#define SHARDD_WORKER_MODEL_DEVICE_MOE_MODEL_H_
+
+// The GPU training model: the same computation as MoeModel
+// (worker/model/moe_model.h; read its header for the exact math: embedding with
+// the self-conditioning coupling for passes > 0, per layer RMSNorm ->
+// router (+ dense MLP) -> grouped experts, final RMSNorm, LM head with
+// cross-entropy, loss scaling by 1 / (microbatches * grad_passes)) on one
+// CUDA device, with the kernels of kernels/cuda/ (bf16 or fp32 storage as
+// the parameters' compute dtype says, fp32 accumulation).
+//
+// Everything is stream-ordered on the model's compute stream: Run() only
+// enqueues work and never waits for the device, except for the one
+// per-forward host synchronization of the grouped experts (reading the
+// per-expert counts for cuBLAS' grouped GEMM; kernels/cuda/
+// grouped_experts.h), which host_synchronizations() counts. The step's loss
+// stays on the device until ReadStepLoss(), which waits (the step's end).
+// Activations and workspaces come from a DeviceAllocator (kind kWorkspace),
+// so after the first step no cudaMalloc happens.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "proto/model.pb.h"
+#include "proto/worker.pb.h"
+#include "worker/memory/device_allocator.h"
+#include "worker/model/device_param_source.h"
+#include "worker/model/moe_model.h"
+
+namespace shardd {
+
+struct DeviceMoeModelOptions {
+  MoeModelOptions model;  // passes, no_grad_passes, microbatches, coupling.
+  int device = 0;
+  // The compute stream (a cudaStream_t); nullptr: the model creates one.
+  void* stream = nullptr;
+  // Activation dtype (the units' compute dtype): bf16 under mixed precision.
+  DeviceDType activations = DeviceDType::kBFloat16;
+};
+
+class DeviceMoeModel {
+ public:
+  // Same spec checks as MoeModel::Create (INVALID_ARGUMENT naming what the
+  // GPU path cannot compute), plus FAILED_PRECONDITION when the device is
+  // not usable (no GPU, bad device index). `allocator` must outlive the
+  // model.
+  static absl::StatusOr<std::unique_ptr<DeviceMoeModel>> Create(
+      const v1::ModelSpec& model, const DeviceMoeModelOptions& options,
+      DeviceAllocator* allocator);
+  ~DeviceMoeModel();
+
+  // Host arrays [batch, seq] (targets may hold -1 = ignore), copied to the
+  // device asynchronously (pinned staging). Errors as MoeModel::SetBatch.
+  absl::Status SetBatch(int microbatch, const int32_t* inputs,
+                        const int32_t* targets, int64_t batch, int64_t seq);
+
+  // Enqueues one FORWARD or BACKWARD command. Errors as MoeModel::Run, plus
+  // the CUDA/cuBLAS errors of the kernels.
+  absl::Status Run(const v1::Command& command, DeviceParamSource* params);
+
+  void ResetStep();
+  // Waits for the compute stream and returns the mean loss over the grad
+  // passes and micro-batches since ResetStep, and the tokens it covers;
+  // also surfaces device-side data errors (an out-of-range token id or
+  // target counted by the kernels) as INVALID_ARGUMENT.
+  struct StepLoss {
+    double loss = 0.0;
+    int64_t tokens = 0;
+  };
+  absl::StatusOr<StepLoss> ReadStepLoss();
+
+  int64_t activation_bytes() const;
+  int64_t host_synchronizations() const;
+  void* stream() const;
+  int num_layers() const;
+  int64_t vocab_size() const;
+
+ private:
+  struct Impl;
+  explicit DeviceMoeModel(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace shardd
+
+#endif  // SHARDD_WORKER_MODEL_DEVICE_MOE_MODEL_H_

@@ -1,0 +1,101 @@
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels/cuda/device_math.h"
+#include "worker/model/device_moe_model_kernels.h"
+
+namespace shardd {
+namespace device_model {
+namespace {
+
+using ::shardd::kernels::cuda::LoadAsFloat;
+using ::shardd::kernels::cuda::StoreFromFloat;
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = 4096;
+
+int Blocks(int64_t n) {
+  return static_cast<int>(std::min<int64_t>(
+      std::max<int64_t>((n + kThreads - 1) / kThreads, 1), kMaxBlocks));
+}
+
+template <typename T>
+__global__ void ResidualAddKernel(const T* x, const T* __restrict__ a,
+                                  const T* __restrict__ b, T* out, int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < n; i += stride) {
+    float delta = LoadAsFloat(a + i);
+    if (b != nullptr) delta = __fadd_rn(delta, LoadAsFloat(b + i));
+    StoreFromFloat(out + i, __fadd_rn(LoadAsFloat(x + i), delta));
+  }
+}
+
+template <typename T>
+__global__ void AddScaledKernel(T* x, const T* __restrict__ h, float scale,
+                                int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < n; i += stride) {
+    StoreFromFloat(x + i, __fadd_rn(LoadAsFloat(x + i),
+                                    __fmul_rn(scale, LoadAsFloat(h + i))));
+  }
+}
+
+__global__ void AccumulateStepLossKernel(const double* mean_loss,
+                                         const int64_t* count,
+                                         const int64_t* invalid_targets,
+                                         DeviceStepLoss* acc) {
+  acc->loss_sum += *mean_loss;
+  acc->tokens += *count;
+  acc->invalid_targets += *invalid_targets;
+}
+
+template <typename T>
+cudaError_t ResidualAdd(const T* x, const T* a, const T* b, T* out, int64_t n,
+                        cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  ResidualAddKernel<T><<<Blocks(n), kThreads, 0, stream>>>(x, a, b, out, n);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t AddScaled(T* x, const T* h, float scale, int64_t n,
+                      cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  AddScaledKernel<T><<<Blocks(n), kThreads, 0, stream>>>(x, h, scale, n);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t LaunchResidualAdd(const float* x, const float* a, const float* b,
+                              float* out, int64_t n, cudaStream_t stream) {
+  return ResidualAdd(x, a, b, out, n, stream);
+}
+cudaError_t LaunchResidualAdd(const uint16_t* x, const uint16_t* a,
+                              const uint16_t* b, uint16_t* out, int64_t n,
+                              cudaStream_t stream) {
+  return ResidualAdd(x, a, b, out, n, stream);
+}
+
+cudaError_t LaunchAddScaled(float* x, const float* h, float scale, int64_t n,
+                            cudaStream_t stream) {
+  return AddScaled(x, h, scale, n, stream);
+}
+cudaError_t LaunchAddScaled(uint16_t* x, const uint16_t* h, float scale,
+                            int64_t n, cudaStream_t stream) {
+  return AddScaled(x, h, scale, n, stream);
+}
+
+cudaError_t LaunchAccumulateStepLoss(const double* mean_loss,
+                                     const int64_t* count,
+                                     const int64_t* invalid_targets,
+                                     DeviceStepLoss* acc, cudaStream_t stream) {
+  AccumulateStepLossKernel<<<1, 1, 0, stream>>>(mean_loss, count,
+                                                invalid_targets, acc);
+  return cudaGetLastError();
+}
+
+}  // namespace device_model
+}  // namespace shardd

@@ -1,0 +1,54 @@
+#ifndef SHARDD_WORKER_MODEL_DEVICE_MOE_MODEL_KERNELS_H_
+#define SHARDD_WORKER_MODEL_DEVICE_MOE_MODEL_KERNELS_H_
+
+// The elementwise glue of DeviceMoeModel (worker/model/device_moe_model.cc) that
+// kernels/cuda/ has no op for: residual adds, the self-conditioning
+// coupling and the step-loss accumulation. Plain launchers returning
+// cudaError_t (no absl, so nvcc never sees it); asynchronous on `stream`.
+// fp32 or bf16 storage (uint16_t bit patterns), fp32 arithmetic with
+// explicit round-to-nearest operations (no FMA contraction), so fp32 results
+// equal the CPU model's `x += a + b` and `x += scale * h` bit for bit.
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace shardd {
+namespace device_model {
+
+// The step's loss and data-error counters in device memory; zeroed at a
+// step's start, read once by DeviceMoeModel::ReadStepLoss.
+struct DeviceStepLoss {
+  double loss_sum = 0.0;        // sum of per-(pass, micro-batch) mean losses
+  int64_t tokens = 0;           // counted targets
+  int64_t invalid_targets = 0;  // from CrossEntropyDeviceResult
+  int32_t bad_ids = 0;          // from the embedding kernels
+  int32_t padding = 0;
+};
+
+// out[i] = x[i] + (a[i] + b[i]) (b may be null: out[i] = x[i] + a[i]).
+// out may alias x. n >= 0.
+cudaError_t LaunchResidualAdd(const float* x, const float* a, const float* b,
+                              float* out, int64_t n, cudaStream_t stream);
+cudaError_t LaunchResidualAdd(const uint16_t* x, const uint16_t* a,
+                              const uint16_t* b, uint16_t* out, int64_t n,
+                              cudaStream_t stream);
+
+// x[i] = x[i] + scale * h[i] (product rounded, then the sum). n >= 0.
+cudaError_t LaunchAddScaled(float* x, const float* h, float scale, int64_t n,
+                            cudaStream_t stream);
+cudaError_t LaunchAddScaled(uint16_t* x, const uint16_t* h, float scale,
+                            int64_t n, cudaStream_t stream);
+
+// One thread: acc->loss_sum += *mean_loss; acc->tokens += *count;
+// acc->invalid_targets += *invalid_targets (device pointers into a
+// CrossEntropyDeviceResult).
+cudaError_t LaunchAccumulateStepLoss(const double* mean_loss,
+                                     const int64_t* count,
+                                     const int64_t* invalid_targets,
+                                     DeviceStepLoss* acc, cudaStream_t stream);
+
+}  // namespace device_model
+}  // namespace shardd
+
+#endif  // SHARDD_WORKER_MODEL_DEVICE_MOE_MODEL_KERNELS_H_

@@ -1,0 +1,115 @@
+#ifndef SHARDD_WORKER_MODEL_MOE_MODEL_H_
+#define SHARDD_WORKER_MODEL_MOE_MODEL_H_
+
+// The CPU training model: computes the parts of a step program (EMBED, LAYER,
+// EXPERTS, HEAD; proto/worker.proto) for a native MoE spec:
+//
+//   x0 = embed(tokens)                                   (pass 0)
+//   x0 = embed(tokens) + c * stopgrad(h_final of pass p-1) (pass p > 0: the
+//        self-conditioning coupling of DiffusionGemma's multi-pass step;
+//        c = self_conditioning_scale)
+//   per layer l:  n = RMSNorm(x; input_layernorm)
+//     LAYER:      r = router(n) -> (indices, weights); d = dense_mlp(n) if any
+//     EXPERTS:    x = x + grouped_experts(n; indices, weights) + d
+//   HEAD:         h = RMSNorm(x; model.norm); loss = CE(h @ W_head^T, targets)
+//
+// A layer without experts (a dense layer) is x = x + dense_mlp(n), computed
+// entirely by LAYER. Passes are independent in backward (the coupling is
+// detached), so a pass's backward needs only its own activations.
+//
+// Loss: each pass with gradients contributes its mean token cross-entropy;
+// the step loss is the mean over those passes and over micro-batches. Every
+// rank computes the gradient of its local mean, scaled by
+// 1 / (microbatches * grad_passes), and the reduce-scatter averages over
+// ranks, which is the gradient of the global mean when every rank holds the
+// same number of tokens (the batch sampler guarantees it).
+//
+// Parameters are read and gradients written through ParamSource (the
+// worker's ShardStore, or a plain map in tests and the unsharded reference),
+// so the model never sees the sharding.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "proto/model.pb.h"
+#include "proto/worker.pb.h"
+
+namespace shardd {
+
+class ParamSource {
+ public:
+  virtual ~ParamSource() = default;
+  // The unsharded fp32 values of a parameter (numel of its global shape).
+  virtual absl::StatusOr<const float*> Param(const std::string& name) = 0;
+  // grad[name] += values.
+  virtual absl::Status AccumulateGrad(const std::string& name,
+                                      const float* values) = 0;
+};
+
+struct MoeModelOptions {
+  int passes = 1;
+  int no_grad_passes = 0;
+  int microbatches = 1;
+  float self_conditioning_scale = 0.5f;
+};
+
+class MoeModel {
+ public:
+  // Checks that the spec is one the CPU path computes: model.embed_tokens
+  // (MODULE_EMBEDDING), model.layers.N each with input_layernorm and either a
+  // moe (gate.weight [E, D], experts.gate_and_up_projs [E, D, 2I],
+  // experts.down_projs [E, I, D], optional mlp with gate_proj/up_proj/
+  // down_proj) or only an mlp; model.norm; lm_head.weight (own or tied to the
+  // embedding). dims.top_k and dims.activation must be set for MoE layers.
+  // Errors: INVALID_ARGUMENT naming the first module or parameter the CPU
+  // path cannot compute (e.g. attention) and what it expects.
+  static absl::StatusOr<std::unique_ptr<MoeModel>> Create(
+      const v1::ModelSpec& model, const MoeModelOptions& options);
+
+  // Installs micro-batch `microbatch`'s tokens: inputs and targets are
+  // [batch, seq] row-major (targets may hold -1 = ignore). Must be called
+  // before that micro-batch's first FORWARD(EMBED). The arrays are copied.
+  // Errors: INVALID_ARGUMENT (microbatch out of range, batch or seq < 1, a
+  // token id outside [0, vocab)).
+  absl::Status SetBatch(int microbatch, const int32_t* inputs,
+                        const int32_t* targets, int64_t batch, int64_t seq);
+
+  // Runs one FORWARD or BACKWARD command. `command.part`, `layer`, `pass`,
+  // `microbatch` and `requires_grad` say what to compute.
+  // Errors: INVALID_ARGUMENT (part/layer/pass out of range),
+  // FAILED_PRECONDITION (out of order: e.g. a backward whose forward has not
+  // run, EXPERTS before LAYER), and ParamSource's errors.
+  absl::Status Run(const v1::Command& command, ParamSource* params);
+
+  // Forgets every activation and the step's loss (call at a step's start).
+  void ResetStep();
+
+  // Mean loss over the grad passes and micro-batches run since ResetStep, and
+  // the number of target tokens it covers.
+  double step_loss() const;
+  int64_t step_tokens() const;
+
+  // Bytes of saved activations and workspaces (for memory reports).
+  int64_t activation_bytes() const;
+
+  int num_layers() const;
+  int64_t vocab_size() const;
+
+ private:
+  struct Impl;
+  explicit MoeModel(std::unique_ptr<Impl> impl);
+
+ public:
+  ~MoeModel();
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace shardd
+
+#endif  // SHARDD_WORKER_MODEL_MOE_MODEL_H_

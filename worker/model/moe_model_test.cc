@@ -1,0 +1,285 @@
+#include "worker/model/moe_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "testing/model_builder.h"
+#include "common/status_matchers.h"
+#include "gtest/gtest.h"
+#include "model/model_util.h"
+
+namespace shardd {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Parameters and gradients in plain maps: the unsharded view.
+class MapSource : public ParamSource {
+ public:
+  absl::StatusOr<const float*> Param(const std::string& name) override {
+    auto it = values.find(name);
+    if (it == values.end()) return absl::NotFoundError(name);
+    return it->second.data();
+  }
+  absl::Status AccumulateGrad(const std::string& name,
+                              const float* g) override {
+    std::vector<float>& v = grads[name];
+    v.resize(values[name].size(), 0.0f);
+    for (size_t i = 0; i < v.size(); ++i) v[i] += g[i];
+    return absl::OkStatus();
+  }
+  std::map<std::string, std::vector<float>> values;
+  std::map<std::string, std::vector<float>> grads;
+};
+
+using ::shardd::testing_util::AddChild;
+using ::shardd::testing_util::AddParam;
+
+constexpr int64_t kVocab = 13, kDim = 6, kExperts = 4, kInter = 3, kMlp = 5;
+
+// Layer 0: MoE + dense MLP; layer 1: MoE only; layer 2: dense only.
+v1::ModelSpec TinyModel(bool tied) {
+  v1::ModelSpec spec;
+  spec.set_architecture("ShardMoEForCausalLM");
+  spec.set_dtype(v1::FLOAT32);
+  spec.mutable_dims()->set_top_k(2);
+  spec.mutable_dims()->set_activation(v1::SWIGLU);
+  spec.mutable_dims()->set_rms_norm_eps(1e-6);
+  v1::ModuleSpec* root = spec.mutable_root();
+  root->set_kind(v1::MODULE_MODEL);
+  v1::ModuleSpec* model = AddChild(root, "model", v1::MODULE_GENERIC);
+  AddParam(AddChild(model, "embed_tokens", v1::MODULE_EMBEDDING), "weight",
+           {kVocab, kDim});
+  v1::ModuleSpec* layers = AddChild(model, "layers", v1::MODULE_LAYER_LIST);
+  for (int i = 0; i < 3; ++i) {
+    v1::ModuleSpec* layer =
+        AddChild(layers, std::to_string(i), v1::MODULE_DECODER_LAYER);
+    AddParam(AddChild(layer, "input_layernorm", v1::MODULE_NORM), "weight",
+             {kDim});
+    if (i < 2) {
+      v1::ModuleSpec* moe = AddChild(layer, "moe", v1::MODULE_MOE);
+      AddParam(AddChild(moe, "gate", v1::MODULE_ROUTER), "weight",
+               {kExperts, kDim});
+      v1::ModuleSpec* experts =
+          AddChild(moe, "experts", v1::MODULE_GROUPED_EXPERTS);
+      AddParam(experts, "gate_and_up_projs", {kExperts, kDim, 2 * kInter});
+      AddParam(experts, "down_projs", {kExperts, kInter, kDim});
+    }
+    if (i != 1) {
+      v1::ModuleSpec* mlp = AddChild(layer, "mlp", v1::MODULE_MLP);
+      AddParam(AddChild(mlp, "gate_proj", v1::MODULE_GENERIC), "weight",
+               {kMlp, kDim});
+      AddParam(AddChild(mlp, "up_proj", v1::MODULE_GENERIC), "weight",
+               {kMlp, kDim});
+      AddParam(AddChild(mlp, "down_proj", v1::MODULE_GENERIC), "weight",
+               {kDim, kMlp});
+    }
+  }
+  AddParam(AddChild(model, "norm", v1::MODULE_NORM), "weight", {kDim});
+  v1::TensorSpec* head = AddParam(AddChild(root, "lm_head", v1::MODULE_LM_HEAD),
+                                  "weight", {kVocab, kDim});
+  if (tied) head->set_tied_to("model.embed_tokens.weight");
+  return spec;
+}
+
+void FillRandom(const v1::ModelSpec& spec, MapSource* source) {
+  std::mt19937 gen(7);
+  std::uniform_real_distribution<float> uni(-0.5f, 0.5f);
+  for (const ParamRef& ref : ListParams(spec)) {
+    if (!ref.tensor->tied_to().empty()) continue;
+    std::vector<float>& v = source->values[ref.fqn];
+    v.resize(Numel(*ref.tensor));
+    const bool norm = ref.fqn.find("norm") != std::string::npos;
+    for (float& x : v) x = norm ? 1.0f + 0.2f * uni(gen) : uni(gen);
+  }
+}
+
+// The command sequence of one step with every parameter available.
+std::vector<v1::Command> StepCommands(int layers, int passes, int no_grad,
+                                      int microbatches) {
+  std::vector<v1::Command> out;
+  auto add = [&](v1::Command::Op op, v1::Command::Part part, int layer,
+                 int pass, int mb, bool grad) {
+    v1::Command c;
+    c.set_op(op);
+    c.set_part(part);
+    c.set_layer(layer);
+    c.set_pass(pass);
+    c.set_microbatch(mb);
+    c.set_requires_grad(grad);
+    out.push_back(c);
+  };
+  const bool moe[] = {true, true, false};
+  for (int m = 0; m < microbatches; ++m) {
+    for (int p = 0; p < passes; ++p) {
+      const bool grad = p >= no_grad;
+      add(v1::Command::FORWARD, v1::Command::EMBED, -1, p, m, grad);
+      for (int l = 0; l < layers; ++l) {
+        add(v1::Command::FORWARD, v1::Command::LAYER, l, p, m, grad);
+        if (moe[l])
+          add(v1::Command::FORWARD, v1::Command::EXPERTS, l, p, m, grad);
+      }
+      add(v1::Command::FORWARD, v1::Command::HEAD, -1, p, m, grad);
+    }
+    for (int p = passes - 1; p >= no_grad; --p) {
+      add(v1::Command::BACKWARD, v1::Command::HEAD, -1, p, m, true);
+      for (int l = layers - 1; l >= 0; --l) {
+        if (moe[l])
+          add(v1::Command::BACKWARD, v1::Command::EXPERTS, l, p, m, true);
+        add(v1::Command::BACKWARD, v1::Command::LAYER, l, p, m, true);
+      }
+      add(v1::Command::BACKWARD, v1::Command::EMBED, -1, p, m, true);
+    }
+  }
+  return out;
+}
+
+struct Data {
+  std::vector<std::vector<int32_t>> inputs, targets;
+};
+
+Data MakeData(int microbatches, int64_t batch, int64_t seq) {
+  Data d;
+  std::mt19937 gen(11);
+  for (int m = 0; m < microbatches; ++m) {
+    std::vector<int32_t> in(batch * seq), tg(batch * seq);
+    for (auto& x : in) x = static_cast<int32_t>(gen() % kVocab);
+    for (auto& x : tg) x = static_cast<int32_t>(gen() % kVocab);
+    d.inputs.push_back(in);
+    d.targets.push_back(tg);
+  }
+  return d;
+}
+
+double RunStep(MoeModel* model, MapSource* source, const Data& data, int passes,
+               int no_grad, int64_t batch, int64_t seq) {
+  model->ResetStep();
+  const int mbs = static_cast<int>(data.inputs.size());
+  for (int m = 0; m < mbs; ++m) {
+    EXPECT_THAT(model->SetBatch(m, data.inputs[m].data(),
+                                data.targets[m].data(), batch, seq),
+                IsOk());
+  }
+  for (const v1::Command& c : StepCommands(3, passes, no_grad, mbs)) {
+    absl::Status s = model->Run(c, source);
+    EXPECT_TRUE(s.ok()) << s << " at " << c.ShortDebugString();
+    if (!s.ok()) return NAN;
+  }
+  return model->step_loss();
+}
+
+TEST(MoeModelTest, GradientsMatchFiniteDifferences) {
+  for (bool tied : {false, true}) {
+    SCOPED_TRACE(tied ? "tied head" : "own head");
+    const v1::ModelSpec spec = TinyModel(tied);
+    MoeModelOptions options;
+    options.microbatches = 2;
+    SHARDD_ASSERT_OK_AND_ASSIGN(auto model, MoeModel::Create(spec, options));
+    MapSource source;
+    FillRandom(spec, &source);
+    const Data data = MakeData(2, 2, 5);
+    const double loss = RunStep(model.get(), &source, data, 1, 0, 2, 5);
+    ASSERT_TRUE(std::isfinite(loss));
+    // Near log(13) for random weights.
+    EXPECT_GT(loss, 1.5);
+    EXPECT_LT(loss, 4.0);
+    const MapSource analytic = source;
+    int checked = 0;
+    int kinks = 0;
+    for (auto& [name, values] : source.values) {
+      const std::vector<float>& g = analytic.grads.at(name);
+      for (size_t i = 0; i < values.size(); i += 3) {
+        const float saved = values[i];
+        const float h = 2e-3f;
+        values[i] = saved + h;
+        MapSource plus_src = source;
+        const double plus = RunStep(model.get(), &plus_src, data, 1, 0, 2, 5);
+        values[i] = saved - h;
+        MapSource minus_src = source;
+        const double minus = RunStep(model.get(), &minus_src, data, 1, 0, 2, 5);
+        values[i] = saved;
+        // Top-k routing is piecewise smooth: where a perturbation flips an
+        // expert choice the loss jumps. The two one-sided quotients then
+        // disagree; such points are kinks, not gradient errors, and are
+        // skipped (and counted: they must stay rare).
+        const double forward = (plus - loss) / h;
+        const double backward = (loss - minus) / h;
+        if (std::fabs(forward - backward) >
+            0.05 * std::max(std::fabs(forward), std::fabs(backward)) + 5e-3) {
+          ++kinks;
+          continue;
+        }
+        const double numeric = (plus - minus) / (2 * h);
+        EXPECT_NEAR(g[i], numeric, 1e-3 + 1e-2 * std::fabs(numeric))
+            << name << "[" << i << "]";
+        ++checked;
+      }
+    }
+    EXPECT_LT(kinks, checked / 10) << kinks << " kinks";
+    EXPECT_GT(checked, 100);
+  }
+}
+
+TEST(MoeModelTest, MultiPassAndOrderErrors) {
+  const v1::ModelSpec spec = TinyModel(true);
+  MoeModelOptions options;
+  options.passes = 3;
+  options.no_grad_passes = 1;
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto model, MoeModel::Create(spec, options));
+  MapSource source;
+  FillRandom(spec, &source);
+  const Data data = MakeData(1, 2, 4);
+  const double loss = RunStep(model.get(), &source, data, 3, 1, 2, 4);
+  ASSERT_TRUE(std::isfinite(loss));
+  EXPECT_EQ(model->step_tokens(), 2 * 2 * 4);  // Two grad passes.
+
+  // Out-of-order commands are refused, not computed.
+  model->ResetStep();
+  v1::Command c;
+  c.set_op(v1::Command::FORWARD);
+  c.set_part(v1::Command::EXPERTS);
+  c.set_layer(0);
+  EXPECT_THAT(model->Run(c, &source),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  c.set_op(v1::Command::BACKWARD);
+  c.set_part(v1::Command::HEAD);
+  EXPECT_THAT(model->Run(c, &source),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("no gradients")));
+  c.set_layer(7);
+  c.set_part(v1::Command::LAYER);
+  c.set_pass(1);
+  EXPECT_THAT(
+      model->Run(c, &source),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("layer 7")));
+  const int32_t bad[2] = {0, 99};
+  EXPECT_THAT(model->SetBatch(0, bad, bad, 1, 2),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("99")));
+}
+
+TEST(MoeModelTest, RefusesWhatTheCpuPathCannotCompute) {
+  v1::ModelSpec spec = TinyModel(true);
+  v1::ModuleSpec* layer0 = spec.mutable_root()
+                               ->mutable_children(0)
+                               ->mutable_children(1)
+                               ->mutable_children(0);
+  v1::ModuleSpec* attn = AddChild(layer0, "self_attn", v1::MODULE_ATTENTION);
+  AddParam(attn, "q_proj", {kDim, kDim});
+  EXPECT_THAT(
+      MoeModel::Create(spec, MoeModelOptions()).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no attention")));
+  MoeModelOptions bad;
+  bad.passes = 2;
+  bad.no_grad_passes = 2;
+  EXPECT_THAT(MoeModel::Create(TinyModel(true), bad).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("no_grad_passes")));
+}
+
+}  // namespace
+}  // namespace shardd

@@ -1,0 +1,515 @@
+#include "worker/shards/shard_store.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/memory/memory.h"
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+#include "common/status_macros.h"
+#include "kernels/cpu/bf16.h"
+#include "model/model_util.h"
+#include "layout/param_init.h"
+
+namespace shardd {
+namespace {
+
+bool SupportedCompute(v1::DType dtype) {
+  return dtype == v1::FLOAT32 || dtype == v1::BFLOAT16;
+}
+
+// dst[i] = src[i] converted from `dtype` (fp32 or bf16) to fp32.
+void ToFp32(const void* src, v1::DType dtype, int64_t n, float* dst) {
+  if (dtype == v1::BFLOAT16) {
+    kernels::Bf16ToFp32Array(static_cast<const uint16_t*>(src), dst, n);
+  } else {
+    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+  }
+}
+
+// dst[i] += src[i], dst in `dtype` (fp32, or bf16 rounded once per add).
+void AddInto(const float* src, int64_t n, v1::DType dtype, void* dst) {
+  if (dtype == v1::BFLOAT16) {
+    uint16_t* d = static_cast<uint16_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) {
+      d[i] = kernels::Fp32ToBf16(kernels::Bf16ToFp32(d[i]) + src[i]);
+    }
+  } else {
+    float* d = static_cast<float*>(dst);
+    for (int64_t i = 0; i < n; ++i) d[i] += src[i];
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ShardStore>> ShardStore::Create(
+    const v1::ShardingPlan& plan, const v1::ModelSpec& model,
+    const ShardStoreOptions& options, MemoryTracker* tracker) {
+  const int world = plan.mesh().dp_shard();
+  if (world < 1 || options.shard_rank < 0 || options.shard_rank >= world) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shard_rank: must be in [0, ", world, "), got ", options.shard_rank));
+  }
+  struct Owner {
+    const v1::TensorSpec* tensor;
+    v1::ModuleKind kind;
+  };
+  absl::flat_hash_map<std::string, Owner> owners;
+  for (const ParamRef& ref : ListParams(model)) {
+    owners[ref.fqn] =
+        Owner{ref.tensor,
+              ref.path.empty() ? v1::MODULE_GENERIC : ref.path.back()->kind()};
+  }
+
+  auto store = absl::WrapUnique(new ShardStore(tracker, options));
+  const int r = options.shard_rank;
+  for (int u = 0; u < plan.units_size(); ++u) {
+    const v1::FsdpUnit& unit = plan.units(u);
+    auto state = std::make_unique<UnitState>();
+    state->shard_numel = unit.shard_numel();
+    state->gathered_numel = unit.gathered_numel();
+    state->world = world;
+    state->compute = unit.precision().compute_dtype();
+    state->reduce = unit.precision().reduce_dtype();
+    state->flat = plan.flat_buckets();
+    state->num_params = unit.params_size();
+    if (!SupportedCompute(state->compute) || !SupportedCompute(state->reduce)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unit '", unit.name(),
+          "': the CPU worker computes and reduces in "
+          "float32 or bfloat16, got compute ",
+          DTypeName(state->compute), " and reduce ", DTypeName(state->reduce)));
+    }
+    const int64_t bytes = state->shard_numel * 4;
+    state->master = TrackedBuffer(tracker, MemoryKind::kShardParams, bytes);
+    state->grads = TrackedBuffer(tracker, MemoryKind::kShardGrads, bytes);
+    state->exp_avg = TrackedBuffer(tracker, MemoryKind::kOptimizerState, bytes);
+    state->exp_avg_sq =
+        TrackedBuffer(tracker, MemoryKind::kOptimizerState, bytes);
+    for (TrackedBuffer* b :
+         {&state->master, &state->grads, &state->exp_avg, &state->exp_avg_sq}) {
+      if (!b->empty()) std::memset(b->data(), 0, static_cast<size_t>(bytes));
+    }
+    state->copies.resize(unit.params_size());
+    // A flat bucket's gradient keeps the bucket's layout.
+    if (state->flat) state->grad_chunk_numel = state->shard_numel;
+    float* master = state->master.as<float>();
+
+    for (int p = 0; p < unit.params_size(); ++p) {
+      const v1::ParamLayout& layout = unit.params(p);
+      auto owner = owners.find(layout.name());
+      if (owner == owners.end()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "plan parameter '", layout.name(), "' is not in the model"));
+      }
+      const InitRule rule =
+          InitRuleFor(*owner->second.tensor, owner->second.kind, layout.name());
+      ParamInfo info;
+      info.unit = u;
+      info.index = p;
+      info.frozen = layout.frozen();
+      info.numel = layout.numel();
+      info.flat = state->flat;
+      if (state->flat) {
+        info.unsharded_offset = layout.unsharded_offset();
+        // This rank owns bucket elements [r*S, (r+1)*S).
+        const int64_t own_begin = r * state->shard_numel;
+        const int64_t own_end = own_begin + state->shard_numel;
+        const int64_t begin = std::max(own_begin, info.unsharded_offset);
+        const int64_t end =
+            std::min(own_end, info.unsharded_offset + info.numel);
+        if (begin < end) {
+          InitParamRange(options.seed, layout.name(), rule,
+                         begin - info.unsharded_offset, end - begin,
+                         master + (begin - own_begin));
+        }
+        info.grad_offset = info.unsharded_offset;
+      } else {
+        info.dim0 = layout.global_shape(0);
+        info.row_numel = info.dim0 > 0 ? info.numel / info.dim0 : 0;
+        info.rows_per_rank = layout.rows_per_rank();
+        info.shard_offset = layout.shard_offset();
+        if (!info.frozen) {
+          info.grad_offset = state->grad_chunk_numel;
+          state->grad_chunk_numel += layout.local_numel();
+        }
+        const int64_t first_row = r * info.rows_per_rank;
+        const int64_t valid = std::max<int64_t>(
+            0, std::min(info.rows_per_rank, info.dim0 - first_row));
+        if (valid > 0) {
+          InitParamRange(options.seed, layout.name(), rule,
+                         first_row * info.row_numel, valid * info.row_numel,
+                         master + info.shard_offset);
+        }
+      }
+      if (!info.frozen && !info.flat) state->trainable.push_back(info);
+      store->params_[layout.name()] = info;
+    }
+    if (unit.precision().keep_compute_shard() &&
+        state->compute != v1::FLOAT32) {
+      state->compute_shard =
+          TrackedBuffer(tracker, MemoryKind::kShardParams,
+                        state->shard_numel * DTypeBytes(state->compute));
+      store->units_.push_back(std::move(state));
+      store->RefreshComputeShard(u, 0, store->units_.back()->shard_numel);
+      continue;
+    }
+    store->units_.push_back(std::move(state));
+  }
+  return store;
+}
+
+absl::StatusOr<ShardStore::UnitState*> ShardStore::Unit(int unit) {
+  if (unit < 0 || unit >= static_cast<int>(units_.size())) {
+    return absl::NotFoundError(absl::StrCat("unit ", unit, ": the plan has ",
+                                            units_.size(), " units"));
+  }
+  return units_[unit].get();
+}
+
+absl::StatusOr<const ShardStore::ParamInfo*> ShardStore::Param(
+    const std::string& name) const {
+  auto it = params_.find(name);
+  if (it == params_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("parameter '", name, "' is not in the plan"));
+  }
+  return &it->second;
+}
+
+bool ShardStore::gathered(int unit) const {
+  return unit >= 0 && unit < num_units() && !units_[unit]->gathered.empty();
+}
+
+void ShardStore::RefreshComputeShard(int unit, int64_t begin, int64_t count) {
+  if (unit < 0 || unit >= num_units()) return;
+  UnitState& state = *units_[unit];
+  if (state.compute_shard.empty() || count <= 0) return;
+  // bf16 is the only compute dtype narrower than the fp32 master here.
+  kernels::Fp32ToBf16Array(state.master.as<float>() + begin,
+                           state.compute_shard.as<uint16_t>() + begin, count);
+}
+
+int ShardStore::slice_group_size(int unit) const {
+  return unit >= 0 && unit < num_units() ? units_[unit]->slice_group : 0;
+}
+
+void ShardStore::DropSlice(int unit) {
+  if (unit < 0 || unit >= num_units()) return;
+  units_[unit]->slice.Reset();
+  units_[unit]->slice_group = 0;
+}
+
+bool ShardStore::grad_allocated(int unit) const {
+  return unit >= 0 && unit < num_units() &&
+         !units_[unit]->unsharded_grad.empty();
+}
+
+absl::Status ShardStore::Unshard(int unit, Communicator* shard_group,
+                                 const SliceGroups* slice_groups) {
+  SHARDD_ASSIGN_OR_RETURN(UnitState * state, Unit(unit));
+  if (!state->gathered.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("Unshard: unit ", unit, " is already gathered"));
+  }
+  const int64_t elem = DTypeBytes(state->compute);
+  if (state->slice_group > 1) {
+    // Re-gather from the slices kept at the post-forward reshard: only the
+    // G ranks of this rank's slice group take part.
+    const int g = state->slice_group;
+    Communicator* group = nullptr;
+    if (slice_groups != nullptr) {
+      auto it = slice_groups->find(g);
+      if (it != slice_groups->end()) group = it->second;
+    }
+    if (group == nullptr || group->world_size() != g ||
+        group->rank() != options_.shard_rank % g) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("Unshard: unit ", unit, " holds a 1/", g,
+                       " slice and needs a slice group of ", g,
+                       " ranks with this rank at ", options_.shard_rank % g));
+    }
+    state->gathered = TrackedBuffer(tracker_, MemoryKind::kGatheredParams,
+                                    state->gathered_numel * elem, &cache_);
+    const absl::Status status = group->AllGather(
+        state->slice.data(), state->gathered.data(), state->gathered_numel / g,
+        state->compute, options_.collective_timeout);
+    if (!status.ok()) {
+      state->gathered.Reset();
+      return status;
+    }
+    // Consumed; the buffer goes at DropSlice.
+    state->slice_group = 0;
+    return absl::OkStatus();
+  }
+  state->gathered = TrackedBuffer(tracker_, MemoryKind::kGatheredParams,
+                                  state->gathered_numel * elem, &cache_);
+  if (!state->compute_shard.empty()) {
+    // The compute-dtype copy is the all-gather's input as it is (the
+    // backend copies it into this rank's slot).
+    absl::Status status = shard_group->AllGather(
+        state->compute_shard.data(), state->gathered.data(), state->shard_numel,
+        state->compute, options_.collective_timeout);
+    if (!status.ok()) state->gathered.Reset();
+    return status;
+  }
+  // Copy-in straight into this rank's slot, then gather in place.
+  char* slot = state->gathered.as<char>() +
+               options_.shard_rank * state->shard_numel * elem;
+  const float* master = state->master.as<float>();
+  if (state->compute == v1::BFLOAT16) {
+    kernels::Fp32ToBf16Array(master, reinterpret_cast<uint16_t*>(slot),
+                             state->shard_numel);
+  } else {
+    std::memcpy(slot, master, static_cast<size_t>(state->shard_numel) * 4);
+  }
+  absl::Status status =
+      shard_group->AllGather(slot, state->gathered.data(), state->shard_numel,
+                             state->compute, options_.collective_timeout);
+  if (!status.ok()) state->gathered.Reset();
+  return status;
+}
+
+absl::Status ShardStore::Reshard(int unit, int group_size) {
+  SHARDD_ASSIGN_OR_RETURN(UnitState * state, Unit(unit));
+  if (state->gathered.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("Reshard: unit ", unit, " is not gathered"));
+  }
+  const int g = group_size;
+  if (g != 0 && (g < 2 || g >= state->world || state->world % g != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Reshard: group_size must be 0 (free) or a divisor of dp_shard (",
+        state->world, ") between 2 and ", state->world - 1, ", got ", g));
+  }
+  if (g != 0) {
+    const int64_t elem = DTypeBytes(state->compute);
+    const int64_t slice_bytes = state->gathered_numel / g * elem;
+    state->slice = TrackedBuffer(tracker_, MemoryKind::kGatheredParams,
+                                 slice_bytes, &cache_);
+    std::memcpy(
+        state->slice.data(),
+        state->gathered.as<char>() + (options_.shard_rank % g) * slice_bytes,
+        static_cast<size_t>(slice_bytes));
+    state->slice_group = g;
+  }
+  for (TrackedBuffer& copy : state->copies) copy.Reset();
+  state->gathered.Reset();
+  return absl::OkStatus();
+}
+
+absl::Status ShardStore::AllocGrad(int unit) {
+  SHARDD_ASSIGN_OR_RETURN(UnitState * state, Unit(unit));
+  if (!state->unsharded_grad.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("AllocGrad: unit ", unit, " already has a gradient"));
+  }
+  if (state->grad_chunk_numel == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("AllocGrad: unit ", unit, " has no trainable parameters"));
+  }
+  const int64_t bytes =
+      state->grad_chunk_numel * state->world * DTypeBytes(state->reduce);
+  state->unsharded_grad =
+      TrackedBuffer(tracker_, MemoryKind::kUnshardedGrads, bytes, &cache_);
+  std::memset(state->unsharded_grad.data(), 0, static_cast<size_t>(bytes));
+  return absl::OkStatus();
+}
+
+absl::Status ShardStore::ReduceScatter(int unit, Communicator* shard_group,
+                                       Communicator* replicas) {
+  SHARDD_ASSIGN_OR_RETURN(UnitState * state, Unit(unit));
+  if (state->unsharded_grad.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("ReduceScatter: unit ", unit, " has no gradient"));
+  }
+  const int64_t elem = DTypeBytes(state->reduce);
+  const int64_t chunk = state->grad_chunk_numel;
+  // The reduced chunk lands in this rank's own slot of the input.
+  char* out =
+      state->unsharded_grad.as<char>() + options_.shard_rank * chunk * elem;
+  SHARDD_RETURN_IF_ERROR(shard_group->ReduceScatter(
+      state->unsharded_grad.data(), out, chunk, state->reduce, ReduceOp::kAvg,
+      options_.collective_timeout));
+  if (replicas != nullptr && replicas->world_size() > 1) {
+    SHARDD_RETURN_IF_ERROR(replicas->AllReduce(out, chunk, state->reduce,
+                                               ReduceOp::kAvg,
+                                               options_.collective_timeout));
+  }
+  // Add the reduced chunk into the sharded gradient: a flat bucket chunk
+  // matches the shard element for element; a dim-0 chunk holds only the
+  // trainable parameters' shards, which go back to their shard offsets.
+  float* grads = state->grads.as<float>();
+  auto add = [&](int64_t from, int64_t to, int64_t n) {
+    if (state->reduce == v1::BFLOAT16) {
+      const uint16_t* in = reinterpret_cast<const uint16_t*>(out) + from;
+      for (int64_t i = 0; i < n; ++i)
+        grads[to + i] += kernels::Bf16ToFp32(in[i]);
+    } else {
+      const float* in = reinterpret_cast<const float*>(out) + from;
+      for (int64_t i = 0; i < n; ++i) grads[to + i] += in[i];
+    }
+  };
+  if (state->flat) {
+    add(0, 0, chunk);
+  } else {
+    for (const ParamInfo& param : state->trainable) {
+      add(param.grad_offset, param.shard_offset,
+          param.rows_per_rank * param.row_numel);
+    }
+  }
+  state->unsharded_grad.Reset();
+  return absl::OkStatus();
+}
+
+bool ShardStore::ViewsInPlace(const UnitState& unit,
+                              const ParamInfo& param) const {
+  if (unit.compute != v1::FLOAT32) return false;
+  // Flat buckets gather the parameters back to back; a single parameter's
+  // rank chunks are consecutive rows; one rank holds everything in order.
+  return param.flat || unit.num_params == 1 || unit.world == 1;
+}
+
+absl::StatusOr<const float*> ShardStore::ParamView(const std::string& name) {
+  SHARDD_ASSIGN_OR_RETURN(const ParamInfo* param, Param(name));
+  UnitState* unit = units_[param->unit].get();
+  if (unit->gathered.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "parameter '", name, "': unit ", param->unit, " is not gathered"));
+  }
+  const int64_t elem = DTypeBytes(unit->compute);
+  if (ViewsInPlace(*unit, *param)) {
+    const int64_t offset =
+        param->flat ? param->unsharded_offset : param->shard_offset;
+    return unit->gathered.as<const float>() + offset;
+  }
+  TrackedBuffer& copy = unit->copies[param->index];
+  if (!copy.empty()) return copy.as<const float>();
+  copy = TrackedBuffer(tracker_, MemoryKind::kWorkspace, param->numel * 4);
+  float* dst = copy.as<float>();
+  const char* base = unit->gathered.as<const char>();
+  if (param->flat) {
+    ToFp32(base + param->unsharded_offset * elem, unit->compute, param->numel,
+           dst);
+    return copy.as<const float>();
+  }
+  for (int r = 0; r < unit->world; ++r) {
+    const int64_t first_row = r * param->rows_per_rank;
+    const int64_t rows =
+        std::min(param->rows_per_rank, param->dim0 - first_row);
+    if (rows <= 0) break;
+    ToFp32(base + (r * unit->shard_numel + param->shard_offset) * elem,
+           unit->compute, rows * param->row_numel,
+           dst + first_row * param->row_numel);
+  }
+  return copy.as<const float>();
+}
+
+absl::Status ShardStore::AccumulateGrad(const std::string& name,
+                                        const float* values) {
+  SHARDD_ASSIGN_OR_RETURN(const ParamInfo* param, Param(name));
+  if (param->frozen) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("parameter '", name, "' is frozen: it has no gradient"));
+  }
+  UnitState* unit = units_[param->unit].get();
+  if (unit->unsharded_grad.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("parameter '", name, "': unit ", param->unit,
+                     " has no gradient buffer (ALLOC_GRAD missing)"));
+  }
+  const int64_t elem = DTypeBytes(unit->reduce);
+  char* base = unit->unsharded_grad.as<char>();
+  if (param->flat) {
+    AddInto(values, param->numel, unit->reduce,
+            base + param->grad_offset * elem);
+    return absl::OkStatus();
+  }
+  for (int r = 0; r < unit->world; ++r) {
+    const int64_t first_row = r * param->rows_per_rank;
+    const int64_t rows =
+        std::min(param->rows_per_rank, param->dim0 - first_row);
+    if (rows <= 0) break;
+    AddInto(values + first_row * param->row_numel, rows * param->row_numel,
+            unit->reduce,
+            base + (r * unit->grad_chunk_numel + param->grad_offset) * elem);
+  }
+  return absl::OkStatus();
+}
+
+ShardStore::UnitShard ShardStore::shard(int unit) const {
+  UnitShard out;
+  if (unit < 0 || unit >= num_units()) return out;
+  const UnitState& state = *units_[unit];
+  out.params = state.master.as<float>();
+  out.grads = state.grads.as<float>();
+  out.exp_avg = state.exp_avg.as<float>();
+  out.exp_avg_sq = state.exp_avg_sq.as<float>();
+  out.numel = state.shard_numel;
+  return out;
+}
+
+float* ShardStore::BufferOf(const UnitState& unit, ShardBuffer buffer) {
+  switch (buffer) {
+    case ShardBuffer::kExpAvg:
+      return unit.exp_avg.as<float>();
+    case ShardBuffer::kExpAvgSq:
+      return unit.exp_avg_sq.as<float>();
+    case ShardBuffer::kParams:
+      break;
+  }
+  return unit.master.as<float>();
+}
+
+// The (shard offset, unsharded offset, count) runs of `param` this rank
+// owns: a flat bucket's overlap with the rank's element range, or the
+// rank's valid dim-0 rows.
+template <typename Fn>
+void ShardStore::ForEachOwnedRun(const UnitState& unit, const ParamInfo& param,
+                                 Fn fn) const {
+  const int r = options_.shard_rank;
+  if (param.flat) {
+    const int64_t own_begin = r * unit.shard_numel;
+    const int64_t begin = std::max(own_begin, param.unsharded_offset);
+    const int64_t end = std::min(own_begin + unit.shard_numel,
+                                 param.unsharded_offset + param.numel);
+    if (end > begin) {
+      fn(begin - own_begin, begin - param.unsharded_offset, end - begin);
+    }
+    return;
+  }
+  const int64_t first_row = r * param.rows_per_rank;
+  const int64_t rows = std::min(param.rows_per_rank, param.dim0 - first_row);
+  if (rows > 0) {
+    fn(param.shard_offset, first_row * param.row_numel, rows * param.row_numel);
+  }
+}
+
+absl::Status ShardStore::CopyOwnedParamSlice(const std::string& name,
+                                             float* out,
+                                             ShardBuffer buffer) const {
+  SHARDD_ASSIGN_OR_RETURN(const ParamInfo* param, Param(name));
+  const UnitState& unit = *units_[param->unit];
+  const float* from = BufferOf(unit, buffer);
+  ForEachOwnedRun(unit, *param, [&](int64_t shard, int64_t full, int64_t n) {
+    std::memcpy(out + full, from + shard, static_cast<size_t>(n) * 4);
+  });
+  return absl::OkStatus();
+}
+
+absl::Status ShardStore::WriteOwnedParamSlice(const std::string& name,
+                                              const float* in,
+                                              ShardBuffer buffer) {
+  SHARDD_ASSIGN_OR_RETURN(const ParamInfo* param, Param(name));
+  const UnitState& unit = *units_[param->unit];
+  float* to = BufferOf(unit, buffer);
+  ForEachOwnedRun(unit, *param, [&](int64_t shard, int64_t full, int64_t n) {
+    std::memcpy(to + shard, in + full, static_cast<size_t>(n) * 4);
+    if (buffer == ShardBuffer::kParams)
+      RefreshComputeShard(param->unit, shard, n);
+  });
+  return absl::OkStatus();
+}
+
+}  // namespace shardd
