@@ -2,9 +2,9 @@
 #define SHARDD_CHECKPOINT_PLAN_INDEX_H_
 
 // The index that commits a save of a sharding plan's training state: the
-// step between the rank files the ranks wrote (worker/shards/shard_checkpoint.h)
-// and CommitCheckpoint. Needs only the plan, so the coordinator builds it
-// without the worker's shard store.
+// step between the rank files the ranks wrote
+// (worker/shards/shard_checkpoint.h) and CommitCheckpoint. Needs only the plan,
+// so the coordinator builds it without the worker's shard store.
 
 #include <cstdint>
 

@@ -12,9 +12,9 @@
 #include "kernels/cuda/adamw.h"
 #include "kernels/cuda/cuda_status.h"
 #include "program/step_program.h"
+#include "worker/exec/step_checks.h"
 #include "worker/memory/cuda_memory_backend.h"
 #include "worker/shards/device_shard_kernels.h"
-#include "worker/exec/step_checks.h"
 
 namespace shardd {
 
@@ -22,60 +22,26 @@ namespace shardd {
 // allocated ones (the checks StepExecutor's adapter makes).
 class DeviceStepExecutor::Params : public DeviceParamSource {
  public:
-  Params(DeviceShardStore* store, const v1::ShardingPlan* plan,
-         const absl::flat_hash_map<std::string, int>* param_unit,
-         const std::vector<UnitRun>* units)
-      : store_(store), plan_(plan), param_unit_(param_unit), units_(units) {}
+  Params(DeviceShardStore* store, const StepState* state)
+      : store_(store), state_(state) {}
 
   absl::StatusOr<DeviceTensor> Param(const std::string& name,
                                      void* stream) override {
-    SHARDD_ASSIGN_OR_RETURN(const int unit, UnitOf(name));
-    const UnitRun& run = (*units_)[unit];
-    if (!run.gathered) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("parameter '", name, "' needs unit ", unit, " (",
-                       plan_->units(unit).name(), ") gathered (UNSHARD)"));
-    }
-    if (run.pending) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "parameter '", name, "' needs unit ", unit, " (",
-          plan_->units(unit).name(),
-          ") waited: its prefetched all-gather is pending (WAIT_UNSHARD)"));
-    }
+    SHARDD_RETURN_IF_ERROR(state_->CheckParamReadable(name));
     return store_->Param(name, stream);
   }
 
   absl::StatusOr<float*> Grad(const std::string& name, void* stream) override {
-    SHARDD_ASSIGN_OR_RETURN(const int unit, UnitOf(name));
-    if (!(*units_)[unit].grad) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("the gradient of parameter '", name, "' needs unit ",
-                       unit, " (", plan_->units(unit).name(),
-                       ") to hold an allocated unsharded "
-                       "gradient (ALLOC_GRAD, and no REDUCE_SCATTER since)"));
-    }
+    SHARDD_RETURN_IF_ERROR(state_->CheckGradWritable(name));
     return store_->Grad(name, stream);
   }
 
  private:
-  absl::StatusOr<int> UnitOf(const std::string& name) const {
-    auto it = param_unit_->find(name);
-    if (it == param_unit_->end()) {
-      return absl::NotFoundError(
-          absl::StrCat("parameter '", name, "' is not in the plan"));
-    }
-    return it->second;
-  }
-
   DeviceShardStore* store_;
-  const v1::ShardingPlan* plan_;
-  const absl::flat_hash_map<std::string, int>* param_unit_;
-  const std::vector<UnitRun>* units_;
+  const StepState* state_;
 };
 
 namespace {
-
-int OrOne(int value) { return value < 1 ? 1 : value; }
 
 DeviceDType ActivationDType(const v1::ShardingPlan& plan) {
   for (const v1::FsdpUnit& unit : plan.units()) {
@@ -101,7 +67,8 @@ DeviceStepExecutor::DeviceStepExecutor(const v1::ShardingPlan& plan,
       replicas_(replicas),
       slice_groups_(slice_groups),
       allocator_(allocator),
-      tracker_(tracker) {}
+      tracker_(tracker),
+      state_(&plan_) {}
 
 DeviceStepExecutor::~DeviceStepExecutor() {
   if (compute_stream_ != nullptr) {
@@ -132,68 +99,12 @@ absl::StatusOr<std::unique_ptr<DeviceStepExecutor>> DeviceStepExecutor::Create(
     return absl::InvalidArgumentError(
         "shard_group, allocator and tracker: must not be null");
   }
-  const int dp_shard = plan.mesh().dp_shard();
-  const int dp_replicate = OrOne(plan.mesh().dp_replicate());
-  if (shard_group->world_size() != dp_shard ||
-      shard_group->rank() != step.shard_rank) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("shard_group: must have mesh.dp_shard (", dp_shard,
-                     ") ranks with this rank at options.shard_rank (",
-                     step.shard_rank, "), got rank ", shard_group->rank(),
-                     " of ", shard_group->world_size()));
-  }
-  if (dp_replicate > 1 &&
-      (replicas == nullptr || replicas->world_size() != dp_replicate ||
-       replicas->rank() != step.replica_rank)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "replicas: HSDP (mesh.dp_replicate ", dp_replicate,
-        ") needs a replicate group of that many ranks with this rank at "
-        "options.replica_rank (",
-        step.replica_rank, ")"));
-  }
-  if (dp_replicate == 1 && replicas != nullptr && replicas->world_size() != 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("replicas: mesh.dp_replicate is 1 but the replicate "
-                     "group has ",
-                     replicas->world_size(), " ranks"));
-  }
-  if (!(step.collective_timeout > absl::ZeroDuration()) ||
-      step.collective_timeout == absl::InfiniteDuration()) {
-    return absl::InvalidArgumentError(
-        "collective_timeout: must be positive and finite");
-  }
-  if (!(step.max_grad_norm >= 0.0) || !std::isfinite(step.max_grad_norm)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_grad_norm: must be >= 0 and finite (0 turns "
-                     "clipping off), got ",
-                     step.max_grad_norm));
-  }
-  {
-    // The CPU kernel's checks are the GPU kernel's (n = 0 launches nothing).
-    const absl::Status adamw = kernels::AdamWStep(nullptr, nullptr, nullptr,
-                                                  nullptr, 0, 1, step.adamw);
-    if (!adamw.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("adamw: ", adamw.message()));
-    }
-  }
-  for (const v1::FsdpUnit& unit : plan.units()) {
-    const v1::ReshardPolicy& policy = unit.reshard_after_forward();
-    if (policy.policy_case() != v1::ReshardPolicy::kGroupSize) continue;
-    const int g = policy.group_size();
-    if (g <= 1 || g >= dp_shard) continue;
-    auto it = slice_groups.find(g);
-    if (it == slice_groups.end() || it->second == nullptr ||
-        it->second->world_size() != g ||
-        it->second->rank() != step.shard_rank % g) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("slice_groups: unit '", unit.name(),
-                       "' reshards after forward to groups of ", g,
-                       " ranks, which needs a slice group of ", g,
-                       " ranks with this rank at shard_rank % ", g, " (",
-                       step.shard_rank % g, ")"));
-    }
-  }
+  SHARDD_RETURN_IF_ERROR(CheckStepGroups(
+      plan, step.shard_rank, step.replica_rank, *shard_group, replicas));
+  // The CPU kernel's checks are the GPU kernel's (n = 0 launches nothing).
+  SHARDD_RETURN_IF_ERROR(CheckStepOptions(step.collective_timeout,
+                                          step.max_grad_norm, step.adamw));
+  SHARDD_RETURN_IF_ERROR(CheckSliceGroups(plan, step.shard_rank, slice_groups));
 
   auto executor = absl::WrapUnique(new DeviceStepExecutor(
       plan, options, shard_group, replicas, slice_groups, allocator, tracker));
@@ -252,16 +163,6 @@ absl::StatusOr<std::unique_ptr<DeviceStepExecutor>> DeviceStepExecutor::Create(
   SHARDD_ASSIGN_OR_RETURN(
       executor->model_,
       DeviceMoeModel::Create(model, model_options, allocator));
-
-  executor->units_.resize(plan.units_size());
-  for (int u = 0; u < plan.units_size(); ++u) {
-    for (const v1::ParamLayout& param : plan.units(u).params()) {
-      executor->param_unit_[param.name()] = u;
-      if (!param.frozen() && param.numel() > 0) {
-        executor->units_[u].trainable = true;
-      }
-    }
-  }
   return executor;
 }
 
@@ -272,7 +173,7 @@ int64_t DeviceStepExecutor::optimizer_steps() const {
 
 absl::Status DeviceStepExecutor::health() const {
   absl::MutexLock lock(&mu_);
-  return failed_;
+  return state_.failed();
 }
 
 absl::Status DeviceStepExecutor::CommunicatorHealth() const {
@@ -293,22 +194,10 @@ int64_t DeviceStepExecutor::CommunicatorSyncs() const {
   return syncs;
 }
 
-absl::Status DeviceStepExecutor::CheckHeaderLocked(
-    const v1::StepProgram& program) const {
-  if (!failed_.ok()) return failed_;
-  if (in_step_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("step ", header_.step(),
-                     " is still in progress (fine-grained mode: EndStep it "
-                     "first)"));
-  }
-  return CheckProgramHeader(program, plan_.fingerprint());
-}
-
 absl::Status DeviceStepExecutor::BeginStep(
     const v1::StepProgram& header, absl::Span<const data::MicroBatch> batches) {
   absl::MutexLock lock(&mu_);
-  SHARDD_RETURN_IF_ERROR(CheckHeaderLocked(header));
+  SHARDD_RETURN_IF_ERROR(state_.CheckHeader(header));
   return BeginStepLocked(header, batches);
 }
 
@@ -346,26 +235,8 @@ absl::Status DeviceStepExecutor::BeginStepLocked(
   model_syncs_start_ = model_->host_synchronizations();
   comm_syncs_start_ = CommunicatorSyncs();
   host_syncs_start_ = host_syncs_;
-  step_start_ = absl::Now();
-  header_.Clear();
-  header_.set_plan_fingerprint(header.plan_fingerprint());
-  header_.set_step(header.step());
-  header_.set_microbatches(header.microbatches());
-  header_.set_passes(header.passes());
-  header_.set_no_grad_passes(header.no_grad_passes());
-  header_.set_defer_grad_sync(header.defer_grad_sync());
-  in_step_ = true;
-  stepped_ = false;
-  touched_ = false;
-  command_index_ = 0;
-  head_forwards_ = 0;
-  embed_backwards_ = 0;
+  state_.Begin(header);
   peak_activation_bytes_ = 0;
-  for (UnitRun& run : units_) {
-    run.gathered = false;
-    run.pending = false;
-    run.grad = false;
-  }
   return absl::OkStatus();
 }
 
@@ -373,21 +244,14 @@ absl::StatusOr<DeviceStepResult> DeviceStepExecutor::Execute(
     const v1::StepProgram& program,
     absl::Span<const data::MicroBatch> batches) {
   absl::MutexLock lock(&mu_);
-  SHARDD_RETURN_IF_ERROR(CheckHeaderLocked(program));
-  v1::StepProgram key_program = program;
-  key_program.set_step(0);
-  std::string key = key_program.SerializeAsString();
-  if (!validated_.contains(key)) {
-    SHARDD_RETURN_IF_ERROR(ValidateStepProgram(plan_, program));
-    if (validated_.size() >= 8) validated_.clear();
-    validated_.insert(std::move(key));
-  }
+  SHARDD_RETURN_IF_ERROR(state_.CheckHeader(program));
+  SHARDD_RETURN_IF_ERROR(state_.ValidateOnce(program));
   SHARDD_RETURN_IF_ERROR(BeginStepLocked(program, batches));
   for (const v1::Command& command : program.commands()) {
     bool rejected = false;
     const absl::Status status = RunCommandLocked(command, &rejected);
     if (status.ok()) continue;
-    if (rejected) AbortStepLocked(status, /*clean=*/!touched_);
+    if (rejected) AbortStepLocked(status, /*clean=*/!state_.touched());
     return status;
   }
   return EndStepLocked();
@@ -395,8 +259,8 @@ absl::StatusOr<DeviceStepResult> DeviceStepExecutor::Execute(
 
 absl::Status DeviceStepExecutor::ExecuteCommand(const v1::Command& command) {
   absl::MutexLock lock(&mu_);
-  if (!failed_.ok()) return failed_;
-  if (!in_step_) {
+  if (!state_.failed().ok()) return state_.failed();
+  if (!state_.in_step()) {
     return absl::FailedPreconditionError(
         "no step in progress: BeginStep before ExecuteCommand");
   }
@@ -406,24 +270,14 @@ absl::Status DeviceStepExecutor::ExecuteCommand(const v1::Command& command) {
 
 absl::StatusOr<DeviceStepResult> DeviceStepExecutor::EndStep() {
   absl::MutexLock lock(&mu_);
-  if (!failed_.ok()) return failed_;
+  if (!state_.failed().ok()) return state_.failed();
   return EndStepLocked();
-}
-
-std::string DeviceStepExecutor::CommandLabelLocked(
-    const v1::Command& command) const {
-  return absl::StrCat("step ", header_.step(), " commands[", command_index_,
-                      "] (", CommandToString(command), ")");
 }
 
 absl::Status DeviceStepExecutor::RunCommandLocked(const v1::Command& c,
                                                   bool* rejected) {
   *rejected = false;
-  const std::string label = CommandLabelLocked(c);
-  auto reject = [&](const absl::Status& status) {
-    *rejected = true;
-    return WithMessage(status, absl::StrCat(label, ": ", status.message()));
-  };
+  const std::string label = state_.Label(c);
   auto fail = [&](const absl::Status& status) {
     const absl::Status error(
         status.code(),
@@ -441,185 +295,71 @@ absl::Status DeviceStepExecutor::RunCommandLocked(const v1::Command& c,
           absl::StrCat("collective failed: ", async.ToString())));
     }
   }
-  if (stepped_) {
-    return reject(absl::FailedPreconditionError(
-        "OPTIMIZER_STEP already ran: the step is over (EndStep)"));
+  {
+    const absl::Status fits =
+        state_.Check(c, [this](int g) { return slice_groups_.count(g) > 0; });
+    if (!fits.ok()) {
+      *rejected = true;
+      return WithMessage(fits, absl::StrCat(label, ": ", fits.message()));
+    }
   }
-  switch (c.op()) {
-    case v1::Command::UNSHARD:
-    case v1::Command::RESHARD:
-    case v1::Command::WAIT_UNSHARD:
-    case v1::Command::ALLOC_GRAD:
-    case v1::Command::REDUCE_SCATTER:
-      if (c.unit() < 0 || c.unit() >= static_cast<int>(units_.size())) {
-        return reject(absl::NotFoundError(absl::StrCat(
-            "unit ", c.unit(), ": the plan has ", units_.size(), " units")));
-      }
-      break;
-    default:
-      break;
-  }
+  state_.Accept(c);
   const int u = c.unit();
   DeviceShardStore* store = store_.get();
+  // The slice a finished re-gather consumed is freed once the gather is
+  // waited for, in program order with the other frees.
+  auto drop_slice = [&]() -> absl::Status {
+    if (!state_.TakeGatherFromSlice(u)) return absl::OkStatus();
+    return store->DropSlice(u);
+  };
+  absl::Status status;
   switch (c.op()) {
-    case v1::Command::UNSHARD: {
-      UnitRun& run = units_[u];
-      if (run.gathered) {
-        return reject(absl::FailedPreconditionError(
-            absl::StrCat("unit ", u, " is already gathered")));
-      }
-      touched_ = true;
-      ++command_index_;
-      absl::Status status = store->Unshard(u);
-      if (!status.ok()) return fail(status);
-      run.gathered = true;
-      run.pending = c.prefetch();
-      run.gather_from_slice = run.slice;
-      run.slice = false;
-      if (!c.prefetch()) {
-        // "Completes before the next command": on the device.
+    case v1::Command::UNSHARD:
+      status = store->Unshard(u);
+      // Without prefetch it "completes before the next command": on the
+      // device.
+      if (status.ok() && !c.prefetch()) {
         status = store->WaitForGather(u, compute_stream_);
-        if (!status.ok()) return fail(status);
-        if (run.gather_from_slice) {
-          run.gather_from_slice = false;
-          status = store->DropSlice(u);
-          if (!status.ok()) return fail(status);
-        }
+        if (status.ok()) status = drop_slice();
       }
-      return absl::OkStatus();
-    }
-    case v1::Command::WAIT_UNSHARD: {
-      UnitRun& run = units_[u];
-      if (!run.pending) {
-        return reject(absl::FailedPreconditionError(absl::StrCat(
-            "unit ", u, " has no pending prefetched UNSHARD to wait for")));
-      }
-      touched_ = true;
-      ++command_index_;
-      run.pending = false;
-      absl::Status waited = store->WaitForGather(u, compute_stream_);
-      if (!waited.ok()) return fail(waited);
-      if (run.gather_from_slice) {
-        run.gather_from_slice = false;
-        const absl::Status status = store->DropSlice(u);
-        if (!status.ok()) return fail(status);
-      }
-      return absl::OkStatus();
-    }
-    case v1::Command::RESHARD: {
-      UnitRun& run = units_[u];
-      if (!run.gathered) {
-        return reject(absl::FailedPreconditionError(
-            absl::StrCat("unit ", u, " is not gathered")));
-      }
-      if (run.pending) {
-        return reject(absl::FailedPreconditionError(
-            absl::StrCat("unit ", u,
-                         " has a pending prefetched all-gather: "
-                         "WAIT_UNSHARD it first")));
-      }
-      const int g = c.group_size();
-      const int dp = plan_.mesh().dp_shard();
-      if (g != 0 && (g <= 1 || g >= dp || dp % g != 0)) {
-        return reject(absl::InvalidArgumentError(absl::StrCat(
-            "group_size: must be 0 (free) or a divisor of mesh.dp_shard (", dp,
-            ") between 2 and ", dp - 1, ", got ", g)));
-      }
-      if (g != 0 && slice_groups_.count(g) == 0) {
-        return reject(absl::FailedPreconditionError(absl::StrCat(
-            "group_size ", g,
-            ": this worker has no slice group of that size (the plan "
-            "reshards no unit to ",
-            g, " ranks)")));
-      }
-      touched_ = true;
-      ++command_index_;
-      const absl::Status status = store->Reshard(u, g);
-      if (!status.ok()) return fail(status);
-      run.gathered = false;
-      run.slice = g != 0;
-      return absl::OkStatus();
-    }
-    case v1::Command::ALLOC_GRAD: {
-      UnitRun& run = units_[u];
-      if (!run.trainable) {
-        return reject(absl::FailedPreconditionError(
-            absl::StrCat("unit ", u, " has no trainable parameters")));
-      }
-      if (run.grad) {
-        return reject(absl::FailedPreconditionError(
-            absl::StrCat("unit ", u, " already holds an unsharded gradient")));
-      }
-      touched_ = true;
-      ++command_index_;
+      break;
+    case v1::Command::WAIT_UNSHARD:
+      status = store->WaitForGather(u, compute_stream_);
+      if (status.ok()) status = drop_slice();
+      break;
+    case v1::Command::RESHARD:
+      status = store->Reshard(u, c.group_size());
+      break;
+    case v1::Command::ALLOC_GRAD:
       // Every earlier free was issued from this thread already: the
       // tracker sees the plan's order (exact_memory_order by construction).
-      const absl::Status status = store->AllocGrad(u);
-      if (!status.ok()) return fail(status);
-      run.grad = true;
-      return absl::OkStatus();
-    }
-    case v1::Command::REDUCE_SCATTER: {
-      UnitRun& run = units_[u];
-      if (!run.grad) {
-        return reject(absl::FailedPreconditionError(absl::StrCat(
-            "unit ", u, " holds no unsharded gradient (ALLOC_GRAD)")));
-      }
-      touched_ = true;
-      ++command_index_;
-      const absl::Status status = store->ReduceScatter(u);
-      if (!status.ok()) return fail(status);
-      run.grad = false;
-      return absl::OkStatus();
-    }
+      status = store->AllocGrad(u);
+      break;
+    case v1::Command::REDUCE_SCATTER:
+      status = store->ReduceScatter(u);
+      break;
     case v1::Command::FORWARD:
     case v1::Command::BACKWARD: {
-      touched_ = true;
-      ++command_index_;
-      Params params(store, &plan_, &param_unit_, &units_);
-      const absl::Status status = model_->Run(c, &params);
-      if (!status.ok()) return fail(status);
-      peak_activation_bytes_ =
-          std::max(peak_activation_bytes_, model_->activation_bytes());
-      if (c.op() == v1::Command::FORWARD && c.part() == v1::Command::HEAD) {
-        ++head_forwards_;
+      Params params(store, &state_);
+      status = model_->Run(c, &params);
+      if (status.ok()) {
+        peak_activation_bytes_ =
+            std::max(peak_activation_bytes_, model_->activation_bytes());
       }
-      if (c.op() == v1::Command::BACKWARD && c.part() == v1::Command::EMBED) {
-        ++embed_backwards_;
-      }
-      return absl::OkStatus();
+      break;
     }
-    case v1::Command::OPTIMIZER_STEP: {
-      for (size_t i = 0; i < units_.size(); ++i) {
-        if (units_[i].gathered || units_[i].grad) {
-          return reject(absl::FailedPreconditionError(absl::StrCat(
-              "unit ", i, " (", plan_.units(i).name(), ") is still ",
-              units_[i].gathered ? "gathered" : "holding a gradient",
-              ": every unit must be resharded and reduce-scattered first")));
-        }
-      }
-      const int microbatches = header_.microbatches();
-      const int grad_passes = header_.passes() - header_.no_grad_passes();
-      if (head_forwards_ != microbatches * header_.passes() ||
-          embed_backwards_ != microbatches * grad_passes) {
-        return reject(absl::FailedPreconditionError(absl::StrCat(
-            "the step's computations have not all run (", head_forwards_,
-            " of ", microbatches * header_.passes(), " forward passes, ",
-            embed_backwards_, " of ", microbatches * grad_passes,
-            " backward passes)")));
-      }
-      touched_ = true;
-      ++command_index_;
+    case v1::Command::OPTIMIZER_STEP:
       optimizer_label_ = label;
-      const absl::Status status = EnqueueGradNormLocked();
-      if (!status.ok()) return fail(status);
-      stepped_ = true;
-      return absl::OkStatus();
-    }
+      status = EnqueueGradNormLocked();
+      if (status.ok()) state_.set_stepped();
+      break;
     default:
-      return reject(absl::InvalidArgumentError(
-          absl::StrCat("op: must be a known command, got ", c.op())));
+      // Unreachable: StepState::Check refuses unknown ops.
+      status = absl::InternalError("unknown op");
+      break;
   }
+  if (!status.ok()) return fail(status);
+  return absl::OkStatus();
 }
 
 absl::Status DeviceStepExecutor::EnqueueGradNormLocked() {
@@ -667,14 +407,10 @@ absl::Status DeviceStepExecutor::EnqueueGradNormLocked() {
 }
 
 absl::StatusOr<DeviceStepResult> DeviceStepExecutor::EndStepLocked() {
-  if (!in_step_) {
-    return absl::FailedPreconditionError("no step in progress");
-  }
-  if (!stepped_) {
-    const absl::Status error = absl::FailedPreconditionError(
-        absl::StrCat("step ", header_.step(), " ended after ", command_index_,
-                     " commands, before OPTIMIZER_STEP; the step was aborted"));
-    AbortStepLocked(error, /*clean=*/!touched_);
+  SHARDD_RETURN_IF_ERROR(state_.CheckEndStep());
+  if (!state_.stepped()) {
+    const absl::Status error = state_.EndedEarly();
+    AbortStepLocked(error, /*clean=*/!state_.touched());
     return error;
   }
   const std::string& label = optimizer_label_;
@@ -700,7 +436,7 @@ absl::StatusOr<DeviceStepResult> DeviceStepExecutor::EndStepLocked() {
         loss.status().code() == absl::StatusCode::kInvalidArgument;
     const absl::Status error(
         loss.status().code(),
-        absl::StrCat("step ", header_.step(), " on shard rank ",
+        absl::StrCat("step ", state_.step(), " on shard rank ",
                      options_.step.shard_rank, ": ", loss.status().message(),
                      "; the update was not applied"));
     AbortStepLocked(error, clean);
@@ -751,21 +487,13 @@ absl::StatusOr<DeviceStepResult> DeviceStepExecutor::EndStepLocked() {
 
   DeviceStepResult out;
   StepResult& result = out.step;
-  result.step = header_.step();
   result.loss = loss->loss;
   result.tokens = loss->tokens;
-  result.seconds = absl::ToDoubleSeconds(absl::Now() - step_start_);
   result.grad_norm = norm;
   result.clip_coefficient = clip ? static_cast<double>(host.coefficient) : 1.0;
-  result.optimizer_steps = optimizer_steps_;
-  result.commands = command_index_;
-
-  result.collectives = CollectivesBetween(
-      stats_start_,
-      SnapshotCollectives(*shard_group_, replicas_, slice_groups_));
-
-  SetMemoryPeaks(tracker_->Snapshot(), &result);
-  result.peak_activation_bytes = peak_activation_bytes_;
+  FillStepResult(state_, optimizer_steps_, stats_start_,
+                 SnapshotCollectives(*shard_group_, replicas_, slice_groups_),
+                 tracker_->Snapshot(), peak_activation_bytes_, &result);
 
   out.model_host_synchronizations =
       model_->host_synchronizations() - model_syncs_start_;
@@ -777,8 +505,7 @@ absl::StatusOr<DeviceStepResult> DeviceStepExecutor::EndStepLocked() {
       allocator.backend_mallocs - allocator_start_.backend_mallocs;
   out.backend_frees = allocator.backend_frees - allocator_start_.backend_frees;
   out.reserved_bytes = allocator.reserved_bytes;
-  in_step_ = false;
-  stepped_ = false;
+  state_.End();
   return out;
 }
 
@@ -786,23 +513,9 @@ void DeviceStepExecutor::AbortStepLocked(const absl::Status& error,
                                          bool clean) {
   store_->ReleaseStepBuffers();
   store_->ZeroShardGrads().IgnoreError();
-  for (UnitRun& run : units_) {
-    run.gathered = false;
-    run.pending = false;
-    run.grad = false;
-    run.slice = false;
-    run.gather_from_slice = false;
-  }
-  in_step_ = false;
-  stepped_ = false;
-  if (!clean && failed_.ok()) {
-    failed_ = absl::FailedPreconditionError(absl::StrCat(
-        "the executor is unusable after a failed step (", error.ToString(),
-        "); re-create it with fresh communicators"));
-    SHARDD_LOG(WARNING) << "shard rank " << options_.step.shard_rank
-                        << ", replica rank " << options_.step.replica_rank
-                        << ": step aborted: " << error.ToString();
-  }
+  state_.ClearUnits();
+  state_.Fail(error, clean, options_.step.shard_rank,
+              options_.step.replica_rank);
 }
 
 }  // namespace shardd

@@ -2,9 +2,9 @@
 #define SHARDD_WORKER_EXEC_DEVICE_STEP_EXECUTOR_H_
 
 // Runs step programs on one GPU: the device counterpart of StepExecutor
-// (worker/exec/step_executor.h; same validation, command semantics, fine-grained
-// mode and StepResult), with a DeviceShardStore, a DeviceMoeModel and NCCL
-// communicators. CUDA builds only.
+// (worker/exec/step_executor.h; same validation, command semantics,
+// fine-grained mode and StepResult), with a DeviceShardStore, a DeviceMoeModel
+// and NCCL communicators. CUDA builds only.
 //
 // Everything is stream-ordered and issued from the caller's thread (no
 // communication thread: NCCL enqueues do not block):
@@ -70,13 +70,14 @@
 #include "proto/model.pb.h"
 #include "proto/plan.pb.h"
 #include "proto/worker.pb.h"
+#include "worker/comm/nccl_communicator.h"
 #include "worker/data/batch_sampler.h"
+#include "worker/exec/step_executor.h"
+#include "worker/exec/step_state.h"
 #include "worker/memory/device_allocator.h"
+#include "worker/memory/memory_tracker.h"
 #include "worker/model/device_moe_model.h"
 #include "worker/shards/device_shard_store.h"
-#include "worker/memory/memory_tracker.h"
-#include "worker/comm/nccl_communicator.h"
-#include "worker/exec/step_executor.h"
 
 namespace shardd {
 
@@ -139,14 +140,6 @@ class DeviceStepExecutor {
  private:
   class Params;
 
-  struct UnitRun {
-    bool gathered = false;
-    bool pending = false;  // Prefetched, not waited.
-    bool grad = false;
-    bool slice = false;
-    bool gather_from_slice = false;
-    bool trainable = false;
-  };
   // Device scratch of the norm computation, copied to the host in one go.
   struct NormScratch {
     double sum_of_squares;
@@ -161,8 +154,6 @@ class DeviceStepExecutor {
                      const DeviceSliceGroups& slice_groups,
                      DeviceAllocator* allocator, MemoryTracker* tracker);
 
-  absl::Status CheckHeaderLocked(const v1::StepProgram& program) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status BeginStepLocked(const v1::StepProgram& header,
                                absl::Span<const data::MicroBatch> batches)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -177,8 +168,6 @@ class DeviceStepExecutor {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CommunicatorHealth() const;
   int64_t CommunicatorSyncs() const;
-  std::string CommandLabelLocked(const v1::Command& command) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const v1::ShardingPlan plan_;
   const DeviceStepExecutorOptions options_;
@@ -190,7 +179,6 @@ class DeviceStepExecutor {
   v1::ModelSpec model_spec_;
   cudaStream_t compute_stream_ = nullptr;
   std::unique_ptr<DeviceShardStore> store_;
-  absl::flat_hash_map<std::string, int> param_unit_;
   // Device NormScratch, SumOfSquares workspace, pinned host NormScratch.
   DeviceBuffer norm_scratch_;
   DeviceBuffer norm_workspace_;
@@ -200,21 +188,12 @@ class DeviceStepExecutor {
   mutable absl::Mutex mu_;
   std::unique_ptr<DeviceMoeModel> model_ ABSL_GUARDED_BY(mu_);
   MoeModelOptions model_options_ ABSL_GUARDED_BY(mu_);
-  std::vector<UnitRun> units_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_set<std::string> validated_ ABSL_GUARDED_BY(mu_);
-  absl::Status failed_ ABSL_GUARDED_BY(mu_);
+  StepState state_ ABSL_GUARDED_BY(mu_);
   int64_t optimizer_steps_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t host_syncs_ ABSL_GUARDED_BY(mu_) = 0;
 
-  bool in_step_ ABSL_GUARDED_BY(mu_) = false;
-  bool stepped_ ABSL_GUARDED_BY(mu_) = false;
-  bool touched_ ABSL_GUARDED_BY(mu_) = false;
-  v1::StepProgram header_ ABSL_GUARDED_BY(mu_);
-  int command_index_ ABSL_GUARDED_BY(mu_) = 0;
-  int head_forwards_ ABSL_GUARDED_BY(mu_) = 0;
-  int embed_backwards_ ABSL_GUARDED_BY(mu_) = 0;
+  // The step in progress (StepState holds its commands and units).
   std::string optimizer_label_ ABSL_GUARDED_BY(mu_);
-  absl::Time step_start_ ABSL_GUARDED_BY(mu_);
   CollectiveStatsSnapshot stats_start_ ABSL_GUARDED_BY(mu_);
   int64_t model_syncs_start_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t comm_syncs_start_ ABSL_GUARDED_BY(mu_) = 0;

@@ -1,5 +1,8 @@
 #include "worker/exec/step_checks.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 #include "common/error_info.h"
 #include "program/step_program.h"
@@ -75,6 +78,58 @@ MoeModelOptions ModelOptionsFor(int microbatches, int passes,
 bool SameStepShape(const MoeModelOptions& a, const MoeModelOptions& b) {
   return a.microbatches == b.microbatches && a.passes == b.passes &&
          a.no_grad_passes == b.no_grad_passes;
+}
+
+absl::Status CheckStepGroups(const v1::ShardingPlan& plan, int shard_rank,
+                             int replica_rank, const Communicator& shard_group,
+                             const Communicator* replicas) {
+  const int dp_shard = plan.mesh().dp_shard();
+  const int dp_replicate = std::max(1, plan.mesh().dp_replicate());
+  if (shard_group.world_size() != dp_shard ||
+      shard_group.rank() != shard_rank) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shard_group: must have mesh.dp_shard (", dp_shard,
+        ") ranks with this rank at options.shard_rank (", shard_rank,
+        "), got rank ", shard_group.rank(), " of ", shard_group.world_size()));
+  }
+  if (dp_replicate > 1 &&
+      (replicas == nullptr || replicas->world_size() != dp_replicate ||
+       replicas->rank() != replica_rank)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "replicas: HSDP (mesh.dp_replicate ", dp_replicate,
+        ") needs a replicate group of that many ranks with this rank at "
+        "options.replica_rank (",
+        replica_rank, ")"));
+  }
+  if (dp_replicate == 1 && replicas != nullptr && replicas->world_size() != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("replicas: mesh.dp_replicate is 1 but the replicate "
+                     "group has ",
+                     replicas->world_size(), " ranks"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckStepOptions(absl::Duration collective_timeout,
+                              double max_grad_norm,
+                              const kernels::AdamWConfig& adamw) {
+  if (!(collective_timeout > absl::ZeroDuration()) ||
+      collective_timeout == absl::InfiniteDuration()) {
+    return absl::InvalidArgumentError(
+        "collective_timeout: must be positive and finite");
+  }
+  if (!(max_grad_norm >= 0.0) || !std::isfinite(max_grad_norm)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_grad_norm: must be >= 0 and finite (0 turns "
+                     "clipping off), got ",
+                     max_grad_norm));
+  }
+  const absl::Status step =
+      kernels::AdamWStep(nullptr, nullptr, nullptr, nullptr, 0, 1, adamw);
+  if (!step.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("adamw: ", step.message()));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace shardd

@@ -6,10 +6,16 @@
 // two answer bad input with the same codes and words.
 
 #include <cstdint>
+#include <map>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "kernels/cpu/adamw.h"
+#include "proto/plan.pb.h"
 #include "proto/worker.pb.h"
+#include "worker/comm/communicator.h"
 #include "worker/data/batch_sampler.h"
 #include "worker/model/moe_model.h"
 
@@ -33,6 +39,47 @@ MoeModelOptions ModelOptionsFor(int microbatches, int passes,
 
 // Whether two model options describe the same step shape.
 bool SameStepShape(const MoeModelOptions& a, const MoeModelOptions& b);
+
+// The communicators an executor is created with: `shard_group` has
+// plan.mesh().dp_shard() ranks with this rank at `shard_rank`; under HSDP
+// `replicas` has dp_replicate ranks with this rank at `replica_rank`, and
+// without it holds one rank or is null. INVALID_ARGUMENT naming the group.
+absl::Status CheckStepGroups(const v1::ShardingPlan& plan, int shard_rank,
+                             int replica_rank, const Communicator& shard_group,
+                             const Communicator* replicas);
+
+// INVALID_ARGUMENT for a collective timeout that is not positive and finite,
+// max_grad_norm < 0 or not finite, or an AdamW hyper-parameter out of range
+// (checked by an empty step, so OPTIMIZER_STEP cannot fail half-way).
+absl::Status CheckStepOptions(absl::Duration collective_timeout,
+                              double max_grad_norm,
+                              const kernels::AdamWConfig& adamw);
+
+// Every slice size the plan reshards to after forward needs its group (the
+// slice's re-gather would otherwise fail mid-step): a group of G ranks with
+// this rank at shard_rank % G. INVALID_ARGUMENT naming the unit otherwise.
+template <typename Group>
+absl::Status CheckSliceGroups(const v1::ShardingPlan& plan, int shard_rank,
+                              const std::map<int, Group*>& slice_groups) {
+  const int dp_shard = plan.mesh().dp_shard();
+  for (const v1::FsdpUnit& unit : plan.units()) {
+    const v1::ReshardPolicy& policy = unit.reshard_after_forward();
+    if (policy.policy_case() != v1::ReshardPolicy::kGroupSize) continue;
+    const int g = policy.group_size();
+    if (g <= 1 || g >= dp_shard) continue;
+    auto it = slice_groups.find(g);
+    if (it == slice_groups.end() || it->second == nullptr ||
+        it->second->world_size() != g || it->second->rank() != shard_rank % g) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("slice_groups: unit '", unit.name(),
+                       "' reshards after forward to groups of ", g,
+                       " ranks, which needs a slice group of ", g,
+                       " ranks with this rank at shard_rank % ", g, " (",
+                       shard_rank % g, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace shardd
 

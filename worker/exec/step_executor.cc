@@ -147,67 +147,31 @@ class StepExecutor::CommThread {
 // ---- The model's view of the shards ----------------------------------------
 
 // Parameters come only from gathered, waited units and gradients go only
-// into allocated buffers: the checks the validator makes per part, made
-// here per parameter, so a fine-grained caller cannot read a buffer the
-// communication thread is still filling.
+// into allocated buffers (StepState's checks).
 class StepExecutor::Params : public ParamSource {
  public:
-  Params(ShardStore* store, const v1::ShardingPlan* plan,
-         const absl::flat_hash_map<std::string, int>* param_unit,
-         const std::vector<UnitRun>* units)
-      : store_(store), plan_(plan), param_unit_(param_unit), units_(units) {}
+  Params(ShardStore* store, const StepState* state)
+      : store_(store), state_(state) {}
 
   absl::StatusOr<const float*> Param(const std::string& name) override {
-    SHARDD_ASSIGN_OR_RETURN(const int unit, UnitOf(name));
-    const UnitRun& run = (*units_)[unit];
-    if (!run.gathered) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("parameter '", name, "' needs unit ", unit, " (",
-                       plan_->units(unit).name(), ") gathered (UNSHARD)"));
-    }
-    if (run.pending) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "parameter '", name, "' needs unit ", unit, " (",
-          plan_->units(unit).name(),
-          ") waited: its prefetched all-gather is pending (WAIT_UNSHARD)"));
-    }
+    SHARDD_RETURN_IF_ERROR(state_->CheckParamReadable(name));
     return store_->ParamView(name);
   }
 
   absl::Status AccumulateGrad(const std::string& name,
                               const float* values) override {
-    SHARDD_ASSIGN_OR_RETURN(const int unit, UnitOf(name));
-    if (!(*units_)[unit].grad) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("the gradient of parameter '", name, "' needs unit ",
-                       unit, " (", plan_->units(unit).name(),
-                       ") to hold an allocated unsharded "
-                       "gradient (ALLOC_GRAD, and no REDUCE_SCATTER since)"));
-    }
+    SHARDD_RETURN_IF_ERROR(state_->CheckGradWritable(name));
     return store_->AccumulateGrad(name, values);
   }
 
  private:
-  absl::StatusOr<int> UnitOf(const std::string& name) const {
-    auto it = param_unit_->find(name);
-    if (it == param_unit_->end()) {
-      return absl::NotFoundError(
-          absl::StrCat("parameter '", name, "' is not in the plan"));
-    }
-    return it->second;
-  }
-
   ShardStore* store_;
-  const v1::ShardingPlan* plan_;
-  const absl::flat_hash_map<std::string, int>* param_unit_;
-  const std::vector<UnitRun>* units_;
+  const StepState* state_;
 };
 
 // ---- Creation ---------------------------------------------------------------
 
 namespace {
-
-int OrOne(int value) { return value < 1 ? 1 : value; }
 
 // Sorted, merged [begin, end) ranges.
 std::vector<std::pair<int64_t, int64_t>> Merge(
@@ -237,7 +201,8 @@ StepExecutor::StepExecutor(const v1::ShardingPlan& plan,
       shard_group_(shard_group),
       replicas_(replicas),
       slice_groups_(slice_groups),
-      tracker_(tracker) {}
+      tracker_(tracker),
+      state_(&plan_) {}
 
 StepExecutor::~StepExecutor() {
   // Stop the queue before anything its tasks use goes away.
@@ -296,6 +261,20 @@ void SetMemoryPeaks(const MemorySnapshot& memory, StepResult* result) {
       memory.peak[static_cast<int>(MemoryKind::kWorkspace)];
 }
 
+void FillStepResult(const StepState& state, int64_t optimizer_steps,
+                    const CollectiveStatsSnapshot& start,
+                    const CollectiveStatsSnapshot& end,
+                    const MemorySnapshot& memory, int64_t peak_activation_bytes,
+                    StepResult* result) {
+  result->step = state.step();
+  result->seconds = absl::ToDoubleSeconds(absl::Now() - state.step_start());
+  result->optimizer_steps = optimizer_steps;
+  result->commands = state.commands();
+  result->collectives = CollectivesBetween(start, end);
+  SetMemoryPeaks(memory, result);
+  result->peak_activation_bytes = peak_activation_bytes;
+}
+
 absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(
     const v1::ShardingPlan& plan, const v1::ModelSpec& model,
     const StepExecutorOptions& options, Communicator* shard_group,
@@ -305,73 +284,12 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(
     return absl::InvalidArgumentError(
         "shard_group and tracker: must not be null");
   }
-  const int dp_shard = plan.mesh().dp_shard();
-  const int dp_replicate = OrOne(plan.mesh().dp_replicate());
-  if (shard_group->world_size() != dp_shard ||
-      shard_group->rank() != options.shard_rank) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("shard_group: must have mesh.dp_shard (", dp_shard,
-                     ") ranks with this rank at options.shard_rank (",
-                     options.shard_rank, "), got rank ", shard_group->rank(),
-                     " of ", shard_group->world_size()));
-  }
-  if (dp_replicate > 1 &&
-      (replicas == nullptr || replicas->world_size() != dp_replicate ||
-       replicas->rank() != options.replica_rank)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "replicas: HSDP (mesh.dp_replicate ", dp_replicate,
-        ") needs a replicate group of that many ranks with this rank at "
-        "options.replica_rank (",
-        options.replica_rank, ")"));
-  }
-  if (dp_replicate == 1 && replicas != nullptr && replicas->world_size() != 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("replicas: mesh.dp_replicate is 1 but the replicate "
-                     "group has ",
-                     replicas->world_size(), " ranks"));
-  }
-  if (!(options.collective_timeout > absl::ZeroDuration()) ||
-      options.collective_timeout == absl::InfiniteDuration()) {
-    return absl::InvalidArgumentError(
-        "collective_timeout: must be positive and finite");
-  }
-  if (!(options.max_grad_norm >= 0.0) ||
-      !std::isfinite(options.max_grad_norm)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_grad_norm: must be >= 0 and finite (0 turns "
-                     "clipping off), got ",
-                     options.max_grad_norm));
-  }
-  // An empty step checks the hyper-parameters, so OPTIMIZER_STEP cannot
-  // fail half-way through the shards.
-  {
-    const absl::Status adamw = kernels::AdamWStep(nullptr, nullptr, nullptr,
-                                                  nullptr, 0, 1, options.adamw);
-    if (!adamw.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("adamw: ", adamw.message()));
-    }
-  }
-
-  // Every slice size the plan reshards to needs its group; the slice's
-  // re-gather would otherwise fail mid-step.
-  for (const v1::FsdpUnit& unit : plan.units()) {
-    const v1::ReshardPolicy& policy = unit.reshard_after_forward();
-    if (policy.policy_case() != v1::ReshardPolicy::kGroupSize) continue;
-    const int g = policy.group_size();
-    if (g <= 1 || g >= dp_shard) continue;
-    auto it = slice_groups.find(g);
-    if (it == slice_groups.end() || it->second == nullptr ||
-        it->second->world_size() != g ||
-        it->second->rank() != options.shard_rank % g) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("slice_groups: unit '", unit.name(),
-                       "' reshards after forward to groups of ", g,
-                       " ranks, which needs a slice group of ", g,
-                       " ranks with this rank at shard_rank % ", g, " (",
-                       options.shard_rank % g, ")"));
-    }
-  }
+  SHARDD_RETURN_IF_ERROR(CheckStepGroups(
+      plan, options.shard_rank, options.replica_rank, *shard_group, replicas));
+  SHARDD_RETURN_IF_ERROR(CheckStepOptions(
+      options.collective_timeout, options.max_grad_norm, options.adamw));
+  SHARDD_RETURN_IF_ERROR(
+      CheckSliceGroups(plan, options.shard_rank, slice_groups));
   auto executor = absl::WrapUnique(new StepExecutor(
       plan, options, shard_group, replicas, slice_groups, tracker));
   ShardStoreOptions store_options;
@@ -392,16 +310,14 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(
                           MoeModel::Create(model, executor->model_options_));
 
   const int r = options.shard_rank;
-  executor->units_.resize(plan.units_size());
+  executor->queue_units_.resize(plan.units_size());
   for (int u = 0; u < plan.units_size(); ++u) {
     const v1::FsdpUnit& unit = plan.units(u);
-    UnitRun& run = executor->units_[u];
+    UnitQueue& run = executor->queue_units_[u];
     const int64_t shard = unit.shard_numel();
     std::vector<std::pair<int64_t, int64_t>> ranges;
     for (const v1::ParamLayout& param : unit.params()) {
-      executor->param_unit_[param.name()] = u;
       if (param.frozen() || param.numel() <= 0) continue;
-      run.trainable = true;
       if (plan.flat_buckets()) {
         // This rank holds bucket elements [r*S, (r+1)*S).
         const int64_t own = r * shard;
@@ -450,37 +366,20 @@ absl::Status StepExecutor::RestoreOptimizerSteps(int64_t steps) {
         absl::StrCat("optimizer steps ", steps, " must be >= 0"));
   }
   absl::MutexLock lock(&mu_);
-  if (!failed_.ok()) return failed_;
-  if (in_step_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("step ", header_.step(),
-                     " is in progress: restore optimizer steps between steps"));
-  }
+  SHARDD_RETURN_IF_ERROR(state_.CheckBetweenSteps("restore optimizer steps"));
   optimizer_steps_ = steps;
   return absl::OkStatus();
 }
 
 absl::Status StepExecutor::health() const {
   absl::MutexLock lock(&mu_);
-  return failed_;
-}
-
-absl::Status StepExecutor::CheckHeaderLocked(
-    const v1::StepProgram& program) const {
-  if (!failed_.ok()) return failed_;
-  if (in_step_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("step ", header_.step(),
-                     " is still in progress (fine-grained mode: EndStep it "
-                     "first)"));
-  }
-  return CheckProgramHeader(program, plan_.fingerprint());
+  return state_.failed();
 }
 
 absl::Status StepExecutor::BeginStep(
     const v1::StepProgram& header, absl::Span<const data::MicroBatch> batches) {
   absl::MutexLock lock(&mu_);
-  SHARDD_RETURN_IF_ERROR(CheckHeaderLocked(header));
+  SHARDD_RETURN_IF_ERROR(state_.CheckHeader(header));
   return BeginStepLocked(header, batches);
 }
 
@@ -509,30 +408,14 @@ absl::Status StepExecutor::BeginStepLocked(
   comm_->Reset();
   tracker_->ResetPeaks();
   stats_start_ = SnapshotCollectives(*shard_group_, replicas_, slice_groups_);
-  step_start_ = absl::Now();
-  header_.Clear();
-  header_.set_plan_fingerprint(header.plan_fingerprint());
-  header_.set_step(header.step());
-  header_.set_microbatches(header.microbatches());
-  header_.set_passes(header.passes());
-  header_.set_no_grad_passes(header.no_grad_passes());
-  header_.set_defer_grad_sync(header.defer_grad_sync());
-  in_step_ = true;
-  stepped_ = false;
-  touched_ = false;
-  command_index_ = 0;
-  head_forwards_ = 0;
-  embed_backwards_ = 0;
+  state_.Begin(header);
   last_free_ticket_ = -1;
   peak_activation_bytes_ = 0;
   grad_norm_ = 0.0;
   clip_coefficient_ = 1.0;
-  for (UnitRun& run : units_) {
-    run.gathered = false;
-    run.pending = false;
+  for (UnitQueue& run : queue_units_) {
     run.gather_ticket = -1;
     run.last_ticket = -1;
-    run.grad = false;
   }
   return absl::OkStatus();
 }
@@ -541,24 +424,15 @@ absl::StatusOr<StepResult> StepExecutor::Execute(
     const v1::StepProgram& program,
     absl::Span<const data::MicroBatch> batches) {
   absl::MutexLock lock(&mu_);
-  SHARDD_RETURN_IF_ERROR(CheckHeaderLocked(program));
-  // Validate once per distinct program; programs of later steps differ
-  // only in `step`.
-  v1::StepProgram key_program = program;
-  key_program.set_step(0);
-  std::string key = key_program.SerializeAsString();
-  if (!validated_.contains(key)) {
-    SHARDD_RETURN_IF_ERROR(ValidateStepProgram(plan_, program));
-    if (validated_.size() >= 8) validated_.clear();
-    validated_.insert(std::move(key));
-  }
+  SHARDD_RETURN_IF_ERROR(state_.CheckHeader(program));
+  SHARDD_RETURN_IF_ERROR(state_.ValidateOnce(program));
   SHARDD_RETURN_IF_ERROR(BeginStepLocked(program, batches));
   for (const v1::Command& command : program.commands()) {
     bool rejected = false;
     const absl::Status status = RunCommandLocked(command, &rejected);
     if (status.ok()) continue;
     // A validated program is never rejected; if it is, stop the step.
-    if (rejected) AbortStepLocked(status, /*clean=*/!touched_);
+    if (rejected) AbortStepLocked(status, /*clean=*/!state_.touched());
     return status;
   }
   return EndStepLocked();
@@ -566,8 +440,8 @@ absl::StatusOr<StepResult> StepExecutor::Execute(
 
 absl::Status StepExecutor::ExecuteCommand(const v1::Command& command) {
   absl::MutexLock lock(&mu_);
-  if (!failed_.ok()) return failed_;
-  if (!in_step_) {
+  if (!state_.failed().ok()) return state_.failed();
+  if (!state_.in_step()) {
     return absl::FailedPreconditionError(
         "no step in progress: BeginStep before ExecuteCommand");
   }
@@ -577,23 +451,14 @@ absl::Status StepExecutor::ExecuteCommand(const v1::Command& command) {
 
 absl::StatusOr<StepResult> StepExecutor::EndStep() {
   absl::MutexLock lock(&mu_);
-  if (!failed_.ok()) return failed_;
+  if (!state_.failed().ok()) return state_.failed();
   return EndStepLocked();
-}
-
-std::string StepExecutor::CommandLabelLocked(const v1::Command& command) const {
-  return absl::StrCat("step ", header_.step(), " commands[", command_index_,
-                      "] (", CommandToString(command), ")");
 }
 
 absl::Status StepExecutor::RunCommandLocked(const v1::Command& c,
                                             bool* rejected) {
   *rejected = false;
-  const std::string label = CommandLabelLocked(c);
-  auto reject = [&](const absl::Status& status) {
-    *rejected = true;
-    return WithMessage(status, absl::StrCat(label, ": ", status.message()));
-  };
+  const std::string label = state_.Label(c);
   // After the command started: the step cannot go on.
   auto fail = [&](const absl::Status& status) {
     AbortStepLocked(status, /*clean=*/false);
@@ -610,46 +475,26 @@ absl::Status StepExecutor::RunCommandLocked(const v1::Command& c,
     const absl::Status async = comm_->error();
     if (!async.ok()) return fail(async);
   }
-  if (stepped_) {
-    return reject(absl::FailedPreconditionError(
-        "OPTIMIZER_STEP already ran: the step is over (EndStep)"));
+  {
+    const absl::Status fits =
+        state_.Check(c, [this](int g) { return slice_groups_.count(g) > 0; });
+    if (!fits.ok()) {
+      *rejected = true;
+      return WithMessage(fits, absl::StrCat(label, ": ", fits.message()));
+    }
   }
-  switch (c.op()) {
-    case v1::Command::UNSHARD:
-    case v1::Command::RESHARD:
-    case v1::Command::WAIT_UNSHARD:
-    case v1::Command::ALLOC_GRAD:
-    case v1::Command::REDUCE_SCATTER:
-      if (c.unit() < 0 || c.unit() >= static_cast<int>(units_.size())) {
-        return reject(absl::NotFoundError(absl::StrCat(
-            "unit ", c.unit(), ": the plan has ", units_.size(), " units")));
-      }
-      break;
-    default:
-      break;
-  }
+  state_.Accept(c);
   const int u = c.unit();
   ShardStore* store = store_.get();
   switch (c.op()) {
     case v1::Command::UNSHARD: {
-      UnitRun& run = units_[u];
-      if (run.gathered) {
-        return reject(absl::FailedPreconditionError(
-            absl::StrCat("unit ", u, " is already gathered")));
-      }
       Communicator* group = shard_group_;
       const SliceGroups* slices = &slice_groups_;
       const int64_t ticket = comm_->Enqueue(label, [store, group, slices, u] {
         return store->Unshard(u, group, slices);
       });
-      run.gathered = true;
-      run.pending = c.prefetch();
-      run.gather_from_slice = run.slice;
-      run.slice = false;
-      run.gather_ticket = ticket;
-      run.last_ticket = ticket;
-      touched_ = true;
-      ++command_index_;
+      queue_units_[u].gather_ticket = ticket;
+      queue_units_[u].last_ticket = ticket;
       // "An UNSHARD without prefetch completes before the next command."
       if (!c.prefetch()) {
         const absl::Status status = comm_->Wait(ticket);
@@ -659,70 +504,24 @@ absl::Status StepExecutor::RunCommandLocked(const v1::Command& c,
       return absl::OkStatus();
     }
     case v1::Command::WAIT_UNSHARD: {
-      UnitRun& run = units_[u];
-      if (!run.pending) {
-        return reject(absl::FailedPreconditionError(absl::StrCat(
-            "unit ", u, " has no pending prefetched UNSHARD to wait for")));
-      }
-      touched_ = true;
-      ++command_index_;
-      run.pending = false;
-      const absl::Status status = comm_->Wait(run.gather_ticket);
+      const absl::Status status = comm_->Wait(queue_units_[u].gather_ticket);
       if (!status.ok()) return fail(status);
       DropSliceLocked(u, label);
       return absl::OkStatus();
     }
     case v1::Command::RESHARD: {
-      UnitRun& run = units_[u];
-      if (!run.gathered) {
-        return reject(absl::FailedPreconditionError(
-            absl::StrCat("unit ", u, " is not gathered")));
-      }
-      if (run.pending) {
-        return reject(absl::FailedPreconditionError(
-            absl::StrCat("unit ", u,
-                         " has a pending prefetched all-gather: "
-                         "WAIT_UNSHARD it first")));
-      }
       const int g = c.group_size();
-      const int dp = plan_.mesh().dp_shard();
-      if (g != 0 && (g <= 1 || g >= dp || dp % g != 0)) {
-        return reject(absl::InvalidArgumentError(absl::StrCat(
-            "group_size: must be 0 (free) or a divisor of mesh.dp_shard (", dp,
-            ") between 2 and ", dp - 1, ", got ", g)));
-      }
-      if (g != 0 && slice_groups_.count(g) == 0) {
-        return reject(absl::FailedPreconditionError(absl::StrCat(
-            "group_size ", g,
-            ": this worker has no slice group of that size (the plan "
-            "reshards no unit to ",
-            g, " ranks)")));
-      }
       const int64_t ticket =
           comm_->Enqueue(label, [store, u, g] { return store->Reshard(u, g); });
-      run.gathered = false;
-      run.slice = g != 0;
-      run.last_ticket = ticket;
+      queue_units_[u].last_ticket = ticket;
       last_free_ticket_ = ticket;
-      touched_ = true;
-      ++command_index_;
       return absl::OkStatus();
     }
     case v1::Command::ALLOC_GRAD: {
-      UnitRun& run = units_[u];
-      if (!run.trainable) {
-        return reject(absl::FailedPreconditionError(
-            absl::StrCat("unit ", u, " has no trainable parameters")));
-      }
-      if (run.grad) {
-        return reject(absl::FailedPreconditionError(
-            absl::StrCat("unit ", u, " already holds an unsharded gradient")));
-      }
-      touched_ = true;
-      ++command_index_;
       // The unit's own queued work (a reduce-scatter of its previous
       // gradient) must be done before the buffer is reused; with
       // exact_memory_order every queued free must have happened.
+      const UnitQueue& run = queue_units_[u];
       const int64_t wait = options_.exact_memory_order
                                ? std::max(run.last_ticket, last_free_ticket_)
                                : run.last_ticket;
@@ -730,70 +529,32 @@ absl::Status StepExecutor::RunCommandLocked(const v1::Command& c,
       if (!status.ok()) return fail(status);
       status = store->AllocGrad(u);
       if (!status.ok()) return fail_here(status);
-      run.grad = true;
       return absl::OkStatus();
     }
     case v1::Command::REDUCE_SCATTER: {
-      UnitRun& run = units_[u];
-      if (!run.grad) {
-        return reject(absl::FailedPreconditionError(absl::StrCat(
-            "unit ", u, " holds no unsharded gradient (ALLOC_GRAD)")));
-      }
       Communicator* group = shard_group_;
       Communicator* replicas = replicas_;
       const int64_t ticket = comm_->Enqueue(label, [store, group, replicas, u] {
         return store->ReduceScatter(u, group, replicas);
       });
-      run.grad = false;
-      run.last_ticket = ticket;
+      queue_units_[u].last_ticket = ticket;
       last_free_ticket_ = ticket;
-      touched_ = true;
-      ++command_index_;
       return absl::OkStatus();
     }
     case v1::Command::FORWARD:
     case v1::Command::BACKWARD: {
-      touched_ = true;
-      ++command_index_;
-      Params params(store, &plan_, &param_unit_, &units_);
+      Params params(store, &state_);
       const absl::Status status = model_->Run(c, &params);
       if (!status.ok()) return fail_here(status);
       peak_activation_bytes_ =
           std::max(peak_activation_bytes_, model_->activation_bytes());
-      if (c.op() == v1::Command::FORWARD && c.part() == v1::Command::HEAD) {
-        ++head_forwards_;
-      }
-      if (c.op() == v1::Command::BACKWARD && c.part() == v1::Command::EMBED) {
-        ++embed_backwards_;
-      }
       return absl::OkStatus();
     }
-    case v1::Command::OPTIMIZER_STEP: {
-      for (size_t i = 0; i < units_.size(); ++i) {
-        if (units_[i].gathered || units_[i].grad) {
-          return reject(absl::FailedPreconditionError(absl::StrCat(
-              "unit ", i, " (", plan_.units(i).name(), ") is still ",
-              units_[i].gathered ? "gathered" : "holding a gradient",
-              ": every unit must be resharded and reduce-scattered first")));
-        }
-      }
-      const int microbatches = header_.microbatches();
-      const int grad_passes = header_.passes() - header_.no_grad_passes();
-      if (head_forwards_ != microbatches * header_.passes() ||
-          embed_backwards_ != microbatches * grad_passes) {
-        return reject(absl::FailedPreconditionError(absl::StrCat(
-            "the step's computations have not all run (", head_forwards_,
-            " of ", microbatches * header_.passes(), " forward passes, ",
-            embed_backwards_, " of ", microbatches * grad_passes,
-            " backward passes)")));
-      }
-      touched_ = true;
-      ++command_index_;
+    case v1::Command::OPTIMIZER_STEP:
       return OptimizerStepLocked(label);
-    }
     default:
-      return reject(absl::InvalidArgumentError(
-          absl::StrCat("op: must be a known command, got ", c.op())));
+      // Unreachable: StepState::Check refuses unknown ops.
+      return fail_here(absl::InternalError("unknown op"));
   }
 }
 
@@ -808,9 +569,9 @@ absl::Status StepExecutor::OptimizerStepLocked(const std::string& label) {
   // Global gradient norm over this rank's trainable elements, summed over
   // the shard group (replicas hold the same gradients).
   double local = 0.0;
-  for (size_t u = 0; u < units_.size(); ++u) {
+  for (size_t u = 0; u < queue_units_.size(); ++u) {
     const float* grads = store_->shard(static_cast<int>(u)).grads;
-    for (const auto& range : units_[u].ranges) {
+    for (const auto& range : queue_units_[u].ranges) {
       local += kernels::SumOfSquares(grads + range.first,
                                      range.second - range.first);
     }
@@ -846,9 +607,9 @@ absl::Status StepExecutor::OptimizerStepLocked(const std::string& label) {
     coefficient = kernels::ClipCoefficient(norm, options_.max_grad_norm);
   }
   const int64_t step = optimizer_steps_ + 1;
-  for (size_t u = 0; u < units_.size(); ++u) {
+  for (size_t u = 0; u < queue_units_.size(); ++u) {
     const ShardStore::UnitShard shard = store_->shard(static_cast<int>(u));
-    for (const auto& range : units_[u].ranges) {
+    for (const auto& range : queue_units_[u].ranges) {
       const int64_t n = range.second - range.first;
       if (coefficient < 1.0) {
         kernels::ScaleInPlace(shard.grads + range.first, n,
@@ -878,19 +639,15 @@ absl::Status StepExecutor::OptimizerStepLocked(const std::string& label) {
   ZeroShardGrads();
   grad_norm_ = norm;
   clip_coefficient_ = std::min(1.0, coefficient);
-  stepped_ = true;
+  state_.set_stepped();
   return absl::OkStatus();
 }
 
 absl::StatusOr<StepResult> StepExecutor::EndStepLocked() {
-  if (!in_step_) {
-    return absl::FailedPreconditionError("no step in progress");
-  }
-  if (!stepped_) {
-    const absl::Status error = absl::FailedPreconditionError(
-        absl::StrCat("step ", header_.step(), " ended after ", command_index_,
-                     " commands, before OPTIMIZER_STEP; the step was aborted"));
-    AbortStepLocked(error, /*clean=*/!touched_);
+  SHARDD_RETURN_IF_ERROR(state_.CheckEndStep());
+  if (!state_.stepped()) {
+    const absl::Status error = state_.EndedEarly();
+    AbortStepLocked(error, /*clean=*/!state_.touched());
     return error;
   }
   {
@@ -901,66 +658,41 @@ absl::StatusOr<StepResult> StepExecutor::EndStepLocked() {
     }
   }
   StepResult result;
-  result.step = header_.step();
   result.loss = model_->step_loss();
   result.tokens = model_->step_tokens();
-  result.seconds = absl::ToDoubleSeconds(absl::Now() - step_start_);
   result.grad_norm = grad_norm_;
   result.clip_coefficient = clip_coefficient_;
-  result.optimizer_steps = optimizer_steps_;
-  result.commands = command_index_;
-
-  result.collectives = CollectivesBetween(
-      stats_start_,
-      SnapshotCollectives(*shard_group_, replicas_, slice_groups_));
-
-  SetMemoryPeaks(tracker_->Snapshot(), &result);
-  result.peak_activation_bytes = peak_activation_bytes_;
-  in_step_ = false;
-  stepped_ = false;
+  FillStepResult(state_, optimizer_steps_, stats_start_,
+                 SnapshotCollectives(*shard_group_, replicas_, slice_groups_),
+                 tracker_->Snapshot(), peak_activation_bytes_, &result);
+  state_.End();
   return result;
 }
 
 void StepExecutor::DropSliceLocked(int unit, const std::string& label) {
-  UnitRun& run = units_[unit];
-  if (!run.gather_from_slice) return;
-  run.gather_from_slice = false;
+  if (!state_.TakeGatherFromSlice(unit)) return;
   ShardStore* store = store_.get();
   const int64_t ticket = comm_->Enqueue(label, [store, unit] {
     store->DropSlice(unit);
     return absl::OkStatus();
   });
-  units_[unit].last_ticket = ticket;
+  queue_units_[unit].last_ticket = ticket;
   last_free_ticket_ = ticket;
 }
 
 void StepExecutor::AbortStepLocked(const absl::Status& error, bool clean) {
   comm_->CancelAndDrain();
-  for (size_t u = 0; u < units_.size(); ++u) {
-    const int unit = static_cast<int>(u);
+  for (int unit = 0; unit < store_->num_units(); ++unit) {
     if (store_->gathered(unit)) store_->Reshard(unit).IgnoreError();
     store_->DropSlice(unit);
     // The ShardStore frees an unsharded gradient only by reduce-scattering
     // it: one left behind makes the executor unusable.
     if (store_->grad_allocated(unit)) clean = false;
-    units_[u].gathered = false;
-    units_[u].pending = false;
-    units_[u].grad = false;
-    units_[u].slice = false;
-    units_[u].gather_from_slice = false;
   }
+  state_.ClearUnits();
   ZeroShardGrads();
   comm_->Reset();
-  in_step_ = false;
-  stepped_ = false;
-  if (!clean && failed_.ok()) {
-    failed_ = absl::FailedPreconditionError(absl::StrCat(
-        "the executor is unusable after a failed step (", error.ToString(),
-        "); re-create it with fresh communicators"));
-    SHARDD_LOG(WARNING) << "shard rank " << options_.shard_rank
-                        << ", replica rank " << options_.replica_rank
-                        << ": step aborted: " << error.ToString();
-  }
+  state_.Fail(error, clean, options_.shard_rank, options_.replica_rank);
 }
 
 void StepExecutor::ZeroShardGrads() {

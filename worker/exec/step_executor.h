@@ -91,6 +91,7 @@
 #include "proto/worker.pb.h"
 #include "worker/comm/communicator.h"
 #include "worker/data/batch_sampler.h"
+#include "worker/exec/step_state.h"
 #include "worker/memory/memory_tracker.h"
 #include "worker/model/moe_model.h"
 #include "worker/shards/shard_store.h"
@@ -195,6 +196,16 @@ StepCollectives CollectivesBetween(const CollectiveStatsSnapshot& start,
 // per-kind peaks of gathered parameters, unsharded gradients, workspace).
 void SetMemoryPeaks(const MemorySnapshot& memory, StepResult* result);
 
+// The fields of a step result every executor fills the same way: the step,
+// its seconds and commands (from `state`), `optimizer_steps`, the
+// collectives between the two snapshots, the memory peaks and
+// `peak_activation_bytes`.
+void FillStepResult(const StepState& state, int64_t optimizer_steps,
+                    const CollectiveStatsSnapshot& start,
+                    const CollectiveStatsSnapshot& end,
+                    const MemorySnapshot& memory, int64_t peak_activation_bytes,
+                    StepResult* result);
+
 class StepExecutor {
  public:
   // Creates this rank's ShardStore (shards initialised from options.seed)
@@ -278,17 +289,11 @@ class StepExecutor {
   class CommThread;
   class Params;
 
-  struct UnitRun {
-    bool gathered = false;
-    bool pending = false;        // Prefetched, not waited.
+  // The communication queue's view of a unit, and the trainable ranges
+  // the optimizer updates (StepState holds the rest of the unit's state).
+  struct UnitQueue {
     int64_t gather_ticket = -1;  // Queue ticket of the last UNSHARD.
     int64_t last_ticket = -1;    // Last queued operation on the unit.
-    bool grad = false;           // Unsharded gradient allocated.
-    // Holds a post-forward slice (RESHARD with group_size), and: the
-    // current gather reads it (freed once the gather is waited for).
-    bool slice = false;
-    bool gather_from_slice = false;
-    bool trainable = false;
     // This rank's trainable, unpadded elements of the master shard:
     // [begin, end) offsets into the unit's shard.
     std::vector<std::pair<int64_t, int64_t>> ranges;
@@ -298,8 +303,6 @@ class StepExecutor {
                Communicator* shard_group, Communicator* replicas,
                const SliceGroups& slice_groups, MemoryTracker* tracker);
 
-  absl::Status CheckHeaderLocked(const v1::StepProgram& program) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status BeginStepLocked(const v1::StepProgram& header,
                                absl::Span<const data::MicroBatch> batches)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -320,8 +323,6 @@ class StepExecutor {
   // follows the plan's replay.
   void DropSliceLocked(int unit, const std::string& label)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  std::string CommandLabelLocked(const v1::Command& command) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ZeroShardGrads();
 
   const v1::ShardingPlan plan_;
@@ -334,28 +335,16 @@ class StepExecutor {
   // Fixed after Create; used by the caller thread and the queued tasks
   // (which the queue orders with the caller: see the file comment).
   std::unique_ptr<ShardStore> store_;
-  // Parameter name -> unit index.
-  absl::flat_hash_map<std::string, int> param_unit_;
 
   mutable absl::Mutex mu_;
   std::unique_ptr<MoeModel> model_ ABSL_GUARDED_BY(mu_);
   MoeModelOptions model_options_ ABSL_GUARDED_BY(mu_);
-  std::vector<UnitRun> units_ ABSL_GUARDED_BY(mu_);
-  // Serialized programs (step cleared) that passed ValidateStepProgram.
-  absl::flat_hash_set<std::string> validated_ ABSL_GUARDED_BY(mu_);
-  absl::Status failed_ ABSL_GUARDED_BY(mu_);
+  StepState state_ ABSL_GUARDED_BY(mu_);
+  std::vector<UnitQueue> queue_units_ ABSL_GUARDED_BY(mu_);
   int64_t optimizer_steps_ ABSL_GUARDED_BY(mu_) = 0;
 
-  // The step in progress.
-  bool in_step_ ABSL_GUARDED_BY(mu_) = false;
-  bool stepped_ ABSL_GUARDED_BY(mu_) = false;  // OPTIMIZER_STEP ran.
-  bool touched_ ABSL_GUARDED_BY(mu_) = false;  // A command had an effect.
-  v1::StepProgram header_ ABSL_GUARDED_BY(mu_);
-  int command_index_ ABSL_GUARDED_BY(mu_) = 0;
-  int head_forwards_ ABSL_GUARDED_BY(mu_) = 0;
-  int embed_backwards_ ABSL_GUARDED_BY(mu_) = 0;
+  // The step in progress (StepState holds its commands and units).
   int64_t last_free_ticket_ ABSL_GUARDED_BY(mu_) = -1;
-  absl::Time step_start_ ABSL_GUARDED_BY(mu_);
   CollectiveStatsSnapshot stats_start_ ABSL_GUARDED_BY(mu_);
   int64_t peak_activation_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   double grad_norm_ ABSL_GUARDED_BY(mu_) = 0.0;

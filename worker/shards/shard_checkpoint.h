@@ -32,10 +32,10 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "proto/plan.pb.h"
 #include "checkpoint/checkpoint_index.h"
 #include "checkpoint/checkpoint_reader.h"
 #include "checkpoint/checkpoint_writer.h"
+#include "proto/plan.pb.h"
 #include "worker/shards/shard_store.h"
 
 namespace shardd {
@@ -43,10 +43,10 @@ namespace shardd {
 // Writes shard rank `shard_rank`'s owned elements of every parameter of
 // `plan` (master, and AdamW moments of trainable parameters) from `shards`
 // to tmp_dir/RankFileName(shard_rank), fsynced, and returns its record and
-// chunks for checkpoint::BuildIndex. Not to be called while a step runs on `shards`.
-// Errors: INVALID_ARGUMENT (shard_rank outside [0, dp_shard), `shards` not
-// holding the plan's units or shard sizes, a malformed layout); the errors
-// of checkpoint::WriteRankFile (file system errors).
+// chunks for checkpoint::BuildIndex. Not to be called while a step runs on
+// `shards`. Errors: INVALID_ARGUMENT (shard_rank outside [0, dp_shard),
+// `shards` not holding the plan's units or shard sizes, a malformed layout);
+// the errors of checkpoint::WriteRankFile (file system errors).
 absl::StatusOr<checkpoint::RankFile> SaveRankShards(
     const v1::ShardingPlan& plan, const ShardStore& shards,
     const std::string& tmp_dir, int shard_rank);
