@@ -67,11 +67,10 @@ common_srcs=(model/native_spec.cc model/hf_config.cc model/model_util.cc
              "$bin/proto/model.pb.cc")
 # The coordinator's logic (no gRPC adapters, no mains).
 coordinator_srcs=()
-for f in server/*.cc; do
+for f in server/*.cc server/jobs/*.cc planner/*.cc program/*.cc layout/*.cc \
+         checkpoint/*.cc; do
   case "$f" in
-    *_test.cc|*_main.cc|server/grpc_*|server/coordinator_server.cc) ;;
-    model/native_spec.cc|model/hf_config.cc|model/model_util.cc) ;;
-    model/json_describe.cc) ;;
+    *_test.cc|*_main.cc|*/grpc_*|server/coordinator_server.cc) ;;
     *) coordinator_srcs+=("$f") ;;
   esac
 done
@@ -110,7 +109,7 @@ build_and_run() {
 status=0
 build_and_run config_parser_fuzzer "" "" \
   tests/fuzz/corpus/config_parser tests/data || status=$?
-build_and_run submit_model_fuzzer "${coordinator_srcs[*]}" "-lsqlite3" \
+build_and_run submit_model_fuzzer "${coordinator_srcs[*]}" "-lsqlite3 -lxxhash" \
   tests/fuzz/corpus/submit_model || status=$?
 build_and_run checkpoint_index_fuzzer "${checkpoint_srcs[*]}" "-lxxhash" \
   tests/fuzz/corpus/checkpoint_index || status=$?
