@@ -20,14 +20,15 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
-#include "common/status_macros.h"
-#include "nlohmann/json.hpp"
 #include "checkpoint/checkpoint_index.h"
 #include "checkpoint/checkpoint_reader.h"
 #include "checkpoint/checkpoint_writer.h"
 #include "checkpoint/file_util.h"
 #include "checkpoint/json_text.h"
 #include "checkpoint/safetensors.h"
+#include "common/status_macros.h"
+#include "model/model_util.h"
+#include "nlohmann/json.hpp"
 
 namespace shardd {
 namespace checkpoint {
@@ -161,10 +162,6 @@ std::string DownName(int64_t layer) {
 }
 std::string RouterName(int64_t layer) {
   return absl::StrCat(kLayersPrefix, layer, ".moe.gate.weight");
-}
-
-std::string ShapeText(const std::vector<int64_t>& shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
 // ---- Transposes

@@ -7,23 +7,12 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "layout/shard_ranges.h"
+#include "model/model_util.h"
 
 namespace shardd {
 namespace checkpoint {
-namespace {
-
-std::string ShapeText(const std::vector<int64_t>& shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
-
-std::vector<int64_t> GlobalShape(const v1::ParamLayout& param) {
-  return std::vector<int64_t>(param.global_shape().begin(),
-                              param.global_shape().end());
-}
-
-}  // namespace
 
 absl::StatusOr<CheckpointIndex> BuildIndex(
     const v1::ShardingPlan& plan, int64_t step,

@@ -14,8 +14,9 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "common/status_macros.h"
 #include "checkpoint/json_text.h"
+#include "common/status_macros.h"
+#include "model/model_util.h"
 
 namespace shardd {
 namespace checkpoint {
@@ -40,10 +41,6 @@ std::string KnownDTypes() {
   std::vector<std::string> tags;
   for (const DTypeInfo& d : kDTypes) tags.push_back(d.tag);
   return absl::StrJoin(tags, ", ");
-}
-
-std::string ShapeText(absl::Span<const int64_t> shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
 void LittleEndian64(uint64_t v, unsigned char out[8]) {

@@ -10,6 +10,11 @@
 namespace shardd {
 namespace checkpoint {
 
+std::vector<int64_t> GlobalShape(const v1::ParamLayout& param) {
+  return std::vector<int64_t>(param.global_shape().begin(),
+                              param.global_shape().end());
+}
+
 absl::StatusOr<std::vector<OwnedRange>> OwnedElementRanges(
     const v1::ParamLayout& param, int64_t unit_shard_numel, int shard_rank) {
   const std::string where = absl::StrCat("parameter \"", param.name(), "\"");

@@ -27,6 +27,9 @@ struct OwnedRange {
   int64_t shard_offset = 0;  // Element offset in the rank's local shard.
 };
 
+// The parameter's global (unsharded) shape.
+std::vector<int64_t> GlobalShape(const v1::ParamLayout& param);
+
 // The ranges of `param` held by shard rank `shard_rank` of a unit whose
 // local shard has `unit_shard_numel` elements; empty when the rank holds
 // none of it (only padding). Errors: INVALID_ARGUMENT for a negative rank,

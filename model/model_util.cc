@@ -36,7 +36,7 @@ std::string JoinName(const std::string& prefix, const std::string& name) {
 }
 
 std::string ShapeString(const v1::TensorSpec& t) {
-  return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
+  return ShapeText(t.shape());
 }
 
 void Walk(const v1::ModuleSpec& module, const std::string& fqn,
@@ -187,6 +187,10 @@ absl::Status ValidateModule(
 }
 
 }  // namespace
+
+std::string ShapeText(absl::Span<const int64_t> shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
 
 int64_t Numel(const v1::TensorSpec& tensor) {
   int64_t n = 1;

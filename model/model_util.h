@@ -9,12 +9,16 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/types/span.h"
 #include "proto/model.pb.h"
 
 namespace shardd {
 
 // Product of the dimensions (1 for a scalar).
 int64_t Numel(const v1::TensorSpec& tensor);
+
+// A shape as error messages write it: "[8, 16, 32]".
+std::string ShapeText(absl::Span<const int64_t> shape);
 
 // One parameter as the walk sees it.
 struct ParamRef {

@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -121,41 +122,48 @@ class NetworkFaultTest : public ::testing::Test {
     return RunCommand(args, absl::Seconds(10), out);
   }
 
-  // Whether rank 0 reaches the wanted liveness within `timeout`.
-  bool WaitForAlive(bool alive, absl::Duration timeout) {
+  // Whether the coordinator's status satisfies `done` within `timeout`
+  // (polled; a failed GetStatus counts as not yet).
+  bool WaitForStatus(
+      const std::function<bool(const v1::GetStatusResponse&)>& done,
+      absl::Duration timeout) {
     const absl::Time deadline = absl::Now() + timeout;
     while (absl::Now() < deadline) {
       auto status = client_->GetStatus();
-      if (status.ok()) {
-        bool seen = false;
-        for (const v1::WorkerInfo& worker : status->workers()) {
-          if (worker.rank() == 0) seen = worker.alive();
-        }
-        if (seen == alive) return true;
-      }
-      absl::SleepFor(absl::Milliseconds(50));
+      if (status.ok() && done(*status)) return true;
+      absl::SleepFor(absl::Milliseconds(20));
     }
     return false;
+  }
+
+  // Whether rank 0 reaches the wanted liveness within `timeout`.
+  bool WaitForAlive(bool alive, absl::Duration timeout) {
+    return WaitForStatus(
+        [alive](const v1::GetStatusResponse& status) {
+          bool seen = false;
+          for (const v1::WorkerInfo& worker : status.workers()) {
+            if (worker.rank() == 0) seen = worker.alive();
+          }
+          return seen == alive;
+        },
+        timeout);
   }
 
   // Whether a job of `total_steps` steps has finished at least one step and
   // not all of them within `timeout`. Cutting the link only once a job is
   // seen mid-run keeps the test independent of how fast steps run here.
   bool WaitForJobMidRun(int total_steps, absl::Duration timeout) {
-    const absl::Time deadline = absl::Now() + timeout;
-    while (absl::Now() < deadline) {
-      auto status = client_->GetStatus();
-      if (status.ok()) {
-        for (const v1::JobInfo& job : status->jobs()) {
-          if (job.total_steps() == total_steps && job.steps_done() >= 1 &&
-              job.steps_done() < total_steps) {
-            return true;
+    return WaitForStatus(
+        [total_steps](const v1::GetStatusResponse& status) {
+          for (const v1::JobInfo& job : status.jobs()) {
+            if (job.total_steps() == total_steps && job.steps_done() >= 1 &&
+                job.steps_done() < total_steps) {
+              return true;
+            }
           }
-        }
-      }
-      absl::SleepFor(absl::Milliseconds(20));
-    }
-    return false;
+          return false;
+        },
+        timeout);
   }
 
   // recoveries: --max-recoveries (0: fail on the first fault).

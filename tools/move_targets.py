@@ -189,10 +189,6 @@ def main(argv):
         os.makedirs(pkg, exist_ok=True)
         with open(os.path.join(pkg, "BUILD.bazel"), "w") as f:
             f.write(text)
-    for pkg in list(out):
-        if not [b for b in split_blocks(out[pkg]) if b[0] == "rule"] and \
-                not os.listdir(pkg) == ["BUILD.bazel"]:
-            pass
 
     # Text rewrites everywhere else.
     subs = []

@@ -9,24 +9,15 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "layout/shard_ranges.h"
+#include "model/model_util.h"
 
 namespace shardd {
 namespace {
 
 // The store keeps masters and moments in fp32 whatever the plan's dtypes.
 constexpr char kStoredDType[] = "F32";
-
-std::string ShapeText(const std::vector<int64_t>& shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
-
-std::vector<int64_t> GlobalShape(const v1::ParamLayout& param) {
-  return std::vector<int64_t>(param.global_shape().begin(),
-                              param.global_shape().end());
-}
 
 // `shards` holds the plan's units for shard rank `shard_rank`.
 absl::Status CheckStore(const v1::ShardingPlan& plan, const ShardStore& shards,
@@ -102,7 +93,7 @@ absl::StatusOr<const checkpoint::TensorRecord*> CheckTensor(
                                             " has no parameter \"", tensor,
                                             "\" of the plan"));
   }
-  const std::vector<int64_t> shape = GlobalShape(param);
+  const std::vector<int64_t> shape = checkpoint::GlobalShape(param);
   if (record->shape != shape) {
     return absl::InvalidArgumentError(absl::StrCat(
         "tensor \"", tensor, "\": global shape ", ShapeText(record->shape),
@@ -134,7 +125,7 @@ absl::StatusOr<checkpoint::RankFile> SaveRankShards(
       checkpoint::RankTensor t;
       t.name = name;
       t.dtype = kStoredDType;
-      t.global_shape = GlobalShape(*piece.param);
+      t.global_shape = checkpoint::GlobalShape(*piece.param);
       t.begin = piece.range.begin;
       t.end = piece.range.end;
       t.bytes = absl::Span<const uint8_t>(
