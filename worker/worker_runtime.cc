@@ -15,19 +15,19 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "checkpoint/checkpoint_reader.h"
+#include "checkpoint/checkpoint_writer.h"
 #include "common/error_info.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "model/model_util.h"
-#include "checkpoint/checkpoint_reader.h"
-#include "checkpoint/checkpoint_writer.h"
-#include "worker/data/batch_sampler.h"
-#include "worker/data/markov_source.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/kv_gloo_store.h"
+#include "worker/data/batch_sampler.h"
+#include "worker/data/markov_source.h"
+#include "worker/exec/step_runner.h"
 #include "worker/shards/shard_checkpoint.h"
 #include "worker/shards/shard_state_transfer.h"
-#include "worker/exec/step_runner.h"
 
 #ifdef SHARDD_WITH_CUDA
 #include "kernels/cuda/cuda_status.h"
@@ -277,7 +277,7 @@ struct WorkerRuntime::Job {
   std::map<int, std::unique_ptr<Communicator>> slice_groups;
   // Declared last: destroyed first, while the communicators still exist.
   // A device runner owns its own (NCCL) communicators.
-  std::unique_ptr<StepRunner> executor;
+  std::unique_ptr<StepRunner> steps;
 
   // The fine-grained step this runtime believes open (the executor decides;
   // this only checks `step` and `index`).
@@ -314,7 +314,7 @@ void WorkerRuntime::Reset() {
 
 absl::Status WorkerRuntime::JobHealthLocked() const {
   if (!job_->failed.ok()) return job_->failed;
-  return job_->executor->health();
+  return job_->steps->executor().health();
 }
 
 void WorkerRuntime::PublishJobLocked() {
@@ -323,7 +323,7 @@ void WorkerRuntime::PublishJobLocked() {
     info.job_id = job_->job_id;
     info.plan_fingerprint = job_->plan.fingerprint();
     info.optimizer_steps =
-        job_->state_lost ? -1 : job_->executor->optimizer_steps();
+        job_->state_lost ? -1 : job_->steps->executor().optimizer_steps();
     info.step_failed = !JobHealthLocked().ok();
   } else if (retained_ != nullptr) {
     info.job_id = retained_->job_id;
@@ -348,8 +348,8 @@ std::unique_ptr<WorkerRuntime::KeptState> WorkerRuntime::TakeKeptStateLocked(
       job_->state_lost) {
     return nullptr;
   }
-  const StepExecutor* executor = job_->executor->cpu_executor();
-  if (executor == nullptr) return nullptr;
+  const StepExecutor* executor = &job_->steps->executor();
+  if (executor->host_shards() == nullptr) return nullptr;
   // A failed executor is fine: its step committed fully or not at all, so
   // the masters and moments are those of its optimizer step count.
   auto kept = std::make_unique<KeptState>();
@@ -391,8 +391,8 @@ absl::Status WorkerRuntime::WithExecutor(
         absl::FailedPreconditionError("no plan loaded: call LoadPlan first"),
         kReasonPlanNotHeld);
   }
-  const StepExecutor* executor = job_->executor->cpu_executor();
-  if (executor == nullptr) {
+  const StepExecutor* executor = &job_->steps->executor();
+  if (executor->host_shards() == nullptr) {
     return absl::FailedPreconditionError(
         "the job's steps run on a GPU: there is no CPU StepExecutor");
   }
@@ -528,7 +528,7 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::BuildJobLocked(
           absl::StrCat("rank ", job->rank, ": device cuda:", options_.device,
                        ": ", runner.status().message()));
     }
-    job->executor = *std::move(runner);
+    job->steps = *std::move(runner);
     return InstallJobLocked(std::move(job), /*kept_step=*/-1);
 #else
     return absl::FailedPreconditionError(absl::StrCat(
@@ -624,8 +624,8 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::BuildJobLocked(
     kept_step = (*kept)->optimizer_steps;
     kept->reset();  // Free the snapshot now.
   }
-  job->executor = std::make_unique<CpuStepRunner>(
-      std::move(executor), job->shard_group.get(), &tracker_);
+  job->steps = std::make_unique<StepRunner>(std::move(executor),
+                                            job->shard_group.get(), &tracker_);
   return InstallJobLocked(std::move(job), kept_step);
 }
 
@@ -636,7 +636,7 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::InstallJobLocked(
   const int dp_replicate = plan.mesh().dp_replicate();
   v1::LoadPlanResponse response;
   response.set_shard_bytes(
-      job->executor->memory()
+      job->steps->memory()
           ->Snapshot()
           .live[static_cast<int>(MemoryKind::kShardParams)]);
   response.set_data_entropy_rate(job->entropy_rate);
@@ -653,8 +653,8 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::InstallJobLocked(
                    << ")";
   {
     absl::MutexLock stats_lock(&stats_mu_);
-    live_shard_group_ = job->executor->shard_group();
-    live_memory_ = job->executor->memory();
+    live_shard_group_ = job->steps->shard_group();
+    live_memory_ = job->steps->memory();
   }
   job_ = std::move(job);
   PublishJobLocked();
@@ -748,7 +748,8 @@ absl::StatusOr<v1::ExecuteResponse> WorkerRuntime::Execute(
   SHARDD_RETURN_IF_ERROR(
       FetchBatchesLocked(program.step(), program.microbatches(), &batches));
   timeline_capture_.BeginStep();
-  absl::StatusOr<StepResult> result = job_->executor->Execute(program, batches);
+  absl::StatusOr<StepResult> result =
+      job_->steps->executor().Execute(program, batches);
   if (!result.ok()) {
     const absl::Status error = StepError(result.status());
     SHARDD_LOG(WARNING) << "Execute failed: " << error.ToString();
@@ -767,7 +768,7 @@ absl::StatusOr<v1::ExecuteResponse> WorkerRuntime::RunCommand(
     PublishJobLocked();
   };
   Job& job = *job_;
-  StepRunner& executor = *job.executor;
+  StepExecutor& executor = job.steps->executor();
   if (request.begin_step()) {
     const v1::StepShape& shape = job.plan.step();
     v1::StepProgram header;
@@ -846,8 +847,8 @@ absl::StatusOr<StepExecutor*> WorkerRuntime::CheckpointExecutorLocked(
         absl::StrCat("checkpoints: step ", job_->step,
                      " is open (fine-grained mode); end it first"));
   }
-  StepExecutor* executor = job_->executor->mutable_cpu_executor();
-  if (executor == nullptr) {
+  StepExecutor* executor = &job_->steps->executor();
+  if (executor->host_shards() == nullptr) {
     return absl::FailedPreconditionError(
         "checkpoints: the job's steps run on a GPU, and GPU shards cannot be "
         "checkpointed yet");
@@ -946,8 +947,8 @@ absl::StatusOr<v1::HealReplicasResponse> WorkerRuntime::HealReplicas(
         absl::StrCat("HealReplicas: step ", job_->step,
                      " is open (fine-grained mode); end it first"));
   }
-  StepExecutor* executor = job_->executor->mutable_cpu_executor();
-  if (executor == nullptr) {
+  StepExecutor* executor = &job_->steps->executor();
+  if (executor->host_shards() == nullptr) {
     return absl::FailedPreconditionError(
         "HealReplicas: the job's steps run on a GPU, and GPU shards cannot be "
         "healed from replicas yet");

@@ -75,12 +75,12 @@
 #include "proto/plan.pb.h"
 #include "proto/worker.pb.h"
 #include "worker/comm/communicator.h"
-#include "worker/data/batch_sampler.h"
 #include "worker/comm/kv_client.h"
-#include "worker/memory/memory_timeline.h"  // (section: timeline-svg)
-#include "worker/memory/memory_tracker.h"
+#include "worker/data/batch_sampler.h"
 #include "worker/exec/step_executor.h"
 #include "worker/exec/step_runner.h"
+#include "worker/memory/memory_timeline.h"  // (section: timeline-svg)
+#include "worker/memory/memory_tracker.h"
 
 namespace shardd {
 
@@ -122,8 +122,8 @@ struct WorkerRuntimeOptions {
   // Used when LoadPlanRequest.collective_timeout_ms is 0.
   absl::Duration default_collective_timeout =
       absl::Milliseconds(kDefaultCollectiveTimeoutMs);
-  // CUDA device ordinal the steps run on (DeviceStepExecutor over NCCL
-  // groups, see device_step_runner.h); -1 runs them on the CPU over Gloo.
+  // CUDA device ordinal the steps run on (a StepExecutor over a CudaBackend and
+  // NCCL groups, see device_step_runner.h); -1 runs them on the CPU over Gloo.
   // A device needs a CUDA build (DeviceStepsSupported()).
   int device = -1;
   // Directory every checkpoint path of SaveShards / LoadShards is resolved

@@ -7,63 +7,28 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "worker/comm/in_memory_kv_client.h"
+#include "worker/comm/nccl_communicator.h"
+#include "worker/exec/cuda_backend.h"
 #include "worker/memory/cuda_memory_backend.h"
 #include "worker/memory/device_allocator.h"
-#include "worker/exec/device_step_executor.h"
-#include "worker/comm/in_memory_kv_client.h"
 #include "worker/memory/memory_tracker.h"
-#include "worker/comm/nccl_communicator.h"
 
 namespace shardd {
 namespace {
 
-class DeviceStepRunner final : public StepRunner {
- public:
-  explicit DeviceStepRunner(int device)
-      : backend_(device), allocator_(&backend_, &tracker_) {}
+// What a device executor's backend uses. Declaration order is destruction
+// order in reverse: the communicators outlive the allocator.
+struct DeviceResources final : StepRunner::Resources {
+  explicit DeviceResources(int device)
+      : backend(device), allocator(&backend, &tracker) {}
 
-  ~DeviceStepRunner() override {
-    // The executor's buffers go back to the allocator before the
-    // communicators finalize.
-    executor_.reset();
-  }
-
-  absl::StatusOr<StepResult> Execute(
-      const v1::StepProgram& program,
-      absl::Span<const data::MicroBatch> batches) override {
-    SHARDD_ASSIGN_OR_RETURN(DeviceStepResult result,
-                            executor_->Execute(program, batches));
-    return result.step;
-  }
-  absl::Status BeginStep(const v1::StepProgram& header,
-                         absl::Span<const data::MicroBatch> batches) override {
-    return executor_->BeginStep(header, batches);
-  }
-  absl::Status ExecuteCommand(const v1::Command& command) override {
-    return executor_->ExecuteCommand(command);
-  }
-  absl::StatusOr<StepResult> EndStep() override {
-    SHARDD_ASSIGN_OR_RETURN(DeviceStepResult result, executor_->EndStep());
-    return result.step;
-  }
-  absl::Status health() const override { return executor_->health(); }
-  int64_t optimizer_steps() const override {
-    return executor_->optimizer_steps();
-  }
-  const Communicator* shard_group() const override {
-    return shard_group_.get();
-  }
-  const MemoryTracker* memory() const override { return &tracker_; }
-
-  // Declaration order is destruction order in reverse: the allocator
-  // outlives the executor, the communicators outlive both.
-  std::unique_ptr<NcclCommunicator> shard_group_;
-  std::unique_ptr<NcclCommunicator> replicas_;
-  std::vector<std::unique_ptr<NcclCommunicator>> slice_groups_;
-  MemoryTracker tracker_;
-  CudaMemoryBackend backend_;
-  DeviceAllocator allocator_;
-  std::unique_ptr<DeviceStepExecutor> executor_;
+  std::unique_ptr<NcclCommunicator> shard_group;
+  std::unique_ptr<NcclCommunicator> replicas;
+  std::vector<std::unique_ptr<NcclCommunicator>> slice_groups;
+  MemoryTracker tracker;
+  CudaMemoryBackend backend;
+  DeviceAllocator allocator;
 };
 
 }  // namespace
@@ -85,7 +50,7 @@ absl::StatusOr<std::unique_ptr<StepRunner>> CreateDeviceStepRunner(
     }
     kv = &local_kv;
   }
-  auto runner = std::make_unique<DeviceStepRunner>(options.device);
+  auto resources = std::make_unique<DeviceResources>(options.device);
   NcclCommunicatorOptions comm_options;
   comm_options.device = options.device;
   comm_options.init_timeout = options.timeout;
@@ -102,11 +67,11 @@ absl::StatusOr<std::unique_ptr<StepRunner>> CreateDeviceStepRunner(
     }
     return comm;
   };
-  SHARDD_ASSIGN_OR_RETURN(runner->shard_group_,
+  SHARDD_ASSIGN_OR_RETURN(resources->shard_group,
                           join(absl::StrCat("shard", options.replica_rank),
                                options.shard_rank, dp_shard));
   if (dp_replicate > 1) {
-    SHARDD_ASSIGN_OR_RETURN(runner->replicas_,
+    SHARDD_ASSIGN_OR_RETURN(resources->replicas,
                             join(absl::StrCat("replica", options.shard_rank),
                                  options.replica_rank, dp_replicate));
   }
@@ -124,20 +89,23 @@ absl::StatusOr<std::unique_ptr<StepRunner>> CreateDeviceStepRunner(
                           options.shard_rank / g),
              options.shard_rank % g, g));
     slices[g] = group.get();
-    runner->slice_groups_.push_back(std::move(group));
+    resources->slice_groups.push_back(std::move(group));
   }
-  DeviceStepExecutorOptions executor_options;
+  CudaBackendOptions executor_options;
   executor_options.step = options.executor;
   executor_options.step.shard_rank = options.shard_rank;
   executor_options.step.replica_rank = options.replica_rank;
   executor_options.device = options.device;
   SHARDD_ASSIGN_OR_RETURN(
-      runner->executor_,
-      DeviceStepExecutor::Create(plan, model, executor_options,
-                                 runner->shard_group_.get(),
-                                 runner->replicas_.get(), &runner->allocator_,
-                                 &runner->tracker_, slices));
-  return std::unique_ptr<StepRunner>(std::move(runner));
+      std::unique_ptr<StepExecutor> executor,
+      CreateCudaStepExecutor(plan, model, executor_options,
+                             resources->shard_group.get(),
+                             resources->replicas.get(), &resources->allocator,
+                             &resources->tracker, slices));
+  const Communicator* shard_group = resources->shard_group.get();
+  const MemoryTracker* memory = &resources->tracker;
+  return std::make_unique<StepRunner>(std::move(executor), shard_group, memory,
+                                      std::move(resources));
 }
 
 }  // namespace shardd

@@ -2,8 +2,8 @@
 #define SHARDD_WORKER_EXEC_DEVICE_STEP_RUNNER_H_
 
 // The GPU StepRunner (step_runner.h): joins the job's NCCL groups and
-// creates a DeviceStepExecutor on one CUDA device. CUDA builds only;
-// WorkerRuntime reaches it through SHARDD_WITH_CUDA.
+// creates a StepExecutor over a CudaBackend on one CUDA device. CUDA builds
+// only; WorkerRuntime reaches it through SHARDD_WITH_CUDA.
 //
 // Groups (NcclCommunicator::Create; the unique ids travel through the
 // coordinator's key-value store), named like the Gloo groups of
@@ -40,7 +40,7 @@ struct DeviceStepRunnerOptions {
 // rank. Errors: INVALID_ARGUMENT (empty group_prefix, world > 1 without
 // kv), NcclCommunicator::Create's (FAILED_PRECONDITION without a usable
 // GPU, DEADLINE_EXCEEDED when a peer does not join), and
-// DeviceStepExecutor::Create's.
+// CudaBackend::Create's.
 absl::StatusOr<std::unique_ptr<StepRunner>> CreateDeviceStepRunner(
     const v1::ShardingPlan& plan, const v1::ModelSpec& model,
     const DeviceStepRunnerOptions& options, KeyValueClient* kv);

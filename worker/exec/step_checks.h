@@ -1,9 +1,9 @@
 #ifndef SHARDD_WORKER_EXEC_STEP_CHECKS_H_
 #define SHARDD_WORKER_EXEC_STEP_CHECKS_H_
 
-// Checks and small helpers both step executors (CPU: step_executor.h, GPU:
-// device_step_executor.h) apply to a step program before running it, so the
-// two answer bad input with the same codes and words.
+// Checks and small helpers the step executor and both backends (CPU:
+// cpu_backend.h, GPU: cuda_backend.h) share, so the two answer bad input
+// with the same codes and words.
 
 #include <cstdint>
 #include <map>
@@ -39,6 +39,25 @@ MoeModelOptions ModelOptionsFor(int microbatches, int passes,
 
 // Whether two model options describe the same step shape.
 bool SameStepShape(const MoeModelOptions& a, const MoeModelOptions& b);
+
+// Resets `model`'s step and installs one batch per micro-batch (a CPU or a
+// device model). Errors: the model's, prefixed "batches[m]: ".
+template <typename Model>
+absl::Status SetStepBatches(Model* model,
+                            absl::Span<const data::MicroBatch> batches) {
+  model->ResetStep();
+  for (size_t m = 0; m < batches.size(); ++m) {
+    const data::MicroBatch& b = batches[m];
+    const absl::Status set =
+        model->SetBatch(static_cast<int>(m), b.inputs.data(), b.targets.data(),
+                        b.rows, b.seq_len);
+    if (!set.ok()) {
+      return absl::Status(set.code(),
+                          absl::StrCat("batches[", m, "]: ", set.message()));
+    }
+  }
+  return absl::OkStatus();
+}
 
 // The communicators an executor is created with: `shard_group` has
 // plan.mesh().dp_shard() ranks with this rank at `shard_rank`; under HSDP

@@ -1,4 +1,4 @@
-#include "worker/exec/device_step_executor.h"
+#include "worker/exec/cuda_backend.h"
 
 #include <algorithm>
 #include <cmath>
@@ -20,7 +20,7 @@ namespace shardd {
 
 // Parameters only from gathered, waited units; gradients only into
 // allocated ones (the checks StepExecutor's adapter makes).
-class DeviceStepExecutor::Params : public DeviceParamSource {
+class CudaBackend::Params : public DeviceParamSource {
  public:
   Params(DeviceShardStore* store, const StepState* state)
       : store_(store), state_(state) {}
@@ -54,23 +54,21 @@ DeviceDType ActivationDType(const v1::ShardingPlan& plan) {
 
 }  // namespace
 
-DeviceStepExecutor::DeviceStepExecutor(const v1::ShardingPlan& plan,
-                                       const DeviceStepExecutorOptions& options,
-                                       NcclCommunicator* shard_group,
-                                       NcclCommunicator* replicas,
-                                       const DeviceSliceGroups& slice_groups,
-                                       DeviceAllocator* allocator,
-                                       MemoryTracker* tracker)
+CudaBackend::CudaBackend(const v1::ShardingPlan& plan,
+                         const CudaBackendOptions& options,
+                         NcclCommunicator* shard_group,
+                         NcclCommunicator* replicas,
+                         const DeviceSliceGroups& slice_groups,
+                         DeviceAllocator* allocator, MemoryTracker* tracker)
     : plan_(plan),
       options_(options),
       shard_group_(shard_group),
       replicas_(replicas),
       slice_groups_(slice_groups),
       allocator_(allocator),
-      tracker_(tracker),
-      state_(&plan_) {}
+      tracker_(tracker) {}
 
-DeviceStepExecutor::~DeviceStepExecutor() {
+CudaBackend::~CudaBackend() {
   if (compute_stream_ != nullptr) {
     if (store_ != nullptr) {
       store_->WaitForCollectives(compute_stream_).IgnoreError();
@@ -78,10 +76,7 @@ DeviceStepExecutor::~DeviceStepExecutor() {
     // Teardown, not a step: the buffers below must be idle before they go.
     cudaStreamSynchronize(compute_stream_);
   }
-  {
-    absl::MutexLock lock(&mu_);
-    model_.reset();
-  }
+  model_.reset();
   norm_scratch_.Reset();
   norm_workspace_.Reset();
   store_.reset();
@@ -89,9 +84,9 @@ DeviceStepExecutor::~DeviceStepExecutor() {
   if (compute_stream_ != nullptr) cudaStreamDestroy(compute_stream_);
 }
 
-absl::StatusOr<std::unique_ptr<DeviceStepExecutor>> DeviceStepExecutor::Create(
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
     const v1::ShardingPlan& plan, const v1::ModelSpec& model,
-    const DeviceStepExecutorOptions& options, NcclCommunicator* shard_group,
+    const CudaBackendOptions& options, NcclCommunicator* shard_group,
     NcclCommunicator* replicas, DeviceAllocator* allocator,
     MemoryTracker* tracker, const DeviceSliceGroups& slice_groups) {
   const StepExecutorOptions& step = options.step;
@@ -106,7 +101,7 @@ absl::StatusOr<std::unique_ptr<DeviceStepExecutor>> DeviceStepExecutor::Create(
                                           step.max_grad_norm, step.adamw));
   SHARDD_RETURN_IF_ERROR(CheckSliceGroups(plan, step.shard_rank, slice_groups));
 
-  auto executor = absl::WrapUnique(new DeviceStepExecutor(
+  auto executor = absl::WrapUnique(new CudaBackend(
       plan, options, shard_group, replicas, slice_groups, allocator, tracker));
   executor->model_spec_ = model;
   SHARDD_RETURN_IF_ERROR(
@@ -150,7 +145,6 @@ absl::StatusOr<std::unique_ptr<DeviceStepExecutor>> DeviceStepExecutor::Create(
                  "allocating pinned host memory"));
   executor->host_norm_ = static_cast<NormScratch*>(pinned);
 
-  absl::MutexLock lock(&executor->mu_);
   const v1::StepShape& shape = plan.step();
   executor->model_options_ =
       ModelOptionsFor(shape.microbatches(), shape.passes(),
@@ -166,17 +160,7 @@ absl::StatusOr<std::unique_ptr<DeviceStepExecutor>> DeviceStepExecutor::Create(
   return executor;
 }
 
-int64_t DeviceStepExecutor::optimizer_steps() const {
-  absl::MutexLock lock(&mu_);
-  return optimizer_steps_;
-}
-
-absl::Status DeviceStepExecutor::health() const {
-  absl::MutexLock lock(&mu_);
-  return state_.failed();
-}
-
-absl::Status DeviceStepExecutor::CommunicatorHealth() const {
+absl::Status CudaBackend::CommunicatorHealth() const {
   SHARDD_RETURN_IF_ERROR(shard_group_->health());
   if (replicas_ != nullptr) SHARDD_RETURN_IF_ERROR(replicas_->health());
   for (const auto& [g, group] : slice_groups_) {
@@ -185,7 +169,7 @@ absl::Status DeviceStepExecutor::CommunicatorHealth() const {
   return absl::OkStatus();
 }
 
-int64_t DeviceStepExecutor::CommunicatorSyncs() const {
+int64_t CudaBackend::CommunicatorSyncs() const {
   int64_t syncs = shard_group_->host_synchronizations();
   if (replicas_ != nullptr) syncs += replicas_->host_synchronizations();
   for (const auto& [g, group] : slice_groups_) {
@@ -194,16 +178,8 @@ int64_t DeviceStepExecutor::CommunicatorSyncs() const {
   return syncs;
 }
 
-absl::Status DeviceStepExecutor::BeginStep(
+absl::Status CudaBackend::BeginStep(
     const v1::StepProgram& header, absl::Span<const data::MicroBatch> batches) {
-  absl::MutexLock lock(&mu_);
-  SHARDD_RETURN_IF_ERROR(state_.CheckHeader(header));
-  return BeginStepLocked(header, batches);
-}
-
-absl::Status DeviceStepExecutor::BeginStepLocked(
-    const v1::StepProgram& header, absl::Span<const data::MicroBatch> batches) {
-  SHARDD_RETURN_IF_ERROR(CheckStepBatches(header, batches));
   const MoeModelOptions wanted = ModelOptionsFor(
       header.microbatches(), header.passes(), header.no_grad_passes(),
       options_.step.self_conditioning_scale);
@@ -217,17 +193,7 @@ absl::Status DeviceStepExecutor::BeginStepLocked(
         model_, DeviceMoeModel::Create(model_spec_, model_options, allocator_));
     model_options_ = wanted;
   }
-  model_->ResetStep();
-  for (size_t m = 0; m < batches.size(); ++m) {
-    const data::MicroBatch& b = batches[m];
-    const absl::Status set =
-        model_->SetBatch(static_cast<int>(m), b.inputs.data(), b.targets.data(),
-                         b.rows, b.seq_len);
-    if (!set.ok()) {
-      return absl::Status(set.code(),
-                          absl::StrCat("batches[", m, "]: ", set.message()));
-    }
-  }
+  SHARDD_RETURN_IF_ERROR(SetStepBatches(model_.get(), batches));
   allocator_->ResetPeaks();
   tracker_->ResetPeaks();
   allocator_start_ = allocator_->stats();
@@ -235,81 +201,29 @@ absl::Status DeviceStepExecutor::BeginStepLocked(
   model_syncs_start_ = model_->host_synchronizations();
   comm_syncs_start_ = CommunicatorSyncs();
   host_syncs_start_ = host_syncs_;
-  state_.Begin(header);
   peak_activation_bytes_ = 0;
   return absl::OkStatus();
 }
 
-absl::StatusOr<DeviceStepResult> DeviceStepExecutor::Execute(
-    const v1::StepProgram& program,
-    absl::Span<const data::MicroBatch> batches) {
-  absl::MutexLock lock(&mu_);
-  SHARDD_RETURN_IF_ERROR(state_.CheckHeader(program));
-  SHARDD_RETURN_IF_ERROR(state_.ValidateOnce(program));
-  SHARDD_RETURN_IF_ERROR(BeginStepLocked(program, batches));
-  for (const v1::Command& command : program.commands()) {
-    bool rejected = false;
-    const absl::Status status = RunCommandLocked(command, &rejected);
-    if (status.ok()) continue;
-    if (rejected) AbortStepLocked(status, /*clean=*/!state_.touched());
-    return status;
-  }
-  return EndStepLocked();
-}
-
-absl::Status DeviceStepExecutor::ExecuteCommand(const v1::Command& command) {
-  absl::MutexLock lock(&mu_);
-  if (!state_.failed().ok()) return state_.failed();
-  if (!state_.in_step()) {
-    return absl::FailedPreconditionError(
-        "no step in progress: BeginStep before ExecuteCommand");
-  }
-  bool rejected = false;
-  return RunCommandLocked(command, &rejected);
-}
-
-absl::StatusOr<DeviceStepResult> DeviceStepExecutor::EndStep() {
-  absl::MutexLock lock(&mu_);
-  if (!state_.failed().ok()) return state_.failed();
-  return EndStepLocked();
-}
-
-absl::Status DeviceStepExecutor::RunCommandLocked(const v1::Command& c,
-                                                  bool* rejected) {
-  *rejected = false;
-  const std::string label = state_.Label(c);
-  auto fail = [&](const absl::Status& status) {
-    const absl::Status error(
-        status.code(),
-        absl::StrCat(label, " on shard rank ", options_.step.shard_rank, ": ",
-                     status.message()));
-    AbortStepLocked(error, /*clean=*/false);
-    return error;
-  };
+absl::Status CudaBackend::PendingError(const std::string& label) {
   // A collective enqueued earlier may have failed meanwhile (the watchdog
   // aborted its communicator): no host wait needed to see it.
-  {
-    const absl::Status async = CommunicatorHealth();
-    if (!async.ok()) {
-      return fail(absl::AbortedError(
-          absl::StrCat("collective failed: ", async.ToString())));
-    }
-  }
-  {
-    const absl::Status fits =
-        state_.Check(c, [this](int g) { return slice_groups_.count(g) > 0; });
-    if (!fits.ok()) {
-      *rejected = true;
-      return WithMessage(fits, absl::StrCat(label, ": ", fits.message()));
-    }
-  }
-  state_.Accept(c);
+  const absl::Status async = CommunicatorHealth();
+  if (async.ok()) return absl::OkStatus();
+  return absl::AbortedError(
+      absl::StrCat(label, " on shard rank ", options_.step.shard_rank,
+                   ": collective failed: ", async.ToString()));
+}
+
+absl::Status CudaBackend::Run(const v1::Command& c, const std::string& label,
+                              StepState* state, int64_t* optimizer_steps,
+                              bool* clean) {
   const int u = c.unit();
   DeviceShardStore* store = store_.get();
   // The slice a finished re-gather consumed is freed once the gather is
   // waited for, in program order with the other frees.
   auto drop_slice = [&]() -> absl::Status {
-    if (!state_.TakeGatherFromSlice(u)) return absl::OkStatus();
+    if (!state->TakeGatherFromSlice(u)) return absl::OkStatus();
     return store->DropSlice(u);
   };
   absl::Status status;
@@ -340,7 +254,7 @@ absl::Status DeviceStepExecutor::RunCommandLocked(const v1::Command& c,
       break;
     case v1::Command::FORWARD:
     case v1::Command::BACKWARD: {
-      Params params(store, &state_);
+      Params params(store, state);
       status = model_->Run(c, &params);
       if (status.ok()) {
         peak_activation_bytes_ =
@@ -349,20 +263,21 @@ absl::Status DeviceStepExecutor::RunCommandLocked(const v1::Command& c,
       break;
     }
     case v1::Command::OPTIMIZER_STEP:
-      optimizer_label_ = label;
-      status = EnqueueGradNormLocked();
-      if (status.ok()) state_.set_stepped();
+      // The update itself waits for EndStep (see the file comment).
+      status = EnqueueGradNorm();
       break;
     default:
       // Unreachable: StepState::Check refuses unknown ops.
       status = absl::InternalError("unknown op");
       break;
   }
-  if (!status.ok()) return fail(status);
-  return absl::OkStatus();
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(status.code(), absl::StrCat(label, " on shard rank ",
+                                                  options_.step.shard_rank,
+                                                  ": ", status.message()));
 }
 
-absl::Status DeviceStepExecutor::EnqueueGradNormLocked() {
+absl::Status CudaBackend::EnqueueGradNorm() {
   const cudaStream_t stream = compute_stream_;
   SHARDD_RETURN_IF_ERROR(store_->WaitForCollectives(stream));
   NormScratch* scratch = norm_scratch_.as<NormScratch>();
@@ -406,14 +321,10 @@ absl::Status DeviceStepExecutor::EnqueueGradNormLocked() {
                     "copying the gradient norm to the host");
 }
 
-absl::StatusOr<DeviceStepResult> DeviceStepExecutor::EndStepLocked() {
-  SHARDD_RETURN_IF_ERROR(state_.CheckEndStep());
-  if (!state_.stepped()) {
-    const absl::Status error = state_.EndedEarly();
-    AbortStepLocked(error, /*clean=*/!state_.touched());
-    return error;
-  }
-  const std::string& label = optimizer_label_;
+absl::Status CudaBackend::EndStep(const StepState& state,
+                                  const std::string& label,
+                                  int64_t* optimizer_steps, StepResult* result,
+                                  bool* clean) {
   // The one host synchronization: the compute stream waited for every
   // collective at OPTIMIZER_STEP, so this covers the whole step.
   ++host_syncs_;
@@ -425,22 +336,18 @@ absl::StatusOr<DeviceStepResult> DeviceStepExecutor::EndStepLocked() {
           absl::StrCat(label, " on shard rank ", options_.step.shard_rank,
                        ": collective failed: ", comms.ToString(),
                        "; the update was not applied"));
-      AbortStepLocked(error, /*clean=*/false);
       return error;
     }
   }
   if (!loss.ok()) {
     // A device-side data error (bad token id or target) or a CUDA error:
     // nothing was applied; only CUDA errors leave the device unusable.
-    const bool clean =
-        loss.status().code() == absl::StatusCode::kInvalidArgument;
-    const absl::Status error(
+    *clean = loss.status().code() == absl::StatusCode::kInvalidArgument;
+    return absl::Status(
         loss.status().code(),
-        absl::StrCat("step ", state_.step(), " on shard rank ",
+        absl::StrCat("step ", state.step(), " on shard rank ",
                      options_.step.shard_rank, ": ", loss.status().message(),
                      "; the update was not applied"));
-    AbortStepLocked(error, clean);
-    return error;
   }
   const NormScratch host = *host_norm_;
   const double norm = host.total_norm;
@@ -448,14 +355,14 @@ absl::StatusOr<DeviceStepResult> DeviceStepExecutor::EndStepLocked() {
     const absl::Status error = absl::InternalError(
         absl::StrCat(label, ": the global gradient norm is not finite (", norm,
                      "); the update was skipped and the gradients dropped"));
-    AbortStepLocked(error, /*clean=*/true);
+    *clean = true;
     return error;
   }
   const bool clip =
       options_.step.max_grad_norm > 0.0 && host.coefficient < 1.0f;
   const float* grad_scale =
       clip ? &norm_scratch_.as<NormScratch>()->coefficient : nullptr;
-  const int64_t step = optimizer_steps_ + 1;
+  const int64_t step = *optimizer_steps + 1;
   for (int u = 0; u < store_->num_units(); ++u) {
     const DeviceShardStore::UnitShard shard = store_->shard(u);
     for (const auto& range : store_->layout(u).trainable_ranges) {
@@ -471,51 +378,55 @@ absl::StatusOr<DeviceStepResult> DeviceStepExecutor::EndStepLocked() {
         const absl::Status error = absl::InternalError(absl::StrCat(
             label, ": AdamW failed after part of the shards were updated: ",
             status.message()));
-        AbortStepLocked(error, /*clean=*/false);
         return error;
       }
     }
   }
-  {
-    const absl::Status zeroed = store_->ZeroShardGrads();
-    if (!zeroed.ok()) {
-      AbortStepLocked(zeroed, /*clean=*/false);
-      return zeroed;
-    }
-  }
-  optimizer_steps_ = step;
+  SHARDD_RETURN_IF_ERROR(store_->ZeroShardGrads());
+  *optimizer_steps = step;
 
-  DeviceStepResult out;
-  StepResult& result = out.step;
-  result.loss = loss->loss;
-  result.tokens = loss->tokens;
-  result.grad_norm = norm;
-  result.clip_coefficient = clip ? static_cast<double>(host.coefficient) : 1.0;
-  FillStepResult(state_, optimizer_steps_, stats_start_,
-                 SnapshotCollectives(*shard_group_, replicas_, slice_groups_),
-                 tracker_->Snapshot(), peak_activation_bytes_, &result);
+  result->loss = loss->loss;
+  result->tokens = loss->tokens;
+  result->grad_norm = norm;
+  result->clip_coefficient = clip ? static_cast<double>(host.coefficient) : 1.0;
+  result->collectives = CollectivesBetween(
+      stats_start_,
+      SnapshotCollectives(*shard_group_, replicas_, slice_groups_));
+  SetMemoryPeaks(tracker_->Snapshot(), result);
+  result->peak_activation_bytes = peak_activation_bytes_;
 
-  out.model_host_synchronizations =
+  DeviceStepStats& device = result->device;
+  device.model_host_synchronizations =
       model_->host_synchronizations() - model_syncs_start_;
-  out.host_synchronizations = (host_syncs_ - host_syncs_start_) +
-                              out.model_host_synchronizations +
-                              (CommunicatorSyncs() - comm_syncs_start_);
+  device.host_synchronizations = (host_syncs_ - host_syncs_start_) +
+                                 device.model_host_synchronizations +
+                                 (CommunicatorSyncs() - comm_syncs_start_);
   const DeviceAllocatorStats allocator = allocator_->stats();
-  out.backend_mallocs =
+  device.backend_mallocs =
       allocator.backend_mallocs - allocator_start_.backend_mallocs;
-  out.backend_frees = allocator.backend_frees - allocator_start_.backend_frees;
-  out.reserved_bytes = allocator.reserved_bytes;
-  state_.End();
-  return out;
+  device.backend_frees =
+      allocator.backend_frees - allocator_start_.backend_frees;
+  device.reserved_bytes = allocator.reserved_bytes;
+  return absl::OkStatus();
 }
 
-void DeviceStepExecutor::AbortStepLocked(const absl::Status& error,
-                                         bool clean) {
+void CudaBackend::Abort(bool* /*clean*/) {
   store_->ReleaseStepBuffers();
   store_->ZeroShardGrads().IgnoreError();
-  state_.ClearUnits();
-  state_.Fail(error, clean, options_.step.shard_rank,
-              options_.step.replica_rank);
+}
+
+absl::StatusOr<std::unique_ptr<StepExecutor>> CreateCudaStepExecutor(
+    const v1::ShardingPlan& plan, const v1::ModelSpec& model,
+    const CudaBackendOptions& options, NcclCommunicator* shard_group,
+    NcclCommunicator* replicas, DeviceAllocator* allocator,
+    MemoryTracker* tracker, const DeviceSliceGroups& slice_groups,
+    CudaBackend** backend) {
+  SHARDD_ASSIGN_OR_RETURN(
+      std::unique_ptr<CudaBackend> created,
+      CudaBackend::Create(plan, model, options, shard_group, replicas,
+                          allocator, tracker, slice_groups));
+  if (backend != nullptr) *backend = created.get();
+  return std::make_unique<StepExecutor>(plan, options.step, std::move(created));
 }
 
 }  // namespace shardd

@@ -1,4 +1,4 @@
-#include "worker/exec/device_step_executor.h"
+#include "worker/exec/cuda_backend.h"
 
 #include <cuda_runtime_api.h>
 
@@ -10,21 +10,21 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "testing/model_builder.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "planner/sharding_planner.h"
-#include "program/step_program.h"
 #include "planner/strategy_registry.h"
-#include "worker/memory/cuda_memory_backend.h"
-#include "worker/data/batch_sampler.h"
-#include "worker/memory/device_allocator.h"
+#include "program/step_program.h"
+#include "testing/model_builder.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/in_memory_kv_client.h"
 #include "worker/comm/kv_gloo_store.h"
-#include "worker/memory/memory_tracker.h"
 #include "worker/comm/nccl_communicator.h"
+#include "worker/data/batch_sampler.h"
 #include "worker/exec/step_executor.h"
+#include "worker/memory/cuda_memory_backend.h"
+#include "worker/memory/device_allocator.h"
+#include "worker/memory/memory_tracker.h"
 
 namespace shardd {
 namespace {
@@ -122,7 +122,7 @@ struct Case {
   bool keep_compute_shard;
 };
 
-class DeviceStepExecutorTest : public ::testing::TestWithParam<Case> {};
+class CudaBackendTest : public ::testing::TestWithParam<Case> {};
 
 // One rank, NCCL world of one on GPU 0, against StepExecutor on the CPU
 // (Gloo world of one), same seed and batches. Tolerances: fp32 storage
@@ -131,7 +131,7 @@ class DeviceStepExecutorTest : public ::testing::TestWithParam<Case> {};
 // lr 1e-2); bf16 storage rounds activations and gathered weights to bf16 on
 // both sides but in different places (3e-2 relative on losses and norms,
 // 1e-2 on parameters, i.e. about one lr-sized step).
-TEST_P(DeviceStepExecutorTest, MatchesTheCpuExecutor) {
+TEST_P(CudaBackendTest, MatchesTheCpuExecutor) {
   SKIP_WITHOUT_GPU();
   const Case c = GetParam();
   const v1::ModelSpec model = TinyMoe(/*freeze=*/true);
@@ -174,46 +174,48 @@ TEST_P(DeviceStepExecutorTest, MatchesTheCpuExecutor) {
   MemoryTracker tracker;
   CudaMemoryBackend backend(0);
   DeviceAllocator allocator(&backend, &tracker);
-  DeviceStepExecutorOptions options;
+  CudaBackendOptions options;
   options.step = Options();
   options.device = 0;
+  CudaBackend* device = nullptr;
   SHARDD_ASSERT_OK_AND_ASSIGN(
-      std::unique_ptr<DeviceStepExecutor> gpu,
-      DeviceStepExecutor::Create(plan, model, options, nccl.get(), nullptr,
-                                 &allocator, &tracker));
+      std::unique_ptr<StepExecutor> gpu,
+      CreateCudaStepExecutor(plan, model, options, nccl.get(), nullptr,
+                             &allocator, &tracker, {}, &device));
   const double rel = c.mixed ? 3e-2 : 1e-4;
   for (int s = 0; s < kSteps; ++s) {
     program.set_step(s);
-    SHARDD_ASSERT_OK_AND_ASSIGN(DeviceStepResult r,
+    SHARDD_ASSERT_OK_AND_ASSIGN(StepResult r,
                                 gpu->Execute(program, batches[s]));
     const StepResult& want = cpu_results[s];
-    EXPECT_EQ(r.step.step, s);
-    EXPECT_EQ(r.step.optimizer_steps, s + 1);
-    EXPECT_EQ(r.step.tokens, want.tokens);
-    EXPECT_NEAR(r.step.loss, want.loss, rel * std::abs(want.loss)) << s;
-    EXPECT_NEAR(r.step.grad_norm, want.grad_norm, rel * want.grad_norm) << s;
-    EXPECT_NEAR(r.step.clip_coefficient, want.clip_coefficient,
+    EXPECT_EQ(r.step, s);
+    EXPECT_EQ(r.optimizer_steps, s + 1);
+    EXPECT_EQ(r.tokens, want.tokens);
+    EXPECT_NEAR(r.loss, want.loss, rel * std::abs(want.loss)) << s;
+    EXPECT_NEAR(r.grad_norm, want.grad_norm, rel * want.grad_norm) << s;
+    EXPECT_NEAR(r.clip_coefficient, want.clip_coefficient,
                 rel * want.clip_coefficient)
         << s;
     // Memory: the plan's peak, as on the CPU.
-    EXPECT_EQ(r.step.peak_unsharded_bytes, plan.memory().peak_unsharded_bytes())
+    EXPECT_EQ(r.peak_unsharded_bytes, plan.memory().peak_unsharded_bytes())
         << s;
-    EXPECT_EQ(r.step.peak_unsharded_bytes, want.peak_unsharded_bytes) << s;
+    EXPECT_EQ(r.peak_unsharded_bytes, want.peak_unsharded_bytes) << s;
     // One host synchronization (EndStep) plus the grouped experts' one per
     // MoE forward; the collectives never block the host.
-    EXPECT_EQ(r.host_synchronizations, 1 + r.model_host_synchronizations) << s;
-    EXPECT_GT(r.model_host_synchronizations, 0);
-    EXPECT_LE(r.model_host_synchronizations,
+    EXPECT_EQ(r.device.host_synchronizations,
+              1 + r.device.model_host_synchronizations)
+        << s;
+    EXPECT_GT(r.device.model_host_synchronizations, 0);
+    EXPECT_LE(r.device.model_host_synchronizations,
               2 * plan.step().microbatches() * plan.step().passes());
     // The caching allocator serves every later step.
     if (s > 0) {
-      EXPECT_EQ(r.backend_mallocs, 0) << s;
-      EXPECT_EQ(r.backend_frees, 0) << s;
+      EXPECT_EQ(r.device.backend_mallocs, 0) << s;
+      EXPECT_EQ(r.device.backend_frees, 0) << s;
     }
-    EXPECT_EQ(r.step.collectives.all_gathers, plan.comm().all_gathers());
-    EXPECT_EQ(r.step.collectives.reduce_scatters,
-              plan.comm().reduce_scatters());
-    EXPECT_EQ(r.step.collectives.norm_all_reduces, 1);
+    EXPECT_EQ(r.collectives.all_gathers, plan.comm().all_gathers());
+    EXPECT_EQ(r.collectives.reduce_scatters, plan.comm().reduce_scatters());
+    EXPECT_EQ(r.collectives.norm_all_reduces, 1);
   }
 
   // Parameters after kSteps updates.
@@ -224,7 +226,7 @@ TEST_P(DeviceStepExecutorTest, MatchesTheCpuExecutor) {
       SHARDD_ASSERT_OK(
           cpu->shards().CopyOwnedParamSlice(param.name(), want.data()));
       SHARDD_ASSERT_OK(
-          gpu->shards().CopyOwnedParamSlice(param.name(), got.data()));
+          device->shards().CopyOwnedParamSlice(param.name(), got.data()));
       for (int64_t i = 0; i < param.numel(); ++i) {
         ASSERT_NEAR(got[i], want[i], param_tol * (1.0 + std::abs(want[i])))
             << param.name() << "[" << i << "]";
@@ -234,7 +236,7 @@ TEST_P(DeviceStepExecutorTest, MatchesTheCpuExecutor) {
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    Precisions, DeviceStepExecutorTest,
+    Precisions, CudaBackendTest,
     ::testing::Values(Case{false, 1, false}, Case{false, 2, false},
                       Case{true, 1, false}, Case{true, 2, true}),
     [](const ::testing::TestParamInfo<Case>& info) {
@@ -245,7 +247,7 @@ INSTANTIATE_TEST_SUITE_P(
 
 // Fine-grained mode gives the same result as Execute, and misuse is
 // rejected without effect.
-TEST(DeviceStepExecutorFineGrainedTest, OneCallPerCommandMatchesExecute) {
+TEST(CudaBackendFineGrainedTest, OneCallPerCommandMatchesExecute) {
   SKIP_WITHOUT_GPU();
   const v1::ModelSpec model = TinyMoe(/*freeze=*/false);
   const v1::ShardingPlan plan = PlanFor(model, false, 1, false);
@@ -256,7 +258,7 @@ TEST(DeviceStepExecutorFineGrainedTest, OneCallPerCommandMatchesExecute) {
   MemoryTracker tracker;
   CudaMemoryBackend backend(0);
   DeviceAllocator allocator(&backend, &tracker);
-  DeviceStepExecutorOptions options;
+  CudaBackendOptions options;
   options.step = Options();
   std::vector<double> losses;
   for (int mode = 0; mode < 2; ++mode) {
@@ -265,14 +267,14 @@ TEST(DeviceStepExecutorFineGrainedTest, OneCallPerCommandMatchesExecute) {
         NcclCommunicator::Create(&kv, absl::StrCat("device-fine/", mode), 0, 1,
                                  NcclCommunicatorOptions()));
     SHARDD_ASSERT_OK_AND_ASSIGN(
-        std::unique_ptr<DeviceStepExecutor> gpu,
-        DeviceStepExecutor::Create(plan, model, options, nccl.get(), nullptr,
-                                   &allocator, &tracker));
+        std::unique_ptr<StepExecutor> gpu,
+        CreateCudaStepExecutor(plan, model, options, nccl.get(), nullptr,
+                               &allocator, &tracker));
     program.set_step(0);
     if (mode == 0) {
-      SHARDD_ASSERT_OK_AND_ASSIGN(DeviceStepResult r,
+      SHARDD_ASSERT_OK_AND_ASSIGN(StepResult r,
                                   gpu->Execute(program, batches[0]));
-      losses.push_back(r.step.loss);
+      losses.push_back(r.loss);
       continue;
     }
     v1::StepProgram header = program;
@@ -290,9 +292,10 @@ TEST(DeviceStepExecutorFineGrainedTest, OneCallPerCommandMatchesExecute) {
     for (const v1::Command& command : program.commands()) {
       SHARDD_ASSERT_OK(gpu->ExecuteCommand(command));
     }
-    SHARDD_ASSERT_OK_AND_ASSIGN(DeviceStepResult r, gpu->EndStep());
-    losses.push_back(r.step.loss);
-    EXPECT_EQ(r.host_synchronizations, 1 + r.model_host_synchronizations);
+    SHARDD_ASSERT_OK_AND_ASSIGN(StepResult r, gpu->EndStep());
+    losses.push_back(r.loss);
+    EXPECT_EQ(r.device.host_synchronizations,
+              1 + r.device.model_host_synchronizations);
   }
   ASSERT_EQ(losses.size(), 2u);
   EXPECT_EQ(losses[0], losses[1]);

@@ -1,0 +1,121 @@
+#ifndef SHARDD_WORKER_EXEC_CPU_BACKEND_H_
+#define SHARDD_WORKER_EXEC_CPU_BACKEND_H_
+
+// The StepBackend of CPU ranks: a ShardStore in host memory, a MoeModel,
+// and one communication thread that runs every collective and every free
+// of an unsharded buffer in program order (so all ranks issue each
+// communicator's collectives in the same order from a single thread), while
+// the caller's thread computes. OPTIMIZER_STEP clips and applies AdamW at
+// once. docs/design.md ("Step execution") gives each command's semantics
+// and why the measured memory equals the plan's replay.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "proto/model.pb.h"
+#include "proto/plan.pb.h"
+#include "proto/worker.pb.h"
+#include "worker/comm/communicator.h"
+#include "worker/data/batch_sampler.h"
+#include "worker/exec/step_backend.h"
+#include "worker/exec/step_state.h"
+#include "worker/memory/memory_tracker.h"
+#include "worker/model/moe_model.h"
+#include "worker/shards/shard_store.h"
+
+namespace shardd {
+
+class CpuBackend final : public StepBackend {
+ public:
+  // Creates this rank's ShardStore (shards initialised from options.seed)
+  // and MoeModel (step shape from plan.step()). Arguments and errors as
+  // StepExecutor::Create's.
+  static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(
+      const v1::ShardingPlan& plan, const v1::ModelSpec& model,
+      const StepExecutorOptions& options, Communicator* shard_group,
+      Communicator* replicas, MemoryTracker* tracker,
+      const SliceGroups& slice_groups);
+
+  // Skips queued collectives and waits for the running one (at most about
+  // collective_timeout).
+  ~CpuBackend() override;
+
+  absl::Status BeginStep(const v1::StepProgram& header,
+                         absl::Span<const data::MicroBatch> batches) override;
+  absl::Status PendingError(const std::string& label) override;
+  bool HasSliceGroup(int group_size) const override {
+    return slice_groups_.count(group_size) > 0;
+  }
+  absl::Status Run(const v1::Command& command, const std::string& label,
+                   StepState* state, int64_t* optimizer_steps,
+                   bool* clean) override;
+  absl::Status EndStep(const StepState& state,
+                       const std::string& optimizer_label,
+                       int64_t* optimizer_steps, StepResult* result,
+                       bool* clean) override;
+  void Abort(bool* clean) override;
+  ShardStore* host_shards() override { return store_.get(); }
+
+ private:
+  class CommThread;
+  class Params;
+
+  // The communication queue's view of a unit, and the trainable ranges the
+  // optimizer updates (StepState holds the rest of the unit's state).
+  struct UnitQueue {
+    int64_t gather_ticket = -1;  // Queue ticket of the last UNSHARD.
+    int64_t last_ticket = -1;    // Last queued operation on the unit.
+    // This rank's trainable, unpadded elements of the master shard:
+    // [begin, end) offsets into the unit's shard.
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+  };
+
+  CpuBackend(const v1::ShardingPlan& plan, const StepExecutorOptions& options,
+             Communicator* shard_group, Communicator* replicas,
+             const SliceGroups& slice_groups, MemoryTracker* tracker);
+
+  // OPTIMIZER_STEP: drains the queue, all-reduces the gradient norm, clips
+  // and applies AdamW.
+  absl::Status OptimizerStep(const std::string& label, int64_t* optimizer_steps,
+                             bool* clean);
+  // Queues the free of the slice a finished re-gather of `unit` consumed
+  // (when it gathered from one) as a free: in program order with the other
+  // frees, and waited for by the next ALLOC_GRAD, so the measured memory
+  // follows the plan's replay.
+  void DropSlice(int unit, const std::string& label, StepState* state);
+  void ZeroShardGrads();
+
+  const v1::ShardingPlan plan_;
+  const StepExecutorOptions options_;
+  Communicator* const shard_group_;
+  Communicator* const replicas_;
+  const SliceGroups slice_groups_;
+  MemoryTracker* const tracker_;
+  v1::ModelSpec model_spec_;
+  // Used by the caller thread and the queued tasks (which the queue orders
+  // with the caller).
+  std::unique_ptr<ShardStore> store_;
+  std::unique_ptr<MoeModel> model_;
+  MoeModelOptions model_options_;
+  std::vector<UnitQueue> queue_units_;
+
+  // The step in progress.
+  int64_t last_free_ticket_ = -1;
+  CollectiveStatsSnapshot stats_start_;
+  int64_t peak_activation_bytes_ = 0;
+  double grad_norm_ = 0.0;
+  double clip_coefficient_ = 1.0;
+
+  // Destroyed first (see the destructor): its tasks use store_.
+  std::unique_ptr<CommThread> comm_;
+};
+
+}  // namespace shardd
+
+#endif  // SHARDD_WORKER_EXEC_CPU_BACKEND_H_
