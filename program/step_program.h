@@ -8,69 +8,8 @@
 // (program/step_model.h) is a replay of the same commands, so the peak a
 // worker measures is the predicted one by construction.
 //
-// Parts and the units that own them (a FORWARD/BACKWARD of a part needs its
-// owners gathered, and a BACKWARD needs their gradients allocated):
-//   - EMBED and HEAD: the root group: every root (UNIT_ROOT, and
-//     Megatron-FSDP buckets outside any layer: UNIT_FLAT_BUCKET with
-//     layer_index < 0) and every unit nested in a root (dtype islands).
-//   - LAYER of layer l: the layer units of l (the top-level non-root units
-//     with layer_index l: a UNIT_LAYER, or all flat buckets of l) and the
-//     units nested in them that are not experts (dtype islands).
-//   - EXPERTS of layer l: the UNIT_EXPERTS units nested in l's layer units
-//     and the units nested in those; when l has none, the LAYER owners (the
-//     experts sit inside the layer unit, the "default" strategy).
-// A layer has an EXPERTS part, and its FORWARD/BACKWARD(EXPERTS) commands
-// exist, when it has a UNIT_EXPERTS unit or when one of the parameter names
-// of its LAYER owners contains ".experts." (grouped experts folded into the
-// layer or its buckets). Dense layers have no EXPERTS commands.
-//
-// The compiled schedule, per micro-batch m (sync = !defer_grad_sync or m is
-// the last micro-batch; "gather u" = UNSHARD u unless it is gathered,
-// "prefetch" = UNSHARD with prefetch = true of each target of the unit's
-// forward_prefetch (forward) or backward_prefetch (backward) list that is
-// not gathered; policy reshard = RESHARD when the unit is gathered and its
-// reshard_after_forward frees it (group_size G, 1 < G < dp_shard, keeps a
-// 1/G slice; roots never reshard after forward)):
-//   Forward, pass p = 0..P-1 (requires_grad = p >= no_grad_passes):
-//     root group: gather + prefetch each (each root in plan order, followed
-//     by the units nested in it);
-//     FORWARD EMBED; then each layer l in order:
-//       gather + prefetch each layer unit, then each nested LAYER owner;
-//       WAIT_UNSHARD; FORWARD LAYER l;
-//       if l has experts: gather + prefetch the experts units (lazily, here);
-//       WAIT_UNSHARD; FORWARD EXPERTS l; policy reshard of the experts
-//       units; then policy reshard of the nested LAYER owners and the layer
-//       units;
-//     gather the root group (normally a no-op); FORWARD HEAD; policy reshard
-//     of the root group's nested units.
-//   Backward, grad passes p = P-1 down to no_grad_passes:
-//     root group: gather + prefetch + ALLOC_GRAD each; BACKWARD HEAD;
-//     each layer l in reverse: gather + prefetch the layer units (in
-//     reverse); then
-//       experts units (when l has some): gather + prefetch, WAIT_UNSHARD,
-//       ALLOC_GRAD, BACKWARD EXPERTS l, post-backward of the experts units;
-//       experts folded in the layer: gather the nested LAYER owners,
-//       WAIT_UNSHARD, ALLOC_GRAD of the nested owners and layer units
-//       (before the experts' backward writes them), BACKWARD EXPERTS l;
-//       gather + prefetch the nested LAYER owners; WAIT_UNSHARD; ALLOC_GRAD
-//       (nested owners, then layer units); BACKWARD LAYER l; post-backward
-//       of the nested owners, then of the layer units (in reverse);
-//     BACKWARD EMBED; post-backward of the root group's nested units.
-//   After the grad passes: post-backward of the roots (once per step, as the
-//   root's forward runs once).
-//   After the last micro-batch: OPTIMIZER_STEP.
-// ALLOC_GRAD is emitted only for units with trainable parameters whose
-// unsharded gradient is not allocated yet. Post-backward runs once per grad
-// pass (FSDP2 fires it per forward call): when syncing, REDUCE_SCATTER (if
-// a gradient is allocated) then RESHARD (reshard_after_backward); on a
-// deferred micro-batch nothing: gradients keep accumulating unsharded and
-// parameters stay gathered (the next micro-batch's forward gathers nothing
-// for them; its policy reshards still apply).
-//
-// WAIT_UNSHARD is emitted only for units with a pending prefetched
-// all-gather, right before the first command that needs the unit; an
-// UNSHARD without `prefetch` completes before the next command. The
-// validator enforces exactly that: WAIT_UNSHARD needs a pending prefetch.
+// The parts and the units that own them, and the compiled schedule command
+// by command: docs/design.md ("Step programs").
 
 #include <string>
 

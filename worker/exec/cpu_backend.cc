@@ -16,6 +16,7 @@
 #include "common/error_info.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/adamw.h"
+#include "layout/shard_layout.h"
 #include "worker/exec/step_checks.h"
 
 namespace shardd {
@@ -172,26 +173,6 @@ class CpuBackend::Params : public ParamSource {
 
 // ---- Creation ---------------------------------------------------------------
 
-namespace {
-
-// Sorted, merged [begin, end) ranges.
-std::vector<std::pair<int64_t, int64_t>> Merge(
-    std::vector<std::pair<int64_t, int64_t>> ranges) {
-  std::sort(ranges.begin(), ranges.end());
-  std::vector<std::pair<int64_t, int64_t>> out;
-  for (const auto& r : ranges) {
-    if (r.first >= r.second) continue;
-    if (!out.empty() && r.first <= out.back().second) {
-      out.back().second = std::max(out.back().second, r.second);
-    } else {
-      out.push_back(r);
-    }
-  }
-  return out;
-}
-
-}  // namespace
-
 CpuBackend::CpuBackend(const v1::ShardingPlan& plan,
                        const StepExecutorOptions& options,
                        Communicator* shard_group, Communicator* replicas,
@@ -240,45 +221,12 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(
   SHARDD_ASSIGN_OR_RETURN(backend->model_,
                           MoeModel::Create(model, backend->model_options_));
 
-  const int r = options.shard_rank;
+  // The optimizer's ranges: the layout arithmetic every store shares.
+  SHARDD_ASSIGN_OR_RETURN(std::vector<UnitLayout> layouts,
+                          ComputeUnitLayouts(plan, options.shard_rank));
   backend->queue_units_.resize(plan.units_size());
   for (int u = 0; u < plan.units_size(); ++u) {
-    const v1::FsdpUnit& unit = plan.units(u);
-    UnitQueue& run = backend->queue_units_[u];
-    const int64_t shard = unit.shard_numel();
-    std::vector<std::pair<int64_t, int64_t>> ranges;
-    for (const v1::ParamLayout& param : unit.params()) {
-      if (param.frozen() || param.numel() <= 0) continue;
-      if (plan.flat_buckets()) {
-        // This rank holds bucket elements [r*S, (r+1)*S).
-        const int64_t own = r * shard;
-        const int64_t begin = std::max(own, param.unsharded_offset());
-        const int64_t end =
-            std::min(own + shard, param.unsharded_offset() + param.numel());
-        if (begin < end) ranges.emplace_back(begin - own, end - own);
-      } else {
-        // Rows [r*rpr, min((r+1)*rpr, dim0)); the rest of the local shard
-        // is padding.
-        const int64_t dim0 =
-            param.global_shape_size() > 0 ? param.global_shape(0) : 0;
-        if (dim0 <= 0) continue;
-        const int64_t row_numel = param.numel() / dim0;
-        const int64_t rows_per_rank = param.rows_per_rank();
-        const int64_t valid = std::max<int64_t>(
-            0, std::min(rows_per_rank, dim0 - r * rows_per_rank));
-        const int64_t begin = param.shard_offset();
-        ranges.emplace_back(begin, begin + valid * row_numel);
-      }
-    }
-    run.ranges = Merge(std::move(ranges));
-    for (const auto& range : run.ranges) {
-      if (range.first < 0 || range.second > shard) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("units[", u, "] (", unit.name(),
-                         "): a parameter's elements fall outside shard_numel (",
-                         shard, ")"));
-      }
-    }
+    backend->queue_units_[u].ranges = std::move(layouts[u].trainable_ranges);
   }
   backend->comm_ = std::make_unique<CommThread>();
   return backend;
