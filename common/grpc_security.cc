@@ -242,4 +242,10 @@ absl::Status Authorizer::Check(const grpc::CallbackServerContext& context,
   return Check(context.client_metadata(), required);
 }
 
+absl::StatusOr<std::string> ReadOptionalTokenFile(const std::string& path,
+                                                  absl::string_view flag) {
+  if (path.empty()) return std::string();
+  return ReadTokenFile(path, flag);
+}
+
 }  // namespace shardd

@@ -77,6 +77,10 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> CreateSecureChannel(
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path,
                                           absl::string_view flag);
 
+// ReadTokenFile for an optional flag: "" (no token) when `path` is empty.
+absl::StatusOr<std::string> ReadOptionalTokenFile(const std::string& path,
+                                                  absl::string_view flag);
+
 // Reads a whole file. Errors: INVALID_ARGUMENT naming `flag` when it cannot
 // be read or is empty.
 absl::StatusOr<std::string> ReadSecurityFile(const std::string& path,

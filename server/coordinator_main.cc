@@ -12,36 +12,34 @@
 // (docs/observability.md) and prints "shardd-coordinator metrics listening
 // on HOST:PORT". SIGTERM or SIGINT shut it down gracefully (exit 0).
 
-#include <signal.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <string>
 #include <system_error>
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "common/daemon/command_line.h"
+#include "common/daemon/port_file.h"
+#include "common/daemon/stop_signals.h"
 #include "common/grpc_security.h"
 #include "common/logging.h"
 #include "common/metrics_http_server.h"
 #include "common/metrics_registry.h"
+#include "planner/strategy_registry.h"
 #include "server/coordinator_metrics.h"
 #include "server/coordinator_server.h"
 #include "server/coordinator_service.h"
 #include "server/jobs/grpc_worker_client.h"
 #include "server/state_store.h"
-#include "planner/strategy_registry.h"
 #include "server/worker_registry.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070",
@@ -104,38 +102,6 @@ namespace {
 
 constexpr char kPortFile[] = "coordinator.port";
 
-// Writes via a temporary file and a rename, so a reader never sees a
-// partial port number.
-absl::Status WritePortFile(const std::filesystem::path& dir, int port) {
-  const std::filesystem::path final_path = dir / kPortFile;
-  const std::filesystem::path tmp_path =
-      dir / absl::StrCat(kPortFile, ".tmp.", getpid());
-  {
-    std::ofstream out(tmp_path, std::ios::trunc);
-    out << port << "\n";
-    out.close();
-    if (!out) {
-      return absl::InternalError(
-          absl::StrCat("data-dir: cannot write ", tmp_path.string()));
-    }
-  }
-  std::error_code error;
-  std::filesystem::rename(tmp_path, final_path, error);
-  if (error) {
-    return absl::InternalError(absl::StrCat("data-dir: cannot rename to ",
-                                            final_path.string(), ": ",
-                                            error.message()));
-  }
-  return absl::OkStatus();
-}
-
-// The first line of a token file named by `flag`, or "" when unset.
-absl::StatusOr<std::string> TokenFromFlag(const std::string& path,
-                                          absl::string_view flag) {
-  if (path.empty()) return std::string();
-  return ReadTokenFile(path, flag);
-}
-
 // A startup line on stderr: plain text, or with --log-json a JSON log line
 // (so that every line is one JSON object), with the same text.
 void Announce(const std::string& line) {
@@ -150,13 +116,8 @@ void Announce(const std::string& line) {
 int Run() {
   SetJsonLogging(absl::GetFlag(FLAGS_log_json));
 
-  // Block the stop signals before gRPC starts threads, so every thread
-  // inherits the mask and only sigwait below receives them.
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGTERM);
-  sigaddset(&stop_signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  // Before gRPC starts threads, so every thread inherits the mask.
+  BlockStopSignals();
 
   std::filesystem::path data_dir;
   if (!absl::GetFlag(FLAGS_data_dir).empty()) {
@@ -236,9 +197,9 @@ int Run() {
     return 2;
   }
 
-  absl::StatusOr<std::string> client_token = TokenFromFlag(
+  absl::StatusOr<std::string> client_token = ReadOptionalTokenFile(
       absl::GetFlag(FLAGS_client_token_file), "--client-token-file");
-  absl::StatusOr<std::string> worker_token = TokenFromFlag(
+  absl::StatusOr<std::string> worker_token = ReadOptionalTokenFile(
       absl::GetFlag(FLAGS_worker_token_file), "--worker-token-file");
   for (const absl::Status& status :
        {client_token.status(), worker_token.status()}) {
@@ -314,7 +275,8 @@ int Run() {
     return server.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
   if (!data_dir.empty()) {
-    absl::Status written = WritePortFile(data_dir, (*server)->port());
+    absl::Status written = WritePortFile((data_dir / kPortFile).string(),
+                                         (*server)->port(), "--data-dir");
     if (!written.ok()) {
       std::fprintf(stderr, "shardd-coordinator: %s\n",
                    written.ToString().c_str());
@@ -346,9 +308,7 @@ int Run() {
                           metrics_server->address()));
   }
 
-  int signal_number = 0;
-  while (sigwait(&stop_signals, &signal_number) != 0) {
-  }
+  const int signal_number = WaitForStopSignal();
   SHARDD_LOG(INFO) << "signal " << signal_number << ": shutting down";
   if (metrics_server != nullptr) metrics_server->Shutdown();
   // Jobs first: their watchers then receive the failure event before the
@@ -380,26 +340,14 @@ int main(int argc, char** argv) {
       "  shardd-coordinator --listen=127.0.0.1:7070 --data-dir=DIR "
       "[--workers=N] [--heartbeat-timeout=10s] [--collective-timeout=60s]\n"
       "Dashes and underscores in flag names are interchangeable.");
-  // Accept dashed spellings (--data-dir) of the underscore flag names.
-  std::vector<std::string> normalized(argv, argv + argc);
-  for (size_t i = 1; i < normalized.size(); ++i) {
-    std::string& arg = normalized[i];
-    if (arg == "--") break;
-    if (arg.rfind("--", 0) != 0) continue;
-    const size_t end = std::min(arg.find('='), arg.size());
-    for (size_t c = 2; c < end; ++c) {
-      if (arg[c] == '-') arg[c] = '_';
-    }
-  }
-  std::vector<char*> normalized_argv;
-  for (std::string& arg : normalized) normalized_argv.push_back(arg.data());
-  std::vector<char*> rest = absl::ParseCommandLine(
-      static_cast<int>(normalized_argv.size()), normalized_argv.data());
+  // Dashed spellings (--data-dir) of the underscore flag names too.
+  const std::vector<std::string> rest =
+      shardd::ParseDaemonCommandLine(argc, argv);
   if (rest.size() > 1) {
     std::fprintf(stderr,
                  "shardd-coordinator: unexpected argument '%s' (flags only; "
                  "see --help)\n",
-                 rest[1]);
+                 rest[1].c_str());
     return 2;
   }
   return shardd::Run();

@@ -5,6 +5,7 @@
 // and every process is stopped.
 
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -27,9 +28,11 @@ namespace {
 using ::grpc::health::v1::HealthCheckRequest;
 using ::grpc::health::v1::HealthCheckResponse;
 using ::shardd::testing_util::ReadFile;
+using ::shardd::testing_util::RunCommand;
 using ::shardd::testing_util::Spawn;
 using ::shardd::testing_util::Stop;
 using ::shardd::testing_util::TempDir;
+using ::shardd::testing_util::WaitFor;
 
 constexpr char kCoordinatorBinary[] = "server/shardd-coordinator";
 constexpr char kWorkerBinary[] = "worker/shardd-worker";
@@ -147,6 +150,39 @@ TEST_F(WorkerHealthTest, StandaloneWorkerServesAtOnce) {
                           absl::Seconds(20)),
             HealthCheckResponse::SERVING)
       << ReadFile(dir + "_worker.err");
+}
+
+// The port file is how launchers find a worker on port 0: one that cannot
+// be written fails the start instead of leaving them waiting.
+TEST(WorkerStartTest, AnUnwritablePortFileFailsTheStartNamingTheFlag) {
+  const std::string dir =
+      absl::StrCat(TempDir(), "/worker_port_file_", getpid());
+  std::string out;
+  EXPECT_EQ(RunCommand({kWorkerBinary, "--listen=127.0.0.1:0", "--device=cpu",
+                        "--port-file=" + dir + "/missing/worker.port"},
+                       absl::Seconds(30), &out),
+            1)
+      << out;
+  EXPECT_NE(out.find("--port-file: cannot write"), std::string::npos) << out;
+}
+
+// SIGTERM stops a running worker cleanly (exit 0), after it wrote its port.
+TEST(WorkerStartTest, SigtermStopsTheWorkerWithExitZero) {
+  const std::string dir = absl::StrCat(TempDir(), "/worker_sigterm_", getpid());
+  const std::string port_file = dir + "_worker.port";
+  const pid_t worker = Spawn({kWorkerBinary, "--listen=127.0.0.1:0",
+                              "--device=cpu", "--port-file=" + port_file},
+                             dir + "_worker.out", dir + "_worker.err");
+  ASSERT_GT(worker, 0);
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (ReadFile(port_file).empty() && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_FALSE(ReadFile(port_file).empty()) << ReadFile(dir + "_worker.err");
+  kill(worker, SIGTERM);
+  const int code = WaitFor(worker, absl::Seconds(20));
+  if (code == -2) Stop(worker);
+  EXPECT_EQ(code, 0) << ReadFile(dir + "_worker.err");
 }
 
 }  // namespace

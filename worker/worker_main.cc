@@ -29,25 +29,21 @@
 // and (with --coordinator) registered. Dashes and underscores in flag names
 // are interchangeable.
 
-#include <signal.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/time/time.h"
+#include "common/daemon/command_line.h"
+#include "common/daemon/port_file.h"
+#include "common/daemon/stop_signals.h"
 #include "common/grpc_security.h"
 #include "common/grpc_server.h"
 #include "common/logging.h"
@@ -115,34 +111,13 @@ ABSL_FLAG(std::string, worker_token_file, "",
           "File whose first line is the worker bearer token: sent to the "
           "coordinator and required from callers of this worker");
 
-namespace {
-
-std::atomic<bool> g_stop{false};
-
-void OnSignal(int) { g_stop.store(true); }
-
-}  // namespace
-
 int main(int argc, char** argv) {
-  // Gloo writes to peers that may have died; a write to a closed socket
-  // must fail with EPIPE (the step then fails with ABORTED), not kill us.
-  signal(SIGPIPE, SIG_IGN);
+  // Before any thread starts. Also ignores SIGPIPE: Gloo writes to peers
+  // that may have died, and such a write must fail the step with ABORTED.
+  shardd::BlockStopSignals();
   absl::SetProgramUsageMessage("shardd worker: holds shards, runs commands");
-  // Accept dashed spellings (--port-file) of the underscore flag names.
-  std::vector<std::string> normalized(argv, argv + argc);
-  for (size_t i = 1; i < normalized.size(); ++i) {
-    std::string& arg = normalized[i];
-    if (arg == "--") break;
-    if (arg.rfind("--", 0) != 0) continue;
-    const size_t end = std::min(arg.find('='), arg.size());
-    for (size_t c = 2; c < end; ++c) {
-      if (arg[c] == '-') arg[c] = '_';
-    }
-  }
-  std::vector<char*> normalized_argv;
-  for (std::string& arg : normalized) normalized_argv.push_back(arg.data());
-  absl::ParseCommandLine(static_cast<int>(normalized_argv.size()),
-                         normalized_argv.data());
+  // Dashed spellings (--port-file) of the underscore flag names too.
+  shardd::ParseDaemonCommandLine(argc, argv);
   shardd::SetJsonLogging(absl::GetFlag(FLAGS_log_json));
 
   const std::string device = absl::GetFlag(FLAGS_device);
@@ -214,18 +189,14 @@ int main(int argc, char** argv) {
                  "shardd-worker: --collective_bind must not be empty\n");
     return 2;
   }
-  std::string worker_token;
-  if (const std::string path = absl::GetFlag(FLAGS_worker_token_file);
-      !path.empty()) {
-    absl::StatusOr<std::string> token =
-        shardd::ReadTokenFile(path, "--worker-token-file");
-    if (!token.ok()) {
-      std::fprintf(stderr, "shardd-worker: %s\n",
-                   std::string(token.status().message()).c_str());
-      return 2;
-    }
-    worker_token = *std::move(token);
+  absl::StatusOr<std::string> token = shardd::ReadOptionalTokenFile(
+      absl::GetFlag(FLAGS_worker_token_file), "--worker-token-file");
+  if (!token.ok()) {
+    std::fprintf(stderr, "shardd-worker: %s\n",
+                 std::string(token.status().message()).c_str());
+    return 2;
   }
+  const std::string worker_token = *std::move(token);
   shardd::ServerSecurity server_security;
   server_security.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   server_security.tls_key_file = absl::GetFlag(FLAGS_tls_key);
@@ -259,7 +230,7 @@ int main(int argc, char** argv) {
 
   shardd::WorkerRuntime runtime(runtime_options);
   shardd::GrpcWorkerService service(
-      &runtime, [] { g_stop.store(true); },
+      &runtime, [] { shardd::RequestStop(); },
       shardd::Authorizer(/*client_token=*/"", worker_token));
   shardd::GrpcServerOptions options;
   options.address = absl::GetFlag(FLAGS_listen);
@@ -334,19 +305,21 @@ int main(int argc, char** argv) {
 
   const std::string port_file = absl::GetFlag(FLAGS_port_file);
   if (!port_file.empty()) {
-    // Write then rename so readers never see a partial file.
-    const std::string tmp = port_file + ".tmp";
-    std::ofstream(tmp) << running->port << "\n";
-    std::rename(tmp.c_str(), port_file.c_str());
+    // A launcher waiting for the file would otherwise wait in vain.
+    const absl::Status written =
+        shardd::WritePortFile(port_file, running->port, "--port-file");
+    if (!written.ok()) {
+      std::fprintf(stderr, "shardd-worker: %s\n", written.ToString().c_str());
+      if (agent != nullptr) agent->Stop();
+      running->server->Shutdown(std::chrono::system_clock::now());
+      return 1;
+    }
   }
   SHARDD_LOG(INFO) << "shardd-worker listening on " << running->address
                    << " device=" << device;
 
-  signal(SIGTERM, OnSignal);
-  signal(SIGINT, OnSignal);
-  while (!g_stop.load()) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  const int signal_number = shardd::WaitForStopSignal();
+  SHARDD_LOG(INFO) << "signal " << signal_number << ": shutting down";
   // Stop heartbeating first: the coordinator then sees this worker leave
   // (after its heartbeat timeout) rather than a worker that stops answering.
   // (That also cancels a rendezvous in flight.) Then finish queued calls
