@@ -55,31 +55,6 @@ absl::Status CheckDeviceUsable(int device) {
 
 namespace {
 
-// A hyper-parameter that must be finite and >= 0; 0 means `fallback`.
-absl::StatusOr<double> NonNegativeOr(double value, double fallback,
-                                     const char* field) {
-  if (!std::isfinite(value) || value < 0.0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("train.", field, ": must be finite and >= 0 (0 = default ",
-                     fallback, "), got ", value));
-  }
-  return value == 0.0 ? fallback : value;
-}
-
-absl::StatusOr<double> BetaOr(double value, double fallback,
-                              const char* field) {
-  if (!std::isfinite(value) || value < 0.0 || value >= 1.0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("train.", field, ": must be in [0, 1) (0 = default ",
-                     fallback, "), got ", value));
-  }
-  return value == 0.0 ? fallback : value;
-}
-
-std::string ShapeString(const google::protobuf::RepeatedField<int64_t>& s) {
-  return absl::StrCat("[", absl::StrJoin(s, ", "), "]");
-}
-
 // The plan must have been cut from `model`: same mesh arithmetic, every
 // unit parameter present in the model with the same shape, same total.
 absl::Status CheckPlanMatchesModel(const v1::ShardingPlan& plan,
@@ -120,8 +95,8 @@ absl::Status CheckPlanMatchesModel(const v1::ShardingPlan& plan,
         return absl::InvalidArgumentError(
             absl::StrCat("plan.units[", unit.index(), "] (", unit.name(),
                          "): parameter ", param.name(), " has shape ",
-                         ShapeString(param.global_shape()), " in the plan but ",
-                         ShapeString(it->second->shape()), " in the model"));
+                         ShapeText(param.global_shape()), " in the plan but ",
+                         ShapeText(it->second->shape()), " in the model"));
       }
     }
   }
@@ -151,78 +126,6 @@ void AddCommunicatorStats(const CommunicatorStats& from,
 }
 
 }  // namespace
-
-kernels::AdamWConfig AdamWConfigOf(const v1::TrainConfig& train) {
-  kernels::AdamWConfig adamw;
-  adamw.lr = train.lr();
-  adamw.beta1 = train.beta1();
-  adamw.beta2 = train.beta2();
-  adamw.eps = train.eps();
-  adamw.weight_decay = train.weight_decay();
-  return adamw;
-}
-
-absl::StatusOr<v1::TrainConfig> ResolveTrainConfig(const v1::TrainConfig& train,
-                                                   int world_size,
-                                                   int plan_microbatches) {
-  if (world_size < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("world size must be >= 1, got ", world_size));
-  }
-  v1::TrainConfig out = train;
-  if (train.global_batch() < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "train.global_batch: must be >= 1, got ", train.global_batch()));
-  }
-  if (train.seq_len() < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("train.seq_len: must be >= 1, got ", train.seq_len()));
-  }
-  const int plan_m = plan_microbatches < 1 ? 1 : plan_microbatches;
-  if (train.microbatches() < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("train.microbatches: must be >= 1 (0 = the plan's ",
-                     plan_m, "), got ", train.microbatches()));
-  }
-  if (train.microbatches() != 0 && train.microbatches() != plan_m) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("train.microbatches: ", train.microbatches(),
-                     " differs from the plan's step shape (", plan_m,
-                     " micro-batches); plan with the same microbatches"));
-  }
-  out.set_microbatches(plan_m);
-  const int64_t per_step = static_cast<int64_t>(world_size) * plan_m;
-  if (train.global_batch() % per_step != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("train.global_batch: ", train.global_batch(),
-                     " sequences must be divisible by world size (", world_size,
-                     ") x microbatches (", plan_m, ") = ", per_step));
-  }
-  SHARDD_ASSIGN_OR_RETURN(
-      const double lr, NonNegativeOr(train.lr(), kDefaultLearningRate, "lr"));
-  SHARDD_ASSIGN_OR_RETURN(const double beta1,
-                          BetaOr(train.beta1(), kDefaultBeta1, "beta1"));
-  SHARDD_ASSIGN_OR_RETURN(const double beta2,
-                          BetaOr(train.beta2(), kDefaultBeta2, "beta2"));
-  SHARDD_ASSIGN_OR_RETURN(const double eps,
-                          NonNegativeOr(train.eps(), kDefaultEps, "eps"));
-  SHARDD_ASSIGN_OR_RETURN(
-      const double weight_decay,
-      NonNegativeOr(train.weight_decay(), kDefaultWeightDecay, "weight_decay"));
-  if (!std::isfinite(train.grad_clip())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "train.grad_clip: must be finite (0 = default ", kDefaultGradClip,
-        ", < 0 = no clipping), got ", train.grad_clip()));
-  }
-  out.set_lr(lr);
-  out.set_beta1(beta1);
-  out.set_beta2(beta2);
-  out.set_eps(eps);
-  out.set_weight_decay(weight_decay);
-  out.set_grad_clip(train.grad_clip() == 0.0 ? kDefaultGradClip
-                                             : train.grad_clip());
-  return out;
-}
 
 absl::StatusOr<std::string> ResolveUnderRoot(const std::string& root,
                                              const std::string& relative,

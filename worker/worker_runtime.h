@@ -43,8 +43,7 @@
 // HealReplicas then lets HSDP replicas that lost their state (a restarted
 // worker) copy it from a replica that kept it.
 //
-// Training config (ResolveTrainConfig): zero fields take the defaults
-// documented on TrainConfig in proto/coordinator.proto.
+// Training config: ResolveTrainConfig (train_config.h).
 //
 // Failures. A step that fails (a collective timed out or a peer died:
 // ABORTED / DEADLINE_EXCEEDED, naming the rank, step and command) leaves the
@@ -70,7 +69,6 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "kernels/cpu/adamw.h"
 #include "proto/coordinator.pb.h"
 #include "proto/plan.pb.h"
 #include "proto/worker.pb.h"
@@ -79,36 +77,11 @@
 #include "worker/data/batch_sampler.h"
 #include "worker/exec/step_executor.h"
 #include "worker/exec/step_runner.h"
-#include "worker/memory/memory_timeline.h"  // (section: timeline-svg)
+#include "worker/memory/memory_timeline.h"
 #include "worker/memory/memory_tracker.h"
+#include "worker/train_config.h"
 
 namespace shardd {
-
-// Defaults for TrainConfig fields left at 0 (see proto/coordinator.proto).
-inline constexpr double kDefaultLearningRate = 3e-3;
-inline constexpr double kDefaultBeta1 = 0.9;
-inline constexpr double kDefaultBeta2 = 0.95;
-inline constexpr double kDefaultEps = 1e-8;
-inline constexpr double kDefaultWeightDecay = 0.0;
-inline constexpr double kDefaultGradClip = 1.0;
-inline constexpr int64_t kDefaultCollectiveTimeoutMs = 60000;
-
-// `train` with its zero fields replaced by the defaults, for a job of
-// `world_size` data-parallel ranks whose plan's step has `plan_microbatches`
-// micro-batches (0 counts as 1). microbatches 0 takes the plan's. A
-// negative grad_clip (clipping off) stays negative.
-// Errors: INVALID_ARGUMENT naming the field: global_batch < 1, seq_len < 1,
-// microbatches < 0 or different from the plan's, global_batch not divisible
-// by world_size * microbatches (naming global_batch, the world size and
-// microbatches), lr, eps or weight_decay negative or not finite, a beta
-// outside [0, 1), grad_clip not finite, world_size < 1.
-absl::StatusOr<v1::TrainConfig> ResolveTrainConfig(const v1::TrainConfig& train,
-                                                   int world_size,
-                                                   int plan_microbatches);
-
-// The AdamW hyper-parameters of a resolved train config (lr, betas, eps,
-// weight decay).
-kernels::AdamWConfig AdamWConfigOf(const v1::TrainConfig& train);
 
 // The model's vocabulary: dim 0 of its embedding parameter (the first
 // parameter of a MODULE_EMBEDDING module), else dims.vocab_size.

@@ -1,0 +1,83 @@
+#include "worker/train_config.h"
+
+#include <cmath>
+
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace shardd {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+TEST(ResolveTrainConfigTest, FillsDefaultsAndChecksTheBatchShape) {
+  v1::TrainConfig train;
+  train.set_global_batch(12);
+  train.set_seq_len(4);
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::TrainConfig resolved,
+                              ResolveTrainConfig(train, 2, 3));
+  EXPECT_EQ(resolved.microbatches(), 3);
+  EXPECT_DOUBLE_EQ(resolved.lr(), 3e-3);
+  EXPECT_DOUBLE_EQ(resolved.beta1(), 0.9);
+  EXPECT_DOUBLE_EQ(resolved.beta2(), 0.95);
+  EXPECT_DOUBLE_EQ(resolved.eps(), 1e-8);
+  EXPECT_DOUBLE_EQ(resolved.weight_decay(), 0.0);
+  EXPECT_DOUBLE_EQ(resolved.grad_clip(), 1.0);
+
+  train.set_lr(0.5);
+  train.set_grad_clip(-1);  // Off: stays negative.
+  SHARDD_ASSERT_OK_AND_ASSIGN(resolved, ResolveTrainConfig(train, 2, 3));
+  EXPECT_DOUBLE_EQ(resolved.lr(), 0.5);
+  EXPECT_LT(resolved.grad_clip(), 0);
+
+  // 12 sequences over 4 ranks x 2 micro-batches: 12 % 8 != 0.
+  EXPECT_THAT(
+      ResolveTrainConfig(train, 4, 2).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               AllOf(HasSubstr("global_batch"), HasSubstr("world size (4)"),
+                     HasSubstr("microbatches (2)"))));
+  v1::TrainConfig bad = train;
+  bad.set_seq_len(0);
+  EXPECT_THAT(
+      ResolveTrainConfig(bad, 1, 1).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("seq_len")));
+  bad = train;
+  bad.set_microbatches(2);
+  EXPECT_THAT(
+      ResolveTrainConfig(bad, 1, 3).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("microbatches")));
+  bad = train;
+  bad.set_beta2(1.0);
+  EXPECT_THAT(ResolveTrainConfig(bad, 1, 1).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("beta2")));
+  bad = train;
+  bad.set_lr(-1);
+  EXPECT_THAT(ResolveTrainConfig(bad, 1, 1).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("lr")));
+  bad = train;
+  bad.set_weight_decay(std::nan(""));
+  EXPECT_THAT(
+      ResolveTrainConfig(bad, 1, 1).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("weight_decay")));
+}
+
+TEST(AdamWConfigOfTest, CopiesTheResolvedHyperParameters) {
+  v1::TrainConfig train;
+  train.set_global_batch(2);
+  train.set_seq_len(4);
+  train.set_lr(0.25);
+  train.set_weight_decay(0.1);
+  SHARDD_ASSERT_OK_AND_ASSIGN(const v1::TrainConfig resolved,
+                              ResolveTrainConfig(train, 1, 1));
+  const kernels::AdamWConfig adamw = AdamWConfigOf(resolved);
+  EXPECT_EQ(adamw.lr, 0.25);
+  EXPECT_EQ(adamw.beta1, kDefaultBeta1);
+  EXPECT_EQ(adamw.beta2, kDefaultBeta2);
+  EXPECT_EQ(adamw.eps, kDefaultEps);
+  EXPECT_EQ(adamw.weight_decay, 0.1);
+}
+
+}  // namespace
+}  // namespace shardd
