@@ -21,65 +21,18 @@
 #include "grpc/grpc.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "planner/strategy_registry.h"
 #include "proto/coordinator.grpc.pb.h"
 #include "server/coordinator_service.h"
-#include "planner/strategy_registry.h"
 #include "server/jobs/worker_client.h"
+#include "testing/fake_cluster.h"
 
 namespace shardd {
 namespace {
 
+using ::shardd::testing_util::AddressOf;
+using ::shardd::testing_util::FakeCluster;
 using ::testing::HasSubstr;
-
-// Every rank answers loss 10 - step; Execute of step >= gate_step waits
-// for the gate; step fail_step fails with ABORTED.
-struct Behaviour {
-  int64_t gate_step = -1;
-  int64_t fail_step = -1;
-  absl::Notification gate;
-};
-
-class FakeWorker final : public WorkerClient {
- public:
-  FakeWorker(Behaviour* behaviour, std::string address)
-      : behaviour_(behaviour), address_(std::move(address)) {}
-  const std::string& address() const override { return address_; }
-  absl::StatusOr<v1::LoadPlanResponse> LoadPlan(
-      const v1::LoadPlanRequest& /*request*/,
-      const WorkerCallOptions& /*options*/) override {
-    v1::LoadPlanResponse response;
-    response.set_data_entropy_rate(0.75);
-    return response;
-  }
-  absl::StatusOr<v1::ExecuteResponse> Execute(
-      const v1::ExecuteRequest& request,
-      const WorkerCallOptions& /*options*/) override {
-    const int64_t step = request.program().step();
-    if (behaviour_->gate_step >= 0 && step >= behaviour_->gate_step) {
-      behaviour_->gate.WaitForNotification();
-    }
-    if (step == behaviour_->fail_step) {
-      return absl::AbortedError("collective timed out");
-    }
-    v1::ExecuteResponse response;
-    response.set_loss(10.0 - static_cast<double>(step));
-    response.set_tokens(32);
-    return response;
-  }
-  absl::StatusOr<v1::ExecuteResponse> RunCommand(
-      const v1::RunCommandRequest& /*request*/,
-      const WorkerCallOptions& /*options*/) override {
-    return absl::UnimplementedError("not used");
-  }
-  absl::StatusOr<v1::GetStatsResponse> GetStats(
-      const WorkerCallOptions& /*options*/) override {
-    return v1::GetStatsResponse();
-  }
-
- private:
-  Behaviour* const behaviour_;
-  const std::string address_;
-};
 
 std::chrono::system_clock::time_point In(absl::Duration d) {
   return std::chrono::system_clock::now() + absl::ToChronoMilliseconds(d);
@@ -88,12 +41,18 @@ std::chrono::system_clock::time_point In(absl::Duration d) {
 class WatchStepTest : public ::testing::Test {
  protected:
   void SetUp() override {
+    // Every rank answers loss 10 - step and 32 tokens.
+    cluster_.script().loss = [](int, int64_t step) {
+      return 10.0 - static_cast<double>(step);
+    };
+    cluster_.script().tokens = [](int) { return int64_t{32}; };
+    cluster_.script().entropy_rate = 0.75;
     grpc_init();  // Held for the whole test: no teardown stall between.
     registry_ = StrategyRegistry::CreateWithBuiltins();
     CoordinatorServiceOptions options;
     options.worker_clients = [this](const std::string& address)
         -> absl::StatusOr<std::unique_ptr<WorkerClient>> {
-      return std::make_unique<FakeWorker>(&behaviour_, address);
+      return cluster_.MakeClient(address);
     };
     options.jobs.poll_interval = absl::Milliseconds(10);
     // A failed step fails the job here (recovery is job_runner_test's).
@@ -109,14 +68,14 @@ class WatchStepTest : public ::testing::Test {
     stub_ = v1::Coordinator::NewStub(channel_);
 
     v1::RegisterWorkerRequest worker;
-    worker.set_address("fake:1");
+    worker.set_address(AddressOf(0));
     worker.set_incarnation(5);
     worker.set_requested_rank(-1);
     SHARDD_ASSERT_OK(service_->RegisterWorker(worker).status());
   }
 
   void TearDown() override {
-    if (!behaviour_.gate.HasBeenNotified()) behaviour_.gate.Notify();
+    if (!cluster_.gate().HasBeenNotified()) cluster_.gate().Notify();
     StopServer();
     service_->Shutdown();
     stub_.reset();
@@ -166,7 +125,7 @@ class WatchStepTest : public ::testing::Test {
   }
 
   std::unique_ptr<StrategyRegistry> registry_;
-  Behaviour behaviour_;
+  FakeCluster cluster_;
   std::unique_ptr<CoordinatorService> service_;
   std::unique_ptr<GrpcCoordinatorService> grpc_service_;
   RunningServer server_;
@@ -175,7 +134,7 @@ class WatchStepTest : public ::testing::Test {
 };
 
 TEST_F(WatchStepTest, StreamsStoredThenLiveEventsAndEnds) {
-  behaviour_.gate_step = 1;  // Step 1 is published, step 2 waits.
+  cluster_.script().gate_step = 1;  // Step 1 is published, step 2 waits.
   const std::string job = Submit(3);
   grpc::ClientContext context;
   context.set_deadline(In(absl::Seconds(20)));
@@ -191,7 +150,7 @@ TEST_F(WatchStepTest, StreamsStoredThenLiveEventsAndEnds) {
   EXPECT_FALSE(event.done());
   // The stream waits without an event until the job goes on.
   EXPECT_EQ(grpc_service_->watch_streams(), 1u);
-  behaviour_.gate.Notify();
+  cluster_.gate().Notify();
   ASSERT_TRUE(reader->Read(&event));
   EXPECT_EQ(event.step(), 2);
   ASSERT_TRUE(reader->Read(&event));
@@ -230,7 +189,8 @@ TEST_F(WatchStepTest, ReplaysFromTheRequestedStep) {
 }
 
 TEST_F(WatchStepTest, AFailedJobsErrorArrivesAsTheLastEvent) {
-  behaviour_.fail_step = 1;
+  cluster_.script().failures[0] = {1,
+                                   absl::AbortedError("collective timed out")};
   const std::string job = Submit(5);
   grpc::ClientContext context;
   context.set_deadline(In(absl::Seconds(20)));
@@ -244,7 +204,7 @@ TEST_F(WatchStepTest, AFailedJobsErrorArrivesAsTheLastEvent) {
   ASSERT_EQ(events.size(), 2u);
   EXPECT_EQ(events[1].step(), 2);
   EXPECT_EQ(events[1].error(),
-            "step 2/5: rank 0 (fake:1): ABORTED: collective timed out");
+            "step 2/5: rank 0 (fake-0:1): ABORTED: collective timed out");
 }
 
 TEST_F(WatchStepTest, UnknownJobIsNotFound) {
@@ -261,7 +221,7 @@ TEST_F(WatchStepTest, UnknownJobIsNotFound) {
 }
 
 TEST_F(WatchStepTest, ShutdownEndsAWaitingStreamAtOnce) {
-  behaviour_.gate_step = 0;  // Nothing is published.
+  cluster_.script().gate_step = 0;  // Nothing is published.
   const std::string job = Submit(3);
   grpc::ClientContext context;
   context.set_deadline(In(absl::Seconds(60)));
@@ -284,7 +244,7 @@ TEST_F(WatchStepTest, ShutdownEndsAWaitingStreamAtOnce) {
 }
 
 TEST_F(WatchStepTest, ACancelledClientFreesItsStream) {
-  behaviour_.gate_step = 0;
+  cluster_.script().gate_step = 0;
   const std::string job = Submit(3);
   grpc::ClientContext context;
   context.set_deadline(In(absl::Seconds(60)));
