@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "common/status_macros.h"
+#include "program/unit_state.h"
 
 namespace shardd {
 namespace {
@@ -366,18 +367,6 @@ absl::Status AnalyzePlan(const ShardingPlan& plan, PlanInfo* info) {
 
 // ---- The state machine of one rank ------------------------------------------
 
-enum class ParamState { kSharded, kGathered, kSlice };
-
-struct UnitState {
-  ParamState params = ParamState::kSharded;
-  bool pending = false;  // A prefetched all-gather not waited yet.
-  bool grad = false;     // The unsharded gradient is allocated.
-  int slice_group = 0;   // kSlice: the group size of the slice.
-  // A prefetched re-gather from a slice: the slice (of this group size)
-  // stays until the WAIT_UNSHARD.
-  int pending_slice_group = 0;
-};
-
 // One computation of the step (FORWARD/BACKWARD of a part).
 struct Computation {
   Command::Op op = Command::OP_UNSPECIFIED;
@@ -518,73 +507,55 @@ class Runner {
     return absl::StrCat("unit ", u, " (", info_.units[u].name, ")");
   }
 
+  // The unit rules every rank applies (unit_state.h), as this program's
+  // error.
+  absl::Status CheckUnit(int index, const Command& c) const {
+    const absl::Status fits =
+        CheckUnitCommand(states_[c.unit()], c.unit(), c,
+                         info_.units[c.unit()].trainable(), info_.dp_shard);
+    return fits.ok() ? fits : Fail(index, c, fits.message());
+  }
+
   absl::Status Unshard(int index, const Command& c) {
+    SHARDD_RETURN_IF_ERROR(CheckUnit(index, c));
     UnitState& s = states_[c.unit()];
-    if (s.params == ParamState::kGathered) {
-      return Fail(index, c,
-                  "UNSHARD needs a sharded unit; this one is already "
-                  "gathered");
-    }
     const UnitInfo& m = info_.units[c.unit()];
-    const int slice_group = s.params == ParamState::kSlice ? s.slice_group : 0;
     if (replay_ != nullptr) {
       live_params_ += m.gathered_bytes;
       v1::CommReport* comm = replay_->comm;
       comm->set_all_gathers(comm->all_gathers() + 1);
       comm->set_all_gather_bytes(comm->all_gather_bytes() + m.gathered_bytes);
     }
-    s.params = ParamState::kGathered;
-    s.slice_group = 0;
-    s.pending = c.prefetch();
+    ApplyUnitCommand(c, &s);
     // A slice is the re-gather's input: the worker frees it once the gather
     // is waited for (here, or at the WAIT_UNSHARD of a prefetch), so until
     // then both count.
     Emit(index, c.prefetch() ? "prefetch" : "unshard", c.unit(), Prepare());
-    if (slice_group != 0) {
-      if (c.prefetch()) {
-        s.pending_slice_group = slice_group;
-      } else if (replay_ != nullptr) {
-        live_params_ -= m.gathered_bytes / slice_group;
+    if (s.gather_slice_group != 0 && !c.prefetch()) {
+      if (replay_ != nullptr) {
+        live_params_ -= m.gathered_bytes / s.gather_slice_group;
       }
+      s.gather_slice_group = 0;
     }
     return absl::OkStatus();
   }
 
   absl::Status Wait(int index, const Command& c) {
+    SHARDD_RETURN_IF_ERROR(CheckUnit(index, c));
     UnitState& s = states_[c.unit()];
-    if (!s.pending) {
-      return Fail(index, c,
-                  "WAIT_UNSHARD needs a pending prefetched UNSHARD of the "
-                  "unit (a plain UNSHARD is complete when the next command "
-                  "runs)");
-    }
-    s.pending = false;
-    if (s.pending_slice_group != 0 && replay_ != nullptr) {
+    ApplyUnitCommand(c, &s);
+    if (s.gather_slice_group != 0 && replay_ != nullptr) {
       live_params_ -=
-          info_.units[c.unit()].gathered_bytes / s.pending_slice_group;
+          info_.units[c.unit()].gathered_bytes / s.gather_slice_group;
     }
-    s.pending_slice_group = 0;
+    s.gather_slice_group = 0;
     return absl::OkStatus();
   }
 
   absl::Status Reshard(int index, const Command& c) {
+    SHARDD_RETURN_IF_ERROR(CheckUnit(index, c));
     UnitState& s = states_[c.unit()];
-    if (s.params != ParamState::kGathered) {
-      return Fail(index, c, "RESHARD needs a gathered unit");
-    }
-    if (s.pending) {
-      return Fail(index, c,
-                  "RESHARD of a unit whose prefetched all-gather is pending; "
-                  "WAIT_UNSHARD it first");
-    }
     const int g = c.group_size();
-    if (g != 0 && (g <= 1 || g >= info_.dp_shard || info_.dp_shard % g != 0)) {
-      return Fail(index, c,
-                  absl::StrCat("group_size must be 0 (free) or a divisor of "
-                               "mesh.dp_shard (",
-                               info_.dp_shard, ") between 2 and ",
-                               info_.dp_shard - 1, ", got ", g));
-    }
     const UnitInfo& m = info_.units[c.unit()];
     if (replay_ != nullptr) {
       if (g != 0) {
@@ -595,39 +566,24 @@ class Runner {
       }
       live_params_ -= m.gathered_bytes;
     }
-    s.params = g != 0 ? ParamState::kSlice : ParamState::kSharded;
-    s.slice_group = g;
+    ApplyUnitCommand(c, &s);
     Emit(index, "reshard", c.unit(), Cleanup());
     return absl::OkStatus();
   }
 
   absl::Status AllocGrad(int index, const Command& c) {
-    UnitState& s = states_[c.unit()];
+    SHARDD_RETURN_IF_ERROR(CheckUnit(index, c));
     const UnitInfo& m = info_.units[c.unit()];
-    if (!m.trainable()) {
-      return Fail(index, c,
-                  "ALLOC_GRAD of a unit without trainable parameters");
-    }
-    if (s.grad) {
-      return Fail(index, c,
-                  "ALLOC_GRAD of a unit whose unsharded gradient is already "
-                  "allocated");
-    }
-    s.grad = true;
+    ApplyUnitCommand(c, &states_[c.unit()]);
     live_grads_ += m.grad_bytes;
     Emit(index, "grad", c.unit(), Prepare());
     return absl::OkStatus();
   }
 
   absl::Status ReduceScatter(int index, const Command& c) {
-    UnitState& s = states_[c.unit()];
+    SHARDD_RETURN_IF_ERROR(CheckUnit(index, c));
     const UnitInfo& m = info_.units[c.unit()];
-    if (!s.grad) {
-      return Fail(index, c,
-                  "REDUCE_SCATTER needs an allocated unsharded gradient "
-                  "(ALLOC_GRAD)");
-    }
-    s.grad = false;
+    ApplyUnitCommand(c, &states_[c.unit()]);
     live_grads_ -= m.grad_bytes;
     if (replay_ != nullptr) {
       v1::CommReport* comm = replay_->comm;
@@ -675,7 +631,7 @@ class Runner {
     }
     for (int u : Owners(c.part(), c.layer())) {
       const UnitState& s = states_[u];
-      if (s.params != ParamState::kGathered) {
+      if (!s.gathered) {
         return Fail(index, c,
                     absl::StrCat("needs ", UnitName(u),
                                  " gathered (UNSHARD it first)"));
@@ -713,20 +669,9 @@ class Runner {
                                Expected()));
     }
     for (size_t u = 0; u < states_.size(); ++u) {
-      const UnitState& s = states_[u];
-      if (s.params != ParamState::kSharded) {
-        return Fail(index, c,
-                    absl::StrCat(UnitName(u),
-                                 " is still gathered: every unit must be "
-                                 "resharded before OPTIMIZER_STEP"));
-      }
-      if (s.grad) {
-        return Fail(index, c,
-                    absl::StrCat(UnitName(u),
-                                 " still holds an unsharded gradient: "
-                                 "every gradient must be reduce-scattered "
-                                 "before OPTIMIZER_STEP"));
-      }
+      const absl::Status done =
+          CheckUnitDoneForOptimizer(states_[u], UnitName(u));
+      if (!done.ok()) return Fail(index, c, done.message());
     }
     done_ = true;
     Context context;
@@ -980,7 +925,7 @@ class Compiler {
   }
 
   absl::Status Gather(int u) {
-    if (runner_->state(u).params == ParamState::kGathered) {
+    if (runner_->state(u).gathered) {
       return absl::OkStatus();
     }
     return UnitCommand(Command::UNSHARD, u);
@@ -988,7 +933,7 @@ class Compiler {
 
   absl::Status Prefetch(const std::vector<int>& targets) {
     for (int t : targets) {
-      if (runner_->state(t).params == ParamState::kGathered) continue;
+      if (runner_->state(t).gathered) continue;
       Command c;
       c.set_op(Command::UNSHARD);
       c.set_unit(t);
@@ -1021,8 +966,7 @@ class Compiler {
   // reshard_after_forward.
   absl::Status PolicyReshard(int u) {
     const UnitInfo& m = info_.units[u];
-    if (runner_->state(u).params != ParamState::kGathered ||
-        m.policy == ForwardPolicy::kKeep) {
+    if (!runner_->state(u).gathered || m.policy == ForwardPolicy::kKeep) {
       return absl::OkStatus();
     }
     SHARDD_RETURN_IF_ERROR(WaitIfPending(u));
@@ -1047,7 +991,7 @@ class Compiler {
       SHARDD_RETURN_IF_ERROR(UnitCommand(Command::REDUCE_SCATTER, u));
     }
     SHARDD_RETURN_IF_ERROR(WaitIfPending(u));
-    if (runner_->state(u).params == ParamState::kGathered) {
+    if (runner_->state(u).gathered) {
       SHARDD_RETURN_IF_ERROR(UnitCommand(Command::RESHARD, u));
     }
     return absl::OkStatus();

@@ -12,10 +12,11 @@ namespace shardd {
 
 StepState::StepState(const v1::ShardingPlan* plan) : plan_(plan) {
   units_.resize(plan->units_size());
+  trainable_.resize(plan->units_size(), false);
   for (int u = 0; u < plan->units_size(); ++u) {
     for (const v1::ParamLayout& param : plan->units(u).params()) {
       param_unit_[param.name()] = u;
-      if (!param.frozen() && param.numel() > 0) units_[u].trainable = true;
+      if (!param.frozen() && param.numel() > 0) trainable_[u] = true;
     }
   }
 }
@@ -57,7 +58,7 @@ void StepState::Begin(const v1::StepProgram& header) {
   command_index_ = 0;
   head_forwards_ = 0;
   embed_backwards_ = 0;
-  for (Unit& run : units_) {
+  for (UnitState& run : units_) {
     run.gathered = false;
     run.pending = false;
     run.grad = false;
@@ -81,13 +82,7 @@ absl::Status StepState::EndedEarly() const {
 }
 
 void StepState::ClearUnits() {
-  for (Unit& run : units_) {
-    run.gathered = false;
-    run.pending = false;
-    run.grad = false;
-    run.slice = false;
-    run.gather_from_slice = false;
-  }
+  for (UnitState& run : units_) run = UnitState();
 }
 
 absl::Status StepState::NoSliceGroup(int g) {
@@ -120,64 +115,20 @@ absl::Status StepState::CheckRules(const v1::Command& c) const {
   const int u = c.unit();
   switch (c.op()) {
     case v1::Command::UNSHARD:
-      if (units_[u].gathered) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("unit ", u, " is already gathered"));
-      }
-      return absl::OkStatus();
     case v1::Command::WAIT_UNSHARD:
-      if (!units_[u].pending) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "unit ", u, " has no pending prefetched UNSHARD to wait for"));
-      }
-      return absl::OkStatus();
-    case v1::Command::RESHARD: {
-      if (!units_[u].gathered) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("unit ", u, " is not gathered"));
-      }
-      if (units_[u].pending) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("unit ", u,
-                         " has a pending prefetched all-gather: "
-                         "WAIT_UNSHARD it first"));
-      }
-      const int g = c.group_size();
-      const int dp = plan_->mesh().dp_shard();
-      if (g != 0 && (g <= 1 || g >= dp || dp % g != 0)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "group_size: must be 0 (free) or a divisor of mesh.dp_shard (", dp,
-            ") between 2 and ", dp - 1, ", got ", g));
-      }
-      return absl::OkStatus();
-    }
+    case v1::Command::RESHARD:
     case v1::Command::ALLOC_GRAD:
-      if (!units_[u].trainable) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("unit ", u, " has no trainable parameters"));
-      }
-      if (units_[u].grad) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("unit ", u, " already holds an unsharded gradient"));
-      }
-      return absl::OkStatus();
     case v1::Command::REDUCE_SCATTER:
-      if (!units_[u].grad) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "unit ", u, " holds no unsharded gradient (ALLOC_GRAD)"));
-      }
-      return absl::OkStatus();
+      return CheckUnitCommand(units_[u], u, c, trainable_[u],
+                              plan_->mesh().dp_shard());
     case v1::Command::FORWARD:
     case v1::Command::BACKWARD:
       return absl::OkStatus();
     case v1::Command::OPTIMIZER_STEP: {
       for (size_t i = 0; i < units_.size(); ++i) {
-        if (units_[i].gathered || units_[i].grad) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "unit ", i, " (", plan_->units(i).name(), ") is still ",
-              units_[i].gathered ? "gathered" : "holding a gradient",
-              ": every unit must be resharded and reduce-scattered first"));
-        }
+        SHARDD_RETURN_IF_ERROR(CheckUnitDoneForOptimizer(
+            units_[i],
+            absl::StrCat("unit ", i, " (", plan_->units(i).name(), ")")));
       }
       const int microbatches = header_.microbatches();
       const int grad_passes = header_.passes() - header_.no_grad_passes();
@@ -200,43 +151,24 @@ absl::Status StepState::CheckRules(const v1::Command& c) const {
 void StepState::Accept(const v1::Command& c) {
   touched_ = true;
   ++command_index_;
-  const int u = c.unit();
   switch (c.op()) {
-    case v1::Command::UNSHARD: {
-      Unit& run = units_[u];
-      run.gathered = true;
-      run.pending = c.prefetch();
-      run.gather_from_slice = run.slice;
-      run.slice = false;
-      break;
-    }
-    case v1::Command::WAIT_UNSHARD:
-      units_[u].pending = false;
-      break;
-    case v1::Command::RESHARD:
-      units_[u].gathered = false;
-      units_[u].slice = c.group_size() != 0;
-      break;
-    case v1::Command::ALLOC_GRAD:
-      units_[u].grad = true;
-      break;
-    case v1::Command::REDUCE_SCATTER:
-      units_[u].grad = false;
-      break;
     case v1::Command::FORWARD:
       if (c.part() == v1::Command::HEAD) ++head_forwards_;
       break;
     case v1::Command::BACKWARD:
       if (c.part() == v1::Command::EMBED) ++embed_backwards_;
       break;
+    case v1::Command::OPTIMIZER_STEP:
+      break;
     default:
+      ApplyUnitCommand(c, &units_[c.unit()]);
       break;
   }
 }
 
 bool StepState::TakeGatherFromSlice(int unit) {
-  const bool from_slice = units_[unit].gather_from_slice;
-  units_[unit].gather_from_slice = false;
+  const bool from_slice = units_[unit].gather_slice_group != 0;
+  units_[unit].gather_slice_group = 0;
   return from_slice;
 }
 
@@ -255,7 +187,7 @@ absl::StatusOr<int> StepState::UnitOf(const std::string& name) const {
 // is still filling.
 absl::Status StepState::CheckParamReadable(const std::string& name) const {
   SHARDD_ASSIGN_OR_RETURN(const int unit, UnitOf(name));
-  const Unit& run = units_[unit];
+  const UnitState& run = units_[unit];
   if (!run.gathered) {
     return absl::FailedPreconditionError(
         absl::StrCat("parameter '", name, "' needs unit ", unit, " (",

@@ -1,14 +1,14 @@
 #ifndef SHARDD_WORKER_EXEC_STEP_STATE_H_
 #define SHARDD_WORKER_EXEC_STEP_STATE_H_
 
-// The backend-free side of running step programs on one rank, shared by the
-// CPU and the GPU step executor: the state of every unit (gathered, prefetch
-// pending, gradient allocated, slice held), the step's progress (commands
+// The backend-free side of running step programs on one rank (the
+// StepExecutor's): the state of every unit (program/unit_state.h, whose
+// rules the program validator applies too), the step's progress (commands
 // run, passes counted, OPTIMIZER_STEP), the checks that reject a command
 // that does not fit before it has any effect, the checks the model's
 // parameter reads and gradient writes pass, and the executor's failed state.
-// An executor asks Check() before a command, Accept()s it, and then only
-// performs its backend's effect. Not thread-safe: the executors hold their
+// The executor asks Check() before a command, Accept()s it, and then the
+// backend performs its effect. Not thread-safe: the executor holds its
 // mutex around every call.
 
 #include <cstdint>
@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "program/unit_state.h"
 #include "proto/plan.pb.h"
 #include "proto/worker.pb.h"
 
@@ -27,17 +28,6 @@ namespace shardd {
 
 class StepState {
  public:
-  struct Unit {
-    bool gathered = false;
-    bool pending = false;  // Prefetched, not waited.
-    bool grad = false;     // Unsharded gradient allocated.
-    // Holds a post-forward slice (RESHARD with group_size), and: the
-    // current gather reads it (freed once the gather is waited for).
-    bool slice = false;
-    bool gather_from_slice = false;
-    bool trainable = false;
-  };
-
   // `plan` must outlive the state.
   explicit StepState(const v1::ShardingPlan* plan);
 
@@ -109,7 +99,7 @@ class StepState {
   const v1::StepProgram& header() const { return header_; }
   absl::Time step_start() const { return step_start_; }
   int num_units() const { return static_cast<int>(units_.size()); }
-  const Unit& unit(int u) const { return units_[u]; }
+  const UnitState& unit(int u) const { return units_[u]; }
 
  private:
   absl::StatusOr<int> UnitOf(const std::string& name) const;
@@ -120,7 +110,9 @@ class StepState {
   const v1::ShardingPlan* const plan_;
   // Parameter name -> unit index.
   absl::flat_hash_map<std::string, int> param_unit_;
-  std::vector<Unit> units_;
+  // program/unit_state.h: the rules the validator applies too.
+  std::vector<UnitState> units_;
+  std::vector<bool> trainable_;
   // Serialized programs (step cleared) that passed ValidateStepProgram.
   absl::flat_hash_set<std::string> validated_;
   absl::Status failed_;

@@ -174,9 +174,9 @@ TEST(StepStateTest, AReGatherFromASliceMarksTheSliceForFreeingOnce) {
   slice.set_group_size(2);
   SHARDD_ASSERT_OK(state.Check(slice, [](int g) { return g == 2; }));
   state.Accept(slice);
-  EXPECT_TRUE(state.unit(0).slice);
+  EXPECT_EQ(state.unit(0).slice_group, 2);
   SHARDD_ASSERT_OK(Apply(state, Cmd(v1::Command::UNSHARD)));
-  EXPECT_FALSE(state.unit(0).slice);
+  EXPECT_EQ(state.unit(0).slice_group, 0);
   EXPECT_TRUE(state.TakeGatherFromSlice(0));
   EXPECT_FALSE(state.TakeGatherFromSlice(0));
 }
