@@ -27,6 +27,7 @@
 #include "kernels/cuda/router.h"
 #include "model/model_util.h"
 #include "worker/model/device_moe_model_kernels.h"
+#include "worker/model/moe_architecture.h"
 
 namespace shardd {
 namespace {
@@ -45,26 +46,8 @@ constexpr int64_t kMaxRouterTopK = 32;
 // many, the ones not in use are dropped (each holds a pinned host buffer).
 constexpr size_t kMaxCachedExpertWorkspaces = 256;
 
-struct TensorInfo {
-  std::string name;  // The tied target's name for a tied parameter.
-  int64_t numel = 0;
-  bool frozen = false;
-};
-
-struct LayerInfo {
-  TensorInfo norm;
-  bool has_moe = false;
-  TensorInfo gate;  // [E, D]
-  TensorInfo w_gu;  // [E, D, 2I]
-  TensorInfo w_d;   // [E, I, D]
-  int64_t experts = 0;
-  int64_t moe_inter = 0;
-  bool has_mlp = false;
-  TensorInfo mlp_gate;  // [Im, D]
-  TensorInfo mlp_up;    // [Im, D]
-  TensorInfo mlp_down;  // [D, Im]
-  int64_t mlp_inter = 0;
-};
+using TensorInfo = ArchTensor;
+using LayerInfo = MoeLayerSpec;
 
 // A grouped-experts call whose backward is pending: its device workspace
 // and the workspace object bound to that memory.
@@ -130,7 +113,8 @@ constexpr DeviceDType DeviceDTypeOf() {
 
 }  // namespace
 
-struct DeviceMoeModel::Impl {
+// The architecture's fields (vocab, dim, layers, ...) are the model's.
+struct DeviceMoeModel::Impl : MoeArchitecture {
   DeviceMoeModelOptions options;
   DeviceAllocator* allocator = nullptr;
   cudaStream_t stream = nullptr;
@@ -140,16 +124,6 @@ struct DeviceMoeModel::Impl {
   DeviceBuffer step_loss;                 // DeviceStepLoss
   DeviceStepLoss* pinned_loss = nullptr;  // cudaMallocHost
   bool step_loss_zeroed = false;
-
-  int64_t vocab = 0;
-  int64_t dim = 0;
-  int top_k = 0;
-  float eps = 1e-6f;
-  kernels::GatedActivation activation = kernels::GatedActivation::kSwiGLU;
-  TensorInfo embed;
-  TensorInfo final_norm;
-  TensorInfo head;  // May name the embedding when tied.
-  std::vector<LayerInfo> layers;
 
   std::vector<BatchState> batches;
   std::vector<PassState> states;  // [microbatch * passes + pass]
@@ -249,23 +223,23 @@ absl::StatusOr<const T*> DeviceMoeModel::Impl::Param(
     DeviceParamSource* params, const TensorInfo& t,
     std::vector<DeviceBuffer>* temps) {
   SHARDD_ASSIGN_OR_RETURN(const DeviceTensor p, params->Param(t.name, stream));
-  if (p.numel != t.numel || (p.data == nullptr && t.numel > 0)) {
+  if (p.numel != t.numel() || (p.data == nullptr && t.numel() > 0)) {
     return absl::FailedPreconditionError(
         absl::StrCat("parameter '", t.name, "': the param source returned ",
                      p.numel, " elements", p.data == nullptr ? " at null" : "",
-                     ", expected ", t.numel));
+                     ", expected ", t.numel()));
   }
   if (p.dtype == DeviceDTypeOf<T>()) return static_cast<const T*>(p.data);
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer converted,
-                          Alloc(t.numel * static_cast<int64_t>(sizeof(T))));
+                          Alloc(t.numel() * static_cast<int64_t>(sizeof(T))));
   if constexpr (std::is_same<T, float>::value) {
     SHARDD_RETURN_IF_ERROR(
         kc::CastBf16ToFp32(static_cast<const uint16_t*>(p.data),
-                           converted.as<float>(), t.numel, stream));
+                           converted.as<float>(), t.numel(), stream));
   } else {
     SHARDD_RETURN_IF_ERROR(kc::CastFp32ToBf16(static_cast<const float*>(p.data),
-                                              converted.as<uint16_t>(), t.numel,
-                                              stream));
+                                              converted.as<uint16_t>(),
+                                              t.numel(), stream));
   }
   const T* data = converted.as<T>();
   temps->push_back(std::move(converted));
@@ -276,7 +250,7 @@ absl::StatusOr<float*> DeviceMoeModel::Impl::Grad(DeviceParamSource* params,
                                                   const TensorInfo& t) {
   if (t.frozen) return nullptr;
   SHARDD_ASSIGN_OR_RETURN(float* grad, params->Grad(t.name, stream));
-  if (grad == nullptr && t.numel > 0) {
+  if (grad == nullptr && t.numel() > 0) {
     return absl::FailedPreconditionError(absl::StrCat(
         "parameter '", t.name, "': the param source returned no gradient"));
   }
@@ -365,9 +339,13 @@ DeviceMoeModel::~DeviceMoeModel() = default;
 absl::StatusOr<std::unique_ptr<DeviceMoeModel>> DeviceMoeModel::Create(
     const v1::ModelSpec& model, const DeviceMoeModelOptions& options,
     DeviceAllocator* allocator) {
-  // The CPU model's checks (spec and step shape) with its messages; nothing
-  // here touches the device yet.
-  SHARDD_RETURN_IF_ERROR(MoeModel::Create(model, options.model).status());
+  // The CPU model's checks (spec, step shape, architecture) with its
+  // messages; nothing here touches the device yet.
+  SHARDD_RETURN_IF_ERROR(ValidateModelSpec(model));
+  const MoeModelOptions& shape = options.model;
+  SHARDD_RETURN_IF_ERROR(CheckModelStepShape(shape.passes, shape.no_grad_passes,
+                                             shape.microbatches));
+  SHARDD_ASSIGN_OR_RETURN(MoeArchitecture arch, ReadMoeArchitecture(model));
   if (allocator == nullptr) {
     return absl::InvalidArgumentError("allocator: must not be null");
   }
@@ -375,87 +353,33 @@ absl::StatusOr<std::unique_ptr<DeviceMoeModel>> DeviceMoeModel::Create(
   impl->options = options;
   impl->allocator = allocator;
 
-  std::map<std::string, TensorInfo> tensors;
-  for (const ParamRef& ref : ListParams(model)) {
-    TensorInfo t;
-    t.name = ref.tensor->tied_to().empty() ? ref.fqn : ref.tensor->tied_to();
-    t.numel = Numel(*ref.tensor);
-    t.frozen = ref.tensor->frozen();
-    tensors[ref.fqn] = t;
-  }
-  // MoeModel::Create accepted the spec, so every lookup below succeeds.
-  auto take = [&](const std::string& name) -> absl::StatusOr<TensorInfo> {
-    auto it = tensors.find(name);
-    if (it == tensors.end()) {
+  const int64_t d = arch.dim;
+  for (const MoeLayerSpec& layer : arch.layers) {
+    if (!layer.has_moe) continue;
+    const std::string p =
+        absl::StrCat("model.layers.", &layer - arch.layers.data(), ".");
+    // What the CUDA kernels cannot compute (the CPU path can).
+    if (layer.experts > kMaxRouterExperts) {
       return absl::InvalidArgumentError(
-          absl::StrCat("the GPU training path needs parameter '", name, "'"));
+          absl::StrCat(p, "moe.gate.weight: the GPU router supports at most ",
+                       kMaxRouterExperts, " experts, got ", layer.experts));
     }
-    return it->second;
-  };
-  const v1::TensorSpec* embed_spec = nullptr;
-  for (const ParamRef& ref : ListParams(model)) {
-    if (ref.fqn == "model.embed_tokens.weight") embed_spec = ref.tensor;
-  }
-  if (embed_spec == nullptr || embed_spec->shape_size() != 2) {
-    return absl::InvalidArgumentError(
-        "model.embed_tokens.weight: expected [vocab, hidden]");
-  }
-  impl->vocab = embed_spec->shape(0);
-  impl->dim = embed_spec->shape(1);
-  impl->top_k = model.dims().top_k();
-  impl->eps = model.dims().rms_norm_eps() > 0
-                  ? static_cast<float>(model.dims().rms_norm_eps())
-                  : 1e-6f;
-  impl->activation = model.dims().activation() == v1::GEGLU
-                         ? kernels::GatedActivation::kGeGLU
-                         : kernels::GatedActivation::kSwiGLU;
-  SHARDD_ASSIGN_OR_RETURN(impl->embed, take("model.embed_tokens.weight"));
-  SHARDD_ASSIGN_OR_RETURN(impl->final_norm, take("model.norm.weight"));
-  SHARDD_ASSIGN_OR_RETURN(impl->head, take("lm_head.weight"));
-  const int64_t d = impl->dim;
-  for (int l = 0;; ++l) {
-    const std::string p = absl::StrCat("model.layers.", l, ".");
-    if (tensors.count(p + "input_layernorm.weight") == 0) break;
-    LayerInfo layer;
-    SHARDD_ASSIGN_OR_RETURN(layer.norm, take(p + "input_layernorm.weight"));
-    if (tensors.count(p + "moe.experts.gate_and_up_projs") > 0) {
-      layer.has_moe = true;
-      SHARDD_ASSIGN_OR_RETURN(layer.w_gu,
-                              take(p + "moe.experts.gate_and_up_projs"));
-      SHARDD_ASSIGN_OR_RETURN(layer.w_d, take(p + "moe.experts.down_projs"));
-      SHARDD_ASSIGN_OR_RETURN(layer.gate, take(p + "moe.gate.weight"));
-      layer.experts = layer.gate.numel / d;
-      layer.moe_inter = layer.w_d.numel / (layer.experts * d);
-      // What the CUDA kernels cannot compute (the CPU path can).
-      if (layer.experts > kMaxRouterExperts) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(p, "moe.gate.weight: the GPU router supports at most ",
-                         kMaxRouterExperts, " experts, got ", layer.experts));
-      }
-      if (impl->top_k > kMaxRouterTopK) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("dims.top_k: the GPU router supports at most ",
-                         kMaxRouterTopK, ", got ", impl->top_k));
-      }
-      kc::ExpertDims dims{0, d, layer.moe_inter, layer.experts, impl->top_k};
-      absl::Status valid = kc::ValidateExpertDims(dims);
-      if (!valid.ok()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(p,
-                         "moe.experts: the GPU grouped experts cannot run "
-                         "these shapes: ",
-                         valid.message()));
-      }
+    if (arch.top_k > kMaxRouterTopK) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("dims.top_k: the GPU router supports at most ",
+                       kMaxRouterTopK, ", got ", arch.top_k));
     }
-    if (tensors.count(p + "mlp.gate_proj.weight") > 0) {
-      layer.has_mlp = true;
-      SHARDD_ASSIGN_OR_RETURN(layer.mlp_gate, take(p + "mlp.gate_proj.weight"));
-      SHARDD_ASSIGN_OR_RETURN(layer.mlp_up, take(p + "mlp.up_proj.weight"));
-      SHARDD_ASSIGN_OR_RETURN(layer.mlp_down, take(p + "mlp.down_proj.weight"));
-      layer.mlp_inter = layer.mlp_gate.numel / d;
+    kc::ExpertDims dims{0, d, layer.moe_inter, layer.experts, arch.top_k};
+    absl::Status valid = kc::ValidateExpertDims(dims);
+    if (!valid.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(p,
+                       "moe.experts: the GPU grouped experts cannot run "
+                       "these shapes: ",
+                       valid.message()));
     }
-    impl->layers.push_back(std::move(layer));
   }
+  static_cast<MoeArchitecture&>(*impl) = std::move(arch);
 
   // The device, after every spec check.
   if (options.device < 0) {

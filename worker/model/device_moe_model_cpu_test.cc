@@ -5,9 +5,9 @@
 #include <string>
 #include <vector>
 
-#include "testing/model_builder.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
+#include "testing/model_builder.h"
 #include "worker/memory/device_allocator.h"
 #include "worker/model/device_moe_model.h"
 

@@ -17,11 +17,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "testing/model_builder.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/bf16.h"
 #include "model/model_util.h"
+#include "testing/model_builder.h"
 #include "worker/memory/cuda_memory_backend.h"
 #include "worker/memory/device_allocator.h"
 #include "worker/model/moe_model.h"

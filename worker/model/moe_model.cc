@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <map>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -14,37 +13,15 @@
 #include "kernels/cpu/rms_norm.h"
 #include "kernels/cpu/router.h"
 #include "model/model_util.h"
+#include "worker/model/moe_architecture.h"
 
 namespace shardd {
 namespace {
 
 using v1::Command;
 
-struct Tensor {
-  std::string name;
-  std::vector<int64_t> shape;
-  bool frozen = false;
-  int64_t numel() const {
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
-    return n;
-  }
-};
-
-struct LayerSpec {
-  Tensor norm;
-  bool has_moe = false;
-  Tensor gate;  // [E, D]
-  Tensor w_gu;  // [E, D, 2I]
-  Tensor w_d;   // [E, I, D]
-  int64_t experts = 0;
-  int64_t moe_inter = 0;
-  bool has_mlp = false;
-  Tensor mlp_gate;  // [Im, D]
-  Tensor mlp_up;    // [Im, D]
-  Tensor mlp_down;  // [D, Im]
-  int64_t mlp_inter = 0;
-};
+using Tensor = ArchTensor;
+using LayerSpec = MoeLayerSpec;
 
 // Activations of one layer in one pass, kept for its backward.
 struct LayerActs {
@@ -91,24 +68,11 @@ struct Batch {
   int64_t counted = 0;  // Non-ignored targets.
 };
 
-absl::Status Expect(bool ok, absl::string_view what) {
-  if (ok) return absl::OkStatus();
-  return absl::InvalidArgumentError(what);
-}
-
 }  // namespace
 
-struct MoeModel::Impl {
+// The architecture's fields (vocab, dim, layers, ...) are the model's.
+struct MoeModel::Impl : MoeArchitecture {
   MoeModelOptions options;
-  int64_t vocab = 0;
-  int64_t dim = 0;
-  int top_k = 0;
-  float eps = 1e-6f;
-  kernels::GatedActivation activation = kernels::GatedActivation::kSwiGLU;
-  Tensor embed;
-  Tensor final_norm;
-  Tensor head;  // May name the embedding when tied.
-  std::vector<LayerSpec> layers;
 
   std::vector<Batch> batches;
   std::vector<PassActs> acts;  // One per pass.
@@ -147,136 +111,13 @@ MoeModel::~MoeModel() = default;
 absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Create(
     const v1::ModelSpec& model, const MoeModelOptions& options) {
   SHARDD_RETURN_IF_ERROR(ValidateModelSpec(model));
-  if (options.passes < 1 || options.no_grad_passes < 0 ||
-      options.no_grad_passes >= options.passes || options.microbatches < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "step shape: need passes >= 1, 0 <= no_grad_passes < passes and "
-        "microbatches >= 1, got passes ",
-        options.passes, ", no_grad_passes ", options.no_grad_passes,
-        ", microbatches ", options.microbatches));
-  }
+  SHARDD_RETURN_IF_ERROR(CheckModelStepShape(
+      options.passes, options.no_grad_passes, options.microbatches));
+  SHARDD_ASSIGN_OR_RETURN(MoeArchitecture arch, ReadMoeArchitecture(model));
   auto impl = std::make_unique<Impl>();
   impl->options = options;
 
-  std::map<std::string, Tensor> tensors;
-  for (const ParamRef& ref : ListParams(model)) {
-    Tensor t;
-    t.name = ref.tensor->tied_to().empty() ? ref.fqn : ref.tensor->tied_to();
-    t.shape.assign(ref.tensor->shape().begin(), ref.tensor->shape().end());
-    t.frozen = ref.tensor->frozen();
-    tensors[ref.fqn] = t;
-    // Only these modules are computed by the CPU path.
-    for (const v1::ModuleSpec* m : ref.path) {
-      if (m->kind() == v1::MODULE_ATTENTION) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "parameter '", ref.fqn,
-            "': the CPU training path has no attention (its model is "
-            "embedding, RMSNorm, MoE router + grouped experts, optional "
-            "dense MLP, final norm, LM head); remove the attention modules "
-            "from the spec"));
-      }
-    }
-  }
-  auto take = [&](const std::string& name,
-                  std::vector<int64_t> shape) -> absl::StatusOr<Tensor> {
-    auto it = tensors.find(name);
-    if (it == tensors.end()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("the CPU training path needs parameter '", name, "'"));
-    }
-    if (!shape.empty() && it->second.shape != shape) {
-      std::string want, got;
-      for (int64_t d : shape)
-        absl::StrAppend(&want, want.empty() ? "" : ", ", d);
-      for (int64_t d : it->second.shape) {
-        absl::StrAppend(&got, got.empty() ? "" : ", ", d);
-      }
-      return absl::InvalidArgumentError(
-          absl::StrCat("parameter '", name, "': expected shape [", want,
-                       "], got [", got, "]"));
-    }
-    Tensor t = it->second;
-    tensors.erase(it);
-    return t;
-  };
-
-  SHARDD_ASSIGN_OR_RETURN(impl->embed, take("model.embed_tokens.weight", {}));
-  if (impl->embed.shape.size() != 2) {
-    return absl::InvalidArgumentError(
-        "model.embed_tokens.weight: expected [vocab, hidden]");
-  }
-  impl->vocab = impl->embed.shape[0];
-  impl->dim = impl->embed.shape[1];
-  const int64_t d = impl->dim;
-  impl->top_k = model.dims().top_k();
-  impl->eps = model.dims().rms_norm_eps() > 0
-                  ? static_cast<float>(model.dims().rms_norm_eps())
-                  : 1e-6f;
-  impl->activation = model.dims().activation() == v1::GEGLU
-                         ? kernels::GatedActivation::kGeGLU
-                         : kernels::GatedActivation::kSwiGLU;
-  SHARDD_ASSIGN_OR_RETURN(impl->final_norm, take("model.norm.weight", {d}));
-  SHARDD_ASSIGN_OR_RETURN(impl->head, take("lm_head.weight", {impl->vocab, d}));
-
-  for (int l = 0;; ++l) {
-    const std::string p = absl::StrCat("model.layers.", l, ".");
-    if (tensors.count(p + "input_layernorm.weight") == 0) break;
-    LayerSpec layer;
-    SHARDD_ASSIGN_OR_RETURN(layer.norm,
-                            take(p + "input_layernorm.weight", {d}));
-    if (tensors.count(p + "moe.experts.gate_and_up_projs") > 0) {
-      layer.has_moe = true;
-      SHARDD_ASSIGN_OR_RETURN(layer.w_gu,
-                              take(p + "moe.experts.gate_and_up_projs", {}));
-      SHARDD_RETURN_IF_ERROR(
-          Expect(layer.w_gu.shape.size() == 3 && layer.w_gu.shape[1] == d &&
-                     layer.w_gu.shape[2] % 2 == 0,
-                 absl::StrCat(p, "moe.experts.gate_and_up_projs: expected [E, ",
-                              d, ", 2I]")));
-      layer.experts = layer.w_gu.shape[0];
-      layer.moe_inter = layer.w_gu.shape[2] / 2;
-      SHARDD_ASSIGN_OR_RETURN(layer.w_d,
-                              take(p + "moe.experts.down_projs",
-                                   {layer.experts, layer.moe_inter, d}));
-      SHARDD_ASSIGN_OR_RETURN(layer.gate,
-                              take(p + "moe.gate.weight", {layer.experts, d}));
-      if (impl->top_k < 1 || impl->top_k > layer.experts) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("dims.top_k: must be in [1, ", layer.experts,
-                         "] for layer ", l, ", got ", impl->top_k));
-      }
-    }
-    if (tensors.count(p + "mlp.gate_proj.weight") > 0) {
-      layer.has_mlp = true;
-      SHARDD_ASSIGN_OR_RETURN(layer.mlp_gate,
-                              take(p + "mlp.gate_proj.weight", {}));
-      SHARDD_RETURN_IF_ERROR(Expect(
-          layer.mlp_gate.shape.size() == 2 && layer.mlp_gate.shape[1] == d,
-          absl::StrCat(p, "mlp.gate_proj.weight: expected [I, ", d, "]")));
-      layer.mlp_inter = layer.mlp_gate.shape[0];
-      SHARDD_ASSIGN_OR_RETURN(
-          layer.mlp_up, take(p + "mlp.up_proj.weight", {layer.mlp_inter, d}));
-      SHARDD_ASSIGN_OR_RETURN(layer.mlp_down, take(p + "mlp.down_proj.weight",
-                                                   {d, layer.mlp_inter}));
-    }
-    if (!layer.has_moe && !layer.has_mlp) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "layer ", l, ": needs moe.experts or an mlp for the CPU path"));
-    }
-    impl->layers.push_back(std::move(layer));
-  }
-  if (impl->layers.empty()) {
-    return absl::InvalidArgumentError(
-        "the CPU training path needs decoder layers model.layers.N with an "
-        "input_layernorm");
-  }
-  if (!tensors.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "parameter '", tensors.begin()->first,
-        "' is not part of the CPU training model (embedding, per-layer "
-        "input_layernorm / moe.gate / moe.experts / mlp, model.norm, "
-        "lm_head)"));
-  }
+  static_cast<MoeArchitecture&>(*impl) = std::move(arch);
   impl->batches.resize(options.microbatches);
   impl->acts.resize(options.passes);
   for (PassActs& a : impl->acts) a.layers.resize(impl->layers.size());

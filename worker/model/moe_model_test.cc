@@ -8,10 +8,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "testing/model_builder.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "model/model_util.h"
+#include "testing/model_builder.h"
 
 namespace shardd {
 namespace {

@@ -1,0 +1,160 @@
+#include "worker/model/moe_architecture.h"
+
+#include <map>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "common/status_macros.h"
+#include "model/model_util.h"
+
+namespace shardd {
+namespace {
+
+absl::Status Expect(bool ok, absl::string_view what) {
+  if (ok) return absl::OkStatus();
+  return absl::InvalidArgumentError(what);
+}
+
+}  // namespace
+
+absl::Status CheckModelStepShape(int passes, int no_grad_passes,
+                                 int microbatches) {
+  if (passes < 1 || no_grad_passes < 0 || no_grad_passes >= passes ||
+      microbatches < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step shape: need passes >= 1, 0 <= no_grad_passes < passes and "
+        "microbatches >= 1, got passes ",
+        passes, ", no_grad_passes ", no_grad_passes, ", microbatches ",
+        microbatches));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
+    const v1::ModelSpec& model) {
+  MoeArchitecture arch;
+  std::map<std::string, ArchTensor> tensors;
+  for (const ParamRef& ref : ListParams(model)) {
+    ArchTensor t;
+    t.name = ref.tensor->tied_to().empty() ? ref.fqn : ref.tensor->tied_to();
+    t.shape.assign(ref.tensor->shape().begin(), ref.tensor->shape().end());
+    t.frozen = ref.tensor->frozen();
+    tensors[ref.fqn] = t;
+    // Only these modules are computed by the CPU path.
+    for (const v1::ModuleSpec* m : ref.path) {
+      if (m->kind() == v1::MODULE_ATTENTION) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "parameter '", ref.fqn,
+            "': the CPU training path has no attention (its model is "
+            "embedding, RMSNorm, MoE router + grouped experts, optional "
+            "dense MLP, final norm, LM head); remove the attention modules "
+            "from the spec"));
+      }
+    }
+  }
+  auto take = [&](const std::string& name,
+                  std::vector<int64_t> shape) -> absl::StatusOr<ArchTensor> {
+    auto it = tensors.find(name);
+    if (it == tensors.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the CPU training path needs parameter '", name, "'"));
+    }
+    if (!shape.empty() && it->second.shape != shape) {
+      std::string want, got;
+      for (int64_t d : shape)
+        absl::StrAppend(&want, want.empty() ? "" : ", ", d);
+      for (int64_t d : it->second.shape) {
+        absl::StrAppend(&got, got.empty() ? "" : ", ", d);
+      }
+      return absl::InvalidArgumentError(
+          absl::StrCat("parameter '", name, "': expected shape [", want,
+                       "], got [", got, "]"));
+    }
+    ArchTensor t = it->second;
+    tensors.erase(it);
+    return t;
+  };
+
+  SHARDD_ASSIGN_OR_RETURN(arch.embed, take("model.embed_tokens.weight", {}));
+  if (arch.embed.shape.size() != 2) {
+    return absl::InvalidArgumentError(
+        "model.embed_tokens.weight: expected [vocab, hidden]");
+  }
+  arch.vocab = arch.embed.shape[0];
+  arch.dim = arch.embed.shape[1];
+  const int64_t d = arch.dim;
+  arch.top_k = model.dims().top_k();
+  arch.eps = model.dims().rms_norm_eps() > 0
+                 ? static_cast<float>(model.dims().rms_norm_eps())
+                 : 1e-6f;
+  arch.activation = model.dims().activation() == v1::GEGLU
+                        ? kernels::GatedActivation::kGeGLU
+                        : kernels::GatedActivation::kSwiGLU;
+  SHARDD_ASSIGN_OR_RETURN(arch.final_norm, take("model.norm.weight", {d}));
+  SHARDD_ASSIGN_OR_RETURN(arch.head, take("lm_head.weight", {arch.vocab, d}));
+
+  for (int l = 0;; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    if (tensors.count(p + "input_layernorm.weight") == 0) break;
+    MoeLayerSpec layer;
+    SHARDD_ASSIGN_OR_RETURN(layer.norm,
+                            take(p + "input_layernorm.weight", {d}));
+    if (tensors.count(p + "moe.experts.gate_and_up_projs") > 0) {
+      layer.has_moe = true;
+      SHARDD_ASSIGN_OR_RETURN(layer.w_gu,
+                              take(p + "moe.experts.gate_and_up_projs", {}));
+      SHARDD_RETURN_IF_ERROR(
+          Expect(layer.w_gu.shape.size() == 3 && layer.w_gu.shape[1] == d &&
+                     layer.w_gu.shape[2] % 2 == 0,
+                 absl::StrCat(p, "moe.experts.gate_and_up_projs: expected [E, ",
+                              d, ", 2I]")));
+      layer.experts = layer.w_gu.shape[0];
+      layer.moe_inter = layer.w_gu.shape[2] / 2;
+      SHARDD_ASSIGN_OR_RETURN(layer.w_d,
+                              take(p + "moe.experts.down_projs",
+                                   {layer.experts, layer.moe_inter, d}));
+      SHARDD_ASSIGN_OR_RETURN(layer.gate,
+                              take(p + "moe.gate.weight", {layer.experts, d}));
+      if (arch.top_k < 1 || arch.top_k > layer.experts) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("dims.top_k: must be in [1, ", layer.experts,
+                         "] for layer ", l, ", got ", arch.top_k));
+      }
+    }
+    if (tensors.count(p + "mlp.gate_proj.weight") > 0) {
+      layer.has_mlp = true;
+      SHARDD_ASSIGN_OR_RETURN(layer.mlp_gate,
+                              take(p + "mlp.gate_proj.weight", {}));
+      SHARDD_RETURN_IF_ERROR(Expect(
+          layer.mlp_gate.shape.size() == 2 && layer.mlp_gate.shape[1] == d,
+          absl::StrCat(p, "mlp.gate_proj.weight: expected [I, ", d, "]")));
+      layer.mlp_inter = layer.mlp_gate.shape[0];
+      SHARDD_ASSIGN_OR_RETURN(
+          layer.mlp_up, take(p + "mlp.up_proj.weight", {layer.mlp_inter, d}));
+      SHARDD_ASSIGN_OR_RETURN(layer.mlp_down, take(p + "mlp.down_proj.weight",
+                                                   {d, layer.mlp_inter}));
+    }
+    if (!layer.has_moe && !layer.has_mlp) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer ", l, ": needs moe.experts or an mlp for the CPU path"));
+    }
+    arch.layers.push_back(std::move(layer));
+  }
+  if (arch.layers.empty()) {
+    return absl::InvalidArgumentError(
+        "the CPU training path needs decoder layers model.layers.N with an "
+        "input_layernorm");
+  }
+  if (!tensors.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "parameter '", tensors.begin()->first,
+        "' is not part of the CPU training model (embedding, per-layer "
+        "input_layernorm / moe.gate / moe.experts / mlp, model.norm, "
+        "lm_head)"));
+  }
+  return arch;
+}
+
+}  // namespace shardd

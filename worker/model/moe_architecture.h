@@ -1,0 +1,75 @@
+#ifndef SHARDD_WORKER_MODEL_MOE_ARCHITECTURE_H_
+#define SHARDD_WORKER_MODEL_MOE_ARCHITECTURE_H_
+
+// The training models' description of a native MoE spec, read once and
+// shared by the CPU model (moe_model.h) and the GPU model
+// (device_moe_model.h): the embedding, each decoder layer's norm, router,
+// grouped experts and dense MLP, the final norm and the LM head, with the
+// parameter names the shards know them by and their shapes.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/cpu/grouped_experts.h"
+#include "proto/model.pb.h"
+
+namespace shardd {
+
+struct ArchTensor {
+  std::string name;  // The tied target's name for a tied parameter.
+  std::vector<int64_t> shape;
+  bool frozen = false;
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    return n;
+  }
+};
+
+struct MoeLayerSpec {
+  ArchTensor norm;
+  bool has_moe = false;
+  ArchTensor gate;  // [E, D]
+  ArchTensor w_gu;  // [E, D, 2I]
+  ArchTensor w_d;   // [E, I, D]
+  int64_t experts = 0;
+  int64_t moe_inter = 0;
+  bool has_mlp = false;
+  ArchTensor mlp_gate;  // [Im, D]
+  ArchTensor mlp_up;    // [Im, D]
+  ArchTensor mlp_down;  // [D, Im]
+  int64_t mlp_inter = 0;
+};
+
+struct MoeArchitecture {
+  int64_t vocab = 0;
+  int64_t dim = 0;
+  int top_k = 0;
+  float eps = 1e-6f;
+  kernels::GatedActivation activation = kernels::GatedActivation::kSwiGLU;
+  ArchTensor embed;
+  ArchTensor final_norm;
+  ArchTensor head;  // May name the embedding when tied.
+  std::vector<MoeLayerSpec> layers;
+};
+
+// Reads the spec's architecture: model.embed_tokens.weight [V, D],
+// model.layers.N.{input_layernorm, moe.gate, moe.experts, mlp}, model.norm,
+// lm_head, of a spec that passed ValidateModelSpec. Errors:
+// INVALID_ARGUMENT for attention modules (not trained yet), a missing or
+// misshapen parameter (naming it and the expected shape), a layer without
+// experts or an MLP, dims.top_k outside [1, experts], or a parameter the
+// model does not use.
+absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(const v1::ModelSpec& model);
+
+// INVALID_ARGUMENT unless passes >= 1, 0 <= no_grad_passes < passes and
+// microbatches >= 1.
+absl::Status CheckModelStepShape(int passes, int no_grad_passes,
+                                 int microbatches);
+
+}  // namespace shardd
+
+#endif  // SHARDD_WORKER_MODEL_MOE_ARCHITECTURE_H_
