@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <initializer_list>
 #include <set>
 #include <string>
 #include <utility>
@@ -152,88 +153,63 @@ const std::set<std::string>& BoolFlags() {
   return *flags;
 }
 
+// `extra` and the flags that reach a coordinator (address, deadline, JSON
+// output, TLS and token), for a command that may talk to one.
+const std::set<std::string>* WithConnection(
+    std::initializer_list<const char*> extra) {
+  auto* flags = new std::set<std::string>{
+      "--coordinator", "--timeout", "--json",      "--tls-ca",
+      "--tls-cert",    "--tls-key", "--token-file"};
+  flags->insert(extra.begin(), extra.end());
+  return flags;
+}
+
 const std::set<std::string>& FlagsOf(ShardctlCommand command) {
-  static const auto* strategies = new std::set<std::string>{
-      "--coordinator", "--timeout", "--json",      "--tls-ca",
-      "--tls-cert",    "--tls-key", "--token-file"};
-  static const auto* status = new std::set<std::string>{
-      "--coordinator", "--timeout", "--json",      "--tls-ca",
-      "--tls-cert",    "--tls-key", "--token-file"};
-  static const auto* plan = new std::set<std::string>{"--coordinator",
-                                                      "--tls-ca",
-                                                      "--tls-cert",
-                                                      "--tls-key",
-                                                      "--token-file",
-                                                      "--timeout",
-                                                      "--json",
-                                                      "--hf-config",
-                                                      "--model",
-                                                      "--dp",
-                                                      "--replicate",
-                                                      "--strategy",
-                                                      "--microbatches",
-                                                      "--passes",
-                                                      "--no-grad-passes",
-                                                      "--defer-grad-sync",
-                                                      "--reshard-after-forward",
-                                                      "--fwd-prefetch",
-                                                      "--bwd-prefetch",
-                                                      "--no-mixed-precision",
-                                                      "--keep-compute-shard",
-                                                      "--bucket-elements",
-                                                      "--timeline",
-                                                      "--timeline-svg",
-                                                      "--compare-strategy",
-                                                      "--device-memory"};
-  static const auto* train =
-      new std::set<std::string>{"--coordinator",
-                                "--tls-ca",
-                                "--tls-cert",
-                                "--tls-key",
-                                "--token-file",
-                                "--timeout",
-                                "--json",
-                                "--model",
-                                "--model-id",
-                                "--steps",
-                                "--global-batch",
-                                "--seq",
-                                "--microbatches",
-                                "--data",
-                                "--lr",
-                                "--seed",
-                                "--dp",
-                                "--replicate",
-                                "--strategy",
-                                "--defer-grad-sync",
-                                "--fine-grained",
-                                "--passes",
-                                "--no-grad-passes",
-                                "--no-mixed-precision",
-                                "--keep-compute-shard",
-                                "--grad-clip",
-                                "--weight-decay",
-                                "--reshard-after-forward",
-                                "--fwd-prefetch",
-                                "--bwd-prefetch",
-                                "--log-every",
-                                "--watch-timeout",
-                                "--checkpoint-every",
-                                "--resume-from",
-                                "--loss-svg",
-                                "--max-recoveries",
-                                "--reconnect-timeout"};
-  static const auto* checkpoint_list = new std::set<std::string>{
-      "--coordinator", "--timeout", "--json",       "--tls-ca",
-      "--tls-cert",    "--tls-key", "--token-file", "--job"};
+  static const auto* strategies = WithConnection({});
+  static const auto* status = WithConnection({});
+  static const auto* plan = WithConnection(
+      {"--hf-config", "--model", "--dp", "--replicate", "--strategy",
+       "--microbatches", "--passes", "--no-grad-passes", "--defer-grad-sync",
+       "--reshard-after-forward", "--fwd-prefetch", "--bwd-prefetch",
+       "--no-mixed-precision", "--keep-compute-shard", "--bucket-elements",
+       "--timeline", "--timeline-svg", "--compare-strategy",
+       "--device-memory"});
+  static const auto* train = WithConnection({"--model",
+                                             "--model-id",
+                                             "--steps",
+                                             "--global-batch",
+                                             "--seq",
+                                             "--microbatches",
+                                             "--data",
+                                             "--lr",
+                                             "--seed",
+                                             "--dp",
+                                             "--replicate",
+                                             "--strategy",
+                                             "--defer-grad-sync",
+                                             "--fine-grained",
+                                             "--passes",
+                                             "--no-grad-passes",
+                                             "--no-mixed-precision",
+                                             "--keep-compute-shard",
+                                             "--grad-clip",
+                                             "--weight-decay",
+                                             "--reshard-after-forward",
+                                             "--fwd-prefetch",
+                                             "--bwd-prefetch",
+                                             "--log-every",
+                                             "--watch-timeout",
+                                             "--checkpoint-every",
+                                             "--resume-from",
+                                             "--loss-svg",
+                                             "--max-recoveries",
+                                             "--reconnect-timeout"});
+  static const auto* checkpoint_list = WithConnection({"--job"});
   static const auto* checkpoint_consolidate =
       new std::set<std::string>{"--checkpoint", "--out", "--hf"};
-  static const auto* checkpoint_save = new std::set<std::string>{
-      "--coordinator", "--timeout", "--json",       "--tls-ca",
-      "--tls-cert",    "--tls-key", "--token-file", "--job"};
-  static const auto* checkpoint_load = new std::set<std::string>{
-      "--coordinator", "--timeout",    "--json", "--tls-ca",    "--tls-cert",
-      "--tls-key",     "--token-file", "--job",  "--checkpoint"};
+  static const auto* checkpoint_save = WithConnection({"--job"});
+  static const auto* checkpoint_load =
+      WithConnection({"--job", "--checkpoint"});
   static const auto* none = new std::set<std::string>{};
   switch (command) {
     case ShardctlCommand::kStrategies:
@@ -694,6 +670,15 @@ absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
   return args;
 }
 
+// The connection flags' help, the same for every command that may talk to a
+// coordinator.
+constexpr char kSecurityHelp[] = R"(Security (with --coordinator):
+  --tls-ca FILE                CA that verifies the coordinator (TLS)
+  --tls-cert FILE, --tls-key FILE   client certificate (mutual TLS)
+  --token-file FILE            client bearer token, first line (default:
+                               $SHARDD_TOKEN_FILE)
+)";
+
 std::string ShardctlUsage(ShardctlCommand command) {
   switch (command) {
     case ShardctlCommand::kStrategies:
@@ -706,12 +691,7 @@ architectures shardd can read from a Hugging Face config.json. Without
   --coordinator HOST:PORT  ask a running shardd-coordinator
   --timeout SECONDS        connect and call deadline (default 30)
   --json                   print the response as JSON
-Security (with --coordinator):
-  --tls-ca FILE                CA that verifies the coordinator (TLS)
-  --tls-cert FILE, --tls-key FILE   client certificate (mutual TLS)
-  --token-file FILE            client bearer token, first line (default:
-                               $SHARDD_TOKEN_FILE)
-)";
+)" + std::string(kSecurityHelp);
     case ShardctlCommand::kPlan:
       return R"(Usage: shardctl plan (--hf-config FILE | --model FILE) --dp N [options]
 
@@ -762,12 +742,7 @@ Output:
                                overlay its total and peak
   --coordinator HOST:PORT      plan on a running shardd-coordinator
   --timeout SECONDS            connect and call deadline (default 30)
-Security (with --coordinator):
-  --tls-ca FILE                CA that verifies the coordinator (TLS)
-  --tls-cert FILE, --tls-key FILE   client certificate (mutual TLS)
-  --token-file FILE            client bearer token, first line (default:
-                               $SHARDD_TOKEN_FILE)
-)";
+)" + std::string(kSecurityHelp);
     case ShardctlCommand::kStatus:
       return R"(Usage: shardctl status --coordinator HOST:PORT [--json]
 
@@ -777,12 +752,7 @@ training jobs.
   --coordinator HOST:PORT  the coordinator (required)
   --timeout SECONDS        connect and call deadline (default 30)
   --json                   print the response as JSON
-Security (with --coordinator):
-  --tls-ca FILE                CA that verifies the coordinator (TLS)
-  --tls-cert FILE, --tls-key FILE   client certificate (mutual TLS)
-  --token-file FILE            client bearer token, first line (default:
-                               $SHARDD_TOKEN_FILE)
-)";
+)" + std::string(kSecurityHelp);
     case ShardctlCommand::kTrain:
       return R"(Usage: shardctl train --coordinator HOST:PORT (--model FILE | --model-id ID) [options]
 
@@ -855,12 +825,7 @@ Output:
                                that went away (it may be restarting; its
                                jobs go on) (default 120)
   --timeout SECONDS            connect and call deadline (default 30)
-Security (with --coordinator):
-  --tls-ca FILE                CA that verifies the coordinator (TLS)
-  --tls-cert FILE, --tls-key FILE   client certificate (mutual TLS)
-  --token-file FILE            client bearer token, first line (default:
-                               $SHARDD_TOKEN_FILE)
-)";
+)" + std::string(kSecurityHelp);
     case ShardctlCommand::kCheckpointList:
       return R"(Usage: shardctl checkpoint list --coordinator HOST:PORT [--job ID] [--json]
 
@@ -872,12 +837,7 @@ strategy that saved it.
   --job ID                 only this job's checkpoints
   --timeout SECONDS        connect and call deadline (default 30)
   --json                   print the response as JSON
-Security (with --coordinator):
-  --tls-ca FILE                CA that verifies the coordinator (TLS)
-  --tls-cert FILE, --tls-key FILE   client certificate (mutual TLS)
-  --token-file FILE            client bearer token, first line (default:
-                               $SHARDD_TOKEN_FILE)
-)";
+)" + std::string(kSecurityHelp);
     case ShardctlCommand::kCheckpointSave:
       return R"(Usage: shardctl checkpoint save --coordinator HOST:PORT --job ID [--json]
 
@@ -889,12 +849,7 @@ and step.
   --job ID                 the running job (required)
   --timeout SECONDS        connect and call deadline (default 30)
   --json                   print the response as JSON
-Security (with --coordinator):
-  --tls-ca FILE                CA that verifies the coordinator (TLS)
-  --tls-cert FILE, --tls-key FILE   client certificate (mutual TLS)
-  --token-file FILE            client bearer token, first line (default:
-                               $SHARDD_TOKEN_FILE)
-)";
+)" + std::string(kSecurityHelp);
     case ShardctlCommand::kCheckpointLoad:
       return R"(Usage: shardctl checkpoint load --coordinator HOST:PORT --job ID --checkpoint NAME [--json]
 
@@ -908,12 +863,7 @@ to its last step.
   --checkpoint NAME        e.g. j-1/step-00000020 (required)
   --timeout SECONDS        connect and call deadline (default 30)
   --json                   print the response as JSON
-Security (with --coordinator):
-  --tls-ca FILE                CA that verifies the coordinator (TLS)
-  --tls-cert FILE, --tls-key FILE   client certificate (mutual TLS)
-  --token-file FILE            client bearer token, first line (default:
-                               $SHARDD_TOKEN_FILE)
-)";
+)" + std::string(kSecurityHelp);
     case ShardctlCommand::kCheckpointConsolidate:
       return R"(Usage: shardctl checkpoint consolidate --checkpoint DIR --out DIR [--hf NAMING]
 
