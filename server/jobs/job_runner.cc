@@ -14,15 +14,20 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "checkpoint/checkpoint_reader.h"
+#include "checkpoint/checkpoint_writer.h"
 #include "common/error_info.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "program/step_program.h"
-#include "checkpoint/checkpoint_reader.h"
-#include "checkpoint/checkpoint_writer.h"
-#include "checkpoint/plan_index.h"
+#include "server/jobs/job_runner_internal.h"
 
 namespace shardd {
+
+using job_internal::Describe;
+using job_internal::Prefixed;
+using job_internal::RankLabel;
+using job_internal::StepLabel;
 
 // ---------------------------------------------------------------------------
 // JobEventLog
@@ -99,91 +104,6 @@ std::vector<v1::StepEvent> JobEventLog::Snapshot() const {
 // ---------------------------------------------------------------------------
 // JobRunner internals
 
-struct JobRunner::Job {
-  std::string id;
-  std::string model_id;
-  int32_t world_size = 0;
-  int32_t total_steps = 0;
-  // The step the job starts from (the checkpoint's, with resume_from).
-  int64_t first_step = 0;
-  // Read without the lock by the job's thread while it runs; cleared (under
-  // JobRunner::mu_) when it ends, since plans of large worlds are big.
-  JobSpec spec;
-  std::shared_ptr<JobEventLog> events;
-  std::thread thread;
-  // Restored from the journal: the first attempt recovers.
-  bool restored = false;
-  // The fields below are guarded by JobRunner::mu_.
-  v1::JobState state = v1::JOB_QUEUED;
-  int64_t steps_done = 0;
-  double last_loss = 0.0;
-  double tokens_per_second = 0.0;
-  std::string error;
-  int32_t recoveries = 0;
-  // The checkpoint a recovery reloads: the last one committed or loaded.
-  std::string last_checkpoint;
-  // On-demand saves and rollbacks, served between steps.
-  std::deque<Control> controls;
-};
-
-struct JobRunner::Control {
-  bool save = false;
-  std::string checkpoint;  // Rollback target.
-  CheckpointCallback done;
-};
-
-// One thread per rank, so that every rank's blocking call of a round is in
-// flight at the same time (a collective needs all of them).
-class JobRunner::RankPool {
- public:
-  explicit RankPool(int ranks) : tasks_(ranks) {
-    threads_.reserve(ranks);
-    for (int rank = 0; rank < ranks; ++rank) {
-      threads_.emplace_back([this, rank] { Loop(rank); });
-    }
-  }
-
-  ~RankPool() {
-    {
-      absl::MutexLock lock(&mu_);
-      stop_ = true;
-    }
-    for (std::thread& thread : threads_) thread.join();
-  }
-
-  RankPool(const RankPool&) = delete;
-  RankPool& operator=(const RankPool&) = delete;
-
-  // Runs `task` on `rank`'s thread; the rank must be idle.
-  void Run(int rank, std::function<void()> task) {
-    absl::MutexLock lock(&mu_);
-    tasks_[rank] = std::move(task);
-  }
-
- private:
-  void Loop(int rank) {
-    while (true) {
-      std::function<void()> task;
-      {
-        absl::MutexLock lock(&mu_);
-        auto ready = [this, rank]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return stop_ || tasks_[rank] != nullptr;
-        };
-        mu_.Await(absl::Condition(&ready));
-        if (tasks_[rank] == nullptr) return;  // Stopping, nothing left.
-        task = std::move(tasks_[rank]);
-        tasks_[rank] = nullptr;
-      }
-      task();
-    }
-  }
-
-  absl::Mutex mu_;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::vector<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::thread> threads_;
-};
-
 namespace {
 
 // The results of one round of calls.
@@ -197,15 +117,6 @@ struct Round {
   std::vector<int> failures ABSL_GUARDED_BY(mu);
 };
 
-std::string RankLabel(int rank, const std::string& address) {
-  return absl::StrCat("rank ", rank, " (", address, ")");
-}
-
-std::string Describe(const absl::Status& status) {
-  return absl::StrCat(absl::StatusCodeToString(status.code()), ": ",
-                      status.message());
-}
-
 // Collective failures on healthy ranks are a consequence; a cancelled call
 // was stopped by us. Either is a worse explanation than any other error.
 int CauseRank(absl::StatusCode code) {
@@ -217,16 +128,6 @@ int CauseRank(absl::StatusCode code) {
     default:
       return 0;
   }
-}
-
-std::string StepLabel(int64_t step, int32_t total) {
-  return absl::StrCat("step ", step, "/", total);
-}
-
-// The same status (code and reason) with `prefix` before its message.
-absl::Status Prefixed(absl::string_view prefix, const absl::Status& status) {
-  if (status.ok()) return status;
-  return WithMessage(status, absl::StrCat(prefix, status.message()));
 }
 
 // TrainConfig.max_recoveries resolved: 0 means the runner's default,
@@ -243,27 +144,6 @@ int64_t JobNumber(absl::string_view name) {
     return 0;
   }
   return n;
-}
-
-// The RankFile a worker's SaveShards reported.
-checkpoint::RankFile ToRankFile(const v1::SaveShardsResponse& response) {
-  checkpoint::RankFile out;
-  out.file.name = response.file_name();
-  out.file.size_bytes = response.size_bytes();
-  out.file.xxh64 = response.xxh64();
-  for (const v1::CheckpointChunk& chunk : response.chunks()) {
-    checkpoint::TensorChunk piece;
-    piece.tensor = chunk.tensor();
-    piece.dtype = chunk.dtype();
-    piece.global_shape.assign(chunk.global_shape().begin(),
-                              chunk.global_shape().end());
-    piece.chunk.file = chunk.file();
-    piece.chunk.tensor = chunk.file_tensor();
-    piece.chunk.begin = chunk.begin();
-    piece.chunk.end = chunk.end();
-    out.chunks.push_back(std::move(piece));
-  }
-  return out;
 }
 
 }  // namespace
@@ -1064,442 +944,48 @@ absl::Status JobRunner::Publish(Job* job, v1::StepEvent event) {
   return absl::OkStatus();
 }
 
-absl::Status JobRunner::RunSteps(Job* job, bool recovering) {
-  // The spec is immutable once submitted.
-  const JobSpec& spec = job->spec;
-  const int world = spec.plan.world_size();
-  const int dp_shard = spec.plan.mesh().dp_shard();
-  const int dp_replicate = std::max(1, spec.plan.mesh().dp_replicate());
-  const int32_t total = job->total_steps;
-  const uint64_t fingerprint = spec.plan.fingerprint();
+namespace job_internal {
 
-  if (absl::Status alive = workers_->CheckRanksAlive(world); !alive.ok()) {
-    // A worker that went away while the job was queued: worth waiting for.
-    return absl::UnavailableError(alive.message());
-  }
-  std::vector<WorkerSnapshot> snapshot(world);
-  for (const WorkerState& worker : workers_->List()) {
-    if (worker.rank >= 0 && worker.rank < world) {
-      snapshot[worker.rank] = {worker.address, worker.incarnation};
-    }
-  }
-  // A worker dying between the check and here shows up at the first poll
-  // (incarnation 0 never matches a registered worker).
-  const uint64_t epoch = workers_->membership_epoch();
-  std::vector<std::unique_ptr<WorkerClient>> clients(world);
-  for (int rank = 0; rank < world; ++rank) {
-    absl::StatusOr<std::unique_ptr<WorkerClient>> client =
-        factory_(snapshot[rank].address);
-    if (!client.ok()) {
-      return absl::Status(client.status().code(),
-                          absl::StrCat(RankLabel(rank, snapshot[rank].address),
-                                       ": ", Describe(client.status())));
-    }
-    clients[rank] = *std::move(client);
-  }
-  RankPool pool(world);
-
-  // Where the job starts: its first step (fresh shards, or resume_from), or
-  // after a fault what the workers still hold.
-  int64_t start = job->first_step;
-  std::string load_from = spec.config.resume_from();
-  std::vector<bool> keep(world, false);
-  std::vector<int32_t> heal_sources;  // By shard rank; empty: no healing.
-  std::string recovery;
-  if (recovering) {
-    std::vector<int64_t> held(world, -1);
-    SHARDD_RETURN_IF_ERROR(Prefixed(
-        "recovery: GetStats: ",
-        RunOnAllRanks(
-            snapshot, &pool,
-            [&](int rank, const WorkerCallOptions& options) -> absl::Status {
-              SHARDD_ASSIGN_OR_RETURN(v1::GetStatsResponse stats,
-                                      clients[rank]->GetStats(options));
-              if (stats.job_id() == job->id &&
-                  stats.plan_fingerprint() == fingerprint) {
-                held[rank] = stats.optimizer_steps();
-              }
-              return absl::OkStatus();
-            },
-            "GetStats")));
-    int64_t committed = 0;
-    std::string last_checkpoint;
-    {
-      absl::MutexLock lock(&mu_);
-      committed = job->steps_done;
-      last_checkpoint = job->last_checkpoint;
-    }
-    const int64_t highest = *std::max_element(held.begin(), held.end());
-    const bool all_hold =
-        std::all_of(held.begin(), held.end(),
-                    [&](int64_t steps) { return steps == highest; });
-    // Holders must not be behind what was acknowledged.
-    const bool usable = highest >= 0 && highest >= committed;
-    std::vector<int32_t> sources(dp_shard, -1);
-    bool healable = usable && dp_replicate > 1;
-    for (int s = 0; healable && s < dp_shard; ++s) {
-      for (int r = 0; r < dp_replicate; ++r) {
-        if (held[r * dp_shard + s] == highest) {
-          sources[s] = r;
-          break;
-        }
-      }
-      healable = sources[s] >= 0;
-    }
-    if (usable && all_hold) {
-      start = highest;
-      keep.assign(world, true);
-      load_from.clear();
-      recovery = absl::StrCat("every worker still held step ", highest,
-                              "; rebuilt the collective groups");
-    } else if (healable) {
-      start = highest;
-      std::vector<int> healed;
-      for (int rank = 0; rank < world; ++rank) {
-        keep[rank] = held[rank] == highest;
-        if (!keep[rank]) healed.push_back(rank);
-      }
-      heal_sources = sources;
-      load_from.clear();
-      recovery = absl::StrCat("healed ranks ", FormatRankList(healed),
-                              " from their replica peers at step ", highest,
-                              " (no checkpoint, no lost step)");
-    } else if (!last_checkpoint.empty()) {
-      absl::StatusOr<std::unique_ptr<checkpoint::CheckpointReader>> reader =
-          checkpoint::CheckpointReader::Open(options_.checkpoint_dir + "/" +
-                                             last_checkpoint);
-      SHARDD_RETURN_IF_ERROR(
-          Prefixed(absl::StrCat("recovery: checkpoint ", last_checkpoint, ": "),
-                   reader.status()));
-      start = (*reader)->index().step;
-      load_from = last_checkpoint;
-      recovery = absl::StrCat("reloaded checkpoint ", last_checkpoint,
-                              " at step ", start);
-      if (committed > start) {
-        absl::StrAppend(&recovery, "; steps ", start + 1, "-", committed,
-                        " run again");
-      }
-    } else {
-      start = job->first_step;
-      load_from.clear();
-      recovery = absl::StrCat(
-          "no worker state or checkpoint to resume from: "
-          "started over from step ",
-          start);
-    }
-  }
-
-  v1::LoadPlanRequest load;
-  *load.mutable_plan() = spec.plan;
-  *load.mutable_model() = spec.model;
-  *load.mutable_train() = spec.config;
-  load.set_seed(spec.config.seed());
-  load.set_job_id(job->id);
-  load.set_membership_epoch(epoch);
-  load.set_collective_timeout_ms(
-      absl::ToInt64Milliseconds(options_.collective_timeout));
-  std::vector<v1::LoadPlanResponse> loaded(world);
-  SHARDD_RETURN_IF_ERROR(Prefixed(
-      "LoadPlan: ",
-      RunOnAllRanks(
-          snapshot, &pool,
-          [&](int rank, const WorkerCallOptions& options) -> absl::Status {
-            v1::LoadPlanRequest request = load;
-            request.set_rank(rank);
-            request.set_keep_state(keep[rank]);
-            SHARDD_ASSIGN_OR_RETURN(loaded[rank],
-                                    clients[rank]->LoadPlan(request, options));
-            if (keep[rank] && loaded[rank].kept_step() != start) {
-              return absl::AbortedError(absl::StrCat(
-                  "kept step ", loaded[rank].kept_step(), " instead of ", start,
-                  " (its state changed during the recovery)"));
-            }
-            return absl::OkStatus();
-          },
-          "LoadPlan")));
-  if (!heal_sources.empty()) {
-    v1::HealReplicasRequest request;
-    request.set_plan_fingerprint(fingerprint);
-    for (int32_t source : heal_sources) request.add_source_replica(source);
-    SHARDD_RETURN_IF_ERROR(Prefixed(
-        "recovery: HealReplicas: ",
-        RunOnAllRanks(
-            snapshot, &pool,
-            [&](int rank, const WorkerCallOptions& options) -> absl::Status {
-              SHARDD_ASSIGN_OR_RETURN(
-                  v1::HealReplicasResponse response,
-                  clients[rank]->HealReplicas(request, options));
-              if (response.step() != start) {
-                return absl::AbortedError(
-                    absl::StrCat("holds step ", response.step(),
-                                 " after healing, not ", start));
-              }
-              return absl::OkStatus();
-            },
-            "HealReplicas")));
-  }
-
-  // Loads committed checkpoint `name` into every rank and checks that each
-  // rank holds step `expected` afterwards.
-  auto load_checkpoint = [&](const std::string& name,
-                             int64_t expected) -> absl::Status {
-    v1::LoadShardsRequest request;
-    request.set_plan_fingerprint(fingerprint);
-    request.set_checkpoint_dir(name);
-    std::vector<int64_t> steps(world, -1);
-    SHARDD_RETURN_IF_ERROR(Prefixed(
-        absl::StrCat("LoadShards ", name, ": "),
-        RunOnAllRanks(
-            snapshot, &pool,
-            [&](int rank, const WorkerCallOptions& options) -> absl::Status {
-              SHARDD_ASSIGN_OR_RETURN(
-                  v1::LoadShardsResponse response,
-                  clients[rank]->LoadShards(request, options));
-              steps[rank] = response.step();
-              return absl::OkStatus();
-            },
-            "LoadShards")));
-    for (int rank = 0; rank < world; ++rank) {
-      if (steps[rank] != expected) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "LoadShards ", name, ": ", RankLabel(rank, snapshot[rank].address),
-            " loaded step ", steps[rank], " but the checkpoint was at step ",
-            expected, " when it was chosen (it was replaced meanwhile)"));
-      }
-    }
-    return absl::OkStatus();
-  };
-  if (!load_from.empty()) {
-    SHARDD_RETURN_IF_ERROR(load_checkpoint(load_from, start));
-    SHARDD_LOG(INFO) << "job " << job->id << ": loaded " << load_from
-                     << " at step " << start;
-  }
-  if (recovering) {
-    SHARDD_LOG(INFO) << "job " << job->id << " recovered: " << recovery;
-    v1::StepEvent event;
-    event.set_job_id(job->id);
-    event.set_step(start);
-    event.set_total_steps(total);
-    event.set_recovery(recovery);
-    event.set_checkpoint(load_from);
-    SHARDD_RETURN_IF_ERROR(Publish(job, std::move(event)));
-  }
-
-  // Saves the shards after `steps_done` steps; returns the checkpoint's
-  // name relative to the checkpoint dir.
-  const std::string job_root = options_.checkpoint_dir + "/" + job->id;
-  auto save = [&](int64_t steps_done) -> absl::StatusOr<std::string> {
-    SHARDD_ASSIGN_OR_RETURN(const std::string tmp,
-                            checkpoint::BeginCheckpoint(job_root, steps_done));
-    v1::SaveShardsRequest request;
-    request.set_plan_fingerprint(fingerprint);
-    request.set_tmp_dir(absl::StrCat(
-        job->id, "/", std::filesystem::path(tmp).filename().string()));
-    std::vector<checkpoint::RankFile> files(dp_shard);
-    absl::Status saved = RunOnAllRanks(
-        snapshot, &pool,
-        [&](int rank, const WorkerCallOptions& options) -> absl::Status {
-          // Replica 0 holds every shard once; the other replicas the same.
-          if (rank >= dp_shard) return absl::OkStatus();
-          SHARDD_ASSIGN_OR_RETURN(v1::SaveShardsResponse response,
-                                  clients[rank]->SaveShards(request, options));
-          files[rank] = ToRankFile(response);
-          return absl::OkStatus();
-        },
-        "SaveShards");
-    absl::StatusOr<std::string> committed;
-    if (saved.ok()) {
-      absl::StatusOr<checkpoint::CheckpointIndex> index =
-          checkpoint::BuildIndex(spec.plan, steps_done, files);
-      committed = index.ok()
-                      ? checkpoint::CommitCheckpoint(job_root, tmp, *index)
-                      : absl::StatusOr<std::string>(index.status());
-    } else {
-      committed = saved;
-    }
-    if (!committed.ok()) {
-      std::error_code ignored;
-      std::filesystem::remove_all(tmp, ignored);
-      return committed.status();
-    }
-    return absl::StrCat(job->id, "/",
-                        checkpoint::CheckpointDirName(steps_done));
-  };
-  const int32_t checkpoint_every = spec.config.checkpoint_every();
-
-  // Serves the on-demand saves and rollbacks queued so far, between steps
-  // (`*step` steps done; `saved`: the checkpoint already committed for it).
-  // A rollback moves *step back and publishes a recovery event; with
-  // `last`, the job is about to end and rollbacks are refused.
-  auto serve_controls = [&](int64_t* step, std::string saved,
-                            bool last) -> absl::Status {
-    while (true) {
-      Control control;
-      {
-        absl::MutexLock lock(&mu_);
-        if (job->controls.empty()) return absl::OkStatus();
-        control = std::move(job->controls.front());
-        job->controls.pop_front();
-      }
-      if (control.save) {
-        absl::StatusOr<std::string> name =
-            saved.empty() ? save(*step) : absl::StatusOr<std::string>(saved);
-        if (!name.ok()) {
-          control.done(name.status());
-          // The workers may be gone: the job's next step tells.
-          continue;
-        }
-        saved = *name;
-        {
-          absl::MutexLock lock(&mu_);
-          job->last_checkpoint = saved;
-        }
-        SHARDD_LOG(INFO) << "job " << job->id << ": saved checkpoint " << saved
-                         << " on request";
-        control.done(CheckpointResult{saved, *step});
-        continue;
-      }
-      absl::StatusOr<std::unique_ptr<checkpoint::CheckpointReader>> reader =
-          checkpoint::CheckpointReader::Open(options_.checkpoint_dir + "/" +
-                                             control.checkpoint);
-      if (!reader.ok()) {
-        control.done(reader.status());
-        continue;
-      }
-      const int64_t target = (*reader)->index().step;
-      if (last || target >= total) {
-        control.done(absl::InvalidArgumentError(absl::StrCat(
-            "checkpoint: ", control.checkpoint, " holds step ", target,
-            (last
-                 ? " but the job has just run its last step"
-                 : absl::StrCat(", not before the job's last step ", total)))));
-        continue;
-      }
-      const absl::Status loaded_status =
-          load_checkpoint(control.checkpoint, target);
-      if (!loaded_status.ok()) {
-        control.done(loaded_status);
-        // The shards may be half overwritten: recover (or fail) the job.
-        return loaded_status;
-      }
-      *step = target;
-      saved.clear();
-      control.done(CheckpointResult{control.checkpoint, target});
-      v1::StepEvent event;
-      event.set_job_id(job->id);
-      event.set_step(target);
-      event.set_total_steps(total);
-      event.set_checkpoint(control.checkpoint);
-      event.set_recovery(absl::StrCat("rolled back to checkpoint ",
-                                      control.checkpoint, " at step ", target,
-                                      " on request"));
-      SHARDD_RETURN_IF_ERROR(Publish(job, std::move(event)));
-    }
-  };
-
-  const double entropy_rate = loaded[0].data_entropy_rate();
-  const int64_t planned_peak = spec.plan.memory().peak_unsharded_bytes();
-
-  v1::ExecuteRequest execute;
-  *execute.mutable_program() = spec.program;
-  const int commands = spec.program.commands_size();
-  std::vector<v1::ExecuteResponse> results(world);
-  for (int64_t step = start; step < total; ++step) {
-    SHARDD_RETURN_IF_ERROR(serve_controls(&step, "", /*last=*/false));
-    const std::string label = absl::StrCat(StepLabel(step + 1, total), ": ");
-    if (stopping()) {
-      return absl::UnavailableError(
-          absl::StrCat(label, "the coordinator is shutting down"));
-    }
-    const absl::Time begin = absl::Now();
-    if (!spec.config.fine_grained()) {
-      execute.mutable_program()->set_step(step);
-      SHARDD_RETURN_IF_ERROR(Prefixed(
-          label,
-          RunOnAllRanks(
-              snapshot, &pool,
-              [&](int rank, const WorkerCallOptions& options) -> absl::Status {
-                SHARDD_ASSIGN_OR_RETURN(
-                    results[rank], clients[rank]->Execute(execute, options));
-                return absl::OkStatus();
-              },
-              "Execute")));
-    } else {
-      for (int i = 0; i < commands; ++i) {
-        v1::RunCommandRequest request;
-        request.set_plan_fingerprint(spec.program.plan_fingerprint());
-        request.set_step(step);
-        *request.mutable_command() = spec.program.commands(i);
-        request.set_begin_step(i == 0);
-        request.set_end_step(i == commands - 1);
-        request.set_index(i);
-        SHARDD_RETURN_IF_ERROR(Prefixed(
-            absl::StrCat(label, "commands[", i, "] (",
-                         CommandToString(spec.program.commands(i)), "): "),
-            RunOnAllRanks(
-                snapshot, &pool,
-                [&](int rank,
-                    const WorkerCallOptions& options) -> absl::Status {
-                  SHARDD_ASSIGN_OR_RETURN(
-                      v1::ExecuteResponse response,
-                      clients[rank]->RunCommand(request, options));
-                  if (i == commands - 1) results[rank] = std::move(response);
-                  return absl::OkStatus();
-                },
-                "RunCommand")));
-      }
-    }
-    const double seconds = absl::ToDoubleSeconds(absl::Now() - begin);
-
-    int64_t tokens = 0;
-    double weighted_loss = 0.0;
-    double plain_loss = 0.0;
-    int64_t peak = 0;
-    int64_t all_gathers = 0;
-    int64_t reduce_scatters = 0;
-    for (const v1::ExecuteResponse& result : results) {
-      tokens += result.tokens();
-      weighted_loss += result.loss() * static_cast<double>(result.tokens());
-      plain_loss += result.loss();
-      peak = std::max(peak, result.peak_unsharded_bytes());
-      all_gathers = std::max(all_gathers, result.all_gathers());
-      reduce_scatters = std::max(reduce_scatters, result.reduce_scatters());
-    }
-    v1::StepEvent event;
-    event.set_job_id(job->id);
-    event.set_step(step + 1);
-    event.set_loss(tokens > 0 ? weighted_loss / static_cast<double>(tokens)
-                              : plain_loss / world);
-    event.set_tokens(tokens);
-    event.set_step_seconds(seconds);
-    event.set_tokens_per_second(
-        seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0);
-    // Every rank computes the same global norm (an all-reduce).
-    event.set_grad_norm(results[0].grad_norm());
-    event.set_peak_unsharded_bytes(peak);
-    event.set_planned_peak_unsharded_bytes(planned_peak);
-    event.set_all_gathers(all_gathers);
-    event.set_reduce_scatters(reduce_scatters);
-    event.set_data_entropy_rate(entropy_rate);
-    event.set_total_steps(total);
-    event.set_done(step + 1 == total);
-    if (checkpoint_every > 0 && (step + 1) % checkpoint_every == 0) {
-      absl::StatusOr<std::string> name = save(step + 1);
-      if (!name.ok()) {
-        return Prefixed(absl::StrCat(label, "checkpoint: "), name.status());
-      }
-      SHARDD_LOG(INFO) << "job " << job->id << ": saved checkpoint " << *name;
-      event.set_checkpoint(*name);
-    }
-    if (event.done()) {
-      // Saves asked for during the last step are served before the end.
-      int64_t steps_done = step + 1;
-      SHARDD_RETURN_IF_ERROR(
-          serve_controls(&steps_done, event.checkpoint(), /*last=*/true));
-    }
-    SHARDD_RETURN_IF_ERROR(Publish(job, std::move(event)));
-  }
-  return absl::OkStatus();
+std::string RankLabel(int rank, const std::string& address) {
+  return absl::StrCat("rank ", rank, " (", address, ")");
 }
+
+std::string Describe(const absl::Status& status) {
+  return absl::StrCat(absl::StatusCodeToString(status.code()), ": ",
+                      status.message());
+}
+
+std::string StepLabel(int64_t step, int32_t total) {
+  return absl::StrCat("step ", step, "/", total);
+}
+
+// The same status (code and reason) with `prefix` before its message.
+absl::Status Prefixed(absl::string_view prefix, const absl::Status& status) {
+  if (status.ok()) return status;
+  return WithMessage(status, absl::StrCat(prefix, status.message()));
+}
+
+// The RankFile a worker's SaveShards reported.
+checkpoint::RankFile ToRankFile(const v1::SaveShardsResponse& response) {
+  checkpoint::RankFile out;
+  out.file.name = response.file_name();
+  out.file.size_bytes = response.size_bytes();
+  out.file.xxh64 = response.xxh64();
+  for (const v1::CheckpointChunk& chunk : response.chunks()) {
+    checkpoint::TensorChunk piece;
+    piece.tensor = chunk.tensor();
+    piece.dtype = chunk.dtype();
+    piece.global_shape.assign(chunk.global_shape().begin(),
+                              chunk.global_shape().end());
+    piece.chunk.file = chunk.file();
+    piece.chunk.tensor = chunk.file_tensor();
+    piece.chunk.begin = chunk.begin();
+    piece.chunk.end = chunk.end();
+    out.chunks.push_back(std::move(piece));
+  }
+  return out;
+}
+
+}  // namespace job_internal
 
 }  // namespace shardd

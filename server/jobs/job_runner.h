@@ -300,6 +300,7 @@ class JobRunner {
   struct Job;
   struct Control;
   class RankPool;
+  class Attempt;
   struct WorkerSnapshot {
     std::string address;
     uint64_t incarnation = 0;

@@ -1,0 +1,534 @@
+#include <algorithm>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <string>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "checkpoint/checkpoint_reader.h"
+#include "checkpoint/checkpoint_writer.h"
+#include "checkpoint/plan_index.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "program/step_program.h"
+#include "server/jobs/job_runner.h"
+#include "server/jobs/job_runner_internal.h"
+
+namespace shardd {
+
+using job_internal::Describe;
+using job_internal::Prefixed;
+using job_internal::RankLabel;
+using job_internal::StepLabel;
+using job_internal::ToRankFile;
+
+// One attempt at a job's steps over the membership of the moment: the
+// workers' clients, where the job starts (after a fault: what the workers
+// still hold, a replica heal, or the last checkpoint), the plan loaded on
+// every rank, then the steps with their checkpoints and the saves and
+// rollbacks asked for on the way. A recovery starts a new attempt.
+class JobRunner::Attempt {
+ public:
+  Attempt(JobRunner* runner, Job* job)
+      : runner_(runner),
+        job_(job),
+        spec_(job->spec),
+        world_(spec_.plan.world_size()),
+        dp_shard_(spec_.plan.mesh().dp_shard()),
+        dp_replicate_(std::max(1, spec_.plan.mesh().dp_replicate())),
+        total_(job->total_steps),
+        fingerprint_(spec_.plan.fingerprint()),
+        job_root_(runner->options_.checkpoint_dir + "/" + job->id),
+        pool_(world_) {}
+
+  // `recovering`: after a fault or a restart. Returns the failure, if any.
+  absl::Status Run(bool recovering) {
+    SHARDD_RETURN_IF_ERROR(Connect());
+    start_ = job_->first_step;
+    load_from_ = spec_.config.resume_from();
+    keep_.assign(world_, false);
+    if (recovering) SHARDD_RETURN_IF_ERROR(ChooseRecovery());
+    SHARDD_RETURN_IF_ERROR(LoadPlan());
+    if (!heal_sources_.empty()) SHARDD_RETURN_IF_ERROR(HealReplicas());
+    if (!load_from_.empty()) {
+      SHARDD_RETURN_IF_ERROR(LoadCheckpoint(load_from_, start_));
+      SHARDD_LOG(INFO) << "job " << job_->id << ": loaded " << load_from_
+                       << " at step " << start_;
+    }
+    if (recovering) {
+      SHARDD_LOG(INFO) << "job " << job_->id << " recovered: " << recovery_;
+      v1::StepEvent event;
+      event.set_job_id(job_->id);
+      event.set_step(start_);
+      event.set_total_steps(total_);
+      event.set_recovery(recovery_);
+      event.set_checkpoint(load_from_);
+      SHARDD_RETURN_IF_ERROR(runner_->Publish(job_, std::move(event)));
+    }
+    // Built once: a program can be long.
+    *execute_.mutable_program() = spec_.program;
+    results_.assign(world_, v1::ExecuteResponse());
+    for (int64_t step = start_; step < total_; ++step) {
+      SHARDD_RETURN_IF_ERROR(ServeControls(&step, "", /*last=*/false));
+      SHARDD_RETURN_IF_ERROR(RunStep(step));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  using RankCall = std::function<absl::Status(int, const WorkerCallOptions&)>;
+
+  absl::Status OnAllRanks(const RankCall& call, absl::string_view what) {
+    return runner_->RunOnAllRanks(snapshot_, &pool_, call, what);
+  }
+
+  // The live workers of ranks 0..W-1 and a client for each.
+  absl::Status Connect() {
+    if (absl::Status alive = runner_->workers_->CheckRanksAlive(world_);
+        !alive.ok()) {
+      // A worker that went away while the job was queued: worth waiting for.
+      return absl::UnavailableError(alive.message());
+    }
+    snapshot_.assign(world_, WorkerSnapshot());
+    for (const WorkerState& worker : runner_->workers_->List()) {
+      if (worker.rank >= 0 && worker.rank < world_) {
+        snapshot_[worker.rank] = {worker.address, worker.incarnation};
+      }
+    }
+    // A worker dying between the check and here shows up at the first poll
+    // (incarnation 0 never matches a registered worker).
+    epoch_ = runner_->workers_->membership_epoch();
+    clients_.resize(world_);
+    for (int rank = 0; rank < world_; ++rank) {
+      absl::StatusOr<std::unique_ptr<WorkerClient>> client =
+          runner_->factory_(snapshot_[rank].address);
+      if (!client.ok()) {
+        return absl::Status(
+            client.status().code(),
+            absl::StrCat(RankLabel(rank, snapshot_[rank].address), ": ",
+                         Describe(client.status())));
+      }
+      clients_[rank] = *std::move(client);
+    }
+    return absl::OkStatus();
+  }
+
+  // After a fault: what the workers still hold decides where the job goes
+  // on (start_, load_from_, keep_, heal_sources_, recovery_).
+  absl::Status ChooseRecovery() {
+    std::vector<int64_t> held(world_, -1);
+    SHARDD_RETURN_IF_ERROR(Prefixed(
+        "recovery: GetStats: ",
+        OnAllRanks(
+            [&](int rank, const WorkerCallOptions& options) -> absl::Status {
+              SHARDD_ASSIGN_OR_RETURN(v1::GetStatsResponse stats,
+                                      clients_[rank]->GetStats(options));
+              if (stats.job_id() == job_->id &&
+                  stats.plan_fingerprint() == fingerprint_) {
+                held[rank] = stats.optimizer_steps();
+              }
+              return absl::OkStatus();
+            },
+            "GetStats")));
+    int64_t committed = 0;
+    std::string last_checkpoint;
+    {
+      absl::MutexLock lock(&runner_->mu_);
+      committed = job_->steps_done;
+      last_checkpoint = job_->last_checkpoint;
+    }
+    const int64_t highest = *std::max_element(held.begin(), held.end());
+    const bool all_hold =
+        std::all_of(held.begin(), held.end(),
+                    [&](int64_t steps) { return steps == highest; });
+    // Holders must not be behind what was acknowledged.
+    const bool usable = highest >= 0 && highest >= committed;
+    std::vector<int32_t> sources(dp_shard_, -1);
+    bool healable = usable && dp_replicate_ > 1;
+    for (int s = 0; healable && s < dp_shard_; ++s) {
+      for (int r = 0; r < dp_replicate_; ++r) {
+        if (held[r * dp_shard_ + s] == highest) {
+          sources[s] = r;
+          break;
+        }
+      }
+      healable = sources[s] >= 0;
+    }
+    if (usable && all_hold) {
+      start_ = highest;
+      keep_.assign(world_, true);
+      load_from_.clear();
+      recovery_ = absl::StrCat("every worker still held step ", highest,
+                               "; rebuilt the collective groups");
+    } else if (healable) {
+      start_ = highest;
+      std::vector<int> healed;
+      for (int rank = 0; rank < world_; ++rank) {
+        keep_[rank] = held[rank] == highest;
+        if (!keep_[rank]) healed.push_back(rank);
+      }
+      heal_sources_ = sources;
+      load_from_.clear();
+      recovery_ = absl::StrCat("healed ranks ", FormatRankList(healed),
+                               " from their replica peers at step ", highest,
+                               " (no checkpoint, no lost step)");
+    } else if (!last_checkpoint.empty()) {
+      absl::StatusOr<std::unique_ptr<checkpoint::CheckpointReader>> reader =
+          checkpoint::CheckpointReader::Open(runner_->options_.checkpoint_dir +
+                                             "/" + last_checkpoint);
+      SHARDD_RETURN_IF_ERROR(
+          Prefixed(absl::StrCat("recovery: checkpoint ", last_checkpoint, ": "),
+                   reader.status()));
+      start_ = (*reader)->index().step;
+      load_from_ = last_checkpoint;
+      recovery_ = absl::StrCat("reloaded checkpoint ", last_checkpoint,
+                               " at step ", start_);
+      if (committed > start_) {
+        absl::StrAppend(&recovery_, "; steps ", start_ + 1, "-", committed,
+                        " run again");
+      }
+    } else {
+      start_ = job_->first_step;
+      load_from_.clear();
+      recovery_ = absl::StrCat(
+          "no worker state or checkpoint to resume from: "
+          "started over from step ",
+          start_);
+    }
+    return absl::OkStatus();
+  }
+
+  // The plan on every rank (keeping the state of the ranks in keep_).
+  absl::Status LoadPlan() {
+    v1::LoadPlanRequest load;
+    *load.mutable_plan() = spec_.plan;
+    *load.mutable_model() = spec_.model;
+    *load.mutable_train() = spec_.config;
+    load.set_seed(spec_.config.seed());
+    load.set_job_id(job_->id);
+    load.set_membership_epoch(epoch_);
+    load.set_collective_timeout_ms(
+        absl::ToInt64Milliseconds(runner_->options_.collective_timeout));
+    loaded_.assign(world_, v1::LoadPlanResponse());
+    return Prefixed(
+        "LoadPlan: ",
+        OnAllRanks(
+            [&](int rank, const WorkerCallOptions& options) -> absl::Status {
+              v1::LoadPlanRequest request = load;
+              request.set_rank(rank);
+              request.set_keep_state(keep_[rank]);
+              SHARDD_ASSIGN_OR_RETURN(
+                  loaded_[rank], clients_[rank]->LoadPlan(request, options));
+              if (keep_[rank] && loaded_[rank].kept_step() != start_) {
+                return absl::AbortedError(absl::StrCat(
+                    "kept step ", loaded_[rank].kept_step(), " instead of ",
+                    start_, " (its state changed during the recovery)"));
+              }
+              return absl::OkStatus();
+            },
+            "LoadPlan"));
+  }
+
+  absl::Status HealReplicas() {
+    v1::HealReplicasRequest request;
+    request.set_plan_fingerprint(fingerprint_);
+    for (int32_t source : heal_sources_) request.add_source_replica(source);
+    return Prefixed(
+        "recovery: HealReplicas: ",
+        OnAllRanks(
+            [&](int rank, const WorkerCallOptions& options) -> absl::Status {
+              SHARDD_ASSIGN_OR_RETURN(
+                  v1::HealReplicasResponse response,
+                  clients_[rank]->HealReplicas(request, options));
+              if (response.step() != start_) {
+                return absl::AbortedError(
+                    absl::StrCat("holds step ", response.step(),
+                                 " after healing, not ", start_));
+              }
+              return absl::OkStatus();
+            },
+            "HealReplicas"));
+  }
+
+  // Loads committed checkpoint `name` into every rank and checks that each
+  // rank holds step `expected` afterwards.
+  absl::Status LoadCheckpoint(const std::string& name, int64_t expected) {
+    v1::LoadShardsRequest request;
+    request.set_plan_fingerprint(fingerprint_);
+    request.set_checkpoint_dir(name);
+    std::vector<int64_t> steps(world_, -1);
+    SHARDD_RETURN_IF_ERROR(Prefixed(
+        absl::StrCat("LoadShards ", name, ": "),
+        OnAllRanks(
+            [&](int rank, const WorkerCallOptions& options) -> absl::Status {
+              SHARDD_ASSIGN_OR_RETURN(
+                  v1::LoadShardsResponse response,
+                  clients_[rank]->LoadShards(request, options));
+              steps[rank] = response.step();
+              return absl::OkStatus();
+            },
+            "LoadShards")));
+    for (int rank = 0; rank < world_; ++rank) {
+      if (steps[rank] != expected) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "LoadShards ", name, ": ", RankLabel(rank, snapshot_[rank].address),
+            " loaded step ", steps[rank], " but the checkpoint was at step ",
+            expected, " when it was chosen (it was replaced meanwhile)"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Saves the shards after `steps_done` steps; returns the checkpoint's
+  // name relative to the checkpoint dir.
+  absl::StatusOr<std::string> Save(int64_t steps_done) {
+    SHARDD_ASSIGN_OR_RETURN(const std::string tmp,
+                            checkpoint::BeginCheckpoint(job_root_, steps_done));
+    v1::SaveShardsRequest request;
+    request.set_plan_fingerprint(fingerprint_);
+    request.set_tmp_dir(absl::StrCat(
+        job_->id, "/", std::filesystem::path(tmp).filename().string()));
+    std::vector<checkpoint::RankFile> files(dp_shard_);
+    absl::Status saved = OnAllRanks(
+        [&](int rank, const WorkerCallOptions& options) -> absl::Status {
+          // Replica 0 holds every shard once; the other replicas the same.
+          if (rank >= dp_shard_) return absl::OkStatus();
+          SHARDD_ASSIGN_OR_RETURN(v1::SaveShardsResponse response,
+                                  clients_[rank]->SaveShards(request, options));
+          files[rank] = ToRankFile(response);
+          return absl::OkStatus();
+        },
+        "SaveShards");
+    absl::StatusOr<std::string> committed;
+    if (saved.ok()) {
+      absl::StatusOr<checkpoint::CheckpointIndex> index =
+          checkpoint::BuildIndex(spec_.plan, steps_done, files);
+      committed = index.ok()
+                      ? checkpoint::CommitCheckpoint(job_root_, tmp, *index)
+                      : absl::StatusOr<std::string>(index.status());
+    } else {
+      committed = saved;
+    }
+    if (!committed.ok()) {
+      std::error_code ignored;
+      std::filesystem::remove_all(tmp, ignored);
+      return committed.status();
+    }
+    return absl::StrCat(job_->id, "/",
+                        checkpoint::CheckpointDirName(steps_done));
+  }
+
+  // Serves the on-demand saves and rollbacks queued so far, between steps
+  // (`*step` steps done; `saved`: the checkpoint already committed for it).
+  // A rollback moves *step back and publishes a recovery event; with
+  // `last`, the job is about to end and rollbacks are refused.
+  absl::Status ServeControls(int64_t* step, std::string saved, bool last) {
+    while (true) {
+      Control control;
+      {
+        absl::MutexLock lock(&runner_->mu_);
+        if (job_->controls.empty()) return absl::OkStatus();
+        control = std::move(job_->controls.front());
+        job_->controls.pop_front();
+      }
+      if (control.save) {
+        absl::StatusOr<std::string> name =
+            saved.empty() ? Save(*step) : absl::StatusOr<std::string>(saved);
+        if (!name.ok()) {
+          control.done(name.status());
+          // The workers may be gone: the job's next step tells.
+          continue;
+        }
+        saved = *name;
+        {
+          absl::MutexLock lock(&runner_->mu_);
+          job_->last_checkpoint = saved;
+        }
+        SHARDD_LOG(INFO) << "job " << job_->id << ": saved checkpoint " << saved
+                         << " on request";
+        control.done(CheckpointResult{saved, *step});
+        continue;
+      }
+      absl::StatusOr<std::unique_ptr<checkpoint::CheckpointReader>> reader =
+          checkpoint::CheckpointReader::Open(runner_->options_.checkpoint_dir +
+                                             "/" + control.checkpoint);
+      if (!reader.ok()) {
+        control.done(reader.status());
+        continue;
+      }
+      const int64_t target = (*reader)->index().step;
+      if (last || target >= total_) {
+        control.done(absl::InvalidArgumentError(absl::StrCat(
+            "checkpoint: ", control.checkpoint, " holds step ", target,
+            (last ? " but the job has just run its last step"
+                  : absl::StrCat(", not before the job's last step ",
+                                 total_)))));
+        continue;
+      }
+      const absl::Status loaded_status =
+          LoadCheckpoint(control.checkpoint, target);
+      if (!loaded_status.ok()) {
+        control.done(loaded_status);
+        // The shards may be half overwritten: recover (or fail) the job.
+        return loaded_status;
+      }
+      *step = target;
+      saved.clear();
+      control.done(CheckpointResult{control.checkpoint, target});
+      v1::StepEvent event;
+      event.set_job_id(job_->id);
+      event.set_step(target);
+      event.set_total_steps(total_);
+      event.set_checkpoint(control.checkpoint);
+      event.set_recovery(absl::StrCat("rolled back to checkpoint ",
+                                      control.checkpoint, " at step ", target,
+                                      " on request"));
+      SHARDD_RETURN_IF_ERROR(runner_->Publish(job_, std::move(event)));
+    }
+  }
+
+  // Step `step` (0-based) on every rank, one call per step or per command,
+  // then its event (with the periodic checkpoint, and the last step's
+  // queued saves).
+  absl::Status RunStep(int64_t step) {
+    const std::string label = absl::StrCat(StepLabel(step + 1, total_), ": ");
+    if (runner_->stopping()) {
+      return absl::UnavailableError(
+          absl::StrCat(label, "the coordinator is shutting down"));
+    }
+    const absl::Time begin = absl::Now();
+    std::vector<v1::ExecuteResponse>& results = results_;
+    if (!spec_.config.fine_grained()) {
+      execute_.mutable_program()->set_step(step);
+      SHARDD_RETURN_IF_ERROR(Prefixed(
+          label,
+          OnAllRanks(
+              [&](int rank, const WorkerCallOptions& options) -> absl::Status {
+                SHARDD_ASSIGN_OR_RETURN(
+                    results[rank], clients_[rank]->Execute(execute_, options));
+                return absl::OkStatus();
+              },
+              "Execute")));
+    } else {
+      const int commands = spec_.program.commands_size();
+      for (int i = 0; i < commands; ++i) {
+        v1::RunCommandRequest request;
+        request.set_plan_fingerprint(spec_.program.plan_fingerprint());
+        request.set_step(step);
+        *request.mutable_command() = spec_.program.commands(i);
+        request.set_begin_step(i == 0);
+        request.set_end_step(i == commands - 1);
+        request.set_index(i);
+        SHARDD_RETURN_IF_ERROR(Prefixed(
+            absl::StrCat(label, "commands[", i, "] (",
+                         CommandToString(spec_.program.commands(i)), "): "),
+            OnAllRanks(
+                [&](int rank,
+                    const WorkerCallOptions& options) -> absl::Status {
+                  SHARDD_ASSIGN_OR_RETURN(
+                      v1::ExecuteResponse response,
+                      clients_[rank]->RunCommand(request, options));
+                  if (i == commands - 1) results[rank] = std::move(response);
+                  return absl::OkStatus();
+                },
+                "RunCommand")));
+      }
+    }
+    const double seconds = absl::ToDoubleSeconds(absl::Now() - begin);
+    v1::StepEvent event = StepEventOf(step, results, seconds);
+    const int32_t checkpoint_every = spec_.config.checkpoint_every();
+    if (checkpoint_every > 0 && (step + 1) % checkpoint_every == 0) {
+      absl::StatusOr<std::string> name = Save(step + 1);
+      if (!name.ok()) {
+        return Prefixed(absl::StrCat(label, "checkpoint: "), name.status());
+      }
+      SHARDD_LOG(INFO) << "job " << job_->id << ": saved checkpoint " << *name;
+      event.set_checkpoint(*name);
+    }
+    if (event.done()) {
+      // Saves asked for during the last step are served before the end.
+      int64_t steps_done = step + 1;
+      SHARDD_RETURN_IF_ERROR(
+          ServeControls(&steps_done, event.checkpoint(), /*last=*/true));
+    }
+    return runner_->Publish(job_, std::move(event));
+  }
+
+  // The event of step `step` from every rank's result: the token-weighted
+  // loss, rank 0's global norm, the largest peaks and collective counts.
+  v1::StepEvent StepEventOf(int64_t step,
+                            const std::vector<v1::ExecuteResponse>& results,
+                            double seconds) const {
+    int64_t tokens = 0;
+    double weighted_loss = 0.0;
+    double plain_loss = 0.0;
+    int64_t peak = 0;
+    int64_t all_gathers = 0;
+    int64_t reduce_scatters = 0;
+    for (const v1::ExecuteResponse& result : results) {
+      tokens += result.tokens();
+      weighted_loss += result.loss() * static_cast<double>(result.tokens());
+      plain_loss += result.loss();
+      peak = std::max(peak, result.peak_unsharded_bytes());
+      all_gathers = std::max(all_gathers, result.all_gathers());
+      reduce_scatters = std::max(reduce_scatters, result.reduce_scatters());
+    }
+    v1::StepEvent event;
+    event.set_job_id(job_->id);
+    event.set_step(step + 1);
+    event.set_loss(tokens > 0 ? weighted_loss / static_cast<double>(tokens)
+                              : plain_loss / world_);
+    event.set_tokens(tokens);
+    event.set_step_seconds(seconds);
+    event.set_tokens_per_second(
+        seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0);
+    // Every rank computes the same global norm (an all-reduce).
+    event.set_grad_norm(results[0].grad_norm());
+    event.set_peak_unsharded_bytes(peak);
+    event.set_planned_peak_unsharded_bytes(
+        spec_.plan.memory().peak_unsharded_bytes());
+    event.set_all_gathers(all_gathers);
+    event.set_reduce_scatters(reduce_scatters);
+    event.set_data_entropy_rate(loaded_[0].data_entropy_rate());
+    event.set_total_steps(total_);
+    event.set_done(step + 1 == total_);
+    return event;
+  }
+
+  JobRunner* const runner_;
+  Job* const job_;
+  // The spec is immutable once submitted.
+  const JobSpec& spec_;
+  const int world_;
+  const int dp_shard_;
+  const int dp_replicate_;
+  const int32_t total_;
+  const uint64_t fingerprint_;
+  const std::string job_root_;
+  RankPool pool_;
+  std::vector<WorkerSnapshot> snapshot_;
+  uint64_t epoch_ = 0;
+  std::vector<std::unique_ptr<WorkerClient>> clients_;
+  // Where the job starts and how: the state the ranks keep, the replicas
+  // that heal the others (by shard rank; empty: none), the checkpoint to
+  // load, and the recovery's description.
+  int64_t start_ = 0;
+  std::vector<bool> keep_;
+  std::vector<int32_t> heal_sources_;
+  std::string load_from_;
+  std::string recovery_;
+  std::vector<v1::LoadPlanResponse> loaded_;
+  // The steps' request (the program) and every rank's last result.
+  v1::ExecuteRequest execute_;
+  std::vector<v1::ExecuteResponse> results_;
+};
+
+absl::Status JobRunner::RunSteps(Job* job, bool recovering) {
+  return Attempt(this, job).Run(recovering);
+}
+
+}  // namespace shardd

@@ -1,0 +1,127 @@
+#ifndef SHARDD_SERVER_JOBS_JOB_RUNNER_INTERNAL_H_
+#define SHARDD_SERVER_JOBS_JOB_RUNNER_INTERNAL_H_
+
+// JobRunner's internals shared by job_runner.cc (queueing, membership,
+// recovery policy, rank fan-out) and job_attempt.cc (one attempt at a job's
+// steps). Not for other code.
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "checkpoint/checkpoint_writer.h"
+#include "proto/worker.pb.h"
+#include "server/jobs/job_runner.h"
+
+namespace shardd {
+
+struct JobRunner::Job {
+  std::string id;
+  std::string model_id;
+  int32_t world_size = 0;
+  int32_t total_steps = 0;
+  // The step the job starts from (the checkpoint's, with resume_from).
+  int64_t first_step = 0;
+  // Read without the lock by the job's thread while it runs; cleared (under
+  // JobRunner::mu_) when it ends, since plans of large worlds are big.
+  JobSpec spec;
+  std::shared_ptr<JobEventLog> events;
+  std::thread thread;
+  // Restored from the journal: the first attempt recovers.
+  bool restored = false;
+  // The fields below are guarded by JobRunner::mu_.
+  v1::JobState state = v1::JOB_QUEUED;
+  int64_t steps_done = 0;
+  double last_loss = 0.0;
+  double tokens_per_second = 0.0;
+  std::string error;
+  int32_t recoveries = 0;
+  // The checkpoint a recovery reloads: the last one committed or loaded.
+  std::string last_checkpoint;
+  // On-demand saves and rollbacks, served between steps.
+  std::deque<Control> controls;
+};
+
+struct JobRunner::Control {
+  bool save = false;
+  std::string checkpoint;  // Rollback target.
+  CheckpointCallback done;
+};
+
+// One thread per rank, so that every rank's blocking call of a round is in
+// flight at the same time (a collective needs all of them).
+class JobRunner::RankPool {
+ public:
+  explicit RankPool(int ranks) : tasks_(ranks) {
+    threads_.reserve(ranks);
+    for (int rank = 0; rank < ranks; ++rank) {
+      threads_.emplace_back([this, rank] { Loop(rank); });
+    }
+  }
+
+  ~RankPool() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    for (std::thread& thread : threads_) thread.join();
+  }
+
+  RankPool(const RankPool&) = delete;
+  RankPool& operator=(const RankPool&) = delete;
+
+  // Runs `task` on `rank`'s thread; the rank must be idle.
+  void Run(int rank, std::function<void()> task) {
+    absl::MutexLock lock(&mu_);
+    tasks_[rank] = std::move(task);
+  }
+
+ private:
+  void Loop(int rank) {
+    while (true) {
+      std::function<void()> task;
+      {
+        absl::MutexLock lock(&mu_);
+        auto ready = [this, rank]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return stop_ || tasks_[rank] != nullptr;
+        };
+        mu_.Await(absl::Condition(&ready));
+        if (tasks_[rank] == nullptr) return;  // Stopping, nothing left.
+        task = std::move(tasks_[rank]);
+        tasks_[rank] = nullptr;
+      }
+      task();
+    }
+  }
+
+  absl::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::thread> threads_;
+};
+
+namespace job_internal {
+
+// "rank 2 (ADDR)".
+std::string RankLabel(int rank, const std::string& address);
+// "CODE: message".
+std::string Describe(const absl::Status& status);
+// "step S/T".
+std::string StepLabel(int64_t step, int32_t total);
+// The same status (code and reason) with `prefix` before its message.
+absl::Status Prefixed(absl::string_view prefix, const absl::Status& status);
+// The RankFile a worker's SaveShards reported.
+checkpoint::RankFile ToRankFile(const v1::SaveShardsResponse& response);
+
+}  // namespace job_internal
+}  // namespace shardd
+
+#endif  // SHARDD_SERVER_JOBS_JOB_RUNNER_INTERNAL_H_
