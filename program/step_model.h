@@ -9,8 +9,8 @@
 // peak. See docs/design.md, "Memory model".
 
 #include "absl/status/status.h"
-#include "proto/plan.pb.h"
 #include "program/step_program.h"  // kMaxMicrobatches and the other bounds.
+#include "proto/plan.pb.h"
 
 namespace shardd {
 

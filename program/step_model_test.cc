@@ -7,9 +7,9 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "program/step_program.h"
 #include "proto/plan.pb.h"
 #include "proto/worker.pb.h"
-#include "program/step_program.h"
 
 namespace shardd {
 namespace {

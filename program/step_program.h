@@ -15,21 +15,11 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "program/step_bounds.h"  // kMaxMicrobatches and the other bounds.
 #include "proto/plan.pb.h"
 #include "proto/worker.pb.h"
 
 namespace shardd {
-
-// Bounds on a step shape; they keep programs (and timelines) bounded.
-inline constexpr int kMaxMicrobatches = 1024;
-inline constexpr int kMaxPasses = 16;
-inline constexpr int kMaxPrefetchDepth = 64;
-// At most this many events are stored when the timeline is requested; all
-// of them are still counted in timeline_events and searched for the peak.
-inline constexpr int kMaxTimelineEvents = 1 << 20;
-// Largest program CompileStepProgram materializes (a huge step shape times
-// a deep model). ModelStep streams instead and has no such limit.
-inline constexpr int kMaxProgramCommands = 1 << 23;
 
 // Compiles `plan` (laid out: units with parents, kinds, layer indices,
 // prefetch lists and reshard policies; plan.step() is the step shape) into
