@@ -11,7 +11,10 @@
 # --defer-grad-sync" or "--fine-grained"), SHARDD_TLS (1: every endpoint
 # serves mutual TLS with a throwaway CA from tools/make_test_certs.sh, and
 # clients and workers present their bearer tokens; 0: plaintext, no tokens),
-# SHARDD_PICTURES (where the pictures go: the loss curve, and the memory
+# SHARDD_DEVICE (cpu, or cuda: worker i runs on cuda:i over NCCL; needs a
+# --config=cuda build), SHARDD_BIN (a folder of prebuilt binaries laid out as
+# bazel-bin, e.g. gpu_bundle/bin from tools/gpu_bundle.sh; then nothing is
+# installed or built), SHARDD_PICTURES (where the pictures go: the loss curve, and the memory
 # timeline of one step as rank 0 measured it and as the planner predicts
 # it; default: a new /tmp/shardd-pictures.XXXXXX, kept after the run).
 #
@@ -26,10 +29,22 @@ steps=${SHARDD_STEPS:-300}
 read -r -a extra_args <<<"${SHARDD_TRAIN_ARGS:-}"
 tls=${SHARDD_TLS:-1}
 
-tools/setup.sh
-bazel build //server:shardd-coordinator //worker:shardd-worker //client:shardctl
+device=${SHARDD_DEVICE:-cpu}
+if [[ "$device" != cpu && "$device" != cuda ]]; then
+  echo "run.sh: SHARDD_DEVICE: expected cpu or cuda, got '$device'" >&2
+  exit 2
+fi
 
-bin=bazel-bin
+if [[ -n "${SHARDD_BIN:-}" ]]; then
+  bin=$SHARDD_BIN
+else
+  tools/setup.sh
+  cuda_config=()
+  [[ "$device" == cuda ]] && cuda_config=(--config=cuda)
+  bazel build "${cuda_config[@]}" //server:shardd-coordinator \
+    //worker:shardd-worker //client:shardctl
+  bin=bazel-bin
+fi
 workdir=$(mktemp -d /tmp/shardd-local.XXXXXX)
 pictures=${SHARDD_PICTURES:-$(mktemp -d /tmp/shardd-pictures.XXXXXX)}
 mkdir -p "$pictures"
@@ -139,9 +154,11 @@ echo "== coordinator at $addr (--workers $workers)"
 for i in $(seq 0 $((workers - 1))); do
   # Rank 0 draws the memory it measures in its first step.
   timeline_flag=()
+  worker_device=cpu
+  [[ "$device" == cuda ]] && worker_device="cuda:$i"
   ((i == 0)) && timeline_flag=(--memory-timeline-svg="$pictures/memory-measured.svg")
   "$bin/worker/shardd-worker" --coordinator="$addr" --listen=127.0.0.1:0 \
-    --device=cpu --requested-rank="$i" "${worker_security[@]}" \
+    --device="$worker_device" --requested-rank="$i" "${worker_security[@]}" \
     "${timeline_flag[@]}" \
     --checkpoint-root="$checkpoints" --metrics-listen=127.0.0.1:0 \
     2>"$workdir/worker$i.log" &

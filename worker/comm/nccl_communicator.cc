@@ -281,7 +281,11 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
   SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(options.wait_poll_interval,
                                              "options.wait_poll_interval"));
 
-  SHARDD_RETURN_IF_ERROR(CheckCudaDevice(options.device));
+  if (absl::Status device = CheckCudaDevice(options.device); !device.ok()) {
+    // Name the field the caller set (the check itself speaks of devices).
+    return absl::Status(device.code(),
+                        absl::StrCat("options.device: ", device.message()));
+  }
   const absl::Time deadline = absl::Now() + options.init_timeout;
   SHARDD_RETURN_IF_ERROR(MakeDeviceCurrent(options.device));
 

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Builds the CUDA binaries here (--config=cuda) and copies them, with the
+# shared libraries they need that a GPU machine's image may lack, into
+# gpu_bundle/ (git-ignored), for a GPU machine that has no Bazel:
+#
+#   gpu_bundle/bin/<package>/<target>   same layout as bazel-bin
+#   gpu_bundle/lib/                     non-system, non-CUDA shared libraries
+#   gpu_bundle.tar.xz                   both, compressed (what travels: the
+#                                       device tool carries 64 MiB at most)
+#
+# Left out on purpose: glibc, libstdc++/libgcc_s (the target's are newer and
+# backward compatible) and the CUDA libraries (driver, cudart, cuBLAS, NCCL:
+# hundreds of MB; tools/gpu_check.sh finds the target's own copies).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+gpu_tests=(
+  //kernels:cuda_probe_test
+  //kernels/cuda:bf16_cast_test //kernels/cuda:embedding_test
+  //kernels/cuda:rms_norm_test //kernels/cuda:router_test
+  //kernels/cuda:cross_entropy_test //kernels/cuda:adamw_test
+  //kernels/cuda:dense_mlp_test //kernels/cuda:grouped_experts_test
+  //worker/exec:cuda_backend_test //worker/model:device_moe_model_test
+  //worker/memory:cuda_memory_backend_test //worker/comm:nccl_communicator_test
+)
+binaries=(
+  //server:shardd-coordinator //worker:shardd-worker //client:shardctl
+  //bench:grouped_experts_cuda_bench
+)
+bazel build --config=cuda "${gpu_tests[@]}" "${binaries[@]}"
+
+out=gpu_bundle
+rm -rf "$out"
+mkdir -p "$out/bin" "$out/lib"
+for label in "${gpu_tests[@]}" "${binaries[@]}"; do
+  path=${label#//}
+  path=${path/://}
+  mkdir -p "$out/bin/$(dirname "$path")"
+  cp -L "bazel-bin/$path" "$out/bin/$path"
+  # Resolved libraries (bazel's _solib_k8 ones included).
+  ldd "bazel-bin/$path" | awk '$2 == "=>" && $3 ~ /^\// {print $3}' |
+    while read -r lib; do
+      case "$(basename "$lib")" in
+        libc.so* | libm.so* | libdl.so* | librt.so* | libpthread.so* | \
+          ld-linux* | libstdc++.so* | libgcc_s.so* | libcuda.so* | \
+          libcudart.so* | libcublas* | libnccl.so* | libnvidia*) continue ;;
+      esac
+      [[ -e "$out/lib/$(basename "$lib")" ]] || cp -L "$lib" "$out/lib/"
+    done
+done
+chmod -R u+w "$out"
+strip --strip-debug "$out"/bin/*/* "$out"/bin/*/*/* "$out"/lib/* 2>/dev/null || true
+tar -C "$out" -cf - bin lib | xz -T2 -6 >"$out.tar.xz.tmp"
+mv "$out.tar.xz.tmp" "$out/bundle.tar.xz"
+du -sh "$out/bin" "$out/lib" "$out/bundle.tar.xz"

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# The GPU checks, in one call on a GPU machine that has no Bazel (the device
+# tool): unpacks gpu_bundle/bundle.tar.xz (tools/gpu_bundle.sh), then
+#   1. runs every gpu-tagged test binary,
+#   2. trains tests/data/small_moe.json with one worker on cuda:0 (NCCL,
+#      world size 1) and then on the CPU (Gloo), same seed and batches,
+#   3. runs the grouped-experts benchmark and its torch._grouped_mm twin.
+# Full logs go to $OUT (or /tmp/gpu-check); a summary is printed last.
+#
+#   tools/gpu_check.sh [tests] [train] [bench]     (default: all three)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/gpu-check}
+mkdir -p "$out"
+parts=("$@")
+((${#parts[@]} == 0)) && parts=(tests train bench)
+want() { [[ " ${parts[*]} " == *" $1 "* ]]; }
+
+root=/tmp/shardd-gpu
+rm -rf "$root" && mkdir -p "$root"
+tar -C "$root" -xJf gpu_bundle/bundle.tar.xz || exit 1
+# The target's own CUDA libraries: the toolkit's, else the pip wheels'.
+cuda_dirs=()
+for lib in libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libnccl.so.2; do
+  found=$(find /usr/local/cuda/lib64/ /usr/local/cuda/targets/ /opt /usr/lib \
+    -name "$lib" 2>/dev/null | head -n 1)
+  [[ -n "$found" ]] && cuda_dirs+=("$(dirname "$found")")
+done
+ld_path="$root/lib"
+for d in $(printf '%s\n' "${cuda_dirs[@]}" | sort -u); do ld_path+=":$d"; done
+export LD_LIBRARY_PATH="$ld_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+{
+  nvidia-smi -L
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+  for b in $(find "$root/bin" -type f); do
+    missing=$(ldd "$b" | grep 'not found' || true)
+    [[ -n "$missing" ]] && echo "MISSING for $b: $missing"
+  done
+} >"$out/env.log" 2>&1
+cat "$out/env.log" | grep -v '^LD_LIBRARY_PATH' | head -20
+summary=()
+
+if want tests; then
+  : >"$out/tests.log"
+  for t in $(find "$root/bin" -name '*_test' -type f | sort); do
+    name=${t#"$root/bin/"}
+    start=$SECONDS
+    timeout 180 "$t" >"$out/t.log" 2>&1
+    rc=$?
+    {
+      echo "===== $name rc=$rc ($((SECONDS - start)) s)"
+      cat "$out/t.log"
+    } >>"$out/tests.log"
+    passed=$(grep -c '^\[       OK \]' "$out/t.log")
+    # Per-test lines end in "(N ms)"; the closing list repeats the names.
+    failed=$(grep -c '^\[  FAILED  \] .* ms)$' "$out/t.log")
+    skipped=$(grep -c '^\[  SKIPPED \] .* ms)$' "$out/t.log")
+    summary+=("$(printf '%-45s rc=%-3s ok=%-3s failed=%-3s skipped=%s' "$name" "$rc" "$passed" "$failed" "$skipped")")
+    grep -E '^\[  FAILED  \] [A-Za-z]|Failure|error:' "$out/t.log" | head -n 6 |
+      sed 's/^/      /' >>"$out/failures.txt"
+  done
+  rm -f "$out/t.log"
+fi
+
+if want train; then
+  steps=${GPU_CHECK_STEPS:-40}
+  for device in cuda cpu; do
+    SHARDD_BIN="$root/bin" SHARDD_DEVICE=$device SHARDD_WORKERS=1 SHARDD_TLS=0 \
+      SHARDD_STEPS=$steps SHARDD_TRAIN_ARGS=--json \
+      SHARDD_PICTURES="$root/pictures-$device" \
+      timeout 300 deploy/local/run.sh >"$out/train_$device.log" 2>&1
+    rc=$?
+    summary+=("train $device rc=$rc")
+    if ((rc != 0)); then
+      echo "  train $device:" >>"$out/failures.txt"
+      tail -n 25 "$out/train_$device.log" | sed 's/^/      /' >>"$out/failures.txt"
+    fi
+  done
+  /usr/bin/env python3 - "$out/train_cuda.log" "$out/train_cpu.log" <<'PY' | tee "$out/train_compare.txt"
+import json, sys
+def report(path):
+    """The JSON object `shardctl train --json` prints (lines '{' .. '}')."""
+    lines, inside = [], False
+    for line in open(path, errors="replace"):
+        if line.rstrip() == "{":
+            inside, lines = True, []
+        if inside:
+            lines.append(line)
+            if line.rstrip() == "}":
+                return json.loads("".join(lines))
+    return {}
+gpu, cpu = report(sys.argv[1]), report(sys.argv[2])
+for key in ("steps", "first_loss", "final_loss", "step_seconds",
+            "tokens_per_second", "peak_unsharded_bytes",
+            "planned_peak_unsharded_bytes", "incidents"):
+    print(f"{key:30s} gpu {gpu.get(key)!s:24s} cpu {cpu.get(key)}")
+g, c = gpu.get("losses", []), cpu.get("losses", [])
+worst = 0.0
+for i, (a, b) in enumerate(zip(g, c)):
+    rel = abs(a - b) / abs(b)
+    worst = max(worst, rel)
+    if i < 5 or i >= len(g) - 3:
+        print(f"step {i + 1:4d} gpu {a:.6f} cpu {b:.6f} rel {rel:.2e}")
+print(f"largest relative loss difference over {min(len(g), len(c))} steps: {worst:.2e}")
+PY
+fi
+
+if want bench; then
+  tokens=${GPU_CHECK_TOKENS:-4096,16384,65536}
+  timeout 240 "$root/bin/bench/grouped_experts_cuda_bench" --tokens="$tokens" \
+    >"$out/bench_shardd.log" 2>&1
+  summary+=("grouped_experts_cuda_bench rc=$?")
+  timeout 240 python3 bench/torch_grouped_mm.py --tokens "$tokens" \
+    >"$out/bench_torch.log" 2>&1
+  summary+=("torch_grouped_mm rc=$?")
+  tail -n 12 "$out/bench_shardd.log" "$out/bench_torch.log"
+fi
+
+echo "===== failures"
+cat "$out/failures.txt" 2>/dev/null | head -n 60
+echo "===== summary"
+printf '%s\n' "${summary[@]}"
