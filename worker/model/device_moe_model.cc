@@ -26,6 +26,7 @@
 #include "kernels/cuda/rms_norm.h"
 #include "kernels/cuda/router.h"
 #include "model/model_util.h"
+#include "worker/model/command_order.h"
 #include "worker/model/device_moe_model_kernels.h"
 #include "worker/model/moe_architecture.h"
 
@@ -68,8 +69,6 @@ struct LayerState {
   DeviceBuffer dense_out;     // [T, D], LAYER forward -> EXPERTS forward
   DeviceBuffer mlp_saved;     // DenseMlpSavedBytes
   ExpertSlot experts;
-  bool layer_done = false;
-  bool experts_done = false;
 };
 
 // One (micro-batch, pass): the CPU's PassActs, kept per micro-batch too so
@@ -85,10 +84,6 @@ struct PassState {
   DeviceBuffer dweights;   // [T, K] fp32
   // Saved state for a backward is kept (the pass has gradients).
   bool saves = false;
-  bool embedded = false;
-  bool head_done = false;
-  bool head_backward_done = false;
-  int next_backward_layer = -1;
   // Who still reads h: the next pass's EMBED, this pass's BACKWARD HEAD.
   bool h_for_next = false;
   bool h_for_backward = false;
@@ -127,6 +122,8 @@ struct DeviceMoeModel::Impl : MoeArchitecture {
 
   std::vector<BatchState> batches;
   std::vector<PassState> states;  // [microbatch * passes + pass]
+  // Per (pass, micro-batch), as the states.
+  std::unique_ptr<ModelCommandOrder> order;
   int loss_terms = 0;
   int64_t host_syncs = 0;
 
@@ -316,10 +313,7 @@ void DeviceMoeModel::Impl::ReleaseLayer(LayerState* l) {
 }
 
 void DeviceMoeModel::Impl::ReleasePass(PassState* s) {
-  for (LayerState& l : s->layers) {
-    ReleaseLayer(&l);
-    l.layer_done = l.experts_done = false;
-  }
+  for (LayerState& l : s->layers) ReleaseLayer(&l);
   s->x.Reset();
   s->final_x.Reset();
   s->final_inv.Reset();
@@ -327,9 +321,7 @@ void DeviceMoeModel::Impl::ReleasePass(PassState* s) {
   s->dx.Reset();
   s->dn.Reset();
   s->dweights.Reset();
-  s->embedded = s->head_done = s->head_backward_done = false;
   s->h_for_next = s->h_for_backward = false;
-  s->next_backward_layer = -1;
 }
 
 DeviceMoeModel::DeviceMoeModel(std::unique_ptr<Impl> impl)
@@ -417,6 +409,10 @@ absl::StatusOr<std::unique_ptr<DeviceMoeModel>> DeviceMoeModel::Create(
   m.states.resize(static_cast<size_t>(options.model.microbatches) *
                   options.model.passes);
   for (PassState& s : m.states) s.layers.resize(m.layers.size());
+  m.order = std::make_unique<ModelCommandOrder>(
+      options.model.passes, options.model.no_grad_passes,
+      options.model.microbatches, m.LayersWithExperts(),
+      /*per_microbatch=*/true);
   return absl::WrapUnique(new DeviceMoeModel(std::move(impl)));
 }
 
@@ -424,35 +420,13 @@ absl::Status DeviceMoeModel::SetBatch(int microbatch, const int32_t* inputs,
                                       const int32_t* targets, int64_t batch,
                                       int64_t seq) {
   Impl& m = *impl_;
-  if (microbatch < 0 || microbatch >= m.options.model.microbatches) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("microbatch: must be in [0, ",
-                     m.options.model.microbatches, "), got ", microbatch));
-  }
-  if (batch < 1 || seq < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("batch and seq: must be >= 1, got ", batch, " and ", seq));
-  }
-  if (inputs == nullptr || targets == nullptr) {
-    return absl::InvalidArgumentError("inputs and targets: must not be null");
-  }
   // The host arrays are checked here, as the CPU model does; the device
   // counters in ReadStepLoss only back this up.
+  SHARDD_ASSIGN_OR_RETURN(
+      const int64_t counted,
+      CheckMicroBatch(microbatch, m.options.model.microbatches, inputs, targets,
+                      batch, seq, m.vocab));
   const int64_t tokens = batch * seq;
-  int64_t counted = 0;
-  for (int64_t i = 0; i < tokens; ++i) {
-    if (inputs[i] < 0 || inputs[i] >= m.vocab) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("inputs[", i, "]: token id ", inputs[i], " outside [0, ",
-                       m.vocab, ")"));
-    }
-    if (targets[i] != -1 && (targets[i] < 0 || targets[i] >= m.vocab)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("targets[", i, "]: token id ", targets[i],
-                       " outside [0, ", m.vocab, ") (or -1 to ignore)"));
-    }
-    if (targets[i] != -1) ++counted;
-  }
   SHARDD_CUDA_RETURN_IF_ERROR(cudaSetDevice(m.options.device),
                               "SetBatch: cudaSetDevice");
   BatchState& b = m.batches[microbatch];
@@ -504,53 +478,28 @@ absl::Status DeviceMoeModel::SetBatch(int microbatch, const int32_t* inputs,
 absl::Status DeviceMoeModel::Run(const v1::Command& command,
                                  DeviceParamSource* params) {
   Impl& m = *impl_;
-  const int pass = command.pass();
-  const int mb = command.microbatch();
-  if (pass < 0 || pass >= m.options.model.passes || mb < 0 ||
-      mb >= m.options.model.microbatches) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "command pass ", pass, " / microbatch ", mb, " outside the step's ",
-        m.options.model.passes, " passes and ", m.options.model.microbatches,
-        " micro-batches"));
-  }
-  if ((command.part() == v1::Command::LAYER ||
-       command.part() == v1::Command::EXPERTS) &&
-      (command.layer() < 0 ||
-       command.layer() >= static_cast<int>(m.layers.size()))) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("command layer ", command.layer(), " outside [0, ",
-                     m.layers.size(), ")"));
-  }
+  SHARDD_RETURN_IF_ERROR(m.order->Check(command, "DeviceMoeModel"));
   if (params == nullptr) {
     return absl::InvalidArgumentError("params: must not be null");
   }
-  if (m.batches[mb].tokens == 0) {
+  if (m.batches[command.microbatch()].tokens == 0) {
     return absl::FailedPreconditionError(
-        absl::StrCat("micro-batch ", mb, " has no tokens (SetBatch missing)"));
+        absl::StrCat("micro-batch ", command.microbatch(),
+                     " has no tokens (SetBatch missing)"));
   }
+  SHARDD_CUDA_RETURN_IF_ERROR(cudaSetDevice(m.options.device),
+                              "Run: cudaSetDevice");
+  SHARDD_RETURN_IF_ERROR(m.ZeroStepLossOnce());
   const bool fp32 = m.options.activations == DeviceDType::kFloat32;
-  switch (command.op()) {
-    case v1::Command::FORWARD:
-      SHARDD_CUDA_RETURN_IF_ERROR(cudaSetDevice(m.options.device),
-                                  "Run: cudaSetDevice");
-      SHARDD_RETURN_IF_ERROR(m.ZeroStepLossOnce());
-      return fp32 ? m.Forward<float>(command, params)
-                  : m.Forward<uint16_t>(command, params);
-    case v1::Command::BACKWARD:
-      if (pass < m.options.model.no_grad_passes) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "BACKWARD of pass ", pass, ", which has no gradients"));
-      }
-      SHARDD_CUDA_RETURN_IF_ERROR(cudaSetDevice(m.options.device),
-                                  "Run: cudaSetDevice");
-      SHARDD_RETURN_IF_ERROR(m.ZeroStepLossOnce());
-      return fp32 ? m.Backward<float>(command, params)
-                  : m.Backward<uint16_t>(command, params);
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("DeviceMoeModel runs FORWARD and BACKWARD, got op ",
-                       v1::Command::Op_Name(command.op())));
+  if (command.op() == v1::Command::FORWARD) {
+    SHARDD_RETURN_IF_ERROR(fp32 ? m.Forward<float>(command, params)
+                                : m.Forward<uint16_t>(command, params));
+  } else {
+    SHARDD_RETURN_IF_ERROR(fp32 ? m.Backward<float>(command, params)
+                                : m.Backward<uint16_t>(command, params));
   }
+  m.order->Commit(command);
+  return absl::OkStatus();
 }
 
 template <typename T>
@@ -567,7 +516,7 @@ absl::Status DeviceMoeModel::Impl::Forward(const Command& c,
   switch (c.part()) {
     case Command::EMBED: {
       PassState* prev = pass > 0 ? &State(pass - 1, mb) : nullptr;
-      if (prev != nullptr && (!prev->head_done || prev->h.empty())) {
+      if (prev != nullptr && prev->h.empty()) {
         return absl::FailedPreconditionError(
             absl::StrCat("FORWARD EMBED of pass ", pass, " before pass ",
                          pass - 1, "'s HEAD"));
@@ -590,18 +539,13 @@ absl::Status DeviceMoeModel::Impl::Forward(const Command& c,
         MaybeReleaseH(prev);
       }
       a.saves = c.requires_grad() || pass >= options.model.no_grad_passes;
-      a.embedded = true;
-      a.next_backward_layer = static_cast<int>(layers.size()) - 1;
       return absl::OkStatus();
     }
     case Command::LAYER: {
       const int l = c.layer();
       const LayerInfo& spec = layers[l];
       LayerState& la = a.layers[l];
-      if (!a.embedded || a.x.empty() ||
-          (l > 0 &&
-           !(a.layers[l - 1].layer_done &&
-             (a.layers[l - 1].experts_done || !layers[l - 1].has_moe)))) {
+      if (a.x.empty()) {
         return absl::FailedPreconditionError(
             absl::StrCat("FORWARD LAYER ", l, " out of order in pass ", pass));
       }
@@ -660,19 +604,13 @@ absl::Status DeviceMoeModel::Impl::Forward(const Command& c,
         la.dense_out.Reset();
         if (!a.saves) ReleaseLayer(&la);
       }
-      la.layer_done = true;
-      la.experts_done = false;
       return absl::OkStatus();
     }
     case Command::EXPERTS: {
       const int l = c.layer();
       const LayerInfo& spec = layers[l];
       LayerState& la = a.layers[l];
-      if (!spec.has_moe) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("FORWARD EXPERTS of layer ", l, ", which has none"));
-      }
-      if (!la.layer_done || la.experts_done || la.normed.empty()) {
+      if (la.normed.empty()) {
         return absl::FailedPreconditionError(absl::StrCat(
             "FORWARD EXPERTS ", l, " must follow FORWARD LAYER ", l));
       }
@@ -700,13 +638,10 @@ absl::Status DeviceMoeModel::Impl::Forward(const Command& c,
       temps.push_back(std::move(y));
       la.dense_out.Reset();
       if (!a.saves) ReleaseLayer(&la);
-      la.experts_done = true;
       return absl::OkStatus();
     }
     case Command::HEAD: {
-      const LayerInfo& last = layers.back();
-      const LayerState& ll = a.layers.back();
-      if (!ll.layer_done || (last.has_moe && !ll.experts_done) || a.x.empty()) {
+      if (a.x.empty()) {
         return absl::FailedPreconditionError(
             absl::StrCat("FORWARD HEAD before the last layer in pass ", pass));
       }
@@ -728,8 +663,6 @@ absl::Status DeviceMoeModel::Impl::Forward(const Command& c,
       a.h_for_next = pass + 1 < options.model.passes;
       a.h_for_backward = a.saves;
       MaybeReleaseH(&a);
-      a.head_done = true;
-      a.head_backward_done = false;
       return absl::OkStatus();
     }
     default:
@@ -751,8 +684,7 @@ absl::Status DeviceMoeModel::Impl::Backward(const Command& c,
   std::vector<DeviceBuffer> temps;  // Freed (stream-ordered) on return.
   switch (c.part()) {
     case Command::HEAD: {
-      if (!a.head_done || a.head_backward_done || a.final_x.empty() ||
-          a.h.empty()) {
+      if (a.final_x.empty() || a.h.empty()) {
         return absl::FailedPreconditionError(absl::StrCat(
             "BACKWARD HEAD of pass ", pass, " without its forward"));
       }
@@ -812,17 +744,13 @@ absl::Status DeviceMoeModel::Impl::Backward(const Command& c,
       a.final_inv.Reset();
       a.h_for_backward = false;
       MaybeReleaseH(&a);
-      a.head_backward_done = true;
-      a.next_backward_layer = static_cast<int>(layers.size()) - 1;
       return absl::OkStatus();
     }
     case Command::EXPERTS: {
       const int l = c.layer();
       const LayerInfo& spec = layers[l];
       LayerState& la = a.layers[l];
-      if (!spec.has_moe || !a.head_backward_done ||
-          a.next_backward_layer != l || !la.experts_done ||
-          la.experts.workspace == nullptr) {
+      if (la.experts.workspace == nullptr) {
         return absl::FailedPreconditionError(absl::StrCat(
             "BACKWARD EXPERTS ", l, " out of order in pass ", pass));
       }
@@ -839,17 +767,14 @@ absl::Status DeviceMoeModel::Impl::Backward(const Command& c,
           /*accumulate_dx=*/false, a.dweights.as<float>(), dw_gu, dw_d,
           la.experts.workspace, cublas, stream));
       ReleaseExpertSlot(&la.experts);
-      la.experts_done = false;  // Consumed: LAYER backward comes next.
       return absl::OkStatus();
     }
     case Command::LAYER: {
       const int l = c.layer();
       const LayerInfo& spec = layers[l];
       LayerState& la = a.layers[l];
-      if (!a.head_backward_done || a.next_backward_layer != l ||
-          !la.layer_done || la.x_in.empty() ||
-          (spec.has_moe &&
-           (la.experts_done || a.dn.empty() || a.dweights.empty()))) {
+      if (la.x_in.empty() ||
+          (spec.has_moe && (a.dn.empty() || a.dweights.empty()))) {
         return absl::FailedPreconditionError(absl::StrCat(
             "BACKWARD LAYER ", l, " out of order in pass ", pass,
             spec.has_moe ? " (BACKWARD EXPERTS comes first)" : ""));
@@ -909,13 +834,10 @@ absl::Status DeviceMoeModel::Impl::Backward(const Command& c,
       ReleaseLayer(&la);
       a.dn.Reset();
       a.dweights.Reset();
-      la.layer_done = false;
-      a.next_backward_layer = l - 1;
       return absl::OkStatus();
     }
     case Command::EMBED: {
-      if (!a.head_backward_done || a.next_backward_layer != -1 ||
-          a.dx.empty()) {
+      if (a.dx.empty()) {
         return absl::FailedPreconditionError(absl::StrCat(
             "BACKWARD EMBED of pass ", pass, " before every layer's backward"));
       }
@@ -930,7 +852,6 @@ absl::Status DeviceMoeModel::Impl::Backward(const Command& c,
         temps.push_back(std::move(ws));
       }
       a.dx.Reset();
-      a.head_backward_done = false;
       return absl::OkStatus();
     }
     default:
@@ -944,6 +865,7 @@ void DeviceMoeModel::ResetStep() {
   // Stream-ordered frees: the allocator hands the blocks only to later work
   // on the same stream.
   for (PassState& s : m.states) m.ReleasePass(&s);
+  m.order->Reset();
   m.loss_terms = 0;
   m.step_loss_zeroed = false;
 }

@@ -1,8 +1,8 @@
 #ifndef SHARDD_WORKER_MODEL_DEVICE_MOE_MODEL_KERNELS_H_
 #define SHARDD_WORKER_MODEL_DEVICE_MOE_MODEL_KERNELS_H_
 
-// The elementwise glue of DeviceMoeModel (worker/model/device_moe_model.cc) that
-// kernels/cuda/ has no op for: residual adds, the self-conditioning
+// The elementwise glue of DeviceMoeModel (worker/model/device_moe_model.cc)
+// that kernels/cuda/ has no op for: residual adds, the self-conditioning
 // coupling and the step-loss accumulation. Plain launchers returning
 // cudaError_t (no absl, so nvcc never sees it); asynchronous on `stream`.
 // fp32 or bf16 storage (uint16_t bit patterns), fp32 arithmetic with

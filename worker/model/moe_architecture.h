@@ -54,6 +54,13 @@ struct MoeArchitecture {
   ArchTensor final_norm;
   ArchTensor head;  // May name the embedding when tied.
   std::vector<MoeLayerSpec> layers;
+
+  // layers[l].has_moe for every l (the command order's layer table).
+  std::vector<bool> LayersWithExperts() const {
+    std::vector<bool> out;
+    for (const MoeLayerSpec& layer : layers) out.push_back(layer.has_moe);
+    return out;
+  }
 };
 
 // Reads the spec's architecture: model.embed_tokens.weight [V, D],

@@ -13,6 +13,7 @@
 #include "kernels/cpu/rms_norm.h"
 #include "kernels/cpu/router.h"
 #include "model/model_util.h"
+#include "worker/model/command_order.h"
 #include "worker/model/moe_architecture.h"
 
 namespace shardd {
@@ -34,8 +35,6 @@ struct LayerActs {
   kernels::RouterCache router;
   kernels::GroupedExpertsWorkspace experts;
   kernels::DenseMlpWorkspace mlp;
-  bool layer_done = false;
-  bool experts_done = false;
   int64_t bytes() const {
     return static_cast<int64_t>((x_in.capacity() + inv_rms.capacity() +
                                  normed.capacity() + weights.capacity() +
@@ -55,10 +54,6 @@ struct PassActs {
   std::vector<float> dx;         // [T, D] gradient of the residual stream
   std::vector<float> dn;         // [T, D] gradient of a layer's normed input
   std::vector<float> dweights;   // [T, K]
-  bool embedded = false;
-  bool head_done = false;
-  bool head_backward_done = false;
-  int next_backward_layer = -1;
 };
 
 struct Batch {
@@ -73,6 +68,8 @@ struct Batch {
 // The architecture's fields (vocab, dim, layers, ...) are the model's.
 struct MoeModel::Impl : MoeArchitecture {
   MoeModelOptions options;
+  // Activations are kept per pass, so micro-batches do not interleave.
+  std::unique_ptr<ModelCommandOrder> order;
 
   std::vector<Batch> batches;
   std::vector<PassActs> acts;  // One per pass.
@@ -121,6 +118,9 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Create(
   impl->batches.resize(options.microbatches);
   impl->acts.resize(options.passes);
   for (PassActs& a : impl->acts) a.layers.resize(impl->layers.size());
+  impl->order = std::make_unique<ModelCommandOrder>(
+      options.passes, options.no_grad_passes, options.microbatches,
+      impl->LayersWithExperts(), /*per_microbatch=*/false);
   return absl::WrapUnique(new MoeModel(std::move(impl)));
 }
 
@@ -128,73 +128,31 @@ absl::Status MoeModel::SetBatch(int microbatch, const int32_t* inputs,
                                 const int32_t* targets, int64_t batch,
                                 int64_t seq) {
   Impl& m = *impl_;
-  if (microbatch < 0 || microbatch >= m.options.microbatches) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("microbatch: must be in [0, ", m.options.microbatches,
-                     "), got ", microbatch));
-  }
-  if (batch < 1 || seq < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("batch and seq: must be >= 1, got ", batch, " and ", seq));
-  }
+  SHARDD_ASSIGN_OR_RETURN(
+      const int64_t counted,
+      CheckMicroBatch(microbatch, m.options.microbatches, inputs, targets,
+                      batch, seq, m.vocab));
   Batch& b = m.batches[microbatch];
   b.tokens = batch * seq;
   b.inputs.assign(inputs, inputs + b.tokens);
   b.targets.assign(targets, targets + b.tokens);
-  b.counted = 0;
-  for (int64_t i = 0; i < b.tokens; ++i) {
-    if (b.inputs[i] < 0 || b.inputs[i] >= m.vocab) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("inputs[", i, "]: token id ", b.inputs[i],
-                       " outside [0, ", m.vocab, ")"));
-    }
-    if (b.targets[i] != -1 && (b.targets[i] < 0 || b.targets[i] >= m.vocab)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("targets[", i, "]: token id ", b.targets[i],
-                       " outside [0, ", m.vocab, ") (or -1 to ignore)"));
-    }
-    if (b.targets[i] != -1) ++b.counted;
-  }
+  b.counted = counted;
   return absl::OkStatus();
 }
 
 absl::Status MoeModel::Run(const v1::Command& command, ParamSource* params) {
   Impl& m = *impl_;
-  const int pass = command.pass();
-  const int mb = command.microbatch();
-  if (pass < 0 || pass >= m.options.passes || mb < 0 ||
-      mb >= m.options.microbatches) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("command pass ", pass, " / microbatch ", mb,
-                     " outside the step's ", m.options.passes, " passes and ",
-                     m.options.microbatches, " micro-batches"));
-  }
-  if ((command.part() == v1::Command::LAYER ||
-       command.part() == v1::Command::EXPERTS) &&
-      (command.layer() < 0 ||
-       command.layer() >= static_cast<int>(m.layers.size()))) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("command layer ", command.layer(), " outside [0, ",
-                     m.layers.size(), ")"));
-  }
-  if (m.batches[mb].tokens == 0) {
+  SHARDD_RETURN_IF_ERROR(m.order->Check(command, "MoeModel"));
+  if (m.batches[command.microbatch()].tokens == 0) {
     return absl::FailedPreconditionError(
-        absl::StrCat("micro-batch ", mb, " has no tokens (SetBatch missing)"));
+        absl::StrCat("micro-batch ", command.microbatch(),
+                     " has no tokens (SetBatch missing)"));
   }
-  switch (command.op()) {
-    case v1::Command::FORWARD:
-      return m.Forward(command, params);
-    case v1::Command::BACKWARD:
-      if (pass < m.options.no_grad_passes) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "BACKWARD of pass ", pass, ", which has no gradients"));
-      }
-      return m.Backward(command, params);
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("MoeModel runs FORWARD and BACKWARD, got op ",
-                       v1::Command::Op_Name(command.op())));
-  }
+  SHARDD_RETURN_IF_ERROR(command.op() == v1::Command::FORWARD
+                             ? m.Forward(command, params)
+                             : m.Backward(command, params));
+  m.order->Commit(command);
+  return absl::OkStatus();
 }
 
 absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
@@ -212,31 +170,15 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
       if (pass > 0) {
         // Self-conditioning: the previous pass's output, detached.
         const PassActs& prev = Acts(pass - 1, mb);
-        if (!prev.head_done) {
-          return absl::FailedPreconditionError(
-              absl::StrCat("FORWARD EMBED of pass ", pass, " before pass ",
-                           pass - 1, "'s HEAD"));
-        }
         const float scale = options.self_conditioning_scale;
         for (int64_t i = 0; i < t * dim; ++i) a.x[i] += scale * prev.h[i];
       }
-      a.embedded = true;
-      a.head_done = false;
-      a.head_backward_done = false;
-      a.next_backward_layer = static_cast<int>(layers.size()) - 1;
-      for (LayerActs& la : a.layers) la.layer_done = la.experts_done = false;
       return absl::OkStatus();
     }
     case Command::LAYER: {
       const int l = c.layer();
       const LayerSpec& spec = layers[l];
       LayerActs& la = a.layers[l];
-      if (!a.embedded || (l > 0 && !(a.layers[l - 1].layer_done &&
-                                     (a.layers[l - 1].experts_done ||
-                                      !layers[l - 1].has_moe)))) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("FORWARD LAYER ", l, " out of order in pass ", pass));
-      }
       la.x_in = a.x;
       la.inv_rms.resize(t);
       la.normed.resize(t * dim);
@@ -270,21 +212,12 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
         // Dense layer: the residual add happens here.
         for (int64_t i = 0; i < t * dim; ++i) a.x[i] += la.dense_out[i];
       }
-      la.layer_done = true;
       return absl::OkStatus();
     }
     case Command::EXPERTS: {
       const int l = c.layer();
       const LayerSpec& spec = layers[l];
       LayerActs& la = a.layers[l];
-      if (!spec.has_moe) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("FORWARD EXPERTS of layer ", l, ", which has none"));
-      }
-      if (!la.layer_done || la.experts_done) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "FORWARD EXPERTS ", l, " must follow FORWARD LAYER ", l));
-      }
       SHARDD_ASSIGN_OR_RETURN(const float* w_gu, params->Param(spec.w_gu.name));
       SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(spec.w_d.name));
       kernels::ExpertDims dims{t, dim, spec.moe_inter, spec.experts, top_k};
@@ -296,16 +229,9 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
       for (int64_t i = 0; i < t * dim; ++i) {
         a.x[i] += y[i] + la.dense_out[i];
       }
-      la.experts_done = true;
       return absl::OkStatus();
     }
     case Command::HEAD: {
-      const LayerSpec& last = layers.back();
-      const LayerActs& ll = a.layers.back();
-      if (!ll.layer_done || (last.has_moe && !ll.experts_done)) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("FORWARD HEAD before the last layer in pass ", pass));
-      }
       SHARDD_ASSIGN_OR_RETURN(const float* norm_w,
                               params->Param(final_norm.name));
       a.final_x = a.x;
@@ -317,7 +243,6 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
       // The loss of a pass with gradients is computed by its BACKWARD HEAD
       // (one sweep over the logits for both); passes without gradients only
       // produce h for the next pass.
-      a.head_done = true;
       return absl::OkStatus();
     }
     default:
@@ -334,10 +259,6 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
   const int64_t t = batch.tokens;
   switch (c.part()) {
     case Command::HEAD: {
-      if (!a.head_done || a.head_backward_done) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "BACKWARD HEAD of pass ", pass, " without its forward"));
-      }
       SHARDD_ASSIGN_OR_RETURN(const float* head_w, params->Param(head.name));
       SHARDD_ASSIGN_OR_RETURN(const float* norm_w,
                               params->Param(final_norm.name));
@@ -366,19 +287,12 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
           a.dx.data(), dnorm));
       if (dnorm != nullptr)
         SHARDD_RETURN_IF_ERROR(AddGrad(params, final_norm, dnorm));
-      a.head_backward_done = true;
-      a.next_backward_layer = static_cast<int>(layers.size()) - 1;
       return absl::OkStatus();
     }
     case Command::EXPERTS: {
       const int l = c.layer();
       const LayerSpec& spec = layers[l];
       LayerActs& la = a.layers[l];
-      if (!spec.has_moe || !a.head_backward_done ||
-          a.next_backward_layer != l || !la.experts_done) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "BACKWARD EXPERTS ", l, " out of order in pass ", pass));
-      }
       SHARDD_ASSIGN_OR_RETURN(const float* w_gu, params->Param(spec.w_gu.name));
       SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(spec.w_d.name));
       kernels::ExpertDims dims{t, dim, spec.moe_inter, spec.experts, top_k};
@@ -395,19 +309,12 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
         SHARDD_RETURN_IF_ERROR(AddGrad(params, spec.w_gu, dw_gu));
       if (dw_d != nullptr)
         SHARDD_RETURN_IF_ERROR(AddGrad(params, spec.w_d, dw_d));
-      la.experts_done = false;  // Consumed: LAYER backward comes next.
       return absl::OkStatus();
     }
     case Command::LAYER: {
       const int l = c.layer();
       const LayerSpec& spec = layers[l];
       LayerActs& la = a.layers[l];
-      if (!a.head_backward_done || a.next_backward_layer != l ||
-          !la.layer_done || (spec.has_moe && la.experts_done)) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "BACKWARD LAYER ", l, " out of order in pass ", pass,
-            spec.has_moe ? " (BACKWARD EXPERTS comes first)" : ""));
-      }
       if (!spec.has_moe) a.dn.assign(t * dim, 0.0f);
       // a.dx is the gradient of the layer's output; a.dn collects the
       // gradient of its normed input.
@@ -455,22 +362,15 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
           a.dx.data(), dnorm, /*accumulate_dx=*/true));
       if (dnorm != nullptr)
         SHARDD_RETURN_IF_ERROR(AddGrad(params, spec.norm, dnorm));
-      la.layer_done = false;
-      a.next_backward_layer = l - 1;
       return absl::OkStatus();
     }
     case Command::EMBED: {
-      if (!a.head_backward_done || a.next_backward_layer != -1) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "BACKWARD EMBED of pass ", pass, " before every layer's backward"));
-      }
       if (!embed.frozen) {
         float* dtable = Zeroed(&scratch, vocab * dim);
         SHARDD_RETURN_IF_ERROR(kernels::EmbeddingBackward(
             a.dx.data(), batch.inputs.data(), t, vocab, dim, dtable));
         SHARDD_RETURN_IF_ERROR(AddGrad(params, embed, dtable));
       }
-      a.head_backward_done = false;
       return absl::OkStatus();
     }
     default:
@@ -484,10 +384,7 @@ void MoeModel::ResetStep() {
   m.loss_sum = 0.0;
   m.loss_terms = 0;
   m.tokens = 0;
-  for (PassActs& a : m.acts) {
-    a.embedded = a.head_done = a.head_backward_done = false;
-    for (LayerActs& la : a.layers) la.layer_done = la.experts_done = false;
-  }
+  m.order->Reset();
 }
 
 double MoeModel::step_loss() const {
