@@ -29,6 +29,7 @@
 #include "absl/time/time.h"
 #include "common/daemon/command_line.h"
 #include "common/daemon/port_file.h"
+#include "common/daemon/security_flags.h"
 #include "common/daemon/stop_signals.h"
 #include "common/grpc_security.h"
 #include "common/logging.h"
@@ -78,19 +79,11 @@ ABSL_FLAG(int, max_recoveries, 3,
           "max_recoveries at 0 (0 here: jobs fail on their first fault)");
 ABSL_FLAG(int, max_pending_jobs, 16,
           "Training jobs queued or running at once; more are refused");
-ABSL_FLAG(std::string, tls_cert, "",
-          "PEM certificate chain to serve TLS with (with --tls-key); also "
-          "the client certificate shown to workers that require one");
-ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert");
-ABSL_FLAG(std::string, tls_client_ca, "",
-          "PEM CA bundle: require client certificates signed by it (mutual "
-          "TLS); needs --tls-cert");
+// --tls-cert, --tls-key, --tls-client-ca, --worker-token-file: see
+// common/daemon/security_flags.h.
 ABSL_FLAG(std::string, client_token_file, "",
           "File whose first line is the bearer token clients (shardctl) must "
           "send; empty: client calls need no token");
-ABSL_FLAG(std::string, worker_token_file, "",
-          "File whose first line is the bearer token workers must send; the "
-          "coordinator also sends it to workers; empty: none");
 ABSL_FLAG(std::string, worker_tls_ca, "",
           "PEM CA bundle that verifies the workers' certificates; set: "
           "connect to workers over TLS");
@@ -199,8 +192,7 @@ int Run() {
 
   absl::StatusOr<std::string> client_token = ReadOptionalTokenFile(
       absl::GetFlag(FLAGS_client_token_file), "--client-token-file");
-  absl::StatusOr<std::string> worker_token = ReadOptionalTokenFile(
-      absl::GetFlag(FLAGS_worker_token_file), "--worker-token-file");
+  absl::StatusOr<std::string> worker_token = WorkerTokenFromFlags();
   for (const absl::Status& status :
        {client_token.status(), worker_token.status()}) {
     if (!status.ok()) {
@@ -214,8 +206,7 @@ int Run() {
   worker_channel.tls_ca_file = absl::GetFlag(FLAGS_worker_tls_ca);
   if (!worker_channel.tls_ca_file.empty()) {
     // Workers with --tls-client-ca need a client certificate: ours.
-    worker_channel.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
-    worker_channel.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+    SetClientCertificateFromFlags(&worker_channel);
   }
   // Checks the CA now rather than at the first job (--tls-cert and
   // --tls-key are checked when the server starts).
@@ -261,10 +252,7 @@ int Run() {
 
   CoordinatorServerOptions server_options;
   server_options.listen_address = absl::GetFlag(FLAGS_listen);
-  server_options.security.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
-  server_options.security.tls_key_file = absl::GetFlag(FLAGS_tls_key);
-  server_options.security.tls_client_ca_file =
-      absl::GetFlag(FLAGS_tls_client_ca);
+  server_options.security = ServerSecurityFromFlags();
   server_options.authorizer = Authorizer(*client_token, *worker_token);
   server_options.health_listen_address = absl::GetFlag(FLAGS_health_listen);
   absl::StatusOr<std::unique_ptr<CoordinatorServer>> server =

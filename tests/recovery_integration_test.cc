@@ -219,7 +219,11 @@ TEST_F(RecoveryIntegrationTest, LostHsdpReplicaHealsFromItsPeer) {
   ASSERT_FALSE(resumed.is_discarded());
   ExpectSameLosses(resumed, LossByStep(reference), 16);
   const std::string incidents = Incidents(resumed);
-  EXPECT_THAT(incidents, HasSubstr("healed ranks 3 from their replica peers"));
+  // Rank 3's shard-group peer (rank 2) heals too when the kill caught it
+  // inside a collective with rank 3 (its shards are then half-updated);
+  // replica 0 (ranks 0-1) never does.
+  EXPECT_THAT(incidents, ::testing::ContainsRegex(
+                             "healed ranks (2-)?3 from their replica peers"));
   EXPECT_THAT(incidents, ::testing::Not(HasSubstr("reloaded checkpoint")));
 }
 

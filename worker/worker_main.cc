@@ -43,6 +43,7 @@
 #include "absl/time/time.h"
 #include "common/daemon/command_line.h"
 #include "common/daemon/port_file.h"
+#include "common/daemon/security_flags.h"
 #include "common/daemon/stop_signals.h"
 #include "common/grpc_security.h"
 #include "common/grpc_server.h"
@@ -97,19 +98,11 @@ ABSL_FLAG(std::string, memory_timeline_svg, "",
           "Draw the measured memory timeline (gathered parameters and "
           "unsharded gradients after every allocation and free) of the "
           "first step this worker runs on the CPU into this SVG file");
-ABSL_FLAG(std::string, tls_cert, "",
-          "PEM certificate chain to serve TLS with (with --tls_key); also "
-          "the client certificate shown to a coordinator that requires one");
-ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
-ABSL_FLAG(std::string, tls_client_ca, "",
-          "PEM CA bundle: require client certificates signed by it (mutual "
-          "TLS); needs --tls_cert");
+// --tls-cert, --tls-key, --tls-client-ca, --worker-token-file: see
+// common/daemon/security_flags.h.
 ABSL_FLAG(std::string, tls_ca, "",
           "PEM CA bundle that verifies the coordinator; set: connect to it "
           "over TLS");
-ABSL_FLAG(std::string, worker_token_file, "",
-          "File whose first line is the worker bearer token: sent to the "
-          "coordinator and required from callers of this worker");
 
 int main(int argc, char** argv) {
   // Before any thread starts. Also ignores SIGPIPE: Gloo writes to peers
@@ -189,18 +182,15 @@ int main(int argc, char** argv) {
                  "shardd-worker: --collective_bind must not be empty\n");
     return 2;
   }
-  absl::StatusOr<std::string> token = shardd::ReadOptionalTokenFile(
-      absl::GetFlag(FLAGS_worker_token_file), "--worker-token-file");
+  absl::StatusOr<std::string> token = shardd::WorkerTokenFromFlags();
   if (!token.ok()) {
     std::fprintf(stderr, "shardd-worker: %s\n",
                  std::string(token.status().message()).c_str());
     return 2;
   }
   const std::string worker_token = *std::move(token);
-  shardd::ServerSecurity server_security;
-  server_security.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
-  server_security.tls_key_file = absl::GetFlag(FLAGS_tls_key);
-  server_security.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+  const shardd::ServerSecurity server_security =
+      shardd::ServerSecurityFromFlags();
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
       shardd::MakeServerCredentials(server_security);
   if (!credentials.ok()) {
@@ -272,8 +262,7 @@ int main(int argc, char** argv) {
     agent_options.security.tls_ca_file = absl::GetFlag(FLAGS_tls_ca);
     if (!agent_options.security.tls_ca_file.empty()) {
       // A coordinator with --tls-client-ca needs a client certificate.
-      agent_options.security.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
-      agent_options.security.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+      shardd::SetClientCertificateFromFlags(&agent_options.security);
     }
     agent_options.security.bearer_token = worker_token;
     agent_options.address = absl::GetFlag(FLAGS_advertise_address).empty()
