@@ -5,8 +5,9 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "model/model_util.h"
+#include "common/status_macros.h"
 #include "layout/param_init.h"
+#include "model/model_util.h"
 
 namespace shardd {
 namespace {
@@ -27,14 +28,17 @@ std::vector<std::pair<int64_t, int64_t>> Merge(
   return out;
 }
 
-// Rows [r * rows_per_rank, min((r+1) * rows_per_rank, dim0)) that rank r
-// holds; 0 past the end.
-int64_t ValidRows(int64_t dim0, int64_t rows_per_rank, int r) {
-  return std::max<int64_t>(0,
-                           std::min(rows_per_rank, dim0 - r * rows_per_rank));
-}
-
 }  // namespace
+
+absl::Status CheckSliceGroupSize(int group_size, int world) {
+  const int g = group_size;
+  if (g != 0 && (g < 2 || g >= world || world % g != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Reshard: group_size must be 0 (free) or a divisor of dp_shard (",
+        world, ") between 2 and ", world - 1, ", got ", g));
+  }
+  return absl::OkStatus();
+}
 
 bool IsContiguous(const std::vector<CopySegment>& segments, int64_t numel) {
   return segments.size() == 1 && segments[0].dst == 0 &&
@@ -82,11 +86,6 @@ absl::StatusOr<std::vector<UnitLayout>> ComputeUnitLayouts(
         if (!param.frozen()) {
           placement.grad.push_back({0, offset, param.numel()});
           any_trainable = true;
-          // This rank holds bucket elements [r*S, (r+1)*S).
-          const int64_t own = r * shard;
-          const int64_t begin = std::max(own, offset);
-          const int64_t end = std::min(own + shard, offset + param.numel());
-          if (begin < end) ranges.emplace_back(begin - own, end - own);
         }
       } else {
         if (param.global_shape_size() == 0 || param.global_shape(0) <= 0) {
@@ -111,25 +110,31 @@ absl::StatusOr<std::vector<UnitLayout>> ComputeUnitLayouts(
           layout.grad_chunk_numel += rows_per_rank * row_numel;
           any_trainable = true;
         }
+        // Rank q's rows, for every q (ranks past the last row hold only
+        // padding).
         for (int q = 0; q < world; ++q) {
-          const int64_t rows = ValidRows(dim0, rows_per_rank, q);
-          if (rows <= 0) break;
-          const int64_t count = rows * row_numel;
-          const int64_t first = q * rows_per_rank * row_numel;
+          const std::vector<OwnedRange> runs =
+              OwnedRuns(param, false, shard, q);
+          if (runs.empty()) break;
+          const int64_t count = runs[0].end - runs[0].begin;
           placement.gathered.push_back(
-              {q * shard + param.shard_offset(), first, count});
+              {q * shard + runs[0].shard_offset, runs[0].begin, count});
           if (!param.frozen()) {
             // Rank q's chunk offset is added once the chunk size is known.
-            placement.grad.push_back({first, grad_offset, count});
+            placement.grad.push_back({runs[0].begin, grad_offset, count});
           }
         }
         if (!param.frozen()) {
-          const int64_t rows = ValidRows(dim0, rows_per_rank, r);
-          ranges.emplace_back(param.shard_offset(),
-                              param.shard_offset() + rows * row_numel);
           // The whole local shard (padding too) comes back reduced.
           layout.shard_grad.push_back(
               {grad_offset, param.shard_offset(), rows_per_rank * row_numel});
+        }
+      }
+      placement.owned = OwnedRuns(param, layout.flat, shard, r);
+      if (!param.frozen()) {
+        for (const OwnedRange& run : placement.owned) {
+          ranges.emplace_back(run.shard_offset,
+                              run.shard_offset + (run.end - run.begin));
         }
       }
       layout.params.push_back(std::move(placement));
@@ -178,40 +183,24 @@ absl::Status InitMasterShards(const v1::ShardingPlan& plan,
         Owner{ref.tensor,
               ref.path.empty() ? v1::MODULE_GENERIC : ref.path.back()->kind()};
   }
-  const int r = shard_rank;
+  SHARDD_ASSIGN_OR_RETURN(const std::vector<UnitLayout> layouts,
+                          ComputeUnitLayouts(plan, shard_rank));
   for (int u = 0; u < plan.units_size(); ++u) {
-    const v1::FsdpUnit& unit = plan.units(u);
-    const int64_t shard = unit.shard_numel();
     float* master = shards[u];
-    if (shard > 0) std::memset(master, 0, static_cast<size_t>(shard) * 4);
-    for (const v1::ParamLayout& layout : unit.params()) {
-      auto owner = owners.find(layout.name());
+    if (layouts[u].shard_numel > 0) {
+      std::memset(master, 0, static_cast<size_t>(layouts[u].shard_numel) * 4);
+    }
+    for (const ParamPlacement& param : layouts[u].params) {
+      auto owner = owners.find(param.name);
       if (owner == owners.end()) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "plan parameter '", layout.name(), "' is not in the model"));
+            "plan parameter '", param.name, "' is not in the model"));
       }
       const InitRule rule =
-          InitRuleFor(*owner->second.tensor, owner->second.kind, layout.name());
-      if (plan.flat_buckets()) {
-        const int64_t own_begin = r * shard;
-        const int64_t begin = std::max(own_begin, layout.unsharded_offset());
-        const int64_t end = std::min(
-            own_begin + shard, layout.unsharded_offset() + layout.numel());
-        if (begin < end) {
-          InitParamRange(seed, layout.name(), rule,
-                         begin - layout.unsharded_offset(), end - begin,
-                         master + (begin - own_begin));
-        }
-      } else {
-        if (layout.global_shape_size() == 0) continue;
-        const int64_t dim0 = layout.global_shape(0);
-        const int64_t row_numel = dim0 > 0 ? layout.numel() / dim0 : 0;
-        const int64_t first_row = r * layout.rows_per_rank();
-        const int64_t valid = ValidRows(dim0, layout.rows_per_rank(), r);
-        if (valid > 0) {
-          InitParamRange(seed, layout.name(), rule, first_row * row_numel,
-                         valid * row_numel, master + layout.shard_offset());
-        }
+          InitRuleFor(*owner->second.tensor, owner->second.kind, param.name);
+      for (const OwnedRange& run : param.owned) {
+        InitParamRange(seed, param.name, rule, run.begin, run.end - run.begin,
+                       master + run.shard_offset);
       }
     }
   }

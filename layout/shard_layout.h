@@ -2,10 +2,9 @@
 #define SHARDD_LAYOUT_SHARD_LAYOUT_H_
 
 // Where each parameter of an FSDP unit lives in the unit's buffers, as
-// element ranges: the arithmetic ShardStore does inline on host memory,
-// factored out (transport- and device-free) for stores that move data with
-// copies they enqueue instead, such as DeviceShardStore. Offsets count
-// elements of the buffer's own dtype.
+// element ranges (transport- and device-free): what ShardStore copies on the
+// host and DeviceShardStore enqueues on the device. Offsets count elements of
+// the buffer's own dtype.
 //
 //   gathered buffer  [world * shard_numel]   rank r's shard at r * shard_numel
 //   gradient buffer  [world * grad_chunk]    rank r's chunk at r * grad_chunk:
@@ -20,6 +19,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "layout/shard_ranges.h"
 #include "proto/model.pb.h"
 #include "proto/plan.pb.h"
 
@@ -45,6 +45,8 @@ struct ParamPlacement {
   // The contiguous unsharded parameter -> gradient buffer; empty when
   // frozen. A single full segment means the gradient is contiguous there.
   std::vector<CopySegment> grad;
+  // The elements this rank holds in its shard (OwnedRuns).
+  std::vector<OwnedRange> owned;
 };
 
 struct UnitLayout {
@@ -70,15 +72,21 @@ struct UnitLayout {
 absl::StatusOr<std::vector<UnitLayout>> ComputeUnitLayouts(
     const v1::ShardingPlan& plan, int shard_rank);
 
+// Whether a post-forward reshard may keep a 1/group_size slice of a unit
+// gathered over `world` ranks: group_size 0 (free everything) or a divisor
+// of world in [2, world). INVALID_ARGUMENT otherwise, naming the rule.
+absl::Status CheckSliceGroupSize(int group_size, int world);
+
 // True when the placement is a single segment covering the whole
 // parameter (`segments` as in ParamPlacement).
 bool IsContiguous(const std::vector<CopySegment>& segments, int64_t numel);
 
 // Writes shard rank `shard_rank`'s fp32 master shard of every unit (padding
-// zero) exactly as ShardStore::Create initialises it (InitParamRange of
-// param_init.h with `seed`). `shards[u]` must hold shard_numel elements of
-// unit u. Errors: INVALID_ARGUMENT (a plan parameter missing from `model`,
-// shard_rank out of range, wrong number of shards).
+// zero): each owned range from InitParamRange of param_init.h with `seed`,
+// so every layout and world size starts from the same global values.
+// `shards[u]` must hold shard_numel elements of unit u. Errors:
+// INVALID_ARGUMENT (a plan parameter missing from `model`, shard_rank out of
+// range, wrong number of shards).
 absl::Status InitMasterShards(const v1::ShardingPlan& plan,
                               const v1::ModelSpec& model, int shard_rank,
                               uint64_t seed, const std::vector<float*>& shards);

@@ -1,19 +1,44 @@
 #include "layout/shard_ranges.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "layout/unit_layout.h"
 
 namespace shardd {
-namespace checkpoint {
 
 std::vector<int64_t> GlobalShape(const v1::ParamLayout& param) {
   return std::vector<int64_t>(param.global_shape().begin(),
                               param.global_shape().end());
 }
+
+std::vector<OwnedRange> OwnedRuns(const v1::ParamLayout& param, bool flat,
+                                  int64_t unit_shard_numel, int shard_rank) {
+  std::vector<OwnedRange> out;
+  if (flat) {
+    const int64_t own = shard_rank * unit_shard_numel;
+    const int64_t offset = param.unsharded_offset();
+    const int64_t begin = std::max(own, offset);
+    const int64_t end =
+        std::min(own + unit_shard_numel, offset + param.numel());
+    if (begin < end) out.push_back({begin - offset, end - offset, begin - own});
+    return out;
+  }
+  if (param.global_shape_size() == 0 || param.global_shape(0) <= 0) return out;
+  const int64_t dim0 = param.global_shape(0);
+  const int64_t row_numel = param.numel() / dim0;
+  const int64_t first_row = shard_rank * param.rows_per_rank();
+  const int64_t rows = std::min(param.rows_per_rank(), dim0 - first_row);
+  if (rows > 0 && row_numel > 0) {
+    out.push_back({first_row * row_numel, (first_row + rows) * row_numel,
+                   param.shard_offset()});
+  }
+  return out;
+}
+
+namespace checkpoint {
 
 absl::StatusOr<std::vector<OwnedRange>> OwnedElementRanges(
     const v1::ParamLayout& param, int64_t unit_shard_numel, int shard_rank) {
@@ -30,29 +55,13 @@ absl::StatusOr<std::vector<OwnedRange>> OwnedElementRanges(
     return absl::InvalidArgumentError(
         absl::StrCat(where, ": global_shape has no dimensions"));
   }
-  std::vector<OwnedRange> out;
-  if (param.shard_dim() < 0) {
-    for (const v1::FlatRange& r : FlatRangesOf(param, unit_shard_numel)) {
-      if (r.shard_rank() == shard_rank) {
-        out.push_back({r.param_begin(), r.param_end(), r.shard_offset()});
-      }
-    }
-    return out;
-  }
-  if (shard_rank >= param.valid_rows_size()) {
+  const bool flat = param.shard_dim() < 0;
+  if (!flat && shard_rank >= param.valid_rows_size()) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, ": shard_rank ", shard_rank, " outside the ",
                      param.valid_rows_size(), " ranks of its dim-0 layout"));
   }
-  const int64_t dim0 = param.global_shape(0);
-  const int64_t row_numel = dim0 > 0 ? param.numel() / dim0 : 0;
-  const int64_t rows = param.valid_rows(shard_rank);
-  if (rows > 0 && row_numel > 0) {
-    const int64_t first_row = shard_rank * param.rows_per_rank();
-    out.push_back({first_row * row_numel, (first_row + rows) * row_numel,
-                   param.shard_offset()});
-  }
-  return out;
+  return OwnedRuns(param, flat, unit_shard_numel, shard_rank);
 }
 
 }  // namespace checkpoint

@@ -2,15 +2,17 @@
 #define SHARDD_LAYOUT_SHARD_RANGES_H_
 
 // Which global elements of a parameter a shard rank holds, and where they sit
-// in its local shard: the bridge between a plan's ParamLayout (ShardStore's
-// shards) and checkpoint chunks / reads, for both layouts:
+// in its local shard, for both layouts: the one place of that arithmetic
+// (ComputeUnitLayouts, master-shard initialisation, ShardStore's owned
+// slices and the checkpoint chunks all use it):
 //
 //   dim-0 (FSDP2)        rank r holds rows [r * rows_per_rank,
 //                        r * rows_per_rank + valid_rows[r]): one element
 //                        range at the parameter's shard_offset; the padding
 //                        rows after it are never saved or read;
-//   flat (Megatron-FSDP) the piece of the parameter's flat range on rank r
-//                        (FlatRangesOf), at most one per rank.
+//   flat (Megatron-FSDP) the piece of the parameter's flat range
+//                        [unsharded_offset, + numel) that falls in rank r's
+//                        bucket elements [r * S, (r + 1) * S): at most one.
 
 #include <cstdint>
 #include <vector>
@@ -19,7 +21,6 @@
 #include "proto/plan.pb.h"
 
 namespace shardd {
-namespace checkpoint {
 
 struct OwnedRange {
   int64_t begin = 0;  // Global flattened elements [begin, end).
@@ -30,11 +31,24 @@ struct OwnedRange {
 // The parameter's global (unsharded) shape.
 std::vector<int64_t> GlobalShape(const v1::ParamLayout& param);
 
-// The ranges of `param` held by shard rank `shard_rank` of a unit whose
-// local shard has `unit_shard_numel` elements; empty when the rank holds
-// none of it (only padding). Errors: INVALID_ARGUMENT for a negative rank,
-// a dim-0 layout without an entry in valid_rows for the rank, a
-// global_shape without dimensions, or a unit_shard_numel < 1.
+// The ranges of `param` that shard rank `shard_rank` holds in a unit whose
+// local shard has `unit_shard_numel` elements, for a plan whose units are
+// flat buckets when `flat`, else dim-0 sharded (valid rows computed from
+// rows_per_rank and the global dim 0). Empty when the rank holds only
+// padding of it, or the parameter has no shape (dim-0). Unchecked: the
+// caller has validated the plan.
+std::vector<OwnedRange> OwnedRuns(const v1::ParamLayout& param, bool flat,
+                                  int64_t unit_shard_numel, int shard_rank);
+
+namespace checkpoint {
+
+using ::shardd::GlobalShape;
+using ::shardd::OwnedRange;
+
+// OwnedRuns for a parameter read from a checkpoint index or plan that has
+// not been validated (flat when shard_dim < 0). Errors: INVALID_ARGUMENT for
+// a negative rank, a dim-0 layout without an entry in valid_rows for the
+// rank, a global_shape without dimensions, or a unit_shard_numel < 1.
 absl::StatusOr<std::vector<OwnedRange>> OwnedElementRanges(
     const v1::ParamLayout& param, int64_t unit_shard_numel, int shard_rank);
 

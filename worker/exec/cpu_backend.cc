@@ -221,12 +221,11 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(
   SHARDD_ASSIGN_OR_RETURN(backend->model_,
                           MoeModel::Create(model, backend->model_options_));
 
-  // The optimizer's ranges: the layout arithmetic every store shares.
-  SHARDD_ASSIGN_OR_RETURN(std::vector<UnitLayout> layouts,
-                          ComputeUnitLayouts(plan, options.shard_rank));
+  // The optimizer's ranges: the store's layout.
   backend->queue_units_.resize(plan.units_size());
   for (int u = 0; u < plan.units_size(); ++u) {
-    backend->queue_units_[u].ranges = std::move(layouts[u].trainable_ranges);
+    backend->queue_units_[u].ranges =
+        backend->store_->layout(u).trainable_ranges;
   }
   backend->comm_ = std::make_unique<CommThread>();
   return backend;

@@ -270,13 +270,8 @@ absl::Status DeviceShardStore::Reshard(int unit, int group_size) {
         absl::StrCat("Reshard: unit ", unit, " is not gathered"));
   }
   const UnitLayout& layout = layouts_[unit];
-  const int world = layout.world;
+  SHARDD_RETURN_IF_ERROR(CheckSliceGroupSize(group_size, layout.world));
   const int g = group_size;
-  if (g != 0 && (g < 2 || g >= world || world % g != 0)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "Reshard: group_size must be 0 (free) or a divisor of dp_shard (",
-        world, ") between 2 and ", world - 1, ", got ", g));
-  }
   // The home stream waits for the gather (it may have run on a slice
   // group's stream) and for the last reader (compute).
   if (state->gather.valid()) {

@@ -9,8 +9,7 @@
 #include "common/dtype.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/bf16.h"
-#include "model/model_util.h"
-#include "layout/param_init.h"
+#include "layout/shard_layout.h"
 
 namespace shardd {
 namespace {
@@ -51,28 +50,21 @@ absl::StatusOr<std::unique_ptr<ShardStore>> ShardStore::Create(
     return absl::InvalidArgumentError(absl::StrCat(
         "shard_rank: must be in [0, ", world, "), got ", options.shard_rank));
   }
-  struct Owner {
-    const v1::TensorSpec* tensor;
-    v1::ModuleKind kind;
-  };
-  absl::flat_hash_map<std::string, Owner> owners;
-  for (const ParamRef& ref : ListParams(model)) {
-    owners[ref.fqn] =
-        Owner{ref.tensor,
-              ref.path.empty() ? v1::MODULE_GENERIC : ref.path.back()->kind()};
-  }
-
+  SHARDD_ASSIGN_OR_RETURN(std::vector<UnitLayout> layouts,
+                          ComputeUnitLayouts(plan, options.shard_rank));
   auto store = absl::WrapUnique(new ShardStore(tracker, options));
-  const int r = options.shard_rank;
+  std::vector<float*> masters;
   for (int u = 0; u < plan.units_size(); ++u) {
     const v1::FsdpUnit& unit = plan.units(u);
+    const UnitLayout& layout = layouts[u];
     auto state = std::make_unique<UnitState>();
-    state->shard_numel = unit.shard_numel();
-    state->gathered_numel = unit.gathered_numel();
+    state->shard_numel = layout.shard_numel;
+    state->gathered_numel = layout.gathered_numel;
+    state->grad_chunk_numel = layout.grad_chunk_numel;
     state->world = world;
     state->compute = unit.precision().compute_dtype();
     state->reduce = unit.precision().reduce_dtype();
-    state->flat = plan.flat_buckets();
+    state->flat = layout.flat;
     state->num_params = unit.params_size();
     if (!SupportedCompute(state->compute) || !SupportedCompute(state->reduce)) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -88,74 +80,29 @@ absl::StatusOr<std::unique_ptr<ShardStore>> ShardStore::Create(
     state->exp_avg_sq =
         TrackedBuffer(tracker, MemoryKind::kOptimizerState, bytes);
     for (TrackedBuffer* b :
-         {&state->master, &state->grads, &state->exp_avg, &state->exp_avg_sq}) {
+         {&state->grads, &state->exp_avg, &state->exp_avg_sq}) {
       if (!b->empty()) std::memset(b->data(), 0, static_cast<size_t>(bytes));
     }
     state->copies.resize(unit.params_size());
-    // A flat bucket's gradient keeps the bucket's layout.
-    if (state->flat) state->grad_chunk_numel = state->shard_numel;
-    float* master = state->master.as<float>();
-
     for (int p = 0; p < unit.params_size(); ++p) {
-      const v1::ParamLayout& layout = unit.params(p);
-      auto owner = owners.find(layout.name());
-      if (owner == owners.end()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "plan parameter '", layout.name(), "' is not in the model"));
-      }
-      const InitRule rule =
-          InitRuleFor(*owner->second.tensor, owner->second.kind, layout.name());
-      ParamInfo info;
-      info.unit = u;
-      info.index = p;
-      info.frozen = layout.frozen();
-      info.numel = layout.numel();
-      info.flat = state->flat;
-      if (state->flat) {
-        info.unsharded_offset = layout.unsharded_offset();
-        // This rank owns bucket elements [r*S, (r+1)*S).
-        const int64_t own_begin = r * state->shard_numel;
-        const int64_t own_end = own_begin + state->shard_numel;
-        const int64_t begin = std::max(own_begin, info.unsharded_offset);
-        const int64_t end =
-            std::min(own_end, info.unsharded_offset + info.numel);
-        if (begin < end) {
-          InitParamRange(options.seed, layout.name(), rule,
-                         begin - info.unsharded_offset, end - begin,
-                         master + (begin - own_begin));
-        }
-        info.grad_offset = info.unsharded_offset;
-      } else {
-        info.dim0 = layout.global_shape(0);
-        info.row_numel = info.dim0 > 0 ? info.numel / info.dim0 : 0;
-        info.rows_per_rank = layout.rows_per_rank();
-        info.shard_offset = layout.shard_offset();
-        if (!info.frozen) {
-          info.grad_offset = state->grad_chunk_numel;
-          state->grad_chunk_numel += layout.local_numel();
-        }
-        const int64_t first_row = r * info.rows_per_rank;
-        const int64_t valid = std::max<int64_t>(
-            0, std::min(info.rows_per_rank, info.dim0 - first_row));
-        if (valid > 0) {
-          InitParamRange(options.seed, layout.name(), rule,
-                         first_row * info.row_numel, valid * info.row_numel,
-                         master + info.shard_offset);
-        }
-      }
-      if (!info.frozen && !info.flat) state->trainable.push_back(info);
-      store->params_[layout.name()] = info;
+      store->params_[unit.params(p).name()] = ParamRef{u, p};
     }
-    if (unit.precision().keep_compute_shard() &&
-        state->compute != v1::FLOAT32) {
-      state->compute_shard =
-          TrackedBuffer(tracker, MemoryKind::kShardParams,
-                        state->shard_numel * DTypeBytes(state->compute));
-      store->units_.push_back(std::move(state));
-      store->RefreshComputeShard(u, 0, store->units_.back()->shard_numel);
-      continue;
-    }
+    masters.push_back(state->master.as<float>());
     store->units_.push_back(std::move(state));
+  }
+  // Every owned range from its global initialiser; padding zero.
+  SHARDD_RETURN_IF_ERROR(
+      InitMasterShards(plan, model, options.shard_rank, options.seed, masters));
+  store->layouts_ = std::move(layouts);
+  for (int u = 0; u < plan.units_size(); ++u) {
+    UnitState& state = *store->units_[u];
+    if (plan.units(u).precision().keep_compute_shard() &&
+        state.compute != v1::FLOAT32) {
+      state.compute_shard =
+          TrackedBuffer(tracker, MemoryKind::kShardParams,
+                        state.shard_numel * DTypeBytes(state.compute));
+      store->RefreshComputeShard(u, 0, state.shard_numel);
+    }
   }
   return store;
 }
@@ -168,7 +115,7 @@ absl::StatusOr<ShardStore::UnitState*> ShardStore::Unit(int unit) {
   return units_[unit].get();
 }
 
-absl::StatusOr<const ShardStore::ParamInfo*> ShardStore::Param(
+absl::StatusOr<const ShardStore::ParamRef*> ShardStore::Param(
     const std::string& name) const {
   auto it = params_.find(name);
   if (it == params_.end()) {
@@ -277,12 +224,8 @@ absl::Status ShardStore::Reshard(int unit, int group_size) {
     return absl::FailedPreconditionError(
         absl::StrCat("Reshard: unit ", unit, " is not gathered"));
   }
+  SHARDD_RETURN_IF_ERROR(CheckSliceGroupSize(group_size, state->world));
   const int g = group_size;
-  if (g != 0 && (g < 2 || g >= state->world || state->world % g != 0)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "Reshard: group_size must be 0 (free) or a divisor of dp_shard (",
-        state->world, ") between 2 and ", state->world - 1, ", got ", g));
-  }
   if (g != 0) {
     const int64_t elem = DTypeBytes(state->compute);
     const int64_t slice_bytes = state->gathered_numel / g * elem;
@@ -337,9 +280,9 @@ absl::Status ShardStore::ReduceScatter(int unit, Communicator* shard_group,
                                                ReduceOp::kAvg,
                                                options_.collective_timeout));
   }
-  // Add the reduced chunk into the sharded gradient: a flat bucket chunk
-  // matches the shard element for element; a dim-0 chunk holds only the
-  // trainable parameters' shards, which go back to their shard offsets.
+  // Add the reduced chunk into the sharded gradient (UnitLayout::shard_grad:
+  // a flat bucket chunk matches the shard element for element; a dim-0
+  // chunk holds only the trainable parameters' shards).
   float* grads = state->grads.as<float>();
   auto add = [&](int64_t from, int64_t to, int64_t n) {
     if (state->reduce == v1::BFLOAT16) {
@@ -351,89 +294,62 @@ absl::Status ShardStore::ReduceScatter(int unit, Communicator* shard_group,
       for (int64_t i = 0; i < n; ++i) grads[to + i] += in[i];
     }
   };
-  if (state->flat) {
-    add(0, 0, chunk);
-  } else {
-    for (const ParamInfo& param : state->trainable) {
-      add(param.grad_offset, param.shard_offset,
-          param.rows_per_rank * param.row_numel);
-    }
+  for (const CopySegment& seg : layouts_[unit].shard_grad) {
+    add(seg.src, seg.dst, seg.count);
   }
   state->unsharded_grad.Reset();
   return absl::OkStatus();
 }
 
 bool ShardStore::ViewsInPlace(const UnitState& unit,
-                              const ParamInfo& param) const {
-  if (unit.compute != v1::FLOAT32) return false;
+                              const ParamPlacement& param) const {
+  if (unit.compute != v1::FLOAT32 || param.gathered.empty()) return false;
   // Flat buckets gather the parameters back to back; a single parameter's
   // rank chunks are consecutive rows; one rank holds everything in order.
-  return param.flat || unit.num_params == 1 || unit.world == 1;
+  return unit.flat || unit.num_params == 1 || unit.world == 1;
 }
 
 absl::StatusOr<const float*> ShardStore::ParamView(const std::string& name) {
-  SHARDD_ASSIGN_OR_RETURN(const ParamInfo* param, Param(name));
-  UnitState* unit = units_[param->unit].get();
+  SHARDD_ASSIGN_OR_RETURN(const ParamRef* ref, Param(name));
+  UnitState* unit = units_[ref->unit].get();
+  const ParamPlacement& param = layouts_[ref->unit].params[ref->index];
   if (unit->gathered.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "parameter '", name, "': unit ", param->unit, " is not gathered"));
+        "parameter '", name, "': unit ", ref->unit, " is not gathered"));
   }
-  const int64_t elem = DTypeBytes(unit->compute);
-  if (ViewsInPlace(*unit, *param)) {
-    const int64_t offset =
-        param->flat ? param->unsharded_offset : param->shard_offset;
-    return unit->gathered.as<const float>() + offset;
+  if (ViewsInPlace(*unit, param)) {
+    return unit->gathered.as<const float>() + param.gathered[0].src;
   }
-  TrackedBuffer& copy = unit->copies[param->index];
+  TrackedBuffer& copy = unit->copies[ref->index];
   if (!copy.empty()) return copy.as<const float>();
-  copy = TrackedBuffer(tracker_, MemoryKind::kWorkspace, param->numel * 4);
-  float* dst = copy.as<float>();
+  copy = TrackedBuffer(tracker_, MemoryKind::kWorkspace, param.numel * 4);
+  const int64_t elem = DTypeBytes(unit->compute);
   const char* base = unit->gathered.as<const char>();
-  if (param->flat) {
-    ToFp32(base + param->unsharded_offset * elem, unit->compute, param->numel,
-           dst);
-    return copy.as<const float>();
-  }
-  for (int r = 0; r < unit->world; ++r) {
-    const int64_t first_row = r * param->rows_per_rank;
-    const int64_t rows =
-        std::min(param->rows_per_rank, param->dim0 - first_row);
-    if (rows <= 0) break;
-    ToFp32(base + (r * unit->shard_numel + param->shard_offset) * elem,
-           unit->compute, rows * param->row_numel,
-           dst + first_row * param->row_numel);
+  for (const CopySegment& seg : param.gathered) {
+    ToFp32(base + seg.src * elem, unit->compute, seg.count,
+           copy.as<float>() + seg.dst);
   }
   return copy.as<const float>();
 }
 
 absl::Status ShardStore::AccumulateGrad(const std::string& name,
                                         const float* values) {
-  SHARDD_ASSIGN_OR_RETURN(const ParamInfo* param, Param(name));
-  if (param->frozen) {
+  SHARDD_ASSIGN_OR_RETURN(const ParamRef* ref, Param(name));
+  const ParamPlacement& param = layouts_[ref->unit].params[ref->index];
+  if (param.frozen) {
     return absl::FailedPreconditionError(
         absl::StrCat("parameter '", name, "' is frozen: it has no gradient"));
   }
-  UnitState* unit = units_[param->unit].get();
+  UnitState* unit = units_[ref->unit].get();
   if (unit->unsharded_grad.empty()) {
     return absl::FailedPreconditionError(
-        absl::StrCat("parameter '", name, "': unit ", param->unit,
+        absl::StrCat("parameter '", name, "': unit ", ref->unit,
                      " has no gradient buffer (ALLOC_GRAD missing)"));
   }
   const int64_t elem = DTypeBytes(unit->reduce);
   char* base = unit->unsharded_grad.as<char>();
-  if (param->flat) {
-    AddInto(values, param->numel, unit->reduce,
-            base + param->grad_offset * elem);
-    return absl::OkStatus();
-  }
-  for (int r = 0; r < unit->world; ++r) {
-    const int64_t first_row = r * param->rows_per_rank;
-    const int64_t rows =
-        std::min(param->rows_per_rank, param->dim0 - first_row);
-    if (rows <= 0) break;
-    AddInto(values + first_row * param->row_numel, rows * param->row_numel,
-            unit->reduce,
-            base + (r * unit->grad_chunk_numel + param->grad_offset) * elem);
+  for (const CopySegment& seg : param.grad) {
+    AddInto(values + seg.src, seg.count, unit->reduce, base + seg.dst * elem);
   }
   return absl::OkStatus();
 }
@@ -462,53 +378,31 @@ float* ShardStore::BufferOf(const UnitState& unit, ShardBuffer buffer) {
   return unit.master.as<float>();
 }
 
-// The (shard offset, unsharded offset, count) runs of `param` this rank
-// owns: a flat bucket's overlap with the rank's element range, or the
-// rank's valid dim-0 rows.
-template <typename Fn>
-void ShardStore::ForEachOwnedRun(const UnitState& unit, const ParamInfo& param,
-                                 Fn fn) const {
-  const int r = options_.shard_rank;
-  if (param.flat) {
-    const int64_t own_begin = r * unit.shard_numel;
-    const int64_t begin = std::max(own_begin, param.unsharded_offset);
-    const int64_t end = std::min(own_begin + unit.shard_numel,
-                                 param.unsharded_offset + param.numel);
-    if (end > begin) {
-      fn(begin - own_begin, begin - param.unsharded_offset, end - begin);
-    }
-    return;
-  }
-  const int64_t first_row = r * param.rows_per_rank;
-  const int64_t rows = std::min(param.rows_per_rank, param.dim0 - first_row);
-  if (rows > 0) {
-    fn(param.shard_offset, first_row * param.row_numel, rows * param.row_numel);
-  }
-}
-
 absl::Status ShardStore::CopyOwnedParamSlice(const std::string& name,
                                              float* out,
                                              ShardBuffer buffer) const {
-  SHARDD_ASSIGN_OR_RETURN(const ParamInfo* param, Param(name));
-  const UnitState& unit = *units_[param->unit];
-  const float* from = BufferOf(unit, buffer);
-  ForEachOwnedRun(unit, *param, [&](int64_t shard, int64_t full, int64_t n) {
-    std::memcpy(out + full, from + shard, static_cast<size_t>(n) * 4);
-  });
+  SHARDD_ASSIGN_OR_RETURN(const ParamRef* ref, Param(name));
+  const float* from = BufferOf(*units_[ref->unit], buffer);
+  for (const OwnedRange& run : layouts_[ref->unit].params[ref->index].owned) {
+    std::memcpy(out + run.begin, from + run.shard_offset,
+                static_cast<size_t>(run.end - run.begin) * 4);
+  }
   return absl::OkStatus();
 }
 
 absl::Status ShardStore::WriteOwnedParamSlice(const std::string& name,
                                               const float* in,
                                               ShardBuffer buffer) {
-  SHARDD_ASSIGN_OR_RETURN(const ParamInfo* param, Param(name));
-  const UnitState& unit = *units_[param->unit];
-  float* to = BufferOf(unit, buffer);
-  ForEachOwnedRun(unit, *param, [&](int64_t shard, int64_t full, int64_t n) {
-    std::memcpy(to + shard, in + full, static_cast<size_t>(n) * 4);
-    if (buffer == ShardBuffer::kParams)
-      RefreshComputeShard(param->unit, shard, n);
-  });
+  SHARDD_ASSIGN_OR_RETURN(const ParamRef* ref, Param(name));
+  float* to = BufferOf(*units_[ref->unit], buffer);
+  for (const OwnedRange& run : layouts_[ref->unit].params[ref->index].owned) {
+    const int64_t n = run.end - run.begin;
+    std::memcpy(to + run.shard_offset, in + run.begin,
+                static_cast<size_t>(n) * 4);
+    if (buffer == ShardBuffer::kParams) {
+      RefreshComputeShard(ref->unit, run.shard_offset, n);
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -42,6 +42,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "layout/shard_layout.h"
 #include "proto/model.pb.h"
 #include "proto/plan.pb.h"
 #include "worker/comm/communicator.h"
@@ -134,6 +135,8 @@ class ShardStore {
   };
   UnitShard shard(int unit) const;
   int num_units() const { return static_cast<int>(units_.size()); }
+  // Where unit `unit`'s parameters live (0 <= unit < num_units()).
+  const UnitLayout& layout(int unit) const { return layouts_[unit]; }
 
   // The unsharded value of a parameter assembled from this rank's shard only
   // (other ranks' rows are left untouched in `out`): used by tests and
@@ -152,20 +155,10 @@ class ShardStore {
                                     ShardBuffer buffer = ShardBuffer::kParams);
 
  private:
-  struct ParamInfo {
+  // Where a parameter's placement is: layouts_[unit].params[index].
+  struct ParamRef {
     int unit = -1;
-    int index = -1;  // In the unit's params.
-    bool frozen = false;
-    bool flat = false;
-    int64_t numel = 0;
-    int64_t row_numel = 0;      // Dim-0 layout: elements per row.
-    int64_t rows_per_rank = 0;  // Dim-0 layout.
-    int64_t dim0 = 0;
-    int64_t shard_offset = 0;      // Dim-0: offset in each rank's chunk.
-    int64_t unsharded_offset = 0;  // Flat: offset in the bucket.
-    // Offset in each rank's chunk of the gradient buffer (dim-0: among the
-    // trainable parameters; flat: unsharded_offset).
-    int64_t grad_offset = 0;
+    int index = -1;
   };
   struct UnitState {
     int64_t shard_numel = 0;
@@ -192,8 +185,6 @@ class ShardStore {
     // keep_compute_shard: the master shard in the compute dtype, accounted
     // as shard parameters.
     TrackedBuffer compute_shard;
-    // Dim-0 layout: the trainable parameters, in gradient-buffer order.
-    std::vector<ParamInfo> trainable;
     // Copy-outs of this unit's parameters, by param index.
     std::vector<TrackedBuffer> copies;
   };
@@ -203,11 +194,8 @@ class ShardStore {
 
   absl::StatusOr<UnitState*> Unit(int unit);
   static float* BufferOf(const UnitState& unit, ShardBuffer buffer);
-  template <typename Fn>
-  void ForEachOwnedRun(const UnitState& unit, const ParamInfo& param,
-                       Fn fn) const;
-  absl::StatusOr<const ParamInfo*> Param(const std::string& name) const;
-  bool ViewsInPlace(const UnitState& unit, const ParamInfo& param) const;
+  absl::StatusOr<const ParamRef*> Param(const std::string& name) const;
+  bool ViewsInPlace(const UnitState& unit, const ParamPlacement& param) const;
 
   MemoryTracker* tracker_;
   ShardStoreOptions options_;
@@ -216,7 +204,9 @@ class ShardStore {
   // before units_ so it outlives their buffers.
   BufferCache cache_;
   std::vector<std::unique_ptr<UnitState>> units_;
-  absl::flat_hash_map<std::string, ParamInfo> params_;
+  // The arithmetic of where every parameter lives (layout/shard_layout).
+  std::vector<UnitLayout> layouts_;
+  absl::flat_hash_map<std::string, ParamRef> params_;
 };
 
 }  // namespace shardd
