@@ -4,7 +4,9 @@
 // Test helpers for writing module trees by hand (test-only target).
 
 #include <cstdint>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "proto/model.pb.h"
@@ -33,9 +35,9 @@ inline v1::ModuleSpec* AddChild(v1::ModuleSpec* m, const std::string& name,
 
 // The worker tests' tiny MoE LM: embedding [vocab, dim]; `layers` decoder
 // layers of [input_layernorm, moe (router [experts, dim], grouped experts
-// [experts, dim, 2 * inter] / [experts, inter, dim], top-2 SwiGLU) + dense
-// SwiGLU mlp of `mlp` units]; final norm; lm_head tied to the embedding.
-// `freeze_router0` freezes model.layers.0.moe.gate.weight.
+// [experts, dim, 2 * inter] / [experts, inter, dim], top-k SwiGLU or GeGLU)
+// and a dense mlp of `mlp` units ({gate,up,down}_proj.weight)]; final norm;
+// lm_head, tied to the embedding unless `tied` is false.
 struct TinyMoeShape {
   int64_t vocab = 30;  // 30 pads dim 0 over 4 ranks (2 rows on rank 3).
   int64_t dim = 16;
@@ -43,6 +45,16 @@ struct TinyMoeShape {
   int64_t inter = 8;
   int64_t mlp = 12;
   int layers = 2;
+  int top_k = 2;
+  bool geglu = false;
+  bool tied = true;
+  // Per layer: whether it has the MoE block and the dense MLP (empty: every
+  // layer has both).
+  std::vector<bool> moe_layers;
+  std::vector<bool> mlp_layers;
+  // Parameters (full names) marked frozen; freeze_router0 adds
+  // model.layers.0.moe.gate.weight.
+  std::set<std::string> frozen;
   bool freeze_router0 = false;
 };
 
@@ -55,43 +67,59 @@ inline v1::ModelSpec TinyMoeSpec(const TinyMoeShape& s) {
   dims->set_hidden_size(s.dim);
   dims->set_num_layers(s.layers);
   dims->set_num_experts(s.experts);
-  dims->set_top_k(2);
+  dims->set_top_k(s.top_k);
   dims->set_moe_intermediate_size(s.inter);
   dims->set_dense_intermediate_size(s.mlp);
-  dims->set_activation(v1::SWIGLU);
-  dims->set_tie_word_embeddings(true);
+  dims->set_activation(s.geglu ? v1::GEGLU : v1::SWIGLU);
+  dims->set_tie_word_embeddings(s.tied);
   dims->set_rms_norm_eps(1e-6);
+  std::set<std::string> frozen = s.frozen;
+  if (s.freeze_router0) frozen.insert("model.layers.0.moe.gate.weight");
+  // AddParam under the full name `fqn`, frozen when listed.
+  auto param = [&](v1::ModuleSpec* m, const std::string& name,
+                   std::vector<int64_t> shape, const std::string& fqn) {
+    v1::TensorSpec* t = AddParam(m, name, std::move(shape));
+    if (frozen.count(fqn) > 0) t->set_frozen(true);
+    return t;
+  };
   v1::ModuleSpec* root = spec.mutable_root();
   root->set_kind(v1::MODULE_MODEL);
   v1::ModuleSpec* model = AddChild(root, "model", v1::MODULE_GENERIC);
-  AddParam(AddChild(model, "embed_tokens", v1::MODULE_EMBEDDING), "weight",
-           {s.vocab, s.dim});
+  param(AddChild(model, "embed_tokens", v1::MODULE_EMBEDDING), "weight",
+        {s.vocab, s.dim}, "model.embed_tokens.weight");
   v1::ModuleSpec* layers = AddChild(model, "layers", v1::MODULE_LAYER_LIST);
   for (int i = 0; i < s.layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
     v1::ModuleSpec* layer =
         AddChild(layers, std::to_string(i), v1::MODULE_DECODER_LAYER);
-    AddParam(AddChild(layer, "input_layernorm", v1::MODULE_NORM), "weight",
-             {s.dim});
-    v1::ModuleSpec* moe = AddChild(layer, "moe", v1::MODULE_MOE);
-    v1::TensorSpec* gate = AddParam(AddChild(moe, "gate", v1::MODULE_ROUTER),
-                                    "weight", {s.experts, s.dim});
-    if (s.freeze_router0 && i == 0) gate->set_frozen(true);
-    v1::ModuleSpec* experts =
-        AddChild(moe, "experts", v1::MODULE_GROUPED_EXPERTS);
-    AddParam(experts, "gate_and_up_projs", {s.experts, s.dim, 2 * s.inter});
-    AddParam(experts, "down_projs", {s.experts, s.inter, s.dim});
-    v1::ModuleSpec* dense = AddChild(layer, "mlp", v1::MODULE_MLP);
-    AddParam(AddChild(dense, "gate_proj", v1::MODULE_GENERIC), "weight",
-             {s.mlp, s.dim});
-    AddParam(AddChild(dense, "up_proj", v1::MODULE_GENERIC), "weight",
-             {s.mlp, s.dim});
-    AddParam(AddChild(dense, "down_proj", v1::MODULE_GENERIC), "weight",
-             {s.dim, s.mlp});
+    param(AddChild(layer, "input_layernorm", v1::MODULE_NORM), "weight",
+          {s.dim}, p + "input_layernorm.weight");
+    if (s.moe_layers.empty() || s.moe_layers[i]) {
+      v1::ModuleSpec* moe = AddChild(layer, "moe", v1::MODULE_MOE);
+      param(AddChild(moe, "gate", v1::MODULE_ROUTER), "weight",
+            {s.experts, s.dim}, p + "moe.gate.weight");
+      v1::ModuleSpec* experts =
+          AddChild(moe, "experts", v1::MODULE_GROUPED_EXPERTS);
+      param(experts, "gate_and_up_projs", {s.experts, s.dim, 2 * s.inter},
+            p + "moe.experts.gate_and_up_projs");
+      param(experts, "down_projs", {s.experts, s.inter, s.dim},
+            p + "moe.experts.down_projs");
+    }
+    if (s.mlp_layers.empty() || s.mlp_layers[i]) {
+      v1::ModuleSpec* dense = AddChild(layer, "mlp", v1::MODULE_MLP);
+      for (const char* proj : {"gate_proj", "up_proj"}) {
+        param(AddChild(dense, proj, v1::MODULE_GENERIC), "weight",
+              {s.mlp, s.dim}, p + "mlp." + proj + ".weight");
+      }
+      param(AddChild(dense, "down_proj", v1::MODULE_GENERIC), "weight",
+            {s.dim, s.mlp}, p + "mlp.down_proj.weight");
+    }
   }
-  AddParam(AddChild(model, "norm", v1::MODULE_NORM), "weight", {s.dim});
-  v1::TensorSpec* head = AddParam(AddChild(root, "lm_head", v1::MODULE_LM_HEAD),
-                                  "weight", {s.vocab, s.dim});
-  head->set_tied_to("model.embed_tokens.weight");
+  param(AddChild(model, "norm", v1::MODULE_NORM), "weight", {s.dim},
+        "model.norm.weight");
+  v1::TensorSpec* head = param(AddChild(root, "lm_head", v1::MODULE_LM_HEAD),
+                               "weight", {s.vocab, s.dim}, "lm_head.weight");
+  if (s.tied) head->set_tied_to("model.embed_tokens.weight");
   return spec;
 }
 

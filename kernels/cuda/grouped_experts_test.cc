@@ -36,6 +36,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/bf16.h"
 #include "kernels/cpu/grouped_experts.h"
+#include "testing/gpu.h"
 
 namespace shardd {
 namespace kernels {
@@ -238,13 +239,7 @@ cpu::GatedActivation ToCpu(GatedActivation act) {
 class GpuTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    int count = 0;
-    const cudaError_t err = cudaGetDeviceCount(&count);
-    if (err != cudaSuccess || count == 0) {
-      GTEST_SKIP() << "no GPU: "
-                   << (err != cudaSuccess ? cudaGetErrorString(err)
-                                          : "cudaGetDeviceCount returned 0");
-    }
+    SHARDD_SKIP_WITHOUT_GPU();
     ASSERT_EQ(cublasCreate(&cublas_), CUBLAS_STATUS_SUCCESS);
     ASSERT_EQ(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
               cudaSuccess);

@@ -18,6 +18,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cpu/bf16.h"
+#include "testing/gpu.h"  // SHARDD_SKIP_WITHOUT_GPU
 
 namespace shardd {
 namespace kernels {
@@ -26,29 +27,8 @@ namespace ops_testing {
 
 // True when a CUDA device is usable; otherwise `reason` says why.
 inline bool GpuAvailable(std::string* reason) {
-  int count = 0;
-  const cudaError_t error = cudaGetDeviceCount(&count);
-  if (error != cudaSuccess) {
-    *reason = cudaGetErrorString(error);
-    cudaGetLastError();  // clear it for later calls
-    return false;
-  }
-  if (count == 0) {
-    *reason = "cudaGetDeviceCount returned 0";
-    return false;
-  }
-  return true;
+  return testing_util::GpuCount(reason) > 0;
 }
-
-// Skips the calling test when there is no GPU (GTEST_SKIP returns from it).
-#define SHARDD_SKIP_WITHOUT_GPU()                            \
-  do {                                                       \
-    std::string shardd_no_gpu_reason_;                       \
-    if (!::shardd::kernels::cuda::ops_testing::GpuAvailable( \
-            &shardd_no_gpu_reason_)) {                       \
-      GTEST_SKIP() << "no GPU: " << shardd_no_gpu_reason_;   \
-    }                                                        \
-  } while (false)
 
 // Device memory for n elements of T, freed on destruction. Upload/Download
 // are synchronous (tests only).

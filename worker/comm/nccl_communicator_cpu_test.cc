@@ -16,26 +16,16 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "testing/gpu.h"
 #include "worker/comm/in_memory_kv_client.h"
 #include "worker/comm/nccl_communicator.h"
 
 namespace shardd {
 namespace {
 
-using ::testing::HasSubstr;
+using ::shardd::testing_util::GpuCount;
 
-// Number of usable GPUs; 0 with the reason when there are none.
-int GpuCount(std::string* reason) {
-  int count = 0;
-  const cudaError_t error = cudaGetDeviceCount(&count);
-  if (error != cudaSuccess) {
-    *reason = absl::StrCat("cudaGetDeviceCount: ", cudaGetErrorString(error));
-    cudaGetLastError();
-    return 0;
-  }
-  if (count == 0) *reason = "no CUDA device visible";
-  return count;
-}
+using ::testing::HasSubstr;
 
 // --- Unique id exchange: no GPU needed. -------------------------------
 

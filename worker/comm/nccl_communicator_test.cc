@@ -25,34 +25,16 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/bf16.h"
+#include "testing/gpu.h"
 #include "worker/comm/in_memory_kv_client.h"
 
 namespace shardd {
 namespace {
 
+using ::shardd::testing_util::GpuCount;
+
 using ::testing::AllOf;
 using ::testing::HasSubstr;
-
-// Number of usable GPUs; 0 with the reason when there are none.
-int GpuCount(std::string* reason) {
-  int count = 0;
-  const cudaError_t error = cudaGetDeviceCount(&count);
-  if (error != cudaSuccess) {
-    *reason = absl::StrCat("cudaGetDeviceCount: ", cudaGetErrorString(error));
-    cudaGetLastError();
-    return 0;
-  }
-  if (count == 0) *reason = "no CUDA device visible";
-  return count;
-}
-
-#define SKIP_WITHOUT_GPU()                  \
-  do {                                      \
-    std::string reason;                     \
-    if (GpuCount(&reason) == 0) {           \
-      GTEST_SKIP() << "no GPU: " << reason; \
-    }                                       \
-  } while (false)
 
 // A device array for tests (synchronous copies are fine here).
 template <typename T>
@@ -111,7 +93,7 @@ constexpr absl::Duration kTimeout = absl::Seconds(30);
 // --- One rank on one GPU. ---------------------------------------------
 
 TEST(NcclCommunicatorGpuTest, CreateOutOfRangeDevice) {
-  SKIP_WITHOUT_GPU();
+  SHARDD_SKIP_WITHOUT_GPU();
   std::string reason;
   InMemoryKeyValueClient kv;
   NcclCommunicatorOptions options;
@@ -122,7 +104,7 @@ TEST(NcclCommunicatorGpuTest, CreateOutOfRangeDevice) {
 }
 
 TEST(NcclCommunicatorGpuTest, SingleRankAllGatherCopies) {
-  SKIP_WITHOUT_GPU();
+  SHARDD_SKIP_WITHOUT_GPU();
   InMemoryKeyValueClient kv;
   auto comm = MakeSingleRank(&kv, "t/all_gather");
   ASSERT_NE(comm, nullptr);
@@ -159,7 +141,7 @@ TEST(NcclCommunicatorGpuTest, SingleRankAllGatherCopies) {
 }
 
 TEST(NcclCommunicatorGpuTest, SingleRankReduceScatterAvgEqualsInput) {
-  SKIP_WITHOUT_GPU();
+  SHARDD_SKIP_WITHOUT_GPU();
   InMemoryKeyValueClient kv;
   auto comm = MakeSingleRank(&kv, "t/reduce_scatter");
   ASSERT_NE(comm, nullptr);
@@ -188,7 +170,7 @@ TEST(NcclCommunicatorGpuTest, SingleRankReduceScatterAvgEqualsInput) {
 }
 
 TEST(NcclCommunicatorGpuTest, SingleRankAllReduceBroadcastBarrier) {
-  SKIP_WITHOUT_GPU();
+  SHARDD_SKIP_WITHOUT_GPU();
   InMemoryKeyValueClient kv;
   auto comm = MakeSingleRank(&kv, "t/all_reduce");
   ASSERT_NE(comm, nullptr);
@@ -217,7 +199,7 @@ TEST(NcclCommunicatorGpuTest, SingleRankAllReduceBroadcastBarrier) {
 }
 
 TEST(NcclCommunicatorGpuTest, RejectsHostPointersWithoutPoisoning) {
-  SKIP_WITHOUT_GPU();
+  SHARDD_SKIP_WITHOUT_GPU();
   InMemoryKeyValueClient kv;
   auto comm = MakeSingleRank(&kv, "t/host_pointers");
   ASSERT_NE(comm, nullptr);
@@ -249,7 +231,7 @@ TEST(NcclCommunicatorGpuTest, RejectsHostPointersWithoutPoisoning) {
 // after it by an event, consumer ordered after the collective, and no host
 // synchronization by the communicator until Synchronize().
 TEST(NcclCommunicatorGpuTest, AsyncCollectivesAreStreamOrdered) {
-  SKIP_WITHOUT_GPU();
+  SHARDD_SKIP_WITHOUT_GPU();
   InMemoryKeyValueClient kv;
   auto comm = MakeSingleRank(&kv, "t/async");
   ASSERT_NE(comm, nullptr);
@@ -305,7 +287,7 @@ TEST(NcclCommunicatorGpuTest, AsyncCollectivesAreStreamOrdered) {
 }
 
 TEST(NcclCommunicatorGpuTest, BlockingCallTimesOutAndAbortsTheCommunicator) {
-  SKIP_WITHOUT_GPU();
+  SHARDD_SKIP_WITHOUT_GPU();
   cudaStream_t blocked = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&blocked, cudaStreamNonBlocking),
             cudaSuccess);
@@ -351,7 +333,7 @@ TEST(NcclCommunicatorGpuTest, BlockingCallTimesOutAndAbortsTheCommunicator) {
 }
 
 TEST(NcclCommunicatorGpuTest, WatchdogAbortsUnwaitedAsyncCollective) {
-  SKIP_WITHOUT_GPU();
+  SHARDD_SKIP_WITHOUT_GPU();
   cudaStream_t blocked = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&blocked, cudaStreamNonBlocking),
             cudaSuccess);

@@ -15,6 +15,7 @@
 #include "planner/sharding_planner.h"
 #include "planner/strategy_registry.h"
 #include "program/step_program.h"
+#include "testing/gpu.h"
 #include "testing/model_builder.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/in_memory_kv_client.h"
@@ -50,18 +51,6 @@ v1::ModelSpec TinyMoe(bool freeze) {
   shape.freeze_router0 = freeze;
   return testing_util::TinyMoeSpec(shape);
 }
-
-// Skips the test without a usable GPU.
-#define SKIP_WITHOUT_GPU()                                              \
-  do {                                                                  \
-    int count = 0;                                                      \
-    const cudaError_t error = cudaGetDeviceCount(&count);               \
-    if (error != cudaSuccess || count == 0) {                           \
-      GTEST_SKIP() << "no GPU: "                                        \
-                   << (error != cudaSuccess ? cudaGetErrorString(error) \
-                                            : "no CUDA device");        \
-    }                                                                   \
-  } while (0)
 
 v1::ShardingPlan PlanFor(const v1::ModelSpec& model, bool mixed,
                          int microbatches, bool keep_compute_shard) {
@@ -132,7 +121,7 @@ class CudaBackendTest : public ::testing::TestWithParam<Case> {};
 // both sides but in different places (3e-2 relative on losses and norms;
 // parameters within what AdamW's bounded steps allow, derived below).
 TEST_P(CudaBackendTest, MatchesTheCpuExecutor) {
-  SKIP_WITHOUT_GPU();
+  SHARDD_SKIP_WITHOUT_GPU();
   const Case c = GetParam();
   const v1::ModelSpec model = TinyMoe(/*freeze=*/true);
   const v1::ShardingPlan plan =
@@ -250,11 +239,11 @@ TEST_P(CudaBackendTest, MatchesTheCpuExecutor) {
       for (int64_t i = 0; i < param.numel(); ++i) {
         const double magnitude = std::abs(want[i]) + max_travel;
         const double tol =
-            c.mixed ? 2.0 * (max_travel + kSteps * adam.adamw.lr *
-                                              adam.adamw.weight_decay *
-                                              magnitude) +
-                          1e-6 * (1.0 + std::abs(want[i]))
-                    : 1e-4 * (1.0 + std::abs(want[i]));
+            c.mixed
+                ? 2.0 * (max_travel + kSteps * adam.adamw.lr *
+                                          adam.adamw.weight_decay * magnitude) +
+                      1e-6 * (1.0 + std::abs(want[i]))
+                : 1e-4 * (1.0 + std::abs(want[i]));
         ASSERT_NEAR(got[i], want[i], tol) << param.name() << "[" << i << "]";
         ASSERT_TRUE(std::isfinite(got[i])) << param.name() << "[" << i << "]";
       }
@@ -275,7 +264,7 @@ INSTANTIATE_TEST_SUITE_P(
 // Fine-grained mode gives the same result as Execute, and misuse is
 // rejected without effect.
 TEST(CudaBackendFineGrainedTest, OneCallPerCommandMatchesExecute) {
-  SKIP_WITHOUT_GPU();
+  SHARDD_SKIP_WITHOUT_GPU();
   const v1::ModelSpec model = TinyMoe(/*freeze=*/false);
   const v1::ShardingPlan plan = PlanFor(model, false, 1, false);
   SHARDD_ASSERT_OK_AND_ASSIGN(v1::StepProgram program,

@@ -13,25 +13,16 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "testing/gpu.h"
 #include "worker/memory/device_allocator.h"
 #include "worker/memory/memory_tracker.h"
 
 namespace shardd {
 namespace {
 
-constexpr int64_t kMiB = int64_t{1} << 20;
+using ::shardd::testing_util::GpuCount;
 
-int GpuCount(std::string* reason) {
-  int count = 0;
-  const cudaError_t error = cudaGetDeviceCount(&count);
-  if (error != cudaSuccess) {
-    *reason = absl::StrCat("cudaGetDeviceCount: ", cudaGetErrorString(error));
-    cudaGetLastError();
-    return 0;
-  }
-  if (count == 0) *reason = "no CUDA device visible";
-  return count;
-}
+constexpr int64_t kMiB = int64_t{1} << 20;
 
 TEST(CudaMemoryBackendTest, WithoutGpuMallocFailsCleanly) {
   std::string reason;

@@ -20,31 +20,20 @@ using ::testing::HasSubstr;
 
 constexpr int64_t kVocab = 11, kDim = 8, kInter = 4;
 
-// One MoE layer with `experts` experts and top_k `top_k`.
+// One MoE layer (no dense MLP) with `experts` experts and top_k `top_k`,
+// untied head: the shared tiny MoE (testing/model_builder.h).
 v1::ModelSpec OneLayerModel(int64_t experts, int top_k) {
-  v1::ModelSpec spec;
-  spec.set_architecture("ShardMoEForCausalLM");
-  spec.set_dtype(v1::FLOAT32);
-  spec.mutable_dims()->set_top_k(top_k);
-  spec.mutable_dims()->set_activation(v1::SWIGLU);
-  v1::ModuleSpec* root = spec.mutable_root();
-  root->set_kind(v1::MODULE_MODEL);
-  v1::ModuleSpec* model = AddChild(root, "model", v1::MODULE_GENERIC);
-  AddParam(AddChild(model, "embed_tokens", v1::MODULE_EMBEDDING), "weight",
-           {kVocab, kDim});
-  v1::ModuleSpec* layers = AddChild(model, "layers", v1::MODULE_LAYER_LIST);
-  v1::ModuleSpec* layer = AddChild(layers, "0", v1::MODULE_DECODER_LAYER);
-  AddParam(AddChild(layer, "input_layernorm", v1::MODULE_NORM), "weight",
-           {kDim});
-  v1::ModuleSpec* moe = AddChild(layer, "moe", v1::MODULE_MOE);
-  AddParam(AddChild(moe, "gate", v1::MODULE_ROUTER), "weight", {experts, kDim});
-  v1::ModuleSpec* ex = AddChild(moe, "experts", v1::MODULE_GROUPED_EXPERTS);
-  AddParam(ex, "gate_and_up_projs", {experts, kDim, 2 * kInter});
-  AddParam(ex, "down_projs", {experts, kInter, kDim});
-  AddParam(AddChild(model, "norm", v1::MODULE_NORM), "weight", {kDim});
-  AddParam(AddChild(root, "lm_head", v1::MODULE_LM_HEAD), "weight",
-           {kVocab, kDim});
-  return spec;
+  testing_util::TinyMoeShape shape;
+  shape.vocab = kVocab;
+  shape.dim = kDim;
+  shape.experts = experts;
+  shape.inter = kInter;
+  shape.layers = 1;
+  shape.top_k = top_k;
+  shape.tied = false;
+  shape.moe_layers = {true};
+  shape.mlp_layers = {false};
+  return testing_util::TinyMoeSpec(shape);
 }
 
 class DeviceMoeModelCreateTest : public ::testing::Test {

@@ -21,6 +21,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/bf16.h"
 #include "model/model_util.h"
+#include "testing/gpu.h"
 #include "testing/model_builder.h"
 #include "worker/memory/cuda_memory_backend.h"
 #include "worker/memory/device_allocator.h"
@@ -29,29 +30,7 @@
 namespace shardd {
 namespace {
 
-using ::shardd::testing_util::AddChild;
-using ::shardd::testing_util::AddParam;
 using ::testing::HasSubstr;
-
-int GpuCount(std::string* reason) {
-  int count = 0;
-  const cudaError_t error = cudaGetDeviceCount(&count);
-  if (error != cudaSuccess) {
-    *reason = absl::StrCat("cudaGetDeviceCount: ", cudaGetErrorString(error));
-    cudaGetLastError();
-    return 0;
-  }
-  if (count == 0) *reason = "no CUDA device visible";
-  return count;
-}
-
-#define SKIP_WITHOUT_GPU()                         \
-  do {                                             \
-    std::string no_gpu_reason;                     \
-    if (GpuCount(&no_gpu_reason) == 0) {           \
-      GTEST_SKIP() << "no GPU: " << no_gpu_reason; \
-    }                                              \
-  } while (false)
 
 // The CPU reference's parameters and gradients.
 class HostSource : public ParamSource {
@@ -186,59 +165,22 @@ constexpr bool kLayerHasMoe[] = {true, true, false};
 constexpr int kLayers = 3;
 constexpr int kMoeLayers = 2;
 
+// The shared tiny MoE (testing/model_builder.h) in the layer pattern above.
 v1::ModelSpec TinyModel(const SpecShape& s) {
-  v1::ModelSpec spec;
-  spec.set_architecture("ShardMoEForCausalLM");
-  spec.set_dtype(v1::FLOAT32);
-  spec.mutable_dims()->set_top_k(s.top_k);
-  spec.mutable_dims()->set_activation(s.geglu ? v1::GEGLU : v1::SWIGLU);
-  spec.mutable_dims()->set_rms_norm_eps(1e-6);
-  // AddParam, frozen when `fqn` is listed in s.frozen.
-  auto param = [&](v1::ModuleSpec* m, const std::string& name,
-                   std::vector<int64_t> shape, const std::string& fqn) {
-    v1::TensorSpec* t = AddParam(m, name, std::move(shape));
-    if (s.frozen.count(fqn) > 0) t->set_frozen(true);
-    return t;
-  };
-  v1::ModuleSpec* root = spec.mutable_root();
-  root->set_kind(v1::MODULE_MODEL);
-  v1::ModuleSpec* model = AddChild(root, "model", v1::MODULE_GENERIC);
-  param(AddChild(model, "embed_tokens", v1::MODULE_EMBEDDING), "weight",
-        {s.vocab, s.dim}, "model.embed_tokens.weight");
-  v1::ModuleSpec* layers = AddChild(model, "layers", v1::MODULE_LAYER_LIST);
-  for (int i = 0; i < kLayers; ++i) {
-    const std::string p = absl::StrCat("model.layers.", i, ".");
-    v1::ModuleSpec* layer =
-        AddChild(layers, std::to_string(i), v1::MODULE_DECODER_LAYER);
-    param(AddChild(layer, "input_layernorm", v1::MODULE_NORM), "weight",
-          {s.dim}, p + "input_layernorm.weight");
-    if (kLayerHasMoe[i]) {
-      v1::ModuleSpec* moe = AddChild(layer, "moe", v1::MODULE_MOE);
-      param(AddChild(moe, "gate", v1::MODULE_ROUTER), "weight",
-            {s.experts, s.dim}, p + "moe.gate.weight");
-      v1::ModuleSpec* experts =
-          AddChild(moe, "experts", v1::MODULE_GROUPED_EXPERTS);
-      param(experts, "gate_and_up_projs", {s.experts, s.dim, 2 * s.inter},
-            p + "moe.experts.gate_and_up_projs");
-      param(experts, "down_projs", {s.experts, s.inter, s.dim},
-            p + "moe.experts.down_projs");
-    }
-    if (i != 1) {
-      v1::ModuleSpec* mlp = AddChild(layer, "mlp", v1::MODULE_MLP);
-      for (const char* proj : {"gate_proj", "up_proj"}) {
-        param(AddChild(mlp, proj, v1::MODULE_GENERIC), "weight", {s.mlp, s.dim},
-              absl::StrCat(p, "mlp.", proj, ".weight"));
-      }
-      param(AddChild(mlp, "down_proj", v1::MODULE_GENERIC), "weight",
-            {s.dim, s.mlp}, p + "mlp.down_proj.weight");
-    }
-  }
-  param(AddChild(model, "norm", v1::MODULE_NORM), "weight", {s.dim},
-        "model.norm.weight");
-  v1::TensorSpec* head = param(AddChild(root, "lm_head", v1::MODULE_LM_HEAD),
-                               "weight", {s.vocab, s.dim}, "lm_head.weight");
-  if (s.tied) head->set_tied_to("model.embed_tokens.weight");
-  return spec;
+  testing_util::TinyMoeShape shape;
+  shape.vocab = s.vocab;
+  shape.dim = s.dim;
+  shape.experts = s.experts;
+  shape.inter = s.inter;
+  shape.mlp = s.mlp;
+  shape.top_k = s.top_k;
+  shape.geglu = s.geglu;
+  shape.tied = s.tied;
+  shape.frozen = s.frozen;
+  shape.layers = kLayers;
+  shape.moe_layers.assign(kLayerHasMoe, kLayerHasMoe + kLayers);
+  shape.mlp_layers = {true, false, true};
+  return testing_util::TinyMoeSpec(shape);
 }
 
 // Random parameter values (norm weights near 1), optionally rounded to bf16
@@ -545,14 +487,14 @@ void CheckAgainstCpu(const Case& test) {
 }
 
 TEST(DeviceMoeModelTest, Fp32MatchesCpuModel) {
-  SKIP_WITHOUT_GPU();
+  SHARDD_SKIP_WITHOUT_GPU();
   Case test;
   test.name = "fp32 swiglu own head";
   CheckAgainstCpu(test);
 }
 
 TEST(DeviceMoeModelTest, Fp32GegluTiedHeadWithFrozenParams) {
-  SKIP_WITHOUT_GPU();
+  SHARDD_SKIP_WITHOUT_GPU();
   Case test;
   test.name = "fp32 geglu tied head";
   test.shape.geglu = true;
@@ -564,7 +506,7 @@ TEST(DeviceMoeModelTest, Fp32GegluTiedHeadWithFrozenParams) {
 }
 
 TEST(DeviceMoeModelTest, Bf16MatchesCpuModelWithinTolerance) {
-  SKIP_WITHOUT_GPU();
+  SHARDD_SKIP_WITHOUT_GPU();
   Case test;
   test.name = "bf16";
   test.shape.experts = 3;
@@ -575,7 +517,7 @@ TEST(DeviceMoeModelTest, Bf16MatchesCpuModelWithinTolerance) {
 }
 
 TEST(DeviceMoeModelTest, OrderAndDataErrors) {
-  SKIP_WITHOUT_GPU();
+  SHARDD_SKIP_WITHOUT_GPU();
   const SpecShape shape;
   const v1::ModelSpec spec = TinyModel(shape);
   TestDeviceSource source;

@@ -42,49 +42,20 @@ using ::shardd::testing_util::AddParam;
 
 constexpr int64_t kVocab = 13, kDim = 6, kExperts = 4, kInter = 3, kMlp = 5;
 
-// Layer 0: MoE + dense MLP; layer 1: MoE only; layer 2: dense only.
+// The shared tiny MoE (testing/model_builder.h). Layer 0: MoE + dense MLP;
+// layer 1: MoE only; layer 2: dense only.
 v1::ModelSpec TinyModel(bool tied) {
-  v1::ModelSpec spec;
-  spec.set_architecture("ShardMoEForCausalLM");
-  spec.set_dtype(v1::FLOAT32);
-  spec.mutable_dims()->set_top_k(2);
-  spec.mutable_dims()->set_activation(v1::SWIGLU);
-  spec.mutable_dims()->set_rms_norm_eps(1e-6);
-  v1::ModuleSpec* root = spec.mutable_root();
-  root->set_kind(v1::MODULE_MODEL);
-  v1::ModuleSpec* model = AddChild(root, "model", v1::MODULE_GENERIC);
-  AddParam(AddChild(model, "embed_tokens", v1::MODULE_EMBEDDING), "weight",
-           {kVocab, kDim});
-  v1::ModuleSpec* layers = AddChild(model, "layers", v1::MODULE_LAYER_LIST);
-  for (int i = 0; i < 3; ++i) {
-    v1::ModuleSpec* layer =
-        AddChild(layers, std::to_string(i), v1::MODULE_DECODER_LAYER);
-    AddParam(AddChild(layer, "input_layernorm", v1::MODULE_NORM), "weight",
-             {kDim});
-    if (i < 2) {
-      v1::ModuleSpec* moe = AddChild(layer, "moe", v1::MODULE_MOE);
-      AddParam(AddChild(moe, "gate", v1::MODULE_ROUTER), "weight",
-               {kExperts, kDim});
-      v1::ModuleSpec* experts =
-          AddChild(moe, "experts", v1::MODULE_GROUPED_EXPERTS);
-      AddParam(experts, "gate_and_up_projs", {kExperts, kDim, 2 * kInter});
-      AddParam(experts, "down_projs", {kExperts, kInter, kDim});
-    }
-    if (i != 1) {
-      v1::ModuleSpec* mlp = AddChild(layer, "mlp", v1::MODULE_MLP);
-      AddParam(AddChild(mlp, "gate_proj", v1::MODULE_GENERIC), "weight",
-               {kMlp, kDim});
-      AddParam(AddChild(mlp, "up_proj", v1::MODULE_GENERIC), "weight",
-               {kMlp, kDim});
-      AddParam(AddChild(mlp, "down_proj", v1::MODULE_GENERIC), "weight",
-               {kDim, kMlp});
-    }
-  }
-  AddParam(AddChild(model, "norm", v1::MODULE_NORM), "weight", {kDim});
-  v1::TensorSpec* head = AddParam(AddChild(root, "lm_head", v1::MODULE_LM_HEAD),
-                                  "weight", {kVocab, kDim});
-  if (tied) head->set_tied_to("model.embed_tokens.weight");
-  return spec;
+  testing_util::TinyMoeShape shape;
+  shape.vocab = kVocab;
+  shape.dim = kDim;
+  shape.experts = kExperts;
+  shape.inter = kInter;
+  shape.mlp = kMlp;
+  shape.layers = 3;
+  shape.moe_layers = {true, true, false};
+  shape.mlp_layers = {true, false, true};
+  shape.tied = tied;
+  return testing_util::TinyMoeSpec(shape);
 }
 
 void FillRandom(const v1::ModelSpec& spec, MapSource* source) {

@@ -1,4 +1,3 @@
-#include "checkpoint/plan_index.h"
 #include "worker/shards/shard_checkpoint.h"
 
 #include <stdlib.h>
@@ -18,26 +17,27 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "testing/model_builder.h"
-#include "common/status_macros.h"
-#include "common/status_matchers.h"
-#include "gtest/gtest.h"
-#include "planner/sharding_planner.h"
-#include "program/step_program.h"
-#include "planner/strategy_registry.h"
-#include "testing/numerics.h"
-#include "testing/shard_state.h"
 #include "checkpoint/checkpoint_index.h"
 #include "checkpoint/checkpoint_reader.h"
 #include "checkpoint/checkpoint_writer.h"
+#include "checkpoint/plan_index.h"
+#include "common/status_macros.h"
+#include "common/status_matchers.h"
+#include "gtest/gtest.h"
 #include "layout/shard_ranges.h"
-#include "worker/data/batch_sampler.h"
+#include "planner/sharding_planner.h"
+#include "planner/strategy_registry.h"
+#include "program/step_program.h"
+#include "testing/model_builder.h"
+#include "testing/numerics.h"
+#include "testing/shard_state.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/in_memory_kv_client.h"
 #include "worker/comm/kv_gloo_store.h"
+#include "worker/data/batch_sampler.h"
+#include "worker/exec/step_executor.h"
 #include "worker/memory/memory_tracker.h"
 #include "worker/shards/shard_store.h"
-#include "worker/exec/step_executor.h"
 
 namespace shardd {
 namespace {

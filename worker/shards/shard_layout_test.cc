@@ -5,59 +5,32 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "testing/model_builder.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
+#include "layout/param_init.h"
 #include "model/model_util.h"
 #include "planner/sharding_planner.h"
 #include "planner/strategy_registry.h"
+#include "testing/model_builder.h"
 #include "worker/memory/memory_tracker.h"
-#include "layout/param_init.h"
 #include "worker/shards/shard_store.h"
 
 namespace shardd {
 namespace {
 
-using ::shardd::testing_util::AddChild;
-using ::shardd::testing_util::AddParam;
-
 constexpr uint64_t kSeed = 77;
 
-// Embedding, 2 MoE layers (3 experts: dim 0 pads over 2 and 4 ranks; layer
-// 0's router frozen), final norm, tied head.
+// The shared tiny MoE (testing/model_builder.h): 2 layers, 3 experts (dim 0
+// pads over 2 and 4 ranks), layer 0's router frozen, tied head.
 v1::ModelSpec TinyModel() {
-  v1::ModelSpec spec;
-  spec.set_architecture("ShardMoEForCausalLM");
-  spec.set_dtype(v1::FLOAT32);
-  v1::ModuleSpec* root = spec.mutable_root();
-  root->set_kind(v1::MODULE_MODEL);
-  v1::ModuleSpec* model = AddChild(root, "model", v1::MODULE_GENERIC);
-  AddParam(AddChild(model, "embed_tokens", v1::MODULE_EMBEDDING), "weight",
-           {11, 6});
-  v1::ModuleSpec* layers = AddChild(model, "layers", v1::MODULE_LAYER_LIST);
-  for (int i = 0; i < 2; ++i) {
-    v1::ModuleSpec* layer =
-        AddChild(layers, std::to_string(i), v1::MODULE_DECODER_LAYER);
-    AddParam(AddChild(layer, "input_layernorm", v1::MODULE_NORM), "weight",
-             {6});
-    v1::ModuleSpec* moe = AddChild(layer, "moe", v1::MODULE_MOE);
-    v1::TensorSpec* gate =
-        AddParam(AddChild(moe, "gate", v1::MODULE_ROUTER), "weight", {3, 6});
-    if (i == 0) gate->set_frozen(true);
-    v1::ModuleSpec* experts =
-        AddChild(moe, "experts", v1::MODULE_GROUPED_EXPERTS);
-    AddParam(experts, "gate_and_up_projs", {3, 6, 8});
-    AddParam(experts, "down_projs", {3, 4, 6});
-    v1::ModuleSpec* mlp = AddChild(layer, "mlp", v1::MODULE_MLP);
-    AddParam(mlp, "gate_proj", {5, 6});
-    AddParam(mlp, "up_proj", {5, 6});
-    AddParam(mlp, "down_proj", {6, 5});
-  }
-  AddParam(AddChild(model, "norm", v1::MODULE_NORM), "weight", {6});
-  v1::TensorSpec* head = AddParam(AddChild(root, "lm_head", v1::MODULE_LM_HEAD),
-                                  "weight", {11, 6});
-  head->set_tied_to("model.embed_tokens.weight");
-  return spec;
+  testing_util::TinyMoeShape shape;
+  shape.vocab = 11;
+  shape.dim = 6;
+  shape.experts = 3;
+  shape.inter = 4;
+  shape.mlp = 5;
+  shape.freeze_router0 = true;
+  return testing_util::TinyMoeSpec(shape);
 }
 
 v1::ShardingPlan PlanFor(const v1::ModelSpec& model, int world,
