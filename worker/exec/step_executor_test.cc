@@ -23,6 +23,7 @@
 #include "planner/sharding_planner.h"
 #include "planner/strategy_registry.h"
 #include "program/step_program.h"
+#include "testing/map_param_source.h"
 #include "testing/model_builder.h"
 #include "testing/numerics.h"
 #include "testing/shard_state.h"
@@ -513,27 +514,11 @@ const WorldRun& Reference() {
   return *run;
 }
 
+using MapSource = ::shardd::testing_util::MapParamSource;
+
 // The same training written without any sharding: whole tensors in maps,
 // MoeModel on them, the global norm, clipping and AdamW on every trainable
 // tensor. Returns the final parameters and the losses.
-class MapSource : public ParamSource {
- public:
-  absl::StatusOr<const float*> Param(const std::string& name) override {
-    auto it = values.find(name);
-    if (it == values.end()) return absl::NotFoundError(name);
-    return it->second.data();
-  }
-  absl::Status AccumulateGrad(const std::string& name,
-                              const float* g) override {
-    std::vector<float>& v = grads[name];
-    v.resize(values.at(name).size(), 0.0f);
-    for (size_t i = 0; i < v.size(); ++i) v[i] += g[i];
-    return absl::OkStatus();
-  }
-  ParamMap values;
-  ParamMap grads;
-};
-
 // With `restart` (a one-replica run), every step s > 0 starts from
 // restart's state after step s - 1, as TrainOptions::restart does.
 WorldRun UnshardedTraining(const v1::ModelSpec& spec,

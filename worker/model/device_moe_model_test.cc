@@ -22,6 +22,7 @@
 #include "kernels/cpu/bf16.h"
 #include "model/model_util.h"
 #include "testing/gpu.h"
+#include "testing/map_param_source.h"
 #include "testing/model_builder.h"
 #include "worker/memory/cuda_memory_backend.h"
 #include "worker/memory/device_allocator.h"
@@ -33,23 +34,7 @@ namespace {
 using ::testing::HasSubstr;
 
 // The CPU reference's parameters and gradients.
-class HostSource : public ParamSource {
- public:
-  absl::StatusOr<const float*> Param(const std::string& name) override {
-    auto it = values.find(name);
-    if (it == values.end()) return absl::NotFoundError(name);
-    return it->second.data();
-  }
-  absl::Status AccumulateGrad(const std::string& name,
-                              const float* g) override {
-    std::vector<float>& v = grads[name];
-    v.resize(values[name].size(), 0.0f);
-    for (size_t i = 0; i < v.size(); ++i) v[i] += g[i];
-    return absl::OkStatus();
-  }
-  std::map<std::string, std::vector<float>> values;
-  std::map<std::string, std::vector<float>> grads;
-};
+using HostSource = ::shardd::testing_util::MapParamSource;
 
 // Device copies of the same values (fp32, or bf16 rounded from them) and
 // fp32 gradient buffers, in plain cudaMalloc memory (not the model's

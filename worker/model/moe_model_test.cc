@@ -11,6 +11,7 @@
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "model/model_util.h"
+#include "testing/map_param_source.h"
 #include "testing/model_builder.h"
 
 namespace shardd {
@@ -19,23 +20,7 @@ namespace {
 using ::testing::HasSubstr;
 
 // Parameters and gradients in plain maps: the unsharded view.
-class MapSource : public ParamSource {
- public:
-  absl::StatusOr<const float*> Param(const std::string& name) override {
-    auto it = values.find(name);
-    if (it == values.end()) return absl::NotFoundError(name);
-    return it->second.data();
-  }
-  absl::Status AccumulateGrad(const std::string& name,
-                              const float* g) override {
-    std::vector<float>& v = grads[name];
-    v.resize(values[name].size(), 0.0f);
-    for (size_t i = 0; i < v.size(); ++i) v[i] += g[i];
-    return absl::OkStatus();
-  }
-  std::map<std::string, std::vector<float>> values;
-  std::map<std::string, std::vector<float>> grads;
-};
+using MapSource = ::shardd::testing_util::MapParamSource;
 
 using ::shardd::testing_util::AddChild;
 using ::shardd::testing_util::AddParam;
