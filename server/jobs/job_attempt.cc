@@ -24,7 +24,6 @@ using job_internal::Describe;
 using job_internal::Prefixed;
 using job_internal::RankLabel;
 using job_internal::StepLabel;
-using job_internal::ToRankFile;
 
 // One attempt at a job's steps over the membership of the moment: the
 // workers' clients, where the job starts (after a fault: what the workers

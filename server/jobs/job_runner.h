@@ -92,69 +92,13 @@
 #include "proto/model.pb.h"
 #include "proto/plan.pb.h"
 #include "proto/worker.pb.h"
+#include "server/jobs/job_checkpoints.h"
+#include "server/jobs/job_event_log.h"
 #include "server/jobs/job_journal.h"
 #include "server/jobs/worker_client.h"
 #include "server/worker_registry.h"
 
 namespace shardd {
-
-// The events of one job, in order. An event with `done` or `error` set ends
-// the log; later appends are ignored. Thread-safe.
-class JobEventLog {
- public:
-  // Told when events were appended or the log ended. Called on the
-  // appending thread without the log's lock held; it may read the log.
-  class Listener {
-   public:
-    virtual ~Listener() = default;
-    virtual void OnEventsAvailable() = 0;
-  };
-
-  JobEventLog(std::string job_id, size_t max_events);
-
-  JobEventLog(const JobEventLog&) = delete;
-  JobEventLog& operator=(const JobEventLog&) = delete;
-
-  const std::string& job_id() const { return job_id_; }
-
-  // Appends `event` (dropping the oldest stored event beyond max_events)
-  // and tells the listeners.
-  void Append(v1::StepEvent event) ABSL_LOCKS_EXCLUDED(mu_);
-
-  // Adds a listener, held weakly (it goes away with its owner). Register
-  // before the first Read so that no append is missed.
-  void AddListener(std::weak_ptr<Listener> listener) ABSL_LOCKS_EXCLUDED(mu_);
-
-  // The position of the first event with step >= from_step: the next event
-  // to come when none is stored yet; the oldest stored one when from_step
-  // is older than what is kept.
-  int64_t StartIndex(int64_t from_step) const ABSL_LOCKS_EXCLUDED(mu_);
-
-  enum class ReadResult {
-    kEvent,  // *out is the event at *index.
-    kWait,   // Not appended yet.
-    kEnded,  // The log ended and every event before *index was read.
-  };
-  // Reads the event at position *index. A position older than the oldest
-  // stored event moves *index to the oldest one first.
-  ReadResult Read(int64_t* index, v1::StepEvent* out) const
-      ABSL_LOCKS_EXCLUDED(mu_);
-
-  bool ended() const ABSL_LOCKS_EXCLUDED(mu_);
-  // The stored events (tests, status).
-  std::vector<v1::StepEvent> Snapshot() const ABSL_LOCKS_EXCLUDED(mu_);
-
- private:
-  const std::string job_id_;
-  const size_t max_events_;
-
-  mutable absl::Mutex mu_;
-  // Position of events_.front() among all events ever appended.
-  int64_t first_index_ ABSL_GUARDED_BY(mu_) = 0;
-  std::deque<v1::StepEvent> events_ ABSL_GUARDED_BY(mu_);
-  bool ended_ ABSL_GUARDED_BY(mu_) = false;
-  std::vector<std::weak_ptr<Listener>> listeners_ ABSL_GUARDED_BY(mu_);
-};
 
 struct JobRunnerOptions {
   // Queued plus running jobs; more are refused with RESOURCE_EXHAUSTED.
@@ -205,18 +149,6 @@ struct JobSpec {
   // Normalized: defaults filled in, steps >= 1.
   v1::TrainConfig config;
 };
-
-// The committed checkpoints under `checkpoint_dir`, for job `job_id` (every
-// job's when empty), by job then newest first; names relative to
-// checkpoint_dir ("j-1/step-00000003"). A missing directory lists nothing.
-// Errors: INVALID_ARGUMENT (job_id not a plain name); file system errors.
-absl::StatusOr<std::vector<v1::CheckpointInfo>> ListJobCheckpoints(
-    const std::string& checkpoint_dir, const std::string& job_id);
-
-// Checks a checkpoint path a request names: non-empty, relative, without
-// empty, "." or ".." components. Errors: INVALID_ARGUMENT naming `field`.
-absl::Status CheckRelativeCheckpointPath(const std::string& path,
-                                         absl::string_view field);
 
 // A job as GetStatus shows it.
 struct JobSummary {

@@ -118,8 +118,6 @@ std::string Describe(const absl::Status& status);
 std::string StepLabel(int64_t step, int32_t total);
 // The same status (code and reason) with `prefix` before its message.
 absl::Status Prefixed(absl::string_view prefix, const absl::Status& status);
-// The RankFile a worker's SaveShards reported.
-checkpoint::RankFile ToRankFile(const v1::SaveShardsResponse& response);
 
 }  // namespace job_internal
 }  // namespace shardd
