@@ -15,7 +15,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "program/step_bounds.h"  // kMaxMicrobatches and the other bounds.
+#include "program/command_text.h"  // CommandToString
+#include "program/step_bounds.h"   // kMaxMicrobatches and the other bounds.
 #include "proto/plan.pb.h"
 #include "proto/worker.pb.h"
 
@@ -88,12 +89,6 @@ absl::Status ReplayStepProgram(const v1::ShardingPlan& plan,
 absl::Status ReplayCompiledStep(const v1::ShardingPlan& plan,
                                 bool include_timeline, v1::MemoryReport* memory,
                                 v1::CommReport* comm);
-
-// One line per command, e.g. "UNSHARD u3", "UNSHARD u5 prefetch",
-// "WAIT_UNSHARD u5", "RESHARD u1 group 2", "FORWARD LAYER l2 p0 m1",
-// "FORWARD EMBED p0 m0 no_grad", "BACKWARD EXPERTS l1 p2 m0",
-// "OPTIMIZER_STEP".
-std::string CommandToString(const v1::Command& command);
 
 }  // namespace shardd
 
