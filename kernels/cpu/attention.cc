@@ -30,43 +30,6 @@ bool MulOverflows(std::initializer_list<int64_t> factors) {
   return false;
 }
 
-// Whether key j is visible from the query at key position `pos`.
-inline bool Allowed(const AttentionOptions& o, int64_t pos, int64_t j) {
-  switch (o.mask) {
-    case AttentionMask::kBidirectional:
-      return true;
-    case AttentionMask::kCausal:
-      return j <= pos;
-    case AttentionMask::kSlidingWindow:
-      return j <= pos && pos - j < o.window;
-    case AttentionMask::kBlockCausal:
-      return j / o.block <= pos / o.block;
-  }
-  return false;
-}
-
-// The keys [*begin, *end) any query at positions [p0, p1] may see.
-void KeyRange(const AttentionOptions& o, int64_t p0, int64_t p1, int64_t s,
-              int64_t* begin, int64_t* end) {
-  *begin = 0;
-  *end = s;
-  switch (o.mask) {
-    case AttentionMask::kBidirectional:
-      break;
-    case AttentionMask::kCausal:
-      *end = std::min(s, p1 + 1);
-      break;
-    case AttentionMask::kSlidingWindow:
-      *begin = std::max<int64_t>(0, p0 - o.window + 1);
-      *end = std::min(s, p1 + 1);
-      break;
-    case AttentionMask::kBlockCausal:
-      *end = std::min(s, (p1 / o.block + 1) * o.block);
-      break;
-  }
-  *begin = std::min(*begin, *end);
-}
-
 // Row-major views of one (sequence, head) slice.
 struct HeadViews {
   const float* q;  // [T] rows of Dh, stride ldq
@@ -156,6 +119,7 @@ absl::Status AttentionForward(const AttentionDims& d, const AttentionOptions& o,
   if (absl::Status valid = ValidateAttention(d, o); !valid.ok()) return valid;
   const int64_t dv = Dv(d);
   const int64_t t = d.q_len, s = d.kv_len;
+  const MaskRule rule = o.rule();
   if (t == 0) return absl::OkStatus();
   if (q == nullptr || out == nullptr || lse == nullptr || ws == nullptr ||
       (s > 0 && (k == nullptr || v == nullptr))) {
@@ -182,8 +146,8 @@ absl::Status AttentionForward(const AttentionDims& d, const AttentionOptions& o,
         std::fill(l, l + bq, 0.0f);
         std::fill(acc, acc + bq * dv, 0.0f);
         int64_t k_begin, k_end;
-        KeyRange(o, i0 + o.q_offset, i0 + bq - 1 + o.q_offset, s, &k_begin,
-                 &k_end);
+        MaskKeyRange(rule, i0 + o.q_offset, i0 + bq - 1 + o.q_offset, s,
+                     &k_begin, &k_end);
         for (int64_t j0 = k_begin; j0 < k_end; j0 += kBlockK) {
           const int64_t bk = std::min(kBlockK, k_end - j0);
           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, bq, bk,
@@ -195,7 +159,7 @@ absl::Status AttentionForward(const AttentionDims& d, const AttentionOptions& o,
             float* row = scores + r * bk;
             float block_max = kNegInf;
             for (int64_t c = 0; c < bk; ++c) {
-              if (!Allowed(o, pos, j0 + c)) row[c] = kNegInf;
+              if (!MaskAllows(rule, pos, j0 + c)) row[c] = kNegInf;
               block_max = std::max(block_max, row[c]);
             }
             if (block_max == kNegInf) {
@@ -255,6 +219,7 @@ absl::Status AttentionBackward(const AttentionDims& d,
   if (absl::Status valid = ValidateAttention(d, o); !valid.ok()) return valid;
   const int64_t dv = Dv(d);
   const int64_t t = d.q_len, s = d.kv_len;
+  const MaskRule rule = o.rule();
   if (t == 0) return absl::OkStatus();
   if (q == nullptr || out == nullptr || lse == nullptr || d_out == nullptr ||
       ws == nullptr || (s > 0 && (k == nullptr || v == nullptr))) {
@@ -296,8 +261,8 @@ absl::Status AttentionBackward(const AttentionDims& d,
           }
         }
         int64_t k_begin, k_end;
-        KeyRange(o, i0 + o.q_offset, i0 + bq - 1 + o.q_offset, s, &k_begin,
-                 &k_end);
+        MaskKeyRange(rule, i0 + o.q_offset, i0 + bq - 1 + o.q_offset, s,
+                     &k_begin, &k_end);
         for (int64_t j0 = k_begin; j0 < k_end; j0 += kBlockK) {
           const int64_t bk = std::min(kBlockK, k_end - j0);
           cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, bq, bk,
@@ -309,7 +274,8 @@ absl::Status AttentionBackward(const AttentionDims& d,
             const float row_lse = lse_head[i0 + r];
             float* row = p + r * bk;
             for (int64_t c = 0; c < bk; ++c) {
-              const bool on = row_lse != kNegInf && Allowed(o, pos, j0 + c);
+              const bool on =
+                  row_lse != kNegInf && MaskAllows(rule, pos, j0 + c);
               row[c] = on ? std::exp(row[c] - row_lse) : 0.0f;
               any = any || on;
             }

@@ -35,16 +35,10 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "kernels/cpu/attention_mask.h"  // AttentionMask
 
 namespace shardd {
 namespace kernels {
-
-enum class AttentionMask {
-  kBidirectional,
-  kCausal,
-  kSlidingWindow,
-  kBlockCausal
-};
 
 struct AttentionDims {
   int64_t batch = 1;       // B >= 1
@@ -62,8 +56,18 @@ struct AttentionOptions {
   int64_t q_offset = 0;  // pos(i) = i + q_offset, >= 0
   int64_t window = 0;    // kSlidingWindow: >= 1
   int64_t block = 0;     // kBlockCausal: >= 1
-  // [Hq] learned sink logits, or null for none.
+  // [Hq] learned sink logits, or null for none (device memory for the
+  // CUDA kernels).
   const float* sinks = nullptr;
+
+  MaskRule rule() const {
+    MaskRule r;
+    r.mask = mask;
+    r.q_offset = q_offset;
+    r.window = window;
+    r.block = block;
+    return r;
+  }
 };
 
 // Scratch of one call (grown on demand, reused across calls; not

@@ -279,6 +279,46 @@ TEST(AttentionTest, GradientsAccumulate) {
   for (int i = 0; i < 8; ++i) EXPECT_FLOAT_EQ(twice[i], 2.0f * once[i]);
 }
 
+// The key and query ranges the kernels skip by cover every visible pair.
+TEST(AttentionMaskTest, RangesCoverEveryVisiblePair) {
+  for (AttentionMask mask :
+       {AttentionMask::kBidirectional, AttentionMask::kCausal,
+        AttentionMask::kSlidingWindow, AttentionMask::kBlockCausal}) {
+    for (int64_t offset : {0, 3, 9}) {
+      MaskRule r;
+      r.mask = mask;
+      r.q_offset = offset;
+      r.window = 4;
+      r.block = 3;
+      const int64_t t = 11, s = 20;
+      for (int64_t i0 = 0; i0 < t; i0 += 4) {
+        const int64_t i1 = std::min(t, i0 + 4) - 1;
+        int64_t kb, ke;
+        MaskKeyRange(r, i0 + offset, i1 + offset, s, &kb, &ke);
+        for (int64_t i = i0; i <= i1; ++i) {
+          for (int64_t j = 0; j < s; ++j) {
+            if (MaskAllows(r, i + offset, j)) {
+              EXPECT_TRUE(j >= kb && j < ke) << "key " << j << " query " << i;
+            }
+          }
+        }
+      }
+      for (int64_t j0 = 0; j0 < s; j0 += 5) {
+        const int64_t j1 = std::min(s, j0 + 5) - 1;
+        int64_t qb, qe;
+        MaskQueryRange(r, j0, j1, t, &qb, &qe);
+        for (int64_t j = j0; j <= j1; ++j) {
+          for (int64_t i = 0; i < t; ++i) {
+            if (MaskAllows(r, i + offset, j)) {
+              EXPECT_TRUE(i >= qb && i < qe) << "query " << i << " key " << j;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(AttentionTest, BadArgumentsNameTheField) {
   AttentionWorkspace ws;
   float x = 0.0f;
