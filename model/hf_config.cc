@@ -16,13 +16,18 @@
 #include "absl/strings/str_join.h"
 #include "common/dtype.h"
 #include "common/status_macros.h"
-#include "nlohmann/json.hpp"
+#include "model/config_reader.h"
+#include "model/hf_attention.h"
 #include "model/json_describe.h"
 #include "model/model_util.h"
+#include "nlohmann/json.hpp"
 
 namespace shardd {
 namespace {
 
+using hf_internal::ConfigReader;
+using hf_internal::ReadAttention;
+using hf_internal::SlidingLayers;
 using nlohmann::json;
 
 // Upper bounds well above any published model; they keep every shape product
@@ -35,130 +40,6 @@ constexpr int64_t kMaxHeads = int64_t{1} << 16;
 constexpr int64_t kMaxHeadDim = int64_t{1} << 16;
 constexpr int64_t kMaxExperts = int64_t{1} << 16;
 constexpr int64_t kMaxRank = int64_t{1} << 20;
-
-// Typed, range-checked access to config.json fields. Multimodal configs nest
-// the language model under "text_config"; fields are looked up there first.
-class ConfigReader {
- public:
-  explicit ConfigReader(const json& top) : top_(top) {
-    auto it = top.find("text_config");
-    if (it != top.end() && it->is_object()) text_ = &*it;
-  }
-
-  // The field's value and its printable name; nullptr when absent or null.
-  const json* Find(const std::string& key, std::string* name) const {
-    if (text_ != nullptr) {
-      auto it = text_->find(key);
-      if (it != text_->end() && !it->is_null()) {
-        *name = "text_config." + key;
-        return &*it;
-      }
-    }
-    *name = key;
-    auto it = top_.find(key);
-    if (it == top_.end() || it->is_null()) return nullptr;
-    return &*it;
-  }
-
-  bool Has(const std::string& key) const {
-    std::string name;
-    return Find(key, &name) != nullptr;
-  }
-
-  // Required integer in [lo, hi].
-  absl::StatusOr<int64_t> Int(const std::string& key, int64_t lo,
-                              int64_t hi) const {
-    std::string name;
-    const json* v = Find(key, &name);
-    if (v == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name, ": missing; must be an integer in [", lo, ", ", hi, "]"));
-    }
-    return CheckInt(*v, name, lo, hi);
-  }
-
-  // Optional integer in [lo, hi]; absent or null gives `def`.
-  absl::StatusOr<int64_t> IntOr(const std::string& key, int64_t def, int64_t lo,
-                                int64_t hi) const {
-    std::string name;
-    const json* v = Find(key, &name);
-    if (v == nullptr) return def;
-    return CheckInt(*v, name, lo, hi);
-  }
-
-  absl::StatusOr<bool> BoolOr(const std::string& key, bool def) const {
-    std::string name;
-    const json* v = Find(key, &name);
-    if (v == nullptr) return def;
-    if (!v->is_boolean()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name, ": must be true or false, got ", DescribeJson(*v)));
-    }
-    return v->get<bool>();
-  }
-
-  absl::StatusOr<double> NonNegativeDoubleOr(const std::string& key,
-                                             double def) const {
-    std::string name;
-    const json* v = Find(key, &name);
-    if (v == nullptr) return def;
-    if (!v->is_number()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name, ": must be a non-negative number, got ", DescribeJson(*v)));
-    }
-    const double d = v->get<double>();
-    if (!std::isfinite(d) || d < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name, ": must be a non-negative number, got ", DescribeJson(*v)));
-    }
-    return d;
-  }
-
-  absl::StatusOr<std::string> StringOr(const std::string& key,
-                                       const std::string& def) const {
-    std::string name;
-    const json* v = Find(key, &name);
-    if (v == nullptr) return def;
-    if (!v->is_string()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(name, ": must be a string, got ", DescribeJson(*v)));
-    }
-    return v->get<std::string>();
-  }
-
- private:
-  static absl::StatusOr<int64_t> CheckInt(const json& v,
-                                          const std::string& name, int64_t lo,
-                                          int64_t hi) {
-    const std::string allowed =
-        absl::StrCat("must be an integer in [", lo, ", ", hi, "]");
-    if (v.is_number_unsigned()) {
-      const uint64_t u = v.get<uint64_t>();
-      if (u > static_cast<uint64_t>(hi)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(name, ": ", allowed, ", got ", u));
-      }
-      if (static_cast<int64_t>(u) < lo) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(name, ": ", allowed, ", got ", u));
-      }
-      return static_cast<int64_t>(u);
-    }
-    if (v.is_number_integer()) {
-      const int64_t i = v.get<int64_t>();
-      if (i < lo || i > hi) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(name, ": ", allowed, ", got ", i));
-      }
-      return i;
-    }
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, ": ", allowed, ", got ", DescribeJson(v)));
-  }
-
-  const json& top_;
-  const json* text_ = nullptr;
-};
 
 // ---- Tree building ----------------------------------------------------------
 
@@ -415,6 +296,9 @@ absl::StatusOr<v1::ModelSpec> BuildLlama(const ConfigReader& r,
       }));
   SetHeadDims(h, spec.mutable_dims());
   spec.mutable_dims()->set_dense_intermediate_size(inter);
+  SHARDD_RETURN_IF_ERROR(
+      ReadAttention(r, c.layers, SlidingLayers::kNone,
+                    spec.mutable_dims()->mutable_attention()));
   return spec;
 }
 
@@ -447,6 +331,10 @@ absl::StatusOr<v1::ModelSpec> BuildMixtral(const ConfigReader& r,
   d->set_num_experts(static_cast<int32_t>(e));
   d->set_top_k(static_cast<int32_t>(k));
   d->set_moe_intermediate_size(inter);
+  // HF Mixtral renormalises the top-k routing weights.
+  d->set_norm_topk_prob(true);
+  SHARDD_RETURN_IF_ERROR(ReadAttention(r, c.layers, SlidingLayers::kAllWhenSet,
+                                       d->mutable_attention()));
   return spec;
 }
 
@@ -524,6 +412,12 @@ absl::StatusOr<v1::ModelSpec> BuildQwen3Moe(const ConfigReader& r,
   d->set_top_k(static_cast<int32_t>(k));
   d->set_moe_intermediate_size(moe_inter);
   d->set_dense_intermediate_size(dense_inter);
+  SHARDD_ASSIGN_OR_RETURN(const bool norm_topk,
+                          r.BoolOr("norm_topk_prob", false));
+  d->set_norm_topk_prob(norm_topk);
+  SHARDD_RETURN_IF_ERROR(
+      ReadAttention(r, c.layers, SlidingLayers::kQwen, d->mutable_attention()));
+  d->mutable_attention()->set_qk_norm(true);
   return spec;
 }
 

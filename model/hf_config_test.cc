@@ -601,3 +601,99 @@ TEST(HfConfigTest, MalformedDocuments) {
 
 }  // namespace
 }  // namespace shardd
+
+namespace shardd {
+namespace {
+
+v1::AttentionSpec AttentionOf(const nlohmann::json& config) {
+  absl::StatusOr<v1::ModelSpec> spec = ModelSpecFromHfConfig(config.dump());
+  EXPECT_TRUE(spec.ok()) << spec.status();
+  return spec.ok() ? spec->dims().attention() : v1::AttentionSpec();
+}
+
+nlohmann::json TinyQwen3() {
+  return nlohmann::json::parse(R"({
+    "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64,
+    "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 48,
+    "moe_intermediate_size": 16, "num_experts": 8, "num_experts_per_tok": 2,
+    "max_position_embeddings": 512, "rope_theta": 1000000.0,
+    "norm_topk_prob": true})");
+}
+
+TEST(HfAttentionTest, RopeAndRouterFlagsFromTheConfig) {
+  nlohmann::json c = TinyQwen3();
+  absl::StatusOr<v1::ModelSpec> spec = ModelSpecFromHfConfig(c.dump());
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  const v1::AttentionSpec& a = spec->dims().attention();
+  EXPECT_EQ(a.rope().type(), "default");
+  EXPECT_EQ(a.rope().theta(), 1000000.0);
+  EXPECT_EQ(a.rope().partial_rotary_factor(), 1.0);
+  EXPECT_EQ(a.max_position_embeddings(), 512);
+  EXPECT_TRUE(a.qk_norm());
+  EXPECT_EQ(a.sliding_layers_size(), 0);
+  EXPECT_TRUE(spec->dims().norm_topk_prob());
+
+  // transformers 4.x rope_scaling, and 5.x rope_parameters.
+  c["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0},
+                       {"original_max_position_embeddings", 128},
+                       {"mscale", 1.0}, {"mscale_all_dim", 1.0}};
+  v1::AttentionSpec yarn = AttentionOf(c);
+  EXPECT_EQ(yarn.rope().type(), "yarn");
+  EXPECT_EQ(yarn.rope().factor(), 4.0);
+  EXPECT_EQ(yarn.rope().original_max_position_embeddings(), 128);
+  EXPECT_EQ(yarn.rope().mscale_all_dim(), 1.0);
+  c.erase("rope_scaling");
+  c["rope_parameters"] = {{"rope_type", "llama3"}, {"rope_theta", 5e5},
+                          {"factor", 8.0}, {"low_freq_factor", 1.0},
+                          {"high_freq_factor", 4.0},
+                          {"original_max_position_embeddings", 256}};
+  v1::AttentionSpec llama3 = AttentionOf(c);
+  EXPECT_EQ(llama3.rope().type(), "llama3");
+  EXPECT_EQ(llama3.rope().theta(), 5e5);
+  EXPECT_EQ(llama3.rope().high_freq_factor(), 4.0);
+}
+
+TEST(HfAttentionTest, SlidingWindowLayers) {
+  nlohmann::json c = TinyQwen3();
+  c["sliding_window"] = 64;
+  c["use_sliding_window"] = true;
+  c["max_window_layers"] = 2;
+  v1::AttentionSpec a = AttentionOf(c);
+  EXPECT_EQ(a.sliding_window(), 64);
+  ASSERT_EQ(a.sliding_layers_size(), 4);
+  EXPECT_FALSE(a.sliding_layers(1));
+  EXPECT_TRUE(a.sliding_layers(2));
+  // Off unless use_sliding_window.
+  c["use_sliding_window"] = false;
+  EXPECT_EQ(AttentionOf(c).sliding_layers_size(), 0);
+  // An explicit layer_types list wins.
+  c["layer_types"] = {"sliding_attention", "full_attention",
+                      "sliding_attention", "full_attention"};
+  a = AttentionOf(c);
+  ASSERT_EQ(a.sliding_layers_size(), 4);
+  EXPECT_TRUE(a.sliding_layers(0));
+  EXPECT_FALSE(a.sliding_layers(3));
+}
+
+TEST(HfAttentionTest, BadRopeNamesTheField) {
+  nlohmann::json c = TinyQwen3();
+  c["rope_scaling"] = {{"rope_type", "longrope"}};
+  EXPECT_THAT(ModelSpecFromHfConfig(c.dump()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       ::testing::HasSubstr("rope_scaling.rope_type: "
+                                            "\"longrope\" is not supported")));
+  c["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0},
+                       {"low_freq_factor", 4.0}, {"high_freq_factor", 1.0}};
+  EXPECT_THAT(ModelSpecFromHfConfig(c.dump()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       ::testing::HasSubstr("high_freq_factor")));
+  c.erase("rope_scaling");
+  c["layer_types"] = {"sliding_attention"};
+  EXPECT_THAT(ModelSpecFromHfConfig(c.dump()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       ::testing::HasSubstr("layer_types")));
+}
+
+}  // namespace
+}  // namespace shardd

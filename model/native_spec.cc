@@ -13,13 +13,21 @@
 #include "absl/strings/str_join.h"
 #include "common/dtype.h"
 #include "common/status_macros.h"
-#include "nlohmann/json.hpp"
+#include "google/protobuf/util/json_util.h"
 #include "model/hf_config.h"
 #include "model/json_describe.h"
 #include "model/model_util.h"
+#include "nlohmann/json.hpp"
 
 namespace shardd {
 namespace {
+
+// A protobuf util::Status as an absl::Status (protobuf 3.21 has its own).
+template <typename S>
+absl::Status ToAbsl(const S& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::InvalidArgumentError(std::string(status.message()));
+}
 
 using nlohmann::json;
 
@@ -137,13 +145,13 @@ absl::StatusOr<v1::ModelDims> ReadDims(const json& v, const std::string& path) {
   if (!v.is_object()) {
     return Bad(path, absl::StrCat("must be an object, got ", DescribeJson(v)));
   }
-  SHARDD_RETURN_IF_ERROR(
-      CheckMembers(v, path,
-                   {"vocab_size", "hidden_size", "num_layers", "num_experts",
-                    "top_k", "moe_intermediate_size", "dense_intermediate_size",
-                    "num_shared_experts", "first_k_dense_layers", "activation",
-                    "tie_word_embeddings", "rms_norm_eps",
-                    "num_attention_heads", "num_key_value_heads", "head_dim"}));
+  SHARDD_RETURN_IF_ERROR(CheckMembers(
+      v, path,
+      {"vocab_size", "hidden_size", "num_layers", "num_experts", "top_k",
+       "moe_intermediate_size", "dense_intermediate_size", "num_shared_experts",
+       "first_k_dense_layers", "activation", "tie_word_embeddings",
+       "rms_norm_eps", "num_attention_heads", "num_key_value_heads", "head_dim",
+       "attention", "norm_topk_prob"}));
   v1::ModelDims d;
   constexpr int64_t kI32 = 2147483647;
   constexpr int64_t kBig = kMaxDim - 1;
@@ -213,6 +221,26 @@ absl::StatusOr<v1::ModelDims> ReadDims(const json& v, const std::string& path) {
                               DescribeJson(*it)));
     }
     d.set_rms_norm_eps(it->get<double>());
+  }
+  if (auto it = v.find("norm_topk_prob"); it != v.end()) {
+    if (!it->is_boolean()) {
+      return Bad(
+          Sub(path, "norm_topk_prob"),
+          absl::StrCat("must be true or false, got ", DescribeJson(*it)));
+    }
+    d.set_norm_topk_prob(it->get<bool>());
+  }
+  if (auto it = v.find("attention"); it != v.end()) {
+    // The AttentionSpec message in its proto JSON form (field names as in
+    // proto/model.proto); values are checked where they are used.
+    google::protobuf::util::JsonParseOptions options;
+    options.ignore_unknown_fields = false;
+    const absl::Status parsed =
+        ToAbsl(google::protobuf::util::JsonStringToMessage(
+            it->dump(), d.mutable_attention(), options));
+    if (!parsed.ok()) {
+      return Bad(Sub(path, "attention"), parsed.message());
+    }
   }
   return d;
 }
@@ -434,6 +462,17 @@ std::string ModelSpecToNativeJson(const v1::ModelSpec& model) {
   dims["num_attention_heads"] = d.num_attention_heads();
   dims["num_key_value_heads"] = d.num_key_value_heads();
   dims["head_dim"] = d.head_dim();
+  if (d.norm_topk_prob()) dims["norm_topk_prob"] = true;
+  if (d.has_attention()) {
+    std::string text;
+    google::protobuf::util::JsonPrintOptions options;
+    options.preserve_proto_field_names = true;
+    if (google::protobuf::util::MessageToJsonString(d.attention(), &text,
+                                                    options)
+            .ok()) {
+      dims["attention"] = json::parse(text);
+    }
+  }
   doc["dims"] = std::move(dims);
   doc["root"] = ModuleToJson(model.root(), model.dtype(), true);
   // Replace invalid UTF-8 instead of throwing (names come from callers).
