@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -56,6 +57,17 @@ struct TinyMoeShape {
   // model.layers.0.moe.gate.weight.
   std::set<std::string> frozen;
   bool freeze_router0 = false;
+  // Self-attention before the MoE / MLP branch (Llama / Qwen3 style):
+  // q/k/v/o projections, post_attention_layernorm, optional per-head q/k
+  // norms, default RoPE; layers listed in `sliding_layers` use a sliding
+  // window of `window` keys.
+  bool attention = false;
+  int heads = 2;
+  int kv_heads = 1;
+  int head_dim = 4;
+  bool qk_norm = false;
+  std::vector<bool> sliding_layers;
+  int64_t window = 0;
 };
 
 inline v1::ModelSpec TinyMoeSpec(const TinyMoeShape& s) {
@@ -73,6 +85,19 @@ inline v1::ModelSpec TinyMoeSpec(const TinyMoeShape& s) {
   dims->set_activation(s.geglu ? v1::GEGLU : v1::SWIGLU);
   dims->set_tie_word_embeddings(s.tied);
   dims->set_rms_norm_eps(1e-6);
+  if (s.attention) {
+    dims->set_num_attention_heads(s.heads);
+    dims->set_num_key_value_heads(s.kv_heads);
+    dims->set_head_dim(s.head_dim);
+    dims->set_norm_topk_prob(true);
+    v1::AttentionSpec* a = dims->mutable_attention();
+    a->mutable_rope()->set_type("default");
+    a->mutable_rope()->set_theta(10000.0);
+    a->set_max_position_embeddings(256);
+    a->set_qk_norm(s.qk_norm);
+    for (bool b : s.sliding_layers) a->add_sliding_layers(b);
+    a->set_sliding_window(s.window);
+  }
   std::set<std::string> frozen = s.frozen;
   if (s.freeze_router0) frozen.insert("model.layers.0.moe.gate.weight");
   // AddParam under the full name `fqn`, frozen when listed.
@@ -94,6 +119,27 @@ inline v1::ModelSpec TinyMoeSpec(const TinyMoeShape& s) {
         AddChild(layers, std::to_string(i), v1::MODULE_DECODER_LAYER);
     param(AddChild(layer, "input_layernorm", v1::MODULE_NORM), "weight",
           {s.dim}, p + "input_layernorm.weight");
+    if (s.attention) {
+      v1::ModuleSpec* attn = AddChild(layer, "self_attn", v1::MODULE_ATTENTION);
+      const int64_t q = int64_t{s.heads} * s.head_dim;
+      const int64_t kv = int64_t{s.kv_heads} * s.head_dim;
+      for (const auto& [proj, out, in] :
+           {std::tuple<const char*, int64_t, int64_t>{"q_proj", q, s.dim},
+            {"k_proj", kv, s.dim},
+            {"v_proj", kv, s.dim},
+            {"o_proj", s.dim, q}}) {
+        param(AddChild(attn, proj, v1::MODULE_GENERIC), "weight", {out, in},
+              p + "self_attn." + proj + ".weight");
+      }
+      if (s.qk_norm) {
+        for (const char* norm : {"q_norm", "k_norm"}) {
+          param(AddChild(attn, norm, v1::MODULE_NORM), "weight", {s.head_dim},
+                p + "self_attn." + norm + ".weight");
+        }
+      }
+      param(AddChild(layer, "post_attention_layernorm", v1::MODULE_NORM),
+            "weight", {s.dim}, p + "post_attention_layernorm.weight");
+    }
     if (s.moe_layers.empty() || s.moe_layers[i]) {
       v1::ModuleSpec* moe = AddChild(layer, "moe", v1::MODULE_MOE);
       param(AddChild(moe, "gate", v1::MODULE_ROUTER), "weight",

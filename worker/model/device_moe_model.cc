@@ -338,6 +338,14 @@ absl::StatusOr<std::unique_ptr<DeviceMoeModel>> DeviceMoeModel::Create(
   SHARDD_RETURN_IF_ERROR(CheckModelStepShape(shape.passes, shape.no_grad_passes,
                                              shape.microbatches));
   SHARDD_ASSIGN_OR_RETURN(MoeArchitecture arch, ReadMoeArchitecture(model));
+  for (size_t l = 0; l < arch.layers.size(); ++l) {
+    if (arch.layers[l].has_attention) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "model.layers.", l,
+          ".self_attn: the GPU model has no attention layers yet (the CPU "
+          "workers train it: --device cpu)"));
+    }
+  }
   if (allocator == nullptr) {
     return absl::InvalidArgumentError("allocator: must not be null");
   }

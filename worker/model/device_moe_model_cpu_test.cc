@@ -51,8 +51,19 @@ TEST_F(DeviceMoeModelCreateTest, RefusesWhatTheCpuModelRefuses) {
                                ->mutable_children(0);
   AddParam(AddChild(layer0, "self_attn", v1::MODULE_ATTENTION), "q_proj",
            {kDim, kDim});
+  EXPECT_THAT(DeviceMoeModel::Create(spec, {}, &allocator_).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("self_attn.q_proj")));
+  // A whole attention layer, which the CPU model trains: not on the GPU yet.
+  testing_util::TinyMoeShape attention;
+  attention.vocab = kVocab;
+  attention.dim = kDim;
+  attention.layers = 1;
+  attention.attention = true;
   EXPECT_THAT(
-      DeviceMoeModel::Create(spec, {}, &allocator_).status(),
+      DeviceMoeModel::Create(testing_util::TinyMoeSpec(attention), {},
+                             &allocator_)
+          .status(),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no attention")));
 
   DeviceMoeModelOptions bad_shape;

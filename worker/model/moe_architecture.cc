@@ -42,17 +42,6 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
     t.shape.assign(ref.tensor->shape().begin(), ref.tensor->shape().end());
     t.frozen = ref.tensor->frozen();
     tensors[ref.fqn] = t;
-    // Only these modules are computed by the CPU path.
-    for (const v1::ModuleSpec* m : ref.path) {
-      if (m->kind() == v1::MODULE_ATTENTION) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "parameter '", ref.fqn,
-            "': the CPU training path has no attention (its model is "
-            "embedding, RMSNorm, MoE router + grouped experts, optional "
-            "dense MLP, final norm, LM head); remove the attention modules "
-            "from the spec"));
-      }
-    }
   }
   auto take = [&](const std::string& name,
                   std::vector<int64_t> shape) -> absl::StatusOr<ArchTensor> {
@@ -101,6 +90,59 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
     MoeLayerSpec layer;
     SHARDD_ASSIGN_OR_RETURN(layer.norm,
                             take(p + "input_layernorm.weight", {d}));
+    if (tensors.count(p + "self_attn.q_proj.weight") > 0) {
+      const v1::ModelDims& dims = model.dims();
+      const int64_t hq = dims.num_attention_heads();
+      const int64_t hkv = dims.num_key_value_heads() > 0
+                              ? dims.num_key_value_heads()
+                              : dims.num_attention_heads();
+      const int64_t hd = dims.head_dim() > 0 ? dims.head_dim()
+                                             : (hq > 0 ? d / hq : 0);
+      if (hq < 1 || hkv < 1 || hq % hkv != 0 || hd < 1) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "dims.num_attention_heads / num_key_value_heads / head_dim: "
+            "layer ",
+            l, " has attention, which needs heads >= 1 with "
+            "num_key_value_heads dividing num_attention_heads; got ",
+            hq, ", ", hkv, ", ", hd));
+      }
+      for (const char* bias : {"q_proj", "k_proj", "v_proj", "o_proj"}) {
+        if (tensors.count(absl::StrCat(p, "self_attn.", bias, ".bias")) > 0) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              p, "self_attn.", bias,
+              ".bias: attention biases are not computed yet (GPT-OSS)"));
+        }
+      }
+      arch.q_heads = hq;
+      arch.kv_heads = hkv;
+      arch.head_dim = hd;
+      layer.has_attention = true;
+      SHARDD_ASSIGN_OR_RETURN(layer.q_proj,
+                              take(p + "self_attn.q_proj.weight", {hq * hd, d}));
+      SHARDD_ASSIGN_OR_RETURN(
+          layer.k_proj, take(p + "self_attn.k_proj.weight", {hkv * hd, d}));
+      SHARDD_ASSIGN_OR_RETURN(
+          layer.v_proj, take(p + "self_attn.v_proj.weight", {hkv * hd, d}));
+      SHARDD_ASSIGN_OR_RETURN(layer.o_proj,
+                              take(p + "self_attn.o_proj.weight", {d, hq * hd}));
+      if (tensors.count(p + "self_attn.q_norm.weight") > 0) {
+        layer.qk_norm = true;
+        SHARDD_ASSIGN_OR_RETURN(layer.q_norm,
+                                take(p + "self_attn.q_norm.weight", {hd}));
+        SHARDD_ASSIGN_OR_RETURN(layer.k_norm,
+                                take(p + "self_attn.k_norm.weight", {hd}));
+      }
+      SHARDD_ASSIGN_OR_RETURN(layer.post_norm,
+                              take(p + "post_attention_layernorm.weight", {d}));
+      const v1::AttentionSpec& attention = dims.attention();
+      layer.sliding = l < attention.sliding_layers_size() &&
+                      attention.sliding_layers(l);
+      if (layer.sliding && attention.sliding_window() < 1) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "dims.attention.sliding_window: layer ", l,
+            " slides, which needs a window >= 1"));
+      }
+    }
     if (tensors.count(p + "moe.experts.gate_and_up_projs") > 0) {
       layer.has_moe = true;
       SHARDD_ASSIGN_OR_RETURN(layer.w_gu,
@@ -142,6 +184,35 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
     }
     arch.layers.push_back(std::move(layer));
   }
+  bool attention = false;
+  for (const MoeLayerSpec& layer : arch.layers) {
+    attention = attention || layer.has_attention;
+  }
+  if (attention) {
+    const v1::AttentionSpec& spec = model.dims().attention();
+    SHARDD_ASSIGN_OR_RETURN(arch.rope,
+                            ComputeRopeFrequencies(spec.rope(), arch.head_dim));
+    if (static_cast<int64_t>(arch.rope.inv_freq.size()) * 2 > arch.head_dim) {
+      return absl::InvalidArgumentError(
+          "dims.attention.rope: rotates more dims than head_dim");
+    }
+    arch.sliding_window = spec.sliding_window();
+    arch.max_positions = spec.max_position_embeddings() > 0
+                             ? spec.max_position_embeddings()
+                             : int64_t{1} << 16;
+  }
+  arch.norm_topk_prob = model.dims().norm_topk_prob();
+  for (size_t l = 0; l < arch.layers.size(); ++l) {
+    // The router kernel renormalises the top-k weights (NeMo's and Mixtral's
+    // router); a Hugging Face model that does not is refused rather than
+    // trained differently.
+    if (attention && arch.layers[l].has_moe && !arch.norm_topk_prob) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "dims.norm_topk_prob: layer ", l,
+          " routes without renormalising the top-k weights, which the "
+          "workers do not compute yet; set norm_topk_prob to true"));
+    }
+  }
   if (arch.layers.empty()) {
     return absl::InvalidArgumentError(
         "the CPU training path needs decoder layers model.layers.N with an "
@@ -151,8 +222,8 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
     return absl::InvalidArgumentError(absl::StrCat(
         "parameter '", tensors.begin()->first,
         "' is not part of the CPU training model (embedding, per-layer "
-        "input_layernorm / moe.gate / moe.experts / mlp, model.norm, "
-        "lm_head)"));
+        "input_layernorm / self_attn / post_attention_layernorm / moe.gate / "
+        "moe.experts / mlp, model.norm, lm_head)"));
   }
   return arch;
 }

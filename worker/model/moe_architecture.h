@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/cpu/grouped_experts.h"
+#include "model/rope_frequencies.h"
 #include "proto/model.pb.h"
 
 namespace shardd {
@@ -30,7 +31,15 @@ struct ArchTensor {
 };
 
 struct MoeLayerSpec {
-  ArchTensor norm;
+  ArchTensor norm;  // input_layernorm
+  // Self-attention, when the layer has one: x += o_proj(attn(rope(q), rope(k),
+  // v)) of the normed input, then post_attention_layernorm normalises the
+  // MoE / MLP input. q_proj [Hq * hd, D], k_proj and v_proj [Hkv * hd, D],
+  // o_proj [D, Hq * hd]; q_norm / k_norm [hd] per head when qk_norm.
+  bool has_attention = false;
+  ArchTensor q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, post_norm;
+  bool qk_norm = false;
+  bool sliding = false;  // Sliding-window mask (else causal).
   bool has_moe = false;
   ArchTensor gate;  // [E, D]
   ArchTensor w_gu;  // [E, D, 2I]
@@ -54,6 +63,13 @@ struct MoeArchitecture {
   ArchTensor final_norm;
   ArchTensor head;  // May name the embedding when tied.
   std::vector<MoeLayerSpec> layers;
+  // Attention geometry (when any layer has attention).
+  int64_t q_heads = 0, kv_heads = 0, head_dim = 0;
+  int64_t sliding_window = 0;
+  int64_t max_positions = 0;
+  RopeFrequencies rope;
+  // Softmax top-k routers renormalise the selected weights.
+  bool norm_topk_prob = false;
 
   // layers[l].has_moe for every l (the command order's layer table).
   std::vector<bool> LayersWithExperts() const {

@@ -13,6 +13,7 @@
 #include "kernels/cpu/rms_norm.h"
 #include "kernels/cpu/router.h"
 #include "model/model_util.h"
+#include "worker/model/attention_block.h"
 #include "worker/model/command_order.h"
 #include "worker/model/moe_architecture.h"
 
@@ -26,9 +27,14 @@ using LayerSpec = MoeLayerSpec;
 
 // Activations of one layer in one pass, kept for its backward.
 struct LayerActs {
-  std::vector<float> x_in;       // [T, D] residual input
-  std::vector<float> inv_rms;    // [T]
-  std::vector<float> normed;     // [T, D]
+  std::vector<float> x_in;     // [T, D] residual input
+  std::vector<float> inv_rms;  // [T] of input_layernorm
+  // Attention layers: the sublayer's activations, the residual after it
+  // (the post_attention_layernorm's input) and that norm's inverse RMS.
+  AttentionActs attn;
+  std::vector<float> x_mid;      // [T, D]
+  std::vector<float> post_inv;   // [T]
+  std::vector<float> normed;     // [T, D] the MoE / MLP input
   std::vector<int32_t> indices;  // [T, K]
   std::vector<float> weights;    // [T, K]
   std::vector<float> dense_out;  // [T, D]
@@ -36,12 +42,13 @@ struct LayerActs {
   kernels::GroupedExpertsWorkspace experts;
   kernels::DenseMlpWorkspace mlp;
   int64_t bytes() const {
-    return static_cast<int64_t>((x_in.capacity() + inv_rms.capacity() +
-                                 normed.capacity() + weights.capacity() +
-                                 dense_out.capacity()) *
-                                    sizeof(float) +
-                                indices.capacity() * sizeof(int32_t) +
-                                router.bytes() + experts.bytes() + mlp.bytes());
+    return static_cast<int64_t>(
+        (x_in.capacity() + inv_rms.capacity() + x_mid.capacity() +
+         post_inv.capacity() + normed.capacity() + weights.capacity() +
+         dense_out.capacity()) *
+            sizeof(float) +
+        attn.bytes() + indices.capacity() * sizeof(int32_t) + router.bytes() +
+        experts.bytes() + mlp.bytes());
   }
 };
 
@@ -59,6 +66,8 @@ struct PassActs {
 struct Batch {
   std::vector<int32_t> inputs;
   std::vector<int32_t> targets;
+  int64_t batch = 0;  // Sequences
+  int64_t seq = 0;    // Tokens per sequence
   int64_t tokens = 0;
   int64_t counted = 0;  // Non-ignored targets.
 };
@@ -75,6 +84,8 @@ struct MoeModel::Impl : MoeArchitecture {
   std::vector<PassActs> acts;  // One per pass.
   std::vector<float> scratch;  // Parameter-gradient staging.
   std::vector<float> scratch2;
+  std::vector<float> scratch_td;  // [T, D] activation staging
+  std::unique_ptr<AttentionBlock> attention;
   double loss_sum = 0.0;  // Sum of per-(pass, micro-batch) mean losses.
   int loss_terms = 0;
   int64_t tokens = 0;
@@ -118,6 +129,7 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Create(
   impl->batches.resize(options.microbatches);
   impl->acts.resize(options.passes);
   for (PassActs& a : impl->acts) a.layers.resize(impl->layers.size());
+  impl->attention = std::make_unique<AttentionBlock>(impl.get());
   impl->order = std::make_unique<ModelCommandOrder>(
       options.passes, options.no_grad_passes, options.microbatches,
       impl->LayersWithExperts(), /*per_microbatch=*/false);
@@ -133,6 +145,14 @@ absl::Status MoeModel::SetBatch(int microbatch, const int32_t* inputs,
       CheckMicroBatch(microbatch, m.options.microbatches, inputs, targets,
                       batch, seq, m.vocab));
   Batch& b = m.batches[microbatch];
+  for (const LayerSpec& layer : m.layers) {
+    if (layer.has_attention) {
+      SHARDD_RETURN_IF_ERROR(m.attention->Prepare(seq));
+      break;
+    }
+  }
+  b.batch = batch;
+  b.seq = seq;
   b.tokens = batch * seq;
   b.inputs.assign(inputs, inputs + b.tokens);
   b.targets.assign(targets, targets + b.tokens);
@@ -187,6 +207,25 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
       SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(la.x_in.data(), norm_w, t,
                                                      dim, eps, la.normed.data(),
                                                      la.inv_rms.data()));
+      if (spec.has_attention) {
+        // x_mid = x + attention(input_layernorm(x)); the MoE / MLP branch
+        // reads post_attention_layernorm(x_mid).
+        scratch_td.resize(t * dim);
+        SHARDD_RETURN_IF_ERROR(
+            attention->Forward(spec, params, la.normed.data(), batch.batch,
+                               batch.seq, &la.attn, scratch_td.data()));
+        la.x_mid.resize(t * dim);
+        for (int64_t i = 0; i < t * dim; ++i) {
+          la.x_mid[i] = la.x_in[i] + scratch_td[i];
+        }
+        a.x = la.x_mid;
+        SHARDD_ASSIGN_OR_RETURN(const float* post_w,
+                                params->Param(spec.post_norm.name));
+        la.post_inv.resize(t);
+        SHARDD_RETURN_IF_ERROR(
+            kernels::RmsNormForward(la.x_mid.data(), post_w, t, dim, eps,
+                                    la.normed.data(), la.post_inv.data()));
+      }
       la.dense_out.assign(t * dim, 0.0f);
       if (spec.has_mlp) {
         SHARDD_ASSIGN_OR_RETURN(const float* wg,
@@ -355,6 +394,22 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
       }
       SHARDD_ASSIGN_OR_RETURN(const float* norm_w,
                               params->Param(spec.norm.name));
+      if (spec.has_attention) {
+        // a.dn is the gradient of post_attention_layernorm's output; a.dx
+        // becomes the gradient of x_mid, which is also the attention
+        // sublayer's output gradient.
+        SHARDD_ASSIGN_OR_RETURN(const float* post_w,
+                                params->Param(spec.post_norm.name));
+        float* dpost = Zeroed(&scratch, dim);
+        SHARDD_RETURN_IF_ERROR(kernels::RmsNormBackward(
+            a.dn.data(), la.x_mid.data(), post_w, la.post_inv.data(), t, dim,
+            a.dx.data(), dpost, /*accumulate_dx=*/true));
+        SHARDD_RETURN_IF_ERROR(AddGrad(params, spec.post_norm, dpost));
+        // a.dn becomes the gradient of input_layernorm's output.
+        SHARDD_RETURN_IF_ERROR(attention->Backward(spec, params, la.attn,
+                                                   batch.batch, batch.seq,
+                                                   a.dx.data(), a.dn.data()));
+      }
       float* dnorm = Zeroed(&scratch, dim);  // Dropped by AddGrad if frozen.
       // Residual: d(x_in) = d(x_out) + RMSNorm'(d normed).
       SHARDD_RETURN_IF_ERROR(kernels::RmsNormBackward(

@@ -37,18 +37,9 @@
 #include "absl/status/statusor.h"
 #include "proto/model.pb.h"
 #include "proto/worker.pb.h"
+#include "worker/model/param_source.h"
 
 namespace shardd {
-
-class ParamSource {
- public:
-  virtual ~ParamSource() = default;
-  // The unsharded fp32 values of a parameter (numel of its global shape).
-  virtual absl::StatusOr<const float*> Param(const std::string& name) = 0;
-  // grad[name] += values.
-  virtual absl::Status AccumulateGrad(const std::string& name,
-                                      const float* values) = 0;
-};
 
 struct MoeModelOptions {
   int passes = 1;
