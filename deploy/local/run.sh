@@ -11,7 +11,8 @@
 # --defer-grad-sync" or "--fine-grained"), SHARDD_TLS (1: every endpoint
 # serves mutual TLS with a throwaway CA from tools/make_test_certs.sh, and
 # clients and workers present their bearer tokens; 0: plaintext, no tokens),
-# SHARDD_DEVICE (cpu, or cuda: worker i runs on cuda:i over NCCL; needs a
+# SHARDD_MODEL (the model: a native spec or a Hugging Face config.json;
+# default tests/data/small_moe.json), SHARDD_DEVICE (cpu, or cuda: worker i runs on cuda:i over NCCL; needs a
 # --config=cuda build), SHARDD_BIN (a folder of prebuilt binaries laid out as
 # bazel-bin, e.g. gpu_bundle/bin from tools/gpu_bundle.sh; then nothing is
 # installed or built), SHARDD_PICTURES (where the pictures go: the loss curve, and the memory
@@ -30,6 +31,7 @@ read -r -a extra_args <<<"${SHARDD_TRAIN_ARGS:-}"
 tls=${SHARDD_TLS:-1}
 
 device=${SHARDD_DEVICE:-cpu}
+model=${SHARDD_MODEL:-tests/data/small_moe.json}
 if [[ "$device" != cpu && "$device" != cuda ]]; then
   echo "run.sh: SHARDD_DEVICE: expected cpu or cuda, got '$device'" >&2
   exit 2
@@ -217,15 +219,15 @@ done
 shardctl status --coordinator "$addr"
 echo
 
-echo "== shardctl train --model tests/data/small_moe.json --steps $steps ${extra_args[*]}"
-shardctl train --coordinator "$addr" --model tests/data/small_moe.json \
+echo "== shardctl train --model $model --steps $steps ${extra_args[*]}"
+shardctl train --coordinator "$addr" --model "$model" \
   --steps "$steps" --global-batch 64 --seq 64 --lr 0.01 --seed 1 \
   --loss-svg "$pictures/loss.svg" "${extra_args[@]}"
 echo
 
 # The planner's prediction of the same step, for comparison with the
 # measured one (in-process: no coordinator needed).
-"$bin/client/shardctl" plan --model tests/data/small_moe.json --dp "$workers" \
+"$bin/client/shardctl" plan --model "$model" --dp "$workers" \
   --timeline-svg "$pictures/memory-planned.svg" >/dev/null
 echo "== pictures in $pictures:"
 for picture in loss.svg memory-measured.svg memory-planned.svg; do

@@ -778,12 +778,12 @@ INSTANTIATE_TEST_SUITE_P(Worlds, StepExecutorEquivalenceTest,
 class StepExecutorIdenticalDataTest
     : public ::testing::TestWithParam<EquivalenceCase> {};
 
-TEST_P(StepExecutorIdenticalDataTest, BitwiseEqualToOneRank) {
-  const EquivalenceCase& c = GetParam();
-  const v1::ModelSpec model = TinyMoe(/*freeze=*/true);
+// Two shards of identical data against one rank, bit for bit (see above).
+void ExpectBitwiseEqualToOneRank(const v1::ModelSpec& model,
+                                 const Shape& shape) {
   StepExecutorOptions options = BaseOptions();
   options.max_grad_norm = 0.0;
-  Shape one = c.shape;
+  Shape one = shape;
   one.dp_shard = 1;
   one.dp_replicate = 1;
   const v1::ShardingPlan one_plan = MakePlan(model, one);
@@ -792,7 +792,7 @@ TEST_P(StepExecutorIdenticalDataTest, BitwiseEqualToOneRank) {
   train.shared_data = &data;
   const WorldRun ref =
       Train(model, one_plan, options, kSteps, kGlobalBatch, train);
-  const WorldRun run = Train(model, MakePlan(model, c.shape), options, kSteps,
+  const WorldRun run = Train(model, MakePlan(model, shape), options, kSteps,
                              kGlobalBatch, train);
   for (size_t r = 0; r < run.results.size(); ++r) {
     for (int s = 0; s < kSteps; ++s) {
@@ -810,6 +810,34 @@ TEST_P(StepExecutorIdenticalDataTest, BitwiseEqualToOneRank) {
       EXPECT_EQ(got.exp_avg_sq, want.exp_avg_sq);
     }
   }
+}
+
+TEST_P(StepExecutorIdenticalDataTest, BitwiseEqualToOneRank) {
+  ExpectBitwiseEqualToOneRank(TinyMoe(/*freeze=*/true), GetParam().shape);
+}
+
+// The same with attention layers (Qwen3 style: GQA, q/k norms, RoPE, one
+// sliding-window layer) in every decoder unit.
+TEST(StepExecutorAttentionTest, ShardedBitwiseEqualToOneRank) {
+  testing_util::TinyMoeShape shape;
+  shape.vocab = kVocab;
+  shape.dim = kDim;
+  shape.experts = kExperts;
+  shape.inter = kInter;
+  shape.mlp = kMlp;
+  shape.freeze_router0 = true;
+  shape.attention = true;
+  shape.heads = 4;
+  shape.kv_heads = 2;
+  shape.head_dim = 4;
+  shape.qk_norm = true;
+  shape.sliding_layers = {false, true};
+  shape.window = 3;
+  Shape sharded;
+  sharded.dp_shard = 2;
+  ExpectBitwiseEqualToOneRank(testing_util::TinyMoeSpec(shape), sharded);
+  sharded.strategy = "megatron_fsdp";
+  ExpectBitwiseEqualToOneRank(testing_util::TinyMoeSpec(shape), sharded);
 }
 
 std::vector<EquivalenceCase> IdenticalDataCases() {
