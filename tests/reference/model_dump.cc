@@ -1,0 +1,150 @@
+// Runs one training step of the CPU model (worker/model/moe_model.h) on
+// random fp32 weights and tokens, and writes everything a reference needs
+// to recompute it as JSON: the spec's dims, every parameter (shardd layout
+// and names), the tokens, the loss and every parameter's gradient.
+//
+//   model_dump --model CONFIG.json --batch B --seq S --seed N --out FILE
+//
+// CONFIG.json is a Hugging Face config or a native spec. Test-only.
+
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "google/protobuf/util/json_util.h"
+#include "model/hf_config.h"
+#include "model/model_util.h"
+#include "model/native_spec.h"
+#include "nlohmann/json.hpp"
+#include "testing/map_param_source.h"
+#include "worker/model/moe_architecture.h"
+#include "worker/model/moe_model.h"
+
+ABSL_FLAG(std::string, model, "", "HF config.json or native spec");
+ABSL_FLAG(int64_t, batch, 2, "sequences");
+ABSL_FLAG(int64_t, seq, 16, "tokens per sequence");
+ABSL_FLAG(uint32_t, seed, 1, "random seed");
+ABSL_FLAG(double, scale, 0.2, "weights uniform in [-scale, scale]");
+ABSL_FLAG(std::string, out, "", "output JSON");
+
+namespace shardd {
+namespace {
+
+std::vector<v1::Command> StepCommands(const MoeArchitecture& arch) {
+  std::vector<v1::Command> out;
+  auto add = [&](v1::Command::Op op, v1::Command::Part part, int layer) {
+    v1::Command c;
+    c.set_op(op);
+    c.set_part(part);
+    c.set_layer(layer);
+    c.set_requires_grad(true);
+    out.push_back(c);
+  };
+  const int layers = static_cast<int>(arch.layers.size());
+  add(v1::Command::FORWARD, v1::Command::EMBED, -1);
+  for (int l = 0; l < layers; ++l) {
+    add(v1::Command::FORWARD, v1::Command::LAYER, l);
+    if (arch.layers[l].has_moe) {
+      add(v1::Command::FORWARD, v1::Command::EXPERTS, l);
+    }
+  }
+  add(v1::Command::FORWARD, v1::Command::HEAD, -1);
+  add(v1::Command::BACKWARD, v1::Command::HEAD, -1);
+  for (int l = layers - 1; l >= 0; --l) {
+    if (arch.layers[l].has_moe) {
+      add(v1::Command::BACKWARD, v1::Command::EXPERTS, l);
+    }
+    add(v1::Command::BACKWARD, v1::Command::LAYER, l);
+  }
+  add(v1::Command::BACKWARD, v1::Command::EMBED, -1);
+  return out;
+}
+
+int Run() {
+  std::ifstream in(absl::GetFlag(FLAGS_model));
+  std::stringstream text;
+  text << in.rdbuf();
+  absl::StatusOr<v1::ModelSpec> spec =
+      text.str().find("\"architectures\"") != std::string::npos
+          ? ModelSpecFromHfConfig(text.str())
+          : ModelSpecFromJson(text.str());
+  if (!spec.ok()) {
+    std::fprintf(stderr, "model_dump: %s\n", spec.status().ToString().c_str());
+    return 1;
+  }
+  // fp32 throughout: the reference recomputes in float64.
+  absl::StatusOr<MoeArchitecture> arch = ReadMoeArchitecture(*spec);
+  absl::StatusOr<std::unique_ptr<MoeModel>> model =
+      MoeModel::Create(*spec, MoeModelOptions());
+  if (!arch.ok() || !model.ok()) {
+    std::fprintf(
+        stderr, "model_dump: %s\n",
+        (arch.ok() ? model.status() : arch.status()).ToString().c_str());
+    return 1;
+  }
+  std::mt19937 gen(absl::GetFlag(FLAGS_seed));
+  const float scale = static_cast<float>(absl::GetFlag(FLAGS_scale));
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+  testing_util::MapParamSource source;
+  nlohmann::json params = nlohmann::json::object();
+  for (const ParamRef& ref : ListParams(*spec)) {
+    if (!ref.tensor->tied_to().empty()) continue;
+    std::vector<float>& v = source.values[ref.fqn];
+    v.resize(Numel(*ref.tensor));
+    const bool norm = absl::StrContains(ref.fqn, "norm");
+    for (float& x : v) x = norm ? 1.0f + 0.1f * uni(gen) : scale * uni(gen);
+    params[ref.fqn] = {
+        {"shape", std::vector<int64_t>(ref.tensor->shape().begin(),
+                                       ref.tensor->shape().end())},
+        {"values", v}};
+  }
+  const int64_t batch = absl::GetFlag(FLAGS_batch),
+                seq = absl::GetFlag(FLAGS_seq);
+  std::vector<int32_t> inputs(batch * seq), targets(batch * seq);
+  for (int32_t& x : inputs) x = static_cast<int32_t>(gen() % arch->vocab);
+  for (int32_t& x : targets) x = static_cast<int32_t>(gen() % arch->vocab);
+  absl::Status status =
+      (*model)->SetBatch(0, inputs.data(), targets.data(), batch, seq);
+  for (const v1::Command& c : StepCommands(*arch)) {
+    if (!status.ok()) break;
+    status = (*model)->Run(c, &source);
+  }
+  if (!status.ok()) {
+    std::fprintf(stderr, "model_dump: %s\n", status.ToString().c_str());
+    return 1;
+  }
+  std::string dims;
+  google::protobuf::util::JsonPrintOptions options;
+  options.preserve_proto_field_names = true;
+  options.always_print_primitive_fields = true;
+  (void)google::protobuf::util::MessageToJsonString(spec->dims(), &dims,
+                                                    options);
+  nlohmann::json out = {{"architecture", spec->architecture()},
+                        {"dims", nlohmann::json::parse(dims)},
+                        {"batch", batch},
+                        {"seq", seq},
+                        {"inputs", inputs},
+                        {"targets", targets},
+                        {"params", params},
+                        {"loss", (*model)->step_loss()},
+                        {"grads", source.grads}};
+  std::ofstream file(absl::GetFlag(FLAGS_out));
+  file << out.dump();
+  return file.good() ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace shardd
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return shardd::Run();
+}

@@ -1,0 +1,157 @@
+"""The CPU model's Qwen3-MoE step against a plain-PyTorch reference.
+
+model_dump runs one training step of shardd's CPU model on random fp32
+weights and writes the weights, tokens, loss and gradients. This test
+recomputes the step in float64 with PyTorch, written from Hugging Face's
+published Qwen3-MoE definition (modeling_qwen3_moe.py): RMSNorm, q/k/v
+projections, per-head q/k RMSNorm, rotate-half RoPE, causal grouped-query
+attention with softmax scale head_dim^-0.5, o_proj, residual,
+post_attention_layernorm, a softmax router over all experts whose top-k
+weights are renormalised (norm_topk_prob), SwiGLU experts, residual, the
+final norm, lm_head and the mean token cross-entropy; autograd gives the
+gradients.
+
+Usage: qwen3_moe_reference_test.py MODEL_DUMP CONFIG.json
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+torch.set_default_dtype(torch.float64)
+
+
+def rms_norm(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope(x, positions, theta, head_dim):
+    # x: [B, H, S, hd]; HF: emb = cat(freqs, freqs), q*cos + rotate_half*sin.
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2) / head_dim))
+    # The fp32 frequencies and angles the workers use (as Hugging Face's
+    # fp32 rotary embedding computes them), then exact cos / sin.
+    inv_freq = inv_freq.float()
+    freqs = (positions.float()[:, None] * inv_freq[None, :]).double()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return x * emb.cos() + rotate_half(x) * emb.sin()
+
+
+def forward(dump, p):
+    d = dump["dims"]
+    b, s = dump["batch"], dump["seq"]
+    eps = d["rms_norm_eps"]
+    # Proto JSON writes int64 fields as strings.
+    hq, hkv, hd = (int(d["num_attention_heads"]), int(d["num_key_value_heads"]),
+                   int(d["head_dim"]))
+    theta = d["attention"]["rope"]["theta"]
+    top_k = int(d["top_k"])
+    tokens = torch.tensor(dump["inputs"]).view(b, s)
+    x = p["model.embed_tokens.weight"][tokens]  # [B, S, D]
+    positions = torch.arange(s)
+    causal = torch.full((s, s), float("-inf")).triu(1)
+    layer = 0
+    while f"model.layers.{layer}.input_layernorm.weight" in p:
+        pre = f"model.layers.{layer}."
+        h = rms_norm(x, p[pre + "input_layernorm.weight"], eps)
+        q = (h @ p[pre + "self_attn.q_proj.weight"].T).view(b, s, hq, hd)
+        k = (h @ p[pre + "self_attn.k_proj.weight"].T).view(b, s, hkv, hd)
+        v = (h @ p[pre + "self_attn.v_proj.weight"].T).view(b, s, hkv, hd)
+        q = rms_norm(q, p[pre + "self_attn.q_norm.weight"], eps).transpose(1, 2)
+        k = rms_norm(k, p[pre + "self_attn.k_norm.weight"], eps).transpose(1, 2)
+        v = v.transpose(1, 2)
+        q = rope(q, positions, theta, hd)
+        k = rope(k, positions, theta, hd)
+        k = k.repeat_interleave(hq // hkv, dim=1)
+        v = v.repeat_interleave(hq // hkv, dim=1)
+        scores = q @ k.transpose(-1, -2) * hd ** -0.5 + causal
+        attn = torch.softmax(scores, dim=-1) @ v  # [B, Hq, S, hd]
+        attn = attn.transpose(1, 2).reshape(b, s, hq * hd)
+        x = x + attn @ p[pre + "self_attn.o_proj.weight"].T
+        h = rms_norm(x, p[pre + "post_attention_layernorm.weight"], eps)
+        if pre + "moe.gate.weight" in p:
+            logits = h @ p[pre + "moe.gate.weight"].T  # [B, S, E]
+            probs = torch.softmax(logits, dim=-1)
+            weights, chosen = torch.topk(probs, top_k, dim=-1)
+            weights = weights / weights.sum(-1, keepdim=True)
+            w_gu = p[pre + "moe.experts.gate_and_up_projs"]  # [E, D, 2I]
+            w_d = p[pre + "moe.experts.down_projs"]  # [E, I, D]
+            inter = w_d.shape[1]
+            out = torch.zeros_like(h)
+            for slot in range(top_k):
+                e = chosen[..., slot]  # [B, S]
+                gu = torch.einsum("bsd,bsdf->bsf", h, w_gu[e])
+                a = torch.nn.functional.silu(gu[..., :inter]) * gu[..., inter:]
+                y = torch.einsum("bsi,bsid->bsd", a, w_d[e])
+                out = out + weights[..., slot : slot + 1] * y
+            x = x + out
+        if pre + "mlp.gate_proj.weight" in p:
+            g = h @ p[pre + "mlp.gate_proj.weight"].T
+            u = h @ p[pre + "mlp.up_proj.weight"].T
+            x = x + (torch.nn.functional.silu(g) * u) @ p[pre + "mlp.down_proj.weight"].T
+        layer += 1
+    h = rms_norm(x, p["model.norm.weight"], eps)
+    head = p.get("lm_head.weight", p["model.embed_tokens.weight"])
+    logits = h @ head.T
+    targets = torch.tensor(dump["targets"])
+    return torch.nn.functional.cross_entropy(logits.view(b * s, -1), targets)
+
+
+def main():
+    dump_binary, config = sys.argv[1], sys.argv[2]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "dump.json")
+        subprocess.run(
+            [dump_binary, f"--model={config}", "--batch=2", "--seq=24",
+             "--seed=3", f"--out={out}"],
+            check=True, timeout=120)
+        with open(out) as f:
+            dump = json.load(f)
+    params = {
+        name: torch.tensor(t["values"]).view(t["shape"]).requires_grad_()
+        for name, t in dump["params"].items()
+    }
+    loss = forward(dump, params)
+    loss.backward()
+
+    # Bounds from the fp32 arithmetic (u = 2^-24) of the workers against
+    # float64: each value passes through about L = 40 chained operations
+    # (2 layers of norm, projections, rope, attention, router, experts, the
+    # head), each a sum of at most n = 128 terms (hidden, head, vocab and
+    # sequence sizes here), so the first-order worst case is L n u = 3e-4
+    # relative, norm-wise, for every gradient; the loss is a mean of 48
+    # cross-entropies, each within that bound.
+    bound = 40 * 128 * 2.0 ** -24
+    failures = 0
+    rel = abs(dump["loss"] - loss.item()) / abs(loss.item())
+    print(f"loss shardd {dump['loss']:.9f} reference {loss.item():.9f} "
+          f"relative {rel:.2e} (bound {bound:.1e})")
+    if not rel <= bound:
+        failures += 1
+    worst = 0.0
+    for name, tensor in params.items():
+        want = tensor.grad.flatten()
+        got = torch.tensor(dump["grads"][name])
+        err = (got - want).norm().item() / max(want.norm().item(), 1e-30)
+        worst = max(worst, err)
+        if not err <= bound:
+            print(f"FAIL {name}: relative L2 error {err:.2e}")
+            failures += 1
+    print(f"{len(params)} gradients, largest relative L2 error {worst:.2e}")
+    if failures:
+        print(f"FAIL: {failures} checks out of bounds")
+        sys.exit(1)
+    print("PASS")
+
+
+if __name__ == "__main__":
+    main()
