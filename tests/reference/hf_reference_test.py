@@ -1,17 +1,19 @@
-"""The CPU model's Qwen3-MoE step against a plain-PyTorch reference.
+"""The CPU model's step against a plain-PyTorch reference, per architecture.
 
 model_dump runs one training step of shardd's CPU model on random fp32
 weights and writes the weights, tokens, loss and gradients. This test
 recomputes the step in float64 with PyTorch, written from Hugging Face's
-published Qwen3-MoE definition (modeling_qwen3_moe.py): RMSNorm, q/k/v
-projections, per-head q/k RMSNorm, rotate-half RoPE, causal grouped-query
-attention with softmax scale head_dim^-0.5, o_proj, residual,
-post_attention_layernorm, a softmax router over all experts whose top-k
-weights are renormalised (norm_topk_prob), SwiGLU experts, residual, the
-final norm, lm_head and the mean token cross-entropy; autograd gives the
-gradients.
+published definitions (modeling_llama.py, modeling_mixtral.py,
+modeling_qwen3_moe.py, modeling_rope_utils.py): RMSNorm, q/k/v projections,
+Qwen3's per-head q/k RMSNorm, rotate-half RoPE (default and llama3
+frequencies), causal or sliding-window grouped-query attention with softmax
+scale head_dim^-0.5, o_proj, residual, post_attention_layernorm, then a
+softmax router over all experts whose top-k weights are renormalised
+(Mixtral; Qwen3's norm_topk_prob) with SwiGLU experts, or a SwiGLU MLP
+(Llama), residual, the final norm, lm_head (tied or not) and the mean token
+cross-entropy; autograd gives the gradients.
 
-Usage: qwen3_moe_reference_test.py MODEL_DUMP CONFIG.json
+Usage: hf_reference_test.py MODEL_DUMP CONFIG.json [CONFIG.json ...]
 """
 
 import json
@@ -35,12 +37,28 @@ def rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rope(x, positions, theta, head_dim):
-    # x: [B, H, S, hd]; HF: emb = cat(freqs, freqs), q*cos + rotate_half*sin.
+def inv_frequencies(rope_spec, head_dim):
+    """modeling_rope_utils' default and llama3 frequencies, in float64."""
+    theta = rope_spec["theta"]
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2) / head_dim))
+    if rope_spec.get("type", "default") == "llama3":
+        factor = rope_spec["factor"]
+        low, high = rope_spec["low_freq_factor"], rope_spec["high_freq_factor"]
+        old = float(rope_spec["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope(x, positions, rope_spec, head_dim):
+    # x: [B, H, S, hd]; HF: emb = cat(freqs, freqs), q*cos + rotate_half*sin.
     # The fp32 frequencies and angles the workers use (as Hugging Face's
     # fp32 rotary embedding computes them), then exact cos / sin.
-    inv_freq = inv_freq.float()
+    inv_freq = inv_frequencies(rope_spec, head_dim).float()
     freqs = (positions.float()[:, None] * inv_freq[None, :]).double()
     emb = torch.cat((freqs, freqs), dim=-1)
     return x * emb.cos() + rotate_half(x) * emb.sin()
@@ -53,12 +71,18 @@ def forward(dump, p):
     # Proto JSON writes int64 fields as strings.
     hq, hkv, hd = (int(d["num_attention_heads"]), int(d["num_key_value_heads"]),
                    int(d["head_dim"]))
-    theta = d["attention"]["rope"]["theta"]
+    attention = d["attention"]
+    rope_spec = attention["rope"]
     top_k = int(d["top_k"])
     tokens = torch.tensor(dump["inputs"]).view(b, s)
     x = p["model.embed_tokens.weight"][tokens]  # [B, S, D]
     positions = torch.arange(s)
     causal = torch.full((s, s), float("-inf")).triu(1)
+    window = int(attention.get("sliding_window", 0))
+    sliding = torch.where(
+        positions[:, None] - positions[None, :] >= max(window, 1),
+        float("-inf"), 0.0) + causal
+    sliding_layers = attention.get("sliding_layers", [])
     layer = 0
     while f"model.layers.{layer}.input_layernorm.weight" in p:
         pre = f"model.layers.{layer}."
@@ -66,14 +90,17 @@ def forward(dump, p):
         q = (h @ p[pre + "self_attn.q_proj.weight"].T).view(b, s, hq, hd)
         k = (h @ p[pre + "self_attn.k_proj.weight"].T).view(b, s, hkv, hd)
         v = (h @ p[pre + "self_attn.v_proj.weight"].T).view(b, s, hkv, hd)
-        q = rms_norm(q, p[pre + "self_attn.q_norm.weight"], eps).transpose(1, 2)
-        k = rms_norm(k, p[pre + "self_attn.k_norm.weight"], eps).transpose(1, 2)
-        v = v.transpose(1, 2)
-        q = rope(q, positions, theta, hd)
-        k = rope(k, positions, theta, hd)
+        if pre + "self_attn.q_norm.weight" in p:
+            q = rms_norm(q, p[pre + "self_attn.q_norm.weight"], eps)
+            k = rms_norm(k, p[pre + "self_attn.k_norm.weight"], eps)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q = rope(q, positions, rope_spec, hd)
+        k = rope(k, positions, rope_spec, hd)
         k = k.repeat_interleave(hq // hkv, dim=1)
         v = v.repeat_interleave(hq // hkv, dim=1)
-        scores = q @ k.transpose(-1, -2) * hd ** -0.5 + causal
+        is_sliding = layer < len(sliding_layers) and sliding_layers[layer]
+        mask = sliding if is_sliding else causal
+        scores = q @ k.transpose(-1, -2) * hd ** -0.5 + mask
         attn = torch.softmax(scores, dim=-1) @ v  # [B, Hq, S, hd]
         attn = attn.transpose(1, 2).reshape(b, s, hq * hd)
         x = x + attn @ p[pre + "self_attn.o_proj.weight"].T
@@ -106,8 +133,8 @@ def forward(dump, p):
     return torch.nn.functional.cross_entropy(logits.view(b * s, -1), targets)
 
 
-def main():
-    dump_binary, config = sys.argv[1], sys.argv[2]
+def check(dump_binary, config):
+    """Returns the number of checks out of bounds for one config."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "dump.json")
         subprocess.run(
@@ -132,9 +159,10 @@ def main():
     # cross-entropies, each within that bound.
     bound = 40 * 128 * 2.0 ** -24
     failures = 0
+    name_of = os.path.basename(config)
     rel = abs(dump["loss"] - loss.item()) / abs(loss.item())
-    print(f"loss shardd {dump['loss']:.9f} reference {loss.item():.9f} "
-          f"relative {rel:.2e} (bound {bound:.1e})")
+    print(f"{name_of} ({dump['architecture']}): loss shardd {dump['loss']:.9f} "
+          f"reference {loss.item():.9f} relative {rel:.2e} (bound {bound:.1e})")
     if not rel <= bound:
         failures += 1
     worst = 0.0
@@ -146,7 +174,12 @@ def main():
         if not err <= bound:
             print(f"FAIL {name}: relative L2 error {err:.2e}")
             failures += 1
-    print(f"{len(params)} gradients, largest relative L2 error {worst:.2e}")
+    print(f"  {len(params)} gradients, largest relative L2 error {worst:.2e}")
+    return failures
+
+
+def main():
+    failures = sum(check(sys.argv[1], config) for config in sys.argv[2:])
     if failures:
         print(f"FAIL: {failures} checks out of bounds")
         sys.exit(1)
