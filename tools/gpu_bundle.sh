@@ -20,13 +20,13 @@ gpu_tests=(
   //kernels/cuda:rms_norm_test //kernels/cuda:router_test
   //kernels/cuda:cross_entropy_test //kernels/cuda:adamw_test
   //kernels/cuda:dense_mlp_test //kernels/cuda:grouped_experts_test
-  //kernels/cuda:attention_test
+  //kernels/cuda:attention_test //kernels/cuda:rope_test
   //worker/exec:cuda_backend_test //worker/model:device_moe_model_test
   //worker/memory:cuda_memory_backend_test //worker/comm:nccl_communicator_test
 )
 binaries=(
   //server:shardd-coordinator //worker:shardd-worker //client:shardctl
-  //bench:grouped_experts_cuda_bench
+  //bench:grouped_experts_cuda_bench //bench:attention_cuda_bench
 )
 bazel build --config=cuda "${gpu_tests[@]}" "${binaries[@]}"
 

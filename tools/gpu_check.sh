@@ -4,16 +4,17 @@
 #   1. runs every gpu-tagged test binary,
 #   2. trains tests/data/small_moe.json with one worker on cuda:0 (NCCL,
 #      world size 1) and then on the CPU (Gloo), same seed and batches,
-#   3. runs the grouped-experts benchmark and its torch._grouped_mm twin.
+#   3. runs the grouped-experts benchmark and its torch._grouped_mm twin,
+#   4. (attn) runs the attention benchmark and its torch SDPA twin.
 # Full logs go to $OUT (or /tmp/gpu-check); a summary is printed last.
 #
-#   tools/gpu_check.sh [tests] [train] [bench]     (default: all three)
+#   tools/gpu_check.sh [tests] [train] [bench] [attn]   (default: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu-check}
 mkdir -p "$out"
 parts=("$@")
-((${#parts[@]} == 0)) && parts=(tests train bench)
+((${#parts[@]} == 0)) && parts=(tests train bench attn)
 want() { [[ " ${parts[*]} " == *" $1 "* ]]; }
 
 root=/tmp/shardd-gpu
@@ -115,6 +116,14 @@ if want bench; then
     >"$out/bench_torch.log" 2>&1
   summary+=("torch_grouped_mm rc=$?")
   tail -n 12 "$out/bench_shardd.log" "$out/bench_torch.log"
+fi
+
+if want attn; then
+  timeout 240 "$root/bin/bench/attention_cuda_bench" >"$out/attn_shardd.log" 2>&1
+  summary+=("attention_cuda_bench rc=$?")
+  timeout 240 python3 bench/torch_sdpa.py >"$out/attn_torch.log" 2>&1
+  summary+=("torch_sdpa rc=$?")
+  tail -n 4 "$out/attn_shardd.log" "$out/attn_torch.log"
 fi
 
 echo "===== failures"

@@ -1,0 +1,59 @@
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/device_math.h"
+#include "kernels/cuda/rope_kernels.h"
+
+namespace shardd {
+namespace kernels {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// One thread per (token, head, pair).
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    RopeKernel(RopeLaunch r, const int32_t* __restrict__ positions, T* x) {
+  const int64_t total = r.tokens * r.heads * r.half;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x +
+                     threadIdx.x;
+       idx < total; idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = idx % r.half;
+    const int64_t h = (idx / r.half) % r.heads;
+    const int64_t t = idx / (r.half * r.heads);
+    const int64_t p = positions[t];
+    if (p < 0 || p >= r.positions) continue;
+    T* head = x + t * r.token_stride + h * r.head_stride + r.dim_offset;
+    T* a = r.interleaved ? head + 2 * i : head + i;
+    T* b = r.interleaved ? head + 2 * i + 1 : head + i + r.half;
+    const float c = r.cos[p * r.half + i];
+    const float s = r.sign * r.sin[p * r.half + i];
+    const float x1 = LoadAsFloat(a), x2 = LoadAsFloat(b);
+    // Rounded as the CPU kernel: two products, then the sum.
+    StoreFromFloat(a, __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
+    StoreFromFloat(b, __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+  }
+}
+
+}  // namespace
+
+template <typename T>
+cudaError_t LaunchRope(const RopeLaunch& r, const int32_t* positions, T* x,
+                       cudaStream_t stream) {
+  const int64_t total = r.tokens * r.heads * r.half;
+  const int64_t blocks = (total + kThreads - 1) / kThreads;
+  RopeKernel<T><<<static_cast<unsigned>(blocks < 65535 ? blocks : 65535),
+                  kThreads, 0, stream>>>(r, positions, x);
+  return cudaGetLastError();
+}
+
+template cudaError_t LaunchRope<float>(const RopeLaunch&, const int32_t*,
+                                       float*, cudaStream_t);
+template cudaError_t LaunchRope<uint16_t>(const RopeLaunch&, const int32_t*,
+                                          uint16_t*, cudaStream_t);
+
+}  // namespace cuda
+}  // namespace kernels
+}  // namespace shardd
