@@ -2,8 +2,8 @@
 
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <initializer_list>
+#include <limits>
 #include <set>
 #include <string>
 #include <utility>
@@ -194,6 +194,9 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                              "--keep-compute-shard",
                                              "--grad-clip",
                                              "--weight-decay",
+                                             "--beta1",
+                                             "--beta2",
+                                             "--eps",
                                              "--reshard-after-forward",
                                              "--fwd-prefetch",
                                              "--bwd-prefetch",
@@ -396,6 +399,24 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
           "--seed: expected an integer in [0, 2^64), got '", value, "'"));
     }
     args->train.set_seed(seed);
+  } else if (flag == "--beta1" || flag == "--beta2" || flag == "--eps") {
+    // torch.optim.AdamW's meanings. On the wire 0 means the default, so
+    // the betas must be in (0, 1) and eps > 0.
+    double x = 0;
+    const bool beta = flag != "--eps";
+    if (!absl::SimpleAtod(value, &x) || !std::isfinite(x) || !(x > 0) ||
+        (beta && !(x < 1))) {
+      return Usage(absl::StrCat(flag, ": expected a number ",
+                                beta ? "in (0, 1)" : "> 0", ", got '", value,
+                                "'"));
+    }
+    if (flag == "--beta1") {
+      args->train.set_beta1(x);
+    } else if (flag == "--beta2") {
+      args->train.set_beta2(x);
+    } else {
+      args->train.set_eps(x);
+    }
   } else if (flag == "--fine-grained") {
     args->train.set_fine_grained(true);
   } else if (flag == "--log-every") {
@@ -797,6 +818,9 @@ Job:
   --seed N                     data and initialization seed (default 0)
   --lr X                       AdamW learning rate (default 0.001)
   --weight-decay X             decoupled weight decay (default 0)
+  --beta1 X, --beta2 X         AdamW's moment decays, in (0, 1) (default
+                               0.9 and 0.95)
+  --eps X                      AdamW's denominator term, > 0 (default 1e-8)
   --grad-clip X                global gradient-norm clip (default 1.0;
                                0: off)
   --fine-grained               one RPC per command instead of per step

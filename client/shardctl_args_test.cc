@@ -486,6 +486,17 @@ TEST(ShardctlArgsTest, TrainUsageErrors) {
         "--weight-decay");
   usage({"train", "--coordinator", "h:1", "--model", "a", "--seed", "-3"},
         "--seed");
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      ShardctlArgs adam,
+      Parse({"train", "--coordinator", "h:1", "--model", "a", "--beta1", "0.8",
+             "--beta2", "0.999", "--eps", "1e-6"}));
+  EXPECT_EQ(adam.train.beta1(), 0.8);
+  EXPECT_EQ(adam.train.beta2(), 0.999);
+  EXPECT_EQ(adam.train.eps(), 1e-6);
+  usage({"train", "--coordinator", "h:1", "--model", "a", "--beta2", "1"},
+        "--beta2: expected a number in (0, 1)");
+  usage({"train", "--coordinator", "h:1", "--model", "a", "--eps", "0"},
+        "--eps: expected a number > 0");
   usage({"train", "--coordinator", "h:1", "--model", "a", "--hf-config", "x"},
         "unknown flag '--hf-config'");
   usage({"plan", "--model", "a", "--dp", "2", "--steps", "3"},
