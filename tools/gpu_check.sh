@@ -2,8 +2,9 @@
 # The GPU checks, in one call on a GPU machine that has no Bazel (the device
 # tool): unpacks gpu_bundle/bundle.tar.xz (tools/gpu_bundle.sh), then
 #   1. runs every gpu-tagged test binary,
-#   2. trains tests/data/small_moe.json with one worker on cuda:0 (NCCL,
-#      world size 1) and then on the CPU (Gloo), same seed and batches,
+#   2. trains tests/data/small_moe.json (or $GPU_CHECK_MODEL) with one worker
+#      on cuda:0 (NCCL, world size 1) and then on the CPU (Gloo), same seed
+#      and batches,
 #   3. runs the grouped-experts benchmark and its torch._grouped_mm twin,
 #   4. (attn) runs the attention benchmark and its torch SDPA twin.
 # Full logs go to $OUT (or /tmp/gpu-check); a summary is printed last.
@@ -67,7 +68,8 @@ fi
 if want train; then
   steps=${GPU_CHECK_STEPS:-40}
   for device in cuda cpu; do
-    SHARDD_BIN="$root/bin" SHARDD_DEVICE=$device SHARDD_WORKERS=1 SHARDD_TLS=0 \
+    SHARDD_MODEL=${GPU_CHECK_MODEL:-tests/data/small_moe.json} \
+      SHARDD_BIN="$root/bin" SHARDD_DEVICE=$device SHARDD_WORKERS=1 SHARDD_TLS=0 \
       SHARDD_STEPS=$steps SHARDD_TRAIN_ARGS=--json \
       SHARDD_PICTURES="$root/pictures-$device" \
       timeout 300 deploy/local/run.sh >"$out/train_$device.log" 2>&1

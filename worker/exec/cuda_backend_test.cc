@@ -41,8 +41,18 @@ using ::shardd::testing_util::AddParam;
 
 // The shared tiny MoE (testing/model_builder.h) with these constants.
 // `freeze` freezes layer 0's router (kFrozen).
-v1::ModelSpec TinyMoe(bool freeze) {
+v1::ModelSpec TinyMoe(bool freeze, bool attention = false) {
   testing_util::TinyMoeShape shape;
+  if (attention) {
+    // Qwen3-style: GQA 4 on 2 heads of 4, q/k norms, RoPE, layer 1 sliding.
+    shape.attention = true;
+    shape.heads = 4;
+    shape.kv_heads = 2;
+    shape.head_dim = 4;
+    shape.qk_norm = true;
+    shape.sliding_layers = {false, true};
+    shape.window = 3;
+  }
   shape.vocab = kVocab;
   shape.dim = kDim;
   shape.experts = kExperts;
@@ -109,6 +119,7 @@ struct Case {
   bool mixed;
   int microbatches;
   bool keep_compute_shard;
+  bool attention = false;
 };
 
 class CudaBackendTest : public ::testing::TestWithParam<Case> {};
@@ -123,7 +134,7 @@ class CudaBackendTest : public ::testing::TestWithParam<Case> {};
 TEST_P(CudaBackendTest, MatchesTheCpuExecutor) {
   SHARDD_SKIP_WITHOUT_GPU();
   const Case c = GetParam();
-  const v1::ModelSpec model = TinyMoe(/*freeze=*/true);
+  const v1::ModelSpec model = TinyMoe(/*freeze=*/true, c.attention);
   const v1::ShardingPlan plan =
       PlanFor(model, c.mixed, c.microbatches, c.keep_compute_shard);
   SHARDD_ASSERT_OK_AND_ASSIGN(v1::StepProgram program,
@@ -254,11 +265,13 @@ TEST_P(CudaBackendTest, MatchesTheCpuExecutor) {
 INSTANTIATE_TEST_SUITE_P(
     Precisions, CudaBackendTest,
     ::testing::Values(Case{false, 1, false}, Case{false, 2, false},
-                      Case{true, 1, false}, Case{true, 2, true}),
+                      Case{true, 1, false}, Case{true, 2, true},
+                      Case{false, 2, false, /*attention=*/true}),
     [](const ::testing::TestParamInfo<Case>& info) {
       return absl::StrCat(info.param.mixed ? "bf16" : "fp32", "_m",
                           info.param.microbatches,
-                          info.param.keep_compute_shard ? "_keep" : "");
+                          info.param.keep_compute_shard ? "_keep" : "",
+                          info.param.attention ? "_attention" : "");
     });
 
 // Fine-grained mode gives the same result as Execute, and misuse is

@@ -27,6 +27,7 @@
 #include "kernels/cuda/router.h"
 #include "model/model_util.h"
 #include "worker/model/command_order.h"
+#include "worker/model/device_attention_block.h"
 #include "worker/model/device_moe_model_kernels.h"
 #include "worker/model/moe_architecture.h"
 
@@ -69,6 +70,11 @@ struct LayerState {
   DeviceBuffer dense_out;     // [T, D], LAYER forward -> EXPERTS forward
   DeviceBuffer mlp_saved;     // DenseMlpSavedBytes
   ExpertSlot experts;
+  // Attention layers: x_in and inv_rms above are the MoE / MLP branch's
+  // (x_mid, the post_attention_layernorm's); these are the layer input's.
+  DeviceAttentionActs attn;
+  DeviceBuffer attn_x_in;  // [T, D]
+  DeviceBuffer attn_inv;   // [T] fp32
 };
 
 // One (micro-batch, pass): the CPU's PassActs, kept per micro-batch too so
@@ -92,11 +98,14 @@ struct PassState {
 struct BatchState {
   DeviceBuffer inputs;        // [T] int32
   DeviceBuffer targets;       // [T] int32
-  int32_t* pinned = nullptr;  // [2 * pinned_tokens]: inputs, then targets
+  DeviceBuffer positions;     // [T] int32: each token's place in its sequence
+  int32_t* pinned = nullptr;  // [3 * pinned_tokens]: inputs, targets, positions
   int64_t pinned_tokens = 0;
   cudaEvent_t staged = nullptr;  // The last copy out of `pinned`.
   bool staged_recorded = false;
   int64_t tokens = 0;
+  int64_t batch = 0;
+  int64_t seq = 0;
   int64_t counted = 0;  // Non-ignored targets.
 };
 
@@ -122,6 +131,8 @@ struct DeviceMoeModel::Impl : MoeArchitecture {
 
   std::vector<BatchState> batches;
   std::vector<PassState> states;  // [microbatch * passes + pass]
+  std::unique_ptr<DeviceAttentionBlock> attention;
+  bool has_attention = false;
   // Per (pass, micro-batch), as the states.
   std::unique_ptr<ModelCommandOrder> order;
   int loss_terms = 0;
@@ -173,6 +184,54 @@ struct DeviceMoeModel::Impl : MoeArchitecture {
                                  std::vector<DeviceBuffer>* temps);
   // The fp32 gradient to add to, or nullptr for a frozen parameter.
   absl::StatusOr<float*> Grad(DeviceParamSource* params, const TensorInfo& t);
+
+  // The attention sublayer's parameters in storage type T and, for the
+  // backward (`grads`), their fp32 gradients (null when frozen; the
+  // gradient buffers exist only between ALLOC_GRAD and REDUCE_SCATTER).
+  template <typename T>
+  absl::StatusOr<DeviceAttentionParams> AttentionParams(
+      const LayerInfo& spec, DeviceParamSource* params,
+      std::vector<DeviceBuffer>* temps, bool grads) {
+    DeviceAttentionParams ap;
+    SHARDD_ASSIGN_OR_RETURN(ap.wq, Param<T>(params, spec.q_proj, temps));
+    SHARDD_ASSIGN_OR_RETURN(ap.wk, Param<T>(params, spec.k_proj, temps));
+    SHARDD_ASSIGN_OR_RETURN(ap.wv, Param<T>(params, spec.v_proj, temps));
+    SHARDD_ASSIGN_OR_RETURN(ap.wo, Param<T>(params, spec.o_proj, temps));
+    if (spec.qk_norm) {
+      SHARDD_ASSIGN_OR_RETURN(ap.q_norm, Param<T>(params, spec.q_norm, temps));
+      SHARDD_ASSIGN_OR_RETURN(ap.k_norm, Param<T>(params, spec.k_norm, temps));
+    }
+    if (!grads) return ap;
+    SHARDD_ASSIGN_OR_RETURN(ap.dwq, Grad(params, spec.q_proj));
+    SHARDD_ASSIGN_OR_RETURN(ap.dwk, Grad(params, spec.k_proj));
+    SHARDD_ASSIGN_OR_RETURN(ap.dwv, Grad(params, spec.v_proj));
+    SHARDD_ASSIGN_OR_RETURN(ap.dwo, Grad(params, spec.o_proj));
+    if (spec.qk_norm) {
+      SHARDD_ASSIGN_OR_RETURN(ap.dq_norm, Grad(params, spec.q_norm));
+      SHARDD_ASSIGN_OR_RETURN(ap.dk_norm, Grad(params, spec.k_norm));
+    }
+    return ap;
+  }
+
+  // *dx += RMSNorm'(dy) for the norm `weight` of input x (saved inv_rms);
+  // the weight's gradient is added.
+  template <typename T>
+  absl::Status NormBackward(const TensorInfo& weight, DeviceParamSource* params,
+                            const DeviceBuffer& dy, const DeviceBuffer& x,
+                            const DeviceBuffer& inv_rms, int64_t t,
+                            DeviceBuffer* dx,
+                            std::vector<DeviceBuffer>* temps) {
+    SHARDD_ASSIGN_OR_RETURN(const T* w, Param<T>(params, weight, temps));
+    SHARDD_ASSIGN_OR_RETURN(float* dw, Grad(params, weight));
+    const size_t ws_bytes =
+        dw == nullptr ? 0 : kc::RmsNormBackwardWorkspaceBytes(t, dim);
+    SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws, Alloc(ws_bytes));
+    SHARDD_RETURN_IF_ERROR(kc::RmsNormBackward(
+        dy.as<T>(), x.as<T>(), w, inv_rms.as<float>(), t, dim, dx->as<T>(),
+        /*accumulate_dx=*/true, dw, ws.data(), ws_bytes, stream));
+    temps->push_back(std::move(ws));
+    return absl::OkStatus();
+  }
 
   absl::Status ZeroStepLossOnce();
   absl::StatusOr<ExpertSlot> AcquireExpertSlot(const kc::ExpertDims& dims);
@@ -309,6 +368,9 @@ void DeviceMoeModel::Impl::ReleaseLayer(LayerState* l) {
   l->router_saved.Reset();
   l->dense_out.Reset();
   l->mlp_saved.Reset();
+  l->attn.Reset();
+  l->attn_x_in.Reset();
+  l->attn_inv.Reset();
   ReleaseExpertSlot(&l->experts);
 }
 
@@ -338,14 +400,7 @@ absl::StatusOr<std::unique_ptr<DeviceMoeModel>> DeviceMoeModel::Create(
   SHARDD_RETURN_IF_ERROR(CheckModelStepShape(shape.passes, shape.no_grad_passes,
                                              shape.microbatches));
   SHARDD_ASSIGN_OR_RETURN(MoeArchitecture arch, ReadMoeArchitecture(model));
-  for (size_t l = 0; l < arch.layers.size(); ++l) {
-    if (arch.layers[l].has_attention) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "model.layers.", l,
-          ".self_attn: the GPU model has no attention layers yet (the CPU "
-          "workers train it: --device cpu)"));
-    }
-  }
+
   if (allocator == nullptr) {
     return absl::InvalidArgumentError("allocator: must not be null");
   }
@@ -417,6 +472,11 @@ absl::StatusOr<std::unique_ptr<DeviceMoeModel>> DeviceMoeModel::Create(
   m.states.resize(static_cast<size_t>(options.model.microbatches) *
                   options.model.passes);
   for (PassState& s : m.states) s.layers.resize(m.layers.size());
+  for (const MoeLayerSpec& layer : m.layers) {
+    m.has_attention = m.has_attention || layer.has_attention;
+  }
+  m.attention =
+      std::make_unique<DeviceAttentionBlock>(&m, allocator, m.stream, m.cublas);
   m.order = std::make_unique<ModelCommandOrder>(
       options.model.passes, options.model.no_grad_passes,
       options.model.microbatches, m.LayersWithExperts(),
@@ -457,7 +517,7 @@ absl::Status DeviceMoeModel::SetBatch(int microbatch, const int32_t* inputs,
     b.pinned_tokens = 0;
     SHARDD_CUDA_RETURN_IF_ERROR(
         cudaMallocHost(reinterpret_cast<void**>(&b.pinned),
-                       2 * tokens * sizeof(int32_t)),
+                       3 * tokens * sizeof(int32_t)),
         "SetBatch: cudaMallocHost");
     b.pinned_tokens = tokens;
   }
@@ -465,6 +525,19 @@ absl::Status DeviceMoeModel::SetBatch(int microbatch, const int32_t* inputs,
   if (b.inputs.bytes() != bytes) {
     SHARDD_RETURN_IF_ERROR(m.AllocInto(&b.inputs, bytes));
     SHARDD_RETURN_IF_ERROR(m.AllocInto(&b.targets, bytes));
+    if (m.has_attention) {
+      SHARDD_RETURN_IF_ERROR(m.AllocInto(&b.positions, bytes));
+    }
+  }
+  if (m.has_attention) {
+    SHARDD_RETURN_IF_ERROR(m.attention->Prepare(seq));
+    for (int64_t i = 0; i < tokens; ++i) {
+      b.pinned[2 * tokens + i] = static_cast<int32_t>(i % seq);
+    }
+    SHARDD_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(b.positions.data(), b.pinned + 2 * tokens, bytes,
+                        cudaMemcpyHostToDevice, m.stream),
+        "SetBatch: copying positions");
   }
   std::memcpy(b.pinned, inputs, bytes);
   std::memcpy(b.pinned + tokens, targets, bytes);
@@ -479,6 +552,8 @@ absl::Status DeviceMoeModel::SetBatch(int microbatch, const int32_t* inputs,
                               "SetBatch: cudaEventRecord");
   b.staged_recorded = true;
   b.tokens = tokens;
+  b.batch = batch;
+  b.seq = seq;
   b.counted = counted;
   return absl::OkStatus();
 }
@@ -569,6 +644,33 @@ absl::Status DeviceMoeModel::Impl::Forward(const Command& c,
       SHARDD_RETURN_IF_ERROR(kc::RmsNormForward(
           la.x_in.as<T>(), norm_w, t, dim, eps, la.normed.as<T>(),
           la.inv_rms.as<float>(), stream));
+      if (spec.has_attention) {
+        // x_mid = x + attention(input_layernorm(x)); from here on x_in and
+        // inv_rms are x_mid and its post_attention_layernorm's (the MoE /
+        // MLP branch reads that norm's output).
+        SHARDD_ASSIGN_OR_RETURN(
+            const DeviceAttentionParams ap,
+            AttentionParams<T>(spec, params, &temps, /*grads=*/false));
+        SHARDD_ASSIGN_OR_RETURN(DeviceBuffer y, Alloc(td * kElem));
+        SHARDD_RETURN_IF_ERROR(attention->Forward<T>(
+            spec, ap, std::move(la.normed), batch.batch, batch.seq,
+            batch.positions.as<int32_t>(), &la.attn, y.as<T>()));
+        la.attn_x_in = std::move(la.x_in);
+        la.attn_inv = std::move(la.inv_rms);
+        SHARDD_RETURN_IF_ERROR(AllocInto(&la.x_in, td * kElem));
+        SHARDD_CUDA_RETURN_IF_ERROR(device_model::LaunchResidualAdd(
+                                        la.attn_x_in.as<T>(), y.as<T>(),
+                                        nullptr, la.x_in.as<T>(), td, stream),
+                                    "FORWARD LAYER: attention residual");
+        temps.push_back(std::move(y));
+        SHARDD_ASSIGN_OR_RETURN(const T* post_w,
+                                Param<T>(params, spec.post_norm, &temps));
+        SHARDD_RETURN_IF_ERROR(AllocInto(&la.inv_rms, t * sizeof(float)));
+        SHARDD_RETURN_IF_ERROR(AllocInto(&la.normed, td * kElem));
+        SHARDD_RETURN_IF_ERROR(kc::RmsNormForward(
+            la.x_in.as<T>(), post_w, t, dim, eps, la.normed.as<T>(),
+            la.inv_rms.as<float>(), stream));
+      }
       if (spec.has_mlp) {
         SHARDD_ASSIGN_OR_RETURN(const T* wg,
                                 Param<T>(params, spec.mlp_gate, &temps));
@@ -827,18 +929,24 @@ absl::Status DeviceMoeModel::Impl::Backward(const Command& c,
             /*accumulate_dx=*/true, dgw, ws.data(), ws_bytes, cublas, stream));
         temps.push_back(std::move(ws));
       }
-      SHARDD_ASSIGN_OR_RETURN(const T* norm_w,
-                              Param<T>(params, spec.norm, &temps));
-      SHARDD_ASSIGN_OR_RETURN(float* dnorm, Grad(params, spec.norm));
-      const size_t norm_ws_bytes =
-          dnorm == nullptr ? 0 : kc::RmsNormBackwardWorkspaceBytes(t, dim);
-      SHARDD_ASSIGN_OR_RETURN(DeviceBuffer norm_ws, Alloc(norm_ws_bytes));
-      // Residual: d(x_in) = d(x_out) + RMSNorm'(d normed).
-      SHARDD_RETURN_IF_ERROR(kc::RmsNormBackward(
-          a.dn.as<T>(), la.x_in.as<T>(), norm_w, la.inv_rms.as<float>(), t, dim,
-          a.dx.as<T>(), /*accumulate_dx=*/true, dnorm, norm_ws.data(),
-          norm_ws_bytes, stream));
-      temps.push_back(std::move(norm_ws));
+      // Residual: d(x_in) = d(x_out) + RMSNorm'(d normed); with attention
+      // first through post_attention_layernorm (x_in is x_mid), then the
+      // attention, then input_layernorm.
+      const TensorInfo& branch_norm =
+          spec.has_attention ? spec.post_norm : spec.norm;
+      SHARDD_RETURN_IF_ERROR(NormBackward<T>(branch_norm, params, a.dn, la.x_in,
+                                             la.inv_rms, t, &a.dx, &temps));
+      if (spec.has_attention) {
+        SHARDD_ASSIGN_OR_RETURN(
+            const DeviceAttentionParams ap,
+            AttentionParams<T>(spec, params, &temps, /*grads=*/true));
+        SHARDD_RETURN_IF_ERROR(attention->Backward<T>(
+            spec, ap, la.attn, batch.batch, batch.seq,
+            batch.positions.as<int32_t>(), a.dx.as<T>(), a.dn.as<T>()));
+        SHARDD_RETURN_IF_ERROR(NormBackward<T>(spec.norm, params, a.dn,
+                                               la.attn_x_in, la.attn_inv, t,
+                                               &a.dx, &temps));
+      }
       ReleaseLayer(&la);
       a.dn.Reset();
       a.dweights.Reset();

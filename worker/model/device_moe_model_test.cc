@@ -143,6 +143,9 @@ struct SpecShape {
   bool tied = false;
   // Parameters marked frozen.
   std::set<std::string> frozen;
+  // Qwen3-style attention in every layer (GQA 2 on 1, q/k norms, RoPE;
+  // layer 1 with a sliding window of 3).
+  bool attention = false;
 };
 
 // Layer 0: MoE + dense MLP; layer 1: MoE only; layer 2: dense only.
@@ -165,6 +168,15 @@ v1::ModelSpec TinyModel(const SpecShape& s) {
   shape.layers = kLayers;
   shape.moe_layers.assign(kLayerHasMoe, kLayerHasMoe + kLayers);
   shape.mlp_layers = {true, false, true};
+  if (s.attention) {
+    shape.attention = true;
+    shape.heads = 2;
+    shape.kv_heads = 1;
+    shape.head_dim = 4;
+    shape.qk_norm = true;
+    shape.sliding_layers = {false, true, false};
+    shape.window = 3;
+  }
   return testing_util::TinyMoeSpec(shape);
 }
 
@@ -371,6 +383,11 @@ struct Case {
   // Parameters handed to the model in fp32 although activations are bf16
   // (exercises the model's cast of a parameter to the compute dtype).
   bool norms_in_fp32 = false;
+  // bf16: the most stored roundings along the longest chain to a gradient
+  // (see below); attention adds about 6 forward and 7 backward ones per
+  // layer and pass (projections, q/k norms, RoPE, attention output, o_proj,
+  // residual), 13 * 3 layers * 2 passes = 78 more.
+  int max_bf16_roundings = 64;
 };
 
 void CheckAgainstCpu(const Case& test) {
@@ -445,7 +462,8 @@ void CheckAgainstCpu(const Case& test) {
     if (!bf16) {
       ExpectMaxRelClose(it->second, want, 1e-4, name);
     } else {
-      ExpectRelL2Close(it->second, want, 64.0 * std::ldexp(1.0, -8), name);
+      ExpectRelL2Close(it->second, want,
+                       test.max_bf16_roundings * std::ldexp(1.0, -8), name);
     }
     compared.insert(name);
   }
@@ -494,6 +512,27 @@ TEST(DeviceMoeModelTest, Bf16MatchesCpuModelWithinTolerance) {
   SHARDD_SKIP_WITHOUT_GPU();
   Case test;
   test.name = "bf16";
+  test.shape.experts = 3;
+  test.shape.top_k = 3;  // Every expert chosen: routing cannot flip.
+  test.activations = DeviceDType::kBFloat16;
+  test.norms_in_fp32 = true;
+  CheckAgainstCpu(test);
+}
+
+TEST(DeviceMoeModelTest, Fp32AttentionMatchesCpuModel) {
+  SHARDD_SKIP_WITHOUT_GPU();
+  Case test;
+  test.name = "fp32 attention";
+  test.shape.attention = true;
+  CheckAgainstCpu(test);
+}
+
+TEST(DeviceMoeModelTest, Bf16AttentionMatchesCpuModelWithinTolerance) {
+  SHARDD_SKIP_WITHOUT_GPU();
+  Case test;
+  test.name = "bf16 attention";
+  test.shape.attention = true;
+  test.max_bf16_roundings = 64 + 78;
   test.shape.experts = 3;
   test.shape.top_k = 3;  // Every expert chosen: routing cannot flip.
   test.activations = DeviceDType::kBFloat16;

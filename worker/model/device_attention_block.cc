@@ -1,0 +1,290 @@
+#include "worker/model/device_attention_block.h"
+
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "kernels/cpu/rope.h"
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/bf16_cast.h"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/dtype.h"
+#include "kernels/cuda/rms_norm.h"
+#include "kernels/cuda/rope.h"
+#include "kernels/cuda/row_major_gemm.h"
+
+namespace shardd {
+namespace {
+
+namespace kc = ::shardd::kernels::cuda;
+
+template <typename T>
+constexpr kc::DType DTypeOf() {
+  return std::is_same<T, float>::value ? kc::DType::kFloat32
+                                       : kc::DType::kBFloat16;
+}
+
+// C [m, n] (type of C) = alpha A[m, k] op B + beta C.
+template <typename T>
+absl::Status Gemm(cublasHandle_t h, int64_t m, int64_t n, int64_t k,
+                  const void* a, int64_t lda, bool ta, const void* b,
+                  int64_t ldb, bool tb, float beta, void* c, kc::DType c_type,
+                  int64_t ldc, const char* what) {
+  kc::GemmOperand A{a, DTypeOf<T>(), lda, ta};
+  kc::GemmOperand B{b, DTypeOf<T>(), ldb, tb};
+  return kc::RowMajorGemm(h, m, n, k, 1.0f, A, B, beta, c, c_type, ldc, what);
+}
+
+kernels::AttentionDims Dims(const MoeArchitecture& arch, int64_t batch,
+                            int64_t seq) {
+  kernels::AttentionDims d;
+  d.batch = batch;
+  d.q_len = seq;
+  d.kv_len = seq;
+  d.q_heads = arch.q_heads;
+  d.kv_heads = arch.kv_heads;
+  d.head_dim = arch.head_dim;
+  return d;
+}
+
+kernels::AttentionOptions Options(const MoeArchitecture& arch,
+                                  const MoeLayerSpec& layer) {
+  kernels::AttentionOptions o;
+  o.scale = static_cast<float>(1.0 / std::sqrt(double(arch.head_dim)));
+  o.mask = layer.sliding ? kernels::AttentionMask::kSlidingWindow
+                         : kernels::AttentionMask::kCausal;
+  o.window = arch.sliding_window;
+  return o;
+}
+
+}  // namespace
+
+void DeviceAttentionActs::Reset() {
+  for (DeviceBuffer* b :
+       {&n, &q_pre, &k_pre, &q_inv, &k_inv, &q, &k, &v, &o, &lse}) {
+    b->Reset();
+  }
+}
+
+absl::StatusOr<DeviceBuffer> DeviceAttentionBlock::Alloc(int64_t bytes) {
+  return DeviceBuffer::Allocate(allocator_, bytes, MemoryKind::kWorkspace,
+                                stream_);
+}
+
+absl::Status DeviceAttentionBlock::Prepare(int64_t seq) {
+  if (seq <= table_positions_) return absl::OkStatus();
+  if (seq > arch_->max_positions) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "seq: ", seq, " tokens exceed the model's max_position_embeddings (",
+        arch_->max_positions, ")"));
+  }
+  SHARDD_ASSIGN_OR_RETURN(
+      kernels::RopeTable table,
+      kernels::BuildRopeTable(arch_->rope.inv_freq, seq,
+                              arch_->rope.attention_factor));
+  const int64_t bytes = static_cast<int64_t>(table.cos.size() * sizeof(float));
+  SHARDD_ASSIGN_OR_RETURN(cos_, Alloc(bytes));
+  SHARDD_ASSIGN_OR_RETURN(sin_, Alloc(bytes));
+  // Pageable host memory: the copy completes before the call returns, so
+  // the temporary table may go (this happens once per longer seq).
+  SHARDD_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(cos_.data(), table.cos.data(), bytes, cudaMemcpyHostToDevice),
+      "rope table");
+  SHARDD_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(sin_.data(), table.sin.data(), bytes, cudaMemcpyHostToDevice),
+      "rope table");
+  table_positions_ = seq;
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status DeviceAttentionBlock::Forward(const MoeLayerSpec& layer,
+                                           const DeviceAttentionParams& p,
+                                           DeviceBuffer n, int64_t batch,
+                                           int64_t seq,
+                                           const int32_t* positions,
+                                           DeviceAttentionActs* acts, T* y) {
+  const MoeArchitecture& a = *arch_;
+  const int64_t t = batch * seq, d = a.dim, hd = a.head_dim;
+  const int64_t hq = a.q_heads, hkv = a.kv_heads;
+  constexpr int64_t kElem = sizeof(T);
+  SHARDD_RETURN_IF_ERROR(kc::BindCublasHandle(cublas_, stream_, "attention"));
+  acts->Reset();
+  acts->n = std::move(n);
+  SHARDD_ASSIGN_OR_RETURN(acts->q, Alloc(t * hq * hd * kElem));
+  SHARDD_ASSIGN_OR_RETURN(acts->k, Alloc(t * hkv * hd * kElem));
+  SHARDD_ASSIGN_OR_RETURN(acts->v, Alloc(t * hkv * hd * kElem));
+  const kc::DType dt = DTypeOf<T>();
+  SHARDD_RETURN_IF_ERROR(Gemm<T>(cublas_, t, hq * hd, d, acts->n.data(), d,
+                                 false, p.wq, d, true, 0.0f, acts->q.data(), dt,
+                                 hq * hd, "q_proj"));
+  SHARDD_RETURN_IF_ERROR(Gemm<T>(cublas_, t, hkv * hd, d, acts->n.data(), d,
+                                 false, p.wk, d, true, 0.0f, acts->k.data(), dt,
+                                 hkv * hd, "k_proj"));
+  SHARDD_RETURN_IF_ERROR(Gemm<T>(cublas_, t, hkv * hd, d, acts->n.data(), d,
+                                 false, p.wv, d, true, 0.0f, acts->v.data(), dt,
+                                 hkv * hd, "v_proj"));
+  if (layer.qk_norm) {
+    acts->q_pre = std::move(acts->q);
+    acts->k_pre = std::move(acts->k);
+    SHARDD_ASSIGN_OR_RETURN(acts->q, Alloc(t * hq * hd * kElem));
+    SHARDD_ASSIGN_OR_RETURN(acts->k, Alloc(t * hkv * hd * kElem));
+    SHARDD_ASSIGN_OR_RETURN(acts->q_inv, Alloc(t * hq * 4));
+    SHARDD_ASSIGN_OR_RETURN(acts->k_inv, Alloc(t * hkv * 4));
+    SHARDD_RETURN_IF_ERROR(kc::RmsNormForward(
+        acts->q_pre.as<T>(), static_cast<const T*>(p.q_norm), t * hq, hd, a.eps,
+        acts->q.as<T>(), acts->q_inv.as<float>(), stream_));
+    SHARDD_RETURN_IF_ERROR(kc::RmsNormForward(
+        acts->k_pre.as<T>(), static_cast<const T*>(p.k_norm), t * hkv, hd,
+        a.eps, acts->k.as<T>(), acts->k_inv.as<float>(), stream_));
+  }
+  const kc::DeviceRopeTable table{
+      cos_.as<float>(), sin_.as<float>(),
+      static_cast<int64_t>(a.rope.inv_freq.size()) * 2, table_positions_};
+  const kernels::RopeLayout layout = a.rope.interleaved
+                                         ? kernels::RopeLayout::kInterleaved
+                                         : kernels::RopeLayout::kHalf;
+  SHARDD_RETURN_IF_ERROR(
+      kc::RopeRotate(table, layout, kernels::RopeShape{t, hq, hq * hd, hd, 0},
+                     positions, acts->q.as<T>(), false, stream_));
+  SHARDD_RETURN_IF_ERROR(
+      kc::RopeRotate(table, layout, kernels::RopeShape{t, hkv, hkv * hd, hd, 0},
+                     positions, acts->k.as<T>(), false, stream_));
+  SHARDD_ASSIGN_OR_RETURN(acts->o, Alloc(t * hq * hd * kElem));
+  SHARDD_ASSIGN_OR_RETURN(acts->lse, Alloc(batch * hq * seq * 4));
+  SHARDD_RETURN_IF_ERROR(kc::AttentionForward(
+      Dims(a, batch, seq), Options(a, layer), acts->q.as<T>(), acts->k.as<T>(),
+      acts->v.as<T>(), acts->o.as<T>(), acts->lse.as<float>(), stream_));
+  return Gemm<T>(cublas_, t, d, hq * hd, acts->o.data(), hq * hd, false, p.wo,
+                 hq * hd, true, 0.0f, y, dt, d, "o_proj");
+}
+
+template <typename T>
+absl::Status DeviceAttentionBlock::Backward(const MoeLayerSpec& layer,
+                                            const DeviceAttentionParams& p,
+                                            const DeviceAttentionActs& acts,
+                                            int64_t batch, int64_t seq,
+                                            const int32_t* positions,
+                                            const T* dy, T* dn) {
+  const MoeArchitecture& a = *arch_;
+  const int64_t t = batch * seq, d = a.dim, hd = a.head_dim;
+  const int64_t hq = a.q_heads, hkv = a.kv_heads;
+  constexpr int64_t kElem = sizeof(T);
+  const kc::DType dt = DTypeOf<T>();
+  SHARDD_RETURN_IF_ERROR(kc::BindCublasHandle(cublas_, stream_, "attention"));
+  // y = o Wo^T: d_o = dy Wo; dWo += dy^T o.
+  SHARDD_ASSIGN_OR_RETURN(DeviceBuffer d_o, Alloc(t * hq * hd * kElem));
+  SHARDD_RETURN_IF_ERROR(Gemm<T>(cublas_, t, hq * hd, d, dy, d, false, p.wo,
+                                 hq * hd, false, 0.0f, d_o.data(), dt, hq * hd,
+                                 "o_proj backward"));
+  if (p.dwo != nullptr) {
+    SHARDD_RETURN_IF_ERROR(Gemm<T>(
+        cublas_, d, hq * hd, t, dy, d, true, acts.o.data(), hq * hd, false,
+        1.0f, p.dwo, kc::DType::kFloat32, hq * hd, "o_proj weight gradient"));
+  }
+  // The attention, into zeroed fp32 gradients.
+  SHARDD_ASSIGN_OR_RETURN(DeviceBuffer dq, Alloc(t * hq * hd * 4));
+  SHARDD_ASSIGN_OR_RETURN(DeviceBuffer dk, Alloc(t * hkv * hd * 4));
+  SHARDD_ASSIGN_OR_RETURN(DeviceBuffer dv, Alloc(t * hkv * hd * 4));
+  for (DeviceBuffer* b : {&dq, &dk, &dv}) {
+    SHARDD_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(b->data(), 0, b->bytes(), stream_), "zeroing");
+  }
+  const kernels::AttentionDims dims = Dims(a, batch, seq);
+  const size_t ws_bytes = kc::AttentionBackwardWorkspaceBytes(dims);
+  SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws,
+                          Alloc(static_cast<int64_t>(ws_bytes)));
+  SHARDD_RETURN_IF_ERROR(kc::AttentionBackward(
+      dims, Options(a, layer), acts.q.as<T>(), acts.k.as<T>(), acts.v.as<T>(),
+      acts.o.as<T>(), acts.lse.as<float>(), d_o.as<T>(), dq.as<float>(),
+      dk.as<float>(), dv.as<float>(), nullptr, ws.data(), ws_bytes, stream_));
+  // RoPE's backward is the inverse rotation.
+  const kc::DeviceRopeTable table{
+      cos_.as<float>(), sin_.as<float>(),
+      static_cast<int64_t>(a.rope.inv_freq.size()) * 2, table_positions_};
+  const kernels::RopeLayout layout = a.rope.interleaved
+                                         ? kernels::RopeLayout::kInterleaved
+                                         : kernels::RopeLayout::kHalf;
+  SHARDD_RETURN_IF_ERROR(
+      kc::RopeRotate(table, layout, kernels::RopeShape{t, hq, hq * hd, hd, 0},
+                     positions, dq.as<float>(), true, stream_));
+  SHARDD_RETURN_IF_ERROR(
+      kc::RopeRotate(table, layout, kernels::RopeShape{t, hkv, hkv * hd, hd, 0},
+                     positions, dk.as<float>(), true, stream_));
+  // The gradients of q, k, v in storage type T.
+  auto to_storage = [&](DeviceBuffer* g, int64_t n) -> absl::Status {
+    if constexpr (std::is_same<T, float>::value) {
+      return absl::OkStatus();
+    } else {
+      SHARDD_ASSIGN_OR_RETURN(DeviceBuffer cast, Alloc(n * kElem));
+      SHARDD_RETURN_IF_ERROR(
+          kc::CastFp32ToBf16(g->as<float>(), cast.as<uint16_t>(), n, stream_));
+      *g = std::move(cast);
+      return absl::OkStatus();
+    }
+  };
+  SHARDD_RETURN_IF_ERROR(to_storage(&dq, t * hq * hd));
+  SHARDD_RETURN_IF_ERROR(to_storage(&dk, t * hkv * hd));
+  SHARDD_RETURN_IF_ERROR(to_storage(&dv, t * hkv * hd));
+  if (layer.qk_norm) {
+    for (int side = 0; side < 2; ++side) {
+      const int64_t heads = side == 0 ? hq : hkv;
+      DeviceBuffer& g = side == 0 ? dq : dk;
+      float* dweight = side == 0 ? p.dq_norm : p.dk_norm;
+      const size_t norm_ws = kc::RmsNormBackwardWorkspaceBytes(t * heads, hd);
+      SHARDD_ASSIGN_OR_RETURN(DeviceBuffer nws,
+                              Alloc(static_cast<int64_t>(norm_ws)));
+      SHARDD_ASSIGN_OR_RETURN(DeviceBuffer pre, Alloc(t * heads * hd * kElem));
+      SHARDD_RETURN_IF_ERROR(kc::RmsNormBackward(
+          g.as<T>(), (side == 0 ? acts.q_pre : acts.k_pre).as<T>(),
+          static_cast<const T*>(side == 0 ? p.q_norm : p.k_norm),
+          (side == 0 ? acts.q_inv : acts.k_inv).as<float>(), t * heads, hd,
+          pre.as<T>(), /*accumulate_dx=*/false, dweight, nws.data(), norm_ws,
+          stream_));
+      g = std::move(pre);
+    }
+  }
+  // The projections of n: dn = dq Wq + dk Wk + dv Wv; dW += dg^T n.
+  struct Projection {
+    const void* w;
+    float* dw;
+    const DeviceBuffer* g;
+    int64_t out;
+    const char* name;
+  };
+  const Projection projections[] = {{p.wq, p.dwq, &dq, hq * hd, "q_proj"},
+                                    {p.wk, p.dwk, &dk, hkv * hd, "k_proj"},
+                                    {p.wv, p.dwv, &dv, hkv * hd, "v_proj"}};
+  float beta = 0.0f;
+  for (const Projection& pr : projections) {
+    SHARDD_RETURN_IF_ERROR(Gemm<T>(cublas_, t, d, pr.out, pr.g->data(), pr.out,
+                                   false, pr.w, d, false, beta, dn, dt, d,
+                                   pr.name));
+    beta = 1.0f;
+    if (pr.dw != nullptr) {
+      SHARDD_RETURN_IF_ERROR(Gemm<T>(
+          cublas_, pr.out, d, t, pr.g->data(), pr.out, true, acts.n.data(), d,
+          false, 1.0f, pr.dw, kc::DType::kFloat32, d, pr.name));
+    }
+  }
+  return absl::OkStatus();
+}
+
+template absl::Status DeviceAttentionBlock::Forward<float>(
+    const MoeLayerSpec&, const DeviceAttentionParams&, DeviceBuffer, int64_t,
+    int64_t, const int32_t*, DeviceAttentionActs*, float*);
+template absl::Status DeviceAttentionBlock::Forward<uint16_t>(
+    const MoeLayerSpec&, const DeviceAttentionParams&, DeviceBuffer, int64_t,
+    int64_t, const int32_t*, DeviceAttentionActs*, uint16_t*);
+template absl::Status DeviceAttentionBlock::Backward<float>(
+    const MoeLayerSpec&, const DeviceAttentionParams&,
+    const DeviceAttentionActs&, int64_t, int64_t, const int32_t*, const float*,
+    float*);
+template absl::Status DeviceAttentionBlock::Backward<uint16_t>(
+    const MoeLayerSpec&, const DeviceAttentionParams&,
+    const DeviceAttentionActs&, int64_t, int64_t, const int32_t*,
+    const uint16_t*, uint16_t*);
+
+}  // namespace shardd

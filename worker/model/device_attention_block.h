@@ -1,0 +1,93 @@
+#ifndef SHARDD_WORKER_MODEL_DEVICE_ATTENTION_BLOCK_H_
+#define SHARDD_WORKER_MODEL_DEVICE_ATTENTION_BLOCK_H_
+
+// The self-attention sublayer on the GPU, the counterpart of
+// worker/model/attention_block.h (same computation, same parameters): q/k/v
+// projections through cuBLAS, per-head q/k RMSNorm, RoPE, causal or
+// sliding-window GQA attention (kernels/cuda/attention.h), o_proj. Storage T
+// is float or uint16_t (bf16); parameter gradients are fp32 and added to.
+// Everything is enqueued on the model's stream; nothing synchronizes.
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "worker/memory/device_allocator.h"
+#include "worker/model/moe_architecture.h"
+
+namespace shardd {
+
+// The layer's parameters in storage type T (norm weights too) and their fp32
+// gradient buffers (null: frozen).
+struct DeviceAttentionParams {
+  const void* wq = nullptr;
+  const void* wk = nullptr;
+  const void* wv = nullptr;
+  const void* wo = nullptr;
+  const void* q_norm = nullptr;
+  const void* k_norm = nullptr;
+  float* dwq = nullptr;
+  float* dwk = nullptr;
+  float* dwv = nullptr;
+  float* dwo = nullptr;
+  float* dq_norm = nullptr;
+  float* dk_norm = nullptr;
+};
+
+// What one forward keeps for its backward.
+struct DeviceAttentionActs {
+  DeviceBuffer n;             // [T, D] normed input
+  DeviceBuffer q_pre, k_pre;  // before the q/k norms (qk_norm)
+  DeviceBuffer q_inv, k_inv;  // fp32 inverse RMS per head row
+  DeviceBuffer q, k, v;       // the attention's inputs
+  DeviceBuffer o;             // [T, Hq * hd]
+  DeviceBuffer lse;           // fp32 [batch, Hq, seq]
+  void Reset();
+};
+
+class DeviceAttentionBlock {
+ public:
+  // `arch` and `allocator` outlive the block.
+  DeviceAttentionBlock(const MoeArchitecture* arch, DeviceAllocator* allocator,
+                       cudaStream_t stream, cublasHandle_t cublas)
+      : arch_(arch), allocator_(allocator), stream_(stream), cublas_(cublas) {}
+
+  // Uploads the RoPE table for positions [0, seq) when it covers fewer.
+  // Errors: INVALID_ARGUMENT for seq beyond max_position_embeddings;
+  // allocation and CUDA errors.
+  absl::Status Prepare(int64_t seq);
+
+  // n [T, D] is moved into `acts` (kept for the backward); y [T, D] is
+  // written. positions: device int32 [T], each token's place in its
+  // sequence.
+  template <typename T>
+  absl::Status Forward(const MoeLayerSpec& layer,
+                       const DeviceAttentionParams& params, DeviceBuffer n,
+                       int64_t batch, int64_t seq, const int32_t* positions,
+                       DeviceAttentionActs* acts, T* y);
+
+  // dy [T, D]: the gradient of y; dn [T, D] is written (the gradient of the
+  // normed input); parameter gradients are added.
+  template <typename T>
+  absl::Status Backward(const MoeLayerSpec& layer,
+                        const DeviceAttentionParams& params,
+                        const DeviceAttentionActs& acts, int64_t batch,
+                        int64_t seq, const int32_t* positions, const T* dy,
+                        T* dn);
+
+ private:
+  absl::StatusOr<DeviceBuffer> Alloc(int64_t bytes);
+
+  const MoeArchitecture* arch_;
+  DeviceAllocator* allocator_;
+  cudaStream_t stream_;
+  cublasHandle_t cublas_;
+  DeviceBuffer cos_, sin_;
+  int64_t table_positions_ = 0;
+};
+
+}  // namespace shardd
+
+#endif  // SHARDD_WORKER_MODEL_DEVICE_ATTENTION_BLOCK_H_
