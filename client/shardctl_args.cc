@@ -195,6 +195,7 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                              "--grad-clip",
                                              "--weight-decay",
                                              "--beta1",
+                                             "--data-order",
                                              "--beta2",
                                              "--eps",
                                              "--reshard-after-forward",
@@ -399,6 +400,12 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
           "--seed: expected an integer in [0, 2^64), got '", value, "'"));
     }
     args->train.set_seed(seed);
+  } else if (flag == "--data-order") {
+    if (value != "random" && value != "strided") {
+      return Usage(absl::StrCat(
+          "--data-order: expected random or strided, got '", value, "'"));
+    }
+    args->train.set_data_order(value);
   } else if (flag == "--beta1" || flag == "--beta2" || flag == "--eps") {
     // torch.optim.AdamW's meanings. On the wire 0 means the default, so
     // the betas must be in (0, 1) and eps > 0.
@@ -815,6 +822,9 @@ Job:
   --data PATH                  token file on the workers (.bin of uint16 /
                                uint32 ids, or text read as bytes); default:
                                synthetic Markov data from --seed
+  --data-order O               random (default: each window of --data at a
+                               drawn offset) or strided (the file in order,
+                               epoch after epoch)
   --seed N                     data and initialization seed (default 0)
   --lr X                       AdamW learning rate (default 0.001)
   --weight-decay X             decoupled weight decay (default 0)

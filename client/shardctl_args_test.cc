@@ -497,6 +497,13 @@ TEST(ShardctlArgsTest, TrainUsageErrors) {
         "--beta2: expected a number in (0, 1)");
   usage({"train", "--coordinator", "h:1", "--model", "a", "--eps", "0"},
         "--eps: expected a number > 0");
+  SHARDD_ASSERT_OK_AND_ASSIGN(ShardctlArgs strided,
+                              Parse({"train", "--coordinator", "h:1", "--model",
+                                     "a", "--data-order", "strided"}));
+  EXPECT_EQ(strided.train.data_order(), "strided");
+  usage({"train", "--coordinator", "h:1", "--model", "a", "--data-order",
+         "sorted"},
+        "--data-order: expected random or strided");
   usage({"train", "--coordinator", "h:1", "--model", "a", "--hf-config", "x"},
         "unknown flag '--hf-config'");
   usage({"plan", "--model", "a", "--dp", "2", "--steps", "3"},

@@ -94,6 +94,14 @@ absl::StatusOr<v1::TrainConfig> ResolveTrainConfig(const v1::TrainConfig& train,
         "train.grad_clip: must be finite (0 = default ", kDefaultGradClip,
         ", < 0 = no clipping), got ", train.grad_clip()));
   }
+  if (!train.data_order().empty() && train.data_order() != "random" &&
+      train.data_order() != "strided") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "train.data_order: must be \"random\" or \"strided\", got \"",
+        train.data_order(), "\""));
+  }
+  out.set_data_order(train.data_order().empty() ? "random"
+                                                : train.data_order());
   out.set_lr(lr);
   out.set_beta1(beta1);
   out.set_beta2(beta2);

@@ -25,6 +25,7 @@ TEST(ResolveTrainConfigTest, FillsDefaultsAndChecksTheBatchShape) {
   EXPECT_DOUBLE_EQ(resolved.eps(), 1e-8);
   EXPECT_DOUBLE_EQ(resolved.weight_decay(), 0.0);
   EXPECT_DOUBLE_EQ(resolved.grad_clip(), 1.0);
+  EXPECT_EQ(resolved.data_order(), "random");
 
   train.set_lr(0.5);
   train.set_grad_clip(-1);  // Off: stays negative.
@@ -48,6 +49,12 @@ TEST(ResolveTrainConfigTest, FillsDefaultsAndChecksTheBatchShape) {
   EXPECT_THAT(
       ResolveTrainConfig(bad, 1, 3).status(),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("microbatches")));
+  bad = train;
+  bad.set_data_order("sorted");
+  EXPECT_THAT(ResolveTrainConfig(bad, 1, 1).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("train.data_order: must be \"random\" or "
+                                 "\"strided\"")));
   bad = train;
   bad.set_beta2(1.0);
   EXPECT_THAT(ResolveTrainConfig(bad, 1, 1).status(),

@@ -304,6 +304,9 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::LoadPlan(
 
   data::DataSourceOptions source_options;
   source_options.path = train.data_path();
+  source_options.offsets = train.data_order() == "strided"
+                               ? data::OffsetMode::kStrided
+                               : data::OffsetMode::kRandom;
   source_options.model_vocab_size = vocab;
   source_options.seed = train.seed();
   SHARDD_ASSIGN_OR_RETURN(std::shared_ptr<const data::SequenceSource> source,
