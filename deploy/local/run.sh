@@ -12,7 +12,8 @@
 # serves mutual TLS with a throwaway CA from tools/make_test_certs.sh, and
 # clients and workers present their bearer tokens; 0: plaintext, no tokens),
 # SHARDD_MODEL (the model: a native spec or a Hugging Face config.json;
-# default tests/data/small_moe.json), SHARDD_DEVICE (cpu, or cuda: worker i runs on cuda:i over NCCL; needs a
+# default tests/data/small_moe.json), SHARDD_BATCH and SHARDD_SEQ (global
+# batch and sequence length, default 64 and 64), SHARDD_DEVICE (cpu, or cuda: worker i runs on cuda:i over NCCL; needs a
 # --config=cuda build), SHARDD_BIN (a folder of prebuilt binaries laid out as
 # bazel-bin, e.g. gpu_bundle/bin from tools/gpu_bundle.sh; then nothing is
 # installed or built), SHARDD_PICTURES (where the pictures go: the loss curve, and the memory
@@ -32,6 +33,8 @@ tls=${SHARDD_TLS:-1}
 
 device=${SHARDD_DEVICE:-cpu}
 model=${SHARDD_MODEL:-tests/data/small_moe.json}
+global_batch=${SHARDD_BATCH:-64}
+seq=${SHARDD_SEQ:-64}
 if [[ "$device" != cpu && "$device" != cuda ]]; then
   echo "run.sh: SHARDD_DEVICE: expected cpu or cuda, got '$device'" >&2
   exit 2
@@ -221,7 +224,7 @@ echo
 
 echo "== shardctl train --model $model --steps $steps ${extra_args[*]}"
 shardctl train --coordinator "$addr" --model "$model" \
-  --steps "$steps" --global-batch 64 --seq 64 --lr 0.01 --seed 1 \
+  --steps "$steps" --global-batch "$global_batch" --seq "$seq" --lr 0.01 --seed 1 \
   --loss-svg "$pictures/loss.svg" "${extra_args[@]}"
 echo
 

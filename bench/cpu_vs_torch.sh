@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One shardd CPU worker against plain PyTorch (bench/torch_qwen3_step.py)
+# training the same Qwen3-MoE config on the same batch shape with the same
+# thread count, in one run; prints both tokens/s and the ratio.
+#
+#   bench/cpu_vs_torch.sh [CONFIG.json] [BATCH] [SEQ] [THREADS] [STEPS]
+#
+# Defaults: tests/data/bench_qwen3_moe.json (hidden 512, 4 layers, 8
+# experts top-2), batch 8 x seq 256, 2 threads, 10 steps. shardd's figure is
+# its own mean step time over the steps (the first one included, as
+# `shardctl train` reports it); PyTorch's is the median after 2 warm-ups.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+config=${1:-tests/data/bench_qwen3_moe.json}
+batch=${2:-8}
+seq=${3:-256}
+threads=${4:-2}
+steps=${5:-10}
+
+out=$(OPENBLAS_NUM_THREADS=$threads SHARDD_MODEL=$config SHARDD_WORKERS=1 \
+  SHARDD_STEPS=$steps SHARDD_TLS=0 SHARDD_BATCH=$batch SHARDD_SEQ=$seq \
+  SHARDD_TRAIN_ARGS="--json" \
+  deploy/local/run.sh 2>&1)
+shardd=$(sed -n 's/.*"tokens_per_second": \([0-9.]*\).*/\1/p' <<<"$out" | head -n 1)
+if [[ -z "$shardd" ]]; then
+  echo "$out" | tail -n 30 >&2
+  echo "cpu_vs_torch: shardd did not report tokens/s" >&2
+  exit 1
+fi
+torch_line=$(/usr/bin/python3 bench/torch_qwen3_step.py "$config" \
+  --batch "$batch" --seq "$seq" --threads "$threads" --steps "$steps")
+torch=$(sed -n 's/.*, \([0-9]*\) tokens\/s.*/\1/p' <<<"$torch_line")
+echo "config $config, batch $batch x seq $seq, $threads threads"
+echo "shardd (1 CPU worker): $shardd tokens/s"
+echo "$torch_line"
+/usr/bin/python3 -c "print(f'shardd / torch: {$shardd / $torch:.2f}x')"
