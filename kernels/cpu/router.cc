@@ -127,12 +127,16 @@ absl::Status RouterForward(const RouterDims& dims, const float* x,
     int32_t* idx = indices + t * k;
     float* wt = weights + t * k;
     TopKRow(p, e_count, k, idx, wt);
-    float sum = 0.0f;
-    for (int64_t j = 0; j < k; ++j) sum += wt[j];
-    const float denom = sum > kMinDenominator ? sum : kMinDenominator;
-    const float inv = 1.0f / denom;
-    for (int64_t j = 0; j < k; ++j) wt[j] *= inv;
-    cache->denom[t] = denom;
+    if (dims.renormalize) {
+      float sum = 0.0f;
+      for (int64_t j = 0; j < k; ++j) sum += wt[j];
+      const float denom = sum > kMinDenominator ? sum : kMinDenominator;
+      const float inv = 1.0f / denom;
+      for (int64_t j = 0; j < k; ++j) wt[j] *= inv;
+      cache->denom[t] = denom;
+    } else {
+      cache->denom[t] = -1.0f;  // The weights are the probabilities.
+    }
     for (int64_t j = 0; j < k; ++j) cache->indices[t * k + j] = idx[j];
   }
   cache->dims = dims;
@@ -172,13 +176,15 @@ absl::Status RouterBackward(const RouterDims& dims, const float* x,
     const int32_t* idx = cache->indices.data() + t * k;
     const float* dwt = d_weights + t * k;
     const float denom = cache->denom[t];
-    const float inv = 1.0f / denom;
+    const bool renormalized = denom > 0.0f;
+    const float inv = renormalized ? 1.0f / denom : 1.0f;
     // w_j = p_j / S: dL/dp_j = (dw_j - sum_i dw_i w_i) / S, unless S was
-    // clamped, in which case S is a constant.
+    // clamped, in which case S is a constant; without renormalization
+    // w_j = p_j and dL/dp_j = dw_j.
     float raw_sum = 0.0f;
     for (int64_t j = 0; j < k; ++j) raw_sum += p[idx[j]];
     float dot = 0.0f;
-    if (raw_sum > kMinDenominator) {
+    if (renormalized && raw_sum > kMinDenominator) {
       for (int64_t j = 0; j < k; ++j) dot += dwt[j] * p[idx[j]] * inv;
     }
     // Softmax backward: dlogit_e = p_e (dp_e - sum_j p_j dp_j), where dp is

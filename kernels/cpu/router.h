@@ -11,6 +11,8 @@
 //   indices[t, :] = top-k of probs[t, :], largest first; equal probabilities
 //                   are ordered by the lower expert index (deterministic)
 //   weights[t, k] = probs[t, indices[t, k]] / max(sum_j probs[t, idx_j], 1e-20)
+//                   (renormalize, Mixtral and NeMo), or probs[t, indices[t, k]]
+//                   as they are (Qwen3 with norm_topk_prob false)
 //
 // All arrays are dense, row-major, with the shapes given in brackets. GEMMs
 // run on OpenBLAS, whose thread count is the caller's business
@@ -27,10 +29,11 @@ namespace shardd {
 namespace kernels {
 
 struct RouterDims {
-  int64_t tokens = 0;   // T >= 0
-  int64_t dim = 0;      // D >= 1
-  int64_t experts = 0;  // E >= 1
-  int64_t top_k = 0;    // K in [1, E]
+  int64_t tokens = 0;       // T >= 0
+  int64_t dim = 0;          // D >= 1
+  int64_t experts = 0;      // E >= 1
+  int64_t top_k = 0;        // K in [1, E]
+  bool renormalize = true;  // Divide the k weights by their sum.
 };
 
 // What RouterForward saves for RouterBackward, plus backward scratch. Owned
@@ -41,8 +44,9 @@ struct RouterCache {
   bool has_forward = false;      // set by a successful RouterForward
   std::vector<float> probs;      // [T, E] softmax output
   std::vector<int32_t> indices;  // [T, K] copy of the selected experts
-  std::vector<float> denom;      // [T] clamped sum of the selected probs
-  std::vector<float> d_logits;   // [T, E] backward scratch
+  // [T] clamped sum of the selected probs; -1 when not renormalized.
+  std::vector<float> denom;
+  std::vector<float> d_logits;  // [T, E] backward scratch
 
   // Bytes held (capacity), for memory accounting.
   size_t bytes() const;

@@ -68,7 +68,8 @@ RefOut RefRouter(const RouterDims& dm, const std::vector<double>& x,
     }
     for (int64_t k = 0; k < dm.top_k; ++k) {
       out.weights[t * dm.top_k + k] =
-          p[out.indices[t * dm.top_k + k]] / std::max(sum, 1e-20);
+          p[out.indices[t * dm.top_k + k]] /
+          (dm.renormalize ? std::max(sum, 1e-20) : 1.0);
     }
   }
   return out;
@@ -191,38 +192,40 @@ TEST(RouterTest, ForwardMatchesReference) {
 }
 
 TEST(RouterTest, BackwardMatchesFiniteDifferences) {
-  for (int64_t k : {1, 2, 3, 4}) {
-    SCOPED_TRACE(k);
-    const RouterDims dm{7, 6, 4, k};
-    // Scale 2 makes the routing peaked enough to exercise the softmax.
-    std::vector<float> x = RandomVector(7 * 6, 21, 2.0f);
-    std::vector<float> w = RandomVector(4 * 6, 22);
-    std::vector<float> r = RandomVector(7 * k, 23);  // = dL/dweights
-    std::vector<int32_t> idx(7 * k);
-    std::vector<float> wt(7 * k);
-    RouterCache cache;
-    SHARDD_ASSERT_OK(
-        RouterForward(dm, x.data(), w.data(), idx.data(), wt.data(), &cache));
-    std::vector<float> dx(7 * 6, 123.0f);  // overwritten
-    std::vector<float> dw(4 * 6, 0.0f);
-    SHARDD_ASSERT_OK(RouterBackward(dm, x.data(), w.data(), r.data(), dx.data(),
-                                    false, dw.data(), &cache));
-    const std::vector<double> fd_x =
-        FiniteDiff(dm, ToDouble(x), ToDouble(w), true, idx.data(), r);
-    const std::vector<double> fd_w =
-        FiniteDiff(dm, ToDouble(x), ToDouble(w), false, idx.data(), r);
-    ExpectClose(dx, fd_x, 1e-3, "dx");
-    ExpectClose(dw, fd_w, 1e-3, "dw");
-    if (k == 1) {
-      // A single selected weight is always 1: nothing flows back (up to
-      // rounding).
-      for (float v : dx) EXPECT_NEAR(v, 0.0f, 1e-6);
-    } else {
-      double norm = 0.0;
-      for (double v : fd_x) norm += v * v;
-      EXPECT_GT(norm, 1e-4);  // the check above was not vacuous
+  for (bool renormalize : {true, false})
+    for (int64_t k : {1, 2, 3, 4}) {
+      SCOPED_TRACE(::testing::Message()
+                   << "k " << k << " renormalize " << renormalize);
+      const RouterDims dm{7, 6, 4, k, renormalize};
+      // Scale 2 makes the routing peaked enough to exercise the softmax.
+      std::vector<float> x = RandomVector(7 * 6, 21, 2.0f);
+      std::vector<float> w = RandomVector(4 * 6, 22);
+      std::vector<float> r = RandomVector(7 * k, 23);  // = dL/dweights
+      std::vector<int32_t> idx(7 * k);
+      std::vector<float> wt(7 * k);
+      RouterCache cache;
+      SHARDD_ASSERT_OK(
+          RouterForward(dm, x.data(), w.data(), idx.data(), wt.data(), &cache));
+      std::vector<float> dx(7 * 6, 123.0f);  // overwritten
+      std::vector<float> dw(4 * 6, 0.0f);
+      SHARDD_ASSERT_OK(RouterBackward(dm, x.data(), w.data(), r.data(),
+                                      dx.data(), false, dw.data(), &cache));
+      const std::vector<double> fd_x =
+          FiniteDiff(dm, ToDouble(x), ToDouble(w), true, idx.data(), r);
+      const std::vector<double> fd_w =
+          FiniteDiff(dm, ToDouble(x), ToDouble(w), false, idx.data(), r);
+      ExpectClose(dx, fd_x, 1e-3, "dx");
+      ExpectClose(dw, fd_w, 1e-3, "dw");
+      if (k == 1 && renormalize) {
+        // A single selected weight is always 1: nothing flows back (up to
+        // rounding).
+        for (float v : dx) EXPECT_NEAR(v, 0.0f, 1e-6);
+      } else {
+        double norm = 0.0;
+        for (double v : fd_x) norm += v * v;
+        EXPECT_GT(norm, 1e-4);  // the check above was not vacuous
+      }
     }
-  }
 }
 
 TEST(RouterTest, BackwardMatchesFloatFiniteDifferencesOfTheKernel) {

@@ -72,8 +72,8 @@ absl::Status Forward(const RouterDims& dims, const T* x, const T* w,
                    0.0f, layout.probs, DType::kFloat32, dims.experts, kOp));
   SHARDD_CUDA_RETURN_IF_ERROR(
       LaunchRouterSoftmaxTopK(layout.probs, dims.tokens, dims.experts,
-                              dims.top_k, indices, weights, layout.indices,
-                              layout.denom, stream),
+                              dims.top_k, dims.renormalize, indices, weights,
+                              layout.indices, layout.denom, stream),
       kOp);
   return absl::OkStatus();
 }

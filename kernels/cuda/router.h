@@ -35,10 +35,11 @@ namespace kernels {
 namespace cuda {
 
 struct RouterDims {
-  int64_t tokens = 0;   // T >= 0
-  int64_t dim = 0;      // D >= 1
-  int64_t experts = 0;  // E in [1, 1024]
-  int64_t top_k = 0;    // K in [1, min(E, 32)]
+  int64_t tokens = 0;       // T >= 0
+  int64_t dim = 0;          // D >= 1
+  int64_t experts = 0;      // E in [1, 1024]
+  int64_t top_k = 0;        // K in [1, min(E, 32)]
+  bool renormalize = true;  // As kernels/cpu/router.h.
 };
 
 // Device bytes RouterForward saves for RouterBackward (probs [T, E] fp32,

@@ -36,7 +36,8 @@ __device__ __forceinline__ bool Better(float key_a, int index_a, float key_b,
 // One warp per token; lane l holds experts l, l + 32, ... in registers.
 __global__ void __launch_bounds__(kThreads) RouterSoftmaxTopKKernel(
     float* __restrict__ probs, int64_t tokens, int experts, int top_k,
-    int32_t* __restrict__ indices, float* __restrict__ weights,
+    bool renormalize, int32_t* __restrict__ indices,
+    float* __restrict__ weights,
     int32_t* __restrict__ saved_indices, float* __restrict__ denom) {
   const int lane = threadIdx.x & 31;
   const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
@@ -119,8 +120,12 @@ __global__ void __launch_bounds__(kThreads) RouterSoftmaxTopKKernel(
     for (int k = 0; k < top_k; ++k) {
       picked_sum += __shfl_sync(0xFFFFFFFFu, my_value, k);
     }
-    const float d = picked_sum > kMinDenominator ? picked_sum : kMinDenominator;
-    const float inv_d = 1.0f / d;
+    // Without renormalization the saved denominator is -1 (the backward
+    // then treats the weights as the probabilities themselves).
+    const float d = !renormalize                ? -1.0f
+                    : picked_sum > kMinDenominator ? picked_sum
+                                                   : kMinDenominator;
+    const float inv_d = renormalize ? 1.0f / d : 1.0f;
     if (lane < top_k) {
       const int64_t slot = t * top_k + lane;
       indices[slot] = my_index;
@@ -150,11 +155,12 @@ __global__ void __launch_bounds__(kThreads)
     const float* p = probs + t * experts;
     const int32_t* idx = saved_indices + t * top_k;
     const float* dwt = d_weights + t * top_k;
-    const float inv = 1.0f / denom[t];
+    const bool renormalized = denom[t] > 0.0f;
+    const float inv = renormalized ? 1.0f / denom[t] : 1.0f;
     float raw_sum = 0.0f;
     for (int j = 0; j < top_k; ++j) raw_sum += p[idx[j]];
     float dot = 0.0f;
-    if (raw_sum > kMinDenominator) {
+    if (renormalized && raw_sum > kMinDenominator) {
       for (int j = 0; j < top_k; ++j) dot += dwt[j] * p[idx[j]] * inv;
     }
     float inner = 0.0f;
@@ -186,12 +192,12 @@ cudaError_t DLogits(const float* probs, const int32_t* saved_indices,
 
 cudaError_t LaunchRouterSoftmaxTopK(float* probs, int64_t tokens,
                                     int64_t experts, int64_t top_k,
-                                    int32_t* indices, float* weights,
-                                    int32_t* saved_indices, float* denom,
-                                    cudaStream_t stream) {
+                                    bool renormalize, int32_t* indices,
+                                    float* weights, int32_t* saved_indices,
+                                    float* denom, cudaStream_t stream) {
   RouterSoftmaxTopKKernel<<<GridFor(tokens), kThreads, 0, stream>>>(
       probs, tokens, static_cast<int>(experts), static_cast<int>(top_k),
-      indices, weights, saved_indices, denom);
+      renormalize, indices, weights, saved_indices, denom);
   return cudaGetLastError();
 }
 

@@ -20,9 +20,9 @@ inline constexpr int64_t kRouterMaxTopK = 32;
 // indices and weights [T, K], saved_indices [T, K] and denom [T].
 cudaError_t LaunchRouterSoftmaxTopK(float* probs, int64_t tokens,
                                     int64_t experts, int64_t top_k,
-                                    int32_t* indices, float* weights,
-                                    int32_t* saved_indices, float* denom,
-                                    cudaStream_t stream);
+                                    bool renormalize, int32_t* indices,
+                                    float* weights, int32_t* saved_indices,
+                                    float* denom, cudaStream_t stream);
 
 // d_logits [T, E] (fp32 or bf16) from the saved probs, indices and denom and
 // d_weights [T, K].

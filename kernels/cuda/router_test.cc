@@ -63,12 +63,16 @@ TYPED_TEST(RouterGpuTest, MatchesCpu) {
   ops_testing::GpuContext gpu;
   for (const RouterDims dims :
        {RouterDims{200, 32, 8, 2}, RouterDims{333, 48, 64, 6},
-        RouterDims{64, 32, 256, 16}, RouterDims{40, 16, 1000, 32}}) {
+        RouterDims{64, 32, 256, 16}, RouterDims{40, 16, 1000, 32},
+        // Qwen3 with norm_topk_prob false: the weights are the
+        // probabilities.
+        RouterDims{200, 32, 8, 2, /*renormalize=*/false},
+        RouterDims{64, 32, 128, 8, /*renormalize=*/false}}) {
     for (const bool accumulate_dx : {false, true}) {
       SCOPED_TRACE(::testing::Message()
                    << "T " << dims.tokens << " D " << dims.dim << " E "
                    << dims.experts << " K " << dims.top_k << " accumulate "
-                   << accumulate_dx);
+                   << accumulate_dx << " renormalize " << dims.renormalize);
       const int64_t t = dims.tokens, d = dims.dim, e = dims.experts,
                     k = dims.top_k;
       const auto x = TernaryX(t * d, 1);
@@ -78,7 +82,7 @@ TYPED_TEST(RouterGpuTest, MatchesCpu) {
           ops_testing::RandomVector(t * d, -1.0f, 1.0f, 4));
       const auto dw0 = ops_testing::RandomVector(e * d, -1.0f, 1.0f, 5);
 
-      kernels::RouterDims cpu_dims{t, d, e, k};
+      kernels::RouterDims cpu_dims{t, d, e, k, dims.renormalize};
       kernels::RouterCache cache;
       std::vector<int32_t> indices(t * k);
       std::vector<float> weights(t * k), dx = dx0, dw = dw0;

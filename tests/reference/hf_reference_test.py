@@ -9,7 +9,7 @@ Qwen3's per-head q/k RMSNorm, rotate-half RoPE (default and llama3
 frequencies), causal or sliding-window grouped-query attention with softmax
 scale head_dim^-0.5, o_proj, residual, post_attention_layernorm, then a
 softmax router over all experts whose top-k weights are renormalised
-(Mixtral; Qwen3's norm_topk_prob) with SwiGLU experts, or a SwiGLU MLP
+(Mixtral; Qwen3's norm_topk_prob) or not (Qwen3 without it) with SwiGLU experts, or a SwiGLU MLP
 (Llama), residual, the final norm, lm_head (tied or not) and the mean token
 cross-entropy; autograd gives the gradients.
 
@@ -109,7 +109,8 @@ def forward(dump, p):
             logits = h @ p[pre + "moe.gate.weight"].T  # [B, S, E]
             probs = torch.softmax(logits, dim=-1)
             weights, chosen = torch.topk(probs, top_k, dim=-1)
-            weights = weights / weights.sum(-1, keepdim=True)
+            if d.get("norm_topk_prob", False):
+                weights = weights / weights.sum(-1, keepdim=True)
             w_gu = p[pre + "moe.experts.gate_and_up_projs"]  # [E, D, 2I]
             w_d = p[pre + "moe.experts.down_projs"]  # [E, I, D]
             inter = w_d.shape[1]

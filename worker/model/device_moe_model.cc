@@ -694,7 +694,8 @@ absl::Status DeviceMoeModel::Impl::Forward(const Command& c,
       if (spec.has_moe) {
         SHARDD_ASSIGN_OR_RETURN(const T* gw,
                                 Param<T>(params, spec.gate, &temps));
-        const kc::RouterDims dims{t, dim, spec.experts, top_k};
+        const kc::RouterDims dims{t, dim, spec.experts, top_k,
+                                  renormalize_topk};
         const size_t saved_bytes = kc::RouterSavedBytes(dims);
         SHARDD_RETURN_IF_ERROR(AllocInto(&la.indices, t * top_k * 4));
         SHARDD_RETURN_IF_ERROR(
@@ -918,7 +919,8 @@ absl::Status DeviceMoeModel::Impl::Backward(const Command& c,
         SHARDD_ASSIGN_OR_RETURN(const T* gw,
                                 Param<T>(params, spec.gate, &temps));
         SHARDD_ASSIGN_OR_RETURN(float* dgw, Grad(params, spec.gate));
-        const kc::RouterDims dims{t, dim, spec.experts, top_k};
+        const kc::RouterDims dims{t, dim, spec.experts, top_k,
+                                  renormalize_topk};
         const size_t ws_bytes =
             kc::RouterBackwardWorkspaceBytes(dims, kc::DTypeOf<T>::value);
         SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws, Alloc(ws_bytes));

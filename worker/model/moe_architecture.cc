@@ -96,13 +96,14 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
       const int64_t hkv = dims.num_key_value_heads() > 0
                               ? dims.num_key_value_heads()
                               : dims.num_attention_heads();
-      const int64_t hd = dims.head_dim() > 0 ? dims.head_dim()
-                                             : (hq > 0 ? d / hq : 0);
+      const int64_t hd =
+          dims.head_dim() > 0 ? dims.head_dim() : (hq > 0 ? d / hq : 0);
       if (hq < 1 || hkv < 1 || hq % hkv != 0 || hd < 1) {
         return absl::InvalidArgumentError(absl::StrCat(
             "dims.num_attention_heads / num_key_value_heads / head_dim: "
             "layer ",
-            l, " has attention, which needs heads >= 1 with "
+            l,
+            " has attention, which needs heads >= 1 with "
             "num_key_value_heads dividing num_attention_heads; got ",
             hq, ", ", hkv, ", ", hd));
       }
@@ -117,14 +118,14 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
       arch.kv_heads = hkv;
       arch.head_dim = hd;
       layer.has_attention = true;
-      SHARDD_ASSIGN_OR_RETURN(layer.q_proj,
-                              take(p + "self_attn.q_proj.weight", {hq * hd, d}));
+      SHARDD_ASSIGN_OR_RETURN(
+          layer.q_proj, take(p + "self_attn.q_proj.weight", {hq * hd, d}));
       SHARDD_ASSIGN_OR_RETURN(
           layer.k_proj, take(p + "self_attn.k_proj.weight", {hkv * hd, d}));
       SHARDD_ASSIGN_OR_RETURN(
           layer.v_proj, take(p + "self_attn.v_proj.weight", {hkv * hd, d}));
-      SHARDD_ASSIGN_OR_RETURN(layer.o_proj,
-                              take(p + "self_attn.o_proj.weight", {d, hq * hd}));
+      SHARDD_ASSIGN_OR_RETURN(
+          layer.o_proj, take(p + "self_attn.o_proj.weight", {d, hq * hd}));
       if (tensors.count(p + "self_attn.q_norm.weight") > 0) {
         layer.qk_norm = true;
         SHARDD_ASSIGN_OR_RETURN(layer.q_norm,
@@ -135,12 +136,12 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
       SHARDD_ASSIGN_OR_RETURN(layer.post_norm,
                               take(p + "post_attention_layernorm.weight", {d}));
       const v1::AttentionSpec& attention = dims.attention();
-      layer.sliding = l < attention.sliding_layers_size() &&
-                      attention.sliding_layers(l);
+      layer.sliding =
+          l < attention.sliding_layers_size() && attention.sliding_layers(l);
       if (layer.sliding && attention.sliding_window() < 1) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "dims.attention.sliding_window: layer ", l,
-            " slides, which needs a window >= 1"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("dims.attention.sliding_window: layer ", l,
+                         " slides, which needs a window >= 1"));
       }
     }
     if (tensors.count(p + "moe.experts.gate_and_up_projs") > 0) {
@@ -202,17 +203,10 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
                              : int64_t{1} << 16;
   }
   arch.norm_topk_prob = model.dims().norm_topk_prob();
-  for (size_t l = 0; l < arch.layers.size(); ++l) {
-    // The router kernel renormalises the top-k weights (NeMo's and Mixtral's
-    // router); a Hugging Face model that does not is refused rather than
-    // trained differently.
-    if (attention && arch.layers[l].has_moe && !arch.norm_topk_prob) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "dims.norm_topk_prob: layer ", l,
-          " routes without renormalising the top-k weights, which the "
-          "workers do not compute yet; set norm_topk_prob to true"));
-    }
-  }
+  // Native specs (no attention) always renormalise, as NeMo's router; a
+  // Hugging Face model as its config says (Mixtral always, Qwen3 with
+  // norm_topk_prob).
+  arch.renormalize_topk = !attention || arch.norm_topk_prob;
   if (arch.layers.empty()) {
     return absl::InvalidArgumentError(
         "the CPU training path needs decoder layers model.layers.N with an "

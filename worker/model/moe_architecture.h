@@ -68,8 +68,10 @@ struct MoeArchitecture {
   int64_t sliding_window = 0;
   int64_t max_positions = 0;
   RopeFrequencies rope;
-  // Softmax top-k routers renormalise the selected weights.
+  // dims.norm_topk_prob, and what the routers do: divide the top-k weights
+  // by their sum.
   bool norm_topk_prob = false;
+  bool renormalize_topk = true;
 
   // layers[l].has_moe for every l (the command order's layer table).
   std::vector<bool> LayersWithExperts() const {

@@ -243,7 +243,7 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
         SHARDD_ASSIGN_OR_RETURN(const float* gw, params->Param(spec.gate.name));
         la.indices.resize(t * top_k);
         la.weights.resize(t * top_k);
-        kernels::RouterDims dims{t, dim, spec.experts, top_k};
+        kernels::RouterDims dims{t, dim, spec.experts, top_k, renormalize_topk};
         SHARDD_RETURN_IF_ERROR(kernels::RouterForward(
             dims, la.normed.data(), gw, la.indices.data(), la.weights.data(),
             &la.router));
@@ -383,7 +383,7 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
       }
       if (spec.has_moe) {
         SHARDD_ASSIGN_OR_RETURN(const float* gw, params->Param(spec.gate.name));
-        kernels::RouterDims dims{t, dim, spec.experts, top_k};
+        kernels::RouterDims dims{t, dim, spec.experts, top_k, renormalize_topk};
         float* dgw =
             spec.gate.frozen ? nullptr : Zeroed(&scratch, spec.gate.numel());
         SHARDD_RETURN_IF_ERROR(kernels::RouterBackward(
