@@ -7,6 +7,7 @@
 #include "common/status_macros.h"
 #include "kernels/cpu/linear.h"
 #include "kernels/cpu/rms_norm.h"
+#include "worker/model/attention_geometry.h"
 
 namespace shardd {
 
@@ -21,36 +22,8 @@ int64_t AttentionActs::bytes() const {
 
 absl::Status AttentionBlock::Prepare(int64_t seq) {
   if (seq <= rope_.positions) return absl::OkStatus();
-  if (seq > arch_->max_positions) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "seq: ", seq, " tokens exceed the model's max_position_embeddings (",
-        arch_->max_positions, ")"));
-  }
-  SHARDD_ASSIGN_OR_RETURN(
-      rope_, kernels::BuildRopeTable(arch_->rope.inv_freq, seq,
-                                     arch_->rope.attention_factor));
+  SHARDD_ASSIGN_OR_RETURN(rope_, RopeTableFor(*arch_, seq));
   return absl::OkStatus();
-}
-
-kernels::AttentionDims AttentionBlock::Dims(int64_t batch, int64_t seq) const {
-  kernels::AttentionDims d;
-  d.batch = batch;
-  d.q_len = seq;
-  d.kv_len = seq;
-  d.q_heads = arch_->q_heads;
-  d.kv_heads = arch_->kv_heads;
-  d.head_dim = arch_->head_dim;
-  return d;
-}
-
-kernels::AttentionOptions AttentionBlock::Options(
-    const MoeLayerSpec& layer) const {
-  kernels::AttentionOptions o;
-  o.scale = static_cast<float>(1.0 / std::sqrt(double(arch_->head_dim)));
-  o.mask = layer.sliding ? kernels::AttentionMask::kSlidingWindow
-                         : kernels::AttentionMask::kCausal;
-  o.window = arch_->sliding_window;
-  return o;
 }
 
 absl::Status AttentionBlock::Rotate(std::vector<float>* x, int64_t tokens,
@@ -64,11 +37,8 @@ absl::Status AttentionBlock::Rotate(std::vector<float>* x, int64_t tokens,
   shape.heads = heads;
   shape.token_stride = heads * arch_->head_dim;
   shape.head_stride = arch_->head_dim;
-  return kernels::RopeRotate(rope_,
-                             arch_->rope.interleaved
-                                 ? kernels::RopeLayout::kInterleaved
-                                 : kernels::RopeLayout::kHalf,
-                             shape, positions_.data(), x->data(), inverse);
+  return kernels::RopeRotate(rope_, RopeLayoutOf(*arch_), shape,
+                             positions_.data(), x->data(), inverse);
 }
 
 absl::Status AttentionBlock::AddGrad(ParamSource* params, const ArchTensor& t,
@@ -117,7 +87,8 @@ absl::Status AttentionBlock::Forward(const MoeLayerSpec& layer,
   acts->o.resize(t * hq * hd);
   acts->lse.resize(batch * hq * seq);
   SHARDD_RETURN_IF_ERROR(kernels::AttentionForward(
-      Dims(batch, seq), Options(layer), acts->q.data(), acts->k.data(),
+      SelfAttentionDims(*arch_, batch, seq),
+      SelfAttentionOptions(*arch_, layer), acts->q.data(), acts->k.data(),
       acts->v.data(), acts->o.data(), acts->lse.data(), &ws_));
   return kernels::LinearForward(acts->o.data(), wo, t, hq * hd, d, y);
 }
@@ -144,7 +115,8 @@ absl::Status AttentionBlock::Backward(const MoeLayerSpec& layer,
   dk_.assign(t * hkv * hd, 0.0f);
   dv_.assign(t * hkv * hd, 0.0f);
   SHARDD_RETURN_IF_ERROR(kernels::AttentionBackward(
-      Dims(batch, seq), Options(layer), acts.q.data(), acts.k.data(),
+      SelfAttentionDims(*arch_, batch, seq),
+      SelfAttentionOptions(*arch_, layer), acts.q.data(), acts.k.data(),
       acts.v.data(), acts.o.data(), acts.lse.data(), do_.data(), dq_.data(),
       dk_.data(), dv_.data(), nullptr, &ws_));
   // RoPE is a rotation: its backward is the inverse rotation.

@@ -57,8 +57,6 @@ class AttentionBlock {
                         const float* dy, float* dn);
 
  private:
-  kernels::AttentionDims Dims(int64_t batch, int64_t seq) const;
-  kernels::AttentionOptions Options(const MoeLayerSpec& layer) const;
   absl::Status Rotate(std::vector<float>* x, int64_t tokens, int64_t seq,
                       int64_t heads, bool inverse);
   absl::Status AddGrad(ParamSource* params, const ArchTensor& t,

@@ -14,6 +14,7 @@
 #include "kernels/cuda/rms_norm.h"
 #include "kernels/cuda/rope.h"
 #include "kernels/cuda/row_major_gemm.h"
+#include "worker/model/attention_geometry.h"
 
 namespace shardd {
 namespace {
@@ -37,28 +38,6 @@ absl::Status Gemm(cublasHandle_t h, int64_t m, int64_t n, int64_t k,
   return kc::RowMajorGemm(h, m, n, k, 1.0f, A, B, beta, c, c_type, ldc, what);
 }
 
-kernels::AttentionDims Dims(const MoeArchitecture& arch, int64_t batch,
-                            int64_t seq) {
-  kernels::AttentionDims d;
-  d.batch = batch;
-  d.q_len = seq;
-  d.kv_len = seq;
-  d.q_heads = arch.q_heads;
-  d.kv_heads = arch.kv_heads;
-  d.head_dim = arch.head_dim;
-  return d;
-}
-
-kernels::AttentionOptions Options(const MoeArchitecture& arch,
-                                  const MoeLayerSpec& layer) {
-  kernels::AttentionOptions o;
-  o.scale = static_cast<float>(1.0 / std::sqrt(double(arch.head_dim)));
-  o.mask = layer.sliding ? kernels::AttentionMask::kSlidingWindow
-                         : kernels::AttentionMask::kCausal;
-  o.window = arch.sliding_window;
-  return o;
-}
-
 }  // namespace
 
 void DeviceAttentionActs::Reset() {
@@ -68,6 +47,12 @@ void DeviceAttentionActs::Reset() {
   }
 }
 
+kernels::cuda::DeviceRopeTable DeviceAttentionBlock::RopeTable() const {
+  return {cos_.as<float>(), sin_.as<float>(),
+          static_cast<int64_t>(arch_->rope.inv_freq.size()) * 2,
+          table_positions_};
+}
+
 absl::StatusOr<DeviceBuffer> DeviceAttentionBlock::Alloc(int64_t bytes) {
   return DeviceBuffer::Allocate(allocator_, bytes, MemoryKind::kWorkspace,
                                 stream_);
@@ -75,15 +60,8 @@ absl::StatusOr<DeviceBuffer> DeviceAttentionBlock::Alloc(int64_t bytes) {
 
 absl::Status DeviceAttentionBlock::Prepare(int64_t seq) {
   if (seq <= table_positions_) return absl::OkStatus();
-  if (seq > arch_->max_positions) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "seq: ", seq, " tokens exceed the model's max_position_embeddings (",
-        arch_->max_positions, ")"));
-  }
-  SHARDD_ASSIGN_OR_RETURN(
-      kernels::RopeTable table,
-      kernels::BuildRopeTable(arch_->rope.inv_freq, seq,
-                              arch_->rope.attention_factor));
+  SHARDD_ASSIGN_OR_RETURN(const kernels::RopeTable table,
+                          RopeTableFor(*arch_, seq));
   const int64_t bytes = static_cast<int64_t>(table.cos.size() * sizeof(float));
   SHARDD_ASSIGN_OR_RETURN(cos_, Alloc(bytes));
   SHARDD_ASSIGN_OR_RETURN(sin_, Alloc(bytes));
@@ -140,12 +118,8 @@ absl::Status DeviceAttentionBlock::Forward(const MoeLayerSpec& layer,
         acts->k_pre.as<T>(), static_cast<const T*>(p.k_norm), t * hkv, hd,
         a.eps, acts->k.as<T>(), acts->k_inv.as<float>(), stream_));
   }
-  const kc::DeviceRopeTable table{
-      cos_.as<float>(), sin_.as<float>(),
-      static_cast<int64_t>(a.rope.inv_freq.size()) * 2, table_positions_};
-  const kernels::RopeLayout layout = a.rope.interleaved
-                                         ? kernels::RopeLayout::kInterleaved
-                                         : kernels::RopeLayout::kHalf;
+  const kc::DeviceRopeTable table = RopeTable();
+  const kernels::RopeLayout layout = RopeLayoutOf(a);
   SHARDD_RETURN_IF_ERROR(
       kc::RopeRotate(table, layout, kernels::RopeShape{t, hq, hq * hd, hd, 0},
                      positions, acts->q.as<T>(), false, stream_));
@@ -155,8 +129,9 @@ absl::Status DeviceAttentionBlock::Forward(const MoeLayerSpec& layer,
   SHARDD_ASSIGN_OR_RETURN(acts->o, Alloc(t * hq * hd * kElem));
   SHARDD_ASSIGN_OR_RETURN(acts->lse, Alloc(batch * hq * seq * 4));
   SHARDD_RETURN_IF_ERROR(kc::AttentionForward(
-      Dims(a, batch, seq), Options(a, layer), acts->q.as<T>(), acts->k.as<T>(),
-      acts->v.as<T>(), acts->o.as<T>(), acts->lse.as<float>(), stream_));
+      SelfAttentionDims(a, batch, seq), SelfAttentionOptions(a, layer),
+      acts->q.as<T>(), acts->k.as<T>(), acts->v.as<T>(), acts->o.as<T>(),
+      acts->lse.as<float>(), stream_));
   return Gemm<T>(cublas_, t, d, hq * hd, acts->o.data(), hq * hd, false, p.wo,
                  hq * hd, true, 0.0f, y, dt, d, "o_proj");
 }
@@ -192,21 +167,18 @@ absl::Status DeviceAttentionBlock::Backward(const MoeLayerSpec& layer,
     SHARDD_CUDA_RETURN_IF_ERROR(
         cudaMemsetAsync(b->data(), 0, b->bytes(), stream_), "zeroing");
   }
-  const kernels::AttentionDims dims = Dims(a, batch, seq);
+  const kernels::AttentionDims dims = SelfAttentionDims(a, batch, seq);
   const size_t ws_bytes = kc::AttentionBackwardWorkspaceBytes(dims);
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws,
                           Alloc(static_cast<int64_t>(ws_bytes)));
   SHARDD_RETURN_IF_ERROR(kc::AttentionBackward(
-      dims, Options(a, layer), acts.q.as<T>(), acts.k.as<T>(), acts.v.as<T>(),
-      acts.o.as<T>(), acts.lse.as<float>(), d_o.as<T>(), dq.as<float>(),
-      dk.as<float>(), dv.as<float>(), nullptr, ws.data(), ws_bytes, stream_));
+      dims, SelfAttentionOptions(a, layer), acts.q.as<T>(), acts.k.as<T>(),
+      acts.v.as<T>(), acts.o.as<T>(), acts.lse.as<float>(), d_o.as<T>(),
+      dq.as<float>(), dk.as<float>(), dv.as<float>(), nullptr, ws.data(),
+      ws_bytes, stream_));
   // RoPE's backward is the inverse rotation.
-  const kc::DeviceRopeTable table{
-      cos_.as<float>(), sin_.as<float>(),
-      static_cast<int64_t>(a.rope.inv_freq.size()) * 2, table_positions_};
-  const kernels::RopeLayout layout = a.rope.interleaved
-                                         ? kernels::RopeLayout::kInterleaved
-                                         : kernels::RopeLayout::kHalf;
+  const kc::DeviceRopeTable table = RopeTable();
+  const kernels::RopeLayout layout = RopeLayoutOf(a);
   SHARDD_RETURN_IF_ERROR(
       kc::RopeRotate(table, layout, kernels::RopeShape{t, hq, hq * hd, hd, 0},
                      positions, dq.as<float>(), true, stream_));

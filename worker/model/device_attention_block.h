@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "kernels/cuda/rope.h"
 #include "worker/memory/device_allocator.h"
 #include "worker/model/moe_architecture.h"
 
@@ -79,6 +80,8 @@ class DeviceAttentionBlock {
 
  private:
   absl::StatusOr<DeviceBuffer> Alloc(int64_t bytes);
+  // The uploaded table (Prepare), as the CUDA RoPE takes it.
+  kernels::cuda::DeviceRopeTable RopeTable() const;
 
   const MoeArchitecture* arch_;
   DeviceAllocator* allocator_;

@@ -1,0 +1,47 @@
+#include "worker/model/attention_geometry.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace shardd {
+
+kernels::AttentionDims SelfAttentionDims(const MoeArchitecture& arch,
+                                         int64_t batch, int64_t seq) {
+  kernels::AttentionDims d;
+  d.batch = batch;
+  d.q_len = seq;
+  d.kv_len = seq;
+  d.q_heads = arch.q_heads;
+  d.kv_heads = arch.kv_heads;
+  d.head_dim = arch.head_dim;
+  return d;
+}
+
+kernels::AttentionOptions SelfAttentionOptions(const MoeArchitecture& arch,
+                                               const MoeLayerSpec& layer) {
+  kernels::AttentionOptions o;
+  o.scale = static_cast<float>(1.0 / std::sqrt(double(arch.head_dim)));
+  o.mask = layer.sliding ? kernels::AttentionMask::kSlidingWindow
+                         : kernels::AttentionMask::kCausal;
+  o.window = arch.sliding_window;
+  return o;
+}
+
+kernels::RopeLayout RopeLayoutOf(const MoeArchitecture& arch) {
+  return arch.rope.interleaved ? kernels::RopeLayout::kInterleaved
+                               : kernels::RopeLayout::kHalf;
+}
+
+absl::StatusOr<kernels::RopeTable> RopeTableFor(const MoeArchitecture& arch,
+                                                int64_t seq) {
+  if (seq > arch.max_positions) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "seq: ", seq, " tokens exceed the model's max_position_embeddings (",
+        arch.max_positions, ")"));
+  }
+  return kernels::BuildRopeTable(arch.rope.inv_freq, seq,
+                                 arch.rope.attention_factor);
+}
+
+}  // namespace shardd
