@@ -25,6 +25,7 @@
 #include "model/native_spec.h"
 #include "nlohmann/json.hpp"
 #include "testing/map_param_source.h"
+#include "testing/model_commands.h"
 #include "worker/model/moe_architecture.h"
 #include "worker/model/moe_model.h"
 
@@ -37,36 +38,6 @@ ABSL_FLAG(std::string, out, "", "output JSON");
 
 namespace shardd {
 namespace {
-
-std::vector<v1::Command> StepCommands(const MoeArchitecture& arch) {
-  std::vector<v1::Command> out;
-  auto add = [&](v1::Command::Op op, v1::Command::Part part, int layer) {
-    v1::Command c;
-    c.set_op(op);
-    c.set_part(part);
-    c.set_layer(layer);
-    c.set_requires_grad(true);
-    out.push_back(c);
-  };
-  const int layers = static_cast<int>(arch.layers.size());
-  add(v1::Command::FORWARD, v1::Command::EMBED, -1);
-  for (int l = 0; l < layers; ++l) {
-    add(v1::Command::FORWARD, v1::Command::LAYER, l);
-    if (arch.layers[l].has_moe) {
-      add(v1::Command::FORWARD, v1::Command::EXPERTS, l);
-    }
-  }
-  add(v1::Command::FORWARD, v1::Command::HEAD, -1);
-  add(v1::Command::BACKWARD, v1::Command::HEAD, -1);
-  for (int l = layers - 1; l >= 0; --l) {
-    if (arch.layers[l].has_moe) {
-      add(v1::Command::BACKWARD, v1::Command::EXPERTS, l);
-    }
-    add(v1::Command::BACKWARD, v1::Command::LAYER, l);
-  }
-  add(v1::Command::BACKWARD, v1::Command::EMBED, -1);
-  return out;
-}
 
 int Run() {
   std::ifstream in(absl::GetFlag(FLAGS_model));
@@ -113,7 +84,8 @@ int Run() {
   for (int32_t& x : targets) x = static_cast<int32_t>(gen() % arch->vocab);
   absl::Status status =
       (*model)->SetBatch(0, inputs.data(), targets.data(), batch, seq);
-  for (const v1::Command& c : StepCommands(*arch)) {
+  for (const v1::Command& c :
+       testing_util::ModelStepCommands(arch->LayersWithExperts(), 1, 0, 1)) {
     if (!status.ok()) break;
     status = (*model)->Run(c, &source);
   }

@@ -24,6 +24,7 @@
 #include "testing/gpu.h"
 #include "testing/map_param_source.h"
 #include "testing/model_builder.h"
+#include "testing/model_commands.h"
 #include "worker/memory/cuda_memory_backend.h"
 #include "worker/memory/device_allocator.h"
 #include "worker/model/moe_model.h"
@@ -200,46 +201,6 @@ std::map<std::string, std::vector<float>> RandomValues(
   return out;
 }
 
-std::vector<v1::Command> StepCommands(int passes, int no_grad,
-                                      int microbatches) {
-  std::vector<v1::Command> out;
-  auto add = [&](v1::Command::Op op, v1::Command::Part part, int layer,
-                 int pass, int mb, bool grad) {
-    v1::Command c;
-    c.set_op(op);
-    c.set_part(part);
-    c.set_layer(layer);
-    c.set_pass(pass);
-    c.set_microbatch(mb);
-    c.set_requires_grad(grad);
-    out.push_back(c);
-  };
-  for (int m = 0; m < microbatches; ++m) {
-    for (int p = 0; p < passes; ++p) {
-      const bool grad = p >= no_grad;
-      add(v1::Command::FORWARD, v1::Command::EMBED, -1, p, m, grad);
-      for (int l = 0; l < kLayers; ++l) {
-        add(v1::Command::FORWARD, v1::Command::LAYER, l, p, m, grad);
-        if (kLayerHasMoe[l]) {
-          add(v1::Command::FORWARD, v1::Command::EXPERTS, l, p, m, grad);
-        }
-      }
-      add(v1::Command::FORWARD, v1::Command::HEAD, -1, p, m, grad);
-    }
-    for (int p = passes - 1; p >= no_grad; --p) {
-      add(v1::Command::BACKWARD, v1::Command::HEAD, -1, p, m, true);
-      for (int l = kLayers - 1; l >= 0; --l) {
-        if (kLayerHasMoe[l]) {
-          add(v1::Command::BACKWARD, v1::Command::EXPERTS, l, p, m, true);
-        }
-        add(v1::Command::BACKWARD, v1::Command::LAYER, l, p, m, true);
-      }
-      add(v1::Command::BACKWARD, v1::Command::EMBED, -1, p, m, true);
-    }
-  }
-  return out;
-}
-
 struct Batches {
   std::vector<std::vector<int32_t>> inputs, targets;
 };
@@ -329,8 +290,9 @@ CpuResult RunCpu(const v1::ModelSpec& spec,
                                    data.targets[m].data(), kBatch, kSeq),
                 IsOk());
   }
-  for (const v1::Command& c :
-       StepCommands(kPasses, kNoGradPasses, kMicrobatches)) {
+  for (const v1::Command& c : testing_util::ModelStepCommands(
+           std::vector<bool>(kLayerHasMoe, kLayerHasMoe + kLayers), kPasses,
+           kNoGradPasses, kMicrobatches)) {
     const absl::Status s = (*model)->Run(c, &source);
     EXPECT_THAT(s, IsOk()) << c.ShortDebugString();
     if (!s.ok()) return r;
@@ -360,8 +322,9 @@ GpuResult RunGpuStep(DeviceMoeModel* model, TestDeviceSource* source,
     EXPECT_THAT(s, IsOk());
     if (!s.ok()) return r;
   }
-  for (const v1::Command& c :
-       StepCommands(kPasses, kNoGradPasses, kMicrobatches)) {
+  for (const v1::Command& c : testing_util::ModelStepCommands(
+           std::vector<bool>(kLayerHasMoe, kLayerHasMoe + kLayers), kPasses,
+           kNoGradPasses, kMicrobatches)) {
     const absl::Status s = model->Run(c, source);
     EXPECT_THAT(s, IsOk()) << c.ShortDebugString();
     if (!s.ok()) return r;

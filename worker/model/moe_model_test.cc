@@ -13,6 +13,8 @@
 #include "model/model_util.h"
 #include "testing/map_param_source.h"
 #include "testing/model_builder.h"
+#include "testing/model_commands.h"
+#include "worker/model/moe_architecture.h"
 
 namespace shardd {
 namespace {
@@ -55,46 +57,6 @@ void FillRandom(const v1::ModelSpec& spec, MapSource* source) {
   }
 }
 
-// The command sequence of one step with every parameter available.
-std::vector<v1::Command> StepCommands(int layers, int passes, int no_grad,
-                                      int microbatches) {
-  std::vector<v1::Command> out;
-  auto add = [&](v1::Command::Op op, v1::Command::Part part, int layer,
-                 int pass, int mb, bool grad) {
-    v1::Command c;
-    c.set_op(op);
-    c.set_part(part);
-    c.set_layer(layer);
-    c.set_pass(pass);
-    c.set_microbatch(mb);
-    c.set_requires_grad(grad);
-    out.push_back(c);
-  };
-  const bool moe[] = {true, true, false};
-  for (int m = 0; m < microbatches; ++m) {
-    for (int p = 0; p < passes; ++p) {
-      const bool grad = p >= no_grad;
-      add(v1::Command::FORWARD, v1::Command::EMBED, -1, p, m, grad);
-      for (int l = 0; l < layers; ++l) {
-        add(v1::Command::FORWARD, v1::Command::LAYER, l, p, m, grad);
-        if (moe[l])
-          add(v1::Command::FORWARD, v1::Command::EXPERTS, l, p, m, grad);
-      }
-      add(v1::Command::FORWARD, v1::Command::HEAD, -1, p, m, grad);
-    }
-    for (int p = passes - 1; p >= no_grad; --p) {
-      add(v1::Command::BACKWARD, v1::Command::HEAD, -1, p, m, true);
-      for (int l = layers - 1; l >= 0; --l) {
-        if (moe[l])
-          add(v1::Command::BACKWARD, v1::Command::EXPERTS, l, p, m, true);
-        add(v1::Command::BACKWARD, v1::Command::LAYER, l, p, m, true);
-      }
-      add(v1::Command::BACKWARD, v1::Command::EMBED, -1, p, m, true);
-    }
-  }
-  return out;
-}
-
 struct Data {
   std::vector<std::vector<int32_t>> inputs, targets;
 };
@@ -112,8 +74,10 @@ Data MakeData(int microbatches, int64_t batch, int64_t seq) {
   return d;
 }
 
-double RunStep(MoeModel* model, MapSource* source, const Data& data, int passes,
-               int no_grad, int64_t batch, int64_t seq) {
+// One step of `model`, whose layer l has experts when moe_layers[l].
+double RunStep(MoeModel* model, const std::vector<bool>& moe_layers,
+               MapSource* source, const Data& data, int passes, int no_grad,
+               int64_t batch, int64_t seq) {
   model->ResetStep();
   const int mbs = static_cast<int>(data.inputs.size());
   for (int m = 0; m < mbs; ++m) {
@@ -122,7 +86,7 @@ double RunStep(MoeModel* model, MapSource* source, const Data& data, int passes,
                 IsOk());
   }
   for (const v1::Command& c :
-       StepCommands(model->num_layers(), passes, no_grad, mbs)) {
+       testing_util::ModelStepCommands(moe_layers, passes, no_grad, mbs)) {
     absl::Status s = model->Run(c, source);
     EXPECT_TRUE(s.ok()) << s << " at " << c.ShortDebugString();
     if (!s.ok()) return NAN;
@@ -139,10 +103,14 @@ void ExpectGradientsMatchFiniteDifferences(const v1::ModelSpec& spec,
   MoeModelOptions options;
   options.microbatches = 2;
   SHARDD_ASSERT_OK_AND_ASSIGN(auto model, MoeModel::Create(spec, options));
+  SHARDD_ASSERT_OK_AND_ASSIGN(const MoeArchitecture arch,
+                              ReadMoeArchitecture(spec));
+  const std::vector<bool> moe_layers = arch.LayersWithExperts();
   MapSource source;
   FillRandom(spec, &source);
   const Data data = MakeData(2, batch, seq);
-  const double loss = RunStep(model.get(), &source, data, 1, 0, batch, seq);
+  const double loss =
+      RunStep(model.get(), moe_layers, &source, data, 1, 0, batch, seq);
   ASSERT_TRUE(std::isfinite(loss));
   // Near log(13) for random weights.
   EXPECT_GT(loss, 1.5);
@@ -158,11 +126,11 @@ void ExpectGradientsMatchFiniteDifferences(const v1::ModelSpec& spec,
       values[i] = saved + h;
       MapSource plus_src = source;
       const double plus =
-          RunStep(model.get(), &plus_src, data, 1, 0, batch, seq);
+          RunStep(model.get(), moe_layers, &plus_src, data, 1, 0, batch, seq);
       values[i] = saved - h;
       MapSource minus_src = source;
       const double minus =
-          RunStep(model.get(), &minus_src, data, 1, 0, batch, seq);
+          RunStep(model.get(), moe_layers, &minus_src, data, 1, 0, batch, seq);
       values[i] = saved;
       // Top-k routing is piecewise smooth: where a perturbation flips an
       // expert choice the loss jumps. The two one-sided quotients then
@@ -220,10 +188,14 @@ TEST(MoeModelTest, MultiPassAndOrderErrors) {
   options.passes = 3;
   options.no_grad_passes = 1;
   SHARDD_ASSERT_OK_AND_ASSIGN(auto model, MoeModel::Create(spec, options));
+  SHARDD_ASSERT_OK_AND_ASSIGN(const MoeArchitecture arch,
+                              ReadMoeArchitecture(spec));
+  const std::vector<bool> moe_layers = arch.LayersWithExperts();
   MapSource source;
   FillRandom(spec, &source);
   const Data data = MakeData(1, 2, 4);
-  const double loss = RunStep(model.get(), &source, data, 3, 1, 2, 4);
+  const double loss =
+      RunStep(model.get(), moe_layers, &source, data, 3, 1, 2, 4);
   ASSERT_TRUE(std::isfinite(loss));
   EXPECT_EQ(model->step_tokens(), 2 * 2 * 4);  // Two grad passes.
 
