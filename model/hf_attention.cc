@@ -123,10 +123,13 @@ absl::Status ReadRope(const ConfigReader& r, int64_t max_positions,
     rope->set_mscale_all_dim(mscale_all);
     rope->set_attention_factor(attention);
     auto truncate = p.find("truncate");
-    if (truncate != p.end() && truncate->is_boolean() &&
-        !truncate->get<bool>()) {
-      return absl::InvalidArgumentError(
-          where + ".truncate: false is not supported (only the default, true)");
+    if (truncate != p.end() && !truncate->is_null()) {
+      if (!truncate->is_boolean()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ".truncate: must be true or false, got ",
+            DescribeJson(*truncate)));
+      }
+      rope->set_untruncated(!truncate->get<bool>());
     }
   }
   return absl::OkStatus();
@@ -148,6 +151,8 @@ absl::Status ReadAttention(const ConfigReader& r, int64_t layers,
   if (window != nullptr) {
     SHARDD_ASSIGN_OR_RETURN(window_size,
                             r.Int("sliding_window", 1, kMaxPositions));
+  } else if (sliding == SlidingLayers::kAlternate) {
+    window_size = 128;  // GptOssConfig's default.
   }
   out->clear_sliding_layers();
   const json* types = r.Find("layer_types", &name);
@@ -179,7 +184,8 @@ absl::Status ReadAttention(const ConfigReader& r, int64_t layers,
           "layers; set it to an integer >= 1");
     }
     if (!any) out->clear_sliding_layers();
-  } else if (window_size > 0 && sliding != SlidingLayers::kNone) {
+  } else if (window_size > 0 && (sliding == SlidingLayers::kAllWhenSet ||
+                                  sliding == SlidingLayers::kQwen)) {
     bool use = true;
     int64_t first = 0;
     if (sliding == SlidingLayers::kQwen) {
@@ -190,6 +196,8 @@ absl::Status ReadAttention(const ConfigReader& r, int64_t layers,
     if (use && first < layers) {
       for (int64_t i = 0; i < layers; ++i) out->add_sliding_layers(i >= first);
     }
+  } else if (window_size > 0 && sliding == SlidingLayers::kAlternate) {
+    for (int64_t i = 0; i < layers; ++i) out->add_sliding_layers(i % 2 == 0);
   }
   out->set_sliding_window(out->sliding_layers_size() > 0 ? window_size : 0);
   return absl::OkStatus();

@@ -19,6 +19,7 @@ enum class SlidingLayers {
   kNone,        // Llama: no sliding window.
   kAllWhenSet,  // Mistral/Mixtral: every layer when sliding_window is set.
   kQwen,        // Qwen: layers >= max_window_layers when use_sliding_window.
+  kAlternate,   // GPT-OSS: even layers slide (sliding_window, default 128).
 };
 
 // Fills `out` (rope, max_position_embeddings, sliding window and layers)

@@ -299,6 +299,7 @@ absl::StatusOr<v1::ModelSpec> BuildLlama(const ConfigReader& r,
   SHARDD_RETURN_IF_ERROR(
       ReadAttention(r, c.layers, SlidingLayers::kNone,
                     spec.mutable_dims()->mutable_attention()));
+  spec.mutable_dims()->mutable_attention()->set_bias(attn_bias);
   return spec;
 }
 
@@ -418,6 +419,7 @@ absl::StatusOr<v1::ModelSpec> BuildQwen3Moe(const ConfigReader& r,
   SHARDD_RETURN_IF_ERROR(
       ReadAttention(r, c.layers, SlidingLayers::kQwen, d->mutable_attention()));
   d->mutable_attention()->set_qk_norm(true);
+  d->mutable_attention()->set_bias(attn_bias);
   return spec;
 }
 
@@ -508,9 +510,18 @@ absl::StatusOr<v1::ModelSpec> BuildDeepseekV3(const ConfigReader& r,
 absl::StatusOr<v1::ModelSpec> BuildGptOss(const ConfigReader& r,
                                           const std::string& arch) {
   SHARDD_ASSIGN_OR_RETURN(CommonConfig c, ReadCommon(r, arch, false));
-  // GPT-OSS uses the clamped "swigluoai" variant; SWIGLU is the closest
-  // recorded activation (the layout, concatenated gate/up halves, matches).
-  c.activation = v1::SWIGLU;
+  // The clamped "swigluoai"; the checkpoint's interleaved gate/up columns
+  // are de-interleaved on import into the concatenated halves.
+  c.activation = v1::SWIGLU_OAI;
+  SHARDD_ASSIGN_OR_RETURN(const double limit,
+                          r.NonNegativeDoubleOr("swiglu_limit", 7.0));
+  SHARDD_ASSIGN_OR_RETURN(const double alpha,
+                          r.NonNegativeDoubleOr("swiglu_alpha", 1.702));
+  if (!(limit > 0) || !(alpha > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "swiglu_limit / swiglu_alpha: must be > 0, got ", limit, " / ",
+        alpha));
+  }
   SHARDD_ASSIGN_OR_RETURN(Heads h, ReadHeads(r, c.hidden));
   SHARDD_ASSIGN_OR_RETURN(bool attn_bias, r.BoolOr("attention_bias", true));
   SHARDD_ASSIGN_OR_RETURN(int64_t inter,
@@ -543,6 +554,32 @@ absl::StatusOr<v1::ModelSpec> BuildGptOss(const ConfigReader& r,
   d->set_num_experts(static_cast<int32_t>(e));
   d->set_top_k(static_cast<int32_t>(k));
   d->set_moe_intermediate_size(inter);
+  d->set_router_scoring(v1::ROUTER_TOPK_THEN_SOFTMAX);
+  d->set_swiglu_limit(limit);
+  d->set_swiglu_alpha(alpha);
+  v1::AttentionSpec* attention = d->mutable_attention();
+  SHARDD_RETURN_IF_ERROR(
+      ReadAttention(r, c.layers, SlidingLayers::kAlternate, attention));
+  if (!r.Has("rope_parameters") && !r.Has("rope_scaling")) {
+    // GptOssConfig's default rope: yarn, factor 32 over 4096 positions,
+    // untruncated, theta 150000.
+    v1::RopeSpec* rope = attention->mutable_rope();
+    rope->set_type("yarn");
+    rope->set_factor(32.0);
+    rope->set_beta_fast(32.0);
+    rope->set_beta_slow(1.0);
+    rope->set_original_max_position_embeddings(4096);
+    rope->set_untruncated(true);
+  }
+  std::string where;
+  const json* params = r.Find("rope_parameters", &where);
+  if (!r.Has("rope_theta") &&
+      !(params != nullptr && params->is_object() &&
+        params->contains("rope_theta"))) {
+    attention->mutable_rope()->set_theta(150000.0);  // GptOssConfig's.
+  }
+  attention->set_bias(attn_bias);
+  attention->set_sinks(true);
   return spec;
 }
 

@@ -310,6 +310,61 @@ TEST(HfConfigTest, GptOss20B) {
               ElementsAre(e, h));
   EXPECT_EQ(spec.dims().top_k(), 4);
   EXPECT_EQ(spec.dtype(), v1::BFLOAT16);  // No torch_dtype: the default.
+
+  // What the workers compute.
+  const v1::ModelDims& d = spec.dims();
+  EXPECT_EQ(d.activation(), v1::SWIGLU_OAI);
+  EXPECT_EQ(d.swiglu_limit(), 7.0);
+  EXPECT_EQ(d.swiglu_alpha(), 1.702);
+  EXPECT_EQ(d.router_scoring(), v1::ROUTER_TOPK_THEN_SOFTMAX);
+  const v1::AttentionSpec& a = d.attention();
+  EXPECT_TRUE(a.bias());
+  EXPECT_TRUE(a.sinks());
+  EXPECT_FALSE(a.qk_norm());
+  EXPECT_EQ(a.rope().type(), "yarn");
+  EXPECT_EQ(a.rope().theta(), 150000.0);
+  EXPECT_EQ(a.rope().factor(), 32.0);
+  EXPECT_EQ(a.rope().original_max_position_embeddings(), 4096);
+  EXPECT_TRUE(a.rope().untruncated());  // "truncate": false
+  EXPECT_EQ(a.max_position_embeddings(), 131072);
+  EXPECT_EQ(a.sliding_window(), 128);
+  ASSERT_EQ(a.sliding_layers_size(), l);
+  for (int i = 0; i < l; ++i) EXPECT_EQ(a.sliding_layers(i), i % 2 == 0) << i;
+}
+
+TEST(HfConfigTest, GptOssDefaultsAreGptOssConfigs) {
+  // Without rope_scaling, layer_types, sliding_window, swiglu_limit and
+  // attention_bias, GptOssConfig's defaults apply.
+  json o = LoadJson("gpt_oss_20b.json");
+  for (const char* key : {"rope_scaling", "rope_theta", "layer_types",
+                          "sliding_window", "swiglu_limit", "attention_bias"}) {
+    o.erase(key);
+  }
+  o["swiglu_alpha"] = 1.5;
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ModelSpec spec, Parse(o));
+  const v1::AttentionSpec& a = spec.dims().attention();
+  EXPECT_EQ(a.rope().type(), "yarn");
+  EXPECT_EQ(a.rope().theta(), 150000.0);
+  EXPECT_EQ(a.rope().factor(), 32.0);
+  EXPECT_EQ(a.rope().beta_fast(), 32.0);
+  EXPECT_EQ(a.rope().beta_slow(), 1.0);
+  EXPECT_EQ(a.rope().original_max_position_embeddings(), 4096);
+  EXPECT_TRUE(a.rope().untruncated());
+  EXPECT_EQ(a.sliding_window(), 128);
+  ASSERT_EQ(a.sliding_layers_size(), 24);
+  EXPECT_TRUE(a.sliding_layers(0));
+  EXPECT_FALSE(a.sliding_layers(1));
+  EXPECT_TRUE(a.bias());
+  EXPECT_EQ(spec.dims().swiglu_limit(), 7.0);
+  EXPECT_EQ(spec.dims().swiglu_alpha(), 1.5);
+
+  o["swiglu_limit"] = 0;
+  EXPECT_THAT(Parse(o), StatusIs(absl::StatusCode::kInvalidArgument,
+                                 HasSubstr("swiglu_limit")));
+  o = LoadJson("gpt_oss_20b.json");
+  o["rope_scaling"]["truncate"] = "no";
+  EXPECT_THAT(Parse(o), StatusIs(absl::StatusCode::kInvalidArgument,
+                                 HasSubstr("rope_scaling.truncate")));
 }
 
 TEST(HfConfigTest, DiffusionGemma26B) {

@@ -76,6 +76,8 @@ std::string ActivationToName(v1::Activation a) {
       return "swiglu";
     case v1::GEGLU:
       return "geglu";
+    case v1::SWIGLU_OAI:
+      return "swiglu_oai";
     default:
       return "unspecified";
   }
@@ -151,7 +153,8 @@ absl::StatusOr<v1::ModelDims> ReadDims(const json& v, const std::string& path) {
        "moe_intermediate_size", "dense_intermediate_size", "num_shared_experts",
        "first_k_dense_layers", "activation", "tie_word_embeddings",
        "rms_norm_eps", "num_attention_heads", "num_key_value_heads", "head_dim",
-       "attention", "norm_topk_prob"}));
+       "attention", "norm_topk_prob", "router_scoring", "swiglu_limit",
+       "swiglu_alpha"}));
   v1::ModelDims d;
   constexpr int64_t kI32 = 2147483647;
   constexpr int64_t kBig = kMaxDim - 1;
@@ -199,10 +202,40 @@ absl::StatusOr<v1::ModelDims> ReadDims(const json& v, const std::string& path) {
       d.set_activation(v1::SWIGLU);
     } else if (a == "geglu") {
       d.set_activation(v1::GEGLU);
+    } else if (a == "swiglu_oai") {
+      d.set_activation(v1::SWIGLU_OAI);
     } else if (a != "unspecified") {
       return Bad(Sub(path, "activation"),
                  absl::StrCat("unknown activation \"", a,
-                              "\"; allowed: swiglu, geglu, unspecified"));
+                              "\"; allowed: swiglu, geglu, swiglu_oai, "
+                              "unspecified"));
+    }
+  }
+  if (auto it = v.find("router_scoring"); it != v.end()) {
+    SHARDD_ASSIGN_OR_RETURN(std::string a,
+                            ReadString(*it, Sub(path, "router_scoring")));
+    if (a == "topk_then_softmax") {
+      d.set_router_scoring(v1::ROUTER_TOPK_THEN_SOFTMAX);
+    } else if (a != "softmax_then_topk") {
+      return Bad(Sub(path, "router_scoring"),
+                 absl::StrCat("unknown router scoring \"", a,
+                              "\"; allowed: softmax_then_topk, "
+                              "topk_then_softmax"));
+    }
+  }
+  for (const char* key : {"swiglu_limit", "swiglu_alpha"}) {
+    auto it = v.find(key);
+    if (it == v.end()) continue;
+    if (!it->is_number() || !std::isfinite(it->get<double>()) ||
+        it->get<double>() < 0) {
+      return Bad(Sub(path, key), absl::StrCat("must be a non-negative number, "
+                                              "got ",
+                                              DescribeJson(*it)));
+    }
+    if (std::string(key) == "swiglu_limit") {
+      d.set_swiglu_limit(it->get<double>());
+    } else {
+      d.set_swiglu_alpha(it->get<double>());
     }
   }
   if (auto it = v.find("tie_word_embeddings"); it != v.end()) {
@@ -463,6 +496,11 @@ std::string ModelSpecToNativeJson(const v1::ModelSpec& model) {
   dims["num_key_value_heads"] = d.num_key_value_heads();
   dims["head_dim"] = d.head_dim();
   if (d.norm_topk_prob()) dims["norm_topk_prob"] = true;
+  if (d.router_scoring() == v1::ROUTER_TOPK_THEN_SOFTMAX) {
+    dims["router_scoring"] = "topk_then_softmax";
+  }
+  if (d.swiglu_limit() != 0) dims["swiglu_limit"] = d.swiglu_limit();
+  if (d.swiglu_alpha() != 0) dims["swiglu_alpha"] = d.swiglu_alpha();
   if (d.has_attention()) {
     std::string text;
     google::protobuf::util::JsonPrintOptions options;

@@ -90,8 +90,12 @@ absl::StatusOr<RopeFrequencies> ComputeRopeFrequencies(const v1::RopeSpec& rope,
       }
       const double fast = rope.beta_fast() > 0 ? rope.beta_fast() : 32.0;
       const double slow = rope.beta_slow() > 0 ? rope.beta_slow() : 1.0;
-      double lo = std::floor(CorrectionDim(fast, dim, theta, original));
-      double hi = std::ceil(CorrectionDim(slow, dim, theta, original));
+      double lo = CorrectionDim(fast, dim, theta, original);
+      double hi = CorrectionDim(slow, dim, theta, original);
+      if (!rope.untruncated()) {
+        lo = std::floor(lo);
+        hi = std::ceil(hi);
+      }
       lo = std::max(lo, 0.0);
       hi = std::min(hi, static_cast<double>(dim - 1));
       if (lo == hi) hi += 0.001;  // No singular ramp.

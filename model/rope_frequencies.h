@@ -12,7 +12,8 @@
 //   yarn          a ramp between default (fast dims) and default / factor
 //                 (slow dims) over the correction range of beta_fast and
 //                 beta_slow rotations at original_max_position_embeddings
-//                 (floored / ceiled); attention factor given, or
+//                 (floored / ceiled unless untruncated); attention
+//                 factor given, or
 //                 m(factor, mscale) / m(factor, mscale_all_dim) with both
 //                 set, else m(factor), m(s, k) = 0.1 k ln s + 1 (1 for
 //                 s <= 1)

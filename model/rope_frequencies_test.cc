@@ -1,5 +1,6 @@
 #include "model/rope_frequencies.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "common/status_matchers.h"
@@ -98,6 +99,36 @@ TEST(RopeFrequenciesTest, YarnRampAndAttentionFactor) {
   r.set_attention_factor(0.5);
   SHARDD_ASSERT_OK_AND_ASSIGN(y, ComputeRopeFrequencies(r, 64));
   EXPECT_FLOAT_EQ(y.attention_factor, 0.5f);
+}
+
+TEST(RopeFrequenciesTest, YarnUntruncatedRampsOverTheExactCorrectionRange) {
+  // GPT-OSS: theta 150000, factor 32, original 4096, head_dim 64. The
+  // correction range is dims [8.09, 17.40] instead of [8, 18].
+  v1::RopeSpec r = Rope("yarn", 150000.0);
+  r.set_factor(32.0);
+  r.set_original_max_position_embeddings(4096);
+  const int64_t dim = 64;
+  auto correction = [&](double rotations) {
+    return dim * std::log(4096 / (rotations * 2 * M_PI)) /
+           (2 * std::log(150000.0));
+  };
+  const double lo = correction(32.0), hi = correction(1.0);
+  SHARDD_ASSERT_OK_AND_ASSIGN(RopeFrequencies truncated,
+                              ComputeRopeFrequencies(r, dim));
+  r.set_untruncated(true);
+  SHARDD_ASSERT_OK_AND_ASSIGN(RopeFrequencies exact,
+                              ComputeRopeFrequencies(r, dim));
+  ASSERT_EQ(exact.inv_freq.size(), 32u);
+  for (int64_t i = 0; i < dim / 2; ++i) {
+    const double base = std::pow(150000.0, -2.0 * i / dim);
+    const double ramp = std::clamp((i - lo) / (hi - lo), 0.0, 1.0);
+    const double want = base / 32.0 * ramp + base * (1.0 - ramp);
+    EXPECT_FLOAT_EQ(exact.inv_freq[i], static_cast<float>(want)) << i;
+  }
+  // Dim 9 sits inside both ramps but at different places.
+  EXPECT_NE(exact.inv_freq[9], truncated.inv_freq[9]);
+  EXPECT_FLOAT_EQ(exact.attention_factor,
+                  static_cast<float>(0.1 * std::log(32.0) + 1.0));
 }
 
 TEST(RopeFrequenciesTest, ProportionalRotatesAFractionOverTheWholeHead) {
