@@ -2,6 +2,7 @@
 
 #include <cblas.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -51,7 +52,7 @@ absl::Status ValidateDims(const RouterDims& d) {
 
 bool SameDims(const RouterDims& a, const RouterDims& b) {
   return a.tokens == b.tokens && a.dim == b.dim && a.experts == b.experts &&
-         a.top_k == b.top_k;
+         a.top_k == b.top_k && a.scoring == b.scoring;
 }
 
 // In-place softmax of one row of n logits.
@@ -99,6 +100,12 @@ size_t RouterCache::bytes() const {
 absl::Status RouterForward(const RouterDims& dims, const float* x,
                            const float* w, int32_t* indices, float* weights,
                            RouterCache* cache) {
+  return RouterForward(dims, x, w, /*bias=*/nullptr, indices, weights, cache);
+}
+
+absl::Status RouterForward(const RouterDims& dims, const float* x,
+                           const float* w, const float* bias, int32_t* indices,
+                           float* weights, RouterCache* cache) {
   SHARDD_RETURN_IF_ERROR(ValidateDims(dims));
   if (cache == nullptr) {
     return absl::InvalidArgumentError("router cache must not be null");
@@ -120,6 +127,29 @@ absl::Status RouterForward(const RouterDims& dims, const float* x,
                 static_cast<int>(t_count), static_cast<int>(e_count),
                 static_cast<int>(d), 1.0f, x, static_cast<int>(d), w,
                 static_cast<int>(d), 0.0f, probs, static_cast<int>(e_count));
+    if (bias != nullptr) {
+      for (int64_t t = 0; t < t_count; ++t) {
+        for (int64_t e = 0; e < e_count; ++e) probs[t * e_count + e] += bias[e];
+      }
+    }
+  }
+  if (dims.scoring == RouterScoring::kTopKThenSoftmax) {
+    // probs holds the logits; the weights replace its first T * K entries
+    // once every row is read (row t's weights land at or before row t).
+    for (int64_t t = 0; t < t_count; ++t) {
+      int32_t* idx = indices + t * k;
+      float* wt = weights + t * k;
+      TopKRow(probs + t * e_count, e_count, k, idx, wt);
+      SoftmaxRow(wt, k);
+      for (int64_t j = 0; j < k; ++j) {
+        cache->indices[t * k + j] = idx[j];
+        probs[t * k + j] = wt[j];
+      }
+      cache->denom[t] = -1.0f;
+    }
+    cache->dims = dims;
+    cache->has_forward = true;
+    return absl::OkStatus();
   }
   for (int64_t t = 0; t < t_count; ++t) {
     float* p = probs + t * e_count;
@@ -147,6 +177,14 @@ absl::Status RouterForward(const RouterDims& dims, const float* x,
 absl::Status RouterBackward(const RouterDims& dims, const float* x,
                             const float* w, const float* d_weights, float* dx,
                             bool accumulate_dx, float* dw, RouterCache* cache) {
+  return RouterBackward(dims, x, w, d_weights, dx, accumulate_dx, dw,
+                        /*d_bias=*/nullptr, cache);
+}
+
+absl::Status RouterBackward(const RouterDims& dims, const float* x,
+                            const float* w, const float* d_weights, float* dx,
+                            bool accumulate_dx, float* dw, float* d_bias,
+                            RouterCache* cache) {
   if (cache == nullptr || !cache->has_forward) {
     return absl::FailedPreconditionError(
         "RouterBackward needs a cache filled by RouterForward");
@@ -167,11 +205,27 @@ absl::Status RouterBackward(const RouterDims& dims, const float* x,
   if (dw != nullptr && x == nullptr) {
     return absl::InvalidArgumentError("router x is needed to compute dw");
   }
-  if (dx == nullptr && dw == nullptr) return absl::OkStatus();
+  if (dx == nullptr && dw == nullptr && d_bias == nullptr) {
+    return absl::OkStatus();
+  }
 
   GrowTo(cache->d_logits, static_cast<size_t>(t_count * e_count));
   float* d_logits = cache->d_logits.data();
-  for (int64_t t = 0; t < t_count; ++t) {
+  for (int64_t t = 0;
+       t < t_count && dims.scoring == RouterScoring::kTopKThenSoftmax; ++t) {
+    // w = softmax(selected logits): dlogit_j = w_j (dw_j - sum_i w_i dw_i)
+    // on the selected experts, zero elsewhere.
+    const float* wt = cache->probs.data() + t * k;
+    const int32_t* idx = cache->indices.data() + t * k;
+    const float* dwt = d_weights + t * k;
+    float dot = 0.0f;
+    for (int64_t j = 0; j < k; ++j) dot += wt[j] * dwt[j];
+    float* dl = d_logits + t * e_count;
+    std::fill(dl, dl + e_count, 0.0f);
+    for (int64_t j = 0; j < k; ++j) dl[idx[j]] = wt[j] * (dwt[j] - dot);
+  }
+  for (int64_t t = 0;
+       t < t_count && dims.scoring == RouterScoring::kSoftmaxThenTopK; ++t) {
     const float* p = cache->probs.data() + t * e_count;
     const int32_t* idx = cache->indices.data() + t * k;
     const float* dwt = d_weights + t * k;
@@ -204,6 +258,13 @@ absl::Status RouterBackward(const RouterDims& dims, const float* x,
                 static_cast<int>(e_count), 1.0f, d_logits,
                 static_cast<int>(e_count), w, static_cast<int>(d),
                 accumulate_dx ? 1.0f : 0.0f, dx, static_cast<int>(d));
+  }
+  if (d_bias != nullptr) {
+    for (int64_t t = 0; t < t_count; ++t) {
+      for (int64_t e = 0; e < e_count; ++e) {
+        d_bias[e] += d_logits[t * e_count + e];
+      }
+    }
   }
   if (dw != nullptr) {
     // dW[E, D] += d_logits^T[E, T] @ x[T, D].

@@ -1,18 +1,25 @@
 #ifndef SHARDD_KERNELS_CPU_ROUTER_H_
 #define SHARDD_KERNELS_CPU_ROUTER_H_
 
-// MoE router on the CPU, fp32: a bias-free linear layer, softmax over all
-// experts, top-k, and renormalization of the k selected weights (NeMo's
-// Gemma4Gate steps 3-4, without its input norm and scale, which the model
-// applies before calling this).
+// MoE router on the CPU, fp32: a linear layer (with an optional bias),
+// then one of two scorings. kSoftmaxThenTopK is softmax over all experts,
+// top-k, and renormalization of the k selected weights (NeMo's Gemma4Gate
+// steps 3-4, without its input norm and scale, which the model applies
+// before calling this):
 //
-//   logits[T, E]  = x[T, D] @ W[E, D]^T                    (cblas_sgemm)
+//   logits[T, E]  = x[T, D] @ W[E, D]^T (+ b[E])           (cblas_sgemm)
 //   probs[t, :]   = softmax(logits[t, :])
 //   indices[t, :] = top-k of probs[t, :], largest first; equal probabilities
 //                   are ordered by the lower expert index (deterministic)
 //   weights[t, k] = probs[t, indices[t, k]] / max(sum_j probs[t, idx_j], 1e-20)
 //                   (renormalize, Mixtral and NeMo), or probs[t, indices[t, k]]
 //                   as they are (Qwen3 with norm_topk_prob false)
+//
+// kTopKThenSoftmax (GPT-OSS's GptOssTopKRouter) selects on the logits and
+// normalises only the selected ones (`renormalize` is ignored):
+//
+//   indices[t, :] = top-k of logits[t, :] (same order and tie rule)
+//   weights[t, :] = softmax(logits[t, indices[t, :]])       (sum to 1)
 //
 // All arrays are dense, row-major, with the shapes given in brackets. GEMMs
 // run on OpenBLAS, whose thread count is the caller's business
@@ -28,12 +35,18 @@
 namespace shardd {
 namespace kernels {
 
+enum class RouterScoring {
+  kSoftmaxThenTopK,  // Mixtral, Qwen3, NeMo
+  kTopKThenSoftmax,  // GPT-OSS
+};
+
 struct RouterDims {
   int64_t tokens = 0;       // T >= 0
   int64_t dim = 0;          // D >= 1
   int64_t experts = 0;      // E >= 1
   int64_t top_k = 0;        // K in [1, E]
   bool renormalize = true;  // Divide the k weights by their sum.
+  RouterScoring scoring = RouterScoring::kSoftmaxThenTopK;
 };
 
 // What RouterForward saves for RouterBackward, plus backward scratch. Owned
@@ -42,7 +55,8 @@ struct RouterDims {
 struct RouterCache {
   RouterDims dims;               // of the last forward
   bool has_forward = false;      // set by a successful RouterForward
-  std::vector<float> probs;      // [T, E] softmax output
+  // [T, E] softmax output; kTopKThenSoftmax: [T, K] the weights.
+  std::vector<float> probs;
   std::vector<int32_t> indices;  // [T, K] copy of the selected experts
   // [T] clamped sum of the selected probs; -1 when not renormalized.
   std::vector<float> denom;
@@ -60,6 +74,11 @@ absl::Status RouterForward(const RouterDims& dims, const float* x,
                            const float* w, int32_t* indices, float* weights,
                            RouterCache* cache);
 
+// The same with a bias b [E] added to the logits (null: none).
+absl::Status RouterForward(const RouterDims& dims, const float* x,
+                           const float* w, const float* bias, int32_t* indices,
+                           float* weights, RouterCache* cache);
+
 // Backward of RouterForward, given d_weights = dL/dweights [T, K].
 //   dx [T, D]: dL/dx. Overwritten, or added to when `accumulate_dx` is true
 //     (useful when x also feeds another branch). Null skips it.
@@ -73,6 +92,12 @@ absl::Status RouterForward(const RouterDims& dims, const float* x,
 absl::Status RouterBackward(const RouterDims& dims, const float* x,
                             const float* w, const float* d_weights, float* dx,
                             bool accumulate_dx, float* dw, RouterCache* cache);
+
+// The same, also ADDING dL/db [E] to d_bias (null skips it).
+absl::Status RouterBackward(const RouterDims& dims, const float* x,
+                            const float* w, const float* d_weights, float* dx,
+                            bool accumulate_dx, float* dw, float* d_bias,
+                            RouterCache* cache);
 
 }  // namespace kernels
 }  // namespace shardd

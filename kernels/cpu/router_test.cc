@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "common/status_matchers.h"
+#include "kernels/cpu/bf16.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -267,6 +268,164 @@ TEST(RouterTest, BackwardMatchesFloatFiniteDifferencesOfTheKernel) {
   }
   EXPECT_GE(checked, 15);
 }
+
+// GPT-OSS's router in double: logits = x W^T + b, top-k of the logits
+// (largest first, ties to the lower index; `fixed` non-null takes the
+// selection from it), softmax over the k selected logits.
+std::vector<double> RefTopKSoftmax(const RouterDims& dm,
+                                   const std::vector<double>& x,
+                                   const std::vector<double>& w,
+                                   const std::vector<double>& b,
+                                   const int32_t* fixed,
+                                   std::vector<int32_t>* chosen) {
+  std::vector<double> weights(dm.tokens * dm.top_k);
+  if (chosen != nullptr) chosen->assign(dm.tokens * dm.top_k, 0);
+  for (int64_t t = 0; t < dm.tokens; ++t) {
+    std::vector<double> logit(dm.experts);
+    for (int64_t e = 0; e < dm.experts; ++e) {
+      double s = b[e];
+      for (int64_t j = 0; j < dm.dim; ++j) {
+        s += x[t * dm.dim + j] * w[e * dm.dim + j];
+      }
+      logit[e] = s;
+    }
+    std::vector<int32_t> order(dm.experts);
+    for (int64_t e = 0; e < dm.experts; ++e) order[e] = e;
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t c) {
+      return logit[a] > logit[c];
+    });
+    std::vector<int32_t> sel(dm.top_k);
+    double mx = -1e300, z = 0.0;
+    for (int64_t k = 0; k < dm.top_k; ++k) {
+      sel[k] = fixed ? fixed[t * dm.top_k + k] : order[k];
+      if (chosen != nullptr) (*chosen)[t * dm.top_k + k] = sel[k];
+      mx = std::max(mx, logit[sel[k]]);
+    }
+    for (int64_t k = 0; k < dm.top_k; ++k) z += std::exp(logit[sel[k]] - mx);
+    for (int64_t k = 0; k < dm.top_k; ++k) {
+      weights[t * dm.top_k + k] = std::exp(logit[sel[k]] - mx) / z;
+    }
+  }
+  return weights;
+}
+
+// fp32 storage, or bf16 storage (every input rounded to bf16; the kernel
+// still accumulates in fp32).
+class TopKSoftmaxRouterTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(TopKSoftmaxRouterTest, ForwardAndBackwardMatchTheReference) {
+  const bool bf16 = GetParam();
+  for (int64_t k : {1, 2, 4}) {
+    SCOPED_TRACE(::testing::Message() << "k " << k << " bf16 " << bf16);
+    RouterDims dm{9, 6, 5, k};
+    dm.scoring = RouterScoring::kTopKThenSoftmax;
+    dm.renormalize = false;  // Ignored by this scoring.
+    std::vector<float> x = RandomVector(9 * 6, 51, 2.0f);
+    std::vector<float> w = RandomVector(5 * 6, 52);
+    std::vector<float> b = RandomVector(5, 53);
+    if (bf16) {
+      for (std::vector<float>* v : {&x, &w, &b}) {
+        for (float& f : *v) f = RoundToBf16(f);
+      }
+    }
+    std::vector<float> r = RandomVector(9 * k, 54);  // = dL/dweights
+    std::vector<int32_t> idx(9 * k);
+    std::vector<float> wt(9 * k);
+    RouterCache cache;
+    SHARDD_ASSERT_OK(RouterForward(dm, x.data(), w.data(), b.data(),
+                                   idx.data(), wt.data(), &cache));
+    std::vector<int32_t> want_idx;
+    const std::vector<double> want = RefTopKSoftmax(
+        dm, ToDouble(x), ToDouble(w), ToDouble(b), nullptr, &want_idx);
+    EXPECT_EQ(idx, want_idx);
+    // Logits are sums of D + 1 = 7 terms of size <= 2 (a few ulp of 10),
+    // the softmax adds a few ulp more: 1e-6 absolute on weights <= 1.
+    for (size_t i = 0; i < wt.size(); ++i) {
+      EXPECT_NEAR(wt[i], want[i], 1e-6) << i;
+    }
+    for (int64_t t = 0; t < 9; ++t) {
+      double sum = 0.0;
+      for (int64_t j = 0; j < k; ++j) sum += wt[t * k + j];
+      EXPECT_NEAR(sum, 1.0, 1e-6);
+    }
+
+    std::vector<float> dx(9 * 6, 123.0f);  // Overwritten.
+    std::vector<float> dw(5 * 6, 0.0f), db(5, 0.0f);
+    SHARDD_ASSERT_OK(RouterBackward(dm, x.data(), w.data(), r.data(),
+                                    dx.data(), false, dw.data(), db.data(),
+                                    &cache));
+    // Central differences of L = sum r * weights with the selection fixed,
+    // in double: truncation error about eps^2 |f'''| ~ 1e-6, far below
+    // the 1e-3 relative bound the fp32 kernel is held to (as the softmax
+    // router is).
+    auto fd = [&](int which) {
+      std::vector<double> xs = ToDouble(x), ws = ToDouble(w), bs = ToDouble(b);
+      std::vector<double>& v = which == 0 ? xs : (which == 1 ? ws : bs);
+      std::vector<double> g(v.size());
+      for (size_t i = 0; i < v.size(); ++i) {
+        const double saved = v[i];
+        double l[2];
+        for (int side = 0; side < 2; ++side) {
+          v[i] = saved + (side == 0 ? 1e-3 : -1e-3);
+          const std::vector<double> out =
+              RefTopKSoftmax(dm, xs, ws, bs, idx.data(), nullptr);
+          l[side] = 0.0;
+          for (size_t j = 0; j < out.size(); ++j) l[side] += r[j] * out[j];
+        }
+        v[i] = saved;
+        g[i] = (l[0] - l[1]) / 2e-3;
+      }
+      return g;
+    };
+    const std::vector<double> fd_x = fd(0), fd_w = fd(1), fd_b = fd(2);
+    ExpectClose(dx, fd_x, 1e-3, "dx");
+    ExpectClose(dw, fd_w, 1e-3, "dw");
+    ExpectClose(db, fd_b, 1e-3, "db");
+    if (k == 1) {
+      // One selected weight is the softmax of one logit: always 1.
+      for (float v : dx) EXPECT_EQ(v, 0.0f);
+      for (float v : db) EXPECT_EQ(v, 0.0f);
+    } else {
+      double norm = 0.0;
+      for (double v : fd_b) norm += v * v;
+      EXPECT_GT(norm, 1e-4);  // Not vacuous.
+      // The softmax is shift-invariant, so each token's logit gradients
+      // sum to zero, and so does db.
+      double sum = 0.0;
+      for (float v : db) sum += v;
+      EXPECT_NEAR(sum, 0.0, 1e-5);
+    }
+  }
+}
+
+TEST_P(TopKSoftmaxRouterTest, SelectsOnLogitsNotOnAllExpertProbabilities) {
+  // The bias alone decides: experts 3 then 1; the weights are the softmax
+  // of those two logits only.
+  RouterDims dm{1, 2, 4, 2};
+  dm.scoring = RouterScoring::kTopKThenSoftmax;
+  const std::vector<float> x = {0.0f, 0.0f}, w(8, 0.5f);
+  const std::vector<float> b = {-1.0f, 1.0f, 0.0f, 2.0f};
+  std::vector<int32_t> idx(2);
+  std::vector<float> wt(2);
+  RouterCache cache;
+  SHARDD_ASSERT_OK(RouterForward(dm, x.data(), w.data(), b.data(), idx.data(),
+                                 wt.data(), &cache));
+  EXPECT_THAT(idx, ElementsAre(3, 1));
+  EXPECT_NEAR(wt[0], 1.0 / (1.0 + std::exp(-1.0)), 1e-7);
+  EXPECT_NEAR(wt[1], 1.0 / (1.0 + std::exp(1.0)), 1e-7);
+  // The backward refuses a cache of the other scoring.
+  dm.scoring = RouterScoring::kSoftmaxThenTopK;
+  std::vector<float> r(2, 1.0f), dx(2);
+  EXPECT_THAT(RouterBackward(dm, x.data(), w.data(), r.data(), dx.data(), false,
+                             nullptr, &cache),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+}
+
+INSTANTIATE_TEST_SUITE_P(Storage, TopKSoftmaxRouterTest,
+                         ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "Bf16" : "Fp32";
+                         });
 
 TEST(RouterTest, AccumulateSemantics) {
   const RouterDims dm{7, 6, 4, 2};
