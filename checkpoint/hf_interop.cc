@@ -24,6 +24,7 @@
 #include "checkpoint/checkpoint_reader.h"
 #include "checkpoint/checkpoint_writer.h"
 #include "checkpoint/file_util.h"
+#include "checkpoint/hf_files.h"
 #include "checkpoint/json_text.h"
 #include "checkpoint/safetensors.h"
 #include "common/status_macros.h"
@@ -36,8 +37,6 @@ namespace {
 
 using nlohmann::json;
 
-constexpr char kHfIndexName[] = "model.safetensors.index.json";
-constexpr char kHfSingleName[] = "model.safetensors";
 constexpr char kLayersPrefix[] = "model.layers.";
 
 // ---- Names
@@ -230,112 +229,18 @@ void SortByName(std::vector<HostTensor>* tensors) {
 // ---- Reading
 // -----------------------------------------------------------------
 
-absl::Status ReadAllFrom(const SafetensorsReader& file,
-                         const std::vector<std::string>& names,
-                         std::vector<HostTensor>* out) {
-  for (const std::string& name : names) {
-    const SafetensorsEntry* e = file.Find(name);
-    if (e == nullptr) {
-      return absl::DataLossError(absl::StrCat(file.path(), ": no tensor \"",
-                                              name,
-                                              "\" although the index's "
-                                              "weight_map puts it there"));
-    }
-    HostTensor& t = out->emplace_back();
-    t.name = e->name;
-    t.dtype = e->dtype;
-    t.shape = e->shape;
-    SHARDD_ASSIGN_OR_RETURN(t.bytes, file.ReadTensor(*e));
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<std::vector<HostTensor>> ReadSharded(
-    const std::string& index_path) {
-  SHARDD_ASSIGN_OR_RETURN(std::string text,
-                          ReadFileToString(index_path, kMaxIndexBytes));
-  SHARDD_ASSIGN_OR_RETURN(
-      json doc, ParseJsonStrict(text, index_path, absl::StatusCode::kDataLoss));
-  const json* map = nullptr;
-  if (doc.is_object()) {
-    auto it = doc.find("weight_map");
-    if (it != doc.end() && it->is_object()) map = &*it;
-  }
-  if (map == nullptr) {
-    return absl::DataLossError(absl::StrCat(
-        index_path, ": must be an object with a \"weight_map\" object"));
-  }
-  std::map<std::string, std::vector<std::string>> by_file;
-  for (auto it = map->begin(); it != map->end(); ++it) {
-    if (!it.value().is_string()) {
-      return absl::DataLossError(absl::StrCat(index_path, ": weight_map[\"",
-                                              it.key(),
-                                              "\"] must be a file name, "
-                                              "got ",
-                                              DescribeJsonValue(it.value())));
-    }
-    const std::string file = it.value().get<std::string>();
-    if (!IsPlainName(file)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          index_path, ": weight_map[\"", it.key(), "\"]: file \"", file,
-          "\" must be a plain name in the same directory (no \"/\" or "
-          "\"..\")"));
-    }
-    by_file[file].push_back(it.key());
-  }
-  const std::string dir =
-      std::filesystem::path(index_path).parent_path().string();
-  std::vector<HostTensor> out;
-  for (const auto& [file, names] : by_file) {
-    SHARDD_ASSIGN_OR_RETURN(
-        std::unique_ptr<SafetensorsReader> reader,
-        SafetensorsReader::Open(dir.empty() ? file : dir + "/" + file));
-    if (reader->tensors().size() != names.size()) {
-      std::set<std::string> listed(names.begin(), names.end());
-      for (const SafetensorsEntry& e : reader->tensors()) {
-        if (listed.count(e.name) == 0) {
-          return absl::DataLossError(
-              absl::StrCat(reader->path(), ": tensor \"", e.name,
-                           "\" is not listed for this file in ", index_path));
-        }
-      }
-    }
-    SHARDD_RETURN_IF_ERROR(ReadAllFrom(*reader, names, &out));
-  }
-  return out;
-}
-
 }  // namespace
 
 absl::StatusOr<std::vector<HostTensor>> ReadHfTensors(const std::string& path) {
-  std::error_code ec;
+  SHARDD_ASSIGN_OR_RETURN(const HfCheckpointFiles checkpoint,
+                          OpenHfCheckpoint(path));
   std::vector<HostTensor> out;
-  if (std::filesystem::is_directory(path, ec)) {
-    const std::string index = absl::StrCat(path, "/", kHfIndexName);
-    const std::string single = absl::StrCat(path, "/", kHfSingleName);
-    if (std::filesystem::exists(index, ec)) {
-      SHARDD_ASSIGN_OR_RETURN(out, ReadSharded(index));
-    } else if (std::filesystem::exists(single, ec)) {
-      return ReadHfTensors(single);
-    } else {
-      return absl::NotFoundError(absl::StrCat(path, ": neither ", kHfIndexName,
-                                              " nor ", kHfSingleName));
-    }
-  } else if (absl::EndsWith(path, ".json")) {
-    SHARDD_ASSIGN_OR_RETURN(out, ReadSharded(path));
-  } else {
-    SHARDD_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsReader> reader,
-                            SafetensorsReader::Open(path));
-    std::vector<std::string> names;
-    for (const SafetensorsEntry& e : reader->tensors()) names.push_back(e.name);
-    SHARDD_RETURN_IF_ERROR(ReadAllFrom(*reader, names, &out));
-  }
-  SortByName(&out);
-  for (size_t i = 1; i < out.size(); ++i) {
-    if (out[i].name == out[i - 1].name) {
-      return absl::DataLossError(
-          absl::StrCat(path, ": tensor \"", out[i].name, "\" appears twice"));
-    }
+  for (const auto& [name, ref] : checkpoint.tensors) {  // Sorted by name.
+    HostTensor& t = out.emplace_back();
+    t.name = name;
+    t.dtype = ref.entry->dtype;
+    t.shape = ref.entry->shape;
+    SHARDD_ASSIGN_OR_RETURN(t.bytes, ref.file->ReadTensor(*ref.entry));
   }
   return out;
 }
@@ -370,7 +275,7 @@ absl::Status WriteHfTensors(const std::string& dir,
     return WriteSafetensors(absl::StrCat(dir, "/", name), views, metadata)
         .status();
   };
-  if (shards.size() == 1) return write(kHfSingleName, shards[0]);
+  if (shards.size() == 1) return write(kHfSingleFileName, shards[0]);
   json weight_map = json::object();
   for (size_t k = 0; k < shards.size(); ++k) {
     const std::string name =
@@ -383,7 +288,7 @@ absl::Status WriteHfTensors(const std::string& dir,
   SHARDD_ASSIGN_OR_RETURN(std::string text, DumpJson(index, 2));
   text.push_back('\n');
   SHARDD_RETURN_IF_ERROR(
-      WriteStringToFile(absl::StrCat(dir, "/", kHfIndexName), text));
+      WriteStringToFile(absl::StrCat(dir, "/", kHfIndexFileName), text));
   return SyncDir(dir);
 }
 

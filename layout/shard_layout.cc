@@ -162,7 +162,8 @@ absl::StatusOr<std::vector<UnitLayout>> ComputeUnitLayouts(
 absl::Status InitMasterShards(const v1::ShardingPlan& plan,
                               const v1::ModelSpec& model, int shard_rank,
                               uint64_t seed,
-                              const std::vector<float*>& shards) {
+                              const std::vector<float*>& shards,
+                              const InitialValues* values) {
   const int world = plan.mesh().dp_shard();
   if (world < 1 || shard_rank < 0 || shard_rank >= world) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -195,6 +196,14 @@ absl::Status InitMasterShards(const v1::ShardingPlan& plan,
       if (owner == owners.end()) {
         return absl::InvalidArgumentError(absl::StrCat(
             "plan parameter '", param.name, "' is not in the model"));
+      }
+      if (values != nullptr) {
+        for (const OwnedRange& run : param.owned) {
+          SHARDD_RETURN_IF_ERROR(values->Read(param.name,
+                                              *owner->second.tensor, run.begin,
+                                              run.end, master + run.shard_offset));
+        }
+        continue;
       }
       const InitRule rule =
           InitRuleFor(*owner->second.tensor, owner->second.kind, param.name);

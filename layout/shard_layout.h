@@ -21,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "layout/shard_ranges.h"
 #include "proto/model.pb.h"
+#include "layout/initial_values.h"
 #include "proto/plan.pb.h"
 
 namespace shardd {
@@ -82,14 +83,16 @@ absl::Status CheckSliceGroupSize(int group_size, int world);
 bool IsContiguous(const std::vector<CopySegment>& segments, int64_t numel);
 
 // Writes shard rank `shard_rank`'s fp32 master shard of every unit (padding
-// zero): each owned range from InitParamRange of param_init.h with `seed`,
-// so every layout and world size starts from the same global values.
-// `shards[u]` must hold shard_numel elements of unit u. Errors:
-// INVALID_ARGUMENT (a plan parameter missing from `model`, shard_rank out of
-// range, wrong number of shards).
+// zero): each owned range from `values` when given, else from
+// InitParamRange of param_init.h with `seed`, so every layout and world size
+// starts from the same global values. `shards[u]` must hold shard_numel
+// elements of unit u. Errors: INVALID_ARGUMENT (a plan parameter missing
+// from `model`, shard_rank out of range, wrong number of shards); those of
+// values->Read.
 absl::Status InitMasterShards(const v1::ShardingPlan& plan,
                               const v1::ModelSpec& model, int shard_rank,
-                              uint64_t seed, const std::vector<float*>& shards);
+                              uint64_t seed, const std::vector<float*>& shards,
+                              const InitialValues* values = nullptr);
 
 }  // namespace shardd
 

@@ -209,6 +209,7 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(
   ShardStoreOptions store_options;
   store_options.shard_rank = options.shard_rank;
   store_options.seed = options.seed;
+  store_options.initial_values = options.initial_values;
   store_options.collective_timeout = options.collective_timeout;
   SHARDD_ASSIGN_OR_RETURN(
       backend->store_, ShardStore::Create(plan, model, store_options, tracker));

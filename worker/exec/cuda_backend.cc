@@ -113,6 +113,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   DeviceShardStoreOptions store_options;
   store_options.shard_rank = step.shard_rank;
   store_options.seed = step.seed;
+  store_options.initial_values = step.initial_values;
   store_options.collective_timeout = step.collective_timeout;
   SHARDD_ASSIGN_OR_RETURN(
       executor->store_,

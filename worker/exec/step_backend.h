@@ -17,6 +17,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kernels/cpu/adamw.h"
+#include "layout/initial_values.h"
 #include "proto/worker.pb.h"
 #include "worker/comm/communicator.h"
 #include "worker/data/batch_sampler.h"
@@ -35,6 +36,9 @@ struct StepExecutorOptions {
   int replica_rank = 0;
   // Parameter initialisation seed (ShardStore, param_init.h).
   uint64_t seed = 0;
+  // When set, the shards start from these values instead (ShardStoreOptions);
+  // kept alive by the caller during Create.
+  const InitialValues* initial_values = nullptr;
   // Bounds every collective (each wait for a peer).
   absl::Duration collective_timeout = absl::Seconds(60);
   kernels::AdamWConfig adamw;

@@ -89,7 +89,8 @@ absl::StatusOr<std::unique_ptr<DeviceShardStore>> DeviceShardStore::Create(
     host_ptrs.push_back(host[u].data());
   }
   SHARDD_RETURN_IF_ERROR(InitMasterShards(plan, model, options.shard_rank,
-                                          options.seed, host_ptrs));
+                                          options.seed, host_ptrs,
+                                          options.initial_values));
 
   store->units_.resize(plan.units_size());
   const cudaStream_t home = compute_stream;

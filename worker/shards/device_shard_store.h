@@ -79,6 +79,8 @@ using DeviceSliceGroups = std::map<int, NcclCommunicator*>;
 struct DeviceShardStoreOptions {
   int shard_rank = 0;
   uint64_t seed = 0;
+  // As ShardStoreOptions::initial_values.
+  const InitialValues* initial_values = nullptr;
   absl::Duration collective_timeout = absl::Seconds(60);
 };
 

@@ -92,7 +92,8 @@ absl::StatusOr<std::unique_ptr<ShardStore>> ShardStore::Create(
   }
   // Every owned range from its global initialiser; padding zero.
   SHARDD_RETURN_IF_ERROR(
-      InitMasterShards(plan, model, options.shard_rank, options.seed, masters));
+      InitMasterShards(plan, model, options.shard_rank, options.seed, masters,
+                       options.initial_values));
   store->layouts_ = std::move(layouts);
   for (int u = 0; u < plan.units_size(); ++u) {
     UnitState& state = *store->units_[u];

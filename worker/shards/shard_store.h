@@ -63,6 +63,10 @@ struct ShardStoreOptions {
   // This rank's position in the shard group (dp_shard ranks).
   int shard_rank = 0;
   uint64_t seed = 0;
+  // When set, the master shards start from these values instead of the
+  // seeded initialisation (e.g. a Hugging Face checkpoint); the caller keeps
+  // it alive during Create.
+  const InitialValues* initial_values = nullptr;
   absl::Duration collective_timeout = absl::Seconds(60);
 };
 
