@@ -125,9 +125,9 @@ absl::Status ReadRope(const ConfigReader& r, int64_t max_positions,
     auto truncate = p.find("truncate");
     if (truncate != p.end() && !truncate->is_null()) {
       if (!truncate->is_boolean()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            where, ".truncate: must be true or false, got ",
-            DescribeJson(*truncate)));
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ".truncate: must be true or false, got ",
+                         DescribeJson(*truncate)));
       }
       rope->set_untruncated(!truncate->get<bool>());
     }
@@ -185,7 +185,7 @@ absl::Status ReadAttention(const ConfigReader& r, int64_t layers,
     }
     if (!any) out->clear_sliding_layers();
   } else if (window_size > 0 && (sliding == SlidingLayers::kAllWhenSet ||
-                                  sliding == SlidingLayers::kQwen)) {
+                                 sliding == SlidingLayers::kQwen)) {
     bool use = true;
     int64_t first = 0;
     if (sliding == SlidingLayers::kQwen) {

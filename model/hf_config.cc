@@ -519,8 +519,7 @@ absl::StatusOr<v1::ModelSpec> BuildGptOss(const ConfigReader& r,
                           r.NonNegativeDoubleOr("swiglu_alpha", 1.702));
   if (!(limit > 0) || !(alpha > 0)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "swiglu_limit / swiglu_alpha: must be > 0, got ", limit, " / ",
-        alpha));
+        "swiglu_limit / swiglu_alpha: must be > 0, got ", limit, " / ", alpha));
   }
   SHARDD_ASSIGN_OR_RETURN(Heads h, ReadHeads(r, c.hidden));
   SHARDD_ASSIGN_OR_RETURN(bool attn_bias, r.BoolOr("attention_bias", true));
@@ -573,9 +572,8 @@ absl::StatusOr<v1::ModelSpec> BuildGptOss(const ConfigReader& r,
   }
   std::string where;
   const json* params = r.Find("rope_parameters", &where);
-  if (!r.Has("rope_theta") &&
-      !(params != nullptr && params->is_object() &&
-        params->contains("rope_theta"))) {
+  if (!r.Has("rope_theta") && !(params != nullptr && params->is_object() &&
+                                params->contains("rope_theta"))) {
     attention->mutable_rope()->set_theta(150000.0);  // GptOssConfig's.
   }
   attention->set_bias(attn_bias);

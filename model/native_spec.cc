@@ -147,14 +147,27 @@ absl::StatusOr<v1::ModelDims> ReadDims(const json& v, const std::string& path) {
   if (!v.is_object()) {
     return Bad(path, absl::StrCat("must be an object, got ", DescribeJson(v)));
   }
-  SHARDD_RETURN_IF_ERROR(CheckMembers(
-      v, path,
-      {"vocab_size", "hidden_size", "num_layers", "num_experts", "top_k",
-       "moe_intermediate_size", "dense_intermediate_size", "num_shared_experts",
-       "first_k_dense_layers", "activation", "tie_word_embeddings",
-       "rms_norm_eps", "num_attention_heads", "num_key_value_heads", "head_dim",
-       "attention", "norm_topk_prob", "router_scoring", "swiglu_limit",
-       "swiglu_alpha"}));
+  SHARDD_RETURN_IF_ERROR(CheckMembers(v, path,
+                                      {"vocab_size",
+                                       "hidden_size",
+                                       "num_layers",
+                                       "num_experts",
+                                       "top_k",
+                                       "moe_intermediate_size",
+                                       "dense_intermediate_size",
+                                       "num_shared_experts",
+                                       "first_k_dense_layers",
+                                       "activation",
+                                       "tie_word_embeddings",
+                                       "rms_norm_eps",
+                                       "num_attention_heads",
+                                       "num_key_value_heads",
+                                       "head_dim",
+                                       "attention",
+                                       "norm_topk_prob",
+                                       "router_scoring",
+                                       "swiglu_limit",
+                                       "swiglu_alpha"}));
   v1::ModelDims d;
   constexpr int64_t kI32 = 2147483647;
   constexpr int64_t kBig = kMaxDim - 1;

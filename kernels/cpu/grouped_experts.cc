@@ -246,6 +246,58 @@ void ActivationBackward(SimdLevel level, const float* h, const float* w,
   ActivationBackwardBaseline<Act>(h, w, da, n, inter, dh, dw);
 }
 
+// GPT-OSS's clamped SwiGLU. Scalar loops (no per-level clones): it runs
+// on the I columns of the rows once, beside two GEMMs over D.
+struct ClampedGate {
+  float alpha, limit;
+  // g' = min(g, limit) and u' = clamp(u, -limit, limit); NaN stays NaN.
+  float Gate(float g) const { return g > limit ? limit : g; }
+  float Up(float u) const {
+    return u > limit ? limit : (u < -limit ? -limit : u);
+  }
+};
+
+void ClampedForward(const ClampedGate& c, const float* h, const float* w,
+                    int64_t n, int64_t inter, float* a) {
+  for (int64_t r = 0; r < n; ++r) {
+    const float* g = h + r * 2 * inter;
+    const float* u = g + inter;
+    float* out = a + r * inter;
+    for (int64_t i = 0; i < inter; ++i) {
+      const float gc = c.Gate(g[i]);
+      const float glu = gc * Silu::Sigmoid(c.alpha * gc);
+      out[i] = glu * (c.Up(u[i]) + 1.0f) * w[r];
+    }
+  }
+}
+
+void ClampedBackward(const ClampedGate& c, const float* h, const float* w,
+                     const float* da, int64_t n, int64_t inter, float* dh,
+                     float* dw) {
+  for (int64_t r = 0; r < n; ++r) {
+    const float* g = h + r * 2 * inter;
+    const float* u = g + inter;
+    const float* dar = da + r * inter;
+    float* dg = dh + r * 2 * inter;
+    float* du = dg + inter;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < inter; ++i) {
+      const float gc = c.Gate(g[i]);
+      const float uc1 = c.Up(u[i]) + 1.0f;
+      const float s = Silu::Sigmoid(c.alpha * gc);
+      const float glu = gc * s;
+      acc += dar[i] * glu * uc1;
+      const float daw = dar[i] * w[r];
+      // d(g sigmoid(alpha g))/dg = s + alpha g s (1 - s); the clamps pass
+      // gradient inside their range, bounds included (torch.clamp).
+      dg[i] = g[i] <= c.limit ? daw * uc1 * (s + c.alpha * gc * s * (1.0f - s))
+                              : 0.0f;
+      du[i] = u[i] >= -c.limit && u[i] <= c.limit ? daw * glu : 0.0f;
+    }
+    dw[r] = acc;
+  }
+}
+
 // out[t] (+)= sum over k of rows[row_of_slot[t * K + k]], skipping masked
 // slots; k order makes the sum deterministic.
 void ScatterRows(const float* rows, const int32_t* row_of_slot, int64_t tokens,
@@ -286,7 +338,24 @@ absl::Status GroupedExpertsForward(const ExpertDims& dims,
                                    const bool* token_mask, const float* w_gu,
                                    const float* w_d, float* y,
                                    GroupedExpertsWorkspace* ws) {
+  return GroupedExpertsForward(dims, activation, ExpertOptions(), x, indices,
+                               weights, token_mask, w_gu, w_d, y, ws);
+}
+
+absl::Status GroupedExpertsForward(const ExpertDims& dims,
+                                   GatedActivation activation,
+                                   const ExpertOptions& options, const float* x,
+                                   const int32_t* indices, const float* weights,
+                                   const bool* token_mask, const float* w_gu,
+                                   const float* w_d, float* y,
+                                   GroupedExpertsWorkspace* ws) {
   SHARDD_RETURN_IF_ERROR(ValidateDims(dims));
+  if (activation == GatedActivation::kClampedSwiGLU &&
+      !(options.alpha > 0 && options.limit > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("experts clamped SwiGLU needs alpha and limit > 0, got ",
+                     options.alpha, " and ", options.limit));
+  }
   SHARDD_ASSIGN_OR_RETURN(const SimdLevel level, ActiveSimdLevel());
   if (ws == nullptr) {
     return absl::InvalidArgumentError("experts workspace must not be null");
@@ -359,25 +428,42 @@ absl::Status GroupedExpertsForward(const ExpertDims& dims,
         static_cast<int>(2 * inter), static_cast<int>(d), 1.0f,
         ws->xs.data() + begin * d, static_cast<int>(d), w_gu + e * gu_stride,
         static_cast<int>(2 * inter), 0.0f, h, static_cast<int>(2 * inter));
+    if (options.gate_up_bias != nullptr) {
+      const float* b = options.gate_up_bias + e * 2 * inter;
+      for (int64_t r = 0; r < rows; ++r) {
+        float* hr = h + r * 2 * inter;
+        for (int64_t i = 0; i < 2 * inter; ++i) hr[i] += b[i];
+      }
+    }
     // Activated while h is still in cache.
     const float* w = ws->row_weight.data() + begin;
     if (activation == GatedActivation::kSwiGLU) {
       ActivationForward<Silu>(level, h, w, rows, inter, a);
-    } else {
+    } else if (activation == GatedActivation::kGeGLU) {
       ActivationForward<GeluTanh>(level, h, w, rows, inter, a);
+    } else {
+      ClampedForward({options.alpha, options.limit}, h, w, rows, inter, a);
     }
-    // o[n_e, D] = a[n_e, I] @ W_d[e][I, D].
+    // o[n_e, D] = a[n_e, I] @ W_d[e][I, D] (+ w * b_d[e]).
+    float* o = ws->o.data() + begin * d;
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans,
                 static_cast<int>(rows), static_cast<int>(d),
                 static_cast<int>(inter), 1.0f, a, static_cast<int>(inter),
-                w_d + e * d_stride, static_cast<int>(d), 0.0f,
-                ws->o.data() + begin * d, static_cast<int>(d));
+                w_d + e * d_stride, static_cast<int>(d), 0.0f, o,
+                static_cast<int>(d));
+    if (options.down_bias != nullptr) {
+      const float* b = options.down_bias + e * d;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t j = 0; j < d; ++j) o[r * d + j] += w[r] * b[j];
+      }
+    }
   }
   ScatterRows(ws->o.data(), ws->row_of_slot.data(), t_count, k, d,
               /*accumulate=*/false, y);
 
   ws->dims = dims;
   ws->activation = activation;
+  ws->options = options;
   ws->rows = n;
   ws->has_forward = true;
   return absl::OkStatus();
@@ -387,6 +473,17 @@ absl::Status GroupedExpertsBackward(
     const ExpertDims& dims, GatedActivation activation, const float* w_gu,
     const float* w_d, const float* dy, float* dx, bool accumulate_dx,
     float* d_weights, float* dw_gu, float* dw_d, GroupedExpertsWorkspace* ws) {
+  return GroupedExpertsBackward(dims, activation, ExpertOptions(), w_gu, w_d,
+                                dy, dx, accumulate_dx, d_weights, dw_gu, dw_d,
+                                ExpertBiasGrads(), ws);
+}
+
+absl::Status GroupedExpertsBackward(
+    const ExpertDims& dims, GatedActivation activation,
+    const ExpertOptions& options, const float* w_gu, const float* w_d,
+    const float* dy, float* dx, bool accumulate_dx, float* d_weights,
+    float* dw_gu, float* dw_d, const ExpertBiasGrads& bias_grads,
+    GroupedExpertsWorkspace* ws) {
   if (ws == nullptr || !ws->has_forward) {
     return absl::FailedPreconditionError(
         "GroupedExpertsBackward needs a workspace filled by "
@@ -395,6 +492,13 @@ absl::Status GroupedExpertsBackward(
   if (!SameDims(dims, ws->dims) || activation != ws->activation) {
     return absl::FailedPreconditionError(
         "GroupedExpertsBackward dims or activation differ from the forward's");
+  }
+  if (options.alpha != ws->options.alpha ||
+      options.limit != ws->options.limit ||
+      options.gate_up_bias != ws->options.gate_up_bias ||
+      options.down_bias != ws->options.down_bias) {
+    return absl::FailedPreconditionError(
+        "GroupedExpertsBackward options differ from the forward's");
   }
   const int64_t t_count = dims.tokens, d = dims.dim, inter = dims.intermediate,
                 e_count = dims.experts, k = dims.top_k;
@@ -444,8 +548,34 @@ absl::Status GroupedExpertsBackward(
     float* dh = ws->dh.data() + begin * 2 * inter;
     if (activation == GatedActivation::kSwiGLU) {
       ActivationBackward<Silu>(level, h, w, da, rows, inter, dh, dwr);
-    } else {
+    } else if (activation == GatedActivation::kGeGLU) {
       ActivationBackward<GeluTanh>(level, h, w, da, rows, inter, dh, dwr);
+    } else {
+      ClampedBackward({options.alpha, options.limit}, h, w, da, rows, inter, dh,
+                      dwr);
+    }
+    if (options.down_bias != nullptr) {
+      // o = ... + w * b_d[e]: dw gains dO . b_d[e], db_d[e] the w-weighted
+      // sum of dO.
+      const float* b = options.down_bias + e * d;
+      float* db =
+          bias_grads.down == nullptr ? nullptr : bias_grads.down + e * d;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* dor = d_oe + r * d;
+        float dot = 0.0f;
+        for (int64_t j = 0; j < d; ++j) dot += dor[j] * b[j];
+        dwr[r] += dot;
+        if (db != nullptr) {
+          for (int64_t j = 0; j < d; ++j) db[j] += w[r] * dor[j];
+        }
+      }
+    }
+    if (bias_grads.gate_up != nullptr) {
+      float* db = bias_grads.gate_up + e * 2 * inter;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* dhr = dh + r * 2 * inter;
+        for (int64_t i = 0; i < 2 * inter; ++i) db[i] += dhr[i];
+      }
     }
     if (dw_gu != nullptr) {
       // dW_gu[e][D, 2I] += Xe[n_e, D]^T @ dH[n_e, 2I].

@@ -19,6 +19,15 @@
 //   6. y[t] = sum over t's assignments in k order of o  (fp32, deterministic)
 // with act = silu (SwiGLU) or gelu with the tanh approximation (GeGLU).
 //
+// GPT-OSS (ExpertOptions): biases join the two matmuls and the activation
+// is the clamped "swigluoai" (kClampedSwiGLU):
+//   3'. h = Xe @ W_gu[e] + b_gu[e]
+//   4'. g = min(h[:, :I], limit), u = clamp(h[:, I:], -limit, limit),
+//       a = g * sigmoid(alpha * g) * (u + 1) * w
+//   5'. o = a @ W_d[e] + w * b_d[e]
+// which is Hugging Face's (h @ W_d + b_d) * w. The clamps pass gradient
+// where the input lies inside [-limit, limit] inclusive, as torch.clamp does.
+//
 // An expert that receives no tokens still takes part: it contributes exactly
 // zero, and its slices of dW_gu / dW_d are accumulated with zero (left as
 // they are), so every rank's gradient buffers have the same shape and the
@@ -39,8 +48,25 @@ namespace shardd {
 namespace kernels {
 
 enum class GatedActivation {
-  kSwiGLU,  // silu(g) * u
-  kGeGLU,   // gelu_tanh(g) * u
+  kSwiGLU,         // silu(g) * u
+  kGeGLU,          // gelu_tanh(g) * u
+  kClampedSwiGLU,  // GPT-OSS, above (grouped experts only)
+};
+
+// What GPT-OSS adds: the clamped activation's constants and per-expert
+// biases (null: none). The bias arrays must stay unchanged until the
+// backward, which is given the same options.
+struct ExpertOptions {
+  float alpha = 1.702f;                 // kClampedSwiGLU: sigmoid gain, > 0
+  float limit = 7.0f;                   // kClampedSwiGLU: clamp, > 0
+  const float* gate_up_bias = nullptr;  // b_gu [E, 2I]
+  const float* down_bias = nullptr;     // b_d [E, D]
+};
+
+// Gradients of the biases, ADDED to like dW_gu / dW_d (null skips one).
+struct ExpertBiasGrads {
+  float* gate_up = nullptr;  // [E, 2I]
+  float* down = nullptr;     // [E, D]
 };
 
 struct ExpertDims {
@@ -59,6 +85,7 @@ struct ExpertDims {
 struct GroupedExpertsWorkspace {
   ExpertDims dims;  // of the last forward
   GatedActivation activation = GatedActivation::kSwiGLU;
+  ExpertOptions options;     // of the last forward
   bool has_forward = false;  // set by a successful forward
   int64_t rows = 0;          // N: unmasked assignments
 
@@ -102,6 +129,16 @@ absl::Status GroupedExpertsForward(const ExpertDims& dims,
                                    const float* w_d, float* y,
                                    GroupedExpertsWorkspace* ws);
 
+// The same with GPT-OSS's options. Errors also: INVALID_ARGUMENT for
+// kClampedSwiGLU with alpha or limit not > 0.
+absl::Status GroupedExpertsForward(const ExpertDims& dims,
+                                   GatedActivation activation,
+                                   const ExpertOptions& options, const float* x,
+                                   const int32_t* indices, const float* weights,
+                                   const bool* token_mask, const float* w_gu,
+                                   const float* w_d, float* y,
+                                   GroupedExpertsWorkspace* ws);
+
 // Backward of the last GroupedExpertsForward on `ws`, whose w_gu and w_d must
 // be passed again unchanged. dy: [T, D].
 //   dx [T, D]: overwritten, or added to when `accumulate_dx` is true. Masked
@@ -120,6 +157,15 @@ absl::Status GroupedExpertsBackward(
     const ExpertDims& dims, GatedActivation activation, const float* w_gu,
     const float* w_d, const float* dy, float* dx, bool accumulate_dx,
     float* d_weights, float* dw_gu, float* dw_d, GroupedExpertsWorkspace* ws);
+
+// The same after a forward with `options` (passed again, equal), also
+// adding the bias gradients.
+absl::Status GroupedExpertsBackward(
+    const ExpertDims& dims, GatedActivation activation,
+    const ExpertOptions& options, const float* w_gu, const float* w_d,
+    const float* dy, float* dx, bool accumulate_dx, float* d_weights,
+    float* dw_gu, float* dw_d, const ExpertBiasGrads& bias_grads,
+    GroupedExpertsWorkspace* ws);
 
 }  // namespace kernels
 }  // namespace shardd

@@ -53,8 +53,8 @@ struct RouterDims {
 // by the caller, one per router call that still needs its backward (e.g. one
 // per layer and pass); reused across steps, it only grows. Not thread-safe.
 struct RouterCache {
-  RouterDims dims;               // of the last forward
-  bool has_forward = false;      // set by a successful RouterForward
+  RouterDims dims;           // of the last forward
+  bool has_forward = false;  // set by a successful RouterForward
   // [T, E] softmax output; kTopKThenSoftmax: [T, K] the weights.
   std::vector<float> probs;
   std::vector<int32_t> indices;  // [T, K] copy of the selected experts

@@ -8,9 +8,9 @@
 
 #include "absl/status/status.h"
 #include "common/status_matchers.h"
-#include "kernels/cpu/bf16.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/bf16.h"
 
 namespace shardd {
 namespace kernels {
@@ -291,9 +291,8 @@ std::vector<double> RefTopKSoftmax(const RouterDims& dm,
     }
     std::vector<int32_t> order(dm.experts);
     for (int64_t e = 0; e < dm.experts; ++e) order[e] = e;
-    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t c) {
-      return logit[a] > logit[c];
-    });
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int32_t a, int32_t c) { return logit[a] > logit[c]; });
     std::vector<int32_t> sel(dm.top_k);
     double mx = -1e300, z = 0.0;
     for (int64_t k = 0; k < dm.top_k; ++k) {
@@ -332,8 +331,8 @@ TEST_P(TopKSoftmaxRouterTest, ForwardAndBackwardMatchTheReference) {
     std::vector<int32_t> idx(9 * k);
     std::vector<float> wt(9 * k);
     RouterCache cache;
-    SHARDD_ASSERT_OK(RouterForward(dm, x.data(), w.data(), b.data(),
-                                   idx.data(), wt.data(), &cache));
+    SHARDD_ASSERT_OK(RouterForward(dm, x.data(), w.data(), b.data(), idx.data(),
+                                   wt.data(), &cache));
     std::vector<int32_t> want_idx;
     const std::vector<double> want = RefTopKSoftmax(
         dm, ToDouble(x), ToDouble(w), ToDouble(b), nullptr, &want_idx);
@@ -351,9 +350,8 @@ TEST_P(TopKSoftmaxRouterTest, ForwardAndBackwardMatchTheReference) {
 
     std::vector<float> dx(9 * 6, 123.0f);  // Overwritten.
     std::vector<float> dw(5 * 6, 0.0f), db(5, 0.0f);
-    SHARDD_ASSERT_OK(RouterBackward(dm, x.data(), w.data(), r.data(),
-                                    dx.data(), false, dw.data(), db.data(),
-                                    &cache));
+    SHARDD_ASSERT_OK(RouterBackward(dm, x.data(), w.data(), r.data(), dx.data(),
+                                    false, dw.data(), db.data(), &cache));
     // Central differences of L = sum r * weights with the selection fixed,
     // in double: truncation error about eps^2 |f'''| ~ 1e-6, far below
     // the 1e-3 relative bound the fp32 kernel is held to (as the softmax
