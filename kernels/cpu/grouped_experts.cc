@@ -495,8 +495,9 @@ absl::Status GroupedExpertsBackward(
   }
   if (options.alpha != ws->options.alpha ||
       options.limit != ws->options.limit ||
-      options.gate_up_bias != ws->options.gate_up_bias ||
-      options.down_bias != ws->options.down_bias) {
+      (options.gate_up_bias == nullptr) !=
+          (ws->options.gate_up_bias == nullptr) ||
+      (options.down_bias == nullptr) != (ws->options.down_bias == nullptr)) {
     return absl::FailedPreconditionError(
         "GroupedExpertsBackward options differ from the forward's");
   }

@@ -54,8 +54,8 @@ enum class GatedActivation {
 };
 
 // What GPT-OSS adds: the clamped activation's constants and per-expert
-// biases (null: none). The bias arrays must stay unchanged until the
-// backward, which is given the same options.
+// biases (null: none). The backward is given the same constants and biases
+// with the same values (they may have moved: a regathered parameter).
 struct ExpertOptions {
   float alpha = 1.702f;                 // kClampedSwiGLU: sigmoid gain, > 0
   float limit = 7.0f;                   // kClampedSwiGLU: clamp, > 0

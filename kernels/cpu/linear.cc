@@ -24,15 +24,14 @@ absl::Status Check(int64_t tokens, int64_t in, int64_t out) {
 }  // namespace
 
 absl::Status LinearForward(const float* x, const float* w, int64_t tokens,
-                           int64_t in, int64_t out, float* y,
-                           bool accumulate) {
+                           int64_t in, int64_t out, float* y, bool accumulate) {
   if (absl::Status s = Check(tokens, in, out); !s.ok()) return s;
   if (tokens == 0) return absl::OkStatus();
   if (x == nullptr || w == nullptr || y == nullptr) {
     return absl::InvalidArgumentError("linear: x, w and y must not be null");
   }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, tokens, out, in, 1.0f,
-              x, in, w, in, accumulate ? 1.0f : 0.0f, y, out);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, tokens, out, in, 1.0f, x,
+              in, w, in, accumulate ? 1.0f : 0.0f, y, out);
   return absl::OkStatus();
 }
 
@@ -55,6 +54,18 @@ absl::Status LinearBackward(const float* x, const float* w, const float* dy,
                 dy, out, x, in, 1.0f, dw, in);
   }
   return absl::OkStatus();
+}
+
+void AddBias(const float* b, int64_t tokens, int64_t out, float* y) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t o = 0; o < out; ++o) y[t * out + o] += b[o];
+  }
+}
+
+void BiasBackward(const float* dy, int64_t tokens, int64_t out, float* db) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t o = 0; o < out; ++o) db[o] += dy[t * out + o];
+  }
 }
 
 }  // namespace kernels

@@ -24,6 +24,12 @@ absl::Status LinearBackward(const float* x, const float* w, const float* dy,
                             int64_t tokens, int64_t in, int64_t out, float* dx,
                             bool accumulate_dx, float* dw);
 
+// y [T, out] += b [out] on every row (a linear layer's bias).
+void AddBias(const float* b, int64_t tokens, int64_t out, float* y);
+
+// db [out] += the sum of dy [T, out] over its rows (the bias gradient).
+void BiasBackward(const float* dy, int64_t tokens, int64_t out, float* db);
+
 }  // namespace kernels
 }  // namespace shardd
 

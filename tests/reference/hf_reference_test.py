@@ -4,7 +4,8 @@ model_dump runs one training step of shardd's CPU model on random fp32
 weights and writes the weights, tokens, loss and gradients. This test
 recomputes the step in float64 with PyTorch, written from Hugging Face's
 published definitions (modeling_llama.py, modeling_mixtral.py,
-modeling_qwen3_moe.py, modeling_rope_utils.py): RMSNorm, q/k/v projections,
+modeling_qwen3_moe.py, modeling_gpt_oss.py, modeling_rope_utils.py):
+RMSNorm, q/k/v projections (with biases for GPT-OSS),
 Qwen3's per-head q/k RMSNorm, rotate-half RoPE (default and llama3
 frequencies), causal or sliding-window grouped-query attention with softmax
 scale head_dim^-0.5, o_proj, residual, post_attention_layernorm, then a
@@ -12,6 +13,16 @@ softmax router over all experts whose top-k weights are renormalised
 (Mixtral; Qwen3's norm_topk_prob) or not (Qwen3 without it) with SwiGLU experts, or a SwiGLU MLP
 (Llama), residual, the final norm, lm_head (tied or not) and the mean token
 cross-entropy; autograd gives the gradients.
+
+GPT-OSS adds yarn RoPE (truncated or not, with its attention factor on cos
+and sin), learned per-head attention sinks (a softmax over the scores and
+the sink, the sink column dropped), a router that takes the top-k of
+x W^T + b and a softmax over those k, and experts with biases and the
+clamped "swigluoai" activation. Its experts are computed as Hugging Face
+writes them, on the checkpoint's interleaved gate/up columns: the
+reference interleaves shardd's concatenated halves itself (gate column i
+of shardd is HF column 2i, up column i is 2i + 1), so a mix-up of the two
+layouts fails the test.
 
 Usage: hf_reference_test.py MODEL_DUMP CONFIG.json [CONFIG.json ...]
 """
@@ -37,9 +48,46 @@ def rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def yarn_frequencies(rope_spec, head_dim):
+    """modeling_rope_utils' yarn frequencies and attention factor, float64."""
+    theta = rope_spec["theta"]
+    factor = rope_spec["factor"]
+    original = float(rope_spec["original_max_position_embeddings"])
+    beta_fast = rope_spec.get("beta_fast") or 32.0
+    beta_slow = rope_spec.get("beta_slow") or 1.0
+
+    def correction_dim(rotations):
+        return (head_dim * math.log(original / (rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if not rope_spec.get("untruncated", False):  # HF's truncate (default)
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2) / head_dim)
+    ramp = ((torch.arange(head_dim // 2) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs) * (1 - extrapolation)
+                + 1.0 / pos_freqs * extrapolation)
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = rope_spec.get("attention_factor") or 0.0
+    if not attention:
+        m, m_all = rope_spec.get("mscale") or 0.0, rope_spec.get("mscale_all_dim") or 0.0
+        attention = (mscale(factor, m) / mscale(factor, m_all) if m and m_all
+                     else mscale(factor))
+    return inv_freq, attention
+
+
 def inv_frequencies(rope_spec, head_dim):
     """modeling_rope_utils' default and llama3 frequencies, in float64."""
     theta = rope_spec["theta"]
+    if rope_spec.get("type", "default") == "yarn":
+        return yarn_frequencies(rope_spec, head_dim)[0]
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2) / head_dim))
     if rope_spec.get("type", "default") == "llama3":
         factor = rope_spec["factor"]
@@ -61,10 +109,54 @@ def rope(x, positions, rope_spec, head_dim):
     inv_freq = inv_frequencies(rope_spec, head_dim).float()
     freqs = (positions.float()[:, None] * inv_freq[None, :]).double()
     emb = torch.cat((freqs, freqs), dim=-1)
-    return x * emb.cos() + rotate_half(x) * emb.sin()
+    # yarn scales cos and sin by its attention factor; HF rounds it to fp32
+    # with the table, as the workers do.
+    scale = 1.0
+    if rope_spec.get("type", "default") == "yarn":
+        scale = float(torch.tensor(yarn_frequencies(rope_spec, head_dim)[1],
+                                   dtype=torch.float32))
+    return x * (emb.cos() * scale) + rotate_half(x) * (emb.sin() * scale)
 
 
-def forward(dump, p):
+def interleave(gate, up):
+    """shardd's concatenated halves -> Hugging Face's interleaved columns."""
+    return torch.stack((gate, up), dim=-1).flatten(-2)
+
+
+def gpt_oss_experts(h, p, pre, chosen, weights, d, stats):
+    """GptOssExperts.forward on HF's interleaved layout, as published."""
+    inter = p[pre + "moe.experts.down_projs"].shape[1]
+    w_gu = p[pre + "moe.experts.gate_and_up_projs"]  # [E, D, 2I] halves
+    b_gu = p[pre + "moe.experts.gate_up_proj_bias"]  # [E, 2I] halves
+    gate_up_proj = interleave(w_gu[..., :inter], w_gu[..., inter:])
+    gate_up_proj_bias = interleave(b_gu[..., :inter], b_gu[..., inter:])
+    down_proj = p[pre + "moe.experts.down_projs"]
+    down_proj_bias = p[pre + "moe.experts.down_proj_bias"]
+    alpha, limit = d["swiglu_alpha"], d["swiglu_limit"]
+    out = torch.zeros_like(h)
+    for slot in range(chosen.shape[-1]):
+        e = chosen[..., slot]  # [B, S]
+        gate_up = (torch.einsum("bsd,bsdf->bsf", h, gate_up_proj[e])
+                   + gate_up_proj_bias[e])
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        stats["gate_clamped"] += int((gate > limit).sum())
+        stats["up_clamped"] += int((up.abs() > limit).sum())
+        stats["values"] += gate.numel()
+        gate = gate.clamp(min=None, max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        glu = gate * torch.sigmoid(gate * alpha)
+        y = (torch.einsum("bsi,bsid->bsd", (up + 1) * glu, down_proj[e])
+             + down_proj_bias[e])
+        out = out + y * weights[..., slot : slot + 1]
+    return out
+
+
+def forward(dump, p, stats=None):
+    """The mean loss; GPT-OSS's clamp counts go to `stats` when given."""
+    if stats is None:
+        stats = {}
+    for key in ("gate_clamped", "up_clamped", "values"):
+        stats.setdefault(key, 0)
     d = dump["dims"]
     b, s = dump["batch"], dump["seq"]
     eps = d["rms_norm_eps"]
@@ -87,9 +179,13 @@ def forward(dump, p):
     while f"model.layers.{layer}.input_layernorm.weight" in p:
         pre = f"model.layers.{layer}."
         h = rms_norm(x, p[pre + "input_layernorm.weight"], eps)
-        q = (h @ p[pre + "self_attn.q_proj.weight"].T).view(b, s, hq, hd)
-        k = (h @ p[pre + "self_attn.k_proj.weight"].T).view(b, s, hkv, hd)
-        v = (h @ p[pre + "self_attn.v_proj.weight"].T).view(b, s, hkv, hd)
+        def proj(name, heads):
+            y = h @ p[pre + f"self_attn.{name}.weight"].T
+            if pre + f"self_attn.{name}.bias" in p:
+                y = y + p[pre + f"self_attn.{name}.bias"]
+            return y.view(b, s, heads, hd)
+
+        q, k, v = proj("q_proj", hq), proj("k_proj", hkv), proj("v_proj", hkv)
         if pre + "self_attn.q_norm.weight" in p:
             q = rms_norm(q, p[pre + "self_attn.q_norm.weight"], eps)
             k = rms_norm(k, p[pre + "self_attn.k_norm.weight"], eps)
@@ -101,11 +197,26 @@ def forward(dump, p):
         is_sliding = layer < len(sliding_layers) and sliding_layers[layer]
         mask = sliding if is_sliding else causal
         scores = q @ k.transpose(-1, -2) * hd ** -0.5 + mask
-        attn = torch.softmax(scores, dim=-1) @ v  # [B, Hq, S, hd]
+        if pre + "self_attn.sinks" in p:
+            # GPT-OSS: the sink joins each row's softmax, then is dropped.
+            sinks = p[pre + "self_attn.sinks"].reshape(1, hq, 1, 1)
+            combined = torch.cat((scores, sinks.expand(b, hq, s, 1)), dim=-1)
+            probs = torch.softmax(combined, dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        attn = probs @ v  # [B, Hq, S, hd]
         attn = attn.transpose(1, 2).reshape(b, s, hq * hd)
         x = x + attn @ p[pre + "self_attn.o_proj.weight"].T
+        if pre + "self_attn.o_proj.bias" in p:
+            x = x + p[pre + "self_attn.o_proj.bias"]
         h = rms_norm(x, p[pre + "post_attention_layernorm.weight"], eps)
-        if pre + "moe.gate.weight" in p:
+        if d.get("router_scoring") == "ROUTER_TOPK_THEN_SOFTMAX":
+            # GptOssTopKRouter, then GptOssExperts.
+            logits = h @ p[pre + "moe.gate.weight"].T + p[pre + "moe.gate.bias"]
+            top, chosen = torch.topk(logits, top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1)
+            x = x + gpt_oss_experts(h, p, pre, chosen, weights, d, stats)
+        elif pre + "moe.gate.weight" in p:
             logits = h @ p[pre + "moe.gate.weight"].T  # [B, S, E]
             probs = torch.softmax(logits, dim=-1)
             weights, chosen = torch.topk(probs, top_k, dim=-1)
@@ -136,11 +247,16 @@ def forward(dump, p):
 
 def check(dump_binary, config):
     """Returns the number of checks out of bounds for one config."""
+    with open(config) as f:
+        gpt_oss = json.load(f).get("architectures") == ["GptOssForCausalLM"]
+    # GPT-OSS: expert weights 6x larger give gate / up values with a spread
+    # of about 5, so the clamp at 7 cuts some of them.
+    extra = ["--gate_up_scale=6"] if gpt_oss else []
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "dump.json")
         subprocess.run(
             [dump_binary, f"--model={config}", "--batch=2", "--seq=24",
-             "--seed=3", f"--out={out}"],
+             "--seed=3", f"--out={out}"] + extra,
             check=True, timeout=120)
         with open(out) as f:
             dump = json.load(f)
@@ -148,7 +264,8 @@ def check(dump_binary, config):
         name: torch.tensor(t["values"]).view(t["shape"]).requires_grad_()
         for name, t in dump["params"].items()
     }
-    loss = forward(dump, params)
+    stats = {}
+    loss = forward(dump, params, stats)
     loss.backward()
 
     # Bounds from the fp32 arithmetic (u = 2^-24) of the workers against
@@ -176,6 +293,14 @@ def check(dump_binary, config):
             print(f"FAIL {name}: relative L2 error {err:.2e}")
             failures += 1
     print(f"  {len(params)} gradients, largest relative L2 error {worst:.2e}")
+    if gpt_oss:
+        # The clamp must have cut values on both branches, or it went
+        # unchecked.
+        print(f"  clamped: {stats['gate_clamped']} gate and "
+              f"{stats['up_clamped']} up values of {stats['values']} each")
+        if stats["gate_clamped"] == 0 or stats["up_clamped"] == 0:
+            print("FAIL: the swiglu clamp cut nothing")
+            failures += 1
     return failures
 
 

@@ -34,6 +34,9 @@ ABSL_FLAG(int64_t, batch, 2, "sequences");
 ABSL_FLAG(int64_t, seq, 16, "tokens per sequence");
 ABSL_FLAG(uint32_t, seed, 1, "random seed");
 ABSL_FLAG(double, scale, 0.2, "weights uniform in [-scale, scale]");
+ABSL_FLAG(double, gate_up_scale, 1.0,
+          "multiplies the range of every moe.experts.gate_and_up_projs (large "
+          "enough, GPT-OSS's clamped activation cuts some values)");
 ABSL_FLAG(std::string, out, "", "output JSON");
 
 namespace shardd {
@@ -70,8 +73,14 @@ int Run() {
     if (!ref.tensor->tied_to().empty()) continue;
     std::vector<float>& v = source.values[ref.fqn];
     v.resize(Numel(*ref.tensor));
+    // Norm weights near 1; everything else, biases and sinks included,
+    // random and nonzero so that every term is exercised.
     const bool norm = absl::StrContains(ref.fqn, "norm");
-    for (float& x : v) x = norm ? 1.0f + 0.1f * uni(gen) : scale * uni(gen);
+    const float range =
+        absl::EndsWith(ref.fqn, "gate_and_up_projs")
+            ? scale * static_cast<float>(absl::GetFlag(FLAGS_gate_up_scale))
+            : scale;
+    for (float& x : v) x = norm ? 1.0f + 0.1f * uni(gen) : range * uni(gen);
     params[ref.fqn] = {
         {"shape", std::vector<int64_t>(ref.tensor->shape().begin(),
                                        ref.tensor->shape().end())},

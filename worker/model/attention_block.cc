@@ -68,6 +68,15 @@ absl::Status AttentionBlock::Forward(const MoeLayerSpec& layer,
       kernels::LinearForward(n, wk, t, d, hkv * hd, acts->k.data()));
   SHARDD_RETURN_IF_ERROR(
       kernels::LinearForward(n, wv, t, d, hkv * hd, acts->v.data()));
+  if (layer.attention_bias) {
+    // Before the norms and RoPE, as nn.Linear adds them.
+    SHARDD_ASSIGN_OR_RETURN(const float* bq, params->Param(layer.q_bias.name));
+    SHARDD_ASSIGN_OR_RETURN(const float* bk, params->Param(layer.k_bias.name));
+    SHARDD_ASSIGN_OR_RETURN(const float* bv, params->Param(layer.v_bias.name));
+    kernels::AddBias(bq, t, hq * hd, acts->q.data());
+    kernels::AddBias(bk, t, hkv * hd, acts->k.data());
+    kernels::AddBias(bv, t, hkv * hd, acts->v.data());
+  }
   if (layer.qk_norm) {
     SHARDD_ASSIGN_OR_RETURN(const float* qn, params->Param(layer.q_norm.name));
     SHARDD_ASSIGN_OR_RETURN(const float* kn, params->Param(layer.k_norm.name));
@@ -86,11 +95,27 @@ absl::Status AttentionBlock::Forward(const MoeLayerSpec& layer,
   SHARDD_RETURN_IF_ERROR(Rotate(&acts->k, t, seq, hkv, false));
   acts->o.resize(t * hq * hd);
   acts->lse.resize(batch * hq * seq);
+  SHARDD_ASSIGN_OR_RETURN(const kernels::AttentionOptions options,
+                          Options(layer, params));
   SHARDD_RETURN_IF_ERROR(kernels::AttentionForward(
-      SelfAttentionDims(*arch_, batch, seq),
-      SelfAttentionOptions(*arch_, layer), acts->q.data(), acts->k.data(),
-      acts->v.data(), acts->o.data(), acts->lse.data(), &ws_));
-  return kernels::LinearForward(acts->o.data(), wo, t, hq * hd, d, y);
+      SelfAttentionDims(*arch_, batch, seq), options, acts->q.data(),
+      acts->k.data(), acts->v.data(), acts->o.data(), acts->lse.data(), &ws_));
+  SHARDD_RETURN_IF_ERROR(
+      kernels::LinearForward(acts->o.data(), wo, t, hq * hd, d, y));
+  if (layer.attention_bias) {
+    SHARDD_ASSIGN_OR_RETURN(const float* bo, params->Param(layer.o_bias.name));
+    kernels::AddBias(bo, t, d, y);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<kernels::AttentionOptions> AttentionBlock::Options(
+    const MoeLayerSpec& layer, ParamSource* params) {
+  kernels::AttentionOptions options = SelfAttentionOptions(*arch_, layer);
+  if (layer.has_sinks) {
+    SHARDD_ASSIGN_OR_RETURN(options.sinks, params->Param(layer.sinks.name));
+  }
+  return options;
 }
 
 absl::Status AttentionBlock::Backward(const MoeLayerSpec& layer,
@@ -110,15 +135,26 @@ absl::Status AttentionBlock::Backward(const MoeLayerSpec& layer,
       acts.o.data(), wo, dy, t, hq * hd, d, do_.data(), false,
       layer.o_proj.frozen ? nullptr : grad_.data()));
   SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.o_proj, grad_));
+  if (layer.attention_bias) {
+    grad_.assign(d, 0.0f);
+    kernels::BiasBackward(dy, t, d, grad_.data());
+    SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.o_bias, grad_));
+  }
   // The attention.
   dq_.assign(t * hq * hd, 0.0f);
   dk_.assign(t * hkv * hd, 0.0f);
   dv_.assign(t * hkv * hd, 0.0f);
+  SHARDD_ASSIGN_OR_RETURN(const kernels::AttentionOptions options,
+                          Options(layer, params));
+  std::vector<float> d_sinks(layer.has_sinks ? hq : 0, 0.0f);
   SHARDD_RETURN_IF_ERROR(kernels::AttentionBackward(
-      SelfAttentionDims(*arch_, batch, seq),
-      SelfAttentionOptions(*arch_, layer), acts.q.data(), acts.k.data(),
-      acts.v.data(), acts.o.data(), acts.lse.data(), do_.data(), dq_.data(),
-      dk_.data(), dv_.data(), nullptr, &ws_));
+      SelfAttentionDims(*arch_, batch, seq), options, acts.q.data(),
+      acts.k.data(), acts.v.data(), acts.o.data(), acts.lse.data(), do_.data(),
+      dq_.data(), dk_.data(), dv_.data(),
+      layer.has_sinks ? d_sinks.data() : nullptr, &ws_));
+  if (layer.has_sinks) {
+    SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.sinks, d_sinks));
+  }
   // RoPE is a rotation: its backward is the inverse rotation.
   SHARDD_RETURN_IF_ERROR(Rotate(&dq_, t, seq, hq, true));
   SHARDD_RETURN_IF_ERROR(Rotate(&dk_, t, seq, hkv, true));
@@ -150,6 +186,17 @@ absl::Status AttentionBlock::Backward(const MoeLayerSpec& layer,
   const Projection projections[] = {{&layer.q_proj, wq, &dq_, hq * hd},
                                     {&layer.k_proj, wk, &dk_, hkv * hd},
                                     {&layer.v_proj, wv, &dv_, hkv * hd}};
+  if (layer.attention_bias) {
+    // The biases' gradients are those of the projections' outputs, taken
+    // before RoPE and the norms (their backward has run above).
+    const ArchTensor* biases[] = {&layer.q_bias, &layer.k_bias, &layer.v_bias};
+    for (int i = 0; i < 3; ++i) {
+      grad_.assign(projections[i].out, 0.0f);
+      kernels::BiasBackward(projections[i].dy->data(), t, projections[i].out,
+                            grad_.data());
+      SHARDD_RETURN_IF_ERROR(AddGrad(params, *biases[i], grad_));
+    }
+  }
   bool first = true;
   for (const Projection& p : projections) {
     grad_.assign(p.out * d, 0.0f);

@@ -4,12 +4,16 @@
 // The self-attention sublayer of a decoder layer on the CPU, forward and
 // backward, as Hugging Face's Llama / Mixtral / Qwen3 attention computes it:
 //
-//   q = n Wq^T, k = n Wk^T, v = n Wv^T           (n: the normed input)
+//   q = n Wq^T (+ bq), k = n Wk^T (+ bk), v = n Wv^T (+ bv)
+//                                                 (n: the normed input;
+//                                                  biases: GPT-OSS)
 //   q, k = RMSNorm per head (q_norm, k_norm)      (Qwen3)
 //   q, k = RoPE(q), RoPE(k) at each token's position in its sequence
 //   o = softmax(q k^T / sqrt(hd) + mask) v        (causal or sliding window,
-//                                                  GQA)
-//   y = o Wo^T
+//                                                  GQA; with GPT-OSS's
+//                                                  per-head sink logit in
+//                                                  the denominator)
+//   y = o Wo^T (+ bo)
 //
 // Tokens are [batch, seq] sequences laid end to end (T = batch * seq).
 
@@ -17,6 +21,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/rope.h"
 #include "worker/model/moe_architecture.h"
@@ -61,6 +66,9 @@ class AttentionBlock {
                       int64_t heads, bool inverse);
   absl::Status AddGrad(ParamSource* params, const ArchTensor& t,
                        const std::vector<float>& g);
+  // The kernel options of `layer`, with its sinks from `params`.
+  absl::StatusOr<kernels::AttentionOptions> Options(const MoeLayerSpec& layer,
+                                                    ParamSource* params);
 
   const MoeArchitecture* arch_;
   kernels::RopeTable rope_;

@@ -408,6 +408,35 @@ absl::StatusOr<std::unique_ptr<DeviceMoeModel>> DeviceMoeModel::Create(
   impl->options = options;
   impl->allocator = allocator;
 
+  // GPT-OSS's parts are computed on the CPU only so far; refused by name
+  // rather than computed without them.
+  if (arch.activation == kernels::GatedActivation::kClampedSwiGLU) {
+    return absl::InvalidArgumentError(
+        "dims.activation: the GPU model does not compute the clamped "
+        "swiglu_oai activation (GPT-OSS) yet; train it on CPU workers");
+  }
+  if (arch.router_scoring != kernels::RouterScoring::kSoftmaxThenTopK) {
+    return absl::InvalidArgumentError(
+        "dims.router_scoring: the GPU router does not compute top-k then "
+        "softmax (GPT-OSS) yet; train it on CPU workers");
+  }
+  for (const MoeLayerSpec& layer : arch.layers) {
+    const std::string p =
+        absl::StrCat("model.layers.", &layer - arch.layers.data(), ".");
+    const char* missing = layer.attention_bias ? "self_attn.q_proj.bias"
+                          : layer.has_sinks    ? "self_attn.sinks"
+                          : layer.router_bias  ? "moe.gate.bias"
+                          : layer.expert_bias  ? "moe.experts.gate_up_proj_bias"
+                                               : nullptr;
+    if (missing != nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          p, missing,
+          ": the GPU model does not compute attention biases, attention "
+          "sinks, router biases or expert biases (GPT-OSS) yet; train it on "
+          "CPU workers"));
+    }
+  }
+
   const int64_t d = arch.dim;
   for (const MoeLayerSpec& layer : arch.layers) {
     if (!layer.has_moe) continue;

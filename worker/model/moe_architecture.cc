@@ -78,9 +78,30 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
   arch.eps = model.dims().rms_norm_eps() > 0
                  ? static_cast<float>(model.dims().rms_norm_eps())
                  : 1e-6f;
-  arch.activation = model.dims().activation() == v1::GEGLU
-                        ? kernels::GatedActivation::kGeGLU
-                        : kernels::GatedActivation::kSwiGLU;
+  switch (model.dims().activation()) {
+    case v1::GEGLU:
+      arch.activation = kernels::GatedActivation::kGeGLU;
+      break;
+    case v1::SWIGLU_OAI:
+      arch.activation = kernels::GatedActivation::kClampedSwiGLU;
+      if (!(model.dims().swiglu_limit() > 0) ||
+          !(model.dims().swiglu_alpha() > 0)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "dims.swiglu_limit / swiglu_alpha: the swiglu_oai activation "
+            "needs both > 0, got ",
+            model.dims().swiglu_limit(), " / ", model.dims().swiglu_alpha()));
+      }
+      arch.swiglu_limit = static_cast<float>(model.dims().swiglu_limit());
+      arch.swiglu_alpha = static_cast<float>(model.dims().swiglu_alpha());
+      break;
+    default:
+      arch.activation = kernels::GatedActivation::kSwiGLU;
+      break;
+  }
+  arch.router_scoring =
+      model.dims().router_scoring() == v1::ROUTER_TOPK_THEN_SOFTMAX
+          ? kernels::RouterScoring::kTopKThenSoftmax
+          : kernels::RouterScoring::kSoftmaxThenTopK;
   SHARDD_ASSIGN_OR_RETURN(arch.final_norm, take("model.norm.weight", {d}));
   SHARDD_ASSIGN_OR_RETURN(arch.head, take("lm_head.weight", {arch.vocab, d}));
 
@@ -107,13 +128,6 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
             "num_key_value_heads dividing num_attention_heads; got ",
             hq, ", ", hkv, ", ", hd));
       }
-      for (const char* bias : {"q_proj", "k_proj", "v_proj", "o_proj"}) {
-        if (tensors.count(absl::StrCat(p, "self_attn.", bias, ".bias")) > 0) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              p, "self_attn.", bias,
-              ".bias: attention biases are not computed yet (GPT-OSS)"));
-        }
-      }
       arch.q_heads = hq;
       arch.kv_heads = hkv;
       arch.head_dim = hd;
@@ -133,9 +147,28 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
         SHARDD_ASSIGN_OR_RETURN(layer.k_norm,
                                 take(p + "self_attn.k_norm.weight", {hd}));
       }
+      const v1::AttentionSpec& attention = dims.attention();
+      // Biases and sinks when the spec says so or holds them (a missing
+      // one is then named by take()).
+      layer.attention_bias =
+          attention.bias() || tensors.count(p + "self_attn.q_proj.bias") > 0;
+      if (layer.attention_bias) {
+        SHARDD_ASSIGN_OR_RETURN(layer.q_bias,
+                                take(p + "self_attn.q_proj.bias", {hq * hd}));
+        SHARDD_ASSIGN_OR_RETURN(layer.k_bias,
+                                take(p + "self_attn.k_proj.bias", {hkv * hd}));
+        SHARDD_ASSIGN_OR_RETURN(layer.v_bias,
+                                take(p + "self_attn.v_proj.bias", {hkv * hd}));
+        SHARDD_ASSIGN_OR_RETURN(layer.o_bias,
+                                take(p + "self_attn.o_proj.bias", {d}));
+      }
+      layer.has_sinks =
+          attention.sinks() || tensors.count(p + "self_attn.sinks") > 0;
+      if (layer.has_sinks) {
+        SHARDD_ASSIGN_OR_RETURN(layer.sinks, take(p + "self_attn.sinks", {hq}));
+      }
       SHARDD_ASSIGN_OR_RETURN(layer.post_norm,
                               take(p + "post_attention_layernorm.weight", {d}));
-      const v1::AttentionSpec& attention = dims.attention();
       layer.sliding =
           l < attention.sliding_layers_size() && attention.sliding_layers(l);
       if (layer.sliding && attention.sliding_window() < 1) {
@@ -160,6 +193,21 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
                                    {layer.experts, layer.moe_inter, d}));
       SHARDD_ASSIGN_OR_RETURN(layer.gate,
                               take(p + "moe.gate.weight", {layer.experts, d}));
+      if (tensors.count(p + "moe.gate.bias") > 0) {
+        layer.router_bias = true;
+        SHARDD_ASSIGN_OR_RETURN(layer.gate_bias,
+                                take(p + "moe.gate.bias", {layer.experts}));
+      }
+      if (tensors.count(p + "moe.experts.gate_up_proj_bias") > 0 ||
+          tensors.count(p + "moe.experts.down_proj_bias") > 0) {
+        layer.expert_bias = true;
+        SHARDD_ASSIGN_OR_RETURN(layer.b_gu,
+                                take(p + "moe.experts.gate_up_proj_bias",
+                                     {layer.experts, 2 * layer.moe_inter}));
+        SHARDD_ASSIGN_OR_RETURN(
+            layer.b_d,
+            take(p + "moe.experts.down_proj_bias", {layer.experts, d}));
+      }
       if (arch.top_k < 1 || arch.top_k > layer.experts) {
         return absl::InvalidArgumentError(
             absl::StrCat("dims.top_k: must be in [1, ", layer.experts,
@@ -216,8 +264,9 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
     return absl::InvalidArgumentError(absl::StrCat(
         "parameter '", tensors.begin()->first,
         "' is not part of the CPU training model (embedding, per-layer "
-        "input_layernorm / self_attn / post_attention_layernorm / moe.gate / "
-        "moe.experts / mlp, model.norm, lm_head)"));
+        "input_layernorm / self_attn (with biases and sinks) / "
+        "post_attention_layernorm / moe.gate (with bias) / moe.experts (with "
+        "biases) / mlp, model.norm, lm_head)"));
   }
   return arch;
 }

@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/cpu/grouped_experts.h"
+#include "kernels/cpu/router.h"
 #include "model/rope_frequencies.h"
 #include "proto/model.pb.h"
 
@@ -39,11 +40,23 @@ struct MoeLayerSpec {
   bool has_attention = false;
   ArchTensor q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, post_norm;
   bool qk_norm = false;
+  // attention_bias: q/k/v/o_proj.bias [out] (GPT-OSS, Llama with it).
+  bool attention_bias = false;
+  ArchTensor q_bias, k_bias, v_bias, o_bias;
+  // GPT-OSS: self_attn.sinks [Hq], one learned sink logit per head.
+  bool has_sinks = false;
+  ArchTensor sinks;
   bool sliding = false;  // Sliding-window mask (else causal).
   bool has_moe = false;
   ArchTensor gate;  // [E, D]
   ArchTensor w_gu;  // [E, D, 2I]
   ArchTensor w_d;   // [E, I, D]
+  // GPT-OSS: moe.gate.bias [E]; moe.experts.gate_up_proj_bias [E, 2I] and
+  // down_proj_bias [E, D].
+  bool router_bias = false;
+  ArchTensor gate_bias;
+  bool expert_bias = false;
+  ArchTensor b_gu, b_d;
   int64_t experts = 0;
   int64_t moe_inter = 0;
   bool has_mlp = false;
@@ -59,6 +72,12 @@ struct MoeArchitecture {
   int top_k = 0;
   float eps = 1e-6f;
   kernels::GatedActivation activation = kernels::GatedActivation::kSwiGLU;
+  // kClampedSwiGLU's limit and alpha (dims.swiglu_limit / swiglu_alpha).
+  float swiglu_limit = 7.0f;
+  float swiglu_alpha = 1.702f;
+  // dims.router_scoring.
+  kernels::RouterScoring router_scoring =
+      kernels::RouterScoring::kSoftmaxThenTopK;
   ArchTensor embed;
   ArchTensor final_norm;
   ArchTensor head;  // May name the embedding when tied.
@@ -83,11 +102,13 @@ struct MoeArchitecture {
 
 // Reads the spec's architecture: model.embed_tokens.weight [V, D],
 // model.layers.N.{input_layernorm, moe.gate, moe.experts, mlp}, model.norm,
-// lm_head, of a spec that passed ValidateModelSpec. Errors:
-// INVALID_ARGUMENT for attention modules (not trained yet), a missing or
-// misshapen parameter (naming it and the expected shape), a layer without
-// experts or an MLP, dims.top_k outside [1, experts], or a parameter the
-// model does not use.
+// lm_head, of a spec that passed ValidateModelSpec, with GPT-OSS's
+// attention biases and sinks, router bias and expert biases where the spec
+// has them (or dims.attention says so). Errors: INVALID_ARGUMENT for a
+// missing or misshapen parameter (naming it and the expected shape), a
+// layer without experts or an MLP, dims.top_k outside [1, experts],
+// SWIGLU_OAI without a positive swiglu_limit / swiglu_alpha, or a parameter
+// the model does not use.
 absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(const v1::ModelSpec& model);
 
 // INVALID_ARGUMENT unless passes >= 1, 0 <= no_grad_passes < passes and

@@ -109,6 +109,26 @@ struct MoeModel::Impl : MoeArchitecture {
     return params->AccumulateGrad(t.name, values);
   }
 
+  kernels::RouterDims RouterDimsOf(const LayerSpec& spec, int64_t t) const {
+    kernels::RouterDims dims{t, dim, spec.experts, top_k, renormalize_topk};
+    dims.scoring = router_scoring;
+    return dims;
+  }
+
+  // The clamped activation's constants and the layer's expert biases.
+  absl::StatusOr<kernels::ExpertOptions> ExpertOptionsOf(
+      const LayerSpec& spec, ParamSource* params) const {
+    kernels::ExpertOptions options;
+    options.alpha = swiglu_alpha;
+    options.limit = swiglu_limit;
+    if (spec.expert_bias) {
+      SHARDD_ASSIGN_OR_RETURN(options.gate_up_bias,
+                              params->Param(spec.b_gu.name));
+      SHARDD_ASSIGN_OR_RETURN(options.down_bias, params->Param(spec.b_d.name));
+    }
+    return options;
+  }
+
   absl::Status Forward(const Command& c, ParamSource* params);
   absl::Status Backward(const Command& c, ParamSource* params);
 };
@@ -241,12 +261,15 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
       }
       if (spec.has_moe) {
         SHARDD_ASSIGN_OR_RETURN(const float* gw, params->Param(spec.gate.name));
+        const float* gb = nullptr;
+        if (spec.router_bias) {
+          SHARDD_ASSIGN_OR_RETURN(gb, params->Param(spec.gate_bias.name));
+        }
         la.indices.resize(t * top_k);
         la.weights.resize(t * top_k);
-        kernels::RouterDims dims{t, dim, spec.experts, top_k, renormalize_topk};
         SHARDD_RETURN_IF_ERROR(kernels::RouterForward(
-            dims, la.normed.data(), gw, la.indices.data(), la.weights.data(),
-            &la.router));
+            RouterDimsOf(spec, t), la.normed.data(), gw, gb, la.indices.data(),
+            la.weights.data(), &la.router));
       } else {
         // Dense layer: the residual add happens here.
         for (int64_t i = 0; i < t * dim; ++i) a.x[i] += la.dense_out[i];
@@ -259,11 +282,13 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
       LayerActs& la = a.layers[l];
       SHARDD_ASSIGN_OR_RETURN(const float* w_gu, params->Param(spec.w_gu.name));
       SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(spec.w_d.name));
+      SHARDD_ASSIGN_OR_RETURN(const kernels::ExpertOptions options,
+                              ExpertOptionsOf(spec, params));
       kernels::ExpertDims dims{t, dim, spec.moe_inter, spec.experts, top_k};
       std::vector<float>& y = scratch2;
       y.resize(t * dim);
       SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsForward(
-          dims, activation, la.normed.data(), la.indices.data(),
+          dims, activation, options, la.normed.data(), la.indices.data(),
           la.weights.data(), nullptr, w_gu, w_d, y.data(), &la.experts));
       for (int64_t i = 0; i < t * dim; ++i) {
         a.x[i] += y[i] + la.dense_out[i];
@@ -334,20 +359,30 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
       LayerActs& la = a.layers[l];
       SHARDD_ASSIGN_OR_RETURN(const float* w_gu, params->Param(spec.w_gu.name));
       SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(spec.w_d.name));
+      SHARDD_ASSIGN_OR_RETURN(const kernels::ExpertOptions options,
+                              ExpertOptionsOf(spec, params));
       kernels::ExpertDims dims{t, dim, spec.moe_inter, spec.experts, top_k};
       a.dn.resize(t * dim);
       a.dweights.resize(t * top_k);
       const bool frozen = spec.w_gu.frozen && spec.w_d.frozen;
       float* dw_gu = frozen ? nullptr : Zeroed(&scratch, spec.w_gu.numel());
       float* dw_d = frozen ? nullptr : Zeroed(&scratch2, spec.w_d.numel());
+      std::vector<float> db_gu(spec.expert_bias ? spec.b_gu.numel() : 0, 0.0f);
+      std::vector<float> db_d(spec.expert_bias ? spec.b_d.numel() : 0, 0.0f);
+      kernels::ExpertBiasGrads bias_grads;
+      if (spec.expert_bias) bias_grads = {db_gu.data(), db_d.data()};
       SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsBackward(
-          dims, activation, w_gu, w_d, a.dx.data(), a.dn.data(),
-          /*accumulate_dx=*/false, a.dweights.data(), dw_gu, dw_d,
+          dims, activation, options, w_gu, w_d, a.dx.data(), a.dn.data(),
+          /*accumulate_dx=*/false, a.dweights.data(), dw_gu, dw_d, bias_grads,
           &la.experts));
       if (dw_gu != nullptr)
         SHARDD_RETURN_IF_ERROR(AddGrad(params, spec.w_gu, dw_gu));
       if (dw_d != nullptr)
         SHARDD_RETURN_IF_ERROR(AddGrad(params, spec.w_d, dw_d));
+      if (spec.expert_bias) {
+        SHARDD_RETURN_IF_ERROR(AddGrad(params, spec.b_gu, db_gu.data()));
+        SHARDD_RETURN_IF_ERROR(AddGrad(params, spec.b_d, db_d.data()));
+      }
       return absl::OkStatus();
     }
     case Command::LAYER: {
@@ -383,14 +418,18 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
       }
       if (spec.has_moe) {
         SHARDD_ASSIGN_OR_RETURN(const float* gw, params->Param(spec.gate.name));
-        kernels::RouterDims dims{t, dim, spec.experts, top_k, renormalize_topk};
         float* dgw =
             spec.gate.frozen ? nullptr : Zeroed(&scratch, spec.gate.numel());
+        std::vector<float> dgb(spec.router_bias ? spec.experts : 0, 0.0f);
         SHARDD_RETURN_IF_ERROR(kernels::RouterBackward(
-            dims, la.normed.data(), gw, a.dweights.data(), a.dn.data(),
-            /*accumulate_dx=*/true, dgw, &la.router));
+            RouterDimsOf(spec, t), la.normed.data(), gw, a.dweights.data(),
+            a.dn.data(), /*accumulate_dx=*/true, dgw,
+            spec.router_bias ? dgb.data() : nullptr, &la.router));
         if (dgw != nullptr)
           SHARDD_RETURN_IF_ERROR(AddGrad(params, spec.gate, dgw));
+        if (spec.router_bias) {
+          SHARDD_RETURN_IF_ERROR(AddGrad(params, spec.gate_bias, dgb.data()));
+        }
       }
       SHARDD_ASSIGN_OR_RETURN(const float* norm_w,
                               params->Param(spec.norm.name));
