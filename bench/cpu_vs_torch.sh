@@ -21,7 +21,10 @@ out=$(OPENBLAS_NUM_THREADS=$threads SHARDD_MODEL=$config SHARDD_WORKERS=1 \
   SHARDD_STEPS=$steps SHARDD_TLS=0 SHARDD_BATCH=$batch SHARDD_SEQ=$seq \
   SHARDD_TRAIN_ARGS="--json" \
   deploy/local/run.sh 2>&1)
-shardd=$(sed -n 's/.*"tokens_per_second": \([0-9.]*\).*/\1/p' <<<"$out" | head -n 1)
+# The summary line of `shardctl train --json` (the last JSON line).
+shardd=$(grep '^{"event":"summary"' <<<"$out" | /usr/bin/python3 -c \
+  'import json, sys; print(json.loads(sys.stdin.readline())["tokens_per_second"])' \
+  2>/dev/null || true)
 if [[ -z "$shardd" ]]; then
   echo "$out" | tail -n 30 >&2
   echo "cpu_vs_torch: shardd did not report tokens/s" >&2

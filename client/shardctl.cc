@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -124,6 +125,17 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const ShardctlArgs& args) {
 
 absl::StatusOr<std::string> ReadFile(absl::string_view flag,
                                      const std::string& path) {
+  std::error_code ec;
+  if (flag == "--model" && std::filesystem::is_directory(path, ec)) {
+    // A Hugging Face model directory: its config.json.
+    const std::string config = path + "/config.json";
+    if (!std::filesystem::exists(config, ec)) {
+      return absl::NotFoundError(absl::StrCat(
+          flag, ": directory '", path,
+          "' has no config.json (expected a Hugging Face model directory)"));
+    }
+    return ReadFile(flag, config);
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     return absl::NotFoundError(
@@ -147,7 +159,8 @@ absl::StatusOr<std::string> ReadFile(absl::string_view flag,
   return text;
 }
 
-std::string BaseName(const std::string& path) {
+std::string BaseName(std::string path) {
+  while (path.size() > 1 && path.back() == '/') path.pop_back();
   const size_t slash = path.rfind('/');
   return slash == std::string::npos ? path : path.substr(slash + 1);
 }
@@ -504,6 +517,21 @@ absl::Status RunCheckpointConsolidate(const ShardctlArgs& args,
 // ---------------------------------------------------------------------------
 // train
 
+// One `shardctl train --json` line per step.
+nlohmann::ordered_json StepEventJson(const v1::StepEvent& event) {
+  nlohmann::ordered_json json;
+  json["event"] = "step";
+  json["step"] = event.step();
+  json["loss"] = event.loss();
+  json["grad_norm"] = event.grad_norm();
+  json["tokens"] = event.tokens();
+  json["step_seconds"] = event.step_seconds();
+  json["tokens_per_second"] = event.tokens_per_second();
+  json["peak_unsharded_bytes"] = event.peak_unsharded_bytes();
+  if (!event.checkpoint().empty()) json["checkpoint"] = event.checkpoint();
+  return json;
+}
+
 absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
   absl::StatusOr<std::unique_ptr<CoordinatorClient>> connected =
       ConnectTo(args);
@@ -624,7 +652,16 @@ absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
         }
         last_step = event.step();
       }
-      if (!args.json) {
+      if (args.json) {
+        nlohmann::ordered_json line_json;
+        line_json["event"] =
+            event.interruption().empty() ? "recovery" : "interruption";
+        line_json["step"] = event.step();
+        line_json["message"] = event.interruption().empty()
+                                   ? event.recovery()
+                                   : event.interruption();
+        out << line_json.dump() << "\n" << std::flush;
+      } else {
         progress.Close();
         out << line << "\n" << std::flush;
       }
@@ -632,7 +669,11 @@ absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
     }
     events.push_back(event);
     last_step = event.step();
-    if (!args.json) progress.Update(event);
+    if (args.json) {
+      out << StepEventJson(event).dump() << "\n" << std::flush;
+    } else {
+      progress.Update(event);
+    }
     return true;
   };
   // A coordinator that went away may be restarting (its jobs go on): keep
@@ -678,6 +719,7 @@ absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
   const TrainSummary summary = SummarizeTraining(events);
   if (args.json) {
     nlohmann::ordered_json json;
+    json["event"] = "summary";
     json["job_id"] = job->job_id();
     json["model_id"] = model_id;
     json["world_size"] = job->world_size();
@@ -707,7 +749,7 @@ absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
     }
     json["checkpoints"] = std::move(checkpoints);
     json["incidents"] = incidents;
-    out << json.dump(2) << "\n";
+    out << json.dump() << "\n";
   } else {
     out << FormatTrainSummary(summary);
     for (const v1::StepEvent& event : events) {

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <initializer_list>
 #include <limits>
 #include <set>
@@ -205,6 +206,7 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                              "--watch-timeout",
                                              "--checkpoint-every",
                                              "--resume-from",
+                                             "--init-from",
                                              "--loss-svg",
                                              "--max-recoveries",
                                              "--reconnect-timeout"});
@@ -342,6 +344,21 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
           "shardctl checkpoint list)");
     }
     args->train.set_resume_from(value);
+  } else if (flag == "--init-from") {
+    if (value.empty()) {
+      return Usage(
+          "--init-from: expected a Hugging Face checkpoint directory "
+          "(model.safetensors or model.safetensors.index.json)");
+    }
+    // The workers read it: made absolute here, where a relative path means
+    // something (the workers share this file system or mount the same path).
+    std::error_code ec;
+    const std::filesystem::path absolute = std::filesystem::absolute(value, ec);
+    if (ec) {
+      return Usage(absl::StrCat("--init-from: cannot resolve '", value,
+                                "': ", ec.message()));
+    }
+    args->train.set_init_from(absolute.lexically_normal().string());
   } else if (flag == "--checkpoint") {
     if (value.empty()) {
       return Usage("--checkpoint: expected a checkpoint directory");
@@ -794,9 +811,9 @@ peak of unsharded bytes per rank, and collectives per step. Exits 1 when
 the job fails, naming the rank and its error.
 
 Model (exactly one):
-  --model FILE                 a native shardd spec or an HF config; the
-                               CPU workers train attention-free MoE specs
-                               such as tests/data/small_moe.json
+  --model PATH                 a native shardd spec, a Hugging Face
+                               config.json, or a Hugging Face model
+                               directory (its config.json)
   --model-id ID                a model the coordinator already has
 Mesh and plan (with --model):
   --dp N                       ranks each parameter is sharded over
@@ -842,8 +859,17 @@ Checkpoints (the coordinator's --checkpoint-dir, shared with the workers):
                                j-1/step-00000020, see shardctl checkpoint
                                list) in any world size and strategy: runs
                                --steps more steps from its step on
+  --init-from DIR              start from the Hugging Face safetensors in
+                               DIR (model.safetensors, or the shards of
+                               model.safetensors.index.json; F32, BF16 or
+                               F16), read by every worker at the same path:
+                               each rank reads only its own shards' bytes
 Output:
-  --json                       no progress; one JSON object at the end
+  --json                       no progress bar: one JSON object per line,
+                               {"event": "step", "step", "loss",
+                               "grad_norm", "tokens", "step_seconds", ...}
+                               per step ("interruption" / "recovery" for
+                               faults), and last {"event": "summary", ...}
   --log-every N                progress line every N steps when not on a
                                terminal (default: about 20 lines)
   --loss-svg FILE              draw the loss curve (with the data's entropy

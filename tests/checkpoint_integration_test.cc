@@ -66,7 +66,7 @@ class CheckpointIntegrationTest : public ::testing::Test {
     ProcessResult run = Shardctl(TrainArgs(steps, std::move(extra)));
     EXPECT_EQ(run.exit_code, 0) << run.err << "\n" << cluster_.CoordinatorLog();
     if (run.exit_code != 0) return nlohmann::json::value_t::discarded;
-    return nlohmann::json::parse(run.out, nullptr, false);
+    return LocalCluster::ParseTrainOutput(run.out);
   }
 
   static std::vector<double> Losses(const nlohmann::json& json) {

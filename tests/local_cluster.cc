@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "grpc/grpc.h"
 #include "proto/coordinator.pb.h"
@@ -291,6 +292,27 @@ std::vector<std::string> LocalCluster::TrainArgs(
                                    "--json"};
   args.insert(args.end(), extra.begin(), extra.end());
   return args;
+}
+
+nlohmann::json LocalCluster::ParseTrainOutput(const std::string& out) {
+  nlohmann::json steps = nlohmann::json::array();
+  nlohmann::json summary(nlohmann::json::value_t::discarded);
+  for (absl::string_view line : absl::StrSplit(out, '\n', absl::SkipEmpty())) {
+    if (!summary.is_discarded()) {  // A line after the summary.
+      return nlohmann::json(nlohmann::json::value_t::discarded);
+    }
+    nlohmann::json json = nlohmann::json::parse(line, nullptr, false);
+    if (json.is_discarded() || !json.is_object() || !json.contains("event")) {
+      return nlohmann::json(nlohmann::json::value_t::discarded);
+    }
+    if (json["event"] == "summary") {
+      summary = std::move(json);
+    } else if (json["event"] == "step") {
+      steps.push_back(std::move(json));
+    }
+  }
+  if (!summary.is_discarded()) summary["step_events"] = std::move(steps);
+  return summary;
 }
 
 absl::StatusOr<double> LocalCluster::TrainArgsLossTolerance(int updates,

@@ -23,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "client/coordinator_client.h"
+#include "nlohmann/json.hpp"
 
 namespace shardd {
 namespace testing_util {
@@ -113,6 +114,13 @@ class LocalCluster {
   // needs //tests/data:configs in its data.
   std::vector<std::string> TrainArgs(
       int steps, int seed, const std::vector<std::string>& extra = {}) const;
+
+  // The output of `shardctl train --json`: one {"event": "step"} object
+  // per line per step (or "interruption" / "recovery"), then the
+  // {"event": "summary"} object. Returns the summary with the step lines
+  // added as "step_events" (in order); a discarded value when a line is not
+  // JSON or the summary is not last.
+  static nlohmann::json ParseTrainOutput(const std::string& out);
 
   // The tolerance on the mean loss after `updates` optimizer steps when
   // jobs of TrainArgs at other world sizes or strategies are compared:

@@ -25,6 +25,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/local_cluster.h"
 #include "tests/subprocess.h"
 
 namespace shardd {
@@ -197,7 +198,7 @@ TEST_F(MetricsIntegrationTest, CountersMatchWhatWasTrained) {
   const std::string out = ReadFile(dir_ + "_train.out");
   ASSERT_EQ(code, 0) << out << ReadFile(dir_ + "_train.err")
                      << ReadFile(dir_ + "_coordinator.err");
-  auto train = nlohmann::json::parse(out, nullptr, false);
+  auto train = testing_util::LocalCluster::ParseTrainOutput(out);
   ASSERT_FALSE(train.is_discarded()) << out;
   ASSERT_EQ(train["steps"], kSteps);
   const int64_t all_gathers_per_step = train["all_gathers_per_step"];

@@ -105,7 +105,7 @@ class RecoveryIntegrationTest : public ::testing::Test {
         cluster_->FinishShardctl(absl::Seconds(240));
     EXPECT_EQ(run.exit_code, 0) << run.err << "\n" << CoordinatorLog();
     if (run.exit_code != 0) return nlohmann::json::value_t::discarded;
-    nlohmann::json json = nlohmann::json::parse(run.out, nullptr, false);
+    nlohmann::json json = LocalCluster::ParseTrainOutput(run.out);
     EXPECT_FALSE(json.is_discarded()) << "not JSON:\n" << run.out;
     return json;
   }

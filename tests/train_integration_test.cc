@@ -63,7 +63,7 @@ class TrainIntegrationTest : public ::testing::Test {
 TEST_F(TrainIntegrationTest, TrainsAndMeasuresThePlannedPeak) {
   ProcessResult run = Shardctl(TrainArgs(20));
   ASSERT_EQ(run.exit_code, 0) << run.err << "\n" << cluster_.CoordinatorLog();
-  auto json = nlohmann::json::parse(run.out, nullptr, false);
+  auto json = LocalCluster::ParseTrainOutput(run.out);
   ASSERT_FALSE(json.is_discarded()) << run.out;
   ASSERT_TRUE(json["losses"].is_array());
   ASSERT_EQ(json["losses"].size(), 20u);
@@ -85,6 +85,16 @@ TEST_F(TrainIntegrationTest, TrainsAndMeasuresThePlannedPeak) {
   EXPECT_EQ(measured, planned);
   EXPECT_GT(json["all_gathers_per_step"].get<int64_t>(), 0);
   EXPECT_GT(json["reduce_scatters_per_step"].get<int64_t>(), 0);
+  // One line per step came before the summary, as the steps ran.
+  const nlohmann::json& lines = json["step_events"];
+  ASSERT_EQ(lines.size(), 20u) << run.out;
+  for (int i = 0; i < 20; ++i) {
+    EXPECT_EQ(lines[i]["step"], i + 1);
+    EXPECT_EQ(lines[i]["loss"], json["losses"][i]);
+    EXPECT_GT(lines[i]["grad_norm"].get<double>(), 0.0);
+    EXPECT_EQ(lines[i]["tokens"], 16 * 32);  // TrainArgs' batch x seq.
+    EXPECT_GT(lines[i]["step_seconds"].get<double>(), 0.0);
+  }
 
   // The job is listed as done.
   auto status = client_->GetStatus();
@@ -104,7 +114,7 @@ TEST_F(TrainIntegrationTest, AHuggingFaceAttentionModelTrains) {
   *(model + 1) = "tests/data/tiny_qwen3_moe.json";
   ProcessResult run = Shardctl(args);
   ASSERT_EQ(run.exit_code, 0) << run.err << "\n" << cluster_.CoordinatorLog();
-  auto json = nlohmann::json::parse(run.out, nullptr, false);
+  auto json = LocalCluster::ParseTrainOutput(run.out);
   ASSERT_FALSE(json.is_discarded()) << run.out;
   ASSERT_EQ(json["losses"].size(), 20u);
   const double first = json["losses"][0];
@@ -129,7 +139,7 @@ TEST_F(TrainIntegrationTest, LossComesWithinFivePercentOfTheEntropyRate) {
   }
   ProcessResult run = Shardctl(args, absl::Seconds(240));
   ASSERT_EQ(run.exit_code, 0) << run.err;
-  auto json = nlohmann::json::parse(run.out, nullptr, false);
+  auto json = LocalCluster::ParseTrainOutput(run.out);
   ASSERT_FALSE(json.is_discarded()) << run.out;
   const double entropy = json["data_entropy_rate"];
   const double final_loss = json["final_loss"];
@@ -146,8 +156,8 @@ TEST_F(TrainIntegrationTest, FineGrainedModeGivesTheSameLosses) {
   args.push_back("--fine-grained");
   ProcessResult fine = Shardctl(args);
   ASSERT_EQ(fine.exit_code, 0) << fine.err;
-  auto a = nlohmann::json::parse(whole.out, nullptr, false);
-  auto b = nlohmann::json::parse(fine.out, nullptr, false);
+  auto a = LocalCluster::ParseTrainOutput(whole.out);
+  auto b = LocalCluster::ParseTrainOutput(fine.out);
   ASSERT_FALSE(a.is_discarded());
   ASSERT_FALSE(b.is_discarded());
   EXPECT_EQ(a["losses"], b["losses"]);
@@ -168,7 +178,7 @@ TEST_F(TrainIntegrationTest, OneAndTwoWorkerProcessesGiveTheSameLosses) {
     args.insert(args.end(), extra.begin(), extra.end());
     ProcessResult result = Shardctl(args);
     EXPECT_EQ(result.exit_code, 0) << result.err;
-    auto json = nlohmann::json::parse(result.out, nullptr, false);
+    auto json = LocalCluster::ParseTrainOutput(result.out);
     EXPECT_FALSE(json.is_discarded()) << result.out;
     std::vector<double> losses;
     if (!json.is_discarded() && json["losses"].is_array()) {

@@ -83,15 +83,10 @@ if want train; then
   /usr/bin/env python3 - "$out/train_cuda.log" "$out/train_cpu.log" <<'PY' | tee "$out/train_compare.txt"
 import json, sys
 def report(path):
-    """The JSON object `shardctl train --json` prints (lines '{' .. '}')."""
-    lines, inside = [], False
+    """The summary line of `shardctl train --json` (after a line per step)."""
     for line in open(path, errors="replace"):
-        if line.rstrip() == "{":
-            inside, lines = True, []
-        if inside:
-            lines.append(line)
-            if line.rstrip() == "}":
-                return json.loads("".join(lines))
+        if line.startswith('{"event":"summary"'):
+            return json.loads(line)
     return {}
 gpu, cpu = report(sys.argv[1]), report(sys.argv[2])
 for key in ("steps", "first_loss", "final_loss", "step_seconds",

@@ -102,6 +102,12 @@ absl::StatusOr<v1::TrainConfig> ResolveTrainConfig(const v1::TrainConfig& train,
   }
   out.set_data_order(train.data_order().empty() ? "random"
                                                 : train.data_order());
+  if (!train.init_from().empty() && train.init_from()[0] != '/') {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "train.init_from: must be an absolute path (every worker reads it), "
+        "got \"",
+        train.init_from(), "\""));
+  }
   out.set_lr(lr);
   out.set_beta1(beta1);
   out.set_beta2(beta2);

@@ -17,6 +17,7 @@
 #include "absl/time/clock.h"
 #include "checkpoint/checkpoint_reader.h"
 #include "checkpoint/checkpoint_writer.h"
+#include "checkpoint/hf_weights.h"
 #include "common/error_info.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -378,6 +379,29 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::BuildJobLocked(
   executor_options.adamw = AdamWConfigOf(train);
   executor_options.max_grad_norm =
       train.grad_clip() > 0 ? train.grad_clip() : 0;
+  // Weights from a Hugging Face checkpoint, unless kept state replaces the
+  // fresh shards anyway. Checked (headers, names, shapes) before any
+  // collective group forms, so every rank refuses a bad checkpoint alike.
+  std::unique_ptr<checkpoint::HfWeights> weights;
+  if (!train.init_from().empty() && *kept == nullptr) {
+    absl::StatusOr<std::unique_ptr<checkpoint::HfWeights>> opened =
+        checkpoint::HfWeights::Open(train.init_from(), request.model());
+    if (!opened.ok()) {
+      return absl::Status(
+          opened.status().code(),
+          absl::StrCat("rank ", job->rank, ": train.init_from: ",
+                       opened.status().message()));
+    }
+    weights = *std::move(opened);
+    const std::vector<std::string> unused = weights->UnusedTensors();
+    if (!unused.empty()) {
+      SHARDD_LOG(WARNING) << "rank " << job->rank << ": " << unused.size()
+                          << " tensors of " << train.init_from()
+                          << " are not parameters of the model (first: "
+                          << unused.front() << ")";
+    }
+    executor_options.initial_values = weights.get();
+  }
   if (options_.device >= 0) {
 #ifdef SHARDD_WITH_CUDA
     DeviceStepRunnerOptions device_options;
@@ -490,6 +514,11 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::BuildJobLocked(
     }
     kept_step = (*kept)->optimizer_steps;
     kept->reset();  // Free the snapshot now.
+  }
+  if (weights != nullptr) {
+    SHARDD_LOG(INFO) << "rank " << job->rank << " initialised its shards from "
+                     << weights->path() << " (" << weights->data_bytes_read()
+                     << " bytes of tensor data read)";
   }
   job->steps = std::make_unique<StepRunner>(std::move(executor),
                                             job->shard_group.get(), &tracker_);

@@ -133,7 +133,8 @@ in_image shardctl train --coordinator "127.0.0.1:$port" \
   --lr 0.01 --seed 1 --json > "$work/train.json"
 python3 - "$work/train.json" "$steps" "http://127.0.0.1:$metrics_port/metrics" <<'PY'
 import json, sys, urllib.request
-report = json.load(open(sys.argv[1]))
+# `shardctl train --json`: a line per step, the summary last.
+report = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
 steps = int(sys.argv[2])
 losses = report["losses"]
 assert len(losses) == steps, f"expected {steps} losses, got {len(losses)}"

@@ -160,6 +160,17 @@ absl::StatusOr<std::string> JobRunner::Submit(JobSpec spec) {
   }
   int64_t first_step = 0;
   const std::string& resume_from = spec.config.resume_from();
+  const std::string& init_from = spec.config.init_from();
+  if (!init_from.empty() && !resume_from.empty()) {
+    return absl::InvalidArgumentError(
+        "config.init_from and config.resume_from: give at most one (a "
+        "checkpoint already holds the weights)");
+  }
+  if (!init_from.empty() && init_from[0] != '/') {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.init_from: must be an absolute path (every worker reads it), "
+        "got \"", init_from, "\""));
+  }
   if (!resume_from.empty()) {
     SHARDD_RETURN_IF_ERROR(
         CheckRelativeCheckpointPath(resume_from, "config.resume_from"));

@@ -396,7 +396,8 @@ class SmokeTest(unittest.TestCase):
             self.fail(f"shardctl train did not finish\n{self.logs()}")
         self.assertEqual(client.process.returncode, 0,
                          f"{argv}\n{out.decode()}\n{self.logs()}")
-        report = json.loads(out)
+        # `shardctl train --json`: a line per step, the summary last.
+        report = json.loads(out.decode().strip().splitlines()[-1])
         losses = report["losses"]
         self.assertEqual(len(losses), TRAIN_STEPS, report)
         for loss in losses:
