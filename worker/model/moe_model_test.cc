@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
+#include "model/hf_config.h"
 #include "model/model_util.h"
 #include "testing/map_param_source.h"
 #include "testing/model_builder.h"
@@ -180,6 +181,68 @@ TEST(MoeModelTest, AttentionGradientsMatchFiniteDifferences) {
   shape.window = 3;
   ExpectGradientsMatchFiniteDifferences(testing_util::TinyMoeSpec(shape), 2, 6,
                                         4.0);
+}
+
+// GPT-OSS layers from a Hugging Face config: q/k/v/o biases, sinks, yarn
+// RoPE (untruncated), a sliding and a full layer, the top-k-then-softmax
+// router with its bias, clamped swiglu experts with biases. swiglu_limit
+// 1.5 is about two standard deviations of the pre-activations (~0.8 here):
+// the clamps cut a few values, and few sit close enough to a clamp's kink
+// for the central differences to straddle it (at 0.5 too many do; the
+// kernel test and the PyTorch reference check the clamp itself).
+TEST(MoeModelTest, GptOssGradientsMatchFiniteDifferences) {
+  const char* config = R"({
+    "architectures": ["GptOssForCausalLM"], "vocab_size": 13,
+    "hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
+    "num_key_value_heads": 1, "head_dim": 4, "intermediate_size": 3,
+    "num_local_experts": 4, "num_experts_per_tok": 2,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "sliding_window": 3, "swiglu_limit": 1.5, "torch_dtype": "float32",
+    "max_position_embeddings": 64, "rope_theta": 150000,
+    "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                     "beta_slow": 1.0, "original_max_position_embeddings": 16,
+                     "truncate": false}})";
+  SHARDD_ASSERT_OK_AND_ASSIGN(const v1::ModelSpec spec,
+                              ModelSpecFromHfConfig(config));
+  SHARDD_ASSERT_OK_AND_ASSIGN(const MoeArchitecture arch,
+                              ReadMoeArchitecture(spec));
+  EXPECT_EQ(arch.activation, kernels::GatedActivation::kClampedSwiGLU);
+  EXPECT_EQ(arch.swiglu_limit, 1.5f);
+  EXPECT_EQ(arch.router_scoring, kernels::RouterScoring::kTopKThenSoftmax);
+  for (const MoeLayerSpec& layer : arch.layers) {
+    EXPECT_TRUE(layer.attention_bias && layer.has_sinks && layer.router_bias &&
+                layer.expert_bias);
+  }
+  EXPECT_TRUE(arch.layers[0].sliding);
+  EXPECT_FALSE(arch.layers[1].sliding);
+  ExpectGradientsMatchFiniteDifferences(spec, 2, 6, 4.0);
+}
+
+TEST(MoeModelTest, GptOssSpecsMissingABiasOrSinkAreRefusedByName) {
+  const char* config = R"({
+    "architectures": ["GptOssForCausalLM"], "vocab_size": 13,
+    "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+    "num_key_value_heads": 1, "head_dim": 4, "intermediate_size": 3,
+    "num_local_experts": 4, "num_experts_per_tok": 2,
+    "torch_dtype": "float32"})";
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ModelSpec spec,
+                              ModelSpecFromHfConfig(config));
+  // Drop self_attn.sinks: dims.attention.sinks still asks for it.
+  v1::ModuleSpec* attn = spec.mutable_root()
+                             ->mutable_children(0)
+                             ->mutable_children(1)
+                             ->mutable_children(0)
+                             ->mutable_children(0);
+  ASSERT_EQ(attn->name(), "self_attn");
+  ASSERT_EQ(attn->params(attn->params_size() - 1).name(), "sinks");
+  attn->mutable_params()->RemoveLast();
+  EXPECT_THAT(ReadMoeArchitecture(spec).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("model.layers.0.self_attn.sinks")));
+  spec.mutable_dims()->set_swiglu_limit(0.0);
+  EXPECT_THAT(
+      ReadMoeArchitecture(spec).status(),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("swiglu_limit")));
 }
 
 TEST(MoeModelTest, MultiPassAndOrderErrors) {
