@@ -479,8 +479,10 @@ absl::StatusOr<v1::ModelSpec> BuildDeepseekV3(const ConfigReader& r,
           v1::ModuleSpec* moe = Builder::Child(layer, "moe", v1::MODULE_MOE);
           v1::ModuleSpec* gate = Builder::Child(moe, "gate", v1::MODULE_ROUTER);
           b.Param(gate, "weight", {e, c.hidden});
-          // The aux-loss-free balancing bias stays fp32 (an fp32 island).
-          Builder::ParamOf(gate, "e_score_correction_bias", {e}, v1::FLOAT32);
+          // The aux-loss-free balancing bias stays fp32 (an fp32 island). A
+          // buffer in HF: it steers the selection only, is never trained.
+          Builder::ParamOf(gate, "e_score_correction_bias", {e}, v1::FLOAT32)
+              ->set_frozen(true);
           b.Experts(moe, e, c.hidden, moe_inter, false);
           if (shared > 0) {
             b.GatedMlp(moe, "shared_experts", c.hidden, moe_inter * shared);
@@ -504,6 +506,50 @@ absl::StatusOr<v1::ModelSpec> BuildDeepseekV3(const ConfigReader& r,
   d->set_dense_intermediate_size(any_dense ? inter : 0);
   d->set_num_shared_experts(static_cast<int32_t>(shared));
   d->set_first_k_dense_layers(static_cast<int32_t>(first_dense));
+  // DeepseekV3TopkRouter; absent fields take DeepseekV3Config's defaults.
+  // Whether the groups fit the experts is the workers' check (planning a
+  // config does not need it).
+  d->set_router_scoring(v1::ROUTER_SIGMOID_GROUP_LIMITED);
+  SHARDD_ASSIGN_OR_RETURN(const int64_t n_group,
+                          r.IntOr("n_group", 8, 1, kMaxExperts));
+  SHARDD_ASSIGN_OR_RETURN(const int64_t topk_group,
+                          r.IntOr("topk_group", std::min<int64_t>(4, n_group),
+                                  1, n_group));
+  SHARDD_ASSIGN_OR_RETURN(const double routed_scale,
+                          r.NonNegativeDoubleOr("routed_scaling_factor", 2.5));
+  SHARDD_ASSIGN_OR_RETURN(const bool norm_topk,
+                          r.BoolOr("norm_topk_prob", true));
+  d->set_n_group(static_cast<int32_t>(n_group));
+  d->set_topk_group(static_cast<int32_t>(topk_group));
+  d->set_routed_scaling_factor(routed_scale);
+  d->set_norm_topk_prob(norm_topk);
+
+  v1::AttentionSpec* attention = d->mutable_attention();
+  SHARDD_RETURN_IF_ERROR(
+      ReadAttention(r, c.layers, SlidingLayers::kNone, attention));
+  attention->set_bias(attn_bias);
+  // rope_interleave (default true): pairs (2i, 2i + 1) of the rope dims
+  // rotate. HF de-interleaves q and k alike before rotate_half, which
+  // permutes the same dims of both and leaves every score as it is.
+  SHARDD_ASSIGN_OR_RETURN(const bool interleave,
+                          r.BoolOr("rope_interleave", true));
+  attention->mutable_rope()->set_interleaved(interleave);
+  v1::MlaSpec* mla = attention->mutable_mla();
+  mla->set_q_lora_rank(q_lora);
+  mla->set_kv_lora_rank(kv_lora);
+  mla->set_qk_nope_head_dim(nope);
+  mla->set_qk_rope_head_dim(rope);
+  mla->set_v_head_dim(v_hd);
+  // DeepseekV3Attention.scaling: qk_head_dim^-0.5, times mscale^2 when the
+  // rope scaling names mscale_all_dim (whatever its type).
+  double scale = 1.0 / std::sqrt(static_cast<double>(qk_hd));
+  const v1::RopeSpec& rope_spec = attention->rope();
+  if (rope_spec.mscale_all_dim() != 0 && rope_spec.factor() > 1.0) {
+    const double m =
+        0.1 * rope_spec.mscale_all_dim() * std::log(rope_spec.factor()) + 1.0;
+    scale *= m * m;
+  }
+  attention->set_softmax_scale(scale);
   return spec;
 }
 

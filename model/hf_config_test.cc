@@ -270,6 +270,62 @@ TEST(HfConfigTest, DeepseekV3) {
   EXPECT_EQ(d.dense_intermediate_size(), inter);
   EXPECT_EQ(d.moe_intermediate_size(), mi);
   EXPECT_EQ(d.head_dim(), nope + rope);
+
+  // What the workers compute: DeepseekV3TopkRouter and MLA.
+  EXPECT_TRUE(bias.frozen());  // A buffer in HF.
+  EXPECT_FALSE(m.at("model.layers.3.moe.gate.weight").frozen());
+  EXPECT_EQ(d.router_scoring(), v1::ROUTER_SIGMOID_GROUP_LIMITED);
+  EXPECT_EQ(d.n_group(), 8);
+  EXPECT_EQ(d.topk_group(), 4);
+  EXPECT_EQ(d.routed_scaling_factor(), 2.5);
+  EXPECT_TRUE(d.norm_topk_prob());
+  const v1::AttentionSpec& at = d.attention();
+  EXPECT_EQ(at.mla().q_lora_rank(), q_lora);
+  EXPECT_EQ(at.mla().kv_lora_rank(), kv_lora);
+  EXPECT_EQ(at.mla().qk_nope_head_dim(), nope);
+  EXPECT_EQ(at.mla().qk_rope_head_dim(), rope);
+  EXPECT_EQ(at.mla().v_head_dim(), vhd);
+  EXPECT_EQ(at.rope().type(), "yarn");
+  EXPECT_EQ(at.rope().factor(), 40.0);
+  EXPECT_EQ(at.rope().mscale_all_dim(), 1.0);
+  EXPECT_EQ(at.rope().original_max_position_embeddings(), 4096);
+  EXPECT_TRUE(at.rope().interleaved());  // rope_interleave's default.
+  EXPECT_EQ(at.max_position_embeddings(), 163840);
+  EXPECT_FALSE(at.bias());
+  // 192^-0.5 * (0.1 ln 40 + 1)^2, written out from the config's numbers.
+  const double m_all = 0.1 * 1.0 * std::log(40.0) + 1.0;
+  EXPECT_DOUBLE_EQ(at.softmax_scale(), m_all * m_all / std::sqrt(192.0));
+}
+
+TEST(HfConfigTest, DeepseekRouterAndRopeDefaults) {
+  json j = LoadJson("deepseek_v3.json");
+  for (const char* key : {"n_group", "topk_group", "routed_scaling_factor",
+                          "norm_topk_prob", "rope_scaling"}) {
+    j.erase(key);
+  }
+  j["rope_interleave"] = false;
+  j["num_hidden_layers"] = 4;
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ModelSpec spec, Parse(j));
+  const v1::ModelDims& d = spec.dims();
+  // DeepseekV3Config's defaults.
+  EXPECT_EQ(d.n_group(), 8);
+  EXPECT_EQ(d.topk_group(), 4);
+  EXPECT_EQ(d.routed_scaling_factor(), 2.5);
+  EXPECT_TRUE(d.norm_topk_prob());
+  EXPECT_FALSE(d.attention().rope().interleaved());
+  EXPECT_EQ(d.attention().rope().type(), "default");
+  // No rope scaling: the plain qk_head_dim^-0.5.
+  EXPECT_DOUBLE_EQ(d.attention().softmax_scale(), 1.0 / std::sqrt(192.0));
+
+  j["norm_topk_prob"] = false;
+  j["n_group"] = 4;
+  j["topk_group"] = 5;  // More groups kept than there are.
+  EXPECT_THAT(Parse(j), StatusIs(absl::StatusCode::kInvalidArgument,
+                                 HasSubstr("topk_group")));
+  j["topk_group"] = 1;
+  SHARDD_ASSERT_OK_AND_ASSIGN(spec, Parse(j));
+  EXPECT_FALSE(spec.dims().norm_topk_prob());
+  EXPECT_EQ(spec.dims().topk_group(), 1);
 }
 
 TEST(HfConfigTest, DeepseekWithoutQLora) {

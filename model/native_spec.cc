@@ -167,7 +167,10 @@ absl::StatusOr<v1::ModelDims> ReadDims(const json& v, const std::string& path) {
                                        "norm_topk_prob",
                                        "router_scoring",
                                        "swiglu_limit",
-                                       "swiglu_alpha"}));
+                                       "swiglu_alpha",
+                                       "n_group",
+                                       "topk_group",
+                                       "routed_scaling_factor"}));
   v1::ModelDims d;
   constexpr int64_t kI32 = 2147483647;
   constexpr int64_t kBig = kMaxDim - 1;
@@ -195,6 +198,8 @@ absl::StatusOr<v1::ModelDims> ReadDims(const json& v, const std::string& path) {
       {"num_key_value_heads", kI32,
        [&](int64_t x) { d.set_num_key_value_heads(x); }},
       {"head_dim", kBig, [&](int64_t x) { d.set_head_dim(x); }},
+      {"n_group", kI32, [&](int64_t x) { d.set_n_group(x); }},
+      {"topk_group", kI32, [&](int64_t x) { d.set_topk_group(x); }},
   };
   // Every size is optional and defaults to 0 ("none").
   for (const IntField& f : fields) {
@@ -229,14 +234,17 @@ absl::StatusOr<v1::ModelDims> ReadDims(const json& v, const std::string& path) {
                             ReadString(*it, Sub(path, "router_scoring")));
     if (a == "topk_then_softmax") {
       d.set_router_scoring(v1::ROUTER_TOPK_THEN_SOFTMAX);
+    } else if (a == "sigmoid_group_limited") {
+      d.set_router_scoring(v1::ROUTER_SIGMOID_GROUP_LIMITED);
     } else if (a != "softmax_then_topk") {
       return Bad(Sub(path, "router_scoring"),
                  absl::StrCat("unknown router scoring \"", a,
                               "\"; allowed: softmax_then_topk, "
-                              "topk_then_softmax"));
+                              "topk_then_softmax, sigmoid_group_limited"));
     }
   }
-  for (const char* key : {"swiglu_limit", "swiglu_alpha"}) {
+  for (const char* key :
+       {"swiglu_limit", "swiglu_alpha", "routed_scaling_factor"}) {
     auto it = v.find(key);
     if (it == v.end()) continue;
     if (!it->is_number() || !std::isfinite(it->get<double>()) ||
@@ -247,8 +255,10 @@ absl::StatusOr<v1::ModelDims> ReadDims(const json& v, const std::string& path) {
     }
     if (std::string(key) == "swiglu_limit") {
       d.set_swiglu_limit(it->get<double>());
-    } else {
+    } else if (std::string(key) == "swiglu_alpha") {
       d.set_swiglu_alpha(it->get<double>());
+    } else {
+      d.set_routed_scaling_factor(it->get<double>());
     }
   }
   if (auto it = v.find("tie_word_embeddings"); it != v.end()) {
@@ -511,6 +521,13 @@ std::string ModelSpecToNativeJson(const v1::ModelSpec& model) {
   if (d.norm_topk_prob()) dims["norm_topk_prob"] = true;
   if (d.router_scoring() == v1::ROUTER_TOPK_THEN_SOFTMAX) {
     dims["router_scoring"] = "topk_then_softmax";
+  } else if (d.router_scoring() == v1::ROUTER_SIGMOID_GROUP_LIMITED) {
+    dims["router_scoring"] = "sigmoid_group_limited";
+  }
+  if (d.n_group() != 0) dims["n_group"] = d.n_group();
+  if (d.topk_group() != 0) dims["topk_group"] = d.topk_group();
+  if (d.routed_scaling_factor() != 0) {
+    dims["routed_scaling_factor"] = d.routed_scaling_factor();
   }
   if (d.swiglu_limit() != 0) dims["swiglu_limit"] = d.swiglu_limit();
   if (d.swiglu_alpha() != 0) dims["swiglu_alpha"] = d.swiglu_alpha();
