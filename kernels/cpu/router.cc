@@ -47,12 +47,37 @@ absl::Status ValidateDims(const RouterDims& d) {
     return absl::InvalidArgumentError(absl::StrCat(
         "router top_k must be in [1, experts=", d.experts, "], got ", d.top_k));
   }
+  if (d.scoring == RouterScoring::kSigmoidGroupLimited) {
+    if (d.groups < 1 || d.experts % d.groups != 0 ||
+        d.experts / d.groups < 2) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "router groups must split experts=", d.experts,
+          " into equal groups of at least 2, got ", d.groups));
+    }
+    if (d.top_groups < 1 || d.top_groups > d.groups) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("router top_groups must be in [1, groups=", d.groups,
+                       "], got ", d.top_groups));
+    }
+    if (d.top_k > d.top_groups * (d.experts / d.groups)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "router top_k=", d.top_k, " exceeds the ",
+          d.top_groups * (d.experts / d.groups),
+          " experts of the kept groups"));
+    }
+    if (!std::isfinite(d.scale)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("router scale must be finite, got ", d.scale));
+    }
+  }
   return absl::OkStatus();
 }
 
 bool SameDims(const RouterDims& a, const RouterDims& b) {
   return a.tokens == b.tokens && a.dim == b.dim && a.experts == b.experts &&
-         a.top_k == b.top_k && a.scoring == b.scoring;
+         a.top_k == b.top_k && a.scoring == b.scoring &&
+         a.groups == b.groups && a.top_groups == b.top_groups &&
+         a.scale == b.scale;
 }
 
 // In-place softmax of one row of n logits.
@@ -90,10 +115,56 @@ void TopKRow(const float* probs, int64_t n, int64_t k, int32_t* idx,
   }
 }
 
+// One token of kSigmoidGroupLimited: `logits` [E] in; `scratch` holds
+// 2E + groups + top_groups + 2 floats and `iscratch` top_groups + 2 ints.
+// Writes the K selected experts, their weights and scores and returns the
+// denominator (-1 when not renormalised).
+float SigmoidGroupLimitedRow(const RouterDims& d, const float* logits,
+                             const float* selection_bias, float* scratch,
+                             int32_t* iscratch, int32_t* idx, float* wt,
+                             float* selected) {
+  const int64_t e_count = d.experts, size = e_count / d.groups;
+  float* scores = scratch;
+  float* choice = scores + e_count;
+  float* group_score = choice + e_count;
+  float* kept_val = group_score + d.groups;
+  float* val2 = kept_val + d.top_groups;
+  int32_t* kept = iscratch;
+  int32_t* best2 = kept + d.top_groups;
+  for (int64_t e = 0; e < e_count; ++e) {
+    scores[e] = 1.0f / (1.0f + std::exp(-logits[e]));
+    choice[e] = scores[e] + (selection_bias ? selection_bias[e] : 0.0f);
+  }
+  for (int64_t g = 0; g < d.groups; ++g) {
+    TopKRow(choice + g * size, size, 2, best2, val2);
+    group_score[g] = val2[0] + val2[1];
+  }
+  TopKRow(group_score, d.groups, d.top_groups, kept, kept_val);
+  for (int64_t e = 0; e < e_count; ++e) {
+    bool keep = false;
+    for (int64_t j = 0; j < d.top_groups; ++j) keep |= kept[j] == e / size;
+    if (!keep) choice[e] = 0.0f;
+  }
+  TopKRow(choice, e_count, d.top_k, idx, wt);
+  float sum = 0.0f;
+  for (int64_t j = 0; j < d.top_k; ++j) {
+    selected[j] = scores[idx[j]];
+    sum += selected[j];
+  }
+  // As HF: divide by the sum (+ 1e-20), then scale.
+  const float denom = d.renormalize ? sum + kMinDenominator : -1.0f;
+  for (int64_t j = 0; j < d.top_k; ++j) {
+    wt[j] = d.renormalize ? selected[j] / denom * d.scale
+                          : selected[j] * d.scale;
+  }
+  return denom;
+}
+
 }  // namespace
 
 size_t RouterCache::bytes() const {
-  return CapacityBytes(probs) + CapacityBytes(indices) + CapacityBytes(denom) +
+  return CapacityBytes(probs) + CapacityBytes(row) + CapacityBytes(row_idx) +
+         CapacityBytes(indices) + CapacityBytes(denom) +
          CapacityBytes(d_logits);
 }
 
@@ -106,7 +177,20 @@ absl::Status RouterForward(const RouterDims& dims, const float* x,
 absl::Status RouterForward(const RouterDims& dims, const float* x,
                            const float* w, const float* bias, int32_t* indices,
                            float* weights, RouterCache* cache) {
+  return RouterForward(dims, x, w, bias, /*selection_bias=*/nullptr, indices,
+                       weights, cache);
+}
+
+absl::Status RouterForward(const RouterDims& dims, const float* x,
+                           const float* w, const float* bias,
+                           const float* selection_bias, int32_t* indices,
+                           float* weights, RouterCache* cache) {
   SHARDD_RETURN_IF_ERROR(ValidateDims(dims));
+  if (selection_bias != nullptr &&
+      dims.scoring != RouterScoring::kSigmoidGroupLimited) {
+    return absl::InvalidArgumentError(
+        "router selection_bias is only for the sigmoid group-limited scoring");
+  }
   if (cache == nullptr) {
     return absl::InvalidArgumentError("router cache must not be null");
   }
@@ -132,6 +216,27 @@ absl::Status RouterForward(const RouterDims& dims, const float* x,
         for (int64_t e = 0; e < e_count; ++e) probs[t * e_count + e] += bias[e];
       }
     }
+  }
+  if (dims.scoring == RouterScoring::kSigmoidGroupLimited) {
+    // probs holds the logits; row t's selected scores replace its first
+    // T * K entries once the row is read into the scratch.
+    GrowTo(cache->row, static_cast<size_t>(2 * e_count + dims.groups +
+                                           dims.top_groups + 2 + k));
+    GrowTo(cache->row_idx, static_cast<size_t>(dims.top_groups + 2));
+    float* selected = cache->row.data() + cache->row.size() - k;
+    for (int64_t t = 0; t < t_count; ++t) {
+      int32_t* idx = indices + t * k;
+      cache->denom[t] = SigmoidGroupLimitedRow(
+          dims, probs + t * e_count, selection_bias, cache->row.data(),
+          cache->row_idx.data(), idx, weights + t * k, selected);
+      for (int64_t j = 0; j < k; ++j) {
+        cache->indices[t * k + j] = idx[j];
+        probs[t * k + j] = selected[j];
+      }
+    }
+    cache->dims = dims;
+    cache->has_forward = true;
+    return absl::OkStatus();
   }
   if (dims.scoring == RouterScoring::kTopKThenSoftmax) {
     // probs holds the logits; the weights replace its first T * K entries
@@ -223,6 +328,27 @@ absl::Status RouterBackward(const RouterDims& dims, const float* x,
     float* dl = d_logits + t * e_count;
     std::fill(dl, dl + e_count, 0.0f);
     for (int64_t j = 0; j < k; ++j) dl[idx[j]] = wt[j] * (dwt[j] - dot);
+  }
+  for (int64_t t = 0;
+       t < t_count && dims.scoring == RouterScoring::kSigmoidGroupLimited;
+       ++t) {
+    // w_j = c s_j / D with D = sum_i s_i + 1e-20: dL/ds_j = c / D (dw_j -
+    // sum_i dw_i s_i / D), or c dw_j unnormalised; then sigmoid' = s (1 - s).
+    // Unselected experts (and the selection bias) get nothing.
+    const float* s = cache->probs.data() + t * k;
+    const int32_t* idx = cache->indices.data() + t * k;
+    const float* dwt = d_weights + t * k;
+    const float denom = cache->denom[t];
+    float* dl = d_logits + t * e_count;
+    std::fill(dl, dl + e_count, 0.0f);
+    float dot = 0.0f;
+    if (denom > 0.0f) {
+      for (int64_t j = 0; j < k; ++j) dot += dwt[j] * s[j] / denom;
+    }
+    const float mult = denom > 0.0f ? dims.scale / denom : dims.scale;
+    for (int64_t j = 0; j < k; ++j) {
+      dl[idx[j]] = mult * (dwt[j] - dot) * s[j] * (1.0f - s[j]);
+    }
   }
   for (int64_t t = 0;
        t < t_count && dims.scoring == RouterScoring::kSoftmaxThenTopK; ++t) {

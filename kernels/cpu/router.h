@@ -21,6 +21,20 @@
 //   indices[t, :] = top-k of logits[t, :] (same order and tie rule)
 //   weights[t, :] = softmax(logits[t, indices[t, :]])       (sum to 1)
 //
+// kSigmoidGroupLimited (DeepSeek-V3's DeepseekV3TopkRouter) scores each
+// expert on its own and picks within groups, steered by a selection-only
+// bias c[E] (e_score_correction_bias) that gets no gradient:
+//
+//   s[t, e]       = sigmoid(logits[t, e])
+//   choice[t, e]  = s[t, e] + c[e]
+//   group score   = sum of the 2 largest choices of each of `groups` groups
+//                   of E / groups consecutive experts
+//   kept groups   = the top_groups largest group scores (ties: lower group)
+//   indices[t, :] = top-k of choice with the other groups' entries set to
+//                   0 (not -inf: Hugging Face's masked_fill(..., 0.0))
+//   weights[t, k] = scale * s[t, idx_k] / (sum_j s[t, idx_j] + 1e-20)
+//                   (renormalize), or scale * s[t, idx_k]
+//
 // All arrays are dense, row-major, with the shapes given in brackets. GEMMs
 // run on OpenBLAS, whose thread count is the caller's business
 // (openblas_set_num_threads or OPENBLAS_NUM_THREADS); everything else is a
@@ -38,6 +52,7 @@ namespace kernels {
 enum class RouterScoring {
   kSoftmaxThenTopK,  // Mixtral, Qwen3, NeMo
   kTopKThenSoftmax,  // GPT-OSS
+  kSigmoidGroupLimited,  // DeepSeek-V3
 };
 
 struct RouterDims {
@@ -47,6 +62,12 @@ struct RouterDims {
   int64_t top_k = 0;        // K in [1, E]
   bool renormalize = true;  // Divide the k weights by their sum.
   RouterScoring scoring = RouterScoring::kSoftmaxThenTopK;
+  // kSigmoidGroupLimited: groups divides E into groups of >= 2 experts,
+  // top_groups in [1, groups] with K <= top_groups * E / groups; scale
+  // multiplies the weights (routed_scaling_factor).
+  int64_t groups = 1;
+  int64_t top_groups = 1;
+  float scale = 1.0f;
 };
 
 // What RouterForward saves for RouterBackward, plus backward scratch. Owned
@@ -55,8 +76,11 @@ struct RouterDims {
 struct RouterCache {
   RouterDims dims;           // of the last forward
   bool has_forward = false;  // set by a successful RouterForward
-  // [T, E] softmax output; kTopKThenSoftmax: [T, K] the weights.
+  // [T, E] softmax output; kTopKThenSoftmax: [T, K] the weights;
+  // kSigmoidGroupLimited: [T, K] the selected sigmoid scores.
   std::vector<float> probs;
+  std::vector<float> row;         // kSigmoidGroupLimited forward scratch
+  std::vector<int32_t> row_idx;  // (per token, reused)
   std::vector<int32_t> indices;  // [T, K] copy of the selected experts
   // [T] clamped sum of the selected probs; -1 when not renormalized.
   std::vector<float> denom;
@@ -77,6 +101,14 @@ absl::Status RouterForward(const RouterDims& dims, const float* x,
 // The same with a bias b [E] added to the logits (null: none).
 absl::Status RouterForward(const RouterDims& dims, const float* x,
                            const float* w, const float* bias, int32_t* indices,
+                           float* weights, RouterCache* cache);
+
+// The same with a selection-only bias [E] (kSigmoidGroupLimited's
+// e_score_correction_bias; null: none, and it must be null for the other
+// scorings).
+absl::Status RouterForward(const RouterDims& dims, const float* x,
+                           const float* w, const float* bias,
+                           const float* selection_bias, int32_t* indices,
                            float* weights, RouterCache* cache);
 
 // Backward of RouterForward, given d_weights = dL/dweights [T, K].

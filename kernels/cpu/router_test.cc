@@ -425,6 +425,256 @@ INSTANTIATE_TEST_SUITE_P(Storage, TopKSoftmaxRouterTest,
                            return info.param ? "Bf16" : "Fp32";
                          });
 
+// DeepSeek-V3's router in double: s = sigmoid(x W^T), choice = s + c,
+// groups ranked by the sum of their two best choices, the top_groups kept,
+// others' choices set to 0, top-k of the choices (largest first, ties to
+// the lower index, every sort stable); weights = scale * s / (sum + 1e-20)
+// or scale * s. `fixed` non-null takes the selection from it. `margin`
+// gets the smallest gap between a kept and a dropped group score or a
+// chosen and an unchosen choice (how far the selection is from a tie).
+std::vector<double> RefSigmoidGroup(const RouterDims& dm,
+                                    const std::vector<double>& x,
+                                    const std::vector<double>& w,
+                                    const std::vector<double>& c,
+                                    const int32_t* fixed,
+                                    std::vector<int32_t>* chosen,
+                                    double* margin = nullptr) {
+  const int64_t e_count = dm.experts, size = e_count / dm.groups;
+  std::vector<double> weights(dm.tokens * dm.top_k);
+  if (chosen != nullptr) chosen->assign(dm.tokens * dm.top_k, 0);
+  if (margin != nullptr) *margin = 1e300;
+  auto ranked = [](const std::vector<double>& v) {
+    std::vector<int32_t> order(v.size());
+    for (size_t i = 0; i < v.size(); ++i) order[i] = static_cast<int32_t>(i);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int32_t a, int32_t b) { return v[a] > v[b]; });
+    return order;
+  };
+  for (int64_t t = 0; t < dm.tokens; ++t) {
+    std::vector<double> score(e_count), choice(e_count);
+    for (int64_t e = 0; e < e_count; ++e) {
+      double l = 0.0;
+      for (int64_t j = 0; j < dm.dim; ++j) {
+        l += x[t * dm.dim + j] * w[e * dm.dim + j];
+      }
+      score[e] = 1.0 / (1.0 + std::exp(-l));
+      choice[e] = score[e] + c[e];
+    }
+    std::vector<double> group(dm.groups);
+    for (int64_t g = 0; g < dm.groups; ++g) {
+      std::vector<double> members(choice.begin() + g * size,
+                                  choice.begin() + (g + 1) * size);
+      const std::vector<int32_t> order = ranked(members);
+      group[g] = members[order[0]] + members[order[1]];
+    }
+    const std::vector<int32_t> group_order = ranked(group);
+    std::vector<bool> keep(dm.groups, false);
+    for (int64_t j = 0; j < dm.top_groups; ++j) keep[group_order[j]] = true;
+    if (margin != nullptr && dm.top_groups < dm.groups) {
+      *margin = std::min(*margin, group[group_order[dm.top_groups - 1]] -
+                                      group[group_order[dm.top_groups]]);
+    }
+    for (int64_t e = 0; e < e_count; ++e) {
+      if (!keep[e / size]) choice[e] = 0.0;
+    }
+    const std::vector<int32_t> order = ranked(choice);
+    if (margin != nullptr && dm.top_k < e_count) {
+      *margin = std::min(
+          *margin, choice[order[dm.top_k - 1]] - choice[order[dm.top_k]]);
+    }
+    double sum = 0.0;
+    for (int64_t k = 0; k < dm.top_k; ++k) {
+      const int32_t e = fixed ? fixed[t * dm.top_k + k] : order[k];
+      if (chosen != nullptr) (*chosen)[t * dm.top_k + k] = e;
+      sum += score[e];
+    }
+    for (int64_t k = 0; k < dm.top_k; ++k) {
+      const int32_t e = fixed ? fixed[t * dm.top_k + k] : order[k];
+      weights[t * dm.top_k + k] =
+          dm.scale * score[e] / (dm.renormalize ? sum + 1e-20 : 1.0);
+    }
+  }
+  return weights;
+}
+
+// Parameter: bf16 storage (inputs rounded to bf16, fp32 arithmetic).
+class SigmoidGroupRouterTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(SigmoidGroupRouterTest, ForwardAndBackwardMatchTheReference) {
+  const bool bf16 = GetParam();
+  for (const bool renormalize : {true, false}) {
+    for (const int64_t k : {1, 2, 3}) {
+      SCOPED_TRACE(::testing::Message() << "k " << k << " renormalize "
+                                        << renormalize << " bf16 " << bf16);
+      // 8 experts in 4 groups of 2, 2 groups kept (the test config's).
+      RouterDims dm{9, 6, 8, k, renormalize};
+      dm.scoring = RouterScoring::kSigmoidGroupLimited;
+      dm.groups = 4;
+      dm.top_groups = 2;
+      dm.scale = 2.5f;
+      std::vector<float> x = RandomVector(9 * 6, 61, 2.0f);
+      std::vector<float> w = RandomVector(8 * 6, 62);
+      std::vector<float> c = RandomVector(8, 63, 0.3f);
+      if (bf16) {
+        for (std::vector<float>* v : {&x, &w, &c}) {
+          for (float& f : *v) f = RoundToBf16(f);
+        }
+      }
+      std::vector<float> r = RandomVector(9 * k, 64);  // = dL/dweights
+      std::vector<int32_t> idx(9 * k);
+      std::vector<float> wt(9 * k);
+      RouterCache cache;
+      SHARDD_ASSERT_OK(RouterForward(dm, x.data(), w.data(), nullptr,
+                                     c.data(), idx.data(), wt.data(), &cache));
+      std::vector<int32_t> want_idx;
+      double margin = 0.0;
+      const std::vector<double> want =
+          RefSigmoidGroup(dm, ToDouble(x), ToDouble(w), ToDouble(c), nullptr,
+                          &want_idx, &margin);
+      // The selection is discrete: this data keeps every decision at least
+      // 1e-4 from a tie, far above the fp32 rounding of the scores (a few
+      // ulp of 1), so the kernel must choose exactly as the reference.
+      ASSERT_GT(margin, 1e-4);
+      EXPECT_EQ(idx, want_idx);
+      // Scores are sigmoids of 6-term dot products (a few ulp of 1), the
+      // weights a quotient of them times 2.5: 1e-6 absolute on weights
+      // <= 2.5 leaves room for ~10 ulp.
+      for (size_t i = 0; i < wt.size(); ++i) {
+        EXPECT_NEAR(wt[i], want[i], 1e-6) << i;
+      }
+      std::vector<float> dx(9 * 6, 7.0f);  // Overwritten.
+      std::vector<float> dw(8 * 6, 0.0f);
+      SHARDD_ASSERT_OK(RouterBackward(dm, x.data(), w.data(), r.data(),
+                                      dx.data(), false, dw.data(), &cache));
+      // Central differences with the selection fixed, in double: step 1e-3
+      // truncates about 1e-6 |f'''|, far below the 1e-3 relative bound the
+      // fp32 kernel is held to, as the other scorings are.
+      auto fd = [&](bool wrt_x) {
+        std::vector<double> xs = ToDouble(x), ws = ToDouble(w);
+        std::vector<double>& v = wrt_x ? xs : ws;
+        std::vector<double> g(v.size());
+        for (size_t i = 0; i < v.size(); ++i) {
+          const double saved = v[i];
+          double l[2];
+          for (int side = 0; side < 2; ++side) {
+            v[i] = saved + (side == 0 ? 1e-3 : -1e-3);
+            const std::vector<double> out = RefSigmoidGroup(
+                dm, xs, ws, ToDouble(c), idx.data(), nullptr);
+            l[side] = 0.0;
+            for (size_t j = 0; j < out.size(); ++j) l[side] += r[j] * out[j];
+          }
+          v[i] = saved;
+          g[i] = (l[0] - l[1]) / 2e-3;
+        }
+        return g;
+      };
+      const std::vector<double> fd_x = fd(true), fd_w = fd(false);
+      double norm = 0.0;
+      for (double v : fd_w) norm += v * v;
+      if (k == 1 && renormalize) {
+        EXPECT_LT(norm, 1e-12);  // One renormalised weight is always 2.5.
+      } else {
+        EXPECT_GT(norm, 1e-4);  // Not vacuous.
+      }
+      ExpectClose(dx, fd_x, 1e-3, "dx");
+      ExpectClose(dw, fd_w, 1e-3, "dw");
+    }
+  }
+}
+
+TEST_P(SigmoidGroupRouterTest, BiasSelectsWithinKeptGroupsWithoutWeighing) {
+  // x = e_0 and W's first column gives the logits {2, 1.9, -3, -3, 0, 0.1,
+  // -3, -3}: groups {0,1} {2,3} {4,5} {6,7}, one kept.
+  RouterDims dm{1, 2, 8, 2};
+  dm.scoring = RouterScoring::kSigmoidGroupLimited;
+  dm.groups = 4;
+  dm.top_groups = 1;
+  dm.scale = 2.5f;
+  const std::vector<float> logits = {2.0f, 1.9f, -3.0f, -3.0f,
+                                     0.0f, 0.1f, -3.0f, -3.0f};
+  std::vector<float> w(16, 0.0f);
+  for (int e = 0; e < 8; ++e) w[e * 2] = logits[e];
+  if (GetParam()) {
+    for (float& f : w) f = RoundToBf16(f);
+  }
+  const std::vector<float> x = {1.0f, 0.0f};
+  auto sigmoid = [&](int e) { return 1.0 / (1.0 + std::exp(-double(w[e * 2]))); };
+  // Without a bias group 0 wins and both its experts are chosen.
+  std::vector<int32_t> idx(2);
+  std::vector<float> wt(2);
+  RouterCache cache;
+  SHARDD_ASSERT_OK(RouterForward(dm, x.data(), w.data(), nullptr, nullptr,
+                                 idx.data(), wt.data(), &cache));
+  EXPECT_THAT(idx, ElementsAre(0, 1));
+  // A bias of 0.8 on expert 5 makes group 2 the best (0.5 + 0.525 + 0.8 >
+  // 0.881 + 0.870): experts 5 then 4, weighed by their unbiased scores.
+  std::vector<float> c(8, 0.0f);
+  c[5] = 0.8f;
+  SHARDD_ASSERT_OK(RouterForward(dm, x.data(), w.data(), nullptr, c.data(),
+                                 idx.data(), wt.data(), &cache));
+  EXPECT_THAT(idx, ElementsAre(5, 4));
+  const double s5 = sigmoid(5), s4 = sigmoid(4);
+  EXPECT_NEAR(wt[0], 2.5 * s5 / (s4 + s5), 1e-6);
+  EXPECT_NEAR(wt[1], 2.5 * s4 / (s4 + s5), 1e-6);
+  // Unnormalised: the scaled scores themselves.
+  dm.renormalize = false;
+  SHARDD_ASSERT_OK(RouterForward(dm, x.data(), w.data(), nullptr, c.data(),
+                                 idx.data(), wt.data(), &cache));
+  EXPECT_NEAR(wt[0], 2.5 * s5, 1e-6);
+  EXPECT_NEAR(wt[1], 2.5 * s4, 1e-6);
+  // Dropped groups' choices are 0, not -inf: with every choice of the kept
+  // group 0 negative (bias -1: -0.119, -0.130), expert 2 of a dropped group
+  // comes first at 0, as Hugging Face's masked_fill(~mask, 0.0) does.
+  dm.renormalize = true;
+  dm.top_k = 1;
+  std::fill(c.begin(), c.end(), -1.0f);
+  SHARDD_ASSERT_OK(RouterForward(dm, x.data(), w.data(), nullptr, c.data(),
+                                 idx.data(), wt.data(), &cache));
+  EXPECT_EQ(idx[0], 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Storage, SigmoidGroupRouterTest,
+                         ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "Bf16" : "Fp32";
+                         });
+
+TEST(RouterTest, SigmoidGroupLimitedRejectsBadGroups) {
+  std::vector<float> x(12, 0.0f), w(24, 0.0f), wt(6), c(8, 0.0f);
+  std::vector<int32_t> idx(6);
+  RouterCache cache;
+  RouterDims dm{3, 4, 6, 2};
+  dm.scoring = RouterScoring::kSigmoidGroupLimited;
+  dm.groups = 4;  // 6 experts do not split into 4 groups.
+  EXPECT_THAT(RouterForward(dm, x.data(), w.data(), nullptr, nullptr,
+                            idx.data(), wt.data(), &cache),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("groups must split experts=6")));
+  dm.groups = 6;  // Groups of one: no two best.
+  EXPECT_THAT(RouterForward(dm, x.data(), w.data(), nullptr, nullptr,
+                            idx.data(), wt.data(), &cache),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("groups of at least 2")));
+  dm.groups = 3;
+  dm.top_groups = 4;
+  EXPECT_THAT(RouterForward(dm, x.data(), w.data(), nullptr, nullptr,
+                            idx.data(), wt.data(), &cache),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("top_groups must be in [1, groups=3]")));
+  dm.top_groups = 1;
+  dm.top_k = 3;  // One kept group holds 2 experts.
+  EXPECT_THAT(RouterForward(dm, x.data(), w.data(), nullptr, nullptr,
+                            idx.data(), wt.data(), &cache),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("exceeds the 2 experts")));
+  // A selection bias belongs to this scoring only.
+  RouterDims softmax{3, 4, 6, 2};
+  EXPECT_THAT(RouterForward(softmax, x.data(), w.data(), nullptr, c.data(),
+                            idx.data(), wt.data(), &cache),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("selection_bias")));
+}
+
 TEST(RouterTest, AccumulateSemantics) {
   const RouterDims dm{7, 6, 4, 2};
   std::vector<float> x = RandomVector(7 * 6, 41);
