@@ -126,7 +126,7 @@ absl::StatusOr<CheckpointIndex> FromJson(const json& doc) {
   Fields top(doc, "index.json");
   SHARDD_RETURN_IF_ERROR(
       top.CheckObject({"format", "format_version", "step", "data_position",
-                       "saved_by", "files", "tensors"}));
+                       "saved_by", "model", "files", "tensors"}));
   SHARDD_ASSIGN_OR_RETURN(std::string format, top.String("format"));
   if (format != kIndexFormat) {
     return absl::DataLossError(absl::StrCat("index.json.format: \"", format,
@@ -150,6 +150,15 @@ absl::StatusOr<CheckpointIndex> FromJson(const json& doc) {
   SHARDD_ASSIGN_OR_RETURN(index.saved_by.strategy, saved.String("strategy"));
   SHARDD_ASSIGN_OR_RETURN(index.saved_by.world_size, saved.Int("world_size"));
   SHARDD_ASSIGN_OR_RETURN(index.saved_by.mesh, saved.IntMap("mesh"));
+
+  if (auto model = doc.find("model"); model != doc.end()) {
+    if (!model->is_object()) {
+      return absl::DataLossError(
+          absl::StrCat("index.json.model: must be an object, got ",
+                       DescribeJsonValue(*model)));
+    }
+    SHARDD_ASSIGN_OR_RETURN(index.model_spec_json, DumpJson(*model, -1));
+  }
 
   SHARDD_ASSIGN_OR_RETURN(const json* files, top.Array("files"));
   for (size_t i = 0; i < files->size(); ++i) {
@@ -323,6 +332,15 @@ absl::StatusOr<std::string> SerializeIndex(CheckpointIndex index) {
       {"files", files},
       {"tensors", tensors},
   };
+  if (!index.model_spec_json.empty()) {
+    SHARDD_ASSIGN_OR_RETURN(
+        doc["model"], ParseJsonStrict(index.model_spec_json, "model_spec_json",
+                                      absl::StatusCode::kInvalidArgument));
+    if (!doc["model"].is_object()) {
+      return absl::InvalidArgumentError(
+          "model_spec_json: must be one JSON object");
+    }
+  }
   SHARDD_ASSIGN_OR_RETURN(std::string text, DumpJson(doc, 1));
   text.push_back('\n');
   return text;

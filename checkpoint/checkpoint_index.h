@@ -86,6 +86,11 @@ struct CheckpointIndex {
   // Where the data stream resumes; opaque to the checkpoint.
   std::map<std::string, int64_t> data_position;
   SavedBy saved_by;
+  // The model the state belongs to (v1::ModelSpec as proto JSON, one
+  // object); empty when unknown (an import, an older checkpoint).
+  // `shardctl checkpoint export --hf` names tensors and writes config.json
+  // from it.
+  std::string model_spec_json;
   std::vector<FileRecord> files;
   std::map<std::string, TensorRecord> tensors;
 };
@@ -100,7 +105,8 @@ struct CheckpointIndex {
 absl::Status ValidateIndex(CheckpointIndex* index);
 
 // Validates (as above) and serializes as pretty-printed JSON. Errors:
-// those of ValidateIndex; INVALID_ARGUMENT for a name that is not UTF-8.
+// those of ValidateIndex; INVALID_ARGUMENT for a name that is not UTF-8 or
+// a model_spec_json that is not one JSON object.
 absl::StatusOr<std::string> SerializeIndex(CheckpointIndex index);
 
 // Parses and validates index.json text. Errors: DATA_LOSS for malformed

@@ -74,6 +74,28 @@ TEST(CheckpointIndexTest, SerializeParseRoundTrip) {
   EXPECT_EQ(back.tensors.at("model.layers.0.w").chunks[0].begin, 0);
 }
 
+TEST(CheckpointIndexTest, TheModelTravelsAsOneObject) {
+  CheckpointIndex index = SampleIndex();
+  index.model_spec_json = R"({"architecture":"MixtralForCausalLM","dims":{"vocab_size":"64"}})";
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::string text, SerializeIndex(index));
+  SHARDD_ASSERT_OK_AND_ASSIGN(CheckpointIndex back, ParseIndex(text));
+  EXPECT_EQ(back.model_spec_json, index.model_spec_json);
+  // Absent: empty.
+  SHARDD_ASSERT_OK_AND_ASSIGN(text, SerializeIndex(SampleIndex()));
+  EXPECT_EQ(text.find("\"model\""), std::string::npos);
+  SHARDD_ASSERT_OK_AND_ASSIGN(back, ParseIndex(text));
+  EXPECT_TRUE(back.model_spec_json.empty());
+  index.model_spec_json = "[1, 2]";
+  EXPECT_THAT(SerializeIndex(index).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("model_spec_json")));
+  const size_t at = text.find("\"files\"");
+  ASSERT_NE(at, std::string::npos);
+  text.insert(at, "\"model\": 7, ");
+  EXPECT_THAT(ParseIndex(text), StatusIs(absl::StatusCode::kDataLoss,
+                                         HasSubstr("index.json.model")));
+}
+
 TEST(CheckpointIndexTest, OverlappingChunksAreRejected) {
   CheckpointIndex index = SampleIndex();
   index.tensors["model.layers.0.w"].chunks[0].begin = 23;

@@ -72,6 +72,8 @@ const char* NamingName(HfMoeNaming naming) {
       return "Qwen3-MoE";
     case HfMoeNaming::kMixtral:
       return "Mixtral";
+    case HfMoeNaming::kGptOss:
+      return "GPT-OSS";
     default:
       return "none";
   }
@@ -150,9 +152,6 @@ std::string HfExpertName(const HfStyle& style, int64_t layer, int64_t expert,
   return absl::StrCat(kLayersPrefix, layer, ".", style.module, ".experts.",
                       expert, ".", style.proj[proj], ".weight");
 }
-std::string HfRouterName(const HfStyle& style, int64_t layer) {
-  return absl::StrCat(kLayersPrefix, layer, ".", style.module, ".gate.weight");
-}
 std::string GateUpName(int64_t layer) {
   return absl::StrCat(kLayersPrefix, layer, ".moe.experts.gate_and_up_projs");
 }
@@ -205,6 +204,32 @@ void Transpose(const uint8_t* src, int64_t rows, int64_t cols,
                             src_stride, reinterpret_cast<uint64_t*>(dst),
                             dst_stride);
   }
+}
+
+// GPT-OSS's layout of a [..., 2I] tensor whose last dim holds shardd's
+// gate half then up half: column 2j is gate j, column 2j + 1 is up j.
+absl::Status Interleave(HostTensor* t) {
+  const int64_t esize = SafetensorsDTypeBytes(t->dtype);
+  const int64_t len = t->shape.empty() ? 0 : t->shape.back();
+  if (len % 2 != 0 || esize == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor \"", t->name, "\": ", t->dtype, " ", ShapeText(t->shape),
+        " must have an even last dim (gate and up halves)"));
+  }
+  if (len == 0) return absl::OkStatus();
+  const int64_t half = len / 2;
+  std::vector<uint8_t> out(t->bytes.size());
+  const int64_t rows = static_cast<int64_t>(t->bytes.size()) / (len * esize);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* src = t->bytes.data() + r * len * esize;
+    uint8_t* dst = out.data() + r * len * esize;
+    for (int64_t j = 0; j < half; ++j) {
+      std::memcpy(dst + 2 * j * esize, src + j * esize, esize);
+      std::memcpy(dst + (2 * j + 1) * esize, src + (half + j) * esize, esize);
+    }
+  }
+  t->bytes = std::move(out);
+  return absl::OkStatus();
 }
 
 absl::Status CheckUniqueNames(const std::vector<HostTensor>& tensors) {
@@ -407,30 +432,49 @@ absl::StatusOr<std::vector<HostTensor>> ShardToHf(
       out.push_back(std::move(t));
       continue;
     }
-    const bool gate_up = rest == "moe.experts.gate_and_up_projs";
-    const bool down = rest == "moe.experts.down_projs";
-    const bool router = rest == "moe.gate.weight";
-    if (!gate_up && !down && !router) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tensor \"", t.name,
-          "\": has no Hugging Face counterpart in "
-          "Qwen3-MoE or Mixtral naming (only moe.gate.weight, "
-          "moe.experts.gate_and_up_projs and moe.experts.down_projs)"));
-    }
-    if (style == nullptr) {
+    if (style == nullptr && naming != HfMoeNaming::kGptOss) {
       return absl::InvalidArgumentError(
           absl::StrCat("tensor \"", t.name,
                        "\": MoE tensors need an HF naming "
-                       "(Qwen3-MoE or Mixtral), got none"));
+                       "(Qwen3-MoE, Mixtral or GPT-OSS), got none"));
     }
-    if (router) {
+    const std::string moe_rest(rest.substr(4));  // After "moe.".
+    const std::string prefix = absl::StrCat(kLayersPrefix, layer, ".");
+    if (naming == HfMoeNaming::kGptOss) {
+      // Fused experts with interleaved gate/up columns; the router is
+      // mlp.router.
       HostTensor r = std::move(t);
-      r.name = HfRouterName(*style, layer);
+      if (moe_rest == "experts.gate_and_up_projs" ||
+          moe_rest == "experts.gate_up_proj_bias") {
+        SHARDD_RETURN_IF_ERROR(Interleave(&r));
+        r.name = prefix + (moe_rest == "experts.gate_and_up_projs"
+                               ? "mlp.experts.gate_up_proj"
+                               : "mlp.experts.gate_up_proj_bias");
+      } else if (moe_rest == "experts.down_projs") {
+        r.name = prefix + "mlp.experts.down_proj";
+      } else if (absl::StartsWith(moe_rest, "gate.")) {
+        r.name = prefix + "mlp.router." + moe_rest.substr(5);
+      } else {
+        r.name = prefix + "mlp." + moe_rest;
+      }
       out.push_back(std::move(r));
-    } else if (gate_up) {
+      continue;
+    }
+    if (moe_rest == "experts.gate_and_up_projs") {
       layers[layer].first = &t;
-    } else {
+    } else if (moe_rest == "experts.down_projs") {
       layers[layer].second = &t;
+    } else if (absl::StartsWith(moe_rest, "experts.")) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor \"", t.name, "\": has no Hugging Face counterpart in ",
+          NamingName(naming),
+          " naming (its experts hold only gate, up and down weights)"));
+    } else {
+      // The router (moe.gate.weight), shared experts, DeepSeek's
+      // e_score_correction_bias: the same names under the HF MoE module.
+      HostTensor r = std::move(t);
+      r.name = absl::StrCat(prefix, style->module, ".", moe_rest);
+      out.push_back(std::move(r));
     }
   }
   for (const auto& [layer, pair] : layers) {

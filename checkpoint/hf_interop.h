@@ -48,8 +48,12 @@ struct HostTensor {
 
 enum class HfMoeNaming {
   kNone,  // No per-expert tensors or routers.
-  kQwen3Moe,
+  kQwen3Moe,  // Also DeepSeek-V3's.
   kMixtral,
+  // GPT-OSS: mlp.experts.{gate_up_proj [E, D, 2I] with gate/up columns
+  // interleaved, gate_up_proj_bias, down_proj, down_proj_bias}, router
+  // mlp.router.{weight,bias}. Written by ShardToHf only.
+  kGptOss,
 };
 
 // Reads every tensor of an HF checkpoint. `path` is a .safetensors file, a
@@ -83,10 +87,13 @@ absl::StatusOr<std::vector<HostTensor>> HfToShardd(
     std::vector<HostTensor> tensors, HfMoeNaming* naming = nullptr);
 
 // shardd names -> HF `naming` (the inverse of HfToShardd); sorted by name.
-// Errors: INVALID_ARGUMENT for grouped-expert tensors with naming kNone,
-// shapes that are not [E, D, 2I] / [E, I, D] with matching E, D, I, a layer
-// with only one of the two, or other moe.experts tensors (biases) that
-// these namings have no place for.
+// Other tensors of a layer's moe module (shared experts, DeepSeek's
+// gate.e_score_correction_bias) keep their names under the HF MoE module.
+// Errors: INVALID_ARGUMENT for MoE tensors with naming kNone, shapes that
+// are not [E, D, 2I] / [E, I, D] with matching E, D, I, a layer with only
+// one of the two, other moe.experts tensors (biases) that the Qwen3-MoE and
+// Mixtral namings have no place for, a GPT-OSS gate/up tensor with an odd
+// last dim.
 absl::StatusOr<std::vector<HostTensor>> ShardToHf(
     std::vector<HostTensor> tensors, HfMoeNaming naming);
 

@@ -33,6 +33,7 @@
 #include "model/native_spec.h"
 #include "planner/strategy_registry.h"
 #include "checkpoint/consolidate.h"
+#include "checkpoint/hf_export.h"
 #include "checkpoint/hf_interop.h"
 
 namespace shardd {
@@ -515,6 +516,19 @@ absl::Status RunCheckpointConsolidate(const ShardctlArgs& args,
 }
 
 // ---------------------------------------------------------------------------
+// checkpoint export
+
+absl::Status RunCheckpointExport(const ShardctlArgs& args, std::ostream& out) {
+  const absl::Status exported = checkpoint::ExportHfModel(
+      args.checkpoint_path, args.out_path, args.max_shard_bytes);
+  if (!exported.ok()) return exported;
+  out << "Exported " << args.checkpoint_path
+      << " as a Hugging Face model (safetensors and config.json) into "
+      << args.out_path << "\n";
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
 // train
 
 // One `shardctl train --json` line per step.
@@ -792,6 +806,7 @@ int RunShardctl(const std::vector<std::string>& argv, std::ostream& out,
       args->command == ShardctlCommand::kTrain ||
               args->command == ShardctlCommand::kCheckpointList ||
               args->command == ShardctlCommand::kCheckpointConsolidate ||
+              args->command == ShardctlCommand::kCheckpointExport ||
               args->command == ShardctlCommand::kCheckpointSave ||
               args->command == ShardctlCommand::kCheckpointLoad
           ? absl::StatusOr<std::unique_ptr<Backend>>(nullptr)
@@ -817,6 +832,9 @@ int RunShardctl(const std::vector<std::string>& argv, std::ostream& out,
         break;
       case ShardctlCommand::kCheckpointConsolidate:
         status = RunCheckpointConsolidate(*args, out);
+        break;
+      case ShardctlCommand::kCheckpointExport:
+        status = RunCheckpointExport(*args, out);
         break;
       case ShardctlCommand::kCheckpointSave:
         status = RunCheckpointSave(*args, out);

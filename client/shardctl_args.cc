@@ -133,6 +133,8 @@ absl::string_view CommandName(ShardctlCommand command) {
       return "checkpoint list";
     case ShardctlCommand::kCheckpointConsolidate:
       return "checkpoint consolidate";
+    case ShardctlCommand::kCheckpointExport:
+      return "checkpoint export";
     case ShardctlCommand::kCheckpointSave:
       return "checkpoint save";
     case ShardctlCommand::kCheckpointLoad:
@@ -213,6 +215,8 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
   static const auto* checkpoint_list = WithConnection({"--job"});
   static const auto* checkpoint_consolidate =
       new std::set<std::string>{"--checkpoint", "--out", "--hf"};
+  static const auto* checkpoint_export = new std::set<std::string>{
+      "--checkpoint", "--hf", "--max-shard-bytes"};
   static const auto* checkpoint_save = WithConnection({"--job"});
   static const auto* checkpoint_load =
       WithConnection({"--job", "--checkpoint"});
@@ -230,6 +234,8 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
       return *checkpoint_list;
     case ShardctlCommand::kCheckpointConsolidate:
       return *checkpoint_consolidate;
+    case ShardctlCommand::kCheckpointExport:
+      return *checkpoint_export;
     case ShardctlCommand::kCheckpointSave:
       return *checkpoint_save;
     case ShardctlCommand::kCheckpointLoad:
@@ -367,6 +373,16 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
   } else if (flag == "--out") {
     if (value.empty()) return Usage("--out: expected a directory");
     args->out_path = value;
+  } else if (flag == "--hf" &&
+             args->command == ShardctlCommand::kCheckpointExport) {
+    if (value.empty()) {
+      return Usage("--hf: expected the Hugging Face directory to write");
+    }
+    args->out_path = value;
+  } else if (flag == "--max-shard-bytes") {
+    absl::StatusOr<int64_t> n = ParseInt64(flag, value, 1);
+    if (!n.ok()) return n.status();
+    args->max_shard_bytes = *n;
   } else if (flag == "--hf") {
     if (value != "qwen3-moe" && value != "mixtral" && value != "none") {
       return Usage(absl::StrCat(
@@ -532,6 +548,8 @@ absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
     // "checkpoint" takes a subcommand.
     if (argv.size() >= 2 && argv[1] == "consolidate") {
       args.command = ShardctlCommand::kCheckpointConsolidate;
+    } else if (argv.size() >= 2 && argv[1] == "export") {
+      args.command = ShardctlCommand::kCheckpointExport;
     } else if (argv.size() >= 2 && argv[1] == "save") {
       args.command = ShardctlCommand::kCheckpointSave;
     } else if (argv.size() >= 2 && argv[1] == "load") {
@@ -545,7 +563,7 @@ absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
       }
       return Usage(
           absl::StrCat("checkpoint: expected the subcommand 'list', "
-                       "'save', 'load' or 'consolidate', got '",
+                       "'save', 'load', 'consolidate' or 'export', got '",
                        argv.size() >= 2 ? argv[1] : std::string(), "'"));
     }
     first_flag = 2;
@@ -662,6 +680,12 @@ absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
         return Usage(
             "checkpoint load: --coordinator HOST:PORT, --job ID and "
             "--checkpoint NAME are required");
+      }
+      break;
+    case ShardctlCommand::kCheckpointExport:
+      if (args.checkpoint_path.empty() || args.out_path.empty()) {
+        return Usage(
+            "checkpoint export: --checkpoint DIR and --hf OUT are required");
       }
       break;
     case ShardctlCommand::kCheckpointConsolidate:
@@ -939,6 +963,26 @@ files on this machine, holding the whole model in memory; no coordinator.
   --hf NAMING                  export to HF with the expert naming
                                qwen3-moe, mixtral, or none (no MoE layers)
 )";
+    case ShardctlCommand::kCheckpointExport:
+      return R"(Usage: shardctl checkpoint export --checkpoint DIR --hf OUT [--max-shard-bytes N]
+
+Writes the parameters of a committed checkpoint (e.g.
+CHECKPOINT_DIR/j-1/step-00000020, every file verified first) as a Hugging
+Face model directory OUT: safetensors under the architecture's Hugging Face
+names and layouts (per-expert Linear weights for Mixtral, Qwen3-MoE and
+DeepSeek-V3; GPT-OSS's fused interleaved experts) holding the fp32 master
+values, and the config.json the model was trained from.
+`shardctl train --model OUT --init-from OUT` starts from exactly these
+values. Needs a checkpoint saved by this build from a Hugging Face config;
+local: no coordinator.
+
+  --checkpoint DIR             the checkpoint directory (required)
+  --hf OUT                     the directory to write (required)
+  --max-shard-bytes N          split into model-0000K-of-0000N.safetensors
+                               files of at most N bytes of tensor data with
+                               model.safetensors.index.json (default: one
+                               model.safetensors)
+)";
     case ShardctlCommand::kHelp:
       break;
   }
@@ -953,6 +997,7 @@ Commands:
   status       show a coordinator's models, workers and jobs
   checkpoint list   list the committed checkpoints of the jobs
   checkpoint consolidate   rewrite a checkpoint as one rank's, or export HF
+  checkpoint export        a checkpoint as a Hugging Face model directory
   help [CMD]   this text, or a command's flags (also: CMD --help)
 
 Exit codes: 0 success, 1 planning, RPC or training error, 2 usage error.

@@ -25,6 +25,7 @@ enum class ShardctlCommand {
   kTrain,
   kCheckpointList,         // "checkpoint list"
   kCheckpointConsolidate,  // "checkpoint consolidate"
+  kCheckpointExport,       // "checkpoint export"
   kCheckpointSave,         // "checkpoint save"
   kCheckpointLoad,         // "checkpoint load"
 };
@@ -70,9 +71,13 @@ struct ShardctlArgs {
   // checkpoint consolidate: the checkpoint directory (--checkpoint), where
   // the result goes (--out) and, with --hf, the HF naming of the export
   // ("qwen3-moe", "mixtral" or "none"; empty: a shardd checkpoint).
+  // checkpoint export: the checkpoint (--checkpoint), the Hugging Face
+  // directory written (--hf, in out_path) and its shard size
+  // (--max-shard-bytes, 0: one file).
   std::string checkpoint_path;
   std::string out_path;
   std::string hf_naming;
+  int64_t max_shard_bytes = 0;
   // Give up watching when the coordinator sends no event for this long.
   absl::Duration watch_timeout = absl::Minutes(10);
   // plan --timeline-svg: where the live-memory timeline SVG goes (empty:

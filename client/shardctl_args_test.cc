@@ -172,12 +172,12 @@ TEST(ShardctlArgsTest, CheckpointFlagsAndCheckpointList) {
       Parse({"checkpoint", "frobnicate"}),
       StatusIs(
           absl::StatusCode::kInvalidArgument,
-          HasSubstr("subcommand 'list', 'save', 'load' or 'consolidate'")));
+          HasSubstr("subcommand 'list', 'save', 'load', 'consolidate' or 'export'")));
   EXPECT_THAT(
       Parse({"checkpoint"}),
       StatusIs(
           absl::StatusCode::kInvalidArgument,
-          HasSubstr("subcommand 'list', 'save', 'load' or 'consolidate'")));
+          HasSubstr("subcommand 'list', 'save', 'load', 'consolidate' or 'export'")));
   SHARDD_ASSERT_OK_AND_ASSIGN(ShardctlArgs help,
                               Parse({"checkpoint", "list", "--help"}));
   EXPECT_EQ(help.command, ShardctlCommand::kHelp);
@@ -198,6 +198,24 @@ TEST(ShardctlArgsTest, CheckpointFlagsAndCheckpointList) {
   EXPECT_THAT(Parse({"checkpoint", "consolidate", "--checkpoint", "c", "--out",
                      "o", "--hf", "llama"}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--hf")));
+
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      ShardctlArgs exported,
+      Parse({"checkpoint", "export", "--checkpoint", "c/j-1/step-1", "--hf",
+             "out/model", "--max-shard-bytes", "1000"}));
+  EXPECT_EQ(exported.command, ShardctlCommand::kCheckpointExport);
+  EXPECT_EQ(exported.checkpoint_path, "c/j-1/step-1");
+  EXPECT_EQ(exported.out_path, "out/model");
+  EXPECT_EQ(exported.max_shard_bytes, 1000);
+  EXPECT_THAT(Parse({"checkpoint", "export", "--checkpoint", "c"}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--hf")));
+  EXPECT_THAT(Parse({"checkpoint", "export", "--checkpoint", "c", "--hf", "o",
+                     "--max-shard-bytes", "0"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--max-shard-bytes")));
+  EXPECT_THAT(Parse({"checkpoint", "export", "--checkpoint", "c", "--hf", "o",
+                     "--out", "x"}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--out")));
 
   SHARDD_ASSERT_OK_AND_ASSIGN(
       ShardctlArgs save,

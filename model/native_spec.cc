@@ -556,7 +556,9 @@ absl::StatusOr<v1::ModelSpec> ModelSpecFromJson(absl::string_view text) {
         "config.json)");
   }
   if (doc.is_object() && doc.contains("root")) return FromNativeDoc(doc);
-  return ModelSpecFromHfConfig(text);
+  SHARDD_ASSIGN_OR_RETURN(v1::ModelSpec spec, ModelSpecFromHfConfig(text));
+  spec.set_hf_config_json(std::string(text));
+  return spec;
 }
 
 }  // namespace shardd

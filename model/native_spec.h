@@ -22,8 +22,8 @@ absl::StatusOr<v1::ModelSpec> ModelSpecFromNativeJson(absl::string_view json);
 std::string ModelSpecToNativeJson(const v1::ModelSpec& model);
 
 // Parses either format: a document with a top-level "root" member is a native
-// spec, anything else is treated as an HF config.json.
-// Errors: as the two parsers.
+// spec, anything else is treated as an HF config.json, whose text the spec
+// keeps in hf_config_json. Errors: as the two parsers.
 absl::StatusOr<v1::ModelSpec> ModelSpecFromJson(absl::string_view json);
 
 }  // namespace shardd

@@ -14,6 +14,7 @@
 #include "checkpoint/plan_index.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "google/protobuf/util/json_util.h"
 #include "program/step_program.h"
 #include "server/jobs/job_runner.h"
 #include "server/jobs/job_runner_internal.h"
@@ -306,6 +307,14 @@ class JobRunner::Attempt {
     if (saved.ok()) {
       absl::StatusOr<checkpoint::CheckpointIndex> index =
           checkpoint::BuildIndex(spec_.plan, steps_done, files);
+      if (index.ok()) {
+        // The model goes with its weights (checkpoint export --hf).
+        google::protobuf::util::JsonPrintOptions json_options;
+        json_options.preserve_proto_field_names = true;
+        const auto printed = google::protobuf::util::MessageToJsonString(
+            spec_.model, &index->model_spec_json, json_options);
+        if (!printed.ok()) index->model_spec_json.clear();
+      }
       committed = index.ok()
                       ? checkpoint::CommitCheckpoint(job_root_, tmp, *index)
                       : absl::StatusOr<std::string>(index.status());

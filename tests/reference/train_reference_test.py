@@ -10,7 +10,10 @@ CPU workers on loopback then train 3 steps with `shardctl train --init-from
 --data-order strided --json` at 1, 2 and 4 workers under every strategy
 that applies, and the losses and gradient norms of the 3 steps are compared
 with hf_reference_test.py's float64 forward, autograd and
-torch.optim.AdamW with the same hyper-parameters.
+torch.optim.AdamW with the same hyper-parameters. Then the checkpoint
+saved after step 3 goes through `shardctl checkpoint export --hf OUT`, and a
+job started with `--model OUT --init-from OUT` must see the loss the
+reference has after its 3 updates.
 
 Usage: train_reference_test.py BIN_DIR MODEL_DUMP CONFIG.json [...]
   BIN_DIR holds server/shardd-coordinator, worker/shardd-worker and
@@ -150,17 +153,21 @@ def save_hf(directory, params, architecture, dtype, shards):
 
 
 def reference(dims, params, tokens):
-    """(loss, grad_norm) of each step: float64 forward and autograd, then
-    torch.optim.AdamW, on the strided windows the workers read."""
+    """(loss, grad_norm, |grad|_1) of each step: float64 forward and
+    autograd, then torch.optim.AdamW, on the strided windows the workers
+    read; one more entry, without its update, for the weights after
+    STEPS updates (on the first step's batch again, as a job started from
+    them reads it)."""
     p = {n: w.clone().requires_grad_() for n, w in params.items()}
     opt = torch.optim.AdamW(list(p.values()), lr=LR, betas=BETAS, eps=EPS,
                             weight_decay=WEIGHT_DECAY)
     out = []
-    for step in range(STEPS):
+    for step in range(STEPS + 1):
         # Step s reads sequences [s B, (s + 1) B); sequence k is the window
         # of SEQ + 1 tokens at k * SEQ (worker/data/token_file.h, strided).
+        first = (step % STEPS) * BATCH
         rows = [tokens[k * SEQ: k * SEQ + SEQ + 1]
-                for k in range(step * BATCH, (step + 1) * BATCH)]
+                for k in range(first, first + BATCH)]
         batch = {"dims": dims, "batch": BATCH, "seq": SEQ,
                  "inputs": [t for r in rows for t in r[:-1]],
                  "targets": [t for r in rows for t in r[1:]]}
@@ -170,7 +177,8 @@ def reference(dims, params, tokens):
         norm = torch.sqrt(sum((w.grad ** 2).sum() for w in p.values()))
         l1 = sum(w.grad.abs().sum() for w in p.values())
         out.append((loss.item(), norm.item(), l1.item()))
-        opt.step()
+        if step < STEPS:
+            opt.step()
     return out
 
 
@@ -181,8 +189,10 @@ class Cluster:
         self.bin, self.work, self.procs = bin_dir, work, []
         self.logs = []
         data = os.path.join(work, "coordinator")
+        self.checkpoints = os.path.join(work, "checkpoints")
         self.spawn("coordinator", [f"{bin_dir}/server/shardd-coordinator",
                                    "--listen=127.0.0.1:0", f"--data-dir={data}",
+                                   f"--checkpoint-dir={self.checkpoints}",
                                    f"--workers={WORKERS}"])
         port_file = os.path.join(data, "coordinator.port")
         deadline = time.time() + 30
@@ -197,6 +207,7 @@ class Cluster:
             self.spawn(f"worker{i}", [f"{bin_dir}/worker/shardd-worker",
                                       f"--coordinator={self.address}",
                                       "--listen=127.0.0.1:0",
+                                      f"--checkpoint-root={self.checkpoints}",
                                       f"--requested-rank={i}"])
         deadline = time.time() + 60
         while True:
@@ -234,6 +245,15 @@ class Cluster:
                                f"{run.stdout}\n{run.stderr}")
         return run
 
+    def shardctl_local(self, args):
+        """A shardctl command that needs no coordinator."""
+        argv = [f"{self.bin}/client/shardctl"] + args
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        if run.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} exited {run.returncode}:\n"
+                               f"{run.stdout}\n{run.stderr}")
+        return run
+
     def worker_log_sizes(self):
         return [os.path.getsize(log) for log in self.logs[1:]]
 
@@ -261,9 +281,11 @@ class Cluster:
                 proc.wait()
 
 
-def train(cluster, config, init_from, data, world, strategy, mixed):
+def train(cluster, config, init_from, data, world, strategy, mixed,
+          steps=STEPS, extra=()):
+    """(loss, grad_norm) per step, and the checkpoints the job saved."""
     args = ["train", "--model", config, "--init-from", init_from,
-            "--data", data, "--data-order", "strided", "--steps", str(STEPS),
+            "--data", data, "--data-order", "strided", "--steps", str(steps),
             "--global-batch", str(BATCH), "--seq", str(SEQ), "--lr", str(LR),
             "--beta1", str(BETAS[0]), "--beta2", str(BETAS[1]),
             "--eps", str(EPS), "--weight-decay", str(WEIGHT_DECAY),
@@ -271,12 +293,13 @@ def train(cluster, config, init_from, data, world, strategy, mixed):
             "--json"]
     if not mixed:
         args.append("--no-mixed-precision")
-    run = cluster.shardctl(args)
-    steps = [json.loads(line) for line in run.stdout.splitlines()
+    run = cluster.shardctl(args + list(extra))
+    lines = [json.loads(line) for line in run.stdout.splitlines()
              if line.startswith('{"event":"step"')]
-    if [s["step"] for s in steps] != list(range(1, STEPS + 1)):
-        raise RuntimeError(f"expected {STEPS} step lines:\n{run.stdout}")
-    return [(s["loss"], s["grad_norm"]) for s in steps]
+    if [s["step"] for s in lines] != list(range(1, steps + 1)):
+        raise RuntimeError(f"expected {steps} step lines:\n{run.stdout}")
+    return ([(s["loss"], s["grad_norm"]) for s in lines],
+            [s["checkpoint"] for s in lines if "checkpoint" in s])
 
 
 # Which HF layout each config is written in: (dtype, files).
@@ -331,8 +354,8 @@ def main():
                 runs += [(2, "default", True)]
                 for world, strategy, mixed in runs:
                     sizes = cluster.worker_log_sizes()
-                    got = train(cluster, config, hf_dir, data, world, strategy,
-                                mixed)
+                    got, _ = train(cluster, config, hf_dir, data, world,
+                                   strategy, mixed)
                     bound = BF16_BOUND if mixed else FP32_BOUND
                     # Errors relative to each check's own bound.
                     errs, ratios, flips = [], [], 0.0
@@ -367,6 +390,23 @@ def main():
                           f"{read} of {total_bytes} checkpoint bytes read")
                     if status == "FAIL":
                         print("    shardd", got, "\n    reference", want)
+                # Export the state after 3 steps and start from it.
+                _, saved = train(cluster, config, hf_dir, data, 2, "default",
+                                 False, extra=["--checkpoint-every", str(STEPS)])
+                out = os.path.join(work, name + ".export")
+                cluster.shardctl_local(["checkpoint", "export", "--checkpoint",
+                                        os.path.join(cluster.checkpoints, saved[-1]),
+                                        "--hf", out])
+                resumed, _ = train(cluster, out, out, data, 1, "default", False,
+                                   steps=1)
+                err = abs(resumed[0][0] - want[STEPS][0]) / abs(want[STEPS][0])
+                checks += 1
+                worst_fp32 = max(worst_fp32, err)
+                status = "ok" if err <= FP32_BOUND else "FAIL"
+                failures += status == "FAIL"
+                print(f"  {status} checkpoint export --hf, then --init-from it: "
+                      f"loss {resumed[0][0]:.9f} vs the reference's after "
+                      f"{STEPS} updates {want[STEPS][0]:.9f} (relative {err:.2e})")
         finally:
             cluster.stop()
     print(f"{checks} runs: largest fp32 error {worst_fp32:.2e}, bf16 "
