@@ -24,6 +24,20 @@ reference interleaves shardd's concatenated halves itself (gate column i
 of shardd is HF column 2i, up column i is 2i + 1), so a mix-up of the two
 layouts fails the test.
 
+DeepSeek-V3 (modeling_deepseek_v3.py) adds multi-head latent attention:
+q = q_b_proj(RMSNorm(q_a_proj x)), kv_a_proj_with_mqa x split into the
+latent (kv_a_layernorm, kv_b_proj -> per-head k_nope and v) and one shared
+rope key; both latent norms with DeepseekV3RMSNorm's default eps 1e-6;
+RoPE applied as apply_rotary_pos_emb_interleave does (de-interleave the
+rope dims, then rotate_half), yarn over qk_rope_head_dim; the softmax
+scale qk_head_dim^-0.5 * yarn_get_mscale(factor, mscale_all_dim)^2. Its
+DeepseekV3TopkRouter scores sigmoid(x W^T), chooses on the scores plus
+e_score_correction_bias within the topk_group of n_group groups ranked by
+their two best (others masked to 0), weighs by the unbiased scores
+renormalised and times routed_scaling_factor; a shared SwiGLU expert is
+added, and the first first_k_dense_replace layers are a dense SwiGLU MLP.
+The correction bias is a buffer: no gradient.
+
 Usage: hf_reference_test.py MODEL_DUMP CONFIG.json [CONFIG.json ...]
 """
 
@@ -118,6 +132,97 @@ def rope(x, positions, rope_spec, head_dim):
     return x * (emb.cos() * scale) + rotate_half(x) * (emb.sin() * scale)
 
 
+def rope_interleave(x, positions, rope_spec, head_dim):
+    """apply_rotary_pos_emb_interleave: pairs (2i, 2i+1) -> halves, then
+    rotate_half, so the output is in the de-interleaved order."""
+    lead = x.shape[:-1]
+    x = x.reshape(*lead, head_dim // 2, 2).transpose(-1, -2).reshape(
+        *lead, head_dim)
+    return rope(x, positions, rope_spec, head_dim)
+
+
+def yarn_get_mscale(scale, mscale):
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def deepseek_attention(h, p, pre, d, positions, causal):
+    """DeepseekV3Attention.forward (eager, causal), float64."""
+    b, s, _ = h.shape
+    mla = d["attention"]["mla"]
+    rope_spec = d["attention"]["rope"]
+    hq = int(d["num_attention_heads"])
+    nope, rot = int(mla["qk_nope_head_dim"]), int(mla["qk_rope_head_dim"])
+    dv, kv_lora = int(mla["v_head_dim"]), int(mla["kv_lora_rank"])
+    a = pre + "self_attn."
+    if a + "q_a_proj.weight" in p:
+        q = rms_norm(h @ p[a + "q_a_proj.weight"].T,
+                     p[a + "q_a_layernorm.weight"], 1e-6)
+        q = q @ p[a + "q_b_proj.weight"].T
+    else:
+        q = h @ p[a + "q_proj.weight"].T
+    q = q.view(b, s, hq, nope + rot).transpose(1, 2)
+    q_pass, q_rot = q[..., :nope], q[..., nope:]
+    compressed = h @ p[a + "kv_a_proj_with_mqa.weight"].T
+    k_pass, k_rot = compressed[..., :kv_lora], compressed[..., kv_lora:]
+    k_pass = rms_norm(k_pass, p[a + "kv_a_layernorm.weight"], 1e-6)
+    k_pass = (k_pass @ p[a + "kv_b_proj.weight"].T).view(
+        b, s, hq, nope + dv).transpose(1, 2)
+    k_pass, v = k_pass[..., :nope], k_pass[..., nope:]
+    k_rot = k_rot.view(b, 1, s, rot)
+    if rope_spec.get("interleaved", False):
+        q_rot = rope_interleave(q_rot, positions, rope_spec, rot)
+        k_rot = rope_interleave(k_rot, positions, rope_spec, rot)
+    else:
+        q_rot = rope(q_rot, positions, rope_spec, rot)
+        k_rot = rope(k_rot, positions, rope_spec, rot)
+    k_rot = k_rot.expand(b, hq, s, rot)
+    query = torch.cat((q_pass, q_rot), dim=-1)
+    key = torch.cat((k_pass, k_rot), dim=-1)
+    # From the rope parameters themselves, not the spec's softmax_scale.
+    scaling = (nope + rot) ** -0.5
+    if rope_spec.get("mscale_all_dim"):
+        m = yarn_get_mscale(rope_spec["factor"], rope_spec["mscale_all_dim"])
+        scaling = scaling * m * m
+    probs = torch.softmax(query @ key.transpose(-1, -2) * scaling + causal,
+                          dim=-1)
+    out = (probs @ v).transpose(1, 2).reshape(b, s, hq * dv)
+    return out @ p[a + "o_proj.weight"].T
+
+
+def deepseek_router(h, p, pre, d, stats):
+    """DeepseekV3TopkRouter.forward: (indices, weights) per token."""
+    e_count = p[pre + "moe.gate.weight"].shape[0]
+    n_group, topk_group = int(d["n_group"]), int(d["topk_group"])
+    top_k = int(d["top_k"])
+    scores = torch.sigmoid(h @ p[pre + "moe.gate.weight"].T)  # [B, S, E]
+    flat = scores.reshape(-1, e_count)
+    bias = p[pre + "moe.gate.e_score_correction_bias"]
+
+    def choose(correction):
+        with torch.no_grad():
+            choice = flat + correction.unsqueeze(0)
+            group = choice.view(-1, n_group, e_count // n_group).topk(
+                2, dim=-1)[0].sum(dim=-1)
+            kept = torch.topk(group, k=topk_group, dim=-1, sorted=False)[1]
+            mask = torch.zeros_like(group).scatter_(1, kept, 1)
+            mask = mask.unsqueeze(-1).expand(
+                -1, n_group, e_count // n_group).reshape(-1, e_count)
+            choice = choice.masked_fill(~mask.bool(), 0.0)
+            return torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+
+    chosen = choose(bias)
+    # The bias must change some choices, or it went unchecked.
+    plain = choose(torch.zeros_like(bias))
+    stats["bias_changed"] += int(
+        (chosen.sort(-1)[0] != plain.sort(-1)[0]).any(-1).sum())
+    stats["routed"] += chosen.shape[0]
+    weights = flat.gather(1, chosen)
+    if d.get("norm_topk_prob", False):
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    weights = weights * d["routed_scaling_factor"]
+    return chosen.view(*h.shape[:2], top_k), weights.view(*h.shape[:2], top_k)
+
+
 def interleave(gate, up):
     """shardd's concatenated halves -> Hugging Face's interleaved columns."""
     return torch.stack((gate, up), dim=-1).flatten(-2)
@@ -155,7 +260,8 @@ def forward(dump, p, stats=None):
     """The mean loss; GPT-OSS's clamp counts go to `stats` when given."""
     if stats is None:
         stats = {}
-    for key in ("gate_clamped", "up_clamped", "values"):
+    for key in ("gate_clamped", "up_clamped", "values", "bias_changed",
+                "routed"):
         stats.setdefault(key, 0)
     d = dump["dims"]
     b, s = dump["batch"], dump["seq"]
@@ -179,6 +285,31 @@ def forward(dump, p, stats=None):
     while f"model.layers.{layer}.input_layernorm.weight" in p:
         pre = f"model.layers.{layer}."
         h = rms_norm(x, p[pre + "input_layernorm.weight"], eps)
+        if pre + "self_attn.kv_a_proj_with_mqa.weight" in p:
+            # DeepseekV3DecoderLayer: latent attention, then DeepseekV3MoE
+            # (routed experts + shared expert) or the dense DeepseekV3MLP.
+            x = x + deepseek_attention(h, p, pre, d, positions, causal)
+            h = rms_norm(x, p[pre + "post_attention_layernorm.weight"], eps)
+            if pre + "moe.gate.weight" in p:
+                chosen, weights = deepseek_router(h, p, pre, d, stats)
+                w_gu = p[pre + "moe.experts.gate_and_up_projs"]
+                w_d = p[pre + "moe.experts.down_projs"]
+                inter = w_d.shape[1]
+                for slot in range(top_k):
+                    e = chosen[..., slot]
+                    gu = torch.einsum("bsd,bsdf->bsf", h, w_gu[e])
+                    act = (torch.nn.functional.silu(gu[..., :inter])
+                           * gu[..., inter:])
+                    y = torch.einsum("bsi,bsid->bsd", act, w_d[e])
+                    x = x + weights[..., slot : slot + 1] * y
+                mlp = pre + "moe.shared_experts."
+            else:
+                mlp = pre + "mlp."
+            g = h @ p[mlp + "gate_proj.weight"].T
+            u = h @ p[mlp + "up_proj.weight"].T
+            x = x + (torch.nn.functional.silu(g) * u) @ p[mlp + "down_proj.weight"].T
+            layer += 1
+            continue
         def proj(name, heads):
             y = h @ p[pre + f"self_attn.{name}.weight"].T
             if pre + f"self_attn.{name}.bias" in p:
@@ -260,8 +391,13 @@ def check(dump_binary, config):
             check=True, timeout=120)
         with open(out) as f:
             dump = json.load(f)
+    # Frozen parameters (DeepSeek-V3's e_score_correction_bias, a buffer in
+    # HF) get no gradient, here as in shardd.
+    frozen = {name for name in dump["params"]
+              if name.endswith("e_score_correction_bias")}
     params = {
-        name: torch.tensor(t["values"]).view(t["shape"]).requires_grad_()
+        name: torch.tensor(t["values"]).view(t["shape"]).requires_grad_(
+            name not in frozen)
         for name, t in dump["params"].items()
     }
     stats = {}
@@ -284,7 +420,13 @@ def check(dump_binary, config):
     if not rel <= bound:
         failures += 1
     worst = 0.0
+    for name in frozen:
+        if name in dump["grads"]:
+            print(f"FAIL {name}: frozen, yet shardd wrote a gradient")
+            failures += 1
     for name, tensor in params.items():
+        if name in frozen:
+            continue
         want = tensor.grad.flatten()
         got = torch.tensor(dump["grads"][name])
         err = (got - want).norm().item() / max(want.norm().item(), 1e-30)
@@ -293,6 +435,12 @@ def check(dump_binary, config):
             print(f"FAIL {name}: relative L2 error {err:.2e}")
             failures += 1
     print(f"  {len(params)} gradients, largest relative L2 error {worst:.2e}")
+    if stats["routed"] and frozen:
+        print(f"  e_score_correction_bias changed the experts of "
+              f"{stats['bias_changed']} of {stats['routed']} routed tokens")
+        if stats["bias_changed"] == 0:
+            print("FAIL: the correction bias changed no selection")
+            failures += 1
     if gpt_oss:
         # The clamp must have cut values on both branches, or it went
         # unchecked.

@@ -15,13 +15,16 @@ kernels::AttentionDims SelfAttentionDims(const MoeArchitecture& arch,
   d.q_heads = arch.q_heads;
   d.kv_heads = arch.kv_heads;
   d.head_dim = arch.head_dim;
+  d.v_head_dim = arch.mla ? arch.v_head_dim : 0;  // 0: head_dim
   return d;
 }
 
 kernels::AttentionOptions SelfAttentionOptions(const MoeArchitecture& arch,
                                                const MoeLayerSpec& layer) {
   kernels::AttentionOptions o;
-  o.scale = static_cast<float>(1.0 / std::sqrt(double(arch.head_dim)));
+  o.scale = static_cast<float>(arch.softmax_scale > 0
+                                   ? arch.softmax_scale
+                                   : 1.0 / std::sqrt(double(arch.head_dim)));
   o.mask = layer.sliding ? kernels::AttentionMask::kSlidingWindow
                          : kernels::AttentionMask::kCausal;
   o.window = arch.sliding_window;

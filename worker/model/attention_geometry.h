@@ -14,11 +14,13 @@
 
 namespace shardd {
 
-// [batch] sequences of `seq` tokens attending to themselves.
+// [batch] sequences of `seq` tokens attending to themselves (MLA: v heads
+// of v_head_dim).
 kernels::AttentionDims SelfAttentionDims(const MoeArchitecture& arch,
                                          int64_t batch, int64_t seq);
 
-// Scale head_dim^-0.5; causal, or sliding-window for a sliding layer.
+// Scale dims.attention.softmax_scale, or head_dim^-0.5 when unset; causal,
+// or sliding-window for a sliding layer.
 kernels::AttentionOptions SelfAttentionOptions(const MoeArchitecture& arch,
                                                const MoeLayerSpec& layer);
 

@@ -415,6 +415,18 @@ absl::StatusOr<std::unique_ptr<DeviceMoeModel>> DeviceMoeModel::Create(
         "dims.activation: the GPU model does not compute the clamped "
         "swiglu_oai activation (GPT-OSS) yet; train it on CPU workers");
   }
+  // DeepSeek-V3's parts likewise.
+  if (arch.mla) {
+    return absl::InvalidArgumentError(
+        "dims.attention.mla: the GPU model does not compute multi-head latent "
+        "attention (DeepSeek-V3) yet; train it on CPU workers");
+  }
+  if (arch.router_scoring == kernels::RouterScoring::kSigmoidGroupLimited) {
+    return absl::InvalidArgumentError(
+        "dims.router_scoring: the GPU router does not compute the sigmoid "
+        "group-limited router with its e_score_correction_bias (DeepSeek-V3) "
+        "yet; train it on CPU workers");
+  }
   if (arch.router_scoring != kernels::RouterScoring::kSoftmaxThenTopK) {
     return absl::InvalidArgumentError(
         "dims.router_scoring: the GPU router does not compute top-k then "

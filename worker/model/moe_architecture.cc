@@ -1,8 +1,11 @@
 #include "worker/model/moe_architecture.h"
 
+#include <cmath>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -15,6 +18,113 @@ namespace {
 absl::Status Expect(bool ok, absl::string_view what) {
   if (ok) return absl::OkStatus();
   return absl::InvalidArgumentError(what);
+}
+
+using TakeFn = std::function<absl::StatusOr<ArchTensor>(
+    const std::string&, std::vector<int64_t>)>;
+
+// DeepSeek-V3's multi-head latent attention of layer l, with the geometry
+// from dims.attention.mla.
+absl::Status ReadMlaLayer(const v1::ModelDims& dims, int l, const TakeFn& take,
+                          MoeArchitecture* arch, MoeLayerSpec* layer) {
+  const v1::MlaSpec& mla = dims.attention().mla();
+  const int64_t hq = dims.num_attention_heads(), d = arch->dim;
+  const int64_t rq = mla.q_lora_rank(), rkv = mla.kv_lora_rank();
+  const int64_t nope = mla.qk_nope_head_dim(), rope = mla.qk_rope_head_dim();
+  const int64_t dv = mla.v_head_dim();
+  if (hq < 1 || rq < 0 || rkv < 1 || nope < 1 || rope < 2 || rope % 2 != 0 ||
+      dv < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "dims.attention.mla: layer ", l,
+        " has latent attention (kv_a_proj_with_mqa), which needs "
+        "num_attention_heads >= 1, q_lora_rank >= 0, kv_lora_rank >= 1, "
+        "qk_nope_head_dim >= 1, an even qk_rope_head_dim >= 2 and "
+        "v_head_dim >= 1; got ",
+        hq, ", ", rq, ", ", rkv, ", ", nope, ", ", rope, ", ", dv));
+  }
+  arch->mla = true;
+  arch->q_heads = hq;
+  arch->kv_heads = hq;  // k_rope is broadcast to every head.
+  arch->head_dim = nope + rope;
+  arch->q_lora_rank = rq;
+  arch->kv_lora_rank = rkv;
+  arch->nope_head_dim = nope;
+  arch->rope_head_dim = rope;
+  arch->v_head_dim = dv;
+  layer->has_attention = true;
+  layer->mla = true;
+  const std::string p = absl::StrCat("model.layers.", l, ".self_attn.");
+  const int64_t qk = nope + rope;
+  const bool bias = dims.attention().bias();
+  if (rq > 0) {
+    SHARDD_ASSIGN_OR_RETURN(layer->q_a_proj, take(p + "q_a_proj.weight", {rq, d}));
+    SHARDD_ASSIGN_OR_RETURN(layer->q_a_norm, take(p + "q_a_layernorm.weight", {rq}));
+    SHARDD_ASSIGN_OR_RETURN(layer->q_b_proj,
+                            take(p + "q_b_proj.weight", {hq * qk, rq}));
+    if (bias) {
+      SHARDD_ASSIGN_OR_RETURN(layer->q_a_bias, take(p + "q_a_proj.bias", {rq}));
+    }
+  } else {
+    SHARDD_ASSIGN_OR_RETURN(layer->q_proj, take(p + "q_proj.weight", {hq * qk, d}));
+  }
+  SHARDD_ASSIGN_OR_RETURN(layer->kv_a_proj,
+                          take(p + "kv_a_proj_with_mqa.weight", {rkv + rope, d}));
+  SHARDD_ASSIGN_OR_RETURN(layer->kv_a_norm,
+                          take(p + "kv_a_layernorm.weight", {rkv}));
+  SHARDD_ASSIGN_OR_RETURN(layer->kv_b_proj,
+                          take(p + "kv_b_proj.weight", {hq * (nope + dv), rkv}));
+  SHARDD_ASSIGN_OR_RETURN(layer->o_proj, take(p + "o_proj.weight", {d, hq * dv}));
+  layer->attention_bias = bias;
+  if (bias) {
+    SHARDD_ASSIGN_OR_RETURN(layer->kv_a_bias,
+                            take(p + "kv_a_proj_with_mqa.bias", {rkv + rope}));
+    SHARDD_ASSIGN_OR_RETURN(layer->o_bias, take(p + "o_proj.bias", {d}));
+  }
+  SHARDD_ASSIGN_OR_RETURN(
+      layer->post_norm,
+      take(absl::StrCat("model.layers.", l, ".post_attention_layernorm.weight"),
+           {d}));
+  return absl::OkStatus();
+}
+
+// kSigmoidGroupLimited's groups, named by their dims fields.
+absl::Status ReadGroupLimitedRouter(const v1::ModelDims& dims,
+                                    MoeArchitecture* arch) {
+  arch->router_groups = dims.n_group();
+  arch->router_top_groups = dims.topk_group();
+  arch->routed_scaling_factor = static_cast<float>(dims.routed_scaling_factor());
+  for (size_t l = 0; l < arch->layers.size(); ++l) {
+    const MoeLayerSpec& layer = arch->layers[l];
+    if (!layer.has_moe) continue;
+    const int64_t e = layer.experts, g = arch->router_groups;
+    if (g < 1 || e % g != 0 || e / g < 2) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "dims.n_group: the sigmoid group-limited router needs it to split "
+          "the ",
+          e, " experts of layer ", l,
+          " into equal groups of at least 2 (each group is ranked by its two "
+          "best), got ",
+          g));
+    }
+    if (arch->router_top_groups < 1 || arch->router_top_groups > g) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("dims.topk_group: must be in [1, n_group=", g, "], got ",
+                       arch->router_top_groups));
+    }
+    if (arch->top_k > arch->router_top_groups * (e / g)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "dims.top_k: ", arch->top_k, " exceeds the ",
+          arch->router_top_groups * (e / g), " experts of the topk_group=",
+          arch->router_top_groups, " groups searched"));
+    }
+  }
+  if (!(arch->routed_scaling_factor > 0) ||
+      !std::isfinite(arch->routed_scaling_factor)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("dims.routed_scaling_factor: must be > 0, got ",
+                     dims.routed_scaling_factor()));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -98,10 +208,17 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
       arch.activation = kernels::GatedActivation::kSwiGLU;
       break;
   }
-  arch.router_scoring =
-      model.dims().router_scoring() == v1::ROUTER_TOPK_THEN_SOFTMAX
-          ? kernels::RouterScoring::kTopKThenSoftmax
-          : kernels::RouterScoring::kSoftmaxThenTopK;
+  switch (model.dims().router_scoring()) {
+    case v1::ROUTER_TOPK_THEN_SOFTMAX:
+      arch.router_scoring = kernels::RouterScoring::kTopKThenSoftmax;
+      break;
+    case v1::ROUTER_SIGMOID_GROUP_LIMITED:
+      arch.router_scoring = kernels::RouterScoring::kSigmoidGroupLimited;
+      break;
+    default:
+      arch.router_scoring = kernels::RouterScoring::kSoftmaxThenTopK;
+      break;
+  }
   SHARDD_ASSIGN_OR_RETURN(arch.final_norm, take("model.norm.weight", {d}));
   SHARDD_ASSIGN_OR_RETURN(arch.head, take("lm_head.weight", {arch.vocab, d}));
 
@@ -111,7 +228,9 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
     MoeLayerSpec layer;
     SHARDD_ASSIGN_OR_RETURN(layer.norm,
                             take(p + "input_layernorm.weight", {d}));
-    if (tensors.count(p + "self_attn.q_proj.weight") > 0) {
+    if (tensors.count(p + "self_attn.kv_a_proj_with_mqa.weight") > 0) {
+      SHARDD_RETURN_IF_ERROR(ReadMlaLayer(model.dims(), l, take, &arch, &layer));
+    } else if (tensors.count(p + "self_attn.q_proj.weight") > 0) {
       const v1::ModelDims& dims = model.dims();
       const int64_t hq = dims.num_attention_heads();
       const int64_t hkv = dims.num_key_value_heads() > 0
@@ -193,6 +312,29 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
                                    {layer.experts, layer.moe_inter, d}));
       SHARDD_ASSIGN_OR_RETURN(layer.gate,
                               take(p + "moe.gate.weight", {layer.experts, d}));
+      if (tensors.count(p + "moe.gate.e_score_correction_bias") > 0) {
+        layer.selection_bias = true;
+        SHARDD_ASSIGN_OR_RETURN(
+            layer.gate_selection_bias,
+            take(p + "moe.gate.e_score_correction_bias", {layer.experts}));
+      }
+      if (tensors.count(p + "moe.shared_experts.gate_proj.weight") > 0) {
+        // Added to the routed output like a dense branch.
+        layer.has_mlp = true;
+        SHARDD_ASSIGN_OR_RETURN(
+            layer.mlp_gate, take(p + "moe.shared_experts.gate_proj.weight", {}));
+        SHARDD_RETURN_IF_ERROR(Expect(
+            layer.mlp_gate.shape.size() == 2 && layer.mlp_gate.shape[1] == d,
+            absl::StrCat(p, "moe.shared_experts.gate_proj.weight: expected [I, ",
+                         d, "]")));
+        layer.mlp_inter = layer.mlp_gate.shape[0];
+        SHARDD_ASSIGN_OR_RETURN(
+            layer.mlp_up, take(p + "moe.shared_experts.up_proj.weight",
+                               {layer.mlp_inter, d}));
+        SHARDD_ASSIGN_OR_RETURN(
+            layer.mlp_down, take(p + "moe.shared_experts.down_proj.weight",
+                                 {d, layer.mlp_inter}));
+      }
       if (tensors.count(p + "moe.gate.bias") > 0) {
         layer.router_bias = true;
         SHARDD_ASSIGN_OR_RETURN(layer.gate_bias,
@@ -215,6 +357,10 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
       }
     }
     if (tensors.count(p + "mlp.gate_proj.weight") > 0) {
+      if (layer.has_mlp) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "layer ", l, ": has both moe.shared_experts and an mlp"));
+      }
       layer.has_mlp = true;
       SHARDD_ASSIGN_OR_RETURN(layer.mlp_gate,
                               take(p + "mlp.gate_proj.weight", {}));
@@ -239,11 +385,22 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
   }
   if (attention) {
     const v1::AttentionSpec& spec = model.dims().attention();
+    // MLA rotates only the rope part of each head (HF's config.head_dim is
+    // qk_rope_head_dim there).
+    const int64_t rotary = arch.mla ? arch.rope_head_dim : arch.head_dim;
     SHARDD_ASSIGN_OR_RETURN(arch.rope,
-                            ComputeRopeFrequencies(spec.rope(), arch.head_dim));
-    if (static_cast<int64_t>(arch.rope.inv_freq.size()) * 2 > arch.head_dim) {
+                            ComputeRopeFrequencies(spec.rope(), rotary));
+    if (static_cast<int64_t>(arch.rope.inv_freq.size()) * 2 > rotary) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "dims.attention.rope: rotates more dims than ",
+          arch.mla ? "mla.qk_rope_head_dim" : "head_dim"));
+    }
+    arch.softmax_scale = spec.softmax_scale();
+    if (!(arch.softmax_scale >= 0) || !std::isfinite(arch.softmax_scale)) {
       return absl::InvalidArgumentError(
-          "dims.attention.rope: rotates more dims than head_dim");
+          absl::StrCat("dims.attention.softmax_scale: must be >= 0 (0: "
+                       "head_dim^-0.5), got ",
+                       arch.softmax_scale));
     }
     arch.sliding_window = spec.sliding_window();
     arch.max_positions = spec.max_position_embeddings() > 0
@@ -255,6 +412,9 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
   // Hugging Face model as its config says (Mixtral always, Qwen3 with
   // norm_topk_prob).
   arch.renormalize_topk = !attention || arch.norm_topk_prob;
+  if (arch.router_scoring == kernels::RouterScoring::kSigmoidGroupLimited) {
+    SHARDD_RETURN_IF_ERROR(ReadGroupLimitedRouter(model.dims(), &arch));
+  }
   if (arch.layers.empty()) {
     return absl::InvalidArgumentError(
         "the CPU training path needs decoder layers model.layers.N with an "
@@ -264,9 +424,10 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
     return absl::InvalidArgumentError(absl::StrCat(
         "parameter '", tensors.begin()->first,
         "' is not part of the CPU training model (embedding, per-layer "
-        "input_layernorm / self_attn (with biases and sinks) / "
-        "post_attention_layernorm / moe.gate (with bias) / moe.experts (with "
-        "biases) / mlp, model.norm, lm_head)"));
+        "input_layernorm / self_attn (with biases and sinks, or latent "
+        "attention) / post_attention_layernorm / moe.gate (with bias or "
+        "e_score_correction_bias) / moe.experts (with biases) / "
+        "moe.shared_experts / mlp, model.norm, lm_head)"));
   }
   return arch;
 }

@@ -47,6 +47,15 @@ struct MoeLayerSpec {
   bool has_sinks = false;
   ArchTensor sinks;
   bool sliding = false;  // Sliding-window mask (else causal).
+  // DeepSeek-V3's multi-head latent attention (MoeArchitecture's mla dims)
+  // instead of q/k/v_proj: q_a_proj [Rq, D], q_a_layernorm [Rq], q_b_proj
+  // [Hq * (nope + rope), Rq] (or q_proj [Hq * (nope + rope), D] when Rq is
+  // 0), kv_a_proj_with_mqa [Rkv + rope, D], kv_a_layernorm [Rkv], kv_b_proj
+  // [Hq * (nope + Dv), Rkv], o_proj [D, Hq * Dv]; q_a / kv_a biases and
+  // o_proj's with attention_bias.
+  bool mla = false;
+  ArchTensor q_a_proj, q_a_norm, q_b_proj, kv_a_proj, kv_a_norm, kv_b_proj;
+  ArchTensor q_a_bias, kv_a_bias;
   bool has_moe = false;
   ArchTensor gate;  // [E, D]
   ArchTensor w_gu;  // [E, D, 2I]
@@ -55,10 +64,16 @@ struct MoeLayerSpec {
   // down_proj_bias [E, D].
   bool router_bias = false;
   ArchTensor gate_bias;
+  // DeepSeek-V3: moe.gate.e_score_correction_bias [E], the frozen
+  // selection-only bias of the sigmoid group-limited router.
+  bool selection_bias = false;
+  ArchTensor gate_selection_bias;
   bool expert_bias = false;
   ArchTensor b_gu, b_d;
   int64_t experts = 0;
   int64_t moe_inter = 0;
+  // A dense SwiGLU branch beside the experts or alone: mlp, or DeepSeek-V3's
+  // moe.shared_experts (added to the routed output the same way).
   bool has_mlp = false;
   ArchTensor mlp_gate;  // [Im, D]
   ArchTensor mlp_up;    // [Im, D]
@@ -86,7 +101,17 @@ struct MoeArchitecture {
   int64_t q_heads = 0, kv_heads = 0, head_dim = 0;
   int64_t sliding_window = 0;
   int64_t max_positions = 0;
-  RopeFrequencies rope;
+  RopeFrequencies rope;  // Over rope_head_dim for MLA.
+  // dims.attention.softmax_scale (0: head_dim^-0.5).
+  double softmax_scale = 0.0;
+  // MLA (dims.attention.mla): head_dim = nope + rope for q and k, v_head_dim
+  // for v; kv_heads = q_heads.
+  bool mla = false;
+  int64_t q_lora_rank = 0, kv_lora_rank = 0, nope_head_dim = 0,
+          rope_head_dim = 0, v_head_dim = 0;
+  // kSigmoidGroupLimited's groups, kept groups and weight scale.
+  int64_t router_groups = 1, router_top_groups = 1;
+  float routed_scaling_factor = 1.0f;
   // dims.norm_topk_prob, and what the routers do: divide the top-k weights
   // by their sum.
   bool norm_topk_prob = false;
@@ -104,7 +129,9 @@ struct MoeArchitecture {
 // model.layers.N.{input_layernorm, moe.gate, moe.experts, mlp}, model.norm,
 // lm_head, of a spec that passed ValidateModelSpec, with GPT-OSS's
 // attention biases and sinks, router bias and expert biases where the spec
-// has them (or dims.attention says so). Errors: INVALID_ARGUMENT for a
+// has them (or dims.attention says so), and DeepSeek-V3's MLA, sigmoid
+// group-limited router with its frozen selection bias and shared experts.
+// Errors: INVALID_ARGUMENT for a
 // missing or misshapen parameter (naming it and the expected shape), a
 // layer without experts or an MLP, dims.top_k outside [1, experts],
 // SWIGLU_OAI without a positive swiglu_limit / swiglu_alpha, or a parameter

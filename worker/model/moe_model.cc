@@ -15,6 +15,7 @@
 #include "model/model_util.h"
 #include "worker/model/attention_block.h"
 #include "worker/model/command_order.h"
+#include "worker/model/mla_block.h"
 #include "worker/model/moe_architecture.h"
 
 namespace shardd {
@@ -32,6 +33,7 @@ struct LayerActs {
   // Attention layers: the sublayer's activations, the residual after it
   // (the post_attention_layernorm's input) and that norm's inverse RMS.
   AttentionActs attn;
+  MlaActs mla;  // DeepSeek-V3's latent attention instead.
   std::vector<float> x_mid;      // [T, D]
   std::vector<float> post_inv;   // [T]
   std::vector<float> normed;     // [T, D] the MoE / MLP input
@@ -47,7 +49,7 @@ struct LayerActs {
          post_inv.capacity() + normed.capacity() + weights.capacity() +
          dense_out.capacity()) *
             sizeof(float) +
-        attn.bytes() + indices.capacity() * sizeof(int32_t) + router.bytes() +
+        attn.bytes() + mla.bytes() + indices.capacity() * sizeof(int32_t) + router.bytes() +
         experts.bytes() + mlp.bytes());
   }
 };
@@ -86,6 +88,7 @@ struct MoeModel::Impl : MoeArchitecture {
   std::vector<float> scratch2;
   std::vector<float> scratch_td;  // [T, D] activation staging
   std::unique_ptr<AttentionBlock> attention;
+  std::unique_ptr<MlaBlock> mla;
   double loss_sum = 0.0;  // Sum of per-(pass, micro-batch) mean losses.
   int loss_terms = 0;
   int64_t tokens = 0;
@@ -112,6 +115,9 @@ struct MoeModel::Impl : MoeArchitecture {
   kernels::RouterDims RouterDimsOf(const LayerSpec& spec, int64_t t) const {
     kernels::RouterDims dims{t, dim, spec.experts, top_k, renormalize_topk};
     dims.scoring = router_scoring;
+    dims.groups = router_groups;
+    dims.top_groups = router_top_groups;
+    dims.scale = routed_scaling_factor;
     return dims;
   }
 
@@ -150,6 +156,7 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Create(
   impl->acts.resize(options.passes);
   for (PassActs& a : impl->acts) a.layers.resize(impl->layers.size());
   impl->attention = std::make_unique<AttentionBlock>(impl.get());
+  impl->mla = std::make_unique<MlaBlock>(impl.get());
   impl->order = std::make_unique<ModelCommandOrder>(
       options.passes, options.no_grad_passes, options.microbatches,
       impl->LayersWithExperts(), /*per_microbatch=*/false);
@@ -167,7 +174,8 @@ absl::Status MoeModel::SetBatch(int microbatch, const int32_t* inputs,
   Batch& b = m.batches[microbatch];
   for (const LayerSpec& layer : m.layers) {
     if (layer.has_attention) {
-      SHARDD_RETURN_IF_ERROR(m.attention->Prepare(seq));
+      SHARDD_RETURN_IF_ERROR(layer.mla ? m.mla->Prepare(seq)
+                                       : m.attention->Prepare(seq));
       break;
     }
   }
@@ -232,8 +240,12 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
         // reads post_attention_layernorm(x_mid).
         scratch_td.resize(t * dim);
         SHARDD_RETURN_IF_ERROR(
-            attention->Forward(spec, params, la.normed.data(), batch.batch,
-                               batch.seq, &la.attn, scratch_td.data()));
+            spec.mla ? mla->Forward(spec, params, la.normed.data(),
+                                    batch.batch, batch.seq, &la.mla,
+                                    scratch_td.data())
+                     : attention->Forward(spec, params, la.normed.data(),
+                                          batch.batch, batch.seq, &la.attn,
+                                          scratch_td.data()));
         la.x_mid.resize(t * dim);
         for (int64_t i = 0; i < t * dim; ++i) {
           la.x_mid[i] = la.x_in[i] + scratch_td[i];
@@ -265,11 +277,17 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
         if (spec.router_bias) {
           SHARDD_ASSIGN_OR_RETURN(gb, params->Param(spec.gate_bias.name));
         }
+        // DeepSeek-V3's frozen correction bias steers the choice only.
+        const float* selection = nullptr;
+        if (spec.selection_bias) {
+          SHARDD_ASSIGN_OR_RETURN(
+              selection, params->Param(spec.gate_selection_bias.name));
+        }
         la.indices.resize(t * top_k);
         la.weights.resize(t * top_k);
         SHARDD_RETURN_IF_ERROR(kernels::RouterForward(
-            RouterDimsOf(spec, t), la.normed.data(), gw, gb, la.indices.data(),
-            la.weights.data(), &la.router));
+            RouterDimsOf(spec, t), la.normed.data(), gw, gb, selection,
+            la.indices.data(), la.weights.data(), &la.router));
       } else {
         // Dense layer: the residual add happens here.
         for (int64_t i = 0; i < t * dim; ++i) a.x[i] += la.dense_out[i];
@@ -445,9 +463,12 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
             a.dx.data(), dpost, /*accumulate_dx=*/true));
         SHARDD_RETURN_IF_ERROR(AddGrad(params, spec.post_norm, dpost));
         // a.dn becomes the gradient of input_layernorm's output.
-        SHARDD_RETURN_IF_ERROR(attention->Backward(spec, params, la.attn,
-                                                   batch.batch, batch.seq,
-                                                   a.dx.data(), a.dn.data()));
+        SHARDD_RETURN_IF_ERROR(
+            spec.mla ? mla->Backward(spec, params, la.mla, batch.batch,
+                                     batch.seq, a.dx.data(), a.dn.data())
+                     : attention->Backward(spec, params, la.attn, batch.batch,
+                                           batch.seq, a.dx.data(),
+                                           a.dn.data()));
       }
       float* dnorm = Zeroed(&scratch, dim);  // Dropped by AddGrad if frozen.
       // Residual: d(x_in) = d(x_out) + RMSNorm'(d normed).
