@@ -158,8 +158,12 @@ def reference(dims, params, tokens):
     read; one more entry, without its update, for the weights after
     STEPS updates (on the first step's batch again, as a job started from
     them reads it)."""
-    p = {n: w.clone().requires_grad_() for n, w in params.items()}
-    opt = torch.optim.AdamW(list(p.values()), lr=LR, betas=BETAS, eps=EPS,
+    # DeepSeek-V3's e_score_correction_bias is a buffer in HF and frozen in
+    # shardd: no gradient, no update, not in the gradient norm.
+    p = {n: w.clone().requires_grad_(not n.endswith("e_score_correction_bias"))
+         for n, w in params.items()}
+    trainable = [w for w in p.values() if w.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=LR, betas=BETAS, eps=EPS,
                             weight_decay=WEIGHT_DECAY)
     out = []
     for step in range(STEPS + 1):
@@ -174,8 +178,8 @@ def reference(dims, params, tokens):
         opt.zero_grad()
         loss = forward(batch, p)
         loss.backward()
-        norm = torch.sqrt(sum((w.grad ** 2).sum() for w in p.values()))
-        l1 = sum(w.grad.abs().sum() for w in p.values())
+        norm = torch.sqrt(sum((w.grad ** 2).sum() for w in trainable))
+        l1 = sum(w.grad.abs().sum() for w in trainable)
         out.append((loss.item(), norm.item(), l1.item()))
         if step < STEPS:
             opt.step()
