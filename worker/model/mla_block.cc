@@ -59,9 +59,9 @@ absl::Status MlaBlock::LinearGrad(ParamSource* params, const ArchTensor& weight,
                                   float* dx, bool accumulate) {
   SHARDD_ASSIGN_OR_RETURN(const float* w, params->Param(weight.name));
   grad_.assign(weight.frozen ? 0 : out * in, 0.0f);
-  SHARDD_RETURN_IF_ERROR(kernels::LinearBackward(
-      x, w, dy, tokens, in, out, dx, accumulate,
-      weight.frozen ? nullptr : grad_.data()));
+  SHARDD_RETURN_IF_ERROR(
+      kernels::LinearBackward(x, w, dy, tokens, in, out, dx, accumulate,
+                              weight.frozen ? nullptr : grad_.data()));
   return AddGrad(params, weight, grad_);
 }
 
@@ -78,21 +78,25 @@ absl::Status MlaBlock::Forward(const MoeLayerSpec& layer, ParamSource* params,
   // Queries.
   acts->q.resize(t * h * qk);
   if (rq > 0) {
-    SHARDD_ASSIGN_OR_RETURN(const float* wqa, params->Param(layer.q_a_proj.name));
-    SHARDD_ASSIGN_OR_RETURN(const float* gqa, params->Param(layer.q_a_norm.name));
-    SHARDD_ASSIGN_OR_RETURN(const float* wqb, params->Param(layer.q_b_proj.name));
+    SHARDD_ASSIGN_OR_RETURN(const float* wqa,
+                            params->Param(layer.q_a_proj.name));
+    SHARDD_ASSIGN_OR_RETURN(const float* gqa,
+                            params->Param(layer.q_a_norm.name));
+    SHARDD_ASSIGN_OR_RETURN(const float* wqb,
+                            params->Param(layer.q_b_proj.name));
     acts->qa.resize(t * rq);
     SHARDD_RETURN_IF_ERROR(
         kernels::LinearForward(n, wqa, t, d, rq, acts->qa.data()));
     if (layer.attention_bias) {
-      SHARDD_ASSIGN_OR_RETURN(const float* b, params->Param(layer.q_a_bias.name));
+      SHARDD_ASSIGN_OR_RETURN(const float* b,
+                              params->Param(layer.q_a_bias.name));
       kernels::AddBias(b, t, rq, acts->qa.data());
     }
     acts->qa_n.resize(t * rq);
     acts->qa_inv.resize(t);
-    SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(
-        acts->qa.data(), gqa, t, rq, kLatentNormEps, acts->qa_n.data(),
-        acts->qa_inv.data()));
+    SHARDD_RETURN_IF_ERROR(
+        kernels::RmsNormForward(acts->qa.data(), gqa, t, rq, kLatentNormEps,
+                                acts->qa_n.data(), acts->qa_inv.data()));
     SHARDD_RETURN_IF_ERROR(kernels::LinearForward(acts->qa_n.data(), wqb, t, rq,
                                                   h * qk, acts->q.data()));
   } else {
@@ -101,14 +105,19 @@ absl::Status MlaBlock::Forward(const MoeLayerSpec& layer, ParamSource* params,
         kernels::LinearForward(n, wq, t, d, h * qk, acts->q.data()));
   }
   // The compressed kv and the shared rope key.
-  SHARDD_ASSIGN_OR_RETURN(const float* wkva, params->Param(layer.kv_a_proj.name));
-  SHARDD_ASSIGN_OR_RETURN(const float* gkv, params->Param(layer.kv_a_norm.name));
-  SHARDD_ASSIGN_OR_RETURN(const float* wkvb, params->Param(layer.kv_b_proj.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* wkva,
+                          params->Param(layer.kv_a_proj.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* gkv,
+                          params->Param(layer.kv_a_norm.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* wkvb,
+                          params->Param(layer.kv_b_proj.name));
   const int64_t wa = rkv + rope;
   kva_.resize(t * wa);
-  SHARDD_RETURN_IF_ERROR(kernels::LinearForward(n, wkva, t, d, wa, kva_.data()));
+  SHARDD_RETURN_IF_ERROR(
+      kernels::LinearForward(n, wkva, t, d, wa, kva_.data()));
   if (layer.attention_bias) {
-    SHARDD_ASSIGN_OR_RETURN(const float* b, params->Param(layer.kv_a_bias.name));
+    SHARDD_ASSIGN_OR_RETURN(const float* b,
+                            params->Param(layer.kv_a_bias.name));
     kernels::AddBias(b, t, wa, kva_.data());
   }
   acts->c.resize(t * rkv);
@@ -119,10 +128,9 @@ absl::Status MlaBlock::Forward(const MoeLayerSpec& layer, ParamSource* params,
   }
   acts->c_n.resize(t * rkv);
   acts->c_inv.resize(t);
-  SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(acts->c.data(), gkv, t, rkv,
-                                                 kLatentNormEps,
-                                                 acts->c_n.data(),
-                                                 acts->c_inv.data()));
+  SHARDD_RETURN_IF_ERROR(
+      kernels::RmsNormForward(acts->c.data(), gkv, t, rkv, kLatentNormEps,
+                              acts->c_n.data(), acts->c_inv.data()));
   const int64_t wb = nope + dv;
   kvb_.resize(t * h * wb);
   SHARDD_RETURN_IF_ERROR(kernels::LinearForward(acts->c_n.data(), wkvb, t, rkv,

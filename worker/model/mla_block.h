@@ -8,11 +8,10 @@
 //   q  = q_b_proj(RMSNorm(q_a_proj n; q_a_layernorm))   [T, H, nope + rope]
 //        (or q_proj n when q_lora_rank is 0)
 //   [c, kr] = kv_a_proj_with_mqa n                      [T, Rkv], [T, rope]
-//   [k_nope, v] = kv_b_proj(RMSNorm(c; kv_a_layernorm)) [T, H, nope], [T, H, Dv]
-//   q[..., nope:], kr = RoPE(...)   (kr: one head shared by every head)
-//   k  = [k_nope, kr]                                   [T, H, nope + rope]
-//   o  = softmax(scale q k^T + causal mask) v           [T, H, Dv]
-//   y  = o_proj o
+//   [k_nope, v] = kv_b_proj(RMSNorm(c; kv_a_layernorm)) [T, H, nope], [T, H,
+//   Dv] q[..., nope:], kr = RoPE(...)   (kr: one head shared by every head) k
+//   = [k_nope, kr]                                   [T, H, nope + rope] o  =
+//   softmax(scale q k^T + causal mask) v           [T, H, Dv] y  = o_proj o
 //
 // The two latent norms use DeepseekV3RMSNorm's default eps 1e-6, not
 // rms_norm_eps (HF builds them without it). RoPE pairs (2i, 2i + 1) with
@@ -32,7 +31,7 @@ namespace shardd {
 
 // What one forward keeps for its backward (one layer, one pass).
 struct MlaActs {
-  std::vector<float> n;                // [T, D] normed input
+  std::vector<float> n;                 // [T, D] normed input
   std::vector<float> qa, qa_inv, qa_n;  // q_a_proj out, inverse RMS, normed
   std::vector<float> c, c_inv, c_n;     // latent kv, inverse RMS, normed
   std::vector<float> q, k, v;           // The attention's inputs
