@@ -19,7 +19,7 @@ steps=${5:-10}
 
 out=$(OPENBLAS_NUM_THREADS=$threads SHARDD_MODEL=$config SHARDD_WORKERS=1 \
   SHARDD_STEPS=$steps SHARDD_TLS=0 SHARDD_BATCH=$batch SHARDD_SEQ=$seq \
-  SHARDD_TRAIN_ARGS="--json" \
+  SHARDD_TRAIN_ARGS="--json" SHARDD_ORDER=1 \
   deploy/local/run.sh 2>&1)
 # The summary line of `shardctl train --json` (the last JSON line).
 shardd=$(grep '^{"event":"summary"' <<<"$out" | /usr/bin/python3 -c \

@@ -742,6 +742,7 @@ absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
     json["final_loss"] = summary.final_loss;
     json["final_window"] = summary.final_window;
     json["data_entropy_rate"] = summary.entropy_rate;
+    json["data_one_token_loss"] = summary.one_token_loss;
     json["gap_percent"] = summary.gap_percent;
     json["tokens"] = summary.tokens;
     json["step_seconds"] = summary.step_seconds;

@@ -209,6 +209,7 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                              "--checkpoint-every",
                                              "--resume-from",
                                              "--init-from",
+                                             "--synthetic-order",
                                              "--loss-svg",
                                              "--max-recoveries",
                                              "--reconnect-timeout"});
@@ -350,6 +351,14 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
           "shardctl checkpoint list)");
     }
     args->train.set_resume_from(value);
+  } else if (flag == "--synthetic-order") {
+    absl::StatusOr<int32_t> n = ParseInt(flag, value, 1);
+    if (!n.ok()) return n.status();
+    if (*n > 64) {
+      return Usage(absl::StrCat("--synthetic-order: must be in [1, 64], got ",
+                                *n));
+    }
+    args->train.set_synthetic_order(*n);
   } else if (flag == "--init-from") {
     if (value.empty()) {
       return Usage(
@@ -866,6 +875,11 @@ Job:
   --data-order O               random (default: each window of --data at a
                                drawn offset) or strided (the file in order,
                                epoch after epoch)
+  --synthetic-order K          without --data: 1, a first-order Markov
+                               chain (default); K >= 2, tokens that also
+                               depend on the token K back, so a model
+                               without attention stays above a known floor
+                               (shown in the summary)
   --seed N                     data and initialization seed (default 0)
   --lr X                       AdamW learning rate (default 0.001)
   --weight-decay X             decoupled weight decay (default 0)

@@ -82,6 +82,7 @@ TrainSummary SummarizeTraining(const std::vector<v1::StepEvent>& events) {
   }
   summary.final_loss = sum / static_cast<double>(summary.final_window);
   summary.entropy_rate = events.back().data_entropy_rate();
+  summary.one_token_loss = events.back().data_one_token_loss();
   if (summary.entropy_rate > 0) {
     summary.gap_percent = 100.0 * (summary.final_loss - summary.entropy_rate) /
                           summary.entropy_rate;
@@ -117,6 +118,16 @@ std::string FormatTrainSummary(const TrainSummary& s) {
                               s.entropy_rate, s.gap_percent));
   } else {
     absl::StrAppend(&out, "  data entropy rate    unknown (token file data)\n");
+  }
+  if (s.one_token_loss > s.entropy_rate + 1e-9 && s.entropy_rate > 0) {
+    absl::StrAppend(
+        &out,
+        absl::StrFormat("  without attention    %.4f nats/token (the floor of "
+                        "a model that sees one token back); %s\n",
+                        s.one_token_loss,
+                        s.final_loss < s.one_token_loss
+                            ? "beaten: attention is at work"
+                            : "not beaten"));
   }
   absl::StrAppend(
       &out,

@@ -44,6 +44,9 @@ struct TrainSummary {
   // From the events; 0 for token-file data (no known floor).
   double entropy_rate = 0;
   double gap_percent = 0;  // 100 * (final_loss - entropy) / entropy.
+  // The floor of a model without attention (sees one previous token); 0
+  // when unknown or equal to entropy_rate (first-order data).
+  double one_token_loss = 0;
   int64_t tokens = 0;
   double step_seconds = 0;
   double tokens_per_second = 0;  // tokens / step_seconds.

@@ -82,6 +82,21 @@ TEST(FormatTrainSummaryTest, SaysWhetherPeaksMatchAndWhenTheFloorIsUnknown) {
   EXPECT_THAT(text, Not(HasSubstr("gap")));
 }
 
+TEST(FormatTrainSummaryTest, ShowsTheAttentionFreeFloorOfOrderKData) {
+  std::vector<v1::StepEvent> events = {Event(1, 3.0), Event(2, 1.1)};
+  // First-order data: the floor equals the best loss and is not shown.
+  events[1].set_data_one_token_loss(1.0);
+  EXPECT_THAT(FormatTrainSummary(SummarizeTraining(events)),
+              Not(HasSubstr("without attention")));
+  events[1].set_data_one_token_loss(2.5);
+  EXPECT_THAT(FormatTrainSummary(SummarizeTraining(events)),
+              HasSubstr("without attention    2.5000 nats/token (the floor of "
+                        "a model that sees one token back); beaten"));
+  events[1].set_loss(2.6);
+  EXPECT_THAT(FormatTrainSummary(SummarizeTraining(events)),
+              HasSubstr("not beaten"));
+}
+
 TEST(TrainProgressTest, PlainLinesAtStepOneEveryNAndTheLast) {
   std::ostringstream out;
   TrainProgress progress(out, /*tty=*/false, 10, 4);

@@ -18,7 +18,8 @@ namespace shardd {
 absl::StatusOr<v1::ModelSpec> ModelSpecFromNativeJson(absl::string_view json);
 
 // Writes a spec in the native format; ModelSpecFromNativeJson reads it back
-// to an equal message.
+// to an equal message, hf_config_json aside (the native format describes
+// the model, not the file it came from).
 std::string ModelSpecToNativeJson(const v1::ModelSpec& model);
 
 // Parses either format: a document with a top-level "root" member is a native

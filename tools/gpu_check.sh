@@ -68,7 +68,7 @@ fi
 if want train; then
   steps=${GPU_CHECK_STEPS:-40}
   for device in cuda cpu; do
-    SHARDD_MODEL=${GPU_CHECK_MODEL:-tests/data/small_moe.json} \
+    SHARDD_MODEL=${GPU_CHECK_MODEL:-tests/data/small_moe.json} SHARDD_ORDER=1 \
       SHARDD_BIN="$root/bin" SHARDD_DEVICE=$device SHARDD_WORKERS=1 SHARDD_TLS=0 \
       SHARDD_STEPS=$steps SHARDD_TRAIN_ARGS=--json \
       SHARDD_PICTURES="$root/pictures-$device" \

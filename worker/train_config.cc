@@ -102,6 +102,17 @@ absl::StatusOr<v1::TrainConfig> ResolveTrainConfig(const v1::TrainConfig& train,
   }
   out.set_data_order(train.data_order().empty() ? "random"
                                                 : train.data_order());
+  if (train.synthetic_order() < 0 || train.synthetic_order() > 64) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "train.synthetic_order: must be in [0, 64] (0 or 1: the Markov "
+        "chain), got ",
+        train.synthetic_order()));
+  }
+  if (train.synthetic_order() > 1 && !train.data_path().empty()) {
+    return absl::InvalidArgumentError(
+        "train.synthetic_order: only for synthetic data, but data_path is "
+        "set");
+  }
   if (!train.init_from().empty() && train.init_from()[0] != '/') {
     return absl::InvalidArgumentError(absl::StrCat(
         "train.init_from: must be an absolute path (every worker reads it), "

@@ -25,7 +25,6 @@
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/kv_gloo_store.h"
 #include "worker/data/batch_sampler.h"
-#include "worker/data/markov_source.h"
 #include "worker/exec/step_runner.h"
 #include "worker/shards/shard_checkpoint.h"
 #include "worker/shards/shard_state_transfer.h"
@@ -310,12 +309,11 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::LoadPlan(
                                : data::OffsetMode::kRandom;
   source_options.model_vocab_size = vocab;
   source_options.seed = train.seed();
+  source_options.synthetic_order = train.synthetic_order();
   SHARDD_ASSIGN_OR_RETURN(std::shared_ptr<const data::SequenceSource> source,
                           data::CreateDataSource(source_options));
-  if (const auto* markov =
-          dynamic_cast<const data::MarkovSource*>(source.get())) {
-    job->entropy_rate = markov->chain().entropy_rate();
-  }
+  job->entropy_rate = source->BestLoss(train.seq_len());
+  job->one_token_loss = source->OneTokenLoss(train.seq_len());
   data::BatchSamplerOptions sampler_options;
   sampler_options.global_batch = train.global_batch();
   sampler_options.seq_len = train.seq_len();
@@ -536,6 +534,7 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::InstallJobLocked(
           ->Snapshot()
           .live[static_cast<int>(MemoryKind::kShardParams)]);
   response.set_data_entropy_rate(job->entropy_rate);
+  response.set_data_one_token_loss(job->one_token_loss);
   response.set_kept_step(kept_step);
   SHARDD_LOG(INFO) << "rank " << job->rank << " loaded plan "
                    << plan.fingerprint() << " (job " << job->job_id

@@ -31,7 +31,8 @@ struct WorkerRuntime::Job {
   int rank = 0;
   int shard_rank = 0;
   int replica_rank = 0;
-  double entropy_rate = 0.0;
+  double entropy_rate = 0.0;    // SequenceSource::BestLoss.
+  double one_token_loss = 0.0;  // SequenceSource::OneTokenLoss.
   std::unique_ptr<data::BatchSampler> sampler;
   std::unique_ptr<Communicator> shard_group;
   std::unique_ptr<Communicator> replicas;

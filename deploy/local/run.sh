@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The README's first command. Installs what is missing, builds, starts a
-# coordinator and 4 CPU workers on loopback, trains a small MoE language
-# model (tests/data/small_moe.json) on synthetic Markov data with FSDP over
-# the 4 workers for a few hundred steps, shows the loss falling toward the
-# data's entropy rate (the best reachable loss), then stops every process
-# it started.
+# coordinator and 4 CPU workers on loopback, trains a small Qwen3-MoE
+# language model (tests/data/small_qwen3_moe.json: attention + MoE) with
+# FSDP over the 4 workers for a few hundred steps on synthetic data of order
+# 3 (worker/data/order_k_source.h), shows the loss falling toward the data's
+# best reachable loss and below the floor of a model without attention,
+# then stops every process it started.
 #
 # Knobs (environment): SHARDD_WORKERS (4), SHARDD_STEPS (300),
 # SHARDD_TRAIN_ARGS (extra `shardctl train` flags, e.g. "--microbatches 2
@@ -12,7 +13,10 @@
 # serves mutual TLS with a throwaway CA from tools/make_test_certs.sh, and
 # clients and workers present their bearer tokens; 0: plaintext, no tokens),
 # SHARDD_MODEL (the model: a native spec or a Hugging Face config.json;
-# default tests/data/small_moe.json), SHARDD_BATCH and SHARDD_SEQ (global
+# default tests/data/small_qwen3_moe.json), SHARDD_ORDER (the synthetic
+# data's order: 3 by default; 1 is a first-order Markov chain, all an
+# attention-free model such as tests/data/small_moe.json can learn),
+# SHARDD_BATCH and SHARDD_SEQ (global
 # batch and sequence length, default 64 and 64), SHARDD_DEVICE (cpu, or cuda: worker i runs on cuda:i over NCCL; needs a
 # --config=cuda build), SHARDD_BIN (a folder of prebuilt binaries laid out as
 # bazel-bin, e.g. gpu_bundle/bin from tools/gpu_bundle.sh; then nothing is
@@ -32,7 +36,8 @@ read -r -a extra_args <<<"${SHARDD_TRAIN_ARGS:-}"
 tls=${SHARDD_TLS:-1}
 
 device=${SHARDD_DEVICE:-cpu}
-model=${SHARDD_MODEL:-tests/data/small_moe.json}
+model=${SHARDD_MODEL:-tests/data/small_qwen3_moe.json}
+order=${SHARDD_ORDER:-3}
 global_batch=${SHARDD_BATCH:-64}
 seq=${SHARDD_SEQ:-64}
 if [[ "$device" != cpu && "$device" != cuda ]]; then
@@ -222,9 +227,13 @@ done
 shardctl status --coordinator "$addr"
 echo
 
-echo "== shardctl train --model $model --steps $steps ${extra_args[*]}"
+# A token file (--data in SHARDD_TRAIN_ARGS) replaces the synthetic data.
+order_args=(--synthetic-order "$order")
+[[ " ${extra_args[*]} " == *" --data "* ]] && order_args=()
+echo "== shardctl train --model $model --steps $steps ${order_args[*]} ${extra_args[*]}"
 shardctl train --coordinator "$addr" --model "$model" \
   --steps "$steps" --global-batch "$global_batch" --seq "$seq" --lr 0.01 --seed 1 \
+  "${order_args[@]}" \
   --loss-svg "$pictures/loss.svg" "${extra_args[@]}"
 echo
 

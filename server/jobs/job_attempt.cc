@@ -502,6 +502,7 @@ class JobRunner::Attempt {
     event.set_all_gathers(all_gathers);
     event.set_reduce_scatters(reduce_scatters);
     event.set_data_entropy_rate(loaded_[0].data_entropy_rate());
+    event.set_data_one_token_loss(loaded_[0].data_one_token_loss());
     event.set_total_steps(total_);
     event.set_done(step + 1 == total_);
     return event;

@@ -9,6 +9,7 @@
 #include "absl/types/span.h"
 #include "common/fingerprint.h"
 #include "common/status_macros.h"
+#include "worker/data/order_k_source.h"
 
 namespace shardd {
 namespace data {
@@ -185,6 +186,20 @@ absl::StatusOr<std::shared_ptr<const SequenceSource>> CreateDataSource(
     SHARDD_ASSIGN_OR_RETURN(
         std::unique_ptr<TokenFileSource> source,
         TokenFileSource::Open(options.path, file_options, source_options));
+    return std::shared_ptr<const SequenceSource>(std::move(source));
+  }
+  if (options.synthetic_order >= 2) {
+    OrderKOptions order_k;
+    order_k.order = options.synthetic_order;
+    order_k.seed = options.seed;
+    SHARDD_ASSIGN_OR_RETURN(std::unique_ptr<OrderKSource> source,
+                            OrderKSource::Create(order_k));
+    if (source->vocab_size() > options.model_vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "synthetic_order: the order-k source's vocabulary (",
+          source->vocab_size(), ") must be <= the model's (",
+          options.model_vocab_size, ")"));
+    }
     return std::shared_ptr<const SequenceSource>(std::move(source));
   }
   MarkovOptions markov = options.markov;

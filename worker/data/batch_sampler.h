@@ -132,10 +132,14 @@ struct DataSourceOptions {
   // Markov chain shape; its vocab_size 0 means min(model_vocab_size,
   // 65536), its seed is replaced by `seed`.
   MarkovOptions markov = {/*vocab_size=*/0};
+  // >= 2 (and no path): the order-k source of order_k_source.h with this
+  // order (its vocabulary must fit the model's) instead of the Markov chain.
+  int32_t synthetic_order = 0;
 };
 
-// Errors: INVALID_ARGUMENT for model_vocab_size < 2 or a Markov vocabulary
-// above it, and the errors of MarkovSource::Create / TokenFileSource::Open.
+// Errors: INVALID_ARGUMENT for model_vocab_size < 2 or a Markov or
+// order-k vocabulary above it, and the errors of MarkovSource::Create /
+// OrderKSource::Create / TokenFileSource::Open.
 absl::StatusOr<std::shared_ptr<const SequenceSource>> CreateDataSource(
     const DataSourceOptions& options);
 

@@ -142,6 +142,11 @@ class MarkovSource : public SequenceSource {
   absl::Status Fill(int64_t index, absl::Span<int32_t> out) const override;
   uint64_t Fingerprint() const override;
   std::string Describe() const override;
+  // First order: both are the entropy rate.
+  double BestLoss(int64_t) const override { return chain_->entropy_rate(); }
+  double OneTokenLoss(int64_t) const override {
+    return chain_->entropy_rate();
+  }
 
  private:
   std::shared_ptr<const MarkovChain> chain_;

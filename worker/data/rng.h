@@ -24,6 +24,8 @@ enum StreamDomain : uint64_t {
   kChainDomain = 1,        // Markov chain construction, index = row.
   kSequenceDomain = 2,     // Markov sequences, index = sequence number.
   kTokenOffsetDomain = 3,  // Token-file window offsets, index = sequence.
+  kOrderKPermutation = 4,  // Order-k source's permutation, index 0.
+  kOrderKSequence = 5,     // Order-k sequences, index = sequence number.
 };
 
 // Seed of an independent stream, keyed by the user seed, a domain tag (so

@@ -35,6 +35,15 @@ class SequenceSource {
 
   // One line for logs, e.g. "markov(vocab=256, branching=4, seed=1)".
   virtual std::string Describe() const = 0;
+
+  // The least mean next-token cross-entropy (nats) any model can reach on
+  // sequences of seq_len + 1 tokens (seq_len targets), when the source
+  // knows it exactly; 0 otherwise (token files).
+  virtual double BestLoss(int64_t seq_len) const { return 0.0; }
+  // The same for a model that sees only the previous token (an
+  // attention-free one): the conditional entropy given one token; 0 when
+  // unknown.
+  virtual double OneTokenLoss(int64_t seq_len) const { return 0.0; }
 };
 
 }  // namespace data
