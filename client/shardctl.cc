@@ -4,8 +4,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 #include <functional>
 #include <memory>
 #include <string>
@@ -23,12 +21,14 @@
 #include "client/plan_printer.h"
 #include "client/plan_timeline.h"
 #include "client/shardctl_args.h"
+#include "client/shardctl_io.h"
+#include "client/shardctl_usage.h"
+#include "client/train_command.h"
 #include "viz/timeline_svg.h"
 #include "client/train_report.h"
 #include "common/grpc_security.h"
 #include "common/job_state_name.h"
 #include "google/protobuf/util/json_util.h"
-#include "nlohmann/json.hpp"
 #include "server/coordinator_service.h"
 #include "model/native_spec.h"
 #include "planner/strategy_registry.h"
@@ -38,10 +38,6 @@
 
 namespace shardd {
 namespace {
-
-// Larger files are refused before parsing (the coordinator's own limit on
-// model descriptions is 16 MiB).
-constexpr size_t kMaxInputFileBytes = size_t{64} << 20;
 
 // Where requests go: a coordinator over gRPC, or a service in this process.
 // Both paths run the same CoordinatorService code, so their plans are equal.
@@ -94,76 +90,12 @@ class LocalBackend final : public Backend {
   CoordinatorService service_;
 };
 
-// The channel security the flags ask for; reads the token file.
-absl::StatusOr<ChannelSecurity> SecurityOf(const ShardctlArgs& args) {
-  ChannelSecurity security;
-  security.tls_ca_file = args.tls_ca_file;
-  security.tls_cert_file = args.tls_cert_file;
-  security.tls_key_file = args.tls_key_file;
-  if (!args.token_file.empty()) {
-    absl::StatusOr<std::string> token =
-        ReadTokenFile(args.token_file, "--token-file");
-    if (!token.ok()) return token.status();
-    security.bearer_token = *std::move(token);
-  }
-  return security;
-}
-
-absl::StatusOr<std::unique_ptr<CoordinatorClient>> ConnectTo(
-    const ShardctlArgs& args) {
-  absl::StatusOr<ChannelSecurity> security = SecurityOf(args);
-  if (!security.ok()) return security.status();
-  return CoordinatorClient::Connect(args.coordinator, args.timeout, *security);
-}
-
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const ShardctlArgs& args) {
   if (args.coordinator.empty()) return std::make_unique<LocalBackend>();
   absl::StatusOr<std::unique_ptr<CoordinatorClient>> client = ConnectTo(args);
   if (!client.ok()) return client.status();
   (*client)->set_call_timeout(args.timeout);
   return std::make_unique<RemoteBackend>(*std::move(client));
-}
-
-absl::StatusOr<std::string> ReadFile(absl::string_view flag,
-                                     const std::string& path) {
-  std::error_code ec;
-  if (flag == "--model" && std::filesystem::is_directory(path, ec)) {
-    // A Hugging Face model directory: its config.json.
-    const std::string config = path + "/config.json";
-    if (!std::filesystem::exists(config, ec)) {
-      return absl::NotFoundError(absl::StrCat(
-          flag, ": directory '", path,
-          "' has no config.json (expected a Hugging Face model directory)"));
-    }
-    return ReadFile(flag, config);
-  }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return absl::NotFoundError(
-        absl::StrCat(flag, ": cannot open '", path, "'"));
-  }
-  std::string text;
-  char buffer[1 << 16];
-  while (in) {
-    in.read(buffer, sizeof(buffer));
-    text.append(buffer, static_cast<size_t>(in.gcount()));
-    if (text.size() > kMaxInputFileBytes) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat(flag, ": '", path, "' is larger than ",
-                       kMaxInputFileBytes, " bytes"));
-    }
-  }
-  if (in.bad()) {
-    return absl::DataLossError(
-        absl::StrCat(flag, ": error reading '", path, "'"));
-  }
-  return text;
-}
-
-std::string BaseName(std::string path) {
-  while (path.size() > 1 && path.back() == '/') path.pop_back();
-  const size_t slash = path.rfind('/');
-  return slash == std::string::npos ? path : path.substr(slash + 1);
 }
 
 absl::StatusOr<std::string> ToJson(const google::protobuf::Message& message) {
@@ -219,19 +151,6 @@ absl::Status RunStrategies(const ShardctlArgs& args, Backend* backend,
 
 // ---- pictures (section: timeline-svg)
 
-// Writes `text` to `path` whole. Errors: INTERNAL naming `flag` and the path.
-absl::Status WriteTextFile(absl::string_view flag, const std::string& path,
-                           const std::string& text) {
-  std::ofstream file(path, std::ios::binary | std::ios::trunc);
-  if (file) file << text;
-  if (file) file.close();
-  if (!file) {
-    return absl::InternalError(
-        absl::StrCat(flag, ": cannot write '", path, "'"));
-  }
-  return absl::OkStatus();
-}
-
 // plan --timeline-svg [--compare-strategy]: draws `plan`'s timeline, with
 // the compared strategy's plan of the same request overlaid.
 absl::Status WritePlanTimelineSvg(const ShardctlArgs& args, Backend* backend,
@@ -274,32 +193,6 @@ absl::Status WritePlanTimelineSvg(const ShardctlArgs& args, Backend* backend,
   return absl::OkStatus();
 }
 
-// train --loss-svg: the loss curve of the finished job.
-absl::Status WriteLossSvg(const ShardctlArgs& args,
-                          const std::string& model_name,
-                          const v1::ShardingPlan& plan, int world_size,
-                          const std::vector<v1::StepEvent>& events,
-                          double entropy_rate, std::ostream* out) {
-  std::vector<std::pair<double, double>> losses;
-  for (const v1::StepEvent& event : events) {
-    losses.push_back({static_cast<double>(event.step()), event.loss()});
-  }
-  if (losses.empty()) {
-    return absl::FailedPreconditionError(
-        "--loss-svg: the job reported no steps");
-  }
-  const ChartSpec chart =
-      LossChart(absl::StrCat(model_name, ": training loss, ", plan.strategy(),
-                             ", world size ", world_size),
-                losses, entropy_rate);
-  absl::StatusOr<std::string> svg = RenderChartSvg(chart);
-  if (!svg.ok()) return svg.status();
-  absl::Status written = WriteTextFile("--loss-svg", args.loss_svg_path, *svg);
-  if (!written.ok()) return written;
-  if (out != nullptr) *out << "Loss curve  " << args.loss_svg_path << "\n";
-  return absl::OkStatus();
-}
-
 absl::Status RunPlan(const ShardctlArgs& args, Backend* backend,
                      std::ostream& out) {
   v1::SubmitModelRequest request;
@@ -309,12 +202,12 @@ absl::Status RunPlan(const ShardctlArgs& args, Backend* backend,
   }
   if (!args.hf_config_path.empty()) {
     absl::StatusOr<std::string> text =
-        ReadFile("--hf-config", args.hf_config_path);
+        ReadInputFile("--hf-config", args.hf_config_path);
     if (!text.ok()) return text.status();
     request.set_hf_config_json(*std::move(text));
     request.set_name(BaseName(args.hf_config_path));
   } else {
-    absl::StatusOr<std::string> text = ReadFile("--model", args.model_path);
+    absl::StatusOr<std::string> text = ReadInputFile("--model", args.model_path);
     if (!text.ok()) return text.status();
     // Parsed here because only this side knows the file may be either
     // format; the coordinator validates the spec again.
@@ -525,260 +418,6 @@ absl::Status RunCheckpointExport(const ShardctlArgs& args, std::ostream& out) {
   out << "Exported " << args.checkpoint_path
       << " as a Hugging Face model (safetensors and config.json) into "
       << args.out_path << "\n";
-  return absl::OkStatus();
-}
-
-// ---------------------------------------------------------------------------
-// train
-
-// One `shardctl train --json` line per step.
-nlohmann::ordered_json StepEventJson(const v1::StepEvent& event) {
-  nlohmann::ordered_json json;
-  json["event"] = "step";
-  json["step"] = event.step();
-  json["loss"] = event.loss();
-  json["grad_norm"] = event.grad_norm();
-  json["tokens"] = event.tokens();
-  json["step_seconds"] = event.step_seconds();
-  json["tokens_per_second"] = event.tokens_per_second();
-  json["peak_unsharded_bytes"] = event.peak_unsharded_bytes();
-  if (!event.checkpoint().empty()) json["checkpoint"] = event.checkpoint();
-  return json;
-}
-
-absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
-  absl::StatusOr<std::unique_ptr<CoordinatorClient>> connected =
-      ConnectTo(args);
-  if (!connected.ok()) return connected.status();
-  CoordinatorClient& client = **connected;
-  client.set_call_timeout(args.timeout);
-
-  std::string model_id = args.model_id;
-  std::string model_name = args.model_id;
-  v1::ShardingPlan plan;
-  v1::ModelSummary model_summary;
-  if (!args.model_path.empty()) {
-    absl::StatusOr<std::string> text = ReadFile("--model", args.model_path);
-    if (!text.ok()) return text.status();
-    absl::StatusOr<v1::ModelSpec> spec = ModelSpecFromJson(*text);
-    if (!spec.ok()) return spec.status();
-    v1::SubmitModelRequest request;
-    *request.mutable_spec() = *std::move(spec);
-    *request.mutable_options() = args.options;
-    request.set_name(BaseName(args.model_path));
-    model_name = request.name();
-    v1::MeshSpec* mesh = request.mutable_options()->mutable_mesh();
-    if (mesh->dp_shard() == 0) {
-      // Default: shard over every live worker.
-      absl::StatusOr<v1::GetStatusResponse> status = client.GetStatus();
-      if (!status.ok()) return status.status();
-      int live = 0;
-      for (const v1::WorkerInfo& worker : status->workers()) {
-        if (worker.alive()) ++live;
-      }
-      if (live == 0) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "--dp: no live workers on the coordinator at ", args.coordinator,
-            "; start shardd-worker processes with --coordinator ",
-            args.coordinator, " (shardctl status lists them)"));
-      }
-      const int replicate = std::max(1, mesh->dp_replicate());
-      if (live % replicate != 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("--replicate: ", replicate, " does not divide the ",
-                         live, " live workers; pass --dp N"));
-      }
-      mesh->set_dp_shard(live / replicate);
-    }
-    absl::StatusOr<v1::SubmitModelResponse> submitted =
-        client.SubmitModel(request);
-    if (!submitted.ok()) return submitted.status();
-    model_id = submitted->model_id();
-    plan = submitted->plan();
-    model_summary = submitted->summary();
-  } else {
-    v1::GetPlanRequest request;
-    request.set_model_id(args.model_id);
-    absl::StatusOr<v1::GetPlanResponse> stored = client.GetPlan(request);
-    if (!stored.ok()) return stored.status();
-    plan = stored->plan();
-    model_summary = stored->summary();
-  }
-
-  v1::SubmitStepRequest step;
-  step.set_model_id(model_id);
-  *step.mutable_config() = args.train;
-  absl::StatusOr<v1::SubmitStepResponse> job = client.SubmitStep(step);
-  if (!job.ok()) return job.status();
-  const v1::TrainConfig& config = args.train;
-
-  if (!args.json) {
-    out << absl::StrFormat("Model   %s (%s, %s parameters), id %s\n",
-                           model_name, plan.architecture(),
-                           HumanCount(model_summary.total_params()), model_id);
-    out << absl::StrFormat(
-        "Plan    strategy %s, %d units, dp_shard %d x dp_replicate %d on %d "
-        "workers\n",
-        plan.strategy(), plan.units_size(), plan.mesh().dp_shard(),
-        plan.mesh().dp_replicate(), job->world_size());
-    out << absl::StrFormat(
-        "Job     %s: %d steps of %d sequences x %d tokens, %d micro-batch%s%s, "
-        "lr %g, %s%s\n",
-        job->job_id(), config.steps(), config.global_batch(), config.seq_len(),
-        std::max(1, config.microbatches()),
-        std::max(1, config.microbatches()) == 1 ? "" : "es",
-        config.defer_grad_sync() ? " (deferred grad sync)" : "", config.lr(),
-        config.data_path().empty()
-            ? absl::StrCat("synthetic Markov data (seed ", config.seed(), ")")
-            : absl::StrCat("data ", config.data_path()),
-        config.fine_grained() ? ", one RPC per command" : "");
-    if (!config.resume_from().empty()) {
-      out << "Resume  from checkpoint " << config.resume_from() << "\n";
-    }
-    out << std::flush;
-  }
-
-  // The committed trajectory: a rollback to a checkpoint drops the steps
-  // after it (they run again).
-  std::vector<v1::StepEvent> events;
-  // Interruptions and recoveries, in order, as printed.
-  std::vector<std::string> incidents;
-  std::string failure;
-  TrainProgress progress(out, tty && !args.json, config.steps(),
-                         args.log_every);
-  int64_t last_step = 0;
-  auto on_event = [&](const v1::StepEvent& event) {
-    if (!event.error().empty()) {
-      failure = event.error();
-      return true;
-    }
-    if (!event.interruption().empty() || !event.recovery().empty()) {
-      const std::string line =
-          event.interruption().empty()
-              ? absl::StrCat("recovered at step ", event.step(), ": ",
-                             event.recovery())
-              : absl::StrCat("interrupted at step ", event.step(), ": ",
-                             event.interruption());
-      incidents.push_back(line);
-      if (!event.recovery().empty()) {
-        while (!events.empty() && events.back().step() > event.step()) {
-          events.pop_back();
-        }
-        last_step = event.step();
-      }
-      if (args.json) {
-        nlohmann::ordered_json line_json;
-        line_json["event"] =
-            event.interruption().empty() ? "recovery" : "interruption";
-        line_json["step"] = event.step();
-        line_json["message"] = event.interruption().empty()
-                                   ? event.recovery()
-                                   : event.interruption();
-        out << line_json.dump() << "\n" << std::flush;
-      } else {
-        progress.Close();
-        out << line << "\n" << std::flush;
-      }
-      return true;
-    }
-    events.push_back(event);
-    last_step = event.step();
-    if (args.json) {
-      out << StepEventJson(event).dump() << "\n" << std::flush;
-    } else {
-      progress.Update(event);
-    }
-    return true;
-  };
-  // A coordinator that went away may be restarting (its jobs go on): keep
-  // watching from the last step seen for up to --reconnect-timeout.
-  absl::Status watched;
-  absl::Time reconnect_deadline = absl::InfiniteFuture();
-  while (true) {
-    v1::WatchStepRequest watch;
-    watch.set_job_id(job->job_id());
-    watch.set_from_step(last_step + 1);
-    const size_t seen = events.size() + incidents.size();
-    watched = client.WatchStep(watch, args.watch_timeout, on_event);
-    const bool lost = absl::IsUnavailable(watched) ||
-                      (absl::IsInternal(watched) &&
-                       absl::StrContains(watched.message(), "stream ended"));
-    if (!lost) break;
-    if (events.size() + incidents.size() > seen) {
-      reconnect_deadline = absl::InfiniteFuture();  // It was making progress.
-    }
-    if (reconnect_deadline == absl::InfiniteFuture()) {
-      reconnect_deadline = absl::Now() + args.reconnect_timeout;
-      if (!args.json) {
-        progress.Close();
-        out << "lost the coordinator (" << watched.message()
-            << "); reconnecting for up to "
-            << absl::FormatDuration(args.reconnect_timeout) << "\n"
-            << std::flush;
-      }
-    }
-    if (absl::Now() >= reconnect_deadline) break;
-    absl::SleepFor(absl::Milliseconds(500));
-  }
-  progress.Close();
-  if (!watched.ok()) {
-    return absl::Status(watched.code(), absl::StrCat("job ", job->job_id(),
-                                                     ": ", watched.message()));
-  }
-  if (!failure.empty()) {
-    // The error names the step, the rank and the cause.
-    return absl::AbortedError(
-        absl::StrCat("job ", job->job_id(), " failed: ", failure));
-  }
-  const TrainSummary summary = SummarizeTraining(events);
-  if (args.json) {
-    nlohmann::ordered_json json;
-    json["event"] = "summary";
-    json["job_id"] = job->job_id();
-    json["model_id"] = model_id;
-    json["world_size"] = job->world_size();
-    json["steps"] = summary.steps;
-    json["first_loss"] = summary.first_loss;
-    json["final_loss"] = summary.final_loss;
-    json["final_window"] = summary.final_window;
-    json["data_entropy_rate"] = summary.entropy_rate;
-    json["data_one_token_loss"] = summary.one_token_loss;
-    json["gap_percent"] = summary.gap_percent;
-    json["tokens"] = summary.tokens;
-    json["step_seconds"] = summary.step_seconds;
-    json["tokens_per_second"] = summary.tokens_per_second;
-    json["peak_unsharded_bytes"] = summary.measured_peak;
-    json["planned_peak_unsharded_bytes"] = summary.planned_peak;
-    json["all_gathers_per_step"] = summary.all_gathers;
-    json["reduce_scatters_per_step"] = summary.reduce_scatters;
-    nlohmann::ordered_json losses = nlohmann::ordered_json::array();
-    for (const v1::StepEvent& event : events) losses.push_back(event.loss());
-    json["losses"] = std::move(losses);
-    nlohmann::ordered_json steps = nlohmann::ordered_json::array();
-    for (const v1::StepEvent& event : events) steps.push_back(event.step());
-    json["step_numbers"] = std::move(steps);
-    nlohmann::ordered_json checkpoints = nlohmann::ordered_json::array();
-    for (const v1::StepEvent& event : events) {
-      if (!event.checkpoint().empty())
-        checkpoints.push_back(event.checkpoint());
-    }
-    json["checkpoints"] = std::move(checkpoints);
-    json["incidents"] = incidents;
-    out << json.dump() << "\n";
-  } else {
-    out << FormatTrainSummary(summary);
-    for (const v1::StepEvent& event : events) {
-      if (!event.checkpoint().empty()) {
-        out << "Checkpoint  " << event.checkpoint() << "\n";
-      }
-    }
-  }
-  if (!args.loss_svg_path.empty()) {
-    absl::Status drawn =
-        WriteLossSvg(args, model_name, plan, job->world_size(), events,
-                     summary.entropy_rate, args.json ? nullptr : &out);
-    if (!drawn.ok()) return drawn;
-  }
   return absl::OkStatus();
 }
 

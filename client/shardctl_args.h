@@ -6,6 +6,7 @@
 // ("--dp 8", "--dp=8").
 
 #include <cstdint>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -101,8 +102,8 @@ struct ShardctlArgs {
 absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
     const std::vector<std::string>& args);
 
-// Help texts: the overview (kHelp) or one command's.
-std::string ShardctlUsage(ShardctlCommand command);
+// The flags `command` accepts (with or without a value).
+const std::set<std::string>& ShardctlFlags(ShardctlCommand command);
 
 }  // namespace shardd
 

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "client/shardctl_usage.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -526,6 +527,23 @@ TEST(ShardctlArgsTest, TrainUsageErrors) {
         "unknown flag '--hf-config'");
   usage({"plan", "--model", "a", "--dp", "2", "--steps", "3"},
         "unknown flag '--steps'");
+}
+
+// Every flag a command accepts is in its help text.
+TEST(ShardctlArgsTest, EveryAcceptedFlagIsDocumented) {
+  for (ShardctlCommand command :
+       {ShardctlCommand::kStrategies, ShardctlCommand::kPlan,
+        ShardctlCommand::kStatus, ShardctlCommand::kTrain,
+        ShardctlCommand::kCheckpointList, ShardctlCommand::kCheckpointSave,
+        ShardctlCommand::kCheckpointLoad,
+        ShardctlCommand::kCheckpointConsolidate,
+        ShardctlCommand::kCheckpointExport}) {
+    const std::string usage = ShardctlUsage(command);
+    for (const std::string& flag : ShardctlFlags(command)) {
+      EXPECT_THAT(usage, HasSubstr(flag))
+          << "command " << static_cast<int>(command);
+    }
+  }
 }
 
 TEST(ShardctlArgsTest, TrainHasHelp) {
