@@ -20,6 +20,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "gtest/gtest.h"
+#include "testing/test_dir.h"
 #include "model/model_util.h"
 #include "model/native_spec.h"
 
@@ -35,18 +36,6 @@ std::string ReadText(const std::string& path) {
   std::stringstream text;
   text << in.rdbuf();
   return text.str();
-}
-
-std::string TestDir() {
-  std::string test =
-      ::testing::UnitTest::GetInstance()->current_test_info()->name();
-  for (char& c : test) {
-    if (c == '/') c = '_';
-  }
-  const std::string dir = absl::StrCat(getenv("TEST_TMPDIR"), "/", test);
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
 }
 
 // Commits a one-file checkpoint of `spec`'s parameters with random fp32
@@ -96,7 +85,7 @@ TEST_P(HfExportTest, InitFromReadsTheExportBackBitForBit) {
   SHARDD_ASSERT_OK_AND_ASSIGN(
       const v1::ModelSpec spec,
       ModelSpecFromJson(ReadText(absl::StrCat("tests/data/", GetParam()))));
-  const std::string dir = TestDir();
+  const std::string dir = testing_util::FreshTestDir();
   std::map<std::string, std::vector<float>> values;
   SHARDD_ASSERT_OK_AND_ASSIGN(
       const std::string checkpoint,
@@ -141,7 +130,7 @@ INSTANTIATE_TEST_SUITE_P(Architectures, HfExportTest,
                          });
 
 TEST(HfExportErrorTest, NeedsARecordedModelWithItsConfig) {
-  const std::string dir = TestDir();
+  const std::string dir = testing_util::FreshTestDir();
   SHARDD_ASSERT_OK_AND_ASSIGN(
       v1::ModelSpec spec,
       ModelSpecFromJson(ReadText("tests/data/tiny_mixtral.json")));

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
+#include "testing/test_dir.h"
 #include "checkpoint/checkpoint_reader.h"
 #include "checkpoint/file_util.h"
 #include "checkpoint/safetensors.h"
@@ -24,19 +25,6 @@ namespace {
 using ::testing::HasSubstr;
 
 constexpr int64_t kHidden = 6, kInter = 4, kExperts = 3, kVocab = 11;
-
-std::string TestDir(const std::string& name) {
-  std::string test =
-      ::testing::UnitTest::GetInstance()->current_test_info()->name();
-  for (char& c : test) {
-    if (c == '/') c = '_';
-  }
-  const std::string dir =
-      absl::StrCat(getenv("TEST_TMPDIR"), "/", test, "/", name);
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
 
 HostTensor Random(const std::string& name, const std::string& dtype,
                   std::vector<int64_t> shape, std::mt19937_64* rng) {
@@ -162,7 +150,7 @@ void ExpectStacked(const std::vector<HostTensor>& hf,
 TEST(HfInteropTest, Qwen3Bf16RoundTripIsBitExact) {
   const std::vector<HostTensor> hf =
       SyntheticHf(HfMoeNaming::kQwen3Moe, "BF16");
-  const std::string in = TestDir("in");
+  const std::string in = testing_util::FreshTestDir("in");
   SHARDD_ASSERT_OK(WriteHfTensors(in, hf));
   SHARDD_ASSERT_OK_AND_ASSIGN(std::vector<HostTensor> read, ReadHfTensors(in));
   ExpectSameTensors(read, hf);
@@ -181,7 +169,7 @@ TEST(HfInteropTest, Qwen3Bf16RoundTripIsBitExact) {
   SHARDD_ASSERT_OK_AND_ASSIGN(std::vector<HostTensor> back,
                               ShardToHf(shardd, HfMoeNaming::kQwen3Moe));
   ExpectSameTensors(back, hf);
-  const std::string out = TestDir("out");
+  const std::string out = testing_util::FreshTestDir("out");
   SHARDD_ASSERT_OK(WriteHfTensors(out, back));
   // Same tensors, same order, same metadata: the very same file.
   EXPECT_EQ(FileBytes(out + "/model.safetensors"),
@@ -190,7 +178,7 @@ TEST(HfInteropTest, Qwen3Bf16RoundTripIsBitExact) {
 
 TEST(HfInteropTest, MixtralF32ShardedRoundTripIsBitExact) {
   const std::vector<HostTensor> hf = SyntheticHf(HfMoeNaming::kMixtral, "F32");
-  const std::string in = TestDir("in");
+  const std::string in = testing_util::FreshTestDir("in");
   SHARDD_ASSERT_OK(WriteHfTensors(in, hf, /*max_shard_bytes=*/600));
   EXPECT_TRUE(std::filesystem::exists(in + "/model.safetensors.index.json"));
   EXPECT_FALSE(std::filesystem::exists(in + "/model.safetensors"));
@@ -208,7 +196,7 @@ TEST(HfInteropTest, MixtralF32ShardedRoundTripIsBitExact) {
   SHARDD_ASSERT_OK_AND_ASSIGN(std::vector<HostTensor> back,
                               ShardToHf(shardd, HfMoeNaming::kMixtral));
   ExpectSameTensors(back, hf);
-  const std::string out = TestDir("out");
+  const std::string out = testing_util::FreshTestDir("out");
   SHARDD_ASSERT_OK(WriteHfTensors(out, back, 600));
   SHARDD_ASSERT_OK_AND_ASSIGN(
       std::vector<HostTensor> reread,
@@ -234,9 +222,9 @@ TEST(HfInteropTest, EveryElementSizeTransposesExactly) {
 TEST(HfInteropTest, ThroughAShardedCheckpointAndBack) {
   const std::vector<HostTensor> hf =
       SyntheticHf(HfMoeNaming::kQwen3Moe, "BF16");
-  const std::string in = TestDir("in");
+  const std::string in = testing_util::FreshTestDir("in");
   SHARDD_ASSERT_OK(WriteHfTensors(in, hf, 500));
-  const std::string root = TestDir("ckpt");
+  const std::string root = testing_util::FreshTestDir("ckpt");
   SHARDD_ASSERT_OK_AND_ASSIGN(std::string path,
                               ImportHfToCheckpoint(in, root, 0));
   EXPECT_EQ(path, root + "/step-00000000");
@@ -263,7 +251,7 @@ TEST(HfInteropTest, ThroughAShardedCheckpointAndBack) {
     }
   }
 
-  const std::string out = TestDir("out");
+  const std::string out = testing_util::FreshTestDir("out");
   SHARDD_ASSERT_OK(
       ExportCheckpointToHf(path, HfMoeNaming::kQwen3Moe, out, 500));
   SHARDD_ASSERT_OK_AND_ASSIGN(std::vector<HostTensor> back, ReadHfTensors(out));
@@ -364,9 +352,9 @@ TEST(HfInteropTest, ExportRejectsWhatHfCannotHold) {
 }
 
 TEST(HfInteropTest, ReadRejectsBadCheckpoints) {
-  EXPECT_THAT(ReadHfTensors(TestDir("empty")),
+  EXPECT_THAT(ReadHfTensors(testing_util::FreshTestDir("empty")),
               StatusIs(absl::StatusCode::kNotFound));
-  const std::string dir = TestDir("bad");
+  const std::string dir = testing_util::FreshTestDir("bad");
   const std::vector<HostTensor> hf = SyntheticHf(HfMoeNaming::kMixtral, "F32");
   SHARDD_ASSERT_OK(WriteHfTensors(dir, hf, 600));
   const std::string index = dir + "/model.safetensors.index.json";

@@ -19,6 +19,7 @@
 #include "common/status_macros.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
+#include "testing/test_dir.h"
 #include "model/hf_config.h"
 #include "model/model_util.h"
 
@@ -29,18 +30,6 @@ namespace {
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::shardd::StatusIs;
-
-std::string TestDir() {
-  std::string test =
-      ::testing::UnitTest::GetInstance()->current_test_info()->name();
-  for (char& c : test) {
-    if (c == '/') c = '_';
-  }
-  const std::string dir = absl::StrCat(getenv("TEST_TMPDIR"), "/", test);
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
 
 v1::ModelSpec SpecFromTestConfig(const std::string& name) {
   std::ifstream in(absl::StrCat("tests/data/", name));
@@ -126,7 +115,7 @@ TEST_P(HfWeightsTest, ReadsEveryRangeExactlyFromItsBytes) {
   SHARDD_ASSERT_OK_AND_ASSIGN(
       std::vector<HostTensor> hf,
       ShardToHf(ShardTensors(spec, c.dtype, &values), c.naming));
-  const std::string dir = TestDir();
+  const std::string dir = testing_util::FreshTestDir();
   SHARDD_ASSERT_OK(WriteHfTensors(dir, hf, c.max_shard_bytes));
   SHARDD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HfWeights> weights,
                        HfWeights::Open(dir, spec));
@@ -217,7 +206,7 @@ TEST(HfWeightsGptOssTest, DeinterleavesFusedExperts) {
     }
     hf.push_back(std::move(t));
   }
-  const std::string dir = TestDir();
+  const std::string dir = testing_util::FreshTestDir();
   SHARDD_ASSERT_OK(WriteHfTensors(dir, hf));
   SHARDD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HfWeights> weights,
                        HfWeights::Open(dir, spec));
@@ -251,7 +240,7 @@ TEST(HfWeightsF16Test, ConvertsEveryClassOfValue) {
                         65504.0f,
                         -0.0f,
                         INFINITY};
-  const std::string dir = TestDir();
+  const std::string dir = testing_util::FreshTestDir();
   HostTensor t{"model.norm.weight", "F16", {7}, {}};
   t.bytes.resize(14);
   std::memcpy(t.bytes.data(), bits, 14);
@@ -283,7 +272,7 @@ class HfWeightsErrorTest : public ::testing::Test {
         ShardToHf(ShardTensors(spec_, "BF16", &values), HfMoeNaming::kMixtral);
     SHARDD_ASSERT_OK(hf.status());
     hf_ = *hf;
-    dir_ = TestDir();
+    dir_ = testing_util::FreshTestDir();
   }
   absl::Status OpenWith(const std::vector<HostTensor>& tensors) {
     std::filesystem::remove_all(dir_);
@@ -360,7 +349,7 @@ TEST_F(HfWeightsErrorTest, WrongDTypeAndExtraExperts) {
 }
 
 TEST(HfWeightsOpenTest, NoCheckpoint) {
-  EXPECT_THAT(HfWeights::Open(TestDir(), v1::ModelSpec()).status(),
+  EXPECT_THAT(HfWeights::Open(testing_util::FreshTestDir(), v1::ModelSpec()).status(),
               StatusIs(absl::StatusCode::kNotFound,
                        HasSubstr("model.safetensors")));
 }
