@@ -303,6 +303,21 @@ absl::StatusOr<v1::ModelSpec> BuildLlama(const ConfigReader& r,
   return spec;
 }
 
+// dims.router_aux_loss_coef: Hugging Face adds coef * load-balancing loss to
+// the loss only when output_router_logits is true (false by default in
+// MixtralConfig, Qwen3MoeConfig and GptOssConfig); `default_coef` is the
+// config class's router_aux_loss_coef (0.001, 0.001 and 0.9).
+absl::Status ReadRouterAuxLoss(const ConfigReader& r, double default_coef,
+                               v1::ModelDims* d) {
+  SHARDD_ASSIGN_OR_RETURN(const bool on,
+                          r.BoolOr("output_router_logits", false));
+  SHARDD_ASSIGN_OR_RETURN(const double coef,
+                          r.NonNegativeDoubleOr("router_aux_loss_coef",
+                                                default_coef));
+  d->set_router_aux_loss_coef(on ? coef : 0.0);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::ModelSpec> BuildMixtral(const ConfigReader& r,
                                            const std::string& arch) {
   SHARDD_ASSIGN_OR_RETURN(CommonConfig c, ReadCommon(r, arch, false));
@@ -334,6 +349,7 @@ absl::StatusOr<v1::ModelSpec> BuildMixtral(const ConfigReader& r,
   d->set_moe_intermediate_size(inter);
   // HF Mixtral renormalises the top-k routing weights.
   d->set_norm_topk_prob(true);
+  SHARDD_RETURN_IF_ERROR(ReadRouterAuxLoss(r, 0.001, d));
   SHARDD_RETURN_IF_ERROR(ReadAttention(r, c.layers, SlidingLayers::kAllWhenSet,
                                        d->mutable_attention()));
   return spec;
@@ -416,6 +432,7 @@ absl::StatusOr<v1::ModelSpec> BuildQwen3Moe(const ConfigReader& r,
   SHARDD_ASSIGN_OR_RETURN(const bool norm_topk,
                           r.BoolOr("norm_topk_prob", false));
   d->set_norm_topk_prob(norm_topk);
+  SHARDD_RETURN_IF_ERROR(ReadRouterAuxLoss(r, 0.001, d));
   SHARDD_RETURN_IF_ERROR(
       ReadAttention(r, c.layers, SlidingLayers::kQwen, d->mutable_attention()));
   d->mutable_attention()->set_qk_norm(true);
@@ -602,6 +619,7 @@ absl::StatusOr<v1::ModelSpec> BuildGptOss(const ConfigReader& r,
   d->set_router_scoring(v1::ROUTER_TOPK_THEN_SOFTMAX);
   d->set_swiglu_limit(limit);
   d->set_swiglu_alpha(alpha);
+  SHARDD_RETURN_IF_ERROR(ReadRouterAuxLoss(r, 0.9, d));
   v1::AttentionSpec* attention = d->mutable_attention();
   SHARDD_RETURN_IF_ERROR(
       ReadAttention(r, c.layers, SlidingLayers::kAlternate, attention));

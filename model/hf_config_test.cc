@@ -423,6 +423,47 @@ TEST(HfConfigTest, GptOssDefaultsAreGptOssConfigs) {
                                  HasSubstr("rope_scaling.truncate")));
 }
 
+// The load-balancing loss is on only with output_router_logits: true, at
+// router_aux_loss_coef or the config class's default (MixtralConfig and
+// Qwen3MoeConfig 0.001, GptOssConfig 0.9). DeepSeek-V3 has no such loss.
+TEST(HfConfigTest, RouterAuxLossFollowsOutputRouterLogits) {
+  struct Case {
+    const char* file;
+    double published_coef;  // As the file says.
+    double default_coef;    // The config class's.
+  };
+  for (const Case& c : {Case{"mixtral_8x7b.json", 0.02, 0.001},
+                        Case{"qwen3_30b_a3b.json", 0.001, 0.001},
+                        Case{"gpt_oss_20b.json", 0.9, 0.9}}) {
+    SCOPED_TRACE(c.file);
+    json j = LoadJson(c.file);
+    ASSERT_EQ(j["output_router_logits"], false);
+    SHARDD_ASSERT_OK_AND_ASSIGN(v1::ModelSpec spec, Parse(j));
+    EXPECT_EQ(spec.dims().router_aux_loss_coef(), 0.0);
+    j["output_router_logits"] = true;
+    SHARDD_ASSERT_OK_AND_ASSIGN(spec, Parse(j));
+    EXPECT_EQ(spec.dims().router_aux_loss_coef(), c.published_coef);
+    j.erase("router_aux_loss_coef");
+    SHARDD_ASSERT_OK_AND_ASSIGN(spec, Parse(j));
+    EXPECT_EQ(spec.dims().router_aux_loss_coef(), c.default_coef);
+    j.erase("output_router_logits");
+    SHARDD_ASSERT_OK_AND_ASSIGN(spec, Parse(j));
+    EXPECT_EQ(spec.dims().router_aux_loss_coef(), 0.0);
+    j["output_router_logits"] = "yes";
+    EXPECT_THAT(Parse(j), StatusIs(absl::StatusCode::kInvalidArgument,
+                                   HasSubstr("output_router_logits")));
+    j["output_router_logits"] = true;
+    j["router_aux_loss_coef"] = -0.1;
+    EXPECT_THAT(Parse(j), StatusIs(absl::StatusCode::kInvalidArgument,
+                                   HasSubstr("router_aux_loss_coef")));
+  }
+  json d = LoadJson("deepseek_v3.json");
+  d["output_router_logits"] = true;
+  d["router_aux_loss_coef"] = 0.01;
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ModelSpec spec, Parse(d));
+  EXPECT_EQ(spec.dims().router_aux_loss_coef(), 0.0);
+}
+
 TEST(HfConfigTest, DiffusionGemma26B) {
   SHARDD_ASSERT_OK_AND_ASSIGN(
       v1::ModelSpec spec,

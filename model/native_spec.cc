@@ -170,7 +170,8 @@ absl::StatusOr<v1::ModelDims> ReadDims(const json& v, const std::string& path) {
                                        "swiglu_alpha",
                                        "n_group",
                                        "topk_group",
-                                       "routed_scaling_factor"}));
+                                       "routed_scaling_factor",
+                                       "router_aux_loss_coef"}));
   v1::ModelDims d;
   constexpr int64_t kI32 = 2147483647;
   constexpr int64_t kBig = kMaxDim - 1;
@@ -244,7 +245,8 @@ absl::StatusOr<v1::ModelDims> ReadDims(const json& v, const std::string& path) {
     }
   }
   for (const char* key :
-       {"swiglu_limit", "swiglu_alpha", "routed_scaling_factor"}) {
+       {"swiglu_limit", "swiglu_alpha", "routed_scaling_factor",
+        "router_aux_loss_coef"}) {
     auto it = v.find(key);
     if (it == v.end()) continue;
     if (!it->is_number() || !std::isfinite(it->get<double>()) ||
@@ -257,8 +259,10 @@ absl::StatusOr<v1::ModelDims> ReadDims(const json& v, const std::string& path) {
       d.set_swiglu_limit(it->get<double>());
     } else if (std::string(key) == "swiglu_alpha") {
       d.set_swiglu_alpha(it->get<double>());
-    } else {
+    } else if (std::string(key) == "routed_scaling_factor") {
       d.set_routed_scaling_factor(it->get<double>());
+    } else {
+      d.set_router_aux_loss_coef(it->get<double>());
     }
   }
   if (auto it = v.find("tie_word_embeddings"); it != v.end()) {
@@ -528,6 +532,9 @@ std::string ModelSpecToNativeJson(const v1::ModelSpec& model) {
   if (d.topk_group() != 0) dims["topk_group"] = d.topk_group();
   if (d.routed_scaling_factor() != 0) {
     dims["routed_scaling_factor"] = d.routed_scaling_factor();
+  }
+  if (d.router_aux_loss_coef() != 0) {
+    dims["router_aux_loss_coef"] = d.router_aux_loss_coef();
   }
   if (d.swiglu_limit() != 0) dims["swiglu_limit"] = d.swiglu_limit();
   if (d.swiglu_alpha() != 0) dims["swiglu_alpha"] = d.swiglu_alpha();

@@ -149,6 +149,14 @@ TEST(NativeSpecTest, RoundTripsEveryConfig) {
   SHARDD_ASSERT_OK_AND_ASSIGN(
       v1::ModelSpec back, ModelSpecFromNativeJson(ModelSpecToNativeJson(tiny)));
   EXPECT_TRUE(MessageDifferencer::Equals(tiny, back));
+  // The load-balancing loss's coefficient (off in every published config).
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      v1::ModelSpec aux, ModelSpecFromHfConfig(ReadTestFile("tiny_mixtral_aux.json")));
+  ASSERT_EQ(aux.dims().router_aux_loss_coef(), 0.02);
+  const std::string aux_native = ModelSpecToNativeJson(aux);
+  EXPECT_EQ(json::parse(aux_native)["dims"]["router_aux_loss_coef"], 0.02);
+  SHARDD_ASSERT_OK_AND_ASSIGN(back, ModelSpecFromNativeJson(aux_native));
+  EXPECT_TRUE(MessageDifferencer::Equals(aux, back));
 }
 
 TEST(NativeSpecTest, WriterOmitsDefaultsItCanRestore) {
@@ -275,6 +283,9 @@ TEST(NativeSpecTest, ErrorsNameTheJsonPath) {
        "dims.layers: unknown member"},
       {"dims eps", [](json* j) { (*j)["dims"]["rms_norm_eps"] = "small"; },
        "dims.rms_norm_eps: must be a non-negative number"},
+      {"dims aux coef",
+       [](json* j) { (*j)["dims"]["router_aux_loss_coef"] = -0.5; },
+       "dims.router_aux_loss_coef: must be a non-negative number"},
       // Structural errors found by ValidateModelSpec name the parameter.
       {"tied to nothing",
        [](json* j) {

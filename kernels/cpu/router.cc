@@ -165,7 +165,7 @@ float SigmoidGroupLimitedRow(const RouterDims& d, const float* logits,
 size_t RouterCache::bytes() const {
   return CapacityBytes(probs) + CapacityBytes(row) + CapacityBytes(row_idx) +
          CapacityBytes(indices) + CapacityBytes(denom) +
-         CapacityBytes(d_logits);
+         CapacityBytes(d_logits) + CapacityBytes(softmax);
 }
 
 absl::Status RouterForward(const RouterDims& dims, const float* x,
@@ -241,9 +241,17 @@ absl::Status RouterForward(const RouterDims& dims, const float* x,
   if (dims.scoring == RouterScoring::kTopKThenSoftmax) {
     // probs holds the logits; the weights replace its first T * K entries
     // once every row is read (row t's weights land at or before row t).
+    if (dims.keep_softmax) {
+      GrowTo(cache->softmax, static_cast<size_t>(t_count * e_count));
+    }
     for (int64_t t = 0; t < t_count; ++t) {
       int32_t* idx = indices + t * k;
       float* wt = weights + t * k;
+      if (dims.keep_softmax) {
+        float* row = cache->softmax.data() + t * e_count;
+        std::copy(probs + t * e_count, probs + (t + 1) * e_count, row);
+        SoftmaxRow(row, e_count);
+      }
       TopKRow(probs + t * e_count, e_count, k, idx, wt);
       SoftmaxRow(wt, k);
       for (int64_t j = 0; j < k; ++j) {
@@ -288,6 +296,27 @@ absl::Status RouterBackward(const RouterDims& dims, const float* x,
 
 absl::Status RouterBackward(const RouterDims& dims, const float* x,
                             const float* w, const float* d_weights, float* dx,
+                            bool accumulate_dx, float* dw, float* d_bias,
+                            RouterCache* cache) {
+  return RouterBackward(dims, x, w, d_weights, /*extra_d_logits=*/nullptr, dx,
+                        accumulate_dx, dw, d_bias, cache);
+}
+
+const float* RouterSoftmax(const RouterCache& cache) {
+  if (!cache.has_forward) return nullptr;
+  switch (cache.dims.scoring) {
+    case RouterScoring::kSoftmaxThenTopK:
+      return cache.probs.data();
+    case RouterScoring::kTopKThenSoftmax:
+      return cache.dims.keep_softmax ? cache.softmax.data() : nullptr;
+    default:
+      return nullptr;
+  }
+}
+
+absl::Status RouterBackward(const RouterDims& dims, const float* x,
+                            const float* w, const float* d_weights,
+                            const float* extra_d_logits, float* dx,
                             bool accumulate_dx, float* dw, float* d_bias,
                             RouterCache* cache) {
   if (cache == nullptr || !cache->has_forward) {
@@ -375,6 +404,11 @@ absl::Status RouterBackward(const RouterDims& dims, const float* x,
     for (int64_t e = 0; e < e_count; ++e) dl[e] = -p[e] * inner;
     for (int64_t j = 0; j < k; ++j) {
       dl[idx[j]] += p[idx[j]] * (dwt[j] - dot) * inv;
+    }
+  }
+  if (extra_d_logits != nullptr) {
+    for (int64_t i = 0; i < t_count * e_count; ++i) {
+      d_logits[i] += extra_d_logits[i];
     }
   }
   if (dx != nullptr) {

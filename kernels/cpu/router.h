@@ -68,6 +68,10 @@ struct RouterDims {
   int64_t groups = 1;
   int64_t top_groups = 1;
   float scale = 1.0f;
+  // kTopKThenSoftmax: also keep softmax(logits) over all E experts (the
+  // load-balancing loss's routing probabilities; kSoftmaxThenTopK keeps them
+  // anyway). See RouterSoftmax.
+  bool keep_softmax = false;
 };
 
 // What RouterForward saves for RouterBackward, plus backward scratch. Owned
@@ -85,6 +89,7 @@ struct RouterCache {
   // [T] clamped sum of the selected probs; -1 when not renormalized.
   std::vector<float> denom;
   std::vector<float> d_logits;  // [T, E] backward scratch
+  std::vector<float> softmax;   // [T, E] kTopKThenSoftmax with keep_softmax
 
   // Bytes held (capacity), for memory accounting.
   size_t bytes() const;
@@ -130,6 +135,20 @@ absl::Status RouterBackward(const RouterDims& dims, const float* x,
                             const float* w, const float* d_weights, float* dx,
                             bool accumulate_dx, float* dw, float* d_bias,
                             RouterCache* cache);
+
+// The same, with extra_d_logits [T, E] (null: none) added to dL/dlogits
+// before dx, dW and db are formed: the gradient another loss of the same
+// logits sends (the load-balancing loss, kernels/cpu/router_aux_loss.h).
+absl::Status RouterBackward(const RouterDims& dims, const float* x,
+                            const float* w, const float* d_weights,
+                            const float* extra_d_logits, float* dx,
+                            bool accumulate_dx, float* dw, float* d_bias,
+                            RouterCache* cache);
+
+// softmax(logits) [T, E] over all experts of the cache's last forward:
+// kSoftmaxThenTopK's probabilities, or kTopKThenSoftmax's when the forward
+// had keep_softmax; null otherwise (and for kSigmoidGroupLimited).
+const float* RouterSoftmax(const RouterCache& cache);
 
 }  // namespace kernels
 }  // namespace shardd
