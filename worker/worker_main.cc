@@ -9,7 +9,7 @@
 //       [--coordinator=HOST:PORT] [--port_file=PATH]
 //       [--collective_bind=127.0.0.1]
 //       [--tls_cert=F --tls_key=F [--tls_client_ca=F]] [--tls_ca=F]
-//       [--worker_token_file=F] [--checkpoint_root=DIR]
+//       [--worker_token_file=F] [--checkpoint_root=DIR] [--weights_root=DIR]
 //       [--debug_save_delay=D (fault tests only)]
 //       [--memory_timeline_svg=FILE]
 //       [--health_listen=HOST:PORT]
@@ -89,6 +89,9 @@ ABSL_FLAG(std::string, checkpoint_root, "",
           "Directory checkpoint paths are confined to: the coordinator's "
           "--checkpoint-dir on a shared file system; empty: checkpoints are "
           "refused");
+ABSL_FLAG(std::string, weights_root, "",
+          "Directory --init-from (Hugging Face weights) paths are confined to, "
+          "symlinks resolved; empty: any path this process can read");
 ABSL_FLAG(absl::Duration, debug_save_delay, absl::ZeroDuration(),
           "fault-injection aid for tests only: after SaveShards wrote and "
           "fsynced this rank's checkpoint file, sleep this long (e.g. 5s) "
@@ -166,6 +169,7 @@ int main(int argc, char** argv) {
   runtime_options.bind_address = absl::GetFlag(FLAGS_collective_bind);
   runtime_options.device = device_ordinal;
   runtime_options.checkpoint_root = absl::GetFlag(FLAGS_checkpoint_root);
+  runtime_options.weights_root = absl::GetFlag(FLAGS_weights_root);
   runtime_options.debug_save_delay = absl::GetFlag(FLAGS_debug_save_delay);
   runtime_options.memory_timeline_svg =
       absl::GetFlag(FLAGS_memory_timeline_svg);

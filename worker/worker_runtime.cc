@@ -1,11 +1,13 @@
 #include "worker/worker_runtime.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <cmath>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -145,6 +147,22 @@ absl::StatusOr<std::string> ResolveUnderRoot(const std::string& root,
     }
   }
   return absl::StrCat(root, "/", relative);
+}
+
+absl::Status CheckUnderRoot(const std::string& root, const std::string& path,
+                            absl::string_view field) {
+  std::error_code ec;
+  const std::filesystem::path r = std::filesystem::weakly_canonical(root, ec);
+  std::filesystem::path p;
+  if (!ec) p = std::filesystem::weakly_canonical(path, ec);
+  if (!ec) {
+    auto [root_end, unused] =
+        std::mismatch(r.begin(), r.end(), p.begin(), p.end());
+    if (root_end == r.end()) return absl::OkStatus();
+  }
+  return absl::PermissionDeniedError(
+      absl::StrCat(field, ": '", path, "' is not under this worker's --weights-root '",
+                   root, "'"));
 }
 
 absl::StatusOr<int64_t> ModelVocabSize(const v1::ModelSpec& model) {
@@ -382,6 +400,10 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::BuildJobLocked(
   // collective group forms, so every rank refuses a bad checkpoint alike.
   std::unique_ptr<checkpoint::HfWeights> weights;
   if (!train.init_from().empty() && *kept == nullptr) {
+    if (!options_.weights_root.empty()) {
+      SHARDD_RETURN_IF_ERROR(CheckUnderRoot(
+          options_.weights_root, train.init_from(), "train.init_from"));
+    }
     absl::StatusOr<std::unique_ptr<checkpoint::HfWeights>> opened =
         checkpoint::HfWeights::Open(train.init_from(), request.model());
     if (!opened.ok()) {

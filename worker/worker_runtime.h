@@ -103,6 +103,10 @@ struct WorkerRuntimeOptions {
   // under (the coordinator's --checkpoint-dir, on a file system shared with
   // it). Empty: checkpoints are refused with FAILED_PRECONDITION.
   std::string checkpoint_root;
+  // When set, a job's train.init_from (Hugging Face weights) must lie under
+  // this directory once symlinks and ".." are resolved; empty: any path this
+  // process can read (clients are authenticated, but may name any file).
+  std::string weights_root;
   // Fault-injection aid for tests (worker flag --debug-save-delay): after
   // SaveShards wrote and fsynced this rank's checkpoint file it sleeps this
   // long before answering, so a test can kill the worker in the middle of a
@@ -123,6 +127,12 @@ struct WorkerRuntimeOptions {
 absl::StatusOr<std::string> ResolveUnderRoot(const std::string& root,
                                              const std::string& relative,
                                              absl::string_view field);
+
+// OK when `path`, with symlinks and ".." resolved as far as it exists, lies
+// under `root` (resolved the same way) or is `root`. Errors:
+// PERMISSION_DENIED naming `field`, the path and the root.
+absl::Status CheckUnderRoot(const std::string& root, const std::string& path,
+                            absl::string_view field);
 
 // True when this binary was built with the GPU step path (--config=cuda).
 bool DeviceStepsSupported();

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -167,6 +168,29 @@ int64_t ShardBytes(const v1::ShardingPlan& plan) {
 TEST(WorkerRuntimeTest, ModelVocabSizeComesFromTheEmbedding) {
   SHARDD_ASSERT_OK_AND_ASSIGN(int64_t vocab, ModelVocabSize(TinyMoe(40)));
   EXPECT_EQ(vocab, 40);
+}
+
+TEST(WorkerRuntimeTest, WeightsRootConfinesInitFrom) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string base = absl::StrCat(tmp != nullptr ? tmp : "/tmp",
+                                        "/weights_root");
+  std::filesystem::remove_all(base);
+  std::filesystem::create_directories(base + "/root/model");
+  std::filesystem::create_directories(base + "/elsewhere");
+  std::filesystem::create_directory_symlink(base + "/elsewhere",
+                                            base + "/root/link");
+  const std::string root = base + "/root";
+  SHARDD_EXPECT_OK(CheckUnderRoot(root, root + "/model", "f"));
+  SHARDD_EXPECT_OK(CheckUnderRoot(root, root, "f"));
+  SHARDD_EXPECT_OK(CheckUnderRoot(root + "/", root + "/model/missing", "f"));
+  for (const std::string& outside :
+       {base + "/elsewhere", root + "/../elsewhere", root + "/link",
+        root + "/link/x", base + "/rootx", std::string("/etc")}) {
+    EXPECT_THAT(CheckUnderRoot(root, outside, "train.init_from"),
+                StatusIs(absl::StatusCode::kPermissionDenied,
+                         HasSubstr("train.init_from")))
+        << outside;
+  }
 }
 
 TEST(WorkerRuntimeTest, OneAndTwoRanksAndHsdpTrainTheSameModel) {
