@@ -148,11 +148,20 @@ absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
         std::max(1, config.microbatches()) == 1 ? "" : "es",
         config.defer_grad_sync() ? " (deferred grad sync)" : "", config.lr(),
         config.data_path().empty()
-            ? absl::StrCat("synthetic Markov data (seed ", config.seed(), ")")
+            ? (config.synthetic_order() > 1
+                   ? absl::StrCat("synthetic data of order ",
+                                  config.synthetic_order(), " (seed ",
+                                  config.seed(), ")")
+                   : absl::StrCat("synthetic Markov data (seed ",
+                                  config.seed(), ")"))
             : absl::StrCat("data ", config.data_path()),
         config.fine_grained() ? ", one RPC per command" : "");
     if (!config.resume_from().empty()) {
       out << "Resume  from checkpoint " << config.resume_from() << "\n";
+    }
+    if (!config.init_from().empty()) {
+      out << "Init    from the Hugging Face weights in " << config.init_from()
+          << "\n";
     }
     out << std::flush;
   }

@@ -28,6 +28,21 @@ class ConfigReader {
     if (it != top.end() && it->is_object()) text_ = &*it;
   }
 
+  // A reader of the top-level fields only, for those of a multimodal
+  // wrapper config (DiffusionGemma's canvas_length).
+  ConfigReader TopLevel() const { return ConfigReader(top_, nullptr); }
+
+  // Whether the field is present with the value null (where a family gives
+  // null a meaning of its own rather than "absent").
+  bool IsNull(const std::string& key) const {
+    if (text_ != nullptr) {
+      auto it = text_->find(key);
+      if (it != text_->end()) return it->is_null();
+    }
+    auto it = top_.find(key);
+    return it != top_.end() && it->is_null();
+  }
+
   // The field's value and its printable name; nullptr when absent or null.
   const json* Find(const std::string& key, std::string* name) const {
     if (text_ != nullptr) {
@@ -138,6 +153,8 @@ class ConfigReader {
     return absl::InvalidArgumentError(
         absl::StrCat(name, ": ", allowed, ", got ", DescribeJson(v)));
   }
+
+  ConfigReader(const json& top, const json* text) : top_(top), text_(text) {}
 
   const json& top_;
   const json* text_ = nullptr;

@@ -41,11 +41,21 @@ absl::Status ReadRope(const ConfigReader& r, int64_t max_positions,
         where, ": must be an object, got ", DescribeJson(*params)));
   }
   const json empty = json::object();
-  const json& p = params != nullptr ? *params : empty;
   SHARDD_ASSIGN_OR_RETURN(const double top_theta,
                           r.NonNegativeDoubleOr("rope_theta", 10000.0));
+  SHARDD_ASSIGN_OR_RETURN(const double top_partial,
+                          r.NonNegativeDoubleOr("partial_rotary_factor", 1.0));
+  return ReadRopeObject(params != nullptr ? *params : empty, where, top_theta,
+                        top_partial, max_positions, rope);
+}
+
+}  // namespace
+
+absl::Status ReadRopeObject(const json& p, const std::string& where,
+                            double default_theta, double default_partial,
+                            int64_t max_positions, v1::RopeSpec* rope) {
   SHARDD_ASSIGN_OR_RETURN(const double theta,
-                          Number(p, where, "rope_theta", top_theta));
+                          Number(p, where, "rope_theta", default_theta));
   SHARDD_RETURN_IF_ERROR(Positive(theta, "rope_theta"));
   rope->set_theta(theta);
   std::string type = "default";
@@ -71,11 +81,9 @@ absl::Status ReadRope(const ConfigReader& r, int64_t max_positions,
         "yarn, proportional"));
   }
   rope->set_type(type);
-  SHARDD_ASSIGN_OR_RETURN(const double top_partial,
-                          r.NonNegativeDoubleOr("partial_rotary_factor", 1.0));
   SHARDD_ASSIGN_OR_RETURN(
       const double partial,
-      Number(p, where, "partial_rotary_factor", top_partial));
+      Number(p, where, "partial_rotary_factor", default_partial));
   if (!(partial > 0 && partial <= 1)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "partial_rotary_factor: must be in (0, 1], got ", partial));
@@ -134,8 +142,6 @@ absl::Status ReadRope(const ConfigReader& r, int64_t max_positions,
   }
   return absl::OkStatus();
 }
-
-}  // namespace
 
 absl::Status ReadAttention(const ConfigReader& r, int64_t layers,
                            SlidingLayers sliding, v1::AttentionSpec* out) {

@@ -5,6 +5,7 @@
 // used by hf_config): RoPE, positions, sliding windows.
 
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 #include "model/config_reader.h"
@@ -29,6 +30,13 @@ enum class SlidingLayers {
 // rope type lists the supported ones).
 absl::Status ReadAttention(const ConfigReader& r, int64_t layers,
                            SlidingLayers sliding, v1::AttentionSpec* out);
+
+// Fills `rope` from one rope_parameters object `p` (printed as `where` in
+// errors): rope_type (or type), rope_theta and partial_rotary_factor (else
+// the defaults given), and the type's own fields.
+absl::Status ReadRopeObject(const json& p, const std::string& where,
+                            double default_theta, double default_partial,
+                            int64_t max_positions, v1::RopeSpec* rope);
 
 }  // namespace hf_internal
 }  // namespace shardd

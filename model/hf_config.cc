@@ -3,8 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <functional>
-#include <initializer_list>
 #include <map>
 #include <set>
 #include <string>
@@ -14,10 +12,11 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "common/dtype.h"
 #include "common/status_macros.h"
 #include "model/config_reader.h"
 #include "model/hf_attention.h"
+#include "model/hf_builder.h"
+#include "model/hf_diffusion_gemma.h"
 #include "model/json_describe.h"
 #include "model/model_util.h"
 #include "nlohmann/json.hpp"
@@ -25,253 +24,26 @@
 namespace shardd {
 namespace {
 
+using hf_internal::ActivationFromConfig;
+using hf_internal::BuildDecoder;
+using hf_internal::BuildDiffusionGemma;
+using hf_internal::Builder;
+using hf_internal::CommonConfig;
 using hf_internal::ConfigReader;
+using hf_internal::Heads;
+using hf_internal::kMaxExperts;
+using hf_internal::kMaxHeadDim;
+using hf_internal::kMaxHeads;
+using hf_internal::kMaxIntermediate;
+using hf_internal::kMaxLayers;
+using hf_internal::kMaxRank;
 using hf_internal::ReadAttention;
+using hf_internal::ReadCommon;
+using hf_internal::ReadHeads;
+using hf_internal::ReadTopK;
+using hf_internal::SetHeadDims;
 using hf_internal::SlidingLayers;
 using nlohmann::json;
-
-// Upper bounds well above any published model; they keep every shape product
-// inside int64 (ValidateModelSpec then enforces the 2^53 element limit).
-constexpr int64_t kMaxVocab = int64_t{1} << 24;
-constexpr int64_t kMaxHidden = int64_t{1} << 20;
-constexpr int64_t kMaxIntermediate = int64_t{1} << 22;
-constexpr int64_t kMaxLayers = 4096;
-constexpr int64_t kMaxHeads = int64_t{1} << 16;
-constexpr int64_t kMaxHeadDim = int64_t{1} << 16;
-constexpr int64_t kMaxExperts = int64_t{1} << 16;
-constexpr int64_t kMaxRank = int64_t{1} << 20;
-
-// ---- Tree building ----------------------------------------------------------
-
-class Builder {
- public:
-  explicit Builder(v1::DType dtype) : dtype_(dtype) {}
-
-  v1::DType dtype() const { return dtype_; }
-
-  static v1::ModuleSpec* Child(v1::ModuleSpec* parent, const std::string& name,
-                               v1::ModuleKind kind) {
-    v1::ModuleSpec* m = parent->add_children();
-    m->set_name(name);
-    m->set_kind(kind);
-    return m;
-  }
-
-  v1::TensorSpec* Param(v1::ModuleSpec* m, const std::string& name,
-                        std::initializer_list<int64_t> shape) const {
-    return ParamOf(m, name, shape, dtype_);
-  }
-
-  static v1::TensorSpec* ParamOf(v1::ModuleSpec* m, const std::string& name,
-                                 std::initializer_list<int64_t> shape,
-                                 v1::DType dtype) {
-    v1::TensorSpec* t = m->add_params();
-    t->set_name(name);
-    for (int64_t d : shape) t->add_shape(d);
-    t->set_dtype(dtype);
-    return t;
-  }
-
-  // nn.Linear(in, out): weight [out, in], optional bias [out].
-  v1::ModuleSpec* Linear(v1::ModuleSpec* parent, const std::string& name,
-                         int64_t in, int64_t out, bool bias) const {
-    v1::ModuleSpec* m = Child(parent, name, v1::MODULE_GENERIC);
-    Param(m, "weight", {out, in});
-    if (bias) Param(m, "bias", {out});
-    return m;
-  }
-
-  v1::ModuleSpec* Norm(v1::ModuleSpec* parent, const std::string& name,
-                       int64_t dim) const {
-    v1::ModuleSpec* m = Child(parent, name, v1::MODULE_NORM);
-    Param(m, "weight", {dim});
-    return m;
-  }
-
-  // Dense gated MLP: gate_proj, up_proj [I, H], down_proj [H, I].
-  v1::ModuleSpec* GatedMlp(v1::ModuleSpec* parent, const std::string& name,
-                           int64_t hidden, int64_t inter,
-                           bool bias = false) const {
-    v1::ModuleSpec* m = Child(parent, name, v1::MODULE_MLP);
-    Linear(m, "gate_proj", hidden, inter, bias);
-    Linear(m, "up_proj", hidden, inter, bias);
-    Linear(m, "down_proj", inter, hidden, bias);
-    return m;
-  }
-
-  // Stacked routed experts [E, H, 2I] / [E, I, H], optional biases.
-  v1::ModuleSpec* Experts(v1::ModuleSpec* moe, int64_t e, int64_t hidden,
-                          int64_t inter, bool bias) const {
-    v1::ModuleSpec* m = Child(moe, "experts", v1::MODULE_GROUPED_EXPERTS);
-    Param(m, "gate_and_up_projs", {e, hidden, 2 * inter});
-    if (bias) Param(m, "gate_up_proj_bias", {e, 2 * inter});
-    Param(m, "down_projs", {e, inter, hidden});
-    if (bias) Param(m, "down_proj_bias", {e, hidden});
-    return m;
-  }
-
-  // Standard multi-head / grouped-query attention projections.
-  v1::ModuleSpec* Attention(v1::ModuleSpec* layer, int64_t hidden, int64_t nh,
-                            int64_t nkv, int64_t hd, bool bias) const {
-    v1::ModuleSpec* a = Child(layer, "self_attn", v1::MODULE_ATTENTION);
-    Linear(a, "q_proj", hidden, nh * hd, bias);
-    Linear(a, "k_proj", hidden, nkv * hd, bias);
-    Linear(a, "v_proj", hidden, nkv * hd, bias);
-    Linear(a, "o_proj", nh * hd, hidden, bias);
-    return a;
-  }
-
- private:
-  v1::DType dtype_;
-};
-
-// Fields every supported architecture shares.
-struct CommonConfig {
-  std::string architecture;
-  std::string model_type;
-  v1::DType dtype = v1::BFLOAT16;
-  int64_t vocab = 0;
-  int64_t hidden = 0;
-  int64_t layers = 0;
-  bool tie = false;
-  double eps = 1e-6;
-  v1::Activation activation = v1::SWIGLU;
-};
-
-// The usual decoder skeleton: root {model {embed_tokens, layers, norm},
-// lm_head}. `fill_layer` builds decoder layer i.
-absl::StatusOr<v1::ModelSpec> BuildDecoder(
-    const CommonConfig& c, const Builder& b,
-    const std::function<absl::Status(int, v1::ModuleSpec*)>& fill_layer,
-    const std::function<void(v1::ModuleSpec*)>& extra_backbone = nullptr) {
-  v1::ModelSpec spec;
-  spec.set_architecture(c.architecture);
-  spec.set_model_type(c.model_type);
-  spec.set_dtype(c.dtype);
-  v1::ModuleSpec* root = spec.mutable_root();
-  root->set_kind(v1::MODULE_MODEL);
-  v1::ModuleSpec* model = Builder::Child(root, "model", v1::MODULE_GENERIC);
-  v1::ModuleSpec* embed =
-      Builder::Child(model, "embed_tokens", v1::MODULE_EMBEDDING);
-  b.Param(embed, "weight", {c.vocab, c.hidden});
-  v1::ModuleSpec* layers =
-      Builder::Child(model, "layers", v1::MODULE_LAYER_LIST);
-  for (int i = 0; i < c.layers; ++i) {
-    v1::ModuleSpec* layer =
-        Builder::Child(layers, absl::StrCat(i), v1::MODULE_DECODER_LAYER);
-    SHARDD_RETURN_IF_ERROR(fill_layer(i, layer));
-  }
-  b.Norm(model, "norm", c.hidden);
-  if (extra_backbone) extra_backbone(model);
-  v1::ModuleSpec* head = Builder::Child(root, "lm_head", v1::MODULE_LM_HEAD);
-  v1::TensorSpec* w = b.Param(head, "weight", {c.vocab, c.hidden});
-  if (c.tie) w->set_tied_to("model.embed_tokens.weight");
-
-  v1::ModelDims* d = spec.mutable_dims();
-  d->set_vocab_size(c.vocab);
-  d->set_hidden_size(c.hidden);
-  d->set_num_layers(static_cast<int32_t>(c.layers));
-  d->set_activation(c.activation);
-  d->set_tie_word_embeddings(c.tie);
-  d->set_rms_norm_eps(c.eps);
-  return spec;
-}
-
-absl::StatusOr<v1::Activation> ActivationFromConfig(const ConfigReader& r,
-                                                    const std::string& key,
-                                                    v1::Activation def) {
-  SHARDD_ASSIGN_OR_RETURN(std::string act, r.StringOr(key, ""));
-  if (act.empty()) return def;
-  if (act == "silu" || act == "swish" || act == "swiglu") return v1::SWIGLU;
-  if (act == "gelu" || act == "gelu_pytorch_tanh" || act == "gelu_new" ||
-      act == "gelu_fast" || act == "geglu") {
-    return v1::GEGLU;
-  }
-  return absl::InvalidArgumentError(absl::StrCat(
-      key, ": unsupported activation \"", act,
-      "\"; allowed: silu, swish (SwiGLU), gelu, gelu_pytorch_tanh, gelu_new "
-      "(GeGLU)"));
-}
-
-absl::StatusOr<CommonConfig> ReadCommon(const ConfigReader& r,
-                                        const std::string& architecture,
-                                        bool default_tie) {
-  CommonConfig c;
-  c.architecture = architecture;
-  SHARDD_ASSIGN_OR_RETURN(c.model_type, r.StringOr("model_type", ""));
-  // Newer transformers write "dtype", older ones "torch_dtype".
-  std::string dtype_key = r.Has("torch_dtype") ? "torch_dtype" : "dtype";
-  SHARDD_ASSIGN_OR_RETURN(std::string dtype_name,
-                          r.StringOr(dtype_key, "bfloat16"));
-  if (dtype_name == "auto") dtype_name = "bfloat16";
-  auto dtype = ParseDType(dtype_name);
-  if (!dtype.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(dtype_key, ": ", dtype.status().message()));
-  }
-  if (*dtype != v1::FLOAT32 && *dtype != v1::BFLOAT16 &&
-      *dtype != v1::FLOAT16) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(dtype_key, ": parameter dtype \"", dtype_name,
-                     "\" is not supported; allowed: float32, bfloat16, "
-                     "float16"));
-  }
-  c.dtype = *dtype;
-  SHARDD_ASSIGN_OR_RETURN(c.vocab, r.Int("vocab_size", 1, kMaxVocab));
-  SHARDD_ASSIGN_OR_RETURN(c.hidden, r.Int("hidden_size", 1, kMaxHidden));
-  SHARDD_ASSIGN_OR_RETURN(c.layers, r.Int("num_hidden_layers", 1, kMaxLayers));
-  SHARDD_ASSIGN_OR_RETURN(c.tie, r.BoolOr("tie_word_embeddings", default_tie));
-  SHARDD_ASSIGN_OR_RETURN(c.eps, r.NonNegativeDoubleOr("rms_norm_eps", 1e-6));
-  return c;
-}
-
-// Attention head geometry shared by the GQA architectures.
-struct Heads {
-  int64_t nh = 0;
-  int64_t nkv = 0;
-  int64_t hd = 0;
-};
-
-absl::StatusOr<Heads> ReadHeads(const ConfigReader& r, int64_t hidden) {
-  Heads h;
-  SHARDD_ASSIGN_OR_RETURN(h.nh, r.Int("num_attention_heads", 1, kMaxHeads));
-  SHARDD_ASSIGN_OR_RETURN(h.nkv,
-                          r.IntOr("num_key_value_heads", h.nh, 1, kMaxHeads));
-  if (h.nh % h.nkv != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("num_key_value_heads: must divide num_attention_heads (",
-                     h.nh, "), got ", h.nkv));
-  }
-  if (r.Has("head_dim")) {
-    SHARDD_ASSIGN_OR_RETURN(h.hd, r.Int("head_dim", 1, kMaxHeadDim));
-  } else {
-    if (hidden % h.nh != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "head_dim: missing, and hidden_size (", hidden,
-          ") is not a multiple of num_attention_heads (", h.nh,
-          "); set head_dim to an integer in [1, ", kMaxHeadDim, "]"));
-    }
-    h.hd = hidden / h.nh;
-  }
-  return h;
-}
-
-void SetHeadDims(const Heads& h, v1::ModelDims* d) {
-  d->set_num_attention_heads(static_cast<int32_t>(h.nh));
-  d->set_num_key_value_heads(static_cast<int32_t>(h.nkv));
-  d->set_head_dim(h.hd);
-}
-
-absl::StatusOr<int64_t> ReadTopK(const ConfigReader& r, const std::string& key,
-                                 int64_t experts) {
-  std::string name;
-  if (r.Find(key, &name) == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(key, ": missing; must be an integer in [1, ", experts,
-                     "] (at most the number of experts)"));
-  }
-  return r.Int(key, 1, experts);
-}
 
 // ---- Architectures ----------------------------------------------------------
 
@@ -642,115 +414,6 @@ absl::StatusOr<v1::ModelSpec> BuildGptOss(const ConfigReader& r,
   }
   attention->set_bias(attn_bias);
   attention->set_sinks(true);
-  return spec;
-}
-
-absl::StatusOr<v1::ModelSpec> BuildDiffusionGemma(const ConfigReader& r,
-                                                  const std::string& arch) {
-  SHARDD_ASSIGN_OR_RETURN(CommonConfig c, ReadCommon(r, arch, true));
-  if (!c.tie) {
-    return absl::InvalidArgumentError(
-        "tie_word_embeddings: DiffusionGemmaForBlockDiffusion always ties "
-        "lm_head to the embedding; must be true or absent");
-  }
-  SHARDD_ASSIGN_OR_RETURN(
-      c.activation, ActivationFromConfig(r, "hidden_activation", v1::GEGLU));
-  SHARDD_ASSIGN_OR_RETURN(Heads h, ReadHeads(r, c.hidden));
-  SHARDD_ASSIGN_OR_RETURN(int64_t global_hd,
-                          r.IntOr("global_head_dim", h.hd, 1, kMaxHeadDim));
-  SHARDD_ASSIGN_OR_RETURN(
-      int64_t global_nkv,
-      r.IntOr("num_global_key_value_heads", h.nkv, 1, kMaxHeads));
-  SHARDD_ASSIGN_OR_RETURN(bool attn_bias, r.BoolOr("attention_bias", false));
-  SHARDD_ASSIGN_OR_RETURN(int64_t inter,
-                          r.Int("intermediate_size", 1, kMaxIntermediate));
-  SHARDD_ASSIGN_OR_RETURN(int64_t moe_inter,
-                          r.Int("moe_intermediate_size", 1, kMaxIntermediate));
-  SHARDD_ASSIGN_OR_RETURN(int64_t e, r.Int("num_experts", 1, kMaxExperts));
-  SHARDD_ASSIGN_OR_RETURN(int64_t k, ReadTopK(r, "top_k_experts", e));
-  SHARDD_ASSIGN_OR_RETURN(int64_t pattern,
-                          r.IntOr("sliding_window_pattern", 6, 1, kMaxLayers));
-  // Full-attention layers come from layer_types, else every pattern-th layer.
-  std::vector<bool> full(c.layers, false);
-  {
-    std::string name;
-    const json* v = r.Find("layer_types", &name);
-    if (v != nullptr) {
-      if (!v->is_array() || static_cast<int64_t>(v->size()) != c.layers) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            name, ": must be an array of num_hidden_layers (", c.layers,
-            ") strings \"sliding_attention\" or \"full_attention\""));
-      }
-      for (int64_t i = 0; i < c.layers; ++i) {
-        const json& x = (*v)[i];
-        if (x.is_string() && x.get<std::string>() == "full_attention") {
-          full[i] = true;
-        } else if (!x.is_string() ||
-                   x.get<std::string>() != "sliding_attention") {
-          return absl::InvalidArgumentError(absl::StrCat(
-              name, "[", i,
-              "]: must be \"sliding_attention\" or \"full_attention\""));
-        }
-      }
-    } else {
-      for (int64_t i = 0; i < c.layers; ++i) full[i] = (i + 1) % pattern == 0;
-    }
-  }
-  Builder b(c.dtype);
-  SHARDD_ASSIGN_OR_RETURN(
-      v1::ModelSpec spec,
-      BuildDecoder(
-          c, b,
-          [&](int i, v1::ModuleSpec* layer) {
-            // Full-attention layers: wider heads, fewer KV heads and no v_proj
-            // (V is the pre-norm K).
-            const int64_t hd = full[i] ? global_hd : h.hd;
-            const int64_t nkv = full[i] ? global_nkv : h.nkv;
-            v1::ModuleSpec* a =
-                Builder::Child(layer, "self_attn", v1::MODULE_ATTENTION);
-            b.Linear(a, "q_proj", c.hidden, h.nh * hd, attn_bias);
-            b.Linear(a, "k_proj", c.hidden, nkv * hd, attn_bias);
-            if (!full[i]) b.Linear(a, "v_proj", c.hidden, nkv * hd, attn_bias);
-            b.Linear(a, "o_proj", h.nh * hd, c.hidden, attn_bias);
-            b.Norm(a, "q_norm", hd);
-            b.Norm(a, "k_norm", hd);
-            b.GatedMlp(layer, "mlp", c.hidden, inter);
-            v1::ModuleSpec* moe = Builder::Child(layer, "moe", v1::MODULE_MOE);
-            // Gemma4Gate: proj [E, H] and a per-channel scale [H]. NeMo
-            // freezes the router by default (freeze_router=True).
-            v1::ModuleSpec* gate =
-                Builder::Child(moe, "gate", v1::MODULE_ROUTER);
-            b.Param(gate, "scale", {c.hidden})->set_frozen(true);
-            v1::ModuleSpec* proj =
-                Builder::Child(gate, "proj", v1::MODULE_GENERIC);
-            b.Param(proj, "weight", {e, c.hidden})->set_frozen(true);
-            b.Experts(moe, e, c.hidden, moe_inter, false);
-            for (const char* norm :
-                 {"input_layernorm", "post_attention_layernorm",
-                  "pre_feedforward_layernorm", "post_feedforward_layernorm_1",
-                  "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2",
-                  "post_feedforward_layernorm"}) {
-              b.Norm(layer, norm, c.hidden);
-            }
-            // A buffer in the reference model: sharded with the layer, never
-            // trained.
-            b.Param(layer, "layer_scalar", {1})->set_frozen(true);
-            return absl::OkStatus();
-          },
-          [&](v1::ModuleSpec* model) {
-            // Mixes the token embeddings with the softmax-weighted embeddings
-            // of the previous pass: Linear(2H -> H), no bias (see
-            // docs/model-spec.md).
-            v1::ModuleSpec* sc =
-                Builder::Child(model, "self_conditioning", v1::MODULE_GENERIC);
-            b.Linear(sc, "proj", 2 * c.hidden, c.hidden, false);
-          }));
-  v1::ModelDims* d = spec.mutable_dims();
-  SetHeadDims(h, d);
-  d->set_num_experts(static_cast<int32_t>(e));
-  d->set_top_k(static_cast<int32_t>(k));
-  d->set_moe_intermediate_size(moe_inter);
-  d->set_dense_intermediate_size(inter);
   return spec;
 }
 

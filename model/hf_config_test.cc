@@ -464,88 +464,6 @@ TEST(HfConfigTest, RouterAuxLossFollowsOutputRouterLogits) {
   EXPECT_EQ(spec.dims().router_aux_loss_coef(), 0.0);
 }
 
-TEST(HfConfigTest, DiffusionGemma26B) {
-  SHARDD_ASSERT_OK_AND_ASSIGN(
-      v1::ModelSpec spec,
-      ModelSpecFromHfConfig(ReadTestFile("diffusion_gemma_26b.json")));
-  const int64_t v = 262144, h = 2816, l = 30, e = 128, mi = 704, di = 2112,
-                nh = 16, nkv = 8, hd = 256, gnkv = 2, ghd = 512;
-  const auto m = ParamMap(spec);
-  EXPECT_THAT(Shape(m, "model.layers.0.moe.experts.gate_and_up_projs"),
-              ElementsAre(128, 2816, 1408));
-  EXPECT_THAT(Shape(m, "model.layers.29.moe.experts.down_projs"),
-              ElementsAre(128, 704, 2816));
-  EXPECT_THAT(Shape(m, "model.layers.0.moe.gate.proj.weight"),
-              ElementsAre(e, h));
-  EXPECT_THAT(Shape(m, "model.layers.0.moe.gate.scale"), ElementsAre(h));
-  EXPECT_THAT(Shape(m, "model.layers.0.mlp.gate_proj.weight"),
-              ElementsAre(di, h));
-  EXPECT_THAT(Shape(m, "model.layers.0.layer_scalar"), ElementsAre(1));
-  EXPECT_TRUE(m.at("model.layers.0.layer_scalar").frozen());
-  EXPECT_TRUE(m.at("model.layers.0.moe.gate.proj.weight").frozen());
-  for (const char* norm :
-       {"input_layernorm", "post_attention_layernorm",
-        "pre_feedforward_layernorm", "post_feedforward_layernorm_1",
-        "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2",
-        "post_feedforward_layernorm"}) {
-    EXPECT_THAT(Shape(m, absl::StrCat("model.layers.4.", norm, ".weight")),
-                ElementsAre(h))
-        << norm;
-  }
-  // Sliding layer 4 vs full-attention layer 5 (every 6th).
-  EXPECT_THAT(Shape(m, "model.layers.4.self_attn.v_proj.weight"),
-              ElementsAre(nkv * hd, h));
-  EXPECT_THAT(Shape(m, "model.layers.4.self_attn.q_norm.weight"),
-              ElementsAre(hd));
-  for (int full : {5, 11, 17, 23, 29}) {
-    const std::string a = absl::StrCat("model.layers.", full, ".self_attn.");
-    EXPECT_EQ(m.count(a + "v_proj.weight"), 0u) << full;
-    EXPECT_THAT(Shape(m, a + "q_proj.weight"), ElementsAre(nh * ghd, h));
-    EXPECT_THAT(Shape(m, a + "k_proj.weight"), ElementsAre(gnkv * ghd, h));
-    EXPECT_THAT(Shape(m, a + "k_norm.weight"), ElementsAre(ghd));
-  }
-  EXPECT_EQ(m.at("lm_head.weight").tied_to(), "model.embed_tokens.weight");
-  EXPECT_THAT(Shape(m, "model.self_conditioning.proj.weight"),
-              ElementsAre(h, 2 * h));
-
-  const int64_t experts = e * h * 2 * mi + e * mi * h;
-  const int64_t common = experts + 3 * h * di + e * h + h + 7 * h + 1;
-  const int64_t sliding = 2 * h * nh * hd + 2 * h * nkv * hd + 2 * hd;
-  const int64_t global = 2 * h * nh * ghd + h * gnkv * ghd + 2 * ghd;
-  const int64_t total =
-      v * h + h + h * 2 * h + l * common + 25 * sliding + 5 * global;
-  const v1::ModelSummary s = Summarize(spec);
-  EXPECT_EQ(s.total_params(), total);
-  EXPECT_GE(s.total_params(), 25e9);
-  EXPECT_LE(s.total_params(), 27e9);
-  EXPECT_EQ(s.expert_params(), l * experts);
-  // The NeMo code says the experts are "~88% of the params".
-  EXPECT_NEAR(static_cast<double>(s.expert_params()) / s.total_params(), 0.9,
-              0.03);
-  // Frozen: router proj + scale and layer_scalar in every layer.
-  EXPECT_EQ(s.trainable_params(), total - l * (e * h + h + 1));
-  ExpectNear(s.active_params(), 3.8e9, 0.03);  // "A4B".
-
-  const v1::ModelDims& d = spec.dims();
-  EXPECT_EQ(d.num_experts(), e);
-  EXPECT_EQ(d.top_k(), 8);
-  EXPECT_EQ(d.activation(), v1::GEGLU);
-  EXPECT_TRUE(d.tie_word_embeddings());
-  EXPECT_EQ(d.dense_intermediate_size(), di);
-  EXPECT_EQ(d.moe_intermediate_size(), mi);
-}
-
-TEST(HfConfigTest, DiffusionGemmaDefaultsFullLayersWithoutLayerTypes) {
-  json j = LoadJson("diffusion_gemma_26b.json");
-  j.erase("layer_types");
-  j["num_hidden_layers"] = 12;
-  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ModelSpec spec, Parse(j));
-  const auto m = ParamMap(spec);
-  EXPECT_EQ(m.count("model.layers.5.self_attn.v_proj.weight"), 0u);
-  EXPECT_EQ(m.count("model.layers.11.self_attn.v_proj.weight"), 0u);
-  EXPECT_EQ(m.count("model.layers.6.self_attn.v_proj.weight"), 1u);
-}
-
 TEST(HfConfigTest, TextConfigNesting) {
   json inner = LoadJson("llama3_8b.json");
   inner.erase("architectures");
@@ -716,18 +634,7 @@ TEST(HfConfigTest, ArchitectureSpecificBadInput) {
   EXPECT_THAT(Parse(d), StatusIs(absl::StatusCode::kInvalidArgument,
                                  HasSubstr("kv_lora_rank: missing")));
 
-  json g = LoadJson("diffusion_gemma_26b.json");
-  g["layer_types"][3] = "global";
-  EXPECT_THAT(Parse(g), StatusIs(absl::StatusCode::kInvalidArgument,
-                                 HasSubstr("layer_types[3]")));
-  g = LoadJson("diffusion_gemma_26b.json");
-  g["layer_types"].erase(0);
-  EXPECT_THAT(Parse(g), StatusIs(absl::StatusCode::kInvalidArgument,
-                                 HasSubstr("layer_types: must be an array")));
-  g = LoadJson("diffusion_gemma_26b.json");
-  g["tie_word_embeddings"] = false;
-  EXPECT_THAT(Parse(g), StatusIs(absl::StatusCode::kInvalidArgument,
-                                 HasSubstr("tie_word_embeddings")));
+  // DiffusionGemma's: model/hf_diffusion_gemma_test.cc.
 
   json o = LoadJson("gpt_oss_20b.json");
   o["num_local_experts"] = 2;  // Fewer experts than top-k 4.

@@ -164,6 +164,9 @@ absl::StatusOr<v1::ModelDims> ReadDims(const json& v, const std::string& path) {
                                        "num_key_value_heads",
                                        "head_dim",
                                        "attention",
+                                       "final_logit_softcapping",
+                                       "embedding_scale",
+                                       "canvas_length",
                                        "norm_topk_prob",
                                        "router_scoring",
                                        "swiglu_limit",
@@ -201,6 +204,7 @@ absl::StatusOr<v1::ModelDims> ReadDims(const json& v, const std::string& path) {
       {"head_dim", kBig, [&](int64_t x) { d.set_head_dim(x); }},
       {"n_group", kI32, [&](int64_t x) { d.set_n_group(x); }},
       {"topk_group", kI32, [&](int64_t x) { d.set_topk_group(x); }},
+      {"canvas_length", kBig, [&](int64_t x) { d.set_canvas_length(x); }},
   };
   // Every size is optional and defaults to 0 ("none").
   for (const IntField& f : fields) {
@@ -289,6 +293,21 @@ absl::StatusOr<v1::ModelDims> ReadDims(const json& v, const std::string& path) {
           absl::StrCat("must be true or false, got ", DescribeJson(*it)));
     }
     d.set_norm_topk_prob(it->get<bool>());
+  }
+  for (const char* key : {"final_logit_softcapping", "embedding_scale"}) {
+    auto it = v.find(key);
+    if (it == v.end()) continue;
+    if (!it->is_number() || !std::isfinite(it->get<double>()) ||
+        it->get<double>() < 0) {
+      return Bad(Sub(path, key), absl::StrCat("must be a non-negative number, "
+                                              "got ",
+                                              DescribeJson(*it)));
+    }
+    if (std::string(key) == "final_logit_softcapping") {
+      d.set_final_logit_softcapping(it->get<double>());
+    } else {
+      d.set_embedding_scale(it->get<double>());
+    }
   }
   if (auto it = v.find("attention"); it != v.end()) {
     // The AttentionSpec message in its proto JSON form (field names as in
@@ -538,6 +557,11 @@ std::string ModelSpecToNativeJson(const v1::ModelSpec& model) {
   }
   if (d.swiglu_limit() != 0) dims["swiglu_limit"] = d.swiglu_limit();
   if (d.swiglu_alpha() != 0) dims["swiglu_alpha"] = d.swiglu_alpha();
+  if (d.final_logit_softcapping() != 0) {
+    dims["final_logit_softcapping"] = d.final_logit_softcapping();
+  }
+  if (d.embedding_scale() != 0) dims["embedding_scale"] = d.embedding_scale();
+  if (d.canvas_length() != 0) dims["canvas_length"] = d.canvas_length();
   if (d.has_attention()) {
     std::string text;
     google::protobuf::util::JsonPrintOptions options;

@@ -1,5 +1,6 @@
 #include "model/native_spec.h"
 
+#include <cmath>
 #include <cstdint>
 #include <fstream>
 #include <functional>
@@ -318,6 +319,36 @@ TEST(NativeSpecTest, ErrorsNameTheJsonPath) {
                                    HasSubstr(c.needle)))
         << c.label;
   }
+}
+
+TEST(NativeSpecTest, DiffusionGemmaDimsByName) {
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      v1::ModelSpec hf,
+      ModelSpecFromHfConfig(ReadTestFile("diffusion_gemma_26b.json")));
+  const json native = json::parse(ModelSpecToNativeJson(hf));
+  const json& dims = native["dims"];
+  EXPECT_EQ(dims["final_logit_softcapping"], 30.0);
+  EXPECT_EQ(dims["embedding_scale"], std::sqrt(2816.0));
+  EXPECT_EQ(dims["canvas_length"], 256);
+  const json& attention = dims["attention"];
+  EXPECT_EQ(attention["sliding_rope"]["type"], "default");
+  EXPECT_EQ(attention["rope"]["type"], "proportional");
+  EXPECT_EQ(attention["global_head_dim"], "512");  // int64: a JSON string.
+  EXPECT_EQ(attention["num_global_key_value_heads"], 2);
+  EXPECT_EQ(attention["values_from_keys"], true);
+  EXPECT_EQ(attention["v_norm"], true);
+
+  json bad = native;
+  bad["dims"]["canvas_length"] = -1;
+  EXPECT_THAT(ModelSpecFromNativeJson(bad.dump()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("dims.canvas_length: must be an integer")));
+  bad = native;
+  bad["dims"]["final_logit_softcapping"] = "30";
+  EXPECT_THAT(ModelSpecFromNativeJson(bad.dump()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("dims.final_logit_softcapping: must be a "
+                                 "non-negative number")));
 }
 
 TEST(NativeSpecTest, DeepNestingIsRejectedNotCrashing) {

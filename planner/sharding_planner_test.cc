@@ -505,11 +505,12 @@ std::string ReadFile(const std::string& path) {
   return buffer.str();
 }
 
-// Hand-derived sizes from the config (H 2816, 16 heads; sliding layers:
-// head_dim 256, 8 KV heads, q/k/v/o; full layers (5, 11, ..., 29): head_dim
-// 512, 2 KV heads, no v_proj; dense MLP 2112; 128 experts of 704; vocab
-// 262144, tied head). Gathered element counts over W = 8, all dims are
-// multiples of 8 except layer_scalar [1], padded to 8.
+// Hand-derived sizes from the released config (H 2816, 16 heads; sliding
+// layers: head_dim 256, 8 KV heads, q/k/v/o; full layers (5, 11, ..., 29):
+// head_dim 512, 2 KV heads, no v_proj; dense MLP 2112; 128 experts of 704;
+// vocab 262144, tied head; the root holds the self-conditioning block:
+// pre_norm and a gated MLP of 2112). Gathered element counts over W = 8, all
+// dims are multiples of 8 except layer_scalar [1], padded to 8.
 struct DgSizes {
   static constexpr int64_t H = 2816;
   static constexpr int64_t kExperts = 128 * H * 2 * 704 + 128 * 704 * H;
@@ -521,7 +522,7 @@ struct DgSizes {
       H * 16 * 256 + 2 * H * 8 * 256 + 16 * 256 * H + 2 * 256;
   static constexpr int64_t kFullAttn =
       H * 16 * 512 + H * 2 * 512 + 16 * 512 * H + 2 * 512;
-  static constexpr int64_t kRoot = 262144 * H + H + 2 * H * H;
+  static constexpr int64_t kRoot = 262144 * H + H + H + 3 * H * 2112;
 
   static bool Full(int i) { return i % 6 == 5; }
   // Layer without experts: gathered, and its trainable part.
