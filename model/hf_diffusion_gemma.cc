@@ -43,10 +43,10 @@ absl::StatusOr<std::vector<bool>> ReadFullLayers(const ConfigReader& r,
     for (int64_t i = 0; i < layers; ++i) full[i] = (i + 1) % 6 == 0;
   } else {
     if (!v->is_array() || static_cast<int64_t>(v->size()) != layers) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name, ": must be an array of num_hidden_layers (", layers,
-          ") strings \"", kSliding, "\" or \"", kFull, "\", got ",
-          DescribeJson(*v)));
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": must be an array of num_hidden_layers (",
+                       layers, ") strings \"", kSliding, "\" or \"", kFull,
+                       "\", got ", DescribeJson(*v)));
     }
     for (int64_t i = 0; i < layers; ++i) {
       const json& x = (*v)[i];
@@ -80,10 +80,9 @@ absl::StatusOr<std::vector<LayerHeads>> ReadLayerHeads(
   if (per_layer == nullptr) {
     LayerHeads global;
     SHARDD_ASSIGN_OR_RETURN(
-        global.head_dim,
-        r.IsNull("global_head_dim")
-            ? absl::StatusOr<int64_t>(sliding.head_dim)
-            : r.IntOr("global_head_dim", 512, 1, kMaxHeadDim));
+        global.head_dim, r.IsNull("global_head_dim")
+                             ? absl::StatusOr<int64_t>(sliding.head_dim)
+                             : r.IntOr("global_head_dim", 512, 1, kMaxHeadDim));
     SHARDD_ASSIGN_OR_RETURN(
         global.kv_heads,
         r.IntOr("num_global_key_value_heads", sliding.kv_heads, 1, kMaxHeads));
@@ -92,10 +91,11 @@ absl::StatusOr<std::vector<LayerHeads>> ReadLayerHeads(
     }
   } else {
     if (!per_layer->is_object()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name, ": must be an object of layer index -> {head_dim, "
-                "num_key_value_heads}, got ",
-          DescribeJson(*per_layer)));
+      return absl::InvalidArgumentError(
+          absl::StrCat(name,
+                       ": must be an object of layer index -> {head_dim, "
+                       "num_key_value_heads}, got ",
+                       DescribeJson(*per_layer)));
     }
     for (const auto& [key, value] : per_layer->items()) {
       const std::string where = absl::StrCat(name, "[\"", key, "\"]");
@@ -137,17 +137,17 @@ absl::StatusOr<std::vector<LayerHeads>> ReadLayerHeads(
   for (int64_t i = 0; i < layers; ++i) {
     const LayerHeads& want = full[i] ? out[first_full] : sliding;
     if (!(out[i] == want)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name, ": layer ", i, " has head_dim ", out[i].head_dim,
-          " and num_key_value_heads ", out[i].kv_heads, "; every ",
-          full[i] ? kFull : kSliding, " layer must have ", want.head_dim,
-          " and ", want.kv_heads));
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": layer ", i, " has head_dim ", out[i].head_dim,
+                       " and num_key_value_heads ", out[i].kv_heads, "; every ",
+                       full[i] ? kFull : kSliding, " layer must have ",
+                       want.head_dim, " and ", want.kv_heads));
     }
     if (nh % out[i].kv_heads != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           full[i] ? "num_global_key_value_heads" : "num_key_value_heads",
-          ": must divide num_attention_heads (", nh, "), got ",
-          out[i].kv_heads, " (layer ", i, ")"));
+          ": must divide num_attention_heads (", nh, "), got ", out[i].kv_heads,
+          " (layer ", i, ")"));
     }
   }
   return out;
@@ -171,14 +171,13 @@ absl::Status ReadLayerTypeRope(const ConfigReader& r, const char* type,
   const std::string where = absl::StrCat(name, ".", type);
   if (!params->is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        name, ": must be an object keyed by layer type (\"", kSliding,
-        "\", \"", kFull, "\"), got ", DescribeJson(*params)));
+        name, ": must be an object keyed by layer type (\"", kSliding, "\", \"",
+        kFull, "\"), got ", DescribeJson(*params)));
   }
   auto it = params->find(type);
   if (it == params->end() || !it->is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        where, ": must be an object (the rope of the ", type,
-        " layers), got ",
+        where, ": must be an object (the rope of the ", type, " layers), got ",
         it == params->end() ? std::string("nothing") : DescribeJson(*it)));
   }
   return ReadRopeObject(*it, where, 10000.0, 1.0, max_positions, rope);
@@ -200,15 +199,16 @@ absl::Status ReadAttentionSpec(const ConfigReader& r,
   // Hugging Face sizes every rope type but proportional by head_dim.
   if (a->rope().type() != "proportional" &&
       global.head_dim != sliding.head_dim) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "rope_parameters.", kFull, ".rope_type: must be \"proportional\" when "
-        "the full-attention head dim (", global.head_dim,
-        ") differs from head_dim (", sliding.head_dim, "), got \"",
-        a->rope().type(), "\""));
+    return absl::InvalidArgumentError(
+        absl::StrCat("rope_parameters.", kFull,
+                     ".rope_type: must be \"proportional\" when "
+                     "the full-attention head dim (",
+                     global.head_dim, ") differs from head_dim (",
+                     sliding.head_dim, "), got \"", a->rope().type(), "\""));
   }
   if (any_sliding) {
-    SHARDD_RETURN_IF_ERROR(
-        ReadLayerTypeRope(r, kSliding, max_positions, a->mutable_sliding_rope()));
+    SHARDD_RETURN_IF_ERROR(ReadLayerTypeRope(r, kSliding, max_positions,
+                                             a->mutable_sliding_rope()));
   }
 
   SHARDD_ASSIGN_OR_RETURN(const std::string bidirectional,
@@ -250,9 +250,10 @@ absl::Status CheckTied(const ConfigReader& r) {
       std::string name;
       reader.Find("tie_word_embeddings", &name);
       return absl::InvalidArgumentError(absl::StrCat(
-          name, ": DiffusionGemmaForBlockDiffusion ties lm_head to the "
-                "embedding (and the encoder to the decoder); must be true "
-                "or absent"));
+          name,
+          ": DiffusionGemmaForBlockDiffusion ties lm_head to the "
+          "embedding (and the encoder to the decoder); must be true "
+          "or absent"));
     }
   }
   return absl::OkStatus();
@@ -319,7 +320,8 @@ absl::StatusOr<v1::ModelSpec> BuildDiffusionGemma(const ConfigReader& r,
             for (const char* norm :
                  {"input_layernorm", "post_attention_layernorm",
                   "pre_feedforward_layernorm", "post_feedforward_layernorm",
-                  "post_feedforward_layernorm_1", "post_feedforward_layernorm_2",
+                  "post_feedforward_layernorm_1",
+                  "post_feedforward_layernorm_2",
                   "pre_feedforward_layernorm_2"}) {
               b.Norm(layer, norm, c.hidden);
             }

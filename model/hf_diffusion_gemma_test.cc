@@ -191,7 +191,8 @@ TEST(HfDiffusionGemmaTest, RopeTablesPerLayerType) {
   SHARDD_ASSERT_OK_AND_ASSIGN(v1::ModelSpec spec, Parse(Released()));
   const v1::AttentionSpec& a = spec.dims().attention();
   SHARDD_ASSERT_OK_AND_ASSIGN(
-      RopeFrequencies full, ComputeRopeFrequencies(a.rope(), a.global_head_dim()));
+      RopeFrequencies full,
+      ComputeRopeFrequencies(a.rope(), a.global_head_dim()));
   ASSERT_EQ(full.inv_freq.size(), 256u);
   EXPECT_EQ(full.inv_freq[0], 1.0f);
   EXPECT_EQ(full.inv_freq[1], static_cast<float>(std::pow(1e6, -2.0 / 512)));
@@ -241,8 +242,9 @@ TEST(HfDiffusionGemmaTest, DiffusionGemmaTextConfigDefaults) {
   // Every 6th layer is full, and the last always is.
   for (int i = 0; i < 14; ++i) {
     const bool full = i == 5 || i == 11 || i == 13;
-    EXPECT_EQ(m.count(absl::StrCat("model.layers.", i, ".self_attn.v_proj.weight")),
-              full ? 0u : 1u)
+    EXPECT_EQ(
+        m.count(absl::StrCat("model.layers.", i, ".self_attn.v_proj.weight")),
+        full ? 0u : 1u)
         << i;
   }
   // global_head_dim 512 with the sliding layers' KV heads.
@@ -338,54 +340,64 @@ TEST(HfDiffusionGemmaTest, BadInputNamesTheField) {
   };
   json c = Released();
   c["text_config"]["layer_types"][3] = "global";
-  expect_error(c, "text_config.layer_types[3]: must be \"sliding_attention\" "
-                  "or \"full_attention\", got \"global\"");
+  expect_error(c,
+               "text_config.layer_types[3]: must be \"sliding_attention\" "
+               "or \"full_attention\", got \"global\"");
   c = Released();
   c["text_config"]["layer_types"].erase(0);
-  expect_error(c, "text_config.layer_types: must be an array of "
-                  "num_hidden_layers (30)");
+  expect_error(c,
+               "text_config.layer_types: must be an array of "
+               "num_hidden_layers (30)");
   c = Released();
   c["tie_word_embeddings"] = false;
   expect_error(c, "tie_word_embeddings: DiffusionGemmaForBlockDiffusion ties");
   c = Released();
   c["text_config"]["tie_word_embeddings"] = false;
-  expect_error(c, "text_config.tie_word_embeddings: "
-                  "DiffusionGemmaForBlockDiffusion ties");
+  expect_error(c,
+               "text_config.tie_word_embeddings: "
+               "DiffusionGemmaForBlockDiffusion ties");
   c = Released();
   c["text_config"]["rope_parameters"].erase("sliding_attention");
-  expect_error(c, "text_config.rope_parameters.sliding_attention: must be an "
-                  "object");
+  expect_error(c,
+               "text_config.rope_parameters.sliding_attention: must be an "
+               "object");
   c = Released();
   c["text_config"]["rope_parameters"] = {{"rope_type", "default"},
                                          {"rope_theta", 1e4}};
-  expect_error(c, "text_config.rope_parameters.full_attention: must be an "
-                  "object");
+  expect_error(c,
+               "text_config.rope_parameters.full_attention: must be an "
+               "object");
   c = Released();
   c["text_config"]["rope_parameters"]["full_attention"]["rope_type"] =
       "default";
-  expect_error(c, "rope_parameters.full_attention.rope_type: must be "
-                  "\"proportional\" when the full-attention head dim (512) "
-                  "differs from head_dim (256)");
+  expect_error(c,
+               "rope_parameters.full_attention.rope_type: must be "
+               "\"proportional\" when the full-attention head dim (512) "
+               "differs from head_dim (256)");
   c = Released();
   c["text_config"]["rope_parameters"]["sliding_attention"]["rope_type"] =
       "longrope";
-  expect_error(c, "text_config.rope_parameters.sliding_attention.rope_type: "
-                  "\"longrope\" is not supported");
+  expect_error(c,
+               "text_config.rope_parameters.sliding_attention.rope_type: "
+               "\"longrope\" is not supported");
   c = Released();
   c["text_config"]["use_bidirectional_attention"] = "text";
-  expect_error(c, "use_bidirectional_attention: must be \"vision\", \"all\" "
-                  "or null");
+  expect_error(c,
+               "use_bidirectional_attention: must be \"vision\", \"all\" "
+               "or null");
   c = Released();
   c["canvas_length"] = 0;
   expect_error(c, "canvas_length: must be an integer in [1, 1048576], got 0");
   c = Released();
   c["text_config"]["num_global_key_value_heads"] = 3;
-  expect_error(c, "num_global_key_value_heads: must divide "
-                  "num_attention_heads (16), got 3");
+  expect_error(c,
+               "num_global_key_value_heads: must divide "
+               "num_attention_heads (16), got 3");
   c = Released();
   c["text_config"]["final_logit_softcapping"] = -1;
-  expect_error(c, "text_config.final_logit_softcapping: must be a "
-                  "non-negative number");
+  expect_error(c,
+               "text_config.final_logit_softcapping: must be a "
+               "non-negative number");
   c = Released();
   c["text_config"]["top_k_experts"] = 129;
   expect_error(c, "text_config.top_k_experts: must be an integer in [1, 128]");
