@@ -8,8 +8,9 @@ Qwen3-MoE, GPT-OSS's fused interleaved experts; one file or an index with
 shards; F32, BF16 or F16) plus a uint16 token file. A coordinator and four
 CPU workers on loopback then train 3 steps with `shardctl train --init-from
 --data-order strided --json` at 1, 2 and 4 workers under every strategy
-that applies, and the losses and gradient norms of the 3 steps are compared
-with hf_reference_test.py's float64 forward, autograd and
+that applies (and HSDP, 2 shards x 2 replicas), and the losses and gradient
+norms of the 3 steps are compared with hf_reference_test.py's float64
+forward, autograd and
 torch.optim.AdamW with the same hyper-parameters. Then the checkpoint
 saved after step 3 goes through `shardctl checkpoint export --hf OUT`, and a
 job started with `--model OUT --init-from OUT` must see the loss the
@@ -354,12 +355,15 @@ def main():
                 moe = any(".moe.experts." in n for n in params)
                 strategies = ["default", "megatron_fsdp"] + (
                     ["diffusion_gemma"] if moe else [])
-                runs = [(w, s, False) for w in (1, 2, 4) for s in strategies]
-                runs += [(2, "default", True)]
-                for world, strategy, mixed in runs:
+                # (dp, replicas, strategy, mixed precision): every strategy
+                # at 1, 2 and 4 ranks, HSDP 2 x 2, and bf16 at 2 ranks.
+                runs = [(w, 1, s, False) for w in (1, 2, 4) for s in strategies]
+                runs += [(2, 2, "default", False), (2, 1, "default", True)]
+                for world, replicas, strategy, mixed in runs:
                     sizes = cluster.worker_log_sizes()
                     got, _ = train(cluster, config, hf_dir, data, world,
-                                   strategy, mixed)
+                                   strategy, mixed,
+                                   extra=["--replicate", str(replicas)])
                     bound = BF16_BOUND if mixed else FP32_BOUND
                     # Errors relative to each check's own bound.
                     errs, ratios, flips = [], [], 0.0
@@ -378,20 +382,22 @@ def main():
                     else:
                         worst_fp32 = max(worst_fp32, worst)
                     read = cluster.bytes_read_since(sizes)
-                    # Every element is owned by one rank of a replica: the
-                    # ranks read the checkpoint's bytes exactly once
+                    # Every element is owned by one rank of a replica: each
+                    # replica reads the checkpoint's bytes exactly once
                     # (GPT-OSS's interleaved rows may be read whole at a
                     # range's ends).
                     exact = architecture != "GptOssForCausalLM"
-                    read_ok = read == total_bytes if exact else read >= total_bytes
+                    want_read = total_bytes * replicas
+                    read_ok = read == want_read if exact else read >= want_read
                     status = "ok" if ratio <= 1 and read_ok else "FAIL"
                     if status == "FAIL":
                         failures += 1
-                    print(f"  {status} {world} worker(s) {strategy:14s} "
+                    mesh = f"{world}" if replicas == 1 else f"{world}x{replicas}"
+                    print(f"  {status} {mesh} worker(s) {strategy:14s} "
                           f"{'bf16' if mixed else 'fp32'}: largest relative "
                           f"error {worst:.2e}, {ratio:.2f} of its bound "
                           f"({bound:.1e}{' + the update term' if mixed else ''}); "
-                          f"{read} of {total_bytes} checkpoint bytes read")
+                          f"{read} bytes read ({replicas} x {total_bytes} wanted)")
                     if status == "FAIL":
                         print("    shardd", got, "\n    reference", want)
                 # Export the state after 3 steps and start from it.
