@@ -50,8 +50,12 @@ StepTolerances MoeStepTolerances(const v1::ModelDims& dims, int64_t tokens,
                i = dims.moe_intermediate_size(),
                m = dims.dense_intermediate_size(), v = dims.vocab_size(),
                k = dims.top_k();
-  const double n_fwd =
-      dims.num_layers() * (4 * d + e + i + m + k + 2) + 2 * d + v;
+  double n_fwd = dims.num_layers() * (4 * d + e + i + m + k + 2) + 2 * d + v;
+  if (dims.router_aux_loss_coef() > 0) {
+    // The load-balancing loss: per-expert probability sums rounded to fp32
+    // once, summed over the world's ranks, and the E-term value.
+    n_fwd += e + world + 2;
+  }
   const double n_bwd = n_fwd + static_cast<double>(tokens) + world + 1;
   StepTolerances t;
   t.loss = 2 * Gamma(n_fwd);

@@ -41,7 +41,9 @@ struct StepTolerances {
 //  - n_fwd, the forward pass's longest chain of reductions, taken as the
 //    sum of every branch of a layer (RMSNorm D, router D, softmax E, experts
 //    D then I then the top-k combine, dense MLP D then M, two residual adds)
-//    plus the head (RMSNorm D, logits D, log-sum-exp V);
+//    plus the head (RMSNorm D, logits D, log-sum-exp V), plus, with the
+//    load-balancing loss, E + world + 2 (its probability sums rounded to
+//    fp32, all-reduced over the ranks, and its E-term value);
 //  - n_bwd: backward runs each forward reduction over the transposed
 //    dimension (the same lengths), then the weight gradients sum over the
 //    tokens and the reduce-scatter over the ranks, and divides once.

@@ -7,10 +7,10 @@
 namespace shardd {
 namespace kernels {
 
-absl::Status RouterAuxLossAccumulate(const float* probs,
-                                     const int32_t* indices, int64_t rows,
-                                     int64_t experts, int64_t top_k,
-                                     int64_t* counts, double* prob_sums) {
+absl::Status RouterAuxLossAccumulate(const float* probs, const int32_t* indices,
+                                     int64_t rows, int64_t experts,
+                                     int64_t top_k, int64_t* counts,
+                                     double* prob_sums) {
   if (rows < 0 || experts < 1 || top_k < 1 || top_k > experts) {
     return absl::InvalidArgumentError(absl::StrCat(
         "router aux loss: rows >= 0, experts >= 1 and top_k in [1, experts] "

@@ -34,10 +34,10 @@ namespace kernels {
 // Errors: INVALID_ARGUMENT for rows < 0, experts < 1, top_k outside
 // [1, experts], a null pointer with rows > 0, or an index out of range
 // (nothing is added then).
-absl::Status RouterAuxLossAccumulate(const float* probs,
-                                     const int32_t* indices, int64_t rows,
-                                     int64_t experts, int64_t top_k,
-                                     int64_t* counts, double* prob_sums);
+absl::Status RouterAuxLossAccumulate(const float* probs, const int32_t* indices,
+                                     int64_t rows, int64_t experts,
+                                     int64_t top_k, int64_t* counts,
+                                     double* prob_sums);
 
 // aux from the sums over `total_rows` rows (0 when total_rows is 0).
 double RouterAuxLossValue(const int64_t* counts, const double* prob_sums,

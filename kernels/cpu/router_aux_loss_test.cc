@@ -46,7 +46,8 @@ double ReferenceAux(const std::vector<double>& logits,
   }
   double sum = 0.0;
   for (int64_t j = 0; j < k; ++j) {
-    for (int64_t e = 0; e < experts; ++e) sum += tokens[j * experts + e] * probs[e];
+    for (int64_t e = 0; e < experts; ++e)
+      sum += tokens[j * experts + e] * probs[e];
   }
   return experts * sum;
 }
@@ -64,7 +65,8 @@ Rows RandomRows(int64_t rows, int64_t experts, int64_t k, uint32_t seed) {
   std::normal_distribution<double> dist(0.0, 1.5);
   for (int64_t i = 0; i < rows * experts; ++i) out.logits.push_back(dist(gen));
   for (int64_t r = 0; r < rows; ++r) {
-    const std::vector<double> p = Softmax(out.logits.data() + r * experts, experts);
+    const std::vector<double> p =
+        Softmax(out.logits.data() + r * experts, experts);
     std::vector<int32_t> order(experts);
     for (int64_t e = 0; e < experts; ++e) order[e] = static_cast<int32_t>(e);
     std::sort(order.begin(), order.end(),
@@ -127,11 +129,10 @@ TEST(RouterAuxLossTest, GradientMatchesFiniteDifferences) {
   // a rounding error of 1e-16 / eps, both < 1e-6; the kernel's gradient
   // carries its fp32 probabilities' (E + 2) u = 5e-7 relative error and the
   // final fp32 rounding. 2e-6 covers all of them.
-  const std::vector<double> want =
-      NumericGrad(rows.logits, 1e-4, [&] {
-        return scale * ReferenceAux(rows.logits, rows.indices, rows.rows,
-                                    rows.experts, rows.k);
-      });
+  const std::vector<double> want = NumericGrad(rows.logits, 1e-4, [&] {
+    return scale * ReferenceAux(rows.logits, rows.indices, rows.rows,
+                                rows.experts, rows.k);
+  });
   ExpectGradNear(grad, want, 2e-6, "d aux / d logits");
   // The choice matters: with another expert chosen the gradient changes.
   double largest = 0.0;
@@ -147,9 +148,9 @@ TEST(RouterAuxLossTest, SumsSplitOverCallsEqualOneCall) {
   const int64_t e = rows.experts, half = rows.rows / 2;
   std::vector<int64_t> whole(e, 0), a(e, 0), b(e, 0);
   std::vector<double> s_whole(e, 0.0), s_a(e, 0.0), s_b(e, 0.0);
-  SHARDD_ASSERT_OK(RouterAuxLossAccumulate(rows.probs.data(),
-                                           rows.indices.data(), rows.rows, e,
-                                           rows.k, whole.data(), s_whole.data()));
+  SHARDD_ASSERT_OK(
+      RouterAuxLossAccumulate(rows.probs.data(), rows.indices.data(), rows.rows,
+                              e, rows.k, whole.data(), s_whole.data()));
   SHARDD_ASSERT_OK(RouterAuxLossAccumulate(rows.probs.data(),
                                            rows.indices.data(), half, e, rows.k,
                                            a.data(), s_a.data()));
@@ -202,11 +203,11 @@ TEST(RouterAuxLossTest, ThroughTheRouterOfEachScoring) {
                       .ok());
       std::vector<int64_t> counts(e, 0);
       std::vector<double> sums(e, 0.0);
-      EXPECT_TRUE(RouterAuxLossAccumulate(
-                      RouterSoftmax(cache),
-                      chosen.empty() ? idx.data() : chosen.data(), t, e, k,
-                      counts.data(), sums.data())
-                      .ok());
+      EXPECT_TRUE(
+          RouterAuxLossAccumulate(RouterSoftmax(cache),
+                                  chosen.empty() ? idx.data() : chosen.data(),
+                                  t, e, k, counts.data(), sums.data())
+              .ok());
       return RouterAuxLossValue(counts.data(), sums.data(), t, e);
     };
     aux();
@@ -214,13 +215,11 @@ TEST(RouterAuxLossTest, ThroughTheRouterOfEachScoring) {
     ASSERT_NE(RouterSoftmax(cache), nullptr);
     std::vector<int64_t> counts(e, 0);
     std::vector<double> sums(e, 0.0);
-    SHARDD_ASSERT_OK(RouterAuxLossAccumulate(RouterSoftmax(cache), idx.data(),
-                                             t, e, k, counts.data(),
-                                             sums.data()));
+    SHARDD_ASSERT_OK(RouterAuxLossAccumulate(
+        RouterSoftmax(cache), idx.data(), t, e, k, counts.data(), sums.data()));
     std::vector<float> d_logits(t * e), zeros(t * k, 0.0f);
-    SHARDD_ASSERT_OK(RouterAuxLossBackward(RouterSoftmax(cache), t, e,
-                                           counts.data(), t, 1.0,
-                                           d_logits.data()));
+    SHARDD_ASSERT_OK(RouterAuxLossBackward(
+        RouterSoftmax(cache), t, e, counts.data(), t, 1.0, d_logits.data()));
     std::vector<float> dw(e * d, 0.0f), db(e, 0.0f), dx(t * d);
     SHARDD_ASSERT_OK(RouterBackward(dims, x.data(), w.data(), zeros.data(),
                                     d_logits.data(), dx.data(), false,
@@ -241,10 +240,10 @@ TEST(RouterAuxLossTest, RefusesBadArguments) {
   const std::vector<int32_t> bad = {2};
   std::vector<int64_t> counts(2, 0);
   std::vector<double> sums(2, 0.0);
-  EXPECT_THAT(RouterAuxLossAccumulate(probs.data(), bad.data(), 1, 2, 1,
-                                      counts.data(), sums.data()),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("not an expert")));
+  EXPECT_THAT(
+      RouterAuxLossAccumulate(probs.data(), bad.data(), 1, 2, 1, counts.data(),
+                              sums.data()),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not an expert")));
   EXPECT_EQ(counts, (std::vector<int64_t>{0, 0}));
   EXPECT_THAT(RouterAuxLossAccumulate(probs.data(), bad.data(), 1, 2, 3,
                                       counts.data(), sums.data()),

@@ -38,6 +38,14 @@ renormalised and times routed_scaling_factor; a shared SwiGLU expert is
 added, and the first first_k_dense_replace layers are a dense SwiGLU MLP.
 The correction bias is a buffer: no gradient.
 
+With `output_router_logits: true` (dims.router_aux_loss_coef > 0) the loss
+is MixtralForCausalLM's (and Qwen3-MoE's, GPT-OSS's): CE +
+router_aux_loss_coef * load_balancing_loss_func(router logits of every MoE
+layer, E, top_k, attention_mask=None): softmax of the concatenated logits
+(GPT-OSS's with the router bias, as transformers 5 records them), top-k of
+those probabilities, E * sum(mean one-hot mask [k, E] * mean probability
+[E]).
+
 Usage: hf_reference_test.py MODEL_DUMP CONFIG.json [CONFIG.json ...]
 """
 
@@ -256,6 +264,18 @@ def gpt_oss_experts(h, p, pre, chosen, weights, d, stats):
     return out
 
 
+def load_balancing_loss(router_logits, num_experts, top_k):
+    """HF's load_balancing_loss_func without an attention mask."""
+    logits = torch.cat([l.reshape(-1, num_experts) for l in router_logits])
+    routing_weights = torch.softmax(logits, dim=-1)
+    _, selected = torch.topk(routing_weights, top_k, dim=-1)
+    mask = torch.nn.functional.one_hot(selected, num_experts).to(logits.dtype)
+    tokens_per_expert = mask.mean(dim=0)  # [k, E]
+    router_prob_per_expert = routing_weights.mean(dim=0)  # [E]
+    return num_experts * torch.sum(
+        tokens_per_expert * router_prob_per_expert.unsqueeze(0))
+
+
 def forward(dump, p, stats=None):
     """The mean loss; GPT-OSS's clamp counts go to `stats` when given."""
     if stats is None:
@@ -272,6 +292,8 @@ def forward(dump, p, stats=None):
     attention = d["attention"]
     rope_spec = attention["rope"]
     top_k = int(d["top_k"])
+    aux_coef = float(d.get("router_aux_loss_coef", 0.0))
+    router_logits = []  # Every MoE layer's [B, S, E], for the aux loss.
     tokens = torch.tensor(dump["inputs"]).view(b, s)
     x = p["model.embed_tokens.weight"][tokens]  # [B, S, D]
     positions = torch.arange(s)
@@ -344,11 +366,13 @@ def forward(dump, p, stats=None):
         if d.get("router_scoring") == "ROUTER_TOPK_THEN_SOFTMAX":
             # GptOssTopKRouter, then GptOssExperts.
             logits = h @ p[pre + "moe.gate.weight"].T + p[pre + "moe.gate.bias"]
+            router_logits.append(logits)
             top, chosen = torch.topk(logits, top_k, dim=-1)
             weights = torch.softmax(top, dim=-1)
             x = x + gpt_oss_experts(h, p, pre, chosen, weights, d, stats)
         elif pre + "moe.gate.weight" in p:
             logits = h @ p[pre + "moe.gate.weight"].T  # [B, S, E]
+            router_logits.append(logits)
             probs = torch.softmax(logits, dim=-1)
             weights, chosen = torch.topk(probs, top_k, dim=-1)
             if d.get("norm_topk_prob", False):
@@ -373,7 +397,12 @@ def forward(dump, p, stats=None):
     head = p.get("lm_head.weight", p["model.embed_tokens.weight"])
     logits = h @ head.T
     targets = torch.tensor(dump["targets"])
-    return torch.nn.functional.cross_entropy(logits.view(b * s, -1), targets)
+    loss = torch.nn.functional.cross_entropy(logits.view(b * s, -1), targets)
+    if aux_coef > 0:
+        aux = load_balancing_loss(router_logits, int(d["num_experts"]), top_k)
+        stats["aux"] = aux.item()
+        loss = loss + aux_coef * aux
+    return loss
 
 
 def check(dump_binary, config):
@@ -440,6 +469,16 @@ def check(dump_binary, config):
               f"{stats['bias_changed']} of {stats['routed']} routed tokens")
         if stats["bias_changed"] == 0:
             print("FAIL: the correction bias changed no selection")
+            failures += 1
+    if "aux" in stats:
+        # The term must matter: without it the loss would miss by more
+        # than 10 times its bound.
+        coef = float(dump["dims"]["router_aux_loss_coef"])
+        share = coef * stats["aux"] / loss.item()
+        print(f"  load-balancing loss: aux {stats['aux']:.6f}, coef {coef}, "
+              f"{share:.1%} of the loss")
+        if not share > 10 * bound:
+            print("FAIL: the load-balancing term is too small to be checked")
             failures += 1
     if gpt_oss:
         # The clamp must have cut values on both branches, or it went

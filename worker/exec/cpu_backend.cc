@@ -331,6 +331,10 @@ absl::Status CpuBackend::Run(const v1::Command& c, const std::string& label,
       if (!status.ok()) return here(status);
       peak_activation_bytes_ =
           std::max(peak_activation_bytes_, model_->activation_bytes());
+      if (c.op() == v1::Command::FORWARD && c.part() == v1::Command::HEAD &&
+          c.requires_grad()) {
+        return ReduceRouterAuxStats(c.pass(), label);
+      }
       return absl::OkStatus();
     }
     case v1::Command::OPTIMIZER_STEP:
@@ -435,6 +439,32 @@ absl::Status CpuBackend::EndStep(const StepState& state,
   SetMemoryPeaks(tracker_->Snapshot(), result);
   result->peak_activation_bytes = peak_activation_bytes_;
   return absl::OkStatus();
+}
+
+absl::Status CpuBackend::ReduceRouterAuxStats(int pass,
+                                              const std::string& label) {
+  MoeModel::RouterAuxStats* stats = model_->router_aux_stats(pass);
+  if (stats == nullptr) return absl::OkStatus();
+  // Queued behind this rank's earlier collectives, as every rank queues it
+  // at the same command; the backward that reads the sums waits for them.
+  Communicator* groups[] = {shard_group_, replicas_};
+  const absl::Duration timeout = options_.collective_timeout;
+  const int64_t ticket = comm_->Enqueue(
+      absl::StrCat(label, " load-balancing statistics all-reduce"),
+      [stats, groups, timeout]() -> absl::Status {
+        for (Communicator* group : groups) {
+          if (group == nullptr || group->world_size() == 1) continue;
+          SHARDD_RETURN_IF_ERROR(group->AllReduce(
+              stats->counts.data(), static_cast<int64_t>(stats->counts.size()),
+              v1::INT64, ReduceOp::kSum, timeout));
+          SHARDD_RETURN_IF_ERROR(group->AllReduce(
+              stats->prob_sums.data(),
+              static_cast<int64_t>(stats->prob_sums.size()), v1::FLOAT32,
+              ReduceOp::kSum, timeout));
+        }
+        return absl::OkStatus();
+      });
+  return comm_->Wait(ticket);
 }
 
 void CpuBackend::DropSlice(int unit, const std::string& label,

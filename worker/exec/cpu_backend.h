@@ -89,6 +89,10 @@ class CpuBackend final : public StepBackend {
   // frees, and waited for by the next ALLOC_GRAD, so the measured memory
   // follows the plan's replay.
   void DropSlice(int unit, const std::string& label, StepState* state);
+  // After a FORWARD(HEAD) with gradients: sums the pass's load-balancing
+  // statistics (MoeModel::router_aux_stats) over the shard group and the
+  // replicas, so the loss and its gradient are the micro-batch's.
+  absl::Status ReduceRouterAuxStats(int pass, const std::string& label);
   void ZeroShardGrads();
 
   const v1::ShardingPlan plan_;

@@ -851,6 +851,108 @@ std::vector<EquivalenceCase> IdenticalDataCases() {
 INSTANTIATE_TEST_SUITE_P(Worlds, StepExecutorIdenticalDataTest,
                          ::testing::ValuesIn(IdenticalDataCases()), CaseName);
 
+// ---- The load-balancing loss across world sizes -----------------------------
+
+// Hugging Face's loss is that of one process on the whole micro-batch:
+// CE + c * aux, where aux's expert counts and probability sums run over
+// every token of every MoE layer. aux is not a mean over tokens, so the
+// ranks' own values do not average to it; CpuBackend sums the statistics
+// over the shard group and the replicas after FORWARD(HEAD), and every
+// rank's loss and gradient must then equal the one-rank run's within
+// rounding. c = 0.5 makes the aux term (about c * top_k = 1) a third of
+// the loss and a large share of the routers' gradients.
+constexpr double kAuxCoef = 0.5;
+
+v1::ModelSpec TinyMoeAux() {
+  v1::ModelSpec spec = TinyMoe(/*freeze=*/false);
+  spec.mutable_dims()->set_router_aux_loss_coef(kAuxCoef);
+  return spec;
+}
+
+// The one-rank run with `microbatches` micro-batches (each with its own
+// statistics, as Hugging Face computes the loss per forward).
+const WorldRun& AuxReference(int microbatches) {
+  static auto* runs = new std::map<int, WorldRun>();
+  auto it = runs->find(microbatches);
+  if (it == runs->end()) {
+    Shape one;
+    one.microbatches = microbatches;
+    const v1::ModelSpec model = TinyMoeAux();
+    it = runs->emplace(microbatches,
+                       Train(model, MakePlan(model, one), EquivalenceOptions(),
+                             kSteps, kGlobalBatch))
+             .first;
+  }
+  return it->second;
+}
+
+TEST(StepExecutorAuxLossTest, OneRankIsTheUnshardedModelAndTheTermCounts) {
+  const WorldRun& ref = AuxReference(1);
+  const WorldRun unsharded = UnshardedTraining(
+      TinyMoeAux(), EquivalenceOptions(), kSteps, kGlobalBatch, &ref);
+  ExpectSameStepsAs(TinyMoeAux(), ref, unsharded, EquivalenceOptions(),
+                    MoeStepTolerances(TinyMoeAux().dims(), kGlobalBatch * kSeq,
+                                      1));
+  // The same steps without the term: the first step's loss is lower by
+  // c * aux, aux = E sum_e F_e P_e, which is top_k = 2 when the choices
+  // are balanced (F_e = top_k / E, sum_e P_e = 1) and near it at random
+  // initial weights.
+  const v1::ModelSpec plain = TinyMoe(/*freeze=*/false);
+  const WorldRun without =
+      Train(plain, MakePlan(plain, Shape()), EquivalenceOptions(), 1,
+            kGlobalBatch);
+  const double aux =
+      (ref.results[0][0].loss - without.results[0][0].loss) / kAuxCoef;
+  EXPECT_GT(aux, 1.5);
+  EXPECT_LT(aux, 2.5);
+  std::printf("[aux] step-0 loss %.6f = CE %.6f + %.2f * aux %.6f\n",
+              ref.results[0][0].loss, without.results[0][0].loss, kAuxCoef,
+              aux);
+}
+
+class StepExecutorAuxLossTest
+    : public ::testing::TestWithParam<EquivalenceCase> {};
+
+TEST_P(StepExecutorAuxLossTest, SameStepsAsOneProcessWithinRounding) {
+  const EquivalenceCase& c = GetParam();
+  const v1::ModelSpec model = TinyMoeAux();
+  TrainOptions train;
+  train.restart = &AuxReference(c.shape.microbatches);
+  const WorldRun run = Train(model, MakePlan(model, c.shape),
+                             EquivalenceOptions(), kSteps, kGlobalBatch, train);
+  const int world = c.shape.dp_shard * c.shape.dp_replicate;
+  ExpectSameStepsAs(model, AuxReference(c.shape.microbatches), run,
+                    EquivalenceOptions(),
+                    MoeStepTolerances(model.dims(), kGlobalBatch * kSeq, world));
+}
+
+std::vector<EquivalenceCase> AuxLossCases() {
+  std::vector<EquivalenceCase> cases;
+  for (int world : {2, 4}) {
+    Shape s;
+    s.dp_shard = world;
+    cases.push_back({absl::StrCat("default_W", world), s});
+  }
+  Shape megatron;
+  megatron.strategy = "megatron_fsdp";
+  megatron.dp_shard = 4;
+  cases.push_back({"megatron_fsdp_W4", megatron});
+  Shape hsdp;
+  hsdp.dp_shard = 2;
+  hsdp.dp_replicate = 2;
+  cases.push_back({"hsdp_2x2", hsdp});
+  // Two micro-batches, each with its own statistics, against one rank
+  // running the same two.
+  Shape accumulate;
+  accumulate.dp_shard = 2;
+  accumulate.microbatches = 2;
+  cases.push_back({"accumulate_W2", accumulate});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, StepExecutorAuxLossTest,
+                         ::testing::ValuesIn(AuxLossCases()), CaseName);
+
 // ---- (3) Fine-grained mode = whole programs --------------------------------
 
 TEST(StepExecutorFineGrainedTest, OneCallPerCommandGivesIdenticalResults) {

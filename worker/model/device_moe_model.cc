@@ -432,6 +432,12 @@ absl::StatusOr<std::unique_ptr<DeviceMoeModel>> DeviceMoeModel::Create(
         "dims.router_scoring: the GPU router does not compute top-k then "
         "softmax (GPT-OSS) yet; train it on CPU workers");
   }
+  if (arch.router_aux_loss_coef > 0) {
+    return absl::InvalidArgumentError(
+        "dims.router_aux_loss_coef: the GPU model does not compute the router "
+        "load-balancing loss (output_router_logits) yet; train it on CPU "
+        "workers or set output_router_logits false");
+  }
   for (const MoeLayerSpec& layer : arch.layers) {
     const std::string p =
         absl::StrCat("model.layers.", &layer - arch.layers.data(), ".");

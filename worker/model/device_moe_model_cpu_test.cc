@@ -91,6 +91,12 @@ TEST_F(DeviceMoeModelCreateTest, RefusesWhatOnlyTheGpuKernelsCannotRun) {
       DeviceMoeModel::Create(OneLayerModel(64, 33), {}, &allocator_).status(),
       StatusIs(absl::StatusCode::kInvalidArgument,
                HasSubstr("dims.top_k: the GPU router")));
+  // The load-balancing loss is computed on the CPU workers only so far.
+  v1::ModelSpec aux = OneLayerModel(4, 2);
+  aux.mutable_dims()->set_router_aux_loss_coef(0.01);
+  EXPECT_THAT(DeviceMoeModel::Create(aux, {}, &allocator_).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("dims.router_aux_loss_coef")));
   EXPECT_EQ(backend_.mallocs(), 0);
 }
 

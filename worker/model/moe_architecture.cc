@@ -127,6 +127,40 @@ absl::Status ReadGroupLimitedRouter(const v1::ModelDims& dims,
   return absl::OkStatus();
 }
 
+// dims.router_aux_loss_coef and the one expert count the loss sums over.
+absl::Status ReadRouterAuxLoss(const v1::ModelDims& dims,
+                               MoeArchitecture* arch) {
+  const double coef = dims.router_aux_loss_coef();
+  if (!std::isfinite(coef) || coef < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "dims.router_aux_loss_coef: must be a finite number >= 0, got ",
+        coef));
+  }
+  arch->router_aux_loss_coef = coef;
+  if (coef == 0) return absl::OkStatus();
+  if (arch->router_scoring == kernels::RouterScoring::kSigmoidGroupLimited) {
+    return absl::InvalidArgumentError(
+        "dims.router_aux_loss_coef: the load-balancing loss needs a softmax "
+        "router; the sigmoid group-limited router (DeepSeek-V3) has none");
+  }
+  for (size_t l = 0; l < arch->layers.size(); ++l) {
+    const MoeLayerSpec& layer = arch->layers[l];
+    if (!layer.has_moe) continue;
+    if (arch->aux_experts == 0) arch->aux_experts = layer.experts;
+    if (layer.experts != arch->aux_experts) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "dims.router_aux_loss_coef: the load-balancing loss concatenates "
+          "every MoE layer's router logits and needs one expert count; layer ",
+          l, " has ", layer.experts, ", an earlier one ", arch->aux_experts));
+    }
+  }
+  if (arch->aux_experts == 0) {
+    return absl::InvalidArgumentError(
+        "dims.router_aux_loss_coef: > 0 on a model without MoE layers");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status CheckModelStepShape(int passes, int no_grad_passes,
@@ -420,6 +454,7 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
         "the CPU training path needs decoder layers model.layers.N with an "
         "input_layernorm");
   }
+  SHARDD_RETURN_IF_ERROR(ReadRouterAuxLoss(model.dims(), &arch));
   if (!tensors.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "parameter '", tensors.begin()->first,

@@ -116,6 +116,10 @@ struct MoeArchitecture {
   // by their sum.
   bool norm_topk_prob = false;
   bool renormalize_topk = true;
+  // dims.router_aux_loss_coef (0: no load-balancing loss); when > 0, every
+  // MoE layer has aux_experts experts and a softmax router.
+  double router_aux_loss_coef = 0.0;
+  int64_t aux_experts = 0;
 
   // layers[l].has_moe for every l (the command order's layer table).
   std::vector<bool> LayersWithExperts() const {
@@ -134,8 +138,11 @@ struct MoeArchitecture {
 // Errors: INVALID_ARGUMENT for a
 // missing or misshapen parameter (naming it and the expected shape), a
 // layer without experts or an MLP, dims.top_k outside [1, experts],
-// SWIGLU_OAI without a positive swiglu_limit / swiglu_alpha, or a parameter
-// the model does not use.
+// SWIGLU_OAI without a positive swiglu_limit / swiglu_alpha, a
+// dims.router_aux_loss_coef that is negative or not finite, or > 0 on a
+// model without MoE layers, with layers of different expert counts or with
+// the sigmoid router (Hugging Face's loss softmaxes the logits), or a
+// parameter the model does not use.
 absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(const v1::ModelSpec& model);
 
 // INVALID_ARGUMENT unless passes >= 1, 0 <= no_grad_passes < passes and

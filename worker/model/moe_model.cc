@@ -12,6 +12,7 @@
 #include "kernels/cpu/grouped_experts.h"
 #include "kernels/cpu/rms_norm.h"
 #include "kernels/cpu/router.h"
+#include "kernels/cpu/router_aux_loss.h"
 #include "model/model_util.h"
 #include "worker/model/attention_block.h"
 #include "worker/model/command_order.h"
@@ -63,6 +64,13 @@ struct PassActs {
   std::vector<float> dx;         // [T, D] gradient of the residual stream
   std::vector<float> dn;         // [T, D] gradient of a layer's normed input
   std::vector<float> dweights;   // [T, K]
+  // Load-balancing loss: this pass's statistics (the caller may sum them
+  // over ranks), their local sums in double, the gradient scale of its
+  // BACKWARD(HEAD), and a layer's logit-gradient staging [T, E].
+  MoeModel::RouterAuxStats aux;
+  std::vector<double> aux_sums;
+  double aux_scale = 0.0;
+  std::vector<float> aux_d_logits;
 };
 
 struct Batch {
@@ -94,6 +102,7 @@ struct MoeModel::Impl : MoeArchitecture {
   int64_t tokens = 0;
 
   int grad_passes() const { return options.passes - options.no_grad_passes; }
+  bool aux_on() const { return router_aux_loss_coef > 0; }
 
   // Micro-batches run forward and backward one after the other, so
   // activations are kept per pass and reused by the next micro-batch.
@@ -118,6 +127,7 @@ struct MoeModel::Impl : MoeArchitecture {
     dims.groups = router_groups;
     dims.top_groups = router_top_groups;
     dims.scale = routed_scaling_factor;
+    dims.keep_softmax = aux_on();
     return dims;
   }
 
@@ -215,6 +225,12 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
       a.x.resize(t * dim);
       SHARDD_RETURN_IF_ERROR(kernels::EmbeddingForward(
           table, vocab, dim, batch.inputs.data(), t, a.x.data()));
+      if (aux_on()) {
+        a.aux.counts.assign(aux_experts + 2, 0);
+        a.aux.counts[aux_experts + 1] = 1;  // This rank.
+        a.aux.prob_sums.assign(aux_experts, 0.0f);
+        a.aux_sums.assign(aux_experts, 0.0);
+      }
       if (pass > 0) {
         // Self-conditioning: the previous pass's output, detached.
         const PassActs& prev = Acts(pass - 1, mb);
@@ -288,6 +304,14 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
         SHARDD_RETURN_IF_ERROR(kernels::RouterForward(
             RouterDimsOf(spec, t), la.normed.data(), gw, gb, selection,
             la.indices.data(), la.weights.data(), &la.router));
+        if (aux_on()) {
+          // HF's top-k of softmax(logits) is the router's choice for both
+          // softmax scorings (the softmax keeps the logits' order).
+          SHARDD_RETURN_IF_ERROR(kernels::RouterAuxLossAccumulate(
+              kernels::RouterSoftmax(la.router), la.indices.data(), t,
+              aux_experts, top_k, a.aux.counts.data(), a.aux_sums.data()));
+          a.aux.counts[aux_experts] += t;
+        }
       } else {
         // Dense layer: the residual add happens here.
         for (int64_t i = 0; i < t * dim; ++i) a.x[i] += la.dense_out[i];
@@ -322,6 +346,12 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
       SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(a.final_x.data(), norm_w,
                                                      t, dim, eps, a.h.data(),
                                                      a.final_inv.data()));
+      if (aux_on()) {
+        // fp32 for the all-reduce; the counts stay exact.
+        for (int64_t e = 0; e < aux_experts; ++e) {
+          a.aux.prob_sums[e] = static_cast<float>(a.aux_sums[e]);
+        }
+      }
       // The loss of a pass with gradients is computed by its BACKWARD HEAD
       // (one sweep over the logits for both); passes without gradients only
       // produce h for the next pass.
@@ -358,7 +388,22 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
                                               batch.targets.data(), loss_scale,
                                               dh.data(), dw));
       if (dw != nullptr) SHARDD_RETURN_IF_ERROR(AddGrad(params, head, dw));
-      loss_sum += ce.mean_loss;
+      double aux = 0.0;
+      if (aux_on()) {
+        // The statistics are the micro-batch's now (summed over its ranks);
+        // each rank's gradient is multiplied by the number of ranks, whose
+        // average the reduce-scatter forms.
+        const int64_t* counts = a.aux.counts.data();
+        const std::vector<double> sums(a.aux.prob_sums.begin(),
+                                       a.aux.prob_sums.end());
+        aux = kernels::RouterAuxLossValue(counts, sums.data(),
+                                          counts[aux_experts], aux_experts);
+        a.aux_scale = router_aux_loss_coef *
+                      static_cast<double>(counts[aux_experts + 1]) /
+                      (static_cast<double>(options.microbatches) *
+                       grad_passes());
+      }
+      loss_sum += ce.mean_loss + router_aux_loss_coef * aux;
       ++loss_terms;
       tokens += ce.count;
       a.dx.resize(t * dim);
@@ -439,9 +484,18 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
         float* dgw =
             spec.gate.frozen ? nullptr : Zeroed(&scratch, spec.gate.numel());
         std::vector<float> dgb(spec.router_bias ? spec.experts : 0, 0.0f);
+        const float* aux_d_logits = nullptr;
+        if (aux_on()) {
+          a.aux_d_logits.resize(t * aux_experts);
+          SHARDD_RETURN_IF_ERROR(kernels::RouterAuxLossBackward(
+              kernels::RouterSoftmax(la.router), t, aux_experts,
+              a.aux.counts.data(), a.aux.counts[aux_experts], a.aux_scale,
+              a.aux_d_logits.data()));
+          aux_d_logits = a.aux_d_logits.data();
+        }
         SHARDD_RETURN_IF_ERROR(kernels::RouterBackward(
             RouterDimsOf(spec, t), la.normed.data(), gw, a.dweights.data(),
-            a.dn.data(), /*accumulate_dx=*/true, dgw,
+            aux_d_logits, a.dn.data(), /*accumulate_dx=*/true, dgw,
             spec.router_bias ? dgb.data() : nullptr, &la.router));
         if (dgw != nullptr)
           SHARDD_RETURN_IF_ERROR(AddGrad(params, spec.gate, dgw));
@@ -515,10 +569,21 @@ int64_t MoeModel::activation_bytes() const {
     bytes += static_cast<int64_t>((a.x.capacity() + a.final_x.capacity() +
                                    a.final_inv.capacity() + a.h.capacity() +
                                    a.dx.capacity() + a.dn.capacity() +
-                                   a.dweights.capacity()) *
+                                   a.dweights.capacity() +
+                                   a.aux_d_logits.capacity()) *
                                   sizeof(float));
   }
   return bytes;
+}
+
+bool MoeModel::router_aux_loss() const { return impl_->aux_on(); }
+
+MoeModel::RouterAuxStats* MoeModel::router_aux_stats(int pass) {
+  if (!impl_->aux_on() || pass < 0 ||
+      pass >= static_cast<int>(impl_->acts.size())) {
+    return nullptr;
+  }
+  return &impl_->acts[pass].aux;
 }
 
 int MoeModel::num_layers() const {

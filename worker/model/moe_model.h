@@ -24,6 +24,17 @@
 // ranks, which is the gradient of the global mean when every rank holds the
 // same number of tokens (the batch sampler guarantees it).
 //
+// Load-balancing loss (dims.router_aux_loss_coef = c > 0): each pass with
+// gradients adds c * aux, Hugging Face's load_balancing_loss_func over the
+// softmax router probabilities of every MoE layer of the micro-batch
+// (kernels/cpu/router_aux_loss.h), so a pass's loss is CE + c * aux. aux is
+// not a mean over tokens: for it to be the micro-batch's, not this rank's,
+// the caller sums the pass's RouterAuxStats over every data-parallel rank
+// of the micro-batch between its FORWARD(HEAD) and its BACKWARD(HEAD)
+// (CpuBackend does); the counts also carry the number of ranks whose
+// average the reduce-scatter forms, so each rank's gradient is scaled to
+// make that average the micro-batch's gradient.
+//
 // Parameters are read and gradients written through ParamSource (the
 // worker's ShardStore, or a plain map in tests and the unsharded reference),
 // so the model never sees the sharding.
@@ -50,6 +61,15 @@ struct MoeModelOptions {
 
 class MoeModel {
  public:
+  // A pass's load-balancing statistics, summed over its MoE layers' rows.
+  struct RouterAuxStats {
+    // [E + 2]: the top-k choices of each expert, then the rows (tokens times
+    // MoE layers), then the ranks summed (1 on each rank).
+    std::vector<int64_t> counts;
+    // [E]: the routing probabilities' sums per expert.
+    std::vector<float> prob_sums;
+  };
+
   // Checks that the spec is one the CPU path computes: model.embed_tokens
   // (MODULE_EMBEDDING), model.layers.N each with input_layernorm and either a
   // moe (gate.weight [E, D], experts.gate_and_up_projs [E, D, 2I],
@@ -83,6 +103,15 @@ class MoeModel {
   // the number of target tokens it covers.
   double step_loss() const;
   int64_t step_tokens() const;
+
+  // Whether the load-balancing loss is on (dims.router_aux_loss_coef > 0).
+  bool router_aux_loss() const;
+
+  // Pass `pass`'s statistics once its FORWARD(HEAD) has run, for the caller
+  // to replace by their sums over the micro-batch's data-parallel ranks (in
+  // place: add, never resize) before that pass's BACKWARD(HEAD) reads them.
+  // Null when the loss is off or `pass` is out of range.
+  RouterAuxStats* router_aux_stats(int pass);
 
   // Bytes of saved activations and workspaces (for memory reports).
   int64_t activation_bytes() const;

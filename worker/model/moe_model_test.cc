@@ -218,6 +218,99 @@ TEST(MoeModelTest, GptOssGradientsMatchFiniteDifferences) {
   ExpectGradientsMatchFiniteDifferences(spec, 2, 6, 4.0);
 }
 
+// The load-balancing loss (dims.router_aux_loss_coef): its gradient flows
+// through the softmax into the routers and on into the model. The
+// coefficient is large (1.0, aux is about top_k = 2) so that its share of
+// the router gradients is far above the check's tolerance; each of the 2
+// micro-batches has its own statistics. Layer 2 is dense and adds no rows.
+TEST(MoeModelTest, RouterAuxLossGradientsMatchFiniteDifferences) {
+  v1::ModelSpec spec = TinyModel(false);
+  spec.mutable_dims()->set_router_aux_loss_coef(1.0);
+  ExpectGradientsMatchFiniteDifferences(spec, 2, 5, 7.0);
+}
+
+// The same through GPT-OSS's top-k-then-softmax router with its bias: the
+// loss reads the softmax over all experts that the router keeps for it.
+TEST(MoeModelTest, GptOssRouterAuxLossGradientsMatchFiniteDifferences) {
+  const char* config = R"({
+    "architectures": ["GptOssForCausalLM"], "vocab_size": 13,
+    "hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
+    "num_key_value_heads": 1, "head_dim": 4, "intermediate_size": 3,
+    "num_local_experts": 4, "num_experts_per_tok": 2,
+    "output_router_logits": true,
+    "sliding_window": 3, "swiglu_limit": 1.5, "torch_dtype": "float32"})";
+  SHARDD_ASSERT_OK_AND_ASSIGN(const v1::ModelSpec spec,
+                              ModelSpecFromHfConfig(config));
+  ASSERT_EQ(spec.dims().router_aux_loss_coef(), 0.9);  // GptOssConfig's.
+  ExpectGradientsMatchFiniteDifferences(spec, 2, 6, 7.0);
+}
+
+TEST(MoeModelTest, RouterAuxStatsCountEveryMoeLayersRows) {
+  v1::ModelSpec spec = TinyModel(true);
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto off, MoeModel::Create(spec, {}));
+  EXPECT_FALSE(off->router_aux_loss());
+  EXPECT_EQ(off->router_aux_stats(0), nullptr);
+  const double coef = 0.25;
+  spec.mutable_dims()->set_router_aux_loss_coef(coef);
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto on, MoeModel::Create(spec, {}));
+  ASSERT_TRUE(on->router_aux_loss());
+  EXPECT_EQ(on->router_aux_stats(1), nullptr);
+  MapSource source;
+  FillRandom(spec, &source);
+  const Data data = MakeData(1, 2, 5);
+  const std::vector<bool> moe_layers = {true, true, false};
+  MapSource off_source = source;
+  const double loss_off =
+      RunStep(off.get(), moe_layers, &off_source, data, 1, 0, 2, 5);
+  const double loss_on = RunStep(on.get(), moe_layers, &source, data, 1, 0, 2, 5);
+  const MoeModel::RouterAuxStats& stats = *on->router_aux_stats(0);
+  // 10 tokens through 2 MoE layers, 2 choices each, on one rank.
+  ASSERT_EQ(stats.counts.size(), kExperts + 2u);
+  int64_t choices = 0;
+  for (int e = 0; e < kExperts; ++e) choices += stats.counts[e];
+  EXPECT_EQ(choices, 20 * 2);
+  EXPECT_EQ(stats.counts[kExperts], 20);
+  EXPECT_EQ(stats.counts[kExperts + 1], 1);
+  double prob_total = 0.0;
+  for (float p : stats.prob_sums) prob_total += p;
+  // 20 softmax rows, each summing to 1 within E u; E + 1 roundings more.
+  EXPECT_NEAR(prob_total, 20.0, 20.0 * 2 * kExperts * 6e-8);
+  // The loss grows by coef * aux, aux = E sum_e (c_e / R)(s_e / R),
+  // recomputed here from the statistics (the CE part is the same
+  // computation in both models, bit for bit; the difference of two losses
+  // near 3 rounds by a few ulps, 4e-7 of the loss).
+  double aux = 0.0;
+  for (int e = 0; e < kExperts; ++e) {
+    aux += (stats.counts[e] / 20.0) * (stats.prob_sums[e] / 20.0);
+  }
+  aux *= kExperts;
+  EXPECT_GT(aux, 1.0);  // At least top_k * min-share; 2 when balanced.
+  EXPECT_NEAR(loss_on - loss_off, coef * aux, 1e-12 + 4e-7 * loss_on);
+  // Only the routers (and what feeds them) see the extra gradient: the
+  // final norm's does not change.
+  EXPECT_EQ(source.grads.at("model.norm.weight"),
+            off_source.grads.at("model.norm.weight"));
+  EXPECT_NE(source.grads.at("model.layers.0.moe.gate.weight"),
+            off_source.grads.at("model.layers.0.moe.gate.weight"));
+}
+
+TEST(MoeModelTest, RouterAuxLossNeedsASoftmaxRouter) {
+  v1::ModelSpec spec = TinyModel(true);
+  spec.mutable_dims()->set_router_aux_loss_coef(-1.0);
+  EXPECT_THAT(MoeModel::Create(spec, {}).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("dims.router_aux_loss_coef")));
+  spec.mutable_dims()->set_router_aux_loss_coef(0.1);
+  spec.mutable_dims()->set_router_scoring(v1::ROUTER_SIGMOID_GROUP_LIMITED);
+  spec.mutable_dims()->set_n_group(2);
+  spec.mutable_dims()->set_topk_group(1);
+  spec.mutable_dims()->set_routed_scaling_factor(1.0);
+  EXPECT_THAT(MoeModel::Create(spec, {}).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("dims.router_aux_loss_coef: the "
+                                 "load-balancing loss needs a softmax")));
+}
+
 TEST(MoeModelTest, GptOssSpecsMissingABiasOrSinkAreRefusedByName) {
   const char* config = R"({
     "architectures": ["GptOssForCausalLM"], "vocab_size": 13,
