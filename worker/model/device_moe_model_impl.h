@@ -1,0 +1,292 @@
+#ifndef SHARDD_WORKER_MODEL_DEVICE_MOE_MODEL_IMPL_H_
+#define SHARDD_WORKER_MODEL_DEVICE_MOE_MODEL_IMPL_H_
+
+// Internal to the GPU model: the state DeviceMoeModel keeps (buffers per
+// micro-batch and pass, per-layer saved activations, cuBLAS, the step loss),
+// shared by its set-up and bookkeeping (device_moe_model.cc) and its forward
+// and backward passes (device_moe_model_passes.cc). Not for other users.
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstring>
+#include <map>
+#include <set>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "absl/memory/memory.h"
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "kernels/cpu/grouped_experts.h"
+#include "kernels/cuda/bf16_cast.h"
+#include "kernels/cuda/cross_entropy.h"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/dense_mlp.h"
+#include "kernels/cuda/dtype.h"
+#include "kernels/cuda/embedding.h"
+#include "kernels/cuda/grouped_experts.h"
+#include "kernels/cuda/rms_norm.h"
+#include "kernels/cuda/router.h"
+#include "model/model_util.h"
+#include "worker/model/command_order.h"
+#include "worker/model/device_attention_block.h"
+#include "worker/model/device_moe_model_kernels.h"
+#include "worker/model/moe_architecture.h"
+#include "worker/model/device_moe_model.h"
+
+namespace shardd {
+namespace device_moe_internal {
+
+namespace kc = ::shardd::kernels::cuda;
+using device_model::DeviceStepLoss;
+using v1::Command;
+
+// cuBLAS gets its workspace from the allocator once, so it never allocates
+// on its own inside the step (32 MiB: NVIDIA's recommendation for Hopper).
+constexpr int64_t kCublasWorkspaceBytes = int64_t{32} << 20;
+// Router kernel limits (kernels/cuda/router.h).
+constexpr int64_t kMaxRouterExperts = 1024;
+constexpr int64_t kMaxRouterTopK = 32;
+// Grouped-experts workspace objects cached by device address; beyond this
+// many, the ones not in use are dropped (each holds a pinned host buffer).
+constexpr size_t kMaxCachedExpertWorkspaces = 256;
+
+using TensorInfo = ArchTensor;
+using LayerInfo = MoeLayerSpec;
+
+// A grouped-experts call whose backward is pending: its device workspace
+// and the workspace object bound to that memory.
+struct ExpertSlot {
+  DeviceBuffer memory;
+  kc::GroupedExpertsWorkspace* workspace = nullptr;
+};
+
+// What one layer of one (micro-batch, pass) keeps for its backward (the
+// CPU's LayerActs). Buffers are empty when not held.
+struct LayerState {
+  DeviceBuffer x_in;          // [T, D] residual input
+  DeviceBuffer inv_rms;       // [T] fp32
+  DeviceBuffer normed;        // [T, D]
+  DeviceBuffer indices;       // [T, K] int32
+  DeviceBuffer weights;       // [T, K] fp32
+  DeviceBuffer router_saved;  // RouterSavedBytes
+  DeviceBuffer dense_out;     // [T, D], LAYER forward -> EXPERTS forward
+  DeviceBuffer mlp_saved;     // DenseMlpSavedBytes
+  ExpertSlot experts;
+  // Attention layers: x_in and inv_rms above are the MoE / MLP branch's
+  // (x_mid, the post_attention_layernorm's); these are the layer input's.
+  DeviceAttentionActs attn;
+  DeviceBuffer attn_x_in;  // [T, D]
+  DeviceBuffer attn_inv;   // [T] fp32
+};
+
+// One (micro-batch, pass): the CPU's PassActs, kept per micro-batch too so
+// programs may interleave micro-batches.
+struct PassState {
+  std::vector<LayerState> layers;
+  DeviceBuffer x;          // [T, D] current residual stream
+  DeviceBuffer final_x;    // [T, D] input of the final norm
+  DeviceBuffer final_inv;  // [T] fp32
+  DeviceBuffer h;          // [T, D] normed final hidden
+  DeviceBuffer dx;         // [T, D] gradient of the residual stream
+  DeviceBuffer dn;         // [T, D] gradient of a layer's normed input
+  DeviceBuffer dweights;   // [T, K] fp32
+  // Saved state for a backward is kept (the pass has gradients).
+  bool saves = false;
+  // Who still reads h: the next pass's EMBED, this pass's BACKWARD HEAD.
+  bool h_for_next = false;
+  bool h_for_backward = false;
+};
+
+struct BatchState {
+  DeviceBuffer inputs;        // [T] int32
+  DeviceBuffer targets;       // [T] int32
+  DeviceBuffer positions;     // [T] int32: each token's place in its sequence
+  int32_t* pinned = nullptr;  // [3 * pinned_tokens]: inputs, targets, positions
+  int64_t pinned_tokens = 0;
+  cudaEvent_t staged = nullptr;  // The last copy out of `pinned`.
+  bool staged_recorded = false;
+  int64_t tokens = 0;
+  int64_t batch = 0;
+  int64_t seq = 0;
+  int64_t counted = 0;  // Non-ignored targets.
+};
+
+template <typename T>
+constexpr DeviceDType DeviceDTypeOf() {
+  return std::is_same<T, float>::value ? DeviceDType::kFloat32
+                                       : DeviceDType::kBFloat16;
+}
+
+// The architecture's fields (vocab, dim, layers, ...) are the model's.
+struct ModelState : MoeArchitecture {
+  DeviceMoeModelOptions options;
+  DeviceAllocator* allocator = nullptr;
+  cudaStream_t stream = nullptr;
+  bool own_stream = false;
+  cublasHandle_t cublas = nullptr;
+  DeviceBuffer cublas_workspace;
+  DeviceBuffer step_loss;                 // DeviceStepLoss
+  DeviceStepLoss* pinned_loss = nullptr;  // cudaMallocHost
+  bool step_loss_zeroed = false;
+
+  std::vector<BatchState> batches;
+  std::vector<PassState> states;  // [microbatch * passes + pass]
+  std::unique_ptr<DeviceAttentionBlock> attention;
+  bool has_attention = false;
+  // Per (pass, micro-batch), as the states.
+  std::unique_ptr<ModelCommandOrder> order;
+  int loss_terms = 0;
+  int64_t host_syncs = 0;
+
+  // GroupedExpertsWorkspace objects by (device address, bytes): the caching
+  // allocator hands the same blocks back step after step, so the objects
+  // (pinned buffer, event) are created in the first step only.
+  std::map<std::pair<void*, size_t>,
+           std::unique_ptr<kc::GroupedExpertsWorkspace>>
+      expert_workspaces;
+
+  ~ModelState();
+
+  int grad_passes() const {
+    return options.model.passes - options.model.no_grad_passes;
+  }
+  PassState& State(int pass, int mb) {
+    return states[static_cast<size_t>(mb) * options.model.passes + pass];
+  }
+  kc::GroupedExpertsOptions ExpertOptions() const {
+    kc::GroupedExpertsOptions o;
+    o.activation = activation == kernels::GatedActivation::kGeGLU
+                       ? kc::GatedActivation::kGeGLU
+                       : kc::GatedActivation::kSwiGLU;
+    o.storage = options.activations == DeviceDType::kFloat32
+                    ? kc::ExpertStorage::kFloat32
+                    : kc::ExpertStorage::kBFloat16;
+    o.gemm_path = kc::ExpertGemmPath::kGrouped;
+    return o;
+  }
+
+  absl::StatusOr<DeviceBuffer> Alloc(int64_t bytes) {
+    return DeviceBuffer::Allocate(allocator, bytes, MemoryKind::kWorkspace,
+                                  stream);
+  }
+  // Allocates `*buffer` (freeing what it held) with `bytes`.
+  absl::Status AllocInto(DeviceBuffer* buffer, int64_t bytes) {
+    buffer->Reset();
+    SHARDD_ASSIGN_OR_RETURN(*buffer, Alloc(bytes));
+    return absl::OkStatus();
+  }
+
+  // The parameter in storage type T. A parameter held in the other dtype is
+  // cast into a buffer appended to `temps` (freed when the command ends;
+  // stream-ordered, so reuse is safe).
+  template <typename T>
+  absl::StatusOr<const T*> Param(DeviceParamSource* params, const TensorInfo& t,
+                                 std::vector<DeviceBuffer>* temps);
+  // The fp32 gradient to add to, or nullptr for a frozen parameter.
+  absl::StatusOr<float*> Grad(DeviceParamSource* params, const TensorInfo& t);
+
+  // The attention sublayer's parameters in storage type T and, for the
+  // backward (`grads`), their fp32 gradients (null when frozen; the
+  // gradient buffers exist only between ALLOC_GRAD and REDUCE_SCATTER).
+  template <typename T>
+  absl::StatusOr<DeviceAttentionParams> AttentionParams(
+      const LayerInfo& spec, DeviceParamSource* params,
+      std::vector<DeviceBuffer>* temps, bool grads) {
+    DeviceAttentionParams ap;
+    SHARDD_ASSIGN_OR_RETURN(ap.wq, Param<T>(params, spec.q_proj, temps));
+    SHARDD_ASSIGN_OR_RETURN(ap.wk, Param<T>(params, spec.k_proj, temps));
+    SHARDD_ASSIGN_OR_RETURN(ap.wv, Param<T>(params, spec.v_proj, temps));
+    SHARDD_ASSIGN_OR_RETURN(ap.wo, Param<T>(params, spec.o_proj, temps));
+    if (spec.qk_norm) {
+      SHARDD_ASSIGN_OR_RETURN(ap.q_norm, Param<T>(params, spec.q_norm, temps));
+      SHARDD_ASSIGN_OR_RETURN(ap.k_norm, Param<T>(params, spec.k_norm, temps));
+    }
+    if (!grads) return ap;
+    SHARDD_ASSIGN_OR_RETURN(ap.dwq, Grad(params, spec.q_proj));
+    SHARDD_ASSIGN_OR_RETURN(ap.dwk, Grad(params, spec.k_proj));
+    SHARDD_ASSIGN_OR_RETURN(ap.dwv, Grad(params, spec.v_proj));
+    SHARDD_ASSIGN_OR_RETURN(ap.dwo, Grad(params, spec.o_proj));
+    if (spec.qk_norm) {
+      SHARDD_ASSIGN_OR_RETURN(ap.dq_norm, Grad(params, spec.q_norm));
+      SHARDD_ASSIGN_OR_RETURN(ap.dk_norm, Grad(params, spec.k_norm));
+    }
+    return ap;
+  }
+
+  // *dx += RMSNorm'(dy) for the norm `weight` of input x (saved inv_rms);
+  // the weight's gradient is added.
+  template <typename T>
+  absl::Status NormBackward(const TensorInfo& weight, DeviceParamSource* params,
+                            const DeviceBuffer& dy, const DeviceBuffer& x,
+                            const DeviceBuffer& inv_rms, int64_t t,
+                            DeviceBuffer* dx,
+                            std::vector<DeviceBuffer>* temps) {
+    SHARDD_ASSIGN_OR_RETURN(const T* w, Param<T>(params, weight, temps));
+    SHARDD_ASSIGN_OR_RETURN(float* dw, Grad(params, weight));
+    const size_t ws_bytes =
+        dw == nullptr ? 0 : kc::RmsNormBackwardWorkspaceBytes(t, dim);
+    SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws, Alloc(ws_bytes));
+    SHARDD_RETURN_IF_ERROR(kc::RmsNormBackward(
+        dy.as<T>(), x.as<T>(), w, inv_rms.as<float>(), t, dim, dx->as<T>(),
+        /*accumulate_dx=*/true, dw, ws.data(), ws_bytes, stream));
+    temps->push_back(std::move(ws));
+    return absl::OkStatus();
+  }
+
+  absl::Status ZeroStepLossOnce();
+  absl::StatusOr<ExpertSlot> AcquireExpertSlot(const kc::ExpertDims& dims);
+  void ReleaseExpertSlot(ExpertSlot* slot);
+  void ReleaseLayer(LayerState* layer);
+  void ReleasePass(PassState* pass);
+  // Frees h once neither the next pass nor this pass's backward reads it.
+  void MaybeReleaseH(PassState* pass) {
+    if (!pass->h_for_next && !pass->h_for_backward) pass->h.Reset();
+  }
+
+  template <typename T>
+  absl::Status Forward(const Command& c, DeviceParamSource* params);
+  template <typename T>
+  absl::Status Backward(const Command& c, DeviceParamSource* params);
+};
+
+template <typename T>
+absl::StatusOr<const T*> ModelState::Param(
+    DeviceParamSource* params, const TensorInfo& t,
+    std::vector<DeviceBuffer>* temps) {
+  SHARDD_ASSIGN_OR_RETURN(const DeviceTensor p, params->Param(t.name, stream));
+  if (p.numel != t.numel() || (p.data == nullptr && t.numel() > 0)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("parameter '", t.name, "': the param source returned ",
+                     p.numel, " elements", p.data == nullptr ? " at null" : "",
+                     ", expected ", t.numel()));
+  }
+  if (p.dtype == DeviceDTypeOf<T>()) return static_cast<const T*>(p.data);
+  SHARDD_ASSIGN_OR_RETURN(DeviceBuffer converted,
+                          Alloc(t.numel() * static_cast<int64_t>(sizeof(T))));
+  if constexpr (std::is_same<T, float>::value) {
+    SHARDD_RETURN_IF_ERROR(
+        kc::CastBf16ToFp32(static_cast<const uint16_t*>(p.data),
+                           converted.as<float>(), t.numel(), stream));
+  } else {
+    SHARDD_RETURN_IF_ERROR(kc::CastFp32ToBf16(static_cast<const float*>(p.data),
+                                              converted.as<uint16_t>(),
+                                              t.numel(), stream));
+  }
+  const T* data = converted.as<T>();
+  temps->push_back(std::move(converted));
+  return data;
+}
+
+}  // namespace device_moe_internal
+
+// DeviceMoeModel's private state.
+struct DeviceMoeModel::Impl : device_moe_internal::ModelState {};
+
+}  // namespace shardd
+
+#endif  // SHARDD_WORKER_MODEL_DEVICE_MOE_MODEL_IMPL_H_
