@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/softcap.h"
 
 namespace shardd {
 namespace kernels {
@@ -31,6 +32,11 @@ absl::Status Validate(const float* hidden, const float* weight, int64_t tokens,
   if (options.block_rows < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "cross_entropy: block_rows must be >= 1, got ", options.block_rows));
+  }
+  if (!(options.softcap >= 0) || !std::isfinite(options.softcap)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cross_entropy: softcap must be finite and >= 0, got ",
+        options.softcap));
   }
   if (tokens == 0) return absl::OkStatus();
   if (hidden == nullptr || weight == nullptr || targets == nullptr) {
@@ -61,6 +67,9 @@ CrossEntropyResult Run(const float* hidden, const float* weight, int64_t tokens,
   const int64_t block = std::min(options.block_rows, tokens);
   const int D = static_cast<int>(dim), V = static_cast<int>(vocab);
   std::vector<float> logits(block * vocab);
+  const bool capped = options.softcap > 0;
+  // The capped logits, kept for the cap's backward.
+  std::vector<float> capped_logits(capped && want_grad ? block * vocab : 0);
   for (int64_t start = 0; start < tokens; start += block) {
     const int64_t rows = std::min(block, tokens - start);
     const int B = static_cast<int>(rows);
@@ -68,6 +77,13 @@ CrossEntropyResult Run(const float* hidden, const float* weight, int64_t tokens,
     // logits[rows, V] = h[rows, D] @ weight[V, D]^T
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, B, V, D, 1.0f, h, D,
                 weight, D, 0.0f, logits.data(), V);
+    if (capped) {
+      SoftcapForward(logits.data(), rows * vocab, options.softcap);
+      if (want_grad) {
+        std::copy(logits.begin(), logits.begin() + rows * vocab,
+                  capped_logits.begin());
+      }
+    }
     bool any_counted = false;
     for (int64_t r = 0; r < rows; ++r) {
       float* row = logits.data() + r * vocab;
@@ -95,6 +111,10 @@ CrossEntropyResult Run(const float* hidden, const float* weight, int64_t tokens,
       }
     }
     if (!want_grad) continue;
+    if (capped) {
+      SoftcapBackward(capped_logits.data(), logits.data(), rows * vocab,
+                      options.softcap);
+    }
     const float* dl = logits.data();
     if (dhidden != nullptr) {
       // dhidden[rows, D] = dlogits[rows, V] @ weight[V, D]

@@ -34,6 +34,9 @@ struct CrossEntropyOptions {
   int32_t ignore_index = -1;
   // Rows per logits block (>= 1); scratch is block_rows * V floats.
   int64_t block_rows = kDefaultCrossEntropyBlockRows;
+  // > 0: the logits are soft-capped, cap * tanh(logits / cap), before the
+  // softmax (Gemma's final_logit_softcapping); 0: not.
+  float softcap = 0.0f;
 };
 
 struct CrossEntropyResult {
