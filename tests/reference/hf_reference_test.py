@@ -38,6 +38,25 @@ renormalised and times routed_scaling_factor; a shared SwiGLU expert is
 added, and the first first_k_dense_replace layers are a dense SwiGLU MLP.
 The correction bias is a buffer: no gradient.
 
+DiffusionGemma (modeling_diffusion_gemma.py, DiffusionGemmaEncoderTextModel:
+the causal pass over clean tokens that its training runs first) is computed
+by gemma_forward(): the embedding times sqrt(hidden); per layer
+input_layernorm, q_proj / k_proj (and v_proj on sliding layers; full
+layers take the values from k_proj's output), q_norm / k_norm per head, a
+per-head RMSNorm without weight on the values, RoPE per layer type (sliding:
+default over head_dim; full: proportional over global_head_dim, a quarter of
+the frequencies nonzero), attention with scaling 1.0 under the causal mask
+(sliding layers: the window too), o_proj, post_attention_layernorm, the
+residual; then mlp between pre_feedforward_layernorm and
+post_feedforward_layernorm_1, in parallel the router (RMSNorm without
+weight of the residual, times scale and hidden^-0.5, proj, softmax, top-k
+renormalised; per_expert_scale folded into down_projs) and the GeGLU experts
+between pre_feedforward_layernorm_2 and post_feedforward_layernorm_2; their
+sum through post_feedforward_layernorm, the residual, times layer_scalar;
+the final norm, the tied head, cap * tanh(logits / cap), the mean
+cross-entropy. The router, layer_scalar (frozen) and self_conditioning
+(unused by this pass) get no gradient.
+
 With `output_router_logits: true` (dims.router_aux_loss_coef > 0) the loss
 is MixtralForCausalLM's (and Qwen3-MoE's, GPT-OSS's): CE +
 router_aux_loss_coef * load_balancing_loss_func(router logits of every MoE
@@ -276,6 +295,117 @@ def load_balancing_loss(router_logits, num_experts, top_k):
         tokens_per_expert * router_prob_per_expert.unsqueeze(0))
 
 
+def gemma_rms_norm(x, weight, eps):
+    """DiffusionGemmaRMSNorm: x * (mean(x^2) + eps)^-0.5 (* weight)."""
+    y = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    return y if weight is None else y * weight
+
+
+def gemma_inv_freq(rope_spec, head_dim):
+    """The default and proportional frequencies (modeling_rope_utils)."""
+    theta = rope_spec["theta"]
+    if rope_spec.get("type") == "proportional":
+        rotated = int(rope_spec.get("partial_rotary_factor", 1.0) * head_dim
+                      // 2)
+        inv = torch.zeros(head_dim // 2)
+        inv[:rotated] = 1.0 / theta ** (
+            torch.arange(0, 2 * rotated, 2) / head_dim)
+        return inv
+    return 1.0 / theta ** (torch.arange(0, head_dim, 2) / head_dim)
+
+
+def gemma_rope(x, positions, rope_spec, head_dim):
+    # fp32 frequencies and angles, as HF's rotary embedding computes them.
+    freqs = (positions.float()[:, None]
+             * gemma_inv_freq(rope_spec, head_dim).float()[None, :]).double()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return x * emb.cos() + rotate_half(x) * emb.sin()
+
+
+def gemma_forward(dump, p, softcap=True):
+    """DiffusionGemma's causal pass and mean cross-entropy, float64."""
+    d = dump["dims"]
+    attention = d["attention"]
+    b, s = dump["batch"], dump["seq"]
+    eps = d["rms_norm_eps"]
+    hidden = int(d["hidden_size"])
+    hq = int(d["num_attention_heads"])
+    top_k = int(d["top_k"])
+    tokens = torch.tensor(dump["inputs"]).view(b, s)
+    x = p["model.embed_tokens.weight"][tokens] * hidden ** 0.5
+    positions = torch.arange(s)
+    causal = torch.full((s, s), float("-inf")).triu(1)
+    window = int(attention["sliding_window"])
+    sliding = torch.where(positions[:, None] - positions[None, :] >= window,
+                          float("-inf"), 0.0) + causal
+    gelu = lambda g: torch.nn.functional.gelu(g, approximate="tanh")
+    for layer, is_sliding in enumerate(attention["sliding_layers"]):
+        pre = f"model.layers.{layer}."
+        a = pre + "self_attn."
+        if is_sliding:
+            hd, hkv = int(d["head_dim"]), int(d["num_key_value_heads"])
+            rope_spec = attention["sliding_rope"]
+        else:
+            hd = int(attention["global_head_dim"])
+            hkv = int(attention["num_global_key_value_heads"])
+            rope_spec = attention["rope"]
+        residual = x
+        h = gemma_rms_norm(x, p[pre + "input_layernorm.weight"], eps)
+        q = (h @ p[a + "q_proj.weight"].T).view(b, s, hq, hd)
+        k = (h @ p[a + "k_proj.weight"].T).view(b, s, hkv, hd)
+        v = ((h @ p[a + "v_proj.weight"].T).view(b, s, hkv, hd)
+             if a + "v_proj.weight" in p else k)
+        q = gemma_rms_norm(q, p[a + "q_norm.weight"], eps).transpose(1, 2)
+        k = gemma_rms_norm(k, p[a + "k_norm.weight"], eps).transpose(1, 2)
+        v = gemma_rms_norm(v, None, eps).transpose(1, 2)
+        q = gemma_rope(q, positions, rope_spec, hd)
+        k = gemma_rope(k, positions, rope_spec, hd)
+        k = k.repeat_interleave(hq // hkv, dim=1)
+        v = v.repeat_interleave(hq // hkv, dim=1)
+        scores = q @ k.transpose(-1, -2) * 1.0 + (sliding if is_sliding
+                                                  else causal)
+        out = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2)
+        out = out.reshape(b, s, hq * hd) @ p[a + "o_proj.weight"].T
+        x = residual + gemma_rms_norm(
+            out, p[pre + "post_attention_layernorm.weight"], eps)
+        residual = x
+        h = gemma_rms_norm(x, p[pre + "pre_feedforward_layernorm.weight"], eps)
+        m = pre + "mlp."
+        h = (gelu(h @ p[m + "gate_proj.weight"].T) * (h @ p[m + "up_proj.weight"].T)
+             ) @ p[m + "down_proj.weight"].T
+        h1 = gemma_rms_norm(h, p[pre + "post_feedforward_layernorm_1.weight"],
+                            eps)
+        r = gemma_rms_norm(residual, None, eps)
+        r = r * p[pre + "moe.gate.scale"] * hidden ** -0.5
+        probs = torch.softmax(r @ p[pre + "moe.gate.proj.weight"].T, dim=-1)
+        weights, chosen = torch.topk(probs, top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        e_in = gemma_rms_norm(residual,
+                              p[pre + "pre_feedforward_layernorm_2.weight"], eps)
+        w_gu = p[pre + "moe.experts.gate_and_up_projs"]  # [E, D, 2I]
+        w_d = p[pre + "moe.experts.down_projs"]  # [E, I, D]
+        inter = w_d.shape[1]
+        h2 = torch.zeros_like(e_in)
+        for slot in range(top_k):
+            e = chosen[..., slot]
+            gu = torch.einsum("bsd,bsdf->bsf", e_in, w_gu[e])
+            act = gelu(gu[..., :inter]) * gu[..., inter:]
+            h2 = h2 + weights[..., slot : slot + 1] * torch.einsum(
+                "bsi,bsid->bsd", act, w_d[e])
+        h2 = gemma_rms_norm(h2, p[pre + "post_feedforward_layernorm_2.weight"],
+                            eps)
+        x = residual + gemma_rms_norm(
+            h1 + h2, p[pre + "post_feedforward_layernorm.weight"], eps)
+        x = x * p[pre + "layer_scalar"]
+    h = gemma_rms_norm(x, p["model.norm.weight"], eps)
+    logits = h @ p["model.embed_tokens.weight"].T
+    cap = float(d["final_logit_softcapping"])
+    if softcap and cap > 0:
+        logits = cap * torch.tanh(logits / cap)
+    targets = torch.tensor(dump["targets"])
+    return torch.nn.functional.cross_entropy(logits.view(b * s, -1), targets)
+
+
 def forward(dump, p, stats=None):
     """The mean loss; GPT-OSS's clamp counts go to `stats` when given."""
     if stats is None:
@@ -283,6 +413,8 @@ def forward(dump, p, stats=None):
     for key in ("gate_clamped", "up_clamped", "values", "bias_changed",
                 "routed"):
         stats.setdefault(key, 0)
+    if dump["architecture"] == "DiffusionGemmaForBlockDiffusion":
+        return gemma_forward(dump, p)
     d = dump["dims"]
     b, s = dump["batch"], dump["seq"]
     eps = d["rms_norm_eps"]
@@ -421,9 +553,13 @@ def check(dump_binary, config):
         with open(out) as f:
             dump = json.load(f)
     # Frozen parameters (DeepSeek-V3's e_score_correction_bias, a buffer in
-    # HF) get no gradient, here as in shardd.
+    # HF; DiffusionGemma's router and layer_scalar) get no gradient, here as
+    # in shardd; neither does DiffusionGemma's self_conditioning, which the
+    # causal pass never reads.
     frozen = {name for name in dump["params"]
-              if name.endswith("e_score_correction_bias")}
+              if name.endswith(("e_score_correction_bias", "moe.gate.scale",
+                                "moe.gate.proj.weight", "layer_scalar"))
+              or name.startswith("model.self_conditioning.")}
     params = {
         name: torch.tensor(t["values"]).view(t["shape"]).requires_grad_(
             name not in frozen)
@@ -441,6 +577,16 @@ def check(dump_binary, config):
     # relative, norm-wise, for every gradient; the loss is a mean of 48
     # cross-entropies, each within that bound.
     bound = 40 * 128 * 2.0 ** -24
+    gemma = dump["architecture"] == "DiffusionGemmaForBlockDiffusion"
+    if gemma:
+        # DiffusionGemma's chain is longer: 3 layers of about 30 operations
+        # (input norm, q/k/v projections and their 3 norms, RoPE, scores,
+        # softmax, values, o_proj, post-attention norm, residual; the dense
+        # branch's 2 norms and 3 products; the router's norm, scale, proj,
+        # softmax and renormalisation; the experts' 2 norms, 2 products and
+        # combine; the sum's norm, residual, layer_scalar) plus the head's 4
+        # (final norm, logits, soft-cap, log-sum-exp): L = 100, n = 128.
+        bound = 100 * 128 * 2.0 ** -24
     failures = 0
     name_of = os.path.basename(config)
     rel = abs(dump["loss"] - loss.item()) / abs(loss.item())
@@ -469,6 +615,17 @@ def check(dump_binary, config):
               f"{stats['bias_changed']} of {stats['routed']} routed tokens")
         if stats["bias_changed"] == 0:
             print("FAIL: the correction bias changed no selection")
+            failures += 1
+    if gemma:
+        # The soft-cap must matter: without it the loss would miss by more
+        # than 10 times the bound.
+        with torch.no_grad():
+            uncapped = gemma_forward(dump, params, softcap=False).item()
+        share = abs(uncapped - loss.item()) / loss.item()
+        print(f"  soft-cap {float(dump['dims']['final_logit_softcapping'])}: "
+              f"the uncapped loss differs by {share:.2%}")
+        if not share > 10 * bound:
+            print("FAIL: the soft-cap is too weak to be checked")
             failures += 1
     if "aux" in stats:
         # The term must matter: without it the loss would miss by more

@@ -184,6 +184,14 @@ absl::StatusOr<std::unique_ptr<DeviceMoeModel>> DeviceMoeModel::Create(
         "dims.activation: the GPU model does not compute the clamped "
         "swiglu_oai activation (GPT-OSS) yet; train it on CPU workers");
   }
+  // DiffusionGemma's layers likewise (worker/model/gemma_layer.h).
+  if (arch.gemma) {
+    return absl::InvalidArgumentError(
+        "the GPU model does not compute DiffusionGemma's layers (Gemma 4's "
+        "sandwich norms, per-layer-type attention with values from keys and "
+        "v_norm, the scaled router, layer_scalar, the logit soft-cap) yet; "
+        "train it on CPU workers");
+  }
   // DeepSeek-V3's parts likewise.
   if (arch.mla) {
     return absl::InvalidArgumentError(

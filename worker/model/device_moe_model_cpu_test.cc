@@ -7,6 +7,7 @@
 
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
+#include "model/hf_config.h"
 #include "testing/model_builder.h"
 #include "worker/memory/device_allocator.h"
 #include "worker/model/device_moe_model.h"
@@ -97,6 +98,23 @@ TEST_F(DeviceMoeModelCreateTest, RefusesWhatOnlyTheGpuKernelsCannotRun) {
   EXPECT_THAT(DeviceMoeModel::Create(aux, {}, &allocator_).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("dims.router_aux_loss_coef")));
+  EXPECT_EQ(backend_.mallocs(), 0);
+}
+
+TEST_F(DeviceMoeModelCreateTest, RefusesDiffusionGemmaByName) {
+  // The CPU model computes its causal pass (gemma_layer.h); the GPU not yet.
+  absl::StatusOr<v1::ModelSpec> spec = ModelSpecFromHfConfig(R"({
+    "architectures": ["DiffusionGemmaForBlockDiffusion"],
+    "text_config": {"vocab_size": 11, "hidden_size": 8,
+      "num_hidden_layers": 2, "num_attention_heads": 2,
+      "num_key_value_heads": 1, "head_dim": 4, "global_head_dim": 8,
+      "intermediate_size": 8, "moe_intermediate_size": 4, "num_experts": 4,
+      "top_k_experts": 2, "sliding_window": 4, "dtype": "float32",
+      "layer_types": ["sliding_attention", "full_attention"]}})");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_THAT(DeviceMoeModel::Create(*spec, {}, &allocator_).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("DiffusionGemma")));
   EXPECT_EQ(backend_.mallocs(), 0);
 }
 

@@ -178,6 +178,9 @@ absl::Status CheckModelStepShape(int passes, int no_grad_passes,
 
 absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
     const v1::ModelSpec& model) {
+  if (model.architecture() == "DiffusionGemmaForBlockDiffusion") {
+    return ReadDiffusionGemmaArchitecture(model);
+  }
   MoeArchitecture arch;
   std::map<std::string, ArchTensor> tensors;
   for (const ParamRef& ref : ListParams(model)) {

@@ -79,6 +79,18 @@ struct MoeLayerSpec {
   ArchTensor mlp_up;    // [Im, D]
   ArchTensor mlp_down;  // [D, Im]
   int64_t mlp_inter = 0;
+  // DiffusionGemma (Gemma 4's layer, worker/model/gemma_layer.h): the
+  // sandwich norms around the dense MLP (pre_feedforward_layernorm,
+  // post_feedforward_layernorm_1), the experts (pre_feedforward_layernorm_2,
+  // post_feedforward_layernorm_2) and their sum (post_feedforward_layernorm);
+  // the router's moe.gate.scale [D] (moe.gate.proj.weight is `gate`); the
+  // frozen layer_scalar [1]. Full-attention layers have no v_proj
+  // (values_from_keys) and their own head geometry.
+  bool gemma = false;
+  ArchTensor pre_ff_norm, post_ff_norm_1, pre_ff_norm_2, post_ff_norm_2,
+      post_ff_norm, router_scale, layer_scalar;
+  bool values_from_keys = false;
+  int64_t layer_kv_heads = 0, layer_head_dim = 0;
 };
 
 struct MoeArchitecture {
@@ -120,6 +132,15 @@ struct MoeArchitecture {
   // MoE layer has aux_experts experts and a softmax router.
   double router_aux_loss_coef = 0.0;
   int64_t aux_experts = 0;
+  // DiffusionGemma's causal pass (gemma_layer.h): the embedding times
+  // embedding_scale (0: none), the logits soft-capped (0: none), the
+  // sliding layers' rope (`rope` is the full layers'), and the parameters
+  // that pass leaves unused (model.self_conditioning: no gradient).
+  bool gemma = false;
+  float embedding_scale = 0.0f;
+  float final_logit_softcap = 0.0f;
+  RopeFrequencies sliding_rope;
+  std::vector<ArchTensor> unused;
 
   // layers[l].has_moe for every l (the command order's layer table).
   std::vector<bool> LayersWithExperts() const {
@@ -144,6 +165,15 @@ struct MoeArchitecture {
 // the sigmoid router (Hugging Face's loss softmaxes the logits), or a
 // parameter the model does not use.
 absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(const v1::ModelSpec& model);
+
+// DiffusionGemmaForBlockDiffusion's shared stack (model/hf_diffusion_gemma's
+// tree), read by ReadMoeArchitecture: every layer `gemma`, with attention
+// (per-layer-type geometry from dims.attention), the dense mlp and the MoE.
+// Errors: INVALID_ARGUMENT for a missing or misshapen parameter, an
+// unfrozen layer_scalar, dims.attention.bidirectional (the bidirectional
+// sliding window is not computed), or attention fields it needs unset.
+absl::StatusOr<MoeArchitecture> ReadDiffusionGemmaArchitecture(
+    const v1::ModelSpec& model);
 
 // INVALID_ARGUMENT unless passes >= 1, 0 <= no_grad_passes < passes and
 // microbatches >= 1.

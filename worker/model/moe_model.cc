@@ -16,6 +16,7 @@
 #include "model/model_util.h"
 #include "worker/model/attention_block.h"
 #include "worker/model/command_order.h"
+#include "worker/model/gemma_layer.h"
 #include "worker/model/mla_block.h"
 #include "worker/model/moe_architecture.h"
 
@@ -35,6 +36,7 @@ struct LayerActs {
   // (the post_attention_layernorm's input) and that norm's inverse RMS.
   AttentionActs attn;
   MlaActs mla;  // DeepSeek-V3's latent attention instead.
+  GemmaLayerActs gemma;  // DiffusionGemma's whole layer instead.
   std::vector<float> x_mid;      // [T, D]
   std::vector<float> post_inv;   // [T]
   std::vector<float> normed;     // [T, D] the MoE / MLP input
@@ -50,7 +52,7 @@ struct LayerActs {
          post_inv.capacity() + normed.capacity() + weights.capacity() +
          dense_out.capacity()) *
             sizeof(float) +
-        attn.bytes() + mla.bytes() + indices.capacity() * sizeof(int32_t) + router.bytes() +
+        attn.bytes() + mla.bytes() + gemma.bytes() + indices.capacity() * sizeof(int32_t) + router.bytes() +
         experts.bytes() + mlp.bytes());
   }
 };
@@ -97,6 +99,7 @@ struct MoeModel::Impl : MoeArchitecture {
   std::vector<float> scratch_td;  // [T, D] activation staging
   std::unique_ptr<AttentionBlock> attention;
   std::unique_ptr<MlaBlock> mla;
+  std::unique_ptr<GemmaLayerBlock> gemma_block;
   double loss_sum = 0.0;  // Sum of per-(pass, micro-batch) mean losses.
   int loss_terms = 0;
   int64_t tokens = 0;
@@ -167,6 +170,13 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Create(
   for (PassActs& a : impl->acts) a.layers.resize(impl->layers.size());
   impl->attention = std::make_unique<AttentionBlock>(impl.get());
   impl->mla = std::make_unique<MlaBlock>(impl.get());
+  impl->gemma_block = std::make_unique<GemmaLayerBlock>(impl.get());
+  if (impl->gemma && options.passes != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "DiffusionGemma: the CPU model computes the causal pass only (1 pass "
+        "per step; the block-diffusion passes are not implemented), got ",
+        options.passes, " passes"));
+  }
   impl->order = std::make_unique<ModelCommandOrder>(
       options.passes, options.no_grad_passes, options.microbatches,
       impl->LayersWithExperts(), /*per_microbatch=*/false);
@@ -184,8 +194,9 @@ absl::Status MoeModel::SetBatch(int microbatch, const int32_t* inputs,
   Batch& b = m.batches[microbatch];
   for (const LayerSpec& layer : m.layers) {
     if (layer.has_attention) {
-      SHARDD_RETURN_IF_ERROR(layer.mla ? m.mla->Prepare(seq)
-                                       : m.attention->Prepare(seq));
+      SHARDD_RETURN_IF_ERROR(layer.gemma ? m.gemma_block->Prepare(seq)
+                             : layer.mla ? m.mla->Prepare(seq)
+                                         : m.attention->Prepare(seq));
       break;
     }
   }
@@ -225,6 +236,9 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
       a.x.resize(t * dim);
       SHARDD_RETURN_IF_ERROR(kernels::EmbeddingForward(
           table, vocab, dim, batch.inputs.data(), t, a.x.data()));
+      if (embedding_scale > 0) {
+        for (float& v : a.x) v *= embedding_scale;
+      }
       if (aux_on()) {
         a.aux.counts.assign(aux_experts + 2, 0);
         a.aux.counts[aux_experts + 1] = 1;  // This rank.
@@ -243,6 +257,10 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
       const int l = c.layer();
       const LayerSpec& spec = layers[l];
       LayerActs& la = a.layers[l];
+      if (spec.gemma) {
+        return gemma_block->ForwardLayer(spec, params, a.x.data(), batch.batch,
+                                         batch.seq, &la.gemma);
+      }
       la.x_in = a.x;
       la.inv_rms.resize(t);
       la.normed.resize(t * dim);
@@ -322,6 +340,10 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
       const int l = c.layer();
       const LayerSpec& spec = layers[l];
       LayerActs& la = a.layers[l];
+      if (spec.gemma) {
+        return gemma_block->ForwardExperts(spec, params, t, &la.gemma,
+                                           a.x.data());
+      }
       SHARDD_ASSIGN_OR_RETURN(const float* w_gu, params->Param(spec.w_gu.name));
       SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(spec.w_d.name));
       SHARDD_ASSIGN_OR_RETURN(const kernels::ExpertOptions options,
@@ -382,11 +404,13 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
                                     options.microbatches * grad_passes()));
       std::vector<float> dh(t * dim);
       float* dw = head.frozen ? nullptr : Zeroed(&scratch, vocab * dim);
+      kernels::CrossEntropyOptions ce_options;
+      ce_options.softcap = final_logit_softcap;
       SHARDD_ASSIGN_OR_RETURN(
           kernels::CrossEntropyResult ce,
-          kernels::LmHeadCrossEntropyBackward(a.h.data(), head_w, t, dim, vocab,
-                                              batch.targets.data(), loss_scale,
-                                              dh.data(), dw));
+          kernels::LmHeadCrossEntropyBackward(
+              a.h.data(), head_w, t, dim, vocab, batch.targets.data(),
+              loss_scale, dh.data(), dw, false, ce_options));
       if (dw != nullptr) SHARDD_RETURN_IF_ERROR(AddGrad(params, head, dw));
       double aux = 0.0;
       if (aux_on()) {
@@ -420,6 +444,10 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
       const int l = c.layer();
       const LayerSpec& spec = layers[l];
       LayerActs& la = a.layers[l];
+      if (spec.gemma) {
+        return gemma_block->BackwardExperts(spec, params, t, a.dx.data(),
+                                            &la.gemma);
+      }
       SHARDD_ASSIGN_OR_RETURN(const float* w_gu, params->Param(spec.w_gu.name));
       SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(spec.w_d.name));
       SHARDD_ASSIGN_OR_RETURN(const kernels::ExpertOptions options,
@@ -452,6 +480,10 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
       const int l = c.layer();
       const LayerSpec& spec = layers[l];
       LayerActs& la = a.layers[l];
+      if (spec.gemma) {
+        return gemma_block->BackwardLayer(spec, params, batch.batch, batch.seq,
+                                          &la.gemma, a.dx.data());
+      }
       if (!spec.has_moe) a.dn.assign(t * dim, 0.0f);
       // a.dx is the gradient of the layer's output; a.dn collects the
       // gradient of its normed input.
@@ -535,6 +567,9 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
     }
     case Command::EMBED: {
       if (!embed.frozen) {
+        if (embedding_scale > 0) {
+          for (float& v : a.dx) v *= embedding_scale;
+        }
         float* dtable = Zeroed(&scratch, vocab * dim);
         SHARDD_RETURN_IF_ERROR(kernels::EmbeddingBackward(
             a.dx.data(), batch.inputs.data(), t, vocab, dim, dtable));

@@ -1,0 +1,443 @@
+#include "worker/model/gemma_layer.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "kernels/cpu/linear.h"
+#include "kernels/cpu/rms_norm.h"
+
+namespace shardd {
+
+int64_t GemmaLayerActs::bytes() const {
+  size_t floats = 0;
+  for (const std::vector<float>* v :
+       {&x_in, &in_inv, &n, &q_pre, &k_pre, &v_pre, &q_inv, &k_inv, &v_inv,
+        &q, &k, &v, &o, &lse, &attn, &post_inv, &m, &pre_inv, &dense_in,
+        &dense_out, &post1_inv, &r_inv, &r_norm, &r_in, &pre2_inv,
+        &experts_in, &experts_out, &post2_inv, &sum, &post_ff_inv, &weights,
+        &dm, &dsum, &dweights}) {
+    floats += v->capacity();
+  }
+  return static_cast<int64_t>(floats * sizeof(float) +
+                              indices.capacity() * sizeof(int32_t) +
+                              router.bytes() + experts.bytes() + mlp.bytes());
+}
+
+absl::Status GemmaLayerBlock::Prepare(int64_t seq) {
+  if (seq <= full_rope_.positions) return absl::OkStatus();
+  if (seq > arch_->max_positions) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "seq: ", seq, " tokens exceed the model's max_position_embeddings (",
+        arch_->max_positions, ")"));
+  }
+  SHARDD_ASSIGN_OR_RETURN(full_rope_,
+                          kernels::BuildRopeTable(arch_->rope.inv_freq, seq,
+                                                  arch_->rope.attention_factor));
+  if (!arch_->sliding_rope.inv_freq.empty()) {
+    SHARDD_ASSIGN_OR_RETURN(
+        sliding_rope_,
+        kernels::BuildRopeTable(arch_->sliding_rope.inv_freq, seq,
+                                arch_->sliding_rope.attention_factor));
+  }
+  return absl::OkStatus();
+}
+
+const float* GemmaLayerBlock::Ones(int64_t dim) {
+  if (static_cast<int64_t>(ones_.size()) < dim) ones_.assign(dim, 1.0f);
+  return ones_.data();
+}
+
+absl::Status GemmaLayerBlock::AddGrad(ParamSource* params, const ArchTensor& t,
+                                      const std::vector<float>& g) {
+  if (t.frozen) return absl::OkStatus();
+  return params->AccumulateGrad(t.name, g.data());
+}
+
+absl::Status GemmaLayerBlock::Rotate(const MoeLayerSpec& layer,
+                                     std::vector<float>* x, int64_t tokens,
+                                     int64_t seq, int64_t heads, bool inverse) {
+  positions_.resize(tokens);
+  for (int64_t t = 0; t < tokens; ++t) {
+    positions_[t] = static_cast<int32_t>(t % seq);
+  }
+  kernels::RopeShape shape;
+  shape.tokens = tokens;
+  shape.heads = heads;
+  shape.head_stride = layer.layer_head_dim;
+  shape.token_stride = heads * layer.layer_head_dim;
+  return kernels::RopeRotate(layer.sliding ? sliding_rope_ : full_rope_,
+                             kernels::RopeLayout::kHalf, shape,
+                             positions_.data(), x->data(), inverse);
+}
+
+kernels::AttentionDims GemmaLayerBlock::Dims(const MoeLayerSpec& layer,
+                                             int64_t batch, int64_t seq) const {
+  kernels::AttentionDims d;
+  d.batch = batch;
+  d.q_len = seq;
+  d.kv_len = seq;
+  d.q_heads = arch_->q_heads;
+  d.kv_heads = layer.layer_kv_heads;
+  d.head_dim = layer.layer_head_dim;
+  return d;
+}
+
+kernels::AttentionOptions GemmaLayerBlock::Options(
+    const MoeLayerSpec& layer) const {
+  kernels::AttentionOptions o;
+  // Gemma 4's scaling is 1.0: q_norm and k_norm carry the scale.
+  o.scale = static_cast<float>(
+      arch_->softmax_scale > 0 ? arch_->softmax_scale
+                               : 1.0 / std::sqrt(double(layer.layer_head_dim)));
+  o.mask = layer.sliding ? kernels::AttentionMask::kSlidingWindow
+                         : kernels::AttentionMask::kCausal;
+  o.window = arch_->sliding_window;
+  return o;
+}
+
+absl::Status GemmaLayerBlock::ForwardLayer(const MoeLayerSpec& layer,
+                                           ParamSource* params, const float* x,
+                                           int64_t batch, int64_t seq,
+                                           GemmaLayerActs* a) {
+  const int64_t t = batch * seq, d = arch_->dim, hq = arch_->q_heads;
+  const int64_t hkv = layer.layer_kv_heads, hd = layer.layer_head_dim;
+  const float eps = arch_->eps;
+  SHARDD_RETURN_IF_ERROR(Prepare(seq));
+  SHARDD_ASSIGN_OR_RETURN(const float* w_in, params->Param(layer.norm.name));
+  a->x_in.assign(x, x + t * d);
+  a->in_inv.resize(t);
+  a->n.resize(t * d);
+  SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(x, w_in, t, d, eps,
+                                                 a->n.data(), a->in_inv.data()));
+  // The self-attention.
+  SHARDD_ASSIGN_OR_RETURN(const float* wq, params->Param(layer.q_proj.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* wk, params->Param(layer.k_proj.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* wo, params->Param(layer.o_proj.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* qn, params->Param(layer.q_norm.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* kn, params->Param(layer.k_norm.name));
+  a->q_pre.resize(t * hq * hd);
+  a->k_pre.resize(t * hkv * hd);
+  SHARDD_RETURN_IF_ERROR(
+      kernels::LinearForward(a->n.data(), wq, t, d, hq * hd, a->q_pre.data()));
+  SHARDD_RETURN_IF_ERROR(
+      kernels::LinearForward(a->n.data(), wk, t, d, hkv * hd, a->k_pre.data()));
+  if (layer.values_from_keys) {
+    // Full layers: the values are k_proj's output before k_norm and RoPE.
+    a->v_pre = a->k_pre;
+  } else {
+    SHARDD_ASSIGN_OR_RETURN(const float* wv, params->Param(layer.v_proj.name));
+    a->v_pre.resize(t * hkv * hd);
+    SHARDD_RETURN_IF_ERROR(kernels::LinearForward(a->n.data(), wv, t, d,
+                                                  hkv * hd, a->v_pre.data()));
+  }
+  a->q.resize(t * hq * hd);
+  a->k.resize(t * hkv * hd);
+  a->v.resize(t * hkv * hd);
+  a->q_inv.resize(t * hq);
+  a->k_inv.resize(t * hkv);
+  a->v_inv.resize(t * hkv);
+  SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(
+      a->q_pre.data(), qn, t * hq, hd, eps, a->q.data(), a->q_inv.data()));
+  SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(
+      a->k_pre.data(), kn, t * hkv, hd, eps, a->k.data(), a->k_inv.data()));
+  SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(a->v_pre.data(), Ones(hd),
+                                                 t * hkv, hd, eps, a->v.data(),
+                                                 a->v_inv.data()));
+  SHARDD_RETURN_IF_ERROR(Rotate(layer, &a->q, t, seq, hq, false));
+  SHARDD_RETURN_IF_ERROR(Rotate(layer, &a->k, t, seq, hkv, false));
+  a->o.resize(t * hq * hd);
+  a->lse.resize(batch * hq * seq);
+  SHARDD_RETURN_IF_ERROR(kernels::AttentionForward(
+      Dims(layer, batch, seq), Options(layer), a->q.data(), a->k.data(),
+      a->v.data(), a->o.data(), a->lse.data(), &ws_));
+  a->attn.resize(t * d);
+  SHARDD_RETURN_IF_ERROR(
+      kernels::LinearForward(a->o.data(), wo, t, hq * hd, d, a->attn.data()));
+  // m = x + post_attention_layernorm(attn).
+  SHARDD_ASSIGN_OR_RETURN(const float* w_post,
+                          params->Param(layer.post_norm.name));
+  a->m.resize(t * d);
+  a->post_inv.resize(t);
+  SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(
+      a->attn.data(), w_post, t, d, eps, a->m.data(), a->post_inv.data()));
+  for (int64_t i = 0; i < t * d; ++i) a->m[i] += x[i];
+  // The dense branch: h1, kept in `sum` until the experts add h2.
+  SHARDD_ASSIGN_OR_RETURN(const float* w_pre,
+                          params->Param(layer.pre_ff_norm.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* w_post1,
+                          params->Param(layer.post_ff_norm_1.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* wg, params->Param(layer.mlp_gate.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* wu, params->Param(layer.mlp_up.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* wd, params->Param(layer.mlp_down.name));
+  a->pre_inv.resize(t);
+  a->dense_in.resize(t * d);
+  a->dense_out.resize(t * d);
+  a->post1_inv.resize(t);
+  a->sum.resize(t * d);
+  SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(
+      a->m.data(), w_pre, t, d, eps, a->dense_in.data(), a->pre_inv.data()));
+  SHARDD_RETURN_IF_ERROR(kernels::DenseMlpForward(
+      {t, d, layer.mlp_inter}, arch_->activation, a->dense_in.data(), wg, wu,
+      wd, a->dense_out.data(), &a->mlp));
+  SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(a->dense_out.data(), w_post1,
+                                                 t, d, eps, a->sum.data(),
+                                                 a->post1_inv.data()));
+  // The router reads m itself: RMSNorm without weight, times scale and
+  // D^-0.5 (HF's order), then proj.
+  SHARDD_ASSIGN_OR_RETURN(const float* scale,
+                          params->Param(layer.router_scale.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* proj, params->Param(layer.gate.name));
+  const float root = static_cast<float>(1.0 / std::sqrt(double(d)));
+  a->r_inv.resize(t);
+  a->r_norm.resize(t * d);
+  a->r_in.resize(t * d);
+  SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(
+      a->m.data(), Ones(d), t, d, eps, a->r_norm.data(), a->r_inv.data()));
+  for (int64_t r = 0; r < t; ++r) {
+    for (int64_t j = 0; j < d; ++j) {
+      a->r_in[r * d + j] = a->r_norm[r * d + j] * scale[j] * root;
+    }
+  }
+  const int64_t k = arch_->top_k;
+  a->indices.resize(t * k);
+  a->weights.resize(t * k);
+  kernels::RouterDims rd{t, d, layer.experts, k, arch_->renormalize_topk};
+  SHARDD_RETURN_IF_ERROR(kernels::RouterForward(rd, a->r_in.data(), proj,
+                                                a->indices.data(),
+                                                a->weights.data(), &a->router));
+  // The experts' input.
+  SHARDD_ASSIGN_OR_RETURN(const float* w_pre2,
+                          params->Param(layer.pre_ff_norm_2.name));
+  a->pre2_inv.resize(t);
+  a->experts_in.resize(t * d);
+  return kernels::RmsNormForward(a->m.data(), w_pre2, t, d, eps,
+                                 a->experts_in.data(), a->pre2_inv.data());
+}
+
+absl::Status GemmaLayerBlock::ForwardExperts(const MoeLayerSpec& layer,
+                                             ParamSource* params, int64_t t,
+                                             GemmaLayerActs* a, float* x) {
+  const int64_t d = arch_->dim;
+  const float eps = arch_->eps;
+  SHARDD_ASSIGN_OR_RETURN(const float* w_gu, params->Param(layer.w_gu.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(layer.w_d.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* w_post2,
+                          params->Param(layer.post_ff_norm_2.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* w_post,
+                          params->Param(layer.post_ff_norm.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* ls,
+                          params->Param(layer.layer_scalar.name));
+  a->experts_out.resize(t * d);
+  SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsForward(
+      {t, d, layer.moe_inter, layer.experts, arch_->top_k}, arch_->activation,
+      a->experts_in.data(), a->indices.data(), a->weights.data(), nullptr,
+      w_gu, w_d, a->experts_out.data(), &a->experts));
+  a->post2_inv.resize(t);
+  g_.resize(t * d);
+  SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(a->experts_out.data(),
+                                                 w_post2, t, d, eps, g_.data(),
+                                                 a->post2_inv.data()));
+  for (int64_t i = 0; i < t * d; ++i) a->sum[i] += g_[i];
+  a->post_ff_inv.resize(t);
+  SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(
+      a->sum.data(), w_post, t, d, eps, g_.data(), a->post_ff_inv.data()));
+  for (int64_t i = 0; i < t * d; ++i) x[i] = (a->m[i] + g_[i]) * ls[0];
+  return absl::OkStatus();
+}
+
+absl::Status GemmaLayerBlock::BackwardExperts(const MoeLayerSpec& layer,
+                                              ParamSource* params, int64_t t,
+                                              const float* dx,
+                                              GemmaLayerActs* a) {
+  const int64_t d = arch_->dim, k = arch_->top_k;
+  SHARDD_ASSIGN_OR_RETURN(const float* w_gu, params->Param(layer.w_gu.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(layer.w_d.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* w_post2,
+                          params->Param(layer.post_ff_norm_2.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* w_post,
+                          params->Param(layer.post_ff_norm.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* w_pre2,
+                          params->Param(layer.pre_ff_norm_2.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* ls,
+                          params->Param(layer.layer_scalar.name));
+  // The residual and the post-feed-forward norm both see dx * layer_scalar.
+  a->dm.resize(t * d);
+  for (int64_t i = 0; i < t * d; ++i) a->dm[i] = dx[i] * ls[0];
+  a->dsum.resize(t * d);
+  grad_.assign(d, 0.0f);
+  SHARDD_RETURN_IF_ERROR(
+      kernels::RmsNormBackward(a->dm.data(), a->sum.data(), w_post,
+                               a->post_ff_inv.data(), t, d, a->dsum.data(),
+                               grad_.data()));
+  SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.post_ff_norm, grad_));
+  g2_.resize(t * d);
+  grad_.assign(d, 0.0f);
+  SHARDD_RETURN_IF_ERROR(kernels::RmsNormBackward(
+      a->dsum.data(), a->experts_out.data(), w_post2, a->post2_inv.data(), t,
+      d, g2_.data(), grad_.data()));
+  SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.post_ff_norm_2, grad_));
+  g_.resize(t * d);
+  a->dweights.resize(t * k);
+  std::vector<float> dw_gu(layer.w_gu.frozen ? 0 : layer.w_gu.numel(), 0.0f);
+  std::vector<float> dw_d(layer.w_d.frozen ? 0 : layer.w_d.numel(), 0.0f);
+  SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsBackward(
+      {t, d, layer.moe_inter, layer.experts, k}, arch_->activation, w_gu, w_d,
+      g2_.data(), g_.data(), /*accumulate_dx=*/false, a->dweights.data(),
+      dw_gu.empty() ? nullptr : dw_gu.data(),
+      dw_d.empty() ? nullptr : dw_d.data(), &a->experts));
+  SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.w_gu, dw_gu));
+  SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.w_d, dw_d));
+  grad_.assign(d, 0.0f);
+  SHARDD_RETURN_IF_ERROR(kernels::RmsNormBackward(
+      g_.data(), a->m.data(), w_pre2, a->pre2_inv.data(), t, d, a->dm.data(),
+      grad_.data(), /*accumulate_dx=*/true));
+  return AddGrad(params, layer.pre_ff_norm_2, grad_);
+}
+
+absl::Status GemmaLayerBlock::BackwardLayer(const MoeLayerSpec& layer,
+                                            ParamSource* params, int64_t batch,
+                                            int64_t seq, GemmaLayerActs* a,
+                                            float* dx) {
+  const int64_t t = batch * seq, d = arch_->dim, hq = arch_->q_heads;
+  const int64_t hkv = layer.layer_kv_heads, hd = layer.layer_head_dim;
+  // The dense branch, from d(h1 + h2).
+  SHARDD_ASSIGN_OR_RETURN(const float* w_post1,
+                          params->Param(layer.post_ff_norm_1.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* w_pre,
+                          params->Param(layer.pre_ff_norm.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* wg, params->Param(layer.mlp_gate.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* wu, params->Param(layer.mlp_up.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* wd, params->Param(layer.mlp_down.name));
+  g_.resize(t * d);
+  g2_.resize(t * d);
+  grad_.assign(d, 0.0f);
+  SHARDD_RETURN_IF_ERROR(kernels::RmsNormBackward(
+      a->dsum.data(), a->dense_out.data(), w_post1, a->post1_inv.data(), t, d,
+      g2_.data(), grad_.data()));
+  SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.post_ff_norm_1, grad_));
+  const int64_t n_mlp = layer.mlp_inter * d;
+  std::vector<float> dwg(layer.mlp_gate.frozen ? 0 : n_mlp, 0.0f);
+  std::vector<float> dwu(layer.mlp_up.frozen ? 0 : n_mlp, 0.0f);
+  std::vector<float> dwd(layer.mlp_down.frozen ? 0 : n_mlp, 0.0f);
+  SHARDD_RETURN_IF_ERROR(kernels::DenseMlpBackward(
+      {t, d, layer.mlp_inter}, arch_->activation, wg, wu, wd, g2_.data(),
+      g_.data(), /*accumulate_dx=*/false, dwg.empty() ? nullptr : dwg.data(),
+      dwu.empty() ? nullptr : dwu.data(), dwd.empty() ? nullptr : dwd.data(),
+      &a->mlp));
+  SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.mlp_gate, dwg));
+  SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.mlp_up, dwu));
+  SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.mlp_down, dwd));
+  grad_.assign(d, 0.0f);
+  SHARDD_RETURN_IF_ERROR(kernels::RmsNormBackward(
+      g_.data(), a->m.data(), w_pre, a->pre_inv.data(), t, d, a->dm.data(),
+      grad_.data(), /*accumulate_dx=*/true));
+  SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.pre_ff_norm, grad_));
+  // The router: frozen in the release, but its weights depend on m.
+  SHARDD_ASSIGN_OR_RETURN(const float* scale,
+                          params->Param(layer.router_scale.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* proj, params->Param(layer.gate.name));
+  std::vector<float> dproj(layer.gate.frozen ? 0 : layer.gate.numel(), 0.0f);
+  kernels::RouterDims rd{t, d, layer.experts, arch_->top_k,
+                         arch_->renormalize_topk};
+  SHARDD_RETURN_IF_ERROR(kernels::RouterBackward(
+      rd, a->r_in.data(), proj, a->dweights.data(), g_.data(),
+      /*accumulate_dx=*/false, dproj.empty() ? nullptr : dproj.data(),
+      &a->router));
+  SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.gate, dproj));
+  const float root = static_cast<float>(1.0 / std::sqrt(double(d)));
+  if (!layer.router_scale.frozen) {
+    std::vector<double> ds(d, 0.0);
+    for (int64_t r = 0; r < t; ++r) {
+      for (int64_t j = 0; j < d; ++j) {
+        ds[j] += double{g_[r * d + j]} * a->r_norm[r * d + j] * root;
+      }
+    }
+    grad_.assign(ds.begin(), ds.end());
+    SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.router_scale, grad_));
+  }
+  for (int64_t r = 0; r < t; ++r) {
+    for (int64_t j = 0; j < d; ++j) g_[r * d + j] *= scale[j] * root;
+  }
+  grad_.assign(d, 0.0f);  // The weightless norm's: dropped.
+  SHARDD_RETURN_IF_ERROR(kernels::RmsNormBackward(
+      g_.data(), a->m.data(), Ones(d), a->r_inv.data(), t, d, a->dm.data(),
+      grad_.data(), /*accumulate_dx=*/true));
+  // m = x + post_attention_layernorm(attn).
+  SHARDD_ASSIGN_OR_RETURN(const float* w_post,
+                          params->Param(layer.post_norm.name));
+  grad_.assign(d, 0.0f);
+  SHARDD_RETURN_IF_ERROR(kernels::RmsNormBackward(
+      a->dm.data(), a->attn.data(), w_post, a->post_inv.data(), t, d,
+      g_.data(), grad_.data()));
+  SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.post_norm, grad_));
+  std::copy(a->dm.begin(), a->dm.begin() + t * d, dx);
+  // The attention, from d(attn) in g_.
+  SHARDD_ASSIGN_OR_RETURN(const float* wq, params->Param(layer.q_proj.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* wk, params->Param(layer.k_proj.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* wo, params->Param(layer.o_proj.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* qn, params->Param(layer.q_norm.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* kn, params->Param(layer.k_norm.name));
+  do_.resize(t * hq * hd);
+  grad_.assign(d * hq * hd, 0.0f);
+  SHARDD_RETURN_IF_ERROR(kernels::LinearBackward(
+      a->o.data(), wo, g_.data(), t, hq * hd, d, do_.data(), false,
+      layer.o_proj.frozen ? nullptr : grad_.data()));
+  SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.o_proj, grad_));
+  dq_.assign(t * hq * hd, 0.0f);
+  dk_.assign(t * hkv * hd, 0.0f);
+  dv_.assign(t * hkv * hd, 0.0f);
+  SHARDD_RETURN_IF_ERROR(kernels::AttentionBackward(
+      Dims(layer, batch, seq), Options(layer), a->q.data(), a->k.data(),
+      a->v.data(), a->o.data(), a->lse.data(), do_.data(), dq_.data(),
+      dk_.data(), dv_.data(), nullptr, &ws_));
+  SHARDD_RETURN_IF_ERROR(Rotate(layer, &dq_, t, seq, hq, true));
+  SHARDD_RETURN_IF_ERROR(Rotate(layer, &dk_, t, seq, hkv, true));
+  std::vector<float> dq_pre(t * hq * hd), dk_pre(t * hkv * hd),
+      dv_pre(t * hkv * hd);
+  grad_.assign(hd, 0.0f);
+  SHARDD_RETURN_IF_ERROR(kernels::RmsNormBackward(
+      dq_.data(), a->q_pre.data(), qn, a->q_inv.data(), t * hq, hd,
+      dq_pre.data(), grad_.data()));
+  SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.q_norm, grad_));
+  grad_.assign(hd, 0.0f);
+  SHARDD_RETURN_IF_ERROR(kernels::RmsNormBackward(
+      dk_.data(), a->k_pre.data(), kn, a->k_inv.data(), t * hkv, hd,
+      dk_pre.data(), grad_.data()));
+  SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.k_norm, grad_));
+  grad_.assign(hd, 0.0f);  // v_norm has no weight.
+  SHARDD_RETURN_IF_ERROR(kernels::RmsNormBackward(
+      dv_.data(), a->v_pre.data(), Ones(hd), a->v_inv.data(), t * hkv, hd,
+      dv_pre.data(), grad_.data()));
+  if (layer.values_from_keys) {
+    for (int64_t i = 0; i < t * hkv * hd; ++i) dk_pre[i] += dv_pre[i];
+  }
+  // The projections of n; g_ becomes d(n).
+  grad_.assign(hq * hd * d, 0.0f);
+  SHARDD_RETURN_IF_ERROR(kernels::LinearBackward(
+      a->n.data(), wq, dq_pre.data(), t, d, hq * hd, g_.data(), false,
+      layer.q_proj.frozen ? nullptr : grad_.data()));
+  SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.q_proj, grad_));
+  grad_.assign(hkv * hd * d, 0.0f);
+  SHARDD_RETURN_IF_ERROR(kernels::LinearBackward(
+      a->n.data(), wk, dk_pre.data(), t, d, hkv * hd, g_.data(), true,
+      layer.k_proj.frozen ? nullptr : grad_.data()));
+  SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.k_proj, grad_));
+  if (!layer.values_from_keys) {
+    SHARDD_ASSIGN_OR_RETURN(const float* wv, params->Param(layer.v_proj.name));
+    grad_.assign(hkv * hd * d, 0.0f);
+    SHARDD_RETURN_IF_ERROR(kernels::LinearBackward(
+        a->n.data(), wv, dv_pre.data(), t, d, hkv * hd, g_.data(), true,
+        layer.v_proj.frozen ? nullptr : grad_.data()));
+    SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.v_proj, grad_));
+  }
+  SHARDD_ASSIGN_OR_RETURN(const float* w_in, params->Param(layer.norm.name));
+  grad_.assign(d, 0.0f);
+  SHARDD_RETURN_IF_ERROR(kernels::RmsNormBackward(
+      g_.data(), a->x_in.data(), w_in, a->in_inv.data(), t, d, dx,
+      grad_.data(), /*accumulate_dx=*/true));
+  return AddGrad(params, layer.norm, grad_);
+}
+
+}  // namespace shardd

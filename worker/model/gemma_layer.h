@@ -1,0 +1,115 @@
+#ifndef SHARDD_WORKER_MODEL_GEMMA_LAYER_H_
+#define SHARDD_WORKER_MODEL_GEMMA_LAYER_H_
+
+// DiffusionGemma's decoder layer on the CPU (Gemma 4's, as Hugging Face's
+// DiffusionGemmaEncoderTextLayer computes its causal pass), forward and
+// backward, split as the step program's LAYER and EXPERTS commands:
+//
+//   LAYER:   n  = RMSNorm(x; input_layernorm)
+//            q  = RoPE(RMSNorm_h(n Wq^T; q_norm))
+//            kp = n Wk^T;  k = RoPE(RMSNorm_h(kp; k_norm))
+//            v  = RMSNorm_h(kp (full layers: no v_proj) or n Wv^T; no weight)
+//            m  = x + RMSNorm(softmax(q k^T * scale + mask) v Wo^T;
+//                             post_attention_layernorm)
+//            h1 = RMSNorm(mlp(RMSNorm(m; pre_feedforward_layernorm));
+//                         post_feedforward_layernorm_1)
+//            r  = RMSNorm(m; no weight) * moe.gate.scale * D^-0.5
+//            (indices, weights) = top-k of softmax(r Wproj^T), renormalised
+//            e  = RMSNorm(m; pre_feedforward_layernorm_2)
+//   EXPERTS: h2 = RMSNorm(experts(e; indices, weights);
+//                         post_feedforward_layernorm_2)
+//            x' = (m + RMSNorm(h1 + h2; post_feedforward_layernorm))
+//                 * layer_scalar
+//
+// RMSNorm_h is per head. Sliding layers use head_dim, num_key_value_heads,
+// the sliding rope and the window; full layers global_head_dim,
+// num_global_key_value_heads and `rope` (proportional), causal. The router's
+// scale and proj and layer_scalar are frozen in the released model (their
+// gradients are dropped); the gradient still flows through the router into m.
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/dense_mlp.h"
+#include "kernels/cpu/grouped_experts.h"
+#include "kernels/cpu/rope.h"
+#include "kernels/cpu/router.h"
+#include "worker/model/moe_architecture.h"
+#include "worker/model/param_source.h"
+
+namespace shardd {
+
+// One layer's activations in one pass, kept for its backward.
+struct GemmaLayerActs {
+  std::vector<float> x_in, in_inv, n;              // [T, D], [T], [T, D]
+  std::vector<float> q_pre, k_pre, v_pre;          // projections
+  std::vector<float> q_inv, k_inv, v_inv;          // per (token, head)
+  std::vector<float> q, k, v, o, lse;              // the attention's
+  std::vector<float> attn, post_inv;               // o Wo^T, its norm
+  std::vector<float> m;                            // [T, D] mid residual
+  std::vector<float> pre_inv, dense_in, dense_out, post1_inv;
+  std::vector<float> r_inv, r_norm, r_in;          // the router's input
+  std::vector<float> pre2_inv, experts_in, experts_out, post2_inv;
+  std::vector<float> sum, post_ff_inv;             // h1 + h2
+  std::vector<int32_t> indices;                    // [T, K]
+  std::vector<float> weights;                      // [T, K]
+  kernels::RouterCache router;
+  kernels::GroupedExpertsWorkspace experts;
+  kernels::DenseMlpWorkspace mlp;
+  // Between BACKWARD(EXPERTS) and BACKWARD(LAYER): the gradients of m, of
+  // h1 + h2 and of the routing weights.
+  std::vector<float> dm, dsum, dweights;
+  int64_t bytes() const;
+};
+
+class GemmaLayerBlock {
+ public:
+  // `arch` (arch->gemma) outlives the block.
+  explicit GemmaLayerBlock(const MoeArchitecture* arch) : arch_(arch) {}
+
+  // RoPE tables for positions [0, seq). INVALID_ARGUMENT beyond
+  // max_position_embeddings.
+  absl::Status Prepare(int64_t seq);
+
+  // LAYER: reads x [T, D] (the layer's input), fills `acts`.
+  absl::Status ForwardLayer(const MoeLayerSpec& layer, ParamSource* params,
+                            const float* x, int64_t batch, int64_t seq,
+                            GemmaLayerActs* acts);
+  // EXPERTS: writes the layer's output to x [T, D].
+  absl::Status ForwardExperts(const MoeLayerSpec& layer, ParamSource* params,
+                              int64_t tokens, GemmaLayerActs* acts, float* x);
+  // BACKWARD(EXPERTS): dx [T, D] is the gradient of the layer's output.
+  absl::Status BackwardExperts(const MoeLayerSpec& layer, ParamSource* params,
+                               int64_t tokens, const float* dx,
+                               GemmaLayerActs* acts);
+  // BACKWARD(LAYER): dx [T, D] becomes the gradient of the layer's input.
+  absl::Status BackwardLayer(const MoeLayerSpec& layer, ParamSource* params,
+                             int64_t batch, int64_t seq, GemmaLayerActs* acts,
+                             float* dx);
+
+ private:
+  absl::Status AddGrad(ParamSource* params, const ArchTensor& t,
+                       const std::vector<float>& g);
+  absl::Status Rotate(const MoeLayerSpec& layer, std::vector<float>* x,
+                      int64_t tokens, int64_t seq, int64_t heads,
+                      bool inverse);
+  kernels::AttentionDims Dims(const MoeLayerSpec& layer, int64_t batch,
+                              int64_t seq) const;
+  kernels::AttentionOptions Options(const MoeLayerSpec& layer) const;
+  // x [rows, dim] through an RMSNorm without weight (ones_).
+  const float* Ones(int64_t dim);
+
+  const MoeArchitecture* arch_;
+  kernels::RopeTable full_rope_, sliding_rope_;
+  std::vector<int32_t> positions_;
+  kernels::AttentionWorkspace ws_;
+  std::vector<float> ones_;
+  // Backward scratch.
+  std::vector<float> g_, g2_, grad_, dq_, dk_, dv_, do_;
+};
+
+}  // namespace shardd
+
+#endif  // SHARDD_WORKER_MODEL_GEMMA_LAYER_H_
