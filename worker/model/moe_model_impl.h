@@ -1,0 +1,164 @@
+#ifndef SHARDD_WORKER_MODEL_MOE_MODEL_IMPL_H_
+#define SHARDD_WORKER_MODEL_MOE_MODEL_IMPL_H_
+
+// MoeModel's state (its pimpl): the architecture, the saved activations
+// of each pass and layer, the batches and the sublayer blocks. Private to
+// moe_model.cc; a header of its own so that the passes stay readable.
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/status_macros.h"
+#include "kernels/cpu/dense_mlp.h"
+#include "kernels/cpu/grouped_experts.h"
+#include "kernels/cpu/router.h"
+#include "proto/worker.pb.h"
+#include "worker/model/attention_block.h"
+#include "worker/model/command_order.h"
+#include "worker/model/gemma_layer.h"
+#include "worker/model/mla_block.h"
+#include "worker/model/moe_architecture.h"
+#include "worker/model/moe_model.h"
+#include "worker/model/param_source.h"
+
+namespace shardd {
+namespace moe_model_internal {
+
+// Activations of one layer in one pass, kept for its backward.
+struct LayerActs {
+  std::vector<float> x_in;     // [T, D] residual input
+  std::vector<float> inv_rms;  // [T] of input_layernorm
+  // Attention layers: the sublayer's activations, the residual after it
+  // (the post_attention_layernorm's input) and that norm's inverse RMS.
+  AttentionActs attn;
+  MlaActs mla;  // DeepSeek-V3's latent attention instead.
+  GemmaLayerActs gemma;  // DiffusionGemma's whole layer instead.
+  std::vector<float> x_mid;      // [T, D]
+  std::vector<float> post_inv;   // [T]
+  std::vector<float> normed;     // [T, D] the MoE / MLP input
+  std::vector<int32_t> indices;  // [T, K]
+  std::vector<float> weights;    // [T, K]
+  std::vector<float> dense_out;  // [T, D]
+  kernels::RouterCache router;
+  kernels::GroupedExpertsWorkspace experts;
+  kernels::DenseMlpWorkspace mlp;
+  int64_t bytes() const {
+    return static_cast<int64_t>(
+        (x_in.capacity() + inv_rms.capacity() + x_mid.capacity() +
+         post_inv.capacity() + normed.capacity() + weights.capacity() +
+         dense_out.capacity()) *
+            sizeof(float) +
+        attn.bytes() + mla.bytes() + gemma.bytes() + indices.capacity() * sizeof(int32_t) + router.bytes() +
+        experts.bytes() + mlp.bytes());
+  }
+};
+
+struct PassActs {
+  std::vector<LayerActs> layers;
+  std::vector<float> x;          // [T, D] current residual stream
+  std::vector<float> final_x;    // [T, D] input of the final norm
+  std::vector<float> final_inv;  // [T]
+  std::vector<float> h;          // [T, D] normed final hidden
+  std::vector<float> dx;         // [T, D] gradient of the residual stream
+  std::vector<float> dn;         // [T, D] gradient of a layer's normed input
+  std::vector<float> dweights;   // [T, K]
+  // Load-balancing loss: this pass's statistics (the caller may sum them
+  // over ranks), their local sums in double, the gradient scale of its
+  // BACKWARD(HEAD), and a layer's logit-gradient staging [T, E].
+  MoeModel::RouterAuxStats aux;
+  std::vector<double> aux_sums;
+  double aux_scale = 0.0;
+  std::vector<float> aux_d_logits;
+};
+
+struct Batch {
+  std::vector<int32_t> inputs;
+  std::vector<int32_t> targets;
+  int64_t batch = 0;  // Sequences
+  int64_t seq = 0;    // Tokens per sequence
+  int64_t tokens = 0;
+  int64_t counted = 0;  // Non-ignored targets.
+};
+
+}  // namespace moe_model_internal
+
+using moe_model_internal::Batch;
+using moe_model_internal::LayerActs;
+using moe_model_internal::PassActs;
+
+// The architecture's fields (vocab, dim, layers, ...) are the model's.
+struct MoeModel::Impl : MoeArchitecture {
+  using Command = v1::Command;
+  using Tensor = ArchTensor;
+  using LayerSpec = MoeLayerSpec;
+
+  MoeModelOptions options;
+  // Activations are kept per pass, so micro-batches do not interleave.
+  std::unique_ptr<ModelCommandOrder> order;
+
+  std::vector<Batch> batches;
+  std::vector<PassActs> acts;  // One per pass.
+  std::vector<float> scratch;  // Parameter-gradient staging.
+  std::vector<float> scratch2;
+  std::vector<float> scratch_td;  // [T, D] activation staging
+  std::unique_ptr<AttentionBlock> attention;
+  std::unique_ptr<MlaBlock> mla;
+  std::unique_ptr<GemmaLayerBlock> gemma_block;
+  double loss_sum = 0.0;  // Sum of per-(pass, micro-batch) mean losses.
+  int loss_terms = 0;
+  int64_t tokens = 0;
+
+  int grad_passes() const { return options.passes - options.no_grad_passes; }
+  bool aux_on() const { return router_aux_loss_coef > 0; }
+
+  // Micro-batches run forward and backward one after the other, so
+  // activations are kept per pass and reused by the next micro-batch.
+  PassActs& Acts(int pass, int /*mb*/) { return acts[pass]; }
+
+  // A zeroed staging buffer for one parameter gradient.
+  float* Zeroed(std::vector<float>* buffer, int64_t n) {
+    if (static_cast<int64_t>(buffer->size()) < n) buffer->resize(n);
+    std::fill(buffer->begin(), buffer->begin() + n, 0.0f);
+    return buffer->data();
+  }
+
+  absl::Status AddGrad(ParamSource* params, const Tensor& t,
+                       const float* values) {
+    if (t.frozen) return absl::OkStatus();
+    return params->AccumulateGrad(t.name, values);
+  }
+
+  kernels::RouterDims RouterDimsOf(const LayerSpec& spec, int64_t t) const {
+    kernels::RouterDims dims{t, dim, spec.experts, top_k, renormalize_topk};
+    dims.scoring = router_scoring;
+    dims.groups = router_groups;
+    dims.top_groups = router_top_groups;
+    dims.scale = routed_scaling_factor;
+    dims.keep_softmax = aux_on();
+    return dims;
+  }
+
+  // The clamped activation's constants and the layer's expert biases.
+  absl::StatusOr<kernels::ExpertOptions> ExpertOptionsOf(
+      const LayerSpec& spec, ParamSource* params) const {
+    kernels::ExpertOptions options;
+    options.alpha = swiglu_alpha;
+    options.limit = swiglu_limit;
+    if (spec.expert_bias) {
+      SHARDD_ASSIGN_OR_RETURN(options.gate_up_bias,
+                              params->Param(spec.b_gu.name));
+      SHARDD_ASSIGN_OR_RETURN(options.down_bias, params->Param(spec.b_d.name));
+    }
+    return options;
+  }
+
+  absl::Status Forward(const Command& c, ParamSource* params);
+  absl::Status Backward(const Command& c, ParamSource* params);
+};
+
+}  // namespace shardd
+
+#endif  // SHARDD_WORKER_MODEL_MOE_MODEL_IMPL_H_
