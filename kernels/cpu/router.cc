@@ -11,12 +11,13 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/router_select.h"
 
 namespace shardd {
 namespace kernels {
 namespace {
 
-constexpr float kMinDenominator = 1e-20f;
+constexpr float kMinDenominator = kRouterMinDenominator;
 constexpr int64_t kMaxBlasInt = std::numeric_limits<int>::max();
 
 template <typename T>
@@ -80,41 +81,6 @@ bool SameDims(const RouterDims& a, const RouterDims& b) {
          a.scale == b.scale;
 }
 
-// In-place softmax of one row of n logits.
-void SoftmaxRow(float* row, int64_t n) {
-  float max_v = row[0];
-  for (int64_t e = 1; e < n; ++e) max_v = row[e] > max_v ? row[e] : max_v;
-  float sum = 0.0f;
-  for (int64_t e = 0; e < n; ++e) {
-    row[e] = std::exp(row[e] - max_v);
-    sum += row[e];
-  }
-  const float inv = 1.0f / sum;
-  for (int64_t e = 0; e < n; ++e) row[e] *= inv;
-}
-
-// Writes the k largest of probs[0..n) into idx/val, largest first. Insertion
-// only on a strictly larger value keeps lower indices ahead of equal ones.
-// The first k experts are always taken in, so idx is always k distinct valid
-// experts even when probs hold NaN.
-void TopKRow(const float* probs, int64_t n, int64_t k, int32_t* idx,
-             float* val) {
-  int64_t count = 0;
-  for (int64_t e = 0; e < n; ++e) {
-    const float p = probs[e];
-    if (count == k && !(p > val[k - 1])) continue;
-    int64_t pos = count < k ? count : k - 1;
-    while (pos > 0 && p > val[pos - 1]) {
-      val[pos] = val[pos - 1];
-      idx[pos] = idx[pos - 1];
-      --pos;
-    }
-    val[pos] = p;
-    idx[pos] = static_cast<int32_t>(e);
-    if (count < k) ++count;
-  }
-}
-
 // One token of kSigmoidGroupLimited: `logits` [E] in; `scratch` holds
 // 2E + groups + top_groups + 2 floats and `iscratch` top_groups + 2 ints.
 // Writes the K selected experts, their weights and scores and returns the
@@ -123,41 +89,20 @@ float SigmoidGroupLimitedRow(const RouterDims& d, const float* logits,
                              const float* selection_bias, float* scratch,
                              int32_t* iscratch, int32_t* idx, float* wt,
                              float* selected) {
-  const int64_t e_count = d.experts, size = e_count / d.groups;
+  const int64_t e_count = d.experts;
   float* scores = scratch;
   float* choice = scores + e_count;
   float* group_score = choice + e_count;
   float* kept_val = group_score + d.groups;
-  float* val2 = kept_val + d.top_groups;
-  int32_t* kept = iscratch;
-  int32_t* best2 = kept + d.top_groups;
   for (int64_t e = 0; e < e_count; ++e) {
-    scores[e] = 1.0f / (1.0f + std::exp(-logits[e]));
+    scores[e] = RouterSigmoid(logits[e]);
     choice[e] = scores[e] + (selection_bias ? selection_bias[e] : 0.0f);
   }
-  for (int64_t g = 0; g < d.groups; ++g) {
-    TopKRow(choice + g * size, size, 2, best2, val2);
-    group_score[g] = val2[0] + val2[1];
-  }
-  TopKRow(group_score, d.groups, d.top_groups, kept, kept_val);
-  for (int64_t e = 0; e < e_count; ++e) {
-    bool keep = false;
-    for (int64_t j = 0; j < d.top_groups; ++j) keep |= kept[j] == e / size;
-    if (!keep) choice[e] = 0.0f;
-  }
-  TopKRow(choice, e_count, d.top_k, idx, wt);
-  float sum = 0.0f;
-  for (int64_t j = 0; j < d.top_k; ++j) {
-    selected[j] = scores[idx[j]];
-    sum += selected[j];
-  }
-  // As HF: divide by the sum (+ 1e-20), then scale.
-  const float denom = d.renormalize ? sum + kMinDenominator : -1.0f;
-  for (int64_t j = 0; j < d.top_k; ++j) {
-    wt[j] = d.renormalize ? selected[j] / denom * d.scale
-                          : selected[j] * d.scale;
-  }
-  return denom;
+  RouterGroupLimitedSelect(choice, e_count, d.groups, d.top_groups, d.top_k,
+                           group_score, kept_val, iscratch, idx, wt);
+  for (int64_t j = 0; j < d.top_k; ++j) selected[j] = scores[idx[j]];
+  return RouterGroupLimitedWeights(selected, d.top_k, d.renormalize, d.scale,
+                                   wt);
 }
 
 }  // namespace
@@ -250,10 +195,10 @@ absl::Status RouterForward(const RouterDims& dims, const float* x,
       if (dims.keep_softmax) {
         float* row = cache->softmax.data() + t * e_count;
         std::copy(probs + t * e_count, probs + (t + 1) * e_count, row);
-        SoftmaxRow(row, e_count);
+        RouterSoftmaxRow(row, e_count);
       }
-      TopKRow(probs + t * e_count, e_count, k, idx, wt);
-      SoftmaxRow(wt, k);
+      RouterTopKRow(probs + t * e_count, e_count, k, idx, wt);
+      RouterSoftmaxRow(wt, k);
       for (int64_t j = 0; j < k; ++j) {
         cache->indices[t * k + j] = idx[j];
         probs[t * k + j] = wt[j];
@@ -266,10 +211,10 @@ absl::Status RouterForward(const RouterDims& dims, const float* x,
   }
   for (int64_t t = 0; t < t_count; ++t) {
     float* p = probs + t * e_count;
-    SoftmaxRow(p, e_count);
+    RouterSoftmaxRow(p, e_count);
     int32_t* idx = indices + t * k;
     float* wt = weights + t * k;
-    TopKRow(p, e_count, k, idx, wt);
+    RouterTopKRow(p, e_count, k, idx, wt);
     if (dims.renormalize) {
       float sum = 0.0f;
       for (int64_t j = 0; j < k; ++j) sum += wt[j];

@@ -45,15 +45,13 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "kernels/cpu/router_select.h"
 
 namespace shardd {
 namespace kernels {
 
-enum class RouterScoring {
-  kSoftmaxThenTopK,  // Mixtral, Qwen3, NeMo
-  kTopKThenSoftmax,  // GPT-OSS
-  kSigmoidGroupLimited,  // DeepSeek-V3
-};
+// RouterScoring and the per-token selection rules live in router_select.h,
+// shared with the CUDA router.
 
 struct RouterDims {
   int64_t tokens = 0;       // T >= 0

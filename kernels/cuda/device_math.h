@@ -70,6 +70,23 @@ __device__ __forceinline__ T BlockSum(T value, T* scratch) {
   return WarpSum(total);
 }
 
+// The segment of row r given segment offsets [segments + 1] (ascending,
+// offsets[0] <= r < offsets[segments]): the largest s with offsets[s] <= r,
+// which is never an empty segment. Binary search, O(log segments).
+__device__ __forceinline__ int64_t SegmentOfRow(const int32_t* offsets,
+                                                int64_t segments, int64_t r) {
+  int64_t lo = 0, hi = segments - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (offsets[mid] <= r) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
 }  // namespace cuda
 }  // namespace kernels
 }  // namespace shardd

@@ -17,7 +17,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "common/status_macros.h"
+#include "kernels/cuda/bias_kernels.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/dtype.h"
 #include "kernels/cuda/grouped_experts_kernels.h"
 
 namespace shardd {
@@ -104,8 +106,24 @@ DeviceDtype ToDeviceDtype(ExpertStorage storage) {
 }
 
 DeviceGate ToDeviceGate(GatedActivation activation) {
-  return activation == GatedActivation::kSwiGLU ? DeviceGate::kSilu
-                                                : DeviceGate::kGeluTanh;
+  switch (activation) {
+    case GatedActivation::kSwiGLU:
+      return DeviceGate::kSilu;
+    case GatedActivation::kGeGLU:
+      return DeviceGate::kGeluTanh;
+    case GatedActivation::kClampedSwiGLU:
+      break;
+  }
+  return DeviceGate::kClampedSilu;
+}
+
+internal::GateParams ToGateParams(const GroupedExpertsOptions& o) {
+  return {o.alpha, o.limit};
+}
+
+DType ToDType(ExpertStorage storage) {
+  return storage == ExpertStorage::kFloat32 ? DType::kFloat32
+                                            : DType::kBFloat16;
 }
 
 absl::StatusOr<Layout> ComputeLayout(const ExpertDims& d,
@@ -154,11 +172,18 @@ bool SameDims(const ExpertDims& a, const ExpertDims& b) {
 
 absl::Status ValidateOptions(const GroupedExpertsOptions& o) {
   if (o.activation != GatedActivation::kSwiGLU &&
-      o.activation != GatedActivation::kGeGLU) {
+      o.activation != GatedActivation::kGeGLU &&
+      o.activation != GatedActivation::kClampedSwiGLU) {
     return absl::InvalidArgumentError(
-        absl::StrCat("experts options.activation must be kSwiGLU or kGeGLU, "
-                     "got ",
+        absl::StrCat("experts options.activation must be kSwiGLU, kGeGLU or "
+                     "kClampedSwiGLU, got ",
                      static_cast<int>(o.activation)));
+  }
+  if (o.activation == GatedActivation::kClampedSwiGLU &&
+      !(o.alpha > 0 && o.limit > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("experts clamped SwiGLU needs alpha and limit > 0, got ",
+                     o.alpha, " and ", o.limit));
   }
   if (o.storage != ExpertStorage::kFloat32 &&
       o.storage != ExpertStorage::kBFloat16) {
@@ -663,11 +688,22 @@ absl::Status GroupedExpertsForward(const ExpertDims& dims,
   gate_up.compute = compute;
   SHARDD_RETURN_IF_ERROR(
       RunExpertGemm(gate_up, options.gemm_path, st, cublas, stream));
+  // Per-expert biases: each row finds its expert in the device offsets.
+  const int32_t* device_offsets = offsets;
+  if (options.gate_up_bias != nullptr) {
+    SHARDD_CUDA_RETURN_IF_ERROR(
+        LaunchAddRowBias(ToDType(options.storage), options.gate_up_bias,
+                         ToDType(options.storage), h, st.rows, 2 * inter,
+                         device_offsets, e_count, /*row_scale=*/nullptr,
+                         stream),
+        "experts gate_up bias");
+  }
 
-  SHARDD_CUDA_RETURN_IF_ERROR(internal::LaunchGatedActivationForward(
-                                  dtype, ToDeviceGate(options.activation), h,
-                                  row_weight, st.rows, inter, a, stream),
-                              "experts activation forward");
+  SHARDD_CUDA_RETURN_IF_ERROR(
+      internal::LaunchGatedActivationForward(
+          dtype, ToDeviceGate(options.activation), ToGateParams(options), h,
+          row_weight, st.rows, inter, a, stream),
+      "experts activation forward");
 
   ExpertGemm down;
   down.slot = kDownForward;
@@ -684,6 +720,14 @@ absl::Status GroupedExpertsForward(const ExpertDims& dims,
   down.compute = compute;
   SHARDD_RETURN_IF_ERROR(
       RunExpertGemm(down, options.gemm_path, st, cublas, stream));
+  if (options.down_bias != nullptr) {
+    // O += w * b_d[e]: Hugging Face's (A W_d + b_d) * w with w inside A.
+    SHARDD_CUDA_RETURN_IF_ERROR(
+        LaunchAddRowBias(ToDType(options.storage), options.down_bias,
+                         ToDType(options.storage), o, st.rows, d,
+                         device_offsets, e_count, row_weight, stream),
+        "experts down bias");
+  }
 
   SHARDD_CUDA_RETURN_IF_ERROR(
       internal::LaunchCombineRows(dtype, o, row_of_slot, t_count, k, d,
@@ -698,6 +742,17 @@ absl::Status GroupedExpertsBackward(
     const void* w_gu, const void* w_d, const void* dy, void* dx,
     bool accumulate_dx, float* d_weights, float* dw_gu, float* dw_d,
     GroupedExpertsWorkspace* ws, cublasHandle_t cublas, cudaStream_t stream) {
+  return GroupedExpertsBackward(dims, options, w_gu, w_d, dy, dx, accumulate_dx,
+                                d_weights, dw_gu, dw_d, ExpertBiasGrads(), ws,
+                                cublas, stream);
+}
+
+absl::Status GroupedExpertsBackward(
+    const ExpertDims& dims, const GroupedExpertsOptions& options,
+    const void* w_gu, const void* w_d, const void* dy, void* dx,
+    bool accumulate_dx, float* d_weights, float* dw_gu, float* dw_d,
+    const ExpertBiasGrads& bias_grads, GroupedExpertsWorkspace* ws,
+    cublasHandle_t cublas, cudaStream_t stream) {
   if (ws == nullptr || !ws->state_->has_forward) {
     return absl::FailedPreconditionError(
         "GroupedExpertsBackward needs a workspace filled by "
@@ -710,6 +765,13 @@ absl::Status GroupedExpertsBackward(
         "GroupedExpertsBackward dims, activation or storage differ from the "
         "forward's");
   }
+  if (options.alpha != st.options.alpha || options.limit != st.options.limit ||
+      (options.gate_up_bias == nullptr) !=
+          (st.options.gate_up_bias == nullptr) ||
+      (options.down_bias == nullptr) != (st.options.down_bias == nullptr)) {
+    return absl::FailedPreconditionError(
+        "GroupedExpertsBackward options differ from the forward's");
+  }
   SHARDD_RETURN_IF_ERROR(ValidateOptions(options));
   const int64_t t_count = dims.tokens, d = dims.dim, inter = dims.intermediate,
                 k = dims.top_k;
@@ -719,9 +781,11 @@ absl::Status GroupedExpertsBackward(
   if (dx != nullptr) {
     SHARDD_RETURN_IF_ERROR(RequireNonNull({{"w_gu", w_gu}}, " when dx is set"));
   }
-  const bool need_dh =
-      dx != nullptr || d_weights != nullptr || dw_gu != nullptr;
-  if (!need_dh && dw_d == nullptr) return absl::OkStatus();
+  const bool need_dh = dx != nullptr || d_weights != nullptr ||
+                       dw_gu != nullptr || bias_grads.gate_up != nullptr;
+  if (!need_dh && dw_d == nullptr && bias_grads.down == nullptr) {
+    return absl::OkStatus();
+  }
 
   CublasScope scope;
   SHARDD_RETURN_IF_ERROR(scope.Enter(cublas, stream));
@@ -739,11 +803,21 @@ absl::Status GroupedExpertsBackward(
   void* d_o = st.At<void>(layout.o);  // dO, later dXs
   void* da = st.At<void>(layout.da);
   void* dh = st.At<void>(layout.dh);
+  const int32_t* device_offsets = st.At<int32_t>(layout.offsets);
+  const DType type_tag = ToDType(options.storage);
+  const int64_t e_count = dims.experts;
 
   SHARDD_CUDA_RETURN_IF_ERROR(
       internal::LaunchGatherRows(dtype, dy, row_of_slot, t_count, k, d, d_o,
                                  stream),
       "experts gather dy");
+  if (bias_grads.down != nullptr) {
+    // O = ... + w * b_d[e]: db_d[e] += sum over e's rows of w * dO.
+    SHARDD_CUDA_RETURN_IF_ERROR(
+        LaunchColumnSums(type_tag, d_o, st.rows, d, device_offsets, e_count,
+                         row_weight, bias_grads.down, stream),
+        "experts down bias gradient");
+  }
 
   if (dw_d != nullptr) {
     ExpertGemm wgrad;
@@ -785,9 +859,23 @@ absl::Status GroupedExpertsBackward(
         RunExpertGemm(dgrad, options.gemm_path, st, cublas, stream));
     SHARDD_CUDA_RETURN_IF_ERROR(
         internal::LaunchGatedActivationBackward(
-            dtype, ToDeviceGate(options.activation), h, row_weight, da, st.rows,
-            inter, dh, row_dweight, stream),
+            dtype, ToDeviceGate(options.activation), ToGateParams(options), h,
+            row_weight, da, st.rows, inter, dh, row_dweight, stream),
         "experts activation backward");
+    if (options.down_bias != nullptr) {
+      // ... and the routing weight gains dO . b_d[e] (dO is still intact).
+      SHARDD_CUDA_RETURN_IF_ERROR(
+          LaunchAddRowBiasDot(type_tag, d_o, options.down_bias, st.rows, d,
+                              device_offsets, e_count, row_dweight, stream),
+          "experts down bias routing gradient");
+    }
+    if (bias_grads.gate_up != nullptr) {
+      SHARDD_CUDA_RETURN_IF_ERROR(
+          LaunchColumnSums(type_tag, dh, st.rows, 2 * inter, device_offsets,
+                           e_count, /*row_scale=*/nullptr, bias_grads.gate_up,
+                           stream),
+          "experts gate_up bias gradient");
+    }
   }
   if (d_weights != nullptr) {
     SHARDD_CUDA_RETURN_IF_ERROR(

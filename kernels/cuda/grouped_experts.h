@@ -19,6 +19,15 @@
 // expert with no rows contributes zero and its gradient slices are left as
 // they are, so every rank runs the same collectives whatever the routing.
 //
+// GPT-OSS (GroupedExpertsOptions' alpha, limit and biases), as the CPU:
+//   3'. H = Xs @ W_gu[e] + b_gu[e]
+//   4'. g = min(H[:, :I], limit), u = clamp(H[:, I:], -limit, limit),
+//       A = g * sigmoid(alpha * g) * (u + 1) * w          (kClampedSwiGLU)
+//   5'. O = A @ W_d[e] + w * b_d[e]
+// The clamps pass gradient inside [-limit, limit] inclusive (torch.clamp).
+// The biases are added by separate kernels after each GEMM (both GEMM
+// paths), so with bf16 storage H and O are rounded to bf16 twice.
+//
 // Storage: x, y, w_gu, w_d, dy, dx and the saved activations are fp32 or
 // bf16 (ExpertStorage); every GEMM and every sum accumulates in fp32. The
 // routing weights, d_weights and the parameter gradients dw_gu, dw_d are
@@ -63,8 +72,9 @@ namespace kernels {
 namespace cuda {
 
 enum class GatedActivation {
-  kSwiGLU,  // silu(g) * u
-  kGeGLU,   // gelu_tanh(g) * u
+  kSwiGLU,         // silu(g) * u
+  kGeGLU,          // gelu_tanh(g) * u
+  kClampedSwiGLU,  // GPT-OSS, above
 };
 
 // Element type of x, y, the expert weights, dy, dx and the saved
@@ -93,6 +103,21 @@ struct GroupedExpertsOptions {
   GatedActivation activation = GatedActivation::kSwiGLU;
   ExpertStorage storage = ExpertStorage::kBFloat16;
   ExpertGemmPath gemm_path = ExpertGemmPath::kGrouped;
+  // GPT-OSS, as kernels::ExpertOptions: the clamped activation's constants
+  // (kClampedSwiGLU only; both > 0) and per-expert biases in the storage
+  // type (device pointers; null: none). The backward is given the same
+  // constants and the same biases' presence.
+  float alpha = 1.702f;
+  float limit = 7.0f;
+  const void* gate_up_bias = nullptr;  // b_gu [E, 2I]
+  const void* down_bias = nullptr;     // b_d [E, D]
+};
+
+// Gradients of the biases (fp32, device), ADDED to like dw_gu / dw_d (null
+// skips one). An expert with no rows leaves its slices as they are.
+struct ExpertBiasGrads {
+  float* gate_up = nullptr;  // [E, 2I]
+  float* down = nullptr;     // [E, D]
 };
 
 // OK when `dims` is usable. Errors: INVALID_ARGUMENT naming the field: T < 0,
@@ -164,7 +189,8 @@ class GroupedExpertsWorkspace {
       const ExpertDims& dims, const GroupedExpertsOptions& options,
       const void* w_gu, const void* w_d, const void* dy, void* dx,
       bool accumulate_dx, float* d_weights, float* dw_gu, float* dw_d,
-      GroupedExpertsWorkspace* ws, cublasHandle_t cublas, cudaStream_t stream);
+      const ExpertBiasGrads& bias_grads, GroupedExpertsWorkspace* ws,
+      cublasHandle_t cublas, cudaStream_t stream);
 };
 
 // Forward, enqueued on `stream` (device pointers; storage type per
@@ -210,6 +236,17 @@ absl::Status GroupedExpertsBackward(
     const void* w_gu, const void* w_d, const void* dy, void* dx,
     bool accumulate_dx, float* d_weights, float* dw_gu, float* dw_d,
     GroupedExpertsWorkspace* ws, cublasHandle_t cublas, cudaStream_t stream);
+
+// The same, also ADDING the bias gradients (kernels::ExpertBiasGrads'
+// semantics: db_gu[e] += sum of dH over e's rows, db_d[e] += sum of w * dO,
+// and d_weights gains dO . b_d[e]). Errors also: FAILED_PRECONDITION when
+// alpha, limit or the biases' presence differ from the forward's.
+absl::Status GroupedExpertsBackward(
+    const ExpertDims& dims, const GroupedExpertsOptions& options,
+    const void* w_gu, const void* w_d, const void* dy, void* dx,
+    bool accumulate_dx, float* d_weights, float* dw_gu, float* dw_d,
+    const ExpertBiasGrads& bias_grads, GroupedExpertsWorkspace* ws,
+    cublasHandle_t cublas, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace kernels

@@ -175,6 +175,18 @@ TEST(GroupedExpertsArgsTest, CreateRejectsBadArgumentsBeforeCuda) {
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("max_experts")));
 }
 
+TEST(GroupedExpertsArgsTest, ClampedSwiGluNeedsPositiveConstants) {
+  GroupedExpertsOptions options;
+  options.activation = GatedActivation::kClampedSwiGLU;
+  options.limit = 0.0f;
+  EXPECT_THAT(
+      GroupedExpertsForward({4, 8, 4, 3, 2}, options, nullptr, nullptr,
+                            nullptr, nullptr, nullptr, nullptr, nullptr,
+                            nullptr, nullptr, nullptr),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("clamped SwiGLU needs alpha and limit > 0")));
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace kernels

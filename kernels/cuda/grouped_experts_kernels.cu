@@ -104,6 +104,57 @@ struct GeluTanhGate {
   }
 };
 
+// The activation of one (g, u) pair with the routing weight w, as the
+// kernels use it: Forward gives a; Backward gives the routing-weight term
+// da * a / w, dL/dg and dL/du, each in the CPU kernel's order of operations.
+template <typename Act>
+struct ProductGate {  // act(g) * u
+  __device__ __forceinline__ float Forward(float g, float u, float w) const {
+    return Act::Value(g) * u * w;
+  }
+  __device__ __forceinline__ void Backward(float g, float u, float da, float w,
+                                           float* w_term, float* dg,
+                                           float* du) const {
+    float f, df;
+    Act::ValueAndGrad(g, &f, &df);
+    *w_term = da * f * u;
+    const float daw = da * w;
+    *dg = daw * u * df;
+    *du = daw * f;
+  }
+};
+
+// GPT-OSS's clamped SwiGLU (kernels/cpu/grouped_experts.cc ClampedGate).
+struct ClampedSwiGluGate {
+  float alpha, limit;
+  // g' = min(g, limit) and u' = clamp(u, -limit, limit); NaN stays NaN.
+  __device__ __forceinline__ float Gate(float g) const {
+    return g > limit ? limit : g;
+  }
+  __device__ __forceinline__ float Up(float u) const {
+    return u > limit ? limit : (u < -limit ? -limit : u);
+  }
+  __device__ __forceinline__ float Forward(float g, float u, float w) const {
+    const float gc = Gate(g);
+    const float glu = gc * SiluGate::Sigmoid(alpha * gc);
+    return glu * (Up(u) + 1.0f) * w;
+  }
+  __device__ __forceinline__ void Backward(float g, float u, float da, float w,
+                                           float* w_term, float* dg,
+                                           float* du) const {
+    const float gc = Gate(g);
+    const float uc1 = Up(u) + 1.0f;
+    const float s = SiluGate::Sigmoid(alpha * gc);
+    const float glu = gc * s;
+    *w_term = da * glu * uc1;
+    const float daw = da * w;
+    // d(g sigmoid(alpha g))/dg = s + alpha g s (1 - s); the clamps pass
+    // gradient inside their range, bounds included (torch.clamp).
+    *dg = g <= limit ? daw * uc1 * (s + alpha * gc * s * (1.0f - s)) : 0.0f;
+    *du = u >= -limit && u <= limit ? daw * glu : 0.0f;
+  }
+};
+
 // ---------------------------------------------------------------------------
 // Block-wide helpers (blockDim.x a multiple of 32, at most 1024).
 
@@ -357,7 +408,8 @@ __global__ void CombineRowsKernel(const T* __restrict__ rows,
 // Gated activation with the routing weight inside (between up and down).
 
 template <typename T, typename Gate, int kVec>
-__global__ void GatedActivationForwardKernel(const T* __restrict__ h,
+__global__ void GatedActivationForwardKernel(const Gate gate,
+                                             const T* __restrict__ h,
                                              const float* __restrict__ weight,
                                              int64_t rows, int64_t inter,
                                              T* __restrict__ a) {
@@ -374,14 +426,15 @@ __global__ void GatedActivationForwardKernel(const T* __restrict__ h,
     P o;
 #pragma unroll
     for (int v = 0; v < kVec; ++v) {
-      o.v[v] = FromFloat<T>(Gate::Value(ToFloat(g.v[v])) * ToFloat(u.v[v]) * w);
+      o.v[v] = FromFloat<T>(gate.Forward(ToFloat(g.v[v]), ToFloat(u.v[v]), w));
     }
     reinterpret_cast<P*>(a + r * inter)[j] = o;
   }
 }
 
 template <typename T, typename Gate, int kVec>
-__global__ void GatedActivationBackwardKernel(const T* __restrict__ h,
+__global__ void GatedActivationBackwardKernel(const Gate gate,
+                                              const T* __restrict__ h,
                                               const float* __restrict__ weight,
                                               const T* __restrict__ da,
                                               int64_t rows, int64_t inter,
@@ -405,13 +458,12 @@ __global__ void GatedActivationBackwardKernel(const T* __restrict__ h,
       P dg, du;
 #pragma unroll
       for (int v = 0; v < kVec; ++v) {
-        float f, df;
-        Gate::ValueAndGrad(ToFloat(g.v[v]), &f, &df);
-        const float uv = ToFloat(u.v[v]), dv = ToFloat(dav.v[v]);
-        partial += dv * f * uv;
-        const float daw = dv * w;
-        dg.v[v] = FromFloat<T>(daw * uv * df);
-        du.v[v] = FromFloat<T>(daw * f);
+        float w_term, dgv, duv;
+        gate.Backward(ToFloat(g.v[v]), ToFloat(u.v[v]), ToFloat(dav.v[v]), w,
+                      &w_term, &dgv, &duv);
+        partial += w_term;
+        dg.v[v] = FromFloat<T>(dgv);
+        du.v[v] = FromFloat<T>(duv);
       }
       dg_out[j] = dg;
       du_out[j] = du;
@@ -491,26 +543,28 @@ void CombineRowsTyped(const void* rows, const int32_t* row_of_slot,
 }
 
 template <typename T, typename Gate>
-void ActivationForwardTyped(const void* h, const float* weight, int64_t rows,
-                            int64_t inter, void* a, cudaStream_t stream) {
+void ActivationForwardTyped(const Gate& gate, const void* h,
+                            const float* weight, int64_t rows, int64_t inter,
+                            void* a, cudaStream_t stream) {
   constexpr int kVec = kWideVec<T>;
   const T* in = static_cast<const T*>(h);
   T* out = static_cast<T*>(a);
   if (inter % kVec == 0 && Aligned16(h) && Aligned16(a)) {
     GatedActivationForwardKernel<T, Gate, kVec>
         <<<GridFor(rows * (inter / kVec), 256), 256, 0, stream>>>(
-            in, weight, rows, inter, out);
+            gate, in, weight, rows, inter, out);
   } else {
     GatedActivationForwardKernel<T, Gate, 1>
-        <<<GridFor(rows * inter, 256), 256, 0, stream>>>(in, weight, rows,
-                                                         inter, out);
+        <<<GridFor(rows * inter, 256), 256, 0, stream>>>(gate, in, weight,
+                                                         rows, inter, out);
   }
 }
 
 template <typename T, typename Gate>
-void ActivationBackwardTyped(const void* h, const float* weight, const void* da,
-                             int64_t rows, int64_t inter, void* dh,
-                             float* row_dweight, cudaStream_t stream) {
+void ActivationBackwardTyped(const Gate& gate, const void* h,
+                             const float* weight, const void* da, int64_t rows,
+                             int64_t inter, void* dh, float* row_dweight,
+                             cudaStream_t stream) {
   constexpr int kVec = kWideVec<T>;
   const T* h_in = static_cast<const T*>(h);
   const T* da_in = static_cast<const T*>(da);
@@ -518,10 +572,10 @@ void ActivationBackwardTyped(const void* h, const float* weight, const void* da,
   const int grid = GridFor(rows, 1);
   if (inter % kVec == 0 && Aligned16(h) && Aligned16(da) && Aligned16(dh)) {
     GatedActivationBackwardKernel<T, Gate, kVec><<<grid, 128, 0, stream>>>(
-        h_in, weight, da_in, rows, inter, dh_out, row_dweight);
+        gate, h_in, weight, da_in, rows, inter, dh_out, row_dweight);
   } else {
     GatedActivationBackwardKernel<T, Gate, 1><<<grid, 128, 0, stream>>>(
-        h_in, weight, da_in, rows, inter, dh_out, row_dweight);
+        gate, h_in, weight, da_in, rows, inter, dh_out, row_dweight);
   }
 }
 
@@ -602,53 +656,55 @@ cudaError_t LaunchCombineRows(DeviceDtype dtype, const void* rows,
   return cudaGetLastError();
 }
 
-cudaError_t LaunchGatedActivationForward(DeviceDtype dtype, DeviceGate gate,
-                                         const void* h, const float* row_weight,
-                                         int64_t rows, int64_t inter, void* a,
-                                         cudaStream_t stream) {
-  if (rows == 0 || inter == 0) return cudaSuccess;
+// Runs `fn` with the gate object of `gate` and the element type of `dtype`.
+template <typename Fn>
+void WithGateAndType(DeviceDtype dtype, DeviceGate gate, GateParams params,
+                     Fn&& fn) {
+  const ClampedSwiGluGate clamped{params.alpha, params.limit};
   if (dtype == DeviceDtype::kFloat32) {
-    if (gate == DeviceGate::kSilu) {
-      ActivationForwardTyped<float, SiluGate>(h, row_weight, rows, inter, a,
-                                              stream);
-    } else {
-      ActivationForwardTyped<float, GeluTanhGate>(h, row_weight, rows, inter, a,
-                                                  stream);
+    switch (gate) {
+      case DeviceGate::kSilu:
+        return fn(float{}, ProductGate<SiluGate>{});
+      case DeviceGate::kGeluTanh:
+        return fn(float{}, ProductGate<GeluTanhGate>{});
+      case DeviceGate::kClampedSilu:
+        return fn(float{}, clamped);
     }
   } else {
-    if (gate == DeviceGate::kSilu) {
-      ActivationForwardTyped<__nv_bfloat16, SiluGate>(h, row_weight, rows,
-                                                      inter, a, stream);
-    } else {
-      ActivationForwardTyped<__nv_bfloat16, GeluTanhGate>(h, row_weight, rows,
-                                                          inter, a, stream);
+    switch (gate) {
+      case DeviceGate::kSilu:
+        return fn(__nv_bfloat16{}, ProductGate<SiluGate>{});
+      case DeviceGate::kGeluTanh:
+        return fn(__nv_bfloat16{}, ProductGate<GeluTanhGate>{});
+      case DeviceGate::kClampedSilu:
+        return fn(__nv_bfloat16{}, clamped);
     }
   }
+}
+
+cudaError_t LaunchGatedActivationForward(DeviceDtype dtype, DeviceGate gate,
+                                         GateParams params, const void* h,
+                                         const float* row_weight, int64_t rows,
+                                         int64_t inter, void* a,
+                                         cudaStream_t stream) {
+  if (rows == 0 || inter == 0) return cudaSuccess;
+  WithGateAndType(dtype, gate, params, [&](auto type_tag, const auto& g) {
+    using T = decltype(type_tag);
+    ActivationForwardTyped<T>(g, h, row_weight, rows, inter, a, stream);
+  });
   return cudaGetLastError();
 }
 
 cudaError_t LaunchGatedActivationBackward(
-    DeviceDtype dtype, DeviceGate gate, const void* h, const float* row_weight,
-    const void* da, int64_t rows, int64_t inter, void* dh, float* row_dweight,
-    cudaStream_t stream) {
+    DeviceDtype dtype, DeviceGate gate, GateParams params, const void* h,
+    const float* row_weight, const void* da, int64_t rows, int64_t inter,
+    void* dh, float* row_dweight, cudaStream_t stream) {
   if (rows == 0 || inter == 0) return cudaSuccess;
-  if (dtype == DeviceDtype::kFloat32) {
-    if (gate == DeviceGate::kSilu) {
-      ActivationBackwardTyped<float, SiluGate>(h, row_weight, da, rows, inter,
-                                               dh, row_dweight, stream);
-    } else {
-      ActivationBackwardTyped<float, GeluTanhGate>(
-          h, row_weight, da, rows, inter, dh, row_dweight, stream);
-    }
-  } else {
-    if (gate == DeviceGate::kSilu) {
-      ActivationBackwardTyped<__nv_bfloat16, SiluGate>(
-          h, row_weight, da, rows, inter, dh, row_dweight, stream);
-    } else {
-      ActivationBackwardTyped<__nv_bfloat16, GeluTanhGate>(
-          h, row_weight, da, rows, inter, dh, row_dweight, stream);
-    }
-  }
+  WithGateAndType(dtype, gate, params, [&](auto type_tag, const auto& g) {
+    using T = decltype(type_tag);
+    ActivationBackwardTyped<T>(g, h, row_weight, da, rows, inter, dh,
+                               row_dweight, stream);
+  });
   return cudaGetLastError();
 }
 

@@ -21,7 +21,14 @@ namespace cuda {
 namespace internal {
 
 enum class DeviceDtype { kFloat32, kBFloat16 };
-enum class DeviceGate { kSilu, kGeluTanh };
+enum class DeviceGate { kSilu, kGeluTanh, kClampedSilu };
+
+// The gate's constants: kClampedSilu's sigmoid gain and clamp (GPT-OSS's
+// swiglu alpha and limit); ignored by the other gates.
+struct GateParams {
+  float alpha = 1.702f;
+  float limit = 7.0f;
+};
 
 // Assignments (slots) handled by one block of the routing kernels.
 constexpr int64_t kRoutingChunk = 2048;
@@ -80,18 +87,22 @@ cudaError_t LaunchCombineRows(DeviceDtype dtype, const void* rows,
                               void* out, cudaStream_t stream);
 
 // a[r, i] = f(h[r, i]) * h[r, I + i] * row_weight[r] for r < rows, with
-// h [rows, 2I] (gate half then up half) and a [rows, I].
+// h [rows, 2I] (gate half then up half) and a [rows, I]; kClampedSilu:
+// a = g' sigmoid(alpha g') (u' + 1) w with g' = min(g, limit),
+// u' = clamp(u, -limit, limit).
 cudaError_t LaunchGatedActivationForward(DeviceDtype dtype, DeviceGate gate,
-                                         const void* h, const float* row_weight,
-                                         int64_t rows, int64_t inter, void* a,
+                                         GateParams params, const void* h,
+                                         const float* row_weight, int64_t rows,
+                                         int64_t inter, void* a,
                                          cudaStream_t stream);
 
 // From da = dL/da [rows, I]: dh = dL/dh [rows, 2I] and
-// row_dweight[r] = sum_i da[r, i] * f(g) * u (fixed-order block reduction).
+// row_dweight[r] = sum_i da[r, i] * (a[r, i] / w[r]) (fixed-order block
+// reduction).
 cudaError_t LaunchGatedActivationBackward(
-    DeviceDtype dtype, DeviceGate gate, const void* h, const float* row_weight,
-    const void* da, int64_t rows, int64_t inter, void* dh, float* row_dweight,
-    cudaStream_t stream);
+    DeviceDtype dtype, DeviceGate gate, GateParams params, const void* h,
+    const float* row_weight, const void* da, int64_t rows, int64_t inter,
+    void* dh, float* row_dweight, cudaStream_t stream);
 
 // out[s] = row_of_slot[s] < 0 ? 0 : row_values[row_of_slot[s]] for
 // s < slots.

@@ -514,6 +514,144 @@ INSTANTIATE_TEST_SUITE_P(
                              ExpertGemmPath::kPerExpertLoop}),
     ConfigName);
 
+
+// ---------------------------------------------------------------------------
+// GPT-OSS: the clamped SwiGLU with gate/up and down biases and their
+// gradients, against the CPU kernel, each storage and GEMM path. The clamp
+// is a discrete choice: the limit is picked so that no gate or up
+// pre-activation (CPU, fp32) lies within 0.1 of +-limit, far beyond what
+// bf16 storage moves H (a few 2^-9 relative of |H| <= ~4); tolerances as
+// ExpectClose (the same chain of roundings, plus one for each bias add).
+
+class GroupedExpertsGptOssTest
+    : public GpuTest,
+      public ::testing::WithParamInterface<std::pair<ExpertStorage,
+                                                     ExpertGemmPath>> {};
+
+TEST_P(GroupedExpertsGptOssTest, MatchesCpuWithBiasesAndClamps) {
+  const ExpertStorage storage = GetParam().first;
+  HostProblem p = MakeProblem({45, 64, 32, 6, 2}, /*empty_expert=*/2,
+                              /*mask_every=*/5, 4000);
+  if (storage == ExpertStorage::kBFloat16) RoundInputsToBf16(&p);
+  const int64_t e = p.dims.experts, d = p.dims.dim, inter = p.dims.intermediate;
+  std::vector<float> b_gu = RandomVector(e * 2 * inter, 4100, 0.5f);
+  std::vector<float> b_d = RandomVector(e * d, 4101, 0.5f);
+  std::vector<float> db_gu0 = RandomVector(b_gu.size(), 4102, 1.0f);
+  std::vector<float> db_d0 = RandomVector(b_d.size(), 4103, 1.0f);
+  if (storage == ExpertStorage::kBFloat16) {
+    RoundToBf16InPlace(b_gu.data(), static_cast<int64_t>(b_gu.size()));
+    RoundToBf16InPlace(b_d.data(), static_cast<int64_t>(b_d.size()));
+  }
+  cpu::ExpertOptions cpu_options;
+  cpu_options.alpha = 1.702f;
+  cpu_options.gate_up_bias = b_gu.data();
+  cpu_options.down_bias = b_d.data();
+  const cpu::ExpertDims dims = p.cpu_dims();
+  constexpr auto kClamped = cpu::GatedActivation::kClampedSwiGLU;
+
+  // The limit: the first of 1.0, 1.05, ... with every |H| 0.1 away from it.
+  float limit = 1.0f;
+  {
+    cpu::GroupedExpertsWorkspace probe;
+    std::vector<float> y(p.dims.tokens * d);
+    SHARDD_ASSERT_OK(cpu::GroupedExpertsForward(
+        dims, kClamped, cpu_options, p.x.data(), p.indices.data(),
+        p.weights.data(), p.mask_ptr(), p.w_gu.data(), p.w_d.data(), y.data(),
+        &probe));
+    auto near = [&](float l) {
+      for (int64_t i = 0; i < probe.rows * 2 * inter; ++i) {
+        if (std::abs(std::abs(probe.h[i]) - l) < 0.1f) return true;
+      }
+      return false;
+    };
+    while (near(limit)) limit += 0.05f;
+    ASSERT_LT(limit, 4.0f) << "no clear limit for these inputs";
+  }
+  cpu_options.limit = limit;
+
+  Results ref;
+  std::vector<float> ref_db_gu = db_gu0, ref_db_d = db_d0;
+  {
+    cpu::GroupedExpertsWorkspace ws;
+    ref.y.assign(p.dims.tokens * d, 0.0f);
+    ref.dx = p.dx_init;
+    ref.d_weights.assign(p.dims.tokens * p.dims.top_k, 0.0f);
+    ref.dw_gu = p.dw_gu_init;
+    ref.dw_d = p.dw_d_init;
+    SHARDD_ASSERT_OK(cpu::GroupedExpertsForward(
+        dims, kClamped, cpu_options, p.x.data(), p.indices.data(),
+        p.weights.data(), p.mask_ptr(), p.w_gu.data(), p.w_d.data(),
+        ref.y.data(), &ws));
+    int64_t clamped = 0;
+    for (int64_t i = 0; i < ws.rows * 2 * inter; ++i) {
+      clamped += std::abs(ws.h[i]) > limit;
+    }
+    EXPECT_GT(clamped, 0) << "the clamps must be exercised";
+    cpu::ExpertBiasGrads grads{ref_db_gu.data(), ref_db_d.data()};
+    SHARDD_ASSERT_OK(cpu::GroupedExpertsBackward(
+        dims, kClamped, cpu_options, p.w_gu.data(), p.w_d.data(), p.dy.data(),
+        ref.dx.data(), false, ref.d_weights.data(), ref.dw_gu.data(),
+        ref.dw_d.data(), grads, &ws));
+  }
+
+  DeviceProblem dp;
+  ASSERT_NO_FATAL_FAILURE(Upload(p, storage, &dp));
+  DeviceMemory d_b_gu, d_b_d, d_db_gu, d_db_d;
+  ASSERT_NO_FATAL_FAILURE(UploadStorage(b_gu, storage, &d_b_gu));
+  ASSERT_NO_FATAL_FAILURE(UploadStorage(b_d, storage, &d_b_d));
+  ASSERT_NO_FATAL_FAILURE(d_db_gu.Upload(db_gu0.data(), db_gu0.size() * 4));
+  ASSERT_NO_FATAL_FAILURE(d_db_d.Upload(db_d0.data(), db_d0.size() * 4));
+  GroupedExpertsOptions options;
+  options.activation = GatedActivation::kClampedSwiGLU;
+  options.storage = storage;
+  options.gemm_path = GetParam().second;
+  options.alpha = cpu_options.alpha;
+  options.limit = limit;
+  options.gate_up_bias = d_b_gu.get();
+  options.down_bias = d_b_d.get();
+  SHARDD_ASSERT_OK(Forward(p, options, &dp));
+  ExpertBiasGrads grads{d_db_gu.as<float>(), d_db_d.as<float>()};
+  SHARDD_ASSERT_OK(GroupedExpertsBackward(
+      p.dims, options, dp.w_gu.get(), dp.w_d.get(), dp.dy.get(), dp.dx.get(),
+      false, dp.d_weights.as<float>(), dp.dw_gu.as<float>(),
+      dp.dw_d.as<float>(), grads, dp.ws.get(), cublas_, stream_));
+  ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+  Results gpu;
+  const int64_t t = p.dims.tokens, k = p.dims.top_k;
+  ASSERT_NO_FATAL_FAILURE(DownloadStorage(dp.y, t * d, storage, &gpu.y));
+  ASSERT_NO_FATAL_FAILURE(DownloadStorage(dp.dx, t * d, storage, &gpu.dx));
+  ASSERT_NO_FATAL_FAILURE(dp.d_weights.Download(&gpu.d_weights, t * k));
+  ASSERT_NO_FATAL_FAILURE(dp.dw_gu.Download(&gpu.dw_gu, p.w_gu.size()));
+  ASSERT_NO_FATAL_FAILURE(dp.dw_d.Download(&gpu.dw_d, p.w_d.size()));
+  std::vector<float> db_gu, db_d;
+  ASSERT_NO_FATAL_FAILURE(d_db_gu.Download(&db_gu, db_gu0.size()));
+  ASSERT_NO_FATAL_FAILURE(d_db_d.Download(&db_d, db_d0.size()));
+  ExpectClose(gpu.y, ref.y, storage, "y");
+  ExpectClose(gpu.dx, ref.dx, storage, "dx");
+  ExpectClose(gpu.d_weights, ref.d_weights, storage, "d_weights");
+  ExpectClose(Increment(gpu.dw_gu, p.dw_gu_init),
+              Increment(ref.dw_gu, p.dw_gu_init), storage, "dw_gu");
+  ExpectClose(Increment(gpu.dw_d, p.dw_d_init),
+              Increment(ref.dw_d, p.dw_d_init), storage, "dw_d");
+  ExpectClose(Increment(db_gu, db_gu0), Increment(ref_db_gu, db_gu0), storage,
+              "db_gu");
+  ExpectClose(Increment(db_d, db_d0), Increment(ref_db_d, db_d0), storage,
+              "db_d");
+  // The empty expert's bias gradients are left as they were.
+  for (int64_t i = 0; i < 2 * inter; ++i) {
+    EXPECT_EQ(db_gu[2 * 2 * inter + i], db_gu0[2 * 2 * inter + i]);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllConfigs, GroupedExpertsGptOssTest,
+    ::testing::Values(
+        std::make_pair(ExpertStorage::kFloat32, ExpertGemmPath::kGrouped),
+        std::make_pair(ExpertStorage::kFloat32, ExpertGemmPath::kPerExpertLoop),
+        std::make_pair(ExpertStorage::kBFloat16, ExpertGemmPath::kGrouped),
+        std::make_pair(ExpertStorage::kBFloat16,
+                       ExpertGemmPath::kPerExpertLoop)));
+
 // ---------------------------------------------------------------------------
 // Routing, synchronization and error behaviour.
 

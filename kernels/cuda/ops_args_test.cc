@@ -3,6 +3,7 @@
 // pointers are never dereferenced.
 
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "common/status_matchers.h"
@@ -10,11 +11,13 @@
 #include "gtest/gtest.h"
 #include "kernels/cuda/adamw.h"
 #include "kernels/cuda/bf16_cast.h"
+#include "kernels/cuda/bias.h"
 #include "kernels/cuda/cross_entropy.h"
 #include "kernels/cuda/dense_mlp.h"
 #include "kernels/cuda/embedding.h"
 #include "kernels/cuda/rms_norm.h"
 #include "kernels/cuda/router.h"
+#include "kernels/cuda/router_aux_loss.h"
 #include "kernels/cuda/row_major_gemm.h"
 
 namespace shardd {
@@ -147,6 +150,95 @@ TEST(OpsArgsTest, Router) {
                      Fake<char>(4), saved, Fake<float>(5), false,
                      Fake<float>(6), Fake<char>(7), 16, nullptr, nullptr),
       StatusIs(kInvalid, HasSubstr("workspace_bytes is 16")));
+}
+
+TEST(OpsArgsTest, RouterNewerScorings) {
+  RouterDims dims{200, 32, 64, 6};
+  dims.scoring = RouterScoring::kSigmoidGroupLimited;
+  dims.groups = 8;
+  dims.top_groups = 3;
+  // The selected scores [T, K] join the CPU cache's other pieces.
+  EXPECT_EQ(RouterSavedBytes(dims), Align(200 * 64 * 4) + Align(200 * 4) +
+                                        2 * Align(200 * 6 * 4));
+  EXPECT_EQ(RouterSoftmax(dims, Fake<char>(5)), nullptr);
+  RouterDims bad = dims;
+  bad.groups = 7;
+  EXPECT_EQ(RouterSavedBytes(bad), 0u);
+  auto forward = [&](const RouterDims& d, const float* selection) {
+    return RouterForward(d, Fake<float>(1), Fake<float>(2), nullptr, selection,
+                         Fake<int32_t>(3), Fake<float>(4), Fake<char>(5),
+                         size_t{1} << 30, nullptr, nullptr);
+  };
+  EXPECT_THAT(forward(bad, nullptr),
+              StatusIs(kInvalid, HasSubstr("groups must split experts=64")));
+  bad = dims;
+  bad.top_groups = 9;
+  EXPECT_THAT(forward(bad, nullptr),
+              StatusIs(kInvalid, HasSubstr("top_groups must be in [1, 8]")));
+  bad = dims;
+  bad.top_groups = 1;
+  bad.top_k = 10;
+  EXPECT_THAT(forward(bad, nullptr),
+              StatusIs(kInvalid, HasSubstr("exceeds the 8 experts")));
+  bad = dims;
+  bad.scale = std::numeric_limits<float>::infinity();
+  EXPECT_THAT(forward(bad, nullptr),
+              StatusIs(kInvalid, HasSubstr("scale must be finite")));
+  RouterDims topk{200, 32, 64, 4};
+  topk.scoring = RouterScoring::kTopKThenSoftmax;
+  EXPECT_THAT(forward(topk, Fake<float>(6)),
+              StatusIs(kInvalid, HasSubstr("selection_bias is only for")));
+  EXPECT_EQ(RouterSoftmax(topk, Fake<char>(5)), nullptr);
+  topk.keep_softmax = true;
+  EXPECT_EQ(RouterSoftmax(topk, Fake<char>(5)), Fake<float>(5));
+  EXPECT_EQ(RouterSoftmax(RouterDims{200, 32, 64, 4}, Fake<char>(5)),
+            Fake<float>(5));
+  // A bias gradient alone still needs d_weights.
+  EXPECT_THAT(
+      RouterBackward(topk, Fake<float>(1), Fake<float>(2), nullptr, nullptr,
+                     Fake<char>(4), RouterSavedBytes(topk), nullptr, false,
+                     nullptr, Fake<float>(7), Fake<char>(8), size_t{1} << 30,
+                     nullptr, nullptr),
+      StatusIs(kInvalid, HasSubstr("d_weights is null")));
+}
+
+TEST(OpsArgsTest, Bias) {
+  EXPECT_THAT(AddBias(Fake<float>(1), -1, 4, Fake<float>(2), nullptr),
+              StatusIs(kInvalid, HasSubstr("tokens")));
+  EXPECT_THAT(AddBias(Fake<uint16_t>(1), 3, 0, Fake<uint16_t>(2), nullptr),
+              StatusIs(kInvalid, HasSubstr("out must be in")));
+  EXPECT_THAT(AddBias(static_cast<const float*>(nullptr), 3, 4, Fake<float>(2),
+                      nullptr),
+              StatusIs(kInvalid, HasSubstr("b is null")));
+  EXPECT_THAT(BiasBackward(Fake<uint16_t>(1), 3, 4, nullptr, nullptr),
+              StatusIs(kInvalid, HasSubstr("db is null")));
+  EXPECT_THAT(BiasBackward(static_cast<const float*>(nullptr), 0, 4, nullptr,
+                           nullptr),
+              IsOk());
+}
+
+TEST(OpsArgsTest, RouterAuxLoss) {
+  EXPECT_THAT(RouterAuxLossAccumulate(Fake<float>(1), Fake<int32_t>(2), 10, 8,
+                                      9, Fake<int64_t>(3), Fake<double>(4),
+                                      nullptr, nullptr),
+              StatusIs(kInvalid, HasSubstr("top_k must be in [1, 8]")));
+  EXPECT_THAT(RouterAuxLossAccumulate(Fake<float>(1), nullptr, 10, 8, 2,
+                                      Fake<int64_t>(3), Fake<double>(4),
+                                      nullptr, nullptr),
+              StatusIs(kInvalid, HasSubstr("indices is null")));
+  EXPECT_THAT(RouterAuxLossAccumulate(nullptr, nullptr, 0, 8, 2, nullptr,
+                                      nullptr, nullptr, nullptr),
+              IsOk());
+  EXPECT_THAT(RouterAuxLossValue(Fake<int64_t>(1), Fake<double>(2), nullptr, 8,
+                                 Fake<double>(3), nullptr),
+              StatusIs(kInvalid, HasSubstr("total_rows is null")));
+  EXPECT_THAT(RouterAuxLossBackward(Fake<float>(1), 10, 0, Fake<int64_t>(2),
+                                    Fake<int64_t>(3), 1.0, Fake<float>(4),
+                                    nullptr),
+              StatusIs(kInvalid, HasSubstr("experts must be in")));
+  EXPECT_THAT(RouterAuxLossBackward(Fake<float>(1), 10, 8, Fake<int64_t>(2),
+                                    Fake<int64_t>(3), 1.0, nullptr, nullptr),
+              StatusIs(kInvalid, HasSubstr("d_logits is null")));
 }
 
 TEST(OpsArgsTest, CrossEntropy) {

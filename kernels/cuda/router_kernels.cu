@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/cpu/router_select.h"
 #include "kernels/cuda/device_math.h"
 #include "kernels/cuda/router_kernels.h"
 
@@ -145,8 +146,10 @@ __global__ void __launch_bounds__(kThreads)
     RouterDLogitsKernel(const float* __restrict__ probs,
                         const int32_t* __restrict__ saved_indices,
                         const float* __restrict__ denom,
-                        const float* __restrict__ d_weights, int64_t tokens,
-                        int experts, int top_k, T* __restrict__ d_logits) {
+                        const float* __restrict__ d_weights,
+                        const float* __restrict__ extra_d_logits,
+                        int64_t tokens, int experts, int top_k,
+                        T* __restrict__ d_logits) {
   const int lane = threadIdx.x & 31;
   const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock +
@@ -172,6 +175,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int j = 0; j < top_k; ++j) {
         if (idx[j] == e) value += pe * (dwt[j] - dot) * inv;
       }
+      if (extra_d_logits != nullptr) value += extra_d_logits[t * experts + e];
       StoreFromFloat(dl + e, value);
     }
   }
@@ -179,12 +183,165 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename T>
 cudaError_t DLogits(const float* probs, const int32_t* saved_indices,
-                    const float* denom, const float* d_weights, int64_t tokens,
+                    const float* denom, const float* d_weights,
+                    const float* extra_d_logits, int64_t tokens,
                     int64_t experts, int64_t top_k, T* d_logits,
                     cudaStream_t stream) {
   RouterDLogitsKernel<T><<<GridFor(tokens), kThreads, 0, stream>>>(
-      probs, saved_indices, denom, d_weights, tokens, static_cast<int>(experts),
-      static_cast<int>(top_k), d_logits);
+      probs, saved_indices, denom, d_weights, extra_d_logits, tokens,
+      static_cast<int>(experts), static_cast<int>(top_k), d_logits);
+  return cudaGetLastError();
+}
+
+// kTopKThenSoftmax and kSigmoidGroupLimited forward: one warp per token.
+// The lanes stage the row (logits, or sigmoid + selection bias) in shared
+// memory and write the kept softmax; lane 0 then runs the CPU's serial
+// selection on it (router_select.h), so indices follow the CPU's tie and
+// NaN rules exactly for equal inputs.
+constexpr int kSelectWarps = 4;
+constexpr int kSelectThreads = 32 * kSelectWarps;
+constexpr int kMaxGroups = kRouterMaxExperts / 2;  // groups of >= 2 experts
+
+int SelectGridFor(int64_t tokens) {
+  return static_cast<int>(std::min<int64_t>(
+      (tokens + kSelectWarps - 1) / kSelectWarps, kMaxBlocks));
+}
+
+template <bool kGroupLimited>
+__global__ void __launch_bounds__(kSelectThreads) RouterSelectKernel(
+    float* __restrict__ probs, int64_t tokens, int experts, int top_k,
+    bool renormalize, int groups, int top_groups, float scale,
+    bool keep_softmax, const float* __restrict__ selection_bias,
+    int32_t* __restrict__ indices, float* __restrict__ weights,
+    int32_t* __restrict__ saved_indices, float* __restrict__ selected,
+    float* __restrict__ denom) {
+  // 4 warps x (4 + 3 * 2) KiB = 40 KiB of static shared memory.
+  __shared__ float row_sh[kSelectWarps][kRouterMaxExperts];
+  __shared__ float group_sh[kSelectWarps][kMaxGroups];
+  __shared__ float kept_val_sh[kSelectWarps][kMaxGroups];
+  __shared__ int32_t kept_sh[kSelectWarps][kMaxGroups];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float* sh = row_sh[warp];
+  const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * kSelectWarps;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kSelectWarps + warp;
+       t < tokens; t += warp_stride) {
+    float* row = probs + t * experts;
+    for (int e = lane; e < experts; e += 32) {
+      const float logit = row[e];
+      sh[e] = kGroupLimited
+                  ? RouterSigmoid(logit) +
+                        (selection_bias != nullptr ? selection_bias[e] : 0.0f)
+                  : logit;
+    }
+    if (!kGroupLimited && keep_softmax) {
+      // As the existing softmax kernel: a NaN logit makes every entry NaN.
+      float max_v = -INFINITY;
+      for (int e = lane; e < experts; e += 32) max_v = fmaxf(max_v, sh[e]);
+      max_v = WarpMax(max_v);
+      float sum = 0.0f;
+      for (int e = lane; e < experts; e += 32) sum += expf(sh[e] - max_v);
+      sum = WarpSum(sum);
+      const float inv_sum = 1.0f / sum;
+      for (int e = lane; e < experts; e += 32) {
+        row[e] = expf(sh[e] - max_v) * inv_sum;
+      }
+    }
+    __syncwarp();
+    if (lane == 0) {
+      int32_t idx[kRouterMaxTopK];
+      float val[kRouterMaxTopK];
+      float wt[kRouterMaxTopK];
+      float d = -1.0f;
+      if (kGroupLimited) {
+        RouterGroupLimitedSelect(sh, experts, groups, top_groups, top_k,
+                                 group_sh[warp], kept_val_sh[warp],
+                                 kept_sh[warp], idx, val);
+        // The selected scores, recomputed from the logits exactly as above.
+        for (int j = 0; j < top_k; ++j) val[j] = RouterSigmoid(row[idx[j]]);
+        d = RouterGroupLimitedWeights(val, top_k, renormalize, scale, wt);
+      } else {
+        RouterTopKRow(sh, experts, top_k, idx, val);
+        RouterSoftmaxRow(val, top_k);
+        for (int j = 0; j < top_k; ++j) wt[j] = val[j];
+      }
+      for (int j = 0; j < top_k; ++j) {
+        const int64_t slot = t * top_k + j;
+        indices[slot] = idx[j];
+        saved_indices[slot] = idx[j];
+        selected[slot] = val[j];
+        weights[slot] = wt[j];
+      }
+      denom[t] = d;
+    }
+    __syncwarp();  // sh is rewritten for this warp's next token
+  }
+}
+
+// Backward of the two: one warp per token, zero off the selected experts.
+//   kTopKThenSoftmax:  dlogit_j = w_j (dw_j - sum_i w_i dw_i)
+//   kSigmoidGroupLimited: w_j = c s_j / D, D = sum_i s_i + 1e-20:
+//     dlogit_j = c / D (dw_j - sum_i dw_i s_i / D) s_j (1 - s_j), or
+//     c dw_j s_j (1 - s_j) unnormalised
+// in the CPU kernel's order of operations.
+template <typename T, bool kGroupLimited>
+__global__ void __launch_bounds__(kThreads) RouterSelectedDLogitsKernel(
+    const float* __restrict__ selected,
+    const int32_t* __restrict__ saved_indices,
+    const float* __restrict__ denom, const float* __restrict__ d_weights,
+    const float* __restrict__ extra_d_logits, int64_t tokens, int experts,
+    int top_k, float scale, T* __restrict__ d_logits) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock +
+                   (threadIdx.x >> 5);
+       t < tokens; t += warp_stride) {
+    const float* s = selected + t * top_k;
+    const int32_t* idx = saved_indices + t * top_k;
+    const float* dwt = d_weights + t * top_k;
+    float dot = 0.0f, mult = 1.0f;
+    if (kGroupLimited) {
+      const float d = denom[t];
+      if (d > 0.0f) {
+        for (int j = 0; j < top_k; ++j) dot += dwt[j] * s[j] / d;
+      }
+      mult = d > 0.0f ? scale / d : scale;
+    } else {
+      for (int j = 0; j < top_k; ++j) dot += s[j] * dwt[j];
+    }
+    T* dl = d_logits + t * experts;
+    for (int e = lane; e < experts; e += 32) {
+      float value = 0.0f;
+      for (int j = 0; j < top_k; ++j) {
+        if (idx[j] != e) continue;
+        value = kGroupLimited ? mult * (dwt[j] - dot) * s[j] * (1.0f - s[j])
+                              : s[j] * (dwt[j] - dot);
+      }
+      if (extra_d_logits != nullptr) value += extra_d_logits[t * experts + e];
+      StoreFromFloat(dl + e, value);
+    }
+  }
+}
+
+template <typename T>
+cudaError_t SelectedDLogits(bool group_limited, const float* selected,
+                            const int32_t* saved_indices, const float* denom,
+                            const float* d_weights,
+                            const float* extra_d_logits, int64_t tokens,
+                            int64_t experts, int64_t top_k, float scale,
+                            T* d_logits, cudaStream_t stream) {
+  if (group_limited) {
+    RouterSelectedDLogitsKernel<T, true>
+        <<<GridFor(tokens), kThreads, 0, stream>>>(
+            selected, saved_indices, denom, d_weights, extra_d_logits, tokens,
+            static_cast<int>(experts), static_cast<int>(top_k), scale,
+            d_logits);
+  } else {
+    RouterSelectedDLogitsKernel<T, false>
+        <<<GridFor(tokens), kThreads, 0, stream>>>(
+            selected, saved_indices, denom, d_weights, extra_d_logits, tokens,
+            static_cast<int>(experts), static_cast<int>(top_k), scale,
+            d_logits);
+  }
   return cudaGetLastError();
 }
 
@@ -201,22 +358,70 @@ cudaError_t LaunchRouterSoftmaxTopK(float* probs, int64_t tokens,
   return cudaGetLastError();
 }
 
-cudaError_t LaunchRouterDLogits(const float* probs,
-                                const int32_t* saved_indices,
-                                const float* denom, const float* d_weights,
-                                int64_t tokens, int64_t experts, int64_t top_k,
-                                float* d_logits, cudaStream_t stream) {
-  return DLogits(probs, saved_indices, denom, d_weights, tokens, experts, top_k,
-                 d_logits, stream);
+cudaError_t LaunchRouterSelect(float* probs, int64_t tokens, int64_t experts,
+                               int64_t top_k, bool group_limited,
+                               bool renormalize, int64_t groups,
+                               int64_t top_groups, float scale,
+                               bool keep_softmax, const float* selection_bias,
+                               int32_t* indices, float* weights,
+                               int32_t* saved_indices, float* selected,
+                               float* denom, cudaStream_t stream) {
+  if (group_limited) {
+    RouterSelectKernel<true><<<SelectGridFor(tokens), kSelectThreads, 0,
+                               stream>>>(
+        probs, tokens, static_cast<int>(experts), static_cast<int>(top_k),
+        renormalize, static_cast<int>(groups), static_cast<int>(top_groups),
+        scale, /*keep_softmax=*/false, selection_bias, indices, weights,
+        saved_indices, selected, denom);
+  } else {
+    RouterSelectKernel<false><<<SelectGridFor(tokens), kSelectThreads, 0,
+                                stream>>>(
+        probs, tokens, static_cast<int>(experts), static_cast<int>(top_k),
+        renormalize, /*groups=*/1, /*top_groups=*/1, scale, keep_softmax,
+        /*selection_bias=*/nullptr, indices, weights, saved_indices, selected,
+        denom);
+  }
+  return cudaGetLastError();
 }
 
 cudaError_t LaunchRouterDLogits(const float* probs,
                                 const int32_t* saved_indices,
                                 const float* denom, const float* d_weights,
-                                int64_t tokens, int64_t experts, int64_t top_k,
+                                const float* extra_d_logits, int64_t tokens,
+                                int64_t experts, int64_t top_k,
+                                float* d_logits, cudaStream_t stream) {
+  return DLogits(probs, saved_indices, denom, d_weights, extra_d_logits,
+                 tokens, experts, top_k, d_logits, stream);
+}
+
+cudaError_t LaunchRouterDLogits(const float* probs,
+                                const int32_t* saved_indices,
+                                const float* denom, const float* d_weights,
+                                const float* extra_d_logits, int64_t tokens,
+                                int64_t experts, int64_t top_k,
                                 uint16_t* d_logits, cudaStream_t stream) {
-  return DLogits(probs, saved_indices, denom, d_weights, tokens, experts, top_k,
-                 d_logits, stream);
+  return DLogits(probs, saved_indices, denom, d_weights, extra_d_logits,
+                 tokens, experts, top_k, d_logits, stream);
+}
+
+cudaError_t LaunchRouterSelectedDLogits(
+    bool group_limited, const float* selected, const int32_t* saved_indices,
+    const float* denom, const float* d_weights, const float* extra_d_logits,
+    int64_t tokens, int64_t experts, int64_t top_k, float scale,
+    float* d_logits, cudaStream_t stream) {
+  return SelectedDLogits(group_limited, selected, saved_indices, denom,
+                         d_weights, extra_d_logits, tokens, experts, top_k,
+                         scale, d_logits, stream);
+}
+
+cudaError_t LaunchRouterSelectedDLogits(
+    bool group_limited, const float* selected, const int32_t* saved_indices,
+    const float* denom, const float* d_weights, const float* extra_d_logits,
+    int64_t tokens, int64_t experts, int64_t top_k, float scale,
+    uint16_t* d_logits, cudaStream_t stream) {
+  return SelectedDLogits(group_limited, selected, saved_indices, denom,
+                         d_weights, extra_d_logits, tokens, experts, top_k,
+                         scale, d_logits, stream);
 }
 
 }  // namespace cuda
