@@ -292,8 +292,14 @@ class SmokeTest(unittest.TestCase):
         self.assertEqual(status, SERVING,
                          f"{pod.name} not ready in {timeout}s (readiness "
                          f"probe port {probe['port']})\n{self.logs()}")
-        # The liveness probe asks the same service.
+        # The liveness probe asks the same service, on a port that may be
+        # another server's: the worker flips the two one after the other,
+        # so allow it a moment (bounded).
         live = pod.container["livenessProbe"]["grpc"]["port"]
+        live_deadline = time.monotonic() + 5
+        while (health_status(pod.port_for(live)) != SERVING and
+               time.monotonic() < live_deadline):
+            time.sleep(0.05)
         self.assertEqual(health_status(pod.port_for(live)), SERVING)
 
     def pods_of(self, owner, count):
