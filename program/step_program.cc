@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "common/status_macros.h"
+#include "program/pass_layout.h"
 #include "program/plan_info.h"
 #include "program/step_replay.h"
 #include "program/unit_state.h"
@@ -45,9 +46,9 @@ using program_internal::Runner;
 class Compiler {
  public:
   // Every command goes through `runner`; with `out` it is also appended.
-  Compiler(const PlanInfo& info, const v1::StepShape& step, Runner* runner,
-           StepProgram* out)
-      : info_(info), step_(step), runner_(runner), out_(out) {}
+  Compiler(const PlanInfo& info, const v1::StepShape& step,
+           const PassLayout& passes, Runner* runner, StepProgram* out)
+      : info_(info), step_(step), passes_(passes), runner_(runner), out_(out) {}
 
   absl::Status Run() {
     const int microbatches = step_.microbatches();
@@ -57,7 +58,7 @@ class Compiler {
       for (int p = 0; p < step_.passes(); ++p) {
         SHARDD_RETURN_IF_ERROR(ForwardPass(p));
       }
-      for (int p = step_.passes() - 1; p >= step_.no_grad_passes(); --p) {
+      for (int p : passes_.backward_order()) {
         SHARDD_RETURN_IF_ERROR(BackwardPass(p));
       }
       for (auto r = info_.roots.rbegin(); r != info_.roots.rend(); ++r) {
@@ -237,7 +238,7 @@ class Compiler {
     c.set_pass(p);
     c.set_microbatch(microbatch_);
     if (op == Command::FORWARD) {
-      c.set_requires_grad(p >= step_.no_grad_passes());
+      c.set_requires_grad(passes_.requires_grad(p));
     }
     return Emit(c);
   }
@@ -278,6 +279,7 @@ class Compiler {
 
   const PlanInfo& info_;
   const v1::StepShape& step_;
+  const PassLayout& passes_;
   Runner* runner_;
   StepProgram* out_;
   int microbatch_ = 0;
@@ -300,6 +302,11 @@ absl::Status CheckHeader(const ShardingPlan& plan, const StepProgram& program) {
                                     program.no_grad_passes(), 0,
                                     program.passes() - 1));
   return absl::OkStatus();
+}
+
+PassLayout ProgramPasses(const ShardingPlan& plan, const StepProgram& program) {
+  return PassLayout::For(plan.architecture(), program.passes(),
+                         program.no_grad_passes());
 }
 
 absl::Status RunProgram(const StepProgram& program, Runner* runner) {
@@ -353,9 +360,10 @@ absl::StatusOr<StepProgram> CompileStepProgram(const ShardingPlan& plan) {
   program.set_passes(step.passes());
   program.set_no_grad_passes(step.no_grad_passes());
   program.set_defer_grad_sync(step.defer_grad_sync());
-  Runner runner(info, step.microbatches(), step.passes(), step.no_grad_passes(),
-                /*replay=*/nullptr);
-  Compiler compiler(info, step, &runner, &program);
+  const PassLayout passes = PassLayout::For(plan.architecture(), step.passes(),
+                                            step.no_grad_passes());
+  Runner runner(info, step.microbatches(), passes, /*replay=*/nullptr);
+  Compiler compiler(info, step, passes, &runner, &program);
   SHARDD_RETURN_IF_ERROR(compiler.Run());
   return program;
 }
@@ -365,8 +373,8 @@ absl::Status ValidateStepProgram(const ShardingPlan& plan,
   SHARDD_RETURN_IF_ERROR(CheckHeader(plan, program));
   PlanInfo info;
   SHARDD_RETURN_IF_ERROR(AnalyzePlan(plan, &info));
-  Runner runner(info, program.microbatches(), program.passes(),
-                program.no_grad_passes(), /*replay=*/nullptr);
+  Runner runner(info, program.microbatches(), ProgramPasses(plan, program),
+                /*replay=*/nullptr);
   return RunProgram(program, &runner);
 }
 
@@ -383,8 +391,8 @@ absl::Status ReplayStepProgram(const ShardingPlan& plan,
   output.include_timeline = include_timeline;
   output.memory = memory;
   output.comm = comm;
-  Runner runner(info, program.microbatches(), program.passes(),
-                program.no_grad_passes(), &output);
+  Runner runner(info, program.microbatches(), ProgramPasses(plan, program),
+                &output);
   SHARDD_RETURN_IF_ERROR(RunProgram(program, &runner));
   FinishReport(runner, memory);
   return absl::OkStatus();
@@ -403,9 +411,10 @@ absl::Status ReplayCompiledStep(const ShardingPlan& plan, bool include_timeline,
   output.memory = memory;
   output.comm = comm;
   const v1::StepShape& step = plan.step();
-  Runner runner(info, step.microbatches(), step.passes(), step.no_grad_passes(),
-                &output);
-  Compiler compiler(info, step, &runner, /*out=*/nullptr);
+  const PassLayout passes = PassLayout::For(plan.architecture(), step.passes(),
+                                            step.no_grad_passes());
+  Runner runner(info, step.microbatches(), passes, &output);
+  Compiler compiler(info, step, passes, &runner, /*out=*/nullptr);
   SHARDD_RETURN_IF_ERROR(compiler.Run());
   FinishReport(runner, memory);
   return absl::OkStatus();

@@ -11,6 +11,7 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "program/pass_layout.h"
 #include "proto/plan.pb.h"
 #include "proto/worker.pb.h"
 
@@ -393,6 +394,88 @@ TEST(StepProgramTest, PassesAndNoGradPasses) {
   }
   EXPECT_EQ(unshards, 2 * (3 + 2) + 1);
   EXPECT_EQ(reduce_scatters, 2 * 2 + 1);
+}
+
+// DiffusionGemma's 3-pass step: encode (gradients), self-conditioning
+// decode (no graph), decode (gradients); the decode's backward runs first,
+// then the encode's, which takes the encoder K/V gradients.
+v1::ShardingPlan BlockDiffusionToyPlan() {
+  v1::ShardingPlan plan = EmptyPlan();
+  plan.set_architecture(kBlockDiffusionArchitecture);
+  for (int l = 0; l < 2; ++l) {
+    v1::FsdpUnit* layer = AddUnit(&plan, "model.layers." + std::to_string(l),
+                                  v1::UNIT_LAYER, l, kAttnShard, "w");
+    SetReshard(layer, true);
+  }
+  SetReshard(AddUnit(&plan, "<root>", v1::UNIT_ROOT, -1, kRootShard, "e"),
+             false);
+  plan.mutable_step()->set_passes(3);
+  plan.mutable_step()->set_no_grad_passes(1);
+  return plan;
+}
+
+TEST(StepProgramTest, BlockDiffusionPassLayout) {
+  const v1::ShardingPlan plan = BlockDiffusionToyPlan();
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::StepProgram program,
+                              CompileStepProgram(plan));
+  SHARDD_EXPECT_OK(ValidateStepProgram(plan, program));
+  std::vector<std::string> computations;
+  for (const std::string& line : Lines(program)) {
+    if (line.rfind("FORWARD", 0) == 0 || line.rfind("BACKWARD", 0) == 0) {
+      computations.push_back(line);
+    }
+  }
+  EXPECT_THAT(computations, ElementsAreArray(std::vector<std::string>{
+                                "FORWARD EMBED p0 m0",
+                                "FORWARD LAYER l0 p0 m0",
+                                "FORWARD LAYER l1 p0 m0",
+                                "FORWARD HEAD p0 m0",
+                                "FORWARD EMBED p1 m0 no_grad",
+                                "FORWARD LAYER l0 p1 m0 no_grad",
+                                "FORWARD LAYER l1 p1 m0 no_grad",
+                                "FORWARD HEAD p1 m0 no_grad",
+                                "FORWARD EMBED p2 m0",
+                                "FORWARD LAYER l0 p2 m0",
+                                "FORWARD LAYER l1 p2 m0",
+                                "FORWARD HEAD p2 m0",
+                                "BACKWARD HEAD p2 m0",
+                                "BACKWARD LAYER l1 p2 m0",
+                                "BACKWARD LAYER l0 p2 m0",
+                                "BACKWARD EMBED p2 m0",
+                                "BACKWARD HEAD p0 m0",
+                                "BACKWARD LAYER l1 p0 m0",
+                                "BACKWARD LAYER l0 p0 m0",
+                                "BACKWARD EMBED p0 m0",
+                            }));
+  // The same gathers and reduce-scatters as any 3-pass step with two grad
+  // passes: only which pass builds no graph moves.
+  int unshards = 0;
+  int reduce_scatters = 0;
+  for (const Command& c : program.commands()) {
+    unshards += c.op() == Command::UNSHARD;
+    reduce_scatters += c.op() == Command::REDUCE_SCATTER;
+  }
+  EXPECT_EQ(unshards, 2 * (3 + 2) + 1);
+  EXPECT_EQ(reduce_scatters, 2 * 2 + 1);
+}
+
+TEST(StepProgramTest, BlockDiffusionRefusesTheNoGradFirstLayout) {
+  // The old layout (pass 0 without gradients) compiled for another
+  // architecture does not run on a DiffusionGemma plan, and vice versa.
+  v1::ShardingPlan plan = BlockDiffusionToyPlan();
+  v1::ShardingPlan other = plan;
+  other.set_architecture("ShardMoEForCausalLM");
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::StepProgram no_grad_first,
+                              CompileStepProgram(other));
+  EXPECT_THAT(ValidateStepProgram(plan, no_grad_first),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("requires_grad must be true in pass 0 "
+                                 "(block diffusion")));
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::StepProgram diffusion,
+                              CompileStepProgram(plan));
+  EXPECT_THAT(ValidateStepProgram(other, diffusion),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("requires_grad must be false in pass 0")));
 }
 
 TEST(StepProgramTest, CommandToString) {

@@ -14,15 +14,15 @@
 namespace shardd {
 namespace program_internal {
 
-Runner::Runner(const PlanInfo& info, int microbatches, int passes,
-               int no_grad_passes, const ReplayOutput* replay)
+Runner::Runner(const PlanInfo& info, int microbatches,
+               const PassLayout& passes, const ReplayOutput* replay)
     : info_(info),
       microbatches_(microbatches),
-      no_grad_passes_(no_grad_passes),
+      passes_(passes),
       states_(info.units.size()),
       replay_(replay) {
   // The computations of one micro-batch, in order.
-  for (int p = 0; p < passes; ++p) {
+  for (int p = 0; p < passes.passes(); ++p) {
     Add(Command::FORWARD, Command::EMBED, -1, p);
     for (const LayerInfo& layer : info.layers) {
       Add(Command::FORWARD, Command::LAYER, layer.layer, p);
@@ -32,7 +32,7 @@ Runner::Runner(const PlanInfo& info, int microbatches, int passes,
     }
     Add(Command::FORWARD, Command::HEAD, -1, p);
   }
-  for (int p = passes - 1; p >= no_grad_passes; --p) {
+  for (int p : passes.backward_order()) {
     Add(Command::BACKWARD, Command::HEAD, -1, p);
     for (auto it = info.layers.rbegin(); it != info.layers.rend(); ++it) {
       if (it->has_experts) {
@@ -112,7 +112,7 @@ std::string Runner::Expected() const {
   c.set_layer(next.layer);
   c.set_pass(next.pass);
   c.set_microbatch(microbatch_);
-  c.set_requires_grad(next.pass >= no_grad_passes_);
+  c.set_requires_grad(passes_.requires_grad(next.pass));
   return CommandToString(c);
 }
 
@@ -237,11 +237,17 @@ absl::Status Runner::Run(int index, const Command& c) {
                              Expected()));
   }
   if (c.op() == Command::FORWARD &&
-      c.requires_grad() != (c.pass() >= no_grad_passes_)) {
+      c.requires_grad() != passes_.requires_grad(c.pass())) {
     return Fail(index, c,
-                absl::StrCat("requires_grad must be pass >= "
-                             "no_grad_passes (",
-                             no_grad_passes_, ")"));
+                absl::StrCat("requires_grad must be ",
+                             passes_.requires_grad(c.pass()) ? "true" : "false",
+                             " in pass ", c.pass(),
+                             passes_.block_diffusion()
+                                 ? " (block diffusion: encode, "
+                                   "self-conditioning decode without "
+                                   "gradients, decode)"
+                                 : " (the first no_grad_passes passes build "
+                                   "no graph)"));
   }
   for (int u : Owners(c.part(), c.layer())) {
     const UnitState& s = states_[u];

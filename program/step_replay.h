@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "program/pass_layout.h"
 #include "program/plan_info.h"
 #include "program/unit_state.h"
 #include "proto/plan.pb.h"
@@ -48,7 +49,7 @@ struct ReplayOutput {
 class Runner {
  public:
   // `replay` null: validate only.
-  Runner(const PlanInfo& info, int microbatches, int passes, int no_grad_passes,
+  Runner(const PlanInfo& info, int microbatches, const PassLayout& passes,
          const ReplayOutput* replay);
 
   const UnitState& state(int unit) const { return states_[unit]; }
@@ -104,7 +105,7 @@ class Runner {
 
   const PlanInfo& info_;
   const int microbatches_;
-  const int no_grad_passes_;
+  const PassLayout passes_;
   std::vector<Computation> schedule_;  // One micro-batch.
   std::vector<UnitState> states_;
   const ReplayOutput* replay_;
