@@ -22,12 +22,15 @@ absl::StatusOr<HfMoeNaming> HfNamingOf(const std::string& architecture) {
     return HfMoeNaming::kQwen3Moe;
   }
   if (architecture == "GptOssForCausalLM") return HfMoeNaming::kGptOss;
+  if (architecture == "DiffusionGemmaForBlockDiffusion") {
+    return HfMoeNaming::kDiffusionGemma;
+  }
   if (architecture == "LlamaForCausalLM") return HfMoeNaming::kNone;
   return absl::InvalidArgumentError(absl::StrCat(
       "architecture \"", architecture,
       "\": no Hugging Face export naming; supported: LlamaForCausalLM, "
       "MixtralForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM, "
-      "GptOssForCausalLM"));
+      "GptOssForCausalLM, DiffusionGemmaForBlockDiffusion"));
 }
 
 absl::Status ExportHfModel(const std::string& checkpoint_dir,

@@ -19,8 +19,8 @@ namespace shardd {
 namespace checkpoint {
 
 // The Hugging Face naming of an architecture's MoE tensors: Mixtral ->
-// kMixtral; Qwen3-MoE, DeepSeek-V3 -> kQwen3Moe; GPT-OSS -> kGptOss; Llama
-// -> kNone. Errors: INVALID_ARGUMENT naming the architecture and those
+// kMixtral; Qwen3-MoE, DeepSeek-V3 -> kQwen3Moe; GPT-OSS -> kGptOss;
+// DiffusionGemma -> kDiffusionGemma; Llama -> kNone. Errors: INVALID_ARGUMENT naming the architecture and those
 // supported.
 absl::StatusOr<HfMoeNaming> HfNamingOf(const std::string& architecture);
 

@@ -120,7 +120,8 @@ INSTANTIATE_TEST_SUITE_P(Architectures, HfExportTest,
                          ::testing::Values("tiny_llama3.json",
                                            "tiny_mixtral.json",
                                            "tiny_qwen3_moe.json",
-                                           "tiny_gpt_oss.json"),
+                                           "tiny_gpt_oss.json",
+                                           "tiny_diffusion_gemma.json"),
                          [](const ::testing::TestParamInfo<const char*>& i) {
                            std::string name = i.param;
                            for (char& c : name) {
@@ -128,6 +129,60 @@ INSTANTIATE_TEST_SUITE_P(Architectures, HfExportTest,
                            }
                            return name;
                          });
+
+// DiffusionGemma under the released names: the folded down weights with
+// per_expert_scale = 1, the encoder's layer_scalar copies, no lm_head, and
+// every parameter's bytes where Hugging Face keeps them.
+TEST(HfExportDiffusionGemmaTest, WritesTheReleasedNamesWithUnitScales) {
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      const v1::ModelSpec spec,
+      ModelSpecFromJson(ReadText("tests/data/tiny_diffusion_gemma.json")));
+  const std::string dir = testing_util::FreshTestDir();
+  std::map<std::string, std::vector<float>> values;
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      const std::string checkpoint,
+      WriteCheckpoint(spec, dir + "/ckpt", /*record_model=*/true, &values));
+  SHARDD_ASSERT_OK(ExportHfModel(checkpoint, dir + "/hf"));
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::vector<HostTensor> hf,
+                              ReadHfTensors(dir + "/hf"));
+  std::map<std::string, const HostTensor*> by_name;
+  for (const HostTensor& t : hf) by_name[t.name] = &t;
+  auto floats = [&](const std::string& name) {
+    const HostTensor* t = by_name.at(name);
+    EXPECT_EQ(t->dtype, "F32") << name;
+    std::vector<float> v(t->bytes.size() / 4);
+    std::memcpy(v.data(), t->bytes.data(), t->bytes.size());
+    return v;
+  };
+  EXPECT_EQ(by_name.count("lm_head.weight"), 0u);
+  EXPECT_EQ(by_name.count("model.embed_tokens.weight"), 0u);
+  EXPECT_EQ(floats("model.decoder.embed_tokens.weight"),
+            values.at("model.embed_tokens.weight"));
+  EXPECT_EQ(floats("model.decoder.self_conditioning.pre_norm.weight"),
+            values.at("model.self_conditioning.pre_norm.weight"));
+  for (int layer = 0; layer < 3; ++layer) {
+    const std::string hf_layer = absl::StrCat("model.decoder.layers.", layer, ".");
+    const std::string ours = absl::StrCat("model.layers.", layer, ".");
+    EXPECT_EQ(floats(hf_layer + "router.per_expert_scale"),
+              std::vector<float>(8, 1.0f));
+    EXPECT_EQ(floats(hf_layer + "router.proj.weight"),
+              values.at(ours + "moe.gate.proj.weight"));
+    EXPECT_EQ(floats(absl::StrCat("model.encoder.language_model.layers.",
+                                  layer, ".layer_scalar")),
+              values.at(ours + "layer_scalar"));
+    // down_proj [E, D, I] holds down_projs [E, I, D] transposed per expert.
+    const HostTensor* down = by_name.at(hf_layer + "experts.down_proj");
+    EXPECT_EQ(down->shape, (std::vector<int64_t>{8, 64, 32}));
+    const std::vector<float> d = floats(hf_layer + "experts.down_proj");
+    const std::vector<float>& want = values.at(ours + "moe.experts.down_projs");
+    EXPECT_EQ(d[(3 * 64 + 5) * 32 + 7], want[(3 * 32 + 7) * 64 + 5]);
+    EXPECT_EQ(by_name.at(hf_layer + "experts.gate_up_proj")->shape,
+              (std::vector<int64_t>{8, 64, 64}));
+  }
+  // Full-attention layer 2 has no v_proj.
+  EXPECT_EQ(by_name.count("model.decoder.layers.2.self_attn.v_proj.weight"), 0u);
+  EXPECT_EQ(by_name.count("model.decoder.layers.1.self_attn.v_proj.weight"), 1u);
+}
 
 TEST(HfExportErrorTest, NeedsARecordedModelWithItsConfig) {
   const std::string dir = testing_util::FreshTestDir();

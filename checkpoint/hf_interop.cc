@@ -24,6 +24,7 @@
 #include "checkpoint/checkpoint_reader.h"
 #include "checkpoint/checkpoint_writer.h"
 #include "checkpoint/file_util.h"
+#include "checkpoint/hf_diffusion_gemma.h"
 #include "checkpoint/hf_files.h"
 #include "checkpoint/json_text.h"
 #include "checkpoint/safetensors.h"
@@ -74,6 +75,8 @@ const char* NamingName(HfMoeNaming naming) {
       return "Mixtral";
     case HfMoeNaming::kGptOss:
       return "GPT-OSS";
+    case HfMoeNaming::kDiffusionGemma:
+      return "DiffusionGemma";
     default:
       return "none";
   }
@@ -419,6 +422,9 @@ absl::StatusOr<std::vector<HostTensor>> HfToShardd(
 
 absl::StatusOr<std::vector<HostTensor>> ShardToHf(
     std::vector<HostTensor> tensors, HfMoeNaming naming) {
+  if (naming == HfMoeNaming::kDiffusionGemma) {
+    return DiffusionGemmaShardToHf(std::move(tensors));
+  }
   const HfStyle* style = StyleOf(naming);
   // Per layer: gate_and_up_projs, down_projs.
   std::map<int64_t, std::pair<HostTensor*, HostTensor*>> layers;

@@ -54,6 +54,10 @@ enum class HfMoeNaming {
   // interleaved, gate_up_proj_bias, down_proj, down_proj_bias}, router
   // mlp.router.{weight,bias}. Written by ShardToHf only.
   kGptOss,
+  // DiffusionGemmaForBlockDiffusion: the shared stack under model.decoder.,
+  // fused experts [E, 2I, D] / [E, D, I], router.per_expert_scale written as
+  // ones (checkpoint/hf_diffusion_gemma.h). Written by ShardToHf only.
+  kDiffusionGemma,
 };
 
 // Reads every tensor of an HF checkpoint. `path` is a .safetensors file, a

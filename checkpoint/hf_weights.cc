@@ -105,6 +105,39 @@ bool SplitMoe(const std::string& name, std::string* layer_prefix,
   return true;
 }
 
+constexpr char kDecoder[] = "model.decoder.";
+constexpr char kDecoderEmbed[] = "model.decoder.embed_tokens.weight";
+
+// The tensor `hf` of `param` has shape `want` (HF's layout; `note` says how
+// it maps to the parameter's).
+absl::Status CheckShape(const std::string& param, const std::string& hf,
+                        const HfWeights::Source& s,
+                        const std::vector<int64_t>& want,
+                        const std::string& note = "") {
+  if (s.entry->shape == want) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "tensor \"", hf, "\" in ", s.file->path(), ": shape ",
+      Shape(s.entry->shape), " but parameter \"", param, "\" needs ",
+      Shape(want), note));
+}
+
+// DiffusionGemma tensors that no parameter of the text stack reads: the
+// vision tower, its embedder, and the encoder's layer_scalar buffers (HF
+// ties the encoder's weights to the decoder's, but not buffers, so these
+// are saved twice).
+bool IgnoredDiffusionGemmaTensor(absl::string_view name) {
+  if (absl::StartsWith(name, "model.encoder.vision_tower.") ||
+      absl::StartsWith(name, "model.encoder.embed_vision.")) {
+    return true;
+  }
+  if (!absl::ConsumePrefix(&name, "model.encoder.language_model.layers.") ||
+      !absl::ConsumeSuffix(&name, ".layer_scalar")) {
+    return false;
+  }
+  return !name.empty() &&
+         name.find_first_not_of("0123456789") == absl::string_view::npos;
+}
+
 }  // namespace
 
 
@@ -112,6 +145,8 @@ absl::StatusOr<std::unique_ptr<HfWeights>> HfWeights::Open(
     const std::string& path, const v1::ModelSpec& model) {
   auto weights = absl::WrapUnique(new HfWeights());
   SHARDD_ASSIGN_OR_RETURN(weights->checkpoint_, OpenHfCheckpoint(path));
+  weights->diffusion_gemma_ =
+      weights->checkpoint_.tensors.count(kDecoderEmbed) != 0;
   for (const ParamRef& ref : ListParams(model)) {
     if (!ref.tensor->tied_to().empty()) continue;
     SHARDD_RETURN_IF_ERROR(weights->Bind(ref.fqn, *ref.tensor));
@@ -140,12 +175,8 @@ absl::Status HfWeights::Bind(const std::string& name,
   const std::vector<int64_t> shape(tensor.shape().begin(),
                                    tensor.shape().end());
   auto check_shape = [&](const std::string& hf, const Source& s,
-                         const std::vector<int64_t>& want) -> absl::Status {
-    if (s.entry->shape == want) return absl::OkStatus();
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tensor \"", hf, "\" in ", s.file->path(), ": shape ",
-        Shape(s.entry->shape), " but parameter \"", name, "\" needs ",
-        Shape(want)));
+                         const std::vector<int64_t>& want) {
+    return CheckShape(name, hf, s, want);
   };
   auto direct = [&](const std::string& hf) -> absl::Status {
     SHARDD_ASSIGN_OR_RETURN(Source s, Find(hf));
@@ -155,6 +186,9 @@ absl::Status HfWeights::Bind(const std::string& name,
     bindings_[name] = b;
     return absl::OkStatus();
   };
+  if (checkpoint_.tensors.count(name) == 0 && diffusion_gemma_) {
+    return BindDiffusionGemma(name, shape);
+  }
   std::string layer, rest;
   if (!SplitMoe(name, &layer, &rest)) return direct(name);
   if (checkpoint_.tensors.count(name) != 0) return direct(name);  // Native names.
@@ -287,6 +321,110 @@ absl::Status HfWeights::Bind(const std::string& name,
                                           "\" in ", checkpoint_.path));
 }
 
+absl::Status HfWeights::BindDiffusionGemma(const std::string& name,
+                                           const std::vector<int64_t>& shape) {
+  absl::string_view tail = name;
+  if (!absl::ConsumePrefix(&tail, "model.")) {
+    return absl::NotFoundError(absl::StrCat("parameter \"", name,
+                                            "\": no tensor \"", name, "\" in ",
+                                            checkpoint_.path));
+  }
+  std::string layer, rest;
+  if (!SplitMoe(name, &layer, &rest)) {
+    // Attention, dense MLP, norms, layer_scalar, embedding, self_conditioning.
+    const std::string hf = absl::StrCat(kDecoder, tail);
+    absl::StatusOr<Source> s = Find(hf);
+    if (!s.ok()) {
+      return absl::Status(s.status().code(),
+                          absl::StrCat("parameter \"", name, "\": ",
+                                       s.status().message()));
+    }
+    SHARDD_RETURN_IF_ERROR(CheckShape(name, hf, *s, shape));
+    Binding b;
+    b.source = *s;
+    bindings_[name] = b;
+    return absl::OkStatus();
+  }
+  // "model.layers.L." -> "model.decoder.layers.L.".
+  const std::string hf_layer =
+      absl::StrCat(kDecoder, absl::StripPrefix(layer, "model."));
+  auto find = [&](const std::string& hf) -> absl::StatusOr<Source> {
+    absl::StatusOr<Source> s = Find(hf);
+    if (s.ok()) return s;
+    return absl::Status(s.status().code(),
+                        absl::StrCat("parameter \"", name, "\": ",
+                                     s.status().message()));
+  };
+  if (rest == "gate.scale" || rest == "gate.proj.weight") {
+    const std::string hf =
+        absl::StrCat(hf_layer, "router.", absl::StripPrefix(rest, "gate."));
+    SHARDD_ASSIGN_OR_RETURN(Source s, find(hf));
+    SHARDD_RETURN_IF_ERROR(CheckShape(name, hf, s, shape));
+    Binding b;
+    b.source = s;
+    bindings_[name] = b;
+    return absl::OkStatus();
+  }
+  const bool gate_up = rest == "experts.gate_and_up_projs";
+  if (!gate_up && rest != "experts.down_projs") {
+    return absl::NotFoundError(absl::StrCat(
+        "parameter \"", name,
+        "\": no DiffusionGemma tensor maps to it (the released checkpoint's "
+        "MoE holds router.{scale,proj.weight,per_expert_scale} and "
+        "experts.{gate_up_proj,down_proj}) in ",
+        checkpoint_.path));
+  }
+  if (shape.size() != 3) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parameter \"", name, "\": shape ", Shape(shape),
+                     " must be ", gate_up ? "[E, D, 2I]" : "[E, I, D]"));
+  }
+  // HF stores each expert as a Linear weight [out, in]: the transpose of
+  // shardd's [in, out].
+  const int64_t experts = shape[0], rows = shape[1], cols = shape[2];
+  const std::string hf =
+      absl::StrCat(hf_layer, gate_up ? "experts.gate_up_proj"
+                                     : "experts.down_proj");
+  SHARDD_ASSIGN_OR_RETURN(Source s, find(hf));
+  SHARDD_RETURN_IF_ERROR(CheckShape(
+      name, hf, s, {experts, cols, rows},
+      absl::StrCat(" (its ", Shape(shape), " with each expert transposed)")));
+  Binding b;
+  b.layout = Layout::kTransposedExperts;
+  b.rows = rows;
+  b.row_length = cols;
+  for (int64_t e = 0; e < experts; ++e) {
+    b.experts.push_back({{0, cols, s, e * rows * cols}});
+  }
+  if (!gate_up) {
+    // router.per_expert_scale multiplies expert e's output; folded into its
+    // down projection as NeMo's adapter does.
+    const std::string scale = absl::StrCat(hf_layer, "router.per_expert_scale");
+    SHARDD_ASSIGN_OR_RETURN(b.scale, find(scale));
+    SHARDD_RETURN_IF_ERROR(CheckShape(
+        name, scale, b.scale, {experts},
+        " (one scale per expert, folded into its down projection)"));
+    b.scaled = true;
+    b.scale_block = rows * cols;
+  }
+  bindings_[name] = std::move(b);
+  return absl::OkStatus();
+}
+
+absl::Status HfWeights::ApplyScale(const Binding& b, int64_t begin,
+                                   int64_t end, float* out) const {
+  const int64_t first = begin / b.scale_block;
+  const int64_t last = (end - 1) / b.scale_block;
+  std::vector<float> scale(static_cast<size_t>(last - first + 1));
+  std::vector<uint8_t> staging;
+  SHARDD_RETURN_IF_ERROR(ReadFloats(b.scale, first, last - first + 1,
+                                    scale.data(), &staging));
+  for (int64_t i = begin; i < end; ++i) {
+    out[i - begin] *= scale[i / b.scale_block - first];
+  }
+  return absl::OkStatus();
+}
+
 absl::Status HfWeights::Read(const std::string& name,
                              const v1::TensorSpec& tensor, int64_t begin,
                              int64_t end, float* out) const {
@@ -318,6 +456,9 @@ absl::Status HfWeights::Read(const std::string& name,
     case Layout::kTransposedExperts:
       status = ReadTransposed(b, begin, end, out);
       break;
+  }
+  if (status.ok() && b.scaled && begin < end) {
+    status = ApplyScale(b, begin, end, out);
   }
   if (status.ok()) return status;
   return absl::Status(status.code(), absl::StrCat("parameter \"", name,
@@ -369,13 +510,14 @@ absl::Status HfWeights::ReadTransposed(const Binding& b, int64_t begin,
       const int64_t nr = r1 - r0, nc = hi - lo;
       block.resize(static_cast<size_t>(nr * nc));
       if (nr == rows) {
-        SHARDD_RETURN_IF_ERROR(ReadFloats(cs.source,
-                                          (lo - cs.col_begin) * rows,
-                                          nc * rows, block.data(), &staging));
+        SHARDD_RETURN_IF_ERROR(ReadFloats(
+            cs.source, cs.offset + (lo - cs.col_begin) * rows, nc * rows,
+            block.data(), &staging));
       } else {
         for (int64_t c = lo; c < hi; ++c) {
           SHARDD_RETURN_IF_ERROR(
-              ReadFloats(cs.source, (c - cs.col_begin) * rows + r0, nr,
+              ReadFloats(cs.source, cs.offset + (c - cs.col_begin) * rows + r0,
+                         nr,
                          block.data() + (c - lo) * nr, &staging));
         }
       }
@@ -417,6 +559,7 @@ int64_t HfWeights::data_bytes_read() const {
 std::vector<std::string> HfWeights::UnusedTensors() const {
   std::set<std::string> used;
   for (const auto& [name, b] : bindings_) {
+    if (b.scaled) used.insert(b.scale.entry->name);
     if (b.layout != Layout::kTransposedExperts) {
       used.insert(b.source.entry->name);
       continue;
@@ -427,9 +570,20 @@ std::vector<std::string> HfWeights::UnusedTensors() const {
   }
   std::vector<std::string> unused;
   for (const auto& [name, source] : checkpoint_.tensors) {
-    if (used.count(name) == 0) unused.push_back(name);
+    if (used.count(name) != 0) continue;
+    if (diffusion_gemma_ && IgnoredDiffusionGemmaTensor(name)) continue;
+    unused.push_back(name);
   }
   return unused;
+}
+
+std::vector<std::string> HfWeights::IgnoredTensors() const {
+  std::vector<std::string> ignored;
+  if (!diffusion_gemma_) return ignored;
+  for (const auto& [name, source] : checkpoint_.tensors) {
+    if (IgnoredDiffusionGemmaTensor(name)) ignored.push_back(name);
+  }
+  return ignored;
 }
 
 }  // namespace checkpoint

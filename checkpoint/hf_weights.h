@@ -27,10 +27,24 @@
 //                                          de-interleaved like the weight
 //   moe.experts.down_proj_bias [E, D]      mlp.experts.down_proj_bias
 //
+// DiffusionGemmaForBlockDiffusion (the released checkpoint, as NeMo
+// AutoModel's state-dict adapter maps it): model.X is model.decoder.X, and
+//   moe.gate.{scale,proj.weight}           router.{scale,proj.weight}
+//   moe.experts.gate_and_up_projs [E,D,2I] experts.gate_up_proj [E, 2I, D],
+//                                          each expert transposed
+//   moe.experts.down_projs [E, I, D]       experts.down_proj [E, D, I], each
+//                                          expert transposed and times
+//                                          router.per_expert_scale[e]
+//                                          (fp32, while reading)
+// The vision tower, embed_vision and the encoder's duplicated layer_scalar
+// buffers are IgnoredTensors, not UnusedTensors.
+//
 // Bytes read. A range covering whole rows of a transposed expert matrix
 // reads one block per expert projection; partial rows read exactly their
 // elements, one pread per source row. Interleaved GPT-OSS rows are read
-// whole when a range covers part of a row (at most two rows per range).
+// whole when a range covers part of a row (at most two rows per range). A
+// scaled binding (DiffusionGemma's down_projs) also reads one scale element
+// per expert the range touches, so its bytes exceed the owned bytes by that.
 
 #include <cstdint>
 #include <map>
@@ -73,8 +87,13 @@ class HfWeights final : public InitialValues {
   // Tensor data bytes read so far over all files.
   int64_t data_bytes_read() const;
   // Checkpoint tensors no parameter reads (e.g. the lm_head.weight of a tied
-  // model), sorted.
+  // model), sorted, without the IgnoredTensors.
   std::vector<std::string> UnusedTensors() const;
+  // Tensors known to be no part of the model's tree, left out of
+  // UnusedTensors so a caller warns only of surprises: DiffusionGemma's
+  // model.encoder.vision_tower.*, model.encoder.embed_vision.* and the
+  // encoder's layer_scalar copies of the decoder's. Sorted.
+  std::vector<std::string> IgnoredTensors() const;
   const std::string& path() const { return checkpoint_.path; }
 
   using Source = HfTensorRef;
@@ -84,6 +103,7 @@ class HfWeights final : public InitialValues {
     int64_t col_begin = 0;
     int64_t col_end = 0;
     Source source;
+    int64_t offset = 0;  // Elements before the matrix in a fused [E, ...].
   };
   enum class Layout {
     kDirect,       // Same elements in the same order.
@@ -96,12 +116,22 @@ class HfWeights final : public InitialValues {
     int64_t row_length = 0;  // kInterleaved: 2I; kTransposedExperts: C.
     int64_t rows = 0;        // kTransposedExperts: R.
     std::vector<std::vector<ColumnSource>> experts;  // kTransposedExperts.
+    // When set, element i is multiplied (fp32) by scale[i / scale_block]:
+    // DiffusionGemma's per_expert_scale folded into down_projs.
+    bool scaled = false;
+    Source scale;
+    int64_t scale_block = 0;
   };
 
  private:
   HfWeights() = default;
   absl::Status Bind(const std::string& name, const v1::TensorSpec& tensor);
   absl::StatusOr<Source> Find(const std::string& tensor) const;
+  // The released DiffusionGemma names (model.decoder.*).
+  absl::Status BindDiffusionGemma(const std::string& name,
+                                  const std::vector<int64_t>& shape);
+  absl::Status ApplyScale(const Binding& b, int64_t begin, int64_t end,
+                          float* out) const;
   absl::Status ReadTransposed(const Binding& b, int64_t begin, int64_t end,
                               float* out) const;
   absl::Status ReadInterleaved(const Binding& b, int64_t begin, int64_t end,
@@ -109,6 +139,7 @@ class HfWeights final : public InitialValues {
 
   HfCheckpointFiles checkpoint_;
   std::map<std::string, Binding> bindings_;  // By parameter name.
+  bool diffusion_gemma_ = false;  // model.decoder.* naming.
 };
 
 }  // namespace checkpoint

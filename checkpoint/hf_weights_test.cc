@@ -228,6 +228,250 @@ TEST(HfWeightsGptOssTest, DeinterleavesFusedExperts) {
   }
 }
 
+// The released DiffusionGemma checkpoint's names and layouts, written here
+// independently of ShardToHf: model.decoder.*, experts [E, 2I, D] and
+// [E, D, I], router.per_expert_scale [E], plus tensors the text stack does
+// not read (vision tower, embed_vision, the encoder's layer_scalar copies).
+struct DiffusionGemmaHf {
+  std::vector<HostTensor> tensors;
+  std::map<std::string, std::vector<float>> want;  // By parameter.
+  size_t ignored = 0;
+};
+
+HostTensor Hf(const std::string& name, const std::string& dtype,
+              std::vector<int64_t> shape, const std::vector<float>& v) {
+  HostTensor t{name, dtype, std::move(shape), {}};
+  const int64_t esize = SafetensorsDTypeBytes(dtype);
+  t.bytes.resize(v.size() * esize);
+  for (size_t i = 0; i < v.size(); ++i) {
+    Store(dtype, v[i], t.bytes.data() + i * esize);
+  }
+  return t;
+}
+
+DiffusionGemmaHf WriteDiffusionGemma(const v1::ModelSpec& spec,
+                                     const std::string& dtype) {
+  DiffusionGemmaHf out;
+  int index = 0;
+  for (const ParamRef& ref : ListParams(spec)) {
+    if (!ref.tensor->tied_to().empty()) continue;
+    const std::vector<int64_t> shape(ref.tensor->shape().begin(),
+                                     ref.tensor->shape().end());
+    int64_t numel = 1;
+    for (int64_t d : shape) numel *= d;
+    std::vector<float> v(numel);
+    for (int64_t i = 0; i < numel; ++i) v[i] = ValueOf(index, i);
+    ++index;
+    std::vector<float>& want = out.want[ref.fqn];
+    want = v;
+    const std::string fqn = ref.fqn;
+    const size_t moe = fqn.find(".moe.");
+    if (moe == std::string::npos) {
+      out.tensors.push_back(
+          Hf("model.decoder." + fqn.substr(6), dtype, shape, v));
+      continue;
+    }
+    const std::string layer = "model.decoder." + fqn.substr(6, moe - 6 + 1);
+    const std::string rest = fqn.substr(moe + 5);
+    if (rest == "gate.scale" || rest == "gate.proj.weight") {
+      out.tensors.push_back(Hf(layer + "router." + rest.substr(5), dtype,
+                               shape, v));
+      continue;
+    }
+    // Experts: HF holds each expert's [R, C] as [C, R].
+    const bool down = rest == "experts.down_projs";
+    const int64_t e_count = shape[0], r_count = shape[1], c_count = shape[2];
+    std::vector<float> hf(numel);
+    for (int64_t e = 0; e < e_count; ++e) {
+      for (int64_t r = 0; r < r_count; ++r) {
+        for (int64_t c = 0; c < c_count; ++c) {
+          hf[(e * c_count + c) * r_count + r] =
+              v[(e * r_count + r) * c_count + c];
+        }
+      }
+    }
+    out.tensors.push_back(Hf(layer + (down ? "experts.down_proj"
+                                           : "experts.gate_up_proj"),
+                             dtype, {e_count, c_count, r_count}, hf));
+    if (down) {
+      // Scales other than 1 so the fold shows; the expected values are the
+      // fp32 products the reader must compute.
+      std::vector<float> scale(e_count);
+      for (int64_t e = 0; e < e_count; ++e) scale[e] = 0.5f + 0.25f * e;
+      for (int64_t i = 0; i < numel; ++i) {
+        want[i] = v[i] * scale[i / (r_count * c_count)];
+      }
+      out.tensors.push_back(
+          Hf(layer + "router.per_expert_scale", dtype, {e_count}, scale));
+      // The encoder's copy of the layer's buffer.
+      const std::string n = fqn.substr(13, moe - 13);  // Layer index.
+      out.tensors.push_back(
+          Hf("model.encoder.language_model.layers." + n + ".layer_scalar",
+             dtype, {1}, {1.0f}));
+      ++out.ignored;
+    }
+  }
+  for (const char* name :
+       {"model.encoder.vision_tower.encoder.layers.0.mlp.down_proj.linear."
+        "weight",
+        "model.encoder.vision_tower.patch_embedder.position_embedding_table",
+        "model.encoder.embed_vision.embedding_projection.weight"}) {
+    out.tensors.push_back(Hf(name, dtype, {2, 3}, std::vector<float>(6, 1.0f)));
+    ++out.ignored;
+  }
+  return out;
+}
+
+class HfWeightsDiffusionGemmaTest
+    : public ::testing::TestWithParam<std::pair<const char*, int64_t>> {};
+
+// Every range of every parameter equals the released tensors' values
+// (renamed, transposed, down_projs times per_expert_scale), reading exactly
+// its own bytes plus, for down_projs, one scale element per expert touched.
+TEST_P(HfWeightsDiffusionGemmaTest, ReadsTheReleasedNamesAndFoldsTheScale) {
+  const std::string dtype = GetParam().first;
+  const v1::ModelSpec spec = SpecFromTestConfig("tiny_diffusion_gemma.json");
+  const DiffusionGemmaHf hf = WriteDiffusionGemma(spec, dtype);
+  const std::string dir = testing_util::FreshTestDir();
+  SHARDD_ASSERT_OK(WriteHfTensors(dir, hf.tensors, GetParam().second));
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HfWeights> weights,
+                              HfWeights::Open(dir, spec));
+  EXPECT_TRUE(weights->UnusedTensors().empty())
+      << weights->UnusedTensors().front();
+  EXPECT_EQ(weights->IgnoredTensors().size(), hf.ignored);
+  const int64_t esize = SafetensorsDTypeBytes(dtype);
+  std::mt19937_64 rng(17);
+  int scaled = 0;
+  for (const ParamRef& ref : ListParams(spec)) {
+    if (!ref.tensor->tied_to().empty()) continue;
+    const std::vector<float>& want = hf.want.at(ref.fqn);
+    const int64_t numel = static_cast<int64_t>(want.size());
+    const bool down = ref.fqn.find("down_projs") != std::string::npos;
+    scaled += down;
+    const int64_t per_expert = down ? numel / ref.tensor->shape(0) : 0;
+    for (int trial = 0; trial < 8; ++trial) {
+      int64_t begin = 0, end = numel;
+      if (trial > 0) {
+        begin = static_cast<int64_t>(rng() % numel);
+        end = begin + 1 + static_cast<int64_t>(rng() % (numel - begin));
+      }
+      std::vector<float> got(end - begin, std::nanf(""));
+      const int64_t before = weights->data_bytes_read();
+      SHARDD_ASSERT_OK(
+          weights->Read(ref.fqn, *ref.tensor, begin, end, got.data()));
+      const int64_t scale_bytes =
+          down ? ((end - 1) / per_expert - begin / per_expert + 1) * esize : 0;
+      EXPECT_EQ(weights->data_bytes_read() - before,
+                (end - begin) * esize + scale_bytes)
+          << ref.fqn << " [" << begin << ", " << end << ")";
+      for (int64_t i = begin; i < end; ++i) {
+        ASSERT_EQ(got[i - begin], want[i])
+            << ref.fqn << " element " << i << " of [" << begin << ", " << end
+            << ")";
+      }
+    }
+  }
+  EXPECT_EQ(scaled, 3);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    DTypes, HfWeightsDiffusionGemmaTest,
+    ::testing::Values(std::make_pair("BF16", int64_t{0}),
+                      std::make_pair("F32", int64_t{40000})),
+    [](const auto& info) {
+      return absl::StrCat(info.param.first,
+                          info.param.second ? "_sharded" : "");
+    });
+
+class HfWeightsDiffusionGemmaErrorTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    spec_ = SpecFromTestConfig("tiny_diffusion_gemma.json");
+    hf_ = WriteDiffusionGemma(spec_, "F32").tensors;
+    dir_ = testing_util::FreshTestDir();
+  }
+  absl::Status OpenWith(const std::vector<HostTensor>& tensors) {
+    std::filesystem::remove_all(dir_);
+    SHARDD_RETURN_IF_ERROR(WriteHfTensors(dir_, tensors));
+    return HfWeights::Open(dir_, spec_).status();
+  }
+  std::vector<HostTensor> Without(const std::string& name) {
+    std::vector<HostTensor> out;
+    for (const HostTensor& t : hf_) {
+      if (t.name != name) out.push_back(t);
+    }
+    EXPECT_EQ(out.size() + 1, hf_.size()) << name;
+    return out;
+  }
+  HostTensor* Tensor(const std::string& name) {
+    for (HostTensor& t : hf_) {
+      if (t.name == name) return &t;
+    }
+    ADD_FAILURE() << "no " << name;
+    return &hf_[0];
+  }
+
+  v1::ModelSpec spec_;
+  std::vector<HostTensor> hf_;
+  std::string dir_;
+};
+
+TEST_F(HfWeightsDiffusionGemmaErrorTest, MissingTensorsNameThemAndTheParameter) {
+  const std::string scale = "model.decoder.layers.1.router.per_expert_scale";
+  EXPECT_THAT(OpenWith(Without(scale)),
+              StatusIs(absl::StatusCode::kNotFound,
+                       AllOf(HasSubstr(scale),
+                             HasSubstr("model.layers.1.moe.experts.down_projs"),
+                             HasSubstr(dir_))));
+  EXPECT_THAT(
+      OpenWith(Without("model.decoder.layers.2.self_attn.k_norm.weight")),
+      StatusIs(absl::StatusCode::kNotFound,
+               HasSubstr("model.decoder.layers.2.self_attn.k_norm.weight")));
+}
+
+TEST_F(HfWeightsDiffusionGemmaErrorTest, WrongShapesNameTensorFileAndBothShapes) {
+  // (tiny_diffusion_gemma has D = 2I = 64, so both gate/up layouts agree.)
+  HostTensor* gu = Tensor("model.decoder.layers.0.experts.gate_up_proj");
+  gu->shape = {8, 128, 32};
+  EXPECT_THAT(OpenWith(hf_),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("experts.gate_up_proj"),
+                             HasSubstr("model.safetensors"),
+                             HasSubstr("[8, 128, 32]"), HasSubstr("[8, 64, 64]"),
+                             HasSubstr("each expert transposed"))));
+  SetUp();
+  HostTensor* dn = Tensor("model.decoder.layers.0.experts.down_proj");
+  dn->shape = {8, 32, 64};  // [E, I, D] for [E, D, I].
+  EXPECT_THAT(OpenWith(hf_),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("experts.down_proj"),
+                             HasSubstr("model.safetensors"),
+                             HasSubstr("[8, 32, 64]"),
+                             HasSubstr("[8, 64, 32]"))));
+  SetUp();
+  HostTensor* scale = Tensor("model.decoder.layers.2.router.per_expert_scale");
+  scale->shape = {4};
+  scale->bytes.resize(16);
+  EXPECT_THAT(OpenWith(hf_),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("router.per_expert_scale"),
+                             HasSubstr("model.safetensors"), HasSubstr("[4]"),
+                             HasSubstr("[8]"))));
+}
+
+// An unexpected tensor is still reported; only the known ones are ignored.
+TEST_F(HfWeightsDiffusionGemmaErrorTest, UnusedListsOnlyTheUnexpected) {
+  HostTensor extra = *Tensor("model.decoder.norm.weight");
+  extra.name = "model.encoder.language_model.norm.weight";
+  hf_.push_back(extra);
+  SHARDD_ASSERT_OK(WriteHfTensors(dir_, hf_));
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<HfWeights> weights,
+                              HfWeights::Open(dir_, spec_));
+  EXPECT_EQ(weights->UnusedTensors(),
+            std::vector<std::string>{"model.encoder.language_model.norm.weight"});
+  EXPECT_EQ(weights->IgnoredTensors().size(), 6u);
+}
+
 TEST(HfWeightsF16Test, ConvertsEveryClassOfValue) {
   // 1, the smallest subnormal, the largest subnormal, the smallest normal
   // (negative), the largest finite, -0, +inf.
