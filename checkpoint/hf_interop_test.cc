@@ -380,6 +380,55 @@ TEST(HfInteropTest, ReadRejectsBadCheckpoints) {
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr("weight_map")));
 }
 
+// DiffusionGemma: renamed under model.decoder., experts transposed per
+// expert, per_expert_scale written as 1.0 in the tensors' dtype (BF16 here),
+// the encoder's layer_scalar copy, lm_head dropped; a moe tensor without a
+// Hugging Face counterpart is refused by name.
+TEST(ShardToHfDiffusionGemmaTest, NamesLayoutsAndUnitScale) {
+  auto bf16 = [](const std::string& name, std::vector<int64_t> shape) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    HostTensor t{name, "BF16", shape, std::vector<uint8_t>(2 * n)};
+    for (int64_t i = 0; i < n; ++i) {
+      const uint16_t v = static_cast<uint16_t>(i + 1);
+      std::memcpy(t.bytes.data() + 2 * i, &v, 2);
+    }
+    return t;
+  };
+  std::vector<HostTensor> shardd = {
+      bf16("model.layers.3.moe.experts.down_projs", {2, 3, 4}),
+      bf16("model.layers.3.moe.gate.proj.weight", {2, 4}),
+      bf16("model.layers.3.layer_scalar", {1}),
+      bf16("model.norm.weight", {4}),
+      bf16("lm_head.weight", {5, 4})};
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      const std::vector<HostTensor> hf,
+      ShardToHf(shardd, HfMoeNaming::kDiffusionGemma));
+  std::vector<std::string> names;
+  for (const HostTensor& t : hf) names.push_back(t.name);
+  EXPECT_EQ(names, (std::vector<std::string>{
+                       "model.decoder.layers.3.experts.down_proj",
+                       "model.decoder.layers.3.layer_scalar",
+                       "model.decoder.layers.3.router.per_expert_scale",
+                       "model.decoder.layers.3.router.proj.weight",
+                       "model.decoder.norm.weight",
+                       "model.encoder.language_model.layers.3.layer_scalar"}));
+  const HostTensor& down = hf[0];
+  EXPECT_EQ(down.shape, (std::vector<int64_t>{2, 4, 3}));
+  // Expert 1, HF [d=2][i=1] is shardd [i=1][d=2]: element 12 + 1 * 4 + 2.
+  uint16_t v;
+  std::memcpy(&v, down.bytes.data() + 2 * (12 + 2 * 3 + 1), 2);
+  EXPECT_EQ(v, 12 + 1 * 4 + 2 + 1);
+  EXPECT_EQ(hf[2].shape, std::vector<int64_t>{2});
+  EXPECT_EQ(hf[2].bytes, (std::vector<uint8_t>{0x80, 0x3F, 0x80, 0x3F}));
+
+  std::vector<HostTensor> bad = {
+      bf16("model.layers.0.moe.experts.down_proj_bias", {2, 4})};
+  EXPECT_THAT(ShardToHf(bad, HfMoeNaming::kDiffusionGemma).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("model.layers.0.moe.experts.down_proj_bias")));
+}
+
 }  // namespace
 }  // namespace checkpoint
 }  // namespace shardd
