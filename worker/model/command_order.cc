@@ -44,12 +44,20 @@ ModelCommandOrder::ModelCommandOrder(int passes, int no_grad_passes,
                                      int microbatches,
                                      std::vector<bool> layer_has_moe,
                                      bool per_microbatch)
-    : passes_(passes),
-      no_grad_passes_(no_grad_passes),
+    : ModelCommandOrder(PassLayout::For("", passes, no_grad_passes),
+                        microbatches, std::move(layer_has_moe),
+                        per_microbatch) {}
+
+ModelCommandOrder::ModelCommandOrder(const PassLayout& passes,
+                                     int microbatches,
+                                     std::vector<bool> layer_has_moe,
+                                     bool per_microbatch)
+    : passes_(passes.passes()),
+      layout_(passes),
       microbatches_(microbatches),
       layer_has_moe_(std::move(layer_has_moe)),
       per_microbatch_(per_microbatch),
-      places_(static_cast<size_t>(passes) *
+      places_(static_cast<size_t>(passes.passes()) *
               (per_microbatch ? microbatches : 1)) {
   Reset();
 }
@@ -93,7 +101,7 @@ absl::Status ModelCommandOrder::Check(const Command& c,
     case Command::FORWARD:
       return CheckForward(c);
     case Command::BACKWARD:
-      if (pass < no_grad_passes_) {
+      if (!layout_.requires_grad(pass)) {
         return absl::FailedPreconditionError(absl::StrCat(
             "BACKWARD of pass ", pass, ", which has no gradients"));
       }

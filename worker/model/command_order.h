@@ -7,6 +7,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "program/pass_layout.h"
 #include "proto/worker.pb.h"
 
 namespace shardd {
@@ -37,6 +38,10 @@ class ModelCommandOrder {
   // FORWARD EMBED starts the pass over (the CPU model reuses one set of
   // activations per pass).
   ModelCommandOrder(int passes, int no_grad_passes, int microbatches,
+                    std::vector<bool> layer_has_moe, bool per_microbatch);
+  // The same with the passes' gradients laid out by `passes`
+  // (program/pass_layout.h: DiffusionGemma's pass 1 builds no graph).
+  ModelCommandOrder(const PassLayout& passes, int microbatches,
                     std::vector<bool> layer_has_moe, bool per_microbatch);
 
   // Whether `c` may run now. INVALID_ARGUMENT: pass, micro-batch or layer
@@ -69,7 +74,7 @@ class ModelCommandOrder {
   absl::Status CheckBackward(const v1::Command& c) const;
 
   int passes_;
-  int no_grad_passes_;
+  PassLayout layout_;
   int microbatches_;
   std::vector<bool> layer_has_moe_;
   bool per_microbatch_;

@@ -6,6 +6,7 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "program/pass_layout.h"
 
 namespace shardd {
 namespace {
@@ -70,6 +71,21 @@ TEST(ModelCommandOrderTest, AcceptsTheScheduleAndRepeatsItAfterReset) {
     RunPass(order, 1, 0, /*backward=*/true);
     order.Reset();
   }
+}
+
+TEST(ModelCommandOrderTest, BlockDiffusionLayout) {
+  // Encode (gradients), self-conditioning decode (no graph), decode
+  // (gradients); the decode's backward first, then the encode's.
+  ModelCommandOrder order(PassLayout::For(kBlockDiffusionArchitecture, 3, 1),
+                          /*microbatches=*/1, {false, true},
+                          /*per_microbatch=*/false);
+  RunPass(order, 0, 0, /*backward=*/false);
+  RunPass(order, 1, 0, /*backward=*/false);
+  EXPECT_THAT(order.Check(Cmd(Command::BACKWARD, Command::HEAD, 1), "M"),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("BACKWARD of pass 1, which has no gradients")));
+  RunPass(order, 2, 0, /*backward=*/true);
+  SHARDD_EXPECT_OK(Apply(order, Cmd(Command::BACKWARD, Command::HEAD, 0)));
 }
 
 TEST(ModelCommandOrderTest, RangesAndOps) {

@@ -14,6 +14,7 @@
 #include "kernels/cpu/router.h"
 #include "kernels/cpu/router_aux_loss.h"
 #include "model/model_util.h"
+#include "program/pass_layout.h"
 #include "worker/model/moe_model_impl.h"
 
 namespace shardd {
@@ -48,8 +49,10 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Create(
         options.passes, " passes"));
   }
   impl->order = std::make_unique<ModelCommandOrder>(
-      options.passes, options.no_grad_passes, options.microbatches,
-      impl->LayersWithExperts(), /*per_microbatch=*/false);
+      PassLayout::For(impl->gemma ? kBlockDiffusionArchitecture : "",
+                      options.passes, options.no_grad_passes),
+      options.microbatches, impl->LayersWithExperts(),
+      /*per_microbatch=*/false);
   return absl::WrapUnique(new MoeModel(std::move(impl)));
 }
 
