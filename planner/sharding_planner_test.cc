@@ -15,6 +15,8 @@
 #include "proto/plan.pb.h"
 #include "model/hf_config.h"
 #include "planner/strategy_registry.h"
+#include "program/step_program.h"
+#include "absl/strings/str_cat.h"
 
 namespace shardd {
 namespace {
@@ -601,6 +603,21 @@ TEST_F(PlannerTest, DiffusionGemma26bExpertsOwnUnitLowerThePeak) {
   EXPECT_NEAR(ratio, 0.740, 0.001);
   EXPECT_THAT(own.memory().peak_where(), HasSubstr("backward"));
   EXPECT_THAT(folded.memory().peak_where(), HasSubstr("backward"));
+  // The replay runs the block-diffusion schedule: encode (gradients),
+  // self-conditioning decode (no graph), decode (gradients); the peak is
+  // in the first backward, the decode's, and the encode's follows it.
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::StepProgram program,
+                              CompileStepProgram(own));
+  std::vector<std::string> order;
+  for (const v1::Command& c : program.commands()) {
+    if (c.part() != v1::Command::EMBED) continue;
+    order.push_back(absl::StrCat(
+        c.op() == v1::Command::FORWARD ? "F" : "B", c.pass(),
+        c.op() == v1::Command::FORWARD && !c.requires_grad() ? "-" : ""));
+  }
+  EXPECT_THAT(order, ElementsAre("F0", "F1-", "F2", "B2", "B0"));
+  EXPECT_THAT(own.memory().peak_where(), HasSubstr("pass 2"));
+  EXPECT_THAT(folded.memory().peak_where(), HasSubstr("pass 2"));
   std::cout << "DiffusionGemma 26B, dp_shard 8, prefetch 1/2, 3 passes:\n"
             << "  default          peak_unsharded_bytes " << folded_peak << " ("
             << folded.memory().peak_where() << ")\n"
