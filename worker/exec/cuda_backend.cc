@@ -261,6 +261,10 @@ absl::Status CudaBackend::Run(const v1::Command& c, const std::string& label,
         peak_activation_bytes_ =
             std::max(peak_activation_bytes_, model_->activation_bytes());
       }
+      if (status.ok() && c.op() == v1::Command::FORWARD &&
+          c.part() == v1::Command::HEAD && c.requires_grad()) {
+        status = ReduceRouterAuxStats(c);
+      }
       break;
     }
     case v1::Command::OPTIMIZER_STEP:
@@ -276,6 +280,33 @@ absl::Status CudaBackend::Run(const v1::Command& c, const std::string& label,
   return absl::Status(status.code(), absl::StrCat(label, " on shard rank ",
                                                   options_.step.shard_rank,
                                                   ": ", status.message()));
+}
+
+absl::Status CudaBackend::ReduceRouterAuxStats(const v1::Command& command) {
+  const DeviceMoeModel::RouterAuxStats stats =
+      model_->router_aux_stats(command.pass(), command.microbatch());
+  if (stats.counts == nullptr) return absl::OkStatus();
+  // In place on the compute stream's order: each all-reduce waits for the
+  // work before it and the stream waits for its result. Every rank issues
+  // them at the same command, so the collectives match.
+  const cudaStream_t stream = compute_stream_;
+  const absl::Duration timeout = options_.step.collective_timeout;
+  for (NcclCommunicator* group : {shard_group_, replicas_}) {
+    if (group == nullptr || group->world_size() == 1) continue;
+    SHARDD_ASSIGN_OR_RETURN(
+        NcclWork counts,
+        group->AllReduceAsync(stats.counts, stats.num_counts, v1::INT64,
+                              ReduceOp::kSum, NcclWaitFor::Stream(stream),
+                              timeout));
+    SHARDD_RETURN_IF_ERROR(counts.StreamWait(stream));
+    SHARDD_ASSIGN_OR_RETURN(
+        NcclWork sums,
+        group->AllReduceAsync(stats.prob_sums, stats.num_prob_sums, v1::FLOAT32,
+                              ReduceOp::kSum, NcclWaitFor::Stream(stream),
+                              timeout));
+    SHARDD_RETURN_IF_ERROR(sums.StreamWait(stream));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CudaBackend::EnqueueGradNorm() {

@@ -94,6 +94,11 @@ class CudaBackend final : public StepBackend {
               MemoryTracker* tracker);
 
   absl::Status EnqueueGradNorm();
+  // After a FORWARD(HEAD) with gradients: sums the pass's load-balancing
+  // statistics (DeviceMoeModel::router_aux_stats) over the shard group and
+  // the replicas with NCCL, ordered on the compute stream between that
+  // forward and the BACKWARD(HEAD) that reads them (as CpuBackend does).
+  absl::Status ReduceRouterAuxStats(const v1::Command& command);
   absl::Status CommunicatorHealth() const;
   int64_t CommunicatorSyncs() const;
 

@@ -9,6 +9,7 @@
 #include "kernels/cpu/rope.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/bf16_cast.h"
+#include "kernels/cuda/bias.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/dtype.h"
 #include "kernels/cuda/rms_norm.h"
@@ -36,6 +37,15 @@ absl::Status Gemm(cublasHandle_t h, int64_t m, int64_t n, int64_t k,
   kc::GemmOperand A{a, DTypeOf<T>(), lda, ta};
   kc::GemmOperand B{b, DTypeOf<T>(), ldb, tb};
   return kc::RowMajorGemm(h, m, n, k, 1.0f, A, B, beta, c, c_type, ldc, what);
+}
+
+// The kernel options of `layer` with its sinks (device fp32, or null).
+kernels::AttentionOptions OptionsWithSinks(const MoeArchitecture& a,
+                                           const MoeLayerSpec& layer,
+                                           const DeviceAttentionParams& p) {
+  kernels::AttentionOptions options = SelfAttentionOptions(a, layer);
+  if (layer.has_sinks) options.sinks = p.sinks;
+  return options;
 }
 
 }  // namespace
@@ -104,6 +114,15 @@ absl::Status DeviceAttentionBlock::Forward(const MoeLayerSpec& layer,
   SHARDD_RETURN_IF_ERROR(Gemm<T>(cublas_, t, hkv * hd, d, acts->n.data(), d,
                                  false, p.wv, d, true, 0.0f, acts->v.data(), dt,
                                  hkv * hd, "v_proj"));
+  if (layer.attention_bias) {
+    // Before the norms and RoPE, as nn.Linear adds them.
+    SHARDD_RETURN_IF_ERROR(kc::AddBias(static_cast<const T*>(p.bq), t, hq * hd,
+                                       acts->q.as<T>(), stream_));
+    SHARDD_RETURN_IF_ERROR(kc::AddBias(static_cast<const T*>(p.bk), t, hkv * hd,
+                                       acts->k.as<T>(), stream_));
+    SHARDD_RETURN_IF_ERROR(kc::AddBias(static_cast<const T*>(p.bv), t, hkv * hd,
+                                       acts->v.as<T>(), stream_));
+  }
   if (layer.qk_norm) {
     acts->q_pre = std::move(acts->q);
     acts->k_pre = std::move(acts->k);
@@ -129,11 +148,14 @@ absl::Status DeviceAttentionBlock::Forward(const MoeLayerSpec& layer,
   SHARDD_ASSIGN_OR_RETURN(acts->o, Alloc(t * hq * hd * kElem));
   SHARDD_ASSIGN_OR_RETURN(acts->lse, Alloc(batch * hq * seq * 4));
   SHARDD_RETURN_IF_ERROR(kc::AttentionForward(
-      SelfAttentionDims(a, batch, seq), SelfAttentionOptions(a, layer),
+      SelfAttentionDims(a, batch, seq), OptionsWithSinks(a, layer, p),
       acts->q.as<T>(), acts->k.as<T>(), acts->v.as<T>(), acts->o.as<T>(),
       acts->lse.as<float>(), stream_));
-  return Gemm<T>(cublas_, t, d, hq * hd, acts->o.data(), hq * hd, false, p.wo,
-                 hq * hd, true, 0.0f, y, dt, d, "o_proj");
+  SHARDD_RETURN_IF_ERROR(Gemm<T>(cublas_, t, d, hq * hd, acts->o.data(),
+                                 hq * hd, false, p.wo, hq * hd, true, 0.0f, y,
+                                 dt, d, "o_proj"));
+  if (!layer.attention_bias) return absl::OkStatus();
+  return kc::AddBias(static_cast<const T*>(p.bo), t, d, y, stream_);
 }
 
 template <typename T>
@@ -159,6 +181,9 @@ absl::Status DeviceAttentionBlock::Backward(const MoeLayerSpec& layer,
         cublas_, d, hq * hd, t, dy, d, true, acts.o.data(), hq * hd, false,
         1.0f, p.dwo, kc::DType::kFloat32, hq * hd, "o_proj weight gradient"));
   }
+  if (p.dbo != nullptr) {
+    SHARDD_RETURN_IF_ERROR(kc::BiasBackward(dy, t, d, p.dbo, stream_));
+  }
   // The attention, into zeroed fp32 gradients.
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer dq, Alloc(t * hq * hd * 4));
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer dk, Alloc(t * hkv * hd * 4));
@@ -172,10 +197,10 @@ absl::Status DeviceAttentionBlock::Backward(const MoeLayerSpec& layer,
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws,
                           Alloc(static_cast<int64_t>(ws_bytes)));
   SHARDD_RETURN_IF_ERROR(kc::AttentionBackward(
-      dims, SelfAttentionOptions(a, layer), acts.q.as<T>(), acts.k.as<T>(),
+      dims, OptionsWithSinks(a, layer, p), acts.q.as<T>(), acts.k.as<T>(),
       acts.v.as<T>(), acts.o.as<T>(), acts.lse.as<float>(), d_o.as<T>(),
-      dq.as<float>(), dk.as<float>(), dv.as<float>(), nullptr, ws.data(),
-      ws_bytes, stream_));
+      dq.as<float>(), dk.as<float>(), dv.as<float>(),
+      layer.has_sinks ? p.dsinks : nullptr, ws.data(), ws_bytes, stream_));
   // RoPE's backward is the inverse rotation.
   const kc::DeviceRopeTable table = RopeTable();
   const kernels::RopeLayout layout = RopeLayoutOf(a);
@@ -218,19 +243,27 @@ absl::Status DeviceAttentionBlock::Backward(const MoeLayerSpec& layer,
       g = std::move(pre);
     }
   }
-  // The projections of n: dn = dq Wq + dk Wk + dv Wv; dW += dg^T n.
+  // The projections of n: dn = dq Wq + dk Wk + dv Wv; dW += dg^T n; the
+  // biases' gradients are those of the projections' outputs (before RoPE
+  // and the norms, whose backward ran above).
   struct Projection {
     const void* w;
     float* dw;
+    float* db;
     const DeviceBuffer* g;
     int64_t out;
     const char* name;
   };
-  const Projection projections[] = {{p.wq, p.dwq, &dq, hq * hd, "q_proj"},
-                                    {p.wk, p.dwk, &dk, hkv * hd, "k_proj"},
-                                    {p.wv, p.dwv, &dv, hkv * hd, "v_proj"}};
+  const Projection projections[] = {
+      {p.wq, p.dwq, p.dbq, &dq, hq * hd, "q_proj"},
+      {p.wk, p.dwk, p.dbk, &dk, hkv * hd, "k_proj"},
+      {p.wv, p.dwv, p.dbv, &dv, hkv * hd, "v_proj"}};
   float beta = 0.0f;
   for (const Projection& pr : projections) {
+    if (layer.attention_bias && pr.db != nullptr) {
+      SHARDD_RETURN_IF_ERROR(kc::BiasBackward(
+          static_cast<const T*>(pr.g->data()), t, pr.out, pr.db, stream_));
+    }
     SHARDD_RETURN_IF_ERROR(Gemm<T>(cublas_, t, d, pr.out, pr.g->data(), pr.out,
                                    false, pr.w, d, false, beta, dn, dt, d,
                                    pr.name));

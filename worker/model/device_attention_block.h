@@ -3,8 +3,9 @@
 
 // The self-attention sublayer on the GPU, the counterpart of
 // worker/model/attention_block.h (same computation, same parameters): q/k/v
-// projections through cuBLAS, per-head q/k RMSNorm, RoPE, causal or
-// sliding-window GQA attention (kernels/cuda/attention.h), o_proj. Storage T
+// projections through cuBLAS (with GPT-OSS's biases, kernels/cuda/bias.h),
+// per-head q/k RMSNorm, RoPE, causal or sliding-window GQA attention with
+// GPT-OSS's per-head sinks (kernels/cuda/attention.h), o_proj. Storage T
 // is float or uint16_t (bf16); parameter gradients are fp32 and added to.
 // Everything is enqueued on the model's stream; nothing synchronizes.
 
@@ -20,8 +21,9 @@
 
 namespace shardd {
 
-// The layer's parameters in storage type T (norm weights too) and their fp32
-// gradient buffers (null: frozen).
+// The layer's parameters in storage type T (norm weights and biases too;
+// the sinks in fp32, as the attention kernel reads them) and their fp32
+// gradient buffers (null: frozen, or the layer has none).
 struct DeviceAttentionParams {
   const void* wq = nullptr;
   const void* wk = nullptr;
@@ -29,12 +31,23 @@ struct DeviceAttentionParams {
   const void* wo = nullptr;
   const void* q_norm = nullptr;
   const void* k_norm = nullptr;
+  // attention_bias: q/k/v/o_proj.bias (all or none).
+  const void* bq = nullptr;
+  const void* bk = nullptr;
+  const void* bv = nullptr;
+  const void* bo = nullptr;
+  const float* sinks = nullptr;  // [Hq], has_sinks
   float* dwq = nullptr;
   float* dwk = nullptr;
   float* dwv = nullptr;
   float* dwo = nullptr;
   float* dq_norm = nullptr;
   float* dk_norm = nullptr;
+  float* dbq = nullptr;
+  float* dbk = nullptr;
+  float* dbv = nullptr;
+  float* dbo = nullptr;
+  float* dsinks = nullptr;
 };
 
 // What one forward keeps for its backward.

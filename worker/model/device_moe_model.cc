@@ -61,7 +61,7 @@ ModelState::~ModelState() {
 }
 
 absl::StatusOr<float*> ModelState::Grad(DeviceParamSource* params,
-                                                  const TensorInfo& t) {
+                                        const TensorInfo& t) {
   if (t.frozen) return nullptr;
   SHARDD_ASSIGN_OR_RETURN(float* grad, params->Grad(t.name, stream));
   if (grad == nullptr && t.numel() > 0) {
@@ -141,19 +141,20 @@ void ModelState::ReleasePass(PassState* s) {
   s->dx.Reset();
   s->dn.Reset();
   s->dweights.Reset();
+  s->aux.Reset();
   s->h_for_next = s->h_for_backward = false;
 }
 
 }  // namespace device_moe_internal
 
 namespace kc = ::shardd::kernels::cuda;
+using device_model::DeviceStepLoss;
 using device_moe_internal::BatchState;
 using device_moe_internal::kCublasWorkspaceBytes;
 using device_moe_internal::kMaxRouterExperts;
 using device_moe_internal::kMaxRouterTopK;
 using device_moe_internal::LayerState;
 using device_moe_internal::PassState;
-using device_model::DeviceStepLoss;
 
 DeviceMoeModel::DeviceMoeModel(std::unique_ptr<Impl> impl)
     : impl_(std::move(impl)) {}
@@ -177,14 +178,8 @@ absl::StatusOr<std::unique_ptr<DeviceMoeModel>> DeviceMoeModel::Create(
   impl->options = options;
   impl->allocator = allocator;
 
-  // GPT-OSS's parts are computed on the CPU only so far; refused by name
-  // rather than computed without them.
-  if (arch.activation == kernels::GatedActivation::kClampedSwiGLU) {
-    return absl::InvalidArgumentError(
-        "dims.activation: the GPU model does not compute the clamped "
-        "swiglu_oai activation (GPT-OSS) yet; train it on CPU workers");
-  }
-  // DiffusionGemma's layers likewise (worker/model/gemma_layer.h).
+  // What the GPU model does not compute yet is refused by name rather than
+  // computed without it: DiffusionGemma's layers (worker/model/gemma_layer.h),
   if (arch.gemma) {
     return absl::InvalidArgumentError(
         "the GPU model does not compute DiffusionGemma's layers (Gemma 4's "
@@ -192,7 +187,7 @@ absl::StatusOr<std::unique_ptr<DeviceMoeModel>> DeviceMoeModel::Create(
         "v_norm, the scaled router, layer_scalar, the logit soft-cap) yet; "
         "train it on CPU workers");
   }
-  // DeepSeek-V3's parts likewise.
+  // DeepSeek-V3's latent attention and router.
   if (arch.mla) {
     return absl::InvalidArgumentError(
         "dims.attention.mla: the GPU model does not compute multi-head latent "
@@ -200,36 +195,9 @@ absl::StatusOr<std::unique_ptr<DeviceMoeModel>> DeviceMoeModel::Create(
   }
   if (arch.router_scoring == kernels::RouterScoring::kSigmoidGroupLimited) {
     return absl::InvalidArgumentError(
-        "dims.router_scoring: the GPU router does not compute the sigmoid "
+        "dims.router_scoring: the GPU model does not compute the sigmoid "
         "group-limited router with its e_score_correction_bias (DeepSeek-V3) "
         "yet; train it on CPU workers");
-  }
-  if (arch.router_scoring != kernels::RouterScoring::kSoftmaxThenTopK) {
-    return absl::InvalidArgumentError(
-        "dims.router_scoring: the GPU router does not compute top-k then "
-        "softmax (GPT-OSS) yet; train it on CPU workers");
-  }
-  if (arch.router_aux_loss_coef > 0) {
-    return absl::InvalidArgumentError(
-        "dims.router_aux_loss_coef: the GPU model does not compute the router "
-        "load-balancing loss (output_router_logits) yet; train it on CPU "
-        "workers or set output_router_logits false");
-  }
-  for (const MoeLayerSpec& layer : arch.layers) {
-    const std::string p =
-        absl::StrCat("model.layers.", &layer - arch.layers.data(), ".");
-    const char* missing = layer.attention_bias ? "self_attn.q_proj.bias"
-                          : layer.has_sinks    ? "self_attn.sinks"
-                          : layer.router_bias  ? "moe.gate.bias"
-                          : layer.expert_bias  ? "moe.experts.gate_up_proj_bias"
-                                               : nullptr;
-    if (missing != nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          p, missing,
-          ": the GPU model does not compute attention biases, attention "
-          "sinks, router biases or expert biases (GPT-OSS) yet; train it on "
-          "CPU workers"));
-    }
   }
 
   const int64_t d = arch.dim;
@@ -460,6 +428,25 @@ int64_t DeviceMoeModel::activation_bytes() const {
              s.h.bytes() + s.dx.bytes() + s.dn.bytes() + s.dweights.bytes();
   }
   return bytes;
+}
+
+bool DeviceMoeModel::router_aux_loss() const { return impl_->aux_on(); }
+
+DeviceMoeModel::RouterAuxStats DeviceMoeModel::router_aux_stats(
+    int pass, int microbatch) {
+  Impl& m = *impl_;
+  RouterAuxStats out;
+  if (!m.aux_on() || pass < 0 || pass >= m.options.model.passes ||
+      microbatch < 0 || microbatch >= m.options.model.microbatches) {
+    return out;
+  }
+  device_moe_internal::AuxState& aux = m.State(pass, microbatch).aux;
+  if (aux.counts.empty()) return out;
+  out.counts = aux.counts.as<int64_t>();
+  out.num_counts = m.aux_experts + 2;
+  out.prob_sums = aux.prob_sums.as<float>();
+  out.num_prob_sums = m.aux_experts;
+  return out;
 }
 
 int64_t DeviceMoeModel::host_synchronizations() const {

@@ -5,7 +5,9 @@
 // (worker/model/moe_model.h; read its header for the exact math: embedding with
 // the self-conditioning coupling for passes > 0, per layer RMSNorm ->
 // router (+ dense MLP) -> grouped experts, final RMSNorm, LM head with
-// cross-entropy, loss scaling by 1 / (microbatches * grad_passes)) on one
+// cross-entropy, loss scaling by 1 / (microbatches * grad_passes), GPT-OSS's
+// attention biases and sinks, router and expert biases and clamped SwiGLU,
+// the router load-balancing loss) on one
 // CUDA device, with the kernels of kernels/cuda/ (bf16 or fp32 storage as
 // the parameters' compute dtype says, fp32 accumulation).
 //
@@ -60,6 +62,24 @@ class DeviceMoeModel {
   // Enqueues one FORWARD or BACKWARD command. Errors as MoeModel::Run, plus
   // the CUDA/cuBLAS errors of the kernels.
   absl::Status Run(const v1::Command& command, DeviceParamSource* params);
+
+  // The load-balancing statistics of (pass, micro-batch) in device memory,
+  // the GPU form of MoeModel::RouterAuxStats: counts [E + 2] int64 (the
+  // choices per expert, the rows, the ranks summed) and prob_sums [E] fp32.
+  // Valid from that pass's FORWARD(HEAD) (enqueued) until its next
+  // FORWARD(EMBED) or ResetStep; the caller replaces them in place by their
+  // sums over the micro-batch's data-parallel ranks, ordered on stream()
+  // between that FORWARD(HEAD) and the BACKWARD(HEAD) that reads them.
+  // Null pointers when the loss is off, (pass, microbatch) is out of range
+  // or the pass has not run its FORWARD(EMBED).
+  struct RouterAuxStats {
+    int64_t* counts = nullptr;
+    int64_t num_counts = 0;
+    float* prob_sums = nullptr;
+    int64_t num_prob_sums = 0;
+  };
+  bool router_aux_loss() const;
+  RouterAuxStats router_aux_stats(int pass, int microbatch);
 
   void ResetStep();
   // Waits for the compute stream and returns the mean loss over the grad

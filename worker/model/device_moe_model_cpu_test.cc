@@ -2,6 +2,8 @@
 // so they hold on machines without a GPU (and with one).
 
 #include <cstdint>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -92,12 +94,55 @@ TEST_F(DeviceMoeModelCreateTest, RefusesWhatOnlyTheGpuKernelsCannotRun) {
       DeviceMoeModel::Create(OneLayerModel(64, 33), {}, &allocator_).status(),
       StatusIs(absl::StatusCode::kInvalidArgument,
                HasSubstr("dims.top_k: the GPU router")));
-  // The load-balancing loss is computed on the CPU workers only so far.
+  EXPECT_EQ(backend_.mallocs(), 0);
+}
+
+// Device 4096 exists on no machine: a spec the GPU model computes gets past
+// every spec check to the device's FAILED_PRECONDITION, with or without a
+// GPU; one it refuses fails before, naming what it cannot compute.
+class DeviceMoeModelHfSpecTest : public DeviceMoeModelCreateTest {
+ protected:
+  absl::Status CreateFromConfig(const std::string& file) {
+    std::ifstream in("tests/data/" + file);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    const std::string json = ss.str();
+    EXPECT_FALSE(json.empty()) << file;
+    absl::StatusOr<v1::ModelSpec> spec = ModelSpecFromHfConfig(json);
+    if (!spec.ok()) return spec.status();
+    DeviceMoeModelOptions options;
+    options.device = 4096;
+    return DeviceMoeModel::Create(*spec, options, &allocator_).status();
+  }
+};
+
+TEST_F(DeviceMoeModelHfSpecTest, ComputesGptOssAndTheLoadBalancingLoss) {
+  // Attention biases, sinks, the top-k-then-softmax router with its bias,
+  // clamped SwiGLU experts with biases.
+  EXPECT_THAT(
+      CreateFromConfig("tiny_gpt_oss.json"),
+      StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("device")));
+  EXPECT_THAT(
+      CreateFromConfig("tiny_gpt_oss_aux.json"),
+      StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("device")));
+  EXPECT_THAT(
+      CreateFromConfig("tiny_mixtral_aux.json"),
+      StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("device")));
   v1::ModelSpec aux = OneLayerModel(4, 2);
   aux.mutable_dims()->set_router_aux_loss_coef(0.01);
-  EXPECT_THAT(DeviceMoeModel::Create(aux, {}, &allocator_).status(),
+  DeviceMoeModelOptions options;
+  options.device = 4096;
+  EXPECT_THAT(
+      DeviceMoeModel::Create(aux, options, &allocator_).status(),
+      StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("device")));
+  EXPECT_EQ(backend_.mallocs(), 0);
+}
+
+TEST_F(DeviceMoeModelHfSpecTest, RefusesDeepSeekV3ByName) {
+  // Multi-head latent attention is refused first; the sigmoid router too.
+  EXPECT_THAT(CreateFromConfig("tiny_deepseek_v3.json"),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("dims.router_aux_loss_coef")));
+                       HasSubstr("dims.attention.mla")));
   EXPECT_EQ(backend_.mallocs(), 0);
 }
 

@@ -31,12 +31,13 @@
 #include "kernels/cuda/grouped_experts.h"
 #include "kernels/cuda/rms_norm.h"
 #include "kernels/cuda/router.h"
+#include "kernels/cuda/router_aux_loss.h"
 #include "model/model_util.h"
 #include "worker/model/command_order.h"
 #include "worker/model/device_attention_block.h"
+#include "worker/model/device_moe_model.h"
 #include "worker/model/device_moe_model_kernels.h"
 #include "worker/model/moe_architecture.h"
-#include "worker/model/device_moe_model.h"
 
 namespace shardd {
 namespace device_moe_internal {
@@ -86,8 +87,27 @@ struct LayerState {
 
 // One (micro-batch, pass): the CPU's PassActs, kept per micro-batch too so
 // programs may interleave micro-batches.
+// A pass's load-balancing statistics on the device (the CPU's
+// MoeModel::RouterAuxStats and its double sums), from its FORWARD(EMBED)
+// until the pass is released: the caller all-reduces counts and prob_sums
+// between FORWARD(HEAD) and BACKWARD(HEAD), and every BACKWARD(LAYER) reads
+// them.
+struct AuxState {
+  DeviceBuffer counts;     // int64 [E + 2]: choices, rows, ranks
+  DeviceBuffer prob_sums;  // fp32 [E]: what the ranks all-reduce
+  DeviceBuffer sums;       // double [E]: local sums, then the reduced ones
+  DeviceBuffer value;      // double: the pass's aux loss
+  void Reset() {
+    counts.Reset();
+    prob_sums.Reset();
+    sums.Reset();
+    value.Reset();
+  }
+};
+
 struct PassState {
   std::vector<LayerState> layers;
+  AuxState aux;
   DeviceBuffer x;          // [T, D] current residual stream
   DeviceBuffer final_x;    // [T, D] input of the final norm
   DeviceBuffer final_inv;  // [T] fp32
@@ -158,15 +178,51 @@ struct ModelState : MoeArchitecture {
   PassState& State(int pass, int mb) {
     return states[static_cast<size_t>(mb) * options.model.passes + pass];
   }
+  bool aux_on() const { return router_aux_loss_coef > 0; }
+  // The architecture's router, as the CPU model configures its own.
+  kc::RouterDims RouterDimsOf(const LayerInfo& spec, int64_t t) const {
+    kc::RouterDims dims{t, dim, spec.experts, top_k, renormalize_topk};
+    dims.scoring = router_scoring;
+    dims.groups = router_groups;
+    dims.top_groups = router_top_groups;
+    dims.scale = routed_scaling_factor;
+    dims.keep_softmax = aux_on();
+    return dims;
+  }
+  // The experts' options without biases (ExpertOptionsOf adds a layer's).
   kc::GroupedExpertsOptions ExpertOptions() const {
     kc::GroupedExpertsOptions o;
-    o.activation = activation == kernels::GatedActivation::kGeGLU
-                       ? kc::GatedActivation::kGeGLU
-                       : kc::GatedActivation::kSwiGLU;
+    switch (activation) {
+      case kernels::GatedActivation::kGeGLU:
+        o.activation = kc::GatedActivation::kGeGLU;
+        break;
+      case kernels::GatedActivation::kClampedSwiGLU:
+        o.activation = kc::GatedActivation::kClampedSwiGLU;
+        break;
+      default:
+        o.activation = kc::GatedActivation::kSwiGLU;
+        break;
+    }
+    o.alpha = swiglu_alpha;
+    o.limit = swiglu_limit;
     o.storage = options.activations == DeviceDType::kFloat32
                     ? kc::ExpertStorage::kFloat32
                     : kc::ExpertStorage::kBFloat16;
     o.gemm_path = kc::ExpertGemmPath::kGrouped;
+    return o;
+  }
+
+  // ExpertOptions() with `spec`'s expert biases (GPT-OSS) in storage type T.
+  template <typename T>
+  absl::StatusOr<kc::GroupedExpertsOptions> ExpertOptionsOf(
+      const LayerInfo& spec, DeviceParamSource* params,
+      std::vector<DeviceBuffer>* temps) {
+    kc::GroupedExpertsOptions o = ExpertOptions();
+    if (spec.expert_bias) {
+      SHARDD_ASSIGN_OR_RETURN(o.gate_up_bias,
+                              Param<T>(params, spec.b_gu, temps));
+      SHARDD_ASSIGN_OR_RETURN(o.down_bias, Param<T>(params, spec.b_d, temps));
+    }
     return o;
   }
 
@@ -206,6 +262,17 @@ struct ModelState : MoeArchitecture {
       SHARDD_ASSIGN_OR_RETURN(ap.q_norm, Param<T>(params, spec.q_norm, temps));
       SHARDD_ASSIGN_OR_RETURN(ap.k_norm, Param<T>(params, spec.k_norm, temps));
     }
+    if (spec.attention_bias) {
+      SHARDD_ASSIGN_OR_RETURN(ap.bq, Param<T>(params, spec.q_bias, temps));
+      SHARDD_ASSIGN_OR_RETURN(ap.bk, Param<T>(params, spec.k_bias, temps));
+      SHARDD_ASSIGN_OR_RETURN(ap.bv, Param<T>(params, spec.v_bias, temps));
+      SHARDD_ASSIGN_OR_RETURN(ap.bo, Param<T>(params, spec.o_bias, temps));
+    }
+    if (spec.has_sinks) {
+      // The attention kernel reads the sinks in fp32 whatever the storage.
+      SHARDD_ASSIGN_OR_RETURN(ap.sinks,
+                              Param<float>(params, spec.sinks, temps));
+    }
     if (!grads) return ap;
     SHARDD_ASSIGN_OR_RETURN(ap.dwq, Grad(params, spec.q_proj));
     SHARDD_ASSIGN_OR_RETURN(ap.dwk, Grad(params, spec.k_proj));
@@ -214,6 +281,15 @@ struct ModelState : MoeArchitecture {
     if (spec.qk_norm) {
       SHARDD_ASSIGN_OR_RETURN(ap.dq_norm, Grad(params, spec.q_norm));
       SHARDD_ASSIGN_OR_RETURN(ap.dk_norm, Grad(params, spec.k_norm));
+    }
+    if (spec.attention_bias) {
+      SHARDD_ASSIGN_OR_RETURN(ap.dbq, Grad(params, spec.q_bias));
+      SHARDD_ASSIGN_OR_RETURN(ap.dbk, Grad(params, spec.k_bias));
+      SHARDD_ASSIGN_OR_RETURN(ap.dbv, Grad(params, spec.v_bias));
+      SHARDD_ASSIGN_OR_RETURN(ap.dbo, Grad(params, spec.o_bias));
+    }
+    if (spec.has_sinks) {
+      SHARDD_ASSIGN_OR_RETURN(ap.dsinks, Grad(params, spec.sinks));
     }
     return ap;
   }
@@ -239,6 +315,18 @@ struct ModelState : MoeArchitecture {
   }
 
   absl::Status ZeroStepLossOnce();
+  // Load-balancing loss (device_moe_model_aux.cc): the pass's statistics
+  // zeroed (FORWARD EMBED), a MoE layer's rows added (FORWARD LAYER), the
+  // local sums rounded for the all-reduce (FORWARD HEAD), the loss term
+  // (BACKWARD HEAD) and a layer's logit gradient into `d_logits` [T, E]
+  // fp32 (BACKWARD LAYER), each as the CPU model computes it.
+  absl::Status AuxStart(PassState* pass);
+  absl::Status AuxAccumulate(PassState* pass, const LayerState& layer,
+                             const kc::RouterDims& dims);
+  absl::Status AuxFinishForward(PassState* pass);
+  absl::Status AuxLoss(PassState* pass);
+  absl::Status AuxLogitGrad(const PassState& pass, const LayerState& layer,
+                            const kc::RouterDims& dims, float* d_logits);
   absl::StatusOr<ExpertSlot> AcquireExpertSlot(const kc::ExpertDims& dims);
   void ReleaseExpertSlot(ExpertSlot* slot);
   void ReleaseLayer(LayerState* layer);
@@ -255,9 +343,9 @@ struct ModelState : MoeArchitecture {
 };
 
 template <typename T>
-absl::StatusOr<const T*> ModelState::Param(
-    DeviceParamSource* params, const TensorInfo& t,
-    std::vector<DeviceBuffer>* temps) {
+absl::StatusOr<const T*> ModelState::Param(DeviceParamSource* params,
+                                           const TensorInfo& t,
+                                           std::vector<DeviceBuffer>* temps) {
   SHARDD_ASSIGN_OR_RETURN(const DeviceTensor p, params->Param(t.name, stream));
   if (p.numel != t.numel() || (p.data == nullptr && t.numel() > 0)) {
     return absl::FailedPreconditionError(

@@ -51,6 +51,42 @@ __global__ void AccumulateStepLossKernel(const double* mean_loss,
   acc->invalid_targets += *invalid_targets;
 }
 
+__global__ void AddCountKernel(int64_t* counter, int64_t value) {
+  *counter += value;
+}
+
+__global__ void DoubleToFloatKernel(const double* __restrict__ in,
+                                    float* __restrict__ out, int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < n; i += stride) {
+    out[i] = __double2float_rn(in[i]);
+  }
+}
+
+__global__ void FloatToDoubleKernel(const float* __restrict__ in,
+                                    double* __restrict__ out, int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < n; i += stride) {
+    out[i] = static_cast<double>(in[i]);
+  }
+}
+
+__global__ void AccumulateAuxLossKernel(const double* value, double coef,
+                                        DeviceStepLoss* acc) {
+  acc->loss_sum += __dmul_rn(coef, *value);
+}
+
+__global__ void ScaleByCountKernel(float* x, int64_t n, const int64_t* count) {
+  const float scale = static_cast<float>(*count);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < n; i += stride) {
+    x[i] = __fmul_rn(x[i], scale);
+  }
+}
+
 template <typename T>
 cudaError_t ResidualAdd(const T* x, const T* a, const T* b, T* out, int64_t n,
                         cudaStream_t stream) {
@@ -94,6 +130,39 @@ cudaError_t LaunchAccumulateStepLoss(const double* mean_loss,
                                      DeviceStepLoss* acc, cudaStream_t stream) {
   AccumulateStepLossKernel<<<1, 1, 0, stream>>>(mean_loss, count,
                                                 invalid_targets, acc);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchAddCount(int64_t* counter, int64_t value,
+                           cudaStream_t stream) {
+  AddCountKernel<<<1, 1, 0, stream>>>(counter, value);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchDoubleToFloat(const double* in, float* out, int64_t n,
+                                cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  DoubleToFloatKernel<<<Blocks(n), kThreads, 0, stream>>>(in, out, n);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchFloatToDouble(const float* in, double* out, int64_t n,
+                                cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  FloatToDoubleKernel<<<Blocks(n), kThreads, 0, stream>>>(in, out, n);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchAccumulateAuxLoss(const double* value, double coef,
+                                    DeviceStepLoss* acc, cudaStream_t stream) {
+  AccumulateAuxLossKernel<<<1, 1, 0, stream>>>(value, coef, acc);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchScaleByCount(float* x, int64_t n, const int64_t* count,
+                               cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  ScaleByCountKernel<<<Blocks(n), kThreads, 0, stream>>>(x, n, count);
   return cudaGetLastError();
 }
 

@@ -3,7 +3,8 @@
 
 // The elementwise glue of DeviceMoeModel (worker/model/device_moe_model.cc)
 // that kernels/cuda/ has no op for: residual adds, the self-conditioning
-// coupling and the step-loss accumulation. Plain launchers returning
+// coupling, the step-loss accumulation and the load-balancing statistics'
+// bookkeeping. Plain launchers returning
 // cudaError_t (no absl, so nvcc never sees it); asynchronous on `stream`.
 // fp32 or bf16 storage (uint16_t bit patterns), fp32 arithmetic with
 // explicit round-to-nearest operations (no FMA contraction), so fp32 results
@@ -47,6 +48,30 @@ cudaError_t LaunchAccumulateStepLoss(const double* mean_loss,
                                      const int64_t* count,
                                      const int64_t* invalid_targets,
                                      DeviceStepLoss* acc, cudaStream_t stream);
+
+// The load-balancing statistics (kernels/cuda/router_aux_loss.h) between
+// their device sums and the all-reduce, as the CPU model converts them.
+
+// One thread: *counter += value.
+cudaError_t LaunchAddCount(int64_t* counter, int64_t value,
+                           cudaStream_t stream);
+
+// out[i] = (float) in[i] (round to nearest): the sums the ranks all-reduce
+// in fp32, like the CPU's RouterAuxStats::prob_sums. n >= 0.
+cudaError_t LaunchDoubleToFloat(const double* in, float* out, int64_t n,
+                                cudaStream_t stream);
+// out[i] = (double) in[i] (exact). n >= 0.
+cudaError_t LaunchFloatToDouble(const float* in, double* out, int64_t n,
+                                cudaStream_t stream);
+
+// One thread: acc->loss_sum += coef * *value (the pass's aux term).
+cudaError_t LaunchAccumulateAuxLoss(const double* value, double coef,
+                                    DeviceStepLoss* acc, cudaStream_t stream);
+
+// x[i] *= (float) *count: the aux gradient times the number of ranks whose
+// average the reduce-scatter forms (summed on the device). n >= 0.
+cudaError_t LaunchScaleByCount(float* x, int64_t n, const int64_t* count,
+                               cudaStream_t stream);
 
 }  // namespace device_model
 }  // namespace shardd

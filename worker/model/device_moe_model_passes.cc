@@ -11,8 +11,7 @@ namespace shardd {
 namespace device_moe_internal {
 
 template <typename T>
-absl::Status ModelState::Forward(const Command& c,
-                                           DeviceParamSource* params) {
+absl::Status ModelState::Forward(const Command& c, DeviceParamSource* params) {
   constexpr int64_t kElem = sizeof(T);
   const int pass = c.pass();
   const int mb = c.microbatch();
@@ -36,6 +35,7 @@ absl::Status ModelState::Forward(const Command& c,
       SHARDD_RETURN_IF_ERROR(
           kc::EmbeddingForward(table, vocab, dim, batch.inputs.as<int32_t>(), t,
                                a.x.as<T>(), &acc->bad_ids, stream));
+      if (aux_on()) SHARDD_RETURN_IF_ERROR(AuxStart(&a));
       if (prev != nullptr) {
         // Self-conditioning: the previous pass's output, detached.
         SHARDD_CUDA_RETURN_IF_ERROR(
@@ -119,17 +119,29 @@ absl::Status ModelState::Forward(const Command& c,
       if (spec.has_moe) {
         SHARDD_ASSIGN_OR_RETURN(const T* gw,
                                 Param<T>(params, spec.gate, &temps));
-        const kc::RouterDims dims{t, dim, spec.experts, top_k,
-                                  renormalize_topk};
+        const T* gb = nullptr;
+        if (spec.router_bias) {
+          SHARDD_ASSIGN_OR_RETURN(gb, Param<T>(params, spec.gate_bias, &temps));
+        }
+        // DeepSeek-V3's frozen correction bias steers the choice only (fp32,
+        // as the router kernel reads it).
+        const float* selection = nullptr;
+        if (spec.selection_bias) {
+          SHARDD_ASSIGN_OR_RETURN(
+              selection,
+              Param<float>(params, spec.gate_selection_bias, &temps));
+        }
+        const kc::RouterDims dims = RouterDimsOf(spec, t);
         const size_t saved_bytes = kc::RouterSavedBytes(dims);
         SHARDD_RETURN_IF_ERROR(AllocInto(&la.indices, t * top_k * 4));
         SHARDD_RETURN_IF_ERROR(
             AllocInto(&la.weights, t * top_k * sizeof(float)));
         SHARDD_RETURN_IF_ERROR(AllocInto(&la.router_saved, saved_bytes));
         SHARDD_RETURN_IF_ERROR(kc::RouterForward(
-            dims, la.normed.as<T>(), gw, la.indices.as<int32_t>(),
-            la.weights.as<float>(), la.router_saved.data(), saved_bytes, cublas,
-            stream));
+            dims, la.normed.as<T>(), gw, gb, selection,
+            la.indices.as<int32_t>(), la.weights.as<float>(),
+            la.router_saved.data(), saved_bytes, cublas, stream));
+        if (aux_on()) SHARDD_RETURN_IF_ERROR(AuxAccumulate(&a, la, dims));
       } else {
         // Dense layer: the residual add happens here.
         SHARDD_RETURN_IF_ERROR(AllocInto(&a.x, td * kElem));
@@ -153,13 +165,15 @@ absl::Status ModelState::Forward(const Command& c,
       SHARDD_ASSIGN_OR_RETURN(const T* w_gu,
                               Param<T>(params, spec.w_gu, &temps));
       SHARDD_ASSIGN_OR_RETURN(const T* w_d, Param<T>(params, spec.w_d, &temps));
+      SHARDD_ASSIGN_OR_RETURN(const kc::GroupedExpertsOptions expert_options,
+                              ExpertOptionsOf<T>(spec, params, &temps));
       const kc::ExpertDims dims{t, dim, spec.moe_inter, spec.experts, top_k};
       ReleaseExpertSlot(&la.experts);
       SHARDD_ASSIGN_OR_RETURN(la.experts, AcquireExpertSlot(dims));
       SHARDD_ASSIGN_OR_RETURN(DeviceBuffer y, Alloc(td * kElem));
       const int64_t syncs_before = la.experts.workspace->host_syncs();
       const absl::Status forward = kc::GroupedExpertsForward(
-          dims, ExpertOptions(), la.normed.data(), la.indices.as<int32_t>(),
+          dims, expert_options, la.normed.data(), la.indices.as<int32_t>(),
           la.weights.as<float>(), /*token_mask=*/nullptr, w_gu, w_d, y.data(),
           la.experts.workspace, cublas, stream);
       host_syncs += la.experts.workspace->host_syncs() - syncs_before;
@@ -190,6 +204,7 @@ absl::Status ModelState::Forward(const Command& c,
       SHARDD_RETURN_IF_ERROR(
           kc::RmsNormForward(a.final_x.as<T>(), norm_w, t, dim, eps,
                              a.h.as<T>(), a.final_inv.as<float>(), stream));
+      if (aux_on()) SHARDD_RETURN_IF_ERROR(AuxFinishForward(&a));
       // As on the CPU, the loss of a pass with gradients is computed by its
       // BACKWARD HEAD; a pass without only produces h for the next pass.
       if (!a.saves) {
@@ -208,8 +223,7 @@ absl::Status ModelState::Forward(const Command& c,
 }
 
 template <typename T>
-absl::Status ModelState::Backward(const Command& c,
-                                            DeviceParamSource* params) {
+absl::Status ModelState::Backward(const Command& c, DeviceParamSource* params) {
   constexpr int64_t kElem = sizeof(T);
   const int pass = c.pass();
   const int mb = c.microbatch();
@@ -263,6 +277,8 @@ absl::Status ModelState::Backward(const Command& c,
                   offsetof(kc::CrossEntropyDeviceResult, invalid_targets)),
               step_loss.as<DeviceStepLoss>(), stream),
           "BACKWARD HEAD: accumulating the loss");
+      // A pass's loss is CE + coef * aux (one term of the step's mean).
+      if (aux_on()) SHARDD_RETURN_IF_ERROR(AuxLoss(&a));
       ++loss_terms;
       SHARDD_RETURN_IF_ERROR(AllocInto(&a.dx, td * kElem));
       const size_t norm_ws_bytes =
@@ -295,13 +311,20 @@ absl::Status ModelState::Backward(const Command& c,
       SHARDD_ASSIGN_OR_RETURN(const T* w_d, Param<T>(params, spec.w_d, &temps));
       SHARDD_ASSIGN_OR_RETURN(float* dw_gu, Grad(params, spec.w_gu));
       SHARDD_ASSIGN_OR_RETURN(float* dw_d, Grad(params, spec.w_d));
+      SHARDD_ASSIGN_OR_RETURN(const kc::GroupedExpertsOptions expert_options,
+                              ExpertOptionsOf<T>(spec, params, &temps));
+      kc::ExpertBiasGrads bias_grads;
+      if (spec.expert_bias) {
+        SHARDD_ASSIGN_OR_RETURN(bias_grads.gate_up, Grad(params, spec.b_gu));
+        SHARDD_ASSIGN_OR_RETURN(bias_grads.down, Grad(params, spec.b_d));
+      }
       const kc::ExpertDims dims{t, dim, spec.moe_inter, spec.experts, top_k};
       SHARDD_RETURN_IF_ERROR(AllocInto(&a.dn, td * kElem));
       SHARDD_RETURN_IF_ERROR(AllocInto(&a.dweights, t * top_k * sizeof(float)));
       SHARDD_RETURN_IF_ERROR(kc::GroupedExpertsBackward(
-          dims, ExpertOptions(), w_gu, w_d, a.dx.data(), a.dn.data(),
+          dims, expert_options, w_gu, w_d, a.dx.data(), a.dn.data(),
           /*accumulate_dx=*/false, a.dweights.as<float>(), dw_gu, dw_d,
-          la.experts.workspace, cublas, stream));
+          bias_grads, la.experts.workspace, cublas, stream));
       ReleaseExpertSlot(&la.experts);
       return absl::OkStatus();
     }
@@ -344,17 +367,31 @@ absl::Status ModelState::Backward(const Command& c,
         SHARDD_ASSIGN_OR_RETURN(const T* gw,
                                 Param<T>(params, spec.gate, &temps));
         SHARDD_ASSIGN_OR_RETURN(float* dgw, Grad(params, spec.gate));
-        const kc::RouterDims dims{t, dim, spec.experts, top_k,
-                                  renormalize_topk};
+        float* dgb = nullptr;
+        if (spec.router_bias) {
+          SHARDD_ASSIGN_OR_RETURN(dgb, Grad(params, spec.gate_bias));
+        }
+        const kc::RouterDims dims = RouterDimsOf(spec, t);
+        // The load-balancing loss's logit gradient joins the router's.
+        DeviceBuffer aux_d_logits;
+        if (aux_on()) {
+          SHARDD_ASSIGN_OR_RETURN(aux_d_logits,
+                                  Alloc(t * aux_experts * sizeof(float)));
+          SHARDD_RETURN_IF_ERROR(
+              AuxLogitGrad(a, la, dims, aux_d_logits.as<float>()));
+        }
         const size_t ws_bytes =
             kc::RouterBackwardWorkspaceBytes(dims, kc::DTypeOf<T>::value);
         SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws, Alloc(ws_bytes));
         SHARDD_RETURN_IF_ERROR(kc::RouterBackward(
             dims, la.normed.as<T>(), gw, a.dweights.as<float>(),
+            aux_d_logits.empty() ? nullptr : aux_d_logits.as<float>(),
             la.router_saved.data(),
             static_cast<size_t>(la.router_saved.bytes()), a.dn.as<T>(),
-            /*accumulate_dx=*/true, dgw, ws.data(), ws_bytes, cublas, stream));
+            /*accumulate_dx=*/true, dgw, dgb, ws.data(), ws_bytes, cublas,
+            stream));
         temps.push_back(std::move(ws));
+        temps.push_back(std::move(aux_d_logits));
       }
       // Residual: d(x_in) = d(x_out) + RMSNorm'(d normed); with attention
       // first through post_attention_layernorm (x_in is x_mid), then the
@@ -409,8 +446,8 @@ template absl::Status ModelState::Forward<uint16_t>(const Command& c,
                                                     DeviceParamSource* params);
 template absl::Status ModelState::Backward<float>(const Command& c,
                                                   DeviceParamSource* params);
-template absl::Status ModelState::Backward<uint16_t>(
-    const Command& c, DeviceParamSource* params);
+template absl::Status ModelState::Backward<uint16_t>(const Command& c,
+                                                     DeviceParamSource* params);
 
 }  // namespace device_moe_internal
 }  // namespace shardd

@@ -21,6 +21,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/bf16.h"
 #include "model/model_util.h"
+#include "testing/device_map_param_source.h"
 #include "testing/gpu.h"
 #include "testing/map_param_source.h"
 #include "testing/model_builder.h"
@@ -37,101 +38,7 @@ using ::testing::HasSubstr;
 // The CPU reference's parameters and gradients.
 using HostSource = ::shardd::testing_util::MapParamSource;
 
-// Device copies of the same values (fp32, or bf16 rounded from them) and
-// fp32 gradient buffers, in plain cudaMalloc memory (not the model's
-// allocator, whose backend calls the test counts).
-class TestDeviceSource : public DeviceParamSource {
- public:
-  ~TestDeviceSource() override {
-    for (auto& [name, p] : params_) {
-      cudaFree(p.data);
-      cudaFree(p.grad);
-    }
-  }
-
-  void Add(const std::string& name, const std::vector<float>& values,
-           DeviceDType dtype, bool frozen) {
-    Entry& e = params_[name];
-    e.dtype = dtype;
-    e.numel = static_cast<int64_t>(values.size());
-    e.frozen = frozen;
-    if (dtype == DeviceDType::kFloat32) {
-      ASSERT_EQ(cudaMalloc(&e.data, values.size() * sizeof(float)),
-                cudaSuccess);
-      ASSERT_EQ(cudaMemcpy(e.data, values.data(), values.size() * sizeof(float),
-                           cudaMemcpyHostToDevice),
-                cudaSuccess);
-    } else {
-      std::vector<uint16_t> bits(values.size());
-      kernels::Fp32ToBf16Array(values.data(), bits.data(), e.numel);
-      ASSERT_EQ(cudaMalloc(&e.data, bits.size() * sizeof(uint16_t)),
-                cudaSuccess);
-      ASSERT_EQ(cudaMemcpy(e.data, bits.data(), bits.size() * sizeof(uint16_t),
-                           cudaMemcpyHostToDevice),
-                cudaSuccess);
-    }
-    if (!frozen) {
-      ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&e.grad),
-                           values.size() * sizeof(float)),
-                cudaSuccess);
-    }
-  }
-
-  void ZeroGrads() {
-    for (auto& [name, e] : params_) {
-      if (e.grad != nullptr) {
-        ASSERT_EQ(cudaMemset(e.grad, 0, e.numel * sizeof(float)), cudaSuccess);
-      }
-    }
-  }
-
-  // Synchronous (the test waits; the model never does).
-  std::map<std::string, std::vector<float>> Grads() {
-    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    std::map<std::string, std::vector<float>> out;
-    for (auto& [name, e] : params_) {
-      if (e.grad == nullptr) continue;
-      std::vector<float>& v = out[name];
-      v.resize(e.numel);
-      EXPECT_EQ(cudaMemcpy(v.data(), e.grad, e.numel * sizeof(float),
-                           cudaMemcpyDeviceToHost),
-                cudaSuccess);
-    }
-    return out;
-  }
-
-  absl::StatusOr<DeviceTensor> Param(const std::string& name,
-                                     void* /*stream*/) override {
-    auto it = params_.find(name);
-    if (it == params_.end()) return absl::NotFoundError(name);
-    DeviceTensor t;
-    t.data = it->second.data;
-    t.dtype = it->second.dtype;
-    t.numel = it->second.numel;
-    return t;
-  }
-
-  absl::StatusOr<float*> Grad(const std::string& name,
-                              void* /*stream*/) override {
-    auto it = params_.find(name);
-    if (it == params_.end()) return absl::NotFoundError(name);
-    if (it->second.frozen) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("gradient of frozen '", name, "' requested"));
-    }
-    return it->second.grad;
-  }
-
- private:
-  struct Entry {
-    void* data = nullptr;
-    float* grad = nullptr;
-    DeviceDType dtype = DeviceDType::kFloat32;
-    int64_t numel = 0;
-    bool frozen = false;
-  };
-  std::map<std::string, Entry> params_;
-};
+using TestDeviceSource = ::shardd::testing_util::TestDeviceSource;
 
 struct SpecShape {
   int64_t vocab = 37;
