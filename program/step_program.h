@@ -52,9 +52,11 @@ absl::StatusOr<v1::StepProgram> CompileStepProgram(
 //   - FORWARD/BACKWARD: exactly the next computation of the step in order
 //     (per micro-batch: the forward passes, each EMBED, then LAYER and, for
 //     layers with experts, EXPERTS of every layer, then HEAD; then the
-//     grad passes in reverse, each HEAD, then every layer in reverse
-//     [EXPERTS,] LAYER, then EMBED), FORWARD's requires_grad equal to
-//     pass >= no_grad_passes, every owner of the part gathered and waited,
+//     grad passes in the pass layout's backward order (pass_layout.h; the
+//     last first), each HEAD, then every layer in reverse [EXPERTS,] LAYER,
+//     then EMBED), FORWARD's requires_grad as the pass layout says (pass >=
+//     no_grad_passes, or DiffusionGemma's 3-pass step: only pass 1 builds no
+//     graph), every owner of the part gathered and waited,
 //     and for BACKWARD the gradient of every trainable owner allocated;
 //   - OPTIMIZER_STEP once, last, after every computation, with every unit
 //     resharded and every unsharded gradient reduce-scattered.
