@@ -6,6 +6,7 @@
 
 #include <vector>
 
+#include "program/pass_layout.h"
 #include "proto/worker.pb.h"
 
 namespace shardd {
@@ -51,6 +52,46 @@ inline std::vector<v1::Command> ModelStepCommands(
         add(v1::Command::BACKWARD, v1::Command::LAYER, l, p, m, true);
       }
       add(v1::Command::BACKWARD, v1::Command::EMBED, -1, p, m, true);
+    }
+  }
+  return out;
+}
+
+// The same for a pass layout (program/pass_layout.h): every pass forward
+// (requires_grad as the layout says), then the backwards in its order.
+inline std::vector<v1::Command> ModelStepCommands(
+    const std::vector<bool>& layer_has_moe, const PassLayout& layout,
+    int microbatches) {
+  std::vector<v1::Command> out;
+  const int layers = static_cast<int>(layer_has_moe.size());
+  auto add = [&](v1::Command::Op op, v1::Command::Part part, int layer,
+                 int pass, int mb) {
+    v1::Command c;
+    c.set_op(op);
+    c.set_part(part);
+    c.set_layer(layer);
+    c.set_pass(pass);
+    c.set_microbatch(mb);
+    c.set_requires_grad(op == v1::Command::BACKWARD ||
+                        layout.requires_grad(pass));
+    out.push_back(c);
+  };
+  for (int m = 0; m < microbatches; ++m) {
+    for (int p = 0; p < layout.passes(); ++p) {
+      add(v1::Command::FORWARD, v1::Command::EMBED, -1, p, m);
+      for (int l = 0; l < layers; ++l) {
+        add(v1::Command::FORWARD, v1::Command::LAYER, l, p, m);
+        if (layer_has_moe[l]) add(v1::Command::FORWARD, v1::Command::EXPERTS, l, p, m);
+      }
+      add(v1::Command::FORWARD, v1::Command::HEAD, -1, p, m);
+    }
+    for (int p : layout.backward_order()) {
+      add(v1::Command::BACKWARD, v1::Command::HEAD, -1, p, m);
+      for (int l = layers - 1; l >= 0; --l) {
+        if (layer_has_moe[l]) add(v1::Command::BACKWARD, v1::Command::EXPERTS, l, p, m);
+        add(v1::Command::BACKWARD, v1::Command::LAYER, l, p, m);
+      }
+      add(v1::Command::BACKWARD, v1::Command::EMBED, -1, p, m);
     }
   }
   return out;

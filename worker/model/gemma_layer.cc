@@ -17,7 +17,7 @@ int64_t GemmaLayerActs::bytes() const {
         &q, &k, &v, &o, &lse, &attn, &post_inv, &m, &pre_inv, &dense_in,
         &dense_out, &post1_inv, &r_inv, &r_norm, &r_in, &pre2_inv,
         &experts_in, &experts_out, &post2_inv, &sum, &post_ff_inv, &weights,
-        &dm, &dsum, &dweights}) {
+        &dm, &dsum, &dweights, &kv_k, &kv_v, &dk_ext, &dv_ext}) {
     floats += v->capacity();
   }
   return static_cast<int64_t>(floats * sizeof(float) +
@@ -57,10 +57,11 @@ absl::Status GemmaLayerBlock::AddGrad(ParamSource* params, const ArchTensor& t,
 
 absl::Status GemmaLayerBlock::Rotate(const MoeLayerSpec& layer,
                                      std::vector<float>* x, int64_t tokens,
-                                     int64_t seq, int64_t heads, bool inverse) {
+                                     int64_t seq, int64_t heads, bool inverse,
+                                     int64_t offset) {
   positions_.resize(tokens);
   for (int64_t t = 0; t < tokens; ++t) {
-    positions_[t] = static_cast<int32_t>(t % seq);
+    positions_[t] = static_cast<int32_t>(t % seq + offset);
   }
   kernels::RopeShape shape;
   shape.tokens = tokens;
@@ -72,12 +73,20 @@ absl::Status GemmaLayerBlock::Rotate(const MoeLayerSpec& layer,
                              positions_.data(), x->data(), inverse);
 }
 
+int64_t GemmaLayerBlock::EncoderLow(const MoeLayerSpec& layer,
+                                    const GemmaDecode& d) const {
+  if (!layer.sliding) return 0;
+  return std::max<int64_t>(0, d.prefix - arch_->sliding_window + 1);
+}
+
 kernels::AttentionDims GemmaLayerBlock::Dims(const MoeLayerSpec& layer,
-                                             int64_t batch, int64_t seq) const {
+                                             int64_t batch, int64_t seq,
+                                             const GemmaDecode* decode) const {
   kernels::AttentionDims d;
   d.batch = batch;
   d.q_len = seq;
   d.kv_len = seq;
+  if (decode != nullptr) d.kv_len += decode->prefix - EncoderLow(layer, *decode);
   d.q_heads = arch_->q_heads;
   d.kv_heads = layer.layer_kv_heads;
   d.head_dim = layer.layer_head_dim;
@@ -85,7 +94,7 @@ kernels::AttentionDims GemmaLayerBlock::Dims(const MoeLayerSpec& layer,
 }
 
 kernels::AttentionOptions GemmaLayerBlock::Options(
-    const MoeLayerSpec& layer) const {
+    const MoeLayerSpec& layer, const GemmaDecode* decode) const {
   kernels::AttentionOptions o;
   // Gemma 4's scaling is 1.0: q_norm and k_norm carry the scale.
   o.scale = static_cast<float>(
@@ -94,17 +103,78 @@ kernels::AttentionOptions GemmaLayerBlock::Options(
   o.mask = layer.sliding ? kernels::AttentionMask::kSlidingWindow
                          : kernels::AttentionMask::kCausal;
   o.window = arch_->sliding_window;
+  // The keys a decode is given are exactly those its mask allows.
+  if (decode != nullptr) o.mask = kernels::AttentionMask::kBidirectional;
   return o;
+}
+
+absl::Status GemmaLayerBlock::ComposeKeys(const MoeLayerSpec& layer,
+                                          const GemmaDecode& d, int64_t batch,
+                                          int64_t seq, GemmaLayerActs* a) {
+  const int64_t row = layer.layer_kv_heads * layer.layer_head_dim;
+  const int64_t lo = EncoderLow(layer, d), enc = d.prefix - lo;
+  const int64_t len = enc + seq;
+  const GemmaLayerActs& e = *d.encoder;
+  if (static_cast<int64_t>(e.k.size()) != batch * d.encoder_seq * row ||
+      d.prefix > d.encoder_seq) {
+    return absl::FailedPreconditionError(
+        "decode: the encode's K/V of this layer do not match the batch");
+  }
+  a->kv_k.resize(batch * len * row);
+  a->kv_v.resize(batch * len * row);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t src = (b * d.encoder_seq + lo) * row, dst = b * len * row;
+    std::copy_n(e.k.data() + src, enc * row, a->kv_k.data() + dst);
+    std::copy_n(e.v.data() + src, enc * row, a->kv_v.data() + dst);
+    std::copy_n(a->k.data() + b * seq * row, seq * row,
+                a->kv_k.data() + dst + enc * row);
+    std::copy_n(a->v.data() + b * seq * row, seq * row,
+                a->kv_v.data() + dst + enc * row);
+  }
+  return absl::OkStatus();
+}
+
+void GemmaLayerBlock::SplitKeyGrads(const MoeLayerSpec& layer,
+                                    const GemmaDecode& d, int64_t batch,
+                                    int64_t seq) {
+  const int64_t row = layer.layer_kv_heads * layer.layer_head_dim;
+  const int64_t lo = EncoderLow(layer, d), enc = d.prefix - lo;
+  const int64_t len = enc + seq;
+  GemmaLayerActs& e = *d.encoder;
+  const int64_t n = batch * d.encoder_seq * row;
+  if (static_cast<int64_t>(e.dk_ext.size()) != n) {
+    e.dk_ext.assign(n, 0.0f);
+    e.dv_ext.assign(n, 0.0f);
+  }
+  std::vector<float> dk(batch * seq * row), dv(batch * seq * row);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t src = b * len * row, dst = (b * d.encoder_seq + lo) * row;
+    for (int64_t i = 0; i < enc * row; ++i) {
+      e.dk_ext[dst + i] += dk_[src + i];
+      e.dv_ext[dst + i] += dv_[src + i];
+    }
+    std::copy_n(dk_.data() + src + enc * row, seq * row,
+                dk.data() + b * seq * row);
+    std::copy_n(dv_.data() + src + enc * row, seq * row,
+                dv.data() + b * seq * row);
+  }
+  dk_.swap(dk);
+  dv_.swap(dv);
 }
 
 absl::Status GemmaLayerBlock::ForwardLayer(const MoeLayerSpec& layer,
                                            ParamSource* params, const float* x,
                                            int64_t batch, int64_t seq,
-                                           GemmaLayerActs* a) {
+                                           GemmaLayerActs* a,
+                                           const GemmaDecode* decode) {
   const int64_t t = batch * seq, d = arch_->dim, hq = arch_->q_heads;
   const int64_t hkv = layer.layer_kv_heads, hd = layer.layer_head_dim;
   const float eps = arch_->eps;
-  SHARDD_RETURN_IF_ERROR(Prepare(seq));
+  const int64_t offset = decode == nullptr ? 0 : decode->prefix;
+  SHARDD_RETURN_IF_ERROR(Prepare(seq + offset));
+  // A new forward: no decode has read these K/V yet.
+  a->dk_ext.clear();
+  a->dv_ext.clear();
   SHARDD_ASSIGN_OR_RETURN(const float* w_in, params->Param(layer.norm.name));
   a->x_in.assign(x, x + t * d);
   a->in_inv.resize(t);
@@ -145,13 +215,20 @@ absl::Status GemmaLayerBlock::ForwardLayer(const MoeLayerSpec& layer,
   SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(a->v_pre.data(), Ones(hd),
                                                  t * hkv, hd, eps, a->v.data(),
                                                  a->v_inv.data()));
-  SHARDD_RETURN_IF_ERROR(Rotate(layer, &a->q, t, seq, hq, false));
-  SHARDD_RETURN_IF_ERROR(Rotate(layer, &a->k, t, seq, hkv, false));
+  SHARDD_RETURN_IF_ERROR(Rotate(layer, &a->q, t, seq, hq, false, offset));
+  SHARDD_RETURN_IF_ERROR(Rotate(layer, &a->k, t, seq, hkv, false, offset));
+  const float* keys = a->k.data();
+  const float* values = a->v.data();
+  if (decode != nullptr) {
+    SHARDD_RETURN_IF_ERROR(ComposeKeys(layer, *decode, batch, seq, a));
+    keys = a->kv_k.data();
+    values = a->kv_v.data();
+  }
   a->o.resize(t * hq * hd);
   a->lse.resize(batch * hq * seq);
   SHARDD_RETURN_IF_ERROR(kernels::AttentionForward(
-      Dims(layer, batch, seq), Options(layer), a->q.data(), a->k.data(),
-      a->v.data(), a->o.data(), a->lse.data(), &ws_));
+      Dims(layer, batch, seq, decode), Options(layer, decode), a->q.data(),
+      keys, values, a->o.data(), a->lse.data(), &ws_));
   a->attn.resize(t * d);
   SHARDD_RETURN_IF_ERROR(
       kernels::LinearForward(a->o.data(), wo, t, hq * hd, d, a->attn.data()));
@@ -299,7 +376,8 @@ absl::Status GemmaLayerBlock::BackwardExperts(const MoeLayerSpec& layer,
 absl::Status GemmaLayerBlock::BackwardLayer(const MoeLayerSpec& layer,
                                             ParamSource* params, int64_t batch,
                                             int64_t seq, GemmaLayerActs* a,
-                                            float* dx) {
+                                            float* dx,
+                                            const GemmaDecode* decode) {
   const int64_t t = batch * seq, d = arch_->dim, hq = arch_->q_heads;
   const int64_t hkv = layer.layer_kv_heads, hd = layer.layer_head_dim;
   // The dense branch, from d(h1 + h2).
@@ -385,15 +463,30 @@ absl::Status GemmaLayerBlock::BackwardLayer(const MoeLayerSpec& layer,
       a->o.data(), wo, g_.data(), t, hq * hd, d, do_.data(), false,
       layer.o_proj.frozen ? nullptr : grad_.data()));
   SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.o_proj, grad_));
+  const kernels::AttentionDims dims = Dims(layer, batch, seq, decode);
+  const int64_t kv_rows = batch * dims.kv_len * hkv * hd;
   dq_.assign(t * hq * hd, 0.0f);
-  dk_.assign(t * hkv * hd, 0.0f);
-  dv_.assign(t * hkv * hd, 0.0f);
+  dk_.assign(kv_rows, 0.0f);
+  dv_.assign(kv_rows, 0.0f);
   SHARDD_RETURN_IF_ERROR(kernels::AttentionBackward(
-      Dims(layer, batch, seq), Options(layer), a->q.data(), a->k.data(),
-      a->v.data(), a->o.data(), a->lse.data(), do_.data(), dq_.data(),
-      dk_.data(), dv_.data(), nullptr, &ws_));
-  SHARDD_RETURN_IF_ERROR(Rotate(layer, &dq_, t, seq, hq, true));
-  SHARDD_RETURN_IF_ERROR(Rotate(layer, &dk_, t, seq, hkv, true));
+      dims, Options(layer, decode), a->q.data(),
+      decode != nullptr ? a->kv_k.data() : a->k.data(),
+      decode != nullptr ? a->kv_v.data() : a->v.data(), a->o.data(),
+      a->lse.data(), do_.data(), dq_.data(), dk_.data(), dv_.data(), nullptr,
+      &ws_));
+  if (decode != nullptr) SplitKeyGrads(layer, *decode, batch, seq);
+  if (!a->dk_ext.empty()) {
+    // The encode: the decode's gradients of the same (post-RoPE) k and v.
+    for (int64_t i = 0; i < t * hkv * hd; ++i) {
+      dk_[i] += a->dk_ext[i];
+      dv_[i] += a->dv_ext[i];
+    }
+    a->dk_ext.clear();
+    a->dv_ext.clear();
+  }
+  const int64_t offset = decode == nullptr ? 0 : decode->prefix;
+  SHARDD_RETURN_IF_ERROR(Rotate(layer, &dq_, t, seq, hq, true, offset));
+  SHARDD_RETURN_IF_ERROR(Rotate(layer, &dk_, t, seq, hkv, true, offset));
   std::vector<float> dq_pre(t * hq * hd), dk_pre(t * hkv * hd),
       dv_pre(t * hkv * hd);
   grad_.assign(hd, 0.0f);

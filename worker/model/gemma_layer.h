@@ -26,6 +26,13 @@
 // num_global_key_value_heads and `rope` (proportional), causal. The router's
 // scale and proj and layer_scalar are frozen in the released model (their
 // gradients are dropped); the gradient still flows through the router into m.
+//
+// Block diffusion (docs/model-spec.md): the encode is the causal pass above
+// and keeps k and v; a decode (GemmaDecode) runs the canvas queries at
+// positions prefix + j against [encoder K/V rows lo..prefix-1 ; canvas K/V],
+// every key visible (the block-causal training mask with one canvas block:
+// lo = 0 on full layers, prefix - sliding_window + 1 on sliding ones), and
+// its backward adds the encoder rows' K/V gradients to the encode's acts.
 
 #include <cstdint>
 #include <vector>
@@ -61,7 +68,20 @@ struct GemmaLayerActs {
   // Between BACKWARD(EXPERTS) and BACKWARD(LAYER): the gradients of m, of
   // h1 + h2 and of the routing weights.
   std::vector<float> dm, dsum, dweights;
+  // A decode's keys and values [B, L, Hkv, Dh]: the encoder rows, then the
+  // canvas's.
+  std::vector<float> kv_k, kv_v;
+  // The encode's: gradients of k and v [B, S, Hkv, Dh] from the decode
+  // (empty: none), added by its BACKWARD(LAYER).
+  std::vector<float> dk_ext, dv_ext;
   int64_t bytes() const;
+};
+
+// A decode's view of the encode (the same layer's acts).
+struct GemmaDecode {
+  int64_t prefix = 0;        // P: canvas query j sits at position P + j.
+  int64_t encoder_seq = 0;   // S: rows per sequence of encoder->k / v.
+  GemmaLayerActs* encoder = nullptr;
 };
 
 class GemmaLayerBlock {
@@ -73,10 +93,12 @@ class GemmaLayerBlock {
   // max_position_embeddings.
   absl::Status Prepare(int64_t seq);
 
-  // LAYER: reads x [T, D] (the layer's input), fills `acts`.
+  // LAYER: reads x [T, D] (the layer's input), fills `acts`. With
+  // `decode`, seq is the canvas length and the keys include the encoder's.
   absl::Status ForwardLayer(const MoeLayerSpec& layer, ParamSource* params,
                             const float* x, int64_t batch, int64_t seq,
-                            GemmaLayerActs* acts);
+                            GemmaLayerActs* acts,
+                            const GemmaDecode* decode = nullptr);
   // EXPERTS: writes the layer's output to x [T, D].
   absl::Status ForwardExperts(const MoeLayerSpec& layer, ParamSource* params,
                               int64_t tokens, GemmaLayerActs* acts, float* x);
@@ -85,19 +107,32 @@ class GemmaLayerBlock {
                                int64_t tokens, const float* dx,
                                GemmaLayerActs* acts);
   // BACKWARD(LAYER): dx [T, D] becomes the gradient of the layer's input.
+  // With `decode` (the forward's), decode->encoder's dk_ext / dv_ext gain
+  // the encoder rows' gradients.
   absl::Status BackwardLayer(const MoeLayerSpec& layer, ParamSource* params,
                              int64_t batch, int64_t seq, GemmaLayerActs* acts,
-                             float* dx);
+                             float* dx, const GemmaDecode* decode = nullptr);
 
  private:
   absl::Status AddGrad(ParamSource* params, const ArchTensor& t,
                        const std::vector<float>& g);
   absl::Status Rotate(const MoeLayerSpec& layer, std::vector<float>* x,
-                      int64_t tokens, int64_t seq, int64_t heads,
-                      bool inverse);
+                      int64_t tokens, int64_t seq, int64_t heads, bool inverse,
+                      int64_t offset = 0);
   kernels::AttentionDims Dims(const MoeLayerSpec& layer, int64_t batch,
-                              int64_t seq) const;
-  kernels::AttentionOptions Options(const MoeLayerSpec& layer) const;
+                              int64_t seq, const GemmaDecode* decode) const;
+  kernels::AttentionOptions Options(const MoeLayerSpec& layer,
+                                    const GemmaDecode* decode) const;
+  // A decode's keys and values into a->kv_k / kv_v; FAILED_PRECONDITION
+  // when the encode's do not fit the batch.
+  absl::Status ComposeKeys(const MoeLayerSpec& layer, const GemmaDecode& d,
+                           int64_t batch, int64_t seq, GemmaLayerActs* a);
+  // Moves the encoder rows of dk_ / dv_ (the composed keys') into
+  // d.encoder's dk_ext / dv_ext and leaves the canvas rows in dk_ / dv_.
+  void SplitKeyGrads(const MoeLayerSpec& layer, const GemmaDecode& d,
+                     int64_t batch, int64_t seq);
+  // The first encoder row a decode's canvas sees on this layer.
+  int64_t EncoderLow(const MoeLayerSpec& layer, const GemmaDecode& d) const;
   // x [rows, dim] through an RMSNorm without weight (ones_).
   const float* Ones(int64_t dim);
 

@@ -42,11 +42,16 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Create(
   impl->attention = std::make_unique<AttentionBlock>(impl.get());
   impl->mla = std::make_unique<MlaBlock>(impl.get());
   impl->gemma_block = std::make_unique<GemmaLayerBlock>(impl.get());
-  if (impl->gemma && options.passes != 1) {
+  if (impl->gemma && options.passes == 3 && options.no_grad_passes == 1) {
+    impl->diffusion = true;
+    SHARDD_RETURN_IF_ERROR(
+        impl->TakeSelfConditioning(model.dims().canvas_length()));
+  } else if (impl->gemma && options.passes != 1) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "DiffusionGemma: the CPU model computes the causal pass only (1 pass "
-        "per step; the block-diffusion passes are not implemented), got ",
-        options.passes, " passes"));
+        "DiffusionGemma: the CPU model computes the causal pass (1 pass) or "
+        "the block-diffusion step (3 passes, 1 without gradients), got ",
+        options.passes, " passes, ", options.no_grad_passes,
+        " without gradients"));
   }
   impl->order = std::make_unique<ModelCommandOrder>(
       PassLayout::For(impl->gemma ? kBlockDiffusionArchitecture : "",
@@ -79,6 +84,39 @@ absl::Status MoeModel::SetBatch(int microbatch, const int32_t* inputs,
   b.inputs.assign(inputs, inputs + b.tokens);
   b.targets.assign(targets, targets + b.tokens);
   b.counted = counted;
+  if (m.diffusion) {
+    if (seq <= m.canvas) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "seq: DiffusionGemma's 3-pass step needs more than canvas_length (",
+          m.canvas, ") tokens per sequence (the encoder keys before the "
+          "canvas), got ", seq));
+    }
+    // The encoder's pairs: logits 0..S-2 against tokens 1..S-1.
+    b.ar_targets = b.targets;
+    b.ar_counted = 0;
+    for (int64_t r = 0; r < batch; ++r) {
+      b.ar_targets[r * seq + seq - 1] = -1;
+      for (int64_t i = 0; i < seq; ++i) b.ar_counted += b.ar_targets[r * seq + i] >= 0;
+    }
+    b.step = 0;
+    if (!m.hold_self_conditioning) b.sc_probs.clear();
+    b.sequence_indices.resize(batch);
+    for (int64_t r = 0; r < batch; ++r) b.sequence_indices[r] = microbatch * batch + r;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status MoeModel::SetSequenceKeys(int microbatch, int64_t step,
+                                       const int64_t* sequence_indices) {
+  Impl& m = *impl_;
+  if (microbatch < 0 || microbatch >= m.options.microbatches ||
+      m.batches[microbatch].tokens == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "SetSequenceKeys: micro-batch ", microbatch, " has no batch"));
+  }
+  Batch& b = m.batches[microbatch];
+  b.step = step;
+  b.sequence_indices.assign(sequence_indices, sequence_indices + b.batch);
   return absl::OkStatus();
 }
 
@@ -98,6 +136,7 @@ absl::Status MoeModel::Run(const v1::Command& command, ParamSource* params) {
 }
 
 absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
+  if (diffusion) return DiffusionForward(c, params);
   const int pass = c.pass();
   const int mb = c.microbatch();
   PassActs& a = Acts(pass, mb);
@@ -259,6 +298,7 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
 }
 
 absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
+  if (diffusion) return DiffusionBackward(c, params);
   const int pass = c.pass();
   const int mb = c.microbatch();
   PassActs& a = Acts(pass, mb);
@@ -481,7 +521,15 @@ int64_t MoeModel::activation_bytes() const {
                                    a.aux_d_logits.capacity()) *
                                   sizeof(float));
   }
+  bytes += impl_->sc.bytes();
+  for (const Batch& b : impl_->batches) {
+    bytes += static_cast<int64_t>(b.sc_probs.capacity() * sizeof(float));
+  }
   return bytes;
+}
+
+void MoeModel::HoldSelfConditioningForTest(bool hold) {
+  impl_->hold_self_conditioning = hold;
 }
 
 bool MoeModel::router_aux_loss() const { return impl_->aux_on(); }

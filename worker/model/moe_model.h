@@ -89,6 +89,21 @@ class MoeModel {
   absl::Status SetBatch(int microbatch, const int32_t* inputs,
                         const int32_t* targets, int64_t batch, int64_t seq);
 
+  // DiffusionGemma's 3-pass step: the keys of micro-batch `microbatch`'s
+  // canvas noise (block_diffusion.h), the optimizer step and each row's
+  // global sequence index [batch], so that every data-parallel layout draws
+  // the same canvases. Call after SetBatch (which defaults to step 0 and
+  // microbatch * batch + row); other models ignore them.
+  // Errors: FAILED_PRECONDITION without the micro-batch's SetBatch.
+  absl::Status SetSequenceKeys(int microbatch, int64_t step,
+                               const int64_t* sequence_indices);
+
+  // Tests only: keeps each micro-batch's self-conditioning distribution
+  // (pass 1's softmax, detached in the gradient) from the next step that
+  // computes it on, so that finite differences of the step's loss see the
+  // function the gradient is of.
+  void HoldSelfConditioningForTest(bool hold);
+
   // Runs one FORWARD or BACKWARD command. `command.part`, `layer`, `pass`,
   // `microbatch` and `requires_grad` say what to compute.
   // Errors: INVALID_ARGUMENT (part/layer/pass out of range),

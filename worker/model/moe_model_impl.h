@@ -17,6 +17,7 @@
 #include "kernels/cpu/router.h"
 #include "proto/worker.pb.h"
 #include "worker/model/attention_block.h"
+#include "worker/model/block_diffusion.h"
 #include "worker/model/command_order.h"
 #include "worker/model/gemma_layer.h"
 #include "worker/model/mla_block.h"
@@ -81,6 +82,34 @@ struct Batch {
   int64_t seq = 0;    // Tokens per sequence
   int64_t tokens = 0;
   int64_t counted = 0;  // Non-ignored targets.
+  // Block diffusion: the noise keys (SetSequenceKeys; by default step 0 and
+  // microbatch * batch + row), the encoder's targets (inputs shifted by one,
+  // the last position ignored), their count, and the canvas.
+  int64_t step = 0;
+  std::vector<int64_t> sequence_indices;
+  std::vector<int32_t> ar_targets;
+  int64_t ar_counted = 0;
+  DiffusionCanvas canvas;
+  // Pass 1's softmax of the soft-capped logits [B * R, V], detached.
+  std::vector<float> sc_probs;
+};
+
+// The self-conditioning block's activations (the decode's input, pass 2).
+struct SelfConditioningActs {
+  std::vector<float> e;         // [T, D] scaled canvas embeddings
+  std::vector<float> signal;    // [T, D] probs @ E * scale, 0 without coin
+  std::vector<float> p, p_inv;  // pre_norm(signal)
+  std::vector<float> mlp_out;   // [T, D]
+  std::vector<float> sum, sum_inv;  // e + mlp_out, post_norm's
+  kernels::DenseMlpWorkspace mlp;
+  int64_t bytes() const {
+    return static_cast<int64_t>(
+        (e.capacity() + signal.capacity() + p.capacity() +
+         p_inv.capacity() + mlp_out.capacity() + sum.capacity() +
+         sum_inv.capacity()) *
+            sizeof(float) +
+        mlp.bytes());
+  }
 };
 
 }  // namespace moe_model_internal
@@ -88,6 +117,7 @@ struct Batch {
 using moe_model_internal::Batch;
 using moe_model_internal::LayerActs;
 using moe_model_internal::PassActs;
+using moe_model_internal::SelfConditioningActs;
 
 // The architecture's fields (vocab, dim, layers, ...) are the model's.
 struct MoeModel::Impl : MoeArchitecture {
@@ -107,6 +137,14 @@ struct MoeModel::Impl : MoeArchitecture {
   std::unique_ptr<AttentionBlock> attention;
   std::unique_ptr<MlaBlock> mla;
   std::unique_ptr<GemmaLayerBlock> gemma_block;
+  // DiffusionGemma's block-diffusion step (3 passes): the canvas length and
+  // model.self_conditioning's tensors.
+  bool diffusion = false;
+  int64_t canvas = 0;
+  Tensor sc_pre_norm, sc_gate, sc_up, sc_down;
+  int64_t sc_inter = 0;
+  SelfConditioningActs sc;
+  bool hold_self_conditioning = false;  // HoldSelfConditioningForTest
   double loss_sum = 0.0;  // Sum of per-(pass, micro-batch) mean losses.
   int loss_terms = 0;
   int64_t tokens = 0;
@@ -157,6 +195,17 @@ struct MoeModel::Impl : MoeArchitecture {
 
   absl::Status Forward(const Command& c, ParamSource* params);
   absl::Status Backward(const Command& c, ParamSource* params);
+  // The block-diffusion step's commands (moe_model_diffusion.cc).
+  absl::Status DiffusionForward(const Command& c, ParamSource* params);
+  absl::Status DiffusionBackward(const Command& c, ParamSource* params);
+  absl::Status SelfConditioningForward(int pass, Batch* batch,
+                                       ParamSource* params, PassActs* a);
+  absl::Status SelfConditioningBackward(const Batch& batch,
+                                        ParamSource* params, PassActs* a);
+  absl::Status DiffusionHeadBackward(int pass, const Batch& batch,
+                                     ParamSource* params, PassActs* a);
+  // Reads model.self_conditioning from `unused` (they train in pass 2).
+  absl::Status TakeSelfConditioning(int64_t canvas_length);
 };
 
 }  // namespace shardd

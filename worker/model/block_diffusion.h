@@ -1,0 +1,48 @@
+#ifndef SHARDD_WORKER_MODEL_BLOCK_DIFFUSION_H_
+#define SHARDD_WORKER_MODEL_BLOCK_DIFFUSION_H_
+
+// DiffusionGemma's block-diffusion step (docs/model-spec.md): the canvas of
+// a sequence, its D3PM-uniform noise and the self-conditioning coin, drawn
+// from counter-based streams keyed by (step, global sequence index) so that
+// every data-parallel layout sees the same canvases.
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace shardd {
+
+// NeMo AutoModel's defaults (corrupt_uniform_random's eps,
+// self_conditioning_p, encoder_loss_weight).
+inline constexpr double kDiffusionNoiseEps = 1e-3;
+inline constexpr double kSelfConditioningP = 0.5;
+inline constexpr double kEncoderLossWeight = 1.0;
+
+// StreamSeed domains (worker/data/rng.h keeps 1..5 for the data pipeline).
+inline constexpr uint64_t kDiffusionNoiseDomain = 16;
+inline constexpr uint64_t kSelfConditioningDomain = 17;
+
+struct DiffusionCanvas {
+  std::vector<int32_t> clean;     // [B, R] the last R input tokens
+  std::vector<int32_t> noised;    // [B, R]
+  std::vector<uint8_t> self_cond; // [B] the coin
+};
+
+// For inputs [batch, seq] with `sequence_indices` [batch] (global indices)
+// at optimizer step `step`: sequence b's stream SplitMix64(StreamSeed(step,
+// kDiffusionNoiseDomain, index_b)) draws t = eps + (1 - eps) u, then per
+// canvas position u and a token NextBelow(vocab) (both always drawn), the
+// token replacing the clean one when u < t; the coin is
+// SplitMix64(StreamSeed(step, kSelfConditioningDomain, index_b))
+// .NextDouble() < kSelfConditioningP.
+// INVALID_ARGUMENT unless 1 <= canvas < seq, vocab >= 1.
+absl::Status BuildDiffusionCanvas(const int32_t* inputs, int64_t batch,
+                                  int64_t seq, int64_t canvas, int64_t vocab,
+                                  int64_t step,
+                                  const int64_t* sequence_indices,
+                                  DiffusionCanvas* out);
+
+}  // namespace shardd
+
+#endif  // SHARDD_WORKER_MODEL_BLOCK_DIFFUSION_H_

@@ -1,0 +1,78 @@
+#include "worker/model/block_diffusion.h"
+
+#include <cstdint>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace shardd {
+namespace {
+
+std::vector<int32_t> Ramp(int64_t rows, int64_t seq) {
+  std::vector<int32_t> v(rows * seq);
+  for (int64_t i = 0; i < rows * seq; ++i) v[i] = static_cast<int32_t>(i % 7);
+  return v;
+}
+
+TEST(BlockDiffusionTest, CanvasIsTheLastTokensAndNoiseFollowsTheGlobalIndex) {
+  const int64_t seq = 12, canvas = 5, vocab = 1000;
+  const std::vector<int32_t> inputs = Ramp(4, seq);
+  const std::vector<int64_t> all = {10, 11, 12, 13};
+  DiffusionCanvas whole;
+  ASSERT_TRUE(BuildDiffusionCanvas(inputs.data(), 4, seq, canvas, vocab, 3,
+                                   all.data(), &whole)
+                  .ok());
+  // The same sequences split over two ranks: rows 2..3 alone.
+  DiffusionCanvas half;
+  ASSERT_TRUE(BuildDiffusionCanvas(inputs.data() + 2 * seq, 2, seq, canvas,
+                                   vocab, 3, all.data() + 2, &half)
+                  .ok());
+  for (int64_t j = 0; j < 2 * canvas; ++j) {
+    EXPECT_EQ(half.noised[j], whole.noised[2 * canvas + j]);
+    EXPECT_EQ(half.clean[j], whole.clean[2 * canvas + j]);
+  }
+  EXPECT_EQ(half.self_cond[0], whole.self_cond[2]);
+  for (int64_t b = 0; b < 4; ++b) {
+    for (int64_t j = 0; j < canvas; ++j) {
+      EXPECT_EQ(whole.clean[b * canvas + j], inputs[b * seq + seq - canvas + j]);
+    }
+  }
+  // Another step draws other noise somewhere (a 1000-token vocabulary makes
+  // an accidental match of all 20 positions negligible).
+  DiffusionCanvas other;
+  ASSERT_TRUE(BuildDiffusionCanvas(inputs.data(), 4, seq, canvas, vocab, 4,
+                                   all.data(), &other)
+                  .ok());
+  EXPECT_NE(other.noised, whole.noised);
+}
+
+TEST(BlockDiffusionTest, NoiseLevelsCoverTheRangeAndCoinsAreFair) {
+  // Over many sequences the replaced fraction averages E[t] ~ 0.5 and the
+  // coin ~ 0.5 (binomial sd of 4000 draws: 0.008; bound 0.03).
+  const int64_t rows = 4000, seq = 3, canvas = 2, vocab = 1 << 20;
+  std::vector<int32_t> inputs(rows * seq, 0);
+  std::vector<int64_t> index(rows);
+  for (int64_t i = 0; i < rows; ++i) index[i] = i;
+  DiffusionCanvas c;
+  ASSERT_TRUE(BuildDiffusionCanvas(inputs.data(), rows, seq, canvas, vocab, 0,
+                                   index.data(), &c)
+                  .ok());
+  double replaced = 0, coins = 0;
+  for (int32_t t : c.noised) replaced += t != 0;
+  for (uint8_t s : c.self_cond) coins += s;
+  EXPECT_NEAR(replaced / (rows * canvas), 0.5, 0.03);
+  EXPECT_NEAR(coins / rows, 0.5, 0.03);
+}
+
+TEST(BlockDiffusionTest, NeedsEncoderKeysBeforeTheCanvas) {
+  const std::vector<int32_t> inputs = Ramp(1, 4);
+  const int64_t index = 0;
+  DiffusionCanvas c;
+  EXPECT_FALSE(
+      BuildDiffusionCanvas(inputs.data(), 1, 4, 4, 10, 0, &index, &c).ok());
+  EXPECT_FALSE(
+      BuildDiffusionCanvas(inputs.data(), 1, 4, 0, 10, 0, &index, &c).ok());
+}
+
+}  // namespace
+}  // namespace shardd
