@@ -1,6 +1,8 @@
 #include "worker/exec/step_executor.h"
 
 #include <algorithm>
+#include <fstream>
+#include <sstream>
 #include <atomic>
 #include <cmath>
 #include <map>
@@ -19,6 +21,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/adamw.h"
 #include "layout/param_init.h"
+#include "model/hf_config.h"
 #include "model/model_util.h"
 #include "planner/sharding_planner.h"
 #include "planner/strategy_registry.h"
@@ -179,7 +182,7 @@ void RunWorld(const v1::ShardingPlan& plan, Fn body) {
 }
 
 data::BatchSampler MakeSampler(const v1::ShardingPlan& plan,
-                               int64_t global_batch) {
+                               int64_t global_batch, int64_t seq = kSeq) {
   data::DataSourceOptions source_options;
   source_options.model_vocab_size = kVocab;
   source_options.seed = kSeed;
@@ -187,7 +190,7 @@ data::BatchSampler MakeSampler(const v1::ShardingPlan& plan,
   EXPECT_TRUE(source.ok()) << source.status();
   data::BatchSamplerOptions options;
   options.global_batch = global_batch;
-  options.seq_len = kSeq;
+  options.seq_len = seq;
   options.microbatches = plan.step().microbatches();
   options.ranks =
       plan.mesh().dp_shard() * std::max(1, plan.mesh().dp_replicate());
@@ -322,6 +325,7 @@ struct TrainOptions {
   // When set: every rank trains on this sampler's data-rank-0 micro-batches
   // instead of its own share of the global batch.
   const data::BatchSampler* shared_data = nullptr;
+  int64_t seq = kSeq;  // Tokens per sequence.
 };
 
 TrainOptions FineGrained() {
@@ -339,7 +343,7 @@ WorldRun Train(const v1::ModelSpec& model, const v1::ShardingPlan& plan,
   absl::StatusOr<v1::StepProgram> compiled = CompileStepProgram(plan);
   EXPECT_TRUE(compiled.ok()) << compiled.status();
   const v1::StepProgram program = compiled.ok() ? *compiled : v1::StepProgram();
-  const data::BatchSampler sampler = MakeSampler(plan, global_batch);
+  const data::BatchSampler sampler = MakeSampler(plan, global_batch, train.seq);
   WorldRun run;
   run.results.resize(dp * rep);
   run.initial.resize(rep);
@@ -952,6 +956,88 @@ std::vector<EquivalenceCase> AuxLossCases() {
 
 INSTANTIATE_TEST_SUITE_P(Worlds, StepExecutorAuxLossTest,
                          ::testing::ValuesIn(AuxLossCases()), CaseName);
+
+// DiffusionGemma's 3-pass block-diffusion step (tests/data/
+// tiny_diffusion_gemma.json with vocab 30 for the sampler and canvas_length
+// 4; 10-token sequences: prefix 6, the sliding window of 4 cutting the
+// encoder keys): the canvas noise is keyed by the global sequence index,
+// so 2 and 4 ranks, under default and diffusion_gemma, must equal one rank
+// within rounding.
+constexpr int64_t kDiffusionSeq = 10;
+
+v1::ModelSpec TinyDiffusionGemma() {
+  std::ifstream in("tests/data/tiny_diffusion_gemma.json");
+  std::stringstream text;
+  text << in.rdbuf();
+  std::string json = text.str();
+  for (const auto& [from, to] :
+       std::vector<std::pair<std::string, std::string>>{
+           {"\"vocab_size\": 97", "\"vocab_size\": 30"},
+           {"\"canvas_length\": 8", "\"canvas_length\": 4"}}) {
+    const size_t at = json.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    if (at != std::string::npos) json.replace(at, from.size(), to);
+  }
+  absl::StatusOr<v1::ModelSpec> spec = ModelSpecFromHfConfig(json);
+  EXPECT_TRUE(spec.ok()) << spec.status();
+  return spec.ok() ? *spec : v1::ModelSpec();
+}
+
+Shape DiffusionShape(const std::string& strategy, int world) {
+  Shape s;
+  s.strategy = strategy;
+  s.dp_shard = world;
+  s.passes = 3;
+  s.no_grad_passes = 1;
+  return s;
+}
+
+TrainOptions DiffusionTrain() {
+  TrainOptions train;
+  train.seq = kDiffusionSeq;
+  return train;
+}
+
+const WorldRun& DiffusionReference() {
+  static const WorldRun* run = [] {
+    const v1::ModelSpec model = TinyDiffusionGemma();
+    return new WorldRun(Train(model, MakePlan(model, DiffusionShape("default", 1)),
+                              EquivalenceOptions(), kSteps, kGlobalBatch,
+                              DiffusionTrain()));
+  }();
+  return *run;
+}
+
+class StepExecutorDiffusionTest
+    : public ::testing::TestWithParam<EquivalenceCase> {};
+
+TEST_P(StepExecutorDiffusionTest, SameStepsAsOneRankWithinRounding) {
+  const EquivalenceCase& c = GetParam();
+  const v1::ModelSpec model = TinyDiffusionGemma();
+  TrainOptions train = DiffusionTrain();
+  train.restart = &DiffusionReference();
+  const WorldRun run = Train(model, MakePlan(model, c.shape),
+                             EquivalenceOptions(), kSteps, kGlobalBatch, train);
+  // Tokens through the step: the encode's sequence and the decode's canvas.
+  const int64_t tokens = kGlobalBatch * (kDiffusionSeq + 4);
+  ExpectSameStepsAs(model, DiffusionReference(), run, EquivalenceOptions(),
+                    MoeStepTolerances(model.dims(), tokens, c.shape.dp_shard));
+}
+
+std::vector<EquivalenceCase> DiffusionCases() {
+  std::vector<EquivalenceCase> cases;
+  for (const char* strategy : {"default", "diffusion_gemma"}) {
+    for (int world : {1, 2, 4}) {
+      if (world == 1 && std::string(strategy) == "default") continue;
+      cases.push_back({absl::StrCat(strategy, "_W", world),
+                       DiffusionShape(strategy, world)});
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, StepExecutorDiffusionTest,
+                         ::testing::ValuesIn(DiffusionCases()), CaseName);
 
 // ---- (3) Fine-grained mode = whole programs --------------------------------
 

@@ -17,7 +17,7 @@ int64_t GemmaLayerActs::bytes() const {
         &q, &k, &v, &o, &lse, &attn, &post_inv, &m, &pre_inv, &dense_in,
         &dense_out, &post1_inv, &r_inv, &r_norm, &r_in, &pre2_inv,
         &experts_in, &experts_out, &post2_inv, &sum, &post_ff_inv, &weights,
-        &dm, &dsum, &dweights, &kv_k, &kv_v, &dk_ext, &dv_ext}) {
+        &dm, &dsum, &dweights, &d_post_ff, &d_post_ff_2, &d_pre_ff_2, &layer_w, &kv_k, &kv_v, &dk_ext, &dv_ext}) {
     floats += v->capacity();
   }
   return static_cast<int64_t>(floats * sizeof(float) +
@@ -306,6 +306,12 @@ absl::Status GemmaLayerBlock::ForwardExperts(const MoeLayerSpec& layer,
                           params->Param(layer.post_ff_norm.name));
   SHARDD_ASSIGN_OR_RETURN(const float* ls,
                           params->Param(layer.layer_scalar.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* w_pre2,
+                          params->Param(layer.pre_ff_norm_2.name));
+  a->layer_w.assign(w_post2, w_post2 + d);
+  a->layer_w.insert(a->layer_w.end(), w_post, w_post + d);
+  a->layer_w.insert(a->layer_w.end(), w_pre2, w_pre2 + d);
+  a->layer_w.push_back(ls[0]);
   a->experts_out.resize(t * d);
   SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsForward(
       {t, d, layer.moe_inter, layer.experts, arch_->top_k}, arch_->activation,
@@ -331,30 +337,28 @@ absl::Status GemmaLayerBlock::BackwardExperts(const MoeLayerSpec& layer,
   const int64_t d = arch_->dim, k = arch_->top_k;
   SHARDD_ASSIGN_OR_RETURN(const float* w_gu, params->Param(layer.w_gu.name));
   SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(layer.w_d.name));
-  SHARDD_ASSIGN_OR_RETURN(const float* w_post2,
-                          params->Param(layer.post_ff_norm_2.name));
-  SHARDD_ASSIGN_OR_RETURN(const float* w_post,
-                          params->Param(layer.post_ff_norm.name));
-  SHARDD_ASSIGN_OR_RETURN(const float* w_pre2,
-                          params->Param(layer.pre_ff_norm_2.name));
-  SHARDD_ASSIGN_OR_RETURN(const float* ls,
-                          params->Param(layer.layer_scalar.name));
+  if (static_cast<int64_t>(a->layer_w.size()) != 3 * d + 1) {
+    return absl::FailedPreconditionError(
+        "BACKWARD(EXPERTS) of a DiffusionGemma layer without its forward");
+  }
+  const float* w_post2 = a->layer_w.data();
+  const float* w_post = w_post2 + d;
+  const float* w_pre2 = w_post + d;
+  const float* ls = w_pre2 + d;
   // The residual and the post-feed-forward norm both see dx * layer_scalar.
   a->dm.resize(t * d);
   for (int64_t i = 0; i < t * d; ++i) a->dm[i] = dx[i] * ls[0];
   a->dsum.resize(t * d);
-  grad_.assign(d, 0.0f);
+  a->d_post_ff.assign(d, 0.0f);
   SHARDD_RETURN_IF_ERROR(
       kernels::RmsNormBackward(a->dm.data(), a->sum.data(), w_post,
                                a->post_ff_inv.data(), t, d, a->dsum.data(),
-                               grad_.data()));
-  SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.post_ff_norm, grad_));
+                               a->d_post_ff.data()));
   g2_.resize(t * d);
-  grad_.assign(d, 0.0f);
+  a->d_post_ff_2.assign(d, 0.0f);
   SHARDD_RETURN_IF_ERROR(kernels::RmsNormBackward(
       a->dsum.data(), a->experts_out.data(), w_post2, a->post2_inv.data(), t,
-      d, g2_.data(), grad_.data()));
-  SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.post_ff_norm_2, grad_));
+      d, g2_.data(), a->d_post_ff_2.data()));
   g_.resize(t * d);
   a->dweights.resize(t * k);
   std::vector<float> dw_gu(layer.w_gu.frozen ? 0 : layer.w_gu.numel(), 0.0f);
@@ -366,11 +370,10 @@ absl::Status GemmaLayerBlock::BackwardExperts(const MoeLayerSpec& layer,
       dw_d.empty() ? nullptr : dw_d.data(), &a->experts));
   SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.w_gu, dw_gu));
   SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.w_d, dw_d));
-  grad_.assign(d, 0.0f);
-  SHARDD_RETURN_IF_ERROR(kernels::RmsNormBackward(
-      g_.data(), a->m.data(), w_pre2, a->pre2_inv.data(), t, d, a->dm.data(),
-      grad_.data(), /*accumulate_dx=*/true));
-  return AddGrad(params, layer.pre_ff_norm_2, grad_);
+  a->d_pre_ff_2.assign(d, 0.0f);
+  return kernels::RmsNormBackward(g_.data(), a->m.data(), w_pre2,
+                                  a->pre2_inv.data(), t, d, a->dm.data(),
+                                  a->d_pre_ff_2.data(), /*accumulate_dx=*/true);
 }
 
 absl::Status GemmaLayerBlock::BackwardLayer(const MoeLayerSpec& layer,
@@ -380,6 +383,10 @@ absl::Status GemmaLayerBlock::BackwardLayer(const MoeLayerSpec& layer,
                                             const GemmaDecode* decode) {
   const int64_t t = batch * seq, d = arch_->dim, hq = arch_->q_heads;
   const int64_t hkv = layer.layer_kv_heads, hd = layer.layer_head_dim;
+  SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.post_ff_norm, a->d_post_ff));
+  SHARDD_RETURN_IF_ERROR(
+      AddGrad(params, layer.post_ff_norm_2, a->d_post_ff_2));
+  SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.pre_ff_norm_2, a->d_pre_ff_2));
   // The dense branch, from d(h1 + h2).
   SHARDD_ASSIGN_OR_RETURN(const float* w_post1,
                           params->Param(layer.post_ff_norm_1.name));

@@ -68,6 +68,16 @@ struct GemmaLayerActs {
   // Between BACKWARD(EXPERTS) and BACKWARD(LAYER): the gradients of m, of
   // h1 + h2 and of the routing weights.
   std::vector<float> dm, dsum, dweights;
+  // And the three feed-forward norms' weight gradients [D] each, added by
+  // BACKWARD(LAYER): they belong to the layer's unit, whose gradient
+  // buffer a strategy that puts the experts in a unit of their own (e.g.
+  // diffusion_gemma) allocates only for BACKWARD(LAYER).
+  std::vector<float> d_post_ff, d_post_ff_2, d_pre_ff_2;
+  // The layer unit's weights BACKWARD(EXPERTS) needs, copied by
+  // FORWARD(EXPERTS) for the same reason: post_feedforward_layernorm_2,
+  // post_feedforward_layernorm, pre_feedforward_layernorm_2 ([D] each),
+  // layer_scalar.
+  std::vector<float> layer_w;
   // A decode's keys and values [B, L, Hkv, Dh]: the encoder rows, then the
   // canvas's.
   std::vector<float> kv_k, kv_v;
