@@ -322,23 +322,21 @@ def gemma_rope(x, positions, rope_spec, head_dim):
     return x * emb.cos() + rotate_half(x) * emb.sin()
 
 
-def gemma_forward(dump, p, softcap=True):
-    """DiffusionGemma's causal pass and mean cross-entropy, float64."""
+def gemma_stack(dump, p, x, positions, masks, encoder_kv=None):
+    """The shared decoder stack over x [b, t, D] at `positions` [t]; masks:
+    (sliding, full) additive masks [t, keys]. With encoder_kv (a decode),
+    each layer's keys and values are [encoder's ; its own] on the key axis.
+    Returns the final norm's output and each layer's (k, v) after k_norm and
+    RoPE / v_norm, [b, hkv, t, hd]."""
     d = dump["dims"]
     attention = d["attention"]
-    b, s = dump["batch"], dump["seq"]
+    b, t = x.shape[0], x.shape[1]
     eps = d["rms_norm_eps"]
     hidden = int(d["hidden_size"])
     hq = int(d["num_attention_heads"])
     top_k = int(d["top_k"])
-    tokens = torch.tensor(dump["inputs"]).view(b, s)
-    x = p["model.embed_tokens.weight"][tokens] * hidden ** 0.5
-    positions = torch.arange(s)
-    causal = torch.full((s, s), float("-inf")).triu(1)
-    window = int(attention["sliding_window"])
-    sliding = torch.where(positions[:, None] - positions[None, :] >= window,
-                          float("-inf"), 0.0) + causal
     gelu = lambda g: torch.nn.functional.gelu(g, approximate="tanh")
+    kv = []
     for layer, is_sliding in enumerate(attention["sliding_layers"]):
         pre = f"model.layers.{layer}."
         a = pre + "self_attn."
@@ -351,21 +349,24 @@ def gemma_forward(dump, p, softcap=True):
             rope_spec = attention["rope"]
         residual = x
         h = gemma_rms_norm(x, p[pre + "input_layernorm.weight"], eps)
-        q = (h @ p[a + "q_proj.weight"].T).view(b, s, hq, hd)
-        k = (h @ p[a + "k_proj.weight"].T).view(b, s, hkv, hd)
-        v = ((h @ p[a + "v_proj.weight"].T).view(b, s, hkv, hd)
+        q = (h @ p[a + "q_proj.weight"].T).view(b, t, hq, hd)
+        k = (h @ p[a + "k_proj.weight"].T).view(b, t, hkv, hd)
+        v = ((h @ p[a + "v_proj.weight"].T).view(b, t, hkv, hd)
              if a + "v_proj.weight" in p else k)
         q = gemma_rms_norm(q, p[a + "q_norm.weight"], eps).transpose(1, 2)
         k = gemma_rms_norm(k, p[a + "k_norm.weight"], eps).transpose(1, 2)
         v = gemma_rms_norm(v, None, eps).transpose(1, 2)
         q = gemma_rope(q, positions, rope_spec, hd)
         k = gemma_rope(k, positions, rope_spec, hd)
+        kv.append((k, v))
+        if encoder_kv is not None:
+            k = torch.cat((encoder_kv[layer][0], k), dim=2)
+            v = torch.cat((encoder_kv[layer][1], v), dim=2)
         k = k.repeat_interleave(hq // hkv, dim=1)
         v = v.repeat_interleave(hq // hkv, dim=1)
-        scores = q @ k.transpose(-1, -2) * 1.0 + (sliding if is_sliding
-                                                  else causal)
+        scores = q @ k.transpose(-1, -2) * 1.0 + masks[0 if is_sliding else 1]
         out = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2)
-        out = out.reshape(b, s, hq * hd) @ p[a + "o_proj.weight"].T
+        out = out.reshape(b, t, hq * hd) @ p[a + "o_proj.weight"].T
         x = residual + gemma_rms_norm(
             out, p[pre + "post_attention_layernorm.weight"], eps)
         residual = x
@@ -397,13 +398,141 @@ def gemma_forward(dump, p, softcap=True):
         x = residual + gemma_rms_norm(
             h1 + h2, p[pre + "post_feedforward_layernorm.weight"], eps)
         x = x * p[pre + "layer_scalar"]
-    h = gemma_rms_norm(x, p["model.norm.weight"], eps)
+    return gemma_rms_norm(x, p["model.norm.weight"], eps), kv
+
+
+def gemma_logits(dump, p, h, softcap=True):
     logits = h @ p["model.embed_tokens.weight"].T
-    cap = float(d["final_logit_softcapping"])
+    cap = float(dump["dims"]["final_logit_softcapping"])
     if softcap and cap > 0:
         logits = cap * torch.tanh(logits / cap)
+    return logits
+
+
+def gemma_causal_masks(dump, s):
+    positions = torch.arange(s)
+    causal = torch.full((s, s), float("-inf")).triu(1)
+    window = int(dump["dims"]["attention"]["sliding_window"])
+    sliding = torch.where(positions[:, None] - positions[None, :] >= window,
+                          float("-inf"), 0.0) + causal
+    return sliding, causal
+
+
+def gemma_forward(dump, p, softcap=True):
+    """DiffusionGemma's causal pass and mean cross-entropy, float64."""
+    b, s = dump["batch"], dump["seq"]
+    hidden = int(dump["dims"]["hidden_size"])
+    tokens = torch.tensor(dump["inputs"]).view(b, s)
+    x = p["model.embed_tokens.weight"][tokens] * hidden ** 0.5
+    h, _ = gemma_stack(dump, p, x, torch.arange(s), gemma_causal_masks(dump, s))
+    logits = gemma_logits(dump, p, h, softcap)
     targets = torch.tensor(dump["targets"])
     return torch.nn.functional.cross_entropy(logits.view(b * s, -1), targets)
+
+
+MASK64 = (1 << 64) - 1
+
+
+def mix64(z):
+    """worker/data/rng.h's Mix64 (SplitMix64's output function)."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+class SplitMix64:
+    """worker/data/rng.h's StreamSeed and SplitMix64, in Python integers."""
+
+    def __init__(self, seed, domain, index):
+        h = mix64((seed + 0x9E3779B97F4A7C15 * (domain + 1)) & MASK64)
+        self.state = mix64(h ^ mix64((index + 0xD1B54A32D192ED03) & MASK64))
+
+    def next(self):
+        self.state = (self.state + 0x9E3779B97F4A7C15) & MASK64
+        return mix64(self.state)
+
+    def double(self):
+        return (self.next() >> 11) * (1.0 / 9007199254740992.0)
+
+    def below(self, n):
+        return (self.next() * n) >> 64
+
+
+def diffusion_canvas(dump, tokens, canvas):
+    """The noised canvas and the coins (docs/model-spec.md: D3PM-uniform,
+    t = eps + (1 - eps) u per sequence, then u and a token per position;
+    keys (step, global sequence index), domains 16 and 17)."""
+    step = dump["diffusion"]["step"]
+    vocab = int(dump["dims"]["vocab_size"])
+    noised, coins = [], []
+    for row, index in enumerate(dump["diffusion"]["sequence_indices"]):
+        rng = SplitMix64(step, 16, index)
+        level = 1e-3 + (1 - 1e-3) * rng.double()
+        for j in range(canvas):
+            clean = int(tokens[row, -canvas + j])
+            u, token = rng.double(), rng.below(vocab)
+            noised.append(token if u < level else clean)
+        coins.append(SplitMix64(step, 17, index).double() < 0.5)
+    return torch.tensor(noised).view(len(coins), canvas), coins
+
+
+def gemma_block_diffusion_step(dump, p):
+    """NeMo AutoModel's block-diffusion training step (docs/model-spec.md),
+    float64: the causal encode with its K/V and AR loss, the no-grad
+    self-conditioning decode, the decode over [encoder K/V ; canvas K/V]
+    under the block-causal training mask; diffusion CE + 1.0 x AR CE."""
+    d = dump["dims"]
+    b, s = dump["batch"], dump["seq"]
+    eps = d["rms_norm_eps"]
+    hidden = int(d["hidden_size"])
+    table = p["model.embed_tokens.weight"]
+    r = int(dump["diffusion"]["canvas_length"])
+    prefix = s - r
+    tokens = torch.tensor(dump["inputs"]).view(b, s)
+    # 1. Encode.
+    h, encoder_kv = gemma_stack(dump, p, table[tokens] * hidden ** 0.5,
+                                torch.arange(s), gemma_causal_masks(dump, s))
+    enc_logits = gemma_logits(dump, p, h)
+    ar = torch.nn.functional.cross_entropy(
+        enc_logits[:, :-1].reshape(-1, enc_logits.shape[-1]),
+        tokens[:, 1:].reshape(-1))
+    # The training mask over keys [encoder 0..S-1 ; canvas 0..R-1] for
+    # canvas query j in block j // R: an encoder key when prompt or in an
+    # earlier response block (and, sliding, >= P + block * R - W + 1); a
+    # canvas key in the query's block.
+    window = int(d["attention"]["sliding_window"])
+    j = torch.arange(r)[:, None]
+    block = j // r
+    key = torch.arange(s + r)[None, :]
+    enc = key < s
+    enc_ok = enc & ((key < prefix) | ((key - prefix) // r < block))
+    canvas_ok = ~enc & ((key - s) // r == block)
+    full = enc_ok | canvas_ok
+    slide = (enc_ok & (key >= prefix + block * r - window + 1)) | canvas_ok
+    ninf = float("-inf")
+    masks = (torch.where(slide, 0.0, ninf), torch.where(full, 0.0, ninf))
+    positions = prefix + torch.arange(r)
+    noised, coins = diffusion_canvas(dump, tokens, r)
+    e = table[noised] * hidden ** 0.5
+    sc = "model.self_conditioning."
+    # 2. Self-conditioning decode: zero signal, so the input is post_norm(e).
+    with torch.no_grad():
+        h1, _ = gemma_stack(dump, p, gemma_rms_norm(e, None, eps), positions,
+                            masks, encoder_kv)
+        probs = torch.softmax(gemma_logits(dump, p, h1), dim=-1)
+    # 3. Decode.
+    signal = (probs @ table) * hidden ** 0.5
+    signal = signal * torch.tensor(coins, dtype=signal.dtype)[:, None, None]
+    pre = gemma_rms_norm(signal, p[sc + "pre_norm.weight"], eps)
+    gelu = lambda g: torch.nn.functional.gelu(g, approximate="tanh")
+    mlp = (gelu(pre @ p[sc + "gate_proj.weight"].T)
+           * (pre @ p[sc + "up_proj.weight"].T)) @ p[sc + "down_proj.weight"].T
+    h2, _ = gemma_stack(dump, p, gemma_rms_norm(e + mlp, None, eps), positions,
+                        masks, encoder_kv)
+    logits = gemma_logits(dump, p, h2)
+    diffusion = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), tokens[:, prefix:].reshape(-1))
+    return diffusion + 1.0 * ar, noised, coins
 
 
 def forward(dump, p, stats=None):
@@ -537,13 +666,18 @@ def forward(dump, p, stats=None):
     return loss
 
 
-def check(dump_binary, config):
-    """Returns the number of checks out of bounds for one config."""
+def check(dump_binary, config, diffusion=False):
+    """Returns the number of checks out of bounds for one config; with
+    `diffusion`, of DiffusionGemma's 3-pass block-diffusion step."""
     with open(config) as f:
         gpt_oss = json.load(f).get("architectures") == ["GptOssForCausalLM"]
     # GPT-OSS: expert weights 6x larger give gate / up values with a spread
     # of about 5, so the clamp at 7 cuts some of them.
     extra = ["--gate_up_scale=6"] if gpt_oss else []
+    # Step 7 draws noise levels 0.54 and 0.93 and coins (1, 0) for the two
+    # sequences: both decode inputs are exercised.
+    if diffusion:
+        extra = ["--diffusion_step", "--step=7"]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "dump.json")
         subprocess.run(
@@ -559,14 +693,29 @@ def check(dump_binary, config):
     frozen = {name for name in dump["params"]
               if name.endswith(("e_score_correction_bias", "moe.gate.scale",
                                 "moe.gate.proj.weight", "layer_scalar"))
-              or name.startswith("model.self_conditioning.")}
+              or (name.startswith("model.self_conditioning.")
+                  and not diffusion)}
     params = {
         name: torch.tensor(t["values"]).view(t["shape"]).requires_grad_(
             name not in frozen)
         for name, t in dump["params"].items()
     }
     stats = {}
-    loss = forward(dump, params, stats)
+    failures = 0
+    if diffusion:
+        loss, noised, coins = gemma_block_diffusion_step(dump, params)
+        # The canvas the model drew is the one recomputed here.
+        if (noised.flatten().tolist() != dump["diffusion"]["noised"]
+                or [int(c) for c in coins]
+                != dump["diffusion"]["self_conditioning"]):
+            print("FAIL: shardd's canvas or coins differ from the reference's")
+            failures += 1
+        clean = torch.tensor(dump["inputs"]).view(dump["batch"], -1)[
+            :, -noised.shape[1]:]
+        print(f"  canvas: {(noised != clean).sum().item()} of "
+              f"{noised.numel()} tokens replaced, coins {coins}")
+    else:
+        loss = forward(dump, params, stats)
     loss.backward()
 
     # Bounds from the fp32 arithmetic (u = 2^-24) of the workers against
@@ -587,14 +736,20 @@ def check(dump_binary, config):
         # combine; the sum's norm, residual, layer_scalar) plus the head's 4
         # (final norm, logits, soft-cap, log-sum-exp): L = 100, n = 128.
         bound = 100 * 128 * 2.0 ** -24
-    failures = 0
+    if diffusion:
+        # The decode's stack reads the encode's keys and values, and its
+        # input the self-conditioning decode's probabilities (itself a
+        # decode on the encode): its chain continues both, L = 3 x 100.
+        bound = 300 * 128 * 2.0 ** -24
     name_of = os.path.basename(config)
     rel = abs(dump["loss"] - loss.item()) / abs(loss.item())
+    if diffusion:
+        name_of += " (block-diffusion step)"
     print(f"{name_of} ({dump['architecture']}): loss shardd {dump['loss']:.9f} "
           f"reference {loss.item():.9f} relative {rel:.2e} (bound {bound:.1e})")
     if not rel <= bound:
         failures += 1
-    worst = 0.0
+    worst, worst_name = 0.0, ""
     for name in frozen:
         if name in dump["grads"]:
             print(f"FAIL {name}: frozen, yet shardd wrote a gradient")
@@ -605,18 +760,20 @@ def check(dump_binary, config):
         want = tensor.grad.flatten()
         got = torch.tensor(dump["grads"][name])
         err = (got - want).norm().item() / max(want.norm().item(), 1e-30)
-        worst = max(worst, err)
+        if err > worst:
+            worst, worst_name = err, name
         if not err <= bound:
             print(f"FAIL {name}: relative L2 error {err:.2e}")
             failures += 1
-    print(f"  {len(params)} gradients, largest relative L2 error {worst:.2e}")
-    if stats["routed"] and frozen:
+    print(f"  {len(params)} gradients, largest relative L2 error {worst:.2e} "
+          f"({worst_name})")
+    if stats.get("routed") and frozen:
         print(f"  e_score_correction_bias changed the experts of "
               f"{stats['bias_changed']} of {stats['routed']} routed tokens")
         if stats["bias_changed"] == 0:
             print("FAIL: the correction bias changed no selection")
             failures += 1
-    if gemma:
+    if gemma and not diffusion:
         # The soft-cap must matter: without it the loss would miss by more
         # than 10 times the bound.
         with torch.no_grad():
@@ -650,6 +807,8 @@ def check(dump_binary, config):
 
 def main():
     failures = sum(check(sys.argv[1], config) for config in sys.argv[2:])
+    failures += sum(check(sys.argv[1], config, diffusion=True)
+                    for config in sys.argv[2:] if "diffusion_gemma" in config)
     if failures:
         print(f"FAIL: {failures} checks out of bounds")
         sys.exit(1)

@@ -5,7 +5,11 @@
 //
 //   model_dump --model CONFIG.json --batch B --seq S --seed N --out FILE
 //
-// CONFIG.json is a Hugging Face config or a native spec. Test-only.
+// CONFIG.json is a Hugging Face config or a native spec. With
+// --diffusion_step (DiffusionGemma only) the step is the 3-pass
+// block-diffusion step (moe_model.h) at optimizer step --step, row r's
+// global sequence index 1000 + r and targets = the inputs shifted (the
+// last drawn); the dump adds the canvas the model drew. Test-only.
 
 #include <cstdint>
 #include <cstdio>
@@ -24,8 +28,10 @@
 #include "model/model_util.h"
 #include "model/native_spec.h"
 #include "nlohmann/json.hpp"
+#include "program/pass_layout.h"
 #include "testing/map_param_source.h"
 #include "testing/model_commands.h"
+#include "worker/model/block_diffusion.h"
 #include "worker/model/moe_architecture.h"
 #include "worker/model/moe_model.h"
 
@@ -38,6 +44,9 @@ ABSL_FLAG(double, gate_up_scale, 1.0,
           "multiplies the range of every moe.experts.gate_and_up_projs (large "
           "enough, GPT-OSS's clamped activation cuts some values)");
 ABSL_FLAG(std::string, out, "", "output JSON");
+ABSL_FLAG(bool, diffusion_step, false,
+          "DiffusionGemma: run the 3-pass block-diffusion step");
+ABSL_FLAG(int64_t, step, 5, "the optimizer step keying the canvas noise");
 
 namespace shardd {
 namespace {
@@ -56,8 +65,14 @@ int Run() {
   }
   // fp32 throughout: the reference recomputes in float64.
   absl::StatusOr<MoeArchitecture> arch = ReadMoeArchitecture(*spec);
+  const bool diffusion = absl::GetFlag(FLAGS_diffusion_step);
+  MoeModelOptions model_options;
+  if (diffusion) {
+    model_options.passes = 3;
+    model_options.no_grad_passes = 1;
+  }
   absl::StatusOr<std::unique_ptr<MoeModel>> model =
-      MoeModel::Create(*spec, MoeModelOptions());
+      MoeModel::Create(*spec, model_options);
   if (!arch.ok() || !model.ok()) {
     std::fprintf(
         stderr, "model_dump: %s\n",
@@ -91,10 +106,26 @@ int Run() {
   std::vector<int32_t> inputs(batch * seq), targets(batch * seq);
   for (int32_t& x : inputs) x = static_cast<int32_t>(gen() % arch->vocab);
   for (int32_t& x : targets) x = static_cast<int32_t>(gen() % arch->vocab);
+  std::vector<int64_t> indices(batch);
+  const int64_t step = absl::GetFlag(FLAGS_step);
+  if (diffusion) {
+    for (int64_t i = 0; i + 1 < batch * seq; ++i) {
+      if ((i + 1) % seq != 0) targets[i] = inputs[i + 1];
+    }
+    for (int64_t r = 0; r < batch; ++r) indices[r] = 1000 + r;
+  }
   absl::Status status =
       (*model)->SetBatch(0, inputs.data(), targets.data(), batch, seq);
-  for (const v1::Command& c :
-       testing_util::ModelStepCommands(arch->LayersWithExperts(), 1, 0, 1)) {
+  if (status.ok() && diffusion) {
+    status = (*model)->SetSequenceKeys(0, step, indices.data());
+  }
+  const std::vector<v1::Command> commands =
+      diffusion ? testing_util::ModelStepCommands(
+                      arch->LayersWithExperts(),
+                      PassLayout::For(kBlockDiffusionArchitecture, 3, 1), 1)
+                : testing_util::ModelStepCommands(arch->LayersWithExperts(),
+                                                  1, 0, 1);
+  for (const v1::Command& c : commands) {
     if (!status.ok()) break;
     status = (*model)->Run(c, &source);
   }
@@ -117,6 +148,21 @@ int Run() {
                         {"params", params},
                         {"loss", (*model)->step_loss()},
                         {"grads", source.grads}};
+  if (diffusion) {
+    DiffusionCanvas canvas;
+    status = BuildDiffusionCanvas(inputs.data(), batch, seq,
+                                  spec->dims().canvas_length(), arch->vocab,
+                                  step, indices.data(), &canvas);
+    if (!status.ok()) {
+      std::fprintf(stderr, "model_dump: %s\n", status.ToString().c_str());
+      return 1;
+    }
+    out["diffusion"] = {{"step", step},
+                        {"sequence_indices", indices},
+                        {"canvas_length", spec->dims().canvas_length()},
+                        {"noised", canvas.noised},
+                        {"self_conditioning", canvas.self_cond}};
+  }
   std::ofstream file(absl::GetFlag(FLAGS_out));
   file << out.dump();
   return file.good() ? 0 : 1;
