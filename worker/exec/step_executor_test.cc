@@ -394,6 +394,32 @@ WorldRun Train(const v1::ModelSpec& model, const v1::ShardingPlan& plan,
 
 // ---- (1) Measured peak unsharded memory = the plan's prediction -----------
 
+// DiffusionGemma's 3-pass block-diffusion step (tests/data/
+// tiny_diffusion_gemma.json with vocab 30 for the sampler and canvas_length
+// 4; 10-token sequences: prefix 6, the sliding window of 4 cutting the
+// encoder keys): the canvas noise is keyed by the global sequence index,
+// so 2 and 4 ranks, under default and diffusion_gemma, must equal one rank
+// within rounding.
+constexpr int64_t kDiffusionSeq = 10;
+
+v1::ModelSpec TinyDiffusionGemma() {
+  std::ifstream in("tests/data/tiny_diffusion_gemma.json");
+  std::stringstream text;
+  text << in.rdbuf();
+  std::string json = text.str();
+  for (const auto& [from, to] :
+       std::vector<std::pair<std::string, std::string>>{
+           {"\"vocab_size\": 97", "\"vocab_size\": 30"},
+           {"\"canvas_length\": 8", "\"canvas_length\": 4"}}) {
+    const size_t at = json.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    if (at != std::string::npos) json.replace(at, from.size(), to);
+  }
+  absl::StatusOr<v1::ModelSpec> spec = ModelSpecFromHfConfig(json);
+  EXPECT_TRUE(spec.ok()) << spec.status();
+  return spec.ok() ? *spec : v1::ModelSpec();
+}
+
 struct MemoryCase {
   std::string strategy;
   int world;
@@ -402,13 +428,16 @@ struct MemoryCase {
   int no_grad_passes;
   bool defer;
   int reshard_group = 0;
+  // Tiny DiffusionGemma's 3-pass block-diffusion step instead of TinyMoe.
+  bool diffusion = false;
 };
 
 class StepExecutorMemoryTest : public ::testing::TestWithParam<MemoryCase> {};
 
 TEST_P(StepExecutorMemoryTest, MeasuredPeakAndCollectivesMatchThePlan) {
   const MemoryCase c = GetParam();
-  const v1::ModelSpec model = TinyMoe(/*freeze=*/false);
+  const v1::ModelSpec model =
+      c.diffusion ? TinyDiffusionGemma() : TinyMoe(/*freeze=*/false);
   Shape shape;
   shape.strategy = c.strategy;
   shape.dp_shard = c.world;
@@ -420,8 +449,11 @@ TEST_P(StepExecutorMemoryTest, MeasuredPeakAndCollectivesMatchThePlan) {
   shape.reshard_group = c.reshard_group;
   const v1::ShardingPlan plan = MakePlan(model, shape);
   ASSERT_GT(plan.memory().peak_unsharded_bytes(), 0);
+  TrainOptions train;
+  if (c.diffusion) train.seq = kDiffusionSeq;
   const WorldRun run = Train(model, plan, BaseOptions(), /*steps=*/2,
-                             /*global_batch=*/2 * c.world * c.microbatches);
+                             /*global_batch=*/2 * c.world * c.microbatches,
+                             train);
   for (int r = 0; r < c.world; ++r) {
     ASSERT_EQ(run.results[r].size(), 2u);
     for (const StepResult& result : run.results[r]) {
@@ -477,6 +509,11 @@ std::vector<MemoryCase> MemoryCases() {
     // over the pair; with 2 passes they are gathered again in each pass.
     cases.push_back({strategy, 4, 1, 1, 0, false, 2});
     cases.push_back({strategy, 4, 2, 2, 1, true, 2});
+    // DiffusionGemma's step: F0 F1 F2 B2 B0 per micro-batch.
+    for (int world : {1, 2, 4}) {
+      cases.push_back({strategy, world, 1, 3, 1, false, 0, true});
+    }
+    cases.push_back({strategy, 2, 2, 3, 1, true, 0, true});
   }
   return cases;
 }
@@ -488,6 +525,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, StepExecutorMemoryTest,
                            std::string name = c.strategy == "default"
                                                   ? "Default"
                                                   : "Diffusion";
+                           if (c.diffusion) name += "Gemma";
                            absl::StrAppend(&name, "_W", c.world, "_M",
                                            c.microbatches, "_P", c.passes,
                                            c.defer ? "_Defer" : "");
@@ -957,32 +995,8 @@ std::vector<EquivalenceCase> AuxLossCases() {
 INSTANTIATE_TEST_SUITE_P(Worlds, StepExecutorAuxLossTest,
                          ::testing::ValuesIn(AuxLossCases()), CaseName);
 
-// DiffusionGemma's 3-pass block-diffusion step (tests/data/
-// tiny_diffusion_gemma.json with vocab 30 for the sampler and canvas_length
-// 4; 10-token sequences: prefix 6, the sliding window of 4 cutting the
-// encoder keys): the canvas noise is keyed by the global sequence index,
-// so 2 and 4 ranks, under default and diffusion_gemma, must equal one rank
-// within rounding.
-constexpr int64_t kDiffusionSeq = 10;
-
-v1::ModelSpec TinyDiffusionGemma() {
-  std::ifstream in("tests/data/tiny_diffusion_gemma.json");
-  std::stringstream text;
-  text << in.rdbuf();
-  std::string json = text.str();
-  for (const auto& [from, to] :
-       std::vector<std::pair<std::string, std::string>>{
-           {"\"vocab_size\": 97", "\"vocab_size\": 30"},
-           {"\"canvas_length\": 8", "\"canvas_length\": 4"}}) {
-    const size_t at = json.find(from);
-    EXPECT_NE(at, std::string::npos) << from;
-    if (at != std::string::npos) json.replace(at, from.size(), to);
-  }
-  absl::StatusOr<v1::ModelSpec> spec = ModelSpecFromHfConfig(json);
-  EXPECT_TRUE(spec.ok()) << spec.status();
-  return spec.ok() ? *spec : v1::ModelSpec();
-}
-
+// The 1, 2 and 4 rank runs of tiny DiffusionGemma's 3-pass step (above)
+// must equal one rank within rounding.
 Shape DiffusionShape(const std::string& strategy, int world) {
   Shape s;
   s.strategy = strategy;
