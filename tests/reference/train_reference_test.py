@@ -153,7 +153,7 @@ def save_hf(directory, params, architecture, dtype, shards):
     return {n: w.to(torch.float64) for n, w in stored.items()}, total_bytes
 
 
-def reference(dims, params, tokens):
+def reference(architecture, dims, params, tokens):
     """(loss, grad_norm, |grad|_1) of each step: float64 forward and
     autograd, then torch.optim.AdamW, on the strided windows the workers
     read; one more entry, without its update, for the weights after
@@ -173,7 +173,8 @@ def reference(dims, params, tokens):
         first = (step % STEPS) * BATCH
         rows = [tokens[k * SEQ: k * SEQ + SEQ + 1]
                 for k in range(first, first + BATCH)]
-        batch = {"dims": dims, "batch": BATCH, "seq": SEQ,
+        batch = {"architecture": architecture, "dims": dims,
+                 "batch": BATCH, "seq": SEQ,
                  "inputs": [t for r in rows for t in r[:-1]],
                  "targets": [t for r in rows for t in r[1:]]}
         opt.zero_grad()
@@ -348,7 +349,8 @@ def main():
                 data = os.path.join(work, name + ".bin")
                 with open(data, "wb") as f:
                     f.write(struct.pack(f"<{len(tokens)}H", *tokens))
-                want = reference(dump["dims"], params, tokens)
+                want = reference(dump["architecture"], dump["dims"], params,
+                                 tokens)
                 print(f"{name} ({architecture}, {dtype} in {files} file(s)): "
                       "reference losses " +
                       ", ".join(f"{w[0]:.9f}" for w in want))
