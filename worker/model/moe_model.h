@@ -35,6 +35,13 @@
 // average the reduce-scatter forms, so each rank's gradient is scaled to
 // make that average the micro-batch's gradient.
 //
+// DiffusionGemma (gemma_layer.h) with 3 passes, 1 without gradients, runs
+// the block-diffusion step instead (docs/model-spec.md, block_diffusion.h,
+// moe_model_diffusion.cc): pass 0 the causal encode, pass 1 the
+// self-conditioning decode, pass 2 the decode over the encode's K/V; loss =
+// diffusion CE on the canvas + the encoder's AR CE per micro-batch, the
+// step loss their mean over micro-batches.
+//
 // Parameters are read and gradients written through ParamSource (the
 // worker's ShardStore, or a plain map in tests and the unsharded reference),
 // so the model never sees the sharding.
