@@ -71,10 +71,15 @@ absl::Status MoeModel::Impl::DiffusionForward(const Command& c,
                                        batch.batch, seq, &a.layers[l].gemma,
                                        pass == 0 ? nullptr : &decode);
     }
-    case Command::EXPERTS:
-      return gemma_block->ForwardExperts(layers[c.layer()], params, t,
-                                         &a.layers[c.layer()].gemma,
-                                         a.x.data());
+    case Command::EXPERTS: {
+      GemmaLayerActs& la = a.layers[c.layer()].gemma;
+      SHARDD_RETURN_IF_ERROR(gemma_block->ForwardExperts(
+          layers[c.layer()], params, t, &la, a.x.data()));
+      // The self-conditioning decode has no backward: its layer's
+      // activations can go at once.
+      if (pass == 1) la = GemmaLayerActs();
+      return absl::OkStatus();
+    }
     case Command::HEAD: {
       SHARDD_ASSIGN_OR_RETURN(const float* norm_w,
                               params->Param(final_norm.name));
