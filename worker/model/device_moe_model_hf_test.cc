@@ -27,6 +27,7 @@
 #include "model/model_util.h"
 #include "testing/device_map_param_source.h"
 #include "testing/gpu.h"
+#include "testing/random_params.h"
 #include "testing/map_param_source.h"
 #include "testing/model_commands.h"
 #include "worker/memory/cuda_memory_backend.h"
@@ -69,24 +70,12 @@ v1::ModelSpec Spec(const std::string& file, bool all_experts) {
   return spec.ok() ? *spec : v1::ModelSpec();
 }
 
-// Random values (norm weights near 1), rounded to bf16 for a bf16 run so
-// that the CPU reference sees exactly the values the GPU reads.
-std::map<std::string, std::vector<float>> RandomValues(
+// The shared random values, rounded to bf16 for a bf16 run.
+std::map<std::string, std::vector<float>> RandomParams(
     const v1::ModelSpec& spec, bool round_to_bf16) {
-  std::mt19937 gen(7);
-  std::uniform_real_distribution<float> uni(-0.5f, 0.5f);
-  std::map<std::string, std::vector<float>> out;
-  for (const ParamRef& ref : ListParams(spec)) {
-    if (!ref.tensor->tied_to().empty()) continue;
-    std::vector<float>& v = out[ref.fqn];
-    v.resize(Numel(*ref.tensor));
-    const bool norm = ref.fqn.find("norm") != std::string::npos;
-    for (float& x : v) {
-      x = norm ? 1.0f + 0.2f * uni(gen) : uni(gen);
-      if (round_to_bf16) x = kernels::RoundToBf16(x);
-    }
-  }
-  return out;
+  testing_util::RandomParamOptions options;
+  options.round_to_bf16 = round_to_bf16;
+  return testing_util::RandomParamValues(spec, options);
 }
 
 struct Batches {
@@ -220,7 +209,7 @@ struct Case {
 void CheckAgainstCpu(const Case& test) {
   const bool bf16 = test.activations == DeviceDType::kBFloat16;
   const v1::ModelSpec spec = Spec(test.file, /*all_experts=*/bf16);
-  const auto values = RandomValues(spec, bf16);
+  const auto values = RandomParams(spec, bf16);
   const Batches data = MakeBatches(spec.dims().vocab_size());
   const StepResult cpu = RunCpu(spec, values, data);
   ASSERT_TRUE(cpu.ok);
@@ -312,7 +301,7 @@ TEST(DeviceMoeModelHfTest, RouterAuxStatsPointers) {
       auto model, DeviceMoeModel::Create(spec, options, &allocator));
   EXPECT_EQ(model->router_aux_stats(0, 0).counts, nullptr);
   TestDeviceSource source;
-  for (const auto& [name, v] : RandomValues(spec, false)) {
+  for (const auto& [name, v] : RandomParams(spec, false)) {
     source.Add(name, v, DeviceDType::kFloat32, false);
   }
   const Batches data = MakeBatches(spec.dims().vocab_size());

@@ -16,6 +16,7 @@
 #include "model/model_util.h"
 #include "program/pass_layout.h"
 #include "testing/map_param_source.h"
+#include "testing/random_params.h"
 #include "testing/model_commands.h"
 #include "worker/model/block_diffusion.h"
 #include "worker/model/moe_architecture.h"
@@ -105,21 +106,6 @@ double RunStep(MoeModel* model, const std::vector<bool>& moe_layers,
   return model->step_loss();
 }
 
-void FillRandom(const v1::ModelSpec& spec, MapSource* source) {
-  std::mt19937 gen(7);
-  std::uniform_real_distribution<float> uni(-0.3f, 0.3f);
-  for (const ParamRef& ref : ListParams(spec)) {
-    if (!ref.tensor->tied_to().empty()) continue;
-    std::vector<float>& v = source->values[ref.fqn];
-    v.resize(Numel(*ref.tensor));
-    const bool norm = ref.fqn.find("norm") != std::string::npos;
-    const bool scalar = ref.fqn.find("layer_scalar") != std::string::npos;
-    for (float& x : v) {
-      x = scalar ? 1.0f : norm ? 1.0f + 0.3f * uni(gen) : uni(gen);
-    }
-  }
-}
-
 TEST(MoeModelDiffusionTest, WholeStepGradientsMatchFiniteDifferences) {
   const v1::ModelSpec spec = TinySpec();
   SHARDD_ASSERT_OK_AND_ASSIGN(auto model,
@@ -128,7 +114,10 @@ TEST(MoeModelDiffusionTest, WholeStepGradientsMatchFiniteDifferences) {
                               ReadMoeArchitecture(spec));
   const std::vector<bool> moe_layers = arch.LayersWithExperts();
   MapSource source;
-  FillRandom(spec, &source);
+  testing_util::RandomParamOptions random;
+  random.range = 0.3f;
+  random.norm_spread = 0.3f;
+  source.values = testing_util::RandomParamValues(spec, random);
   const Step step = MakeStep(arch.vocab);
   // The decode's gradient treats pass 1's distribution as a constant: hold
   // it at the unperturbed step's.

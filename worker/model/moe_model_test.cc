@@ -13,6 +13,7 @@
 #include "model/hf_config.h"
 #include "model/model_util.h"
 #include "testing/map_param_source.h"
+#include "testing/random_params.h"
 #include "testing/model_builder.h"
 #include "testing/model_commands.h"
 #include "worker/model/moe_architecture.h"
@@ -44,18 +45,6 @@ v1::ModelSpec TinyModel(bool tied) {
   shape.mlp_layers = {true, false, true};
   shape.tied = tied;
   return testing_util::TinyMoeSpec(shape);
-}
-
-void FillRandom(const v1::ModelSpec& spec, MapSource* source) {
-  std::mt19937 gen(7);
-  std::uniform_real_distribution<float> uni(-0.5f, 0.5f);
-  for (const ParamRef& ref : ListParams(spec)) {
-    if (!ref.tensor->tied_to().empty()) continue;
-    std::vector<float>& v = source->values[ref.fqn];
-    v.resize(Numel(*ref.tensor));
-    const bool norm = ref.fqn.find("norm") != std::string::npos;
-    for (float& x : v) x = norm ? 1.0f + 0.2f * uni(gen) : uni(gen);
-  }
 }
 
 struct Data {
@@ -108,7 +97,7 @@ void ExpectGradientsMatchFiniteDifferences(const v1::ModelSpec& spec,
                               ReadMoeArchitecture(spec));
   const std::vector<bool> moe_layers = arch.LayersWithExperts();
   MapSource source;
-  FillRandom(spec, &source);
+  source.values = testing_util::RandomParamValues(spec);
   const Data data = MakeData(2, batch, seq);
   const double loss =
       RunStep(model.get(), moe_layers, &source, data, 1, 0, batch, seq);
@@ -256,7 +245,7 @@ TEST(MoeModelTest, RouterAuxStatsCountEveryMoeLayersRows) {
   ASSERT_TRUE(on->router_aux_loss());
   EXPECT_EQ(on->router_aux_stats(1), nullptr);
   MapSource source;
-  FillRandom(spec, &source);
+  source.values = testing_util::RandomParamValues(spec);
   const Data data = MakeData(1, 2, 5);
   const std::vector<bool> moe_layers = {true, true, false};
   MapSource off_source = source;
@@ -348,7 +337,7 @@ TEST(MoeModelTest, MultiPassAndOrderErrors) {
                               ReadMoeArchitecture(spec));
   const std::vector<bool> moe_layers = arch.LayersWithExperts();
   MapSource source;
-  FillRandom(spec, &source);
+  source.values = testing_util::RandomParamValues(spec);
   const Data data = MakeData(1, 2, 4);
   const double loss =
       RunStep(model.get(), moe_layers, &source, data, 3, 1, 2, 4);
