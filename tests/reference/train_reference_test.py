@@ -4,8 +4,9 @@ PyTorch.
 For each tiny config: model_dump draws random fp32 weights (shardd names),
 this test writes them as a Hugging Face checkpoint under the published
 tensor names and layouts (per-expert Linear weights for Mixtral and
-Qwen3-MoE, GPT-OSS's fused interleaved experts; one file or an index with
-shards; F32, BF16 or F16) plus a uint16 token file. A coordinator and four
+Qwen3-MoE, GPT-OSS's fused interleaved experts, DiffusionGemma's
+model.decoder.* with fused experts and per_expert_scale; one file or an
+index with shards; F32, BF16 or F16) plus a uint16 token file. A coordinator and four
 CPU workers on loopback then train 3 steps with `shardctl train --init-from
 --data-order strided --json` at 1, 2 and 4 workers under every strategy
 that applies (and HSDP, 2 shards x 2 replicas), and the losses and gradient
@@ -33,7 +34,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_reference_test import forward  # noqa: E402
+from hf_reference_test import forward, gemma_block_diffusion_step  # noqa: E402
 
 torch.set_default_dtype(torch.float64)
 
@@ -63,6 +64,31 @@ FP32_BOUND = 1e-5
 # Later gradient norms also move through the curvature, which has no such
 # bound, so in bf16 only step 1's gradient norm is compared.
 BF16_BOUND = 27 * 2.0 ** -9
+# DiffusionGemmaForBlockDiffusion trains the 3-pass block-diffusion step
+# (hf_reference_test.py's gemma_block_diffusion_step: encode, no-grad
+# self-conditioning decode, decode), whose chain hf_reference_test.py puts
+# at L = 3 x 100 operations of n <= 128 terms: sqrt(L n) u = 196 * 2^-24 =
+# 1.2e-5, times the 2.3 that FP32_BOUND allows over its own estimate
+# (1e-5 / 4.3e-6): 2.7e-5, for its fp32 losses and gradient norms.
+# Its later steps are not compared along the reference's own trajectory:
+# an element whose gradient is within the workers' rounding of 0 moves by
+# up to 2 lr the other way, and the next step's loss moves by 2 lr times
+# that element's next gradient, which nothing bounds; measured, one
+# embedding element (step 1's gradient 5.5e-6) so flipped moves step 2's
+# loss by 3e-4 relative, and 2 workers' step 2 loss is 0.6% off. So each
+# run keeps a checkpoint per step; steps 2 and 3 are compared with the
+# reference's loss and gradient norm on shardd's own weights after steps 1
+# and 2 (exported with `checkpoint export --hf`), step 1's AdamW update
+# element-wise (adamw_update_ratio), and the restarted job with the
+# reference on the exported weights. In bf16 those weights are the fp32
+# masters, so every step's loss is within BF16_BOUND (no update term);
+# the gradient norms are not compared in bf16: the self-conditioning
+# signal (the decode's probabilities times the table, near the mean
+# embedding) is renormalised, which amplifies rounding — in float64, a
+# relative 2^-9 perturbation of those probabilities alone moves step 1's
+# gradient norm by 6% (the loss by 0.9%), and shardd's bf16 step 1 norm is
+# 22% off.
+DG_FP32_BOUND = 2.3 * (300 * 128) ** 0.5 * 2.0 ** -24
 
 
 def write_safetensors(path, tensors):
@@ -84,8 +110,48 @@ def write_safetensors(path, tensors):
             f.write(blob)
 
 
+DIFFUSION_GEMMA = "DiffusionGemmaForBlockDiffusion"
+
+
+def diffusion_gemma_layout(params):
+    """shardd -> DiffusionGemma's released names (checkpoint/hf_weights.cc):
+    the text stack under model.decoder.; the router's scale and proj.weight
+    under router.; each layer's experts fused, gate_up_proj [E, 2I, H] and
+    down_proj [E, H, I] (each expert a Linear weight [out, in]), with
+    router.per_expert_scale, which the reader folds into the down weights:
+    the scales are powers of two and the down weights are written divided
+    by them, both exact, so the fold restores shardd's values. The head is
+    tied (no lm_head); the encoder's layer_scalar buffers are saved again
+    under model.encoder.language_model. (read by nobody)."""
+    out = {}
+    for name, w in params.items():
+        m = re.match(r"model\.(layers\.\d+\.)moe\.(.*)", name)
+        if not m:
+            out["model.decoder." + name[len("model."):]] = w
+            lm = re.match(r"model\.(layers\.\d+\.layer_scalar)$", name)
+            if lm:
+                out["model.encoder.language_model." + lm.group(1)] = w.clone()
+            continue
+        pre, rest = "model.decoder." + m.group(1), m.group(2)
+        if rest.startswith("gate."):
+            out[pre + "router." + rest[len("gate."):]] = w
+        elif rest == "experts.gate_and_up_projs":  # [E, D, 2I]
+            out[pre + "experts.gate_up_proj"] = w.transpose(1, 2)
+        elif rest == "experts.down_projs":  # [E, I, D]
+            scale = torch.tensor([2.0 ** ((e % 3) - 1)
+                                  for e in range(w.shape[0])]).to(w.dtype)
+            out[pre + "router.per_expert_scale"] = scale
+            out[pre + "experts.down_proj"] = (
+                w.transpose(1, 2) / scale[:, None, None])
+        else:
+            raise ValueError(f"no DiffusionGemma name for {name}")
+    return out
+
+
 def hf_layout(params, architecture, inter_of):
     """shardd names and layouts -> Hugging Face's, as published."""
+    if architecture == DIFFUSION_GEMMA:
+        return diffusion_gemma_layout(params)
     out = {}
     for name, w in params.items():
         m = re.match(r"(model\.layers\.\d+\.)moe\.(.*)", name)
@@ -149,25 +215,78 @@ def save_hf(directory, params, architecture, dtype, shards):
             weight_map.update({n: file for n in group})
         with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {}, "weight_map": weight_map}, f)
-    total_bytes = sum(hf[n].numel() * hf[n].element_size() for n in names)
+    # What the workers read: all but the encoder's unread copies.
+    total_bytes = sum(hf[n].numel() * hf[n].element_size() for n in names
+                      if not n.startswith("model.encoder."))
     return {n: w.to(torch.float64) for n, w in stored.items()}, total_bytes
 
 
-def reference(architecture, dims, params, tokens):
+def read_safetensors(path):
+    """name -> float64 tensor of one safetensors file."""
+    with open(path, "rb") as f:
+        blob = f.read()
+    n = struct.unpack("<Q", blob[:8])[0]
+    header = json.loads(blob[8:8 + n])
+    dtypes = {"F32": torch.float32, "BF16": torch.bfloat16,
+              "F16": torch.float16}
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = t["data_offsets"]
+        out[name] = torch.frombuffer(bytearray(blob[8 + n + a: 8 + n + b]),
+                                     dtype=dtypes[t["dtype"]]).view(
+                                         t["shape"]).to(torch.float64)
+    return out
+
+
+def read_diffusion_gemma(directory, names):
+    """An exported DiffusionGemma checkpoint back to shardd's names (the
+    inverse of diffusion_gemma_layout, per_expert_scale folded)."""
+    hf = {}
+    for file in os.listdir(directory):
+        if file.endswith(".safetensors"):
+            hf.update(read_safetensors(os.path.join(directory, file)))
+    out = {}
+    for name in names:
+        m = re.match(r"model\.(layers\.\d+\.)moe\.(.*)", name)
+        if not m:
+            out[name] = hf["model.decoder." + name[len("model."):]]
+            continue
+        pre, rest = "model.decoder." + m.group(1), m.group(2)
+        if rest.startswith("gate."):
+            out[name] = hf[pre + "router." + rest[len("gate."):]]
+        elif rest == "experts.gate_and_up_projs":
+            out[name] = hf[pre + "experts.gate_up_proj"].transpose(1, 2)
+        else:
+            scale = hf[pre + "router.per_expert_scale"]
+            out[name] = (hf[pre + "experts.down_proj"]
+                         * scale[:, None, None]).transpose(1, 2)
+    return out
+
+
+def reference(architecture, dims, params, tokens, steps=STEPS, first_step=0,
+              first_update=None):
     """(loss, grad_norm, |grad|_1) of each step: float64 forward and
     autograd, then torch.optim.AdamW, on the strided windows the workers
     read; one more entry, without its update, for the weights after
     STEPS updates (on the first step's batch again, as a job started from
-    them reads it)."""
+    them reads it). `first_update`, when given, receives each trainable
+    parameter's (weights after the first update, that step's gradient)."""
     # DeepSeek-V3's e_score_correction_bias is a buffer in HF and frozen in
-    # shardd: no gradient, no update, not in the gradient norm.
-    p = {n: w.clone().requires_grad_(not n.endswith("e_score_correction_bias"))
+    # shardd, as are DiffusionGemma's router (scale, proj) and layer_scalar:
+    # no gradient, no update, not in the gradient norm.
+    diffusion = architecture == DIFFUSION_GEMMA
+    frozen = (("e_score_correction_bias", "moe.gate.scale",
+               "moe.gate.proj.weight", "layer_scalar") if diffusion
+              else ("e_score_correction_bias",))
+    p = {n: w.clone().requires_grad_(not n.endswith(frozen))
          for n, w in params.items()}
     trainable = [w for w in p.values() if w.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=LR, betas=BETAS, eps=EPS,
                             weight_decay=WEIGHT_DECAY)
     out = []
-    for step in range(STEPS + 1):
+    for step in range(first_step, first_step + steps + 1):
         # Step s reads sequences [s B, (s + 1) B); sequence k is the window
         # of SEQ + 1 tokens at k * SEQ (worker/data/token_file.h, strided).
         first = (step % STEPS) * BATCH
@@ -177,15 +296,53 @@ def reference(architecture, dims, params, tokens):
                  "batch": BATCH, "seq": SEQ,
                  "inputs": [t for r in rows for t in r[:-1]],
                  "targets": [t for r in rows for t in r[1:]]}
+        if diffusion:
+            # The noise and coins are keyed by (optimizer step, global
+            # sequence index); the job started from the export runs its
+            # step 0 on sequences [0, B) again.
+            batch["diffusion"] = {
+                "step": step % STEPS,
+                "sequence_indices": list(range(first, first + BATCH)),
+                "canvas_length": int(dims["canvas_length"])}
         opt.zero_grad()
-        loss = forward(batch, p)
+        loss = (gemma_block_diffusion_step(batch, p)[0] if diffusion
+                else forward(batch, p))
         loss.backward()
         norm = torch.sqrt(sum((w.grad ** 2).sum() for w in trainable))
         l1 = sum(w.grad.abs().sum() for w in trainable)
         out.append((loss.item(), norm.item(), l1.item()))
-        if step < STEPS:
+        if step < first_step + steps:
             opt.step()
+            if first_update is not None and step == first_step:
+                first_update.update(
+                    {n: (w.detach().clone(), w.grad.clone())
+                     for n, w in p.items() if w.requires_grad})
     return out
+
+
+def adamw_update_ratio(got, first_update, grad_norm):
+    """DiffusionGemma, fp32: shardd's weights after step 1 against the
+    reference's, relative to a per-element bound. AdamW's first update is
+    lr g / (|g| + eps) (plus the weight decay, the same on both sides); an
+    error e in g moves it by at most 2 lr min(1, |e| / |g|), and |e| <=
+    DG_FP32_BOUND |g|_2 (the norm-wise bound), so elements whose |g| is
+    within that of 0 may flip (2 lr); every other is checked to relative
+    |e| / |g|. Plus fp32 rounding of the weight (2^-23 |w|). Returns the
+    largest ratio of the difference to that bound, the largest over the
+    elements with |g| > |e|, their count, and how many moved by > lr."""
+    worst, worst_checked, checked, flipped = 0.0, 0.0, 0, 0
+    e = DG_FP32_BOUND * grad_norm
+    for name, (want, grad) in first_update.items():
+        limit = (2 * LR * torch.clamp(e / grad.abs(), max=1.0)
+                 + 2.0 ** -23 * want.abs() + 1e-30)
+        ratio = (got[name] - want).abs() / limit
+        worst = max(worst, ratio.max().item())
+        big = grad.abs() > e
+        checked += int(big.sum())
+        if big.any():
+            worst_checked = max(worst_checked, ratio[big].max().item())
+        flipped += int(((got[name] - want).abs() > LR).sum())
+    return worst, worst_checked, checked, flipped
 
 
 class Cluster:
@@ -315,6 +472,7 @@ STORAGE = {
     "tiny_qwen3_moe.json": ("BF16", 2),
     "tiny_qwen3_moe_unnormalized.json": ("F16", 1),
     "tiny_gpt_oss.json": ("F32", 1),
+    "tiny_diffusion_gemma.json": ("F32", 2),
 }
 
 
@@ -349,8 +507,9 @@ def main():
                 data = os.path.join(work, name + ".bin")
                 with open(data, "wb") as f:
                     f.write(struct.pack(f"<{len(tokens)}H", *tokens))
+                first_update = {}
                 want = reference(dump["architecture"], dump["dims"], params,
-                                 tokens)
+                                 tokens, first_update=first_update)
                 print(f"{name} ({architecture}, {dtype} in {files} file(s)): "
                       "reference losses " +
                       ", ".join(f"{w[0]:.9f}" for w in want))
@@ -361,23 +520,56 @@ def main():
                 # at 1, 2 and 4 ranks, HSDP 2 x 2, and bf16 at 2 ranks.
                 runs = [(w, 1, s, False) for w in (1, 2, 4) for s in strategies]
                 runs += [(2, 2, "default", False), (2, 1, "default", True)]
+                diffusion = architecture == DIFFUSION_GEMMA
                 for world, replicas, strategy, mixed in runs:
                     sizes = cluster.worker_log_sizes()
-                    got, _ = train(cluster, config, hf_dir, data, world,
-                                   strategy, mixed,
-                                   extra=["--replicate", str(replicas)])
-                    bound = BF16_BOUND if mixed else FP32_BOUND
+                    mesh = f"{world}" if replicas == 1 else f"{world}x{replicas}"
+                    got, saved = train(
+                        cluster, config, hf_dir, data, world, strategy, mixed,
+                        extra=["--replicate", str(replicas)]
+                        + (["--checkpoint-every", "1"] if diffusion else []))
+                    if diffusion:
+                        bound = BF16_BOUND if mixed else DG_FP32_BOUND
+                    else:
+                        bound = BF16_BOUND if mixed else FP32_BOUND
+                    run_want = want
+                    if diffusion:
+                        # Steps 2 and 3 from shardd's own weights after
+                        # steps 1 and 2 (exported): see DG_FP32_BOUND.
+                        run_want = [want[0]]
+                        for s in range(1, STEPS):
+                            exp = os.path.join(
+                                work, f"{name}.{mesh}.{strategy}.{mixed}.{s}")
+                            cluster.shardctl_local([
+                                "checkpoint", "export", "--checkpoint",
+                                os.path.join(cluster.checkpoints, saved[s - 1]),
+                                "--hf", exp])
+                            weights = read_diffusion_gemma(exp, params)
+                            run_want += reference(
+                                architecture, dump["dims"], weights, tokens,
+                                steps=0, first_step=s)
+                            if s == 1 and not mixed:
+                                (update_ratio, checked_ratio, checked,
+                                 flipped) = adamw_update_ratio(
+                                     weights, first_update, want[0][1])
                     # Errors relative to each check's own bound.
                     errs, ratios, flips = [], [], 0.0
-                    for step, ((gl, gn), (wl, wn, l1)) in enumerate(zip(got, want)):
-                        loss_bound = bound + (flips / abs(wl) if mixed else 0)
+                    for step, ((gl, gn), (wl, wn, l1)) in enumerate(
+                            zip(got, run_want)):
+                        loss_bound = bound + (flips / abs(wl)
+                                              if mixed and not diffusion else 0)
                         errs.append(abs(gl - wl) / abs(wl))
                         ratios.append(errs[-1] / loss_bound)
-                        if step == 0 or not mixed:
+                        if not mixed or (step == 0 and not diffusion):
                             errs.append(abs(gn - wn) / abs(wn))
                             ratios.append(errs[-1] / bound)
                         flips += 2 * LR * BF16_BOUND * l1
                     worst, ratio = max(errs), max(ratios)
+                    if diffusion and not mixed:
+                        # Flips reach 2 lr by construction (update_ratio
+                        # just under 1): the status shows the checked ones.
+                        ratio = max(ratio, checked_ratio,
+                                    update_ratio if update_ratio > 1 else 0)
                     checks += 1
                     if mixed:
                         worst_bf16 = max(worst_bf16, worst)
@@ -394,14 +586,19 @@ def main():
                     status = "ok" if ratio <= 1 and read_ok else "FAIL"
                     if status == "FAIL":
                         failures += 1
-                    mesh = f"{world}" if replicas == 1 else f"{world}x{replicas}"
+                    if diffusion and not mixed:
+                        print(f"    step 1's AdamW update: {update_ratio:.4f} "
+                              f"of its bound; {flipped} element(s) moved the "
+                              f"other way; the {checked} with |g| above the "
+                              f"gradient's error bound {checked_ratio:.2e} of "
+                              "theirs")
                     print(f"  {status} {mesh} worker(s) {strategy:14s} "
                           f"{'bf16' if mixed else 'fp32'}: largest relative "
                           f"error {worst:.2e}, {ratio:.2f} of its bound "
-                          f"({bound:.1e}{' + the update term' if mixed else ''}); "
+                          f"({bound:.1e}{' + the update term' if mixed and not diffusion else ''}); "
                           f"{read} bytes read ({replicas} x {total_bytes} wanted)")
                     if status == "FAIL":
-                        print("    shardd", got, "\n    reference", want)
+                        print("    shardd", got, "\n    reference", run_want)
                 # Export the state after 3 steps and start from it.
                 _, saved = train(cluster, config, hf_dir, data, 2, "default",
                                  False, extra=["--checkpoint-every", str(STEPS)])
@@ -411,14 +608,24 @@ def main():
                                         "--hf", out])
                 resumed, _ = train(cluster, out, out, data, 1, "default", False,
                                    steps=1)
-                err = abs(resumed[0][0] - want[STEPS][0]) / abs(want[STEPS][0])
+                after = want[STEPS][0]
+                if diffusion:
+                    # The reference on the exported weights (see
+                    # DG_FP32_BOUND), at the new job's step 0.
+                    after = reference(architecture, dump["dims"],
+                                      read_diffusion_gemma(out, params), tokens,
+                                      steps=0, first_step=STEPS)[0][0]
+                err = abs(resumed[0][0] - after) / abs(after)
                 checks += 1
                 worst_fp32 = max(worst_fp32, err)
-                status = "ok" if err <= FP32_BOUND else "FAIL"
+                status = "ok" if err <= (DG_FP32_BOUND if diffusion
+                                         else FP32_BOUND) else "FAIL"
                 failures += status == "FAIL"
                 print(f"  {status} checkpoint export --hf, then --init-from it: "
-                      f"loss {resumed[0][0]:.9f} vs the reference's after "
-                      f"{STEPS} updates {want[STEPS][0]:.9f} (relative {err:.2e})")
+                      f"loss {resumed[0][0]:.9f} vs the reference's "
+                      + ("on the exported weights" if diffusion
+                         else f"after {STEPS} updates")
+                      + f" {after:.9f} (relative {err:.2e})")
         finally:
             cluster.stop()
     print(f"{checks} runs: largest fp32 error {worst_fp32:.2e}, bf16 "
