@@ -465,7 +465,9 @@ TEST_P(ClampedSwiGLUExpertsTest, MatchesReferenceAndFiniteDifferences) {
     const std::vector<double> fd_bgu =
         OaiFiniteDiff(p, r, &OaiParams::b_gu, dy, kEps);
     for (size_t i = 0; i < fd_bgu.size(); ++i) {
-      if (fd_bgu[i] == 0.0) EXPECT_EQ(db_gu[i], 0.0f) << i;
+      if (fd_bgu[i] == 0.0) {
+        EXPECT_EQ(db_gu[i], 0.0f) << i;
+      }
     }
   }
 }

@@ -31,7 +31,7 @@ TYPED_TEST(BiasGpuTest, MatchesCpu) {
   using T = TypeParam;
   SHARDD_SKIP_WITHOUT_GPU();
   ops_testing::GpuContext gpu;
-  for (const auto [tokens, out] : {std::pair<int64_t, int64_t>{1, 1},
+  for (const auto& [tokens, out] : {std::pair<int64_t, int64_t>{1, 1},
                                    {300, 96},
                                    {1000, 33},
                                    {7, 5000}}) {
