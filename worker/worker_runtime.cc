@@ -536,9 +536,17 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::BuildJobLocked(
     kept->reset();  // Free the snapshot now.
   }
   if (weights != nullptr) {
+    const size_t ignored = weights->IgnoredTensors().size();
     SHARDD_LOG(INFO) << "rank " << job->rank << " initialised its shards from "
                      << weights->path() << " (" << weights->data_bytes_read()
-                     << " bytes of tensor data read)";
+                     << " bytes of tensor data read"
+                     << (ignored == 0
+                             ? std::string()
+                             : absl::StrCat("; ", ignored,
+                                            " tensors of parts shardd does not "
+                                            "train, such as a vision tower, "
+                                            "skipped"))
+                     << ")";
   }
   job->steps = std::make_unique<StepRunner>(std::move(executor),
                                             job->shard_group.get(), &tracker_);
