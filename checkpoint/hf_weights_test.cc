@@ -383,13 +383,10 @@ INSTANTIATE_TEST_SUITE_P(
                           info.param.second ? "_sharded" : "");
     });
 
-class HfWeightsDiffusionGemmaErrorTest : public ::testing::Test {
+// A Hugging Face checkpoint held as tensors, written and opened for a spec:
+// what the error tests edit before opening.
+class HfCheckpointFixture : public ::testing::Test {
  protected:
-  void SetUp() override {
-    spec_ = SpecFromTestConfig("tiny_diffusion_gemma.json");
-    hf_ = WriteDiffusionGemma(spec_, "F32").tensors;
-    dir_ = testing_util::FreshTestDir();
-  }
   absl::Status OpenWith(const std::vector<HostTensor>& tensors) {
     std::filesystem::remove_all(dir_);
     SHARDD_RETURN_IF_ERROR(WriteHfTensors(dir_, tensors));
@@ -414,6 +411,15 @@ class HfWeightsDiffusionGemmaErrorTest : public ::testing::Test {
   v1::ModelSpec spec_;
   std::vector<HostTensor> hf_;
   std::string dir_;
+};
+
+class HfWeightsDiffusionGemmaErrorTest : public HfCheckpointFixture {
+ protected:
+  void SetUp() override {
+    spec_ = SpecFromTestConfig("tiny_diffusion_gemma.json");
+    hf_ = WriteDiffusionGemma(spec_, "F32").tensors;
+    dir_ = testing_util::FreshTestDir();
+  }
 };
 
 TEST_F(HfWeightsDiffusionGemmaErrorTest, MissingTensorsNameThemAndTheParameter) {
@@ -507,7 +513,7 @@ TEST(HfWeightsF16Test, ConvertsEveryClassOfValue) {
   }
 }
 
-class HfWeightsErrorTest : public ::testing::Test {
+class HfWeightsErrorTest : public HfCheckpointFixture {
  protected:
   void SetUp() override {
     spec_ = SpecFromTestConfig("tiny_mixtral.json");
@@ -518,22 +524,6 @@ class HfWeightsErrorTest : public ::testing::Test {
     hf_ = *hf;
     dir_ = testing_util::FreshTestDir();
   }
-  absl::Status OpenWith(const std::vector<HostTensor>& tensors) {
-    std::filesystem::remove_all(dir_);
-    SHARDD_RETURN_IF_ERROR(WriteHfTensors(dir_, tensors));
-    return HfWeights::Open(dir_, spec_).status();
-  }
-  HostTensor* Tensor(const std::string& name) {
-    for (HostTensor& t : hf_) {
-      if (t.name == name) return &t;
-    }
-    ADD_FAILURE() << "no " << name;
-    return &hf_[0];
-  }
-
-  v1::ModelSpec spec_;
-  std::vector<HostTensor> hf_;
-  std::string dir_;
 };
 
 TEST_F(HfWeightsErrorTest, MissingTensorNamesItAndTheCheckpoint) {
