@@ -78,21 +78,22 @@ absl::Status OrderKSource::Fill(int64_t index, absl::Span<int32_t> out) const {
   SplitMix64 rng(
       StreamSeed(options_.seed, kOrderKSequence, static_cast<uint64_t>(index)));
   const int64_t k = options_.order, vb = options_.lag_vocab;
-  std::vector<int32_t> b(out.size());
   int32_t a = chain_->SampleStationary(rng);
   for (size_t t = 0; t < out.size(); ++t) {
     if (t > 0) a = chain_->SampleNext(a, rng);
+    int32_t b;
     if (static_cast<int64_t>(t) < k) {
-      b[t] = static_cast<int32_t>(rng.NextBelow(static_cast<uint64_t>(vb)));
+      b = static_cast<int32_t>(rng.NextBelow(static_cast<uint64_t>(vb)));
     } else {
       // keep == 1 copies always (the threshold's one missing value aside).
       const bool copy = options_.keep >= 1.0 || rng.Next() < keep_threshold_;
       const int64_t shift =
           copy ? 0 : 1 + static_cast<int64_t>(
                              rng.NextBelow(static_cast<uint64_t>(vb - 1)));
-      b[t] = static_cast<int32_t>((sigma_[b[t - k]] + shift) % vb);
+      // The lagged symbol is the low part of the token k back.
+      b = static_cast<int32_t>((sigma_[out[t - k] % vb] + shift) % vb);
     }
-    out[t] = static_cast<int32_t>(a * vb + b[t]);
+    out[t] = static_cast<int32_t>(a * vb + b);
   }
   return absl::OkStatus();
 }
