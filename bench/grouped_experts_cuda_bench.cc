@@ -1,6 +1,7 @@
 // Grouped-expert forward + backward on one GPU (kernels/cuda/grouped_experts)
-// in bf16 storage: cuBLAS grouped GEMM against the loop of cublasGemmEx, in
-// the same run, on real MoE expert shapes.
+// in bf16 storage: cuBLAS grouped GEMM, the loop of cublasGemmEx, and
+// shardd's default (kAuto: the first below kAutoLoopRows rows per expert, the
+// second above), in the same run, on real MoE expert shapes.
 //
 //   bazel run --config=cuda -c opt //bench:grouped_experts_cuda_bench --
 //       [--iters=20] [--warmup=5] [--tokens=4096,16384,65536]
@@ -220,7 +221,8 @@ void RunModel(const Model& m, int64_t tokens, const Flags& flags,
   Check(cudaEventCreate(&mid), "event");
   Check(cudaEventCreate(&end), "event");
   for (ExpertGemmPath path :
-       {ExpertGemmPath::kGrouped, ExpertGemmPath::kPerExpertLoop}) {
+       {ExpertGemmPath::kGrouped, ExpertGemmPath::kPerExpertLoop,
+        ExpertGemmPath::kAuto}) {
     GroupedExpertsOptions options;
     options.storage = ExpertStorage::kBFloat16;
     options.gemm_path = path;
@@ -249,7 +251,9 @@ void RunModel(const Model& m, int64_t tokens, const Flags& flags,
     }
     PrintRow(
         m, tokens,
-        path == ExpertGemmPath::kGrouped ? "cublas_grouped" : "cublas_loop",
+        path == ExpertGemmPath::kGrouped       ? "cublas_grouped"
+        : path == ExpertGemmPath::kPerExpertLoop ? "cublas_loop"
+                                                 : "shardd_auto",
         {Median(fwd), Median(bwd), Median(total)});
   }
   cudaEventDestroy(start);

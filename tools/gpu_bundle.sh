@@ -14,16 +14,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-gpu_tests=(
-  //kernels:cuda_probe_test
-  //kernels/cuda:bf16_cast_test //kernels/cuda:embedding_test
-  //kernels/cuda:rms_norm_test //kernels/cuda:router_test
-  //kernels/cuda:cross_entropy_test //kernels/cuda:adamw_test
-  //kernels/cuda:dense_mlp_test //kernels/cuda:grouped_experts_test
-  //kernels/cuda:attention_test //kernels/cuda:rope_test
-  //worker/exec:cuda_backend_test //worker/model:device_moe_model_test
-  //worker/memory:cuda_memory_backend_test //worker/comm:nccl_communicator_test
-)
+# Every gpu-tagged test, so a new one cannot be left out of the bundle.
+mapfile -t gpu_tests < <(bazel query 'attr(tags, "\bgpu\b", tests(//...))' 2>/dev/null)
+((${#gpu_tests[@]} > 0)) || { echo "no gpu-tagged tests found" >&2; exit 1; }
 binaries=(
   //server:shardd-coordinator //worker:shardd-worker //client:shardctl
   //bench:grouped_experts_cuda_bench //bench:attention_cuda_bench

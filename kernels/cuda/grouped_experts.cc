@@ -193,9 +193,11 @@ absl::Status ValidateOptions(const GroupedExpertsOptions& o) {
                      static_cast<int>(o.storage)));
   }
   if (o.gemm_path != ExpertGemmPath::kGrouped &&
-      o.gemm_path != ExpertGemmPath::kPerExpertLoop) {
+      o.gemm_path != ExpertGemmPath::kPerExpertLoop &&
+      o.gemm_path != ExpertGemmPath::kAuto) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "experts options.gemm_path must be kGrouped or kPerExpertLoop, got ",
+        "experts options.gemm_path must be kGrouped, kPerExpertLoop or kAuto, "
+        "got ",
         static_cast<int>(o.gemm_path)));
   }
   return absl::OkStatus();
@@ -347,8 +349,12 @@ absl::Status RunExpertGemm(const ExpertGemm& g, ExpertGemmPath path, State& st,
   const float alpha = 1.0f;
   // cuBLAS' grouped GEMM writes only the input type (bf16 -> bf16 or
   // fp32 -> fp32); fp32 accumulation from bf16 inputs takes the loop.
+  int64_t total_rows = 0;
+  for (int64_t j = 0; j < groups; ++j) total_rows += st.expert_rows[st.nonempty[j]];
   const bool grouped =
-      path == ExpertGemmPath::kGrouped && g.ab_type == g.c_type;
+      g.ab_type == g.c_type &&
+      (path == ExpertGemmPath::kGrouped ||
+       (path == ExpertGemmPath::kAuto && total_rows < kAutoLoopRows * groups));
   if (!grouped) {
     for (int64_t j = 0; j < groups; ++j) {
       const int32_t e = st.nonempty[j];

@@ -35,7 +35,8 @@
 //
 // GEMMs: ExpertGemmPath::kGrouped issues one cublasGemmGroupedBatchedEx per
 // GEMM over the experts that have rows; kPerExpertLoop issues one
-// cublasGemmEx per such expert (the baseline). cuBLAS' grouped GEMM only
+// cublasGemmEx per such expert (the baseline); kAuto (the default) picks
+// between the two from the rows per expert. cuBLAS' grouped GEMM only
 // writes bf16 from bf16 inputs, so with bf16 storage the two weight-gradient
 // GEMMs, which accumulate straight into the fp32 dw buffers (beta = 1), run
 // as the per-expert loop on both paths; with fp32 storage every GEMM follows
@@ -84,7 +85,15 @@ enum class ExpertStorage { kFloat32, kBFloat16 };
 enum class ExpertGemmPath {
   kGrouped,        // cublasGemmGroupedBatchedEx, one call per GEMM
   kPerExpertLoop,  // one cublasGemmEx per expert with rows
+  // Per GEMM: kGrouped while the experts with rows average fewer than
+  // kAutoLoopRows rows, else kPerExpertLoop. Measured on an H200
+  // (docs/performance.md): cuBLAS' grouped GEMM wins at 256 rows per expert
+  // (it saves a launch per expert) and loses at 1024 and more, where each
+  // expert's GEMM is large enough for cublasGemmEx's tuned kernels.
+  kAuto,
 };
+
+inline constexpr int64_t kAutoLoopRows = 512;
 
 // Same fields and limits as kernels::ExpertDims, plus experts <=
 // kMaxGroupedExperts (the routing keeps per-expert counters in shared
@@ -102,7 +111,7 @@ inline constexpr int64_t kMaxGroupedExperts = 8192;
 struct GroupedExpertsOptions {
   GatedActivation activation = GatedActivation::kSwiGLU;
   ExpertStorage storage = ExpertStorage::kBFloat16;
-  ExpertGemmPath gemm_path = ExpertGemmPath::kGrouped;
+  ExpertGemmPath gemm_path = ExpertGemmPath::kAuto;
   // GPT-OSS, as kernels::ExpertOptions: the clamped activation's constants
   // (kClampedSwiGLU only; both > 0) and per-expert biases in the storage
   // type (device pointers; null: none). The backward is given the same

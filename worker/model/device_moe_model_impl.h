@@ -208,7 +208,7 @@ struct ModelState : MoeArchitecture {
     o.storage = options.activations == DeviceDType::kFloat32
                     ? kc::ExpertStorage::kFloat32
                     : kc::ExpertStorage::kBFloat16;
-    o.gemm_path = kc::ExpertGemmPath::kGrouped;
+    o.gemm_path = kc::ExpertGemmPath::kAuto;
     return o;
   }
 
