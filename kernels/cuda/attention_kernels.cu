@@ -1,4 +1,6 @@
-// Flash-style attention on the GPU: fp32 arithmetic on tiles in shared
+// Flash-style attention on the GPU, the generic path (any head dims, fp32
+// or bf16; bf16 calls with head dims 64 and 128 go to the tensor-core
+// kernels of attention_mma_kernels.cu): fp32 arithmetic on tiles in shared
 // memory, online softmax in the forward, recomputed probabilities in the
 // backward (one kernel for dK/dV per key tile, looping over the query heads
 // of its kv head, so nothing is added atomically; one for dQ per query tile).
@@ -8,6 +10,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cuda/attention_kernels.h"
 #include "kernels/cuda/device_math.h"
@@ -434,6 +437,11 @@ template <typename T>
 cudaError_t LaunchAttentionForward(const AttentionLaunch& a, const T* q,
                                    const T* k, const T* v, T* out, float* lse,
                                    cudaStream_t stream) {
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (AttentionMmaSupports(a, q, k, v, out, nullptr)) {
+      return LaunchAttentionMmaForward(a, q, k, v, out, lse, stream);
+    }
+  }
   const dim3 grid(static_cast<unsigned>((a.q_len + kBlockQ - 1) / kBlockQ),
                   static_cast<unsigned>(a.q_heads),
                   static_cast<unsigned>(a.batch));
@@ -461,6 +469,12 @@ cudaError_t LaunchAttentionBackward(const AttentionLaunch& a, const T* q,
                        stream>>>(a, sink_part, d_sinks);
     error = cudaGetLastError();
     if (error != cudaSuccess) return error;
+  }
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (AttentionMmaSupports(a, q, k, v, out, d_out)) {
+      return LaunchAttentionMmaBackward(a, q, k, v, d_out, lse, delta, dq, dk,
+                                        dv, stream);
+    }
   }
   if ((dk != nullptr || dv != nullptr) && a.kv_len > 0) {
     const dim3 grid(

@@ -38,6 +38,26 @@ cudaError_t LaunchAttentionBackward(const AttentionLaunch& a, const T* q,
                                     float* delta, float* sink_part,
                                     cudaStream_t stream);
 
+// The tensor-core path (attention_mma_kernels.cu), which the uint16_t (bf16)
+// launchers above take when it supports the call: head_dim 64 or 128 with
+// v_head_dim equal to it, kv_len > 0, 16-byte aligned tensors (d_out may be
+// null for the forward).
+bool AttentionMmaSupports(const AttentionLaunch& a, const void* q,
+                          const void* k, const void* v, const void* out,
+                          const void* d_out);
+cudaError_t LaunchAttentionMmaForward(const AttentionLaunch& a,
+                                      const uint16_t* q, const uint16_t* k,
+                                      const uint16_t* v, uint16_t* out,
+                                      float* lse, cudaStream_t stream);
+// dq, dk, dv are added to (each may be null); delta as computed by the
+// generic backward's first kernel.
+cudaError_t LaunchAttentionMmaBackward(const AttentionLaunch& a,
+                                       const uint16_t* q, const uint16_t* k,
+                                       const uint16_t* v, const uint16_t* d_out,
+                                       const float* lse, const float* delta,
+                                       float* dq, float* dk, float* dv,
+                                       cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace kernels
 }  // namespace shardd

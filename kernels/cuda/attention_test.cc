@@ -37,6 +37,30 @@ int64_t Dv(const AttentionDims& d) {
   return d.v_head_dim == 0 ? d.head_dim : d.v_head_dim;
 }
 
+// Whether a bf16 call takes the tensor-core kernels (attention_kernels.h;
+// the test's buffers are cudaMalloc'd, so aligned).
+bool UsesTensorCores(const AttentionDims& d) {
+  return (d.head_dim == 64 || d.head_dim == 128) && Dv(d) == d.head_dim &&
+         d.kv_len > 0;
+}
+
+// ||actual - expected||_2 <= tol * ||expected||_2, and no NaN.
+void ExpectRelL2Close(const std::vector<float>& actual,
+                      const std::vector<float>& expected, double tol,
+                      const std::string& what) {
+  ASSERT_EQ(actual.size(), expected.size()) << what;
+  double err = 0.0, ref = 0.0;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    ASSERT_FALSE(std::isnan(actual[i])) << what << "[" << i << "]";
+    const double d = static_cast<double>(actual[i]) - expected[i];
+    err += d * d;
+    ref += static_cast<double>(expected[i]) * expected[i];
+  }
+  EXPECT_GT(ref, 0.0) << what;
+  EXPECT_LE(std::sqrt(err), tol * std::sqrt(ref))
+      << what << ": relative L2 error " << std::sqrt(err / ref);
+}
+
 template <typename T>
 void CheckCase(const Case& c) {
   SCOPED_TRACE(c.name + (sizeof(T) == 2 ? " bf16" : " fp32"));
@@ -112,6 +136,34 @@ void CheckCase(const Case& c) {
   const double grad_tol =
       24.0 * (d.head_dim + dv + d.kv_len + d.q_len + 16.0) * u;
   const bool bf16 = sizeof(T) == 2;
+  if (bf16 && UsesTensorCores(d)) {
+    // The tensor-core path also rounds its products' left operands to bf16
+    // (the probabilities before P V and P^T dO, dS before dS K and dS^T Q):
+    // one more relative 2^-9 per term, whose sum can cancel, so elementwise
+    // bounds would need each sum's absolute terms. Normwise the rounding
+    // errors do not cancel with the values: out carries the P rounding plus
+    // each side's output rounding, 3 * 2^-9 < 2^-7; a gradient the P or dS
+    // rounding, the 2^-8 its delta = dO . O inherits from the two sides'
+    // bf16 outputs, and the forward's error through O, under 8 * 2^-9 =
+    // 2^-6. A wrong mask, scale or sink is off by O(1).
+    ExpectRelL2Close(ToFloat(d_out.Download()), out_stored, std::ldexp(1.0, -7),
+                     "out");
+    ExpectAllClose(d_lse.Download(), lse, fwd_tol, fwd_tol, "lse");
+    const double gl2 = std::ldexp(1.0, -6);
+    ExpectRelL2Close(g_dq.Download(), dq, gl2, "dq");
+    std::vector<float> got = g_dk.Download();
+    got.resize(nk);
+    ExpectRelL2Close(got, dk, gl2, "dk");
+    got = g_dv.Download();
+    got.resize(nv);
+    ExpectRelL2Close(got, dvv, gl2, "dv");
+    // d_sinks: sums of p_sink * delta from the fp32 lse, as the generic path.
+    if (c.sinks) {
+      ExpectAllClose(g_ds.Download(), dsinks, 0.0,
+                     std::ldexp(1.0, -7) + grad_tol, "d_sinks");
+    }
+    return;
+  }
   ExpectAllClose(ToFloat(d_out.Download()), bf16 ? out_stored : out,
                  bf16 ? std::ldexp(1.0, -7) : 0.0, fwd_tol, "out");
   ExpectAllClose(d_lse.Download(), lse, fwd_tol, fwd_tol, "lse");
@@ -169,6 +221,21 @@ std::vector<Case> Cases() {
   Case empty{"no keys, sinks", Dims(1, 5, 0, 2, 2, 8),
              Options(AttentionMask::kBidirectional, 0.3f), true};
   cases.push_back(empty);
+  // Tensor-core shapes (bf16): partial tiles at both ends, several query
+  // and key tiles, every mask.
+  cases.push_back({"mma gqa causal 128", Dims(2, 150, 150, 4, 2, 128),
+                   Options(AttentionMask::kCausal, 0.088f)});
+  Case mma_block{"mma block causal offset 64", Dims(1, 70, 200, 2, 1, 64),
+                 Options(AttentionMask::kBlockCausal, 0.125f)};
+  mma_block.options.q_offset = 130;
+  mma_block.options.block = 16;
+  cases.push_back(mma_block);
+  cases.push_back({"mma bidirectional sinks 128", Dims(1, 90, 130, 2, 2, 128),
+                   Options(AttentionMask::kBidirectional, 0.088f), true});
+  Case mma_sliding{"mma mqa sliding 64", Dims(1, 200, 200, 4, 1, 64),
+                   Options(AttentionMask::kSlidingWindow, 0.125f)};
+  mma_sliding.options.window = 70;
+  cases.push_back(mma_sliding);
   return cases;
 }
 
