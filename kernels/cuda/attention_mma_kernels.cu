@@ -2,8 +2,8 @@
 // v the same width): FlashAttention-2's schedule on mma.sync m16n8k16 (bf16
 // operands, fp32 accumulation). Every mask of attention_mask.h, sinks, GQA
 // and q_offset, with the generic kernels' semantics (attention_kernels.cu),
-// which remain the path for everything else. docs/gpu.md describes the
-// tiling and the tolerance.
+// which remain the path for everything else. attention_test.cc derives the
+// tolerance; docs/performance.md has the measurements.
 //
 // Each warp owns 16 rows of a tile. The accumulator layout of m16n8k16
 // (lane = 4 * gr + qd: rows gr and gr + 8, columns 2 * qd and 2 * qd + 1 of

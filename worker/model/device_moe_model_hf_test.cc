@@ -281,7 +281,7 @@ void CheckAgainstCpu(const Case& test) {
     }
     compared.insert(name);
   }
-  // The measured margins, for docs/gpu.md and the diagnostics.
+  // The measured margins (docs/performance.md), also for the diagnostics.
   std::printf("%s %s: loss %.9g vs %.9g (rel %.3g, tol %.3g); worst gradient "
               "%s rel %.3g (tol %.3g)\n",
               test.file.c_str(), bf16 ? "bf16" : "fp32", first.loss, cpu.loss,
