@@ -16,28 +16,12 @@
 #include "kernels/cuda/rope.h"
 #include "kernels/cuda/row_major_gemm.h"
 #include "worker/model/attention_geometry.h"
+#include "worker/model/device_linear.h"
 
 namespace shardd {
 namespace {
 
 namespace kc = ::shardd::kernels::cuda;
-
-template <typename T>
-constexpr kc::DType DTypeOf() {
-  return std::is_same<T, float>::value ? kc::DType::kFloat32
-                                       : kc::DType::kBFloat16;
-}
-
-// C [m, n] (type of C) = alpha A[m, k] op B + beta C.
-template <typename T>
-absl::Status Gemm(cublasHandle_t h, int64_t m, int64_t n, int64_t k,
-                  const void* a, int64_t lda, bool ta, const void* b,
-                  int64_t ldb, bool tb, float beta, void* c, kc::DType c_type,
-                  int64_t ldc, const char* what) {
-  kc::GemmOperand A{a, DTypeOf<T>(), lda, ta};
-  kc::GemmOperand B{b, DTypeOf<T>(), ldb, tb};
-  return kc::RowMajorGemm(h, m, n, k, 1.0f, A, B, beta, c, c_type, ldc, what);
-}
 
 // The kernel options of `layer` with its sinks (device fp32, or null).
 kernels::AttentionOptions OptionsWithSinks(const MoeArchitecture& a,
@@ -104,14 +88,14 @@ absl::Status DeviceAttentionBlock::Forward(const MoeLayerSpec& layer,
   SHARDD_ASSIGN_OR_RETURN(acts->q, Alloc(t * hq * hd * kElem));
   SHARDD_ASSIGN_OR_RETURN(acts->k, Alloc(t * hkv * hd * kElem));
   SHARDD_ASSIGN_OR_RETURN(acts->v, Alloc(t * hkv * hd * kElem));
-  const kc::DType dt = DTypeOf<T>();
-  SHARDD_RETURN_IF_ERROR(Gemm<T>(cublas_, t, hq * hd, d, acts->n.data(), d,
+  const kc::DType dt = kc::DTypeOf<T>::value;
+  SHARDD_RETURN_IF_ERROR(StorageGemm<T>(cublas_, t, hq * hd, d, acts->n.data(), d,
                                  false, p.wq, d, true, 0.0f, acts->q.data(), dt,
                                  hq * hd, "q_proj"));
-  SHARDD_RETURN_IF_ERROR(Gemm<T>(cublas_, t, hkv * hd, d, acts->n.data(), d,
+  SHARDD_RETURN_IF_ERROR(StorageGemm<T>(cublas_, t, hkv * hd, d, acts->n.data(), d,
                                  false, p.wk, d, true, 0.0f, acts->k.data(), dt,
                                  hkv * hd, "k_proj"));
-  SHARDD_RETURN_IF_ERROR(Gemm<T>(cublas_, t, hkv * hd, d, acts->n.data(), d,
+  SHARDD_RETURN_IF_ERROR(StorageGemm<T>(cublas_, t, hkv * hd, d, acts->n.data(), d,
                                  false, p.wv, d, true, 0.0f, acts->v.data(), dt,
                                  hkv * hd, "v_proj"));
   if (layer.attention_bias) {
@@ -151,7 +135,7 @@ absl::Status DeviceAttentionBlock::Forward(const MoeLayerSpec& layer,
       SelfAttentionDims(a, batch, seq), OptionsWithSinks(a, layer, p),
       acts->q.as<T>(), acts->k.as<T>(), acts->v.as<T>(), acts->o.as<T>(),
       acts->lse.as<float>(), stream_));
-  SHARDD_RETURN_IF_ERROR(Gemm<T>(cublas_, t, d, hq * hd, acts->o.data(),
+  SHARDD_RETURN_IF_ERROR(StorageGemm<T>(cublas_, t, d, hq * hd, acts->o.data(),
                                  hq * hd, false, p.wo, hq * hd, true, 0.0f, y,
                                  dt, d, "o_proj"));
   if (!layer.attention_bias) return absl::OkStatus();
@@ -169,15 +153,15 @@ absl::Status DeviceAttentionBlock::Backward(const MoeLayerSpec& layer,
   const int64_t t = batch * seq, d = a.dim, hd = a.head_dim;
   const int64_t hq = a.q_heads, hkv = a.kv_heads;
   constexpr int64_t kElem = sizeof(T);
-  const kc::DType dt = DTypeOf<T>();
+  const kc::DType dt = kc::DTypeOf<T>::value;
   SHARDD_RETURN_IF_ERROR(kc::BindCublasHandle(cublas_, stream_, "attention"));
   // y = o Wo^T: d_o = dy Wo; dWo += dy^T o.
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer d_o, Alloc(t * hq * hd * kElem));
-  SHARDD_RETURN_IF_ERROR(Gemm<T>(cublas_, t, hq * hd, d, dy, d, false, p.wo,
+  SHARDD_RETURN_IF_ERROR(StorageGemm<T>(cublas_, t, hq * hd, d, dy, d, false, p.wo,
                                  hq * hd, false, 0.0f, d_o.data(), dt, hq * hd,
                                  "o_proj backward"));
   if (p.dwo != nullptr) {
-    SHARDD_RETURN_IF_ERROR(Gemm<T>(
+    SHARDD_RETURN_IF_ERROR(StorageGemm<T>(
         cublas_, d, hq * hd, t, dy, d, true, acts.o.data(), hq * hd, false,
         1.0f, p.dwo, kc::DType::kFloat32, hq * hd, "o_proj weight gradient"));
   }
@@ -264,12 +248,12 @@ absl::Status DeviceAttentionBlock::Backward(const MoeLayerSpec& layer,
       SHARDD_RETURN_IF_ERROR(kc::BiasBackward(
           static_cast<const T*>(pr.g->data()), t, pr.out, pr.db, stream_));
     }
-    SHARDD_RETURN_IF_ERROR(Gemm<T>(cublas_, t, d, pr.out, pr.g->data(), pr.out,
+    SHARDD_RETURN_IF_ERROR(StorageGemm<T>(cublas_, t, d, pr.out, pr.g->data(), pr.out,
                                    false, pr.w, d, false, beta, dn, dt, d,
                                    pr.name));
     beta = 1.0f;
     if (pr.dw != nullptr) {
-      SHARDD_RETURN_IF_ERROR(Gemm<T>(
+      SHARDD_RETURN_IF_ERROR(StorageGemm<T>(
           cublas_, pr.out, d, t, pr.g->data(), pr.out, true, acts.n.data(), d,
           false, 1.0f, pr.dw, kc::DType::kFloat32, d, pr.name));
     }

@@ -91,10 +91,12 @@ class DeviceAttentionBlock {
                         int64_t seq, const int32_t* positions, const T* dy,
                         T* dn);
 
+  // The uploaded table (Prepare), as the CUDA RoPE takes it (the MLA block
+  // rotates with it too).
+  kernels::cuda::DeviceRopeTable RopeTable() const;
+
  private:
   absl::StatusOr<DeviceBuffer> Alloc(int64_t bytes);
-  // The uploaded table (Prepare), as the CUDA RoPE takes it.
-  kernels::cuda::DeviceRopeTable RopeTable() const;
 
   const MoeArchitecture* arch_;
   DeviceAllocator* allocator_;

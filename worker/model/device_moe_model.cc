@@ -127,6 +127,7 @@ void ModelState::ReleaseLayer(LayerState* l) {
   l->dense_out.Reset();
   l->mlp_saved.Reset();
   l->attn.Reset();
+  l->mla.Reset();
   l->attn_x_in.Reset();
   l->attn_inv.Reset();
   ReleaseExpertSlot(&l->experts);
@@ -186,18 +187,6 @@ absl::StatusOr<std::unique_ptr<DeviceMoeModel>> DeviceMoeModel::Create(
         "sandwich norms, per-layer-type attention with values from keys and "
         "v_norm, the scaled router, layer_scalar, the logit soft-cap) yet; "
         "train it on CPU workers");
-  }
-  // DeepSeek-V3's latent attention and router.
-  if (arch.mla) {
-    return absl::InvalidArgumentError(
-        "dims.attention.mla: the GPU model does not compute multi-head latent "
-        "attention (DeepSeek-V3) yet; train it on CPU workers");
-  }
-  if (arch.router_scoring == kernels::RouterScoring::kSigmoidGroupLimited) {
-    return absl::InvalidArgumentError(
-        "dims.router_scoring: the GPU model does not compute the sigmoid "
-        "group-limited router with its e_score_correction_bias (DeepSeek-V3) "
-        "yet; train it on CPU workers");
   }
 
   const int64_t d = arch.dim;
@@ -269,6 +258,10 @@ absl::StatusOr<std::unique_ptr<DeviceMoeModel>> DeviceMoeModel::Create(
   }
   m.attention =
       std::make_unique<DeviceAttentionBlock>(&m, allocator, m.stream, m.cublas);
+  if (m.mla) {
+    m.mla_attention =
+        std::make_unique<DeviceMlaBlock>(&m, allocator, m.stream, m.cublas);
+  }
   m.order = std::make_unique<ModelCommandOrder>(
       options.model.passes, options.model.no_grad_passes,
       options.model.microbatches, m.LayersWithExperts(),

@@ -35,6 +35,7 @@
 #include "model/model_util.h"
 #include "worker/model/command_order.h"
 #include "worker/model/device_attention_block.h"
+#include "worker/model/device_mla_block.h"
 #include "worker/model/device_moe_model.h"
 #include "worker/model/device_moe_model_kernels.h"
 #include "worker/model/moe_architecture.h"
@@ -81,6 +82,7 @@ struct LayerState {
   // Attention layers: x_in and inv_rms above are the MoE / MLP branch's
   // (x_mid, the post_attention_layernorm's); these are the layer input's.
   DeviceAttentionActs attn;
+  DeviceMlaActs mla;       // DeepSeek-V3's latent attention instead
   DeviceBuffer attn_x_in;  // [T, D]
   DeviceBuffer attn_inv;   // [T] fp32
 };
@@ -156,7 +158,8 @@ struct ModelState : MoeArchitecture {
 
   std::vector<BatchState> batches;
   std::vector<PassState> states;  // [microbatch * passes + pass]
-  std::unique_ptr<DeviceAttentionBlock> attention;
+  std::unique_ptr<DeviceAttentionBlock> attention;  // also owns the RoPE table
+  std::unique_ptr<DeviceMlaBlock> mla_attention;    // when arch.mla
   bool has_attention = false;
   // Per (pass, micro-batch), as the states.
   std::unique_ptr<ModelCommandOrder> order;
@@ -292,6 +295,43 @@ struct ModelState : MoeArchitecture {
       SHARDD_ASSIGN_OR_RETURN(ap.dsinks, Grad(params, spec.sinks));
     }
     return ap;
+  }
+
+  // The latent attention's parameters, as AttentionParams.
+  template <typename T>
+  absl::StatusOr<DeviceMlaParams> MlaParams(const LayerInfo& spec,
+                                            DeviceParamSource* params,
+                                            std::vector<DeviceBuffer>* temps,
+                                            bool grads) {
+    DeviceMlaParams mp;
+    const bool lora = q_lora_rank > 0;
+    struct Entry {
+      bool present;
+      const TensorInfo& tensor;
+      const void** param;
+      float** grad;
+    };
+    const Entry entries[] = {
+        {!lora, spec.q_proj, &mp.wq, &mp.dwq},
+        {lora, spec.q_a_proj, &mp.wqa, &mp.dwqa},
+        {lora, spec.q_a_norm, &mp.q_a_norm, &mp.dq_a_norm},
+        {lora, spec.q_b_proj, &mp.wqb, &mp.dwqb},
+        {true, spec.kv_a_proj, &mp.wkva, &mp.dwkva},
+        {true, spec.kv_a_norm, &mp.kv_a_norm, &mp.dkv_a_norm},
+        {true, spec.kv_b_proj, &mp.wkvb, &mp.dwkvb},
+        {true, spec.o_proj, &mp.wo, &mp.dwo},
+        {lora && spec.attention_bias, spec.q_a_bias, &mp.bqa, &mp.dbqa},
+        {spec.attention_bias, spec.kv_a_bias, &mp.bkva, &mp.dbkva},
+        {spec.attention_bias, spec.o_bias, &mp.bo, &mp.dbo},
+    };
+    for (const Entry& e : entries) {
+      if (!e.present) continue;
+      SHARDD_ASSIGN_OR_RETURN(*e.param, Param<T>(params, e.tensor, temps));
+      if (grads) {
+        SHARDD_ASSIGN_OR_RETURN(*e.grad, Grad(params, e.tensor));
+      }
+    }
+    return mp;
   }
 
   // *dx += RMSNorm'(dy) for the norm `weight` of input x (saved inv_rms);

@@ -73,13 +73,23 @@ absl::Status ModelState::Forward(const Command& c, DeviceParamSource* params) {
         // x_mid = x + attention(input_layernorm(x)); from here on x_in and
         // inv_rms are x_mid and its post_attention_layernorm's (the MoE /
         // MLP branch reads that norm's output).
-        SHARDD_ASSIGN_OR_RETURN(
-            const DeviceAttentionParams ap,
-            AttentionParams<T>(spec, params, &temps, /*grads=*/false));
         SHARDD_ASSIGN_OR_RETURN(DeviceBuffer y, Alloc(td * kElem));
-        SHARDD_RETURN_IF_ERROR(attention->Forward<T>(
-            spec, ap, std::move(la.normed), batch.batch, batch.seq,
-            batch.positions.as<int32_t>(), &la.attn, y.as<T>()));
+        if (spec.mla) {
+          SHARDD_ASSIGN_OR_RETURN(
+              const DeviceMlaParams mp,
+              MlaParams<T>(spec, params, &temps, /*grads=*/false));
+          SHARDD_RETURN_IF_ERROR(mla_attention->Forward<T>(
+              spec, mp, std::move(la.normed), batch.batch, batch.seq,
+              batch.positions.as<int32_t>(), attention->RopeTable(), &la.mla,
+              y.as<T>()));
+        } else {
+          SHARDD_ASSIGN_OR_RETURN(
+              const DeviceAttentionParams ap,
+              AttentionParams<T>(spec, params, &temps, /*grads=*/false));
+          SHARDD_RETURN_IF_ERROR(attention->Forward<T>(
+              spec, ap, std::move(la.normed), batch.batch, batch.seq,
+              batch.positions.as<int32_t>(), &la.attn, y.as<T>()));
+        }
         la.attn_x_in = std::move(la.x_in);
         la.attn_inv = std::move(la.inv_rms);
         SHARDD_RETURN_IF_ERROR(AllocInto(&la.x_in, td * kElem));
@@ -401,12 +411,22 @@ absl::Status ModelState::Backward(const Command& c, DeviceParamSource* params) {
       SHARDD_RETURN_IF_ERROR(NormBackward<T>(branch_norm, params, a.dn, la.x_in,
                                              la.inv_rms, t, &a.dx, &temps));
       if (spec.has_attention) {
-        SHARDD_ASSIGN_OR_RETURN(
-            const DeviceAttentionParams ap,
-            AttentionParams<T>(spec, params, &temps, /*grads=*/true));
-        SHARDD_RETURN_IF_ERROR(attention->Backward<T>(
-            spec, ap, la.attn, batch.batch, batch.seq,
-            batch.positions.as<int32_t>(), a.dx.as<T>(), a.dn.as<T>()));
+        if (spec.mla) {
+          SHARDD_ASSIGN_OR_RETURN(
+              const DeviceMlaParams mp,
+              MlaParams<T>(spec, params, &temps, /*grads=*/true));
+          SHARDD_RETURN_IF_ERROR(mla_attention->Backward<T>(
+              spec, mp, la.mla, batch.batch, batch.seq,
+              batch.positions.as<int32_t>(), attention->RopeTable(),
+              a.dx.as<T>(), a.dn.as<T>()));
+        } else {
+          SHARDD_ASSIGN_OR_RETURN(
+              const DeviceAttentionParams ap,
+              AttentionParams<T>(spec, params, &temps, /*grads=*/true));
+          SHARDD_RETURN_IF_ERROR(attention->Backward<T>(
+              spec, ap, la.attn, batch.batch, batch.seq,
+              batch.positions.as<int32_t>(), a.dx.as<T>(), a.dn.as<T>()));
+        }
         SHARDD_RETURN_IF_ERROR(NormBackward<T>(spec.norm, params, a.dn,
                                                la.attn_x_in, la.attn_inv, t,
                                                &a.dx, &temps));

@@ -8,12 +8,6 @@
 #include "worker/model/attention_geometry.h"
 
 namespace shardd {
-namespace {
-
-// DeepseekV3RMSNorm(q_lora_rank) / (kv_lora_rank): HF's default eps.
-constexpr float kLatentNormEps = 1e-6f;
-
-}  // namespace
 
 int64_t MlaActs::bytes() const {
   size_t n_floats = 0;
@@ -95,7 +89,7 @@ absl::Status MlaBlock::Forward(const MoeLayerSpec& layer, ParamSource* params,
     acts->qa_n.resize(t * rq);
     acts->qa_inv.resize(t);
     SHARDD_RETURN_IF_ERROR(
-        kernels::RmsNormForward(acts->qa.data(), gqa, t, rq, kLatentNormEps,
+        kernels::RmsNormForward(acts->qa.data(), gqa, t, rq, kMlaLatentNormEps,
                                 acts->qa_n.data(), acts->qa_inv.data()));
     SHARDD_RETURN_IF_ERROR(kernels::LinearForward(acts->qa_n.data(), wqb, t, rq,
                                                   h * qk, acts->q.data()));
@@ -129,7 +123,7 @@ absl::Status MlaBlock::Forward(const MoeLayerSpec& layer, ParamSource* params,
   acts->c_n.resize(t * rkv);
   acts->c_inv.resize(t);
   SHARDD_RETURN_IF_ERROR(
-      kernels::RmsNormForward(acts->c.data(), gkv, t, rkv, kLatentNormEps,
+      kernels::RmsNormForward(acts->c.data(), gkv, t, rkv, kMlaLatentNormEps,
                               acts->c_n.data(), acts->c_inv.data()));
   const int64_t wb = nope + dv;
   kvb_.resize(t * h * wb);

@@ -20,6 +20,10 @@
 
 namespace shardd {
 
+// DeepseekV3RMSNorm(q_lora_rank) / (kv_lora_rank): HF's default eps, not
+// rms_norm_eps (the CPU and GPU MLA blocks both use it).
+inline constexpr float kMlaLatentNormEps = 1e-6f;
+
 struct ArchTensor {
   std::string name;  // The tied target's name for a tied parameter.
   std::vector<int64_t> shape;
