@@ -210,6 +210,10 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                              "--resume-from",
                                              "--init-from",
                                              "--synthetic-order",
+                                             "--encoder-loss-weight",
+                                             "--diffusion-loss-weight",
+                                             "--diffusion-noise-eps",
+                                             "--self-conditioning-p",
                                              "--loss-svg",
                                              "--max-recoveries",
                                              "--reconnect-timeout"});
@@ -465,6 +469,35 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
       args->train.set_beta2(x);
     } else {
       args->train.set_eps(x);
+    }
+  } else if (flag == "--encoder-loss-weight" ||
+             flag == "--diffusion-loss-weight" ||
+             flag == "--diffusion-noise-eps" ||
+             flag == "--self-conditioning-p") {
+    // DiffusionGemma's block-diffusion knobs (TrainConfig.diffusion).
+    double x = 0;
+    const bool weight = flag == "--encoder-loss-weight" ||
+                        flag == "--diffusion-loss-weight";
+    const bool ok = absl::SimpleAtod(value, &x) && std::isfinite(x) &&
+                    x >= 0 &&
+                    (weight || (flag == "--diffusion-noise-eps" ? x < 1 : x <= 1));
+    if (!ok) {
+      return Usage(absl::StrCat(
+          flag, ": expected a number ",
+          weight                             ? ">= 0"
+          : flag == "--diffusion-noise-eps" ? "in [0, 1)"
+                                             : "in [0, 1]",
+          ", got '", value, "'"));
+    }
+    v1::DiffusionTraining* d = args->train.mutable_diffusion();
+    if (flag == "--encoder-loss-weight") {
+      d->set_encoder_loss_weight(x);
+    } else if (flag == "--diffusion-loss-weight") {
+      d->set_diffusion_loss_weight(x);
+    } else if (flag == "--diffusion-noise-eps") {
+      d->set_noise_eps(x);
+    } else {
+      d->set_self_conditioning_p(x);
     }
   } else if (flag == "--fine-grained") {
     args->train.set_fine_grained(true);

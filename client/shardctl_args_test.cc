@@ -523,6 +523,27 @@ TEST(ShardctlArgsTest, TrainUsageErrors) {
   usage({"train", "--coordinator", "h:1", "--model", "a", "--data-order",
          "sorted"},
         "--data-order: expected random or strided");
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      ShardctlArgs diffusion,
+      Parse({"train", "--coordinator", "h:1", "--model", "a",
+             "--encoder-loss-weight", "0", "--diffusion-loss-weight", "2.5",
+             "--diffusion-noise-eps", "0.01", "--self-conditioning-p", "1"}));
+  const v1::DiffusionTraining& d = diffusion.train.diffusion();
+  EXPECT_TRUE(d.has_encoder_loss_weight());  // 0 is a value, not "unset"
+  EXPECT_EQ(d.encoder_loss_weight(), 0.0);
+  EXPECT_EQ(d.diffusion_loss_weight(), 2.5);
+  EXPECT_EQ(d.noise_eps(), 0.01);
+  EXPECT_EQ(d.self_conditioning_p(), 1.0);
+  EXPECT_FALSE(adam.train.has_diffusion());
+  usage({"train", "--coordinator", "h:1", "--model", "a",
+         "--diffusion-noise-eps", "1"},
+        "--diffusion-noise-eps: expected a number in [0, 1)");
+  usage({"train", "--coordinator", "h:1", "--model", "a",
+         "--self-conditioning-p", "1.5"},
+        "--self-conditioning-p: expected a number in [0, 1]");
+  usage({"train", "--coordinator", "h:1", "--model", "a",
+         "--encoder-loss-weight", "-1"},
+        "--encoder-loss-weight: expected a number >= 0");
   usage({"train", "--coordinator", "h:1", "--model", "a", "--hf-config", "x"},
         "unknown flag '--hf-config'");
   usage({"plan", "--model", "a", "--dp", "2", "--steps", "3"},

@@ -136,6 +136,14 @@ Job:
                                depend on the token K back, so a model
                                without attention stays above a known floor
                                (shown in the summary)
+  --encoder-loss-weight W      DiffusionGemma: the weight of the encoder's
+                               next-token loss (default 1)
+  --diffusion-loss-weight W    DiffusionGemma: the weight of the canvas
+                               (diffusion) loss (default 1)
+  --diffusion-noise-eps E      DiffusionGemma: the least noise level, in
+                               [0, 1) (default 0.001)
+  --self-conditioning-p P      DiffusionGemma: the chance of a
+                               self-conditioning decode (default 0.5)
   --seed N                     data and initialization seed (default 0)
   --lr X                       AdamW learning rate (default 0.001)
   --weight-decay X             decoupled weight decay (default 0)

@@ -42,6 +42,20 @@ kernels::AdamWConfig AdamWConfigOf(const v1::TrainConfig& train) {
   return adamw;
 }
 
+DiffusionTrainingOptions DiffusionOptionsOf(const v1::TrainConfig& train) {
+  const v1::DiffusionTraining& d = train.diffusion();
+  DiffusionTrainingOptions o;
+  if (d.has_noise_eps()) o.noise_eps = d.noise_eps();
+  if (d.has_self_conditioning_p()) o.self_conditioning_p = d.self_conditioning_p();
+  if (d.has_encoder_loss_weight()) {
+    o.encoder_loss_weight = d.encoder_loss_weight();
+  }
+  if (d.has_diffusion_loss_weight()) {
+    o.diffusion_loss_weight = d.diffusion_loss_weight();
+  }
+  return o;
+}
+
 absl::StatusOr<v1::TrainConfig> ResolveTrainConfig(const v1::TrainConfig& train,
                                                    int world_size,
                                                    int plan_microbatches) {
@@ -126,6 +140,13 @@ absl::StatusOr<v1::TrainConfig> ResolveTrainConfig(const v1::TrainConfig& train,
   out.set_weight_decay(weight_decay);
   out.set_grad_clip(train.grad_clip() == 0.0 ? kDefaultGradClip
                                              : train.grad_clip());
+  const DiffusionTrainingOptions diffusion = DiffusionOptionsOf(train);
+  SHARDD_RETURN_IF_ERROR(ValidateDiffusionTraining(diffusion));
+  v1::DiffusionTraining* d = out.mutable_diffusion();
+  d->set_noise_eps(diffusion.noise_eps);
+  d->set_self_conditioning_p(diffusion.self_conditioning_p);
+  d->set_encoder_loss_weight(diffusion.encoder_loss_weight);
+  d->set_diffusion_loss_weight(diffusion.diffusion_loss_weight);
   return out;
 }
 

@@ -9,6 +9,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/cpu/adamw.h"
 #include "proto/coordinator.pb.h"
+#include "worker/model/block_diffusion.h"
 
 namespace shardd {
 
@@ -29,7 +30,9 @@ inline constexpr int64_t kDefaultCollectiveTimeoutMs = 60000;
 // microbatches < 0 or different from the plan's, global_batch not divisible
 // by world_size * microbatches (naming global_batch, the world size and
 // microbatches), lr, eps or weight_decay negative or not finite, a beta
-// outside [0, 1), grad_clip not finite, world_size < 1.
+// outside [0, 1), grad_clip not finite, world_size < 1, a diffusion field
+// out of its range (ValidateDiffusionTraining). Every diffusion field comes
+// back set (its default when unset).
 absl::StatusOr<v1::TrainConfig> ResolveTrainConfig(const v1::TrainConfig& train,
                                                    int world_size,
                                                    int plan_microbatches);
@@ -37,6 +40,10 @@ absl::StatusOr<v1::TrainConfig> ResolveTrainConfig(const v1::TrainConfig& train,
 // The AdamW hyper-parameters of a resolved train config (lr, betas, eps,
 // weight decay).
 kernels::AdamWConfig AdamWConfigOf(const v1::TrainConfig& train);
+
+// The block-diffusion knobs of a train config: its set fields, the defaults
+// (DiffusionTrainingOptions) for the rest.
+DiffusionTrainingOptions DiffusionOptionsOf(const v1::TrainConfig& train);
 
 }  // namespace shardd
 

@@ -70,6 +70,34 @@ TEST(ResolveTrainConfigTest, FillsDefaultsAndChecksTheBatchShape) {
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("weight_decay")));
 }
 
+TEST(ResolveTrainConfigTest, DiffusionKnobsTakeDefaultsAndAreChecked) {
+  v1::TrainConfig train;
+  train.set_global_batch(4);
+  train.set_seq_len(4);
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::TrainConfig resolved,
+                              ResolveTrainConfig(train, 1, 1));
+  // NeMo AutoModel's defaults, every field set.
+  EXPECT_DOUBLE_EQ(resolved.diffusion().noise_eps(), 1e-3);
+  EXPECT_DOUBLE_EQ(resolved.diffusion().self_conditioning_p(), 0.5);
+  EXPECT_DOUBLE_EQ(resolved.diffusion().encoder_loss_weight(), 1.0);
+  EXPECT_DOUBLE_EQ(resolved.diffusion().diffusion_loss_weight(), 1.0);
+  // A set 0 is a value: no encoder loss.
+  train.mutable_diffusion()->set_encoder_loss_weight(0.0);
+  SHARDD_ASSERT_OK_AND_ASSIGN(resolved, ResolveTrainConfig(train, 1, 1));
+  EXPECT_DOUBLE_EQ(resolved.diffusion().encoder_loss_weight(), 0.0);
+  EXPECT_DOUBLE_EQ(DiffusionOptionsOf(resolved).encoder_loss_weight, 0.0);
+  EXPECT_DOUBLE_EQ(DiffusionOptionsOf(resolved).self_conditioning_p, 0.5);
+  train.mutable_diffusion()->set_self_conditioning_p(2.0);
+  EXPECT_THAT(ResolveTrainConfig(train, 1, 1).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("train.diffusion.self_conditioning_p")));
+  train.mutable_diffusion()->set_self_conditioning_p(0.5);
+  train.mutable_diffusion()->set_noise_eps(-0.5);
+  EXPECT_THAT(ResolveTrainConfig(train, 1, 1).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("train.diffusion.noise_eps")));
+}
+
 TEST(AdamWConfigOfTest, CopiesTheResolvedHyperParameters) {
   v1::TrainConfig train;
   train.set_global_batch(2);

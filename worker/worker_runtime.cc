@@ -393,6 +393,7 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::BuildJobLocked(
   executor_options.seed = request.seed();
   executor_options.collective_timeout = timeout;
   executor_options.adamw = AdamWConfigOf(train);
+  executor_options.diffusion = DiffusionOptionsOf(train);
   executor_options.max_grad_norm =
       train.grad_clip() > 0 ? train.grad_clip() : 0;
   // Weights from a Hugging Face checkpoint, unless kept state replaces the

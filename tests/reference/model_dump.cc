@@ -152,7 +152,8 @@ int Run() {
     DiffusionCanvas canvas;
     status = BuildDiffusionCanvas(inputs.data(), batch, seq,
                                   spec->dims().canvas_length(), arch->vocab,
-                                  step, indices.data(), &canvas);
+                                  step, indices.data(),
+                                  DiffusionTrainingOptions(), &canvas);
     if (!status.ok()) {
       std::fprintf(stderr, "model_dump: %s\n", status.ToString().c_str());
       return 1;

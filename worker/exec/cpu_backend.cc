@@ -218,7 +218,7 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(
   const v1::StepShape& step = plan.step();
   backend->model_options_ =
       ModelOptionsFor(step.microbatches(), step.passes(), step.no_grad_passes(),
-                      options.self_conditioning_scale);
+                      options.self_conditioning_scale, options.diffusion);
   SHARDD_ASSIGN_OR_RETURN(backend->model_,
                           MoeModel::Create(model, backend->model_options_));
 
@@ -236,7 +236,7 @@ absl::Status CpuBackend::BeginStep(const v1::StepProgram& header,
                                    absl::Span<const data::MicroBatch> batches) {
   const MoeModelOptions wanted = ModelOptionsFor(
       header.microbatches(), header.passes(), header.no_grad_passes(),
-      options_.self_conditioning_scale);
+      options_.self_conditioning_scale, options_.diffusion);
   if (!SameStepShape(wanted, model_options_)) {
     SHARDD_ASSIGN_OR_RETURN(model_, MoeModel::Create(model_spec_, wanted));
     model_options_ = wanted;

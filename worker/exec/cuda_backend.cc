@@ -149,7 +149,8 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   const v1::StepShape& shape = plan.step();
   executor->model_options_ =
       ModelOptionsFor(shape.microbatches(), shape.passes(),
-                      shape.no_grad_passes(), step.self_conditioning_scale);
+                      shape.no_grad_passes(), step.self_conditioning_scale,
+                      step.diffusion);
   DeviceMoeModelOptions model_options;
   model_options.model = executor->model_options_;
   model_options.device = options.device;
@@ -183,7 +184,7 @@ absl::Status CudaBackend::BeginStep(
     const v1::StepProgram& header, absl::Span<const data::MicroBatch> batches) {
   const MoeModelOptions wanted = ModelOptionsFor(
       header.microbatches(), header.passes(), header.no_grad_passes(),
-      options_.step.self_conditioning_scale);
+      options_.step.self_conditioning_scale, options_.step.diffusion);
   if (!SameStepShape(wanted, model_options_)) {
     DeviceMoeModelOptions model_options;
     model_options.model = wanted;

@@ -20,6 +20,7 @@
 #include "layout/initial_values.h"
 #include "proto/worker.pb.h"
 #include "worker/comm/communicator.h"
+#include "worker/model/block_diffusion.h"
 #include "worker/data/batch_sampler.h"
 #include "worker/exec/step_state.h"
 #include "worker/memory/memory_tracker.h"
@@ -45,8 +46,9 @@ struct StepExecutorOptions {
   // Global gradient-norm clipping threshold; 0 turns clipping off (the norm
   // is still computed and reported).
   double max_grad_norm = 0.0;
-  // MoeModelOptions::self_conditioning_scale.
+  // MoeModelOptions::self_conditioning_scale and ::diffusion.
   float self_conditioning_scale = 0.5f;
+  DiffusionTrainingOptions diffusion;
   // ALLOC_GRAD waits for every free queued before it (see above). False
   // lets a reduce-scatter overlap the next backward, at the price of a
   // measured peak that can exceed the plan's by the gradients in flight.

@@ -66,8 +66,10 @@ absl::Status CheckStepBatches(const v1::StepProgram& header,
 }
 
 MoeModelOptions ModelOptionsFor(int microbatches, int passes,
-                                int no_grad_passes, float scale) {
+                                int no_grad_passes, float scale,
+                                const DiffusionTrainingOptions& diffusion) {
   MoeModelOptions options;
+  options.diffusion = diffusion;
   options.microbatches = OrOne(microbatches);
   options.passes = OrOne(passes);
   options.no_grad_passes = no_grad_passes;

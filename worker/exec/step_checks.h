@@ -33,9 +33,11 @@ absl::Status CheckProgramHeader(const v1::StepProgram& program,
 absl::Status CheckStepBatches(const v1::StepProgram& header,
                               absl::Span<const data::MicroBatch> batches);
 
-// The model options of a step shape (counts below 1 read as 1).
+// The model options of a step shape (counts below 1 read as 1), with the
+// self-conditioning scale and the block-diffusion knobs of the job.
 MoeModelOptions ModelOptionsFor(int microbatches, int passes,
-                                int no_grad_passes, float scale);
+                                int no_grad_passes, float scale,
+                                const DiffusionTrainingOptions& diffusion);
 
 // Whether two model options describe the same step shape.
 bool SameStepShape(const MoeModelOptions& a, const MoeModelOptions& b);

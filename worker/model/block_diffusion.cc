@@ -1,15 +1,45 @@
 #include "worker/model/block_diffusion.h"
 
+#include <cmath>
+#include <utility>
+
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "worker/data/rng.h"
 
 namespace shardd {
+
+absl::Status ValidateDiffusionTraining(const DiffusionTrainingOptions& o) {
+  if (!(o.noise_eps >= 0.0 && o.noise_eps < 1.0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "train.diffusion.noise_eps: must be in [0, 1), got ", o.noise_eps));
+  }
+  if (!(o.self_conditioning_p >= 0.0 && o.self_conditioning_p <= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("train.diffusion.self_conditioning_p: must be in [0, 1], "
+                     "got ",
+                     o.self_conditioning_p));
+  }
+  for (const auto& [name, w] :
+       {std::pair<const char*, double>{"encoder_loss_weight",
+                                       o.encoder_loss_weight},
+        {"diffusion_loss_weight", o.diffusion_loss_weight}}) {
+    if (!std::isfinite(w) || w < 0.0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("train.diffusion.", name,
+                       ": must be a finite number >= 0, got ", w));
+    }
+  }
+  return absl::OkStatus();
+}
 
 absl::Status BuildDiffusionCanvas(const int32_t* inputs, int64_t batch,
                                   int64_t seq, int64_t canvas, int64_t vocab,
                                   int64_t step,
                                   const int64_t* sequence_indices,
+                                  const DiffusionTrainingOptions& options,
                                   DiffusionCanvas* out) {
+  SHARDD_RETURN_IF_ERROR(ValidateDiffusionTraining(options));
   if (canvas < 1 || canvas >= seq || vocab < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "block diffusion: needs 1 <= canvas_length < seq (the encoder keys "
@@ -24,7 +54,7 @@ absl::Status BuildDiffusionCanvas(const int32_t* inputs, int64_t batch,
     data::SplitMix64 rng(data::StreamSeed(static_cast<uint64_t>(step),
                                           kDiffusionNoiseDomain, index));
     const double level =
-        kDiffusionNoiseEps + (1.0 - kDiffusionNoiseEps) * rng.NextDouble();
+        options.noise_eps + (1.0 - options.noise_eps) * rng.NextDouble();
     for (int64_t j = 0; j < canvas; ++j) {
       const int32_t clean = inputs[b * seq + seq - canvas + j];
       const double u = rng.NextDouble();
@@ -34,7 +64,7 @@ absl::Status BuildDiffusionCanvas(const int32_t* inputs, int64_t batch,
     }
     data::SplitMix64 coin(data::StreamSeed(static_cast<uint64_t>(step),
                                            kSelfConditioningDomain, index));
-    out->self_cond[b] = coin.NextDouble() < kSelfConditioningP ? 1 : 0;
+    out->self_cond[b] = coin.NextDouble() < options.self_conditioning_p ? 1 : 0;
   }
   return absl::OkStatus();
 }

@@ -19,6 +19,20 @@ inline constexpr double kDiffusionNoiseEps = 1e-3;
 inline constexpr double kSelfConditioningP = 0.5;
 inline constexpr double kEncoderLossWeight = 1.0;
 
+// The knobs of a block-diffusion training job (TrainConfig.diffusion,
+// proto/coordinator.proto, which documents them).
+struct DiffusionTrainingOptions {
+  double noise_eps = kDiffusionNoiseEps;
+  double self_conditioning_p = kSelfConditioningP;
+  double encoder_loss_weight = kEncoderLossWeight;
+  double diffusion_loss_weight = 1.0;
+};
+
+// INVALID_ARGUMENT naming the field (as train.diffusion.<field>) unless
+// noise_eps is in [0, 1), self_conditioning_p in [0, 1] and both weights
+// finite and >= 0.
+absl::Status ValidateDiffusionTraining(const DiffusionTrainingOptions& o);
+
 // StreamSeed domains (worker/data/rng.h keeps 1..5 for the data pipeline).
 inline constexpr uint64_t kDiffusionNoiseDomain = 16;
 inline constexpr uint64_t kSelfConditioningDomain = 17;
@@ -35,12 +49,14 @@ struct DiffusionCanvas {
 // canvas position u and a token NextBelow(vocab) (both always drawn), the
 // token replacing the clean one when u < t; the coin is
 // SplitMix64(StreamSeed(step, kSelfConditioningDomain, index_b))
-// .NextDouble() < kSelfConditioningP.
-// INVALID_ARGUMENT unless 1 <= canvas < seq, vocab >= 1.
+// .NextDouble() < self_conditioning_p (eps and p from `options`).
+// INVALID_ARGUMENT unless 1 <= canvas < seq, vocab >= 1, and for options
+// ValidateDiffusionTraining rejects.
 absl::Status BuildDiffusionCanvas(const int32_t* inputs, int64_t batch,
                                   int64_t seq, int64_t canvas, int64_t vocab,
                                   int64_t step,
                                   const int64_t* sequence_indices,
+                                  const DiffusionTrainingOptions& options,
                                   DiffusionCanvas* out);
 
 }  // namespace shardd

@@ -1,6 +1,8 @@
 #include "worker/model/block_diffusion.h"
 
+#include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -20,12 +22,12 @@ TEST(BlockDiffusionTest, CanvasIsTheLastTokensAndNoiseFollowsTheGlobalIndex) {
   const std::vector<int64_t> all = {10, 11, 12, 13};
   DiffusionCanvas whole;
   ASSERT_TRUE(BuildDiffusionCanvas(inputs.data(), 4, seq, canvas, vocab, 3,
-                                   all.data(), &whole)
+                                   all.data(), {}, &whole)
                   .ok());
   // The same sequences split over two ranks: rows 2..3 alone.
   DiffusionCanvas half;
   ASSERT_TRUE(BuildDiffusionCanvas(inputs.data() + 2 * seq, 2, seq, canvas,
-                                   vocab, 3, all.data() + 2, &half)
+                                   vocab, 3, all.data() + 2, {}, &half)
                   .ok());
   for (int64_t j = 0; j < 2 * canvas; ++j) {
     EXPECT_EQ(half.noised[j], whole.noised[2 * canvas + j]);
@@ -41,7 +43,7 @@ TEST(BlockDiffusionTest, CanvasIsTheLastTokensAndNoiseFollowsTheGlobalIndex) {
   // an accidental match of all 20 positions negligible).
   DiffusionCanvas other;
   ASSERT_TRUE(BuildDiffusionCanvas(inputs.data(), 4, seq, canvas, vocab, 4,
-                                   all.data(), &other)
+                                   all.data(), {}, &other)
                   .ok());
   EXPECT_NE(other.noised, whole.noised);
 }
@@ -55,7 +57,7 @@ TEST(BlockDiffusionTest, NoiseLevelsCoverTheRangeAndCoinsAreFair) {
   for (int64_t i = 0; i < rows; ++i) index[i] = i;
   DiffusionCanvas c;
   ASSERT_TRUE(BuildDiffusionCanvas(inputs.data(), rows, seq, canvas, vocab, 0,
-                                   index.data(), &c)
+                                   index.data(), {}, &c)
                   .ok());
   double replaced = 0, coins = 0;
   for (int32_t t : c.noised) replaced += t != 0;
@@ -69,9 +71,60 @@ TEST(BlockDiffusionTest, NeedsEncoderKeysBeforeTheCanvas) {
   const int64_t index = 0;
   DiffusionCanvas c;
   EXPECT_FALSE(
-      BuildDiffusionCanvas(inputs.data(), 1, 4, 4, 10, 0, &index, &c).ok());
+      BuildDiffusionCanvas(inputs.data(), 1, 4, 4, 10, 0, &index, {}, &c).ok());
   EXPECT_FALSE(
-      BuildDiffusionCanvas(inputs.data(), 1, 4, 0, 10, 0, &index, &c).ok());
+      BuildDiffusionCanvas(inputs.data(), 1, 4, 0, 10, 0, &index, {}, &c).ok());
+}
+
+TEST(BlockDiffusionTest, OptionsSetTheNoiseFloorAndTheCoin) {
+  // p = 0 and 1 fix the coin; eps = 0.999 replaces nearly every token (the
+  // level is at least eps: the expected kept fraction is under 0.001 times
+  // (1 - 1/vocab); over 2000 positions, 0.02 leaves margin).
+  const int64_t rows = 1000, seq = 3, canvas = 2, vocab = 1 << 20;
+  std::vector<int32_t> inputs(rows * seq, 0);
+  std::vector<int64_t> index(rows);
+  for (int64_t i = 0; i < rows; ++i) index[i] = i;
+  for (const double p : {0.0, 1.0}) {
+    DiffusionTrainingOptions options;
+    options.self_conditioning_p = p;
+    options.noise_eps = 0.999;
+    DiffusionCanvas c;
+    ASSERT_TRUE(BuildDiffusionCanvas(inputs.data(), rows, seq, canvas, vocab,
+                                     0, index.data(), options, &c)
+                    .ok());
+    double replaced = 0;
+    for (int32_t t : c.noised) replaced += t != 0;
+    EXPECT_GT(replaced / (rows * canvas), 0.98);
+    for (uint8_t s : c.self_cond) ASSERT_EQ(s, p == 1.0 ? 1 : 0);
+  }
+}
+
+TEST(BlockDiffusionTest, RejectsOptionsOutOfRangeNamingTheField) {
+  const std::vector<int32_t> inputs = Ramp(1, 4);
+  const int64_t index = 0;
+  DiffusionCanvas c;
+  struct Bad {
+    DiffusionTrainingOptions options;
+    const char* field;
+  };
+  std::vector<Bad> bad(5);
+  bad[0].options.noise_eps = 1.0;
+  bad[0].field = "train.diffusion.noise_eps";
+  bad[1].options.self_conditioning_p = -0.1;
+  bad[1].field = "train.diffusion.self_conditioning_p";
+  bad[2].options.encoder_loss_weight = -1;
+  bad[2].field = "train.diffusion.encoder_loss_weight";
+  bad[3].options.diffusion_loss_weight = std::nan("");
+  bad[3].field = "train.diffusion.diffusion_loss_weight";
+  bad[4].options.noise_eps = std::nan("");
+  bad[4].field = "train.diffusion.noise_eps";
+  for (const Bad& b : bad) {
+    const absl::Status s =
+        BuildDiffusionCanvas(inputs.data(), 1, 4, 2, 10, 0, &index, b.options, &c);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << b.field;
+    EXPECT_NE(s.message().find(b.field), std::string::npos) << s;
+  }
+  EXPECT_TRUE(ValidateDiffusionTraining({}).ok());
 }
 
 }  // namespace

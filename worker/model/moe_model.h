@@ -55,6 +55,7 @@
 #include "absl/status/statusor.h"
 #include "proto/model.pb.h"
 #include "proto/worker.pb.h"
+#include "worker/model/block_diffusion.h"
 #include "worker/model/param_source.h"
 
 namespace shardd {
@@ -64,6 +65,9 @@ struct MoeModelOptions {
   int no_grad_passes = 0;
   int microbatches = 1;
   float self_conditioning_scale = 0.5f;
+  // DiffusionGemma's block-diffusion step: noise, self-conditioning coin
+  // and loss weights (TrainConfig.diffusion).
+  DiffusionTrainingOptions diffusion;
 };
 
 class MoeModel {

@@ -127,7 +127,8 @@ absl::Status MoeModel::Impl::SelfConditioningForward(int pass, Batch* b,
   if (pass == 1) {
     SHARDD_RETURN_IF_ERROR(BuildDiffusionCanvas(
         batch.inputs.data(), batch.batch, batch.seq, canvas, vocab,
-        batch.step, batch.sequence_indices.data(), &batch.canvas));
+        batch.step, batch.sequence_indices.data(), options.diffusion,
+        &batch.canvas));
   }
   const int64_t t = batch.batch * canvas;
   SHARDD_ASSIGN_OR_RETURN(const float* table, params->Param(embed.name));
@@ -228,7 +229,8 @@ absl::Status MoeModel::Impl::DiffusionHeadBackward(int pass,
   const int32_t* targets =
       pass == 0 ? batch.ar_targets.data() : batch.canvas.clean.data();
   const int64_t count = pass == 0 ? batch.ar_counted : t;
-  const double weight = pass == 0 ? kEncoderLossWeight : 1.0;
+  const double weight = pass == 0 ? options.diffusion.encoder_loss_weight
+                                  : options.diffusion.diffusion_loss_weight;
   const float loss_scale =
       count == 0 ? 0.0f
                  : static_cast<float>(weight / (static_cast<double>(count) *

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <random>
 #include <sstream>
 #include <string>
@@ -77,7 +78,8 @@ Step MakeStep(int64_t vocab) {
     for (int m = 0; m < kMicrobatches; ++m) {
       DiffusionCanvas c;
       EXPECT_TRUE(BuildDiffusionCanvas(s.inputs[m].data(), kBatch, kSeq, 8,
-                                       vocab, s.step, s.indices[m].data(), &c)
+                                       vocab, s.step, s.indices[m].data(),
+                                       DiffusionTrainingOptions(), &c)
                       .ok());
       coins += c.self_cond[0] + c.self_cond[1];
     }
@@ -180,6 +182,60 @@ TEST(MoeModelDiffusionTest, WholeStepGradientsMatchFiniteDifferences) {
   EXPECT_GT(checked, 150);
   std::printf("checked %d, kinks %d, failed %d, loss %.6f\n", checked, kinks,
               failed, loss);
+}
+
+// The two loss weights (TrainConfig.diffusion) scale the encoder's AR loss
+// and the canvas loss and their gradients: the step at weights (a, b)
+// equals a * (the step at (1, 0)) + b * (the step at (0, 1)). fp32 on both
+// sides, the same operations with other scale factors: each gradient
+// element's rounding differs by a few ulp of its terms, so 1e-5 relative
+// L2 (a dropped or doubled weight is off by O(1)).
+TEST(MoeModelDiffusionTest, LossWeightsScaleEachLossAndItsGradients) {
+  const v1::ModelSpec spec = TinySpec();
+  SHARDD_ASSERT_OK_AND_ASSIGN(const MoeArchitecture arch,
+                              ReadMoeArchitecture(spec));
+  const std::vector<bool> moe_layers = arch.LayersWithExperts();
+  testing_util::RandomParamOptions random;
+  random.range = 0.3f;
+  const auto values = testing_util::RandomParamValues(spec, random);
+  const Step step = MakeStep(arch.vocab);
+  struct Run {
+    double loss = 0;
+    std::map<std::string, std::vector<float>> grads;
+  };
+  auto run = [&](double encoder, double diffusion) {
+    MoeModelOptions options = DiffusionOptions();
+    options.diffusion.encoder_loss_weight = encoder;
+    options.diffusion.diffusion_loss_weight = diffusion;
+    Run r;
+    auto model = MoeModel::Create(spec, options);
+    EXPECT_THAT(model.status(), IsOk());
+    if (!model.ok()) return r;
+    MapSource source;
+    source.values = values;
+    r.loss = RunStep(model->get(), moe_layers, &source, step);
+    r.grads = source.grads;
+    return r;
+  };
+  const Run ar = run(1, 0), canvas = run(0, 1), both = run(1, 1),
+            mixed = run(2, 0.5);
+  // Each loss near log(97) (soft-capped logits), so neither is zero.
+  EXPECT_GT(ar.loss, 1.0);
+  EXPECT_GT(canvas.loss, 1.0);
+  EXPECT_NEAR(both.loss, ar.loss + canvas.loss, 1e-9 * both.loss);
+  EXPECT_NEAR(mixed.loss, 2 * ar.loss + 0.5 * canvas.loss, 1e-9 * mixed.loss);
+  ASSERT_FALSE(mixed.grads.empty());
+  for (const auto& [name, g] : mixed.grads) {
+    const std::vector<float>& ga = ar.grads.at(name);
+    const std::vector<float>& gc = canvas.grads.at(name);
+    double err = 0, ref = 0;
+    for (size_t i = 0; i < g.size(); ++i) {
+      const double want = 2.0 * ga[i] + 0.5 * gc[i];
+      err += (g[i] - want) * (g[i] - want);
+      ref += want * want;
+    }
+    EXPECT_LE(std::sqrt(err), 1e-5 * std::sqrt(ref) + 1e-30) << name;
+  }
 }
 
 TEST(MoeModelDiffusionTest, RefusesOtherShapesAndShortSequences) {
