@@ -21,10 +21,27 @@
 // experts, and `--init-from` reads the export back bit for bit (x * 1.0f is
 // x). HF ties the encoder's weights to the decoder's but not its buffers,
 // so the encoder's layer_scalar copies are written for HF to load.
+//
+// DiffusionGemmaHfToShardd is the inverse: the same renames and transposes
+// backwards, with per_expert_scale folded into down_projs as `--init-from`
+// folds it (checkpoint/hf_weights.h). Where the mapping is not bijective:
+//   - per_expert_scale: scales that are all exactly 1 leave down_projs'
+//     bytes untouched (the export's ones, in down_proj's dtype, round-trip
+//     bit for bit; ones of another dtype come back in that one); other
+//     scales give an F32 down_projs of the fp32 products (what
+//     `--init-from` computes), which exports again as those products with
+//     unit scales, not as the original weights and scales;
+//   - the DiffusionGemmaIgnoredTensor tensors (vision tower, embed_vision,
+//     the encoder's layer_scalar copies) are dropped; the export writes the
+//     layer_scalar copies again from the decoder's, not the others;
+//   - lm_head.weight is dropped by the export (tied), so a shardd
+//     lm_head.weight does not come back; other names outside model. are
+//     kept as they are both ways.
 
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "checkpoint/hf_interop.h"
 
 namespace shardd {
@@ -37,6 +54,29 @@ namespace checkpoint {
 // per_expert_scale, two tensors with one name after conversion.
 absl::StatusOr<std::vector<HostTensor>> DiffusionGemmaShardToHf(
     std::vector<HostTensor> tensors);
+
+// The inverse of DiffusionGemmaShardToHf (see above); sorted by name.
+// Errors: INVALID_ARGUMENT naming the tensor: a model. tensor outside
+// model.decoder. that is not a DiffusionGemmaIgnoredTensor; a router or
+// experts tensor other than router.{scale,proj.weight,per_expert_scale} and
+// experts.{gate_up_proj,down_proj}; an expert tensor that is not 3-D; next
+// to a down_proj, a gate_up_proj [E, 2I, D] with an odd 2I, or a down_proj
+// other than its dtype and [E, D, I] (both shapes given); a down_proj without
+// router.per_expert_scale or the reverse; a per_expert_scale other than
+// [E] for down_proj's E (both shapes given) or of a dtype other than F32,
+// BF16 or F16; unless the scales are all 1, a down_proj of such another
+// dtype; two tensors with one name after conversion.
+absl::StatusOr<std::vector<HostTensor>> DiffusionGemmaHfToShardd(
+    std::vector<HostTensor> tensors);
+
+// Whether `name` is a tensor of the released DiffusionGemma checkpoint that
+// no parameter of shardd's text stack reads: the vision tower
+// (model.encoder.vision_tower.*), its embedder (model.encoder.embed_vision.*)
+// and the encoder's layer_scalar buffers
+// (model.encoder.language_model.layers.L.layer_scalar: HF ties the
+// encoder's weights to the decoder's, but not buffers, so these are saved
+// twice).
+bool DiffusionGemmaIgnoredTensor(absl::string_view name);
 
 }  // namespace checkpoint
 }  // namespace shardd

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -39,6 +40,8 @@ namespace {
 using nlohmann::json;
 
 constexpr char kLayersPrefix[] = "model.layers.";
+// DiffusionGemma's shared stack (checkpoint/hf_diffusion_gemma.h).
+constexpr char kDiffusionGemmaPrefix[] = "model.decoder.";
 
 // ---- Names
 // -------------------------------------------------------------------
@@ -55,6 +58,20 @@ constexpr HfStyle kQwen3 = {
     HfMoeNaming::kQwen3Moe, "mlp", {"gate_proj", "up_proj", "down_proj"}};
 constexpr HfStyle kMixtral = {
     HfMoeNaming::kMixtral, "block_sparse_moe", {"w1", "w3", "w2"}};
+
+// GPT-OSS's fused expert tensors under mlp.experts. and shardd's under
+// moe.experts., indexed by Fused.
+enum Fused { kFusedGateUp = 0, kFusedGateUpBias, kFusedDown, kFusedDownBias };
+struct FusedName {
+  const char* hf;
+  const char* shardd;
+};
+constexpr FusedName kGptOssFused[] = {
+    {"gate_up_proj", "gate_and_up_projs"},
+    {"gate_up_proj_bias", "gate_up_proj_bias"},
+    {"down_proj", "down_projs"},
+    {"down_proj_bias", "down_proj_bias"},
+};
 
 const HfStyle* StyleOf(HfMoeNaming naming) {
   switch (naming) {
@@ -105,20 +122,45 @@ bool SplitLayer(absl::string_view name, int64_t* layer,
   return true;
 }
 
-enum class HfKind { kOther, kExpert, kRouter, kBadExpert };
+// kExpert: one projection of one expert (Qwen3-MoE, Mixtral); kFused: a
+// GPT-OSS tensor of all a layer's experts.
+enum class HfKind { kOther, kExpert, kFused, kRouter, kBadExpert };
 
 struct HfName {
   HfKind kind = HfKind::kOther;
-  const HfStyle* style = nullptr;
+  HfMoeNaming naming = HfMoeNaming::kNone;  // Unless kOther.
+  const HfStyle* style = nullptr;           // Per-expert namings.
   int64_t layer = 0;
   int64_t expert = 0;
   Proj proj = kGate;
+  Fused fused = kFusedGateUp;
+  std::string router;  // kRouter: the name after the router's "gate.".
 };
 
 HfName ClassifyHf(const std::string& name) {
   HfName out;
   absl::string_view rest;
   if (!SplitLayer(name, &out.layer, &rest)) return out;
+  // GPT-OSS: mlp.router.* and mlp.experts.<tensor> (no expert number).
+  absl::string_view r = rest;
+  if (absl::ConsumePrefix(&r, "mlp.router.")) {
+    out.kind = HfKind::kRouter;
+    out.naming = HfMoeNaming::kGptOss;
+    out.router = std::string(r);
+    return out;
+  }
+  if (absl::ConsumePrefix(&r, "mlp.experts.") &&
+      (r.empty() || !absl::ascii_isdigit(r[0]))) {
+    out.kind = HfKind::kBadExpert;
+    out.naming = HfMoeNaming::kGptOss;
+    for (int f = 0; f < 4; ++f) {
+      if (r == kGptOssFused[f].hf) {
+        out.kind = HfKind::kFused;
+        out.fused = static_cast<Fused>(f);
+      }
+    }
+    return out;
+  }
   for (const HfStyle* style : {&kQwen3, &kMixtral}) {
     absl::string_view r = rest;
     if (!absl::ConsumePrefix(&r, style->module) ||
@@ -126,8 +168,10 @@ HfName ClassifyHf(const std::string& name) {
       continue;
     }
     out.style = style;
+    out.naming = style->naming;
     if (r == "gate.weight") {
       out.kind = HfKind::kRouter;
+      out.router = "weight";
       return out;
     }
     if (!absl::ConsumePrefix(&r, "experts.")) return out;  // kOther.
@@ -161,8 +205,9 @@ std::string GateUpName(int64_t layer) {
 std::string DownName(int64_t layer) {
   return absl::StrCat(kLayersPrefix, layer, ".moe.experts.down_projs");
 }
-std::string RouterName(int64_t layer) {
-  return absl::StrCat(kLayersPrefix, layer, ".moe.gate.weight");
+// shardd's name of a router tensor: moe.gate.<rest>.
+std::string RouterName(int64_t layer, absl::string_view rest) {
+  return absl::StrCat(kLayersPrefix, layer, ".moe.gate.", rest);
 }
 
 // ---- Transposes
@@ -210,8 +255,9 @@ void Transpose(const uint8_t* src, int64_t rows, int64_t cols,
 }
 
 // GPT-OSS's layout of a [..., 2I] tensor whose last dim holds shardd's
-// gate half then up half: column 2j is gate j, column 2j + 1 is up j.
-absl::Status Interleave(HostTensor* t) {
+// gate half then up half: column 2j is gate j, column 2j + 1 is up j. With
+// `interleave` false, the inverse (GPT-OSS's layout -> shardd's).
+absl::Status Interleave(HostTensor* t, bool interleave = true) {
   const int64_t esize = SafetensorsDTypeBytes(t->dtype);
   const int64_t len = t->shape.empty() ? 0 : t->shape.back();
   if (len % 2 != 0 || esize == 0) {
@@ -227,8 +273,14 @@ absl::Status Interleave(HostTensor* t) {
     const uint8_t* src = t->bytes.data() + r * len * esize;
     uint8_t* dst = out.data() + r * len * esize;
     for (int64_t j = 0; j < half; ++j) {
-      std::memcpy(dst + 2 * j * esize, src + j * esize, esize);
-      std::memcpy(dst + (2 * j + 1) * esize, src + (half + j) * esize, esize);
+      const int64_t gate = 2 * j, up = 2 * j + 1;  // GPT-OSS's columns.
+      if (interleave) {
+        std::memcpy(dst + gate * esize, src + j * esize, esize);
+        std::memcpy(dst + up * esize, src + (half + j) * esize, esize);
+      } else {
+        std::memcpy(dst + j * esize, src + gate * esize, esize);
+        std::memcpy(dst + (half + j) * esize, src + up * esize, esize);
+      }
     }
   }
   t->bytes = std::move(out);
@@ -252,6 +304,65 @@ void SortByName(std::vector<HostTensor>* tensors) {
   std::sort(
       tensors->begin(), tensors->end(),
       [](const HostTensor& a, const HostTensor& b) { return a.name < b.name; });
+}
+
+// GPT-OSS's name of a layer's fused expert tensor.
+std::string GptOssName(int64_t layer, Fused f) {
+  return absl::StrCat(kLayersPrefix, layer, ".mlp.experts.",
+                      kGptOssFused[f].hf);
+}
+
+// A layer's GPT-OSS expert tensors (by Fused; biases optional) ->
+// shardd's, appended to `out`: the same shapes and bytes but gate/up
+// columns de-interleaved.
+absl::Status GptOssToShardd(int64_t layer,
+                            const std::array<HostTensor*, 4>& fused,
+                            std::vector<HostTensor>* out) {
+  for (Fused f : {kFusedGateUp, kFusedDown}) {
+    if (fused[f] == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer ", layer, ": \"", GptOssName(layer, f),
+          "\" is missing (GPT-OSS experts need gate_up_proj and down_proj)"));
+    }
+  }
+  const HostTensor& gate_up = *fused[kFusedGateUp];
+  if (gate_up.shape.size() != 3 || gate_up.shape[2] % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor \"", gate_up.name, "\": ", gate_up.dtype, " ",
+        ShapeText(gate_up.shape),
+        " must be [E, D, 2I] with an even last dim (gate and up columns)"));
+  }
+  const int64_t experts = gate_up.shape[0], hidden = gate_up.shape[1],
+                inter = gate_up.shape[2] / 2;
+  const std::vector<int64_t> want[4] = {gate_up.shape,
+                                        {experts, 2 * inter},
+                                        {experts, inter, hidden},
+                                        {experts, hidden}};
+  for (int f = 0; f < 4; ++f) {
+    const HostTensor* t = fused[f];
+    if (t == nullptr) continue;
+    // The biases may be of another dtype than the weights.
+    const std::string& dtype = f == kFusedDown ? gate_up.dtype : t->dtype;
+    if (t->shape != want[f] || t->dtype != dtype) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor \"", t->name, "\": ", t->dtype, " ", ShapeText(t->shape),
+          ", expected ", dtype, " ", ShapeText(want[f]), " like \"",
+          gate_up.name, "\" ", ShapeText(gate_up.shape),
+          " (gate_up_proj [E, D, 2I], gate_up_proj_bias [E, 2I], down_proj "
+          "[E, I, D], down_proj_bias [E, D])"));
+    }
+  }
+  for (int f = 0; f < 4; ++f) {
+    if (fused[f] == nullptr) continue;
+    HostTensor t = std::move(*fused[f]);
+    if (f == kFusedGateUp || f == kFusedGateUpBias) {
+      SHARDD_RETURN_IF_ERROR(Interleave(&t, /*interleave=*/false));
+    }
+    t.name = absl::StrCat(kLayersPrefix, layer, ".moe.experts.",
+                          kGptOssFused[f].shardd);
+    out->push_back(std::move(t));
+  }
+  return absl::OkStatus();
 }
 
 // ---- Reading
@@ -322,40 +433,61 @@ absl::Status WriteHfTensors(const std::string& dir,
 
 absl::StatusOr<std::vector<HostTensor>> HfToShardd(
     std::vector<HostTensor> tensors, HfMoeNaming* naming) {
+  for (const HostTensor& t : tensors) {
+    if (absl::StartsWith(t.name, kDiffusionGemmaPrefix)) {
+      SHARDD_ASSIGN_OR_RETURN(std::vector<HostTensor> out,
+                              DiffusionGemmaHfToShardd(std::move(tensors)));
+      if (naming != nullptr) *naming = HfMoeNaming::kDiffusionGemma;
+      return out;
+    }
+  }
   // Per layer, per expert: gate, up, down.
   std::map<int64_t, std::map<int64_t, std::array<HostTensor*, 3>>> layers;
-  const HfStyle* style = nullptr;
-  std::string style_from;  // A tensor that set `style`, for errors.
+  // GPT-OSS: per layer, by Fused.
+  std::map<int64_t, std::array<HostTensor*, 4>> fused_layers;
+  HfMoeNaming found = HfMoeNaming::kNone;
+  std::string found_from;  // A tensor that set `found`, for errors.
   std::vector<HostTensor> out;
   for (HostTensor& t : tensors) {
     const HfName n = ClassifyHf(t.name);
     if (n.kind == HfKind::kBadExpert) {
+      if (n.naming == HfMoeNaming::kGptOss) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor \"", t.name,
+            "\": unsupported per-expert tensor; GPT-OSS experts hold only "
+            "gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias "
+            "(MXFP4 *_blocks / *_scales need dequantizing first)"));
+      }
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor \"", t.name, "\": unsupported per-expert tensor; ",
-          NamingName(n.style->naming), " experts hold only ",
+          NamingName(n.naming), " experts hold only ",
           absl::StrJoin(n.style->proj, ", "), " weights"));
     }
     if (n.kind == HfKind::kOther) {
       out.push_back(std::move(t));
       continue;
     }
-    if (style != nullptr && style != n.style) {
+    if (found != HfMoeNaming::kNone && found != n.naming) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "tensor \"", t.name, "\" uses ", NamingName(n.style->naming),
-          " naming but \"", style_from, "\" uses ", NamingName(style->naming)));
+          "tensor \"", t.name, "\" uses ", NamingName(n.naming),
+          " naming but \"", found_from, "\" uses ", NamingName(found)));
     }
-    style = n.style;
-    style_from = t.name;
+    found = n.naming;
+    found_from = t.name;
     if (n.kind == HfKind::kRouter) {
       HostTensor router = std::move(t);
-      router.name = RouterName(n.layer);
+      router.name = RouterName(n.layer, n.router);
       out.push_back(std::move(router));
-      continue;
+    } else if (n.kind == HfKind::kFused) {
+      fused_layers[n.layer][n.fused] = &t;
+    } else {
+      layers[n.layer][n.expert][n.proj] = &t;
     }
-    layers[n.layer][n.expert][n.proj] = &t;
   }
-  if (naming != nullptr) {
-    *naming = style == nullptr ? HfMoeNaming::kNone : style->naming;
+  if (naming != nullptr) *naming = found;
+  const HfStyle* style = StyleOf(found);
+  for (auto& [layer, fused] : fused_layers) {
+    SHARDD_RETURN_IF_ERROR(GptOssToShardd(layer, fused, &out));
   }
   for (auto& [layer, experts] : layers) {
     const int64_t num_experts = static_cast<int64_t>(experts.size());
@@ -450,14 +582,17 @@ absl::StatusOr<std::vector<HostTensor>> ShardToHf(
       // Fused experts with interleaved gate/up columns; the router is
       // mlp.router.
       HostTensor r = std::move(t);
-      if (moe_rest == "experts.gate_and_up_projs" ||
-          moe_rest == "experts.gate_up_proj_bias") {
+      int fused = -1;
+      for (int f = 0; f < 4; ++f) {
+        if (moe_rest == absl::StrCat("experts.", kGptOssFused[f].shardd)) {
+          fused = f;
+        }
+      }
+      if (fused == kFusedGateUp || fused == kFusedGateUpBias) {
         SHARDD_RETURN_IF_ERROR(Interleave(&r));
-        r.name = prefix + (moe_rest == "experts.gate_and_up_projs"
-                               ? "mlp.experts.gate_up_proj"
-                               : "mlp.experts.gate_up_proj_bias");
-      } else if (moe_rest == "experts.down_projs") {
-        r.name = prefix + "mlp.experts.down_proj";
+      }
+      if (fused >= 0) {
+        r.name = GptOssName(layer, static_cast<Fused>(fused));
       } else if (absl::StartsWith(moe_rest, "gate.")) {
         r.name = prefix + "mlp.router." + moe_rest.substr(5);
       } else {

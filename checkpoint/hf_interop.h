@@ -18,9 +18,35 @@
 //              model.layers.L.moe.gate.weight               [E, D]
 //
 // HF Linear weights are [out, in]: gate/up [I, D], down [D, I]; hence the
-// transposes. Every other tensor keeps its name, shape and bytes. Values are
-// moved bit for bit in their stored dtype (no conversion), so import then
-// export gives back the original bytes.
+// transposes. GPT-OSS and DiffusionGemma fuse a layer's experts instead:
+//
+//   GPT-OSS:   model.layers.L.mlp.experts.gate_up_proj      [E, D, 2I]
+//                (gate j in column 2j, up j in column 2j + 1)
+//              model.layers.L.mlp.experts.gate_up_proj_bias [E, 2I] (same)
+//              model.layers.L.mlp.experts.down_proj         [E, I, D]
+//              model.layers.L.mlp.experts.down_proj_bias    [E, D]
+//              model.layers.L.mlp.router.{weight,bias}      (router)
+//   shardd:    moe.experts.{gate_and_up_projs,gate_up_proj_bias} with the
+//              gate half then the up half, moe.experts.{down_projs,
+//              down_proj_bias} as they are, moe.gate.{weight,bias}
+//   DiffusionGemma: model.decoder.X for model.X, experts transposed per
+//              expert (checkpoint/hf_diffusion_gemma.h)
+//
+// Every other tensor keeps its name, shape and bytes. Values are moved bit
+// for bit in their stored dtype (no conversion), so import then export
+// gives back the original bytes, with these exceptions:
+//   - a moe tensor other than the experts' and the router's (a shared
+//     expert, DeepSeek's gate.e_score_correction_bias) is exported under
+//     the HF MoE module (Qwen3-MoE, Mixtral, GPT-OSS), but stays under that
+//     name on import;
+//   - GPT-OSS: an moe.experts tensor other than the four above is exported
+//     as mlp.experts.<name> but refused on import;
+//   - DiffusionGemma: router.per_expert_scale is folded into down_projs on
+//     import and exported as ones in down_proj's dtype (exact only for
+//     such ones);
+//     the vision tower and the encoder's layer_scalar copies are dropped on
+//     import (the copies are exported again from the decoder's);
+//     lm_head.weight is not exported (tied).
 //
 // The conversion works on whole tensors in memory: fine for conversion
 // tools and tests; a loader of a large model should instead import once into
@@ -47,16 +73,17 @@ struct HostTensor {
 };
 
 enum class HfMoeNaming {
-  kNone,  // No per-expert tensors or routers.
+  kNone,      // No per-expert tensors or routers.
   kQwen3Moe,  // Also DeepSeek-V3's.
   kMixtral,
   // GPT-OSS: mlp.experts.{gate_up_proj [E, D, 2I] with gate/up columns
   // interleaved, gate_up_proj_bias, down_proj, down_proj_bias}, router
-  // mlp.router.{weight,bias}. Written by ShardToHf only.
+  // mlp.router.{weight,bias}.
   kGptOss,
   // DiffusionGemmaForBlockDiffusion: the shared stack under model.decoder.,
   // fused experts [E, 2I, D] / [E, D, I], router.per_expert_scale written as
-  // ones (checkpoint/hf_diffusion_gemma.h). Written by ShardToHf only.
+  // ones and folded into down_projs when read
+  // (checkpoint/hf_diffusion_gemma.h).
   kDiffusionGemma,
 };
 
@@ -80,13 +107,22 @@ absl::Status WriteHfTensors(const std::string& dir,
                             const std::vector<HostTensor>& tensors,
                             int64_t max_shard_bytes = 0);
 
-// HF names -> shardd: stacks each MoE layer's experts and renames its
-// router; returns the tensors sorted by name and, in `naming`, which naming
-// the input used. Errors: INVALID_ARGUMENT naming the tensor: Qwen3 and
-// Mixtral naming mixed; an expert missing a projection or experts not
-// numbered 0..E-1; expert shapes or dtypes that disagree (gate/up [I, D],
-// down [D, I]); a per-expert tensor of another kind (e.g. a bias); two
-// tensors with one name after conversion.
+// HF names -> shardd: stacks each MoE layer's experts (Qwen3-MoE,
+// Mixtral) or de-interleaves and renames its fused experts (GPT-OSS) and
+// renames its router; a checkpoint with any model.decoder. tensor is
+// DiffusionGemma's (DiffusionGemmaHfToShardd). Returns the tensors sorted
+// by name and, in `naming`, which naming the input used (kNone: no MoE
+// tensor). ShardToHf of the result with that naming gives back the input,
+// and HfToShardd of ShardToHf's output gives back its input, but for the
+// exceptions listed at the top of this file. Errors: INVALID_ARGUMENT
+// naming the tensor: Qwen3-MoE, Mixtral and GPT-OSS naming mixed; an expert
+// missing a projection or experts not numbered 0..E-1; expert shapes or
+// dtypes that disagree (gate/up [I, D], down [D, I]); a per-expert tensor
+// of another kind (e.g. a Qwen3-MoE bias, GPT-OSS's MXFP4 blocks); a
+// GPT-OSS layer without gate_up_proj or down_proj, a gate_up_proj not
+// [E, D, 2I] with an even 2I, a down_proj not of its dtype and [E, I, D],
+// biases not [E, 2I] / [E, D] (both shapes given); the errors of
+// DiffusionGemmaHfToShardd; two tensors with one name after conversion.
 absl::StatusOr<std::vector<HostTensor>> HfToShardd(
     std::vector<HostTensor> tensors, HfMoeNaming* naming = nullptr);
 

@@ -429,6 +429,311 @@ TEST(ShardToHfDiffusionGemmaTest, NamesLayoutsAndUnitScale) {
                        HasSubstr("model.layers.0.moe.experts.down_proj_bias")));
 }
 
+// A GPT-OSS checkpoint of 2 MoE layers: fused experts with interleaved
+// gate/up columns, biases, router weight and bias.
+std::vector<HostTensor> SyntheticGptOss(const std::string& dtype) {
+  std::mt19937_64 rng(13);
+  std::vector<HostTensor> t;
+  t.push_back(
+      Random("model.embed_tokens.weight", dtype, {kVocab, kHidden}, &rng));
+  t.push_back(Random("model.norm.weight", dtype, {kHidden}, &rng));
+  for (int l = 0; l < 2; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    t.push_back(Random(p + "self_attn.sinks", dtype, {2}, &rng));
+    t.push_back(
+        Random(p + "mlp.router.weight", dtype, {kExperts, kHidden}, &rng));
+    t.push_back(Random(p + "mlp.router.bias", dtype, {kExperts}, &rng));
+    const std::string x = p + "mlp.experts.";
+    t.push_back(Random(x + "gate_up_proj", dtype,
+                       {kExperts, kHidden, 2 * kInter}, &rng));
+    t.push_back(
+        Random(x + "gate_up_proj_bias", dtype, {kExperts, 2 * kInter}, &rng));
+    t.push_back(
+        Random(x + "down_proj", dtype, {kExperts, kInter, kHidden}, &rng));
+    t.push_back(Random(x + "down_proj_bias", dtype, {kExperts, kHidden}, &rng));
+  }
+  std::sort(t.begin(), t.end(), [](const HostTensor& a, const HostTensor& b) {
+    return a.name < b.name;
+  });
+  return t;
+}
+
+std::vector<HostTensor> Replaced(std::vector<HostTensor> tensors,
+                                 HostTensor t) {
+  for (HostTensor& x : tensors) {
+    if (x.name == t.name) x = t;
+  }
+  return tensors;
+}
+
+TEST(HfInteropTest, GptOssRoundTripIsBitExact) {
+  const std::vector<HostTensor> hf = SyntheticGptOss("BF16");
+  HfMoeNaming naming = HfMoeNaming::kNone;
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::vector<HostTensor> shardd,
+                              HfToShardd(hf, &naming));
+  EXPECT_EQ(naming, HfMoeNaming::kGptOss);
+  std::vector<std::string> names;
+  for (const HostTensor& t : shardd) names.push_back(t.name);
+  EXPECT_EQ(
+      names,
+      (std::vector<std::string>{
+          "model.embed_tokens.weight",
+          "model.layers.0.moe.experts.down_proj_bias",
+          "model.layers.0.moe.experts.down_projs",
+          "model.layers.0.moe.experts.gate_and_up_projs",
+          "model.layers.0.moe.experts.gate_up_proj_bias",
+          "model.layers.0.moe.gate.bias", "model.layers.0.moe.gate.weight",
+          "model.layers.0.self_attn.sinks",
+          "model.layers.1.moe.experts.down_proj_bias",
+          "model.layers.1.moe.experts.down_projs",
+          "model.layers.1.moe.experts.gate_and_up_projs",
+          "model.layers.1.moe.experts.gate_up_proj_bias",
+          "model.layers.1.moe.gate.bias", "model.layers.1.moe.gate.weight",
+          "model.layers.1.self_attn.sinks", "model.norm.weight"}));
+  // De-interleaved: shardd column j < I is HF column 2j (gate), column
+  // I + j is 2j + 1 (up); rows of the weight and the bias alike.
+  auto h = ByName(hf);
+  auto s = ByName(shardd);
+  for (const char* kind : {"gate_up_proj", "gate_up_proj_bias"}) {
+    const HostTensor* from =
+        h.at(absl::StrCat("model.layers.1.mlp.experts.", kind));
+    const HostTensor* to = s.at(absl::StrCat(
+        "model.layers.1.moe.experts.",
+        std::string(kind) == "gate_up_proj" ? "gate_and_up_projs" : kind));
+    EXPECT_EQ(to->shape, from->shape);
+    const int64_t rows =
+        static_cast<int64_t>(from->bytes.size()) / (2 * kInter * 2);
+    ASSERT_GT(rows, 0);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < kInter; ++j) {
+        const int64_t row = r * 2 * kInter;
+        ASSERT_EQ(At(*to, row + j), At(*from, row + 2 * j)) << kind;
+        ASSERT_EQ(At(*to, row + kInter + j), At(*from, row + 2 * j + 1))
+            << kind;
+      }
+    }
+  }
+  EXPECT_TRUE(s.at("model.layers.1.moe.experts.down_projs")->bytes ==
+              h.at("model.layers.1.mlp.experts.down_proj")->bytes);
+  EXPECT_TRUE(s.at("model.layers.0.moe.gate.bias")->bytes ==
+              h.at("model.layers.0.mlp.router.bias")->bytes);
+
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::vector<HostTensor> back,
+                              ShardToHf(shardd, HfMoeNaming::kGptOss));
+  ExpectSameTensors(back, hf);
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::vector<HostTensor> again, HfToShardd(back));
+  ExpectSameTensors(again, shardd);
+}
+
+TEST(HfInteropTest, GptOssThroughACheckpointAndBack) {
+  const std::vector<HostTensor> hf = SyntheticGptOss("F32");
+  const std::string in = testing_util::FreshTestDir("in");
+  SHARDD_ASSERT_OK(WriteHfTensors(in, hf));
+  const std::string root = testing_util::FreshTestDir("ckpt");
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::string path,
+                              ImportHfToCheckpoint(in, root, 0));
+  const std::string out = testing_util::FreshTestDir("out");
+  SHARDD_ASSERT_OK(ExportCheckpointToHf(path, HfMoeNaming::kGptOss, out));
+  EXPECT_EQ(FileBytes(out + "/model.safetensors"),
+            FileBytes(in + "/model.safetensors"));
+}
+
+TEST(HfInteropTest, GptOssImportRejectsMisshapenAndForeignTensors) {
+  const std::vector<HostTensor> hf = SyntheticGptOss("BF16");
+  EXPECT_THAT(
+      HfToShardd(Replaced(
+          hf, {"model.layers.1.mlp.experts.down_proj",
+               "BF16",
+               {kExperts, kHidden, kInter},
+               std::vector<uint8_t>(kExperts * kHidden * kInter * 2)})),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("\"model.layers.1.mlp.experts.down_proj\": BF16 "
+                         "[3, 6, 4], expected BF16 [3, 4, 6] like "
+                         "\"model.layers.1.mlp.experts.gate_up_proj\" "
+                         "[3, 6, 8]")));
+  EXPECT_THAT(
+      HfToShardd(Replaced(hf, {"model.layers.0.mlp.experts.down_proj_bias",
+                               "BF16",
+                               {kExperts, kInter},
+                               std::vector<uint8_t>(kExperts * kInter * 2)})),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("down_proj_bias\": BF16 [3, 4], expected BF16 "
+                         "[3, 6]")));
+  EXPECT_THAT(
+      HfToShardd(
+          Replaced(hf, {"model.layers.0.mlp.experts.gate_up_proj",
+                        "BF16",
+                        {kExperts, kHidden, 7},
+                        std::vector<uint8_t>(kExperts * kHidden * 7 * 2)})),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("\"model.layers.0.mlp.experts.gate_up_proj\": BF16 "
+                         "[3, 6, 7] must be [E, D, 2I] with an even last "
+                         "dim")));
+  EXPECT_THAT(HfToShardd(Without(hf, "model.layers.0.mlp.experts.down_proj")),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("\"model.layers.0.mlp.experts.down_proj\" "
+                                 "is missing")));
+  std::vector<HostTensor> mxfp4 = hf;
+  mxfp4.push_back({"model.layers.0.mlp.experts.gate_up_proj_blocks",
+                   "U8",
+                   {4},
+                   std::vector<uint8_t>(4)});
+  EXPECT_THAT(HfToShardd(mxfp4),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("gate_up_proj_blocks\": unsupported "
+                                 "per-expert tensor; GPT-OSS")));
+  std::vector<HostTensor> mixed = hf;
+  mixed.push_back({"model.layers.1.mlp.gate.weight",
+                   "BF16",
+                   {kExperts, kHidden},
+                   std::vector<uint8_t>(kExperts * kHidden * 2)});
+  EXPECT_THAT(HfToShardd(mixed),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("uses Qwen3-MoE naming but")));
+}
+
+// shardd's DiffusionGemma tensors (each name as the model's tree has it).
+std::vector<HostTensor> SyntheticDiffusionGemmaShardd(
+    const std::string& dtype) {
+  std::mt19937_64 rng(17);
+  std::vector<HostTensor> t;
+  t.push_back(
+      Random("model.embed_tokens.weight", dtype, {kVocab, kHidden}, &rng));
+  t.push_back(Random("model.norm.weight", dtype, {kHidden}, &rng));
+  for (int l = 0; l < 2; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".");
+    t.push_back(Random(p + "layer_scalar", dtype, {1}, &rng));
+    t.push_back(Random(p + "mlp.gate_proj.weight", dtype, {5, kHidden}, &rng));
+    t.push_back(Random(p + "moe.gate.scale", dtype, {kHidden}, &rng));
+    t.push_back(
+        Random(p + "moe.gate.proj.weight", dtype, {kExperts, kHidden}, &rng));
+    t.push_back(Random(p + "moe.experts.gate_and_up_projs", dtype,
+                       {kExperts, kHidden, 2 * kInter}, &rng));
+    t.push_back(Random(p + "moe.experts.down_projs", dtype,
+                       {kExperts, kInter, kHidden}, &rng));
+  }
+  std::sort(t.begin(), t.end(), [](const HostTensor& a, const HostTensor& b) {
+    return a.name < b.name;
+  });
+  return t;
+}
+
+TEST(HfInteropTest, DiffusionGemmaRoundTripIsBitExact) {
+  const std::vector<HostTensor> shardd = SyntheticDiffusionGemmaShardd("BF16");
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::vector<HostTensor> hf,
+                              ShardToHf(shardd, HfMoeNaming::kDiffusionGemma));
+  HfMoeNaming naming = HfMoeNaming::kNone;
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::vector<HostTensor> back,
+                              HfToShardd(hf, &naming));
+  EXPECT_EQ(naming, HfMoeNaming::kDiffusionGemma);
+  ExpectSameTensors(back, shardd);
+
+  // HF -> shardd -> HF: the same bytes; the vision tower is dropped.
+  std::vector<HostTensor> with_vision = hf;
+  with_vision.push_back({"model.encoder.vision_tower.patch.weight",
+                         "BF16",
+                         {2},
+                         std::vector<uint8_t>(4, 7)});
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::vector<HostTensor> imported,
+                              HfToShardd(with_vision));
+  ExpectSameTensors(imported, shardd);
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      std::vector<HostTensor> exported,
+      ShardToHf(imported, HfMoeNaming::kDiffusionGemma));
+  ExpectSameTensors(exported, hf);
+}
+
+// Scales other than 1 are folded as --init-from folds them: expert e's
+// down_proj times per_expert_scale[e] in fp32, stored as F32.
+TEST(HfInteropTest, DiffusionGemmaFoldsPerExpertScale) {
+  const std::vector<float> scale = {2.0f, 0.5f, -3.0f};
+  HostTensor scale_t{"model.decoder.layers.0.router.per_expert_scale",
+                     "F32",
+                     {kExperts},
+                     std::vector<uint8_t>(kExperts * 4)};
+  std::memcpy(scale_t.bytes.data(), scale.data(), kExperts * 4);
+  // BF16 down_proj [E, D, I]: element k is bf16(k + 1), exact.
+  HostTensor down{"model.decoder.layers.0.experts.down_proj",
+                  "BF16",
+                  {kExperts, kHidden, kInter},
+                  {}};
+  const int64_t n = kExperts * kHidden * kInter;
+  for (int64_t k = 0; k < n; ++k) {
+    const float f = static_cast<float>(k + 1);
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    down.bytes.push_back(static_cast<uint8_t>(bits >> 16));
+    down.bytes.push_back(static_cast<uint8_t>(bits >> 24));
+  }
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::vector<HostTensor> shardd,
+                              HfToShardd({down, scale_t}));
+  ASSERT_EQ(shardd.size(), 1u);
+  const HostTensor& folded = shardd[0];
+  EXPECT_EQ(folded.name, "model.layers.0.moe.experts.down_projs");
+  EXPECT_EQ(folded.dtype, "F32");
+  ASSERT_EQ(folded.shape, (std::vector<int64_t>{kExperts, kInter, kHidden}));
+  for (int64_t e = 0; e < kExperts; ++e) {
+    for (int64_t i = 0; i < kInter; ++i) {
+      for (int64_t d = 0; d < kHidden; ++d) {
+        float got;
+        std::memcpy(&got,
+                    folded.bytes.data() + 4 * ((e * kInter + i) * kHidden + d),
+                    4);
+        const float hf_value =
+            static_cast<float>((e * kHidden + d) * kInter + i + 1);
+        ASSERT_EQ(got, hf_value * scale[e]) << e << " " << i << " " << d;
+      }
+    }
+  }
+}
+
+TEST(HfInteropTest, DiffusionGemmaImportRejectsMisshapenAndForeignTensors) {
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::vector<HostTensor> hf,
+                              ShardToHf(SyntheticDiffusionGemmaShardd("F32"),
+                                        HfMoeNaming::kDiffusionGemma));
+  EXPECT_THAT(
+      HfToShardd(Replaced(
+          hf, {"model.decoder.layers.1.experts.down_proj",
+               "F32",
+               {kExperts, kInter, kHidden},
+               std::vector<uint8_t>(kExperts * kInter * kHidden * 4)})),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("\"model.decoder.layers.1.experts.down_proj\": F32 "
+                         "[3, 4, 6], expected F32 [3, 6, 4] like "
+                         "\"model.decoder.layers.1.experts.gate_up_proj\" "
+                         "[3, 8, 6]")));
+  EXPECT_THAT(
+      HfToShardd(Replaced(hf, {"model.decoder.layers.0.router.per_expert_scale",
+                               "F32",
+                               {kExperts + 1},
+                               std::vector<uint8_t>((kExperts + 1) * 4)})),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("per_expert_scale\": F32 [4], expected [3]")));
+  EXPECT_THAT(
+      HfToShardd(Without(hf, "model.decoder.layers.0.router.per_expert_scale")),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("\"model.decoder.layers.0.router.per_expert_scale\" "
+                         "is missing")));
+  std::vector<HostTensor> extra = hf;
+  extra.push_back({"model.decoder.layers.0.router.bias",
+                   "F32",
+                   {kExperts},
+                   std::vector<uint8_t>(kExperts * 4)});
+  EXPECT_THAT(HfToShardd(extra),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("\"model.decoder.layers.0.router.bias\": has "
+                                 "no counterpart")));
+  std::vector<HostTensor> mixed = hf;
+  mixed.push_back({"model.layers.0.mlp.router.weight",
+                   "F32",
+                   {1},
+                   std::vector<uint8_t>(4)});
+  EXPECT_THAT(HfToShardd(mixed),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("\"model.layers.0.mlp.router.weight\": not "
+                                 "under model.decoder.")));
+}
+
 }  // namespace
 }  // namespace checkpoint
 }  // namespace shardd

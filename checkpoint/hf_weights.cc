@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "checkpoint/hf_diffusion_gemma.h"
 #include "common/status_macros.h"
 #include "model/model_util.h"
 
@@ -27,55 +28,6 @@ std::string Shape(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
-float HalfToFloat(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-  const uint32_t exp = (h >> 10) & 0x1F;
-  uint32_t mant = h & 0x3FF;
-  uint32_t bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000u | (mant << 13);  // Inf / NaN.
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (mant << 13);
-  } else if (mant == 0) {
-    bits = sign;
-  } else {
-    // Subnormal: normalise (every half value is exact in fp32).
-    int e = -1;
-    do {
-      ++e;
-      mant <<= 1;
-    } while ((mant & 0x400) == 0);
-    bits = sign | static_cast<uint32_t>(112 - e) << 23 | ((mant & 0x3FF) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// `n` elements of safetensors dtype `dtype` (F32, BF16 or F16) at `src` as
-// fp32 (exact: every value of the three is an fp32 value).
-void ToFloat(const std::string& dtype, const uint8_t* src, int64_t n,
-             float* out) {
-  if (dtype == "F32") {
-    std::memcpy(out, src, static_cast<size_t>(n) * 4);
-    return;
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    uint16_t h;
-    std::memcpy(&h, src + 2 * i, 2);
-    if (dtype == "BF16") {
-      const uint32_t bits = static_cast<uint32_t>(h) << 16;
-      std::memcpy(out + i, &bits, 4);
-    } else {
-      out[i] = HalfToFloat(h);
-    }
-  }
-}
-
-bool ReadableDType(const std::string& dtype) {
-  return dtype == "F32" || dtype == "BF16" || dtype == "F16";
-}
-
 // Reads elements [begin, begin + n) of `source` as fp32.
 absl::Status ReadFloats(const HfWeights::Source& source, int64_t begin,
                         int64_t n, float* out, std::vector<uint8_t>* staging) {
@@ -85,7 +37,7 @@ absl::Status ReadFloats(const HfWeights::Source& source, int64_t begin,
     staging->resize(static_cast<size_t>(count * esize));
     SHARDD_RETURN_IF_ERROR(source.file->ReadBytes(
         *source.entry, (begin + done) * esize, count * esize, staging->data()));
-    ToFloat(source.entry->dtype, staging->data(), count, out + done);
+    SafetensorsToFloat(source.entry->dtype, staging->data(), count, out + done);
     done += count;
   }
   return absl::OkStatus();
@@ -121,23 +73,6 @@ absl::Status CheckShape(const std::string& param, const std::string& hf,
       Shape(want), note));
 }
 
-// DiffusionGemma tensors that no parameter of the text stack reads: the
-// vision tower, its embedder, and the encoder's layer_scalar buffers (HF
-// ties the encoder's weights to the decoder's, but not buffers, so these
-// are saved twice).
-bool IgnoredDiffusionGemmaTensor(absl::string_view name) {
-  if (absl::StartsWith(name, "model.encoder.vision_tower.") ||
-      absl::StartsWith(name, "model.encoder.embed_vision.")) {
-    return true;
-  }
-  if (!absl::ConsumePrefix(&name, "model.encoder.language_model.layers.") ||
-      !absl::ConsumeSuffix(&name, ".layer_scalar")) {
-    return false;
-  }
-  return !name.empty() &&
-         name.find_first_not_of("0123456789") == absl::string_view::npos;
-}
-
 }  // namespace
 
 
@@ -162,7 +97,7 @@ absl::StatusOr<HfWeights::Source> HfWeights::Find(
         absl::StrCat("no tensor \"", tensor, "\" in ", checkpoint_.path));
   }
   const Source& s = it->second;
-  if (!ReadableDType(s.entry->dtype)) {
+  if (!SafetensorsFloatDType(s.entry->dtype)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "tensor \"", tensor, "\" in ", s.file->path(), ": dtype ",
         s.entry->dtype, "; --init-from reads F32, BF16 or F16"));
@@ -571,7 +506,7 @@ std::vector<std::string> HfWeights::UnusedTensors() const {
   std::vector<std::string> unused;
   for (const auto& [name, source] : checkpoint_.tensors) {
     if (used.count(name) != 0) continue;
-    if (diffusion_gemma_ && IgnoredDiffusionGemmaTensor(name)) continue;
+    if (diffusion_gemma_ && DiffusionGemmaIgnoredTensor(name)) continue;
     unused.push_back(name);
   }
   return unused;
@@ -581,7 +516,7 @@ std::vector<std::string> HfWeights::IgnoredTensors() const {
   std::vector<std::string> ignored;
   if (!diffusion_gemma_) return ignored;
   for (const auto& [name, source] : checkpoint_.tensors) {
-    if (IgnoredDiffusionGemmaTensor(name)) ignored.push_back(name);
+    if (DiffusionGemmaIgnoredTensor(name)) ignored.push_back(name);
   }
   return ignored;
 }

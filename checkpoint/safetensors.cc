@@ -47,6 +47,31 @@ void LittleEndian64(uint64_t v, unsigned char out[8]) {
   for (int i = 0; i < 8; ++i) out[i] = static_cast<unsigned char>(v >> (8 * i));
 }
 
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const uint32_t exp = (h >> 10) & 0x1F;
+  uint32_t mant = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (mant << 13);  // Inf / NaN.
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {
+    // Subnormal: normalise (every half value is exact in fp32).
+    int e = -1;
+    do {
+      ++e;
+      mant <<= 1;
+    } while ((mant & 0x400) == 0);
+    bits = sign | static_cast<uint32_t>(112 - e) << 23 | ((mant & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 }  // namespace
 
 int64_t SafetensorsDTypeBytes(absl::string_view dtype) {
@@ -54,6 +79,29 @@ int64_t SafetensorsDTypeBytes(absl::string_view dtype) {
     if (dtype == d.tag) return d.bytes;
   }
   return 0;
+}
+
+bool SafetensorsFloatDType(absl::string_view dtype) {
+  return dtype == "F32" || dtype == "BF16" || dtype == "F16";
+}
+
+void SafetensorsToFloat(absl::string_view dtype, const uint8_t* src, int64_t n,
+                        float* out) {
+  if (dtype == "F32") {
+    std::memcpy(out, src, static_cast<size_t>(n) * 4);
+    return;
+  }
+  const bool bf16 = dtype == "BF16";
+  for (int64_t i = 0; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, src + 2 * i, 2);
+    if (bf16) {
+      const uint32_t bits = static_cast<uint32_t>(h) << 16;
+      std::memcpy(out + i, &bits, 4);
+    } else {
+      out[i] = HalfToFloat(h);
+    }
+  }
 }
 
 absl::StatusOr<std::string> SafetensorsDTypeOf(v1::DType dtype) {

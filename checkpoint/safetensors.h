@@ -52,6 +52,14 @@ absl::StatusOr<v1::DType> DTypeFromSafetensors(absl::string_view dtype);
 absl::StatusOr<int64_t> ShapeNumel(absl::Span<const int64_t> shape,
                                    int64_t element_bytes = 1);
 
+// Whether SafetensorsToFloat reads `dtype`: F32, BF16 or F16.
+bool SafetensorsFloatDType(absl::string_view dtype);
+
+// `n` elements of `dtype` (F32, BF16 or F16) at `src`, little endian, as
+// fp32: exact, as every value of the three is an fp32 value.
+void SafetensorsToFloat(absl::string_view dtype, const uint8_t* src, int64_t n,
+                        float* out);
+
 // One tensor to write: `bytes` is its row-major data, numel * element size
 // bytes long; the caller keeps it alive during the write.
 struct TensorView {

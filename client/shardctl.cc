@@ -396,10 +396,17 @@ absl::Status RunCheckpointConsolidate(const ShardctlArgs& args,
         << "\n";
     return absl::OkStatus();
   }
+  // ParseShardctlArgs accepts only these and "none".
   checkpoint::HfMoeNaming naming = checkpoint::HfMoeNaming::kNone;
-  if (args.hf_naming == "qwen3-moe")
+  if (args.hf_naming == "qwen3-moe") {
     naming = checkpoint::HfMoeNaming::kQwen3Moe;
-  if (args.hf_naming == "mixtral") naming = checkpoint::HfMoeNaming::kMixtral;
+  } else if (args.hf_naming == "mixtral") {
+    naming = checkpoint::HfMoeNaming::kMixtral;
+  } else if (args.hf_naming == "gpt-oss") {
+    naming = checkpoint::HfMoeNaming::kGptOss;
+  } else if (args.hf_naming == "diffusion-gemma") {
+    naming = checkpoint::HfMoeNaming::kDiffusionGemma;
+  }
   absl::Status exported = checkpoint::ExportCheckpointToHf(
       args.checkpoint_path, naming, args.out_path);
   if (!exported.ok()) return exported;

@@ -397,9 +397,11 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
     if (!n.ok()) return n.status();
     args->max_shard_bytes = *n;
   } else if (flag == "--hf") {
-    if (value != "qwen3-moe" && value != "mixtral" && value != "none") {
+    if (value != "qwen3-moe" && value != "mixtral" && value != "gpt-oss" &&
+        value != "diffusion-gemma" && value != "none") {
       return Usage(absl::StrCat(
-          "--hf: expected the HF naming qwen3-moe, mixtral or none, got '",
+          "--hf: expected the HF naming qwen3-moe, mixtral, gpt-oss, "
+          "diffusion-gemma or none, got '",
           value, "'"));
     }
     args->hf_naming = value;

@@ -71,7 +71,8 @@ struct ShardctlArgs {
   std::string checkpoint_job;
   // checkpoint consolidate: the checkpoint directory (--checkpoint), where
   // the result goes (--out) and, with --hf, the HF naming of the export
-  // ("qwen3-moe", "mixtral" or "none"; empty: a shardd checkpoint).
+  // ("qwen3-moe", "mixtral", "gpt-oss", "diffusion-gemma" or "none"; empty:
+  // a shardd checkpoint).
   // checkpoint export: the checkpoint (--checkpoint), the Hugging Face
   // directory written (--hf, in out_path) and its shard size
   // (--max-shard-bytes, 0: one file).

@@ -198,7 +198,19 @@ TEST(ShardctlArgsTest, CheckpointFlagsAndCheckpointList) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--out")));
   EXPECT_THAT(Parse({"checkpoint", "consolidate", "--checkpoint", "c", "--out",
                      "o", "--hf", "llama"}),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--hf")));
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--hf: expected the HF naming qwen3-moe, "
+                                 "mixtral, gpt-oss, diffusion-gemma or none, "
+                                 "got 'llama'")));
+  for (const char* naming :
+       {"qwen3-moe", "mixtral", "gpt-oss", "diffusion-gemma", "none"}) {
+    SHARDD_ASSERT_OK_AND_ASSIGN(
+        ShardctlArgs hf, Parse({"checkpoint", "consolidate", "--checkpoint",
+                                "c", "--out", "o", "--hf", naming}));
+    EXPECT_EQ(hf.hf_naming, naming);
+    EXPECT_THAT(ShardctlUsage(ShardctlCommand::kCheckpointConsolidate),
+                HasSubstr(naming));
+  }
 
   SHARDD_ASSERT_OK_AND_ASSIGN(
       ShardctlArgs exported,

@@ -14,9 +14,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "checkpoint/hf_interop.h"
+#include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "testing/test_dir.h"
 
 namespace shardd {
 namespace {
@@ -298,6 +301,71 @@ TEST(ShardctlTest, PlanOverlaysACompareStrategy) {
                                 "--timeline-svg", "/nonexistent/dir/x.svg"});
   EXPECT_EQ(unwritable.code, kShardctlError);
   EXPECT_THAT(unwritable.err, HasSubstr("--timeline-svg: cannot write"));
+}
+
+// consolidate --hf gpt-oss / diffusion-gemma: a checkpoint imported from
+// HF tensors in that naming is exported back to the very same tensors.
+TEST(ShardctlTest, ConsolidateExportsGptOssAndDiffusionGemma) {
+  using checkpoint::HfMoeNaming;
+  using checkpoint::HostTensor;
+  auto f32 = [](const std::string& name, std::vector<int64_t> shape) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    HostTensor t{name, "F32", std::move(shape),
+                 std::vector<uint8_t>(static_cast<size_t>(4 * n))};
+    for (size_t i = 0; i < t.bytes.size(); ++i) {
+      t.bytes[i] = static_cast<uint8_t>(i * 37 + name.size());
+    }
+    return t;
+  };
+  // shardd tensors of one MoE layer (E = 2, D = 3, I = 2), as each naming's
+  // model has them.
+  const std::vector<HostTensor> gpt_oss = {
+      f32("model.norm.weight", {3}),
+      f32("model.layers.0.moe.gate.weight", {2, 3}),
+      f32("model.layers.0.moe.gate.bias", {2}),
+      f32("model.layers.0.moe.experts.gate_and_up_projs", {2, 3, 4}),
+      f32("model.layers.0.moe.experts.gate_up_proj_bias", {2, 4}),
+      f32("model.layers.0.moe.experts.down_projs", {2, 2, 3}),
+      f32("model.layers.0.moe.experts.down_proj_bias", {2, 3})};
+  const std::vector<HostTensor> diffusion_gemma = {
+      f32("model.norm.weight", {3}),
+      f32("model.layers.0.layer_scalar", {1}),
+      f32("model.layers.0.moe.gate.scale", {3}),
+      f32("model.layers.0.moe.gate.proj.weight", {2, 3}),
+      f32("model.layers.0.moe.experts.gate_and_up_projs", {2, 3, 4}),
+      f32("model.layers.0.moe.experts.down_projs", {2, 2, 3})};
+  struct Case {
+    std::string flag;
+    HfMoeNaming naming;
+    const std::vector<HostTensor>* shardd;
+  };
+  for (const Case& c : {Case{"gpt-oss", HfMoeNaming::kGptOss, &gpt_oss},
+                        Case{"diffusion-gemma", HfMoeNaming::kDiffusionGemma,
+                             &diffusion_gemma}}) {
+    SCOPED_TRACE(c.flag);
+    SHARDD_ASSERT_OK_AND_ASSIGN(const std::vector<HostTensor> hf,
+                                checkpoint::ShardToHf(*c.shardd, c.naming));
+    const std::string in = testing_util::FreshTestDir(c.flag + "_in");
+    SHARDD_ASSERT_OK(checkpoint::WriteHfTensors(in, hf));
+    SHARDD_ASSERT_OK_AND_ASSIGN(
+        const std::string path,
+        checkpoint::ImportHfToCheckpoint(
+            in, testing_util::FreshTestDir(c.flag + "_ckpt")));
+    const std::string out = testing_util::FreshTestDir(c.flag + "_out");
+    Result r = Shardctl({"checkpoint", "consolidate", "--checkpoint", path,
+                         "--out", out, "--hf", c.flag});
+    ASSERT_EQ(r.code, kShardctlOk) << r.err;
+    EXPECT_THAT(r.out, HasSubstr("(" + c.flag + " naming)"));
+    SHARDD_ASSERT_OK_AND_ASSIGN(const std::vector<HostTensor> back,
+                                checkpoint::ReadHfTensors(out));
+    ASSERT_EQ(back.size(), hf.size());
+    for (size_t i = 0; i < hf.size(); ++i) {
+      EXPECT_EQ(back[i].name, hf[i].name);
+      EXPECT_EQ(back[i].shape, hf[i].shape) << hf[i].name;
+      EXPECT_TRUE(back[i].bytes == hf[i].bytes) << hf[i].name;
+    }
+  }
 }
 
 }  // namespace

@@ -239,7 +239,9 @@ files on this machine, holding the whole model in memory; no coordinator.
   --checkpoint DIR             the checkpoint directory (required)
   --out DIR                    where the result goes (required)
   --hf NAMING                  export to HF with the expert naming
-                               qwen3-moe, mixtral, or none (no MoE layers)
+                               qwen3-moe (also DeepSeek-V3), mixtral,
+                               gpt-oss, diffusion-gemma, or none (no MoE
+                               layers)
 )";
     case ShardctlCommand::kCheckpointExport:
       return R"(Usage: shardctl checkpoint export --checkpoint DIR --hf OUT [--max-shard-bytes N]
