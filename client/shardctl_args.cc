@@ -214,6 +214,7 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                              "--diffusion-loss-weight",
                                              "--diffusion-noise-eps",
                                              "--self-conditioning-p",
+                                             "--response-length",
                                              "--loss-svg",
                                              "--max-recoveries",
                                              "--reconnect-timeout"});
@@ -472,6 +473,10 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
     } else {
       args->train.set_eps(x);
     }
+  } else if (flag == "--response-length") {
+    absl::StatusOr<int64_t> n = ParseInt64(flag, value, 1);
+    if (!n.ok()) return n.status();
+    args->train.mutable_diffusion()->set_response_length(*n);
   } else if (flag == "--encoder-loss-weight" ||
              flag == "--diffusion-loss-weight" ||
              flag == "--diffusion-noise-eps" ||

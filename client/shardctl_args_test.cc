@@ -539,13 +539,15 @@ TEST(ShardctlArgsTest, TrainUsageErrors) {
       ShardctlArgs diffusion,
       Parse({"train", "--coordinator", "h:1", "--model", "a",
              "--encoder-loss-weight", "0", "--diffusion-loss-weight", "2.5",
-             "--diffusion-noise-eps", "0.01", "--self-conditioning-p", "1"}));
+             "--diffusion-noise-eps", "0.01", "--self-conditioning-p", "1",
+             "--response-length", "24"}));
   const v1::DiffusionTraining& d = diffusion.train.diffusion();
   EXPECT_TRUE(d.has_encoder_loss_weight());  // 0 is a value, not "unset"
   EXPECT_EQ(d.encoder_loss_weight(), 0.0);
   EXPECT_EQ(d.diffusion_loss_weight(), 2.5);
   EXPECT_EQ(d.noise_eps(), 0.01);
   EXPECT_EQ(d.self_conditioning_p(), 1.0);
+  EXPECT_EQ(d.response_length(), 24);
   EXPECT_FALSE(adam.train.has_diffusion());
   usage({"train", "--coordinator", "h:1", "--model", "a",
          "--diffusion-noise-eps", "1"},

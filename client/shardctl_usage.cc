@@ -144,6 +144,9 @@ Job:
                                [0, 1) (default 0.001)
   --self-conditioning-p P      DiffusionGemma: the chance of a
                                self-conditioning decode (default 0.5)
+  --response-length R          DiffusionGemma: the canvas is the last R
+                               tokens of each sequence, in blocks of the
+                               model's canvas_length (default: one block)
   --seed N                     data and initialization seed (default 0)
   --lr X                       AdamW learning rate (default 0.001)
   --weight-decay X             decoupled weight decay (default 0)

@@ -53,6 +53,7 @@ DiffusionTrainingOptions DiffusionOptionsOf(const v1::TrainConfig& train) {
   if (d.has_diffusion_loss_weight()) {
     o.diffusion_loss_weight = d.diffusion_loss_weight();
   }
+  o.response_length = d.response_length();
   return o;
 }
 
@@ -142,6 +143,12 @@ absl::StatusOr<v1::TrainConfig> ResolveTrainConfig(const v1::TrainConfig& train,
                                              : train.grad_clip());
   const DiffusionTrainingOptions diffusion = DiffusionOptionsOf(train);
   SHARDD_RETURN_IF_ERROR(ValidateDiffusionTraining(diffusion));
+  if (diffusion.response_length >= train.seq_len()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "train.diffusion.response_length: must be below seq_len (",
+        train.seq_len(), ": the prompt before it), got ",
+        diffusion.response_length));
+  }
   v1::DiffusionTraining* d = out.mutable_diffusion();
   d->set_noise_eps(diffusion.noise_eps);
   d->set_self_conditioning_p(diffusion.self_conditioning_p);

@@ -92,6 +92,13 @@ TEST(ResolveTrainConfigTest, DiffusionKnobsTakeDefaultsAndAreChecked) {
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("train.diffusion.self_conditioning_p")));
   train.mutable_diffusion()->set_self_conditioning_p(0.5);
+  train.mutable_diffusion()->set_response_length(4);  // == seq_len
+  EXPECT_THAT(ResolveTrainConfig(train, 1, 1).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("train.diffusion.response_length")));
+  train.mutable_diffusion()->set_response_length(3);
+  SHARDD_ASSERT_OK_AND_ASSIGN(resolved, ResolveTrainConfig(train, 1, 1));
+  EXPECT_EQ(DiffusionOptionsOf(resolved).response_length, 3);
   train.mutable_diffusion()->set_noise_eps(-0.5);
   EXPECT_THAT(ResolveTrainConfig(train, 1, 1).status(),
               StatusIs(absl::StatusCode::kInvalidArgument,

@@ -208,7 +208,10 @@ def gemma_block_diffusion_step(dump, p):
     eps = d["rms_norm_eps"]
     hidden = int(d["hidden_size"])
     table = p["model.embed_tokens.weight"]
-    r = int(dump["diffusion"]["canvas_length"])
+    # The canvas is the last r tokens (the response) in blocks of `block`
+    # (canvas_length); the rest is the prompt.
+    block_len = int(dump["diffusion"]["canvas_length"])
+    r = int(dump["diffusion"].get("response_length") or block_len)
     prefix = s - r
     tokens = torch.tensor(dump["inputs"]).view(b, s)
     # 1. Encode.
@@ -219,18 +222,19 @@ def gemma_block_diffusion_step(dump, p):
         enc_logits[:, :-1].reshape(-1, enc_logits.shape[-1]),
         tokens[:, 1:].reshape(-1))
     # The training mask over keys [encoder 0..S-1 ; canvas 0..R-1] for
-    # canvas query j in block j // R: an encoder key when prompt or in an
-    # earlier response block (and, sliding, >= P + block * R - W + 1); a
+    # canvas query j in block j // L: an encoder key when prompt or in an
+    # earlier response block (and, sliding, >= P + block * L - W + 1); a
     # canvas key in the query's block.
     window = int(d["attention"]["sliding_window"])
     j = torch.arange(r)[:, None]
-    block = j // r
+    block = j // block_len
     key = torch.arange(s + r)[None, :]
     enc = key < s
-    enc_ok = enc & ((key < prefix) | ((key - prefix) // r < block))
-    canvas_ok = ~enc & ((key - s) // r == block)
+    enc_ok = enc & ((key < prefix) | ((key - prefix) // block_len < block))
+    canvas_ok = ~enc & ((key - s) // block_len == block)
     full = enc_ok | canvas_ok
-    slide = (enc_ok & (key >= prefix + block * r - window + 1)) | canvas_ok
+    slide = ((enc_ok & (key >= prefix + block * block_len - window + 1))
+             | canvas_ok)
     ninf = float("-inf")
     masks = (torch.where(slide, 0.0, ninf), torch.where(full, 0.0, ninf))
     positions = prefix + torch.arange(r)

@@ -430,9 +430,10 @@ def forward(dump, p, stats=None):
     return loss
 
 
-def check(dump_binary, config, diffusion=False):
+def check(dump_binary, config, diffusion=False, response=0):
     """Returns the number of checks out of bounds for one config; with
-    `diffusion`, of DiffusionGemma's 3-pass block-diffusion step."""
+    `diffusion`, of DiffusionGemma's 3-pass block-diffusion step (its canvas
+    the last `response` tokens, 0: one block of canvas_length)."""
     with open(config) as f:
         gpt_oss = json.load(f).get("architectures") == ["GptOssForCausalLM"]
     # GPT-OSS: expert weights 6x larger give gate / up values with a spread
@@ -441,7 +442,8 @@ def check(dump_binary, config, diffusion=False):
     # Step 7 draws noise levels 0.54 and 0.93 and coins (1, 0) for the two
     # sequences: both decode inputs are exercised.
     if diffusion:
-        extra = ["--diffusion_step", "--step=7"]
+        extra = ["--diffusion_step", "--step=7",
+                 f"--response_length={response}"]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "dump.json")
         subprocess.run(
@@ -508,7 +510,7 @@ def check(dump_binary, config, diffusion=False):
     name_of = os.path.basename(config)
     rel = abs(dump["loss"] - loss.item()) / abs(loss.item())
     if diffusion:
-        name_of += " (block-diffusion step)"
+        name_of += f" (block-diffusion step, response {response or 'one block'})"
     print(f"{name_of} ({dump['architecture']}): loss shardd {dump['loss']:.9f} "
           f"reference {loss.item():.9f} relative {rel:.2e} (bound {bound:.1e})")
     if not rel <= bound:
@@ -571,8 +573,13 @@ def check(dump_binary, config, diffusion=False):
 
 def main():
     failures = sum(check(sys.argv[1], config) for config in sys.argv[2:])
-    failures += sum(check(sys.argv[1], config, diffusion=True)
-                    for config in sys.argv[2:] if "diffusion_gemma" in config)
+    # One canvas block, then a 20-token response of 8-token blocks (8, 8, 4)
+    # after a 4-token prompt: later blocks see earlier ones' clean tokens.
+    for response in (0, 20):
+        failures += sum(check(sys.argv[1], config, diffusion=True,
+                              response=response)
+                        for config in sys.argv[2:]
+                        if "diffusion_gemma" in config)
     if failures:
         print(f"FAIL: {failures} checks out of bounds")
         sys.exit(1)

@@ -47,6 +47,9 @@ ABSL_FLAG(std::string, out, "", "output JSON");
 ABSL_FLAG(bool, diffusion_step, false,
           "DiffusionGemma: run the 3-pass block-diffusion step");
 ABSL_FLAG(int64_t, step, 5, "the optimizer step keying the canvas noise");
+ABSL_FLAG(int64_t, response_length, 0,
+          "--diffusion_step: the canvas rows per sequence, in blocks of "
+          "canvas_length (0: one block)");
 
 namespace shardd {
 namespace {
@@ -70,6 +73,8 @@ int Run() {
   if (diffusion) {
     model_options.passes = 3;
     model_options.no_grad_passes = 1;
+    model_options.diffusion.response_length =
+        absl::GetFlag(FLAGS_response_length);
   }
   absl::StatusOr<std::unique_ptr<MoeModel>> model =
       MoeModel::Create(*spec, model_options);
@@ -150,10 +155,12 @@ int Run() {
                         {"grads", source.grads}};
   if (diffusion) {
     DiffusionCanvas canvas;
-    status = BuildDiffusionCanvas(inputs.data(), batch, seq,
-                                  spec->dims().canvas_length(), arch->vocab,
-                                  step, indices.data(),
-                                  DiffusionTrainingOptions(), &canvas);
+    const int64_t response = model_options.diffusion.response_length > 0
+                                 ? model_options.diffusion.response_length
+                                 : spec->dims().canvas_length();
+    status = BuildDiffusionCanvas(inputs.data(), batch, seq, response,
+                                  arch->vocab, step, indices.data(),
+                                  model_options.diffusion, &canvas);
     if (!status.ok()) {
       std::fprintf(stderr, "model_dump: %s\n", status.ToString().c_str());
       return 1;
@@ -161,6 +168,7 @@ int Run() {
     out["diffusion"] = {{"step", step},
                         {"sequence_indices", indices},
                         {"canvas_length", spec->dims().canvas_length()},
+                        {"response_length", response},
                         {"noised", canvas.noised},
                         {"self_conditioning", canvas.self_cond}};
   }

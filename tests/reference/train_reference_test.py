@@ -94,13 +94,14 @@ DG_FP32_BOUND = 2.3 * (300 * 128) ** 0.5 * 2.0 ** -24
 
 
 def reference(architecture, dims, params, tokens, steps=STEPS, first_step=0,
-              first_update=None):
+              first_update=None, response=0):
     """(loss, grad_norm, |grad|_1) of each step: float64 forward and
     autograd, then torch.optim.AdamW, on the strided windows the workers
     read; one more entry, without its update, for the weights after
     STEPS updates (on the first step's batch again, as a job started from
     them reads it). `first_update`, when given, receives each trainable
-    parameter's (weights after the first update, that step's gradient)."""
+    parameter's (weights after the first update, that step's gradient).
+    `response`: DiffusionGemma's canvas rows (0: one canvas_length block)."""
     # DeepSeek-V3's e_score_correction_bias is a buffer in HF and frozen in
     # shardd, as are DiffusionGemma's router (scale, proj) and layer_scalar:
     # no gradient, no update, not in the gradient norm.
@@ -131,7 +132,8 @@ def reference(architecture, dims, params, tokens, steps=STEPS, first_step=0,
             batch["diffusion"] = {
                 "step": step % STEPS,
                 "sequence_indices": list(range(first, first + BATCH)),
-                "canvas_length": int(dims["canvas_length"])}
+                "canvas_length": int(dims["canvas_length"]),
+                "response_length": response}
         opt.zero_grad()
         loss = (gemma_block_diffusion_step(batch, p)[0] if diffusion
                 else forward(batch, p))
@@ -427,6 +429,26 @@ def main():
                           f"{read} bytes read ({replicas} x {total_bytes} wanted)")
                     if status == "FAIL":
                         print("    shardd", got, "\n    reference", run_want)
+                if diffusion:
+                    # A response of 12 tokens in canvas_length-8 blocks (8,
+                    # 4) after a 4-token prompt, through the daemons
+                    # (--response-length): step 1 against the reference.
+                    got, _ = train(cluster, config, hf_dir, data, 2, "default",
+                                   False, steps=1,
+                                   extra=["--response-length", "12"])
+                    blocks = reference(architecture, dump["dims"], params,
+                                       tokens, steps=0, response=12)[0]
+                    errs = [abs(got[0][0] - blocks[0]) / abs(blocks[0]),
+                            abs(got[0][1] - blocks[1]) / abs(blocks[1])]
+                    checks += 1
+                    worst_fp32 = max(worst_fp32, max(errs))
+                    status = "ok" if max(errs) <= DG_FP32_BOUND else "FAIL"
+                    if status == "FAIL":
+                        failures += 1
+                    print(f"  {status} 2 worker(s) default        fp32, "
+                          f"response 12 (blocks 8 + 4): loss and gradient "
+                          f"norm within {max(errs):.2e} (bound "
+                          f"{DG_FP32_BOUND:.1e})")
                 # Export the state after 3 steps and start from it.
                 _, saved = train(cluster, config, hf_dir, data, 2, "default",
                                  False, extra=["--checkpoint-every", str(STEPS)])

@@ -30,6 +30,12 @@ absl::Status ValidateDiffusionTraining(const DiffusionTrainingOptions& o) {
                        ": must be a finite number >= 0, got ", w));
     }
   }
+  if (o.response_length < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("train.diffusion.response_length: must be >= 0 (0: "
+                     "canvas_length), got ",
+                     o.response_length));
+  }
   return absl::OkStatus();
 }
 

@@ -26,11 +26,14 @@ struct DiffusionTrainingOptions {
   double self_conditioning_p = kSelfConditioningP;
   double encoder_loss_weight = kEncoderLossWeight;
   double diffusion_loss_weight = 1.0;
+  // The canvas rows per sequence (the last tokens, the response), cut into
+  // blocks of canvas_length; 0: canvas_length (one block).
+  int64_t response_length = 0;
 };
 
 // INVALID_ARGUMENT naming the field (as train.diffusion.<field>) unless
-// noise_eps is in [0, 1), self_conditioning_p in [0, 1] and both weights
-// finite and >= 0.
+// noise_eps is in [0, 1), self_conditioning_p in [0, 1], both weights
+// finite and >= 0 and response_length >= 0.
 absl::Status ValidateDiffusionTraining(const DiffusionTrainingOptions& o);
 
 // StreamSeed domains (worker/data/rng.h keeps 1..5 for the data pipeline).

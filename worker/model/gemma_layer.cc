@@ -17,7 +17,7 @@ int64_t GemmaLayerActs::bytes() const {
         &q, &k, &v, &o, &lse, &attn, &post_inv, &m, &pre_inv, &dense_in,
         &dense_out, &post1_inv, &r_inv, &r_norm, &r_in, &pre2_inv,
         &experts_in, &experts_out, &post2_inv, &sum, &post_ff_inv, &weights,
-        &dm, &dsum, &dweights, &d_post_ff, &d_post_ff_2, &d_pre_ff_2, &layer_w, &kv_k, &kv_v, &dk_ext, &dv_ext}) {
+        &dm, &dsum, &dweights, &d_post_ff, &d_post_ff_2, &d_pre_ff_2, &layer_w, &dk_ext, &dv_ext}) {
     floats += v->capacity();
   }
   return static_cast<int64_t>(floats * sizeof(float) +
@@ -73,28 +73,37 @@ absl::Status GemmaLayerBlock::Rotate(const MoeLayerSpec& layer,
                              positions_.data(), x->data(), inverse);
 }
 
+std::vector<GemmaLayerBlock::DecodeBlock> GemmaLayerBlock::Blocks(
+    const GemmaDecode& d, int64_t seq) const {
+  const int64_t size = d.block > 0 ? d.block : seq;
+  std::vector<DecodeBlock> blocks;
+  for (int64_t c = 0; c < seq; c += size) {
+    blocks.push_back({c, std::min(size, seq - c)});
+  }
+  return blocks;
+}
+
 int64_t GemmaLayerBlock::EncoderLow(const MoeLayerSpec& layer,
-                                    const GemmaDecode& d) const {
+                                    const GemmaDecode& d, int64_t begin) const {
   if (!layer.sliding) return 0;
-  return std::max<int64_t>(0, d.prefix - arch_->sliding_window + 1);
+  return std::max<int64_t>(0, d.prefix + begin - arch_->sliding_window + 1);
 }
 
 kernels::AttentionDims GemmaLayerBlock::Dims(const MoeLayerSpec& layer,
-                                             int64_t batch, int64_t seq,
-                                             const GemmaDecode* decode) const {
+                                             int64_t batch,
+                                             int64_t seq) const {
   kernels::AttentionDims d;
   d.batch = batch;
   d.q_len = seq;
   d.kv_len = seq;
-  if (decode != nullptr) d.kv_len += decode->prefix - EncoderLow(layer, *decode);
   d.q_heads = arch_->q_heads;
   d.kv_heads = layer.layer_kv_heads;
   d.head_dim = layer.layer_head_dim;
   return d;
 }
 
-kernels::AttentionOptions GemmaLayerBlock::Options(
-    const MoeLayerSpec& layer, const GemmaDecode* decode) const {
+kernels::AttentionOptions GemmaLayerBlock::Options(const MoeLayerSpec& layer,
+                                                   bool decode) const {
   kernels::AttentionOptions o;
   // Gemma 4's scaling is 1.0: q_norm and k_norm carry the scale.
   o.scale = static_cast<float>(
@@ -103,63 +112,148 @@ kernels::AttentionOptions GemmaLayerBlock::Options(
   o.mask = layer.sliding ? kernels::AttentionMask::kSlidingWindow
                          : kernels::AttentionMask::kCausal;
   o.window = arch_->sliding_window;
-  // The keys a decode is given are exactly those its mask allows.
-  if (decode != nullptr) o.mask = kernels::AttentionMask::kBidirectional;
+  // The keys a decode block is given are exactly those its mask allows.
+  if (decode) o.mask = kernels::AttentionMask::kBidirectional;
   return o;
 }
 
-absl::Status GemmaLayerBlock::ComposeKeys(const MoeLayerSpec& layer,
-                                          const GemmaDecode& d, int64_t batch,
-                                          int64_t seq, GemmaLayerActs* a) {
+namespace {
+
+// Rows [begin, begin + len) of each of `batch` sequences of `seq` rows of
+// `width` floats, from src into dst (gather) or back (scatter).
+void GatherRows(const float* src, int64_t batch, int64_t seq, int64_t width,
+                int64_t begin, int64_t len, float* dst) {
+  for (int64_t b = 0; b < batch; ++b) {
+    std::copy_n(src + (b * seq + begin) * width, len * width,
+                dst + b * len * width);
+  }
+}
+void ScatterRows(const float* src, int64_t batch, int64_t seq, int64_t width,
+                 int64_t begin, int64_t len, float* dst) {
+  for (int64_t b = 0; b < batch; ++b) {
+    std::copy_n(src + b * len * width, len * width,
+                dst + (b * seq + begin) * width);
+  }
+}
+
+}  // namespace
+
+absl::Status GemmaLayerBlock::ComposeBlockKeys(
+    const MoeLayerSpec& layer, const GemmaDecode& d, const DecodeBlock& blk,
+    int64_t batch, int64_t seq, const GemmaLayerActs& a, std::vector<float>* k,
+    std::vector<float>* v) {
   const int64_t row = layer.layer_kv_heads * layer.layer_head_dim;
-  const int64_t lo = EncoderLow(layer, d), enc = d.prefix - lo;
-  const int64_t len = enc + seq;
+  const int64_t end = d.prefix + blk.begin;  // Encoder keys end here.
+  const int64_t lo = EncoderLow(layer, d, blk.begin), enc = end - lo;
+  const int64_t len = enc + blk.len;
   const GemmaLayerActs& e = *d.encoder;
   if (static_cast<int64_t>(e.k.size()) != batch * d.encoder_seq * row ||
-      d.prefix > d.encoder_seq) {
+      end > d.encoder_seq) {
     return absl::FailedPreconditionError(
         "decode: the encode's K/V of this layer do not match the batch");
   }
-  a->kv_k.resize(batch * len * row);
-  a->kv_v.resize(batch * len * row);
+  k->resize(batch * len * row);
+  v->resize(batch * len * row);
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t src = (b * d.encoder_seq + lo) * row, dst = b * len * row;
-    std::copy_n(e.k.data() + src, enc * row, a->kv_k.data() + dst);
-    std::copy_n(e.v.data() + src, enc * row, a->kv_v.data() + dst);
-    std::copy_n(a->k.data() + b * seq * row, seq * row,
-                a->kv_k.data() + dst + enc * row);
-    std::copy_n(a->v.data() + b * seq * row, seq * row,
-                a->kv_v.data() + dst + enc * row);
+    std::copy_n(e.k.data() + src, enc * row, k->data() + dst);
+    std::copy_n(e.v.data() + src, enc * row, v->data() + dst);
+    const int64_t canvas = (b * seq + blk.begin) * row;
+    std::copy_n(a.k.data() + canvas, blk.len * row, k->data() + dst + enc * row);
+    std::copy_n(a.v.data() + canvas, blk.len * row, v->data() + dst + enc * row);
   }
   return absl::OkStatus();
 }
 
-void GemmaLayerBlock::SplitKeyGrads(const MoeLayerSpec& layer,
-                                    const GemmaDecode& d, int64_t batch,
-                                    int64_t seq) {
-  const int64_t row = layer.layer_kv_heads * layer.layer_head_dim;
-  const int64_t lo = EncoderLow(layer, d), enc = d.prefix - lo;
-  const int64_t len = enc + seq;
+absl::Status GemmaLayerBlock::DecodeAttentionForward(const MoeLayerSpec& layer,
+                                                     const GemmaDecode& d,
+                                                     int64_t batch,
+                                                     int64_t seq,
+                                                     GemmaLayerActs* a) {
+  const int64_t hq = arch_->q_heads, hd = layer.layer_head_dim;
+  a->o.resize(batch * seq * hq * hd);
+  a->lse.resize(batch * hq * seq);
+  std::vector<float> q, k, v, o, lse;
+  for (const DecodeBlock& blk : Blocks(d, seq)) {
+    SHARDD_RETURN_IF_ERROR(
+        ComposeBlockKeys(layer, d, blk, batch, seq, *a, &k, &v));
+    q.resize(batch * blk.len * hq * hd);
+    GatherRows(a->q.data(), batch, seq, hq * hd, blk.begin, blk.len, q.data());
+    kernels::AttentionDims dims = Dims(layer, batch, blk.len);
+    dims.kv_len = static_cast<int64_t>(k.size()) /
+                  (batch * layer.layer_kv_heads * hd);
+    o.resize(q.size());
+    lse.resize(batch * hq * blk.len);
+    SHARDD_RETURN_IF_ERROR(kernels::AttentionForward(
+        dims, Options(layer, true), q.data(), k.data(), v.data(), o.data(),
+        lse.data(), &ws_));
+    ScatterRows(o.data(), batch, seq, hq * hd, blk.begin, blk.len,
+                a->o.data());
+    // lse [batch, hq, rows]: (batch, head) rows of `seq`.
+    ScatterRows(lse.data(), batch * hq, seq, 1, blk.begin, blk.len,
+                a->lse.data());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GemmaLayerBlock::DecodeAttentionBackward(
+    const MoeLayerSpec& layer, const GemmaDecode& d, int64_t batch, int64_t seq,
+    const GemmaLayerActs& a) {
+  const int64_t hq = arch_->q_heads, hkv = layer.layer_kv_heads;
+  const int64_t hd = layer.layer_head_dim, row = hkv * hd;
+  const int64_t t = batch * seq;
+  dq_.assign(t * hq * hd, 0.0f);
+  dk_.assign(t * row, 0.0f);
+  dv_.assign(t * row, 0.0f);
   GemmaLayerActs& e = *d.encoder;
   const int64_t n = batch * d.encoder_seq * row;
   if (static_cast<int64_t>(e.dk_ext.size()) != n) {
     e.dk_ext.assign(n, 0.0f);
     e.dv_ext.assign(n, 0.0f);
   }
-  std::vector<float> dk(batch * seq * row), dv(batch * seq * row);
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t src = b * len * row, dst = (b * d.encoder_seq + lo) * row;
-    for (int64_t i = 0; i < enc * row; ++i) {
-      e.dk_ext[dst + i] += dk_[src + i];
-      e.dv_ext[dst + i] += dv_[src + i];
+  std::vector<float> q, k, v, o, lse, dout, dq, dk, dv;
+  for (const DecodeBlock& blk : Blocks(d, seq)) {
+    SHARDD_RETURN_IF_ERROR(
+        ComposeBlockKeys(layer, d, blk, batch, seq, a, &k, &v));
+    const int64_t len = static_cast<int64_t>(k.size()) / (batch * row);
+    const int64_t enc = len - blk.len;
+    const int64_t lo = EncoderLow(layer, d, blk.begin);
+    q.resize(batch * blk.len * hq * hd);
+    o.resize(q.size());
+    dout.resize(q.size());
+    lse.resize(batch * hq * blk.len);
+    GatherRows(a.q.data(), batch, seq, hq * hd, blk.begin, blk.len, q.data());
+    GatherRows(a.o.data(), batch, seq, hq * hd, blk.begin, blk.len, o.data());
+    GatherRows(do_.data(), batch, seq, hq * hd, blk.begin, blk.len,
+               dout.data());
+    GatherRows(a.lse.data(), batch * hq, seq, 1, blk.begin, blk.len,
+               lse.data());
+    kernels::AttentionDims dims = Dims(layer, batch, blk.len);
+    dims.kv_len = len;
+    dq.assign(q.size(), 0.0f);
+    dk.assign(k.size(), 0.0f);
+    dv.assign(v.size(), 0.0f);
+    SHARDD_RETURN_IF_ERROR(kernels::AttentionBackward(
+        dims, Options(layer, true), q.data(), k.data(), v.data(), o.data(),
+        lse.data(), dout.data(), dq.data(), dk.data(), dv.data(), nullptr,
+        &ws_));
+    ScatterRows(dq.data(), batch, seq, hq * hd, blk.begin, blk.len,
+                dq_.data());
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t src = b * len * row;
+      const int64_t dst = (b * d.encoder_seq + lo) * row;
+      for (int64_t i = 0; i < enc * row; ++i) {
+        e.dk_ext[dst + i] += dk[src + i];
+        e.dv_ext[dst + i] += dv[src + i];
+      }
+      const int64_t canvas = (b * seq + blk.begin) * row;
+      std::copy_n(dk.data() + src + enc * row, blk.len * row,
+                  dk_.data() + canvas);
+      std::copy_n(dv.data() + src + enc * row, blk.len * row,
+                  dv_.data() + canvas);
     }
-    std::copy_n(dk_.data() + src + enc * row, seq * row,
-                dk.data() + b * seq * row);
-    std::copy_n(dv_.data() + src + enc * row, seq * row,
-                dv.data() + b * seq * row);
   }
-  dk_.swap(dk);
-  dv_.swap(dv);
+  return absl::OkStatus();
 }
 
 absl::Status GemmaLayerBlock::ForwardLayer(const MoeLayerSpec& layer,
@@ -217,18 +311,16 @@ absl::Status GemmaLayerBlock::ForwardLayer(const MoeLayerSpec& layer,
                                                  a->v_inv.data()));
   SHARDD_RETURN_IF_ERROR(Rotate(layer, &a->q, t, seq, hq, false, offset));
   SHARDD_RETURN_IF_ERROR(Rotate(layer, &a->k, t, seq, hkv, false, offset));
-  const float* keys = a->k.data();
-  const float* values = a->v.data();
   if (decode != nullptr) {
-    SHARDD_RETURN_IF_ERROR(ComposeKeys(layer, *decode, batch, seq, a));
-    keys = a->kv_k.data();
-    values = a->kv_v.data();
+    SHARDD_RETURN_IF_ERROR(
+        DecodeAttentionForward(layer, *decode, batch, seq, a));
+  } else {
+    a->o.resize(t * hq * hd);
+    a->lse.resize(batch * hq * seq);
+    SHARDD_RETURN_IF_ERROR(kernels::AttentionForward(
+        Dims(layer, batch, seq), Options(layer, false), a->q.data(),
+        a->k.data(), a->v.data(), a->o.data(), a->lse.data(), &ws_));
   }
-  a->o.resize(t * hq * hd);
-  a->lse.resize(batch * hq * seq);
-  SHARDD_RETURN_IF_ERROR(kernels::AttentionForward(
-      Dims(layer, batch, seq, decode), Options(layer, decode), a->q.data(),
-      keys, values, a->o.data(), a->lse.data(), &ws_));
   a->attn.resize(t * d);
   SHARDD_RETURN_IF_ERROR(
       kernels::LinearForward(a->o.data(), wo, t, hq * hd, d, a->attn.data()));
@@ -470,18 +562,18 @@ absl::Status GemmaLayerBlock::BackwardLayer(const MoeLayerSpec& layer,
       a->o.data(), wo, g_.data(), t, hq * hd, d, do_.data(), false,
       layer.o_proj.frozen ? nullptr : grad_.data()));
   SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.o_proj, grad_));
-  const kernels::AttentionDims dims = Dims(layer, batch, seq, decode);
-  const int64_t kv_rows = batch * dims.kv_len * hkv * hd;
-  dq_.assign(t * hq * hd, 0.0f);
-  dk_.assign(kv_rows, 0.0f);
-  dv_.assign(kv_rows, 0.0f);
-  SHARDD_RETURN_IF_ERROR(kernels::AttentionBackward(
-      dims, Options(layer, decode), a->q.data(),
-      decode != nullptr ? a->kv_k.data() : a->k.data(),
-      decode != nullptr ? a->kv_v.data() : a->v.data(), a->o.data(),
-      a->lse.data(), do_.data(), dq_.data(), dk_.data(), dv_.data(), nullptr,
-      &ws_));
-  if (decode != nullptr) SplitKeyGrads(layer, *decode, batch, seq);
+  if (decode != nullptr) {
+    SHARDD_RETURN_IF_ERROR(
+        DecodeAttentionBackward(layer, *decode, batch, seq, *a));
+  } else {
+    dq_.assign(t * hq * hd, 0.0f);
+    dk_.assign(t * hkv * hd, 0.0f);
+    dv_.assign(t * hkv * hd, 0.0f);
+    SHARDD_RETURN_IF_ERROR(kernels::AttentionBackward(
+        Dims(layer, batch, seq), Options(layer, false), a->q.data(),
+        a->k.data(), a->v.data(), a->o.data(), a->lse.data(), do_.data(),
+        dq_.data(), dk_.data(), dv_.data(), nullptr, &ws_));
+  }
   if (!a->dk_ext.empty()) {
     // The encode: the decode's gradients of the same (post-RoPE) k and v.
     for (int64_t i = 0; i < t * hkv * hd; ++i) {

@@ -29,10 +29,13 @@
 //
 // Block diffusion (docs/model-spec.md): the encode is the causal pass above
 // and keeps k and v; a decode (GemmaDecode) runs the canvas queries at
-// positions prefix + j against [encoder K/V rows lo..prefix-1 ; canvas K/V],
-// every key visible (the block-causal training mask with one canvas block:
-// lo = 0 on full layers, prefix - sliding_window + 1 on sliding ones), and
-// its backward adds the encoder rows' K/V gradients to the encode's acts.
+// positions prefix + j under the block-causal training mask: the canvas is
+// cut into blocks of `block` rows, and the queries of the block starting at
+// canvas row c see [encoder K/V rows lo..prefix+c-1 ; that block's canvas
+// K/V] (the prompt and the response blocks before theirs, clean; lo = 0 on
+// full layers, prefix + c - sliding_window + 1 on sliding ones), every key
+// visible; its backward adds the encoder rows' K/V gradients to the
+// encode's acts.
 
 #include <cstdint>
 #include <vector>
@@ -80,7 +83,6 @@ struct GemmaLayerActs {
   std::vector<float> layer_w;
   // A decode's keys and values [B, L, Hkv, Dh]: the encoder rows, then the
   // canvas's.
-  std::vector<float> kv_k, kv_v;
   // The encode's: gradients of k and v [B, S, Hkv, Dh] from the decode
   // (empty: none), added by its BACKWARD(LAYER).
   std::vector<float> dk_ext, dv_ext;
@@ -91,6 +93,7 @@ struct GemmaLayerActs {
 struct GemmaDecode {
   int64_t prefix = 0;        // P: canvas query j sits at position P + j.
   int64_t encoder_seq = 0;   // S: rows per sequence of encoder->k / v.
+  int64_t block = 0;         // Canvas rows per block; 0: one block.
   GemmaLayerActs* encoder = nullptr;
 };
 
@@ -130,19 +133,34 @@ class GemmaLayerBlock {
                       int64_t tokens, int64_t seq, int64_t heads, bool inverse,
                       int64_t offset = 0);
   kernels::AttentionDims Dims(const MoeLayerSpec& layer, int64_t batch,
-                              int64_t seq, const GemmaDecode* decode) const;
+                              int64_t seq) const;
   kernels::AttentionOptions Options(const MoeLayerSpec& layer,
-                                    const GemmaDecode* decode) const;
-  // A decode's keys and values into a->kv_k / kv_v; FAILED_PRECONDITION
-  // when the encode's do not fit the batch.
-  absl::Status ComposeKeys(const MoeLayerSpec& layer, const GemmaDecode& d,
-                           int64_t batch, int64_t seq, GemmaLayerActs* a);
-  // Moves the encoder rows of dk_ / dv_ (the composed keys') into
-  // d.encoder's dk_ext / dv_ext and leaves the canvas rows in dk_ / dv_.
-  void SplitKeyGrads(const MoeLayerSpec& layer, const GemmaDecode& d,
-                     int64_t batch, int64_t seq);
-  // The first encoder row a decode's canvas sees on this layer.
-  int64_t EncoderLow(const MoeLayerSpec& layer, const GemmaDecode& d) const;
+                                    bool decode) const;
+  // The canvas rows [begin, begin + len) of one decode block.
+  struct DecodeBlock {
+    int64_t begin = 0, len = 0;
+  };
+  std::vector<DecodeBlock> Blocks(const GemmaDecode& d, int64_t seq) const;
+  // The first encoder row the block starting at canvas row `begin` sees on
+  // this layer (its keys end at prefix + begin).
+  int64_t EncoderLow(const MoeLayerSpec& layer, const GemmaDecode& d,
+                     int64_t begin) const;
+  // A block's keys and values, [batch, enc + len, kv row]: its encoder rows,
+  // then its canvas rows of a->k / a->v. FAILED_PRECONDITION when the
+  // encode's K/V do not fit the batch.
+  absl::Status ComposeBlockKeys(const MoeLayerSpec& layer, const GemmaDecode& d,
+                                const DecodeBlock& blk, int64_t batch,
+                                int64_t seq, const GemmaLayerActs& a,
+                                std::vector<float>* k, std::vector<float>* v);
+  // A decode's attention, block by block: a->o and a->lse from a->q, k, v.
+  absl::Status DecodeAttentionForward(const MoeLayerSpec& layer,
+                                      const GemmaDecode& d, int64_t batch,
+                                      int64_t seq, GemmaLayerActs* a);
+  // Its backward from do_: dq_, dk_, dv_ (the canvas rows) are written and
+  // the encoder rows' K/V gradients added to d.encoder's dk_ext / dv_ext.
+  absl::Status DecodeAttentionBackward(const MoeLayerSpec& layer,
+                                       const GemmaDecode& d, int64_t batch,
+                                       int64_t seq, const GemmaLayerActs& a);
   // x [rows, dim] through an RMSNorm without weight (ones_).
   const float* Ones(int64_t dim);
 

@@ -87,9 +87,10 @@ absl::Status MoeModel::SetBatch(int microbatch, const int32_t* inputs,
   if (m.diffusion) {
     if (seq <= m.canvas) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "seq: DiffusionGemma's 3-pass step needs more than canvas_length (",
-          m.canvas, ") tokens per sequence (the encoder keys before the "
-          "canvas), got ", seq));
+          "seq: DiffusionGemma's 3-pass step needs more than ", m.canvas,
+          " tokens per sequence (the response: train.diffusion."
+          "response_length, else canvas_length; the encoder keys before it), "
+          "got ", seq));
     }
     // The encoder's pairs: logits 0..S-2 against tokens 1..S-1.
     b.ar_targets = b.targets;

@@ -26,7 +26,17 @@ absl::Status MoeModel::Impl::TakeSelfConditioning(int64_t canvas_length) {
     return absl::InvalidArgumentError(
         "dims.canvas_length: DiffusionGemma's 3-pass step needs >= 1");
   }
-  canvas = canvas_length;
+  // The response (the canvas rows) is the last response_length tokens, in
+  // blocks of canvas_length; by default one block.
+  const int64_t response = options.diffusion.response_length;
+  if (response < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "train.diffusion.response_length: must be >= 1 (0: canvas_length), "
+        "got ",
+        response));
+  }
+  block = canvas_length;
+  canvas = response > 0 ? response : canvas_length;
   const std::string p = "model.self_conditioning.";
   int found = 0;
   for (const Tensor& t : unused) {
@@ -65,7 +75,7 @@ absl::Status MoeModel::Impl::DiffusionForward(const Command& c,
     }
     case Command::LAYER: {
       const int l = c.layer();
-      GemmaDecode decode{batch.seq - canvas, batch.seq,
+      GemmaDecode decode{batch.seq - canvas, batch.seq, block,
                          &acts[0].layers[l].gemma};
       return gemma_block->ForwardLayer(layers[l], params, a.x.data(),
                                        batch.batch, seq, &a.layers[l].gemma,
@@ -275,7 +285,7 @@ absl::Status MoeModel::Impl::DiffusionBackward(const Command& c,
                                           &a.layers[c.layer()].gemma);
     case Command::LAYER: {
       const int l = c.layer();
-      GemmaDecode decode{batch.seq - canvas, batch.seq,
+      GemmaDecode decode{batch.seq - canvas, batch.seq, block,
                          &acts[0].layers[l].gemma};
       return gemma_block->BackwardLayer(layers[l], params, batch.batch, seq,
                                         &a.layers[l].gemma, a.dx.data(),

@@ -108,10 +108,12 @@ double RunStep(MoeModel* model, const std::vector<bool>& moe_layers,
   return model->step_loss();
 }
 
-TEST(MoeModelDiffusionTest, WholeStepGradientsMatchFiniteDifferences) {
+// `response`: TrainConfig.diffusion.response_length (0: one block).
+void CheckWholeStepGradients(int64_t response) {
   const v1::ModelSpec spec = TinySpec();
-  SHARDD_ASSERT_OK_AND_ASSIGN(auto model,
-                              MoeModel::Create(spec, DiffusionOptions()));
+  MoeModelOptions options = DiffusionOptions();
+  options.diffusion.response_length = response;
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto model, MoeModel::Create(spec, options));
   SHARDD_ASSERT_OK_AND_ASSIGN(const MoeArchitecture arch,
                               ReadMoeArchitecture(spec));
   const std::vector<bool> moe_layers = arch.LayersWithExperts();
@@ -180,8 +182,19 @@ TEST(MoeModelDiffusionTest, WholeStepGradientsMatchFiniteDifferences) {
   }
   EXPECT_LT(kinks, checked / 10) << kinks << " kinks";
   EXPECT_GT(checked, 150);
-  std::printf("checked %d, kinks %d, failed %d, loss %.6f\n", checked, kinks,
-              failed, loss);
+  std::printf("response %lld: checked %d, kinks %d, failed %d, loss %.6f\n",
+              static_cast<long long>(response), checked, kinks, failed, loss);
+}
+
+TEST(MoeModelDiffusionTest, WholeStepGradientsMatchFiniteDifferences) {
+  CheckWholeStepGradients(0);
+}
+
+// A response of 10 tokens: blocks of 8 and 2 after a 2-token prompt, so the
+// second block's queries see the first block's clean tokens, and sliding
+// layers (window 4) cut the encoder keys per block.
+TEST(MoeModelDiffusionTest, TwoBlockResponseGradientsMatchFiniteDifferences) {
+  CheckWholeStepGradients(10);
 }
 
 // The two loss weights (TrainConfig.diffusion) scale the encoder's AR loss
@@ -251,7 +264,7 @@ TEST(MoeModelDiffusionTest, RefusesOtherShapesAndShortSequences) {
   std::vector<int32_t> tokens(8, 1);
   EXPECT_THAT(model->SetBatch(0, tokens.data(), tokens.data(), 1, 8),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("more than canvas_length (8)")));
+                       HasSubstr("needs more than 8 tokens per sequence")));
 }
 
 }  // namespace

@@ -137,10 +137,12 @@ struct MoeModel::Impl : MoeArchitecture {
   std::unique_ptr<AttentionBlock> attention;
   std::unique_ptr<MlaBlock> mla;
   std::unique_ptr<GemmaLayerBlock> gemma_block;
-  // DiffusionGemma's block-diffusion step (3 passes): the canvas length and
+  // DiffusionGemma's block-diffusion step (3 passes): the canvas rows per
+  // sequence (the response), the block length (canvas_length) and
   // model.self_conditioning's tensors.
   bool diffusion = false;
   int64_t canvas = 0;
+  int64_t block = 0;
   Tensor sc_pre_norm, sc_gate, sc_up, sc_down;
   int64_t sc_inter = 0;
   SelfConditioningActs sc;
