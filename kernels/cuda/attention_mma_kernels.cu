@@ -10,8 +10,10 @@
 // each 8-wide n-tile) is also the A-operand layout of the next product, so
 // probabilities and dS never leave registers; they are rounded to bf16 on
 // the way in (the one rounding the generic path does not have). Operands
-// read as B come from shared memory, stored row-major or transposed so that
-// each fragment register is one aligned 32-bit load.
+// read as B come from row-major tiles in shared memory: as aligned 32-bit
+// loads where B's n is the tile's row (K in Q K^T, dO in dO V^T), through
+// ldmatrix's transpose where B's k is (V, dO, Q and K in the products with
+// P, P^T, dS^T and dS).
 //
 // Deterministic: fixed loops, each output element owned by one thread, no
 // atomics. Forward: one block per (64 queries, head, sequence). Backward:
@@ -54,6 +56,22 @@ __device__ __forceinline__ uint32_t Pack(float lo, float hi) {
 
 __device__ __forceinline__ uint32_t Load32(const uint16_t* p) {
   return *reinterpret_cast<const uint32_t*>(p);
+}
+
+// The B fragment (k 16 x n 8) of a product whose B is stored row-major by k
+// in shared memory ([k][n], `stride` elements per row): rows k0 .. k0 + 15
+// at columns n0 .. n0 + 7, through ldmatrix's transpose (lanes 0-15 give the
+// rows' addresses; 16-31 repeat them).
+__device__ __forceinline__ void LoadBTrans(const uint16_t* base, int stride,
+                                           int k0, int n0, int lane,
+                                           uint32_t* b0, uint32_t* b1) {
+  const uint16_t* row = base + (k0 + (lane & 15)) * stride + n0;
+  const uint32_t addr =
+      static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile(
+      "ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+      : "=r"(*b0), "=r"(*b1)
+      : "r"(addr));
 }
 
 // The A fragment of k-step `kt` of rows `row0 + [0, 16)` of a row-major
@@ -102,14 +120,13 @@ __device__ __forceinline__ bool TileAllVisible(const MaskRule& r, int64_t p0,
 
 // Copies rows [row0, row0 + kTile) (those below `rows`; the rest zero) of a
 // [.., heads, D] bf16 tensor at head `head` of sequence `b` (len rows per
-// sequence) into shared memory: row-major with stride D + 8 when `rm` is
-// set, transposed ([D][kTile + 8]) when `tr` is set.
+// sequence) into shared memory, row-major with stride D + 8 (16-byte
+// vectors; consecutive threads take consecutive chunks of a row).
 template <int D, int kTile>
 __device__ __forceinline__ void LoadTile(const uint16_t* src, int64_t b,
                                          int64_t len, int64_t heads,
                                          int64_t head, int64_t row0,
-                                         int64_t rows, uint16_t* rm,
-                                         uint16_t* tr) {
+                                         int64_t rows, uint16_t* rm) {
   constexpr int kChunks = D / 8;
   for (int idx = threadIdx.x; idx < kTile * kChunks; idx += kThreads) {
     const int r = idx / kChunks, c8 = idx % kChunks;
@@ -118,14 +135,7 @@ __device__ __forceinline__ void LoadTile(const uint16_t* src, int64_t b,
       v = *reinterpret_cast<const uint4*>(
           src + ((b * len + row0 + r) * heads + head) * D + c8 * 8);
     }
-    if (rm != nullptr) {
-      *reinterpret_cast<uint4*>(rm + r * (D + 8) + c8 * 8) = v;
-    }
-    if (tr != nullptr) {
-      const uint16_t* e = reinterpret_cast<const uint16_t*>(&v);
-#pragma unroll
-      for (int x = 0; x < 8; ++x) tr[(c8 * 8 + x) * (kTile + 8) + r] = e[x];
-    }
+    *reinterpret_cast<uint4*>(rm + r * (D + 8) + c8 * 8) = v;
   }
 }
 
@@ -141,7 +151,7 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kBK = 64;
   extern __shared__ __align__(16) uint16_t smem_fwd[];
   uint16_t* ks = smem_fwd;                // [kBK][D + 8]
-  uint16_t* vt = ks + kBK * (D + 8);      // [D][kBK + 8]
+  uint16_t* vs = ks + kBK * (D + 8);      // [kBK][D + 8]
   const int64_t b = blockIdx.z, h = blockIdx.y;
   const int64_t g = h / (a.q_heads / a.kv_heads);
   const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kRows;
@@ -176,8 +186,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t wp0 = row0 + a.rule.q_offset, wp1 = row0 + 15 + a.rule.q_offset;
   for (int64_t j0 = k_begin; j0 < k_end; j0 += kBK) {
     __syncthreads();  // the previous tile is consumed
-    LoadTile<D, kBK>(k, b, a.kv_len, a.kv_heads, g, j0, k_end, ks, nullptr);
-    LoadTile<D, kBK>(v, b, a.kv_len, a.kv_heads, g, j0, k_end, nullptr, vt);
+    LoadTile<D, kBK>(k, b, a.kv_len, a.kv_heads, g, j0, k_end, ks);
+    LoadTile<D, kBK>(v, b, a.kv_len, a.kv_heads, g, j0, k_end, vs);
     __syncthreads();
     float s[kBK / 8][4];
 #pragma unroll
@@ -242,8 +252,9 @@ __global__ void __launch_bounds__(kThreads)
       AccToA(s[2 * kt], s[2 * kt + 1], pa);
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
-        const uint16_t* vr = vt + (n * 8 + gr) * (kBK + 8) + kt * 16 + 2 * qd;
-        Mma(o[n], pa, Load32(vr), Load32(vr + 8));
+        uint32_t b0, b1;
+        LoadBTrans(vs, D + 8, kt * 16, n * 8, lane, &b0, &b1);
+        Mma(o[n], pa, b0, b1);
       }
     }
   }
@@ -307,10 +318,8 @@ __global__ void __launch_bounds__(kThreads)
   uint16_t* kb = smem_kv;                  // [kRows][D + 8]
   uint16_t* vb = kb + kRows * (D + 8);     // [kRows][D + 8]
   uint16_t* qs = vb + kRows * (D + 8);     // [kBQ][D + 8]
-  uint16_t* qt = qs + kBQ * (D + 8);       // [D][kBQ + 8]
-  uint16_t* dos = qt + D * (kBQ + 8);      // [kBQ][D + 8]
-  uint16_t* dot = dos + kBQ * (D + 8);     // [D][kBQ + 8]
-  float* lse_s = reinterpret_cast<float*>(dot + D * (kBQ + 8));  // [kBQ]
+  uint16_t* dos = qs + kBQ * (D + 8);      // [kBQ][D + 8]
+  float* lse_s = reinterpret_cast<float*>(dos + kBQ * (D + 8));  // [kBQ]
   float* delta_s = lse_s + kBQ;                                  // [kBQ]
   const int64_t b = blockIdx.z, g = blockIdx.y;
   const int64_t j0 = static_cast<int64_t>(blockIdx.x) * kRows;
@@ -319,8 +328,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t group = a.q_heads / a.kv_heads;
   const float scale2 = a.scale * kLog2e;
 
-  LoadTile<D, kRows>(k, b, a.kv_len, a.kv_heads, g, j0, a.kv_len, kb, nullptr);
-  LoadTile<D, kRows>(v, b, a.kv_len, a.kv_heads, g, j0, a.kv_len, vb, nullptr);
+  LoadTile<D, kRows>(k, b, a.kv_len, a.kv_heads, g, j0, a.kv_len, kb);
+  LoadTile<D, kRows>(v, b, a.kv_len, a.kv_heads, g, j0, a.kv_len, vb);
   float dka[D / 8][4], dva[D / 8][4];
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) {
@@ -337,8 +346,8 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t h = g * group + hh;
     for (int64_t i0 = q_begin; i0 < q_end; i0 += kBQ) {
       __syncthreads();  // the previous query tile is consumed
-      LoadTile<D, kBQ>(q, b, a.q_len, a.q_heads, h, i0, q_end, qs, qt);
-      LoadTile<D, kBQ>(d_out, b, a.q_len, a.q_heads, h, i0, q_end, dos, dot);
+      LoadTile<D, kBQ>(q, b, a.q_len, a.q_heads, h, i0, q_end, qs);
+      LoadTile<D, kBQ>(d_out, b, a.q_len, a.q_heads, h, i0, q_end, dos);
       for (int r = threadIdx.x; r < kBQ; r += kThreads) {
         const int64_t row = (b * a.q_heads + h) * a.q_len + i0 + r;
         const bool ok = i0 + r < q_end;
@@ -394,10 +403,11 @@ __global__ void __launch_bounds__(kThreads)
         AccToA(dp[2 * kt], dp[2 * kt + 1], sa);
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
-          const uint16_t* dr = dot + (n * 8 + gr) * (kBQ + 8) + kt * 16 + 2 * qd;
-          Mma(dva[n], pa, Load32(dr), Load32(dr + 8));
-          const uint16_t* qr = qt + (n * 8 + gr) * (kBQ + 8) + kt * 16 + 2 * qd;
-          Mma(dka[n], sa, Load32(qr), Load32(qr + 8));
+          uint32_t b0, b1;
+          LoadBTrans(dos, D + 8, kt * 16, n * 8, lane, &b0, &b1);
+          Mma(dva[n], pa, b0, b1);
+          LoadBTrans(qs, D + 8, kt * 16, n * 8, lane, &b0, &b1);
+          Mma(dka[n], sa, b0, b1);
         }
       }
     }
@@ -435,8 +445,7 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kBK = kBackwardTile<D>;
   extern __shared__ __align__(16) uint16_t smem_q[];
   uint16_t* ks = smem_q;                // [kBK][D + 8]
-  uint16_t* kt_s = ks + kBK * (D + 8);  // [D][kBK + 8]
-  uint16_t* vs = kt_s + D * (kBK + 8);  // [kBK][D + 8]
+  uint16_t* vs = ks + kBK * (D + 8);    // [kBK][D + 8]
   const int64_t b = blockIdx.z, h = blockIdx.y;
   const int64_t g = h / (a.q_heads / a.kv_heads);
   const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kRows;
@@ -478,8 +487,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t wp0 = row0 + a.rule.q_offset, wp1 = row0 + 15 + a.rule.q_offset;
   for (int64_t j0 = k_begin; j0 < k_end; j0 += kBK) {
     __syncthreads();
-    LoadTile<D, kBK>(k, b, a.kv_len, a.kv_heads, g, j0, k_end, ks, kt_s);
-    LoadTile<D, kBK>(v, b, a.kv_len, a.kv_heads, g, j0, k_end, vs, nullptr);
+    LoadTile<D, kBK>(k, b, a.kv_len, a.kv_heads, g, j0, k_end, ks);
+    LoadTile<D, kBK>(v, b, a.kv_len, a.kv_heads, g, j0, k_end, vs);
     __syncthreads();
     float s[kBK / 8][4], dp[kBK / 8][4];
 #pragma unroll
@@ -515,8 +524,9 @@ __global__ void __launch_bounds__(kThreads)
       AccToA(dp[2 * kt], dp[2 * kt + 1], sa);
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
-        const uint16_t* kr = kt_s + (n * 8 + gr) * (kBK + 8) + kt * 16 + 2 * qd;
-        Mma(dqa[n], sa, Load32(kr), Load32(kr + 8));
+        uint32_t b0, b1;
+        LoadBTrans(ks, D + 8, kt * 16, n * 8, lane, &b0, &b1);
+        Mma(dqa[n], sa, b0, b1);
       }
     }
   }
@@ -535,19 +545,18 @@ __global__ void __launch_bounds__(kThreads)
 
 template <int D>
 size_t ForwardBytes() {
-  return sizeof(uint16_t) * (64 * (D + 8) + D * (64 + 8));
+  return sizeof(uint16_t) * 2 * 64 * (D + 8);
 }
 template <int D>
 size_t KeyValueGradBytes() {
   constexpr int kBQ = kBackwardTile<D>;
-  return sizeof(uint16_t) * (2 * kRows * (D + 8) + 2 * kBQ * (D + 8) +
-                             2 * D * (kBQ + 8)) +
+  return sizeof(uint16_t) * (2 * kRows * (D + 8) + 2 * kBQ * (D + 8)) +
          2 * sizeof(float) * kBQ;
 }
 template <int D>
 size_t QueryGradBytes() {
   constexpr int kBK = kBackwardTile<D>;
-  return sizeof(uint16_t) * (2 * kBK * (D + 8) + D * (kBK + 8));
+  return sizeof(uint16_t) * 2 * kBK * (D + 8);
 }
 
 template <typename Kernel, typename... Args>
