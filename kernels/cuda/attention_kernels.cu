@@ -14,6 +14,7 @@
 
 #include "kernels/cuda/attention_kernels.h"
 #include "kernels/cuda/device_math.h"
+#include "kernels/cuda/kernel_launch.h"
 
 namespace shardd {
 namespace kernels {
@@ -416,19 +417,10 @@ size_t QueryGradSmem(const AttentionLaunch& a) {
           2 * kBlockQ * kBlockK + kBlockQ * dh + 2 * kBlockQ);
 }
 
-// Launches `kernel` with `smem` bytes of dynamic shared memory, raising the
-// kernel's limit first when it is above the default 48 KiB.
 template <typename Kernel, typename... Args>
 cudaError_t Launch(Kernel kernel, dim3 grid, size_t smem, cudaStream_t stream,
                    Args... args) {
-  if (smem > 48 * 1024) {
-    const cudaError_t error = cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-        static_cast<int>(smem));
-    if (error != cudaSuccess) return error;
-  }
-  kernel<<<grid, kThreads, smem, stream>>>(args...);
-  return cudaGetLastError();
+  return LaunchWithSharedMemory(kernel, grid, kThreads, smem, stream, args...);
 }
 
 }  // namespace

@@ -27,6 +27,7 @@
 
 #include "kernels/cuda/attention_kernels.h"
 #include "kernels/cuda/device_math.h"
+#include "kernels/cuda/kernel_launch.h"
 
 namespace shardd {
 namespace kernels {
@@ -562,14 +563,7 @@ size_t QueryGradBytes() {
 template <typename Kernel, typename... Args>
 cudaError_t Launch(Kernel kernel, dim3 grid, size_t smem, cudaStream_t stream,
                    Args... args) {
-  if (smem > 48 * 1024) {
-    const cudaError_t error = cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-        static_cast<int>(smem));
-    if (error != cudaSuccess) return error;
-  }
-  kernel<<<grid, kThreads, smem, stream>>>(args...);
-  return cudaGetLastError();
+  return LaunchWithSharedMemory(kernel, grid, kThreads, smem, stream, args...);
 }
 
 dim3 QueryGrid(const AttentionLaunch& a) {
