@@ -126,7 +126,7 @@ absl::StatusOr<CheckpointIndex> FromJson(const json& doc) {
   Fields top(doc, "index.json");
   SHARDD_RETURN_IF_ERROR(
       top.CheckObject({"format", "format_version", "step", "data_position",
-                       "saved_by", "model", "files", "tensors"}));
+                       "saved_by", "model", "train", "files", "tensors"}));
   SHARDD_ASSIGN_OR_RETURN(std::string format, top.String("format"));
   if (format != kIndexFormat) {
     return absl::DataLossError(absl::StrCat("index.json.format: \"", format,
@@ -158,6 +158,14 @@ absl::StatusOr<CheckpointIndex> FromJson(const json& doc) {
                        DescribeJsonValue(*model)));
     }
     SHARDD_ASSIGN_OR_RETURN(index.model_spec_json, DumpJson(*model, -1));
+  }
+  if (auto train = doc.find("train"); train != doc.end()) {
+    if (!train->is_object()) {
+      return absl::DataLossError(
+          absl::StrCat("index.json.train: must be an object, got ",
+                       DescribeJsonValue(*train)));
+    }
+    SHARDD_ASSIGN_OR_RETURN(index.train_config_json, DumpJson(*train, -1));
   }
 
   SHARDD_ASSIGN_OR_RETURN(const json* files, top.Array("files"));
@@ -339,6 +347,16 @@ absl::StatusOr<std::string> SerializeIndex(CheckpointIndex index) {
     if (!doc["model"].is_object()) {
       return absl::InvalidArgumentError(
           "model_spec_json: must be one JSON object");
+    }
+  }
+  if (!index.train_config_json.empty()) {
+    SHARDD_ASSIGN_OR_RETURN(
+        doc["train"],
+        ParseJsonStrict(index.train_config_json, "train_config_json",
+                        absl::StatusCode::kInvalidArgument));
+    if (!doc["train"].is_object()) {
+      return absl::InvalidArgumentError(
+          "train_config_json: must be one JSON object");
     }
   }
   SHARDD_ASSIGN_OR_RETURN(std::string text, DumpJson(doc, 1));

@@ -91,6 +91,10 @@ struct CheckpointIndex {
   // `shardctl checkpoint export --hf` names tensors and writes config.json
   // from it.
   std::string model_spec_json;
+  // The job's training config (v1::TrainConfig as proto JSON, one object):
+  // a job resumed from the checkpoint continues its learning-rate schedule;
+  // empty when unknown.
+  std::string train_config_json;
   std::vector<FileRecord> files;
   std::map<std::string, TensorRecord> tensors;
 };
@@ -106,7 +110,7 @@ absl::Status ValidateIndex(CheckpointIndex* index);
 
 // Validates (as above) and serializes as pretty-printed JSON. Errors:
 // those of ValidateIndex; INVALID_ARGUMENT for a name that is not UTF-8 or
-// a model_spec_json that is not one JSON object.
+// a model_spec_json or train_config_json that is not one JSON object.
 absl::StatusOr<std::string> SerializeIndex(CheckpointIndex index);
 
 // Parses and validates index.json text. Errors: DATA_LOSS for malformed

@@ -215,6 +215,10 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                              "--diffusion-noise-eps",
                                              "--self-conditioning-p",
                                              "--response-length",
+                                             "--lr-schedule",
+                                             "--warmup-steps",
+                                             "--decay-steps",
+                                             "--min-lr",
                                              "--loss-svg",
                                              "--max-recoveries",
                                              "--reconnect-timeout"});
@@ -473,6 +477,28 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
     } else {
       args->train.set_eps(x);
     }
+  } else if (flag == "--lr-schedule") {
+    if (value != "constant" && value != "cosine" && value != "linear") {
+      return Usage(absl::StrCat(
+          "--lr-schedule: expected constant, cosine or linear, got '", value,
+          "'"));
+    }
+    args->train.set_lr_schedule(value);
+  } else if (flag == "--warmup-steps") {
+    absl::StatusOr<int32_t> n = ParseInt(flag, value, 0);
+    if (!n.ok()) return n.status();
+    args->train.set_warmup_steps(*n);
+  } else if (flag == "--decay-steps") {
+    absl::StatusOr<int64_t> n = ParseInt64(flag, value, 1);
+    if (!n.ok()) return n.status();
+    args->train.set_decay_steps(*n);
+  } else if (flag == "--min-lr") {
+    double x = 0;
+    if (!absl::SimpleAtod(value, &x) || !std::isfinite(x) || x < 0) {
+      return Usage(absl::StrCat("--min-lr: expected a number >= 0, got '",
+                                value, "'"));
+    }
+    args->train.set_min_lr(x);
   } else if (flag == "--response-length") {
     absl::StatusOr<int64_t> n = ParseInt64(flag, value, 1);
     if (!n.ok()) return n.status();

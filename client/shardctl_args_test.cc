@@ -558,6 +558,20 @@ TEST(ShardctlArgsTest, TrainUsageErrors) {
   usage({"train", "--coordinator", "h:1", "--model", "a",
          "--encoder-loss-weight", "-1"},
         "--encoder-loss-weight: expected a number >= 0");
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      ShardctlArgs schedule,
+      Parse({"train", "--coordinator", "h:1", "--model", "a", "--lr-schedule",
+             "cosine", "--warmup-steps", "10", "--decay-steps", "100",
+             "--min-lr", "1e-5"}));
+  EXPECT_EQ(schedule.train.lr_schedule(), "cosine");
+  EXPECT_EQ(schedule.train.warmup_steps(), 10);
+  EXPECT_EQ(schedule.train.decay_steps(), 100);
+  EXPECT_EQ(schedule.train.min_lr(), 1e-5);
+  usage({"train", "--coordinator", "h:1", "--model", "a", "--lr-schedule",
+         "step"},
+        "--lr-schedule: expected constant, cosine or linear");
+  usage({"train", "--coordinator", "h:1", "--model", "a", "--min-lr", "-1"},
+        "--min-lr: expected a number >= 0");
   usage({"train", "--coordinator", "h:1", "--model", "a", "--hf-config", "x"},
         "unknown flag '--hf-config'");
   usage({"plan", "--model", "a", "--dp", "2", "--steps", "3"},

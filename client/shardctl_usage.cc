@@ -148,7 +148,15 @@ Job:
                                tokens of each sequence, in blocks of the
                                model's canvas_length (default: one block)
   --seed N                     data and initialization seed (default 0)
-  --lr X                       AdamW learning rate (default 0.001)
+  --lr X                       AdamW learning rate (default 0.001); the
+                               peak of a schedule
+  --lr-schedule S              constant (default), cosine or linear: a
+                               linear warmup, then a decay to --min-lr
+  --warmup-steps N             steps of the warmup from lr / N to lr
+                               (default 0)
+  --decay-steps N              the step where the decay reaches --min-lr
+                               (default: the job's last step); held after
+  --min-lr X                   the decay's floor (default 0)
   --weight-decay X             decoupled weight decay (default 0)
   --beta1 X, --beta2 X         AdamW's moment decays, in (0, 1) (default
                                0.9 and 0.95)

@@ -55,6 +55,7 @@ nlohmann::ordered_json StepEventJson(const v1::StepEvent& event) {
   json["step"] = event.step();
   json["loss"] = event.loss();
   json["grad_norm"] = event.grad_norm();
+  json["lr"] = event.lr();
   json["tokens"] = event.tokens();
   json["step_seconds"] = event.step_seconds();
   json["tokens_per_second"] = event.tokens_per_second();

@@ -19,6 +19,7 @@
 #include "nlohmann/json.hpp"
 #include "tests/local_cluster.h"
 #include "tests/subprocess.h"
+#include "worker/exec/lr_schedule.h"
 
 namespace shardd {
 namespace {
@@ -154,6 +155,49 @@ TEST_F(CheckpointIntegrationTest, ResumesInAnotherWorldSizeAndStrategy) {
           << "step " << s + 4 << " resumed from " << v.checkpoint << " with "
           << absl::StrJoin(variant, " ");
     }
+  }
+}
+
+// A cosine schedule (warmup 2, decay to 0.001 at step 6): every step's
+// reported lr is LrSchedule's, and a job resumed from step 3 without
+// schedule flags continues it (the checkpoint carries the config), so its
+// losses equal the uninterrupted job's as above. Without the saved
+// schedule the resumed steps would report and run at the constant 0.01,
+// 1.15x to 4.3x the scheduled rates.
+TEST_F(CheckpointIntegrationTest, ResumedJobContinuesTheLearningRateSchedule) {
+  const std::vector<std::string> schedule = {
+      "--lr-schedule", "cosine", "--warmup-steps", "2", "--min-lr", "0.001"};
+  std::vector<std::string> first_flags = {"--dp", "2", "--checkpoint-every",
+                                          "3"};
+  first_flags.insert(first_flags.end(), schedule.begin(), schedule.end());
+  const nlohmann::json first = Train(6, first_flags);
+  ASSERT_FALSE(first.is_discarded());
+  LrSchedule want;
+  want.kind = LrSchedule::Kind::kCosine;
+  want.lr = 0.01;  // TrainArgs' lr
+  want.warmup_steps = 2;
+  want.decay_steps = 6;  // the job's steps
+  want.min_lr = 0.001;
+  ASSERT_EQ(first["step_events"].size(), 6u);
+  for (int s = 0; s < 6; ++s) {
+    EXPECT_NEAR(first["step_events"][s]["lr"].get<double>(), want.At(s),
+                1e-15)
+        << "step " << s + 1;
+  }
+  const std::vector<double> losses = Losses(first);
+  const nlohmann::json resumed =
+      Train(3, {"--dp", "1", "--resume-from", "j-1/step-00000003"});
+  ASSERT_FALSE(resumed.is_discarded());
+  ASSERT_EQ(resumed["step_events"].size(), 3u);
+  const std::vector<double> got = Losses(resumed);
+  for (int s = 0; s < 3; ++s) {
+    EXPECT_NEAR(resumed["step_events"][s]["lr"].get<double>(),
+                want.At(s + 3), 1e-15)
+        << "resumed step " << s + 4;
+    SHARDD_ASSERT_OK_AND_ASSIGN(
+        const double allowed,
+        LocalCluster::TrainArgsLossTolerance(s, losses[s + 3], 2));
+    EXPECT_NEAR(got[s], losses[s + 3], allowed) << "step " << s + 4;
   }
 }
 

@@ -42,6 +42,19 @@ kernels::AdamWConfig AdamWConfigOf(const v1::TrainConfig& train) {
   return adamw;
 }
 
+LrSchedule LrScheduleOf(const v1::TrainConfig& train) {
+  LrSchedule s;
+  // Resolved configs carry a valid name; an unknown one reads as constant.
+  if (!ParseLrScheduleKind(train.lr_schedule(), &s.kind).ok()) {
+    s.kind = LrSchedule::Kind::kConstant;
+  }
+  s.lr = train.lr();
+  s.warmup_steps = train.warmup_steps();
+  s.decay_steps = train.decay_steps() > 0 ? train.decay_steps() : train.steps();
+  s.min_lr = train.min_lr();
+  return s;
+}
+
 DiffusionTrainingOptions DiffusionOptionsOf(const v1::TrainConfig& train) {
   const v1::DiffusionTraining& d = train.diffusion();
   DiffusionTrainingOptions o;
@@ -141,6 +154,11 @@ absl::StatusOr<v1::TrainConfig> ResolveTrainConfig(const v1::TrainConfig& train,
   out.set_weight_decay(weight_decay);
   out.set_grad_clip(train.grad_clip() == 0.0 ? kDefaultGradClip
                                              : train.grad_clip());
+  LrSchedule::Kind kind;
+  SHARDD_RETURN_IF_ERROR(ParseLrScheduleKind(train.lr_schedule(), &kind));
+  out.set_lr_schedule(LrScheduleKindName(kind));
+  if (out.decay_steps() == 0) out.set_decay_steps(out.steps());
+  SHARDD_RETURN_IF_ERROR(ValidateLrSchedule(LrScheduleOf(out)));
   const DiffusionTrainingOptions diffusion = DiffusionOptionsOf(train);
   SHARDD_RETURN_IF_ERROR(ValidateDiffusionTraining(diffusion));
   if (diffusion.response_length >= train.seq_len()) {

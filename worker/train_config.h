@@ -9,6 +9,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/cpu/adamw.h"
 #include "proto/coordinator.pb.h"
+#include "worker/exec/lr_schedule.h"
 #include "worker/model/block_diffusion.h"
 
 namespace shardd {
@@ -31,8 +32,10 @@ inline constexpr int64_t kDefaultCollectiveTimeoutMs = 60000;
 // by world_size * microbatches (naming global_batch, the world size and
 // microbatches), lr, eps or weight_decay negative or not finite, a beta
 // outside [0, 1), grad_clip not finite, world_size < 1, a diffusion field
-// out of its range (ValidateDiffusionTraining). Every diffusion field comes
-// back set (its default when unset).
+// out of its range (ValidateDiffusionTraining), a learning-rate schedule
+// ValidateLrSchedule or ParseLrScheduleKind rejects. Every diffusion field
+// comes back set (its default when unset); lr_schedule comes back named and
+// decay_steps 0 as the job's steps.
 absl::StatusOr<v1::TrainConfig> ResolveTrainConfig(const v1::TrainConfig& train,
                                                    int world_size,
                                                    int plan_microbatches);
@@ -40,6 +43,9 @@ absl::StatusOr<v1::TrainConfig> ResolveTrainConfig(const v1::TrainConfig& train,
 // The AdamW hyper-parameters of a resolved train config (lr, betas, eps,
 // weight decay).
 kernels::AdamWConfig AdamWConfigOf(const v1::TrainConfig& train);
+
+// The learning-rate schedule of a resolved train config.
+LrSchedule LrScheduleOf(const v1::TrainConfig& train);
 
 // The block-diffusion knobs of a train config: its set fields, the defaults
 // (DiffusionTrainingOptions) for the rest.

@@ -393,6 +393,7 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::BuildJobLocked(
   executor_options.seed = request.seed();
   executor_options.collective_timeout = timeout;
   executor_options.adamw = AdamWConfigOf(train);
+  executor_options.lr_schedule = LrScheduleOf(train);
   executor_options.diffusion = DiffusionOptionsOf(train);
   executor_options.max_grad_norm =
       train.grad_clip() > 0 ? train.grad_clip() : 0;
@@ -650,6 +651,7 @@ v1::ExecuteResponse WorkerRuntime::ToResponse(const StepResult& r) const {
   response.set_seconds(r.seconds);
   response.set_step(r.optimizer_steps);
   response.set_grad_norm(r.grad_norm);
+  response.set_lr(r.lr);
   response.set_peak_unsharded_bytes(r.peak_unsharded_bytes);
   response.set_peak_workspace_bytes(r.peak_workspace_bytes);
   response.set_all_gathers(r.collectives.all_gathers);

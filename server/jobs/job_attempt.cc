@@ -314,6 +314,10 @@ class JobRunner::Attempt {
         const auto printed = google::protobuf::util::MessageToJsonString(
             spec_.model, &index->model_spec_json, json_options);
         if (!printed.ok()) index->model_spec_json.clear();
+        // So does the schedule a resumed job continues.
+        const auto train = google::protobuf::util::MessageToJsonString(
+            spec_.config, &index->train_config_json, json_options);
+        if (!train.ok()) index->train_config_json.clear();
       }
       committed = index.ok()
                       ? checkpoint::CommitCheckpoint(job_root_, tmp, *index)
@@ -496,6 +500,7 @@ class JobRunner::Attempt {
         seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0);
     // Every rank computes the same global norm (an all-reduce).
     event.set_grad_norm(results[0].grad_norm());
+    event.set_lr(results[0].lr());
     event.set_peak_unsharded_bytes(peak);
     event.set_planned_peak_unsharded_bytes(
         spec_.plan.memory().peak_unsharded_bytes());

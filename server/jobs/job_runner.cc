@@ -14,6 +14,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "google/protobuf/util/json_util.h"
 #include "checkpoint/checkpoint_reader.h"
 #include "checkpoint/checkpoint_writer.h"
 #include "common/error_info.h"
@@ -39,6 +40,34 @@ namespace {
 int MaxRecoveries(const v1::TrainConfig& config, int fallback) {
   if (config.max_recoveries() == 0) return fallback;
   return std::max(0, config.max_recoveries());
+}
+
+// A job resumed from a checkpoint continues the checkpoint job's
+// learning-rate schedule when it names none (its lr too when it leaves lr
+// unset): the saved config's lr_schedule, warmup_steps, decay_steps and
+// min_lr. A checkpoint without a saved config changes nothing. Errors:
+// DATA_LOSS naming config.resume_from for a saved config that does not
+// parse.
+absl::Status InheritLrSchedule(const std::string& saved_json,
+                               v1::TrainConfig* config) {
+  if (saved_json.empty() || !config->lr_schedule().empty()) {
+    return absl::OkStatus();
+  }
+  v1::TrainConfig saved;
+  google::protobuf::util::JsonParseOptions options;
+  options.ignore_unknown_fields = true;
+  if (!google::protobuf::util::JsonStringToMessage(saved_json, &saved, options)
+           .ok()) {
+    return absl::DataLossError(
+        "config.resume_from: the checkpoint's saved train config does not "
+        "parse");
+  }
+  config->set_lr_schedule(saved.lr_schedule());
+  config->set_warmup_steps(saved.warmup_steps());
+  config->set_decay_steps(saved.decay_steps());
+  config->set_min_lr(saved.min_lr());
+  if (config->lr() == 0) config->set_lr(saved.lr());
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -192,6 +221,8 @@ absl::StatusOr<std::string> JobRunner::Submit(JobSpec spec) {
           absl::StrCat("config.resume_from: ", reader.status().message()));
     }
     first_step = (*reader)->index().step;
+    SHARDD_RETURN_IF_ERROR(
+        InheritLrSchedule((*reader)->index().train_config_json, &spec.config));
     if (first_step + spec.config.steps() >
         std::numeric_limits<int32_t>::max()) {
       return absl::InvalidArgumentError(
@@ -199,6 +230,13 @@ absl::StatusOr<std::string> JobRunner::Submit(JobSpec spec) {
                        " plus ", spec.config.steps(), " steps exceeds ",
                        std::numeric_limits<int32_t>::max()));
     }
+  }
+  // A decaying schedule's horizon, absolute: where the decay ends whatever
+  // step a later job resumes at.
+  if (!spec.config.lr_schedule().empty() &&
+      spec.config.lr_schedule() != "constant" &&
+      spec.config.decay_steps() == 0) {
+    spec.config.set_decay_steps(first_step + spec.config.steps());
   }
   // Refuse at once instead of queueing a job nobody can run.
   SHARDD_RETURN_IF_ERROR(workers_->CheckRanksAlive(world));

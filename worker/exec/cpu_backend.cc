@@ -397,6 +397,8 @@ absl::Status CpuBackend::OptimizerStep(const std::string& label,
     coefficient = kernels::ClipCoefficient(norm, options_.max_grad_norm);
   }
   const int64_t step = *optimizer_steps + 1;
+  kernels::AdamWConfig adamw = options_.adamw;
+  adamw.lr = options_.lr_schedule.At(step - 1);
   for (size_t u = 0; u < queue_units_.size(); ++u) {
     const ShardStore::UnitShard shard = store_->shard(static_cast<int>(u));
     for (const auto& range : queue_units_[u].ranges) {
@@ -408,7 +410,7 @@ absl::Status CpuBackend::OptimizerStep(const std::string& label,
       const absl::Status status = kernels::AdamWStep(
           shard.params + range.first, shard.grads + range.first,
           shard.exp_avg + range.first, shard.exp_avg_sq + range.first, n, step,
-          options_.adamw);
+          adamw);
       // The range is still in cache: refresh its compute-dtype copy now.
       if (status.ok()) {
         store_->RefreshComputeShard(static_cast<int>(u), range.first, n);

@@ -396,14 +396,16 @@ absl::Status CudaBackend::EndStep(const StepState& state,
   const float* grad_scale =
       clip ? &norm_scratch_.as<NormScratch>()->coefficient : nullptr;
   const int64_t step = *optimizer_steps + 1;
+  kernels::AdamWConfig adamw = options_.step.adamw;
+  adamw.lr = options_.step.lr_schedule.At(step - 1);
   for (int u = 0; u < store_->num_units(); ++u) {
     const DeviceShardStore::UnitShard shard = store_->shard(u);
     for (const auto& range : store_->layout(u).trainable_ranges) {
       const int64_t b = range.first;
       const absl::Status status = kernels::cuda::AdamWStep(
           shard.params + b, shard.grads + b, shard.exp_avg + b,
-          shard.exp_avg_sq + b, range.second - range.first, step,
-          options_.step.adamw, grad_scale,
+          shard.exp_avg_sq + b, range.second - range.first, step, adamw,
+          grad_scale,
           shard.compute_bf16 == nullptr ? nullptr : shard.compute_bf16 + b,
           compute_stream_);
       if (!status.ok()) {

@@ -20,6 +20,7 @@
 #include "layout/initial_values.h"
 #include "proto/worker.pb.h"
 #include "worker/comm/communicator.h"
+#include "worker/exec/lr_schedule.h"
 #include "worker/model/block_diffusion.h"
 #include "worker/data/batch_sampler.h"
 #include "worker/exec/step_state.h"
@@ -42,7 +43,10 @@ struct StepExecutorOptions {
   const InitialValues* initial_values = nullptr;
   // Bounds every collective (each wait for a peer).
   absl::Duration collective_timeout = absl::Seconds(60);
+  // AdamW's hyper-parameters; its lr is replaced by lr_schedule's rate of
+  // each step.
   kernels::AdamWConfig adamw;
+  LrSchedule lr_schedule;
   // Global gradient-norm clipping threshold; 0 turns clipping off (the norm
   // is still computed and reported).
   double max_grad_norm = 0.0;
@@ -97,6 +101,7 @@ struct StepResult {
   // multiplied by (1 when not clipped).
   double grad_norm = 0.0;
   double clip_coefficient = 1.0;
+  double lr = 0.0;  // The learning rate of this step's update.
   // Optimizer steps applied so far (after this one).
   int64_t optimizer_steps = 0;
   int commands = 0;

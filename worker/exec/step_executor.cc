@@ -154,6 +154,8 @@ absl::StatusOr<StepResult> StepExecutor::EndStepLocked() {
   result.step = state_.step();
   result.seconds = absl::ToDoubleSeconds(absl::Now() - state_.step_start());
   result.optimizer_steps = optimizer_steps_;
+  // The rate the backend's update used (its step optimizer_steps_ - 1).
+  result.lr = options_.lr_schedule.At(optimizer_steps_ - 1);
   result.commands = state_.commands();
   state_.End();
   return result;
