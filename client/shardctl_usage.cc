@@ -180,7 +180,8 @@ Checkpoints (the coordinator's --checkpoint-dir, shared with the workers):
 Output:
   --json                       no progress bar: one JSON object per line,
                                {"event": "step", "step", "loss",
-                               "grad_norm", "tokens", "step_seconds", ...}
+                               "grad_norm", "lr", "tokens", "step_seconds",
+                               ...}
                                per step ("interruption" / "recovery" for
                                faults), and last {"event": "summary", ...}
   --log-every N                progress line every N steps when not on a

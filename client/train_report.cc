@@ -41,8 +41,12 @@ void TrainProgress::Update(const v1::StepEvent& event) {
   for (double seconds : recent_seconds_) mean_seconds += seconds;
   mean_seconds /= static_cast<double>(recent_seconds_.size());
   const int64_t left = std::max<int64_t>(0, total_ - event.step());
+  // The learning rate when the workers report it (they all do; an event
+  // from an older coordinator carries 0).
+  const std::string lr =
+      event.lr() > 0 ? absl::StrFormat(" | lr %.3g", event.lr()) : "";
   const std::string stats = absl::StrFormat(
-      "loss %.4f | %s tok/s | ETA %s", event.loss(),
+      "loss %.4f%s | %s tok/s | ETA %s", event.loss(), lr,
       HumanCount(static_cast<int64_t>(event.tokens_per_second())),
       ShortDuration(mean_seconds * static_cast<double>(left)));
   if (tty_) {

@@ -114,6 +114,13 @@ TEST(TrainProgressTest, PlainLinesAtStepOneEveryNAndTheLast) {
   EXPECT_THAT(lines[2], HasSubstr("step  8/10"));
   EXPECT_THAT(lines[3], HasSubstr("step 10/10"));
   EXPECT_THAT(lines[1], HasSubstr("loss 1.0000 | 2.00K tok/s"));
+  EXPECT_THAT(out.str(), Not(HasSubstr("| lr")));  // none reported
+  std::ostringstream with_lr;
+  TrainProgress scheduled(with_lr, /*tty=*/false, 10, 4);
+  v1::StepEvent event = Event(1, 1.0);
+  event.set_lr(2.5e-4);
+  scheduled.Update(event);
+  EXPECT_THAT(with_lr.str(), HasSubstr("loss 1.0000 | lr 0.00025 | 2.00K"));
   // 6 steps left at 0.5 s each.
   EXPECT_THAT(lines[1], HasSubstr("ETA 3s"));
   EXPECT_THAT(out.str(), Not(HasSubstr("\r")));

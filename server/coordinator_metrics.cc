@@ -50,6 +50,11 @@ absl::Status RegisterCoordinatorMetrics(CoordinatorService* service,
       registry->AddGauge("shardd_coordinator_job_loss",
                          "Loss of a job's last finished step.", {"job_id"}));
   SHARDD_ASSIGN_OR_RETURN(
+      GaugeFamily * lr,
+      registry->AddGauge("shardd_coordinator_job_lr",
+                         "Learning rate of a job's last finished step.",
+                         {"job_id"}));
+  SHARDD_ASSIGN_OR_RETURN(
       GaugeFamily * tokens_per_second,
       registry->AddGauge("shardd_coordinator_job_tokens_per_second",
                          "Training throughput of a job's recent steps.",
@@ -90,7 +95,7 @@ absl::Status RegisterCoordinatorMetrics(CoordinatorService* service,
       by_state[JobStateName(state)] = 0;
     }
     // Per-job series follow the kept jobs: forgotten jobs disappear.
-    for (GaugeFamily* family : {steps_done, total_steps, loss,
+    for (GaugeFamily* family : {steps_done, total_steps, loss, lr,
                                 tokens_per_second, recoveries, job_state}) {
       family->Clear();
     }
@@ -100,6 +105,7 @@ absl::Status RegisterCoordinatorMetrics(CoordinatorService* service,
       steps_done->Set(id, static_cast<double>(job.steps_done()));
       total_steps->Set(id, job.total_steps());
       loss->Set(id, job.loss());
+      lr->Set(id, job.lr());
       tokens_per_second->Set(id, job.tokens_per_second());
       recoveries->Set(id, job.recoveries());
       job_state->Set({job.job_id(), job.model_id(), JobStateName(job.state())},

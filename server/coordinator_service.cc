@@ -422,6 +422,7 @@ absl::StatusOr<v1::GetStatusResponse> CoordinatorService::GetStatus(
     info->set_total_steps(job.total_steps);
     info->set_loss(job.last_loss);
     info->set_tokens_per_second(job.tokens_per_second);
+    info->set_lr(job.last_lr);
     info->set_error(job.error);
     info->set_recoveries(job.recoveries);
     info->set_last_checkpoint(job.last_checkpoint);

@@ -348,6 +348,7 @@ std::vector<JobSummary> JobRunner::ListJobs() const {
     summary.total_steps = job.total_steps;
     summary.last_loss = job.last_loss;
     summary.tokens_per_second = job.tokens_per_second;
+    summary.last_lr = job.last_lr;
     summary.error = job.error;
     summary.recoveries = job.recoveries;
     summary.last_checkpoint = job.last_checkpoint;
@@ -641,6 +642,7 @@ absl::Status JobRunner::Publish(Job* job, v1::StepEvent event) {
       job->steps_done = event.step();
       job->last_loss = event.loss();
       job->tokens_per_second = event.tokens_per_second();
+      job->last_lr = event.lr();
       if (!event.checkpoint().empty()) {
         job->last_checkpoint = event.checkpoint();
       }

@@ -160,6 +160,7 @@ struct JobSummary {
   int32_t total_steps = 0;
   double last_loss = 0.0;
   double tokens_per_second = 0.0;
+  double last_lr = 0.0;
   std::string error;
   int32_t recoveries = 0;
   std::string last_checkpoint;

@@ -42,6 +42,7 @@ struct JobRunner::Job {
   int64_t steps_done = 0;
   double last_loss = 0.0;
   double tokens_per_second = 0.0;
+  double last_lr = 0.0;
   std::string error;
   int32_t recoveries = 0;
   // The checkpoint a recovery reloads: the last one committed or loaded.
