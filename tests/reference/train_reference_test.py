@@ -306,181 +306,210 @@ STORAGE = {
 }
 
 
+class Tally:
+    """Runs, failures and the largest fp32 / bf16 errors over all checks."""
+
+    def __init__(self):
+        self.failures, self.checks = 0, 0
+        self.worst_fp32, self.worst_bf16 = 0.0, 0.0
+
+    def add(self, ok, worst, mixed=False):
+        self.checks += 1
+        self.failures += not ok
+        if mixed:
+            self.worst_bf16 = max(self.worst_bf16, worst)
+        else:
+            self.worst_fp32 = max(self.worst_fp32, worst)
+        return "ok" if ok else "FAIL"
+
+
+class ConfigCheck:
+    """One config: its random weights written as an HF checkpoint, the
+    token file, the float64 reference; then every mesh's run, DiffusionGemma's
+    multi-block run, and the export round trip."""
+
+    def __init__(self, cluster, work, dump_binary, config, tally):
+        self.cluster, self.work, self.config, self.tally = (
+            cluster, work, config, tally)
+        self.name = os.path.basename(config)
+        with open(config) as f:
+            self.architecture = json.load(f)["architectures"][0]
+        self.diffusion = self.architecture == DIFFUSION_GEMMA
+        dump_path = os.path.join(work, self.name + ".dump.json")
+        extra = (["--gate_up_scale=6"]
+                 if self.architecture == "GptOssForCausalLM" else [])
+        subprocess.run([dump_binary, f"--model={config}", "--batch=1",
+                        "--seq=2", "--seed=11", f"--out={dump_path}"] + extra,
+                       check=True, timeout=120)
+        with open(dump_path) as f:
+            dump = json.load(f)
+        self.dims = dump["dims"]
+        params = {n: torch.tensor(t["values"]).view(t["shape"])
+                  for n, t in dump["params"].items()}
+        self.dtype, self.files = STORAGE.get(self.name, ("F32", 1))
+        self.hf_dir = os.path.join(work, self.name + ".hf")
+        self.params, self.total_bytes = save_hf(
+            self.hf_dir, params, self.architecture, self.dtype, self.files)
+        vocab = int(self.dims["vocab_size"])
+        gen = torch.Generator().manual_seed(5)
+        self.tokens = torch.randint(0, vocab, (STEPS * BATCH * SEQ + 1,),
+                                    generator=gen).tolist()
+        self.data = os.path.join(work, self.name + ".bin")
+        with open(self.data, "wb") as f:
+            f.write(struct.pack(f"<{len(self.tokens)}H", *self.tokens))
+        self.first_update = {}
+        self.want = reference(self.architecture, self.dims, self.params,
+                              self.tokens, first_update=self.first_update)
+        print(f"{self.name} ({self.architecture}, {self.dtype} in "
+              f"{self.files} file(s)): reference losses "
+              + ", ".join(f"{w[0]:.9f}" for w in self.want))
+
+    def runs(self):
+        """(dp, replicas, strategy, mixed precision): every strategy at 1, 2
+        and 4 ranks, HSDP 2 x 2, and bf16 at 2 ranks."""
+        moe = any(".moe.experts." in n for n in self.params)
+        strategies = ["default", "megatron_fsdp"] + (
+            ["diffusion_gemma"] if moe else [])
+        runs = [(w, 1, s, False) for w in (1, 2, 4) for s in strategies]
+        return runs + [(2, 2, "default", False), (2, 1, "default", True)]
+
+    def diffusion_reference(self, saved, run_name, mixed):
+        """DiffusionGemma's reference for one run: step 1 along the
+        reference's trajectory, steps 2 and 3 from shardd's own weights after
+        steps 1 and 2 (exported; see DG_FP32_BOUND); and, in fp32, step 1's
+        AdamW update (adamw_update_ratio's tuple, else None)."""
+        run_want, update = [self.want[0]], None
+        for s in range(1, STEPS):
+            exp = os.path.join(self.work, f"{run_name}.{s}")
+            self.cluster.shardctl_local([
+                "checkpoint", "export", "--checkpoint",
+                os.path.join(self.cluster.checkpoints, saved[s - 1]),
+                "--hf", exp])
+            weights = read_diffusion_gemma(exp, self.params)
+            run_want += reference(self.architecture, self.dims, weights,
+                                  self.tokens, steps=0, first_step=s)
+            if s == 1 and not mixed:
+                update = adamw_update_ratio(weights, self.first_update,
+                                            self.want[0][1])
+        return run_want, update
+
+    def check_run(self, world, replicas, strategy, mixed):
+        diffusion = self.diffusion
+        sizes = self.cluster.worker_log_sizes()
+        mesh = f"{world}" if replicas == 1 else f"{world}x{replicas}"
+        got, saved = train(
+            self.cluster, self.config, self.hf_dir, self.data, world, strategy,
+            mixed, extra=["--replicate", str(replicas)]
+            + (["--checkpoint-every", "1"] if diffusion else []))
+        if diffusion:
+            bound = BF16_BOUND if mixed else DG_FP32_BOUND
+            run_want, update = self.diffusion_reference(
+                saved, f"{self.name}.{mesh}.{strategy}.{mixed}", mixed)
+        else:
+            bound = BF16_BOUND if mixed else FP32_BOUND
+            run_want, update = self.want, None
+        # Errors relative to each check's own bound.
+        errs, ratios, flips = [], [], 0.0
+        for step, ((gl, gn), (wl, wn, l1)) in enumerate(zip(got, run_want)):
+            loss_bound = bound + (flips / abs(wl)
+                                  if mixed and not diffusion else 0)
+            errs.append(abs(gl - wl) / abs(wl))
+            ratios.append(errs[-1] / loss_bound)
+            if not mixed or (step == 0 and not diffusion):
+                errs.append(abs(gn - wn) / abs(wn))
+                ratios.append(errs[-1] / bound)
+            flips += 2 * LR * BF16_BOUND * l1
+        worst, ratio = max(errs), max(ratios)
+        if update is not None:
+            # Flips reach 2 lr by construction (update_ratio just under 1):
+            # the status shows the checked ones.
+            update_ratio, checked_ratio, checked, flipped = update
+            ratio = max(ratio, checked_ratio,
+                        update_ratio if update_ratio > 1 else 0)
+        read = self.cluster.bytes_read_since(sizes)
+        # Every element is owned by one rank of a replica: each replica reads
+        # the checkpoint's bytes exactly once (GPT-OSS's interleaved rows may
+        # be read whole at a range's ends).
+        exact = self.architecture != "GptOssForCausalLM"
+        want_read = self.total_bytes * replicas
+        read_ok = read == want_read if exact else read >= want_read
+        status = self.tally.add(ratio <= 1 and read_ok, worst, mixed)
+        if update is not None:
+            print(f"    step 1's AdamW update: {update_ratio:.4f} of its "
+                  f"bound; {flipped} element(s) moved the other way; the "
+                  f"{checked} with |g| above the gradient's error bound "
+                  f"{checked_ratio:.2e} of theirs")
+        update_term = " + the update term" if mixed and not diffusion else ""
+        print(f"  {status} {mesh} worker(s) {strategy:14s} "
+              f"{'bf16' if mixed else 'fp32'}: largest relative error "
+              f"{worst:.2e}, {ratio:.2f} of its bound ({bound:.1e}"
+              f"{update_term}); {read} bytes read ({replicas} x "
+              f"{self.total_bytes} wanted)")
+        if status == "FAIL":
+            print("    shardd", got, "\n    reference", run_want)
+
+    def check_multi_block(self):
+        """DiffusionGemma: a response of 12 tokens in canvas_length-8 blocks
+        (8, 4) after a 4-token prompt, through the daemons
+        (--response-length): step 1 against the reference."""
+        got, _ = train(self.cluster, self.config, self.hf_dir, self.data, 2,
+                       "default", False, steps=1,
+                       extra=["--response-length", "12"])
+        blocks = reference(self.architecture, self.dims, self.params,
+                           self.tokens, steps=0, response=12)[0]
+        errs = [abs(got[0][0] - blocks[0]) / abs(blocks[0]),
+                abs(got[0][1] - blocks[1]) / abs(blocks[1])]
+        status = self.tally.add(max(errs) <= DG_FP32_BOUND, max(errs))
+        print(f"  {status} 2 worker(s) default        fp32, response 12 "
+              f"(blocks 8 + 4): loss and gradient norm within "
+              f"{max(errs):.2e} (bound {DG_FP32_BOUND:.1e})")
+
+    def check_export_round_trip(self):
+        """Export the state after 3 steps and start a job from it."""
+        _, saved = train(self.cluster, self.config, self.hf_dir, self.data, 2,
+                         "default", False,
+                         extra=["--checkpoint-every", str(STEPS)])
+        out = os.path.join(self.work, self.name + ".export")
+        self.cluster.shardctl_local([
+            "checkpoint", "export", "--checkpoint",
+            os.path.join(self.cluster.checkpoints, saved[-1]), "--hf", out])
+        resumed, _ = train(self.cluster, out, out, self.data, 1, "default",
+                           False, steps=1)
+        after = self.want[STEPS][0]
+        if self.diffusion:
+            # The reference on the exported weights (see DG_FP32_BOUND), at
+            # the new job's step 0.
+            after = reference(self.architecture, self.dims,
+                              read_diffusion_gemma(out, self.params),
+                              self.tokens, steps=0, first_step=STEPS)[0][0]
+        err = abs(resumed[0][0] - after) / abs(after)
+        bound = DG_FP32_BOUND if self.diffusion else FP32_BOUND
+        status = self.tally.add(err <= bound, err)
+        print(f"  {status} checkpoint export --hf, then --init-from it: "
+              f"loss {resumed[0][0]:.9f} vs the reference's "
+              + ("on the exported weights" if self.diffusion
+                 else f"after {STEPS} updates")
+              + f" {after:.9f} (relative {err:.2e})")
+
+
 def main():
     bin_dir, dump_binary, configs = sys.argv[1], sys.argv[2], sys.argv[3:]
-    failures, checks, worst_fp32, worst_bf16 = 0, 0, 0.0, 0.0
+    tally = Tally()
     with tempfile.TemporaryDirectory() as work:
         cluster = Cluster(bin_dir, work)
         try:
             for config in configs:
-                name = os.path.basename(config)
-                with open(config) as f:
-                    architecture = json.load(f)["architectures"][0]
-                dump_path = os.path.join(work, name + ".dump.json")
-                extra = (["--gate_up_scale=6"]
-                         if architecture == "GptOssForCausalLM" else [])
-                subprocess.run([dump_binary, f"--model={config}", "--batch=1",
-                                "--seq=2", "--seed=11", f"--out={dump_path}"]
-                               + extra, check=True, timeout=120)
-                with open(dump_path) as f:
-                    dump = json.load(f)
-                params = {n: torch.tensor(t["values"]).view(t["shape"])
-                          for n, t in dump["params"].items()}
-                dtype, files = STORAGE.get(name, ("F32", 1))
-                hf_dir = os.path.join(work, name + ".hf")
-                params, total_bytes = save_hf(hf_dir, params, architecture,
-                                              dtype, files)
-                vocab = int(dump["dims"]["vocab_size"])
-                gen = torch.Generator().manual_seed(5)
-                tokens = torch.randint(0, vocab, (STEPS * BATCH * SEQ + 1,),
-                                       generator=gen).tolist()
-                data = os.path.join(work, name + ".bin")
-                with open(data, "wb") as f:
-                    f.write(struct.pack(f"<{len(tokens)}H", *tokens))
-                first_update = {}
-                want = reference(dump["architecture"], dump["dims"], params,
-                                 tokens, first_update=first_update)
-                print(f"{name} ({architecture}, {dtype} in {files} file(s)): "
-                      "reference losses " +
-                      ", ".join(f"{w[0]:.9f}" for w in want))
-                moe = any(".moe.experts." in n for n in params)
-                strategies = ["default", "megatron_fsdp"] + (
-                    ["diffusion_gemma"] if moe else [])
-                # (dp, replicas, strategy, mixed precision): every strategy
-                # at 1, 2 and 4 ranks, HSDP 2 x 2, and bf16 at 2 ranks.
-                runs = [(w, 1, s, False) for w in (1, 2, 4) for s in strategies]
-                runs += [(2, 2, "default", False), (2, 1, "default", True)]
-                diffusion = architecture == DIFFUSION_GEMMA
-                for world, replicas, strategy, mixed in runs:
-                    sizes = cluster.worker_log_sizes()
-                    mesh = f"{world}" if replicas == 1 else f"{world}x{replicas}"
-                    got, saved = train(
-                        cluster, config, hf_dir, data, world, strategy, mixed,
-                        extra=["--replicate", str(replicas)]
-                        + (["--checkpoint-every", "1"] if diffusion else []))
-                    if diffusion:
-                        bound = BF16_BOUND if mixed else DG_FP32_BOUND
-                    else:
-                        bound = BF16_BOUND if mixed else FP32_BOUND
-                    run_want = want
-                    if diffusion:
-                        # Steps 2 and 3 from shardd's own weights after
-                        # steps 1 and 2 (exported): see DG_FP32_BOUND.
-                        run_want = [want[0]]
-                        for s in range(1, STEPS):
-                            exp = os.path.join(
-                                work, f"{name}.{mesh}.{strategy}.{mixed}.{s}")
-                            cluster.shardctl_local([
-                                "checkpoint", "export", "--checkpoint",
-                                os.path.join(cluster.checkpoints, saved[s - 1]),
-                                "--hf", exp])
-                            weights = read_diffusion_gemma(exp, params)
-                            run_want += reference(
-                                architecture, dump["dims"], weights, tokens,
-                                steps=0, first_step=s)
-                            if s == 1 and not mixed:
-                                (update_ratio, checked_ratio, checked,
-                                 flipped) = adamw_update_ratio(
-                                     weights, first_update, want[0][1])
-                    # Errors relative to each check's own bound.
-                    errs, ratios, flips = [], [], 0.0
-                    for step, ((gl, gn), (wl, wn, l1)) in enumerate(
-                            zip(got, run_want)):
-                        loss_bound = bound + (flips / abs(wl)
-                                              if mixed and not diffusion else 0)
-                        errs.append(abs(gl - wl) / abs(wl))
-                        ratios.append(errs[-1] / loss_bound)
-                        if not mixed or (step == 0 and not diffusion):
-                            errs.append(abs(gn - wn) / abs(wn))
-                            ratios.append(errs[-1] / bound)
-                        flips += 2 * LR * BF16_BOUND * l1
-                    worst, ratio = max(errs), max(ratios)
-                    if diffusion and not mixed:
-                        # Flips reach 2 lr by construction (update_ratio
-                        # just under 1): the status shows the checked ones.
-                        ratio = max(ratio, checked_ratio,
-                                    update_ratio if update_ratio > 1 else 0)
-                    checks += 1
-                    if mixed:
-                        worst_bf16 = max(worst_bf16, worst)
-                    else:
-                        worst_fp32 = max(worst_fp32, worst)
-                    read = cluster.bytes_read_since(sizes)
-                    # Every element is owned by one rank of a replica: each
-                    # replica reads the checkpoint's bytes exactly once
-                    # (GPT-OSS's interleaved rows may be read whole at a
-                    # range's ends).
-                    exact = architecture != "GptOssForCausalLM"
-                    want_read = total_bytes * replicas
-                    read_ok = read == want_read if exact else read >= want_read
-                    status = "ok" if ratio <= 1 and read_ok else "FAIL"
-                    if status == "FAIL":
-                        failures += 1
-                    if diffusion and not mixed:
-                        print(f"    step 1's AdamW update: {update_ratio:.4f} "
-                              f"of its bound; {flipped} element(s) moved the "
-                              f"other way; the {checked} with |g| above the "
-                              f"gradient's error bound {checked_ratio:.2e} of "
-                              "theirs")
-                    print(f"  {status} {mesh} worker(s) {strategy:14s} "
-                          f"{'bf16' if mixed else 'fp32'}: largest relative "
-                          f"error {worst:.2e}, {ratio:.2f} of its bound "
-                          f"({bound:.1e}{' + the update term' if mixed and not diffusion else ''}); "
-                          f"{read} bytes read ({replicas} x {total_bytes} wanted)")
-                    if status == "FAIL":
-                        print("    shardd", got, "\n    reference", run_want)
-                if diffusion:
-                    # A response of 12 tokens in canvas_length-8 blocks (8,
-                    # 4) after a 4-token prompt, through the daemons
-                    # (--response-length): step 1 against the reference.
-                    got, _ = train(cluster, config, hf_dir, data, 2, "default",
-                                   False, steps=1,
-                                   extra=["--response-length", "12"])
-                    blocks = reference(architecture, dump["dims"], params,
-                                       tokens, steps=0, response=12)[0]
-                    errs = [abs(got[0][0] - blocks[0]) / abs(blocks[0]),
-                            abs(got[0][1] - blocks[1]) / abs(blocks[1])]
-                    checks += 1
-                    worst_fp32 = max(worst_fp32, max(errs))
-                    status = "ok" if max(errs) <= DG_FP32_BOUND else "FAIL"
-                    if status == "FAIL":
-                        failures += 1
-                    print(f"  {status} 2 worker(s) default        fp32, "
-                          f"response 12 (blocks 8 + 4): loss and gradient "
-                          f"norm within {max(errs):.2e} (bound "
-                          f"{DG_FP32_BOUND:.1e})")
-                # Export the state after 3 steps and start from it.
-                _, saved = train(cluster, config, hf_dir, data, 2, "default",
-                                 False, extra=["--checkpoint-every", str(STEPS)])
-                out = os.path.join(work, name + ".export")
-                cluster.shardctl_local(["checkpoint", "export", "--checkpoint",
-                                        os.path.join(cluster.checkpoints, saved[-1]),
-                                        "--hf", out])
-                resumed, _ = train(cluster, out, out, data, 1, "default", False,
-                                   steps=1)
-                after = want[STEPS][0]
-                if diffusion:
-                    # The reference on the exported weights (see
-                    # DG_FP32_BOUND), at the new job's step 0.
-                    after = reference(architecture, dump["dims"],
-                                      read_diffusion_gemma(out, params), tokens,
-                                      steps=0, first_step=STEPS)[0][0]
-                err = abs(resumed[0][0] - after) / abs(after)
-                checks += 1
-                worst_fp32 = max(worst_fp32, err)
-                status = "ok" if err <= (DG_FP32_BOUND if diffusion
-                                         else FP32_BOUND) else "FAIL"
-                failures += status == "FAIL"
-                print(f"  {status} checkpoint export --hf, then --init-from it: "
-                      f"loss {resumed[0][0]:.9f} vs the reference's "
-                      + ("on the exported weights" if diffusion
-                         else f"after {STEPS} updates")
-                      + f" {after:.9f} (relative {err:.2e})")
+                check = ConfigCheck(cluster, work, dump_binary, config, tally)
+                for run in check.runs():
+                    check.check_run(*run)
+                if check.diffusion:
+                    check.check_multi_block()
+                check.check_export_round_trip()
         finally:
             cluster.stop()
-    print(f"{checks} runs: largest fp32 error {worst_fp32:.2e}, bf16 "
-          f"{worst_bf16:.2e}; {failures} failed")
-    return 1 if failures else 0
+    print(f"{tally.checks} runs: largest fp32 error {tally.worst_fp32:.2e}, "
+          f"bf16 {tally.worst_bf16:.2e}; {tally.failures} failed")
+    return 1 if tally.failures else 0
 
 
 if __name__ == "__main__":
