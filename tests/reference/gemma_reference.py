@@ -202,7 +202,9 @@ def gemma_block_diffusion_step(dump, p):
     """NeMo AutoModel's block-diffusion training step (docs/model-spec.md),
     float64: the causal encode with its K/V and AR loss, the no-grad
     self-conditioning decode, the decode over [encoder K/V ; canvas K/V]
-    under the block-causal training mask; diffusion CE + 1.0 x AR CE."""
+    under the block-causal training mask; diffusion_loss_weight x diffusion
+    CE + encoder_loss_weight x AR CE (both 1.0 unless the dump's
+    "diffusion" names them)."""
     d = dump["dims"]
     b, s = dump["batch"], dump["seq"]
     eps = d["rms_norm_eps"]
@@ -258,4 +260,6 @@ def gemma_block_diffusion_step(dump, p):
     logits = gemma_logits(dump, p, h2)
     diffusion = torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), tokens[:, prefix:].reshape(-1))
-    return diffusion + 1.0 * ar, noised, coins
+    weights = dump["diffusion"]
+    return (weights.get("diffusion_loss_weight", 1.0) * diffusion
+            + weights.get("encoder_loss_weight", 1.0) * ar, noised, coins)

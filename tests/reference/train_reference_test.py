@@ -94,14 +94,15 @@ DG_FP32_BOUND = 2.3 * (300 * 128) ** 0.5 * 2.0 ** -24
 
 
 def reference(architecture, dims, params, tokens, steps=STEPS, first_step=0,
-              first_update=None, response=0):
+              first_update=None, response=0, loss_weights=(1.0, 1.0)):
     """(loss, grad_norm, |grad|_1) of each step: float64 forward and
     autograd, then torch.optim.AdamW, on the strided windows the workers
     read; one more entry, without its update, for the weights after
     STEPS updates (on the first step's batch again, as a job started from
     them reads it). `first_update`, when given, receives each trainable
     parameter's (weights after the first update, that step's gradient).
-    `response`: DiffusionGemma's canvas rows (0: one canvas_length block)."""
+    `response`: DiffusionGemma's canvas rows (0: one canvas_length block);
+    `loss_weights`: its (encoder, diffusion) loss weights."""
     # DeepSeek-V3's e_score_correction_bias is a buffer in HF and frozen in
     # shardd, as are DiffusionGemma's router (scale, proj) and layer_scalar:
     # no gradient, no update, not in the gradient norm.
@@ -133,7 +134,9 @@ def reference(architecture, dims, params, tokens, steps=STEPS, first_step=0,
                 "step": step % STEPS,
                 "sequence_indices": list(range(first, first + BATCH)),
                 "canvas_length": int(dims["canvas_length"]),
-                "response_length": response}
+                "response_length": response,
+                "encoder_loss_weight": loss_weights[0],
+                "diffusion_loss_weight": loss_weights[1]}
         opt.zero_grad()
         loss = (gemma_block_diffusion_step(batch, p)[0] if diffusion
                 else forward(batch, p))
@@ -449,20 +452,26 @@ class ConfigCheck:
             print("    shardd", got, "\n    reference", run_want)
 
     def check_multi_block(self):
-        """DiffusionGemma: a response of 12 tokens in canvas_length-8 blocks
-        (8, 4) after a 4-token prompt, through the daemons
-        (--response-length): step 1 against the reference."""
-        got, _ = train(self.cluster, self.config, self.hf_dir, self.data, 2,
-                       "default", False, steps=1,
-                       extra=["--response-length", "12"])
-        blocks = reference(self.architecture, self.dims, self.params,
-                           self.tokens, steps=0, response=12)[0]
-        errs = [abs(got[0][0] - blocks[0]) / abs(blocks[0]),
-                abs(got[0][1] - blocks[1]) / abs(blocks[1])]
-        status = self.tally.add(max(errs) <= DG_FP32_BOUND, max(errs))
-        print(f"  {status} 2 worker(s) default        fp32, response 12 "
-              f"(blocks 8 + 4): loss and gradient norm within "
-              f"{max(errs):.2e} (bound {DG_FP32_BOUND:.1e})")
+        """DiffusionGemma's training knobs through the daemons: a response of
+        12 tokens in canvas_length-8 blocks (8, 4) after a 4-token prompt
+        (--response-length), then loss weights 0.5 (encoder) and 2
+        (diffusion): step 1 against the reference."""
+        for label, flags, kwargs in (
+                ("response 12 (blocks 8 + 4)", ["--response-length", "12"],
+                 {"response": 12}),
+                ("loss weights 0.5 and 2",
+                 ["--encoder-loss-weight", "0.5", "--diffusion-loss-weight",
+                  "2"], {"loss_weights": (0.5, 2.0)})):
+            got, _ = train(self.cluster, self.config, self.hf_dir, self.data,
+                           2, "default", False, steps=1, extra=flags)
+            want = reference(self.architecture, self.dims, self.params,
+                             self.tokens, steps=0, **kwargs)[0]
+            errs = [abs(got[0][0] - want[0]) / abs(want[0]),
+                    abs(got[0][1] - want[1]) / abs(want[1])]
+            status = self.tally.add(max(errs) <= DG_FP32_BOUND, max(errs))
+            print(f"  {status} 2 worker(s) default        fp32, {label}: "
+                  f"loss and gradient norm within {max(errs):.2e} (bound "
+                  f"{DG_FP32_BOUND:.1e})")
 
     def check_export_round_trip(self):
         """Export the state after 3 steps and start a job from it."""
