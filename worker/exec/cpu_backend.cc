@@ -398,7 +398,7 @@ absl::Status CpuBackend::OptimizerStep(const std::string& label,
   }
   const int64_t step = *optimizer_steps + 1;
   kernels::AdamWConfig adamw = options_.adamw;
-  adamw.lr = options_.lr_schedule.At(step - 1);
+  adamw.lr = StepLearningRate(options_, step - 1);
   for (size_t u = 0; u < queue_units_.size(); ++u) {
     const ShardStore::UnitShard shard = store_->shard(static_cast<int>(u));
     for (const auto& range : queue_units_[u].ranges) {

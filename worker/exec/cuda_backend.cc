@@ -397,7 +397,7 @@ absl::Status CudaBackend::EndStep(const StepState& state,
       clip ? &norm_scratch_.as<NormScratch>()->coefficient : nullptr;
   const int64_t step = *optimizer_steps + 1;
   kernels::AdamWConfig adamw = options_.step.adamw;
-  adamw.lr = options_.step.lr_schedule.At(step - 1);
+  adamw.lr = StepLearningRate(options_.step, step - 1);
   for (int u = 0; u < store_->num_units(); ++u) {
     const DeviceShardStore::UnitShard shard = store_->shard(u);
     for (const auto& range : store_->layout(u).trainable_ranges) {

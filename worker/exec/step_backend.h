@@ -43,8 +43,9 @@ struct StepExecutorOptions {
   const InitialValues* initial_values = nullptr;
   // Bounds every collective (each wait for a peer).
   absl::Duration collective_timeout = absl::Seconds(60);
-  // AdamW's hyper-parameters; its lr is replaced by lr_schedule's rate of
-  // each step.
+  // AdamW's hyper-parameters; adamw.lr is the peak rate, which
+  // lr_schedule's kind, warmup, decay and floor shape per step (its own lr
+  // is ignored; the default, constant, keeps adamw.lr).
   kernels::AdamWConfig adamw;
   LrSchedule lr_schedule;
   // Global gradient-norm clipping threshold; 0 turns clipping off (the norm
@@ -58,6 +59,15 @@ struct StepExecutorOptions {
   // measured peak that can exceed the plan's by the gradients in flight.
   bool exact_memory_order = true;
 };
+
+// The learning rate of optimizer step `step` (0-based): lr_schedule's shape
+// at the peak adamw.lr.
+inline double StepLearningRate(const StepExecutorOptions& options,
+                               int64_t step) {
+  LrSchedule schedule = options.lr_schedule;
+  schedule.lr = options.adamw.lr;
+  return schedule.At(step);
+}
 
 // Collectives this rank issued during one step (communicator stats deltas;
 // calls include failed ones, bytes count successful ones, sized as

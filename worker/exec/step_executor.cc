@@ -155,7 +155,7 @@ absl::StatusOr<StepResult> StepExecutor::EndStepLocked() {
   result.seconds = absl::ToDoubleSeconds(absl::Now() - state_.step_start());
   result.optimizer_steps = optimizer_steps_;
   // The rate the backend's update used (its step optimizer_steps_ - 1).
-  result.lr = options_.lr_schedule.At(optimizer_steps_ - 1);
+  result.lr = StepLearningRate(options_, optimizer_steps_ - 1);
   result.commands = state_.commands();
   state_.End();
   return result;
