@@ -92,7 +92,8 @@ int Main(int argc, char** argv) {
   cudaDeviceProp prop;
   Check(cudaGetDeviceProperties(&prop, 0), "properties");
   std::printf(
-      "device: %s, shardd attention, bf16 (tensor cores, fp32 accumulation), causal, "
+      "device: %s, shardd attention, bf16 (tensor cores, fp32 accumulation), "
+      "causal, "
       "median of %d after %d warmup\n",
       prop.name, iters, warmup);
   std::printf("%-16s %6s %8s %8s %9s %9s\n", "shape", "seq", "fwd_ms", "bwd_ms",

@@ -249,12 +249,11 @@ void RunModel(const Model& m, int64_t tokens, const Flags& flags,
       bwd.push_back(b);
       total.push_back(f + b);
     }
-    PrintRow(
-        m, tokens,
-        path == ExpertGemmPath::kGrouped       ? "cublas_grouped"
-        : path == ExpertGemmPath::kPerExpertLoop ? "cublas_loop"
-                                                 : "shardd_auto",
-        {Median(fwd), Median(bwd), Median(total)});
+    PrintRow(m, tokens,
+             path == ExpertGemmPath::kGrouped         ? "cublas_grouped"
+             : path == ExpertGemmPath::kPerExpertLoop ? "cublas_loop"
+                                                      : "shardd_auto",
+             {Median(fwd), Median(bwd), Median(total)});
   }
   cudaEventDestroy(start);
   cudaEventDestroy(mid);

@@ -495,8 +495,8 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
   } else if (flag == "--min-lr") {
     double x = 0;
     if (!absl::SimpleAtod(value, &x) || !std::isfinite(x) || x < 0) {
-      return Usage(absl::StrCat("--min-lr: expected a number >= 0, got '",
-                                value, "'"));
+      return Usage(
+          absl::StrCat("--min-lr: expected a number >= 0, got '", value, "'"));
     }
     args->train.set_min_lr(x);
   } else if (flag == "--response-length") {
@@ -509,18 +509,17 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
              flag == "--self-conditioning-p") {
     // DiffusionGemma's block-diffusion knobs (TrainConfig.diffusion).
     double x = 0;
-    const bool weight = flag == "--encoder-loss-weight" ||
-                        flag == "--diffusion-loss-weight";
-    const bool ok = absl::SimpleAtod(value, &x) && std::isfinite(x) &&
-                    x >= 0 &&
-                    (weight || (flag == "--diffusion-noise-eps" ? x < 1 : x <= 1));
+    const bool weight =
+        flag == "--encoder-loss-weight" || flag == "--diffusion-loss-weight";
+    const bool ok =
+        absl::SimpleAtod(value, &x) && std::isfinite(x) && x >= 0 &&
+        (weight || (flag == "--diffusion-noise-eps" ? x < 1 : x <= 1));
     if (!ok) {
-      return Usage(absl::StrCat(
-          flag, ": expected a number ",
-          weight                             ? ">= 0"
-          : flag == "--diffusion-noise-eps" ? "in [0, 1)"
-                                             : "in [0, 1]",
-          ", got '", value, "'"));
+      return Usage(absl::StrCat(flag, ": expected a number ",
+                                weight                            ? ">= 0"
+                                : flag == "--diffusion-noise-eps" ? "in [0, 1)"
+                                                                  : "in [0, 1]",
+                                ", got '", value, "'"));
     }
     v1::DiffusionTraining* d = args->train.mutable_diffusion();
     if (flag == "--encoder-loss-weight") {

@@ -187,12 +187,12 @@ TEST_F(MetricsIntegrationTest, CountersMatchWhatWasTrained) {
     EXPECT_EQ(Get(port, "/other").status, 404);
   }
 
-  const pid_t shardctl = Spawn(
-      {kShardctlBinary, "train", "--coordinator", address_, "--model",
-       kSmallMoe, "--steps", absl::StrCat(kSteps), "--global-batch", "16",
-       "--seq", "32", "--dp", absl::StrCat(kWorkers), "--seed", "3", "--lr",
-       "0.02", "--json"},
-      dir_ + "_train.out", dir_ + "_train.err");
+  const pid_t shardctl =
+      Spawn({kShardctlBinary, "train", "--coordinator", address_, "--model",
+             kSmallMoe, "--steps", absl::StrCat(kSteps), "--global-batch", "16",
+             "--seq", "32", "--dp", absl::StrCat(kWorkers), "--seed", "3",
+             "--lr", "0.02", "--json"},
+            dir_ + "_train.out", dir_ + "_train.err");
   ASSERT_GT(shardctl, 0);
   const int code = WaitFor(shardctl, absl::Seconds(120));
   if (code == -2) Stop(shardctl);
@@ -226,8 +226,9 @@ TEST_F(MetricsIntegrationTest, CountersMatchWhatWasTrained) {
   EXPECT_GT(loss, 0.0);
   EXPECT_TRUE(std::isfinite(loss));
   // The constant schedule at --lr.
-  EXPECT_THAT(coordinator.Find("shardd_coordinator_job_lr", {{"job_id", "j-1"}}),
-              Optional(0.02));
+  EXPECT_THAT(
+      coordinator.Find("shardd_coordinator_job_lr", {{"job_id", "j-1"}}),
+      Optional(0.02));
   EXPECT_GT(
       coordinator
           .Find("shardd_coordinator_job_tokens_per_second", {{"job_id", "j-1"}})

@@ -59,7 +59,8 @@ DiffusionTrainingOptions DiffusionOptionsOf(const v1::TrainConfig& train) {
   const v1::DiffusionTraining& d = train.diffusion();
   DiffusionTrainingOptions o;
   if (d.has_noise_eps()) o.noise_eps = d.noise_eps();
-  if (d.has_self_conditioning_p()) o.self_conditioning_p = d.self_conditioning_p();
+  if (d.has_self_conditioning_p())
+    o.self_conditioning_p = d.self_conditioning_p();
   if (d.has_encoder_loss_weight()) {
     o.encoder_loss_weight = d.encoder_loss_weight();
   }
@@ -162,10 +163,10 @@ absl::StatusOr<v1::TrainConfig> ResolveTrainConfig(const v1::TrainConfig& train,
   const DiffusionTrainingOptions diffusion = DiffusionOptionsOf(train);
   SHARDD_RETURN_IF_ERROR(ValidateDiffusionTraining(diffusion));
   if (diffusion.response_length >= train.seq_len()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "train.diffusion.response_length: must be below seq_len (",
-        train.seq_len(), ": the prompt before it), got ",
-        diffusion.response_length));
+    return absl::InvalidArgumentError(
+        absl::StrCat("train.diffusion.response_length: must be below seq_len (",
+                     train.seq_len(), ": the prompt before it), got ",
+                     diffusion.response_length));
   }
   v1::DiffusionTraining* d = out.mutable_diffusion();
   d->set_noise_eps(diffusion.noise_eps);

@@ -41,8 +41,8 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 // D += A B, A 16x16 (row), B 16x8 (col), bf16 in, fp32 accumulate.
-__device__ __forceinline__ void Mma(float* d, const uint32_t* a,
-                                    uint32_t b0, uint32_t b1) {
+__device__ __forceinline__ void Mma(float* d, const uint32_t* a, uint32_t b0,
+                                    uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
       "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
@@ -67,12 +67,10 @@ __device__ __forceinline__ void LoadBTrans(const uint16_t* base, int stride,
                                            int k0, int n0, int lane,
                                            uint32_t* b0, uint32_t* b1) {
   const uint16_t* row = base + (k0 + (lane & 15)) * stride + n0;
-  const uint32_t addr =
-      static_cast<uint32_t>(__cvta_generic_to_shared(row));
-  asm volatile(
-      "ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
-      : "=r"(*b0), "=r"(*b1)
-      : "r"(addr));
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(*b0), "=r"(*b1)
+               : "r"(addr));
 }
 
 // The A fragment of k-step `kt` of rows `row0 + [0, 16)` of a row-major
@@ -147,12 +145,12 @@ template <int D>
 __global__ void __launch_bounds__(kThreads)
     MmaForwardKernel(AttentionLaunch a, const uint16_t* __restrict__ q,
                      const uint16_t* __restrict__ k,
-                     const uint16_t* __restrict__ v,
-                     uint16_t* __restrict__ out, float* __restrict__ lse) {
+                     const uint16_t* __restrict__ v, uint16_t* __restrict__ out,
+                     float* __restrict__ lse) {
   constexpr int kBK = 64;
   extern __shared__ __align__(16) uint16_t smem_fwd[];
-  uint16_t* ks = smem_fwd;                // [kBK][D + 8]
-  uint16_t* vs = ks + kBK * (D + 8);      // [kBK][D + 8]
+  uint16_t* ks = smem_fwd;            // [kBK][D + 8]
+  uint16_t* vs = ks + kBK * (D + 8);  // [kBK][D + 8]
   const int64_t b = blockIdx.z, h = blockIdx.y;
   const int64_t g = h / (a.q_heads / a.kv_heads);
   const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kRows;
@@ -210,7 +208,8 @@ __global__ void __launch_bounds__(kThreads)
         const int r = e >> 1;
         const int64_t j = j0 + n * 8 + 2 * qd + (e & 1);
         float x = s[n][e] * scale2;
-        if (!full && !(row_ok[r] && j < k_end && MaskAllows(a.rule, pos[r], j))) {
+        if (!full &&
+            !(row_ok[r] && j < k_end && MaskAllows(a.rule, pos[r], j))) {
           x = -INFINITY;
         }
         s[n][e] = x;
@@ -219,8 +218,10 @@ __global__ void __launch_bounds__(kThreads)
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xFFFFFFFFu, tile_max[r], 1));
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xFFFFFFFFu, tile_max[r], 2));
+      tile_max[r] =
+          fmaxf(tile_max[r], __shfl_xor_sync(0xFFFFFFFFu, tile_max[r], 1));
+      tile_max[r] =
+          fmaxf(tile_max[r], __shfl_xor_sync(0xFFFFFFFFu, tile_max[r], 2));
     }
     float corr[2];
 #pragma unroll
@@ -316,10 +317,10 @@ __global__ void __launch_bounds__(kThreads)
                           float* __restrict__ dk, float* __restrict__ dv) {
   constexpr int kBQ = kBackwardTile<D>;
   extern __shared__ __align__(16) uint16_t smem_kv[];
-  uint16_t* kb = smem_kv;                  // [kRows][D + 8]
-  uint16_t* vb = kb + kRows * (D + 8);     // [kRows][D + 8]
-  uint16_t* qs = vb + kRows * (D + 8);     // [kBQ][D + 8]
-  uint16_t* dos = qs + kBQ * (D + 8);      // [kBQ][D + 8]
+  uint16_t* kb = smem_kv;               // [kRows][D + 8]
+  uint16_t* vb = kb + kRows * (D + 8);  // [kRows][D + 8]
+  uint16_t* qs = vb + kRows * (D + 8);  // [kBQ][D + 8]
+  uint16_t* dos = qs + kBQ * (D + 8);   // [kBQ][D + 8]
   float* lse_s = reinterpret_cast<float*>(dos + kBQ * (D + 8));  // [kBQ]
   float* delta_s = lse_s + kBQ;                                  // [kBQ]
   const int64_t b = blockIdx.z, g = blockIdx.y;
@@ -445,8 +446,8 @@ __global__ void __launch_bounds__(kThreads)
                        float* __restrict__ dq) {
   constexpr int kBK = kBackwardTile<D>;
   extern __shared__ __align__(16) uint16_t smem_q[];
-  uint16_t* ks = smem_q;                // [kBK][D + 8]
-  uint16_t* vs = ks + kBK * (D + 8);    // [kBK][D + 8]
+  uint16_t* ks = smem_q;              // [kBK][D + 8]
+  uint16_t* vs = ks + kBK * (D + 8);  // [kBK][D + 8]
   const int64_t b = blockIdx.z, h = blockIdx.y;
   const int64_t g = h / (a.q_heads / a.kv_heads);
   const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kRows;
@@ -479,7 +480,8 @@ __global__ void __launch_bounds__(kThreads)
   }
   float dqa[D / 8][4];
 #pragma unroll
-  for (int n = 0; n < D / 8; ++n) dqa[n][0] = dqa[n][1] = dqa[n][2] = dqa[n][3] = 0.0f;
+  for (int n = 0; n < D / 8; ++n)
+    dqa[n][0] = dqa[n][1] = dqa[n][2] = dqa[n][3] = 0.0f;
 
   const int64_t last_row = (i0 + kRows < a.q_len ? i0 + kRows : a.q_len) - 1;
   int64_t k_begin, k_end;
@@ -575,8 +577,8 @@ template <int D>
 cudaError_t Forward(const AttentionLaunch& a, const uint16_t* q,
                     const uint16_t* k, const uint16_t* v, uint16_t* out,
                     float* lse, cudaStream_t stream) {
-  return Launch(MmaForwardKernel<D>, QueryGrid(a), ForwardBytes<D>(), stream,
-                a, q, k, v, out, lse);
+  return Launch(MmaForwardKernel<D>, QueryGrid(a), ForwardBytes<D>(), stream, a,
+                q, k, v, out, lse);
 }
 
 template <int D>
@@ -630,8 +632,7 @@ cudaError_t LaunchAttentionMmaBackward(const AttentionLaunch& a,
                                        cudaStream_t stream) {
   return a.head_dim == 64
              ? Backward<64>(a, q, k, v, d_out, lse, delta, dq, dk, dv, stream)
-             : Backward<128>(a, q, k, v, d_out, lse, delta, dq, dk, dv,
-                             stream);
+             : Backward<128>(a, q, k, v, d_out, lse, delta, dq, dk, dv, stream);
 }
 
 }  // namespace cuda

@@ -350,7 +350,8 @@ absl::Status RunExpertGemm(const ExpertGemm& g, ExpertGemmPath path, State& st,
   // cuBLAS' grouped GEMM writes only the input type (bf16 -> bf16 or
   // fp32 -> fp32); fp32 accumulation from bf16 inputs takes the loop.
   int64_t total_rows = 0;
-  for (int64_t j = 0; j < groups; ++j) total_rows += st.expert_rows[st.nonempty[j]];
+  for (int64_t j = 0; j < groups; ++j)
+    total_rows += st.expert_rows[st.nonempty[j]];
   const bool grouped =
       g.ab_type == g.c_type &&
       (path == ExpertGemmPath::kGrouped ||

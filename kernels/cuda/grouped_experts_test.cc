@@ -514,7 +514,6 @@ INSTANTIATE_TEST_SUITE_P(
                              ExpertGemmPath::kPerExpertLoop}),
     ConfigName);
 
-
 // ---------------------------------------------------------------------------
 // GPT-OSS: the clamped SwiGLU with gate/up and down biases and their
 // gradients, against the CPU kernel, each storage and GEMM path. The clamp

@@ -14,12 +14,12 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
-#include "google/protobuf/util/json_util.h"
 #include "checkpoint/checkpoint_reader.h"
 #include "checkpoint/checkpoint_writer.h"
 #include "common/error_info.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "google/protobuf/util/json_util.h"
 #include "program/step_program.h"
 #include "server/jobs/job_runner_internal.h"
 

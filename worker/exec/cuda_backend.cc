@@ -147,10 +147,9 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   executor->host_norm_ = static_cast<NormScratch*>(pinned);
 
   const v1::StepShape& shape = plan.step();
-  executor->model_options_ =
-      ModelOptionsFor(shape.microbatches(), shape.passes(),
-                      shape.no_grad_passes(), step.self_conditioning_scale,
-                      step.diffusion);
+  executor->model_options_ = ModelOptionsFor(
+      shape.microbatches(), shape.passes(), shape.no_grad_passes(),
+      step.self_conditioning_scale, step.diffusion);
   DeviceMoeModelOptions model_options;
   model_options.model = executor->model_options_;
   model_options.device = options.device;

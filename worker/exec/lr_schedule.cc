@@ -10,7 +10,8 @@ namespace shardd {
 double LrSchedule::At(int64_t step) const {
   if (step < 0) step = 0;
   if (step < warmup_steps) {
-    return lr * static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
+    return lr * static_cast<double>(step + 1) /
+           static_cast<double>(warmup_steps);
   }
   if (kind == Kind::kConstant) return lr;
   const int64_t span = decay_steps - warmup_steps;
@@ -57,11 +58,10 @@ absl::Status ValidateLrSchedule(const LrSchedule& s) {
         absl::StrCat("train.lr: must be finite and > 0, got ", s.lr));
   }
   if (s.warmup_steps < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "train.warmup_steps: must be >= 0, got ", s.warmup_steps));
+    return absl::InvalidArgumentError(
+        absl::StrCat("train.warmup_steps: must be >= 0, got ", s.warmup_steps));
   }
-  if (s.kind != LrSchedule::Kind::kConstant &&
-      s.decay_steps < s.warmup_steps) {
+  if (s.kind != LrSchedule::Kind::kConstant && s.decay_steps < s.warmup_steps) {
     return absl::InvalidArgumentError(absl::StrCat(
         "train.decay_steps: the decay must end at or after the warmup (",
         s.warmup_steps, " steps), got ", s.decay_steps));

@@ -37,7 +37,8 @@ struct LrSchedule {
 
 // "constant", "cosine" or "linear"; INVALID_ARGUMENT naming
 // train.lr_schedule and the allowed values otherwise.
-absl::Status ParseLrScheduleKind(const std::string& name, LrSchedule::Kind* kind);
+absl::Status ParseLrScheduleKind(const std::string& name,
+                                 LrSchedule::Kind* kind);
 const char* LrScheduleKindName(LrSchedule::Kind kind);
 
 // INVALID_ARGUMENT naming the field (train.lr, train.warmup_steps,

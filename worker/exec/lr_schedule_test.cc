@@ -68,9 +68,9 @@ TEST(LrScheduleTest, NamesAndChecks) {
   s.decay_steps = 5;
   SHARDD_EXPECT_OK(ValidateLrSchedule(s));
   s.min_lr = 2.0;
-  EXPECT_THAT(ValidateLrSchedule(s),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("train.min_lr")));
+  EXPECT_THAT(
+      ValidateLrSchedule(s),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("train.min_lr")));
   s.min_lr = 0;
   s.warmup_steps = -1;
   EXPECT_THAT(ValidateLrSchedule(s),
@@ -78,9 +78,9 @@ TEST(LrScheduleTest, NamesAndChecks) {
                        HasSubstr("train.warmup_steps")));
   s.warmup_steps = 0;
   s.lr = std::nan("");
-  EXPECT_THAT(ValidateLrSchedule(s),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("train.lr")));
+  EXPECT_THAT(
+      ValidateLrSchedule(s),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("train.lr")));
 }
 
 }  // namespace

@@ -20,11 +20,11 @@
 #include "layout/initial_values.h"
 #include "proto/worker.pb.h"
 #include "worker/comm/communicator.h"
-#include "worker/exec/lr_schedule.h"
-#include "worker/model/block_diffusion.h"
 #include "worker/data/batch_sampler.h"
+#include "worker/exec/lr_schedule.h"
 #include "worker/exec/step_state.h"
 #include "worker/memory/memory_tracker.h"
+#include "worker/model/block_diffusion.h"
 
 namespace shardd {
 

@@ -25,9 +25,8 @@ absl::Status ValidateDiffusionTraining(const DiffusionTrainingOptions& o) {
                                        o.encoder_loss_weight},
         {"diffusion_loss_weight", o.diffusion_loss_weight}}) {
     if (!std::isfinite(w) || w < 0.0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("train.diffusion.", name,
-                       ": must be a finite number >= 0, got ", w));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "train.diffusion.", name, ": must be a finite number >= 0, got ", w));
     }
   }
   if (o.response_length < 0) {
@@ -41,8 +40,7 @@ absl::Status ValidateDiffusionTraining(const DiffusionTrainingOptions& o) {
 
 absl::Status BuildDiffusionCanvas(const int32_t* inputs, int64_t batch,
                                   int64_t seq, int64_t canvas, int64_t vocab,
-                                  int64_t step,
-                                  const int64_t* sequence_indices,
+                                  int64_t step, const int64_t* sequence_indices,
                                   const DiffusionTrainingOptions& options,
                                   DiffusionCanvas* out) {
   SHARDD_RETURN_IF_ERROR(ValidateDiffusionTraining(options));

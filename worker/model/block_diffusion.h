@@ -57,8 +57,7 @@ struct DiffusionCanvas {
 // ValidateDiffusionTraining rejects.
 absl::Status BuildDiffusionCanvas(const int32_t* inputs, int64_t batch,
                                   int64_t seq, int64_t canvas, int64_t vocab,
-                                  int64_t step,
-                                  const int64_t* sequence_indices,
+                                  int64_t step, const int64_t* sequence_indices,
                                   const DiffusionTrainingOptions& options,
                                   DiffusionCanvas* out);
 

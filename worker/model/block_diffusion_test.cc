@@ -89,8 +89,8 @@ TEST(BlockDiffusionTest, OptionsSetTheNoiseFloorAndTheCoin) {
     options.self_conditioning_p = p;
     options.noise_eps = 0.999;
     DiffusionCanvas c;
-    ASSERT_TRUE(BuildDiffusionCanvas(inputs.data(), rows, seq, canvas, vocab,
-                                     0, index.data(), options, &c)
+    ASSERT_TRUE(BuildDiffusionCanvas(inputs.data(), rows, seq, canvas, vocab, 0,
+                                     index.data(), options, &c)
                     .ok());
     double replaced = 0;
     for (int32_t t : c.noised) replaced += t != 0;
@@ -119,8 +119,8 @@ TEST(BlockDiffusionTest, RejectsOptionsOutOfRangeNamingTheField) {
   bad[4].options.noise_eps = std::nan("");
   bad[4].field = "train.diffusion.noise_eps";
   for (const Bad& b : bad) {
-    const absl::Status s =
-        BuildDiffusionCanvas(inputs.data(), 1, 4, 2, 10, 0, &index, b.options, &c);
+    const absl::Status s = BuildDiffusionCanvas(inputs.data(), 1, 4, 2, 10, 0,
+                                                &index, b.options, &c);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << b.field;
     EXPECT_NE(s.message().find(b.field), std::string::npos) << s;
   }

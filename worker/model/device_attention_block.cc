@@ -89,15 +89,15 @@ absl::Status DeviceAttentionBlock::Forward(const MoeLayerSpec& layer,
   SHARDD_ASSIGN_OR_RETURN(acts->k, Alloc(t * hkv * hd * kElem));
   SHARDD_ASSIGN_OR_RETURN(acts->v, Alloc(t * hkv * hd * kElem));
   const kc::DType dt = kc::DTypeOf<T>::value;
-  SHARDD_RETURN_IF_ERROR(StorageGemm<T>(cublas_, t, hq * hd, d, acts->n.data(), d,
-                                 false, p.wq, d, true, 0.0f, acts->q.data(), dt,
-                                 hq * hd, "q_proj"));
-  SHARDD_RETURN_IF_ERROR(StorageGemm<T>(cublas_, t, hkv * hd, d, acts->n.data(), d,
-                                 false, p.wk, d, true, 0.0f, acts->k.data(), dt,
-                                 hkv * hd, "k_proj"));
-  SHARDD_RETURN_IF_ERROR(StorageGemm<T>(cublas_, t, hkv * hd, d, acts->n.data(), d,
-                                 false, p.wv, d, true, 0.0f, acts->v.data(), dt,
-                                 hkv * hd, "v_proj"));
+  SHARDD_RETURN_IF_ERROR(StorageGemm<T>(cublas_, t, hq * hd, d, acts->n.data(),
+                                        d, false, p.wq, d, true, 0.0f,
+                                        acts->q.data(), dt, hq * hd, "q_proj"));
+  SHARDD_RETURN_IF_ERROR(
+      StorageGemm<T>(cublas_, t, hkv * hd, d, acts->n.data(), d, false, p.wk, d,
+                     true, 0.0f, acts->k.data(), dt, hkv * hd, "k_proj"));
+  SHARDD_RETURN_IF_ERROR(
+      StorageGemm<T>(cublas_, t, hkv * hd, d, acts->n.data(), d, false, p.wv, d,
+                     true, 0.0f, acts->v.data(), dt, hkv * hd, "v_proj"));
   if (layer.attention_bias) {
     // Before the norms and RoPE, as nn.Linear adds them.
     SHARDD_RETURN_IF_ERROR(kc::AddBias(static_cast<const T*>(p.bq), t, hq * hd,
@@ -136,8 +136,8 @@ absl::Status DeviceAttentionBlock::Forward(const MoeLayerSpec& layer,
       acts->q.as<T>(), acts->k.as<T>(), acts->v.as<T>(), acts->o.as<T>(),
       acts->lse.as<float>(), stream_));
   SHARDD_RETURN_IF_ERROR(StorageGemm<T>(cublas_, t, d, hq * hd, acts->o.data(),
-                                 hq * hd, false, p.wo, hq * hd, true, 0.0f, y,
-                                 dt, d, "o_proj"));
+                                        hq * hd, false, p.wo, hq * hd, true,
+                                        0.0f, y, dt, d, "o_proj"));
   if (!layer.attention_bias) return absl::OkStatus();
   return kc::AddBias(static_cast<const T*>(p.bo), t, d, y, stream_);
 }
@@ -157,9 +157,9 @@ absl::Status DeviceAttentionBlock::Backward(const MoeLayerSpec& layer,
   SHARDD_RETURN_IF_ERROR(kc::BindCublasHandle(cublas_, stream_, "attention"));
   // y = o Wo^T: d_o = dy Wo; dWo += dy^T o.
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer d_o, Alloc(t * hq * hd * kElem));
-  SHARDD_RETURN_IF_ERROR(StorageGemm<T>(cublas_, t, hq * hd, d, dy, d, false, p.wo,
-                                 hq * hd, false, 0.0f, d_o.data(), dt, hq * hd,
-                                 "o_proj backward"));
+  SHARDD_RETURN_IF_ERROR(StorageGemm<T>(cublas_, t, hq * hd, d, dy, d, false,
+                                        p.wo, hq * hd, false, 0.0f, d_o.data(),
+                                        dt, hq * hd, "o_proj backward"));
   if (p.dwo != nullptr) {
     SHARDD_RETURN_IF_ERROR(StorageGemm<T>(
         cublas_, d, hq * hd, t, dy, d, true, acts.o.data(), hq * hd, false,
@@ -248,9 +248,9 @@ absl::Status DeviceAttentionBlock::Backward(const MoeLayerSpec& layer,
       SHARDD_RETURN_IF_ERROR(kc::BiasBackward(
           static_cast<const T*>(pr.g->data()), t, pr.out, pr.db, stream_));
     }
-    SHARDD_RETURN_IF_ERROR(StorageGemm<T>(cublas_, t, d, pr.out, pr.g->data(), pr.out,
-                                   false, pr.w, d, false, beta, dn, dt, d,
-                                   pr.name));
+    SHARDD_RETURN_IF_ERROR(StorageGemm<T>(cublas_, t, d, pr.out, pr.g->data(),
+                                          pr.out, false, pr.w, d, false, beta,
+                                          dn, dt, d, pr.name));
     beta = 1.0f;
     if (pr.dw != nullptr) {
       SHARDD_RETURN_IF_ERROR(StorageGemm<T>(

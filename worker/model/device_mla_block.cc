@@ -79,25 +79,23 @@ absl::Status DeviceMlaBlock::Forward(const MoeLayerSpec& layer,
       SHARDD_RETURN_IF_ERROR(kc::AddBias(static_cast<const T*>(p.bqa), t, rq,
                                          acts->qa.as<T>(), stream_));
     }
-    SHARDD_RETURN_IF_ERROR(kc::RmsNormForward(
-        acts->qa.as<T>(), static_cast<const T*>(p.q_a_norm), t, rq,
-        kMlaLatentNormEps, acts->qa_n.as<T>(), acts->qa_inv.as<float>(),
-        stream_));
+    SHARDD_RETURN_IF_ERROR(
+        kc::RmsNormForward(acts->qa.as<T>(), static_cast<const T*>(p.q_a_norm),
+                           t, rq, kMlaLatentNormEps, acts->qa_n.as<T>(),
+                           acts->qa_inv.as<float>(), stream_));
     SHARDD_RETURN_IF_ERROR(StorageGemm<T>(
         cublas_, t, h * qk, rq, acts->qa_n.data(), rq, false, p.wqb, rq, true,
         0.0f, acts->q.data(), dt, h * qk, "q_b_proj"));
   } else {
-    SHARDD_RETURN_IF_ERROR(StorageGemm<T>(cublas_, t, h * qk, d,
-                                          acts->n.data(), d, false, p.wq, d,
-                                          true, 0.0f, acts->q.data(), dt,
-                                          h * qk, "q_proj"));
+    SHARDD_RETURN_IF_ERROR(
+        StorageGemm<T>(cublas_, t, h * qk, d, acts->n.data(), d, false, p.wq, d,
+                       true, 0.0f, acts->q.data(), dt, h * qk, "q_proj"));
   }
   // The compressed kv [c ; k_rope] and its split.
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer kva, Alloc(t * wa * kElem));
-  SHARDD_RETURN_IF_ERROR(StorageGemm<T>(cublas_, t, wa, d, acts->n.data(), d,
-                                        false, p.wkva, d, true, 0.0f,
-                                        kva.data(), dt, wa,
-                                        "kv_a_proj_with_mqa"));
+  SHARDD_RETURN_IF_ERROR(
+      StorageGemm<T>(cublas_, t, wa, d, acts->n.data(), d, false, p.wkva, d,
+                     true, 0.0f, kva.data(), dt, wa, "kv_a_proj_with_mqa"));
   if (layer.attention_bias) {
     SHARDD_RETURN_IF_ERROR(kc::AddBias(static_cast<const T*>(p.bkva), t, wa,
                                        kva.as<T>(), stream_));
@@ -105,8 +103,8 @@ absl::Status DeviceMlaBlock::Forward(const MoeLayerSpec& layer,
   SHARDD_ASSIGN_OR_RETURN(acts->c, Alloc(t * rkv * kElem));
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer kr, Alloc(t * rope * kElem));
   SHARDD_CUDA_RETURN_IF_ERROR(
-      device_model::LaunchStridedCopy(kva.as<T>(), wa, 1, acts->c.as<T>(),
-                                      rkv, t, rkv, stream_),
+      device_model::LaunchStridedCopy(kva.as<T>(), wa, 1, acts->c.as<T>(), rkv,
+                                      t, rkv, stream_),
       "mla: latent split");
   SHARDD_CUDA_RETURN_IF_ERROR(
       device_model::LaunchStridedCopy(kva.as<T>() + rkv, wa, 1, kr.as<T>(),
@@ -118,10 +116,9 @@ absl::Status DeviceMlaBlock::Forward(const MoeLayerSpec& layer,
       acts->c.as<T>(), static_cast<const T*>(p.kv_a_norm), t, rkv,
       kMlaLatentNormEps, acts->c_n.as<T>(), acts->c_inv.as<float>(), stream_));
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer kvb, Alloc(t * h * wb * kElem));
-  SHARDD_RETURN_IF_ERROR(StorageGemm<T>(cublas_, t, h * wb, rkv,
-                                        acts->c_n.data(), rkv, false, p.wkvb,
-                                        rkv, true, 0.0f, kvb.data(), dt,
-                                        h * wb, "kv_b_proj"));
+  SHARDD_RETURN_IF_ERROR(StorageGemm<T>(
+      cublas_, t, h * wb, rkv, acts->c_n.data(), rkv, false, p.wkvb, rkv, true,
+      0.0f, kvb.data(), dt, h * wb, "kv_b_proj"));
   // RoPE on the rope parts: every query head's and the one shared key.
   SHARDD_RETURN_IF_ERROR(kc::RopeRotate(rope_table, layout,
                                         RopeOn(t, h, qk, nope), positions,
@@ -136,11 +133,10 @@ absl::Status DeviceMlaBlock::Forward(const MoeLayerSpec& layer,
       device_model::LaunchStridedCopy(kvb.as<T>(), wb, 1, acts->k.as<T>(), qk,
                                       t * h, nope, stream_),
       "mla: k_nope");
-  SHARDD_CUDA_RETURN_IF_ERROR(
-      device_model::LaunchStridedCopy(kr.as<T>(), rope, h,
-                                      acts->k.as<T>() + nope, qk, t * h, rope,
-                                      stream_),
-      "mla: shared k_rope");
+  SHARDD_CUDA_RETURN_IF_ERROR(device_model::LaunchStridedCopy(
+                                  kr.as<T>(), rope, h, acts->k.as<T>() + nope,
+                                  qk, t * h, rope, stream_),
+                              "mla: shared k_rope");
   SHARDD_CUDA_RETURN_IF_ERROR(
       device_model::LaunchStridedCopy(kvb.as<T>() + nope, wb, 1,
                                       acts->v.as<T>(), dv, t * h, dv, stream_),
@@ -152,8 +148,8 @@ absl::Status DeviceMlaBlock::Forward(const MoeLayerSpec& layer,
       acts->q.as<T>(), acts->k.as<T>(), acts->v.as<T>(), acts->o.as<T>(),
       acts->lse.as<float>(), stream_));
   SHARDD_RETURN_IF_ERROR(StorageGemm<T>(cublas_, t, d, h * dv, acts->o.data(),
-                                        h * dv, false, p.wo, h * dv, true,
-                                        0.0f, y, dt, d, "o_proj"));
+                                        h * dv, false, p.wo, h * dv, true, 0.0f,
+                                        y, dt, d, "o_proj"));
   if (!layer.attention_bias) return absl::OkStatus();
   return kc::AddBias(static_cast<const T*>(p.bo), t, d, y, stream_);
 }
@@ -182,10 +178,9 @@ absl::Status DeviceMlaBlock::Backward(const MoeLayerSpec& layer,
                                         p.wo, h * dv, false, 0.0f, d_o.data(),
                                         dt, h * dv, "o_proj backward"));
   if (p.dwo != nullptr) {
-    SHARDD_RETURN_IF_ERROR(StorageGemm<T>(cublas_, d, h * dv, t, dy, d, true,
-                                          acts.o.data(), h * dv, false, 1.0f,
-                                          p.dwo, f32, h * dv,
-                                          "o_proj weight gradient"));
+    SHARDD_RETURN_IF_ERROR(StorageGemm<T>(
+        cublas_, d, h * dv, t, dy, d, true, acts.o.data(), h * dv, false, 1.0f,
+        p.dwo, f32, h * dv, "o_proj weight gradient"));
   }
   if (layer.attention_bias && p.dbo != nullptr) {
     SHARDD_RETURN_IF_ERROR(kc::BiasBackward(dy, t, d, p.dbo, stream_));
@@ -227,16 +222,14 @@ absl::Status DeviceMlaBlock::Backward(const MoeLayerSpec& layer,
                                       t * h, nope, stream_),
       "mla: k_nope gradient");
   SHARDD_CUDA_RETURN_IF_ERROR(
-      device_model::LaunchStridedCopy(dvb.as<float>(), dv, 1,
-                                      dkvb.as<T>() + nope, wb, t * h, dv,
-                                      stream_),
+      device_model::LaunchStridedCopy(
+          dvb.as<float>(), dv, 1, dkvb.as<T>() + nope, wb, t * h, dv, stream_),
       "mla: v gradient");
   // kv_b_proj, then kv_a_layernorm into the latent part of dkva.
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer dlat, Alloc(t * rkv * kElem));
-  SHARDD_RETURN_IF_ERROR(StorageGemm<T>(cublas_, t, rkv, h * wb, dkvb.data(),
-                                        h * wb, false, p.wkvb, rkv, false, 0.0f,
-                                        dlat.data(), dt, rkv,
-                                        "kv_b_proj backward"));
+  SHARDD_RETURN_IF_ERROR(StorageGemm<T>(
+      cublas_, t, rkv, h * wb, dkvb.data(), h * wb, false, p.wkvb, rkv, false,
+      0.0f, dlat.data(), dt, rkv, "kv_b_proj backward"));
   if (p.dwkvb != nullptr) {
     SHARDD_RETURN_IF_ERROR(StorageGemm<T>(
         cublas_, h * wb, rkv, t, dkvb.data(), h * wb, true, acts.c_n.data(),
@@ -253,8 +246,8 @@ absl::Status DeviceMlaBlock::Backward(const MoeLayerSpec& layer,
         acts.c_inv.as<float>(), t, rkv, dc.as<T>(), /*accumulate_dx=*/false,
         p.dkv_a_norm, nws.data(), norm_ws, stream_));
     SHARDD_CUDA_RETURN_IF_ERROR(
-        device_model::LaunchStridedCopy(dc.as<T>(), rkv, 1, dkva.as<T>(), wa,
-                                        t, rkv, stream_),
+        device_model::LaunchStridedCopy(dc.as<T>(), rkv, 1, dkva.as<T>(), wa, t,
+                                        rkv, stream_),
         "mla: latent gradient");
   }
   if constexpr (std::is_same<T, float>::value) {
@@ -279,8 +272,8 @@ absl::Status DeviceMlaBlock::Backward(const MoeLayerSpec& layer,
                                         d, "kv_a_proj_with_mqa backward"));
   if (p.dwkva != nullptr) {
     SHARDD_RETURN_IF_ERROR(StorageGemm<T>(
-        cublas_, wa, d, t, dkva.data(), wa, true, acts.n.data(), d, false,
-        1.0f, p.dwkva, f32, d, "kv_a_proj_with_mqa weight gradient"));
+        cublas_, wa, d, t, dkva.data(), wa, true, acts.n.data(), d, false, 1.0f,
+        p.dwkva, f32, d, "kv_a_proj_with_mqa weight gradient"));
   }
   // The queries: their gradient in storage type T.
   DeviceBuffer dq_s;
@@ -293,10 +286,9 @@ absl::Status DeviceMlaBlock::Backward(const MoeLayerSpec& layer,
   }
   if (rq > 0) {
     SHARDD_ASSIGN_OR_RETURN(DeviceBuffer dqa_n, Alloc(t * rq * kElem));
-    SHARDD_RETURN_IF_ERROR(StorageGemm<T>(cublas_, t, rq, h * qk, dq_s.data(),
-                                          h * qk, false, p.wqb, rq, false,
-                                          0.0f, dqa_n.data(), dt, rq,
-                                          "q_b_proj backward"));
+    SHARDD_RETURN_IF_ERROR(StorageGemm<T>(
+        cublas_, t, rq, h * qk, dq_s.data(), h * qk, false, p.wqb, rq, false,
+        0.0f, dqa_n.data(), dt, rq, "q_b_proj backward"));
     if (p.dwqb != nullptr) {
       SHARDD_RETURN_IF_ERROR(StorageGemm<T>(
           cublas_, h * qk, rq, t, dq_s.data(), h * qk, true, acts.qa_n.data(),
@@ -336,13 +328,11 @@ absl::Status DeviceMlaBlock::Backward(const MoeLayerSpec& layer,
 }
 
 template absl::Status DeviceMlaBlock::Forward<float>(
-    const MoeLayerSpec&, const DeviceMlaParams&, DeviceBuffer, int64_t,
-    int64_t, const int32_t*, const kc::DeviceRopeTable&, DeviceMlaActs*,
-    float*);
+    const MoeLayerSpec&, const DeviceMlaParams&, DeviceBuffer, int64_t, int64_t,
+    const int32_t*, const kc::DeviceRopeTable&, DeviceMlaActs*, float*);
 template absl::Status DeviceMlaBlock::Forward<uint16_t>(
-    const MoeLayerSpec&, const DeviceMlaParams&, DeviceBuffer, int64_t,
-    int64_t, const int32_t*, const kc::DeviceRopeTable&, DeviceMlaActs*,
-    uint16_t*);
+    const MoeLayerSpec&, const DeviceMlaParams&, DeviceBuffer, int64_t, int64_t,
+    const int32_t*, const kc::DeviceRopeTable&, DeviceMlaActs*, uint16_t*);
 template absl::Status DeviceMlaBlock::Backward<float>(
     const MoeLayerSpec&, const DeviceMlaParams&, const DeviceMlaActs&, int64_t,
     int64_t, const int32_t*, const kc::DeviceRopeTable&, const float*, float*);

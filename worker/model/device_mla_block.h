@@ -54,12 +54,12 @@ struct DeviceMlaParams {
 
 // What one forward keeps for its backward (as MlaActs).
 struct DeviceMlaActs {
-  DeviceBuffer n;                   // [T, D] normed input
-  DeviceBuffer qa, qa_inv, qa_n;    // q_a_proj out, fp32 inverse RMS, normed
-  DeviceBuffer c, c_inv, c_n;       // latent kv, fp32 inverse RMS, normed
-  DeviceBuffer q, k, v;             // the attention's inputs
-  DeviceBuffer o;                   // [T, H * Dv]
-  DeviceBuffer lse;                 // fp32 [batch, H, seq]
+  DeviceBuffer n;                 // [T, D] normed input
+  DeviceBuffer qa, qa_inv, qa_n;  // q_a_proj out, fp32 inverse RMS, normed
+  DeviceBuffer c, c_inv, c_n;     // latent kv, fp32 inverse RMS, normed
+  DeviceBuffer q, k, v;           // the attention's inputs
+  DeviceBuffer o;                 // [T, H * Dv]
+  DeviceBuffer lse;               // fp32 [batch, H, seq]
   void Reset();
 };
 
@@ -88,8 +88,8 @@ class DeviceMlaBlock {
                         const DeviceMlaParams& params,
                         const DeviceMlaActs& acts, int64_t batch, int64_t seq,
                         const int32_t* positions,
-                        const kernels::cuda::DeviceRopeTable& rope,
-                        const T* dy, T* dn);
+                        const kernels::cuda::DeviceRopeTable& rope, const T* dy,
+                        T* dn);
 
  private:
   absl::StatusOr<DeviceBuffer> Alloc(int64_t bytes);

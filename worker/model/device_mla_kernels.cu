@@ -1,8 +1,7 @@
-#include "worker/model/device_mla_kernels.h"
-
 #include <algorithm>
 
 #include "kernels/cuda/device_math.h"
+#include "worker/model/device_mla_kernels.h"
 
 namespace shardd {
 namespace device_model {

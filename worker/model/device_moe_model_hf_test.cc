@@ -30,9 +30,9 @@
 #include "model/model_util.h"
 #include "testing/device_map_param_source.h"
 #include "testing/gpu.h"
-#include "testing/random_params.h"
 #include "testing/map_param_source.h"
 #include "testing/model_commands.h"
+#include "testing/random_params.h"
 #include "worker/memory/cuda_memory_backend.h"
 #include "worker/memory/device_allocator.h"
 #include "worker/model/device_moe_model.h"
@@ -60,9 +60,9 @@ std::string ReadTestFile(const std::string& name) {
 // The config, with every expert chosen when `all_experts` (bf16: the
 // CPU's fp32 and the GPU's bf16 router logits could otherwise pick
 // different experts for a token).
-v1::ModelSpec Spec(const std::string& file, bool all_experts,
-                   const std::vector<std::pair<std::string, std::string>>&
-                       edits = {}) {
+v1::ModelSpec Spec(
+    const std::string& file, bool all_experts,
+    const std::vector<std::pair<std::string, std::string>>& edits = {}) {
   std::string json = ReadTestFile(file);
   EXPECT_FALSE(json.empty()) << file;
   for (const auto& [from, to] : edits) {
@@ -90,9 +90,9 @@ std::map<std::string, std::vector<float>> RandomParams(
   testing_util::RandomParamOptions options;
   options.round_to_bf16 = round_to_bf16;
   options.range = static_cast<float>(
-      range > 0.0 ? range
-                  : std::sqrt(3.0 / static_cast<double>(
-                                        spec.dims().hidden_size())));
+      range > 0.0
+          ? range
+          : std::sqrt(3.0 / static_cast<double>(spec.dims().hidden_size())));
   return testing_util::RandomParamValues(spec, options);
 }
 
@@ -276,8 +276,7 @@ void CheckAgainstCpu(const Case& test) {
   const double loss_tol = bf16 ? 1e-2 : 1e-4;
   EXPECT_NEAR(first.loss, cpu.loss, loss_tol * std::fabs(cpu.loss));
   const double grad_tol =
-      bf16 ? (64 + 78 + 24 + test.extra_roundings) * std::ldexp(1.0, -8)
-           : 1e-4;
+      bf16 ? (64 + 78 + 24 + test.extra_roundings) * std::ldexp(1.0, -8) : 1e-4;
   std::set<std::string> compared;
   double worst = 0.0;
   std::string worst_name;
@@ -293,11 +292,12 @@ void CheckAgainstCpu(const Case& test) {
     compared.insert(name);
   }
   // The measured margins (docs/performance.md), also for the diagnostics.
-  std::printf("%s %s: loss %.9g vs %.9g (rel %.3g, tol %.3g); worst gradient "
-              "%s rel %.3g (tol %.3g)\n",
-              test.file.c_str(), bf16 ? "bf16" : "fp32", first.loss, cpu.loss,
-              std::fabs(first.loss - cpu.loss) / std::fabs(cpu.loss), loss_tol,
-              worst_name.c_str(), worst, grad_tol);
+  std::printf(
+      "%s %s: loss %.9g vs %.9g (rel %.3g, tol %.3g); worst gradient "
+      "%s rel %.3g (tol %.3g)\n",
+      test.file.c_str(), bf16 ? "bf16" : "fp32", first.loss, cpu.loss,
+      std::fabs(first.loss - cpu.loss) / std::fabs(cpu.loss), loss_tol,
+      worst_name.c_str(), worst, grad_tol);
   for (const auto& [name, got] : first.grads) {
     EXPECT_EQ(compared.count(name), 1u) << name << " has no CPU gradient";
   }
@@ -354,13 +354,15 @@ TEST(DeviceMoeModelHfTest, DISABLED_MarginSweep) {
       }
     }
   }
-  const std::vector<std::pair<const char*,
-                              std::vector<std::pair<std::string, std::string>>>>
+  const std::vector<
+      std::pair<const char*, std::vector<std::pair<std::string, std::string>>>>
       variants = {
-          {"no sliding window", {{"\"sliding_window\": 4", "\"sliding_window\": 64"}}},
+          {"no sliding window",
+           {{"\"sliding_window\": 4", "\"sliding_window\": 64"}}},
           {"no clamp", {{"\"swiglu_limit\": 7.0", "\"swiglu_limit\": 1e9"}}},
           {"yarn factor 1", {{"\"factor\": 8.0", "\"factor\": 1.0"}}},
-          {"no attention bias", {{"\"attention_bias\": true", "\"attention_bias\": false"}}},
+          {"no attention bias",
+           {{"\"attention_bias\": true", "\"attention_bias\": false"}}},
       };
   for (const auto& [what, edits] : variants) {
     std::printf("--- GPT-OSS, range 0.5, %s\n", what);

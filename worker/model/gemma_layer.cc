@@ -13,11 +13,14 @@ namespace shardd {
 int64_t GemmaLayerActs::bytes() const {
   size_t floats = 0;
   for (const std::vector<float>* v :
-       {&x_in, &in_inv, &n, &q_pre, &k_pre, &v_pre, &q_inv, &k_inv, &v_inv,
-        &q, &k, &v, &o, &lse, &attn, &post_inv, &m, &pre_inv, &dense_in,
-        &dense_out, &post1_inv, &r_inv, &r_norm, &r_in, &pre2_inv,
-        &experts_in, &experts_out, &post2_inv, &sum, &post_ff_inv, &weights,
-        &dm, &dsum, &dweights, &d_post_ff, &d_post_ff_2, &d_pre_ff_2, &layer_w, &dk_ext, &dv_ext}) {
+       {&x_in,        &in_inv,      &n,         &q_pre,    &k_pre,
+        &v_pre,       &q_inv,       &k_inv,     &v_inv,    &q,
+        &k,           &v,           &o,         &lse,      &attn,
+        &post_inv,    &m,           &pre_inv,   &dense_in, &dense_out,
+        &post1_inv,   &r_inv,       &r_norm,    &r_in,     &pre2_inv,
+        &experts_in,  &experts_out, &post2_inv, &sum,      &post_ff_inv,
+        &weights,     &dm,          &dsum,      &dweights, &d_post_ff,
+        &d_post_ff_2, &d_pre_ff_2,  &layer_w,   &dk_ext,   &dv_ext}) {
     floats += v->capacity();
   }
   return static_cast<int64_t>(floats * sizeof(float) +
@@ -90,8 +93,7 @@ int64_t GemmaLayerBlock::EncoderLow(const MoeLayerSpec& layer,
 }
 
 kernels::AttentionDims GemmaLayerBlock::Dims(const MoeLayerSpec& layer,
-                                             int64_t batch,
-                                             int64_t seq) const {
+                                             int64_t batch, int64_t seq) const {
   kernels::AttentionDims d;
   d.batch = batch;
   d.q_len = seq;
@@ -159,16 +161,17 @@ absl::Status GemmaLayerBlock::ComposeBlockKeys(
     std::copy_n(e.k.data() + src, enc * row, k->data() + dst);
     std::copy_n(e.v.data() + src, enc * row, v->data() + dst);
     const int64_t canvas = (b * seq + blk.begin) * row;
-    std::copy_n(a.k.data() + canvas, blk.len * row, k->data() + dst + enc * row);
-    std::copy_n(a.v.data() + canvas, blk.len * row, v->data() + dst + enc * row);
+    std::copy_n(a.k.data() + canvas, blk.len * row,
+                k->data() + dst + enc * row);
+    std::copy_n(a.v.data() + canvas, blk.len * row,
+                v->data() + dst + enc * row);
   }
   return absl::OkStatus();
 }
 
 absl::Status GemmaLayerBlock::DecodeAttentionForward(const MoeLayerSpec& layer,
                                                      const GemmaDecode& d,
-                                                     int64_t batch,
-                                                     int64_t seq,
+                                                     int64_t batch, int64_t seq,
                                                      GemmaLayerActs* a) {
   const int64_t hq = arch_->q_heads, hd = layer.layer_head_dim;
   a->o.resize(batch * seq * hq * hd);
@@ -180,15 +183,14 @@ absl::Status GemmaLayerBlock::DecodeAttentionForward(const MoeLayerSpec& layer,
     q.resize(batch * blk.len * hq * hd);
     GatherRows(a->q.data(), batch, seq, hq * hd, blk.begin, blk.len, q.data());
     kernels::AttentionDims dims = Dims(layer, batch, blk.len);
-    dims.kv_len = static_cast<int64_t>(k.size()) /
-                  (batch * layer.layer_kv_heads * hd);
+    dims.kv_len =
+        static_cast<int64_t>(k.size()) / (batch * layer.layer_kv_heads * hd);
     o.resize(q.size());
     lse.resize(batch * hq * blk.len);
     SHARDD_RETURN_IF_ERROR(kernels::AttentionForward(
         dims, Options(layer, true), q.data(), k.data(), v.data(), o.data(),
         lse.data(), &ws_));
-    ScatterRows(o.data(), batch, seq, hq * hd, blk.begin, blk.len,
-                a->o.data());
+    ScatterRows(o.data(), batch, seq, hq * hd, blk.begin, blk.len, a->o.data());
     // lse [batch, hq, rows]: (batch, head) rows of `seq`.
     ScatterRows(lse.data(), batch * hq, seq, 1, blk.begin, blk.len,
                 a->lse.data());
@@ -196,9 +198,11 @@ absl::Status GemmaLayerBlock::DecodeAttentionForward(const MoeLayerSpec& layer,
   return absl::OkStatus();
 }
 
-absl::Status GemmaLayerBlock::DecodeAttentionBackward(
-    const MoeLayerSpec& layer, const GemmaDecode& d, int64_t batch, int64_t seq,
-    const GemmaLayerActs& a) {
+absl::Status GemmaLayerBlock::DecodeAttentionBackward(const MoeLayerSpec& layer,
+                                                      const GemmaDecode& d,
+                                                      int64_t batch,
+                                                      int64_t seq,
+                                                      const GemmaLayerActs& a) {
   const int64_t hq = arch_->q_heads, hkv = layer.layer_kv_heads;
   const int64_t hd = layer.layer_head_dim, row = hkv * hd;
   const int64_t t = batch * seq;
@@ -237,8 +241,7 @@ absl::Status GemmaLayerBlock::DecodeAttentionBackward(
         dims, Options(layer, true), q.data(), k.data(), v.data(), o.data(),
         lse.data(), dout.data(), dq.data(), dk.data(), dv.data(), nullptr,
         &ws_));
-    ScatterRows(dq.data(), batch, seq, hq * hd, blk.begin, blk.len,
-                dq_.data());
+    ScatterRows(dq.data(), batch, seq, hq * hd, blk.begin, blk.len, dq_.data());
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t src = b * len * row;
       const int64_t dst = (b * d.encoder_seq + lo) * row;

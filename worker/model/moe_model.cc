@@ -90,7 +90,8 @@ absl::Status MoeModel::SetBatch(int microbatch, const int32_t* inputs,
           "seq: DiffusionGemma's 3-pass step needs more than ", m.canvas,
           " tokens per sequence (the response: train.diffusion."
           "response_length, else canvas_length; the encoder keys before it), "
-          "got ", seq));
+          "got ",
+          seq));
     }
     // The encoder's pairs: logits 0..S-2 against tokens 1..S-1.
     b.ar_targets = b.targets;

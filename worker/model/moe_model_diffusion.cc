@@ -136,9 +136,8 @@ absl::Status MoeModel::Impl::SelfConditioningForward(int pass, Batch* b,
   Batch& batch = *b;
   if (pass == 1) {
     SHARDD_RETURN_IF_ERROR(BuildDiffusionCanvas(
-        batch.inputs.data(), batch.batch, batch.seq, canvas, vocab,
-        batch.step, batch.sequence_indices.data(), options.diffusion,
-        &batch.canvas));
+        batch.inputs.data(), batch.batch, batch.seq, canvas, vocab, batch.step,
+        batch.sequence_indices.data(), options.diffusion, &batch.canvas));
   }
   const int64_t t = batch.batch * canvas;
   SHARDD_ASSIGN_OR_RETURN(const float* table, params->Param(embed.name));
