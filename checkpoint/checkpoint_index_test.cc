@@ -96,6 +96,30 @@ TEST(CheckpointIndexTest, TheModelTravelsAsOneObject) {
                                          HasSubstr("index.json.model")));
 }
 
+TEST(CheckpointIndexTest, TheTrainConfigTravelsAsOneObject) {
+  CheckpointIndex index = SampleIndex();
+  // Keys in the order the writer prints them (sorted).
+  index.train_config_json =
+      R"({"decay_steps":"6","lr":0.01,"lr_schedule":"cosine","warmup_steps":2})";
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::string text, SerializeIndex(index));
+  SHARDD_ASSERT_OK_AND_ASSIGN(CheckpointIndex back, ParseIndex(text));
+  EXPECT_EQ(back.train_config_json, index.train_config_json);
+  // Absent: empty.
+  SHARDD_ASSERT_OK_AND_ASSIGN(text, SerializeIndex(SampleIndex()));
+  EXPECT_EQ(text.find("\"train\""), std::string::npos);
+  SHARDD_ASSERT_OK_AND_ASSIGN(back, ParseIndex(text));
+  EXPECT_TRUE(back.train_config_json.empty());
+  index.train_config_json = "\"cosine\"";
+  EXPECT_THAT(SerializeIndex(index).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("train_config_json")));
+  const size_t at = text.find("\"files\"");
+  ASSERT_NE(at, std::string::npos);
+  text.insert(at, "\"train\": [], ");
+  EXPECT_THAT(ParseIndex(text), StatusIs(absl::StatusCode::kDataLoss,
+                                         HasSubstr("index.json.train")));
+}
+
 TEST(CheckpointIndexTest, OverlappingChunksAreRejected) {
   CheckpointIndex index = SampleIndex();
   index.tensors["model.layers.0.w"].chunks[0].begin = 23;
