@@ -174,13 +174,14 @@ TEST_F(CheckpointIntegrationTest, ResumedJobContinuesTheLearningRateSchedule) {
   ASSERT_FALSE(first.is_discarded());
   LrSchedule want;
   want.kind = LrSchedule::Kind::kCosine;
-  want.lr = 0.01;  // TrainArgs' lr
+  const double lr = 0.01;  // TrainArgs' lr
   want.warmup_steps = 2;
   want.decay_steps = 6;  // the job's steps
   want.min_lr = 0.001;
   ASSERT_EQ(first["step_events"].size(), 6u);
   for (int s = 0; s < 6; ++s) {
-    EXPECT_NEAR(first["step_events"][s]["lr"].get<double>(), want.At(s), 1e-15)
+    EXPECT_NEAR(first["step_events"][s]["lr"].get<double>(), want.At(lr, s),
+                1e-15)
         << "step " << s + 1;
   }
   const std::vector<double> losses = Losses(first);
@@ -190,8 +191,8 @@ TEST_F(CheckpointIntegrationTest, ResumedJobContinuesTheLearningRateSchedule) {
   ASSERT_EQ(resumed["step_events"].size(), 3u);
   const std::vector<double> got = Losses(resumed);
   for (int s = 0; s < 3; ++s) {
-    EXPECT_NEAR(resumed["step_events"][s]["lr"].get<double>(), want.At(s + 3),
-                1e-15)
+    EXPECT_NEAR(resumed["step_events"][s]["lr"].get<double>(),
+                want.At(lr, s + 3), 1e-15)
         << "resumed step " << s + 4;
     SHARDD_ASSERT_OK_AND_ASSIGN(
         const double allowed,

@@ -48,7 +48,6 @@ LrSchedule LrScheduleOf(const v1::TrainConfig& train) {
   if (!ParseLrScheduleKind(train.lr_schedule(), &s.kind).ok()) {
     s.kind = LrSchedule::Kind::kConstant;
   }
-  s.lr = train.lr();
   s.warmup_steps = train.warmup_steps();
   s.decay_steps = train.decay_steps() > 0 ? train.decay_steps() : train.steps();
   s.min_lr = train.min_lr();
@@ -159,7 +158,7 @@ absl::StatusOr<v1::TrainConfig> ResolveTrainConfig(const v1::TrainConfig& train,
   SHARDD_RETURN_IF_ERROR(ParseLrScheduleKind(train.lr_schedule(), &kind));
   out.set_lr_schedule(LrScheduleKindName(kind));
   if (out.decay_steps() == 0) out.set_decay_steps(out.steps());
-  SHARDD_RETURN_IF_ERROR(ValidateLrSchedule(LrScheduleOf(out)));
+  SHARDD_RETURN_IF_ERROR(ValidateLrSchedule(LrScheduleOf(out), out.lr()));
   const DiffusionTrainingOptions diffusion = DiffusionOptionsOf(train);
   SHARDD_RETURN_IF_ERROR(ValidateDiffusionTraining(diffusion));
   if (diffusion.response_length >= train.seq_len()) {

@@ -44,7 +44,8 @@ absl::StatusOr<v1::TrainConfig> ResolveTrainConfig(const v1::TrainConfig& train,
 // weight decay).
 kernels::AdamWConfig AdamWConfigOf(const v1::TrainConfig& train);
 
-// The learning-rate schedule of a resolved train config.
+// The learning-rate schedule of a resolved train config (its peak is
+// train.lr, AdamWConfigOf's).
 LrSchedule LrScheduleOf(const v1::TrainConfig& train);
 
 // The block-diffusion knobs of a train config: its set fields, the defaults

@@ -23,18 +23,18 @@ int main(int argc, char** argv) {
   shardd::LrSchedule s;
   absl::Status status =
       shardd::ParseLrScheduleKind(absl::GetFlag(FLAGS_kind), &s.kind);
-  s.lr = absl::GetFlag(FLAGS_lr);
+  const double lr = absl::GetFlag(FLAGS_lr);
   s.warmup_steps = absl::GetFlag(FLAGS_warmup);
   s.decay_steps = absl::GetFlag(FLAGS_decay);
   s.min_lr = absl::GetFlag(FLAGS_min_lr);
-  if (status.ok()) status = shardd::ValidateLrSchedule(s);
+  if (status.ok()) status = shardd::ValidateLrSchedule(s, lr);
   if (!status.ok()) {
     std::fprintf(stderr, "lr_schedule_dump: %s\n", status.ToString().c_str());
     return 1;
   }
   std::printf("[");
   for (int64_t i = 0; i < absl::GetFlag(FLAGS_steps); ++i) {
-    std::printf("%s%.17g", i == 0 ? "" : ", ", s.At(i));
+    std::printf("%s%.17g", i == 0 ? "" : ", ", s.At(lr, i));
   }
   std::printf("]\n");
   return 0;

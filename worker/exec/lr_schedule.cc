@@ -7,7 +7,7 @@
 
 namespace shardd {
 
-double LrSchedule::At(int64_t step) const {
+double LrSchedule::At(double lr, int64_t step) const {
   if (step < 0) step = 0;
   if (step < warmup_steps) {
     return lr * static_cast<double>(step + 1) /
@@ -52,10 +52,10 @@ const char* LrScheduleKindName(LrSchedule::Kind kind) {
   return "constant";
 }
 
-absl::Status ValidateLrSchedule(const LrSchedule& s) {
-  if (!std::isfinite(s.lr) || s.lr <= 0) {
+absl::Status ValidateLrSchedule(const LrSchedule& s, double lr) {
+  if (!std::isfinite(lr) || lr <= 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("train.lr: must be finite and > 0, got ", s.lr));
+        absl::StrCat("train.lr: must be finite and > 0, got ", lr));
   }
   if (s.warmup_steps < 0) {
     return absl::InvalidArgumentError(
@@ -66,9 +66,9 @@ absl::Status ValidateLrSchedule(const LrSchedule& s) {
         "train.decay_steps: the decay must end at or after the warmup (",
         s.warmup_steps, " steps), got ", s.decay_steps));
   }
-  if (!std::isfinite(s.min_lr) || s.min_lr < 0 || s.min_lr > s.lr) {
+  if (!std::isfinite(s.min_lr) || s.min_lr < 0 || s.min_lr > lr) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "train.min_lr: must be in [0, lr = ", s.lr, "], got ", s.min_lr));
+        "train.min_lr: must be in [0, lr = ", lr, "], got ", s.min_lr));
   }
   return absl::OkStatus();
 }

@@ -22,17 +22,17 @@
 
 namespace shardd {
 
+// The shape of a schedule; its peak `lr` (AdamW's) is given to At.
 struct LrSchedule {
   enum class Kind { kConstant, kCosine, kLinear };
   Kind kind = Kind::kConstant;
-  double lr = 1e-3;          // the peak, > 0
   int64_t warmup_steps = 0;  // W >= 0
   int64_t decay_steps = 0;   // W + T: where the decay reaches lr_min
   double min_lr = 0.0;       // in [0, lr]
 
   // The rate of optimizer step `step` (0-based: the job's first step is
-  // 0, a resumed one continues the count).
-  double At(int64_t step) const;
+  // 0, a resumed one continues the count) at peak `lr`.
+  double At(double lr, int64_t step) const;
 };
 
 // "constant", "cosine" or "linear"; INVALID_ARGUMENT naming
@@ -42,10 +42,10 @@ absl::Status ParseLrScheduleKind(const std::string& name,
 const char* LrScheduleKindName(LrSchedule::Kind kind);
 
 // INVALID_ARGUMENT naming the field (train.lr, train.warmup_steps,
-// train.decay_steps, train.min_lr): lr not finite or <= 0, a negative
-// warmup, decay_steps below warmup_steps for a decaying schedule, min_lr
-// not finite, negative or above lr.
-absl::Status ValidateLrSchedule(const LrSchedule& s);
+// train.decay_steps, train.min_lr): the peak lr not finite or <= 0, a
+// negative warmup, decay_steps below warmup_steps for a decaying schedule,
+// min_lr not finite, negative or above lr.
+absl::Status ValidateLrSchedule(const LrSchedule& s, double lr);
 
 }  // namespace shardd
 

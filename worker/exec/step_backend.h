@@ -43,9 +43,8 @@ struct StepExecutorOptions {
   const InitialValues* initial_values = nullptr;
   // Bounds every collective (each wait for a peer).
   absl::Duration collective_timeout = absl::Seconds(60);
-  // AdamW's hyper-parameters; adamw.lr is the peak rate, which
-  // lr_schedule's kind, warmup, decay and floor shape per step (its own lr
-  // is ignored; the default, constant, keeps adamw.lr).
+  // AdamW's hyper-parameters; adamw.lr is the peak rate, which lr_schedule
+  // shapes per step (the default, constant, keeps adamw.lr).
   kernels::AdamWConfig adamw;
   LrSchedule lr_schedule;
   // Global gradient-norm clipping threshold; 0 turns clipping off (the norm
@@ -64,9 +63,7 @@ struct StepExecutorOptions {
 // at the peak adamw.lr.
 inline double StepLearningRate(const StepExecutorOptions& options,
                                int64_t step) {
-  LrSchedule schedule = options.lr_schedule;
-  schedule.lr = options.adamw.lr;
-  return schedule.At(step);
+  return options.lr_schedule.At(options.adamw.lr, step);
 }
 
 // Collectives this rank issued during one step (communicator stats deltas;
