@@ -31,6 +31,17 @@ kernels::AttentionOptions SelfAttentionOptions(const MoeArchitecture& arch,
   return o;
 }
 
+kernels::RopeShape HeadsRopeShape(int64_t tokens, int64_t heads,
+                                  int64_t head_stride, int64_t dim_offset) {
+  kernels::RopeShape shape;
+  shape.tokens = tokens;
+  shape.heads = heads;
+  shape.token_stride = heads * head_stride;
+  shape.head_stride = head_stride;
+  shape.dim_offset = dim_offset;
+  return shape;
+}
+
 kernels::RopeLayout RopeLayoutOf(const MoeArchitecture& arch) {
   return arch.rope.interleaved ? kernels::RopeLayout::kInterleaved
                                : kernels::RopeLayout::kHalf;

@@ -26,6 +26,12 @@ kernels::AttentionOptions SelfAttentionOptions(const MoeArchitecture& arch,
 
 kernels::RopeLayout RopeLayoutOf(const MoeArchitecture& arch);
 
+// RoPE on `heads` heads of `head_stride` elements per token (packed, so
+// heads * head_stride per token), from dim `dim_offset` of each head on (the
+// rope part of an MLA head; 0 elsewhere).
+kernels::RopeShape HeadsRopeShape(int64_t tokens, int64_t heads,
+                                  int64_t head_stride, int64_t dim_offset = 0);
+
 // The RoPE table for positions [0, seq). Errors: INVALID_ARGUMENT for seq
 // beyond the model's max_position_embeddings, and BuildRopeTable's.
 absl::StatusOr<kernels::RopeTable> RopeTableFor(const MoeArchitecture& arch,

@@ -16,24 +16,8 @@
 #include "worker/model/device_mla_kernels.h"
 
 namespace shardd {
-namespace {
 
 namespace kc = ::shardd::kernels::cuda;
-
-// RoPE on `width` = rope dims at `offset` of every one of `heads` rows of
-// `stride` elements per token.
-kernels::RopeShape RopeOn(int64_t tokens, int64_t heads, int64_t stride,
-                          int64_t offset) {
-  kernels::RopeShape shape;
-  shape.tokens = tokens;
-  shape.heads = heads;
-  shape.token_stride = heads * stride;
-  shape.head_stride = stride;
-  shape.dim_offset = offset;
-  return shape;
-}
-
-}  // namespace
 
 void DeviceMlaActs::Reset() {
   for (DeviceBuffer* b :
@@ -120,12 +104,12 @@ absl::Status DeviceMlaBlock::Forward(const MoeLayerSpec& layer,
       cublas_, t, h * wb, rkv, acts->c_n.data(), rkv, false, p.wkvb, rkv, true,
       0.0f, kvb.data(), dt, h * wb, "kv_b_proj"));
   // RoPE on the rope parts: every query head's and the one shared key.
+  SHARDD_RETURN_IF_ERROR(
+      kc::RopeRotate(rope_table, layout, HeadsRopeShape(t, h, qk, nope),
+                     positions, acts->q.as<T>(), false, stream_));
   SHARDD_RETURN_IF_ERROR(kc::RopeRotate(rope_table, layout,
-                                        RopeOn(t, h, qk, nope), positions,
-                                        acts->q.as<T>(), false, stream_));
-  SHARDD_RETURN_IF_ERROR(kc::RopeRotate(rope_table, layout,
-                                        RopeOn(t, 1, rope, 0), positions,
-                                        kr.as<T>(), false, stream_));
+                                        HeadsRopeShape(t, 1, rope, 0),
+                                        positions, kr.as<T>(), false, stream_));
   // k = [k_nope ; k_rope shared by the heads], v.
   SHARDD_ASSIGN_OR_RETURN(acts->k, Alloc(t * h * qk * kElem));
   SHARDD_ASSIGN_OR_RETURN(acts->v, Alloc(t * h * dv * kElem));
@@ -204,17 +188,17 @@ absl::Status DeviceMlaBlock::Backward(const MoeLayerSpec& layer,
       ws.data(), ws_bytes, stream_));
   // RoPE's backward is the inverse rotation; the shared rope key collects
   // every head's gradient first (fp32, heads in order, as the CPU).
-  SHARDD_RETURN_IF_ERROR(kc::RopeRotate(rope_table, layout,
-                                        RopeOn(t, h, qk, nope), positions,
-                                        dq.as<float>(), true, stream_));
+  SHARDD_RETURN_IF_ERROR(
+      kc::RopeRotate(rope_table, layout, HeadsRopeShape(t, h, qk, nope),
+                     positions, dq.as<float>(), true, stream_));
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer dkva32, Alloc(t * wa * 4));
   SHARDD_CUDA_RETURN_IF_ERROR(
       device_model::LaunchSumHeads(dk.as<float>() + nope, t, h, qk, rope,
                                    dkva32.as<float>() + rkv, wa, stream_),
       "mla: shared k_rope gradient");
-  SHARDD_RETURN_IF_ERROR(kc::RopeRotate(rope_table, layout,
-                                        RopeOn(t, 1, wa, rkv), positions,
-                                        dkva32.as<float>(), true, stream_));
+  SHARDD_RETURN_IF_ERROR(
+      kc::RopeRotate(rope_table, layout, HeadsRopeShape(t, 1, wa, rkv),
+                     positions, dkva32.as<float>(), true, stream_));
   // kv_b_proj's output gradient [k_nope ; v] per head, in storage type T.
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer dkvb, Alloc(t * h * wb * kElem));
   SHARDD_CUDA_RETURN_IF_ERROR(

@@ -7,6 +7,7 @@
 #include "common/status_macros.h"
 #include "kernels/cpu/linear.h"
 #include "kernels/cpu/rms_norm.h"
+#include "worker/model/attention_geometry.h"
 
 namespace shardd {
 
@@ -66,14 +67,10 @@ absl::Status GemmaLayerBlock::Rotate(const MoeLayerSpec& layer,
   for (int64_t t = 0; t < tokens; ++t) {
     positions_[t] = static_cast<int32_t>(t % seq + offset);
   }
-  kernels::RopeShape shape;
-  shape.tokens = tokens;
-  shape.heads = heads;
-  shape.head_stride = layer.layer_head_dim;
-  shape.token_stride = heads * layer.layer_head_dim;
-  return kernels::RopeRotate(layer.sliding ? sliding_rope_ : full_rope_,
-                             kernels::RopeLayout::kHalf, shape,
-                             positions_.data(), x->data(), inverse);
+  return kernels::RopeRotate(
+      layer.sliding ? sliding_rope_ : full_rope_, kernels::RopeLayout::kHalf,
+      HeadsRopeShape(tokens, heads, layer.layer_head_dim), positions_.data(),
+      x->data(), inverse);
 }
 
 std::vector<GemmaLayerBlock::DecodeBlock> GemmaLayerBlock::Blocks(

@@ -31,13 +31,8 @@ absl::Status MlaBlock::Rotate(float* x, int64_t tokens, int64_t seq,
   for (int64_t t = 0; t < tokens; ++t) {
     positions_[t] = static_cast<int32_t>(t % seq);
   }
-  kernels::RopeShape shape;
-  shape.tokens = tokens;
-  shape.heads = heads;
-  shape.token_stride = heads * stride;
-  shape.head_stride = stride;
-  shape.dim_offset = offset;
-  return kernels::RopeRotate(rope_, RopeLayoutOf(*arch_), shape,
+  return kernels::RopeRotate(rope_, RopeLayoutOf(*arch_),
+                             HeadsRopeShape(tokens, heads, stride, offset),
                              positions_.data(), x, inverse);
 }
 
