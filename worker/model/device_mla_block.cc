@@ -234,19 +234,11 @@ absl::Status DeviceMlaBlock::Backward(const MoeLayerSpec& layer,
                                         rkv, stream_),
         "mla: latent gradient");
   }
-  if constexpr (std::is_same<T, float>::value) {
-    SHARDD_CUDA_RETURN_IF_ERROR(
-        device_model::LaunchStridedCopy(dkva32.as<float>() + rkv, wa, 1,
-                                        dkva.as<float>() + rkv, wa, t, rope,
-                                        stream_),
-        "mla: rope key gradient");
-  } else {
-    SHARDD_CUDA_RETURN_IF_ERROR(
-        device_model::LaunchStridedCopy(dkva32.as<float>() + rkv, wa, 1,
-                                        dkva.as<uint16_t>() + rkv, wa, t, rope,
-                                        stream_),
-        "mla: rope key gradient");
-  }
+  // fp32 -> T (a copy for fp32, rounded for bf16: the launcher's overloads).
+  SHARDD_CUDA_RETURN_IF_ERROR(
+      device_model::LaunchStridedCopy(dkva32.as<float>() + rkv, wa, 1,
+                                      dkva.as<T>() + rkv, wa, t, rope, stream_),
+      "mla: rope key gradient");
   if (layer.attention_bias && p.dbkva != nullptr) {
     SHARDD_RETURN_IF_ERROR(
         kc::BiasBackward(dkva.as<T>(), t, wa, p.dbkva, stream_));
