@@ -137,6 +137,16 @@ absl::Status MoeModel::Run(const v1::Command& command, ParamSource* params) {
   return absl::OkStatus();
 }
 
+absl::Status MoeModel::Impl::FinalNormForward(ParamSource* params, int64_t t,
+                                              PassActs* a) {
+  SHARDD_ASSIGN_OR_RETURN(const float* norm_w, params->Param(final_norm.name));
+  a->final_x = a->x;
+  a->final_inv.resize(t);
+  a->h.resize(t * dim);
+  return kernels::RmsNormForward(a->final_x.data(), norm_w, t, dim, eps,
+                                 a->h.data(), a->final_inv.data());
+}
+
 absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
   if (diffusion) return DiffusionForward(c, params);
   const int pass = c.pass();
@@ -274,14 +284,7 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
       return absl::OkStatus();
     }
     case Command::HEAD: {
-      SHARDD_ASSIGN_OR_RETURN(const float* norm_w,
-                              params->Param(final_norm.name));
-      a.final_x = a.x;
-      a.final_inv.resize(t);
-      a.h.resize(t * dim);
-      SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(a.final_x.data(), norm_w,
-                                                     t, dim, eps, a.h.data(),
-                                                     a.final_inv.data()));
+      SHARDD_RETURN_IF_ERROR(FinalNormForward(params, t, &a));
       if (aux_on()) {
         // fp32 for the all-reduce; the counts stay exact.
         for (int64_t e = 0; e < aux_experts; ++e) {

@@ -91,14 +91,7 @@ absl::Status MoeModel::Impl::DiffusionForward(const Command& c,
       return absl::OkStatus();
     }
     case Command::HEAD: {
-      SHARDD_ASSIGN_OR_RETURN(const float* norm_w,
-                              params->Param(final_norm.name));
-      a.final_x = a.x;
-      a.final_inv.resize(t);
-      a.h.resize(t * dim);
-      SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(a.final_x.data(), norm_w,
-                                                     t, dim, eps, a.h.data(),
-                                                     a.final_inv.data()));
+      SHARDD_RETURN_IF_ERROR(FinalNormForward(params, t, &a));
       if (pass != 1) return absl::OkStatus();  // Losses in BACKWARD(HEAD).
       std::vector<float>& probs = batch.sc_probs;
       if (hold_self_conditioning &&

@@ -197,6 +197,8 @@ struct MoeModel::Impl : MoeArchitecture {
 
   absl::Status Forward(const Command& c, ParamSource* params);
   absl::Status Backward(const Command& c, ParamSource* params);
+  // FORWARD(HEAD)'s final norm of a.x (t tokens): a.final_x, final_inv, h.
+  absl::Status FinalNormForward(ParamSource* params, int64_t t, PassActs* a);
   // The block-diffusion step's commands (moe_model_diffusion.cc).
   absl::Status DiffusionForward(const Command& c, ParamSource* params);
   absl::Status DiffusionBackward(const Command& c, ParamSource* params);
