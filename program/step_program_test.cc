@@ -113,6 +113,13 @@ v1::ShardingPlan ExpertsOwnUnitPlan() {
   return plan;
 }
 
+// How many of the program's commands are `op`.
+int CountOps(const v1::StepProgram& program, Command::Op op) {
+  int n = 0;
+  for (const Command& c : program.commands()) n += c.op() == op;
+  return n;
+}
+
 std::vector<std::string> Lines(const v1::StepProgram& program) {
   std::vector<std::string> lines;
   for (const Command& c : program.commands()) {
@@ -386,14 +393,8 @@ TEST(StepProgramTest, PassesAndNoGradPasses) {
   // Each layer is gathered in each of the 3 forward and 2 backward passes,
   // the root once; each layer reduce-scatters after each grad pass, the
   // root once.
-  int unshards = 0;
-  int reduce_scatters = 0;
-  for (const Command& c : program.commands()) {
-    unshards += c.op() == Command::UNSHARD;
-    reduce_scatters += c.op() == Command::REDUCE_SCATTER;
-  }
-  EXPECT_EQ(unshards, 2 * (3 + 2) + 1);
-  EXPECT_EQ(reduce_scatters, 2 * 2 + 1);
+  EXPECT_EQ(CountOps(program, Command::UNSHARD), 2 * (3 + 2) + 1);
+  EXPECT_EQ(CountOps(program, Command::REDUCE_SCATTER), 2 * 2 + 1);
 }
 
 // DiffusionGemma's 3-pass step: encode (gradients), self-conditioning
@@ -449,14 +450,8 @@ TEST(StepProgramTest, BlockDiffusionPassLayout) {
                             }));
   // The same gathers and reduce-scatters as any 3-pass step with two grad
   // passes: only which pass builds no graph moves.
-  int unshards = 0;
-  int reduce_scatters = 0;
-  for (const Command& c : program.commands()) {
-    unshards += c.op() == Command::UNSHARD;
-    reduce_scatters += c.op() == Command::REDUCE_SCATTER;
-  }
-  EXPECT_EQ(unshards, 2 * (3 + 2) + 1);
-  EXPECT_EQ(reduce_scatters, 2 * 2 + 1);
+  EXPECT_EQ(CountOps(program, Command::UNSHARD), 2 * (3 + 2) + 1);
+  EXPECT_EQ(CountOps(program, Command::REDUCE_SCATTER), 2 * 2 + 1);
 }
 
 TEST(StepProgramTest, BlockDiffusionRefusesTheNoGradFirstLayout) {
