@@ -233,9 +233,10 @@ absl::StatusOr<ChartSpec> PlanTimelineChart(const v1::ShardingPlan& plan,
   return chart;
 }
 
-ChartSpec LossChart(const std::string& title,
-                    const std::vector<std::pair<double, double>>& losses,
-                    double entropy_rate) {
+ChartSpec LossChart(
+    const std::string& title,
+    const std::vector<std::pair<double, double>>& losses, double entropy_rate,
+    const std::vector<std::pair<double, double>>& eval_losses) {
   ChartSpec chart;
   chart.title = title;
   chart.x_label = "step";
@@ -247,10 +248,25 @@ ChartSpec LossChart(const std::string& title,
   line.steps = false;
   line.points = losses;
   chart.lines.push_back(std::move(line));
+  if (!eval_losses.empty()) {
+    LineSeries eval;
+    eval.label = "held-out loss";
+    eval.color = "#d9822b";
+    eval.steps = false;
+    eval.points = eval_losses;
+    chart.lines.push_back(std::move(eval));
+  }
   if (!losses.empty()) {
     chart.subtitle = absl::StrFormat(
         "%d steps: loss %.4f -> %.4f", static_cast<int>(losses.size()),
         losses.front().second, losses.back().second);
+    if (!eval_losses.empty()) {
+      absl::StrAppend(&chart.subtitle,
+                      absl::StrFormat("; held-out %.4f at step %d",
+                                      eval_losses.back().second,
+                                      static_cast<int>(
+                                          eval_losses.back().first)));
+    }
   }
   if (entropy_rate > 0) {
     chart.references.push_back(

@@ -29,11 +29,13 @@ absl::StatusOr<ChartSpec> PlanTimelineChart(const v1::ShardingPlan& plan,
                                             const std::string& model_name,
                                             const v1::ShardingPlan* compare);
 
-// A loss curve: (step, loss) points, and the data's entropy rate (the best
-// reachable loss) as a reference line when > 0.
-ChartSpec LossChart(const std::string& title,
-                    const std::vector<std::pair<double, double>>& losses,
-                    double entropy_rate);
+// A loss curve: (step, loss) points, the held-out loss of the evaluations
+// as a second line when there are any, and the data's entropy rate (the
+// best reachable loss) as a reference line when > 0.
+ChartSpec LossChart(
+    const std::string& title,
+    const std::vector<std::pair<double, double>>& losses, double entropy_rate,
+    const std::vector<std::pair<double, double>>& eval_losses = {});
 
 }  // namespace shardd
 

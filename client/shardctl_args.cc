@@ -219,6 +219,9 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                              "--warmup-steps",
                                              "--decay-steps",
                                              "--min-lr",
+                                             "--eval-data",
+                                             "--eval-every",
+                                             "--eval-batches",
                                              "--loss-svg",
                                              "--max-recoveries",
                                              "--reconnect-timeout"});
@@ -428,6 +431,17 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
   } else if (flag == "--data") {
     if (value.empty()) return Usage("--data: expected a file path");
     args->train.set_data_path(value);
+  } else if (flag == "--eval-data") {
+    if (value.empty()) return Usage("--eval-data: expected a file path");
+    args->train.set_eval_data_path(value);
+  } else if (flag == "--eval-every" || flag == "--eval-batches") {
+    absl::StatusOr<int32_t> n = ParseInt(flag, value, 1);
+    if (!n.ok()) return n.status();
+    if (flag == "--eval-every") {
+      args->train.set_eval_every(*n);
+    } else {
+      args->train.set_eval_batches(*n);
+    }
   } else if (flag == "--lr" || flag == "--grad-clip" ||
              flag == "--weight-decay") {
     double x = 0;
@@ -783,6 +797,12 @@ absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
         return Usage(
             "train: exactly one of --model FILE or --model-id ID is "
             "required");
+      }
+      if (seen.count("--eval-data") == 0 &&
+          (seen.count("--eval-every") > 0 || seen.count("--eval-batches") > 0)) {
+        return Usage(
+            "train: --eval-every and --eval-batches need --eval-data FILE (the "
+            "held-out token file)");
       }
       if (has_id) {
         // The stored model's plan options are fixed.

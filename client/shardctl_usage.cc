@@ -128,6 +128,13 @@ Job:
   --data PATH                  token file on the workers (.bin of uint16 /
                                uint32 ids, or text read as bytes); default:
                                synthetic Markov data from --seed
+  --eval-data PATH             held-out token file: after every --eval-every
+                               steps and after the last, the loss on its
+                               first --eval-batches global batches (read in
+                               order; forward only, nothing updated)
+  --eval-every N               steps between evaluations (default: only
+                               after the last step)
+  --eval-batches K             global batches per evaluation (default 4)
   --data-order O               random (default: each window of --data at a
                                drawn offset) or strided (the file in order,
                                epoch after epoch)

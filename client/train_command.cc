@@ -27,10 +27,16 @@ absl::Status WriteLossSvg(const ShardctlArgs& args,
                           const std::string& model_name,
                           const v1::ShardingPlan& plan, int world_size,
                           const std::vector<v1::StepEvent>& events,
+                          const std::vector<v1::StepEvent>& evals,
                           double entropy_rate, std::ostream* out) {
   std::vector<std::pair<double, double>> losses;
   for (const v1::StepEvent& event : events) {
     losses.push_back({static_cast<double>(event.step()), event.loss()});
+  }
+  std::vector<std::pair<double, double>> eval_losses;
+  for (const v1::StepEvent& event : evals) {
+    eval_losses.push_back(
+        {static_cast<double>(event.step()), event.eval_loss()});
   }
   if (losses.empty()) {
     return absl::FailedPreconditionError(
@@ -39,7 +45,7 @@ absl::Status WriteLossSvg(const ShardctlArgs& args,
   const ChartSpec chart =
       LossChart(absl::StrCat(model_name, ": training loss, ", plan.strategy(),
                              ", world size ", world_size),
-                losses, entropy_rate);
+                losses, entropy_rate, eval_losses);
   absl::StatusOr<std::string> svg = RenderChartSvg(chart);
   if (!svg.ok()) return svg.status();
   absl::Status written = WriteTextFile("--loss-svg", args.loss_svg_path, *svg);
@@ -170,6 +176,9 @@ absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
   // The committed trajectory: a rollback to a checkpoint drops the steps
   // after it (they run again).
   std::vector<v1::StepEvent> events;
+  // Evaluations, in order (a rollback keeps those of the dropped steps: they
+  // were measured).
+  std::vector<v1::StepEvent> evals;
   // Interruptions and recoveries, in order, as printed.
   std::vector<std::string> incidents;
   std::string failure;
@@ -207,6 +216,20 @@ absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
       } else {
         progress.Close();
         out << line << "\n" << std::flush;
+      }
+      return true;
+    }
+    if (event.has_eval_loss()) {
+      evals.push_back(event);
+      if (args.json) {
+        nlohmann::ordered_json line_json;
+        line_json["event"] = "eval";
+        line_json["step"] = event.step();
+        line_json["eval_loss"] = event.eval_loss();
+        line_json["eval_tokens"] = event.eval_tokens();
+        out << line_json.dump() << "\n" << std::flush;
+      } else {
+        progress.Eval(event);
       }
       return true;
     }
@@ -259,7 +282,7 @@ absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
     return absl::AbortedError(
         absl::StrCat("job ", job->job_id(), " failed: ", failure));
   }
-  const TrainSummary summary = SummarizeTraining(events);
+  const TrainSummary summary = SummarizeTraining(events, evals);
   if (args.json) {
     nlohmann::ordered_json json;
     json["event"] = "summary";
@@ -292,6 +315,14 @@ absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
         checkpoints.push_back(event.checkpoint());
     }
     json["checkpoints"] = std::move(checkpoints);
+    nlohmann::ordered_json eval_losses = nlohmann::ordered_json::array();
+    nlohmann::ordered_json eval_steps = nlohmann::ordered_json::array();
+    for (const v1::StepEvent& event : evals) {
+      eval_losses.push_back(event.eval_loss());
+      eval_steps.push_back(event.step());
+    }
+    json["eval_losses"] = std::move(eval_losses);
+    json["eval_step_numbers"] = std::move(eval_steps);
     json["incidents"] = incidents;
     out << json.dump() << "\n";
   } else {
@@ -304,7 +335,7 @@ absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
   }
   if (!args.loss_svg_path.empty()) {
     absl::Status drawn =
-        WriteLossSvg(args, model_name, plan, job->world_size(), events,
+        WriteLossSvg(args, model_name, plan, job->world_size(), events, evals,
                      summary.entropy_rate, args.json ? nullptr : &out);
     if (!drawn.ok()) return drawn;
   }

@@ -37,6 +37,36 @@ void TrainProgress::Update(const v1::StepEvent& event) {
   if (recent_seconds_.size() > kWindow) {
     recent_seconds_.erase(recent_seconds_.begin());
   }
+  last_ = event;
+  has_last_ = true;
+  if (tty_) {
+    // \r returns to the line start; \x1b[K clears what a longer line left.
+    out_ << "\r" << Line(event) << "\x1b[K" << std::flush;
+    line_open_ = true;
+  } else if (event.step() == 1 || event.step() % every_ == 0 ||
+             event.step() >= total_ || event.done()) {
+    out_ << Line(event) << "\n" << std::flush;
+  }
+}
+
+void TrainProgress::Eval(const v1::StepEvent& event) {
+  eval_loss_ = event.eval_loss();
+  has_eval_ = true;
+  if (tty_) {
+    if (has_last_) {
+      out_ << "\r" << Line(last_) << "\x1b[K" << std::flush;
+      line_open_ = true;
+    }
+    return;
+  }
+  out_ << absl::StrFormat("eval after step %*d/%d  held-out loss %.4f (%s "
+                          "tokens)\n",
+                          Digits(total_), event.step(), total_,
+                          event.eval_loss(), HumanCount(event.eval_tokens()))
+       << std::flush;
+}
+
+std::string TrainProgress::Line(const v1::StepEvent& event) const {
   double mean_seconds = 0;
   for (double seconds : recent_seconds_) mean_seconds += seconds;
   mean_seconds /= static_cast<double>(recent_seconds_.size());
@@ -45,26 +75,23 @@ void TrainProgress::Update(const v1::StepEvent& event) {
   // from an older coordinator carries 0).
   const std::string lr =
       event.lr() > 0 ? absl::StrFormat(" | lr %.3g", event.lr()) : "";
+  const std::string eval =
+      has_eval_ ? absl::StrFormat(" | eval %.4f", eval_loss_) : "";
   const std::string stats = absl::StrFormat(
-      "loss %.4f%s | %s tok/s | ETA %s", event.loss(), lr,
+      "loss %.4f%s%s | %s tok/s | ETA %s", event.loss(), eval, lr,
       HumanCount(static_cast<int64_t>(event.tokens_per_second())),
       ShortDuration(mean_seconds * static_cast<double>(left)));
-  if (tty_) {
-    const int filled = static_cast<int>(
-        std::min<int64_t>(kBarWidth, kBarWidth * event.step() / total_));
-    std::string bar(kBarWidth, ' ');
-    for (int i = 0; i < filled; ++i) bar[i] = '=';
-    if (filled < kBarWidth) bar[filled] = '>';
-    // \r returns to the line start; \x1b[K clears what a longer line left.
-    out_ << absl::StrFormat("\rstep %*d/%d [%s] %s\x1b[K", Digits(total_),
-                            event.step(), total_, bar, stats)
-         << std::flush;
-    line_open_ = true;
-  } else if (event.step() == 1 || event.step() % every_ == 0 || event.done()) {
-    out_ << absl::StrFormat("step %*d/%d  %s\n", Digits(total_), event.step(),
-                            total_, stats)
-         << std::flush;
+  if (!tty_) {
+    return absl::StrFormat("step %*d/%d  %s", Digits(total_), event.step(),
+                           total_, stats);
   }
+  const int filled = static_cast<int>(
+      std::min<int64_t>(kBarWidth, kBarWidth * event.step() / total_));
+  std::string bar(kBarWidth, ' ');
+  for (int i = 0; i < filled; ++i) bar[i] = '=';
+  if (filled < kBarWidth) bar[filled] = '>';
+  return absl::StrFormat("step %*d/%d [%s] %s", Digits(total_), event.step(),
+                         total_, bar, stats);
 }
 
 void TrainProgress::Close() {
@@ -72,8 +99,14 @@ void TrainProgress::Close() {
   line_open_ = false;
 }
 
-TrainSummary SummarizeTraining(const std::vector<v1::StepEvent>& events) {
+TrainSummary SummarizeTraining(const std::vector<v1::StepEvent>& events,
+                               const std::vector<v1::StepEvent>& evals) {
   TrainSummary summary;
+  if (!evals.empty()) {
+    summary.eval_step = evals.back().step();
+    summary.eval_loss = evals.back().eval_loss();
+    summary.eval_tokens = evals.back().eval_tokens();
+  }
   if (events.empty()) return summary;
   summary.steps = events.back().step();
   summary.first_loss = events.front().loss();
@@ -122,6 +155,13 @@ std::string FormatTrainSummary(const TrainSummary& s) {
                               s.entropy_rate, s.gap_percent));
   } else {
     absl::StrAppend(&out, "  data entropy rate    unknown (token file data)\n");
+  }
+  if (s.eval_step > 0) {
+    absl::StrAppend(
+        &out, absl::StrFormat("  held-out loss        %.4f after step %d (%s "
+                              "eval tokens)\n",
+                              s.eval_loss, s.eval_step,
+                              HumanCount(s.eval_tokens)));
   }
   if (s.one_token_loss > s.entropy_rate + 1e-9 && s.entropy_rate > 0) {
     absl::StrAppend(

@@ -23,6 +23,9 @@ class TrainProgress {
                 int32_t every);
 
   void Update(const v1::StepEvent& event);
+  // An evaluation's event (eval_loss set): shown as "| eval X" on the
+  // progress line from now on; without a terminal also a line of its own.
+  void Eval(const v1::StepEvent& event);
   // Ends the terminal line, before other output.
   void Close();
 
@@ -31,8 +34,14 @@ class TrainProgress {
   const bool tty_;
   const int32_t total_;
   const int32_t every_;
+  std::string Line(const v1::StepEvent& event) const;
+
   std::vector<double> recent_seconds_;
   bool line_open_ = false;
+  v1::StepEvent last_;  // The last step's event (redrawn after an eval).
+  bool has_last_ = false;
+  double eval_loss_ = 0;
+  bool has_eval_ = false;
 };
 
 struct TrainSummary {
@@ -54,10 +63,16 @@ struct TrainSummary {
   int64_t planned_peak = 0;
   int64_t all_gathers = 0;  // Per rank, in the last step.
   int64_t reduce_scatters = 0;
+  // The last evaluation (eval_step 0: none): held-out loss and tokens.
+  int64_t eval_step = 0;
+  double eval_loss = 0;
+  int64_t eval_tokens = 0;
 };
 
-// Summarizes a job's step events (in step order, without the error event).
-TrainSummary SummarizeTraining(const std::vector<v1::StepEvent>& events);
+// Summarizes a job's step events (in step order, without the error event)
+// and its evaluations' events (in order; may be empty).
+TrainSummary SummarizeTraining(const std::vector<v1::StepEvent>& events,
+                               const std::vector<v1::StepEvent>& evals = {});
 
 // The summary block `shardctl train` prints.
 std::string FormatTrainSummary(const TrainSummary& summary);

@@ -23,6 +23,15 @@ PassLayout PassLayout::For(absl::string_view architecture, int passes,
   return layout;
 }
 
+PassLayout PassLayout::ForEval(absl::string_view architecture, int passes,
+                               int no_grad_passes) {
+  PassLayout layout = For(architecture, passes, no_grad_passes);
+  layout.requires_grad_.assign(layout.requires_grad_.size(), false);
+  layout.backward_order_.clear();
+  layout.eval_ = true;
+  return layout;
+}
+
 bool PassLayout::requires_grad(int pass) const {
   return pass >= 0 && pass < passes() && requires_grad_[pass];
 }

@@ -28,6 +28,10 @@ class PassLayout {
   // passes (the callers check the step shape first).
   static PassLayout For(absl::string_view architecture, int passes,
                         int no_grad_passes);
+  // The same passes run forward only (an eval program): none builds a
+  // graph, none has a backward.
+  static PassLayout ForEval(absl::string_view architecture, int passes,
+                            int no_grad_passes);
 
   int passes() const { return static_cast<int>(requires_grad_.size()); }
   // False for a pass outside [0, passes).
@@ -35,11 +39,13 @@ class PassLayout {
   // The passes with gradients, last first: the order of their backwards.
   const std::vector<int>& backward_order() const { return backward_order_; }
   bool block_diffusion() const { return block_diffusion_; }
+  bool eval() const { return eval_; }
 
  private:
   std::vector<bool> requires_grad_;
   std::vector<int> backward_order_;
   bool block_diffusion_ = false;
+  bool eval_ = false;
 };
 
 }  // namespace shardd

@@ -52,6 +52,7 @@ class Compiler {
 
   absl::Status Run() {
     const int microbatches = step_.microbatches();
+    if (passes_.eval()) return RunEval();
     for (int m = 0; m < microbatches; ++m) {
       microbatch_ = m;
       sync_ = !step_.defer_grad_sync() || m == microbatches - 1;
@@ -68,6 +69,29 @@ class Compiler {
     Command step;
     step.set_op(Command::OPTIMIZER_STEP);
     SHARDD_RETURN_IF_ERROR(Emit(step));
+    return Finish();
+  }
+
+ private:
+  // Forward only: each micro-batch's passes, then every unit resharded (no
+  // slice kept: no backward will re-gather it).
+  absl::Status RunEval() {
+    for (int m = 0; m < step_.microbatches(); ++m) {
+      microbatch_ = m;
+      for (int p = 0; p < step_.passes(); ++p) {
+        SHARDD_RETURN_IF_ERROR(ForwardPass(p));
+      }
+      for (int u = 0; u < static_cast<int>(info_.units.size()); ++u) {
+        SHARDD_RETURN_IF_ERROR(WaitIfPending(u));
+        if (runner_->state(u).gathered) {
+          SHARDD_RETURN_IF_ERROR(UnitCommand(Command::RESHARD, u));
+        }
+      }
+    }
+    return Finish();
+  }
+
+  absl::Status Finish() {
     const absl::Status finished = runner_->Finish();
     if (!finished.ok()) {
       return absl::InternalError(
@@ -77,7 +101,6 @@ class Compiler {
     return absl::OkStatus();
   }
 
- private:
   absl::Status ForwardPass(int p) {
     for (int u : info_.root_owners) {
       SHARDD_RETURN_IF_ERROR(Gather(u));
@@ -253,7 +276,9 @@ class Compiler {
     Command c;
     c.set_op(Command::RESHARD);
     c.set_unit(u);
-    if (m.policy == ForwardPolicy::kPartial) c.set_group_size(m.group_size);
+    if (m.policy == ForwardPolicy::kPartial && !passes_.eval()) {
+      c.set_group_size(m.group_size);
+    }
     return Emit(c);
   }
 
@@ -305,8 +330,11 @@ absl::Status CheckHeader(const ShardingPlan& plan, const StepProgram& program) {
 }
 
 PassLayout ProgramPasses(const ShardingPlan& plan, const StepProgram& program) {
-  return PassLayout::For(plan.architecture(), program.passes(),
-                         program.no_grad_passes());
+  return program.eval()
+             ? PassLayout::ForEval(plan.architecture(), program.passes(),
+                                   program.no_grad_passes())
+             : PassLayout::For(plan.architecture(), program.passes(),
+                               program.no_grad_passes());
 }
 
 absl::Status RunProgram(const StepProgram& program, Runner* runner) {
@@ -347,9 +375,7 @@ absl::Status CheckOutputs(v1::MemoryReport* memory, v1::CommReport* comm) {
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::StatusOr<StepProgram> CompileStepProgram(const ShardingPlan& plan) {
+absl::StatusOr<StepProgram> Compile(const ShardingPlan& plan, bool eval) {
   SHARDD_RETURN_IF_ERROR(ValidateStepShape(plan.step()));
   PlanInfo info;
   SHARDD_RETURN_IF_ERROR(AnalyzePlan(plan, &info));
@@ -360,12 +386,22 @@ absl::StatusOr<StepProgram> CompileStepProgram(const ShardingPlan& plan) {
   program.set_passes(step.passes());
   program.set_no_grad_passes(step.no_grad_passes());
   program.set_defer_grad_sync(step.defer_grad_sync());
-  const PassLayout passes = PassLayout::For(plan.architecture(), step.passes(),
-                                            step.no_grad_passes());
+  program.set_eval(eval);
+  const PassLayout passes = ProgramPasses(plan, program);
   Runner runner(info, step.microbatches(), passes, /*replay=*/nullptr);
   Compiler compiler(info, step, passes, &runner, &program);
   SHARDD_RETURN_IF_ERROR(compiler.Run());
   return program;
+}
+
+}  // namespace
+
+absl::StatusOr<StepProgram> CompileStepProgram(const ShardingPlan& plan) {
+  return Compile(plan, /*eval=*/false);
+}
+
+absl::StatusOr<StepProgram> CompileEvalProgram(const ShardingPlan& plan) {
+  return Compile(plan, /*eval=*/true);
 }
 
 absl::Status ValidateStepProgram(const ShardingPlan& plan,

@@ -36,6 +36,15 @@ namespace shardd {
 absl::StatusOr<v1::StepProgram> CompileStepProgram(
     const v1::ShardingPlan& plan);
 
+// The forward-only program of the same plan and step shape (eval = true):
+// per micro-batch every pass's forward without a graph, gathering and
+// resharding as the training step does (a unit resharded after forward to a
+// smaller group is freed instead: nothing re-gathers it), then every unit
+// still gathered resharded; no gradient, no optimizer step. Its replay's
+// peak is at most the training step's. Same errors as CompileStepProgram.
+absl::StatusOr<v1::StepProgram> CompileEvalProgram(
+    const v1::ShardingPlan& plan);
+
 // Checks that `program` is executable on `plan` by every rank: the header
 // (microbatches in [1, kMaxMicrobatches], passes in [1, kMaxPasses],
 // no_grad_passes in [0, passes)), and the commands in order against the unit
@@ -59,7 +68,10 @@ absl::StatusOr<v1::StepProgram> CompileStepProgram(
 //     graph), every owner of the part gathered and waited,
 //     and for BACKWARD the gradient of every trainable owner allocated;
 //   - OPTIMIZER_STEP once, last, after every computation, with every unit
-//     resharded and every unsharded gradient reduce-scattered.
+//     resharded and every unsharded gradient reduce-scattered;
+//   - an eval program (program.eval): the forwards only, none with
+//     requires_grad, no ALLOC_GRAD, BACKWARD, REDUCE_SCATTER or
+//     OPTIMIZER_STEP, and every unit resharded (no slice kept) at the end.
 // Errors: FAILED_PRECONDITION when program.plan_fingerprint is not
 // plan.fingerprint(); INVALID_ARGUMENT naming the header field, or the
 // command index ("commands[12]") and the rule it breaks; INVALID_ARGUMENT

@@ -191,6 +191,100 @@ TEST(StepProgramTest, ExpertsOwnUnitSequence) {
   SHARDD_EXPECT_OK(ValidateStepProgram(plan, program));
 }
 
+TEST(StepProgramTest, EvalProgramSequence) {
+  const v1::ShardingPlan plan = ExpertsOwnUnitPlan();
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::StepProgram program,
+                              CompileEvalProgram(plan));
+  EXPECT_TRUE(program.eval());
+  EXPECT_EQ(program.plan_fingerprint(), 0x5eedu);
+  // The training forward above, without a graph, then everything still
+  // gathered (layer 1, its experts, the root) resharded; no gradient.
+  const std::vector<std::string> expected = {
+      "UNSHARD u4",
+      "FORWARD EMBED p0 m0 no_grad",
+      "UNSHARD u1",
+      "UNSHARD u3 prefetch",
+      "FORWARD LAYER l0 p0 m0 no_grad",
+      "UNSHARD u0",
+      "FORWARD EXPERTS l0 p0 m0 no_grad",
+      "RESHARD u0",
+      "RESHARD u1",
+      "WAIT_UNSHARD u3",
+      "FORWARD LAYER l1 p0 m0 no_grad",
+      "UNSHARD u2",
+      "FORWARD EXPERTS l1 p0 m0 no_grad",
+      "FORWARD HEAD p0 m0 no_grad",
+      "RESHARD u2",
+      "RESHARD u3",
+      "RESHARD u4",
+  };
+  EXPECT_THAT(Lines(program), ElementsAreArray(expected));
+  SHARDD_EXPECT_OK(ValidateStepProgram(plan, program));
+  // Its peak is the training forward's: root, layers 0 and 1, experts 0.
+  v1::MemoryReport memory;
+  v1::CommReport comm;
+  SHARDD_ASSERT_OK(ReplayStepProgram(plan, program, /*include_timeline=*/true,
+                                     &memory, &comm));
+  EXPECT_EQ(memory.peak_unsharded_bytes(), 2 * R + 4 * A + 2 * E);
+  EXPECT_EQ(memory.peak_grad_bytes(), 0);
+  EXPECT_EQ(comm.all_gathers(), 5);
+  EXPECT_EQ(comm.reduce_scatters(), 0);
+  const v1::TimelineEvent& end = memory.timeline(memory.timeline_size() - 1);
+  EXPECT_EQ(end.live_param_bytes(), 0);
+}
+
+TEST(StepProgramValidatorTest, EvalProgramRules) {
+  const v1::ShardingPlan plan = ExpertsOwnUnitPlan();
+  SHARDD_ASSERT_OK_AND_ASSIGN(const v1::StepProgram eval,
+                              CompileEvalProgram(plan));
+  SHARDD_ASSERT_OK_AND_ASSIGN(const v1::StepProgram train,
+                              CompileStepProgram(plan));
+  // A training program marked eval: its first forward builds a graph.
+  v1::StepProgram marked = train;
+  marked.set_eval(true);
+  EXPECT_THAT(ValidateStepProgram(plan, marked),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("eval program builds no graph")));
+  // ... and with graph-free forwards, its first ALLOC_GRAD is refused.
+  for (v1::Command& c : *marked.mutable_commands()) c.set_requires_grad(false);
+  EXPECT_THAT(ValidateStepProgram(plan, marked),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("ALLOC_GRAD u4): an eval program computes "
+                                 "no gradients")));
+  // An eval program run as a training step lacks its backward.
+  v1::StepProgram unmarked = eval;
+  unmarked.set_eval(false);
+  EXPECT_THAT(ValidateStepProgram(plan, unmarked),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  // A forward that builds a graph.
+  v1::StepProgram graph = eval;
+  graph.mutable_commands(1)->set_requires_grad(true);
+  EXPECT_THAT(
+      ValidateStepProgram(plan, graph),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("commands[1] (FORWARD EMBED p0 m0): requires_grad")));
+  // A unit left gathered at the end.
+  v1::StepProgram open = eval;
+  open.mutable_commands()->RemoveLast();
+  EXPECT_THAT(ValidateStepProgram(plan, open),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("unit 4 (<root>) still gathered")));
+  // A slice kept by a partial reshard counts as gathered.
+  v1::StepProgram slice = eval;
+  for (v1::Command& c : *slice.mutable_commands()) {
+    if (c.op() == Command::RESHARD && c.unit() == 4) c.set_group_size(2);
+  }
+  EXPECT_THAT(ValidateStepProgram(plan, slice),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("still gathered")));
+  // An optimizer step appended.
+  v1::StepProgram stepped = eval;
+  stepped.add_commands()->set_op(Command::OPTIMIZER_STEP);
+  EXPECT_THAT(ValidateStepProgram(plan, stepped),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("no optimizer step")));
+}
+
 TEST(StepProgramTest, ExpertsOwnUnitReplay) {
   const v1::ShardingPlan plan = ExpertsOwnUnitPlan();
   SHARDD_ASSERT_OK_AND_ASSIGN(v1::StepProgram program,
@@ -971,6 +1065,29 @@ TEST(StepProgramPropertyTest, RandomPlansCompileValidateAndBalance) {
         ReplayCompiledStep(plan, true, &streamed_memory, &streamed_comm));
     EXPECT_EQ(streamed_memory.SerializeAsString(), memory.SerializeAsString());
     EXPECT_EQ(streamed_comm.SerializeAsString(), comm.SerializeAsString());
+
+    // The eval program of the same plan: valid, forward only, no deeper
+    // than the training step, and it ends with nothing gathered.
+    SHARDD_ASSERT_OK_AND_ASSIGN(v1::StepProgram eval,
+                                CompileEvalProgram(plan));
+    SHARDD_ASSERT_OK(ValidateStepProgram(plan, eval));
+    v1::MemoryReport eval_memory;
+    v1::CommReport eval_comm;
+    SHARDD_ASSERT_OK(
+        ReplayStepProgram(plan, eval, true, &eval_memory, &eval_comm));
+    EXPECT_LE(eval_memory.peak_unsharded_bytes(),
+              memory.peak_unsharded_bytes());
+    EXPECT_EQ(eval_memory.peak_grad_bytes(), 0);
+    EXPECT_EQ(eval_comm.reduce_scatters(), 0);
+    EXPECT_EQ(CountOps(eval, Command::FORWARD),
+              CountOps(program, Command::FORWARD));
+    EXPECT_EQ(CountOps(eval, Command::BACKWARD), 0);
+    for (const Command& c : eval.commands()) ASSERT_FALSE(c.requires_grad());
+    if (eval_memory.timeline_size() > 0) {
+      const v1::TimelineEvent& last =
+          eval_memory.timeline(eval_memory.timeline_size() - 1);
+      EXPECT_EQ(last.live_param_bytes(), 0);
+    }
 
     // Everything gathered is resharded and every gradient reduce-scattered.
     ASSERT_GT(memory.timeline_size(), 0);

@@ -49,6 +49,13 @@ absl::Status Runner::Apply(const Command& c) {
   if (done_) {
     return Fail(index, c, "nothing may follow OPTIMIZER_STEP");
   }
+  if (passes_.eval() &&
+      (c.op() == Command::ALLOC_GRAD || c.op() == Command::REDUCE_SCATTER ||
+       c.op() == Command::BACKWARD || c.op() == Command::OPTIMIZER_STEP)) {
+    return Fail(index, c,
+                "an eval program computes no gradients and takes no "
+                "optimizer step");
+  }
   switch (c.op()) {
     case Command::UNSHARD:
     case Command::RESHARD:
@@ -87,6 +94,20 @@ absl::Status Runner::Apply(const Command& c) {
 
 absl::Status Runner::Finish() const {
   if (done_) return absl::OkStatus();
+  if (passes_.eval() && microbatch_ >= microbatches_) {
+    // Nothing of the evaluation may stay gathered into the next step.
+    for (size_t u = 0; u < states_.size(); ++u) {
+      const UnitState& s = states_[u];
+      if (s.gathered || s.pending || s.slice_group != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "commands[", count_, "]: the eval program ends with ",
+            UnitName(static_cast<int>(u)),
+            " still gathered (RESHARD every unit, with group_size 0, "
+            "before the end)"));
+      }
+    }
+    return absl::OkStatus();
+  }
   return absl::InvalidArgumentError(
       absl::StrCat("commands[", count_,
                    "]: the program ends early: the next step of "
@@ -104,7 +125,9 @@ void Runner::Add(Command::Op op, Command::Part part, int layer, int pass) {
 }
 
 std::string Runner::Expected() const {
-  if (microbatch_ >= microbatches_) return "OPTIMIZER_STEP";
+  if (microbatch_ >= microbatches_) {
+    return passes_.eval() ? "the end of the program" : "OPTIMIZER_STEP";
+  }
   const Computation& next = schedule_[position_];
   Command c;
   c.set_op(next.op);
@@ -225,8 +248,11 @@ const std::vector<int>& Runner::Owners(Command::Part part, int layer) const {
 absl::Status Runner::Run(int index, const Command& c) {
   if (microbatch_ >= microbatches_) {
     return Fail(index, c,
-                "out of order: every computation of the step has run; "
-                "the next command must be OPTIMIZER_STEP");
+                passes_.eval()
+                    ? "out of order: every computation of the eval program "
+                      "has run"
+                    : "out of order: every computation of the step has run; "
+                      "the next command must be OPTIMIZER_STEP");
   }
   const Computation& next = schedule_[position_];
   if (c.op() != next.op || c.part() != next.part || c.layer() != next.layer ||
@@ -242,7 +268,9 @@ absl::Status Runner::Run(int index, const Command& c) {
                 absl::StrCat("requires_grad must be ",
                              passes_.requires_grad(c.pass()) ? "true" : "false",
                              " in pass ", c.pass(),
-                             passes_.block_diffusion()
+                             passes_.eval() ? " (an eval program builds no "
+                                              "graph)"
+                             : passes_.block_diffusion()
                                  ? " (block diffusion: encode, "
                                    "self-conditioning decode without "
                                    "gradients, decode)"
@@ -304,7 +332,7 @@ absl::Status Runner::OptimizerStep(int index, const Command& c) {
 Context Runner::Prepare() const {
   Context context;
   if (microbatch_ >= microbatches_) {
-    context.phase = "optimizer";
+    context.phase = passes_.eval() ? "forward" : "optimizer";
     context.microbatch = microbatches_ - 1;
     context.pass = -1;
     return context;

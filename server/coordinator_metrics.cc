@@ -55,6 +55,12 @@ absl::Status RegisterCoordinatorMetrics(CoordinatorService* service,
                          "Learning rate of a job's last finished step.",
                          {"job_id"}));
   SHARDD_ASSIGN_OR_RETURN(
+      GaugeFamily * eval_loss,
+      registry->AddGauge("shardd_coordinator_job_eval_loss",
+                         "Held-out loss of a job's last evaluation (absent "
+                         "before the first).",
+                         {"job_id"}));
+  SHARDD_ASSIGN_OR_RETURN(
       GaugeFamily * tokens_per_second,
       registry->AddGauge("shardd_coordinator_job_tokens_per_second",
                          "Training throughput of a job's recent steps.",
@@ -95,7 +101,7 @@ absl::Status RegisterCoordinatorMetrics(CoordinatorService* service,
       by_state[JobStateName(state)] = 0;
     }
     // Per-job series follow the kept jobs: forgotten jobs disappear.
-    for (GaugeFamily* family : {steps_done, total_steps, loss, lr,
+    for (GaugeFamily* family : {steps_done, total_steps, loss, lr, eval_loss,
                                 tokens_per_second, recoveries, job_state}) {
       family->Clear();
     }
@@ -106,6 +112,7 @@ absl::Status RegisterCoordinatorMetrics(CoordinatorService* service,
       total_steps->Set(id, job.total_steps());
       loss->Set(id, job.loss());
       lr->Set(id, job.lr());
+      if (job.has_eval_loss()) eval_loss->Set(id, job.eval_loss());
       tokens_per_second->Set(id, job.tokens_per_second());
       recoveries->Set(id, job.recoveries());
       job_state->Set({job.job_id(), job.model_id(), JobStateName(job.state())},

@@ -80,6 +80,9 @@ constexpr int32_t kMaxSteps = 100000000;
 constexpr int64_t kMaxSeqLen = int64_t{1} << 24;
 constexpr int64_t kMaxGlobalBatch = int64_t{1} << 32;
 constexpr size_t kMaxDataPathBytes = 4096;
+// TrainConfig.eval_batches: 0 means kDefaultEvalBatches.
+constexpr int32_t kDefaultEvalBatches = 4;
+constexpr int32_t kMaxEvalBatches = 1 << 20;
 
 // Checks a TrainConfig's ranges (as the workers will, so that a bad value
 // fails here rather than on every rank) and sets microbatches 0 to 1, the
@@ -109,6 +112,32 @@ absl::StatusOr<v1::TrainConfig> NormalizeTrainConfig(v1::TrainConfig config) {
   if (config.data_path().size() > kMaxDataPathBytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "config.data_path: longer than ", kMaxDataPathBytes, " bytes"));
+  }
+  if (config.eval_data_path().size() > kMaxDataPathBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.eval_data_path: longer than ", kMaxDataPathBytes, " bytes"));
+  }
+  if (config.eval_every() < 0 || config.eval_every() > kMaxSteps) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.eval_every: steps between evaluations, must be in [0, ",
+        kMaxSteps, "] (0: only after the last step), got ",
+        config.eval_every()));
+  }
+  if (config.eval_batches() < 0 || config.eval_batches() > kMaxEvalBatches) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.eval_batches: global batches per evaluation, must be in [1, ",
+        kMaxEvalBatches, "] (0: the default ", kDefaultEvalBatches, "), got ",
+        config.eval_batches()));
+  }
+  if (config.eval_data_path().empty() &&
+      (config.eval_every() > 0 || config.eval_batches() > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.eval_data_path: required with eval_every (", config.eval_every(),
+        ") or eval_batches (", config.eval_batches(),
+        "): the token file the held-out loss is computed on"));
+  }
+  if (!config.eval_data_path().empty() && config.eval_batches() == 0) {
+    config.set_eval_batches(kDefaultEvalBatches);
   }
   struct Value {
     const char* name;
@@ -423,6 +452,9 @@ absl::StatusOr<v1::GetStatusResponse> CoordinatorService::GetStatus(
     info->set_loss(job.last_loss);
     info->set_tokens_per_second(job.tokens_per_second);
     info->set_lr(job.last_lr);
+    if (job.last_eval_loss.has_value()) {
+      info->set_eval_loss(*job.last_eval_loss);
+    }
     info->set_error(job.error);
     info->set_recoveries(job.recoveries);
     info->set_last_checkpoint(job.last_checkpoint);
@@ -599,6 +631,14 @@ absl::StatusOr<v1::SubmitStepResponse> CoordinatorService::SubmitStep(
         absl::StrCat("step program: ", program.status().message()));
   }
   job.program = *std::move(program);
+  if (!config.eval_data_path().empty()) {
+    absl::StatusOr<v1::StepProgram> eval = CompileEvalProgram(job.plan);
+    if (!eval.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("eval program: ", eval.status().message()));
+    }
+    job.eval_program = *std::move(eval);
+  }
   job.config = std::move(config);
   SHARDD_ASSIGN_OR_RETURN(std::string job_id, jobs_->Submit(std::move(job)));
   SHARDD_LOG(INFO) << "job " << job_id << " queued: model "

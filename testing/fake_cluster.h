@@ -36,6 +36,13 @@ struct Script {
   std::function<int64_t(int)> tokens = [](int rank) {
     return int64_t{10} * (rank + 1);
   };
+  // Rank r's held-out loss on eval batch k (an eval program's Execute,
+  // recorded as method "Eval" with step k); its tokens are tokens(r).
+  std::function<double(int, int64_t)> eval_loss = [](int rank, int64_t batch) {
+    return 10.0 + static_cast<double>(batch + rank);
+  };
+  // Fail the rank's next eval call with this status (once).
+  std::map<int, absl::Status> eval_failures;
   // Fail `fail_rank`'s call of step `fail_step` with `fail_status` (several
   // ranks may fail: one entry each).
   std::map<int, std::pair<int64_t, absl::Status>> failures;
@@ -115,6 +122,13 @@ class FakeCluster {
       call.sequence = next_sequence_++;
       calls_.push_back(call);
       if (method == "LoadPlan") return absl::OkStatus();
+      if (method == "Eval") {
+        auto e = script_.eval_failures.find(rank);
+        if (e == script_.eval_failures.end()) return absl::OkStatus();
+        const absl::Status failed = e->second;
+        script_.eval_failures.erase(e);
+        return failed;
+      }
       auto it = script_.failures.find(rank);
       if (it != script_.failures.end() && it->second.first == step) {
         failure = it->second.second;
@@ -163,6 +177,16 @@ class FakeCluster {
     response.set_peak_unsharded_bytes(1000 + rank);
     response.set_all_gathers(4 + rank % 2);
     response.set_reduce_scatters(3);
+    return response;
+  }
+
+  // An eval program's result: nothing is committed.
+  v1::ExecuteResponse EvalResult(int rank, int64_t batch) {
+    absl::MutexLock lock(&mu_);
+    v1::ExecuteResponse response;
+    response.set_loss(script_.eval_loss(rank, batch));
+    response.set_tokens(script_.tokens(rank));
+    response.set_step(ranks_[rank].steps);
     return response;
   }
 
@@ -248,6 +272,12 @@ class FakeWorker final : public WorkerClient {
       const v1::ExecuteRequest& request,
       const WorkerCallOptions& options) override {
     const int64_t step = request.program().step();
+    if (request.program().eval()) {
+      absl::Status status =
+          cluster_->Work(rank_, "Eval", step, -1, false, false, job_, options);
+      if (!status.ok()) return status;
+      return cluster_->EvalResult(rank_, step);
+    }
     absl::Status status =
         cluster_->Work(rank_, "Execute", step, -1, false, false, job_, options);
     if (!status.ok()) return status;

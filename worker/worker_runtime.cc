@@ -341,6 +341,31 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::LoadPlan(
   SHARDD_ASSIGN_OR_RETURN(data::BatchSampler sampler,
                           data::BatchSampler::Create(source, sampler_options));
   job->sampler = std::make_unique<data::BatchSampler>(std::move(sampler));
+  if (!train.eval_data_path().empty()) {
+    if (options_.device >= 0) {
+      return absl::UnimplementedError(absl::StrCat(
+          "train.eval_data_path: evaluation runs on the CPU path only; this "
+          "worker trains on cuda:",
+          options_.device));
+    }
+    // The same batches every evaluation: the file in order from its start.
+    data::DataSourceOptions eval_options = source_options;
+    eval_options.path = train.eval_data_path();
+    eval_options.offsets = data::OffsetMode::kStrided;
+    eval_options.synthetic_order = 0;
+    absl::StatusOr<std::shared_ptr<const data::SequenceSource>> eval_source =
+        data::CreateDataSource(eval_options);
+    if (!eval_source.ok()) {
+      return absl::Status(eval_source.status().code(),
+                          absl::StrCat("train.eval_data_path: ",
+                                       eval_source.status().message()));
+    }
+    SHARDD_ASSIGN_OR_RETURN(
+        data::BatchSampler eval_sampler,
+        data::BatchSampler::Create(*std::move(eval_source), sampler_options));
+    job->eval_sampler =
+        std::make_unique<data::BatchSampler>(std::move(eval_sampler));
+  }
 
   if (world > 1 && kv == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -616,11 +641,18 @@ absl::Status WorkerRuntime::CheckJobLocked(uint64_t fingerprint) const {
 }
 
 absl::Status WorkerRuntime::FetchBatchesLocked(
-    int64_t step, int microbatches,
+    int64_t step, int microbatches, bool eval,
     std::vector<data::MicroBatch>* batches) const {
   if (step < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("step: must be >= 0, got ", step));
+  }
+  const data::BatchSampler* sampler =
+      eval ? job_->eval_sampler.get() : job_->sampler.get();
+  if (sampler == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "program.eval: job ", job_->job_id,
+        " has no evaluation data (train.eval_data_path is empty)"));
   }
   const int job_m = job_->train.microbatches();
   if (microbatches != job_m) {
@@ -631,7 +663,7 @@ absl::Status WorkerRuntime::FetchBatchesLocked(
   batches->resize(job_m);
   for (int m = 0; m < job_m; ++m) {
     SHARDD_RETURN_IF_ERROR(
-        job_->sampler->Fill(step, job_->rank, m, &(*batches)[m]));
+        sampler->Fill(step, job_->rank, m, &(*batches)[m]));
   }
   return absl::OkStatus();
 }
@@ -673,9 +705,10 @@ absl::StatusOr<v1::ExecuteResponse> WorkerRuntime::Execute(
     PublishJobLocked();
   };
   std::vector<data::MicroBatch> batches;
-  SHARDD_RETURN_IF_ERROR(
-      FetchBatchesLocked(program.step(), program.microbatches(), &batches));
-  timeline_capture_.BeginStep();
+  SHARDD_RETURN_IF_ERROR(FetchBatchesLocked(
+      program.step(), program.microbatches(), program.eval(), &batches));
+  // The memory timeline and the step metrics are the training steps'.
+  if (!program.eval()) timeline_capture_.BeginStep();
   absl::StatusOr<StepResult> result =
       job_->steps->executor().Execute(program, batches);
   if (!result.ok()) {
@@ -683,6 +716,7 @@ absl::StatusOr<v1::ExecuteResponse> WorkerRuntime::Execute(
     SHARDD_LOG(WARNING) << "Execute failed: " << error.ToString();
     return error;
   }
+  if (program.eval()) return ToResponse(*result);
   DrawTimelineLocked(program.step());
   if (options_.on_step) options_.on_step(*result);
   return ToResponse(*result);
@@ -707,8 +741,8 @@ absl::StatusOr<v1::ExecuteResponse> WorkerRuntime::RunCommand(
     header.set_no_grad_passes(shape.no_grad_passes());
     header.set_defer_grad_sync(shape.defer_grad_sync());
     std::vector<data::MicroBatch> batches;
-    SHARDD_RETURN_IF_ERROR(
-        FetchBatchesLocked(request.step(), header.microbatches(), &batches));
+    SHARDD_RETURN_IF_ERROR(FetchBatchesLocked(
+        request.step(), header.microbatches(), /*eval=*/false, &batches));
     SHARDD_RETURN_IF_ERROR(StepError(executor.BeginStep(header, batches)));
     timeline_capture_.BeginStep();
     job.step_open = true;

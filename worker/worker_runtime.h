@@ -317,7 +317,8 @@ class WorkerRuntime {
   // executor; returns the executor.
   absl::StatusOr<StepExecutor*> CheckpointExecutorLocked(uint64_t fingerprint)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status FetchBatchesLocked(int64_t step, int microbatches,
+  // The micro-batches of `step`, or of eval batch `step` with `eval`.
+  absl::Status FetchBatchesLocked(int64_t step, int microbatches, bool eval,
                                   std::vector<data::MicroBatch>* batches) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Adds the rank and job to a step failure, keeping its code.

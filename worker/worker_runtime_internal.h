@@ -34,6 +34,9 @@ struct WorkerRuntime::Job {
   double entropy_rate = 0.0;    // SequenceSource::BestLoss.
   double one_token_loss = 0.0;  // SequenceSource::OneTokenLoss.
   std::unique_ptr<data::BatchSampler> sampler;
+  // The evaluation data (train.eval_data_path, read in order); null
+  // without it. Eval batch k is its step k.
+  std::unique_ptr<data::BatchSampler> eval_sampler;
   std::unique_ptr<Communicator> shard_group;
   std::unique_ptr<Communicator> replicas;
   // Slice groups by size, for units resharded to a smaller group.

@@ -48,6 +48,9 @@ class JobRunner::Attempt {
   // `recovering`: after a fault or a restart. Returns the failure, if any.
   absl::Status Run(bool recovering) {
     SHARDD_RETURN_IF_ERROR(Connect());
+    // Built once: a program can be long.
+    *execute_.mutable_program() = spec_.program;
+    *eval_execute_.mutable_program() = spec_.eval_program;
     start_ = job_->first_step;
     load_from_ = spec_.config.resume_from();
     keep_.assign(world_, false);
@@ -68,9 +71,17 @@ class JobRunner::Attempt {
       event.set_recovery(recovery_);
       event.set_checkpoint(load_from_);
       SHARDD_RETURN_IF_ERROR(runner_->Publish(job_, std::move(event)));
+      // An evaluation the fault interrupted runs again.
+      int64_t last_eval = -1;
+      {
+        absl::MutexLock lock(&runner_->mu_);
+        last_eval = job_->last_eval_step;
+      }
+      if (start_ > 0 && EvalDue(start_) && last_eval < start_) {
+        SHARDD_RETURN_IF_ERROR(Evaluate(start_, load_from_));
+      }
     }
-    // Built once: a program can be long.
-    *execute_.mutable_program() = spec_.program;
+
     results_.assign(world_, v1::ExecuteResponse());
     for (int64_t step = start_; step < total_; ++step) {
       SHARDD_RETURN_IF_ERROR(ServeControls(&step, "", /*last=*/false));
@@ -461,12 +472,73 @@ class JobRunner::Attempt {
       SHARDD_LOG(INFO) << "job " << job_->id << ": saved checkpoint " << *name;
       event.set_checkpoint(*name);
     }
+    // With an evaluation after it, the evaluation's event ends the job.
+    const bool eval = EvalDue(step + 1);
+    event.set_done(event.done() && !eval);
+    const std::string checkpoint = event.checkpoint();
     if (event.done()) {
       // Saves asked for during the last step are served before the end.
       int64_t steps_done = step + 1;
       SHARDD_RETURN_IF_ERROR(
-          ServeControls(&steps_done, event.checkpoint(), /*last=*/true));
+          ServeControls(&steps_done, checkpoint, /*last=*/true));
     }
+    SHARDD_RETURN_IF_ERROR(runner_->Publish(job_, std::move(event)));
+    return eval ? Evaluate(step + 1, checkpoint) : absl::OkStatus();
+  }
+
+  // Whether the job evaluates after `steps_done` steps: every eval_every
+  // steps and after the last one.
+  bool EvalDue(int64_t steps_done) const {
+    if (spec_.eval_program.commands().empty()) return false;
+    const int32_t every = spec_.config.eval_every();
+    return steps_done == total_ || (every > 0 && steps_done % every == 0);
+  }
+
+  // The held-out loss after `steps_done` steps: the eval program on every
+  // rank for eval batches 0..K-1, token-weighted over ranks and batches,
+  // published as its own event (which ends the job after its last step;
+  // `saved` names a checkpoint committed for that step).
+  absl::Status Evaluate(int64_t steps_done, const std::string& saved) {
+    const std::string label =
+        absl::StrCat("evaluation after step ", steps_done, "/", total_, ": ");
+    if (runner_->stopping()) {
+      return absl::UnavailableError(
+          absl::StrCat(label, "the coordinator is shutting down"));
+    }
+    int64_t tokens = 0;
+    double weighted_loss = 0.0;
+    std::vector<v1::ExecuteResponse> results(world_);
+    for (int32_t k = 0; k < spec_.config.eval_batches(); ++k) {
+      eval_execute_.mutable_program()->set_step(k);
+      SHARDD_RETURN_IF_ERROR(Prefixed(
+          absl::StrCat(label, "eval batch ", k, ": "),
+          OnAllRanks(
+              [&](int rank, const WorkerCallOptions& options) -> absl::Status {
+                SHARDD_ASSIGN_OR_RETURN(
+                    results[rank],
+                    clients_[rank]->Execute(eval_execute_, options));
+                return absl::OkStatus();
+              },
+              "Execute")));
+      for (const v1::ExecuteResponse& result : results) {
+        tokens += result.tokens();
+        weighted_loss += result.loss() * static_cast<double>(result.tokens());
+      }
+    }
+    v1::StepEvent event;
+    event.set_job_id(job_->id);
+    event.set_step(steps_done);
+    event.set_total_steps(total_);
+    event.set_eval_loss(tokens > 0 ? weighted_loss / static_cast<double>(tokens)
+                                   : 0.0);
+    event.set_eval_tokens(tokens);
+    event.set_done(steps_done == total_);
+    if (event.done()) {
+      int64_t at = steps_done;
+      SHARDD_RETURN_IF_ERROR(ServeControls(&at, saved, /*last=*/true));
+    }
+    SHARDD_LOG(INFO) << "job " << job_->id << ": eval loss "
+                     << event.eval_loss() << " after step " << steps_done;
     return runner_->Publish(job_, std::move(event));
   }
 
@@ -538,6 +610,7 @@ class JobRunner::Attempt {
   std::vector<v1::LoadPlanResponse> loaded_;
   // The steps' request (the program) and every rank's last result.
   v1::ExecuteRequest execute_;
+  v1::ExecuteRequest eval_execute_;  // The eval program (batch in `step`).
   std::vector<v1::ExecuteResponse> results_;
 };
 

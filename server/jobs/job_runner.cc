@@ -349,6 +349,7 @@ std::vector<JobSummary> JobRunner::ListJobs() const {
     summary.last_loss = job.last_loss;
     summary.tokens_per_second = job.tokens_per_second;
     summary.last_lr = job.last_lr;
+    summary.last_eval_loss = job.last_eval_loss;
     summary.error = job.error;
     summary.recoveries = job.recoveries;
     summary.last_checkpoint = job.last_checkpoint;
@@ -638,6 +639,9 @@ absl::Status JobRunner::Publish(Job* job, v1::StepEvent event) {
       if (!event.checkpoint().empty()) {
         job->last_checkpoint = event.checkpoint();
       }
+    } else if (event.has_eval_loss()) {
+      job->last_eval_loss = event.eval_loss();
+      job->last_eval_step = event.step();
     } else if (!failed) {
       job->steps_done = event.step();
       job->last_loss = event.loss();

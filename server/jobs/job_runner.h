@@ -79,6 +79,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -146,6 +147,9 @@ struct JobSpec {
   v1::ShardingPlan plan;
   // CompileStepProgram(plan).
   v1::StepProgram program;
+  // CompileEvalProgram(plan) when the job evaluates (config.eval_data_path
+  // set), else empty.
+  v1::StepProgram eval_program;
   // Normalized: defaults filled in, steps >= 1.
   v1::TrainConfig config;
 };
@@ -161,6 +165,8 @@ struct JobSummary {
   double last_loss = 0.0;
   double tokens_per_second = 0.0;
   double last_lr = 0.0;
+  // The last evaluation's held-out loss; none before the first.
+  std::optional<double> last_eval_loss;
   std::string error;
   int32_t recoveries = 0;
   std::string last_checkpoint;

@@ -9,6 +9,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -43,6 +44,9 @@ struct JobRunner::Job {
   double last_loss = 0.0;
   double tokens_per_second = 0.0;
   double last_lr = 0.0;
+  std::optional<double> last_eval_loss;
+  // The steps done at the last evaluation (-1: none yet).
+  int64_t last_eval_step = -1;
   std::string error;
   int32_t recoveries = 0;
   // The checkpoint a recovery reloads: the last one committed or loaded.

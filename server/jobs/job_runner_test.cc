@@ -211,6 +211,104 @@ TEST_F(JobRunnerTest, RunsEveryStepAndPublishesAggregatedEventsInOrder) {
   EXPECT_DOUBLE_EQ(summary.last_loss, 6.0);
 }
 
+// A job over `world` ranks that evaluates every `every` steps on
+// `batches` eval batches.
+JobSpec EvalSpec(int world, int steps, int every, int batches) {
+  JobSpec spec;
+  spec.model_id = "m-test";
+  spec.plan.set_world_size(world);
+  spec.plan.set_fingerprint(77);
+  spec.program.set_plan_fingerprint(77);
+  spec.program.add_commands()->set_op(v1::Command::FORWARD);
+  spec.program.add_commands()->set_op(v1::Command::OPTIMIZER_STEP);
+  spec.eval_program.set_plan_fingerprint(77);
+  spec.eval_program.set_eval(true);
+  spec.eval_program.add_commands()->set_op(v1::Command::FORWARD);
+  spec.config.set_steps(steps);
+  spec.config.set_global_batch(8);
+  spec.config.set_seq_len(16);
+  spec.config.set_eval_data_path("/data/held-out.bin");
+  spec.config.set_eval_every(every);
+  spec.config.set_eval_batches(batches);
+  return spec;
+}
+
+// The (step, eval) sequence of a job's events: eval events as -step.
+std::vector<int64_t> EventSequence(const std::vector<v1::StepEvent>& events) {
+  std::vector<int64_t> out;
+  for (const v1::StepEvent& event : events) {
+    if (!event.interruption().empty() || !event.recovery().empty()) continue;
+    out.push_back(event.has_eval_loss() ? -event.step() : event.step());
+  }
+  return out;
+}
+
+TEST_F(JobRunnerTest, EvaluatesEveryNStepsAndAfterTheLastOne) {
+  RegisterWorkers(2);
+  StartRunner();
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::string id,
+                              runner_->Submit(EvalSpec(2, 5, 2, 3)));
+  const std::vector<v1::StepEvent> events = WaitForEnd(id);
+  EXPECT_THAT(EventSequence(events), ElementsAre(1, 2, -2, 3, 4, -4, 5, -5));
+  for (const v1::StepEvent& event : events) {
+    SCOPED_TRACE(event.ShortDebugString());
+    // Only the evaluation after the last step ends the job.
+    EXPECT_EQ(event.done(), event.has_eval_loss() && event.step() == 5);
+    if (!event.has_eval_loss()) continue;
+    // Rank r, batch k: loss 10 + k + r on 10 (r + 1) tokens. Token-weighted
+    // over ranks and the 3 batches: 10 + 1 + (0 * 10 + 1 * 20) / 30.
+    EXPECT_NEAR(event.eval_loss(), 11.0 + 2.0 / 3.0, 1e-12);
+    EXPECT_EQ(event.eval_tokens(), 3 * (10 + 20));
+    EXPECT_EQ(event.loss(), 0.0);
+    EXPECT_EQ(event.tokens(), 0);
+  }
+  // Each rank ran eval batches 0..2 after steps 2, 4 and 5, in order.
+  for (int rank = 0; rank < 2; ++rank) {
+    std::vector<std::string> calls;
+    for (const Call& call : cluster_.calls()) {
+      if (call.rank == rank && call.method != "LoadPlan") {
+        calls.push_back(absl::StrCat(call.method, call.step));
+      }
+    }
+    EXPECT_THAT(calls, ElementsAre("Execute0", "Execute1", "Eval0", "Eval1",
+                                   "Eval2", "Execute2", "Execute3", "Eval0",
+                                   "Eval1", "Eval2", "Execute4", "Eval0",
+                                   "Eval1", "Eval2"))
+        << "rank " << rank;
+  }
+  const JobSummary summary = SummaryOf(id);
+  EXPECT_EQ(summary.state, v1::JOB_DONE);
+  EXPECT_EQ(summary.steps_done, 5);
+  EXPECT_DOUBLE_EQ(summary.last_loss, 4.0 + 2.0 / 3.0);  // Step 5's.
+  ASSERT_TRUE(summary.last_eval_loss.has_value());
+  EXPECT_NEAR(*summary.last_eval_loss, 11.0 + 2.0 / 3.0, 1e-12);
+}
+
+TEST_F(JobRunnerTest, AnEvaluationAFaultInterruptedRunsAgainAfterRecovery) {
+  recover_ = true;
+  RegisterWorkers(2);
+  cluster_.script().eval_failures[1] = absl::UnavailableError("peer gone");
+  StartRunner();
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::string id,
+                              runner_->Submit(EvalSpec(2, 3, 2, 1)));
+  const std::vector<v1::StepEvent> events = WaitForEnd(id);
+  // Step 2's evaluation failed; the workers still held step 2, so the job
+  // went on from there, evaluating first: no step ran twice.
+  EXPECT_THAT(EventSequence(events), ElementsAre(1, 2, -2, 3, -3));
+  bool interrupted = false;
+  for (const v1::StepEvent& event : events) {
+    if (!event.interruption().empty()) {
+      interrupted = true;
+      EXPECT_THAT(event.interruption(),
+                  AllOf(HasSubstr("evaluation after step 2/3"),
+                        HasSubstr("rank 1 (fake-1:1)")));
+    }
+  }
+  EXPECT_TRUE(interrupted);
+  EXPECT_TRUE(events.back().done());
+  EXPECT_EQ(SummaryOf(id).state, v1::JOB_DONE);
+}
+
 TEST_F(JobRunnerTest, FineGrainedSendsEachCommandToAllRanksBeforeTheNext) {
   RegisterWorkers(3);
   StartRunner();

@@ -242,6 +242,7 @@ absl::Status CpuBackend::BeginStep(const v1::StepProgram& header,
     model_options_ = wanted;
   }
   SHARDD_RETURN_IF_ERROR(SetStepBatches(model_.get(), batches));
+  model_->SetEvaluation(header.eval());
   // DiffusionGemma's canvas noise is keyed by the step and each row's global
   // index, so every data-parallel layout draws the same.
   for (size_t m = 0; m < batches.size(); ++m) {
@@ -437,7 +438,8 @@ absl::Status CpuBackend::EndStep(const StepState& state,
                                  const std::string& optimizer_label,
                                  int64_t* optimizer_steps, StepResult* result,
                                  bool* clean) {
-  // OPTIMIZER_STEP drained the queue and applied the update.
+  // OPTIMIZER_STEP drained the queue and applied the update (an eval step
+  // has none: this waits for its last reshard).
   SHARDD_RETURN_IF_ERROR(comm_->Drain());
   result->loss = model_->step_loss();
   result->tokens = model_->step_tokens();

@@ -181,6 +181,12 @@ int64_t CudaBackend::CommunicatorSyncs() const {
 
 absl::Status CudaBackend::BeginStep(
     const v1::StepProgram& header, absl::Span<const data::MicroBatch> batches) {
+  if (header.eval()) {
+    // The device model computes its loss in BACKWARD(HEAD) only.
+    return absl::UnimplementedError(
+        "program.eval: evaluation runs on the CPU path only; the CUDA path "
+        "does not evaluate yet");
+  }
   const MoeModelOptions wanted = ModelOptionsFor(
       header.microbatches(), header.passes(), header.no_grad_passes(),
       options_.step.self_conditioning_scale, options_.step.diffusion);

@@ -100,6 +100,9 @@ struct DeviceStepStats {
 
 struct StepResult {
   int64_t step = 0;  // program.step().
+  // An eval program ran: loss and tokens are the evaluation's (the
+  // language-model cross-entropy, without gradients); nothing was updated.
+  bool eval = false;
   // MoeModel::step_loss / step_tokens of this rank's micro-batches.
   double loss = 0.0;
   int64_t tokens = 0;
@@ -165,7 +168,9 @@ class StepBackend {
   virtual ~StepBackend() = default;
 
   // Installs the step's micro-batches (re-creating the model when the step
-  // shape differs from the last one) and resets the step's counters.
+  // shape differs from the last one) and resets the step's counters; with
+  // header.eval, the model evaluates (the loss at FORWARD(HEAD), no
+  // activations kept for a backward).
   // Errors: the model's; "batches[m]: ..." for a batch it refuses.
   virtual absl::Status BeginStep(
       const v1::StepProgram& header,
@@ -185,9 +190,11 @@ class StepBackend {
   virtual absl::Status Run(const v1::Command& command, const std::string& label,
                            StepState* state, int64_t* optimizer_steps,
                            bool* clean) = 0;
-  // Completes a step whose OPTIMIZER_STEP ran: whatever of the update is
-  // still outstanding (advancing `*optimizer_steps` when it commits it
-  // here), then the result's loss, tokens, gradient norm, clip coefficient,
+  // Completes a step whose OPTIMIZER_STEP ran (or an eval step whose
+  // forwards all ran: state.eval(); no update, gradient norm 0): whatever of
+  // the update is still outstanding (advancing `*optimizer_steps` when it
+  // commits it here), then the result's loss, tokens, gradient norm, clip
+  // coefficient,
   // collectives, memory peaks and device statistics. `state` is the step's
   // (its number, for messages); `optimizer_label` names its OPTIMIZER_STEP.
   // Errors end the step as Run's.

@@ -138,10 +138,13 @@ absl::Status StepExecutor::RunCommandLocked(const v1::Command& c,
 
 absl::StatusOr<StepResult> StepExecutor::EndStepLocked() {
   SHARDD_RETURN_IF_ERROR(state_.CheckEndStep());
-  if (!state_.stepped()) {
-    const absl::Status error = state_.EndedEarly();
-    AbortStepLocked(error, /*clean=*/!state_.touched());
-    return error;
+  const absl::Status complete =
+      state_.eval() ? state_.CheckEvalDone()
+                    : (state_.stepped() ? absl::OkStatus()
+                                        : state_.EndedEarly());
+  if (!complete.ok()) {
+    AbortStepLocked(complete, /*clean=*/!state_.touched());
+    return complete;
   }
   StepResult result;
   bool clean = false;
@@ -154,7 +157,9 @@ absl::StatusOr<StepResult> StepExecutor::EndStepLocked() {
   result.step = state_.step();
   result.seconds = absl::ToDoubleSeconds(absl::Now() - state_.step_start());
   result.optimizer_steps = optimizer_steps_;
-  // The rate the backend's update used (its step optimizer_steps_ - 1).
+  result.eval = state_.eval();
+  // The rate the backend's update used (its step optimizer_steps_ - 1); an
+  // evaluation reports the rate of the last update.
   result.lr = StepLearningRate(options_, optimizer_steps_ - 1);
   result.commands = state_.commands();
   state_.End();

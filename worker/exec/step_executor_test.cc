@@ -312,6 +312,9 @@ struct WorldRun {
   std::vector<ParamMap> final;
   // [replica][step]: parameters and AdamW moments after each step.
   std::vector<std::vector<TrainingStateMaps>> states;
+  // [data rank][step]: with TrainOptions::evaluate, the eval program's
+  // result on the step's own batches just before the step.
+  std::vector<std::vector<StepResult>> evals;
 };
 
 struct TrainOptions {
@@ -326,6 +329,8 @@ struct TrainOptions {
   // instead of its own share of the global batch.
   const data::BatchSampler* shared_data = nullptr;
   int64_t seq = kSeq;  // Tokens per sequence.
+  // Before every step: the eval program on that step's batches.
+  bool evaluate = false;
 };
 
 TrainOptions FineGrained() {
@@ -343,9 +348,12 @@ WorldRun Train(const v1::ModelSpec& model, const v1::ShardingPlan& plan,
   absl::StatusOr<v1::StepProgram> compiled = CompileStepProgram(plan);
   EXPECT_TRUE(compiled.ok()) << compiled.status();
   const v1::StepProgram program = compiled.ok() ? *compiled : v1::StepProgram();
+  absl::StatusOr<v1::StepProgram> eval_program = CompileEvalProgram(plan);
+  EXPECT_TRUE(eval_program.ok()) << eval_program.status();
   const data::BatchSampler sampler = MakeSampler(plan, global_batch, train.seq);
   WorldRun run;
   run.results.resize(dp * rep);
+  run.evals.resize(dp * rep);
   run.initial.resize(rep);
   run.final.resize(rep);
   run.states.assign(rep, std::vector<TrainingStateMaps>(steps));
@@ -372,6 +380,13 @@ WorldRun Train(const v1::ModelSpec& model, const v1::ShardingPlan& plan,
       const std::vector<data::MicroBatch> batches =
           train.shared_data != nullptr ? BatchesFor(*train.shared_data, s, 0)
                                        : BatchesFor(sampler, s, ctx.data_rank);
+      if (train.evaluate && eval_program.ok()) {
+        v1::StepProgram eval = *eval_program;
+        eval.set_step(s);
+        absl::StatusOr<StepResult> scored = (*executor)->Execute(eval, batches);
+        ASSERT_TRUE(scored.ok()) << scored.status();
+        run.evals[ctx.data_rank].push_back(*scored);
+      }
       absl::StatusOr<StepResult> result =
           train.fine_grained
               ? RunFineGrained(executor->get(), step_program, batches,
@@ -1052,6 +1067,121 @@ std::vector<EquivalenceCase> DiffusionCases() {
 
 INSTANTIATE_TEST_SUITE_P(Worlds, StepExecutorDiffusionTest,
                          ::testing::ValuesIn(DiffusionCases()), CaseName);
+
+// ---- Evaluation: forward-only programs -------------------------------------
+
+// An eval program run before each step, on that step's batches, scores
+// exactly the loss the step then reports (the same forward on the same
+// parameters, the cross-entropy of the same code: bit for bit), and leaves
+// no trace: the training run with evaluations equals the one without bit for
+// bit (a gradient, moment or parameter it touched would show), and its
+// measured peak is the eval program's replayed one.
+struct EvalCase {
+  std::string name;
+  Shape shape;
+  bool diffusion = false;
+};
+
+class StepExecutorEvalTest : public ::testing::TestWithParam<EvalCase> {};
+
+TEST_P(StepExecutorEvalTest, ScoresTheStepLossAndChangesNothing) {
+  const EvalCase& c = GetParam();
+  const v1::ModelSpec model =
+      c.diffusion ? TinyDiffusionGemma() : TinyMoe(/*freeze=*/true);
+  const v1::ShardingPlan plan = MakePlan(model, c.shape);
+  TrainOptions train;
+  if (c.diffusion) train.seq = kDiffusionSeq;
+  const WorldRun plain =
+      Train(model, plan, EquivalenceOptions(), kSteps, kGlobalBatch, train);
+  train.evaluate = true;
+  const WorldRun evaluated =
+      Train(model, plan, EquivalenceOptions(), kSteps, kGlobalBatch, train);
+  SHARDD_ASSERT_OK_AND_ASSIGN(const v1::StepProgram eval,
+                              CompileEvalProgram(plan));
+  v1::MemoryReport eval_memory;
+  v1::CommReport eval_comm;
+  SHARDD_ASSERT_OK(ReplayStepProgram(plan, eval, false, &eval_memory,
+                                     &eval_comm));
+  ASSERT_GT(eval_memory.peak_unsharded_bytes(), 0);
+  EXPECT_LE(eval_memory.peak_unsharded_bytes(),
+            plan.memory().peak_unsharded_bytes());
+  const int world = c.shape.dp_shard * c.shape.dp_replicate;
+  for (int r = 0; r < world; ++r) {
+    ASSERT_EQ(plain.results[r].size(), static_cast<size_t>(kSteps));
+    ASSERT_EQ(evaluated.results[r].size(), static_cast<size_t>(kSteps));
+    ASSERT_EQ(evaluated.evals[r].size(), static_cast<size_t>(kSteps));
+    for (int s = 0; s < kSteps; ++s) {
+      SCOPED_TRACE(absl::StrCat("rank ", r, " step ", s));
+      const StepResult& want = plain.results[r][s];
+      const StepResult& trained = evaluated.results[r][s];
+      const StepResult& scored = evaluated.evals[r][s];
+      EXPECT_EQ(trained.loss, want.loss);
+      EXPECT_EQ(trained.grad_norm, want.grad_norm);
+      EXPECT_FALSE(trained.eval);
+      EXPECT_TRUE(scored.eval);
+      EXPECT_EQ(scored.loss, want.loss);
+      EXPECT_EQ(scored.tokens, want.tokens);
+      EXPECT_EQ(scored.optimizer_steps, s);
+      EXPECT_EQ(scored.grad_norm, 0.0);
+      EXPECT_EQ(scored.peak_unsharded_bytes, eval_memory.peak_unsharded_bytes());
+      EXPECT_EQ(scored.peak_unsharded_grad_bytes, 0);
+      EXPECT_EQ(scored.collectives.all_gathers, eval_comm.all_gathers());
+      EXPECT_EQ(scored.collectives.reduce_scatters, 0);
+      EXPECT_EQ(scored.collectives.norm_all_reduces, 0);
+    }
+  }
+  for (int rep = 0; rep < c.shape.dp_replicate; ++rep) {
+    for (int s = 0; s < kSteps; ++s) {
+      EXPECT_EQ(evaluated.states[rep][s].params, plain.states[rep][s].params);
+      EXPECT_EQ(evaluated.states[rep][s].exp_avg,
+                plain.states[rep][s].exp_avg);
+      EXPECT_EQ(evaluated.states[rep][s].exp_avg_sq,
+                plain.states[rep][s].exp_avg_sq);
+    }
+  }
+}
+
+std::vector<EvalCase> EvalCases() {
+  std::vector<EvalCase> cases;
+  auto add = [&](const std::string& name, Shape s, bool diffusion = false) {
+    cases.push_back({name, s, diffusion});
+  };
+  Shape s;
+  add("default_W1", s);
+  for (const char* strategy : {"default", "megatron_fsdp", "diffusion_gemma"}) {
+    s = Shape();
+    s.strategy = strategy;
+    s.dp_shard = 2;
+    add(absl::StrCat(strategy, "_W2"), s);
+  }
+  s = Shape();
+  s.dp_shard = 2;
+  s.dp_replicate = 2;
+  add("hsdp_2x2", s);
+  s = Shape();
+  s.dp_shard = 4;
+  s.reshard_group = 2;  // Slices kept after forward in training only.
+  add("W4_slice2", s);
+  s = Shape();
+  s.dp_shard = 2;
+  s.mixed = true;
+  s.microbatches = 2;
+  s.defer = true;
+  add("mixed_accumulate_W2", s);
+  s = Shape();
+  s.passes = 2;
+  s.no_grad_passes = 1;
+  add("two_passes_W1", s);
+  add("gemma_default_W1", DiffusionShape("default", 1), true);
+  add("gemma_diffusion_gemma_W2", DiffusionShape("diffusion_gemma", 2), true);
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, StepExecutorEvalTest,
+                         ::testing::ValuesIn(EvalCases()),
+                         [](const ::testing::TestParamInfo<EvalCase>& info) {
+                           return info.param.name;
+                         });
 
 // ---- (3) Fine-grained mode = whole programs --------------------------------
 

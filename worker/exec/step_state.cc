@@ -52,6 +52,7 @@ void StepState::Begin(const v1::StepProgram& header) {
   header_.set_passes(header.passes());
   header_.set_no_grad_passes(header.no_grad_passes());
   header_.set_defer_grad_sync(header.defer_grad_sync());
+  header_.set_eval(header.eval());
   in_step_ = true;
   stepped_ = false;
   touched_ = false;
@@ -79,6 +80,25 @@ absl::Status StepState::EndedEarly() const {
   return absl::FailedPreconditionError(
       absl::StrCat("step ", header_.step(), " ended after ", command_index_,
                    " commands, before OPTIMIZER_STEP; the step was aborted"));
+}
+
+absl::Status StepState::CheckEvalDone() const {
+  const int forwards = header_.microbatches() * header_.passes();
+  if (head_forwards_ != forwards) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "eval step ", header_.step(), " ended after ", head_forwards_, " of ",
+        forwards, " forward passes; the step was aborted"));
+  }
+  for (size_t i = 0; i < units_.size(); ++i) {
+    const UnitState& s = units_[i];
+    if (s.gathered || s.pending || s.slice_group != 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "eval step ", header_.step(), " ended with unit ", i, " (",
+          plan_->units(i).name(),
+          ") still gathered; the step was aborted"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 void StepState::ClearUnits() {
@@ -111,6 +131,15 @@ absl::Status StepState::CheckRules(const v1::Command& c) const {
       break;
     default:
       break;
+  }
+  if (header_.eval() &&
+      (c.op() == v1::Command::ALLOC_GRAD ||
+       c.op() == v1::Command::REDUCE_SCATTER ||
+       c.op() == v1::Command::BACKWARD ||
+       c.op() == v1::Command::OPTIMIZER_STEP ||
+       (c.op() == v1::Command::FORWARD && c.requires_grad()))) {
+    return absl::FailedPreconditionError(
+        "an eval step computes no gradients and takes no optimizer step");
   }
   const int u = c.unit();
   switch (c.op()) {

@@ -46,11 +46,17 @@ class StepState {
   absl::Status CheckEndStep() const;
   // The error of an EndStep before OPTIMIZER_STEP (FAILED_PRECONDITION).
   absl::Status EndedEarly() const;
+  // Whether the open step runs an eval program (header.eval).
+  bool eval() const { return header_.eval(); }
+  // At the EndStep of an eval program: FAILED_PRECONDITION unless every
+  // forward ran and every unit is resharded.
+  absl::Status CheckEvalDone() const;
   // The units' per-step state cleared (an abort frees every buffer).
   void ClearUnits();
 
   // Whether command `c` fits the current state, without any effect:
-  // FAILED_PRECONDITION (unit not in the state the op needs, OPTIMIZER_STEP
+  // FAILED_PRECONDITION (unit not in the state the op needs, a gradient op,
+  // BACKWARD or OPTIMIZER_STEP in an eval step, OPTIMIZER_STEP
   // before every unit is resharded and reduced and every computation ran,
   // anything after OPTIMIZER_STEP, a slice size without a group),
   // NOT_FOUND (unit out of range), INVALID_ARGUMENT (unknown op, bad

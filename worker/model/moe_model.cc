@@ -147,6 +147,23 @@ absl::Status MoeModel::Impl::FinalNormForward(ParamSource* params, int64_t t,
                                  a->h.data(), a->final_inv.data());
 }
 
+absl::Status MoeModel::Impl::EvalLoss(ParamSource* params, const float* h,
+                                      int64_t t, const int32_t* targets,
+                                      double weight, bool new_term) {
+  SHARDD_ASSIGN_OR_RETURN(const float* head_w, params->Param(head.name));
+  kernels::CrossEntropyOptions ce_options;
+  ce_options.softcap = final_logit_softcap;
+  SHARDD_ASSIGN_OR_RETURN(
+      kernels::CrossEntropyResult ce,
+      kernels::LmHeadCrossEntropyForward(h, head_w, t, dim, vocab, targets,
+                                         ce_options));
+  // Accounted as the training step's BACKWARD(HEAD) accounts its loss.
+  loss_sum += weight * ce.mean_loss;
+  if (new_term) ++loss_terms;
+  tokens += ce.count;
+  return absl::OkStatus();
+}
+
 absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
   if (diffusion) return DiffusionForward(c, params);
   const int pass = c.pass();
@@ -257,6 +274,8 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
       } else {
         // Dense layer: the residual add happens here.
         for (int64_t i = 0; i < t * dim; ++i) a.x[i] += la.dense_out[i];
+        // Nothing reads an evaluated layer's activations again.
+        if (eval) la = LayerActs();
       }
       return absl::OkStatus();
     }
@@ -265,8 +284,10 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
       const LayerSpec& spec = layers[l];
       LayerActs& la = a.layers[l];
       if (spec.gemma) {
-        return gemma_block->ForwardExperts(spec, params, t, &la.gemma,
-                                           a.x.data());
+        SHARDD_RETURN_IF_ERROR(gemma_block->ForwardExperts(
+            spec, params, t, &la.gemma, a.x.data()));
+        if (eval) la = LayerActs();
+        return absl::OkStatus();
       }
       SHARDD_ASSIGN_OR_RETURN(const float* w_gu, params->Param(spec.w_gu.name));
       SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(spec.w_d.name));
@@ -281,10 +302,18 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
       for (int64_t i = 0; i < t * dim; ++i) {
         a.x[i] += y[i] + la.dense_out[i];
       }
+      if (eval) la = LayerActs();
       return absl::OkStatus();
     }
     case Command::HEAD: {
       SHARDD_RETURN_IF_ERROR(FinalNormForward(params, t, &a));
+      // An evaluation scores the passes a training step takes its loss from.
+      if (eval) {
+        return pass < options.no_grad_passes
+                   ? absl::OkStatus()
+                   : EvalLoss(params, a.h.data(), t, batch.targets.data(),
+                              1.0, /*new_term=*/true);
+      }
       if (aux_on()) {
         // fp32 for the all-reduce; the counts stay exact.
         for (int64_t e = 0; e < aux_experts; ++e) {
@@ -500,6 +529,8 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
           absl::StrCat("BACKWARD of part ", Command::Part_Name(c.part())));
   }
 }
+
+void MoeModel::SetEvaluation(bool eval) { impl_->eval = eval; }
 
 void MoeModel::ResetStep() {
   Impl& m = *impl_;

@@ -122,11 +122,20 @@ class MoeModel {
   // run, EXPERTS before LAYER), and ParamSource's errors.
   absl::Status Run(const v1::Command& command, ParamSource* params);
 
+  // Until changed: whether the steps evaluate (an eval program, every
+  // FORWARD without a graph): FORWARD(HEAD) of each pass a training step
+  // takes its loss from computes that loss (the cross-entropy with the
+  // step's weights, without the router's auxiliary loss) into step_loss and
+  // step_tokens, and a layer's activations are dropped once its forward is
+  // done (DiffusionGemma's encode keeps the K/V its decodes read).
+  void SetEvaluation(bool eval);
+
   // Forgets every activation and the step's loss (call at a step's start).
   void ResetStep();
 
-  // Mean loss over the grad passes and micro-batches run since ResetStep, and
-  // the number of target tokens it covers.
+  // Mean loss over the grad passes and micro-batches run since ResetStep (or
+  // over the scored passes of an evaluation), and the number of target
+  // tokens it covers.
   double step_loss() const;
   int64_t step_tokens() const;
 

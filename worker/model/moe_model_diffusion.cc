@@ -85,13 +85,26 @@ absl::Status MoeModel::Impl::DiffusionForward(const Command& c,
       GemmaLayerActs& la = a.layers[c.layer()].gemma;
       SHARDD_RETURN_IF_ERROR(gemma_block->ForwardExperts(
           layers[c.layer()], params, t, &la, a.x.data()));
-      // The self-conditioning decode has no backward: its layer's
-      // activations can go at once.
-      if (pass == 1) la = GemmaLayerActs();
+      // The self-conditioning decode has no backward, nor has an evaluated
+      // decode: their layer's activations can go at once (the encode's
+      // hold the K/V the decodes read).
+      if (pass == 1 || (eval && pass == 2)) la = GemmaLayerActs();
       return absl::OkStatus();
     }
     case Command::HEAD: {
       SHARDD_RETURN_IF_ERROR(FinalNormForward(params, t, &a));
+      if (eval && pass != 1) {
+        // The weighted terms of DiffusionHeadBackward, one term per
+        // micro-batch.
+        return pass == 0
+                   ? EvalLoss(params, a.h.data(), t, batch.ar_targets.data(),
+                              options.diffusion.encoder_loss_weight,
+                              /*new_term=*/false)
+                   : EvalLoss(params, a.h.data(), t,
+                              batch.canvas.clean.data(),
+                              options.diffusion.diffusion_loss_weight,
+                              /*new_term=*/true);
+      }
       if (pass != 1) return absl::OkStatus();  // Losses in BACKWARD(HEAD).
       std::vector<float>& probs = batch.sc_probs;
       if (hold_self_conditioning &&

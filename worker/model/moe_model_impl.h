@@ -147,6 +147,7 @@ struct MoeModel::Impl : MoeArchitecture {
   int64_t sc_inter = 0;
   SelfConditioningActs sc;
   bool hold_self_conditioning = false;  // HoldSelfConditioningForTest
+  bool eval = false;                    // SetEvaluation
   double loss_sum = 0.0;  // Sum of per-(pass, micro-batch) mean losses.
   int loss_terms = 0;
   int64_t tokens = 0;
@@ -199,6 +200,11 @@ struct MoeModel::Impl : MoeArchitecture {
   absl::Status Backward(const Command& c, ParamSource* params);
   // FORWARD(HEAD)'s final norm of a.x (t tokens): a.final_x, final_inv, h.
   absl::Status FinalNormForward(ParamSource* params, int64_t t, PassActs* a);
+  // Evaluation: the cross-entropy of hidden `h` [t, dim] against `targets`,
+  // added to the step's loss with `weight` (a new loss term when
+  // `new_term`), without gradients.
+  absl::Status EvalLoss(ParamSource* params, const float* h, int64_t t,
+                        const int32_t* targets, double weight, bool new_term);
   // The block-diffusion step's commands (moe_model_diffusion.cc).
   absl::Status DiffusionForward(const Command& c, ParamSource* params);
   absl::Status DiffusionBackward(const Command& c, ParamSource* params);
