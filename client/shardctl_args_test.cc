@@ -517,6 +517,18 @@ TEST(ShardctlArgsTest, TrainUsageErrors) {
         "--weight-decay");
   usage({"train", "--coordinator", "h:1", "--model", "a", "--seed", "-3"},
         "--seed");
+  usage({"train", "--coordinator", "h:1", "--model", "a", "--eval-every", "5"},
+        "--eval-every and --eval-batches need --eval-data FILE");
+  usage({"train", "--coordinator", "h:1", "--model", "a", "--eval-data",
+         "held.bin", "--eval-batches", "0"},
+        "--eval-batches: expected an integer >= 1");
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      ShardctlArgs evaluated,
+      Parse({"train", "--coordinator", "h:1", "--model", "a", "--eval-data",
+             "held.bin", "--eval-every", "10", "--eval-batches", "3"}));
+  EXPECT_EQ(evaluated.train.eval_data_path(), "held.bin");
+  EXPECT_EQ(evaluated.train.eval_every(), 10);
+  EXPECT_EQ(evaluated.train.eval_batches(), 3);
   SHARDD_ASSERT_OK_AND_ASSIGN(
       ShardctlArgs adam,
       Parse({"train", "--coordinator", "h:1", "--model", "a", "--beta1", "0.8",

@@ -227,6 +227,7 @@ absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
         line_json["step"] = event.step();
         line_json["eval_loss"] = event.eval_loss();
         line_json["eval_tokens"] = event.eval_tokens();
+        line_json["all_gathers"] = event.all_gathers();
         out << line_json.dump() << "\n" << std::flush;
       } else {
         progress.Eval(event);

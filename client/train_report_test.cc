@@ -126,6 +126,58 @@ TEST(TrainProgressTest, PlainLinesAtStepOneEveryNAndTheLast) {
   EXPECT_THAT(out.str(), Not(HasSubstr("\r")));
 }
 
+v1::StepEvent EvalEvent(int64_t step, double loss) {
+  v1::StepEvent event;
+  event.set_step(step);
+  event.set_eval_loss(loss);
+  event.set_eval_tokens(2048);
+  return event;
+}
+
+TEST(TrainProgressTest, EvaluationsGetALineAndJoinTheProgressLine) {
+  std::ostringstream out;
+  TrainProgress progress(out, /*tty=*/false, 10, 5);
+  for (int s = 1; s <= 10; ++s) {
+    progress.Update(Event(s, 2.0));
+    if (s == 4) progress.Eval(EvalEvent(4, 2.25));
+  }
+  progress.Eval(EvalEvent(10, 1.75));
+  std::vector<std::string> lines =
+      absl::StrSplit(out.str(), '\n', absl::SkipEmpty());
+  // Steps 1, 5 and 10 (the last one though no event says done), and the
+  // two evaluations.
+  ASSERT_EQ(lines.size(), 5u) << out.str();
+  EXPECT_THAT(lines[0], Not(HasSubstr("eval")));
+  EXPECT_EQ(lines[1],
+            "eval after step  4/10  held-out loss 2.2500 (2.05K tokens)");
+  EXPECT_THAT(lines[2], HasSubstr("step  5/10  loss 2.0000 | eval 2.2500 |"));
+  EXPECT_THAT(lines[3], HasSubstr("step 10/10"));
+  EXPECT_THAT(lines[4], HasSubstr("eval after step 10/10  held-out loss "
+                                  "1.7500"));
+
+  // On a terminal the line is redrawn with the new held-out loss.
+  std::ostringstream tty;
+  TrainProgress live(tty, /*tty=*/true, 4, 0);
+  live.Update(Event(4, 1.0));
+  live.Eval(EvalEvent(4, 1.5));
+  live.Close();
+  EXPECT_THAT(tty.str(), HasSubstr("\rstep 4/4 [========================] "
+                                   "loss 1.0000 | eval 1.5000 |"));
+}
+
+TEST(SummarizeTrainingTest, TheLastEvaluationIsSummarized) {
+  const TrainSummary summary = SummarizeTraining(
+      {Event(1, 3), Event(2, 2)}, {EvalEvent(1, 2.5), EvalEvent(2, 2.125)});
+  EXPECT_EQ(summary.eval_step, 2);
+  EXPECT_DOUBLE_EQ(summary.eval_loss, 2.125);
+  EXPECT_EQ(summary.eval_tokens, 2048);
+  EXPECT_THAT(FormatTrainSummary(summary),
+              HasSubstr("held-out loss        2.1250 after step 2 (2.05K eval "
+                        "tokens)"));
+  EXPECT_THAT(FormatTrainSummary(SummarizeTraining({Event(1, 3)})),
+              Not(HasSubstr("held-out")));
+}
+
 TEST(TrainProgressTest, DefaultIntervalGivesAboutTwentyLines) {
   std::ostringstream out;
   TrainProgress progress(out, /*tty=*/false, 100, 0);

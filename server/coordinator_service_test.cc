@@ -776,6 +776,21 @@ TEST_F(CoordinatorServiceTest, SubmitStepChecksItsInput) {
   invalid(with([](v1::TrainConfig* c) { c->set_grad_clip(std::nan("")); }),
           "config.grad_clip");
   invalid(with([](v1::TrainConfig* c) { c->set_eps(-1e-9); }), "config.eps");
+  // Evaluation needs its data; its counts are ranged.
+  invalid(with([](v1::TrainConfig* c) { c->set_eval_every(5); }),
+          "config.eval_data_path: required with eval_every (5)");
+  invalid(with([](v1::TrainConfig* c) { c->set_eval_batches(2); }),
+          "config.eval_data_path");
+  invalid(with([](v1::TrainConfig* c) {
+            c->set_eval_data_path("/data/held-out.bin");
+            c->set_eval_every(-1);
+          }),
+          "config.eval_every");
+  invalid(with([](v1::TrainConfig* c) {
+            c->set_eval_data_path("/data/held-out.bin");
+            c->set_eval_batches(-3);
+          }),
+          "config.eval_batches");
   // 8 sequences cannot be split into 3 micro-batches of whole rows.
   invalid(with([](v1::TrainConfig* c) { c->set_microbatches(3); }),
           "divisible");

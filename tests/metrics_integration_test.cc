@@ -10,6 +10,8 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdint>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <string>
@@ -187,11 +189,24 @@ TEST_F(MetricsIntegrationTest, CountersMatchWhatWasTrained) {
     EXPECT_EQ(Get(port, "/other").status, 404);
   }
 
+  // A held-out token file (uint16 ids below small_moe's vocabulary of 64):
+  // evaluations after steps 3 and 6 on 2 batches of 16 windows of 33.
+  const std::string eval_data = dir_ + "_eval.bin";
+  {
+    std::string bytes;
+    for (int i = 0; i < 4096; ++i) {
+      const uint16_t id = static_cast<uint16_t>((i * 7 + i / 3) % 64);
+      bytes.push_back(static_cast<char>(id & 0xff));
+      bytes.push_back(static_cast<char>(id >> 8));
+    }
+    std::ofstream(eval_data, std::ios::binary) << bytes;
+  }
   const pid_t shardctl =
       Spawn({kShardctlBinary, "train", "--coordinator", address_, "--model",
              kSmallMoe, "--steps", absl::StrCat(kSteps), "--global-batch", "16",
              "--seq", "32", "--dp", absl::StrCat(kWorkers), "--seed", "3",
-             "--lr", "0.02", "--json"},
+             "--lr", "0.02", "--eval-data", eval_data, "--eval-every", "3",
+             "--eval-batches", "2", "--json"},
             dir_ + "_train.out", dir_ + "_train.err");
   ASSERT_GT(shardctl, 0);
   const int code = WaitFor(shardctl, absl::Seconds(120));
@@ -225,6 +240,26 @@ TEST_F(MetricsIntegrationTest, CountersMatchWhatWasTrained) {
           .value_or(-1);
   EXPECT_GT(loss, 0.0);
   EXPECT_TRUE(std::isfinite(loss));
+  // The evaluations: after steps 3 and 6, over 2 x 16 x 32 targets; the
+  // gauge holds the last one (the JSON prints it with 17 digits, the
+  // metrics text with enough to round-trip).
+  ASSERT_EQ(train["eval_step_numbers"], nlohmann::json::array({3, 6}));
+  const double eval_loss = train["eval_losses"][1];
+  // The eval programs' all-gathers count among the workers' collectives.
+  int64_t eval_all_gathers = 0;
+  for (absl::string_view line : absl::StrSplit(out, '\n')) {
+    const nlohmann::json json =
+        nlohmann::json::parse(line.begin(), line.end(), nullptr, false);
+    if (!json.is_discarded() && json.is_object() && json["event"] == "eval") {
+      eval_all_gathers += json["all_gathers"].get<int64_t>();
+    }
+  }
+  EXPECT_GT(eval_all_gathers, 0);
+  EXPECT_GT(eval_loss, 0.0);
+  EXPECT_TRUE(std::isfinite(eval_loss));
+  EXPECT_THAT(
+      coordinator.Find("shardd_coordinator_job_eval_loss", {{"job_id", "j-1"}}),
+      Optional(::testing::DoubleNear(eval_loss, 1e-12 * eval_loss)));
   // The constant schedule at --lr.
   EXPECT_THAT(
       coordinator.Find("shardd_coordinator_job_lr", {{"job_id", "j-1"}}),
@@ -260,7 +295,7 @@ TEST_F(MetricsIntegrationTest, CountersMatchWhatWasTrained) {
     EXPECT_GT(w.Find("shardd_worker_tokens_total").value_or(0), 0.0);
     EXPECT_THAT(
         w.Find("shardd_worker_collective_calls_total", {{"op", "all_gather"}}),
-        Optional(double(kSteps * all_gathers_per_step)));
+        Optional(double(kSteps * all_gathers_per_step + eval_all_gathers)));
     EXPECT_THAT(w.Find("shardd_worker_collective_calls_total",
                        {{"op", "reduce_scatter"}}),
                 Optional(double(kSteps * reduce_scatters_per_step)));

@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -20,6 +22,7 @@
 #include "nlohmann/json.hpp"
 #include "proto/coordinator.pb.h"
 #include "tests/local_cluster.h"
+#include "tests/subprocess.h"
 
 namespace shardd {
 namespace {
@@ -158,6 +161,47 @@ TEST_F(TrainIntegrationTest, LossComesWithinFivePercentOfTheEntropyRate) {
   EXPECT_LT(final_loss, 1.05 * entropy)
       << "final loss " << final_loss << " vs entropy rate " << entropy;
   EXPECT_GT(final_loss, 0.95 * entropy);
+}
+
+// Evaluations run between steps on the same workers and leave the
+// training trajectory bit for bit as it was; a missing eval file fails the
+// job at its start, naming the field.
+TEST_F(TrainIntegrationTest, EvaluationsChangeNoTrainingLoss) {
+  const std::string eval_data = absl::StrCat(testing_util::TempDir(),
+                                             "/train_eval_", getpid(), ".bin");
+  {
+    std::string bytes;
+    for (int i = 0; i < 2048; ++i) {
+      const uint16_t id = static_cast<uint16_t>((i * 11 + i / 5) % 64);
+      bytes.push_back(static_cast<char>(id & 0xff));
+      bytes.push_back(static_cast<char>(id >> 8));
+    }
+    std::ofstream(eval_data, std::ios::binary) << bytes;
+  }
+  ProcessResult plain = Shardctl(TrainArgs(4));
+  ASSERT_EQ(plain.exit_code, 0) << plain.err;
+  ProcessResult evaluated = Shardctl(TrainArgs(
+      4, {"--eval-data", eval_data, "--eval-every", "1", "--eval-batches",
+          "2"}));
+  ASSERT_EQ(evaluated.exit_code, 0) << evaluated.err;
+  auto a = LocalCluster::ParseTrainOutput(plain.out);
+  auto b = LocalCluster::ParseTrainOutput(evaluated.out);
+  ASSERT_FALSE(a.is_discarded()) << plain.out;
+  ASSERT_FALSE(b.is_discarded()) << evaluated.out;
+  EXPECT_EQ(a["losses"], b["losses"]);
+  EXPECT_EQ(b["eval_step_numbers"], nlohmann::json::array({1, 2, 3, 4}));
+  ASSERT_EQ(b["eval_losses"].size(), 4u);
+  for (const auto& loss : b["eval_losses"]) {
+    EXPECT_TRUE(std::isfinite(loss.get<double>()));
+    EXPECT_GT(loss.get<double>(), 0.0);
+  }
+  EXPECT_EQ(a["eval_losses"], nlohmann::json::array());
+
+  ProcessResult missing = Shardctl(
+      TrainArgs(2, {"--eval-data", eval_data + ".missing"}));
+  EXPECT_NE(missing.exit_code, 0);
+  EXPECT_THAT(missing.err, HasSubstr("train.eval_data_path"));
+  std::remove(eval_data.c_str());
 }
 
 TEST_F(TrainIntegrationTest, FineGrainedModeGivesTheSameLosses) {

@@ -506,6 +506,7 @@ class JobRunner::Attempt {
           absl::StrCat(label, "the coordinator is shutting down"));
     }
     int64_t tokens = 0;
+    int64_t all_gathers = 0;
     double weighted_loss = 0.0;
     std::vector<v1::ExecuteResponse> results(world_);
     for (int32_t k = 0; k < spec_.config.eval_batches(); ++k) {
@@ -520,10 +521,13 @@ class JobRunner::Attempt {
                 return absl::OkStatus();
               },
               "Execute")));
+      int64_t batch_gathers = 0;
       for (const v1::ExecuteResponse& result : results) {
         tokens += result.tokens();
         weighted_loss += result.loss() * static_cast<double>(result.tokens());
+        batch_gathers = std::max(batch_gathers, result.all_gathers());
       }
+      all_gathers += batch_gathers;
     }
     v1::StepEvent event;
     event.set_job_id(job_->id);
@@ -532,6 +536,7 @@ class JobRunner::Attempt {
     event.set_eval_loss(tokens > 0 ? weighted_loss / static_cast<double>(tokens)
                                    : 0.0);
     event.set_eval_tokens(tokens);
+    event.set_all_gathers(all_gathers);
     event.set_done(steps_done == total_);
     if (event.done()) {
       int64_t at = steps_done;

@@ -95,7 +95,8 @@ DG_FP32_BOUND = 2.3 * (300 * 128) ** 0.5 * 2.0 ** -24
 
 def reference(architecture, dims, params, tokens, steps=STEPS, first_step=0,
               first_update=None, response=0, loss_weights=(1.0, 1.0)):
-    """(loss, grad_norm, |grad|_1) of each step: float64 forward and
+    """(loss, grad_norm, |grad|_1, loss without the router's auxiliary
+    term) of each step: float64 forward and
     autograd, then torch.optim.AdamW, on the strided windows the workers
     read; one more entry, without its update, for the weights after
     STEPS updates (on the first step's batch again, as a job started from
@@ -138,12 +139,17 @@ def reference(architecture, dims, params, tokens, steps=STEPS, first_step=0,
                 "encoder_loss_weight": loss_weights[0],
                 "diffusion_loss_weight": loss_weights[1]}
         opt.zero_grad()
+        stats = {}
         loss = (gemma_block_diffusion_step(batch, p)[0] if diffusion
-                else forward(batch, p))
+                else forward(batch, p, stats))
         loss.backward()
         norm = torch.sqrt(sum((w.grad ** 2).sum() for w in trainable))
         l1 = sum(w.grad.abs().sum() for w in trainable)
-        out.append((loss.item(), norm.item(), l1.item()))
+        # What an evaluation scores: the loss without the router's
+        # load-balancing term.
+        ce = loss.item() - float(dims.get("router_aux_loss_coef", 0.0)) * (
+            stats.get("aux", 0.0))
+        out.append((loss.item(), norm.item(), l1.item(), ce))
         if step < first_step + steps:
             opt.step()
             if first_update is not None and step == first_step:
@@ -279,7 +285,9 @@ class Cluster:
 
 def train(cluster, config, init_from, data, world, strategy, mixed,
           steps=STEPS, extra=()):
-    """(loss, grad_norm) per step, and the checkpoints the job saved."""
+    """(loss, grad_norm) per step, the checkpoints the job saved, and the
+    held-out loss of its evaluation after the last step (None without
+    --eval-data in `extra`)."""
     args = ["train", "--model", config, "--init-from", init_from,
             "--data", data, "--data-order", "strided", "--steps", str(steps),
             "--global-batch", str(BATCH), "--seq", str(SEQ), "--lr", str(LR),
@@ -294,8 +302,13 @@ def train(cluster, config, init_from, data, world, strategy, mixed,
              if line.startswith('{"event":"step"')]
     if [s["step"] for s in lines] != list(range(1, steps + 1)):
         raise RuntimeError(f"expected {steps} step lines:\n{run.stdout}")
+    evals = [json.loads(line) for line in run.stdout.splitlines()
+             if line.startswith('{"event":"eval"')]
+    if "--eval-data" in extra and [e["step"] for e in evals] != [steps]:
+        raise RuntimeError(f"expected one eval line:\n{run.stdout}")
     return ([(s["loss"], s["grad_norm"]) for s in lines],
-            [s["checkpoint"] for s in lines if "checkpoint" in s])
+            [s["checkpoint"] for s in lines if "checkpoint" in s],
+            evals[-1]["eval_loss"] if evals else None)
 
 
 # Which HF layout each config is written in: (dtype, files).
@@ -382,7 +395,9 @@ class ConfigCheck:
         steps 1 and 2 (exported; see DG_FP32_BOUND); and, in fp32, step 1's
         AdamW update (adamw_update_ratio's tuple, else None)."""
         run_want, update = [self.want[0]], None
-        for s in range(1, STEPS):
+        # The last entry: the weights after the last step on the first
+        # batch, which the evaluation scores.
+        for s in range(1, STEPS + 1):
             exp = os.path.join(self.work, f"{run_name}.{s}")
             self.cluster.shardctl_local([
                 "checkpoint", "export", "--checkpoint",
@@ -400,9 +415,13 @@ class ConfigCheck:
         diffusion = self.diffusion
         sizes = self.cluster.worker_log_sizes()
         mesh = f"{world}" if replicas == 1 else f"{world}x{replicas}"
-        got, saved = train(
+        # The evaluation after the last step reads the token file's first
+        # global batch in order: the first step's batch, scored with the
+        # weights after the last update (the reference's extra entry).
+        got, saved, eval_loss = train(
             self.cluster, self.config, self.hf_dir, self.data, world, strategy,
-            mixed, extra=["--replicate", str(replicas)]
+            mixed, extra=["--replicate", str(replicas),
+                          "--eval-data", self.data, "--eval-batches", "1"]
             + (["--checkpoint-every", "1"] if diffusion else []))
         if diffusion:
             bound = BF16_BOUND if mixed else DG_FP32_BOUND
@@ -413,7 +432,7 @@ class ConfigCheck:
             run_want, update = self.want, None
         # Errors relative to each check's own bound.
         errs, ratios, flips = [], [], 0.0
-        for step, ((gl, gn), (wl, wn, l1)) in enumerate(zip(got, run_want)):
+        for step, ((gl, gn), (wl, wn, l1, _)) in enumerate(zip(got, run_want)):
             loss_bound = bound + (flips / abs(wl)
                                   if mixed and not diffusion else 0)
             errs.append(abs(gl - wl) / abs(wl))
@@ -422,6 +441,13 @@ class ConfigCheck:
                 errs.append(abs(gn - wn) / abs(wn))
                 ratios.append(errs[-1] / bound)
             flips += 2 * LR * BF16_BOUND * l1
+        # The held-out loss: the same bound as a step's loss, with the
+        # flips of every update.
+        want_eval = run_want[STEPS][3]
+        eval_bound = bound + (flips / abs(want_eval)
+                              if mixed and not diffusion else 0)
+        errs.append(abs(eval_loss - want_eval) / abs(want_eval))
+        ratios.append(errs[-1] / eval_bound)
         worst, ratio = max(errs), max(ratios)
         if update is not None:
             # Flips reach 2 lr by construction (update_ratio just under 1):
@@ -446,10 +472,12 @@ class ConfigCheck:
         print(f"  {status} {mesh} worker(s) {strategy:14s} "
               f"{'bf16' if mixed else 'fp32'}: largest relative error "
               f"{worst:.2e}, {ratio:.2f} of its bound ({bound:.1e}"
-              f"{update_term}); {read} bytes read ({replicas} x "
-              f"{self.total_bytes} wanted)")
+              f"{update_term}); held-out loss {eval_loss:.9f} "
+              f"({abs(eval_loss - want_eval) / abs(want_eval):.2e}); {read} "
+              f"bytes read ({replicas} x {self.total_bytes} wanted)")
         if status == "FAIL":
-            print("    shardd", got, "\n    reference", run_want)
+            print("    shardd", got, "eval", eval_loss,
+                  "\n    reference", run_want)
 
     def check_multi_block(self):
         """DiffusionGemma's training knobs through the daemons: a response of
@@ -462,8 +490,9 @@ class ConfigCheck:
                 ("loss weights 0.5 and 2",
                  ["--encoder-loss-weight", "0.5", "--diffusion-loss-weight",
                   "2"], {"loss_weights": (0.5, 2.0)})):
-            got, _ = train(self.cluster, self.config, self.hf_dir, self.data,
-                           2, "default", False, steps=1, extra=flags)
+            got, _, _ = train(self.cluster, self.config, self.hf_dir,
+                              self.data, 2, "default", False, steps=1,
+                              extra=flags)
             want = reference(self.architecture, self.dims, self.params,
                              self.tokens, steps=0, **kwargs)[0]
             errs = [abs(got[0][0] - want[0]) / abs(want[0]),
@@ -475,14 +504,14 @@ class ConfigCheck:
 
     def check_export_round_trip(self):
         """Export the state after 3 steps and start a job from it."""
-        _, saved = train(self.cluster, self.config, self.hf_dir, self.data, 2,
+        _, saved, _ = train(self.cluster, self.config, self.hf_dir, self.data, 2,
                          "default", False,
                          extra=["--checkpoint-every", str(STEPS)])
         out = os.path.join(self.work, self.name + ".export")
         self.cluster.shardctl_local([
             "checkpoint", "export", "--checkpoint",
             os.path.join(self.cluster.checkpoints, saved[-1]), "--hf", out])
-        resumed, _ = train(self.cluster, out, out, self.data, 1, "default",
+        resumed, _, _ = train(self.cluster, out, out, self.data, 1, "default",
                            False, steps=1)
         after = self.want[STEPS][0]
         if self.diffusion:
