@@ -10,6 +10,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/dtype.h"
+#include "layout/shard_ranges.h"
+#include "layout/unit_layout.h"
 
 namespace shardd {
 namespace {
@@ -245,17 +247,25 @@ int64_t CeilDiv(int64_t a, int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
 
 // Elements one rank holds of `unit` when its shard group has `ranks` ranks,
 // by the layout laws: FSDP2 pads each parameter's dim 0 to a multiple of
-// the ranks; flat buckets pad the unit's total. Doubles: the plan may come
-// from elsewhere, and this is only an estimate.
+// the ranks (under the "auto" placement a parameter that would pad too much
+// is split by elements instead: unit_layout.h); flat buckets pad the unit's
+// total. Doubles: the plan may come from elsewhere, and this is only an
+// estimate.
 double UnitShardNumel(const v1::ShardingPlan& plan, const v1::FsdpUnit& unit,
                       int64_t ranks) {
   if (plan.flat_buckets()) {
     return unit.numel() > 0 ? static_cast<double>(CeilDiv(unit.numel(), ranks))
                             : 0.0;
   }
+  const bool by_elements_if_padded = plan.shard_placement() == "auto";
   double total = 0;
   for (const v1::ParamLayout& param : unit.params()) {
     if (param.global_shape_size() == 0 || param.global_shape(0) <= 0) continue;
+    if (by_elements_if_padded &&
+        DimZeroPadsTooMuch(GlobalShape(param), ranks)) {
+      total += static_cast<double>(CeilDiv(param.numel(), ranks));
+      continue;
+    }
     double row = 1;
     for (int d = 1; d < param.global_shape_size(); ++d) {
       row *= static_cast<double>(std::max<int64_t>(param.global_shape(d), 0));
@@ -350,12 +360,28 @@ std::string FormatPlanTable(const v1::ShardingPlan& plan,
     absl::StrAppend(&params, ")");
   }
   absl::StrAppend(&out, "Parameters   ", params, "\n");
+  // Parameters the placement split by elements (their dim 0 padded).
+  int element_split = 0;
+  for (const v1::FsdpUnit& unit : plan.units()) {
+    for (const v1::ParamLayout& param : unit.params()) {
+      element_split += !plan.flat_buckets() && param.row_numel() == 1 &&
+                       param.global_shape_size() > 1;
+    }
+  }
   absl::StrAppend(
       &out, "Strategy     ", plan.strategy(), ", ", plan.units_size(), " units",
       plan.flat_buckets()
           ? absl::StrCat(" (flat buckets of ",
                          HumanCount(plan.bucket_elements()), " elements)")
-          : "",
+          : absl::StrCat(", placement ",
+                         plan.shard_placement().empty()
+                             ? "dim0"
+                             : plan.shard_placement(),
+                         element_split > 0
+                             ? absl::StrCat(" (", element_split,
+                                            " stacked parameters split by "
+                                            "elements: dim 0 would pad)")
+                             : ""),
       "\n");
   absl::StrAppend(&out, "Mesh         dp_shard ", mesh.dp_shard(),
                   " x dp_replicate ", mesh.dp_replicate(), " (tp ", mesh.tp(),
@@ -500,6 +526,7 @@ nlohmann::ordered_json PlanToJson(const v1::ShardingPlan& plan,
   step["backward_prefetch_depth"] = plan.step().backward_prefetch_depth();
   json["step"] = std::move(step);
   json["flat_buckets"] = plan.flat_buckets();
+  json["shard_placement"] = plan.shard_placement();
   json["bucket_elements"] = plan.bucket_elements();
   // A string: JSON readers often hold numbers as doubles (53 bits).
   json["fingerprint"] = absl::StrFormat("%016x", plan.fingerprint());
@@ -529,6 +556,7 @@ nlohmann::ordered_json PlanToJson(const v1::ShardingPlan& plan,
       p["global_shape"] = IntArray(param.global_shape());
       p["dtype"] = DTypeName(param.dtype());
       p["shard_dim"] = param.shard_dim();
+      p["row_numel"] = param.row_numel();
       p["padded_dim0"] = param.padded_dim0();
       p["rows_per_rank"] = param.rows_per_rank();
       p["local_shape"] = IntArray(param.local_shape());

@@ -175,8 +175,8 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
        "--microbatches", "--passes", "--no-grad-passes", "--defer-grad-sync",
        "--reshard-after-forward", "--fwd-prefetch", "--bwd-prefetch",
        "--no-mixed-precision", "--keep-compute-shard", "--bucket-elements",
-       "--timeline", "--timeline-svg", "--compare-strategy",
-       "--device-memory"});
+       "--shard-placement", "--timeline", "--timeline-svg",
+       "--compare-strategy", "--device-memory"});
   static const auto* train = WithConnection({"--model",
                                              "--model-id",
                                              "--steps",
@@ -195,6 +195,7 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                              "--no-grad-passes",
                                              "--no-mixed-precision",
                                              "--keep-compute-shard",
+                                             "--shard-placement",
                                              "--grad-clip",
                                              "--weight-decay",
                                              "--beta1",
@@ -343,6 +344,14 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
     options.set_mixed_precision(false);
   } else if (flag == "--keep-compute-shard") {
     options.set_keep_compute_shard(true);
+  } else if (flag == "--shard-placement") {
+    if (value != "auto" && value != "dim0") {
+      return Usage(absl::StrCat(
+          "--shard-placement: expected auto (dim 0 unless it pads, else a "
+          "flat element range) or dim0 (FSDP2's Shard(0)), got '",
+          value, "'"));
+    }
+    options.set_shard_placement(value);
   } else if (flag == "--bucket-elements") {
     absl::StatusOr<int64_t> n = ParseInt64(flag, value, 1);
     if (!n.ok()) return n.status();
@@ -810,7 +819,7 @@ absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
              {"--dp", "--replicate", "--strategy", "--passes",
               "--no-grad-passes", "--no-mixed-precision",
               "--keep-compute-shard", "--reshard-after-forward",
-              "--fwd-prefetch", "--bwd-prefetch"}) {
+              "--fwd-prefetch", "--bwd-prefetch", "--shard-placement"}) {
           if (seen.count(fixed) > 0) {
             return Usage(absl::StrCat(
                 "train: ", fixed,

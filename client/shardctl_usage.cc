@@ -51,6 +51,11 @@ Plan:
                                fp32 master (+2 bytes per sharded parameter)
                                so unshards skip the fp32->bf16 conversion
   --bucket-elements N          megatron_fsdp bucket size (default 40M)
+  --shard-placement P          auto (default): each parameter on dim 0,
+                               unless that pads a rank past 1% of its even
+                               share plus one row (stacked experts that do
+                               not divide the ranks): then a flat range of
+                               its elements; dim0: FSDP2's Shard(0) always
 Device:
   --device-memory SIZE         memory per GPU to check the peak against
                                (default 80GiB, an H100): 80GiB, 141GiB,
@@ -115,6 +120,7 @@ Mesh and plan (with --model):
                                compute, fp32 master and reduce)
   --keep-compute-shard         keep a bf16 copy of every shard, refreshed
                                by the optimizer (unshards skip the cast)
+  --shard-placement P          auto (default) or dim0, as for plan
   --reshard-after-forward V    true, false, or a smaller group size N
   --fwd-prefetch N, --bwd-prefetch N   prefetch depths
 Job:

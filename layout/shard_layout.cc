@@ -96,8 +96,7 @@ absl::StatusOr<std::vector<UnitLayout>> ComputeUnitLayouts(
           return absl::InvalidArgumentError(
               absl::StrCat(where, ": a dim-0 sharded parameter needs a shape"));
         }
-        const int64_t dim0 = param.global_shape(0);
-        const int64_t row_numel = param.numel() / dim0;
+        const int64_t row_numel = RowNumel(param);
         const int64_t rows_per_rank = param.rows_per_rank();
         if (param.shard_offset() < 0 ||
             param.shard_offset() + rows_per_rank * row_numel > shard) {

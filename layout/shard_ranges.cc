@@ -14,6 +14,17 @@ std::vector<int64_t> GlobalShape(const v1::ParamLayout& param) {
                               param.global_shape().end());
 }
 
+int64_t RowNumel(const v1::ParamLayout& param) {
+  if (param.row_numel() > 0) return param.row_numel();
+  if (param.global_shape_size() == 0 || param.global_shape(0) <= 0) return 0;
+  return param.numel() / param.global_shape(0);
+}
+
+int64_t ShardedRows(const v1::ParamLayout& param) {
+  const int64_t row = RowNumel(param);
+  return row > 0 ? param.numel() / row : 0;
+}
+
 std::vector<OwnedRange> OwnedRuns(const v1::ParamLayout& param, bool flat,
                                   int64_t unit_shard_numel, int shard_rank) {
   std::vector<OwnedRange> out;
@@ -27,8 +38,8 @@ std::vector<OwnedRange> OwnedRuns(const v1::ParamLayout& param, bool flat,
     return out;
   }
   if (param.global_shape_size() == 0 || param.global_shape(0) <= 0) return out;
-  const int64_t dim0 = param.global_shape(0);
-  const int64_t row_numel = param.numel() / dim0;
+  const int64_t dim0 = ShardedRows(param);
+  const int64_t row_numel = RowNumel(param);
   const int64_t first_row = shard_rank * param.rows_per_rank();
   const int64_t rows = std::min(param.rows_per_rank(), dim0 - first_row);
   if (rows > 0 && row_numel > 0) {

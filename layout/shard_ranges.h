@@ -9,7 +9,8 @@
 //   dim-0 (FSDP2)        rank r holds rows [r * rows_per_rank,
 //                        r * rows_per_rank + valid_rows[r]): one element
 //                        range at the parameter's shard_offset; the padding
-//                        rows after it are never saved or read;
+//                        rows after it are never saved or read (rows of
+//                        RowNumel elements: dim 0's, or single elements);
 //   flat (Megatron-FSDP) the piece of the parameter's flat range
 //                        [unsharded_offset, + numel) that falls in rank r's
 //                        bucket elements [r * S, (r + 1) * S): at most one.
@@ -30,6 +31,12 @@ struct OwnedRange {
 
 // The parameter's global (unsharded) shape.
 std::vector<int64_t> GlobalShape(const v1::ParamLayout& param);
+
+// Elements per sharded row of a dim-0 layout parameter: row_numel when set
+// (1 for a flat element range), else numel / global_shape[0]; 0 without a
+// shape. The rows are numel / RowNumel of them.
+int64_t RowNumel(const v1::ParamLayout& param);
+int64_t ShardedRows(const v1::ParamLayout& param);
 
 // The ranges of `param` that shard rank `shard_rank` holds in a unit whose
 // local shard has `unit_shard_numel` elements, for a plan whose units are

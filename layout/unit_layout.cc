@@ -77,8 +77,68 @@ void FillCommon(const ParamRef& param, v1::ParamLayout* layout) {
 
 }  // namespace
 
+absl::StatusOr<ShardPlacement> ParseShardPlacement(absl::string_view name) {
+  if (name.empty() || name == "auto") return ShardPlacement::kAuto;
+  if (name == "dim0") return ShardPlacement::kDim0;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "shard_placement: must be \"auto\" (dim 0 unless it pads, else a flat "
+      "element range) or \"dim0\" (FSDP2's Shard(0)), got \"",
+      name, "\""));
+}
+
+bool DimZeroPadsTooMuch(const std::vector<int64_t>& shape, int64_t world) {
+  if (shape.size() < 3 || world <= 1) return false;
+  __int128 numel = 1;
+  for (int64_t dim : shape) numel *= dim;
+  const __int128 row = numel / shape[0];
+  const __int128 rows_per_rank = (shape[0] + world - 1) / world;
+  // rows_per_rank * row > 1.01 * numel / W + inner, in integers (x 100 W).
+  return rows_per_rank * row * 100 * world >
+         numel * 101 + static_cast<__int128>(shape.back()) * 100 * world;
+}
+
+absl::StatusOr<ParamRows> PlaceParamRows(const std::vector<int64_t>& shape,
+                                         int64_t world,
+                                         ShardPlacement placement) {
+  if (shape.empty() || world < 1) {
+    return absl::InvalidArgumentError(
+        "a parameter needs a shape and a shard group of >= 1 rank");
+  }
+  ParamRows out;
+  out.rows = shape[0];
+  out.row_numel = 1;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("every dimension must be >= 1, got ", shape[i]));
+    }
+    if (i > 0 && !CheckedMul(out.row_numel, shape[i], &out.row_numel)) {
+      return absl::InvalidArgumentError("the element count overflows int64");
+    }
+  }
+  int64_t numel = 0;
+  if (!CheckedMul(out.rows, out.row_numel, &numel)) {
+    return absl::InvalidArgumentError("the element count overflows int64");
+  }
+  out.elements =
+      placement == ShardPlacement::kAuto && DimZeroPadsTooMuch(shape, world);
+  if (out.elements) {
+    out.rows = numel;
+    out.row_numel = 1;
+  }
+  // ceil(rows / W) without forming rows + W - 1.
+  out.rows_per_rank = out.rows / world + (out.rows % world != 0 ? 1 : 0);
+  int64_t padded = 0;
+  if (!CheckedMul(out.rows_per_rank, world, &padded) ||
+      !CheckedMul(out.rows_per_rank, out.row_numel, &out.local_numel)) {
+    return absl::InvalidArgumentError("the padded shard size overflows int64");
+  }
+  return out;
+}
+
 absl::Status LayoutDim0Shards(const std::vector<ParamRef>& params,
-                              int shard_size, v1::FsdpUnit* unit) {
+                              int shard_size, v1::FsdpUnit* unit,
+                              ShardPlacement placement) {
   if (unit == nullptr) return absl::InvalidArgumentError("unit is null");
   absl::Status status = CheckCommon(params, shard_size);
   if (!status.ok()) return status;
@@ -90,33 +150,26 @@ absl::Status LayoutDim0Shards(const std::vector<ParamRef>& params,
   int64_t trainable = 0;
   for (const ParamRef& param : params) {
     const v1::TensorSpec& tensor = *param.tensor;
-    const int64_t dim0 = tensor.shape(0);
-    int64_t row_numel = 0;
-    if (!TrailingNumel(tensor, 1, &row_numel)) {
-      return Overflow("element count", param);
-    }
-    int64_t numel = 0;
-    if (!CheckedMul(dim0, row_numel, &numel)) {
-      return Overflow("element count", param);
-    }
-    // ceil(dim0 / W) without forming dim0 + W - 1.
-    const int64_t rows_per_rank = dim0 / world + (dim0 % world != 0 ? 1 : 0);
-    int64_t padded_dim0 = 0;
-    int64_t local_numel = 0;
-    if (!CheckedMul(rows_per_rank, world, &padded_dim0)) {
-      return Overflow("padded dim 0", param);
-    }
-    if (!CheckedMul(rows_per_rank, row_numel, &local_numel)) {
-      return Overflow("local shard size", param);
-    }
+    absl::StatusOr<ParamRows> placed = PlaceParamRows(
+        std::vector<int64_t>(tensor.shape().begin(), tensor.shape().end()),
+        world, placement);
+    if (!placed.ok()) return Overflow("element count", param);
+    const int64_t dim0 = placed->rows;
+    const int64_t row_numel = placed->row_numel;
+    const int64_t numel = dim0 * row_numel;
+    const int64_t rows_per_rank = placed->rows_per_rank;
+    const int64_t padded_dim0 = rows_per_rank * world;
+    const int64_t local_numel = placed->local_numel;
+    const bool elements = placed->elements;
 
     v1::ParamLayout* layout = layouts.Add();
     FillCommon(param, layout);
     layout->set_shard_dim(0);
     layout->set_padded_dim0(padded_dim0);
     layout->set_rows_per_rank(rows_per_rank);
+    layout->set_row_numel(row_numel);
     layout->add_local_shape(rows_per_rank);
-    for (int i = 1; i < tensor.shape_size(); ++i) {
+    for (int i = 1; i < tensor.shape_size() && !elements; ++i) {
       layout->add_local_shape(tensor.shape(i));
     }
     layout->set_local_numel(local_numel);

@@ -89,12 +89,13 @@ TEST(LayoutDim0Test, DimDivisibleByWorld) {
 }
 
 TEST(LayoutDim0Test, FewerExpertsThanRanks) {
-  // 3 experts over 8 ranks: one expert row per rank on ranks 0-2, ranks 3-7
-  // hold padding only.
+  // 3 experts over 8 ranks on dim 0 (FSDP2's Shard(0)): one expert row per
+  // rank on ranks 0-2, ranks 3-7 hold padding only.
   Params params;
   params.Add("experts.down_projs", {3, 4, 5});
   v1::FsdpUnit unit;
-  SHARDD_ASSERT_OK(LayoutDim0Shards(params.refs(), 8, &unit));
+  SHARDD_ASSERT_OK(
+      LayoutDim0Shards(params.refs(), 8, &unit, ShardPlacement::kDim0));
   const v1::ParamLayout& p = unit.params(0);
   EXPECT_EQ(p.padded_dim0(), 8);
   EXPECT_EQ(p.rows_per_rank(), 1);
@@ -104,6 +105,66 @@ TEST(LayoutDim0Test, FewerExpertsThanRanks) {
   EXPECT_EQ(unit.numel(), 60);
   EXPECT_EQ(unit.shard_numel(), 20);
   EXPECT_EQ(unit.gathered_numel(), 160);
+}
+
+TEST(LayoutDim0Test, AutoSplitsPaddedExpertsByElements) {
+  // The same 3 experts over 8 ranks under kAuto: dim 0 would give each rank
+  // 20 elements against an even share of 7.5 (+1% + one row of 5 = 12.6),
+  // so the 60 elements are split in 8 ranges of 8 (the last 4).
+  Params params;
+  params.Add("experts.down_projs", {3, 4, 5}).Add("router", {3, 4});
+  v1::FsdpUnit unit;
+  SHARDD_ASSERT_OK(LayoutDim0Shards(params.refs(), 8, &unit));
+  const v1::ParamLayout& p = unit.params(0);
+  EXPECT_EQ(p.shard_dim(), 0);
+  EXPECT_EQ(p.row_numel(), 1);
+  EXPECT_EQ(p.padded_dim0(), 64);
+  EXPECT_EQ(p.rows_per_rank(), 8);
+  EXPECT_THAT(Vec(p.local_shape()), ElementsAre(8));
+  EXPECT_EQ(p.local_numel(), 8);
+  EXPECT_THAT(Vec(p.valid_rows()), ElementsAre(8, 8, 8, 8, 8, 8, 8, 4));
+  EXPECT_THAT(Vec(p.global_shape()), ElementsAre(3, 4, 5));
+  // A 2-D parameter keeps dim 0 (it can never pad a whole extra row).
+  const v1::ParamLayout& router = unit.params(1);
+  EXPECT_EQ(router.row_numel(), 4);
+  EXPECT_THAT(Vec(router.valid_rows()), ElementsAre(1, 1, 1, 0, 0, 0, 0, 0));
+  EXPECT_EQ(unit.shard_numel(), 8 + 4);
+  // Divisible experts stay on dim 0.
+  Params even;
+  even.Add("experts.down_projs", {8, 4, 5});
+  v1::FsdpUnit even_unit;
+  SHARDD_ASSERT_OK(LayoutDim0Shards(even.refs(), 8, &even_unit));
+  EXPECT_EQ(even_unit.params(0).row_numel(), 20);
+  EXPECT_THAT(Vec(even_unit.params(0).local_shape()), ElementsAre(1, 4, 5));
+}
+
+TEST(LayoutDim0Test, DimZeroPadsTooMuchIsTheStatedRule) {
+  // 1-D and 2-D shapes never: ceil(d0 / W) rows exceed d0 / W by < 1 row.
+  EXPECT_FALSE(DimZeroPadsTooMuch({3}, 8));
+  EXPECT_FALSE(DimZeroPadsTooMuch({3, 1000}, 8));
+  // Mixtral's experts [8, 14336, 4096] at 32 ranks: 4x the even share.
+  EXPECT_TRUE(DimZeroPadsTooMuch({8, 14336, 4096}, 32));
+  EXPECT_FALSE(DimZeroPadsTooMuch({8, 14336, 4096}, 8));
+  EXPECT_FALSE(DimZeroPadsTooMuch({8, 14336, 4096}, 1));
+  // 128 experts on 3 ranks: 43 rows against 42.67, 0.8% over: dim 0.
+  EXPECT_FALSE(DimZeroPadsTooMuch({128, 2, 2}, 3));
+  // 100 experts [4, 1] on 3 ranks: 34 x 4 = 136 elements against
+  // 1.01 x 133.33 + 1 = 135.67: elements.
+  EXPECT_TRUE(DimZeroPadsTooMuch({100, 4, 1}, 3));
+  // [2, 2] experts: 136 against 1.01 x 133.33 + 2 = 136.67: dim 0.
+  EXPECT_FALSE(DimZeroPadsTooMuch({100, 2, 2}, 3));
+  for (const auto& [name, want] :
+       std::vector<std::pair<std::string, ShardPlacement>>{
+           {"auto", ShardPlacement::kAuto},
+           {"", ShardPlacement::kAuto},
+           {"dim0", ShardPlacement::kDim0}}) {
+    absl::StatusOr<ShardPlacement> got = ParseShardPlacement(name);
+    ASSERT_TRUE(got.ok()) << name;
+    EXPECT_EQ(*got, want) << name;
+  }
+  EXPECT_THAT(ParseShardPlacement("dim1"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("shard_placement")));
 }
 
 TEST(LayoutDim0Test, SingleRankHoldsEverything) {
@@ -332,7 +393,9 @@ TEST(LayoutPropertyTest, Dim0CoversEveryElementOnce) {
       params.Add(absl::StrCat("p", i), shape, uniform(0, 3) == 0);
     }
     v1::FsdpUnit unit;
-    SHARDD_ASSERT_OK(LayoutDim0Shards(params.refs(), world, &unit));
+    const ShardPlacement placement =
+        iter % 2 == 0 ? ShardPlacement::kAuto : ShardPlacement::kDim0;
+    SHARDD_ASSERT_OK(LayoutDim0Shards(params.refs(), world, &unit, placement));
     SCOPED_TRACE(absl::StrCat("iter ", iter, " world ", world));
 
     // Per-rank chunks of the parameters tile [0, shard_numel) in order.
@@ -342,9 +405,19 @@ TEST(LayoutPropertyTest, Dim0CoversEveryElementOnce) {
     int64_t trainable = 0;
     for (int i = 0; i < n; ++i) {
       const v1::ParamLayout& p = unit.params(i);
-      const int64_t d0 = p.global_shape(0);
+      int64_t d0 = p.global_shape(0);
       int64_t row = 1;
       for (int k = 1; k < p.global_shape_size(); ++k) row *= p.global_shape(k);
+      // Split by elements exactly when dim 0 pads too much (kAuto).
+      const bool elements =
+          placement == ShardPlacement::kAuto &&
+          DimZeroPadsTooMuch(
+              {p.global_shape().begin(), p.global_shape().end()}, world);
+      EXPECT_EQ(p.row_numel(), elements ? 1 : row);
+      if (elements) {
+        d0 *= row;
+        row = 1;
+      }
       // rows_per_rank is the least r with r * W >= d0.
       EXPECT_GE(p.rows_per_rank() * world, d0);
       EXPECT_LT((p.rows_per_rank() - 1) * world, d0);

@@ -255,6 +255,7 @@ uint64_t Fingerprint(const ShardingPlan& plan) {
       f.AddInt(param.dtype());
       f.AddInt(param.shard_dim());
       f.AddInt(param.padded_dim0());
+      f.AddInt(param.row_numel());
       f.AddInt(param.local_numel());
       f.AddInt(param.shard_offset());
       f.AddInt(param.unsharded_offset());
@@ -324,6 +325,12 @@ absl::StatusOr<ShardingPlan> ShardingPlanner::Plan(
                       mesh.cp());
   plan.set_total_params(Summarize(model).total_params());
   plan.set_flat_buckets(grouping.flat_buckets);
+  SHARDD_ASSIGN_OR_RETURN(const ShardPlacement placement,
+                          ParseShardPlacement(options.shard_placement()));
+  if (!grouping.flat_buckets) {
+    plan.set_shard_placement(placement == ShardPlacement::kDim0 ? "dim0"
+                                                                : "auto");
+  }
   if (grouping.flat_buckets) {
     plan.set_bucket_elements(options.bucket_elements() > 0
                                  ? options.bucket_elements()
@@ -344,8 +351,9 @@ absl::StatusOr<ShardingPlan> ShardingPlanner::Plan(
     unit->set_parent(draft.parent);
     unit->set_prefetch_target(draft.prefetch_target);
     const absl::Status laid_out =
-        grouping.flat_buckets ? LayoutFlatRanges(draft.params, dp_shard, unit)
-                              : LayoutDim0Shards(draft.params, dp_shard, unit);
+        grouping.flat_buckets
+            ? LayoutFlatRanges(draft.params, dp_shard, unit)
+            : LayoutDim0Shards(draft.params, dp_shard, unit, placement);
     if (!laid_out.ok()) {
       return absl::Status(
           laid_out.code(),

@@ -359,12 +359,14 @@ TEST_F(PlannerTest, FingerprintIsStableAndTracksTheLayout) {
   EXPECT_NE(a.fingerprint(), f.fingerprint());
 }
 
-TEST_F(PlannerTest, FewerExpertsThanRanksArePadded) {
-  // 8 experts over 16 ranks: one expert row per rank on ranks 0..7, ranks
-  // 8..15 hold only padding.
+TEST_F(PlannerTest, FewerExpertsThanRanksArePaddedOnDimZeroWhenForced) {
+  // 8 experts over 16 ranks with shard_placement dim0: one expert row per
+  // rank on ranks 0..7, ranks 8..15 hold only padding.
   v1::PlanOptions options = Options(16);
   options.set_strategy("diffusion_gemma");
+  options.set_shard_placement("dim0");
   SHARDD_ASSERT_OK_AND_ASSIGN(v1::ShardingPlan plan, Plan(ToyMoe(8), options));
+  EXPECT_EQ(plan.shard_placement(), "dim0");
   const v1::FsdpUnit& experts = plan.units(0);
   ASSERT_EQ(experts.kind(), v1::UNIT_EXPERTS);
   const v1::ParamLayout& gate_up = experts.params(0);
@@ -381,6 +383,28 @@ TEST_F(PlannerTest, FewerExpertsThanRanksArePadded) {
   EXPECT_EQ(experts.numel(), 8 * (64 + 32));
   EXPECT_EQ(experts.gathered_numel(), 2 * experts.numel());
   EXPECT_GT(plan.memory().peak_unsharded_bytes(), 0);
+}
+
+TEST_F(PlannerTest, FewerExpertsThanRanksAreSplitByElementsByDefault) {
+  v1::PlanOptions options = Options(16);
+  options.set_strategy("diffusion_gemma");
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ShardingPlan plan, Plan(ToyMoe(8), options));
+  EXPECT_EQ(plan.shard_placement(), "auto");
+  const v1::FsdpUnit& experts = plan.units(0);
+  const v1::ParamLayout& gate_up = experts.params(0);
+  EXPECT_EQ(gate_up.row_numel(), 1);
+  EXPECT_EQ(gate_up.rows_per_rank(), 8 * kD * 2 * kI / 16);
+  // Even: the unit is its elements over 16 ranks, no padding.
+  EXPECT_EQ(experts.numel(), 8 * (64 + 32));
+  EXPECT_EQ(experts.gathered_numel(), experts.numel());
+  // The layout is part of the fingerprint.
+  options.set_shard_placement("dim0");
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ShardingPlan dim0, Plan(ToyMoe(8), options));
+  EXPECT_NE(dim0.fingerprint(), plan.fingerprint());
+  options.set_shard_placement("rows");
+  EXPECT_THAT(Plan(ToyMoe(8), options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("shard_placement")));
 }
 
 TEST_F(PlannerTest, MegatronFlatBuckets) {

@@ -79,6 +79,7 @@ struct Shape {
   // > 0: reshard_after_forward to groups of this many ranks.
   int reshard_group = 0;
   bool keep_compute_shard = false;
+  std::string placement;  // PlanOptions.shard_placement ("": auto).
 };
 
 v1::ShardingPlan MakePlan(const v1::ModelSpec& model, const Shape& s) {
@@ -98,6 +99,7 @@ v1::ShardingPlan MakePlan(const v1::ModelSpec& model, const Shape& s) {
     options.mutable_reshard_after_forward()->set_group_size(s.reshard_group);
   }
   options.set_keep_compute_shard(s.keep_compute_shard);
+  options.set_shard_placement(s.placement);
   // Several buckets per rank and parameters straddling ranks.
   options.set_bucket_elements(700);
   absl::StatusOr<v1::ShardingPlan> plan = planner.Plan(model, options);
@@ -520,6 +522,8 @@ std::vector<MemoryCase> MemoryCases() {
       cases.push_back({strategy, world, 2, 1, 0, true});
       cases.push_back({strategy, world, 1, 2, 1, false});
     }
+    // 3 ranks: the 4 experts split by elements (the default placement).
+    cases.push_back({strategy, 3, 1, 1, 0, false});
     // Reshard after forward to pairs of ranks: slices kept, re-gathered
     // over the pair; with 2 passes they are gathered again in each pass.
     cases.push_back({strategy, 4, 1, 1, 0, false, 2});
@@ -771,6 +775,15 @@ TEST_P(StepExecutorEquivalenceTest, SameStepsAsOneRankWithinRounding) {
   const EquivalenceCase& c = GetParam();
   const v1::ModelSpec model = TinyMoe(/*freeze=*/true);
   const v1::ShardingPlan plan = MakePlan(model, c.shape);
+  // The element placement is really exercised where the name says so.
+  int element_rows = 0;
+  for (const v1::FsdpUnit& unit : plan.units()) {
+    for (const v1::ParamLayout& param : unit.params()) {
+      element_rows += param.row_numel() == 1 && param.global_shape_size() > 1;
+    }
+  }
+  if (c.shape.placement == "auto") EXPECT_GT(element_rows, 0);
+  if (c.shape.placement == "dim0") EXPECT_EQ(element_rows, 0);
   TrainOptions train;
   train.restart = &Reference();
   const WorldRun run =
@@ -804,6 +817,17 @@ std::vector<EquivalenceCase> EquivalenceCases() {
     slices.dp_shard = 4;
     slices.reshard_group = 2;
     cases.push_back({absl::StrCat(strategy, "_W4_slice2"), slices});
+  }
+  // 8 ranks: the 4 stacked experts do not divide, so the default placement
+  // splits them by elements (row_numel 1) and dim0 pads half the ranks.
+  for (const char* placement : {"auto", "dim0"}) {
+    Shape s;
+    s.dp_shard = 8;
+    s.placement = placement;
+    cases.push_back({absl::StrCat("default_W8_", placement), s});
+    Shape own = s;
+    own.strategy = "diffusion_gemma";  // The experts are their own unit.
+    cases.push_back({absl::StrCat("diffusion_gemma_W8_", placement), own});
   }
   // Gradient accumulation: 2 micro-batches of B/2 equal one batch of B,
   // with and without deferred gradient sync.

@@ -69,7 +69,8 @@ v1::ModelSpec TinyMoe(bool freeze, int64_t mlp = kMlp) {
 
 absl::StatusOr<v1::ShardingPlan> TryPlan(const v1::ModelSpec& model,
                                          const std::string& strategy,
-                                         int dp_shard, int reshard_group = 0) {
+                                         int dp_shard, int reshard_group = 0,
+                                         const std::string& placement = "") {
   static StrategyRegistry* registry =
       StrategyRegistry::CreateWithBuiltins().release();
   ShardingPlanner planner(registry);
@@ -83,6 +84,7 @@ absl::StatusOr<v1::ShardingPlan> TryPlan(const v1::ModelSpec& model,
   }
   // Several buckets per rank and parameters straddling ranks.
   options.set_bucket_elements(700);
+  options.set_shard_placement(placement);
   return planner.Plan(model, options);
 }
 
@@ -279,6 +281,71 @@ TEST(ShardCheckpointTest, RoundTripsIntoEveryLayoutWithPaddingZero) {
     }
     // Each element read once: 3 fp32 tensors per trainable parameter, one
     // per frozen one.
+    int64_t want_bytes = 0;
+    for (const v1::FsdpUnit& unit : plan.units()) {
+      for (const v1::ParamLayout& param : unit.params()) {
+        want_bytes += param.numel() * 4 * (param.frozen() ? 1 : 3);
+      }
+    }
+    EXPECT_EQ(read, want_bytes);
+  }
+}
+
+// Stacked experts split by elements (4 experts on 3 ranks, the default
+// placement) save global-shape tensors that load into dim-0 layouts, flat
+// buckets and element splits of other worlds, each element read once.
+TEST(ShardCheckpointTest, ElementSplitExpertsReshardAcrossPlacements) {
+  const v1::ModelSpec model = TinyMoe(/*freeze=*/true);
+  const v1::ShardingPlan saved = MakePlan(model, "diffusion_gemma", 3);
+  int element_rows = 0;
+  for (const v1::FsdpUnit& unit : saved.units()) {
+    for (const v1::ParamLayout& param : unit.params()) {
+      element_rows += param.row_numel() == 1 && param.global_shape_size() > 1;
+    }
+  }
+  ASSERT_GT(element_rows, 0);
+  auto stores = MakeStores(saved, model);
+  ASSERT_EQ(stores.size(), 3u);
+  for (int r = 0; r < 3; ++r) {
+    FillPattern(saved, r, /*salt=*/7, stores[r]->store.get());
+  }
+  const std::string root = NewRoot("elements");
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::string dir,
+                              SaveStores(saved, stores, root, 2));
+  // The experts are saved with their global shape, in element-range
+  // chunks.
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<checkpoint::CheckpointReader> ck,
+                              checkpoint::CheckpointReader::Open(dir));
+  SHARDD_ASSERT_OK(ck->VerifyAll());
+  struct Target {
+    std::string strategy;
+    int world;
+    std::string placement;
+  };
+  for (const Target& t : std::vector<Target>{{"diffusion_gemma", 3, "dim0"},
+                                             {"default", 2, "dim0"},
+                                             {"default", 8, "auto"},
+                                             {"megatron_fsdp", 3, ""},
+                                             {"default", 1, "auto"}}) {
+    SCOPED_TRACE(absl::StrCat(t.strategy, " at ", t.world, " ranks, ",
+                              t.placement));
+    SHARDD_ASSERT_OK_AND_ASSIGN(
+        const v1::ShardingPlan plan,
+        TryPlan(model, t.strategy, t.world, 0, t.placement));
+    auto targets = MakeStores(plan, model);
+    int64_t read = 0;
+    for (int r = 0; r < t.world; ++r) {
+      SHARDD_ASSERT_OK_AND_ASSIGN(
+          std::unique_ptr<checkpoint::CheckpointReader> reader,
+          checkpoint::CheckpointReader::Open(dir));
+      SHARDD_ASSERT_OK_AND_ASSIGN(
+          const int64_t step,
+          LoadRankShards(plan, targets[r]->store.get(), reader.get(), r));
+      EXPECT_EQ(step, 2);
+      EXPECT_EQ(CheckPattern(plan, r, /*salt=*/7, *targets[r]->store), 0)
+          << "rank " << r;
+      read += reader->data_bytes_read();
+    }
     int64_t want_bytes = 0;
     for (const v1::FsdpUnit& unit : plan.units()) {
       for (const v1::ParamLayout& param : unit.params()) {
