@@ -253,6 +253,9 @@ absl::Status RunStatus(const ShardctlArgs& args, Backend* backend,
     return absl::OkStatus();
   }
   out << "Coordinator  " << args.coordinator << "\n";
+  if (!response->insecure().empty()) {
+    out << "WARNING      " << response->insecure() << "\n";
+  }
   out << absl::StrFormat("Incarnation  %016x\n",
                          response->coordinator_incarnation());
   out << "Uptime       "
@@ -281,10 +284,11 @@ absl::Status RunStatus(const ShardctlArgs& args, Backend* backend,
   }
   out << ")\n";
   for (const v1::WorkerInfo& worker : response->workers()) {
-    out << absl::StrFormat("  rank %d  %s  %s  %s  last heartbeat %d ms ago\n",
-                           worker.rank(), worker.address(), worker.device(),
-                           worker.alive() ? "alive" : "dead",
-                           worker.last_heartbeat_ms_ago());
+    out << absl::StrFormat(
+        "  rank %d  %s  %s  %s  last heartbeat %d ms ago%s\n", worker.rank(),
+        worker.address(), worker.device(), worker.alive() ? "alive" : "dead",
+        worker.last_heartbeat_ms_ago(),
+        worker.insecure() ? "  INSECURE (no TLS or tokens, --insecure)" : "");
   }
   out << "\nJobs (" << response->jobs_size() << ")\n";
   if (response->jobs_size() > 0) {

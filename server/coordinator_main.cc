@@ -28,6 +28,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/daemon/command_line.h"
+#include "common/daemon/listen_policy.h"
 #include "common/daemon/port_file.h"
 #include "common/daemon/security_flags.h"
 #include "common/daemon/stop_signals.h"
@@ -220,6 +221,27 @@ int Run() {
     }
   }
 
+  // Locked by default: a reachable --listen needs TLS and both tokens.
+  ListenerGuard guard;
+  guard.address = absl::GetFlag(FLAGS_listen);
+  guard.tls = !absl::GetFlag(FLAGS_tls_cert).empty() &&
+              !absl::GetFlag(FLAGS_tls_key).empty();
+  guard.tokens = {{"--client-token-file", !client_token->empty()},
+                  {"--worker-token-file", !worker_token->empty()}};
+  guard.insecure = absl::GetFlag(FLAGS_insecure);
+  absl::StatusOr<bool> exposed = CheckListener(guard);
+  if (!exposed.ok()) {
+    std::fprintf(stderr, "shardd-coordinator: %s\n",
+                 std::string(exposed.status().message()).c_str());
+    return 2;
+  }
+  std::string insecure_warning;
+  if (*exposed) {
+    insecure_warning =
+        InsecureListenerWarning("shardd-coordinator", guard.address);
+    Announce(absl::StrCat("WARNING: ", insecure_warning));
+  }
+
   // Durable state: models and plans survive a restart (kill -9 included)
   // with the same --data-dir.
   std::unique_ptr<StateStore> state;
@@ -240,6 +262,7 @@ int Run() {
   service_options.state = state.get();
   service_options.max_models = absl::GetFlag(FLAGS_max_models);
   service_options.max_workers = absl::GetFlag(FLAGS_workers);
+  service_options.insecure_warning = insecure_warning;
   service_options.heartbeat_timeout = heartbeat_timeout;
   service_options.worker_clients = GrpcWorkerClientFactory(worker_channel);
   service_options.jobs.collective_timeout = collective_timeout;

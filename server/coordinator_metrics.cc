@@ -34,6 +34,18 @@ absl::Status RegisterCoordinatorMetrics(CoordinatorService* service,
                            "deadline passed.",
                            {}));
   SHARDD_ASSIGN_OR_RETURN(
+      GaugeFamily * insecure,
+      registry->AddGauge("shardd_coordinator_insecure",
+                         "1 when the coordinator serves other machines "
+                         "without TLS or tokens (--insecure).",
+                         {}));
+  SHARDD_ASSIGN_OR_RETURN(
+      GaugeFamily * insecure_workers,
+      registry->AddGauge("shardd_coordinator_insecure_workers",
+                         "Registered workers that serve other machines "
+                         "without TLS or tokens (--insecure).",
+                         {}));
+  SHARDD_ASSIGN_OR_RETURN(
       GaugeFamily * jobs,
       registry->AddGauge("shardd_coordinator_jobs",
                          "Kept training jobs by state.", {"state"}));
@@ -83,9 +95,13 @@ absl::Status RegisterCoordinatorMetrics(CoordinatorService* service,
     uptime->Set({}, status->uptime_ms() / 1000.0);
     models->Set({}, status->models_size());
     int alive = 0;
+    int exposed = 0;
     for (const v1::WorkerInfo& worker : status->workers()) {
       alive += worker.alive() ? 1 : 0;
+      exposed += worker.insecure() ? 1 : 0;
     }
+    insecure->Set({}, status->insecure().empty() ? 0 : 1);
+    insecure_workers->Set({}, exposed);
     workers->Set({"alive"}, alive);
     workers->Set({"dead"}, status->workers_size() - alive);
     epoch->Set({}, static_cast<double>(service->workers()->membership_epoch()));

@@ -55,6 +55,9 @@ TEST(CoordinatorMetricsTest, ReflectsMembershipAtScrapeTime) {
   EXPECT_EQ(empty.Count("shardd_coordinator_job_steps_done"), 0);
   EXPECT_EQ(empty.type["shardd_coordinator_workers_declared_dead_total"],
             "counter");
+  EXPECT_THAT(empty.Find("shardd_coordinator_insecure"), Optional(0.0));
+  EXPECT_THAT(empty.Find("shardd_coordinator_insecure_workers"),
+              Optional(0.0));
 
   SHARDD_ASSERT_OK(service.RegisterWorker(WorkerRequest(5000, 1)).status());
   SHARDD_ASSERT_OK(service.RegisterWorker(WorkerRequest(5001, 2)).status());
@@ -83,6 +86,30 @@ TEST(CoordinatorMetricsTest, ReflectsMembershipAtScrapeTime) {
               Optional(1.0));
   EXPECT_THAT(parsed.Find("shardd_coordinator_uptime_seconds"), Optional(4.0));
   EXPECT_THAT(parsed.Find("shardd_coordinator_models"), Optional(0.0));
+}
+
+TEST(CoordinatorMetricsTest, InsecureListenersAreReported) {
+  CoordinatorServiceOptions options;
+  options.insecure_warning = "shardd-coordinator serves 0.0.0.0:7070 ...";
+  std::unique_ptr<StrategyRegistry> strategies =
+      StrategyRegistry::CreateWithBuiltins();
+  CoordinatorService service(strategies.get(), options);
+  MetricsRegistry registry;
+  SHARDD_ASSERT_OK(RegisterCoordinatorMetrics(&service, &registry));
+  v1::RegisterWorkerRequest exposed = WorkerRequest(5000, 1);
+  exposed.set_insecure(true);
+  SHARDD_ASSERT_OK(service.RegisterWorker(exposed).status());
+  SHARDD_ASSERT_OK(service.RegisterWorker(WorkerRequest(5001, 2)).status());
+  SHARDD_ASSERT_OK_AND_ASSIGN(ParsedMetrics parsed,
+                              ParseMetricsText(registry.Render()));
+  EXPECT_THAT(parsed.Find("shardd_coordinator_insecure"), Optional(1.0));
+  EXPECT_THAT(parsed.Find("shardd_coordinator_insecure_workers"),
+              Optional(1.0));
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::GetStatusResponse status,
+                              service.GetStatus({}));
+  EXPECT_EQ(status.insecure(), options.insecure_warning);
+  ASSERT_EQ(status.workers_size(), 2);
+  EXPECT_NE(status.workers(0).insecure(), status.workers(1).insecure());
 }
 
 }  // namespace

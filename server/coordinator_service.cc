@@ -420,6 +420,7 @@ absl::StatusOr<v1::GetStatusResponse> CoordinatorService::GetStatus(
   response.set_coordinator_incarnation(incarnation_);
   response.set_uptime_ms(
       absl::ToInt64Milliseconds(options_.clock() - start_time_));
+  response.set_insecure(options_.insecure_warning);
   absl::MutexLock lock(&mu_);
   for (const std::string& id : order_) {
     const StoredModel& stored = models_.at(id);
@@ -440,6 +441,7 @@ absl::StatusOr<v1::GetStatusResponse> CoordinatorService::GetStatus(
     info->set_alive(worker.alive);
     info->set_last_heartbeat_ms_ago(
         absl::ToInt64Milliseconds(now - worker.last_heartbeat));
+    info->set_insecure(worker.insecure);
   }
   for (const JobSummary& job : jobs_->ListJobs()) {
     v1::JobInfo* info = response.add_jobs();
@@ -470,6 +472,7 @@ absl::StatusOr<v1::RegisterWorkerResponse> CoordinatorService::RegisterWorker(
   worker.device = request.device();
   worker.hostname = request.hostname();
   worker.requested_rank = request.requested_rank();
+  worker.insecure = request.insecure();
   SHARDD_ASSIGN_OR_RETURN(RegisterResult result, workers_.Register(worker));
   if (!result.retry) {
     SHARDD_LOG(INFO) << "worker " << request.address() << " (incarnation "

@@ -62,6 +62,9 @@ struct CoordinatorServiceOptions {
   std::function<absl::Time()> clock;
   // Most workers (the coordinator's --workers); 0 = no limit.
   int max_workers = 0;
+  // Non-empty when the coordinator serves other machines without TLS or
+  // tokens (--insecure): the warning, reported by GetStatus and metrics.
+  std::string insecure_warning;
   // A worker without a heartbeat for this long is dead (--heartbeat-timeout).
   // Workers are told to heartbeat every third of it.
   absl::Duration heartbeat_timeout = absl::Seconds(10);

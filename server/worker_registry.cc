@@ -141,6 +141,7 @@ absl::StatusOr<RegisterResult> WorkerRegistry::Register(
     }
     existing.device = worker.device;
     existing.hostname = worker.hostname;
+    existing.insecure = worker.insecure;
     existing.last_heartbeat = now;
     result.rank = existing.rank;
   } else {
@@ -159,6 +160,7 @@ absl::StatusOr<RegisterResult> WorkerRegistry::Register(
     state.incarnation = worker.incarnation;
     state.device = worker.device;
     state.hostname = worker.hostname;
+    state.insecure = worker.insecure;
     state.registered_at = now;
     state.last_heartbeat = now;
     state.alive = true;

@@ -55,6 +55,7 @@ struct WorkerRegistration {
   std::string device;
   std::string hostname;
   int requested_rank = -1;  // -1: any.
+  bool insecure = false;    // Serves other machines without TLS or tokens.
 };
 
 struct RegisterResult {
@@ -74,6 +75,7 @@ struct WorkerState {
   uint64_t incarnation = 0;
   std::string device;
   std::string hostname;
+  bool insecure = false;
   absl::Time registered_at;
   absl::Time last_heartbeat;
   bool alive = false;

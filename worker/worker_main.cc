@@ -42,6 +42,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/time/time.h"
 #include "common/daemon/command_line.h"
+#include "common/daemon/listen_policy.h"
 #include "common/daemon/port_file.h"
 #include "common/daemon/security_flags.h"
 #include "common/daemon/stop_signals.h"
@@ -195,6 +196,25 @@ int main(int argc, char** argv) {
   const std::string worker_token = *std::move(token);
   const shardd::ServerSecurity server_security =
       shardd::ServerSecurityFromFlags();
+  // Locked by default: a reachable --listen needs TLS and the worker token.
+  shardd::ListenerGuard guard;
+  guard.address = absl::GetFlag(FLAGS_listen);
+  guard.tls = !server_security.tls_cert_file.empty() &&
+              !server_security.tls_key_file.empty();
+  guard.tokens = {{"--worker-token-file", !worker_token.empty()}};
+  guard.insecure = absl::GetFlag(FLAGS_insecure);
+  absl::StatusOr<bool> exposed = shardd::CheckListener(guard);
+  if (!exposed.ok()) {
+    std::fprintf(stderr, "shardd-worker: %s\n",
+                 std::string(exposed.status().message()).c_str());
+    return 2;
+  }
+  if (*exposed) {
+    const std::string warning =
+        shardd::InsecureListenerWarning("shardd-worker", guard.address);
+    std::fprintf(stderr, "shardd-worker: WARNING: %s\n", warning.c_str());
+    SHARDD_LOG(WARNING) << warning;
+  }
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
       shardd::MakeServerCredentials(server_security);
   if (!credentials.ok()) {
@@ -216,6 +236,7 @@ int main(int argc, char** argv) {
       return 1;
     }
     worker_metrics = *std::move(created);
+    worker_metrics->set_insecure(*exposed);
     runtime_options.on_step =
         [m = worker_metrics.get()](const shardd::StepResult& result) {
           m->RecordStep(result);
@@ -274,6 +295,7 @@ int main(int argc, char** argv) {
                                 : absl::GetFlag(FLAGS_advertise_address);
     agent_options.device = device;
     agent_options.requested_rank = absl::GetFlag(FLAGS_requested_rank);
+    agent_options.insecure = *exposed;
     agent_options.connect_timeout = absl::GetFlag(FLAGS_coordinator_timeout);
     auto started = shardd::CoordinatorAgent::Start(agent_options);
     if (!started.ok()) {

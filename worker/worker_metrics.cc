@@ -79,6 +79,13 @@ absl::StatusOr<std::unique_ptr<WorkerMetrics>> WorkerMetrics::Create(
       registry->AddCounter("shardd_worker_heartbeat_failures_total",
                            "Heartbeats to the coordinator that failed.", {}));
   SHARDD_ASSIGN_OR_RETURN(
+      m->insecure_,
+      registry->AddGauge("shardd_worker_insecure",
+                         "1 when the worker serves other machines without "
+                         "TLS or tokens (--insecure).",
+                         {}));
+  m->insecure_->Set({}, 0);
+  SHARDD_ASSIGN_OR_RETURN(
       m->rank_, registry->AddGauge("shardd_worker_rank",
                                    "Rank the coordinator assigned.", {}));
   SHARDD_ASSIGN_OR_RETURN(
@@ -99,6 +106,10 @@ void WorkerMetrics::RecordStep(const StepResult& result) {
   steps_->Increment({});
   tokens_->Add({}, static_cast<double>(result.tokens));
   step_seconds_->Observe({}, result.seconds);
+}
+
+void WorkerMetrics::set_insecure(bool insecure) {
+  insecure_->Set({}, insecure ? 1 : 0);
 }
 
 void WorkerMetrics::set_runtime(const WorkerRuntime* runtime) {

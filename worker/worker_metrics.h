@@ -47,6 +47,9 @@ class WorkerMetrics {
   // still happen.
   void set_runtime(const WorkerRuntime* runtime) ABSL_LOCKS_EXCLUDED(mu_);
   void set_agent(const CoordinatorAgent* agent) ABSL_LOCKS_EXCLUDED(mu_);
+  // shardd_worker_insecure: 1 when --listen serves other machines without
+  // TLS or tokens (--insecure).
+  void set_insecure(bool insecure);
 
  private:
   WorkerMetrics() = default;
@@ -66,6 +69,7 @@ class WorkerMetrics {
   GaugeFamily* step_failed_ = nullptr;
   CounterFamily* heartbeat_failures_ = nullptr;
   GaugeFamily* rank_ = nullptr;
+  GaugeFamily* insecure_ = nullptr;
   GaugeFamily* membership_epoch_ = nullptr;
 
   absl::Mutex mu_;

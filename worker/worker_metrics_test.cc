@@ -27,6 +27,12 @@ TEST(WorkerMetricsTest, CountsStepsAndReadsTheRuntimeAtScrapeTime) {
                               ParseMetricsText(registry.Render()));
   EXPECT_THAT(before.Find("shardd_worker_steps_total"), Optional(0.0));
   EXPECT_EQ(before.Count("shardd_worker_memory_live_bytes"), 0);
+  EXPECT_THAT(before.Find("shardd_worker_insecure"), Optional(0.0));
+  metrics->set_insecure(true);
+  SHARDD_ASSERT_OK_AND_ASSIGN(ParsedMetrics exposed,
+                              ParseMetricsText(registry.Render()));
+  EXPECT_THAT(exposed.Find("shardd_worker_insecure"), Optional(1.0));
+  metrics->set_insecure(false);
 
   WorkerRuntimeOptions options;
   options.on_step = [m = metrics.get()](const StepResult& r) {

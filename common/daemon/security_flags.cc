@@ -10,6 +10,10 @@ ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA bundle: require client certificates signed by it (mutual "
           "TLS); needs --tls-cert");
+ABSL_FLAG(bool, insecure, false,
+          "Serve --listen on an address other machines can reach without "
+          "TLS (--tls-cert, --tls-key) and tokens; refused otherwise. The "
+          "daemon then warns at start and reports it in status and metrics");
 ABSL_FLAG(std::string, worker_token_file, "",
           "File whose first line is the worker bearer token: workers send "
           "it to the coordinator and the coordinator to workers, and each "

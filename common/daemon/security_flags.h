@@ -2,7 +2,7 @@
 #define SHARDD_COMMON_DAEMON_SECURITY_FLAGS_H_
 
 // The TLS and token flags both daemons take (--tls-cert, --tls-key,
-// --tls-client-ca, --worker-token-file), defined once. Each daemon adds the
+// --tls-client-ca, --worker-token-file, --insecure), defined once. Each daemon adds the
 // flags only it has (the coordinator's --client-token-file and
 // --worker-tls-ca, the worker's --tls-ca).
 
@@ -16,6 +16,7 @@ ABSL_DECLARE_FLAG(std::string, tls_cert);
 ABSL_DECLARE_FLAG(std::string, tls_key);
 ABSL_DECLARE_FLAG(std::string, tls_client_ca);
 ABSL_DECLARE_FLAG(std::string, worker_token_file);
+ABSL_DECLARE_FLAG(bool, insecure);
 
 namespace shardd {
 

@@ -188,6 +188,7 @@ absl::StatusOr<AgentRegistration> CoordinatorAgent::RegisterOnce(
   request.set_device(options_.device);
   request.set_hostname(options_.hostname);
   request.set_requested_rank(requested_rank);
+  request.set_insecure(options_.insecure);
   v1::RegisterWorkerResponse response;
   CallScope call(this, timeout, /*wait_for_ready=*/true);
   if (!call.status().ok()) return call.status();

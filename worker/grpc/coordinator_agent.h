@@ -56,6 +56,9 @@ struct CoordinatorAgentOptions {
   // Rank to ask for on the first registration (-1: any). Re-registrations
   // ask for the rank held before.
   int requested_rank = -1;
+  // This worker serves other machines without TLS or tokens (--insecure);
+  // reported at registration.
+  bool insecure = false;
   // 0: a random non-zero id (one per agent, so per process in practice).
   uint64_t incarnation = 0;
   // Start gives up when no registration succeeded within this.
