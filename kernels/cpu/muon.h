@@ -19,7 +19,6 @@ struct MuonConfig {
   double lr = 0.02;        // > 0 (the peak; a schedule scales it)
   double momentum = 0.95;  // beta, in [0, 1)
   int ns_steps = 5;        // Newton-Schulz iterations, in [1, 100]
-  double weight_decay = 0.0;  // >= 0, decoupled (p *= 1 - lr * wd)
 };
 
 // The quintic's coefficients (a, b, c) of the published implementation,
