@@ -527,9 +527,10 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
     absl::StatusOr<int32_t> n = ParseInt(flag, value, 1);
     if (!n.ok()) return n.status();
     if (*n > 100) {
-      return Usage(absl::StrCat("--muon-ns-steps: expected an integer in [1, "
-                                "100], got '",
-                                value, "'"));
+      return Usage(
+          absl::StrCat("--muon-ns-steps: expected an integer in [1, "
+                       "100], got '",
+                       value, "'"));
     }
     args->train.set_muon_ns_steps(*n);
   } else if (flag == "--response-length") {

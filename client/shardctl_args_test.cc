@@ -581,14 +581,13 @@ TEST(ShardctlArgsTest, TrainUsageErrors) {
   EXPECT_EQ(muon.train.muon_lr(), 0.05);
   EXPECT_EQ(muon.train.muon_momentum(), 0.9);
   EXPECT_EQ(muon.train.muon_ns_steps(), 6);
-  usage({"train", "--coordinator", "h:1", "--model", "a", "--optimizer",
-         "sgd"},
+  usage({"train", "--coordinator", "h:1", "--model", "a", "--optimizer", "sgd"},
         "--optimizer: expected adamw or muon, got 'sgd'");
   usage({"train", "--coordinator", "h:1", "--model", "a", "--muon-lr", "0"},
         "--muon-lr: expected a number > 0");
-  usage({"train", "--coordinator", "h:1", "--model", "a", "--muon-momentum",
-         "1"},
-        "--muon-momentum: expected a number in (0, 1)");
+  usage(
+      {"train", "--coordinator", "h:1", "--model", "a", "--muon-momentum", "1"},
+      "--muon-momentum: expected a number in (0, 1)");
   usage({"train", "--coordinator", "h:1", "--model", "a", "--muon-ns-steps",
          "101"},
         "--muon-ns-steps: expected an integer in [1, 100]");

@@ -794,11 +794,10 @@ TEST_F(CoordinatorServiceTest, SubmitStepChecksItsInput) {
   SHARDD_ASSERT_OK_AND_ASSIGN(auto flat_model, service->SubmitModel(flat));
   v1::SubmitStepRequest muon_flat = StepRequest(flat_model.model_id());
   muon_flat.mutable_config()->set_optimizer("muon");
-  EXPECT_THAT(
-      service->SubmitStep(muon_flat),
-      StatusIs(absl::StatusCode::kInvalidArgument,
-               HasSubstr("optimizer muon cannot run with strategy "
-                         "megatron_fsdp")));
+  EXPECT_THAT(service->SubmitStep(muon_flat),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("optimizer muon cannot run with strategy "
+                                 "megatron_fsdp")));
   EXPECT_THAT(service->SubmitStep(StepRequest("m-0000000000000000")),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("m-0000")));
 

@@ -57,8 +57,8 @@ absl::Status NewtonSchulz(float* x, int64_t rows, int64_t cols, int steps,
                      rows, " x ", cols));
   }
   if (steps < 1 || steps > 100) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "newton_schulz: steps must be in [1, 100], got ", steps));
+    return absl::InvalidArgumentError(
+        absl::StrCat("newton_schulz: steps must be in [1, 100], got ", steps));
   }
   if (x == nullptr || workspace == nullptr) {
     return absl::InvalidArgumentError(
@@ -88,16 +88,16 @@ absl::Status NewtonSchulz(float* x, int64_t rows, int64_t cols, int steps,
 
   for (int s = 0; s < steps; ++s) {
     // A = X X^T.
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r, r, c, 1.0f, X, c,
-                X, c, 0.0f, A, r);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r, r, c, 1.0f, X, c, X,
+                c, 0.0f, A, r);
     // B = b A + c A A.
     std::memcpy(B, A, static_cast<size_t>(r) * r * sizeof(float));
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r, r, r,
                 kNewtonSchulzC, A, r, A, r, kNewtonSchulzB, B, r);
     // X = a X + B X.
     std::memcpy(next, X, static_cast<size_t>(rc) * sizeof(float));
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r, c, r, 1.0f, B,
-                r, X, c, kNewtonSchulzA, next, c);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r, c, r, 1.0f, B, r,
+                X, c, kNewtonSchulzA, next, c);
     std::swap(X, next);
   }
 
@@ -113,8 +113,8 @@ absl::Status NewtonSchulz(float* x, int64_t rows, int64_t cols, int steps,
 
 double MuonShapeScale(int64_t fan_out, int64_t fan_in) {
   if (fan_in < 1) return 1.0;
-  return std::sqrt(std::max(1.0, static_cast<double>(fan_out) /
-                                     static_cast<double>(fan_in)));
+  return std::sqrt(std::max(
+      1.0, static_cast<double>(fan_out) / static_cast<double>(fan_in)));
 }
 
 void MuonApply(float* param, const float* update, int64_t n, double lr,

@@ -38,7 +38,8 @@ std::vector<double> MatMul(const std::vector<double>& a,
   std::vector<double> c(n * m, 0.0);
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t p = 0; p < k; ++p) {
-      for (int64_t j = 0; j < m; ++j) c[i * m + j] += a[i * k + p] * b[p * m + j];
+      for (int64_t j = 0; j < m; ++j)
+        c[i * m + j] += a[i * k + p] * b[p * m + j];
     }
   }
   return c;
@@ -144,8 +145,8 @@ std::vector<double> SingularValues(const std::vector<double>& x, int64_t rows,
                                    int64_t cols) {
   const bool wide = rows <= cols;
   const std::vector<double> t = Transpose(x, rows, cols);
-  const std::vector<double> gram = wide ? MatMul(x, t, rows, cols, rows)
-                                        : MatMul(t, x, cols, rows, cols);
+  const std::vector<double> gram =
+      wide ? MatMul(x, t, rows, cols, rows) : MatMul(t, x, cols, rows, cols);
   std::vector<double> s =
       SymmetricEigenvalues(gram, static_cast<int>(std::min(rows, cols)));
   for (double& v : s) v = std::sqrt(std::max(0.0, v));

@@ -22,7 +22,8 @@ class AdamWOptimizer final : public Optimizer {
   absl::Status Prepare(ShardStore*, int, const OptimizerStepContext&) override {
     return absl::OkStatus();
   }
-  void Apply(ShardStore* store, int unit, const OptimizerStepContext& step) override;
+  void Apply(ShardStore* store, int unit,
+             const OptimizerStepContext& step) override;
   void Discard(ShardStore*) override {}
 
  private:

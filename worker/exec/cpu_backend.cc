@@ -223,10 +223,9 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(
   SHARDD_ASSIGN_OR_RETURN(backend->model_,
                           MoeModel::Create(model, backend->model_options_));
 
-  SHARDD_ASSIGN_OR_RETURN(
-      backend->optimizer_,
-      CreateOptimizer(options.optimizer, options.adamw, plan, model,
-                      *backend->store_));
+  SHARDD_ASSIGN_OR_RETURN(backend->optimizer_,
+                          CreateOptimizer(options.optimizer, options.adamw,
+                                          plan, model, *backend->store_));
   // The gradient norm's ranges: the store's layout.
   backend->queue_units_.resize(plan.units_size());
   for (int u = 0; u < plan.units_size(); ++u) {

@@ -6,9 +6,9 @@
 // of an unsharded buffer in program order (so all ranks issue each
 // communicator's collectives in the same order from a single thread), while
 // the caller's thread computes. OPTIMIZER_STEP clips and applies the
-// optimizer at once (the one the options name the options name: optimizer_registry.h).
-// docs/design.md ("Step execution") gives each command's semantics
-// and why the measured memory equals the plan's replay.
+// optimizer at once (the one the options name the options name:
+// optimizer_registry.h). docs/design.md ("Step execution") gives each command's
+// semantics and why the measured memory equals the plan's replay.
 
 #include <cstdint>
 #include <memory>

@@ -78,7 +78,8 @@ absl::StatusOr<std::unique_ptr<MuonOptimizer>> MuonOptimizer::Create(
   ForEachParam(model, [&roles](const ParamRef& param) {
     roles[param.fqn] = MuonRoleOf(param);
   });
-  auto optimizer = std::unique_ptr<MuonOptimizer>(new MuonOptimizer(muon, adamw));
+  auto optimizer =
+      std::unique_ptr<MuonOptimizer>(new MuonOptimizer(muon, adamw));
   optimizer->units_.resize(store.num_units());
   for (int u = 0; u < store.num_units(); ++u) {
     const UnitLayout& layout = store.layout(u);
@@ -116,14 +117,16 @@ absl::StatusOr<std::unique_ptr<MuonOptimizer>> MuonOptimizer::Create(
       if (p.role == MuonRole::kMatrix) {
         p.rows = shape[0];
         p.cols = shape[1];
-        p.scale = static_cast<float>(kernels::MuonShapeScale(shape[0], shape[1]));
+        p.scale =
+            static_cast<float>(kernels::MuonShapeScale(shape[0], shape[1]));
         unit.gather = unit.gather || layout.world > 1;
       } else {
         p.matrices = shape[0];
         p.rows = shape[1];
         p.cols = shape[2];
         // Stored [in, out] per expert: fan_out is the last dimension.
-        p.scale = static_cast<float>(kernels::MuonShapeScale(shape[2], shape[1]));
+        p.scale =
+            static_cast<float>(kernels::MuonShapeScale(shape[2], shape[1]));
       }
       unit.params.push_back(p);
     }
@@ -177,8 +180,8 @@ absl::Status MuonOptimizer::Prepare(ShardStore* store, int u,
     if (placement.owned.empty()) continue;  // Only padding here.
     const int64_t matrix = p.rows * p.cols;
     auto orthogonalise = [&](float* x) {
-      const absl::Status status =
-          kernels::NewtonSchulz(x, p.rows, p.cols, muon_.ns_steps, ns.as<float>());
+      const absl::Status status = kernels::NewtonSchulz(
+          x, p.rows, p.cols, muon_.ns_steps, ns.as<float>());
       // Create checked the shapes and steps.
       SHARDD_CHECK(status.ok()) << step.label << ": " << status;
       if (p.scale != 1.0f) kernels::ScaleInPlace(x, matrix, p.scale);
@@ -211,7 +214,8 @@ absl::Status MuonOptimizer::Prepare(ShardStore* store, int u,
   return absl::OkStatus();
 }
 
-void MuonOptimizer::Apply(ShardStore* store, int u, const OptimizerStepContext& step) {
+void MuonOptimizer::Apply(ShardStore* store, int u,
+                          const OptimizerStepContext& step) {
   const Unit& unit = units_[u];
   ApplyAdamWRanges(store, u, unit.adamw_ranges, adamw_, step);
   const UnitLayout& layout = store->layout(u);

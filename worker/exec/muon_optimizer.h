@@ -71,7 +71,8 @@ class MuonOptimizer final : public Optimizer {
   absl::string_view name() const override { return "muon"; }
   absl::Status Prepare(ShardStore* store, int unit,
                        const OptimizerStepContext& step) override;
-  void Apply(ShardStore* store, int unit, const OptimizerStepContext& step) override;
+  void Apply(ShardStore* store, int unit,
+             const OptimizerStepContext& step) override;
   void Discard(ShardStore* store) override;
 
  private:

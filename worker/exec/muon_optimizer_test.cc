@@ -2,8 +2,8 @@
 
 #include <atomic>
 #include <cmath>
-#include <functional>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -29,8 +29,8 @@
 namespace shardd {
 namespace {
 
-using ::testing::HasSubstr;
 using ::shardd::testing_util::TrainingStateMaps;
+using ::testing::HasSubstr;
 
 constexpr char kRouter0[] = "model.layers.0.moe.gate.weight";
 
@@ -146,8 +146,7 @@ std::vector<TrainingStateMaps> RunMuon(const v1::ModelSpec& model, int dp,
       store_options.seed = 7;
       auto store = ShardStore::Create(plan, model, store_options, &tracker);
       ASSERT_TRUE(store.ok()) << store.status();
-      auto optimizer =
-          CreateOptimizer(Muon(), AdamW(), plan, model, **store);
+      auto optimizer = CreateOptimizer(Muon(), AdamW(), plan, model, **store);
       ASSERT_TRUE(optimizer.ok()) << optimizer.status();
       for (int s = 1; s <= steps; ++s) {
         SetGrads(store->get(), s);
@@ -162,9 +161,8 @@ std::vector<TrainingStateMaps> RunMuon(const v1::ModelSpec& model, int dp,
         testing_util::CollectOwnedState(plan, **store, &states[s - 1]);
       }
       // Workspace is freed after each unit.
-      EXPECT_EQ(tracker.Snapshot().live[static_cast<int>(
-                    MemoryKind::kWorkspace)],
-                0);
+      EXPECT_EQ(
+          tracker.Snapshot().live[static_cast<int>(MemoryKind::kWorkspace)], 0);
     });
   }
   for (std::thread& t : threads) t.join();
@@ -173,9 +171,8 @@ std::vector<TrainingStateMaps> RunMuon(const v1::ModelSpec& model, int dp,
 
 TEST(MuonRoleTest, HiddenMatricesAndExpertsAreMuonsTheRestAdamW) {
   std::map<std::string, MuonRole> roles;
-  ForEachParam(Model(), [&roles](const ParamRef& p) {
-    roles[p.fqn] = MuonRoleOf(p);
-  });
+  ForEachParam(Model(),
+               [&roles](const ParamRef& p) { roles[p.fqn] = MuonRoleOf(p); });
   const std::string l = "model.layers.1.";
   EXPECT_EQ(roles.at(l + "self_attn.q_proj.weight"), MuonRole::kMatrix);
   EXPECT_EQ(roles.at(l + "self_attn.k_proj.weight"), MuonRole::kMatrix);
@@ -315,8 +312,8 @@ TEST(MuonOptimizerTest, AFailedGatherCommitsNothing) {
   EXPECT_EQ(after.params, before.params);
   EXPECT_EQ(after.exp_avg, before.exp_avg);
   EXPECT_EQ(after.exp_avg_sq, before.exp_avg_sq);
-  EXPECT_EQ(
-      tracker.Snapshot().live[static_cast<int>(MemoryKind::kWorkspace)], 0);
+  EXPECT_EQ(tracker.Snapshot().live[static_cast<int>(MemoryKind::kWorkspace)],
+            0);
 }
 
 TEST(OptimizerRegistryTest, EveryNameCreatesAndUnknownOnesAreListed) {

@@ -17,16 +17,15 @@ absl::Status ValidateOptimizerOptions(const OptimizerOptions& options,
   bool known = false;
   for (const std::string& name : names) known = known || name == options.name;
   if (!known) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(prefix, "optimizer: must be one of ",
-                     absl::StrJoin(names, ", "), ", got \"", options.name,
-                     "\""));
+    return absl::InvalidArgumentError(absl::StrCat(
+        prefix, "optimizer: must be one of ", absl::StrJoin(names, ", "),
+        ", got \"", options.name, "\""));
   }
   if (options.name != kMuonOptimizer) return absl::OkStatus();
   const kernels::MuonConfig& m = options.muon;
   if (!std::isfinite(m.lr) || m.lr <= 0.0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        prefix, "muon_lr: must be finite and > 0, got ", m.lr));
+    return absl::InvalidArgumentError(
+        absl::StrCat(prefix, "muon_lr: must be finite and > 0, got ", m.lr));
   }
   if (!std::isfinite(m.momentum) || m.momentum < 0.0 || m.momentum >= 1.0) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -23,15 +23,14 @@ struct Entry {
 const Entry kEntries[] = {
     {kAdamWOptimizer,
      [](const OptimizerOptions&, const kernels::AdamWConfig& adamw,
-        const v1::ShardingPlan&, const v1::ModelSpec&, const ShardStore&)
-         -> absl::StatusOr<std::unique_ptr<Optimizer>> {
+        const v1::ShardingPlan&, const v1::ModelSpec&,
+        const ShardStore&) -> absl::StatusOr<std::unique_ptr<Optimizer>> {
        return std::make_unique<AdamWOptimizer>(adamw);
      }},
     {kMuonOptimizer,
      [](const OptimizerOptions& options, const kernels::AdamWConfig& adamw,
         const v1::ShardingPlan& plan, const v1::ModelSpec& model,
-        const ShardStore& store)
-         -> absl::StatusOr<std::unique_ptr<Optimizer>> {
+        const ShardStore& store) -> absl::StatusOr<std::unique_ptr<Optimizer>> {
        SHARDD_ASSIGN_OR_RETURN(
            std::unique_ptr<MuonOptimizer> muon,
            MuonOptimizer::Create(options.muon, adamw, plan, model, store));

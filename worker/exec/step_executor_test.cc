@@ -821,9 +821,8 @@ class StepExecutorIdenticalDataTest
     : public ::testing::TestWithParam<EquivalenceCase> {};
 
 // Two shards of identical data against one rank, bit for bit (see above).
-void ExpectBitwiseEqualToOneRank(
-    const v1::ModelSpec& model, const Shape& shape,
-    StepExecutorOptions options = BaseOptions()) {
+void ExpectBitwiseEqualToOneRank(const v1::ModelSpec& model, const Shape& shape,
+                                 StepExecutorOptions options = BaseOptions()) {
   options.max_grad_norm = 0.0;
   Shape one = shape;
   one.dp_shard = 1;

@@ -735,17 +735,17 @@ TEST(ShardCheckpointTrainingTest, MuonStateResumesAtOtherWorlds) {
   for (int world : {1, 3}) {
     SCOPED_TRACE(absl::StrCat("resumed at ", world, " ranks"));
     const v1::ShardingPlan plan = MakePlan(model, "default", world);
-    const PhaseRun resumed = RunPhase(model, plan, kSteps, 2 * kSteps,
-                                      kGlobalBatch, dir, "", nullptr, &full,
-                                      muon);
+    const PhaseRun resumed =
+        RunPhase(model, plan, kSteps, 2 * kSteps, kGlobalBatch, dir, "",
+                 nullptr, &full, muon);
     EXPECT_EQ(resumed.start.params, saved.params);
     EXPECT_EQ(resumed.start.exp_avg, saved.exp_avg);
     EXPECT_EQ(resumed.start.exp_avg_sq, saved.exp_avg_sq);
     double used = 0;
     for (int i = 0; i < kSteps; ++i) {
-      used = std::max(used, ExpectRelativelyNear(resumed.losses[i],
-                                                 full.losses[kSteps + i],
-                                                 tol.loss));
+      used = std::max(
+          used, ExpectRelativelyNear(resumed.losses[i], full.losses[kSteps + i],
+                                     tol.loss));
     }
     std::printf("[muon resume] default@2 -> default@%d: loss bound used %.3g\n",
                 world, used);
