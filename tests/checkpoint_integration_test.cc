@@ -239,16 +239,16 @@ TEST_F(CheckpointIntegrationTest, ResumedJobContinuesMuon) {
       const double allowed,
       LocalCluster::TrainArgsLossTolerance(2, losses[5], 2));
   EXPECT_GT(std::abs(other[2] - losses[5]), allowed);
-  std::printf("[muon resume] step 6: uninterrupted %.9f, resumed %.9f, "
-              "resumed as adamw %.9f (allowed %.2e)\n",
-              losses[5], got[2], other[2], allowed);
+  std::printf(
+      "[muon resume] step 6: uninterrupted %.9f, resumed %.9f, "
+      "resumed as adamw %.9f (allowed %.2e)\n",
+      losses[5], got[2], other[2], allowed);
   // megatron_fsdp cuts the matrices: refused before anything runs.
   ProcessResult flat = Shardctl(TrainArgs(
       1, {"--dp", "2", "--strategy", "megatron_fsdp", "--optimizer", "muon"}));
   EXPECT_NE(flat.exit_code, 0);
-  EXPECT_THAT(flat.err,
-              HasSubstr("optimizer muon cannot run with strategy "
-                        "megatron_fsdp"));
+  EXPECT_THAT(flat.err, HasSubstr("optimizer muon cannot run with strategy "
+                                  "megatron_fsdp"));
 }
 
 TEST_F(CheckpointIntegrationTest, CorruptedOrEscapingCheckpointsAreRefused) {

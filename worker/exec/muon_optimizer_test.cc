@@ -125,7 +125,7 @@ OptimizerStepContext Context(int step, Communicator* group,
 // Runs `steps` Muon steps on every rank of a dp-rank plan with the same
 // global gradients and returns the state after each.
 std::vector<TrainingStateMaps> RunMuon(const v1::ModelSpec& model, int dp,
-                                       int steps) {
+                                       int steps, double lr_factor = 1.0) {
   const v1::ShardingPlan plan = Plan(model, "default", dp);
   std::vector<TrainingStateMaps> states(steps);
   static std::atomic<int> generation{0};
@@ -150,7 +150,9 @@ std::vector<TrainingStateMaps> RunMuon(const v1::ModelSpec& model, int dp,
       ASSERT_TRUE(optimizer.ok()) << optimizer.status();
       for (int s = 1; s <= steps; ++s) {
         SetGrads(store->get(), s);
-        const OptimizerStepContext c = Context(s, group->get(), &tracker);
+        OptimizerStepContext c = Context(s, group->get(), &tracker);
+        c.lr_factor = lr_factor;
+        c.lr = AdamW().lr * lr_factor;
         for (int u = 0; u < (*store)->num_units(); ++u) {
           ASSERT_THAT((*optimizer)->Prepare(store->get(), u, c), IsOk());
         }
@@ -194,9 +196,13 @@ TEST(MuonRoleTest, HiddenMatricesAndExpertsAreMuonsTheRestAdamW) {
 
 // dp 1 against the published algorithm, step by step, with the kernels: a
 // Muon matrix and an expert of a stacked tensor.
-TEST(MuonOptimizerTest, OneRankIsThePublishedUpdate) {
+class MuonOptimizerScheduleTest : public ::testing::TestWithParam<double> {};
+
+// lr_factor: the schedule's factor this step, which scales Muon's lr too.
+TEST_P(MuonOptimizerScheduleTest, OneRankIsThePublishedUpdate) {
+  const double factor = GetParam();
   const v1::ModelSpec model = Model();
-  const std::vector<TrainingStateMaps> states = RunMuon(model, 1, 2);
+  const std::vector<TrainingStateMaps> states = RunMuon(model, 1, 2, factor);
   const v1::ShardingPlan plan = Plan(model, "default", 1);
   MemoryTracker tracker;
   ShardStoreOptions store_options;
@@ -233,7 +239,7 @@ TEST(MuonOptimizerTest, OneRankIsThePublishedUpdate) {
       ASSERT_THAT(kernels::NewtonSchulz(u.data(), c.rows, c.cols, 5, ws.data()),
                   IsOk());
       for (float& v : u) v *= static_cast<float>(c.scale);
-      kernels::MuonApply(p.data(), u.data(), n, 0.02, 0.1);
+      kernels::MuonApply(p.data(), u.data(), n, 0.02 * factor, 0.1);
       const TrainingStateMaps& got = states[s - 1];
       for (int64_t i = 0; i < n; ++i) {
         ASSERT_EQ(got.params.at(c.name)[c.offset + i], p[i]) << s << " " << i;
@@ -245,6 +251,9 @@ TEST(MuonOptimizerTest, OneRankIsThePublishedUpdate) {
   // The frozen router did not move.
   EXPECT_EQ(states[1].params.at(kRouter0), init.params.at(kRouter0));
 }
+
+INSTANTIATE_TEST_SUITE_P(LrFactors, MuonOptimizerScheduleTest,
+                         ::testing::Values(1.0, 0.25));
 
 // Sharded Muon is the one-rank Muon bit for bit: the gathered matrix is the
 // same bits and Newton-Schulz runs the same GEMM calls on it, whatever
