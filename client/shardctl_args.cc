@@ -223,6 +223,10 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                              "--eval-data",
                                              "--eval-every",
                                              "--eval-batches",
+                                             "--optimizer",
+                                             "--muon-lr",
+                                             "--muon-momentum",
+                                             "--muon-ns-steps",
                                              "--loss-svg",
                                              "--max-recoveries",
                                              "--reconnect-timeout"});
@@ -522,6 +526,36 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
           absl::StrCat("--min-lr: expected a number >= 0, got '", value, "'"));
     }
     args->train.set_min_lr(x);
+  } else if (flag == "--optimizer") {
+    if (value != "adamw" && value != "muon") {
+      return Usage(absl::StrCat("--optimizer: expected adamw or muon, got '",
+                                value, "'"));
+    }
+    args->train.set_optimizer(value);
+  } else if (flag == "--muon-lr" || flag == "--muon-momentum") {
+    const bool lr = flag == "--muon-lr";
+    double x = 0;
+    if (!absl::SimpleAtod(value, &x) || !std::isfinite(x) ||
+        (lr ? x <= 0 : (x <= 0 || x >= 1))) {
+      return Usage(absl::StrCat(flag, ": expected a number ",
+                                lr ? "> 0" : "in (0, 1)", ", got '", value,
+                                "'"));
+    }
+    if (lr) {
+      args->train.set_muon_lr(x);
+    } else {
+      args->train.set_muon_momentum(x);
+    }
+  } else if (flag == "--muon-ns-steps") {
+    absl::StatusOr<int32_t> n = ParseInt(flag, value, 1);
+    if (!n.ok()) return n.status();
+    if (*n > 100) {
+      return Usage(
+          absl::StrCat("--muon-ns-steps: expected an integer in [1, "
+                       "100], got '",
+                       value, "'"));
+    }
+    args->train.set_muon_ns_steps(*n);
   } else if (flag == "--response-length") {
     absl::StatusOr<int64_t> n = ParseInt64(flag, value, 1);
     if (!n.ok()) return n.status();

@@ -584,6 +584,25 @@ TEST(ShardctlArgsTest, TrainUsageErrors) {
         "--lr-schedule: expected constant, cosine or linear");
   usage({"train", "--coordinator", "h:1", "--model", "a", "--min-lr", "-1"},
         "--min-lr: expected a number >= 0");
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      ShardctlArgs muon,
+      Parse({"train", "--coordinator", "h:1", "--model", "a", "--optimizer",
+             "muon", "--muon-lr", "0.05", "--muon-momentum", "0.9",
+             "--muon-ns-steps", "6"}));
+  EXPECT_EQ(muon.train.optimizer(), "muon");
+  EXPECT_EQ(muon.train.muon_lr(), 0.05);
+  EXPECT_EQ(muon.train.muon_momentum(), 0.9);
+  EXPECT_EQ(muon.train.muon_ns_steps(), 6);
+  usage({"train", "--coordinator", "h:1", "--model", "a", "--optimizer", "sgd"},
+        "--optimizer: expected adamw or muon, got 'sgd'");
+  usage({"train", "--coordinator", "h:1", "--model", "a", "--muon-lr", "0"},
+        "--muon-lr: expected a number > 0");
+  usage(
+      {"train", "--coordinator", "h:1", "--model", "a", "--muon-momentum", "1"},
+      "--muon-momentum: expected a number in (0, 1)");
+  usage({"train", "--coordinator", "h:1", "--model", "a", "--muon-ns-steps",
+         "101"},
+        "--muon-ns-steps: expected an integer in [1, 100]");
   usage({"train", "--coordinator", "h:1", "--model", "a", "--hf-config", "x"},
         "unknown flag '--hf-config'");
   usage({"plan", "--model", "a", "--dp", "2", "--steps", "3"},

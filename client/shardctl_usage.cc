@@ -170,7 +170,17 @@ Job:
   --decay-steps N              the step where the decay reaches --min-lr
                                (default: the job's last step); held after
   --min-lr X                   the decay's floor (default 0)
-  --weight-decay X             decoupled weight decay (default 0)
+  --optimizer NAME             adamw (default) or muon: Muon (Newton-Schulz
+                               orthogonalised momentum) for the hidden 2-D
+                               weight matrices and each expert's, AdamW for
+                               the rest; not with strategy megatron_fsdp
+  --muon-lr X                  Muon's peak lr, > 0 (default 0.02); the lr
+                               schedule scales it like --lr
+  --muon-momentum X            Muon's Nesterov momentum, in (0, 1) (default
+                               0.95)
+  --muon-ns-steps N            Newton-Schulz iterations, in [1, 100]
+                               (default 5)
+  --weight-decay X             decoupled weight decay (default 0; Muon's too)
   --beta1 X, --beta2 X         AdamW's moment decays, in (0, 1) (default
                                0.9 and 0.95)
   --eps X                      AdamW's denominator term, > 0 (default 1e-8)

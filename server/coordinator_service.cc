@@ -84,6 +84,33 @@ constexpr size_t kMaxDataPathBytes = 4096;
 constexpr int32_t kDefaultEvalBatches = 4;
 constexpr int32_t kMaxEvalBatches = 1 << 20;
 
+// The optimizer fields (as worker/exec/optimizer_options.cc checks them;
+// 0 / "" mean the defaults).
+absl::Status CheckOptimizerConfig(const v1::TrainConfig& config) {
+  if (!config.optimizer().empty() && config.optimizer() != "adamw" &&
+      config.optimizer() != "muon") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.optimizer: must be one of adamw, muon, got \"",
+                     config.optimizer(), "\""));
+  }
+  const double lr = config.muon_lr(), momentum = config.muon_momentum();
+  if (!std::isfinite(lr) || lr < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.muon_lr: must be finite and > 0 (0: the default), got ", lr));
+  }
+  if (!std::isfinite(momentum) || momentum < 0 || momentum >= 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.muon_momentum: must be in [0, 1) (0: the default), got ",
+        momentum));
+  }
+  if (config.muon_ns_steps() < 0 || config.muon_ns_steps() > 100) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.muon_ns_steps: must be in [1, 100] (0: the default), got ",
+        config.muon_ns_steps()));
+  }
+  return absl::OkStatus();
+}
+
 // Checks a TrainConfig's ranges (as the workers will, so that a bad value
 // fails here rather than on every rank) and sets microbatches 0 to 1, the
 // step shape the job is planned for. The other zero values stay: the
@@ -167,6 +194,7 @@ absl::StatusOr<v1::TrainConfig> NormalizeTrainConfig(v1::TrainConfig config) {
           "config.", v.name, ": must be ", v.allowed, ", got ", v.value));
     }
   }
+  SHARDD_RETURN_IF_ERROR(CheckOptimizerConfig(config));
   return config;
 }
 

@@ -794,6 +794,25 @@ TEST_F(CoordinatorServiceTest, SubmitStepChecksItsInput) {
   // 8 sequences cannot be split into 3 micro-batches of whole rows.
   invalid(with([](v1::TrainConfig* c) { c->set_microbatches(3); }),
           "divisible");
+  invalid(with([](v1::TrainConfig* c) { c->set_optimizer("sgd"); }),
+          "config.optimizer: must be one of adamw, muon");
+  invalid(with([](v1::TrainConfig* c) { c->set_muon_lr(-1); }),
+          "config.muon_lr");
+  invalid(with([](v1::TrainConfig* c) { c->set_muon_momentum(1); }),
+          "config.muon_momentum");
+  invalid(with([](v1::TrainConfig* c) { c->set_muon_ns_steps(101); }),
+          "config.muon_ns_steps");
+  // Muon needs whole matrices: megatron_fsdp's flat ranges are refused,
+  // naming both.
+  v1::SubmitModelRequest flat = SpecRequest(TinySpec(), 1);
+  flat.mutable_options()->set_strategy("megatron_fsdp");
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto flat_model, service->SubmitModel(flat));
+  v1::SubmitStepRequest muon_flat = StepRequest(flat_model.model_id());
+  muon_flat.mutable_config()->set_optimizer("muon");
+  EXPECT_THAT(service->SubmitStep(muon_flat),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("optimizer muon cannot run with strategy "
+                                 "megatron_fsdp")));
   EXPECT_THAT(service->SubmitStep(StepRequest("m-0000000000000000")),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("m-0000")));
 

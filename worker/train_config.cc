@@ -42,6 +42,17 @@ kernels::AdamWConfig AdamWConfigOf(const v1::TrainConfig& train) {
   return adamw;
 }
 
+OptimizerOptions OptimizerOptionsOf(const v1::TrainConfig& train) {
+  OptimizerOptions o;
+  if (!train.optimizer().empty()) o.name = train.optimizer();
+  o.muon.lr = train.muon_lr() == 0.0 ? kDefaultMuonLr : train.muon_lr();
+  o.muon.momentum = train.muon_momentum() == 0.0 ? kDefaultMuonMomentum
+                                                 : train.muon_momentum();
+  o.muon.ns_steps =
+      train.muon_ns_steps() == 0 ? kDefaultMuonNsSteps : train.muon_ns_steps();
+  return o;
+}
+
 LrSchedule LrScheduleOf(const v1::TrainConfig& train) {
   LrSchedule s;
   // Resolved configs carry a valid name; an unknown one reads as constant.
@@ -159,6 +170,12 @@ absl::StatusOr<v1::TrainConfig> ResolveTrainConfig(const v1::TrainConfig& train,
   out.set_lr_schedule(LrScheduleKindName(kind));
   if (out.decay_steps() == 0) out.set_decay_steps(out.steps());
   SHARDD_RETURN_IF_ERROR(ValidateLrSchedule(LrScheduleOf(out), out.lr()));
+  const OptimizerOptions optimizer = OptimizerOptionsOf(train);
+  SHARDD_RETURN_IF_ERROR(ValidateOptimizerOptions(optimizer, "train."));
+  out.set_optimizer(optimizer.name);
+  out.set_muon_lr(optimizer.muon.lr);
+  out.set_muon_momentum(optimizer.muon.momentum);
+  out.set_muon_ns_steps(optimizer.muon.ns_steps);
   const DiffusionTrainingOptions diffusion = DiffusionOptionsOf(train);
   SHARDD_RETURN_IF_ERROR(ValidateDiffusionTraining(diffusion));
   if (diffusion.response_length >= train.seq_len()) {

@@ -10,6 +10,7 @@
 #include "kernels/cpu/adamw.h"
 #include "proto/coordinator.pb.h"
 #include "worker/exec/lr_schedule.h"
+#include "worker/exec/optimizer_options.h"
 #include "worker/model/block_diffusion.h"
 
 namespace shardd {
@@ -22,6 +23,9 @@ inline constexpr double kDefaultEps = 1e-8;
 inline constexpr double kDefaultWeightDecay = 0.0;
 inline constexpr double kDefaultGradClip = 1.0;
 inline constexpr int64_t kDefaultCollectiveTimeoutMs = 60000;
+inline constexpr double kDefaultMuonLr = 0.02;
+inline constexpr double kDefaultMuonMomentum = 0.95;
+inline constexpr int kDefaultMuonNsSteps = 5;
 
 // `train` with its zero fields replaced by the defaults, for a job of
 // `world_size` data-parallel ranks whose plan's step has `plan_microbatches`
@@ -33,7 +37,9 @@ inline constexpr int64_t kDefaultCollectiveTimeoutMs = 60000;
 // microbatches), lr, eps or weight_decay negative or not finite, a beta
 // outside [0, 1), grad_clip not finite, world_size < 1, a diffusion field
 // out of its range (ValidateDiffusionTraining), a learning-rate schedule
-// ValidateLrSchedule or ParseLrScheduleKind rejects. Every diffusion field
+// ValidateLrSchedule or ParseLrScheduleKind rejects, an optimizer
+// ValidateOptimizerOptions rejects (optimizer comes back named, the muon_*
+// fields with their defaults). Every diffusion field
 // comes back set (its default when unset); lr_schedule comes back named and
 // decay_steps 0 as the job's steps.
 absl::StatusOr<v1::TrainConfig> ResolveTrainConfig(const v1::TrainConfig& train,
@@ -43,6 +49,9 @@ absl::StatusOr<v1::TrainConfig> ResolveTrainConfig(const v1::TrainConfig& train,
 // The AdamW hyper-parameters of a resolved train config (lr, betas, eps,
 // weight decay).
 kernels::AdamWConfig AdamWConfigOf(const v1::TrainConfig& train);
+
+// The optimizer of a resolved train config.
+OptimizerOptions OptimizerOptionsOf(const v1::TrainConfig& train);
 
 // The learning-rate schedule of a resolved train config (its peak is
 // train.lr, AdamWConfigOf's).

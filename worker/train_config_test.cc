@@ -121,5 +121,37 @@ TEST(AdamWConfigOfTest, CopiesTheResolvedHyperParameters) {
   EXPECT_EQ(adamw.weight_decay, 0.1);
 }
 
+TEST(OptimizerOptionsOfTest, DefaultsAndChecks) {
+  v1::TrainConfig train;
+  train.set_global_batch(2);
+  train.set_seq_len(4);
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::TrainConfig resolved,
+                              ResolveTrainConfig(train, 1, 1));
+  EXPECT_EQ(resolved.optimizer(), "adamw");
+  EXPECT_EQ(OptimizerOptionsOf(resolved).name, kAdamWOptimizer);
+  train.set_optimizer("muon");
+  SHARDD_ASSERT_OK_AND_ASSIGN(resolved, ResolveTrainConfig(train, 1, 1));
+  const OptimizerOptions muon = OptimizerOptionsOf(resolved);
+  EXPECT_EQ(muon.name, kMuonOptimizer);
+  EXPECT_EQ(muon.muon.lr, kDefaultMuonLr);
+  EXPECT_EQ(muon.muon.momentum, kDefaultMuonMomentum);
+  EXPECT_EQ(muon.muon.ns_steps, kDefaultMuonNsSteps);
+  train.set_optimizer("lion");
+  EXPECT_THAT(ResolveTrainConfig(train, 1, 1).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("train.optimizer: must be one of adamw, "
+                                 "muon, got \"lion\"")));
+  train.set_optimizer("muon");
+  train.set_muon_momentum(1.5);
+  EXPECT_THAT(ResolveTrainConfig(train, 1, 1).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("train.muon_momentum: must be in [0, 1)")));
+  train.set_muon_momentum(0);
+  train.set_muon_lr(-1);
+  EXPECT_THAT(ResolveTrainConfig(train, 1, 1).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("train.muon_lr: must be finite and > 0")));
+}
+
 }  // namespace
 }  // namespace shardd

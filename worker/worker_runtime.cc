@@ -419,6 +419,7 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::BuildJobLocked(
   executor_options.collective_timeout = timeout;
   executor_options.adamw = AdamWConfigOf(train);
   executor_options.lr_schedule = LrScheduleOf(train);
+  executor_options.optimizer = OptimizerOptionsOf(train);
   executor_options.diffusion = DiffusionOptionsOf(train);
   executor_options.max_grad_norm =
       train.grad_clip() > 0 ? train.grad_clip() : 0;

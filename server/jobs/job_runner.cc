@@ -70,6 +70,52 @@ absl::Status InheritLrSchedule(const std::string& saved_json,
   return absl::OkStatus();
 }
 
+// A job resumed from a checkpoint without an optimizer continues the
+// checkpoint job's (its muon_* fields too, those the job leaves unset), so
+// the momentum in the checkpoint's exp_avg keeps its meaning. Errors as
+// InheritLrSchedule's.
+absl::Status InheritOptimizer(const std::string& saved_json,
+                              v1::TrainConfig* config) {
+  if (saved_json.empty() || !config->optimizer().empty()) {
+    return absl::OkStatus();
+  }
+  v1::TrainConfig saved;
+  google::protobuf::util::JsonParseOptions options;
+  options.ignore_unknown_fields = true;
+  if (!google::protobuf::util::JsonStringToMessage(saved_json, &saved, options)
+           .ok()) {
+    return absl::DataLossError(
+        "config.resume_from: the checkpoint's saved train config does not "
+        "parse");
+  }
+  config->set_optimizer(saved.optimizer());
+  if (config->muon_lr() == 0) config->set_muon_lr(saved.muon_lr());
+  if (config->muon_momentum() == 0) {
+    config->set_muon_momentum(saved.muon_momentum());
+  }
+  if (config->muon_ns_steps() == 0) {
+    config->set_muon_ns_steps(saved.muon_ns_steps());
+  }
+  return absl::OkStatus();
+}
+
+// Muon orthogonalises whole matrices; flat ranges (megatron_fsdp) cut them
+// anywhere. The workers refuse it too (MuonOptimizer::Create); this
+// refuses it before anything runs, with both names (as NeMo's
+// maybe_shard_optimizer(allow=...) does).
+absl::Status CheckOptimizerFitsPlan(const v1::TrainConfig& config,
+                                    const v1::ShardingPlan& plan) {
+  if (config.optimizer() != "muon" || !plan.flat_buckets()) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "config.optimizer: optimizer muon cannot run with strategy ",
+      plan.strategy(),
+      ": Muon orthogonalises whole weight matrices and that strategy shards "
+      "flat ranges that cut them; use optimizer adamw, or a strategy that "
+      "shards dim 0"));
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -223,6 +269,8 @@ absl::StatusOr<std::string> JobRunner::Submit(JobSpec spec) {
     first_step = (*reader)->index().step;
     SHARDD_RETURN_IF_ERROR(
         InheritLrSchedule((*reader)->index().train_config_json, &spec.config));
+    SHARDD_RETURN_IF_ERROR(
+        InheritOptimizer((*reader)->index().train_config_json, &spec.config));
     if (first_step + spec.config.steps() >
         std::numeric_limits<int32_t>::max()) {
       return absl::InvalidArgumentError(
@@ -238,6 +286,7 @@ absl::StatusOr<std::string> JobRunner::Submit(JobSpec spec) {
       spec.config.decay_steps() == 0) {
     spec.config.set_decay_steps(first_step + spec.config.steps());
   }
+  SHARDD_RETURN_IF_ERROR(CheckOptimizerFitsPlan(spec.config, spec.plan));
   // Refuse at once instead of queueing a job nobody can run.
   SHARDD_RETURN_IF_ERROR(workers_->CheckRanksAlive(world));
 

@@ -93,8 +93,80 @@ BF16_BOUND = 27 * 2.0 ** -9
 DG_FP32_BOUND = 2.3 * (300 * 128) ** 0.5 * 2.0 ** -24
 
 
+# Muon (`--optimizer muon`), checked on tiny_qwen3_moe.json at 1 and 2
+# workers in fp32: Keller Jordan's published algorithm, written here in
+# float64 torch (torch 1.13 has no Muon) for the hidden matrices (attention
+# q/k/v/o, dense MLPs) and each expert of the stacked experts, AdamW for the
+# rest, as worker/exec/muon_optimizer.h assigns them.
+MUON_LR, MUON_MOMENTUM, MUON_NS_STEPS = 0.02, 0.95, 5
+# Step 1's loss and gradient norm see the same weights: FP32_BOUND. Later
+# losses also move by the rounding of the earlier Muon updates: a relative
+# gradient error e (<= FP32_BOUND, norm-wise) moves a matrix's normalised
+# (unit Frobenius norm) Nesterov update by <= 2e, and each Newton-Schulz step
+# multiplies a perturbation by at most max |p'(s)| = 4.24 over the singular
+# values' range [0, 1.21] (kernels/cpu/muon_test.cc), so the orthogonalised
+# update moves by <= NS_GAIN e, NS_GAIN = 2 * 4.24^5, in Frobenius norm; the
+# weights by lr * scale times that, and (first order) a later loss by
+# |dL| <= sum over earlier updates and matrices of
+# lr * scale * NS_GAIN * e * |g_mat|_F (g: that later step's gradient).
+# AdamW's parameters flip only where |g| is within rounding of 0 (second
+# order, as for FP32_BOUND).
+NS_GAIN = 2 * 4.24 ** MUON_NS_STEPS
+
+
+def muon_kind(name, w):
+    """'matrix', 'experts' or None (AdamW), as MuonRoleOf decides."""
+    if ".moe.experts." in name:
+        return "experts" if w.dim() == 3 else None
+    if (w.dim() == 2 and name.endswith(".weight") and "norm" not in name
+            and (".self_attn." in name or ".mlp." in name)):
+        return "matrix"
+    return None
+
+
+def newton_schulz(g, steps=MUON_NS_STEPS):
+    """The published quintic iteration on the last two dimensions."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g.clone()
+    tall = g.size(-2) > g.size(-1)
+    if tall:
+        x = x.transpose(-2, -1)
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(steps):
+        A = x @ x.transpose(-2, -1)
+        B = b * A + c * A @ A
+        x = a * x + B @ x
+    return x.transpose(-2, -1) if tall else x
+
+
+class MuonReference:
+    """Muon for `muon` (name -> parameter), momentum with Nesterov; the
+    scale sqrt(max(1, fan_out / fan_in)) in torch's orientation: [out, in]
+    for 2-D weights, each expert stored [in, out] by shardd."""
+
+    def __init__(self, muon, lr, weight_decay):
+        self.muon, self.lr, self.wd = muon, lr, weight_decay
+        self.momentum = {n: torch.zeros_like(w) for n, w in muon.items()}
+        self.last = {}  # name -> (scale, the orthogonalised update)
+
+    @torch.no_grad()
+    def step(self):
+        for n, w in self.muon.items():
+            m = self.momentum[n]
+            m.lerp_(w.grad, 1 - MUON_MOMENTUM)
+            u = w.grad.lerp(m, MUON_MOMENTUM)
+            x = newton_schulz(u)
+            out, inp = ((x.size(-1), x.size(-2)) if x.dim() == 3
+                        else (x.size(-2), x.size(-1)))
+            scale = max(1.0, out / inp) ** 0.5
+            self.last[n] = (scale, x)
+            w.mul_(1 - self.lr * self.wd)
+            w.add_(x * scale, alpha=-self.lr)
+
+
 def reference(architecture, dims, params, tokens, steps=STEPS, first_step=0,
-              first_update=None, response=0, loss_weights=(1.0, 1.0)):
+              first_update=None, response=0, loss_weights=(1.0, 1.0),
+              optimizer="adamw", muon_terms=None):
     """(loss, grad_norm, |grad|_1, loss without the router's auxiliary
     term) of each step: float64 forward and
     autograd, then torch.optim.AdamW, on the strided windows the workers
@@ -114,7 +186,16 @@ def reference(architecture, dims, params, tokens, steps=STEPS, first_step=0,
     p = {n: w.clone().requires_grad_(not n.endswith(frozen))
          for n, w in params.items()}
     trainable = [w for w in p.values() if w.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=LR, betas=BETAS, eps=EPS,
+    muon = None
+    if optimizer == "muon":
+        muon = MuonReference({n: w for n, w in p.items()
+                              if w.requires_grad and muon_kind(n, w)},
+                             MUON_LR, WEIGHT_DECAY)
+        adamw = [w for n, w in p.items()
+                 if w.requires_grad and not muon_kind(n, w)]
+    else:
+        adamw = trainable
+    opt = torch.optim.AdamW(adamw, lr=LR, betas=BETAS, eps=EPS,
                             weight_decay=WEIGHT_DECAY)
     out = []
     for step in range(first_step, first_step + steps + 1):
@@ -138,7 +219,8 @@ def reference(architecture, dims, params, tokens, steps=STEPS, first_step=0,
                 "response_length": response,
                 "encoder_loss_weight": loss_weights[0],
                 "diffusion_loss_weight": loss_weights[1]}
-        opt.zero_grad()
+        for w in trainable:
+            w.grad = None
         stats = {}
         loss = (gemma_block_diffusion_step(batch, p)[0] if diffusion
                 else forward(batch, p, stats))
@@ -150,8 +232,16 @@ def reference(architecture, dims, params, tokens, steps=STEPS, first_step=0,
         ce = loss.item() - float(dims.get("router_aux_loss_coef", 0.0)) * (
             stats.get("aux", 0.0))
         out.append((loss.item(), norm.item(), l1.item(), ce))
+        if muon is not None and muon_terms is not None:
+            # This step's |dL| per unit relative gradient error of each
+            # earlier Muon update (see NS_GAIN).
+            muon_terms.append(sum(
+                MUON_LR * scale * NS_GAIN * muon.muon[n].grad.norm().item()
+                for n, (scale, x) in muon.last.items()))
         if step < first_step + steps:
             opt.step()
+            if muon is not None:
+                muon.step()
             if first_update is not None and step == first_step:
                 first_update.update(
                     {n: (w.detach().clone(), w.grad.clone())
@@ -502,6 +592,43 @@ class ConfigCheck:
                   f"loss and gradient norm within {max(errs):.2e} (bound "
                   f"{DG_FP32_BOUND:.1e})")
 
+    def check_muon(self):
+        """`--optimizer muon` at 1 and 2 workers (default strategy, fp32)
+        against MuonReference: each step's loss within FP32_BOUND plus the
+        earlier updates' term (NS_GAIN), step 1's gradient norm within
+        FP32_BOUND."""
+        terms = []
+        want = reference(self.architecture, self.dims, self.params,
+                         self.tokens, optimizer="muon", muon_terms=terms)
+        # terms[s]: one earlier update's bound at step s (the same for each
+        # of the s updates before it).
+        extra = [s * terms[s] * FP32_BOUND for s in range(STEPS)]
+        for world in (1, 2):
+            got, _, _ = train(self.cluster, self.config, self.hf_dir,
+                              self.data, world, "default", False,
+                              extra=["--optimizer", "muon", "--muon-lr",
+                                     str(MUON_LR), "--muon-momentum",
+                                     str(MUON_MOMENTUM), "--muon-ns-steps",
+                                     str(MUON_NS_STEPS)])
+            ratios, errs = [], []
+            for step, ((gl, gn), (wl, wn, _, _)) in enumerate(zip(got, want)):
+                errs.append(abs(gl - wl) / abs(wl))
+                ratios.append(errs[-1] / (FP32_BOUND + extra[step] / abs(wl)))
+                if step == 0:
+                    errs.append(abs(gn - wn) / abs(wn))
+                    ratios.append(errs[-1] / FP32_BOUND)
+            status = self.tally.add(max(ratios) <= 1, max(errs))
+            print(f"  {status} {world} worker(s) default        fp32 muon: "
+                  f"losses " + ", ".join(f"{g[0]:.9f}" for g in got)
+                  + " vs " + ", ".join(f"{w[0]:.9f}" for w in want[:STEPS])
+                  + f"; largest relative error {max(errs):.2e}, "
+                  f"{max(ratios):.2f} of its bound (step 3's loss: "
+                  f"{FP32_BOUND + extra[-1] / abs(want[STEPS - 1][0]):.1e})")
+            # Muon must have changed the trajectory: AdamW's losses differ.
+            if world == 1 and abs(want[1][0] - self.want[1][0]) <= 1e-6:
+                self.tally.add(False, 0.0)
+                print("  FAIL the muon reference equals AdamW's at step 2")
+
     def check_export_round_trip(self):
         """Export the state after 3 steps and start a job from it."""
         _, saved, _ = train(self.cluster, self.config, self.hf_dir, self.data, 2,
@@ -542,6 +669,8 @@ def main():
                     check.check_run(*run)
                 if check.diffusion:
                     check.check_multi_block()
+                if check.name == "tiny_qwen3_moe.json":
+                    check.check_muon()
                 check.check_export_round_trip()
         finally:
             cluster.stop()

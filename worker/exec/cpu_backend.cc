@@ -17,6 +17,7 @@
 #include "common/status_macros.h"
 #include "kernels/cpu/adamw.h"
 #include "layout/shard_layout.h"
+#include "worker/exec/optimizer_registry.h"
 #include "worker/exec/step_checks.h"
 
 namespace shardd {
@@ -222,7 +223,10 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(
   SHARDD_ASSIGN_OR_RETURN(backend->model_,
                           MoeModel::Create(model, backend->model_options_));
 
-  // The optimizer's ranges: the store's layout.
+  SHARDD_ASSIGN_OR_RETURN(backend->optimizer_,
+                          CreateOptimizer(options.optimizer, options.adamw,
+                                          plan, model, *backend->store_));
+  // The gradient norm's ranges: the store's layout.
   backend->queue_units_.resize(plan.units_size());
   for (int u = 0; u < plan.units_size(); ++u) {
     backend->queue_units_[u].ranges =
@@ -397,35 +401,41 @@ absl::Status CpuBackend::OptimizerStep(const std::string& label,
   if (options_.max_grad_norm > 0.0) {
     coefficient = kernels::ClipCoefficient(norm, options_.max_grad_norm);
   }
-  const int64_t step = *optimizer_steps + 1;
-  kernels::AdamWConfig adamw = options_.adamw;
-  adamw.lr = StepLearningRate(options_, step - 1);
-  for (size_t u = 0; u < queue_units_.size(); ++u) {
-    const ShardStore::UnitShard shard = store_->shard(static_cast<int>(u));
-    for (const auto& range : queue_units_[u].ranges) {
-      const int64_t n = range.second - range.first;
-      if (coefficient < 1.0) {
-        kernels::ScaleInPlace(shard.grads + range.first, n,
+  // Clip first: every optimizer sees the clipped gradients.
+  if (coefficient < 1.0) {
+    for (size_t u = 0; u < queue_units_.size(); ++u) {
+      float* grads = store_->shard(static_cast<int>(u)).grads;
+      for (const auto& range : queue_units_[u].ranges) {
+        kernels::ScaleInPlace(grads + range.first, range.second - range.first,
                               static_cast<float>(coefficient));
       }
-      const absl::Status status = kernels::AdamWStep(
-          shard.params + range.first, shard.grads + range.first,
-          shard.exp_avg + range.first, shard.exp_avg_sq + range.first, n, step,
-          adamw);
-      // The range is still in cache: refresh its compute-dtype copy now.
-      if (status.ok()) {
-        store_->RefreshComputeShard(static_cast<int>(u), range.first, n);
-      }
-      if (!status.ok()) {
-        // Unreachable: Create checked the configuration and the ranges.
-        const absl::Status error = absl::InternalError(
-            absl::StrCat(label,
-                         ": AdamW failed after part of the shards "
-                         "were updated: ",
-                         status.message()));
-        return error;
-      }
     }
+  }
+  const int64_t step = *optimizer_steps + 1;
+  OptimizerStepContext op;
+  op.step = step;
+  op.lr = StepLearningRate(options_, step - 1);
+  op.lr_factor = options_.adamw.lr > 0.0 ? op.lr / options_.adamw.lr : 1.0;
+  op.label = label;
+  op.shard_group = shard_group_;
+  op.collective_timeout = options_.collective_timeout;
+  op.tracker = tracker_;
+  CommThread* comm = comm_.get();
+  op.run_collective = [comm](const std::string& what,
+                             std::function<absl::Status()> collective) {
+    return comm->Wait(comm->Enqueue(what, std::move(collective)));
+  };
+  // Prepare everything (collectives included) before committing anything,
+  // so a failed collective leaves the last committed state.
+  for (int u = 0; u < store_->num_units(); ++u) {
+    const absl::Status prepared = optimizer_->Prepare(store_.get(), u, op);
+    if (!prepared.ok()) {
+      optimizer_->Discard(store_.get());
+      return prepared;
+    }
+  }
+  for (int u = 0; u < store_->num_units(); ++u) {
+    optimizer_->Apply(store_.get(), u, op);
   }
   *optimizer_steps = step;
   ZeroShardGrads();

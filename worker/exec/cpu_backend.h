@@ -5,9 +5,10 @@
 // and one communication thread that runs every collective and every free
 // of an unsharded buffer in program order (so all ranks issue each
 // communicator's collectives in the same order from a single thread), while
-// the caller's thread computes. OPTIMIZER_STEP clips and applies AdamW at
-// once. docs/design.md ("Step execution") gives each command's semantics
-// and why the measured memory equals the plan's replay.
+// the caller's thread computes. OPTIMIZER_STEP clips and applies the
+// optimizer at once (the one the options name the options name:
+// optimizer_registry.h). docs/design.md ("Step execution") gives each command's
+// semantics and why the measured memory equals the plan's replay.
 
 #include <cstdint>
 #include <memory>
@@ -23,6 +24,7 @@
 #include "proto/worker.pb.h"
 #include "worker/comm/communicator.h"
 #include "worker/data/batch_sampler.h"
+#include "worker/exec/optimizer.h"
 #include "worker/exec/step_backend.h"
 #include "worker/exec/step_state.h"
 #include "worker/memory/memory_tracker.h"
@@ -80,8 +82,8 @@ class CpuBackend final : public StepBackend {
              Communicator* shard_group, Communicator* replicas,
              const SliceGroups& slice_groups, MemoryTracker* tracker);
 
-  // OPTIMIZER_STEP: drains the queue, all-reduces the gradient norm, clips
-  // and applies AdamW.
+  // OPTIMIZER_STEP: drains the queue, all-reduces the gradient norm, clips,
+  // prepares every unit's update, then applies them all.
   absl::Status OptimizerStep(const std::string& label, int64_t* optimizer_steps,
                              bool* clean);
   // Queues the free of the slice a finished re-gather of `unit` consumed
@@ -106,6 +108,7 @@ class CpuBackend final : public StepBackend {
   // with the caller).
   std::unique_ptr<ShardStore> store_;
   std::unique_ptr<MoeModel> model_;
+  std::unique_ptr<Optimizer> optimizer_;
   MoeModelOptions model_options_;
   std::vector<UnitQueue> queue_units_;
 

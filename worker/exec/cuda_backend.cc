@@ -100,6 +100,13 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   SHARDD_RETURN_IF_ERROR(CheckStepOptions(step.collective_timeout,
                                           step.max_grad_norm, step.adamw));
   SHARDD_RETURN_IF_ERROR(CheckSliceGroups(plan, step.shard_rank, slice_groups));
+  // The fused device AdamW is the only GPU optimizer so far.
+  if (step.optimizer.name != kAdamWOptimizer) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "train.optimizer: \"", step.optimizer.name,
+        "\" is not implemented on device cuda:", options.device,
+        " (the GPU backend runs adamw only); use a CPU worker or adamw"));
+  }
 
   auto executor = absl::WrapUnique(new CudaBackend(
       plan, options, shard_group, replicas, slice_groups, allocator, tracker));

@@ -22,6 +22,7 @@
 #include "worker/comm/communicator.h"
 #include "worker/data/batch_sampler.h"
 #include "worker/exec/lr_schedule.h"
+#include "worker/exec/optimizer_options.h"
 #include "worker/exec/step_state.h"
 #include "worker/memory/memory_tracker.h"
 #include "worker/model/block_diffusion.h"
@@ -47,6 +48,9 @@ struct StepExecutorOptions {
   // shapes per step (the default, constant, keeps adamw.lr).
   kernels::AdamWConfig adamw;
   LrSchedule lr_schedule;
+  // Which optimizer OPTIMIZER_STEP applies (AdamW by default); Muon's lr is
+  // shaped by lr_schedule like adamw.lr. The CUDA backend runs AdamW only.
+  OptimizerOptions optimizer;
   // Global gradient-norm clipping threshold; 0 turns clipping off (the norm
   // is still computed and reported).
   double max_grad_norm = 0.0;

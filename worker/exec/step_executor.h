@@ -62,7 +62,9 @@ class StepExecutor {
   // size or rank not matching the plan's mesh, a missing replicate or slice
   // group, an AdamW hyper-parameter out of range, max_grad_norm < 0 or not
   // finite, collective_timeout not positive) and the errors of
-  // ShardStore::Create and MoeModel::Create.
+  // ShardStore::Create, MoeModel::Create and CreateOptimizer
+  // (optimizer_registry.h: an unknown optimizer, Muon on a flat unit; the
+  // CUDA backend refuses every optimizer but adamw).
   static absl::StatusOr<std::unique_ptr<StepExecutor>> Create(
       const v1::ShardingPlan& plan, const v1::ModelSpec& model,
       const StepExecutorOptions& options, Communicator* shard_group,

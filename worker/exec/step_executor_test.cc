@@ -860,9 +860,8 @@ class StepExecutorIdenticalDataTest
     : public ::testing::TestWithParam<EquivalenceCase> {};
 
 // Two shards of identical data against one rank, bit for bit (see above).
-void ExpectBitwiseEqualToOneRank(const v1::ModelSpec& model,
-                                 const Shape& shape) {
-  StepExecutorOptions options = BaseOptions();
+void ExpectBitwiseEqualToOneRank(const v1::ModelSpec& model, const Shape& shape,
+                                 StepExecutorOptions options = BaseOptions()) {
   options.max_grad_norm = 0.0;
   Shape one = shape;
   one.dp_shard = 1;
@@ -919,6 +918,63 @@ TEST(StepExecutorAttentionTest, ShardedBitwiseEqualToOneRank) {
   ExpectBitwiseEqualToOneRank(testing_util::TinyMoeSpec(shape), sharded);
   sharded.strategy = "megatron_fsdp";
   ExpectBitwiseEqualToOneRank(testing_util::TinyMoeSpec(shape), sharded);
+}
+
+// Muon through the whole step (gradients, the optimizer's all-gather on
+// the communication queue, Newton-Schulz per matrix and per expert): 2 shard
+// ranks and 2 x 2 HSDP on identical data equal one rank bit for bit, as
+// AdamW does above. (3 ranks with uneven rows: muon_optimizer_test, where
+// the gradients are the same bits at every world size.)
+TEST(StepExecutorMuonTest, ShardedBitwiseEqualToOneRank) {
+  testing_util::TinyMoeShape shape;
+  shape.vocab = kVocab;
+  shape.dim = kDim;
+  shape.experts = kExperts;
+  shape.inter = kInter;
+  shape.mlp = kMlp;
+  shape.freeze_router0 = true;
+  shape.attention = true;
+  shape.heads = 4;
+  shape.kv_heads = 2;
+  shape.head_dim = 4;
+  StepExecutorOptions options = BaseOptions();
+  options.optimizer.name = kMuonOptimizer;
+  options.optimizer.muon.lr = 0.02;
+  Shape sharded;
+  sharded.dp_shard = 2;
+  ExpectBitwiseEqualToOneRank(testing_util::TinyMoeSpec(shape), sharded,
+                              options);
+  sharded.dp_replicate = 2;
+  ExpectBitwiseEqualToOneRank(testing_util::TinyMoeSpec(shape), sharded,
+                              options);
+}
+
+TEST(StepExecutorMuonTest, MuonDiffersFromAdamWAndFlatRangesAreRefused) {
+  const v1::ModelSpec model = TinyMoe(/*freeze=*/true);
+  StepExecutorOptions muon = BaseOptions();
+  muon.optimizer.name = kMuonOptimizer;
+  const v1::ShardingPlan plan = MakePlan(model, Shape());
+  const WorldRun adamw_run = Train(model, plan, BaseOptions(), 1, kGlobalBatch);
+  const WorldRun muon_run = Train(model, plan, muon, 1, kGlobalBatch);
+  // The expert matrices take Muon's step; the embedding AdamW's either way.
+  const std::string experts = "model.layers.1.moe.experts.down_projs";
+  EXPECT_NE(muon_run.final[0].at(experts), adamw_run.final[0].at(experts));
+  EXPECT_EQ(muon_run.final[0].at("model.embed_tokens.weight"),
+            adamw_run.final[0].at("model.embed_tokens.weight"));
+
+  Shape flat;
+  flat.strategy = "megatron_fsdp";
+  flat.dp_shard = 2;
+  const v1::ShardingPlan flat_plan = MakePlan(model, flat);
+  RunWorld(flat_plan, [&](const RankCtx& ctx) {
+    StepExecutorOptions options = muon;
+    options.shard_rank = ctx.shard_rank;
+    EXPECT_THAT(StepExecutor::Create(flat_plan, model, options, ctx.shard,
+                                     ctx.replicas, ctx.tracker, ctx.slices)
+                    .status(),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("optimizer muon: unit ")));
+  });
 }
 
 std::vector<EquivalenceCase> IdenticalDataCases() {

@@ -598,7 +598,8 @@ PhaseRun RunPhase(const v1::ModelSpec& model, const v1::ShardingPlan& plan,
                   int first, int last, int64_t global_batch,
                   const std::string& load_dir, const std::string& save_tmp,
                   std::vector<checkpoint::RankFile>* rank_files,
-                  const PhaseRun* restart = nullptr) {
+                  const PhaseRun* restart = nullptr,
+                  const StepExecutorOptions& base = TrainOptions()) {
   const int dp = plan.mesh().dp_shard();
   absl::StatusOr<v1::StepProgram> compiled = CompileStepProgram(plan);
   EXPECT_TRUE(compiled.ok()) << compiled.status();
@@ -618,7 +619,7 @@ PhaseRun RunPhase(const v1::ModelSpec& model, const v1::ShardingPlan& plan,
   run.after.resize(last - first);
   absl::Mutex mu;
   RunWorld(plan, [&](const RankCtx& ctx) {
-    StepExecutorOptions options = TrainOptions();
+    StepExecutorOptions options = base;
     options.shard_rank = ctx.shard_rank;
     SHARDD_ASSERT_OK_AND_ASSIGN(
         std::unique_ptr<StepExecutor> executor,
@@ -756,6 +757,65 @@ TEST(ShardCheckpointTrainingTest, ResumingAtOtherWorldsAndStrategiesMatches) {
         "[resume] diffusion_gemma@4 -> %-15s@%d: share of each bound used: "
         "%s\n",
         t.strategy.c_str(), t.world, use.ToString().c_str());
+  }
+}
+
+// Muon keeps its momentum in exp_avg (exp_avg_sq stays zero), so its state
+// saves and reshards like AdamW's: saved at 2 ranks, resumed at 2 (bitwise
+// the uninterrupted run), 1 and 3 (the state bitwise, each step's loss
+// within the fp32 rounding of another world's sums, from the same state).
+TEST(ShardCheckpointTrainingTest, MuonStateResumesAtOtherWorlds) {
+  constexpr int kSteps = 2;
+  constexpr int64_t kGlobalBatch = 12;
+  const v1::ModelSpec model = TinyMoe(/*freeze=*/true);
+  const v1::ShardingPlan original = MakePlan(model, "default", 2);
+  StepExecutorOptions muon = TrainOptions();
+  muon.optimizer.name = kMuonOptimizer;
+  const PhaseRun full = RunPhase(model, original, 0, 2 * kSteps, kGlobalBatch,
+                                 "", "", nullptr, nullptr, muon);
+  const std::string root = NewRoot("muon");
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::string tmp,
+                              checkpoint::BeginCheckpoint(root, kSteps));
+  std::vector<checkpoint::RankFile> files;
+  RunPhase(model, original, 0, kSteps, kGlobalBatch, "", tmp, &files, nullptr,
+           muon);
+  SHARDD_ASSERT_OK_AND_ASSIGN(const checkpoint::CheckpointIndex index,
+                              checkpoint::BuildIndex(original, kSteps, files));
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::string dir,
+                              checkpoint::CommitCheckpoint(root, tmp, index));
+  const TrainingStateMaps& saved = full.after[kSteps - 1];
+  // Muon's parameters: momentum saved, second moment zero.
+  const std::string experts = "model.layers.1.moe.experts.down_projs";
+  EXPECT_NE(saved.exp_avg.at(experts),
+            std::vector<float>(saved.exp_avg.at(experts).size(), 0.0f));
+  EXPECT_EQ(saved.exp_avg_sq.at(experts),
+            std::vector<float>(saved.exp_avg_sq.at(experts).size(), 0.0f));
+
+  const PhaseRun same = RunPhase(model, original, kSteps, 2 * kSteps,
+                                 kGlobalBatch, dir, "", nullptr, nullptr, muon);
+  EXPECT_EQ(same.final(), full.final());
+  for (int i = 0; i < kSteps; ++i) {
+    EXPECT_EQ(same.losses[i], full.losses[kSteps + i]);
+  }
+  const testing_util::StepTolerances tol = testing_util::MoeStepTolerances(
+      model.dims(), kGlobalBatch * kSeq, /*world=*/3);
+  for (int world : {1, 3}) {
+    SCOPED_TRACE(absl::StrCat("resumed at ", world, " ranks"));
+    const v1::ShardingPlan plan = MakePlan(model, "default", world);
+    const PhaseRun resumed =
+        RunPhase(model, plan, kSteps, 2 * kSteps, kGlobalBatch, dir, "",
+                 nullptr, &full, muon);
+    EXPECT_EQ(resumed.start.params, saved.params);
+    EXPECT_EQ(resumed.start.exp_avg, saved.exp_avg);
+    EXPECT_EQ(resumed.start.exp_avg_sq, saved.exp_avg_sq);
+    double used = 0;
+    for (int i = 0; i < kSteps; ++i) {
+      used = std::max(
+          used, ExpectRelativelyNear(resumed.losses[i], full.losses[kSteps + i],
+                                     tol.loss));
+    }
+    std::printf("[muon resume] default@2 -> default@%d: loss bound used %.3g\n",
+                world, used);
   }
 }
 

@@ -1,0 +1,130 @@
+#include "kernels/cpu/muon.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace shardd {
+namespace kernels {
+namespace {
+
+// One expression for the new momentum, shared by the two functions below so
+// that the prepared Nesterov update and the committed momentum agree.
+inline float NewMomentum(float m, float g, float beta, float one_minus_beta) {
+  return beta * m + one_minus_beta * g;
+}
+
+}  // namespace
+
+void MuonMomentumStep(const float* grad, float* momentum, int64_t n,
+                      float beta) {
+  const float one_minus_beta = 1.0f - beta;
+  for (int64_t i = 0; i < n; ++i) {
+    momentum[i] = NewMomentum(momentum[i], grad[i], beta, one_minus_beta);
+  }
+}
+
+void MuonNesterovUpdate(const float* grad, const float* momentum, int64_t n,
+                        float beta, float* out) {
+  const float one_minus_beta = 1.0f - beta;
+  for (int64_t i = 0; i < n; ++i) {
+    const float m = NewMomentum(momentum[i], grad[i], beta, one_minus_beta);
+    out[i] = one_minus_beta * grad[i] + beta * m;
+  }
+}
+
+int64_t NewtonSchulzWorkspace(int64_t rows, int64_t cols) {
+  const int64_t r = std::min(rows, cols);
+  const int64_t c = std::max(rows, cols);
+  // X and its next iterate (r x c each), A and B (r x r each).
+  return 2 * r * c + 2 * r * r;
+}
+
+absl::Status NewtonSchulz(float* x, int64_t rows, int64_t cols, int steps,
+                          float* workspace) {
+  constexpr int64_t kMaxBlas = std::numeric_limits<int>::max();
+  if (rows < 1 || cols < 1 || rows > kMaxBlas || cols > kMaxBlas ||
+      rows * cols > kMaxBlas) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("newton_schulz: rows and cols must be >= 1 and fit a "
+                     "cblas int, got ",
+                     rows, " x ", cols));
+  }
+  if (steps < 1 || steps > 100) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("newton_schulz: steps must be in [1, 100], got ", steps));
+  }
+  if (x == nullptr || workspace == nullptr) {
+    return absl::InvalidArgumentError(
+        "newton_schulz: x and workspace must be non-null");
+  }
+  const bool transpose = rows > cols;
+  const int r = static_cast<int>(std::min(rows, cols));
+  const int c = static_cast<int>(std::max(rows, cols));
+  const int64_t rc = int64_t{r} * c;
+  float* X = workspace;
+  float* next = X + rc;
+  float* A = next + rc;
+  float* B = A + int64_t{r} * r;
+
+  // The wide orientation: X is r x c with r <= c.
+  if (transpose) {
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t j = 0; j < cols; ++j) X[j * c + i] = x[i * cols + j];
+    }
+  } else {
+    std::memcpy(X, x, static_cast<size_t>(rc) * sizeof(float));
+  }
+  double sum = 0.0;
+  for (int64_t i = 0; i < rc; ++i) sum += double{X[i]} * X[i];
+  const float denom = static_cast<float>(std::sqrt(sum)) + kNewtonSchulzEps;
+  for (int64_t i = 0; i < rc; ++i) X[i] /= denom;
+
+  for (int s = 0; s < steps; ++s) {
+    // A = X X^T.
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r, r, c, 1.0f, X, c, X,
+                c, 0.0f, A, r);
+    // B = b A + c A A.
+    std::memcpy(B, A, static_cast<size_t>(r) * r * sizeof(float));
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r, r, r,
+                kNewtonSchulzC, A, r, A, r, kNewtonSchulzB, B, r);
+    // X = a X + B X.
+    std::memcpy(next, X, static_cast<size_t>(rc) * sizeof(float));
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r, c, r, 1.0f, B, r,
+                X, c, kNewtonSchulzA, next, c);
+    std::swap(X, next);
+  }
+
+  if (transpose) {
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t j = 0; j < cols; ++j) x[i * cols + j] = X[j * c + i];
+    }
+  } else {
+    std::memcpy(x, X, static_cast<size_t>(rc) * sizeof(float));
+  }
+  return absl::OkStatus();
+}
+
+double MuonShapeScale(int64_t fan_out, int64_t fan_in) {
+  if (fan_in < 1) return 1.0;
+  return std::sqrt(std::max(
+      1.0, static_cast<double>(fan_out) / static_cast<double>(fan_in)));
+}
+
+void MuonApply(float* param, const float* update, int64_t n, double lr,
+               double weight_decay) {
+  const float decay = static_cast<float>(1.0 - lr * weight_decay);
+  const float step = static_cast<float>(lr);
+  for (int64_t i = 0; i < n; ++i) {
+    param[i] = param[i] * decay - step * update[i];
+  }
+}
+
+}  // namespace kernels
+}  // namespace shardd

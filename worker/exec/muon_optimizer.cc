@@ -1,0 +1,250 @@
+#include "worker/exec/muon_optimizer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "layout/shard_ranges.h"
+#include "worker/exec/adamw_optimizer.h"
+#include "worker/exec/optimizer_options.h"
+
+namespace shardd {
+namespace {
+
+bool PathHas(const ParamRef& param, v1::ModuleKind kind) {
+  for (const v1::ModuleSpec* module : param.path) {
+    if (module->kind() == kind) return true;
+  }
+  return false;
+}
+
+// Sorts and merges [begin, end) ranges.
+void Merge(std::vector<std::pair<int64_t, int64_t>>* ranges) {
+  std::sort(ranges->begin(), ranges->end());
+  std::vector<std::pair<int64_t, int64_t>> merged;
+  for (const auto& r : *ranges) {
+    if (r.second <= r.first) continue;
+    if (!merged.empty() && merged.back().second >= r.first) {
+      merged.back().second = std::max(merged.back().second, r.second);
+    } else {
+      merged.push_back(r);
+    }
+  }
+  *ranges = std::move(merged);
+}
+
+}  // namespace
+
+MuonRole MuonRoleOf(const ParamRef& param) {
+  const v1::TensorSpec& tensor = *param.tensor;
+  if (tensor.frozen() || !tensor.tied_to().empty() || param.path.empty()) {
+    return MuonRole::kAdamW;
+  }
+  switch (param.path.back()->kind()) {
+    case v1::MODULE_EMBEDDING:
+    case v1::MODULE_LM_HEAD:
+    case v1::MODULE_NORM:
+    case v1::MODULE_ROUTER:
+      return MuonRole::kAdamW;
+    default:
+      break;
+  }
+  if (absl::EndsWith(param.fqn, "bias")) return MuonRole::kAdamW;
+  const int ndim = tensor.shape_size();
+  if (PathHas(param, v1::MODULE_GROUPED_EXPERTS)) {
+    return ndim == 3 ? MuonRole::kExperts : MuonRole::kAdamW;
+  }
+  if (ndim == 2 && (PathHas(param, v1::MODULE_ATTENTION) ||
+                    PathHas(param, v1::MODULE_MLP))) {
+    return MuonRole::kMatrix;
+  }
+  return MuonRole::kAdamW;
+}
+
+absl::StatusOr<std::unique_ptr<MuonOptimizer>> MuonOptimizer::Create(
+    const kernels::MuonConfig& muon, const kernels::AdamWConfig& adamw,
+    const v1::ShardingPlan& plan, const v1::ModelSpec& model,
+    const ShardStore& store) {
+  OptimizerOptions options;
+  options.name = kMuonOptimizer;
+  options.muon = muon;
+  SHARDD_RETURN_IF_ERROR(ValidateOptimizerOptions(options, "train."));
+  absl::flat_hash_map<std::string, MuonRole> roles;
+  ForEachParam(model, [&roles](const ParamRef& param) {
+    roles[param.fqn] = MuonRoleOf(param);
+  });
+  auto optimizer =
+      std::unique_ptr<MuonOptimizer>(new MuonOptimizer(muon, adamw));
+  optimizer->units_.resize(store.num_units());
+  for (int u = 0; u < store.num_units(); ++u) {
+    const UnitLayout& layout = store.layout(u);
+    const v1::FsdpUnit& plan_unit = plan.units(u);
+    Unit& unit = optimizer->units_[u];
+    for (int i = 0; i < static_cast<int>(layout.params.size()); ++i) {
+      const ParamPlacement& placement = layout.params[i];
+      if (placement.frozen) continue;
+      auto role = roles.find(placement.name);
+      if (role == roles.end()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("optimizer muon: plan parameter ", placement.name,
+                         " is not in the model"));
+      }
+      if (role->second == MuonRole::kAdamW) {
+        for (const OwnedRange& r : placement.owned) {
+          unit.adamw_ranges.push_back(
+              {r.shard_offset, r.shard_offset + (r.end - r.begin)});
+        }
+        continue;
+      }
+      if (layout.flat) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "optimizer muon: unit ", u, " (", plan_unit.name(),
+            ") is a flat range (strategy ", plan.strategy(),
+            "): Muon orthogonalises whole matrices, and ", placement.name,
+            " is cut across ranks at arbitrary elements; use optimizer "
+            "adamw, or a strategy that shards dim 0"));
+      }
+      const std::vector<int64_t> shape =
+          GlobalShape(plan_unit.params(placement.index));
+      MuonParam p;
+      p.placement = i;
+      p.role = role->second;
+      if (p.role == MuonRole::kMatrix) {
+        p.rows = shape[0];
+        p.cols = shape[1];
+        p.scale =
+            static_cast<float>(kernels::MuonShapeScale(shape[0], shape[1]));
+        unit.gather = unit.gather || layout.world > 1;
+      } else {
+        p.matrices = shape[0];
+        p.rows = shape[1];
+        p.cols = shape[2];
+        // Stored [in, out] per expert: fan_out is the last dimension.
+        p.scale =
+            static_cast<float>(kernels::MuonShapeScale(shape[2], shape[1]));
+      }
+      unit.params.push_back(p);
+    }
+    Merge(&unit.adamw_ranges);
+  }
+  return optimizer;
+}
+
+absl::Status MuonOptimizer::Prepare(ShardStore* store, int u,
+                                    const OptimizerStepContext& step) {
+  const Unit& unit = units_[u];
+  if (unit.params.empty()) return absl::OkStatus();
+  const UnitLayout& layout = store->layout(u);
+  const ShardStore::UnitShard shard = store->shard(u);
+  const float beta = static_cast<float>(muon_.momentum);
+  // This rank's Nesterov updates, into the (zero) exp_avg_sq of its rows.
+  int64_t workspace = 0;
+  for (const MuonParam& p : unit.params) {
+    for (const OwnedRange& r : layout.params[p.placement].owned) {
+      kernels::MuonNesterovUpdate(
+          shard.grads + r.shard_offset, shard.exp_avg + r.shard_offset,
+          r.end - r.begin, beta, shard.exp_avg_sq + r.shard_offset);
+    }
+    workspace =
+        std::max(workspace, kernels::NewtonSchulzWorkspace(p.rows, p.cols));
+  }
+  // The whole unit's updates, gathered in fp32 with the unit's geometry:
+  // rank r's shard at r * shard_numel (the other parameters' exp_avg_sq
+  // travel along and are ignored).
+  TrackedBuffer gathered;
+  if (unit.gather) {
+    gathered = TrackedBuffer(step.tracker, MemoryKind::kWorkspace,
+                             layout.gathered_numel * sizeof(float));
+    Communicator* group = step.shard_group;
+    float* all = gathered.as<float>();
+    float* slot = all + int64_t{group->rank()} * layout.shard_numel;
+    std::memcpy(slot, shard.exp_avg_sq,
+                static_cast<size_t>(layout.shard_numel) * sizeof(float));
+    const int64_t count = layout.shard_numel;
+    const absl::Duration timeout = step.collective_timeout;
+    SHARDD_RETURN_IF_ERROR(step.run_collective(
+        absl::StrCat(step.label, " muon update all-gather (unit ", u, ")"),
+        [group, slot, all, count, timeout] {
+          return group->AllGather(slot, all, count, v1::FLOAT32, timeout);
+        }));
+  }
+  TrackedBuffer ns(step.tracker, MemoryKind::kWorkspace,
+                   workspace * sizeof(float));
+  for (const MuonParam& p : unit.params) {
+    const ParamPlacement& placement = layout.params[p.placement];
+    if (placement.owned.empty()) continue;  // Only padding here.
+    const int64_t matrix = p.rows * p.cols;
+    auto orthogonalise = [&](float* x) {
+      const absl::Status status = kernels::NewtonSchulz(
+          x, p.rows, p.cols, muon_.ns_steps, ns.as<float>());
+      // Create checked the shapes and steps.
+      SHARDD_CHECK(status.ok()) << step.label << ": " << status;
+      if (p.scale != 1.0f) kernels::ScaleInPlace(x, matrix, p.scale);
+    };
+    if (p.role == MuonRole::kExperts) {
+      // Dim-0 shards of [E, in, out] hold whole experts.
+      for (const OwnedRange& r : placement.owned) {
+        for (int64_t e = r.begin; e < r.end; e += matrix) {
+          orthogonalise(shard.exp_avg_sq + r.shard_offset + (e - r.begin));
+        }
+      }
+    } else if (!unit.gather) {
+      // One rank: it holds the whole matrix.
+      orthogonalise(shard.exp_avg_sq + placement.owned[0].shard_offset);
+    } else {
+      TrackedBuffer whole(step.tracker, MemoryKind::kWorkspace,
+                          matrix * sizeof(float));
+      float* x = whole.as<float>();
+      for (const CopySegment& s : placement.gathered) {
+        std::memcpy(x + s.dst, gathered.as<float>() + s.src,
+                    static_cast<size_t>(s.count) * sizeof(float));
+      }
+      orthogonalise(x);
+      for (const OwnedRange& r : placement.owned) {
+        std::memcpy(shard.exp_avg_sq + r.shard_offset, x + r.begin,
+                    static_cast<size_t>(r.end - r.begin) * sizeof(float));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+void MuonOptimizer::Apply(ShardStore* store, int u,
+                          const OptimizerStepContext& step) {
+  const Unit& unit = units_[u];
+  ApplyAdamWRanges(store, u, unit.adamw_ranges, adamw_, step);
+  const UnitLayout& layout = store->layout(u);
+  const ShardStore::UnitShard shard = store->shard(u);
+  const float beta = static_cast<float>(muon_.momentum);
+  const double lr = muon_.lr * step.lr_factor;
+  for (const MuonParam& p : unit.params) {
+    for (const OwnedRange& r : layout.params[p.placement].owned) {
+      const int64_t at = r.shard_offset, n = r.end - r.begin;
+      kernels::MuonMomentumStep(shard.grads + at, shard.exp_avg + at, n, beta);
+      kernels::MuonApply(shard.params + at, shard.exp_avg_sq + at, n, lr,
+                         adamw_.weight_decay);
+      std::memset(shard.exp_avg_sq + at, 0, static_cast<size_t>(n) * 4);
+      store->RefreshComputeShard(u, at, n);
+    }
+  }
+}
+
+void MuonOptimizer::Discard(ShardStore* store) {
+  for (int u = 0; u < static_cast<int>(units_.size()); ++u) {
+    const UnitLayout& layout = store->layout(u);
+    const ShardStore::UnitShard shard = store->shard(u);
+    for (const MuonParam& p : units_[u].params) {
+      for (const OwnedRange& r : layout.params[p.placement].owned) {
+        std::memset(shard.exp_avg_sq + r.shard_offset, 0,
+                    static_cast<size_t>(r.end - r.begin) * 4);
+      }
+    }
+  }
+}
+
+}  // namespace shardd
