@@ -124,6 +124,9 @@ absl::StatusOr<std::unique_ptr<MuonOptimizer>> MuonOptimizer::Create(
         p.matrices = shape[0];
         p.rows = shape[1];
         p.cols = shape[2];
+        p.whole_experts =
+            RowNumel(plan_unit.params(placement.index)) == p.rows * p.cols;
+        unit.gather = unit.gather || (!p.whole_experts && layout.world > 1);
         // Stored [in, out] per expert: fan_out is the last dimension.
         p.scale =
             static_cast<float>(kernels::MuonShapeScale(shape[2], shape[1]));
@@ -186,8 +189,27 @@ absl::Status MuonOptimizer::Prepare(ShardStore* store, int u,
       SHARDD_CHECK(status.ok()) << step.label << ": " << status;
       if (p.scale != 1.0f) kernels::ScaleInPlace(x, matrix, p.scale);
     };
-    if (p.role == MuonRole::kExperts) {
-      // Dim-0 shards of [E, in, out] hold whole experts.
+    if (p.role == MuonRole::kExperts && !p.whole_experts && unit.gather) {
+      // Split by elements: the experts this rank holds a piece of, each
+      // orthogonalised whole from the gathered updates.
+      TrackedBuffer whole(step.tracker, MemoryKind::kWorkspace,
+                          p.matrices * matrix * sizeof(float));
+      float* x = whole.as<float>();
+      for (const CopySegment& s : placement.gathered) {
+        std::memcpy(x + s.dst, gathered.as<float>() + s.src,
+                    static_cast<size_t>(s.count) * sizeof(float));
+      }
+      int64_t done = -1;  // The last expert orthogonalised.
+      for (const OwnedRange& r : placement.owned) {
+        for (int64_t e = r.begin / matrix; e * matrix < r.end; ++e) {
+          if (e > done) orthogonalise(x + e * matrix);
+          done = std::max(done, e);
+        }
+        std::memcpy(shard.exp_avg_sq + r.shard_offset, x + r.begin,
+                    static_cast<size_t>(r.end - r.begin) * sizeof(float));
+      }
+    } else if (p.role == MuonRole::kExperts) {
+      // Dim-0 shards of [E, in, out] hold whole experts (one rank: all).
       for (const OwnedRange& r : placement.owned) {
         for (int64_t e = r.begin; e < r.end; e += matrix) {
           orthogonalise(shard.exp_avg_sq + r.shard_offset + (e - r.begin));

@@ -83,12 +83,17 @@ class MuonOptimizer final : public Optimizer {
     int64_t rows = 0;      // Of one matrix as stored.
     int64_t cols = 0;
     float scale = 1.0f;  // MuonShapeScale in the torch orientation.
+    // Experts sharded on dim 0 (each rank holds whole experts), as opposed
+    // to split by elements (PlanOptions.shard_placement): then an expert
+    // can straddle ranks and is orthogonalised from the gathered updates.
+    bool whole_experts = true;
   };
   struct Unit {
     std::vector<MuonParam> params;
     // Trainable shard ranges of the AdamW parameters (sorted, merged).
     std::vector<std::pair<int64_t, int64_t>> adamw_ranges;
-    // Whether Prepare all-gathers (a 2-D Muon matrix over > 1 ranks).
+    // Whether Prepare all-gathers (a 2-D Muon matrix, or experts split by
+    // elements, over > 1 ranks).
     bool gather = false;
   };
 
