@@ -373,15 +373,14 @@ std::string FormatPlanTable(const v1::ShardingPlan& plan,
       plan.flat_buckets()
           ? absl::StrCat(" (flat buckets of ",
                          HumanCount(plan.bucket_elements()), " elements)")
-          : absl::StrCat(", placement ",
-                         plan.shard_placement().empty()
-                             ? "dim0"
-                             : plan.shard_placement(),
-                         element_split > 0
-                             ? absl::StrCat(" (", element_split,
-                                            " stacked parameters split by "
-                                            "elements: dim 0 would pad)")
-                             : ""),
+          : absl::StrCat(
+                ", placement ",
+                plan.shard_placement().empty() ? "dim0"
+                                               : plan.shard_placement(),
+                element_split > 0 ? absl::StrCat(" (", element_split,
+                                                 " stacked parameters split by "
+                                                 "elements: dim 0 would pad)")
+                                  : ""),
       "\n");
   absl::StrAppend(&out, "Mesh         dp_shard ", mesh.dp_shard(),
                   " x dp_replicate ", mesh.dp_replicate(), " (tp ", mesh.tp(),

@@ -233,10 +233,10 @@ absl::StatusOr<ChartSpec> PlanTimelineChart(const v1::ShardingPlan& plan,
   return chart;
 }
 
-ChartSpec LossChart(
-    const std::string& title,
-    const std::vector<std::pair<double, double>>& losses, double entropy_rate,
-    const std::vector<std::pair<double, double>>& eval_losses) {
+ChartSpec LossChart(const std::string& title,
+                    const std::vector<std::pair<double, double>>& losses,
+                    double entropy_rate,
+                    const std::vector<std::pair<double, double>>& eval_losses) {
   ChartSpec chart;
   chart.title = title;
   chart.x_label = "step";
@@ -261,11 +261,11 @@ ChartSpec LossChart(
         "%d steps: loss %.4f -> %.4f", static_cast<int>(losses.size()),
         losses.front().second, losses.back().second);
     if (!eval_losses.empty()) {
-      absl::StrAppend(&chart.subtitle,
-                      absl::StrFormat("; held-out %.4f at step %d",
-                                      eval_losses.back().second,
-                                      static_cast<int>(
-                                          eval_losses.back().first)));
+      absl::StrAppend(
+          &chart.subtitle,
+          absl::StrFormat("; held-out %.4f at step %d",
+                          eval_losses.back().second,
+                          static_cast<int>(eval_losses.back().first)));
     }
   }
   if (entropy_rate > 0) {

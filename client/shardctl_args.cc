@@ -170,13 +170,26 @@ const std::set<std::string>* WithConnection(
 const std::set<std::string>& FlagsOf(ShardctlCommand command) {
   static const auto* strategies = WithConnection({});
   static const auto* status = WithConnection({});
-  static const auto* plan = WithConnection(
-      {"--hf-config", "--model", "--dp", "--replicate", "--strategy",
-       "--microbatches", "--passes", "--no-grad-passes", "--defer-grad-sync",
-       "--reshard-after-forward", "--fwd-prefetch", "--bwd-prefetch",
-       "--no-mixed-precision", "--keep-compute-shard", "--bucket-elements",
-       "--shard-placement", "--timeline", "--timeline-svg",
-       "--compare-strategy", "--device-memory"});
+  static const auto* plan = WithConnection({"--hf-config",
+                                            "--model",
+                                            "--dp",
+                                            "--replicate",
+                                            "--strategy",
+                                            "--microbatches",
+                                            "--passes",
+                                            "--no-grad-passes",
+                                            "--defer-grad-sync",
+                                            "--reshard-after-forward",
+                                            "--fwd-prefetch",
+                                            "--bwd-prefetch",
+                                            "--no-mixed-precision",
+                                            "--keep-compute-shard",
+                                            "--bucket-elements",
+                                            "--shard-placement",
+                                            "--timeline",
+                                            "--timeline-svg",
+                                            "--compare-strategy",
+                                            "--device-memory"});
   static const auto* train = WithConnection({"--model",
                                              "--model-id",
                                              "--steps",
@@ -842,7 +855,8 @@ absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
             "required");
       }
       if (seen.count("--eval-data") == 0 &&
-          (seen.count("--eval-every") > 0 || seen.count("--eval-batches") > 0)) {
+          (seen.count("--eval-every") > 0 ||
+           seen.count("--eval-batches") > 0)) {
         return Usage(
             "train: --eval-every and --eval-batches need --eval-data FILE (the "
             "held-out token file)");

@@ -59,10 +59,11 @@ void TrainProgress::Eval(const v1::StepEvent& event) {
     }
     return;
   }
-  out_ << absl::StrFormat("eval after step %*d/%d  held-out loss %.4f (%s "
-                          "tokens)\n",
-                          Digits(total_), event.step(), total_,
-                          event.eval_loss(), HumanCount(event.eval_tokens()))
+  out_ << absl::StrFormat(
+              "eval after step %*d/%d  held-out loss %.4f (%s "
+              "tokens)\n",
+              Digits(total_), event.step(), total_, event.eval_loss(),
+              HumanCount(event.eval_tokens()))
        << std::flush;
 }
 
@@ -158,10 +159,10 @@ std::string FormatTrainSummary(const TrainSummary& s) {
   }
   if (s.eval_step > 0) {
     absl::StrAppend(
-        &out, absl::StrFormat("  held-out loss        %.4f after step %d (%s "
-                              "eval tokens)\n",
-                              s.eval_loss, s.eval_step,
-                              HumanCount(s.eval_tokens)));
+        &out,
+        absl::StrFormat("  held-out loss        %.4f after step %d (%s "
+                        "eval tokens)\n",
+                        s.eval_loss, s.eval_step, HumanCount(s.eval_tokens)));
   }
   if (s.one_token_loss > s.entropy_rate + 1e-9 && s.entropy_rate > 0) {
     absl::StrAppend(

@@ -35,8 +35,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "proto/plan.pb.h"
 #include "model/model_util.h"
+#include "proto/plan.pb.h"
 
 namespace shardd {
 

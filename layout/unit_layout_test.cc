@@ -411,8 +411,8 @@ TEST(LayoutPropertyTest, Dim0CoversEveryElementOnce) {
       // Split by elements exactly when dim 0 pads too much (kAuto).
       const bool elements =
           placement == ShardPlacement::kAuto &&
-          DimZeroPadsTooMuch(
-              {p.global_shape().begin(), p.global_shape().end()}, world);
+          DimZeroPadsTooMuch({p.global_shape().begin(), p.global_shape().end()},
+                             world);
       EXPECT_EQ(p.row_numel(), elements ? 1 : row);
       if (elements) {
         d0 *= row;

@@ -1068,8 +1068,7 @@ TEST(StepProgramPropertyTest, RandomPlansCompileValidateAndBalance) {
 
     // The eval program of the same plan: valid, forward only, no deeper
     // than the training step, and it ends with nothing gathered.
-    SHARDD_ASSERT_OK_AND_ASSIGN(v1::StepProgram eval,
-                                CompileEvalProgram(plan));
+    SHARDD_ASSERT_OK_AND_ASSIGN(v1::StepProgram eval, CompileEvalProgram(plan));
     SHARDD_ASSERT_OK(ValidateStepProgram(plan, eval));
     v1::MemoryReport eval_memory;
     v1::CommReport eval_comm;

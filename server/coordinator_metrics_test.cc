@@ -56,8 +56,7 @@ TEST(CoordinatorMetricsTest, ReflectsMembershipAtScrapeTime) {
   EXPECT_EQ(empty.type["shardd_coordinator_workers_declared_dead_total"],
             "counter");
   EXPECT_THAT(empty.Find("shardd_coordinator_insecure"), Optional(0.0));
-  EXPECT_THAT(empty.Find("shardd_coordinator_insecure_workers"),
-              Optional(0.0));
+  EXPECT_THAT(empty.Find("shardd_coordinator_insecure_workers"), Optional(0.0));
 
   SHARDD_ASSERT_OK(service.RegisterWorker(WorkerRequest(5000, 1)).status());
   SHARDD_ASSERT_OK(service.RegisterWorker(WorkerRequest(5001, 2)).status());

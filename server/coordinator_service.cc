@@ -159,8 +159,8 @@ absl::StatusOr<v1::TrainConfig> NormalizeTrainConfig(v1::TrainConfig config) {
   if (config.eval_data_path().empty() &&
       (config.eval_every() > 0 || config.eval_batches() > 0)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "config.eval_data_path: required with eval_every (", config.eval_every(),
-        ") or eval_batches (", config.eval_batches(),
+        "config.eval_data_path: required with eval_every (",
+        config.eval_every(), ") or eval_batches (", config.eval_batches(),
         "): the token file the held-out loss is computed on"));
   }
   if (!config.eval_data_path().empty() && config.eval_batches() == 0) {

@@ -89,34 +89,32 @@ class ListenPolicyTest : public ::testing::Test {
 TEST_F(ListenPolicyTest, CoordinatorRefusesAReachablePlaintextListener) {
   const std::string err =
       Refused({kCoordinator, "--listen=0.0.0.0:0"}, "coordinator_open");
-  EXPECT_THAT(err, AllOf(HasSubstr("--listen=0.0.0.0:0"),
-                         HasSubstr("--tls-cert and --tls-key"),
-                         HasSubstr("--client-token-file"),
-                         HasSubstr("--worker-token-file"),
-                         HasSubstr("--insecure")));
+  EXPECT_THAT(err,
+              AllOf(HasSubstr("--listen=0.0.0.0:0"),
+                    HasSubstr("--tls-cert and --tls-key"),
+                    HasSubstr("--client-token-file"),
+                    HasSubstr("--worker-token-file"), HasSubstr("--insecure")));
   // IPv6's any address too, and a token alone does not unlock it.
   const std::string token = dir_ + "_token";
-  ASSERT_EQ(RunCommand({"/bin/sh", "-c",
-                        absl::StrCat("echo secret > ", token)},
+  ASSERT_EQ(RunCommand({"/bin/sh", "-c", absl::StrCat("echo secret > ", token)},
                        absl::Seconds(10)),
             0);
-  const std::string v6 =
-      Refused({kCoordinator, "--listen=[::]:0",
-               absl::StrCat("--client-token-file=", token),
-               absl::StrCat("--worker-token-file=", token)},
-              "coordinator_v6");
+  const std::string v6 = Refused({kCoordinator, "--listen=[::]:0",
+                                  absl::StrCat("--client-token-file=", token),
+                                  absl::StrCat("--worker-token-file=", token)},
+                                 "coordinator_v6");
   EXPECT_THAT(v6, AllOf(HasSubstr("--listen=[::]:0"),
                         HasSubstr("without --tls-cert and --tls-key anyone"),
                         Not(HasSubstr("--client-token-file"))));
 }
 
 TEST_F(ListenPolicyTest, WorkerRefusesAReachablePlaintextListener) {
-  const std::string err = Refused(
-      {kWorker, "--listen=0.0.0.0:0", "--device=cpu"}, "worker_open");
-  EXPECT_THAT(err, AllOf(HasSubstr("--listen=0.0.0.0:0"),
-                         HasSubstr("--tls-cert and --tls-key"),
-                         HasSubstr("--worker-token-file"),
-                         HasSubstr("--insecure")));
+  const std::string err =
+      Refused({kWorker, "--listen=0.0.0.0:0", "--device=cpu"}, "worker_open");
+  EXPECT_THAT(err,
+              AllOf(HasSubstr("--listen=0.0.0.0:0"),
+                    HasSubstr("--tls-cert and --tls-key"),
+                    HasSubstr("--worker-token-file"), HasSubstr("--insecure")));
 }
 
 TEST_F(ListenPolicyTest, TlsAndTokensUnlockAReachableListener) {
@@ -167,8 +165,9 @@ TEST_F(ListenPolicyTest, InsecureStartsWithAWarningStatusShows) {
                                    "0.0.0.0:0 without TLS or tokens"),
                          HasSubstr("INSECURE (no TLS or tokens, --insecure)")));
   const std::string json = Status({"--coordinator", address, "--json"});
-  EXPECT_THAT(json, AllOf(HasSubstr("\"insecure\": \"shardd-coordinator serves"),
-                          HasSubstr("\"insecure\": true")));
+  EXPECT_THAT(json,
+              AllOf(HasSubstr("\"insecure\": \"shardd-coordinator serves"),
+                    HasSubstr("\"insecure\": true")));
 }
 
 }  // namespace

@@ -201,13 +201,20 @@ TEST_F(MetricsIntegrationTest, CountersMatchWhatWasTrained) {
     }
     std::ofstream(eval_data, std::ios::binary) << bytes;
   }
-  const pid_t shardctl =
-      Spawn({kShardctlBinary, "train", "--coordinator", address_, "--model",
-             kSmallMoe, "--steps", absl::StrCat(kSteps), "--global-batch", "16",
-             "--seq", "32", "--dp", absl::StrCat(kWorkers), "--seed", "3",
-             "--lr", "0.02", "--eval-data", eval_data, "--eval-every", "3",
-             "--eval-batches", "2", "--json"},
-            dir_ + "_train.out", dir_ + "_train.err");
+  const pid_t shardctl = Spawn({kShardctlBinary,  "train",
+                                "--coordinator",  address_,
+                                "--model",        kSmallMoe,
+                                "--steps",        absl::StrCat(kSteps),
+                                "--global-batch", "16",
+                                "--seq",          "32",
+                                "--dp",           absl::StrCat(kWorkers),
+                                "--seed",         "3",
+                                "--lr",           "0.02",
+                                "--eval-data",    eval_data,
+                                "--eval-every",   "3",
+                                "--eval-batches", "2",
+                                "--json"},
+                               dir_ + "_train.out", dir_ + "_train.err");
   ASSERT_GT(shardctl, 0);
   const int code = WaitFor(shardctl, absl::Seconds(120));
   if (code == -2) Stop(shardctl);

@@ -167,8 +167,8 @@ TEST_F(TrainIntegrationTest, LossComesWithinFivePercentOfTheEntropyRate) {
 // training trajectory bit for bit as it was; a missing eval file fails the
 // job at its start, naming the field.
 TEST_F(TrainIntegrationTest, EvaluationsChangeNoTrainingLoss) {
-  const std::string eval_data = absl::StrCat(testing_util::TempDir(),
-                                             "/train_eval_", getpid(), ".bin");
+  const std::string eval_data =
+      absl::StrCat(testing_util::TempDir(), "/train_eval_", getpid(), ".bin");
   {
     std::string bytes;
     for (int i = 0; i < 2048; ++i) {
@@ -180,9 +180,9 @@ TEST_F(TrainIntegrationTest, EvaluationsChangeNoTrainingLoss) {
   }
   ProcessResult plain = Shardctl(TrainArgs(4));
   ASSERT_EQ(plain.exit_code, 0) << plain.err;
-  ProcessResult evaluated = Shardctl(TrainArgs(
-      4, {"--eval-data", eval_data, "--eval-every", "1", "--eval-batches",
-          "2"}));
+  ProcessResult evaluated =
+      Shardctl(TrainArgs(4, {"--eval-data", eval_data, "--eval-every", "1",
+                             "--eval-batches", "2"}));
   ASSERT_EQ(evaluated.exit_code, 0) << evaluated.err;
   auto a = LocalCluster::ParseTrainOutput(plain.out);
   auto b = LocalCluster::ParseTrainOutput(evaluated.out);
@@ -197,8 +197,8 @@ TEST_F(TrainIntegrationTest, EvaluationsChangeNoTrainingLoss) {
   }
   EXPECT_EQ(a["eval_losses"], nlohmann::json::array());
 
-  ProcessResult missing = Shardctl(
-      TrainArgs(2, {"--eval-data", eval_data + ".missing"}));
+  ProcessResult missing =
+      Shardctl(TrainArgs(2, {"--eval-data", eval_data + ".missing"}));
   EXPECT_NE(missing.exit_code, 0);
   EXPECT_THAT(missing.err, HasSubstr("train.eval_data_path"));
   std::remove(eval_data.c_str());

@@ -663,8 +663,7 @@ absl::Status WorkerRuntime::FetchBatchesLocked(
   }
   batches->resize(job_m);
   for (int m = 0; m < job_m; ++m) {
-    SHARDD_RETURN_IF_ERROR(
-        sampler->Fill(step, job_->rank, m, &(*batches)[m]));
+    SHARDD_RETURN_IF_ERROR(sampler->Fill(step, job_->rank, m, &(*batches)[m]));
   }
   return absl::OkStatus();
 }

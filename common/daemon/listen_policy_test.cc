@@ -51,11 +51,10 @@ TEST(ListenPolicyTest, ReachableListenersNeedTlsAndEveryTokenOrInsecure) {
                      HasSubstr("--tls-cert and --tls-key, "
                                "--client-token-file, --worker-token-file"),
                      HasSubstr("--insecure"))));
-  EXPECT_THAT(
-      CheckListener(Guard("10.1.2.3:7070", true, true, false, false)),
-      StatusIs(absl::StatusCode::kFailedPrecondition,
-               AllOf(HasSubstr("without --worker-token-file anyone"),
-                     ::testing::Not(HasSubstr("--tls-cert")))));
+  EXPECT_THAT(CheckListener(Guard("10.1.2.3:7070", true, true, false, false)),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("without --worker-token-file anyone"),
+                             ::testing::Not(HasSubstr("--tls-cert")))));
   EXPECT_THAT(CheckListener(Guard("[::]:7070", false, true, true, false)),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        HasSubstr("without --tls-cert and --tls-key anyone")));

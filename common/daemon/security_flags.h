@@ -2,8 +2,8 @@
 #define SHARDD_COMMON_DAEMON_SECURITY_FLAGS_H_
 
 // The TLS and token flags both daemons take (--tls-cert, --tls-key,
-// --tls-client-ca, --worker-token-file, --insecure), defined once. Each daemon adds the
-// flags only it has (the coordinator's --client-token-file and
+// --tls-client-ca, --worker-token-file, --insecure), defined once. Each daemon
+// adds the flags only it has (the coordinator's --client-token-file and
 // --worker-tls-ca, the worker's --tls-ca).
 
 #include <string>

@@ -270,10 +270,10 @@ TEST_F(JobRunnerTest, EvaluatesEveryNStepsAndAfterTheLastOne) {
         calls.push_back(absl::StrCat(call.method, call.step));
       }
     }
-    EXPECT_THAT(calls, ElementsAre("Execute0", "Execute1", "Eval0", "Eval1",
-                                   "Eval2", "Execute2", "Execute3", "Eval0",
-                                   "Eval1", "Eval2", "Execute4", "Eval0",
-                                   "Eval1", "Eval2"))
+    EXPECT_THAT(calls,
+                ElementsAre("Execute0", "Execute1", "Eval0", "Eval1", "Eval2",
+                            "Execute2", "Execute3", "Eval0", "Eval1", "Eval2",
+                            "Execute4", "Eval0", "Eval1", "Eval2"))
         << "rank " << rank;
   }
   const JobSummary summary = SummaryOf(id);

@@ -139,9 +139,9 @@ absl::Status StepExecutor::RunCommandLocked(const v1::Command& c,
 absl::StatusOr<StepResult> StepExecutor::EndStepLocked() {
   SHARDD_RETURN_IF_ERROR(state_.CheckEndStep());
   const absl::Status complete =
-      state_.eval() ? state_.CheckEvalDone()
-                    : (state_.stepped() ? absl::OkStatus()
-                                        : state_.EndedEarly());
+      state_.eval()
+          ? state_.CheckEvalDone()
+          : (state_.stepped() ? absl::OkStatus() : state_.EndedEarly());
   if (!complete.ok()) {
     AbortStepLocked(complete, /*clean=*/!state_.touched());
     return complete;

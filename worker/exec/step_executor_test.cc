@@ -1180,8 +1180,8 @@ TEST_P(StepExecutorEvalTest, ScoresTheStepLossAndChangesNothing) {
                               CompileEvalProgram(plan));
   v1::MemoryReport eval_memory;
   v1::CommReport eval_comm;
-  SHARDD_ASSERT_OK(ReplayStepProgram(plan, eval, false, &eval_memory,
-                                     &eval_comm));
+  SHARDD_ASSERT_OK(
+      ReplayStepProgram(plan, eval, false, &eval_memory, &eval_comm));
   ASSERT_GT(eval_memory.peak_unsharded_bytes(), 0);
   EXPECT_LE(eval_memory.peak_unsharded_bytes(),
             plan.memory().peak_unsharded_bytes());
@@ -1203,7 +1203,8 @@ TEST_P(StepExecutorEvalTest, ScoresTheStepLossAndChangesNothing) {
       EXPECT_EQ(scored.tokens, want.tokens);
       EXPECT_EQ(scored.optimizer_steps, s);
       EXPECT_EQ(scored.grad_norm, 0.0);
-      EXPECT_EQ(scored.peak_unsharded_bytes, eval_memory.peak_unsharded_bytes());
+      EXPECT_EQ(scored.peak_unsharded_bytes,
+                eval_memory.peak_unsharded_bytes());
       EXPECT_EQ(scored.peak_unsharded_grad_bytes, 0);
       EXPECT_EQ(scored.collectives.all_gathers, eval_comm.all_gathers());
       EXPECT_EQ(scored.collectives.reduce_scatters, 0);
@@ -1213,8 +1214,7 @@ TEST_P(StepExecutorEvalTest, ScoresTheStepLossAndChangesNothing) {
   for (int rep = 0; rep < c.shape.dp_replicate; ++rep) {
     for (int s = 0; s < kSteps; ++s) {
       EXPECT_EQ(evaluated.states[rep][s].params, plain.states[rep][s].params);
-      EXPECT_EQ(evaluated.states[rep][s].exp_avg,
-                plain.states[rep][s].exp_avg);
+      EXPECT_EQ(evaluated.states[rep][s].exp_avg, plain.states[rep][s].exp_avg);
       EXPECT_EQ(evaluated.states[rep][s].exp_avg_sq,
                 plain.states[rep][s].exp_avg_sq);
     }

@@ -94,8 +94,7 @@ absl::Status StepState::CheckEvalDone() const {
     if (s.gathered || s.pending || s.slice_group != 0) {
       return absl::FailedPreconditionError(absl::StrCat(
           "eval step ", header_.step(), " ended with unit ", i, " (",
-          plan_->units(i).name(),
-          ") still gathered; the step was aborted"));
+          plan_->units(i).name(), ") still gathered; the step was aborted"));
     }
   }
   return absl::OkStatus();

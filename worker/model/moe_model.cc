@@ -153,10 +153,9 @@ absl::Status MoeModel::Impl::EvalLoss(ParamSource* params, const float* h,
   SHARDD_ASSIGN_OR_RETURN(const float* head_w, params->Param(head.name));
   kernels::CrossEntropyOptions ce_options;
   ce_options.softcap = final_logit_softcap;
-  SHARDD_ASSIGN_OR_RETURN(
-      kernels::CrossEntropyResult ce,
-      kernels::LmHeadCrossEntropyForward(h, head_w, t, dim, vocab, targets,
-                                         ce_options));
+  SHARDD_ASSIGN_OR_RETURN(kernels::CrossEntropyResult ce,
+                          kernels::LmHeadCrossEntropyForward(
+                              h, head_w, t, dim, vocab, targets, ce_options));
   // Accounted as the training step's BACKWARD(HEAD) accounts its loss.
   loss_sum += weight * ce.mean_loss;
   if (new_term) ++loss_terms;
@@ -311,8 +310,8 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
       if (eval) {
         return pass < options.no_grad_passes
                    ? absl::OkStatus()
-                   : EvalLoss(params, a.h.data(), t, batch.targets.data(),
-                              1.0, /*new_term=*/true);
+                   : EvalLoss(params, a.h.data(), t, batch.targets.data(), 1.0,
+                              /*new_term=*/true);
       }
       if (aux_on()) {
         // fp32 for the all-reduce; the counts stay exact.

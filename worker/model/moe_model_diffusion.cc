@@ -100,8 +100,7 @@ absl::Status MoeModel::Impl::DiffusionForward(const Command& c,
                    ? EvalLoss(params, a.h.data(), t, batch.ar_targets.data(),
                               options.diffusion.encoder_loss_weight,
                               /*new_term=*/false)
-                   : EvalLoss(params, a.h.data(), t,
-                              batch.canvas.clean.data(),
+                   : EvalLoss(params, a.h.data(), t, batch.canvas.clean.data(),
                               options.diffusion.diffusion_loss_weight,
                               /*new_term=*/true);
       }

@@ -327,8 +327,8 @@ TEST(ShardCheckpointTest, ElementSplitExpertsReshardAcrossPlacements) {
                                              {"default", 8, "auto"},
                                              {"megatron_fsdp", 3, ""},
                                              {"default", 1, "auto"}}) {
-    SCOPED_TRACE(absl::StrCat(t.strategy, " at ", t.world, " ranks, ",
-                              t.placement));
+    SCOPED_TRACE(
+        absl::StrCat(t.strategy, " at ", t.world, " ranks, ", t.placement));
     SHARDD_ASSERT_OK_AND_ASSIGN(
         const v1::ShardingPlan plan,
         TryPlan(model, t.strategy, t.world, 0, t.placement));
