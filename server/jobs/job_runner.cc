@@ -204,6 +204,17 @@ void JobRunner::RestoreJobs() {
       raw->spec.program.Clear();
       raw->error = "its stored step program does not parse";
     }
+    if (!raw->spec.config.eval_data_path().empty()) {
+      // The eval program is derived from the plan, not stored.
+      absl::StatusOr<v1::StepProgram> eval = CompileEvalProgram(raw->spec.plan);
+      if (eval.ok()) {
+        raw->spec.eval_program = *std::move(eval);
+      } else {
+        raw->spec.program.Clear();
+        raw->error = absl::StrCat("its eval program does not compile: ",
+                                  eval.status().message());
+      }
+    }
     raw->state = v1::JOB_QUEUED;
     queue_.push_back(raw);
     raw->thread = std::thread([this, raw] { RunJob(raw); });

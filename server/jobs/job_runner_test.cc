@@ -26,7 +26,11 @@
 #include "server/jobs/worker_client.h"
 #include "server/state_store.h"
 #include "server/worker_registry.h"
+#include "planner/sharding_planner.h"
+#include "planner/strategy_registry.h"
+#include "program/step_program.h"
 #include "testing/fake_cluster.h"
+#include "testing/model_builder.h"
 
 namespace shardd {
 namespace {
@@ -893,6 +897,54 @@ TEST_F(JobRunnerTest, ARestartedRunnerCarriesTheJobOnFromItsJournal) {
   EXPECT_EQ(stored[1].progress.state(), v1::JOB_DONE);
   EXPECT_EQ(stored[1].progress.steps_done(), 6);
   EXPECT_EQ(stored[1].progress.recoveries(), 0);  // A restart is no fault.
+  runner_->Shutdown();
+}
+
+// A job restored from the journal evaluates as before: its eval program is
+// compiled again from the stored plan (a real one here).
+TEST_F(JobRunnerTest, ARestartedRunnerKeepsEvaluating) {
+  recover_ = true;
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string dir =
+      absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/job_runner_eval_journal");
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<StateStore> store,
+                              StateStore::Open(dir + "/state.db"));
+  JobJournal journal(store.get());
+  RegisterWorkers(1);
+  JobRunnerOptions options;
+  options.journal = &journal;
+  StartRunner(options);
+  std::unique_ptr<StrategyRegistry> strategies =
+      StrategyRegistry::CreateWithBuiltins();
+  ShardingPlanner planner(strategies.get());
+  v1::PlanOptions plan_options;
+  plan_options.mutable_mesh()->set_dp_shard(1);
+  plan_options.mutable_mesh()->set_dp_replicate(1);
+  JobSpec spec = EvalSpec(1, 4, 2, 1);
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      spec.plan,
+      planner.Plan(testing_util::TinyMoeSpec(testing_util::TinyMoeShape()),
+                   plan_options));
+  SHARDD_ASSERT_OK_AND_ASSIGN(spec.program, CompileStepProgram(spec.plan));
+  SHARDD_ASSERT_OK_AND_ASSIGN(spec.eval_program, CompileEvalProgram(spec.plan));
+  // Step 3 hangs when the coordinator goes away.
+  cluster_.script().once = true;
+  cluster_.script().hang_rank = 0;
+  cluster_.script().hang_step = 2;
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::string id, runner_->Submit(spec));
+  WaitForBlocked(1);
+  runner_->Shutdown();
+
+  // The new runner's log starts at the restart. It does not know that step
+  // 2's evaluation ran (evaluations are not journaled) and runs it again
+  // (it changes nothing), then goes on evaluating.
+  StartRunner(options);
+  const std::vector<v1::StepEvent> events = WaitForEnd(id);
+  EXPECT_THAT(EventSequence(events), ElementsAre(-2, 3, 4, -4));
+  EXPECT_TRUE(events.back().done());
+  EXPECT_TRUE(events.back().has_eval_loss());
   runner_->Shutdown();
 }
 
