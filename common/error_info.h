@@ -29,6 +29,11 @@ inline constexpr absl::string_view kReasonPlanNotHeld = "PLAN_NOT_HELD";
 // refuses steps until the plan is loaded again.
 inline constexpr absl::string_view kReasonStepFailedEarlier =
     "STEP_FAILED_EARLIER";
+// LoadPlan with plan_options: the worker's own planning of the model gave
+// another fingerprint than the coordinator's (another build); the
+// coordinator sends the plan itself instead.
+inline constexpr absl::string_view kReasonPlanDerivationMismatch =
+    "PLAN_DERIVATION_MISMATCH";
 
 // `status` with `reason` attached (replacing any earlier reason). An OK
 // status is returned unchanged: reasons belong to errors.

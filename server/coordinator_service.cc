@@ -662,6 +662,7 @@ absl::StatusOr<v1::SubmitStepResponse> CoordinatorService::SubmitStep(
         absl::StrCat("step program: ", program.status().message()));
   }
   job.program = *std::move(program);
+  job.plan_options = options;
   if (!config.eval_data_path().empty()) {
     absl::StatusOr<v1::StepProgram> eval = CompileEvalProgram(job.plan);
     if (!eval.ok()) {

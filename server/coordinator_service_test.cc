@@ -879,11 +879,25 @@ TEST_F(CoordinatorServiceTest, SubmitStepPlansForTheStepShapeAndRunsTheJob) {
                               service->GetPlan(replan));
   const std::vector<v1::LoadPlanRequest> loads = workers.loads();
   ASSERT_EQ(loads.size(), 2u);
+  std::unique_ptr<StrategyRegistry> strategies =
+      StrategyRegistry::CreateWithBuiltins();
+  std::vector<v1::ShardingPlan> derived;
   for (const v1::LoadPlanRequest& load : loads) {
-    EXPECT_EQ(load.plan().step().microbatches(), 2);
-    EXPECT_TRUE(load.plan().step().defer_grad_sync());
-    EXPECT_EQ(load.plan().memory().peak_unsharded_bytes(),
+    // The workers derive the plan from the model and its options, as a
+    // worker's planner does: the coordinator's plan, fingerprint and all.
+    EXPECT_FALSE(load.has_plan());
+    SHARDD_ASSERT_OK_AND_ASSIGN(
+        v1::ShardingPlan plan,
+        ShardingPlanner(strategies.get()).Plan(load.model(),
+                                               load.plan_options()));
+    EXPECT_EQ(plan.fingerprint(), load.plan_fingerprint());
+    EXPECT_EQ(plan.fingerprint(), expected.plan().fingerprint());
+    EXPECT_EQ(load.model_id(), model.model_id());
+    EXPECT_EQ(plan.step().microbatches(), 2);
+    EXPECT_TRUE(plan.step().defer_grad_sync());
+    EXPECT_EQ(plan.memory().peak_unsharded_bytes(),
               expected.plan().memory().peak_unsharded_bytes());
+    derived.push_back(plan);
     EXPECT_EQ(load.train().microbatches(), 2);
     // Zero optimizer values travel as they are: workers own the defaults.
     EXPECT_DOUBLE_EQ(load.train().lr(), 0.0);
@@ -896,7 +910,7 @@ TEST_F(CoordinatorServiceTest, SubmitStepPlansForTheStepShapeAndRunsTheJob) {
   EXPECT_EQ(events.back().planned_peak_unsharded_bytes(),
             expected.plan().memory().peak_unsharded_bytes());
   SHARDD_ASSERT_OK_AND_ASSIGN(v1::StepProgram compiled,
-                              CompileStepProgram(loads[0].plan()));
+                              CompileStepProgram(derived[0]));
   const std::vector<v1::StepProgram> programs = workers.programs();
   ASSERT_EQ(programs.size(), 6u);  // 3 steps x 2 ranks.
   for (v1::StepProgram program : programs) {

@@ -20,12 +20,20 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "common/error_info.h"
 #include "proto/coordinator.pb.h"
 #include "proto/worker.pb.h"
 #include "server/jobs/worker_client.h"
 
 namespace shardd {
 namespace testing_util {
+
+// The fingerprint of the plan a LoadPlan installs: the plan's, or the one
+// the worker is to derive.
+inline uint64_t PlanFingerprint(const v1::LoadPlanRequest& request) {
+  return request.has_plan() ? request.plan().fingerprint()
+                            : request.plan_fingerprint();
+}
 
 // What a fake worker does; read under FakeCluster::mu_.
 struct Script {
@@ -43,6 +51,9 @@ struct Script {
   };
   // Fail the rank's next eval call with this status (once).
   std::map<int, absl::Status> eval_failures;
+  // Ranks whose planning disagrees with the coordinator's: a LoadPlan
+  // without the plan fails with reason PLAN_DERIVATION_MISMATCH.
+  std::set<int> derive_mismatch;
   // Fail `fail_rank`'s call of step `fail_step` with `fail_status` (several
   // ranks may fail: one entry each).
   std::map<int, std::pair<int64_t, absl::Status>> failures;
@@ -196,11 +207,11 @@ class FakeCluster {
     loads_.push_back(request);
     RankState& state = ranks_[rank];
     if (request.keep_state() && state.job == request.job_id() &&
-        state.fingerprint == request.plan().fingerprint() && state.steps >= 0) {
+        state.fingerprint == PlanFingerprint(request) && state.steps >= 0) {
       return state.steps;
     }
     state.job = request.job_id();
-    state.fingerprint = request.plan().fingerprint();
+    state.fingerprint = PlanFingerprint(request);
     state.steps = 0;
     return -1;
   }
@@ -228,6 +239,10 @@ class FakeCluster {
   std::vector<v1::HealReplicasRequest> heals() {
     absl::MutexLock lock(&mu_);
     return heals_;
+  }
+  bool DerivesAnotherPlan(int rank) {
+    absl::MutexLock lock(&mu_);
+    return script_.derive_mismatch.count(rank) != 0;
   }
   double entropy_rate() {
     absl::MutexLock lock(&mu_);
@@ -259,8 +274,15 @@ class FakeWorker final : public WorkerClient {
     absl::Status status = cluster_->Work(rank_, "LoadPlan", -1, -1, false,
                                          false, request.job_id(), options);
     if (!status.ok()) return status;
+    if (!request.has_plan() && cluster_->DerivesAnotherPlan(rank_)) {
+      return WithErrorReason(
+          absl::FailedPreconditionError("plan_options: another fingerprint"),
+          kReasonPlanDerivationMismatch);
+    }
     job_ = request.job_id();
-    dp_shard_ = std::max(1, request.plan().mesh().dp_shard());
+    dp_shard_ = std::max(1, request.has_plan()
+                                ? request.plan().mesh().dp_shard()
+                                : request.plan_options().mesh().dp_shard());
     v1::LoadPlanResponse response;
     response.set_kept_step(cluster_->RecordLoad(rank_, request));
     response.set_data_entropy_rate(rank_ == 0 ? cluster_->entropy_rate()

@@ -77,9 +77,12 @@ class NetworkFaultTest : public ::testing::Test {
     dir_ = absl::StrCat(TempDir(), "/netfault_", getpid());
     const std::string data_dir = dir_ + "/data";
     coordinator_ =
+        // The veth link's addresses exist only between this test's two
+        // network namespaces: plaintext is fine (--insecure).
         Spawn({kCoordinatorBinary, absl::StrCat("--listen=", host_ip_, ":0"),
                absl::StrCat("--data-dir=", data_dir), "--workers=1",
-               "--heartbeat-timeout=1s", "--collective-timeout=3s"},
+               "--heartbeat-timeout=1s", "--collective-timeout=3s",
+               "--insecure"},
               dir_ + "_coordinator.out", dir_ + "_coordinator.err");
     ASSERT_GT(coordinator_, 0);
     const int port = WaitForPortFile(data_dir, coordinator_, absl::Seconds(30));
@@ -90,7 +93,7 @@ class NetworkFaultTest : public ::testing::Test {
                      absl::StrCat("--coordinator=", address_),
                      absl::StrCat("--listen=", ns_ip_, ":0"),
                      absl::StrCat("--collective_bind=", ns_ip_), "--device=cpu",
-                     "--requested-rank=0"},
+                     "--requested-rank=0", "--insecure"},
                     dir_ + "_worker.out", dir_ + "_worker.err");
     ASSERT_GT(worker_, 0);
     auto client = CoordinatorClient::Connect(address_, absl::Seconds(10));

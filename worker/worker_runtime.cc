@@ -24,6 +24,8 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "model/model_util.h"
+#include "planner/sharding_planner.h"
+#include "planner/strategy_registry.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/kv_gloo_store.h"
 #include "worker/data/batch_sampler.h"
@@ -282,9 +284,41 @@ absl::Status WorkerRuntime::WithExecutor(
   return absl::OkStatus();
 }
 
+namespace {
+
+// LoadPlanRequest's plan, given or derived from the model and options.
+absl::StatusOr<v1::ShardingPlan> RequestPlan(
+    const v1::LoadPlanRequest& request) {
+  if (request.has_plan() || !request.has_plan_options()) {
+    return request.plan();
+  }
+  static const StrategyRegistry* const registry =
+      StrategyRegistry::CreateWithBuiltins().release();
+  absl::StatusOr<v1::ShardingPlan> plan =
+      ShardingPlanner(registry).Plan(request.model(), request.plan_options());
+  if (!plan.ok()) {
+    return absl::Status(plan.status().code(),
+                        absl::StrCat("plan_options: planning the model here: ",
+                                     plan.status().message()));
+  }
+  if (plan->fingerprint() != request.plan_fingerprint()) {
+    return WithErrorReason(
+        absl::FailedPreconditionError(absl::StrCat(
+            "plan_options: this worker plans the model with fingerprint ",
+            plan->fingerprint(), ", the coordinator's plan has ",
+            request.plan_fingerprint(),
+            " (another build?): send the plan itself")),
+        kReasonPlanDerivationMismatch);
+  }
+  plan->set_model_id(request.model_id());
+  return plan;
+}
+
+}  // namespace
+
 absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::LoadPlan(
     const v1::LoadPlanRequest& request, KeyValueClient* kv) {
-  const v1::ShardingPlan& plan = request.plan();
+  SHARDD_ASSIGN_OR_RETURN(const v1::ShardingPlan plan, RequestPlan(request));
   // Everything that can be checked locally is checked before the current
   // job is dropped: a bad request changes nothing.
   SHARDD_RETURN_IF_ERROR(CheckPlanMatchesModel(plan, request.model()));
@@ -401,7 +435,8 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::LoadPlan(
 absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::BuildJobLocked(
     const v1::LoadPlanRequest& request, KeyValueClient* kv,
     std::unique_ptr<Job> job, std::unique_ptr<KeptState>* kept) {
-  const v1::ShardingPlan& plan = request.plan();
+  // The request's or the derived one (LoadPlan).
+  const v1::ShardingPlan& plan = job->plan;
   const v1::TrainConfig& train = job->train;
   const int dp_shard = plan.mesh().dp_shard();
   const int dp_replicate = plan.mesh().dp_replicate();

@@ -16,6 +16,7 @@
 #include "absl/time/time.h"
 #include "checkpoint/checkpoint_writer.h"
 #include "checkpoint/plan_index.h"
+#include "common/error_info.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -470,6 +471,58 @@ TEST(WorkerRuntimeTest, LoadPlanRejectsBadRequestsAndKeepsTheCurrentJob) {
   v1::ExecuteRequest execute;
   *execute.mutable_program() = program;
   EXPECT_THAT(runtime.Execute(execute).status(), IsOk());
+}
+
+// A LoadPlan without the plan, with the options it was planned with: the
+// worker plans the model itself and trains exactly as with the plan sent;
+// a fingerprint it does not reproduce is refused with the reason that makes
+// the coordinator send the plan.
+TEST(WorkerRuntimeTest, DerivesThePlanFromItsOptions) {
+  const v1::ModelSpec model = TinyMoe();
+  const v1::ShardingPlan plan = MakePlan(model, 1, 1);
+  v1::PlanOptions options;
+  options.set_strategy("default");
+  options.mutable_mesh()->set_dp_shard(1);
+  options.mutable_mesh()->set_dp_replicate(1);
+  options.set_mixed_precision(false);
+  options.set_microbatches(1);
+  options.set_defer_grad_sync(false);
+  v1::LoadPlanRequest derived = MakeLoad(plan, model, 0);
+  derived.clear_plan();
+  *derived.mutable_plan_options() = options;
+  derived.set_plan_fingerprint(plan.fingerprint());
+  derived.set_model_id("m-derived");
+
+  WorkerRuntime sent_runtime;
+  WorkerRuntime derived_runtime;
+  SHARDD_ASSERT_OK(
+      sent_runtime.LoadPlan(MakeLoad(plan, model, 0), nullptr).status());
+  SHARDD_ASSERT_OK(derived_runtime.LoadPlan(derived, nullptr).status());
+  EXPECT_EQ(derived_runtime.plan_fingerprint(), plan.fingerprint());
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::StepProgram program,
+                              CompileStepProgram(plan));
+  for (int s = 0; s < 2; ++s) {
+    v1::ExecuteRequest execute;
+    *execute.mutable_program() = program;
+    execute.mutable_program()->set_step(s);
+    SHARDD_ASSERT_OK_AND_ASSIGN(v1::ExecuteResponse a,
+                                sent_runtime.Execute(execute));
+    SHARDD_ASSERT_OK_AND_ASSIGN(v1::ExecuteResponse b,
+                                derived_runtime.Execute(execute));
+    EXPECT_EQ(a.loss(), b.loss()) << "step " << s;
+    EXPECT_EQ(a.grad_norm(), b.grad_norm()) << "step " << s;
+  }
+
+  WorkerRuntime refusing;
+  derived.set_plan_fingerprint(plan.fingerprint() + 1);
+  const absl::Status mismatch = refusing.LoadPlan(derived, nullptr).status();
+  EXPECT_THAT(mismatch, StatusIs(absl::StatusCode::kFailedPrecondition,
+                                 HasSubstr("plan_options")));
+  EXPECT_EQ(ErrorReasonOf(mismatch), kReasonPlanDerivationMismatch);
+  derived.mutable_plan_options()->set_strategy("no_such_strategy");
+  EXPECT_THAT(refusing.LoadPlan(derived, nullptr).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("plan_options: planning the model here")));
 }
 
 TEST(WorkerRuntimeTest, APeerDyingFailsTheStepAndANewPlanRecovers) {

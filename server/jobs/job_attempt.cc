@@ -12,6 +12,7 @@
 #include "checkpoint/checkpoint_reader.h"
 #include "checkpoint/checkpoint_writer.h"
 #include "checkpoint/plan_index.h"
+#include "common/error_info.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "google/protobuf/util/json_util.h"
@@ -213,10 +214,18 @@ class JobRunner::Attempt {
     return absl::OkStatus();
   }
 
-  // The plan on every rank (keeping the state of the ranks in keep_).
+  // The plan on every rank (keeping the state of the ranks in keep_): its
+  // options for the worker to derive it from, when the job has them (a rank
+  // whose derivation disagrees is sent the plan).
   absl::Status LoadPlan() {
     v1::LoadPlanRequest load;
-    *load.mutable_plan() = spec_.plan;
+    if (spec_.plan_options.has_value()) {
+      *load.mutable_plan_options() = *spec_.plan_options;
+      load.set_plan_fingerprint(spec_.plan.fingerprint());
+      load.set_model_id(spec_.plan.model_id());
+    } else {
+      *load.mutable_plan() = spec_.plan;
+    }
     *load.mutable_model() = spec_.model;
     *load.mutable_train() = spec_.config;
     load.set_seed(spec_.config.seed());
@@ -232,8 +241,21 @@ class JobRunner::Attempt {
               v1::LoadPlanRequest request = load;
               request.set_rank(rank);
               request.set_keep_state(keep_[rank]);
-              SHARDD_ASSIGN_OR_RETURN(
-                  loaded_[rank], clients_[rank]->LoadPlan(request, options));
+              absl::StatusOr<v1::LoadPlanResponse> loaded =
+                  clients_[rank]->LoadPlan(request, options);
+              if (!loaded.ok() && ErrorReasonOf(loaded.status()) ==
+                                      kReasonPlanDerivationMismatch) {
+                SHARDD_LOG(WARNING)
+                    << "job " << job_->id << ": rank " << rank
+                    << " derives another plan (" << loaded.status().message()
+                    << "); sending it the plan";
+                request.clear_plan_options();
+                request.clear_plan_fingerprint();
+                request.clear_model_id();
+                *request.mutable_plan() = spec_.plan;
+                loaded = clients_[rank]->LoadPlan(request, options);
+              }
+              SHARDD_ASSIGN_OR_RETURN(loaded_[rank], std::move(loaded));
               if (keep_[rank] && loaded_[rank].kept_step() != start_) {
                 return absl::AbortedError(absl::StrCat(
                     "kept step ", loaded_[rank].kept_step(), " instead of ",

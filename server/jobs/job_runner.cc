@@ -196,6 +196,7 @@ void JobRunner::RestoreJobs() {
     raw->spec.model_id = record.model_id();
     raw->spec.model = record.model();
     raw->spec.plan = record.plan();
+    if (record.has_plan_options()) raw->spec.plan_options = record.plan_options();
     raw->spec.config = record.config();
     raw->restored = true;
     if (!raw->spec.program.ParseFromString(record.program()) ||
@@ -344,6 +345,9 @@ absl::StatusOr<std::string> JobRunner::Submit(JobSpec spec) {
       record.set_model_id(spec.model_id);
       *record.mutable_model() = spec.model;
       *record.mutable_plan() = spec.plan;
+      if (spec.plan_options.has_value()) {
+        *record.mutable_plan_options() = *spec.plan_options;
+      }
       record.set_program(spec.program.SerializeAsString());
       *record.mutable_config() = spec.config;
       record.set_first_step(first_step);

@@ -145,6 +145,11 @@ struct JobSpec {
   // Laid out for plan.world_size() ranks; plan.step() is the job's step
   // shape (microbatches, passes, defer_grad_sync).
   v1::ShardingPlan plan;
+  // The options `plan` was planned with from `model` (ShardingPlanner, no
+  // timeline). Set: LoadPlan sends them instead of the plan and each worker
+  // derives it (a rank whose planning disagrees gets the plan). Unset: the
+  // plan is sent.
+  std::optional<v1::PlanOptions> plan_options;
   // CompileStepProgram(plan).
   v1::StepProgram program;
   // CompileEvalProgram(plan) when the job evaluates (config.eval_data_path

@@ -313,6 +313,42 @@ TEST_F(JobRunnerTest, AnEvaluationAFaultInterruptedRunsAgainAfterRecovery) {
   EXPECT_EQ(SummaryOf(id).state, v1::JOB_DONE);
 }
 
+// With the plan's options the runner sends each rank a LoadPlan without the
+// plan (a few kilobytes, whatever the world); a rank that derives another
+// plan is sent the plan itself.
+TEST_F(JobRunnerTest, WorkersDeriveThePlanAndAMismatchGetsItSent) {
+  RegisterWorkers(3);
+  cluster_.script().derive_mismatch = {1};
+  StartRunner();
+  JobSpec spec = Spec(3, 2);
+  v1::PlanOptions options;
+  options.mutable_mesh()->set_dp_shard(3);
+  spec.plan_options = options;
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::string id, runner_->Submit(spec));
+  ASSERT_TRUE(WaitForEnd(id).back().done());
+  int derived = 0, sent = 0;
+  for (const v1::LoadPlanRequest& load : cluster_.loads()) {
+    if (load.has_plan()) {
+      ++sent;
+      EXPECT_EQ(load.rank(), 1);
+      EXPECT_EQ(load.plan().fingerprint(), 77u);
+    } else {
+      ++derived;
+      EXPECT_EQ(load.plan_fingerprint(), 77u);
+      EXPECT_EQ(load.plan_options().mesh().dp_shard(), 3);
+    }
+  }
+  // Ranks 0 and 2 derived it; rank 1 refused to (its refusal installs
+  // nothing), then got the plan.
+  EXPECT_EQ(derived, 2);
+  EXPECT_EQ(sent, 1);
+  int calls_of_rank_1 = 0;
+  for (const Call& call : cluster_.calls()) {
+    calls_of_rank_1 += call.rank == 1 && call.method == "LoadPlan";
+  }
+  EXPECT_EQ(calls_of_rank_1, 2);
+}
+
 TEST_F(JobRunnerTest, FineGrainedSendsEachCommandToAllRanksBeforeTheNext) {
   RegisterWorkers(3);
   StartRunner();
