@@ -21,6 +21,7 @@
 #include "benchmark/benchmark.h"
 #include "proto/model.pb.h"
 #include "proto/plan.pb.h"
+#include "proto/worker.pb.h"
 #include "model/hf_config.h"
 #include "planner/sharding_planner.h"
 #include "planner/strategy_registry.h"
@@ -111,6 +112,59 @@ void PlanDeepseekV3(benchmark::State& state, const char* strategy,
   state.counters["units"] = static_cast<double>(units);
   state.counters["rank_entries"] = static_cast<double>(rank_entries);
 }
+
+// What a job start sends each worker (LoadPlanRequest, serialized): the
+// whole plan with the model, or (the default) the plan's options with the
+// model for the worker to derive the plan; the time is one worker's
+// derivation (planning the model) and its fingerprint check. Counters: the
+// request's bytes either way and the coordinator's egress over the world.
+void LoadPlanEgress(benchmark::State& state) {
+  const v1::ModelSpec* model = DeepseekV3();
+  if (model == nullptr) {
+    state.SkipWithError("cannot read or parse tests/data/deepseek_v3.json");
+    return;
+  }
+  std::unique_ptr<StrategyRegistry> registry =
+      StrategyRegistry::CreateWithBuiltins();
+  ShardingPlanner planner(registry.get());
+  v1::PlanOptions options;
+  options.mutable_mesh()->set_dp_shard(static_cast<int>(state.range(0)));
+  absl::StatusOr<v1::ShardingPlan> plan = planner.Plan(*model, options);
+  if (!plan.ok()) {
+    state.SkipWithError(std::string(plan.status().message()).c_str());
+    return;
+  }
+  v1::LoadPlanRequest full;
+  *full.mutable_plan() = *plan;
+  *full.mutable_model() = *model;
+  full.mutable_train()->set_steps(1000);
+  v1::LoadPlanRequest derived;
+  *derived.mutable_plan_options() = options;
+  derived.set_plan_fingerprint(plan->fingerprint());
+  *derived.mutable_model() = *model;
+  derived.mutable_train()->set_steps(1000);
+  for (auto _ : state) {
+    absl::StatusOr<v1::ShardingPlan> mine =
+        planner.Plan(derived.model(), derived.plan_options());
+    if (!mine.ok() || mine->fingerprint() != derived.plan_fingerprint()) {
+      state.SkipWithError("the derived plan differs");
+      return;
+    }
+  }
+  const double world = static_cast<double>(state.range(0));
+  const double full_bytes = static_cast<double>(full.ByteSizeLong());
+  const double derived_bytes = static_cast<double>(derived.ByteSizeLong());
+  state.counters["full_B"] = full_bytes;
+  state.counters["derived_B"] = derived_bytes;
+  state.counters["egress_full_MB"] = full_bytes * world / 1e6;
+  state.counters["egress_derived_MB"] = derived_bytes * world / 1e6;
+}
+BENCHMARK(LoadPlanEgress)
+    ->Arg(8)
+    ->Arg(256)
+    ->Arg(2048)
+    ->Arg(8192)
+    ->Unit(benchmark::kMillisecond);
 
 // Baseline for the ratios in docs/performance.md: turning the config.json
 // into the module tree, the step every plan request makes before planning.
