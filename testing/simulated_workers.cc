@@ -277,7 +277,7 @@ absl::StatusOr<SimulatedWorkers::FanoutResult> SimulatedWorkers::KvFanout(
   if (waiters < 1) {
     return absl::InvalidArgumentError("a fan-out needs >= 2 workers");
   }
-  absl::Time put_done;
+  absl::Time put_sent;
   std::atomic<int64_t> wrong{0};
   std::thread gets([&] {
     absl::Time last_sent, last_done;
@@ -300,7 +300,7 @@ absl::StatusOr<SimulatedWorkers::FanoutResult> SimulatedWorkers::KvFanout(
               });
         },
         &last_sent, &last_done);
-    result.fanout = absl::ToDoubleSeconds(last_done - put_done);
+    result.fanout = absl::ToDoubleSeconds(last_done - put_sent);
   });
   // Give the waits a moment to arrive, then publish the key.
   absl::SleepFor(absl::Milliseconds(200) +
@@ -312,8 +312,8 @@ absl::StatusOr<SimulatedWorkers::FanoutResult> SimulatedWorkers::KvFanout(
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() +
                        absl::ToChronoNanoseconds(options_.deadline));
+  put_sent = absl::Now();
   const grpc::Status put_status = stub(0)->Put(&context, put, &put_response);
-  put_done = absl::Now();
   gets.join();
   if (!put_status.ok()) {
     return absl::UnavailableError(

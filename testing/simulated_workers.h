@@ -74,8 +74,8 @@ class SimulatedWorkers {
   absl::StatusOr<BarrierResult> Barrier(const std::string& id);
 
   // Workers 1..N-1 wait on `key` (Get with a wait), then worker 0 puts
-  // `bytes` bytes under it; `fanout` is the time from the Put's answer to
-  // the last Get's.
+  // `bytes` bytes under it; `fanout` is the time from the Put's sending to
+  // the last Get's answer.
   struct FanoutResult {
     Latencies gets;
     double fanout = 0;
