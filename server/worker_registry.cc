@@ -47,19 +47,28 @@ int WorkerRegistry::RankLimit() const {
 }
 
 void WorkerRegistry::SweepLocked(absl::Time now) {
-  for (auto& [rank, worker] : workers_) {
-    if (worker.alive &&
-        now - worker.last_heartbeat >= options_.heartbeat_timeout) {
-      worker.alive = false;
-      ++epoch_;
-      ++declared_dead_;
-      SHARDD_LOG(WARNING) << "worker rank " << rank << " at " << worker.address
-                          << " declared dead: no heartbeat for "
-                          << Age(now - worker.last_heartbeat) << " (timeout "
-                          << Age(options_.heartbeat_timeout)
-                          << "), membership epoch " << epoch_;
-    }
+  while (!deadlines_.empty() &&
+         now - deadlines_.begin()->first >= options_.heartbeat_timeout) {
+    const int rank = deadlines_.begin()->second;
+    deadlines_.erase(deadlines_.begin());
+    WorkerState& worker = workers_.at(rank);
+    worker.alive = false;
+    ++epoch_;
+    ++declared_dead_;
+    SHARDD_LOG(WARNING) << "worker rank " << rank << " at " << worker.address
+                        << " declared dead: no heartbeat for "
+                        << Age(now - worker.last_heartbeat) << " (timeout "
+                        << Age(options_.heartbeat_timeout)
+                        << "), membership epoch " << epoch_;
   }
+}
+
+void WorkerRegistry::SetLivenessLocked(int rank, WorkerState* worker,
+                                       bool alive, absl::Time last_heartbeat) {
+  if (worker->alive) deadlines_.erase({worker->last_heartbeat, rank});
+  worker->alive = alive;
+  worker->last_heartbeat = last_heartbeat;
+  if (alive) deadlines_.insert({last_heartbeat, rank});
 }
 
 bool WorkerRegistry::RankFreeLocked(int rank) const {
@@ -82,14 +91,13 @@ int WorkerRegistry::PickRankLocked(int requested) const {
 }
 
 int WorkerRegistry::LiveWorkersLocked() const {
-  int live = 0;
-  for (const auto& [rank, worker] : workers_) live += worker.alive ? 1 : 0;
-  return live;
+  return static_cast<int>(deadlines_.size());
 }
 
 void WorkerRegistry::EraseLocked(int rank) {
   auto it = workers_.find(rank);
   if (it == workers_.end()) return;
+  if (it->second.alive) deadlines_.erase({it->second.last_heartbeat, rank});
   rank_of_address_.erase(it->second.address);
   workers_.erase(it);
 }
@@ -128,21 +136,17 @@ absl::StatusOr<RegisterResult> WorkerRegistry::Register(
     if (existing.incarnation == worker.incarnation) {
       // A retried registration; revive it if it had been declared dead.
       result.retry = existing.alive;
-      if (!existing.alive) {
-        existing.alive = true;
-        ++epoch_;
-      }
+      if (!existing.alive) ++epoch_;
     } else {
       // The process at this address restarted: same rank, new incarnation.
       existing.incarnation = worker.incarnation;
       existing.registered_at = now;
-      existing.alive = true;
       ++epoch_;
     }
     existing.device = worker.device;
     existing.hostname = worker.hostname;
     existing.insecure = worker.insecure;
-    existing.last_heartbeat = now;
+    SetLivenessLocked(known->second, &existing, /*alive=*/true, now);
     result.rank = existing.rank;
   } else {
     const int rank = PickRankLocked(worker.requested_rank);
@@ -165,6 +169,7 @@ absl::StatusOr<RegisterResult> WorkerRegistry::Register(
     state.last_heartbeat = now;
     state.alive = true;
     workers_.emplace(rank, std::move(state));
+    deadlines_.insert({now, rank});
     rank_of_address_.emplace(worker.address, rank);
     ++epoch_;
     result.rank = rank;
@@ -199,7 +204,7 @@ absl::StatusOr<uint64_t> WorkerRegistry::Heartbeat(int rank,
         Age(now - worker.last_heartbeat), " without a heartbeat (timeout ",
         Age(options_.heartbeat_timeout), "); register again"));
   }
-  worker.last_heartbeat = now;
+  SetLivenessLocked(rank, &worker, /*alive=*/true, now);
   return epoch_;
 }
 

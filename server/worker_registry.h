@@ -23,7 +23,9 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -146,6 +148,10 @@ class WorkerRegistry {
   int RankLimit() const;
   int LiveWorkersLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EraseLocked(int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sets a worker's liveness and last heartbeat, keeping deadlines_ in step.
+  void SetLivenessLocked(int rank, WorkerState* worker, bool alive,
+                         absl::Time last_heartbeat)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const WorkerRegistryOptions options_;
 
@@ -154,6 +160,11 @@ class WorkerRegistry {
   std::map<int, WorkerState> workers_ ABSL_GUARDED_BY(mu_);
   // Address -> rank, for restarts and retries.
   std::map<std::string, int> rank_of_address_ ABSL_GUARDED_BY(mu_);
+  // (last heartbeat, rank) of every live worker, oldest first: a sweep looks
+  // only at the workers whose timeout passed, and a heartbeat costs
+  // O(log workers) (a sweep over every worker on every heartbeat made the
+  // coordinator's CPU grow with the square of the workers).
+  std::set<std::pair<absl::Time, int>> deadlines_ ABSL_GUARDED_BY(mu_);
   uint64_t epoch_ ABSL_GUARDED_BY(mu_);
   int64_t declared_dead_ ABSL_GUARDED_BY(mu_) = 0;
 };

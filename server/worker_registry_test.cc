@@ -1,5 +1,7 @@
 #include "server/worker_registry.h"
 
+#include <map>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -256,6 +258,78 @@ TEST(FormatRankListTest, FoldsRuns) {
   EXPECT_EQ(FormatRankList({}), "");
   EXPECT_EQ(FormatRankList({4}), "4");
   EXPECT_EQ(FormatRankList({0, 1, 2, 3, 5, 7, 8}), "0-3, 5, 7-8");
+}
+
+// The liveness index against the rule it implements: random registrations,
+// restarts, heartbeats, removals and clock steps, checked after each against
+// "alive iff registered and its last heartbeat is under the timeout old"
+// (deaths are final until a registration), computed by brute force.
+TEST_F(WorkerRegistryTest, LivenessMatchesTheRuleUnderRandomTraffic) {
+  WorkerRegistry registry(Options());
+  std::mt19937 rng(17);
+  constexpr int kAddresses = 40;
+  struct Model {
+    bool registered = false;
+    bool alive = false;
+    int rank = -1;
+    uint64_t incarnation = 0;
+    absl::Time last;
+  };
+  std::vector<Model> model(kAddresses);
+  int64_t deaths = 0;
+  for (int op = 0; op < 4000; ++op) {
+    const int a = static_cast<int>(rng() % kAddresses);
+    Model& m = model[a];
+    switch (rng() % 5) {
+      case 0: {  // Register (same incarnation) or restart (a new one).
+        const uint64_t incarnation =
+            m.registered && rng() % 2 == 0 ? m.incarnation : 1000 + op;
+        absl::StatusOr<RegisterResult> r =
+            registry.Register(Worker(7000 + a, incarnation));
+        if (!r.ok()) break;
+        for (Model& other : model) {
+          // A dead worker's rank may go to the newcomer.
+          if (&other != &m && other.registered && other.rank == r->rank) {
+            other.registered = false;
+          }
+        }
+        m = {true, true, r->rank, incarnation, now_};
+        break;
+      }
+      case 1:
+      case 2:  // Heartbeat.
+        if (m.registered &&
+            registry.Heartbeat(m.rank, m.incarnation).ok()) {
+          ASSERT_TRUE(m.alive) << "a dead worker's heartbeat was accepted";
+          m.last = now_;
+        }
+        break;
+      case 3:  // Time passes.
+        Advance(absl::Milliseconds(rng() % 4000));
+        break;
+      case 4:  // Removal.
+        if (m.registered && rng() % 4 == 0 && registry.Remove(m.rank).ok()) {
+          m.registered = false;
+        }
+        break;
+    }
+    // The rule, by brute force; deaths once seen stay.
+    for (Model& other : model) {
+      if (other.registered && other.alive &&
+          now_ - other.last >= absl::Seconds(10)) {
+        other.alive = false;
+        ++deaths;
+      }
+    }
+    std::map<int, bool> want;
+    for (const Model& other : model) {
+      if (other.registered) want[other.rank] = other.alive;
+    }
+    std::map<int, bool> got;
+    for (const WorkerState& w : registry.List()) got[w.rank] = w.alive;
+    ASSERT_EQ(got, want) << "after operation " << op;
+  }
+  EXPECT_GT(deaths, 50);
 }
 
 }  // namespace
