@@ -111,10 +111,12 @@ SimulatedWorkers::SimulatedWorkers(const Options& options)
 absl::StatusOr<std::unique_ptr<SimulatedWorkers>> SimulatedWorkers::Create(
     const Options& options) {
   if (options.coordinator.empty() || options.workers < 1 ||
-      options.channels < 1) {
+      options.channels < 1 ||
+      (!options.addresses.empty() &&
+       static_cast<int>(options.addresses.size()) != options.workers)) {
     return absl::InvalidArgumentError(
-        "simulated workers: need a coordinator address, workers >= 1 and "
-        "channels >= 1");
+        "simulated workers: need a coordinator address, workers >= 1, "
+        "channels >= 1, and no addresses or one per worker");
   }
   std::unique_ptr<SimulatedWorkers> workers(new SimulatedWorkers(options));
   for (int c = 0; c < options.channels; ++c) {
@@ -142,7 +144,9 @@ absl::StatusOr<Latencies> SimulatedWorkers::RegisterAll() {
                                  v1::RegisterWorkerResponse>(
       options_.workers, options_.deadline,
       [&](int i, v1::RegisterWorkerRequest* request) {
-        request->set_address(absl::StrCat("127.0.0.1:", 40000 + i));
+        request->set_address(options_.addresses.empty()
+                                 ? absl::StrCat("127.0.0.1:", 40000 + i)
+                                 : options_.addresses[i]);
         request->set_incarnation(incarnations_[i]);
         request->set_device("cpu");
         request->set_hostname("simulated");

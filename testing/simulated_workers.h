@@ -43,6 +43,9 @@ class SimulatedWorkers {
     int workers = 0;
     int channels = 8;
     absl::Duration deadline = absl::Seconds(60);
+    // The address each worker registers (SimulatedWorkerService's, to take
+    // jobs); empty: 127.0.0.1:<40000 + i>, which nothing serves.
+    std::vector<std::string> addresses;
   };
   // Errors: INVALID_ARGUMENT (no address, workers < 1, channels < 1).
   static absl::StatusOr<std::unique_ptr<SimulatedWorkers>> Create(
@@ -50,8 +53,8 @@ class SimulatedWorkers {
   // Stops the heartbeats and waits for every call in flight.
   ~SimulatedWorkers();
 
-  // Registers every worker at once (addresses 127.0.0.1:<40000 + i>, which
-  // nothing serves); ranks come back in rank(). Errors: the first failure.
+  // Registers every worker at once (Options::addresses); ranks come back in
+  // rank(). Errors: the first failure.
   absl::StatusOr<Latencies> RegisterAll();
   int rank(int index) const { return ranks_[index]; }
   // The interval the coordinator handed out at registration.

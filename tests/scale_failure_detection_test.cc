@@ -2,7 +2,10 @@
 // workers (testing/simulated_workers.h) heartbeating at the interval it
 // hands out. One worker goes silent: it must be declared dead within the
 // heartbeat timeout, and no worker that keeps beating may be (no false
-// positives), before or after. Loopback only; every wait is bounded.
+// positives), before or after. And a job over 2048 simulated workers
+// (testing/simulated_worker_service.h answers its calls) fails, naming the
+// rank, when one of them crashes, as a job over 4 real workers does.
+// Loopback only; every wait is bounded.
 
 #include <unistd.h>
 
@@ -14,8 +17,10 @@
 #include "absl/time/time.h"
 #include "client/coordinator_client.h"
 #include "common/status_matchers.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/subprocess.h"
+#include "testing/simulated_worker_service.h"
 #include "testing/simulated_workers.h"
 
 namespace shardd {
@@ -60,24 +65,36 @@ class ScaleFailureDetectionTest : public ::testing::Test {
     return absl::InfiniteFuture();
   }
 
+  // Starts the coordinator; its address.
+  std::string StartCoordinator(const std::string& name) {
+    const std::string dir =
+        absl::StrCat(TempDir(), "/scale_", name, "_", getpid());
+    coordinator_ = Spawn(
+        {"server/shardd-coordinator", "--listen=127.0.0.1:0",
+         absl::StrCat("--data-dir=", dir, "/data"),
+         absl::StrCat("--heartbeat-timeout=", absl::FormatDuration(kTimeout))},
+        dir + ".out", dir + ".err");
+    EXPECT_GT(coordinator_, 0);
+    const int port = WaitForPortFile(dir + "/data", coordinator_,
+                                     absl::Seconds(30));
+    EXPECT_GT(port, 0) << ReadFile(dir + ".err");
+    if (port <= 0) return "";
+    const std::string address = absl::StrCat("127.0.0.1:", port);
+    absl::StatusOr<std::unique_ptr<CoordinatorClient>> client =
+        CoordinatorClient::Connect(address);
+    EXPECT_TRUE(client.ok()) << client.status();
+    if (client.ok()) client_ = *std::move(client);
+    return address;
+  }
+
   pid_t coordinator_ = -1;
   std::unique_ptr<CoordinatorClient> client_;
   std::unique_ptr<SimulatedWorkers> workers_;
 };
 
 TEST_F(ScaleFailureDetectionTest, OneSilentWorkerOfTwoThousandIsDeclaredDead) {
-  const std::string dir = absl::StrCat(TempDir(), "/scale_fd_", getpid());
-  coordinator_ = Spawn(
-      {"server/shardd-coordinator", "--listen=127.0.0.1:0",
-       absl::StrCat("--data-dir=", dir, "/data"),
-       absl::StrCat("--heartbeat-timeout=", absl::FormatDuration(kTimeout))},
-      dir + ".out", dir + ".err");
-  ASSERT_GT(coordinator_, 0);
-  const int port = WaitForPortFile(dir + "/data", coordinator_,
-                                   absl::Seconds(30));
-  ASSERT_GT(port, 0) << ReadFile(dir + ".err");
-  const std::string address = absl::StrCat("127.0.0.1:", port);
-  SHARDD_ASSERT_OK_AND_ASSIGN(client_, CoordinatorClient::Connect(address));
+  const std::string address = StartCoordinator("fd");
+  ASSERT_FALSE(address.empty());
 
   SimulatedWorkers::Options options;
   options.coordinator = address;
@@ -122,6 +139,86 @@ TEST_F(ScaleFailureDetectionTest, OneSilentWorkerOfTwoThousandIsDeclaredDead) {
   std::printf("[failure detection] %lld heartbeats, p50 %.2f ms, p99 %.2f ms\n",
               static_cast<long long>(beats.calls), beats.p50 * 1e3,
               beats.p99 * 1e3);
+}
+
+// A job over 2048 simulated workers: each gets a LoadPlan of the plan's
+// options (a few kilobytes, not the 2048-rank plan), the steps run, and when
+// one worker crashes (no more heartbeats, every call UNAVAILABLE) the job
+// fails naming its rank, with recoveries off, as at 4 workers.
+TEST_F(ScaleFailureDetectionTest, AJobOverTwoThousandWorkersFailsNamingTheCrashedRank) {
+  const std::string address = StartCoordinator("job");
+  ASSERT_FALSE(address.empty());
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<testing_util::SimulatedWorkerService> service,
+      testing_util::SimulatedWorkerService::Start(kWorkers));
+  SimulatedWorkers::Options options;
+  options.coordinator = address;
+  options.workers = kWorkers;
+  for (int i = 0; i < kWorkers; ++i) {
+    options.addresses.push_back(service->address(i));
+  }
+  SHARDD_ASSERT_OK_AND_ASSIGN(workers_, SimulatedWorkers::Create(options));
+  SHARDD_ASSERT_OK(workers_->RegisterAll().status());
+  workers_->StartHeartbeats(workers_->heartbeat_interval());
+
+  v1::SubmitModelRequest model;
+  model.set_native_spec_json(ReadFile("tests/data/tiny_moe.json"));
+  model.mutable_options()->mutable_mesh()->set_dp_shard(kWorkers);
+  model.mutable_options()->mutable_mesh()->set_dp_replicate(1);
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::SubmitModelResponse submitted,
+                              client_->SubmitModel(model));
+  v1::SubmitStepRequest step;
+  step.set_model_id(submitted.model_id());
+  step.mutable_config()->set_steps(1000000);
+  step.mutable_config()->set_global_batch(kWorkers);
+  step.mutable_config()->set_seq_len(16);
+  step.mutable_config()->set_max_recoveries(-1);
+  const absl::Time submitted_at = absl::Now();
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::SubmitStepResponse job,
+                              client_->SubmitStep(step));
+  EXPECT_EQ(job.world_size(), kWorkers);
+
+  absl::Time first_step = absl::InfiniteFuture();
+  absl::Time crashed = absl::InfiniteFuture();
+  std::string error;
+  v1::WatchStepRequest watch;
+  watch.set_job_id(job.job_id());
+  const int crash_rank = workers_->rank(kSilent);
+  const absl::Status watched = client_->WatchStep(
+      watch, absl::Seconds(60), [&](const v1::StepEvent& event) {
+        if (!event.error().empty()) {
+          error = event.error();
+          return true;
+        }
+        if (event.step() == 1) first_step = absl::Now();
+        if (event.step() == 3 && crashed == absl::InfiniteFuture()) {
+          crashed = absl::Now();
+          workers_->Silence(kSilent);
+          service->Crash(kSilent);
+        }
+        return true;
+      });
+  EXPECT_TRUE(watched.ok()) << watched;
+  const absl::Time failed = absl::Now();
+  EXPECT_THAT(error, ::testing::AllOf(
+                         ::testing::HasSubstr(absl::StrCat("rank ", crash_rank)),
+                         ::testing::HasSubstr(service->address(kSilent))));
+  // The next step's call fails at once (UNAVAILABLE); the job fails then.
+  EXPECT_LE(failed - crashed, kTimeout + absl::Seconds(2));
+  const testing_util::SimulatedWorkerService::Received received =
+      service->received();
+  EXPECT_EQ(received.load_plans, kWorkers);
+  EXPECT_EQ(received.plans_sent, 0);
+  EXPECT_LT(received.largest_load_plan, 64 * 1024);
+  std::printf("[job at scale] %d workers: first step %.2f s after SubmitStep; "
+              "LoadPlan %lld B each at most (%lld B in all); failed %.2f s "
+              "after rank %d crashed: %s\n",
+              kWorkers, absl::ToDoubleSeconds(first_step - submitted_at),
+              static_cast<long long>(received.largest_load_plan),
+              static_cast<long long>(received.load_plan_bytes),
+              absl::ToDoubleSeconds(failed - crashed), crash_rank,
+              error.c_str());
+  workers_->StopHeartbeats();
 }
 
 }  // namespace
