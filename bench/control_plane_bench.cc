@@ -12,6 +12,7 @@
 // core; a 2048-party barrier released within 100 ms of its last arrival.
 
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -29,7 +30,9 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/coordinator_client.h"
 #include "tests/subprocess.h"
+#include "testing/simulated_worker_service.h"
 #include "testing/simulated_workers.h"
 
 ABSL_FLAG(std::string, workers, "256,2048,8192", "Worker counts to run");
@@ -96,9 +99,18 @@ int RunOne(int n) {
                  testing_util::ReadFile(dir + ".err").c_str());
     return 1;
   }
+  // The workers' own ports, for the job at the end.
+  absl::StatusOr<std::unique_ptr<testing_util::SimulatedWorkerService>>
+      service = testing_util::SimulatedWorkerService::Start(n);
+  if (!service.ok()) {
+    std::fprintf(stderr, "%s\n", service.status().ToString().c_str());
+    testing_util::Stop(coordinator);
+    return 1;
+  }
   SimulatedWorkers::Options options;
   options.coordinator = absl::StrCat("127.0.0.1:", port);
   options.workers = n;
+  for (int i = 0; i < n; ++i) options.addresses.push_back((*service)->address(i));
   absl::StatusOr<std::unique_ptr<SimulatedWorkers>> workers =
       SimulatedWorkers::Create(options);
   if (!workers.ok()) return 1;
@@ -128,6 +140,69 @@ int RunOne(int n) {
         static_cast<long long>(beats.errors), Ms(beats).c_str(),
         100.0 * cpu / wall);
   }
+  // A DeepSeek-V3 job over the N workers, two steps, while they beat every
+  // second: SubmitStep to the first step's event, and what LoadPlan sent.
+  (*workers)->StartHeartbeats(absl::Seconds(1));
+  absl::StatusOr<std::unique_ptr<CoordinatorClient>> client =
+      CoordinatorClient::Connect(options.coordinator);
+  if (client.ok()) {
+    (*client)->set_call_timeout(absl::Minutes(5));
+    v1::SubmitModelRequest model;
+    model.set_hf_config_json(testing_util::ReadFile("tests/data/deepseek_v3.json"));
+    model.mutable_options()->mutable_mesh()->set_dp_shard(n);
+    model.mutable_options()->mutable_mesh()->set_dp_replicate(1);
+    absl::StatusOr<v1::SubmitModelResponse> submitted =
+        (*client)->SubmitModel(model);
+    v1::GetPlanRequest get;
+    if (submitted.ok()) get.set_model_id(submitted->model_id());
+    absl::StatusOr<v1::GetPlanResponse> plan =
+        submitted.ok() ? (*client)->GetPlan(get)
+                       : absl::StatusOr<v1::GetPlanResponse>(submitted.status());
+    const double cpu0 = CpuSeconds(coordinator);
+    const absl::Time t0 = absl::Now();
+    absl::Time first = absl::InfiniteFuture();
+    std::string error;
+    absl::Status run = plan.status();
+    if (run.ok()) {
+      v1::SubmitStepRequest step;
+      step.set_model_id(submitted->model_id());
+      step.mutable_config()->set_steps(2);
+      step.mutable_config()->set_global_batch(n);
+      step.mutable_config()->set_seq_len(16);
+      absl::StatusOr<v1::SubmitStepResponse> job = (*client)->SubmitStep(step);
+      run = job.status();
+      if (run.ok()) {
+        v1::WatchStepRequest watch;
+        watch.set_job_id(job->job_id());
+        run = (*client)->WatchStep(
+            watch, absl::Minutes(5), [&](const v1::StepEvent& event) {
+              if (!event.error().empty()) error = event.error();
+              if (event.step() == 1 && first == absl::InfiniteFuture()) {
+                first = absl::Now();
+              }
+              return true;
+            });
+      }
+    }
+    const testing_util::SimulatedWorkerService::Received got =
+        (*service)->received();
+    if (run.ok() && error.empty()) {
+      std::printf(
+          "N=%d DeepSeek-V3 job start: first step %.2f s after SubmitStep "
+          "(coordinator CPU %.2f s for the 2 steps); LoadPlan %lld B per "
+          "worker, %.1f MB in all (the plan itself: %.2f MB, x%d = %.1f "
+          "MB)\n",
+          n, absl::ToDoubleSeconds(first - t0), CpuSeconds(coordinator) - cpu0,
+          static_cast<long long>(got.largest_load_plan),
+          got.load_plan_bytes / 1e6, plan->plan().ByteSizeLong() / 1e6, n,
+          plan->plan().ByteSizeLong() * static_cast<double>(n) / 1e6);
+    } else {
+      std::printf("N=%d DeepSeek-V3 job: %s %s\n", n, run.ToString().c_str(),
+                  error.c_str());
+    }
+  }
+  (*workers)->StopHeartbeats();
+
   // Before the 100 ms cadence, which can saturate the coordinator.
   absl::StatusOr<SimulatedWorkers::BarrierResult> barrier =
       (*workers)->Barrier(absl::StrCat("bench-", n));
@@ -168,6 +243,7 @@ int RunOne(int n) {
   std::fflush(stdout);
   workers->reset();
   testing_util::Stop(coordinator);
+  service->reset();
   return 0;
 }
 
@@ -177,6 +253,12 @@ int RunOne(int n) {
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   signal(SIGPIPE, SIG_IGN);
+  // A port and two sockets per simulated worker.
+  rlimit files;
+  if (getrlimit(RLIMIT_NOFILE, &files) == 0) {
+    files.rlim_cur = files.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &files);
+  }
   int failed = 0;
   for (absl::string_view n :
        absl::StrSplit(absl::GetFlag(FLAGS_workers), ',')) {
