@@ -140,6 +140,25 @@ int RunOne(int n) {
         static_cast<long long>(beats.errors), Ms(beats).c_str(),
         100.0 * cpu / wall);
   }
+  // Before the 100 ms cadence, which can saturate the coordinator.
+  absl::StatusOr<SimulatedWorkers::BarrierResult> barrier =
+      (*workers)->Barrier(absl::StrCat("bench-", n));
+  if (barrier.ok()) {
+    std::printf("N=%d barrier: released %.1f ms after the last arrival was "
+                "sent; calls %s\n",
+                n, barrier->release * 1e3, Ms(barrier->calls).c_str());
+  } else {
+    std::printf("N=%d barrier: %s\n", n, barrier.status().ToString().c_str());
+  }
+  absl::StatusOr<SimulatedWorkers::FanoutResult> fanout =
+      (*workers)->KvFanout(absl::StrCat("bench/key-", n), 128);
+  if (fanout.ok()) {
+    std::printf("N=%d KV fan-out of 128 B to %d waiting Gets: %.1f ms after "
+                "the Put was sent\n",
+                n, n - 1, fanout->fanout * 1e3);
+  } else {
+    std::printf("N=%d KV fan-out: %s\n", n, fanout.status().ToString().c_str());
+  }
   // A DeepSeek-V3 job over the N workers, two steps, while they beat every
   // second: SubmitStep to the first step's event, and what LoadPlan sent.
   (*workers)->StartHeartbeats(absl::Seconds(1));
@@ -203,25 +222,6 @@ int RunOne(int n) {
   }
   (*workers)->StopHeartbeats();
 
-  // Before the 100 ms cadence, which can saturate the coordinator.
-  absl::StatusOr<SimulatedWorkers::BarrierResult> barrier =
-      (*workers)->Barrier(absl::StrCat("bench-", n));
-  if (barrier.ok()) {
-    std::printf("N=%d barrier: released %.1f ms after the last arrival was "
-                "sent; calls %s\n",
-                n, barrier->release * 1e3, Ms(barrier->calls).c_str());
-  } else {
-    std::printf("N=%d barrier: %s\n", n, barrier.status().ToString().c_str());
-  }
-  absl::StatusOr<SimulatedWorkers::FanoutResult> fanout =
-      (*workers)->KvFanout(absl::StrCat("bench/key-", n), 128);
-  if (fanout.ok()) {
-    std::printf("N=%d KV fan-out of 128 B to %d waiting Gets: %.1f ms after "
-                "the Put was sent\n",
-                n, n - 1, fanout->fanout * 1e3);
-  } else {
-    std::printf("N=%d KV fan-out: %s\n", n, fanout.status().ToString().c_str());
-  }
   for (absl::Duration cadence : {absl::Milliseconds(100)}) {
     const double cpu0 = CpuSeconds(coordinator);
     const absl::Time t0 = absl::Now();

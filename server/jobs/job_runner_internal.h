@@ -62,20 +62,26 @@ struct JobRunner::Control {
 };
 
 // One thread per rank, so that every rank's blocking call of a round is in
-// flight at the same time (a collective needs all of them).
+// flight at the same time (a collective needs all of them). Each rank has
+// its own lock and condition: one shared by thousands of waiting threads
+// made every hand-out re-check all of their conditions.
 class JobRunner::RankPool {
  public:
-  explicit RankPool(int ranks) : tasks_(ranks) {
+  explicit RankPool(int ranks) {
+    slots_.reserve(ranks);
+    for (int rank = 0; rank < ranks; ++rank) {
+      slots_.push_back(std::make_unique<Slot>());
+    }
     threads_.reserve(ranks);
     for (int rank = 0; rank < ranks; ++rank) {
-      threads_.emplace_back([this, rank] { Loop(rank); });
+      threads_.emplace_back([this, rank] { Loop(slots_[rank].get()); });
     }
   }
 
   ~RankPool() {
-    {
-      absl::MutexLock lock(&mu_);
-      stop_ = true;
+    for (std::unique_ptr<Slot>& slot : slots_) {
+      absl::MutexLock lock(&slot->mu);
+      slot->stop = true;
     }
     for (std::thread& thread : threads_) thread.join();
   }
@@ -85,31 +91,36 @@ class JobRunner::RankPool {
 
   // Runs `task` on `rank`'s thread; the rank must be idle.
   void Run(int rank, std::function<void()> task) {
-    absl::MutexLock lock(&mu_);
-    tasks_[rank] = std::move(task);
+    Slot& slot = *slots_[rank];
+    absl::MutexLock lock(&slot.mu);
+    slot.task = std::move(task);
   }
 
  private:
-  void Loop(int rank) {
+  struct Slot {
+    absl::Mutex mu;
+    bool stop ABSL_GUARDED_BY(mu) = false;
+    std::function<void()> task ABSL_GUARDED_BY(mu);
+  };
+
+  static void Loop(Slot* slot) {
     while (true) {
       std::function<void()> task;
       {
-        absl::MutexLock lock(&mu_);
-        auto ready = [this, rank]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return stop_ || tasks_[rank] != nullptr;
+        absl::MutexLock lock(&slot->mu);
+        auto ready = [slot]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot->mu) {
+          return slot->stop || slot->task != nullptr;
         };
-        mu_.Await(absl::Condition(&ready));
-        if (tasks_[rank] == nullptr) return;  // Stopping, nothing left.
-        task = std::move(tasks_[rank]);
-        tasks_[rank] = nullptr;
+        slot->mu.Await(absl::Condition(&ready));
+        if (slot->task == nullptr) return;  // Stopping, nothing left.
+        task = std::move(slot->task);
+        slot->task = nullptr;
       }
       task();
     }
   }
 
-  absl::Mutex mu_;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::vector<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<Slot>> slots_;
   std::vector<std::thread> threads_;
 };
 
