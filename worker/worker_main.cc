@@ -40,6 +40,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/daemon/command_line.h"
 #include "common/daemon/listen_policy.h"
@@ -109,6 +110,8 @@ ABSL_FLAG(std::string, tls_ca, "",
           "over TLS");
 
 int main(int argc, char** argv) {
+  // As the coordinator's: no global deadlock-detection lock in production.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   // Before any thread starts. Also ignores SIGPIPE: Gloo writes to peers
   // that may have died, and such a write must fail the step with ABORTED.
   shardd::BlockStopSignals();
