@@ -31,9 +31,9 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/coordinator_client.h"
-#include "tests/subprocess.h"
 #include "testing/simulated_worker_service.h"
 #include "testing/simulated_workers.h"
+#include "tests/subprocess.h"
 
 ABSL_FLAG(std::string, workers, "256,2048,8192", "Worker counts to run");
 ABSL_FLAG(absl::Duration, beat_phase, absl::Seconds(10),
@@ -54,8 +54,7 @@ double CpuSeconds(pid_t pid) {
   std::getline(in, line);
   // Fields after the ")" of the command name: state is field 3.
   const size_t close = line.rfind(')');
-  std::vector<std::string> fields =
-      absl::StrSplit(line.substr(close + 2), ' ');
+  std::vector<std::string> fields = absl::StrSplit(line.substr(close + 2), ' ');
   int64_t utime = 0, stime = 0;
   if (fields.size() > 12) {
     (void)absl::SimpleAtoi(fields[11], &utime);
@@ -85,9 +84,8 @@ std::string Ms(const Latencies& l) {
 }
 
 int RunOne(int n) {
-  const std::string dir =
-      absl::StrCat(testing_util::TempDir(), "/control_plane_", getpid(), "_",
-                   n);
+  const std::string dir = absl::StrCat(testing_util::TempDir(),
+                                       "/control_plane_", getpid(), "_", n);
   const pid_t coordinator = testing_util::Spawn(
       {absl::GetFlag(FLAGS_coordinator_binary), "--listen=127.0.0.1:0",
        absl::StrCat("--data-dir=", dir), "--heartbeat-timeout=10s"},
@@ -110,7 +108,8 @@ int RunOne(int n) {
   SimulatedWorkers::Options options;
   options.coordinator = absl::StrCat("127.0.0.1:", port);
   options.workers = n;
-  for (int i = 0; i < n; ++i) options.addresses.push_back((*service)->address(i));
+  for (int i = 0; i < n; ++i)
+    options.addresses.push_back((*service)->address(i));
   absl::StatusOr<std::unique_ptr<SimulatedWorkers>> workers =
       SimulatedWorkers::Create(options);
   if (!workers.ok()) return 1;
@@ -144,18 +143,20 @@ int RunOne(int n) {
   absl::StatusOr<SimulatedWorkers::BarrierResult> barrier =
       (*workers)->Barrier(absl::StrCat("bench-", n));
   if (barrier.ok()) {
-    std::printf("N=%d barrier: released %.1f ms after the last arrival was "
-                "sent; calls %s\n",
-                n, barrier->release * 1e3, Ms(barrier->calls).c_str());
+    std::printf(
+        "N=%d barrier: released %.1f ms after the last arrival was "
+        "sent; calls %s\n",
+        n, barrier->release * 1e3, Ms(barrier->calls).c_str());
   } else {
     std::printf("N=%d barrier: %s\n", n, barrier.status().ToString().c_str());
   }
   absl::StatusOr<SimulatedWorkers::FanoutResult> fanout =
       (*workers)->KvFanout(absl::StrCat("bench/key-", n), 128);
   if (fanout.ok()) {
-    std::printf("N=%d KV fan-out of 128 B to %d waiting Gets: %.1f ms after "
-                "the Put was sent\n",
-                n, n - 1, fanout->fanout * 1e3);
+    std::printf(
+        "N=%d KV fan-out of 128 B to %d waiting Gets: %.1f ms after "
+        "the Put was sent\n",
+        n, n - 1, fanout->fanout * 1e3);
   } else {
     std::printf("N=%d KV fan-out: %s\n", n, fanout.status().ToString().c_str());
   }
@@ -167,7 +168,8 @@ int RunOne(int n) {
   if (client.ok()) {
     (*client)->set_call_timeout(absl::Minutes(5));
     v1::SubmitModelRequest model;
-    model.set_hf_config_json(testing_util::ReadFile("tests/data/deepseek_v3.json"));
+    model.set_hf_config_json(
+        testing_util::ReadFile("tests/data/deepseek_v3.json"));
     model.mutable_options()->mutable_mesh()->set_dp_shard(n);
     model.mutable_options()->mutable_mesh()->set_dp_replicate(1);
     absl::StatusOr<v1::SubmitModelResponse> submitted =
@@ -175,8 +177,9 @@ int RunOne(int n) {
     v1::GetPlanRequest get;
     if (submitted.ok()) get.set_model_id(submitted->model_id());
     absl::StatusOr<v1::GetPlanResponse> plan =
-        submitted.ok() ? (*client)->GetPlan(get)
-                       : absl::StatusOr<v1::GetPlanResponse>(submitted.status());
+        submitted.ok()
+            ? (*client)->GetPlan(get)
+            : absl::StatusOr<v1::GetPlanResponse>(submitted.status());
     const double cpu0 = CpuSeconds(coordinator);
     const absl::Time t0 = absl::Now();
     absl::Time first = absl::InfiniteFuture();

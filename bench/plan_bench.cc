@@ -19,12 +19,12 @@
 
 #include "absl/status/statusor.h"
 #include "benchmark/benchmark.h"
-#include "proto/model.pb.h"
-#include "proto/plan.pb.h"
-#include "proto/worker.pb.h"
 #include "model/hf_config.h"
 #include "planner/sharding_planner.h"
 #include "planner/strategy_registry.h"
+#include "proto/model.pb.h"
+#include "proto/plan.pb.h"
+#include "proto/worker.pb.h"
 
 namespace shardd {
 namespace {

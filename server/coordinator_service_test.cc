@@ -886,10 +886,9 @@ TEST_F(CoordinatorServiceTest, SubmitStepPlansForTheStepShapeAndRunsTheJob) {
     // The workers derive the plan from the model and its options, as a
     // worker's planner does: the coordinator's plan, fingerprint and all.
     EXPECT_FALSE(load.has_plan());
-    SHARDD_ASSERT_OK_AND_ASSIGN(
-        v1::ShardingPlan plan,
-        ShardingPlanner(strategies.get()).Plan(load.model(),
-                                               load.plan_options()));
+    SHARDD_ASSERT_OK_AND_ASSIGN(v1::ShardingPlan plan,
+                                ShardingPlanner(strategies.get())
+                                    .Plan(load.model(), load.plan_options()));
     EXPECT_EQ(plan.fingerprint(), load.plan_fingerprint());
     EXPECT_EQ(plan.fingerprint(), expected.plan().fingerprint());
     EXPECT_EQ(load.model_id(), model.model_id());

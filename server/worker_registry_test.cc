@@ -298,8 +298,7 @@ TEST_F(WorkerRegistryTest, LivenessMatchesTheRuleUnderRandomTraffic) {
       }
       case 1:
       case 2:  // Heartbeat.
-        if (m.registered &&
-            registry.Heartbeat(m.rank, m.incarnation).ok()) {
+        if (m.registered && registry.Heartbeat(m.rank, m.incarnation).ok()) {
           ASSERT_TRUE(m.alive) << "a dead worker's heartbeat was accepted";
           m.last = now_;
         }

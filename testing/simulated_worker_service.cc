@@ -48,7 +48,8 @@ SimulatedWorkerService::Start(int workers) {
   builder.SetMaxReceiveMessageSize(256 << 20);
   service->server_ = builder.BuildAndStart();
   if (service->server_ == nullptr) {
-    return absl::UnavailableError("simulated workers: the server did not start");
+    return absl::UnavailableError(
+        "simulated workers: the server did not start");
   }
   for (int i = 0; i < workers; ++i) {
     if (ports[i] <= 0) {

@@ -60,8 +60,8 @@ Latencies RunBatch(
         record.done.push_back(end);
         if (!status.ok()) {
           if (record.errors++ == 0) {
-            record.first_error = absl::StrCat(status.error_code(), ": ",
-                                              status.error_message());
+            record.first_error =
+                absl::StrCat(status.error_code(), ": ", status.error_message());
           }
         }
       }
@@ -90,8 +90,8 @@ void Summarize(std::vector<double>* seconds, Latencies* out) {
   if (seconds->empty()) return;
   std::sort(seconds->begin(), seconds->end());
   auto at = [&](double q) {
-    const size_t i = std::min(seconds->size() - 1,
-                              static_cast<size_t>(q * seconds->size()));
+    const size_t i =
+        std::min(seconds->size() - 1, static_cast<size_t>(q * seconds->size()));
     return (*seconds)[i];
   };
   out->p50 = at(0.50);
@@ -123,8 +123,9 @@ absl::StatusOr<std::unique_ptr<SimulatedWorkers>> SimulatedWorkers::Create(
     grpc::ChannelArguments args;
     // Separate connections, not one shared subchannel.
     args.SetInt("shardd.simulated_channel", c);
-    workers->stubs_.push_back(v1::Coordinator::NewStub(grpc::CreateCustomChannel(
-        options.coordinator, grpc::InsecureChannelCredentials(), args)));
+    workers->stubs_.push_back(
+        v1::Coordinator::NewStub(grpc::CreateCustomChannel(
+            options.coordinator, grpc::InsecureChannelCredentials(), args)));
   }
   for (int i = 0; i < options.workers; ++i) {
     workers->incarnations_[i] = 1000 + static_cast<uint64_t>(i);
@@ -140,29 +141,29 @@ absl::StatusOr<Latencies> SimulatedWorkers::RegisterAll() {
   using Call = Call<v1::RegisterWorkerRequest, v1::RegisterWorkerResponse>;
   std::vector<v1::RegisterWorkerResponse> responses(options_.workers);
   absl::Mutex mu;
-  const Latencies out = RunBatch<v1::RegisterWorkerRequest,
-                                 v1::RegisterWorkerResponse>(
-      options_.workers, options_.deadline,
-      [&](int i, v1::RegisterWorkerRequest* request) {
-        request->set_address(options_.addresses.empty()
-                                 ? absl::StrCat("127.0.0.1:", 40000 + i)
-                                 : options_.addresses[i]);
-        request->set_incarnation(incarnations_[i]);
-        request->set_device("cpu");
-        request->set_hostname("simulated");
-        request->set_requested_rank(i);
-      },
-      [&](int i, Call* call, std::function<void(grpc::Status)> done) {
-        stub(i)->async()->RegisterWorker(
-            &call->context, &call->request, &call->response,
-            [&, i, call, done = std::move(done)](grpc::Status status) {
-              {
-                absl::MutexLock lock(&mu);
-                responses[i] = call->response;
-              }
-              done(status);
-            });
-      });
+  const Latencies out =
+      RunBatch<v1::RegisterWorkerRequest, v1::RegisterWorkerResponse>(
+          options_.workers, options_.deadline,
+          [&](int i, v1::RegisterWorkerRequest* request) {
+            request->set_address(options_.addresses.empty()
+                                     ? absl::StrCat("127.0.0.1:", 40000 + i)
+                                     : options_.addresses[i]);
+            request->set_incarnation(incarnations_[i]);
+            request->set_device("cpu");
+            request->set_hostname("simulated");
+            request->set_requested_rank(i);
+          },
+          [&](int i, Call* call, std::function<void(grpc::Status)> done) {
+            stub(i)->async()->RegisterWorker(
+                &call->context, &call->request, &call->response,
+                [&, i, call, done = std::move(done)](grpc::Status status) {
+                  {
+                    absl::MutexLock lock(&mu);
+                    responses[i] = call->response;
+                  }
+                  done(status);
+                });
+          });
   if (out.errors > 0) {
     return absl::UnavailableError(absl::StrCat(
         out.errors, " registrations failed, the first: ", out.first_error));
@@ -266,8 +267,8 @@ absl::StatusOr<SimulatedWorkers::BarrierResult> SimulatedWorkers::Barrier(
       &last_sent, &last_done);
   if (result.calls.errors > 0) {
     return absl::UnavailableError(absl::StrCat(
-        result.calls.errors, " barrier calls failed, the first: ",
-        result.calls.first_error));
+        result.calls.errors,
+        " barrier calls failed, the first: ", result.calls.first_error));
   }
   result.release = absl::ToDoubleSeconds(last_done - last_sent);
   return result;
@@ -295,9 +296,8 @@ absl::StatusOr<SimulatedWorkers::FanoutResult> SimulatedWorkers::KvFanout(
           stub(i + 1)->async()->Get(
               &call->context, &call->request, &call->response,
               [&wrong, bytes, call, done = std::move(done)](grpc::Status s) {
-                if (s.ok() &&
-                    static_cast<int64_t>(call->response.value().size()) !=
-                        bytes) {
+                if (s.ok() && static_cast<int64_t>(
+                                  call->response.value().size()) != bytes) {
                   ++wrong;
                 }
                 done(s);
@@ -324,10 +324,10 @@ absl::StatusOr<SimulatedWorkers::FanoutResult> SimulatedWorkers::KvFanout(
         absl::StrCat("Put: ", put_status.error_message()));
   }
   if (result.gets.errors > 0 || wrong > 0) {
-    return absl::UnavailableError(absl::StrCat(
-        result.gets.errors, " waits failed (the first: ",
-        result.gets.first_error, "), ", wrong.load(),
-        " returned the wrong value"));
+    return absl::UnavailableError(
+        absl::StrCat(result.gets.errors,
+                     " waits failed (the first: ", result.gets.first_error,
+                     "), ", wrong.load(), " returned the wrong value"));
   }
   return result;
 }

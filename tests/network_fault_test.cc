@@ -79,11 +79,11 @@ class NetworkFaultTest : public ::testing::Test {
     coordinator_ =
         // The veth link's addresses exist only between this test's two
         // network namespaces: plaintext is fine (--insecure).
-        Spawn({kCoordinatorBinary, absl::StrCat("--listen=", host_ip_, ":0"),
-               absl::StrCat("--data-dir=", data_dir), "--workers=1",
-               "--heartbeat-timeout=1s", "--collective-timeout=3s",
-               "--insecure"},
-              dir_ + "_coordinator.out", dir_ + "_coordinator.err");
+        Spawn(
+            {kCoordinatorBinary, absl::StrCat("--listen=", host_ip_, ":0"),
+             absl::StrCat("--data-dir=", data_dir), "--workers=1",
+             "--heartbeat-timeout=1s", "--collective-timeout=3s", "--insecure"},
+            dir_ + "_coordinator.out", dir_ + "_coordinator.err");
     ASSERT_GT(coordinator_, 0);
     const int port = WaitForPortFile(data_dir, coordinator_, absl::Seconds(30));
     ASSERT_GT(port, 0) << ReadFile(dir_ + "_coordinator.err");

@@ -19,9 +19,9 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/subprocess.h"
 #include "testing/simulated_worker_service.h"
 #include "testing/simulated_workers.h"
+#include "tests/subprocess.h"
 
 namespace shardd {
 namespace {
@@ -75,8 +75,8 @@ class ScaleFailureDetectionTest : public ::testing::Test {
          absl::StrCat("--heartbeat-timeout=", absl::FormatDuration(kTimeout))},
         dir + ".out", dir + ".err");
     EXPECT_GT(coordinator_, 0);
-    const int port = WaitForPortFile(dir + "/data", coordinator_,
-                                     absl::Seconds(30));
+    const int port =
+        WaitForPortFile(dir + "/data", coordinator_, absl::Seconds(30));
     EXPECT_GT(port, 0) << ReadFile(dir + ".err");
     if (port <= 0) return "";
     const std::string address = absl::StrCat("127.0.0.1:", port);
@@ -119,16 +119,16 @@ TEST_F(ScaleFailureDetectionTest, OneSilentWorkerOfTwoThousandIsDeclaredDead) {
   workers_->Silence(kSilent);
   // Its last beat was at most now: dead by then + the timeout, seen by the
   // next poll (100 ms) after that.
-  const absl::Time dead = Watch(silenced + kTimeout + absl::Seconds(2),
-                                silent_rank, &false_dead);
-  ASSERT_NE(dead, absl::InfiniteFuture()) << "rank " << silent_rank
-                                          << " never declared dead";
+  const absl::Time dead =
+      Watch(silenced + kTimeout + absl::Seconds(2), silent_rank, &false_dead);
+  ASSERT_NE(dead, absl::InfiniteFuture())
+      << "rank " << silent_rank << " never declared dead";
   const double after = absl::ToDoubleSeconds(dead - silenced);
   EXPECT_LE(after, absl::ToDoubleSeconds(kTimeout) + 0.5);
-  std::printf("[failure detection] %d workers: rank %d declared dead %.2f s "
-              "after it went silent (timeout %s)\n",
-              kWorkers, silent_rank, after,
-              absl::FormatDuration(kTimeout).c_str());
+  std::printf(
+      "[failure detection] %d workers: rank %d declared dead %.2f s "
+      "after it went silent (timeout %s)\n",
+      kWorkers, silent_rank, after, absl::FormatDuration(kTimeout).c_str());
   // And the others keep living.
   Watch(absl::Now() + absl::Seconds(3), silent_rank, &false_dead);
   EXPECT_EQ(false_dead, 0);
@@ -145,7 +145,8 @@ TEST_F(ScaleFailureDetectionTest, OneSilentWorkerOfTwoThousandIsDeclaredDead) {
 // options (a few kilobytes, not the 2048-rank plan), the steps run, and when
 // one worker crashes (no more heartbeats, every call UNAVAILABLE) the job
 // fails naming its rank, with recoveries off, as at 4 workers.
-TEST_F(ScaleFailureDetectionTest, AJobOverTwoThousandWorkersFailsNamingTheCrashedRank) {
+TEST_F(ScaleFailureDetectionTest,
+       AJobOverTwoThousandWorkersFailsNamingTheCrashedRank) {
   const std::string address = StartCoordinator("job");
   ASSERT_FALSE(address.empty());
   SHARDD_ASSERT_OK_AND_ASSIGN(
@@ -200,9 +201,10 @@ TEST_F(ScaleFailureDetectionTest, AJobOverTwoThousandWorkersFailsNamingTheCrashe
       });
   EXPECT_TRUE(watched.ok()) << watched;
   const absl::Time failed = absl::Now();
-  EXPECT_THAT(error, ::testing::AllOf(
-                         ::testing::HasSubstr(absl::StrCat("rank ", crash_rank)),
-                         ::testing::HasSubstr(service->address(kSilent))));
+  EXPECT_THAT(
+      error,
+      ::testing::AllOf(::testing::HasSubstr(absl::StrCat("rank ", crash_rank)),
+                       ::testing::HasSubstr(service->address(kSilent))));
   // The next step's call fails at once (UNAVAILABLE); the job fails then.
   EXPECT_LE(failed - crashed, kTimeout + absl::Seconds(2));
   const testing_util::SimulatedWorkerService::Received received =
@@ -210,14 +212,14 @@ TEST_F(ScaleFailureDetectionTest, AJobOverTwoThousandWorkersFailsNamingTheCrashe
   EXPECT_EQ(received.load_plans, kWorkers);
   EXPECT_EQ(received.plans_sent, 0);
   EXPECT_LT(received.largest_load_plan, 64 * 1024);
-  std::printf("[job at scale] %d workers: first step %.2f s after SubmitStep; "
-              "LoadPlan %lld B each at most (%lld B in all); failed %.2f s "
-              "after rank %d crashed: %s\n",
-              kWorkers, absl::ToDoubleSeconds(first_step - submitted_at),
-              static_cast<long long>(received.largest_load_plan),
-              static_cast<long long>(received.load_plan_bytes),
-              absl::ToDoubleSeconds(failed - crashed), crash_rank,
-              error.c_str());
+  std::printf(
+      "[job at scale] %d workers: first step %.2f s after SubmitStep; "
+      "LoadPlan %lld B each at most (%lld B in all); failed %.2f s "
+      "after rank %d crashed: %s\n",
+      kWorkers, absl::ToDoubleSeconds(first_step - submitted_at),
+      static_cast<long long>(received.largest_load_plan),
+      static_cast<long long>(received.load_plan_bytes),
+      absl::ToDoubleSeconds(failed - crashed), crash_rank, error.c_str());
   workers_->StopHeartbeats();
 }
 

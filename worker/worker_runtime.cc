@@ -1,9 +1,9 @@
 #include "worker/worker_runtime.h"
 
 #include <algorithm>
-#include <filesystem>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <string>

@@ -196,7 +196,8 @@ void JobRunner::RestoreJobs() {
     raw->spec.model_id = record.model_id();
     raw->spec.model = record.model();
     raw->spec.plan = record.plan();
-    if (record.has_plan_options()) raw->spec.plan_options = record.plan_options();
+    if (record.has_plan_options())
+      raw->spec.plan_options = record.plan_options();
     raw->spec.config = record.config();
     raw->restored = true;
     if (!raw->spec.program.ParseFromString(record.program()) ||
