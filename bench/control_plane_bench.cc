@@ -123,7 +123,8 @@ int RunOne(int n) {
   std::printf("N=%d register: %.2f s for all, %s; coordinator CPU %.2f s\n", n,
               registered->wall, Ms(*registered).c_str(),
               CpuSeconds(coordinator) - idle_cpu);
-  for (absl::Duration cadence : {absl::Seconds(1)}) {
+  // One heartbeat cadence for --beat_phase, with the coordinator's CPU.
+  auto beat = [&](absl::Duration cadence) {
     const double cpu0 = CpuSeconds(coordinator);
     const absl::Time t0 = absl::Now();
     (*workers)->StartHeartbeats(cadence);
@@ -138,7 +139,8 @@ int RunOne(int n) {
         n / absl::ToDoubleSeconds(cadence),
         static_cast<long long>(beats.errors), Ms(beats).c_str(),
         100.0 * cpu / wall);
-  }
+  };
+  beat(absl::Seconds(1));
   // Before the 100 ms cadence, which can saturate the coordinator.
   absl::StatusOr<SimulatedWorkers::BarrierResult> barrier =
       (*workers)->Barrier(absl::StrCat("bench-", n));
@@ -225,22 +227,7 @@ int RunOne(int n) {
   }
   (*workers)->StopHeartbeats();
 
-  for (absl::Duration cadence : {absl::Milliseconds(100)}) {
-    const double cpu0 = CpuSeconds(coordinator);
-    const absl::Time t0 = absl::Now();
-    (*workers)->StartHeartbeats(cadence);
-    absl::SleepFor(absl::GetFlag(FLAGS_beat_phase));
-    const Latencies beats = (*workers)->StopHeartbeats();
-    const double wall = absl::ToDoubleSeconds(absl::Now() - t0);
-    const double cpu = CpuSeconds(coordinator) - cpu0;
-    std::printf(
-        "N=%d heartbeats every %s: %.0f/s answered of %.0f/s asked, %lld "
-        "errors, %s; coordinator %.1f%% of one core\n",
-        n, absl::FormatDuration(cadence).c_str(), beats.calls / wall,
-        n / absl::ToDoubleSeconds(cadence),
-        static_cast<long long>(beats.errors), Ms(beats).c_str(),
-        100.0 * cpu / wall);
-  }
+  beat(absl::Milliseconds(100));
   std::printf("N=%d coordinator: %.2f s CPU in all, %.0f MiB resident\n", n,
               CpuSeconds(coordinator), RssMiB(coordinator));
   std::fflush(stdout);

@@ -42,17 +42,10 @@ int MaxRecoveries(const v1::TrainConfig& config, int fallback) {
   return std::max(0, config.max_recoveries());
 }
 
-// A job resumed from a checkpoint continues the checkpoint job's
-// learning-rate schedule when it names none (its lr too when it leaves lr
-// unset): the saved config's lr_schedule, warmup_steps, decay_steps and
-// min_lr. A checkpoint without a saved config changes nothing. Errors:
-// DATA_LOSS naming config.resume_from for a saved config that does not
-// parse.
-absl::Status InheritLrSchedule(const std::string& saved_json,
-                               v1::TrainConfig* config) {
-  if (saved_json.empty() || !config->lr_schedule().empty()) {
-    return absl::OkStatus();
-  }
+// The train config a checkpoint saved. Errors: DATA_LOSS naming
+// config.resume_from when it does not parse.
+absl::StatusOr<v1::TrainConfig> ParseSavedTrainConfig(
+    const std::string& saved_json) {
   v1::TrainConfig saved;
   google::protobuf::util::JsonParseOptions options;
   options.ignore_unknown_fields = true;
@@ -62,6 +55,21 @@ absl::Status InheritLrSchedule(const std::string& saved_json,
         "config.resume_from: the checkpoint's saved train config does not "
         "parse");
   }
+  return saved;
+}
+
+// A job resumed from a checkpoint continues the checkpoint job's
+// learning-rate schedule when it names none (its lr too when it leaves lr
+// unset): the saved config's lr_schedule, warmup_steps, decay_steps and
+// min_lr. A checkpoint without a saved config changes nothing. Errors:
+// ParseSavedTrainConfig's.
+absl::Status InheritLrSchedule(const std::string& saved_json,
+                               v1::TrainConfig* config) {
+  if (saved_json.empty() || !config->lr_schedule().empty()) {
+    return absl::OkStatus();
+  }
+  SHARDD_ASSIGN_OR_RETURN(const v1::TrainConfig saved,
+                          ParseSavedTrainConfig(saved_json));
   config->set_lr_schedule(saved.lr_schedule());
   config->set_warmup_steps(saved.warmup_steps());
   config->set_decay_steps(saved.decay_steps());
@@ -72,22 +80,15 @@ absl::Status InheritLrSchedule(const std::string& saved_json,
 
 // A job resumed from a checkpoint without an optimizer continues the
 // checkpoint job's (its muon_* fields too, those the job leaves unset), so
-// the momentum in the checkpoint's exp_avg keeps its meaning. Errors as
-// InheritLrSchedule's.
+// the momentum in the checkpoint's exp_avg keeps its meaning. Errors:
+// ParseSavedTrainConfig's.
 absl::Status InheritOptimizer(const std::string& saved_json,
                               v1::TrainConfig* config) {
   if (saved_json.empty() || !config->optimizer().empty()) {
     return absl::OkStatus();
   }
-  v1::TrainConfig saved;
-  google::protobuf::util::JsonParseOptions options;
-  options.ignore_unknown_fields = true;
-  if (!google::protobuf::util::JsonStringToMessage(saved_json, &saved, options)
-           .ok()) {
-    return absl::DataLossError(
-        "config.resume_from: the checkpoint's saved train config does not "
-        "parse");
-  }
+  SHARDD_ASSIGN_OR_RETURN(const v1::TrainConfig saved,
+                          ParseSavedTrainConfig(saved_json));
   config->set_optimizer(saved.optimizer());
   if (config->muon_lr() == 0) config->set_muon_lr(saved.muon_lr());
   if (config->muon_momentum() == 0) {

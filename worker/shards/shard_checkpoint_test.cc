@@ -219,6 +219,37 @@ absl::StatusOr<std::string> SaveStores(
   return checkpoint::CommitCheckpoint(root, tmp, index);
 }
 
+// Loads checkpoint `dir` into every rank of `plan` (each rank its own
+// reader, as separate processes would): each holds step `step` and the
+// pattern FillPattern wrote with `salt`, and every element is read once (3
+// fp32 tensors per trainable parameter, one per frozen one).
+void ExpectLoadsEveryRank(const v1::ModelSpec& model,
+                          const v1::ShardingPlan& plan, const std::string& dir,
+                          int salt, int64_t step) {
+  auto targets = MakeStores(plan, model);
+  ASSERT_EQ(targets.size(), static_cast<size_t>(plan.mesh().dp_shard()));
+  int64_t read = 0;
+  for (int r = 0; r < plan.mesh().dp_shard(); ++r) {
+    SHARDD_ASSERT_OK_AND_ASSIGN(
+        std::unique_ptr<checkpoint::CheckpointReader> reader,
+        checkpoint::CheckpointReader::Open(dir));
+    SHARDD_ASSERT_OK_AND_ASSIGN(
+        const int64_t loaded,
+        LoadRankShards(plan, targets[r]->store.get(), reader.get(), r));
+    EXPECT_EQ(loaded, step);
+    EXPECT_EQ(CheckPattern(plan, r, salt, *targets[r]->store), 0)
+        << "rank " << r;
+    read += reader->data_bytes_read();
+  }
+  int64_t want_bytes = 0;
+  for (const v1::FsdpUnit& unit : plan.units()) {
+    for (const v1::ParamLayout& param : unit.params()) {
+      want_bytes += param.numel() * 4 * (param.frozen() ? 1 : 3);
+    }
+  }
+  EXPECT_EQ(read, want_bytes);
+}
+
 TEST(ShardCheckpointTest, RoundTripsIntoEveryLayoutWithPaddingZero) {
   const v1::ModelSpec model = TinyMoe(/*freeze=*/true);
   const v1::ShardingPlan saved = MakePlan(model, "diffusion_gemma", 4);
@@ -262,32 +293,8 @@ TEST(ShardCheckpointTest, RoundTripsIntoEveryLayoutWithPaddingZero) {
                                              {"diffusion_gemma", 4},
                                              {"default", 1}}) {
     SCOPED_TRACE(absl::StrCat(t.strategy, " at ", t.world, " ranks"));
-    const v1::ShardingPlan plan = MakePlan(model, t.strategy, t.world);
-    auto targets = MakeStores(plan, model);
-    ASSERT_EQ(targets.size(), static_cast<size_t>(t.world));
-    int64_t read = 0;
-    for (int r = 0; r < t.world; ++r) {
-      // Each rank its own reader, as separate processes would.
-      SHARDD_ASSERT_OK_AND_ASSIGN(
-          std::unique_ptr<checkpoint::CheckpointReader> reader,
-          checkpoint::CheckpointReader::Open(dir));
-      SHARDD_ASSERT_OK_AND_ASSIGN(
-          const int64_t step,
-          LoadRankShards(plan, targets[r]->store.get(), reader.get(), r));
-      EXPECT_EQ(step, 5);
-      EXPECT_EQ(CheckPattern(plan, r, /*salt=*/1, *targets[r]->store), 0)
-          << "rank " << r;
-      read += reader->data_bytes_read();
-    }
-    // Each element read once: 3 fp32 tensors per trainable parameter, one
-    // per frozen one.
-    int64_t want_bytes = 0;
-    for (const v1::FsdpUnit& unit : plan.units()) {
-      for (const v1::ParamLayout& param : unit.params()) {
-        want_bytes += param.numel() * 4 * (param.frozen() ? 1 : 3);
-      }
-    }
-    EXPECT_EQ(read, want_bytes);
+    ExpectLoadsEveryRank(model, MakePlan(model, t.strategy, t.world), dir,
+                         /*salt=*/1, /*step=*/5);
   }
 }
 
@@ -332,27 +339,7 @@ TEST(ShardCheckpointTest, ElementSplitExpertsReshardAcrossPlacements) {
     SHARDD_ASSERT_OK_AND_ASSIGN(
         const v1::ShardingPlan plan,
         TryPlan(model, t.strategy, t.world, 0, t.placement));
-    auto targets = MakeStores(plan, model);
-    int64_t read = 0;
-    for (int r = 0; r < t.world; ++r) {
-      SHARDD_ASSERT_OK_AND_ASSIGN(
-          std::unique_ptr<checkpoint::CheckpointReader> reader,
-          checkpoint::CheckpointReader::Open(dir));
-      SHARDD_ASSERT_OK_AND_ASSIGN(
-          const int64_t step,
-          LoadRankShards(plan, targets[r]->store.get(), reader.get(), r));
-      EXPECT_EQ(step, 2);
-      EXPECT_EQ(CheckPattern(plan, r, /*salt=*/7, *targets[r]->store), 0)
-          << "rank " << r;
-      read += reader->data_bytes_read();
-    }
-    int64_t want_bytes = 0;
-    for (const v1::FsdpUnit& unit : plan.units()) {
-      for (const v1::ParamLayout& param : unit.params()) {
-        want_bytes += param.numel() * 4 * (param.frozen() ? 1 : 3);
-      }
-    }
-    EXPECT_EQ(read, want_bytes);
+    ExpectLoadsEveryRank(model, plan, dir, /*salt=*/7, /*step=*/2);
   }
 }
 
