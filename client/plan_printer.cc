@@ -361,13 +361,7 @@ std::string FormatPlanTable(const v1::ShardingPlan& plan,
   }
   absl::StrAppend(&out, "Parameters   ", params, "\n");
   // Parameters the placement split by elements (their dim 0 padded).
-  int element_split = 0;
-  for (const v1::FsdpUnit& unit : plan.units()) {
-    for (const v1::ParamLayout& param : unit.params()) {
-      element_split += !plan.flat_buckets() && param.row_numel() == 1 &&
-                       param.global_shape_size() > 1;
-    }
-  }
+  const int element_split = ElementSplitParams(plan);
   absl::StrAppend(
       &out, "Strategy     ", plan.strategy(), ", ", plan.units_size(), " units",
       plan.flat_buckets()

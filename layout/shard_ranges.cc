@@ -25,6 +25,22 @@ int64_t ShardedRows(const v1::ParamLayout& param) {
   return row > 0 ? param.numel() / row : 0;
 }
 
+bool SplitByElements(const v1::ParamLayout& param) {
+  return param.global_shape_size() > 0 && param.row_numel() > 0 &&
+         ShardedRows(param) != param.global_shape(0);
+}
+
+int ElementSplitParams(const v1::ShardingPlan& plan) {
+  if (plan.flat_buckets()) return 0;
+  int split = 0;
+  for (const v1::FsdpUnit& unit : plan.units()) {
+    for (const v1::ParamLayout& param : unit.params()) {
+      split += SplitByElements(param) ? 1 : 0;
+    }
+  }
+  return split;
+}
+
 std::vector<OwnedRange> OwnedRuns(const v1::ParamLayout& param, bool flat,
                                   int64_t unit_shard_numel, int shard_rank) {
   std::vector<OwnedRange> out;

@@ -38,6 +38,12 @@ std::vector<int64_t> GlobalShape(const v1::ParamLayout& param);
 int64_t RowNumel(const v1::ParamLayout& param);
 int64_t ShardedRows(const v1::ParamLayout& param);
 
+// Whether the placement split a dim-0 layout parameter by elements (its
+// rows are not its dim 0's), and how many parameters of `plan` it split
+// that way (0 for flat buckets).
+bool SplitByElements(const v1::ParamLayout& param);
+int ElementSplitParams(const v1::ShardingPlan& plan);
+
 // The ranges of `param` that shard rank `shard_rank` holds in a unit whose
 // local shard has `unit_shard_numel` elements, for a plan whose units are
 // flat buckets when `flat`, else dim-0 sharded (valid rows computed from

@@ -148,8 +148,23 @@ class JobRunnerTest : public ::testing::Test {
     return {};
   }
 
+  // A fresh state store under the test's temporary directory and a journal
+  // on it (journal_), for the runners that survive a restart.
+  void OpenJournal(const std::string& name) {
+    const char* tmp = std::getenv("TEST_TMPDIR");
+    const std::string dir =
+        absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/", name);
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+    SHARDD_ASSERT_OK_AND_ASSIGN(store_, StateStore::Open(dir + "/state.db"));
+    journal_ = std::make_unique<JobJournal>(store_.get());
+  }
+
   absl::Mutex clock_mu_;
   absl::Time now_ ABSL_GUARDED_BY(clock_mu_) = absl::FromUnixSeconds(1000);
+  // Before the runner: it outlives them only in TearDown's Shutdown.
+  std::unique_ptr<StateStore> store_;
+  std::unique_ptr<JobJournal> journal_;
   std::unique_ptr<WorkerRegistry> registry_;
   FakeCluster cluster_;
   std::unique_ptr<JobRunner> runner_;
@@ -888,14 +903,8 @@ TEST_F(JobRunnerTest, ARecoveringJobGivesUpWhenItsWorkerDoesNotComeBack) {
 
 TEST_F(JobRunnerTest, ARestartedRunnerCarriesTheJobOnFromItsJournal) {
   recover_ = true;
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  const std::string dir =
-      absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/job_runner_journal");
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  SHARDD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<StateStore> store,
-                              StateStore::Open(dir + "/state.db"));
-  JobJournal journal(store.get());
+  ASSERT_NO_FATAL_FAILURE(OpenJournal("job_runner_journal"));
+  JobJournal& journal = *journal_;
   RegisterWorkers(1);
   JobRunnerOptions options;
   options.journal = &journal;
@@ -940,14 +949,8 @@ TEST_F(JobRunnerTest, ARestartedRunnerCarriesTheJobOnFromItsJournal) {
 // compiled again from the stored plan (a real one here).
 TEST_F(JobRunnerTest, ARestartedRunnerKeepsEvaluating) {
   recover_ = true;
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  const std::string dir =
-      absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/job_runner_eval_journal");
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  SHARDD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<StateStore> store,
-                              StateStore::Open(dir + "/state.db"));
-  JobJournal journal(store.get());
+  ASSERT_NO_FATAL_FAILURE(OpenJournal("job_runner_eval_journal"));
+  JobJournal& journal = *journal_;
   RegisterWorkers(1);
   JobRunnerOptions options;
   options.journal = &journal;

@@ -21,6 +21,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/adamw.h"
 #include "layout/param_init.h"
+#include "layout/shard_ranges.h"
 #include "model/hf_config.h"
 #include "model/model_util.h"
 #include "planner/sharding_planner.h"
@@ -776,12 +777,7 @@ TEST_P(StepExecutorEquivalenceTest, SameStepsAsOneRankWithinRounding) {
   const v1::ModelSpec model = TinyMoe(/*freeze=*/true);
   const v1::ShardingPlan plan = MakePlan(model, c.shape);
   // The element placement is really exercised where the name says so.
-  int element_rows = 0;
-  for (const v1::FsdpUnit& unit : plan.units()) {
-    for (const v1::ParamLayout& param : unit.params()) {
-      element_rows += param.row_numel() == 1 && param.global_shape_size() > 1;
-    }
-  }
+  const int element_rows = ElementSplitParams(plan);
   if (c.shape.placement == "auto") {
     EXPECT_GT(element_rows, 0);
   } else if (c.shape.placement == "dim0") {

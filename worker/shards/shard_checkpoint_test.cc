@@ -304,13 +304,7 @@ TEST(ShardCheckpointTest, RoundTripsIntoEveryLayoutWithPaddingZero) {
 TEST(ShardCheckpointTest, ElementSplitExpertsReshardAcrossPlacements) {
   const v1::ModelSpec model = TinyMoe(/*freeze=*/true);
   const v1::ShardingPlan saved = MakePlan(model, "diffusion_gemma", 3);
-  int element_rows = 0;
-  for (const v1::FsdpUnit& unit : saved.units()) {
-    for (const v1::ParamLayout& param : unit.params()) {
-      element_rows += param.row_numel() == 1 && param.global_shape_size() > 1;
-    }
-  }
-  ASSERT_GT(element_rows, 0);
+  ASSERT_GT(ElementSplitParams(saved), 0);
   auto stores = MakeStores(saved, model);
   ASSERT_EQ(stores.size(), 3u);
   for (int r = 0; r < 3; ++r) {
