@@ -15,6 +15,7 @@
 #include "common/status_macros.h"
 #include "model/model_util.h"
 #include "planner/sharding_strategy.h"
+#include "planner/activation_model.h"
 #include "program/step_model.h"
 #include "layout/unit_layout.h"
 
@@ -262,6 +263,15 @@ uint64_t Fingerprint(const ShardingPlan& plan) {
       f.AddInt(param.frozen() ? 1 : 0);
     }
   }
+  // Which layers recompute changes what the workers run (plans without
+  // activations keep their fingerprints).
+  if (plan.has_activations()) {
+    const v1::ActivationModel& a = plan.activations();
+    f.AddString("activations");
+    f.AddInt(a.micro_batch_size());
+    f.AddInt(a.seq_len());
+    f.AddString(a.checkpointing());
+  }
   return f.value();
 }
 
@@ -430,6 +440,15 @@ absl::StatusOr<ShardingPlan> ShardingPlanner::Plan(
   }
 
   *plan.mutable_step() = step;
+  if (options.micro_batch_size() != 0 || options.seq_len() != 0) {
+    SHARDD_ASSIGN_OR_RETURN(*plan.mutable_activations(),
+                            ModelActivations(model, options));
+  } else if (!options.activation_checkpointing().empty() &&
+             options.activation_checkpointing() != "none") {
+    return absl::InvalidArgumentError(
+        "activation_checkpointing: needs micro_batch_size and seq_len (the "
+        "activations it trades for compute)");
+  }
   plan.set_fingerprint(Fingerprint(plan));
   SHARDD_RETURN_IF_ERROR(ModelStep(options.include_timeline(), &plan));
   return plan;

@@ -220,6 +220,7 @@ absl::Status AnalyzePlan(const ShardingPlan& plan, PlanInfo* info) {
         absl::StrCat("mesh.dp_shard: must be >= 1, got ", dp_shard));
   }
   info->dp_shard = dp_shard;
+  info->activations = plan.has_activations() ? &plan.activations() : nullptr;
   info->hsdp = plan.mesh().dp_replicate() > 1;
   const int n = plan.units_size();
   info->units.assign(n, UnitInfo());

@@ -59,6 +59,8 @@ struct PlanInfo {
   std::vector<int> root_owners;   // Each root followed by its nested units.
   std::vector<LayerInfo> layers;  // Layer order.
   std::map<int, int> layer_pos;   // layer_index -> position in `layers`.
+  // The plan's activation model (points into the plan), or null.
+  const v1::ActivationModel* activations = nullptr;
 };
 
 // INVALID_ARGUMENT naming `field` unless lo <= value <= hi.

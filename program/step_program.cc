@@ -18,6 +18,7 @@
 #include "common/status_macros.h"
 #include "program/pass_layout.h"
 #include "program/plan_info.h"
+#include "program/activation_ledger.h"
 #include "program/step_replay.h"
 #include "program/unit_state.h"
 
@@ -363,7 +364,7 @@ void FillPersistent(const PlanInfo& info, v1::MemoryReport* memory) {
 void FinishReport(const Runner& runner, v1::MemoryReport* memory) {
   memory->set_timeline_events(runner.events());
   memory->set_peak_total_bytes(memory->persistent_bytes() +
-                               memory->peak_unsharded_bytes());
+                               memory->peak_step_bytes());
 }
 
 absl::Status CheckOutputs(v1::MemoryReport* memory, v1::CommReport* comm) {
@@ -432,6 +433,23 @@ absl::Status ReplayStepProgram(const ShardingPlan& plan,
   SHARDD_RETURN_IF_ERROR(RunProgram(program, &runner));
   FinishReport(runner, memory);
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<ActivationPoint>> ReplayActivations(
+    const ShardingPlan& plan, const StepProgram& program) {
+  SHARDD_RETURN_IF_ERROR(ValidateStepProgram(plan, program));
+  std::vector<ActivationPoint> points;
+  if (!plan.has_activations()) return points;
+  program_internal::ActivationLedger ledger(&plan.activations(),
+                                           ProgramPasses(plan, program));
+  for (const Command& c : program.commands()) {
+    if (c.op() != Command::FORWARD && c.op() != Command::BACKWARD) continue;
+    ActivationPoint point;
+    point.during = ledger.Apply(c.op(), c.part(), c.layer(), c.pass());
+    point.after = ledger.live();
+    points.push_back(point);
+  }
+  return points;
 }
 
 absl::Status ReplayCompiledStep(const ShardingPlan& plan, bool include_timeline,

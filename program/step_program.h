@@ -13,6 +13,9 @@
 
 #include <string>
 
+#include <cstdint>
+#include <vector>
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "program/command_text.h"  // CommandToString
@@ -95,6 +98,22 @@ absl::Status ReplayStepProgram(const v1::ShardingPlan& plan,
                                const v1::StepProgram& program,
                                bool include_timeline, v1::MemoryReport* memory,
                                v1::CommReport* comm);
+
+// The activations one rank holds through a program's computations, from
+// plan.activations() (planner/activation_model.h): for every FORWARD and
+// BACKWARD in program order, the most bytes live during it and the bytes
+// live after it (what MoeModel::command_activation_peak and
+// activation_bytes measure). Empty when the plan has no activation model.
+// Errors: ValidateStepProgram's.
+struct ActivationPoint {
+  int64_t during = 0;
+  int64_t after = 0;
+  bool operator==(const ActivationPoint& o) const {
+    return during == o.during && after == o.after;
+  }
+};
+absl::StatusOr<std::vector<ActivationPoint>> ReplayActivations(
+    const v1::ShardingPlan& plan, const v1::StepProgram& program);
 
 // CompileStepProgram then ReplayStepProgram, streaming the commands from
 // the compiler into the replay without holding the program (a step of many

@@ -1,5 +1,6 @@
 #include "program/step_replay.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -20,7 +21,8 @@ Runner::Runner(const PlanInfo& info, int microbatches,
       microbatches_(microbatches),
       passes_(passes),
       states_(info.units.size()),
-      replay_(replay) {
+      replay_(replay),
+      activations_(info.activations, passes) {
   // The computations of one micro-batch, in order.
   for (int p = 0; p < passes.passes(); ++p) {
     Add(Command::FORWARD, Command::EMBED, -1, p);
@@ -301,6 +303,15 @@ absl::Status Runner::Run(int index, const Command& c) {
   last_.microbatch = microbatch_;
   last_.pass = c.pass();
   has_last_ = true;
+  if (replay_ != nullptr) {
+    const int64_t during =
+        activations_.Apply(c.op(), c.part(), c.layer(), c.pass());
+    ObserveStepPeak(index, Command::Op_Name(c.op()).c_str(), -1, last_,
+                    during);
+    v1::MemoryReport* memory = replay_->memory;
+    memory->set_peak_activation_bytes(
+        std::max(memory->peak_activation_bytes(), during));
+  }
   if (++position_ == static_cast<int>(schedule_.size())) {
     position_ = 0;
     ++microbatch_;
@@ -360,6 +371,7 @@ void Runner::Emit(int command, const char* op, int unit,
     event->set_unit(unit);
     event->set_live_param_bytes(live_params_);
     event->set_live_grad_bytes(live_grads_);
+    event->set_live_activation_bytes(activations_.live());
     event->set_command(command);
   }
 }
@@ -381,6 +393,24 @@ void Runner::ObservePeak(int command, const char* op, int unit,
     if (unit >= 0) absl::StrAppend(&where, ", unit ", info_.units[unit].name);
     absl::StrAppend(&where, ", after ", op, " (command ", command, ")");
     memory->set_peak_where(std::move(where));
+  }
+  ObserveStepPeak(command, op, unit, context, activations_.live());
+}
+
+void Runner::ObserveStepPeak(int command, const char* op, int unit,
+                             const Context& context, int64_t activations) {
+  v1::MemoryReport* memory = replay_->memory;
+  const int64_t total = live_params_ + live_grads_ + activations;
+  if (total > memory->peak_step_bytes()) {
+    memory->set_peak_step_bytes(total);
+    memory->set_peak_step_activation_bytes(activations);
+    std::string where =
+        absl::StrCat(context.phase, ", micro-batch ", context.microbatch);
+    if (context.pass >= 0) absl::StrAppend(&where, ", pass ", context.pass);
+    if (unit >= 0) absl::StrAppend(&where, ", unit ", info_.units[unit].name);
+    absl::StrAppend(&where, ", ", unit >= 0 ? "after " : "during ", op,
+                    " (command ", command, ")");
+    memory->set_peak_step_where(std::move(where));
   }
 }
 

@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "program/activation_ledger.h"
 #include "program/pass_layout.h"
 #include "program/plan_info.h"
 #include "program/unit_state.h"
@@ -103,6 +104,10 @@ class Runner {
   void ObservePeak(int command, const char* op, int unit,
                    const Context& context, int event = -1);
 
+  // The step's peak (unsharded bytes plus `activations` live now).
+  void ObserveStepPeak(int command, const char* op, int unit,
+                       const Context& context, int64_t activations);
+
   const PlanInfo& info_;
   const int microbatches_;
   const PassLayout passes_;
@@ -118,6 +123,7 @@ class Runner {
   bool has_last_ = false;
   int64_t live_params_ = 0;
   int64_t live_grads_ = 0;
+  ActivationLedger activations_;
   int events_ = 0;
 };
 

@@ -515,7 +515,9 @@ absl::Status GroupedExpertsBackward(
   GrowTo(ws->dh, static_cast<size_t>(n * 2 * inter));
   if (dx != nullptr) GrowTo(ws->dxs, static_cast<size_t>(n * d));
 
-  // dO: dy gathered into expert order (reuses the forward's o buffer).
+  // dO: dy gathered into expert order (in the forward's o buffer, which a
+  // caller may have freed in between).
+  GrowTo(ws->o, static_cast<size_t>(n * d));
   float* d_o = ws->o.data();
   for (int64_t row = 0; row < n; ++row) {
     std::memcpy(d_o + row * d,

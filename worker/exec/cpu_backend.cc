@@ -220,8 +220,7 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(
   backend->model_options_ =
       ModelOptionsFor(step.microbatches(), step.passes(), step.no_grad_passes(),
                       options.self_conditioning_scale, options.diffusion);
-  SHARDD_ASSIGN_OR_RETURN(backend->model_,
-                          MoeModel::Create(model, backend->model_options_));
+  SHARDD_RETURN_IF_ERROR(backend->CreateModel(backend->model_options_));
 
   SHARDD_ASSIGN_OR_RETURN(backend->optimizer_,
                           CreateOptimizer(options.optimizer, options.adamw,
@@ -242,7 +241,7 @@ absl::Status CpuBackend::BeginStep(const v1::StepProgram& header,
       header.microbatches(), header.passes(), header.no_grad_passes(),
       options_.self_conditioning_scale, options_.diffusion);
   if (!SameStepShape(wanted, model_options_)) {
-    SHARDD_ASSIGN_OR_RETURN(model_, MoeModel::Create(model_spec_, wanted));
+    SHARDD_RETURN_IF_ERROR(CreateModel(wanted));
     model_options_ = wanted;
   }
   SHARDD_RETURN_IF_ERROR(SetStepBatches(model_.get(), batches));
@@ -256,10 +255,13 @@ absl::Status CpuBackend::BeginStep(const v1::StepProgram& header,
         static_cast<int>(m), header.step(), b.sequence_indices.data()));
   }
   comm_->Reset();
+  // A failed step may have left activations behind; count what is held.
+  SyncActivations(model_->activation_bytes(), model_->activation_bytes());
   tracker_->ResetPeaks();
   stats_start_ = SnapshotCollectives(*shard_group_, replicas_, slice_groups_);
   last_free_ticket_ = -1;
   peak_activation_bytes_ = 0;
+  activation_trace_.clear();
   grad_norm_ = 0.0;
   clip_coefficient_ = 1.0;
   for (UnitQueue& run : queue_units_) {
@@ -267,6 +269,36 @@ absl::Status CpuBackend::BeginStep(const v1::StepProgram& header,
     run.last_ticket = -1;
   }
   return absl::OkStatus();
+}
+
+absl::Status CpuBackend::CreateModel(const MoeModelOptions& options) {
+  SHARDD_ASSIGN_OR_RETURN(model_, MoeModel::Create(model_spec_, options));
+  const int layers = model_->num_layers();
+  std::vector<bool> whole(layers, false), experts(layers, false);
+  for (const v1::LayerActivations& l : plan_.activations().layers()) {
+    if (l.layer() < 0 || l.layer() >= layers) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "plan.activations.layers: layer ", l.layer(), " outside [0, ",
+          layers, ")"));
+    }
+    whole[l.layer()] = l.recompute();
+    experts[l.layer()] = l.recompute_experts();
+  }
+  SHARDD_RETURN_IF_ERROR(model_->SetRecompute(whole, experts));
+  SyncActivations(0, 0);
+  return absl::OkStatus();
+}
+
+void CpuBackend::SyncActivations(int64_t peak, int64_t live) {
+  // Only a plan that models activations compares them with the tracker.
+  if (!plan_.has_activations()) return;
+  if (peak > tracked_activations_) {
+    tracker_->Allocate(MemoryKind::kActivations, peak - tracked_activations_);
+  } else {
+    tracker_->Free(MemoryKind::kActivations, tracked_activations_ - peak);
+  }
+  tracker_->Free(MemoryKind::kActivations, peak - live);
+  tracked_activations_ = live;
 }
 
 absl::Status CpuBackend::PendingError(const std::string& label) {
@@ -341,9 +373,15 @@ absl::Status CpuBackend::Run(const v1::Command& c, const std::string& label,
     case v1::Command::BACKWARD: {
       Params params(store, state);
       const absl::Status status = model_->Run(c, &params);
+      SyncActivations(model_->command_activation_peak(),
+                      model_->activation_bytes());
+      if (plan_.has_activations()) {
+        activation_trace_.push_back({model_->command_activation_peak(),
+                                     model_->activation_bytes()});
+      }
       if (!status.ok()) return here(status);
       peak_activation_bytes_ =
-          std::max(peak_activation_bytes_, model_->activation_bytes());
+          std::max(peak_activation_bytes_, model_->command_activation_peak());
       if (c.op() == v1::Command::FORWARD && c.part() == v1::Command::HEAD &&
           c.requires_grad()) {
         return ReduceRouterAuxStats(c.pass(), label);
@@ -460,6 +498,7 @@ absl::Status CpuBackend::EndStep(const StepState& state,
       SnapshotCollectives(*shard_group_, replicas_, slice_groups_));
   SetMemoryPeaks(tracker_->Snapshot(), result);
   result->peak_activation_bytes = peak_activation_bytes_;
+  result->activation_trace = activation_trace_;
   return absl::OkStatus();
 }
 

@@ -97,6 +97,11 @@ class CpuBackend final : public StepBackend {
   absl::Status ReduceRouterAuxStats(int pass, const std::string& label);
   void ZeroShardGrads();
 
+  // Creates model_ for `options` with the plan's recompute flags.
+  absl::Status CreateModel(const MoeModelOptions& options);
+  // Moves the tracker's kActivations to `peak`, then down to `live`.
+  void SyncActivations(int64_t peak, int64_t live);
+
   const v1::ShardingPlan plan_;
   const StepExecutorOptions options_;
   Communicator* const shard_group_;
@@ -116,6 +121,9 @@ class CpuBackend final : public StepBackend {
   int64_t last_free_ticket_ = -1;
   CollectiveStatsSnapshot stats_start_;
   int64_t peak_activation_bytes_ = 0;
+  // The activation bytes the tracker holds as kActivations.
+  int64_t tracked_activations_ = 0;
+  std::vector<ActivationPoint> activation_trace_;
   double grad_norm_ = 0.0;
   double clip_coefficient_ = 1.0;
 

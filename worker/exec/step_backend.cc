@@ -46,6 +46,7 @@ StepCollectives CollectivesBetween(const CollectiveStatsSnapshot& start,
 
 void SetMemoryPeaks(const MemorySnapshot& memory, StepResult* result) {
   result->peak_unsharded_bytes = memory.peak_unsharded;
+  result->peak_step_bytes = memory.peak_step;
   result->peak_gathered_param_bytes =
       memory.peak[static_cast<int>(MemoryKind::kGatheredParams)];
   result->peak_unsharded_grad_bytes =

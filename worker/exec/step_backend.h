@@ -18,6 +18,7 @@
 #include "absl/types/span.h"
 #include "kernels/cpu/adamw.h"
 #include "layout/initial_values.h"
+#include "program/step_program.h"
 #include "proto/worker.pb.h"
 #include "worker/comm/communicator.h"
 #include "worker/data/batch_sampler.h"
@@ -124,12 +125,19 @@ struct StepResult {
   // parameters + unsharded gradients (the plan's peak_unsharded_bytes), and
   // each kind's own peak.
   int64_t peak_unsharded_bytes = 0;
+  // With the plan's activations: unsharded bytes plus activations (the
+  // plan's peak_step_bytes); else peak_unsharded_bytes.
+  int64_t peak_step_bytes = 0;
   int64_t peak_gathered_param_bytes = 0;
   int64_t peak_unsharded_grad_bytes = 0;
   // Tracked compute workspace (parameter copy-outs) and the largest
   // MoeModel::activation_bytes() seen after a computation.
   int64_t peak_workspace_bytes = 0;
   int64_t peak_activation_bytes = 0;
+  // With the plan's activation model (CPU): per FORWARD / BACKWARD in
+  // program order, the model's activation bytes during and after it
+  // (program/step_program.h's ReplayActivations predicts them).
+  std::vector<ActivationPoint> activation_trace;
   // What the GPU path promises about synchronization and allocation (zeros
   // on the CPU).
   DeviceStepStats device;

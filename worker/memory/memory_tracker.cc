@@ -11,6 +11,12 @@ namespace {
 
 int Index(MemoryKind kind) { return static_cast<int>(kind); }
 
+bool InStep(MemoryKind kind) {
+  return kind == MemoryKind::kGatheredParams ||
+         kind == MemoryKind::kUnshardedGrads ||
+         kind == MemoryKind::kActivations;
+}
+
 // 64-byte alignment suits SIMD loads and cache lines.
 constexpr size_t kAlignment = 64;
 
@@ -32,6 +38,8 @@ const char* MemoryKindName(MemoryKind kind) {
       return "workspace";
     case MemoryKind::kCached:
       return "cached";
+    case MemoryKind::kActivations:
+      return "activations";
     case MemoryKind::kNumKinds:
       break;
   }
@@ -48,6 +56,7 @@ void MemoryTracker::Allocate(MemoryKind kind, int64_t bytes) {
       kind == MemoryKind::kUnshardedGrads) {
     state_.live_unsharded += bytes;
   }
+  if (InStep(kind)) state_.live_step += bytes;
   UpdatePeaksLocked();
   RecordLocked(kind);
 }
@@ -66,6 +75,7 @@ void MemoryTracker::Free(MemoryKind kind, int64_t bytes) {
       kind == MemoryKind::kUnshardedGrads) {
     state_.live_unsharded -= bytes;
   }
+  if (InStep(kind)) state_.live_step -= bytes;
   RecordLocked(kind);
 }
 
@@ -99,6 +109,7 @@ void MemoryTracker::UpdatePeaksLocked() {
   state_.peak_total = std::max(state_.peak_total, state_.live_total);
   state_.peak_unsharded =
       std::max(state_.peak_unsharded, state_.live_unsharded);
+  state_.peak_step = std::max(state_.peak_step, state_.live_step);
 }
 
 void MemoryTracker::ResetPeaks() {
@@ -106,6 +117,7 @@ void MemoryTracker::ResetPeaks() {
   state_.peak = state_.live;
   state_.peak_total = state_.live_total;
   state_.peak_unsharded = state_.live_unsharded;
+  state_.peak_step = state_.live_step;
 }
 
 MemorySnapshot MemoryTracker::Snapshot() const {

@@ -26,6 +26,9 @@ enum class MemoryKind {
   kUnshardedGrads,   // Unsharded gradient buffers before reduce-scatter.
   kWorkspace,        // Compute copies, activations, scratch.
   kCached,           // Freed blocks a BufferCache keeps for reuse.
+  // A model's saved activations (what a forward keeps for its backward),
+  // the plan's ActivationModel.
+  kActivations,
   kNumKinds,
 };
 
@@ -40,6 +43,9 @@ struct MemorySnapshot {
   // Gathered params + unsharded grads: what the planner predicts.
   int64_t live_unsharded = 0;
   int64_t peak_unsharded = 0;
+  // Unsharded bytes plus activations: the plan's peak_step_bytes.
+  int64_t live_step = 0;
+  int64_t peak_step = 0;
 };
 
 // Live unsharded bytes right after one change of either kind (a point of a

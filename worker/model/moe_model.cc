@@ -39,6 +39,8 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Create(
   impl->batches.resize(options.microbatches);
   impl->acts.resize(options.passes);
   for (PassActs& a : impl->acts) a.layers.resize(impl->layers.size());
+  impl->recompute_layer.assign(impl->layers.size(), false);
+  impl->recompute_experts.assign(impl->layers.size(), false);
   impl->attention = std::make_unique<AttentionBlock>(impl.get());
   impl->mla = std::make_unique<MlaBlock>(impl.get());
   impl->gemma_block = std::make_unique<GemmaLayerBlock>(impl.get());
@@ -130,9 +132,11 @@ absl::Status MoeModel::Run(const v1::Command& command, ParamSource* params) {
         absl::StrCat("micro-batch ", command.microbatch(),
                      " has no tokens (SetBatch missing)"));
   }
+  m.activation_peak = m.ActivationBytes();
   SHARDD_RETURN_IF_ERROR(command.op() == v1::Command::FORWARD
                              ? m.Forward(command, params)
                              : m.Backward(command, params));
+  m.MarkActivationPeak();
   m.order->Commit(command);
   return absl::OkStatus();
 }
@@ -140,7 +144,8 @@ absl::Status MoeModel::Run(const v1::Command& command, ParamSource* params) {
 absl::Status MoeModel::Impl::FinalNormForward(ParamSource* params, int64_t t,
                                               PassActs* a) {
   SHARDD_ASSIGN_OR_RETURN(const float* norm_w, params->Param(final_norm.name));
-  a->final_x = a->x;
+  // The stream becomes the norm's input; nothing reads it again.
+  a->final_x = std::move(a->x);
   a->final_inv.resize(t);
   a->h.resize(t * dim);
   return kernels::RmsNormForward(a->final_x.data(), norm_w, t, dim, eps,
@@ -160,6 +165,119 @@ absl::Status MoeModel::Impl::EvalLoss(ParamSource* params, const float* h,
   loss_sum += weight * ce.mean_loss;
   if (new_term) ++loss_terms;
   tokens += ce.count;
+  return absl::OkStatus();
+}
+
+void MoeModel::Impl::KeepCheckpoint(const LayerSpec& spec, LayerActs* la) {
+  LayerActs keep;
+  keep.x_in = std::move(la->x_in);
+  if (spec.has_moe) {
+    keep.normed = std::move(la->normed);
+    keep.indices = std::move(la->indices);
+    keep.weights = std::move(la->weights);
+    keep.dense_out = std::move(la->dense_out);
+  }
+  *la = std::move(keep);
+}
+
+absl::Status MoeModel::Impl::LayerForward(const LayerSpec& spec,
+                                          ParamSource* params,
+                                          const Batch& batch, LayerActs* la,
+                                          PassActs* a) {
+  const int64_t t = batch.tokens;
+  la->inv_rms.resize(t);
+  la->normed.resize(t * dim);
+  SHARDD_ASSIGN_OR_RETURN(const float* norm_w, params->Param(spec.norm.name));
+  SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(la->x_in.data(), norm_w, t,
+                                                 dim, eps, la->normed.data(),
+                                                 la->inv_rms.data()));
+  if (spec.has_attention) {
+    // x_mid = x + attention(input_layernorm(x)); the MoE / MLP branch
+    // reads post_attention_layernorm(x_mid).
+    scratch_td.resize(t * dim);
+    SHARDD_RETURN_IF_ERROR(
+        spec.mla ? mla->Forward(spec, params, la->normed.data(), batch.batch,
+                                batch.seq, &la->mla, scratch_td.data())
+                 : attention->Forward(spec, params, la->normed.data(),
+                                      batch.batch, batch.seq, &la->attn,
+                                      scratch_td.data()));
+    la->x_mid.resize(t * dim);
+    for (int64_t i = 0; i < t * dim; ++i) {
+      la->x_mid[i] = la->x_in[i] + scratch_td[i];
+    }
+    if (a != nullptr) a->x = la->x_mid;
+    SHARDD_ASSIGN_OR_RETURN(const float* post_w,
+                            params->Param(spec.post_norm.name));
+    la->post_inv.resize(t);
+    SHARDD_RETURN_IF_ERROR(
+        kernels::RmsNormForward(la->x_mid.data(), post_w, t, dim, eps,
+                                la->normed.data(), la->post_inv.data()));
+  }
+  if (spec.has_mlp) {
+    SHARDD_ASSIGN_OR_RETURN(const float* wg, params->Param(spec.mlp_gate.name));
+    SHARDD_ASSIGN_OR_RETURN(const float* wu, params->Param(spec.mlp_up.name));
+    SHARDD_ASSIGN_OR_RETURN(const float* wd, params->Param(spec.mlp_down.name));
+    // Beside experts the output waits for EXPERTS (a recompute does not
+    // need it); a dense layer adds it to the stream here.
+    float* y;
+    if (spec.has_moe && a != nullptr) {
+      la->dense_out.resize(t * dim);
+      y = la->dense_out.data();
+    } else {
+      scratch2.resize(t * dim);
+      y = scratch2.data();
+    }
+    kernels::DenseMlpDims dims{t, dim, spec.mlp_inter};
+    SHARDD_RETURN_IF_ERROR(kernels::DenseMlpForward(
+        dims, activation, la->normed.data(), wg, wu, wd, y, &la->mlp));
+    if (!spec.has_moe && a != nullptr) {
+      for (int64_t i = 0; i < t * dim; ++i) a->x[i] += y[i];
+    }
+  }
+  if (spec.has_moe) {
+    SHARDD_ASSIGN_OR_RETURN(const float* gw, params->Param(spec.gate.name));
+    const float* gb = nullptr;
+    if (spec.router_bias) {
+      SHARDD_ASSIGN_OR_RETURN(gb, params->Param(spec.gate_bias.name));
+    }
+    // DeepSeek-V3's frozen correction bias steers the choice only.
+    const float* selection = nullptr;
+    if (spec.selection_bias) {
+      SHARDD_ASSIGN_OR_RETURN(selection,
+                              params->Param(spec.gate_selection_bias.name));
+    }
+    la->indices.resize(t * top_k);
+    la->weights.resize(t * top_k);
+    SHARDD_RETURN_IF_ERROR(kernels::RouterForward(
+        RouterDimsOf(spec, t), la->normed.data(), gw, gb, selection,
+        la->indices.data(), la->weights.data(), &la->router));
+    if (aux_on() && a != nullptr) {
+      // HF's top-k of softmax(logits) is the router's choice for both
+      // softmax scorings (the softmax keeps the logits' order).
+      SHARDD_RETURN_IF_ERROR(kernels::RouterAuxLossAccumulate(
+          kernels::RouterSoftmax(la->router), la->indices.data(), t,
+          aux_experts, top_k, a->aux.counts.data(), a->aux_sums.data()));
+      a->aux.counts[aux_experts] += t;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status MoeModel::Impl::ExpertsForward(const LayerSpec& spec,
+                                            ParamSource* params, int64_t t,
+                                            LayerActs* la) {
+  SHARDD_ASSIGN_OR_RETURN(const float* w_gu, params->Param(spec.w_gu.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(spec.w_d.name));
+  SHARDD_ASSIGN_OR_RETURN(const kernels::ExpertOptions options,
+                          ExpertOptionsOf(spec, params));
+  kernels::ExpertDims dims{t, dim, spec.moe_inter, spec.experts, top_k};
+  scratch2.resize(t * dim);
+  SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsForward(
+      dims, activation, options, la->normed.data(), la->indices.data(),
+      la->weights.data(), nullptr, w_gu, w_d, scratch2.data(), &la->experts));
+  // The per-row outputs are the kernel's scratch; backward does not read
+  // them.
+  FreeVector(&la->experts.o);
   return absl::OkStatus();
 }
 
@@ -187,9 +305,14 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
       }
       if (pass > 0) {
         // Self-conditioning: the previous pass's output, detached.
-        const PassActs& prev = Acts(pass - 1, mb);
+        PassActs& prev = Acts(pass - 1, mb);
         const float scale = options.self_conditioning_scale;
         for (int64_t i = 0; i < t * dim; ++i) a.x[i] += scale * prev.h[i];
+        // A pass without gradients kept it only for this.
+        if (!RequiresGrad(pass - 1)) {
+          MarkActivationPeak();
+          FreeVector(&prev.h);
+        }
       }
       return absl::OkStatus();
     }
@@ -202,79 +325,13 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
                                          batch.seq, &la.gemma);
       }
       la.x_in = a.x;
-      la.inv_rms.resize(t);
-      la.normed.resize(t * dim);
-      SHARDD_ASSIGN_OR_RETURN(const float* norm_w,
-                              params->Param(spec.norm.name));
-      SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(la.x_in.data(), norm_w, t,
-                                                     dim, eps, la.normed.data(),
-                                                     la.inv_rms.data()));
-      if (spec.has_attention) {
-        // x_mid = x + attention(input_layernorm(x)); the MoE / MLP branch
-        // reads post_attention_layernorm(x_mid).
-        scratch_td.resize(t * dim);
-        SHARDD_RETURN_IF_ERROR(
-            spec.mla ? mla->Forward(spec, params, la.normed.data(),
-                                    batch.batch, batch.seq, &la.mla,
-                                    scratch_td.data())
-                     : attention->Forward(spec, params, la.normed.data(),
-                                          batch.batch, batch.seq, &la.attn,
-                                          scratch_td.data()));
-        la.x_mid.resize(t * dim);
-        for (int64_t i = 0; i < t * dim; ++i) {
-          la.x_mid[i] = la.x_in[i] + scratch_td[i];
-        }
-        a.x = la.x_mid;
-        SHARDD_ASSIGN_OR_RETURN(const float* post_w,
-                                params->Param(spec.post_norm.name));
-        la.post_inv.resize(t);
-        SHARDD_RETURN_IF_ERROR(
-            kernels::RmsNormForward(la.x_mid.data(), post_w, t, dim, eps,
-                                    la.normed.data(), la.post_inv.data()));
-      }
-      la.dense_out.assign(t * dim, 0.0f);
-      if (spec.has_mlp) {
-        SHARDD_ASSIGN_OR_RETURN(const float* wg,
-                                params->Param(spec.mlp_gate.name));
-        SHARDD_ASSIGN_OR_RETURN(const float* wu,
-                                params->Param(spec.mlp_up.name));
-        SHARDD_ASSIGN_OR_RETURN(const float* wd,
-                                params->Param(spec.mlp_down.name));
-        kernels::DenseMlpDims dims{t, dim, spec.mlp_inter};
-        SHARDD_RETURN_IF_ERROR(
-            kernels::DenseMlpForward(dims, activation, la.normed.data(), wg, wu,
-                                     wd, la.dense_out.data(), &la.mlp));
-      }
-      if (spec.has_moe) {
-        SHARDD_ASSIGN_OR_RETURN(const float* gw, params->Param(spec.gate.name));
-        const float* gb = nullptr;
-        if (spec.router_bias) {
-          SHARDD_ASSIGN_OR_RETURN(gb, params->Param(spec.gate_bias.name));
-        }
-        // DeepSeek-V3's frozen correction bias steers the choice only.
-        const float* selection = nullptr;
-        if (spec.selection_bias) {
-          SHARDD_ASSIGN_OR_RETURN(
-              selection, params->Param(spec.gate_selection_bias.name));
-        }
-        la.indices.resize(t * top_k);
-        la.weights.resize(t * top_k);
-        SHARDD_RETURN_IF_ERROR(kernels::RouterForward(
-            RouterDimsOf(spec, t), la.normed.data(), gw, gb, selection,
-            la.indices.data(), la.weights.data(), &la.router));
-        if (aux_on()) {
-          // HF's top-k of softmax(logits) is the router's choice for both
-          // softmax scorings (the softmax keeps the logits' order).
-          SHARDD_RETURN_IF_ERROR(kernels::RouterAuxLossAccumulate(
-              kernels::RouterSoftmax(la.router), la.indices.data(), t,
-              aux_experts, top_k, a.aux.counts.data(), a.aux_sums.data()));
-          a.aux.counts[aux_experts] += t;
-        }
-      } else {
-        // Dense layer: the residual add happens here.
-        for (int64_t i = 0; i < t * dim; ++i) a.x[i] += la.dense_out[i];
-        // Nothing reads an evaluated layer's activations again.
-        if (eval) la = LayerActs();
+      SHARDD_RETURN_IF_ERROR(LayerForward(spec, params, batch, &la, &a));
+      MarkActivationPeak();
+      if (!c.requires_grad()) {
+        // Nothing reads it again once the layer's last forward is done.
+        if (!spec.has_moe) la = LayerActs();
+      } else if (recompute_layer[l]) {
+        KeepCheckpoint(spec, &la);
       }
       return absl::OkStatus();
     }
@@ -288,30 +345,40 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
         if (eval) la = LayerActs();
         return absl::OkStatus();
       }
-      SHARDD_ASSIGN_OR_RETURN(const float* w_gu, params->Param(spec.w_gu.name));
-      SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(spec.w_d.name));
-      SHARDD_ASSIGN_OR_RETURN(const kernels::ExpertOptions options,
-                              ExpertOptionsOf(spec, params));
-      kernels::ExpertDims dims{t, dim, spec.moe_inter, spec.experts, top_k};
-      std::vector<float>& y = scratch2;
-      y.resize(t * dim);
-      SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsForward(
-          dims, activation, options, la.normed.data(), la.indices.data(),
-          la.weights.data(), nullptr, w_gu, w_d, y.data(), &la.experts));
-      for (int64_t i = 0; i < t * dim; ++i) {
-        a.x[i] += y[i] + la.dense_out[i];
+      SHARDD_RETURN_IF_ERROR(ExpertsForward(spec, params, t, &la));
+      const std::vector<float>& y = scratch2;
+      if (la.dense_out.empty()) {
+        for (int64_t i = 0; i < t * dim; ++i) a.x[i] += y[i];
+      } else {
+        for (int64_t i = 0; i < t * dim; ++i) {
+          a.x[i] += y[i] + la.dense_out[i];
+        }
       }
-      if (eval) la = LayerActs();
+      MarkActivationPeak();
+      FreeVector(&la.dense_out);
+      if (!c.requires_grad()) {
+        la = LayerActs();
+      } else if (recompute_layer[l] || recompute_experts[l]) {
+        la.experts = kernels::GroupedExpertsWorkspace();
+      }
       return absl::OkStatus();
     }
     case Command::HEAD: {
       SHARDD_RETURN_IF_ERROR(FinalNormForward(params, t, &a));
-      // An evaluation scores the passes a training step takes its loss from.
-      if (eval) {
-        return pass < options.no_grad_passes
-                   ? absl::OkStatus()
-                   : EvalLoss(params, a.h.data(), t, batch.targets.data(), 1.0,
-                              /*new_term=*/true);
+      if (!c.requires_grad()) {
+        // An evaluation scores the passes a training step takes its loss
+        // from.
+        if (eval && pass >= options.no_grad_passes) {
+          SHARDD_RETURN_IF_ERROR(EvalLoss(params, a.h.data(), t,
+                                          batch.targets.data(), 1.0,
+                                          /*new_term=*/true));
+        }
+        MarkActivationPeak();
+        FreeVector(&a.final_x);
+        FreeVector(&a.final_inv);
+        // The next pass's embedding reads the output.
+        if (pass + 1 == options.passes) FreeVector(&a.h);
+        return absl::OkStatus();
       }
       if (aux_on()) {
         // fp32 for the all-reduce; the counts stay exact.
@@ -384,6 +451,10 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
           a.dx.data(), dnorm));
       if (dnorm != nullptr)
         SHARDD_RETURN_IF_ERROR(AddGrad(params, final_norm, dnorm));
+      MarkActivationPeak();
+      FreeVector(&a.final_x);
+      FreeVector(&a.final_inv);
+      FreeVector(&a.h);
       return absl::OkStatus();
     }
     case Command::EXPERTS: {
@@ -393,6 +464,9 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
       if (spec.gemma) {
         return gemma_block->BackwardExperts(spec, params, t, a.dx.data(),
                                             &la.gemma);
+      }
+      if (recompute_layer[l] || recompute_experts[l]) {
+        SHARDD_RETURN_IF_ERROR(ExpertsForward(spec, params, t, &la));
       }
       SHARDD_ASSIGN_OR_RETURN(const float* w_gu, params->Param(spec.w_gu.name));
       SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(spec.w_d.name));
@@ -420,6 +494,8 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
         SHARDD_RETURN_IF_ERROR(AddGrad(params, spec.b_gu, db_gu.data()));
         SHARDD_RETURN_IF_ERROR(AddGrad(params, spec.b_d, db_d.data()));
       }
+      MarkActivationPeak();
+      la.experts = kernels::GroupedExpertsWorkspace();
       return absl::OkStatus();
     }
     case Command::LAYER: {
@@ -429,6 +505,11 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
       if (spec.gemma) {
         return gemma_block->BackwardLayer(spec, params, batch.batch, batch.seq,
                                           &la.gemma, a.dx.data());
+      }
+      if (recompute_layer[l]) {
+        // The checkpoint holds the input (and the experts' inputs, which
+        // the forward writes again with the same values).
+        SHARDD_RETURN_IF_ERROR(LayerForward(spec, params, batch, &la, nullptr));
       }
       if (!spec.has_moe) a.dn.assign(t * dim, 0.0f);
       // a.dx is the gradient of the layer's output; a.dn collects the
@@ -509,6 +590,11 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
           a.dx.data(), dnorm, /*accumulate_dx=*/true));
       if (dnorm != nullptr)
         SHARDD_RETURN_IF_ERROR(AddGrad(params, spec.norm, dnorm));
+      MarkActivationPeak();
+      la = LayerActs();
+      FreeVector(&a.dn);
+      FreeVector(&a.dweights);
+      FreeVector(&a.aux_d_logits);
       return absl::OkStatus();
     }
     case Command::EMBED: {
@@ -521,6 +607,7 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
             a.dx.data(), batch.inputs.data(), t, vocab, dim, dtable));
         SHARDD_RETURN_IF_ERROR(AddGrad(params, embed, dtable));
       }
+      FreeVector(&a.dx);
       return absl::OkStatus();
     }
     default:
@@ -545,9 +632,9 @@ double MoeModel::step_loss() const {
 
 int64_t MoeModel::step_tokens() const { return impl_->tokens; }
 
-int64_t MoeModel::activation_bytes() const {
+int64_t MoeModel::Impl::ActivationBytes() const {
   int64_t bytes = 0;
-  for (const PassActs& a : impl_->acts) {
+  for (const PassActs& a : acts) {
     for (const LayerActs& la : a.layers) bytes += la.bytes();
     bytes += static_cast<int64_t>((a.x.capacity() + a.final_x.capacity() +
                                    a.final_inv.capacity() + a.h.capacity() +
@@ -556,11 +643,38 @@ int64_t MoeModel::activation_bytes() const {
                                    a.aux_d_logits.capacity()) *
                                   sizeof(float));
   }
-  bytes += impl_->sc.bytes();
-  for (const Batch& b : impl_->batches) {
+  bytes += sc.bytes();
+  for (const Batch& b : batches) {
     bytes += static_cast<int64_t>(b.sc_probs.capacity() * sizeof(float));
   }
   return bytes;
+}
+
+int64_t MoeModel::activation_bytes() const { return impl_->ActivationBytes(); }
+
+int64_t MoeModel::command_activation_peak() const {
+  return impl_->activation_peak;
+}
+
+absl::Status MoeModel::SetRecompute(std::vector<bool> layers,
+                                    std::vector<bool> experts) {
+  Impl& m = *impl_;
+  const size_t n = m.layers.size();
+  if (layers.size() != n || experts.size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "recompute: needs one flag per layer (", n, "), got ", layers.size(),
+        " and ", experts.size()));
+  }
+  for (size_t l = 0; l < n; ++l) {
+    if ((layers[l] || experts[l]) && m.layers[l].gemma) {
+      return absl::UnimplementedError(absl::StrCat(
+          "activation_checkpointing: layer ", l,
+          " is a DiffusionGemma layer, which does not recompute yet"));
+    }
+  }
+  m.recompute_layer = std::move(layers);
+  m.recompute_experts = std::move(experts);
+  return absl::OkStatus();
 }
 
 void MoeModel::HoldSelfConditioningForTest(bool hold) {

@@ -148,8 +148,23 @@ class MoeModel {
   // Null when the loss is off or `pass` is out of range.
   RouterAuxStats* router_aux_stats(int pass);
 
-  // Bytes of saved activations and workspaces (for memory reports).
+  // Which layers recompute their forward in their backward (activation
+  // checkpointing): `layers[l]` the whole layer (its forward keeps only its
+  // input and the experts' inputs), `experts[l]` only its grouped experts
+  // (their forward keeps nothing). One flag per layer; all false by
+  // default. Errors: INVALID_ARGUMENT for a wrong count; UNIMPLEMENTED for
+  // a DiffusionGemma layer.
+  absl::Status SetRecompute(std::vector<bool> layers,
+                            std::vector<bool> experts);
+
+  // Bytes of the activations held now: what forwards keep for their
+  // backwards, the residual stream and its gradient (the plan's
+  // ActivationModel, planner/activation_model.h, for non-Gemma models).
+  // A layer's are freed when its backward ends.
   int64_t activation_bytes() const;
+  // The most activation_bytes() held during the last Run (a recompute,
+  // or a backward's gradient buffers, before they are freed).
+  int64_t command_activation_peak() const;
 
   int num_layers() const;
   int64_t vocab_size() const;

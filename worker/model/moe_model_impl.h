@@ -148,6 +148,11 @@ struct MoeModel::Impl : MoeArchitecture {
   SelfConditioningActs sc;
   bool hold_self_conditioning = false;  // HoldSelfConditioningForTest
   bool eval = false;                    // SetEvaluation
+  // SetRecompute: per layer, whether the whole layer or only its experts
+  // recompute their forward in backward.
+  std::vector<bool> recompute_layer, recompute_experts;
+  // The most activation bytes seen during the current command.
+  int64_t activation_peak = 0;
   double loss_sum = 0.0;  // Sum of per-(pass, micro-batch) mean losses.
   int loss_terms = 0;
   int64_t tokens = 0;
@@ -195,6 +200,34 @@ struct MoeModel::Impl : MoeArchitecture {
     }
     return options;
   }
+
+  bool RequiresGrad(int pass) const {
+    return !eval && pass >= options.no_grad_passes;
+  }
+
+  // Bytes of every saved activation (see MoeModel::activation_bytes).
+  int64_t ActivationBytes() const;
+  // Call before freeing activations inside a command.
+  void MarkActivationPeak() {
+    activation_peak = std::max(activation_peak, ActivationBytes());
+  }
+  template <typename T>
+  static void FreeVector(std::vector<T>* v) {
+    std::vector<T>().swap(*v);
+  }
+  // What a recomputed layer keeps from its forward: its input, and the
+  // experts' inputs (normed, choices, weights, the dense branch's output).
+  static void KeepCheckpoint(const LayerSpec& spec, LayerActs* la);
+
+  // LAYER's forward from la->x_in (non-Gemma layers): the norms, attention,
+  // dense branch and router into `la`. With the pass's activations `a`
+  // (the forward) it also advances a->x and the auxiliary statistics; null
+  // (a recompute in backward) it leaves them and keeps no dense output.
+  absl::Status LayerForward(const LayerSpec& spec, ParamSource* params,
+                            const Batch& batch, LayerActs* la, PassActs* a);
+  // EXPERTS' forward into la->experts, the routed output in scratch2.
+  absl::Status ExpertsForward(const LayerSpec& spec, ParamSource* params,
+                              int64_t t, LayerActs* la);
 
   absl::Status Forward(const Command& c, ParamSource* params);
   absl::Status Backward(const Command& c, ParamSource* params);

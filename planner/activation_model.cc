@@ -1,0 +1,274 @@
+#include "planner/activation_model.h"
+
+#include <cstdint>
+#include <limits>
+#include <map>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "common/status_macros.h"
+#include "model/model_util.h"
+#include "program/pass_layout.h"
+
+namespace shardd {
+namespace {
+
+constexpr int64_t kF32 = 4;  // float and int32 elements
+constexpr int64_t kI64 = 8;
+
+// Tokens beyond this would overflow the byte counts of wide layers.
+constexpr int64_t kMaxTokens = int64_t{1} << 32;
+
+using Shapes = std::map<std::string, std::vector<int64_t>>;
+
+int64_t Dim(const Shapes& shapes, const std::string& name, size_t axis) {
+  auto it = shapes.find(name);
+  if (it == shapes.end() || it->second.size() <= axis) return 0;
+  return it->second[axis];
+}
+
+bool Has(const Shapes& shapes, const std::string& name) {
+  return shapes.count(name) > 0;
+}
+
+// What one decoder layer keeps, in elements of 4 bytes unless noted.
+struct LayerBytes {
+  int64_t saved = 0;
+  int64_t checkpoint = 0;
+  int64_t handoff = 0;
+  int64_t experts_saved = 0;
+  int64_t experts_backward = 0;
+  int64_t experts_grad = 0;
+  int64_t backward = 0;
+  bool has_experts = false;
+};
+
+absl::StatusOr<LayerBytes> LayerActivations(const v1::ModelSpec& model,
+                                            const Shapes& shapes, int layer,
+                                            int64_t batch, int64_t seq,
+                                            int64_t d) {
+  const v1::ModelDims& dims = model.dims();
+  const std::string p = absl::StrCat("model.layers.", layer, ".");
+  const int64_t t = batch * seq;
+  LayerBytes b;
+  // input_layernorm: its input, inverse RMS and output.
+  int64_t saved = t * d + t + t * d;
+  const std::string attn = p + "self_attn.";
+  if (Has(shapes, attn + "kv_a_proj_with_mqa.weight")) {
+    // DeepSeek-V3's latent attention (worker/model/mla_block.h).
+    const v1::MlaSpec& mla = dims.attention().mla();
+    const int64_t h = dims.num_attention_heads();
+    const int64_t rq = mla.q_lora_rank(), rkv = mla.kv_lora_rank();
+    const int64_t qk = mla.qk_nope_head_dim() + mla.qk_rope_head_dim();
+    const int64_t dv = mla.v_head_dim();
+    if (h < 1 || rkv < 1 || qk < 1 || dv < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "dims.attention.mla: layer ", layer,
+          " has latent attention, which needs num_attention_heads, "
+          "kv_lora_rank, the qk head dims and v_head_dim >= 1"));
+    }
+    saved += t * d;                              // its normed input
+    if (rq > 0) saved += t * rq + t + t * rq;    // q_a_proj out, norm
+    saved += t * rkv + t + t * rkv;              // latent, its norm
+    saved += 2 * t * h * qk;                     // q, k
+    saved += t * h * dv + t * h * dv + t * h;    // v, o, lse
+    saved += t * d + t;  // the residual after it, post_attention_layernorm
+  } else if (Has(shapes, attn + "q_proj.weight")) {
+    const int64_t hq = dims.num_attention_heads();
+    const int64_t hkv = dims.num_key_value_heads() > 0
+                            ? dims.num_key_value_heads()
+                            : dims.num_attention_heads();
+    const int64_t hd =
+        dims.head_dim() > 0 ? dims.head_dim() : (hq > 0 ? d / hq : 0);
+    if (hq < 1 || hkv < 1 || hd < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "dims.num_attention_heads / num_key_value_heads / head_dim: layer ",
+          layer, " has attention, which needs them >= 1"));
+    }
+    saved += t * d;                                      // normed input
+    saved += t * hq * hd + 2 * t * hkv * hd;             // q, k, v
+    if (Has(shapes, attn + "q_norm.weight")) {
+      saved += t * hq * hd + t * hkv * hd + t * hq + t * hkv;  // pre-norm
+    }
+    saved += t * hq * hd + t * hq;  // o, lse
+    saved += t * d + t;  // the residual after it, post_attention_layernorm
+  }
+  const bool moe = Has(shapes, p + "moe.experts.gate_and_up_projs");
+  int64_t mlp_inter = 0;
+  if (Has(shapes, p + "mlp.gate_proj.weight")) {
+    mlp_inter = Dim(shapes, p + "mlp.gate_proj.weight", 0);
+  } else if (Has(shapes, p + "moe.shared_experts.gate_proj.weight")) {
+    mlp_inter = Dim(shapes, p + "moe.shared_experts.gate_proj.weight", 0);
+  }
+  if (mlp_inter > 0) {
+    saved += t * d + 3 * t * mlp_inter;    // input copy, gate, up, hidden
+    b.backward += 2 * t * mlp_inter;       // d_hidden, d_gate
+    if (moe) b.handoff = t * d;            // its output, added by EXPERTS
+  }
+  if (!moe) {
+    b.backward += t * d;  // the normed input's gradient
+    b.saved = saved * kF32;
+    b.checkpoint = t * d * kF32;  // the layer's input
+    b.backward *= kF32;
+    b.handoff *= kF32;
+    return b;
+  }
+  b.has_experts = true;
+  const std::string gu = p + "moe.experts.gate_and_up_projs";
+  const int64_t e = Dim(shapes, gu, 0);
+  const int64_t inter = Dim(shapes, gu, 2) / 2;
+  const int64_t k = dims.top_k();
+  if (e < 1 || inter < 1 || k < 1 || k > e) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        gu, ": layer ", layer,
+        " needs [E, D, 2I] experts with dims.top_k in [1, E]; got E ", e,
+        ", top_k ", k));
+  }
+  // The router: choices, weights, its probabilities (logits), a copy of
+  // the choices and the denominators; the group-limited scorer's row
+  // scratch; the full softmax the load-balancing loss reads.
+  saved += 2 * t * k + t * e + t * k + t;
+  const bool aux = dims.router_aux_loss_coef() > 0;
+  switch (dims.router_scoring()) {
+    case v1::ROUTER_SIGMOID_GROUP_LIMITED: {
+      const int64_t groups = dims.n_group(), top = dims.topk_group();
+      saved += 2 * e + groups + top + 2 + k + top + 2;
+      break;
+    }
+    case v1::ROUTER_TOPK_THEN_SOFTMAX:
+      if (aux) saved += t * e;
+      break;
+    default:
+      break;
+  }
+  b.backward += t * e;            // the router's logit gradient
+  if (aux) b.backward += t * e;   // the auxiliary loss's
+  // The checkpoint keeps the layer's input and the experts' inputs.
+  b.checkpoint = (t * d + t * d + 2 * t * k) * kF32;
+  b.saved = saved * kF32;
+  b.backward *= kF32;
+  b.handoff *= kF32;
+  // Grouped experts over the n = T * K routed rows: the sort (offsets and
+  // cursor in int64), each slot's row, each row's token and weight, the
+  // permuted inputs, gate/up pre-activations and the weighted activation.
+  const int64_t n = t * k;
+  b.experts_saved = (e + 1 + e) * kI64 +
+                    (t * k + n + n + n * d + n * 2 * inter + n * inter) * kF32;
+  // Backward: the activation's and the pre-activations' gradients, each
+  // row's weight gradient, the input rows' and the output rows' gradients.
+  b.experts_backward = (n * inter + n + n * 2 * inter + n * d + n * d) * kF32;
+  b.experts_grad = (t * d + t * k) * kF32;  // dn and the weights' gradient
+  return b;
+}
+
+}  // namespace
+
+std::string CheckpointPolicy::Text() const {
+  switch (kind) {
+    case kAll:
+      return "all";
+    case kExperts:
+      return "experts";
+    case kEveryK:
+      return absl::StrCat("every:", every);
+    default:
+      return "none";
+  }
+}
+
+absl::StatusOr<CheckpointPolicy> ParseCheckpointPolicy(absl::string_view text) {
+  CheckpointPolicy policy;
+  if (text.empty() || text == "none") return policy;
+  if (text == "all") {
+    policy.kind = CheckpointPolicy::kAll;
+    return policy;
+  }
+  if (text == "experts") {
+    policy.kind = CheckpointPolicy::kExperts;
+    return policy;
+  }
+  absl::string_view rest = text;
+  int every = 0;
+  if (absl::ConsumePrefix(&rest, "every:") && absl::SimpleAtoi(rest, &every) &&
+      every >= 1) {
+    policy.kind = CheckpointPolicy::kEveryK;
+    policy.every = every;
+    return policy;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "activation_checkpointing: must be none, all, experts or every:K with "
+      "K >= 1, got '",
+      text, "'"));
+}
+
+bool ActivationsModelled(const v1::ModelSpec& model) {
+  return model.architecture() != kBlockDiffusionArchitecture;
+}
+
+absl::StatusOr<v1::ActivationModel> ModelActivations(
+    const v1::ModelSpec& model, const v1::PlanOptions& options) {
+  if (!ActivationsModelled(model)) {
+    return absl::UnimplementedError(absl::StrCat(
+        "micro_batch_size / seq_len: activations are not modelled for ",
+        model.architecture(), " yet; plan it without them"));
+  }
+  const int64_t batch = options.micro_batch_size();
+  const int64_t seq = options.seq_len();
+  if (batch < 1 || seq < 1 || batch > kMaxTokens / seq) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "micro_batch_size / seq_len: need both >= 1 and at most 2^32 tokens "
+        "per micro-batch, got ",
+        batch, " x ", seq));
+  }
+  SHARDD_ASSIGN_OR_RETURN(const CheckpointPolicy policy,
+                          ParseCheckpointPolicy(
+                              options.activation_checkpointing()));
+  Shapes shapes;
+  for (const ParamRef& ref : ListParams(model)) {
+    shapes[ref.fqn].assign(ref.tensor->shape().begin(),
+                           ref.tensor->shape().end());
+  }
+  const int64_t d = Dim(shapes, "model.embed_tokens.weight", 1);
+  if (d < 1) {
+    return absl::InvalidArgumentError(
+        "model.embed_tokens.weight: the activation model needs [vocab, "
+        "hidden]");
+  }
+  const int64_t t = batch * seq;
+  v1::ActivationModel out;
+  out.set_micro_batch_size(static_cast<int32_t>(batch));
+  out.set_seq_len(seq);
+  out.set_checkpointing(policy.Text());
+  out.set_stream_bytes(t * d * kF32);
+  out.set_head_bytes((t * d + t + t * d) * kF32);
+  out.set_hidden_bytes(t * d * kF32);
+  out.set_grad_stream_bytes(t * d * kF32);
+  for (int l = 0;; ++l) {
+    if (!Has(shapes, absl::StrCat("model.layers.", l,
+                                  ".input_layernorm.weight"))) {
+      break;
+    }
+    SHARDD_ASSIGN_OR_RETURN(const LayerBytes b,
+                            LayerActivations(model, shapes, l, batch, seq, d));
+    v1::LayerActivations* layer = out.add_layers();
+    layer->set_layer(l);
+    layer->set_saved_bytes(b.saved);
+    layer->set_checkpoint_bytes(b.checkpoint);
+    layer->set_handoff_bytes(b.handoff);
+    layer->set_experts_saved_bytes(b.experts_saved);
+    layer->set_experts_backward_bytes(b.experts_backward);
+    layer->set_experts_grad_bytes(b.experts_grad);
+    layer->set_backward_bytes(b.backward);
+    const bool whole = policy.kind == CheckpointPolicy::kAll ||
+                       (policy.kind == CheckpointPolicy::kEveryK &&
+                        l % policy.every == 0);
+    layer->set_recompute(whole);
+    layer->set_recompute_experts(!whole &&
+                                 policy.kind == CheckpointPolicy::kExperts &&
+                                 b.has_experts);
+  }
+  return out;
+}
+
+}  // namespace shardd

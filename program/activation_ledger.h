@@ -1,0 +1,48 @@
+#ifndef SHARDD_PROGRAM_ACTIVATION_LEDGER_H_
+#define SHARDD_PROGRAM_ACTIVATION_LEDGER_H_
+
+// The live activations of one rank through a step's computations, from a
+// plan's activation model (ShardingPlan.activations, planner/
+// activation_model.h): what each FORWARD keeps and each BACKWARD frees,
+// with recomputed layers, passes without gradients and evaluations. The
+// CPU model holds exactly these bytes (docs/design.md, "Activation
+// memory"). Internal to program/: the replay (step_replay.h) adds them to
+// the unsharded bytes.
+
+#include <cstdint>
+#include <map>
+
+#include "program/pass_layout.h"
+#include "proto/plan.pb.h"
+#include "proto/worker.pb.h"
+
+namespace shardd {
+namespace program_internal {
+
+class ActivationLedger {
+ public:
+  // `model` null (no activation model): every computation keeps nothing.
+  // `model` must outlive the ledger.
+  ActivationLedger(const v1::ActivationModel* model, const PassLayout& passes);
+
+  // Applies one computation (the replay has checked its order) and returns
+  // the most bytes live during it; live() is then the bytes after it.
+  int64_t Apply(v1::Command::Op op, v1::Command::Part part, int layer,
+                int pass);
+
+  int64_t live() const { return live_; }
+
+ private:
+  const v1::LayerActivations& Layer(int layer) const;
+
+  const v1::ActivationModel* model_;
+  const PassLayout passes_;
+  std::map<int, const v1::LayerActivations*> layers_;
+  v1::LayerActivations none_;
+  int64_t live_ = 0;
+};
+
+}  // namespace program_internal
+}  // namespace shardd
+
+#endif  // SHARDD_PROGRAM_ACTIVATION_LEDGER_H_
