@@ -223,7 +223,9 @@ std::string FitText(const v1::ShardingPlan& plan, const PlanFit& fit) {
     return absl::StrCat("yes: ", HumanBytes(memory.peak_total_bytes()), " of ",
                         HumanBytes(fit.device_memory_bytes), ", ",
                         HumanBytes(fit.headroom_bytes),
-                        " left for activations and workspace");
+                        plan.has_activations()
+                            ? " left for workspace"
+                            : " left for activations and workspace");
   }
   std::string text =
       absl::StrCat("NO: needs ", HumanBytes(memory.peak_total_bytes()), ", ",
@@ -239,6 +241,15 @@ std::string FitText(const v1::ShardingPlan& plan, const PlanFit& fit) {
   } else {
     absl::StrAppend(&text, "does not fit at any --dp up to ", kMaxSuggestedDp,
                     " with this strategy (estimate)");
+  }
+  // Activations do not shrink with more ranks; recomputing trades them for
+  // compute.
+  if (plan.has_activations() && plan.activations().checkpointing() == "none" &&
+      memory.peak_step_activation_bytes() > memory.peak_step_bytes() / 4) {
+    absl::StrAppend(&text, "; activations are ",
+                    HumanBytes(memory.peak_step_activation_bytes()),
+                    " of the peak: --activation-checkpointing all recomputes "
+                    "them");
   }
   return text;
 }
@@ -289,6 +300,8 @@ PlanFit CheckPlanFit(const v1::ShardingPlan& plan,
   const int64_t dp = plan.mesh().dp_shard();
   const double persistent = static_cast<double>(memory.persistent_bytes());
   const double unsharded = static_cast<double>(memory.peak_unsharded_bytes());
+  const double activations =
+      static_cast<double>(memory.peak_activation_bytes());
   if (dp < 1 || persistent < 0 || unsharded < 0) return fit;
   std::vector<double> shard_now;
   double total_now = 0;
@@ -316,7 +329,9 @@ PlanFit CheckPlanFit(const v1::ShardingPlan& plan,
     const double state_scale =
         total_now > 0 ? total / total_now
                       : static_cast<double>(dp) / static_cast<double>(n);
-    if (persistent * state_scale + unsharded * gather_growth <=
+    // Activations per rank do not shrink with more ranks (the micro-batch
+    // stays); their peak bounds what they add at any point.
+    if (persistent * state_scale + unsharded * gather_growth + activations <=
         static_cast<double>(device_memory_bytes)) {
       fit.suggested_dp = static_cast<int32_t>(n);
       break;
@@ -453,8 +468,23 @@ std::string FormatPlanTable(const v1::ShardingPlan& plan,
        absl::StrCat("gathered params ", HumanBytes(memory.peak_param_bytes()),
                     " + unsharded grads ",
                     HumanBytes(memory.peak_grad_bytes()))});
-  mem.AddRow({"peak total", HumanBytes(memory.peak_total_bytes()),
-              "persistent + peak unsharded"});
+  if (plan.has_activations()) {
+    const v1::ActivationModel& a = plan.activations();
+    mem.AddRow({"activations", HumanBytes(memory.peak_activation_bytes()),
+                absl::StrCat("peak per rank: micro-batch ", a.micro_batch_size(),
+                             " x ", a.seq_len(), " tokens, checkpointing ",
+                             a.checkpointing())});
+    mem.AddRow({"peak in step", HumanBytes(memory.peak_step_bytes()),
+                absl::StrCat("unsharded + activations ",
+                             HumanBytes(memory.peak_step_activation_bytes()),
+                             " at one point")});
+    mem.AddRow({"peak total", HumanBytes(memory.peak_total_bytes()),
+                "persistent + peak in step"});
+  } else {
+    mem.AddRow({"peak total", HumanBytes(memory.peak_total_bytes()),
+                "persistent + peak unsharded (activations not counted: "
+                "--micro-batch-size N --seq N counts them)"});
+  }
   if (device_memory_bytes > 0) {
     mem.AddSpanningRow(
         {absl::StrCat("fits ", ShortBytes(device_memory_bytes)),
@@ -466,6 +496,10 @@ std::string FormatPlanTable(const v1::ShardingPlan& plan,
   absl::StrAppend(&out, mem_text);
   if (!memory.peak_where().empty()) {
     absl::StrAppend(&out, "  peak at: ", memory.peak_where(), "\n");
+  }
+  if (plan.has_activations() && !memory.peak_step_where().empty()) {
+    absl::StrAppend(&out, "  peak in step at: ", memory.peak_step_where(),
+                    "\n");
   }
 
   absl::StrAppend(&out, "\nPer-step communication (per rank)\n");
@@ -586,6 +620,32 @@ nlohmann::ordered_json PlanToJson(const v1::ShardingPlan& plan,
   per_rank["peak_where"] = memory.peak_where();
   per_rank["persistent_bytes"] = memory.persistent_bytes();
   per_rank["peak_total_bytes"] = memory.peak_total_bytes();
+  per_rank["peak_step_bytes"] = memory.peak_step_bytes();
+  if (plan.has_activations()) {
+    const v1::ActivationModel& a = plan.activations();
+    per_rank["peak_activation_bytes"] = memory.peak_activation_bytes();
+    per_rank["peak_step_activation_bytes"] =
+        memory.peak_step_activation_bytes();
+    per_rank["peak_step_where"] = memory.peak_step_where();
+    Json acts = Json::object();
+    acts["micro_batch_size"] = a.micro_batch_size();
+    acts["seq_len"] = a.seq_len();
+    acts["checkpointing"] = a.checkpointing();
+    Json layers = Json::array();
+    for (const v1::LayerActivations& l : a.layers()) {
+      Json layer = Json::object();
+      layer["layer"] = l.layer();
+      layer["saved_bytes"] = l.saved_bytes();
+      layer["checkpoint_bytes"] = l.checkpoint_bytes();
+      layer["experts_saved_bytes"] = l.experts_saved_bytes();
+      layer["recompute"] = l.recompute() ? "layer"
+                           : l.recompute_experts() ? "experts"
+                                                   : "none";
+      layers.push_back(std::move(layer));
+    }
+    acts["layers"] = std::move(layers);
+    json["activations"] = std::move(acts);
+  }
   per_rank["timeline_events"] = memory.timeline_events();
   if (memory.timeline_size() > 0) {
     Json timeline = Json::array();
@@ -595,6 +655,9 @@ nlohmann::ordered_json PlanToJson(const v1::ShardingPlan& plan,
       e["pass"] = event.pass();
       e["phase"] = event.phase();
       e["op"] = event.op();
+      if (plan.has_activations()) {
+        e["live_activation_bytes"] = event.live_activation_bytes();
+      }
       e["unit"] = event.unit();
       e["live_param_bytes"] = event.live_param_bytes();
       e["live_grad_bytes"] = event.live_grad_bytes();

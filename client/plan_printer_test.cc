@@ -376,7 +376,8 @@ TEST(FormatPlanTableTest, FitLineDoesNotWidenTheMemoryColumns) {
             "  persistent      48.00 GiB  params + grads + optimizer\n"
             "  peak unsharded   6.00 GiB  gathered params 4.00 GiB + "
             "unsharded grads 2.00 GiB\n"
-            "  peak total      54.00 GiB  persistent + peak unsharded\n"
+            "  peak total      54.00 GiB  persistent + peak unsharded "
+      "(activations not counted: --micro-batch-size N --seq N counts them)\n"
             "  fits 80 GiB     yes: 54.00 GiB of 80.00 GiB, 26.00 GiB left for "
             "activations and workspace\n"
             "  peak at: backward, unit model.layers.0\n");

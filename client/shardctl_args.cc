@@ -14,6 +14,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "planner/activation_model.h"
 
 namespace shardd {
 namespace {
@@ -186,6 +187,9 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                             "--keep-compute-shard",
                                             "--bucket-elements",
                                             "--shard-placement",
+                                            "--micro-batch-size",
+                                            "--seq",
+                                            "--activation-checkpointing",
                                             "--timeline",
                                             "--timeline-svg",
                                             "--compare-strategy",
@@ -209,6 +213,7 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                              "--no-mixed-precision",
                                              "--keep-compute-shard",
                                              "--shard-placement",
+                                             "--activation-checkpointing",
                                              "--grad-clip",
                                              "--weight-decay",
                                              "--beta1",
@@ -334,6 +339,17 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
     options.set_no_grad_passes(*n);
   } else if (flag == "--defer-grad-sync") {
     options.set_defer_grad_sync(true);
+  } else if (flag == "--micro-batch-size") {
+    absl::StatusOr<int32_t> n = ParseInt(flag, value, 1);
+    if (!n.ok()) return n.status();
+    options.set_micro_batch_size(*n);
+  } else if (flag == "--activation-checkpointing") {
+    absl::StatusOr<CheckpointPolicy> policy = ParseCheckpointPolicy(value);
+    if (!policy.ok()) {
+      return Usage(absl::StrCat("--activation-checkpointing: ",
+                                policy.status().message()));
+    }
+    options.set_activation_checkpointing(policy->Text());
   } else if (flag == "--reshard-after-forward") {
     if (value == "true") {
       options.mutable_reshard_after_forward()->set_reshard(true);
@@ -803,6 +819,21 @@ absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
       if (seen.count("--replicate") == 0) {
         args.options.mutable_mesh()->set_dp_replicate(1);
       }
+      // Activations: per rank, micro-batch-size sequences of seq tokens.
+      if ((seen.count("--micro-batch-size") > 0) != (seen.count("--seq") > 0)) {
+        return Usage(
+            "plan: --micro-batch-size N and --seq N count the activations "
+            "together; give both");
+      }
+      if (seen.count("--activation-checkpointing") > 0 &&
+          seen.count("--seq") == 0) {
+        return Usage(
+            "plan: --activation-checkpointing needs --micro-batch-size N and "
+            "--seq N (the activations it trades for compute)");
+      }
+      if (seen.count("--seq") > 0) {
+        args.options.set_seq_len(args.train.seq_len());
+      }
       break;
     }
     case ShardctlCommand::kStatus:
@@ -867,7 +898,8 @@ absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
              {"--dp", "--replicate", "--strategy", "--passes",
               "--no-grad-passes", "--no-mixed-precision",
               "--keep-compute-shard", "--reshard-after-forward",
-              "--fwd-prefetch", "--bwd-prefetch", "--shard-placement"}) {
+              "--fwd-prefetch", "--bwd-prefetch", "--shard-placement",
+              "--activation-checkpointing"}) {
           if (seen.count(fixed) > 0) {
             return Usage(absl::StrCat(
                 "train: ", fixed,

@@ -126,6 +126,35 @@ TEST(ShardctlArgsTest, ReshardAcceptsBoolsAndGroupSizes) {
                                  "false or a group size >= 1, got 'maybe'")));
 }
 
+TEST(ShardctlArgsTest, ActivationFlags) {
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      auto plan, Parse({"plan", "--model", "x", "--dp", "2",
+                        "--micro-batch-size", "4", "--seq", "2048",
+                        "--activation-checkpointing", "every:2"}));
+  EXPECT_EQ(plan.options.micro_batch_size(), 4);
+  EXPECT_EQ(plan.options.seq_len(), 2048);
+  EXPECT_EQ(plan.options.activation_checkpointing(), "every:2");
+  EXPECT_THAT(Parse({"plan", "--model", "x", "--dp", "2", "--seq", "8"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("give both")));
+  EXPECT_THAT(Parse({"plan", "--model", "x", "--dp", "2",
+                     "--activation-checkpointing", "all"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("needs --micro-batch-size N and --seq N")));
+  EXPECT_THAT(Parse({"plan", "--model", "x", "--dp", "2",
+                     "--micro-batch-size", "1", "--seq", "8",
+                     "--activation-checkpointing", "every:0"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--activation-checkpointing: "
+                                 "activation_checkpointing: must be none")));
+  // train: the job's batch sets the micro-batch; the policy is the model's.
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      auto train, Parse({"train", "--coordinator=h:1", "--model", "x",
+                         "--activation-checkpointing", "experts"}));
+  EXPECT_EQ(train.options.activation_checkpointing(), "experts");
+  EXPECT_EQ(train.options.seq_len(), 0);
+}
+
 TEST(ShardctlArgsTest, BadNumbersNameTheFlag) {
   EXPECT_THAT(Parse({"plan", "--model", "x", "--dp", "x"}),
               StatusIs(absl::StatusCode::kInvalidArgument,
@@ -386,7 +415,7 @@ TEST(ShardctlArgsTest, HelpForms) {
   EXPECT_THAT(ShardctlUsage(ShardctlCommand::kPlan),
               HasSubstr("--device-memory SIZE"));
   EXPECT_THAT(ShardctlUsage(ShardctlCommand::kPlan),
-              HasSubstr("Activations and workspace are not"));
+              HasSubstr("compute workspace is not modelled"));
   EXPECT_THAT(ShardctlUsage(ShardctlCommand::kHelp), HasSubstr("strategies"));
 }
 

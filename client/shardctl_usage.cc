@@ -56,14 +56,24 @@ Plan:
                                share plus one row (stacked experts that do
                                not divide the ranks): then a flat range of
                                its elements; dim0: FSDP2's Shard(0) always
+Activations:
+  --micro-batch-size N, --seq N   count each rank's activations for N
+                               sequences of --seq tokens per micro-batch
+                               (both, or neither; not modelled yet for
+                               DiffusionGemma)
+  --activation-checkpointing P none (default), all, experts or every:K:
+                               the layers (all, or every K-th from 0) or
+                               only the grouped experts that recompute
+                               their forward in backward
 Device:
   --device-memory SIZE         memory per GPU to check the peak against
                                (default 80GiB, an H100): 80GiB, 141GiB,
                                80GB (decimal), 1024MiB, or a plain number
-                               of GiB. Activations and workspace are not
-                               modelled: the check covers parameters,
-                               gradients and optimizer state, and the
-                               headroom is what is left for the rest
+                               of GiB. The check covers parameters,
+                               gradients, optimizer state and, with
+                               --micro-batch-size and --seq, activations;
+                               compute workspace is not modelled, and the
+                               headroom is what is left for it
 Step:
   --microbatches M             micro-batches per step (default 1)
   --passes P                   forward passes per micro-batch (default 1;
@@ -121,6 +131,7 @@ Mesh and plan (with --model):
   --keep-compute-shard         keep a bf16 copy of every shard, refreshed
                                by the optimizer (unshards skip the cast)
   --shard-placement P          auto (default) or dim0, as for plan
+  --activation-checkpointing P none, all, experts or every:K, as for plan
   --reshard-after-forward V    true, false, or a smaller group size N
   --fwd-prefetch N, --bwd-prefetch N   prefetch depths
 Job:

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <random>
 #include <string>
 #include <utility>
@@ -17,6 +19,7 @@
 #include "model/hf_config.h"
 #include "model/model_util.h"
 #include "model/native_spec.h"
+#include "planner/activation_model.h"
 #include "program/step_program.h"
 
 namespace shardd {
@@ -655,6 +658,23 @@ absl::StatusOr<v1::SubmitStepResponse> CoordinatorService::SubmitStep(
         world, " x ", config.microbatches(), " = ", split,
         ") so that every rank trains on the same number of sequences, got ",
         config.global_batch()));
+  }
+  // Plan the activations of the micro-batches the ranks will hold (and the
+  // layers that recompute), where the model has an activation model.
+  const bool checkpointing = !options.activation_checkpointing().empty() &&
+                             options.activation_checkpointing() != "none";
+  if (ActivationsModelled(job.model) || checkpointing) {
+    const int64_t micro_batch = config.global_batch() / split;
+    if (micro_batch > std::numeric_limits<int32_t>::max()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config.global_batch: ", micro_batch,
+          " sequences per micro-batch and rank is more than the activation "
+          "model counts"));
+    }
+    options.set_micro_batch_size(static_cast<int32_t>(micro_batch));
+    options.set_seq_len(config.seq_len());
+    SHARDD_ASSIGN_OR_RETURN(job.plan,
+                            PlanModel(request.model_id(), job.model, options));
   }
   absl::StatusOr<v1::StepProgram> program = CompileStepProgram(job.plan);
   if (!program.ok()) {

@@ -875,6 +875,9 @@ TEST_F(CoordinatorServiceTest, SubmitStepPlansForTheStepShapeAndRunsTheJob) {
   *replan.mutable_options() = Options(2);
   replan.mutable_options()->set_microbatches(2);
   replan.mutable_options()->set_defer_grad_sync(true);
+  // Each rank's micro-batch: 8 sequences over 2 ranks x 2 micro-batches.
+  replan.mutable_options()->set_micro_batch_size(2);
+  replan.mutable_options()->set_seq_len(4);
   SHARDD_ASSERT_OK_AND_ASSIGN(v1::GetPlanResponse expected,
                               service->GetPlan(replan));
   const std::vector<v1::LoadPlanRequest> loads = workers.loads();
@@ -894,6 +897,9 @@ TEST_F(CoordinatorServiceTest, SubmitStepPlansForTheStepShapeAndRunsTheJob) {
     EXPECT_EQ(load.model_id(), model.model_id());
     EXPECT_EQ(plan.step().microbatches(), 2);
     EXPECT_TRUE(plan.step().defer_grad_sync());
+    // The activations of the micro-batches the ranks hold.
+    EXPECT_EQ(plan.activations().micro_batch_size(), 2);
+    EXPECT_EQ(plan.activations().seq_len(), 4);
     EXPECT_EQ(plan.memory().peak_unsharded_bytes(),
               expected.plan().memory().peak_unsharded_bytes());
     derived.push_back(plan);

@@ -59,8 +59,13 @@ TEST(WorkerMetricsTest, CountsStepsAndReadsTheRuntimeAtScrapeTime) {
       parsed.Find("shardd_worker_step_seconds_bucket", {{"le", "+Inf"}}),
       Optional(2.0));
   // One series per memory kind and collective op, all zero without a job.
-  EXPECT_EQ(parsed.Count("shardd_worker_memory_live_bytes"), 7);
-  EXPECT_EQ(parsed.Count("shardd_worker_memory_peak_bytes"), 7);
+  EXPECT_EQ(parsed.Count("shardd_worker_memory_live_bytes"),
+            static_cast<int>(MemoryKind::kNumKinds));
+  EXPECT_EQ(parsed.Count("shardd_worker_memory_peak_bytes"),
+            static_cast<int>(MemoryKind::kNumKinds));
+  EXPECT_THAT(parsed.Find("shardd_worker_memory_live_bytes",
+                          {{"kind", "activations"}}),
+              Optional(0.0));
   EXPECT_THAT(parsed.Find("shardd_worker_memory_live_bytes",
                           {{"kind", "shard_params"}}),
               Optional(0.0));

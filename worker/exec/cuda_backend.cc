@@ -96,6 +96,13 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   }
   SHARDD_RETURN_IF_ERROR(CheckStepGroups(
       plan, step.shard_rank, step.replica_rank, *shard_group, replicas));
+  for (const v1::LayerActivations& layer : plan.activations().layers()) {
+    if (layer.recompute() || layer.recompute_experts()) {
+      return absl::UnimplementedError(
+          "activation_checkpointing: the CUDA path does not recompute yet; "
+          "train with none");
+    }
+  }
   // The CPU kernel's checks are the GPU kernel's (n = 0 launches nothing).
   SHARDD_RETURN_IF_ERROR(CheckStepOptions(step.collective_timeout,
                                           step.max_grad_norm, step.adamw));

@@ -1,0 +1,174 @@
+#include "planner/activation_model.h"
+
+#include <cstdint>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "model/native_spec.h"
+#include "planner/sharding_planner.h"
+#include "planner/strategy_registry.h"
+
+namespace shardd {
+namespace {
+
+using ::testing::HasSubstr;
+
+v1::ModelSpec Config(const std::string& name) {
+  std::ifstream in("tests/data/" + name + ".json");
+  std::stringstream text;
+  text << in.rdbuf();
+  absl::StatusOr<v1::ModelSpec> spec = ModelSpecFromJson(text.str());
+  EXPECT_TRUE(spec.ok()) << name << ": " << spec.status();
+  return spec.ok() ? *spec : v1::ModelSpec();
+}
+
+v1::PlanOptions Options(int batch, int64_t seq, const std::string& policy) {
+  v1::PlanOptions options;
+  options.mutable_mesh()->set_dp_shard(2);
+  options.set_micro_batch_size(batch);
+  options.set_seq_len(seq);
+  options.set_activation_checkpointing(policy);
+  return options;
+}
+
+TEST(CheckpointPolicyTest, ParsesEveryFormAndNamesTheFieldOtherwise) {
+  for (const char* text : {"", "none", "all", "experts", "every:1", "every:3"}) {
+    SHARDD_ASSERT_OK_AND_ASSIGN(CheckpointPolicy policy,
+                                ParseCheckpointPolicy(text));
+    EXPECT_EQ(policy.Text(), std::string(text).empty() ? "none" : text);
+  }
+  for (const char* text : {"every:0", "every:", "every:x", "layers", "ALL"}) {
+    absl::StatusOr<CheckpointPolicy> policy = ParseCheckpointPolicy(text);
+    ASSERT_FALSE(policy.ok()) << text;
+    EXPECT_EQ(policy.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(policy.status().message(),
+                HasSubstr("activation_checkpointing"));
+  }
+}
+
+// A Llama layer keeps, per token (T = 2 x 8): the input, inverse RMS and
+// normed input; the attention's normed input, q [Hq hd], k and v [Hkv hd],
+// o [Hq hd] and lse [Hq]; the residual after it and its inverse RMS; the
+// MLP's input copy and gate, up and hidden [I]. Its backward adds the MLP's
+// two [I] gradients and the normed input's gradient [D].
+TEST(ActivationModelTest, LlamaLayerKeepsWhatItsBackwardReads) {
+  const v1::ModelSpec model = Config("tiny_llama3");
+  constexpr int64_t t = 16, d = 64, hq = 4, hkv = 1, hd = 16, inter = 96;
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ActivationModel acts,
+                              ModelActivations(model, Options(2, 8, "none")));
+  ASSERT_EQ(acts.layers_size(), 2);
+  const int64_t per_token = (d + 1 + d) + d + hq * hd + 2 * hkv * hd +
+                            hq * hd + hq + (d + 1) + (d + 3 * inter);
+  for (const v1::LayerActivations& layer : acts.layers()) {
+    EXPECT_EQ(layer.saved_bytes(), 4 * t * per_token);
+    EXPECT_EQ(layer.checkpoint_bytes(), 4 * t * d);
+    EXPECT_EQ(layer.backward_bytes(), 4 * t * (2 * inter + d));
+    EXPECT_EQ(layer.experts_saved_bytes(), 0);
+    EXPECT_FALSE(layer.recompute());
+  }
+  EXPECT_EQ(acts.stream_bytes(), 4 * t * d);
+  EXPECT_EQ(acts.head_bytes(), 4 * t * (2 * d + 1));
+}
+
+TEST(ActivationModelTest, TokenBuffersScaleWithTheMicroBatch) {
+  const v1::ModelSpec model = Config("tiny_mixtral");
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ActivationModel one,
+                              ModelActivations(model, Options(1, 16, "none")));
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ActivationModel two,
+                              ModelActivations(model, Options(2, 16, "none")));
+  for (int l = 0; l < one.layers_size(); ++l) {
+    EXPECT_EQ(two.layers(l).saved_bytes(), 2 * one.layers(l).saved_bytes());
+    EXPECT_EQ(two.layers(l).experts_backward_bytes(),
+              2 * one.layers(l).experts_backward_bytes());
+    // The experts' sort keeps 2E + 1 int64 whatever the tokens.
+    constexpr int64_t kSort = (2 * 8 + 1) * 8;
+    EXPECT_EQ(two.layers(l).experts_saved_bytes() - kSort,
+              2 * (one.layers(l).experts_saved_bytes() - kSort));
+    EXPECT_GT(one.layers(l).experts_saved_bytes(), kSort);
+  }
+}
+
+TEST(ActivationModelTest, PoliciesChooseTheLayersThatRecompute) {
+  const v1::ModelSpec model = Config("tiny_deepseek_v3");  // 3 layers, 1 dense
+  auto flags = [&](const std::string& policy) {
+    absl::StatusOr<v1::ActivationModel> acts =
+        ModelActivations(model, Options(1, 8, policy));
+    EXPECT_TRUE(acts.ok()) << acts.status();
+    std::string out;
+    for (const v1::LayerActivations& l : acts->layers()) {
+      out += l.recompute() ? 'L' : l.recompute_experts() ? 'E' : '-';
+    }
+    return out;
+  };
+  EXPECT_EQ(flags("none"), "---");
+  EXPECT_EQ(flags("all"), "LLL");
+  EXPECT_EQ(flags("every:2"), "L-L");
+  // The dense first layer has no experts to recompute.
+  EXPECT_EQ(flags("experts"), "-EE");
+}
+
+TEST(ActivationModelTest, RefusesWhatItCannotModel) {
+  const v1::ModelSpec mixtral = Config("tiny_mixtral");
+  absl::StatusOr<v1::ActivationModel> zero =
+      ModelActivations(mixtral, Options(0, 8, ""));
+  ASSERT_FALSE(zero.ok());
+  EXPECT_THAT(zero.status().message(), HasSubstr("micro_batch_size"));
+  absl::StatusOr<v1::ActivationModel> bad =
+      ModelActivations(mixtral, Options(1, 8, "sometimes"));
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(bad.status().message(), HasSubstr("activation_checkpointing"));
+  const v1::ModelSpec gemma = Config("tiny_diffusion_gemma");
+  EXPECT_FALSE(ActivationsModelled(gemma));
+  EXPECT_EQ(ModelActivations(gemma, Options(1, 16, "")).status().code(),
+            absl::StatusCode::kUnimplemented);
+}
+
+// Through the planner: the step's peak counts activations, recomputing
+// lowers it, and a plan without a micro-batch has none.
+TEST(ActivationModelTest, PlansCountActivationsInThePeak) {
+  static StrategyRegistry* registry =
+      StrategyRegistry::CreateWithBuiltins().release();
+  ShardingPlanner planner(registry);
+  const v1::ModelSpec model = Config("tiny_qwen3_moe");
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ShardingPlan plain,
+                              planner.Plan(model, Options(0, 0, "")));
+  EXPECT_FALSE(plain.has_activations());
+  EXPECT_EQ(plain.memory().peak_step_bytes(),
+            plain.memory().peak_unsharded_bytes());
+  EXPECT_EQ(plain.memory().peak_total_bytes(),
+            plain.memory().persistent_bytes() +
+                plain.memory().peak_unsharded_bytes());
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ShardingPlan kept,
+                              planner.Plan(model, Options(2, 32, "none")));
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ShardingPlan recomputed,
+                              planner.Plan(model, Options(2, 32, "all")));
+  for (const v1::ShardingPlan* plan : {&kept, &recomputed}) {
+    const v1::MemoryReport& m = plan->memory();
+    EXPECT_GT(m.peak_step_bytes(), m.peak_unsharded_bytes());
+    EXPECT_LE(m.peak_step_bytes(),
+              m.peak_unsharded_bytes() + m.peak_activation_bytes());
+    EXPECT_EQ(m.peak_total_bytes(), m.persistent_bytes() + m.peak_step_bytes());
+    // Parameters and gradients do not change.
+    EXPECT_EQ(m.peak_unsharded_bytes(), plain.memory().peak_unsharded_bytes());
+  }
+  EXPECT_LT(recomputed.memory().peak_activation_bytes(),
+            kept.memory().peak_activation_bytes());
+  EXPECT_LT(recomputed.memory().peak_step_bytes(),
+            kept.memory().peak_step_bytes());
+  // What the workers run differs, so the fingerprint does.
+  EXPECT_NE(kept.fingerprint(), recomputed.fingerprint());
+  EXPECT_NE(kept.fingerprint(), plain.fingerprint());
+  absl::StatusOr<v1::ShardingPlan> alone =
+      planner.Plan(model, Options(0, 0, "all"));
+  ASSERT_FALSE(alone.ok());
+  EXPECT_THAT(alone.status().message(),
+              HasSubstr("activation_checkpointing: needs micro_batch_size"));
+}
+
+}  // namespace
+}  // namespace shardd
