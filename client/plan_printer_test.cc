@@ -275,6 +275,36 @@ TEST(CheckPlanFitTest, SuggestsTheSmallestPowerOfTwoMultiple) {
   EXPECT_EQ(CheckPlanFit(FitPlan(6), 20 * kGiB).suggested_dp, 24);
 }
 
+// With activations (10 GiB at their peak, 8 GiB of them at the step's):
+// they do not shrink with more ranks. 40 GiB: dp 8 gives 24 + 6 + 10 = 40.
+TEST(CheckPlanFitTest, ActivationsStayWhenRanksGrow) {
+  v1::ShardingPlan plan = FitPlan(4);
+  v1::MemoryReport* memory = plan.mutable_memory();
+  plan.mutable_activations()->set_micro_batch_size(2);
+  plan.mutable_activations()->set_seq_len(4096);
+  plan.mutable_activations()->set_checkpointing("none");
+  memory->set_peak_activation_bytes(10 * kGiB);
+  memory->set_peak_step_activation_bytes(8 * kGiB);
+  memory->set_peak_step_bytes(13 * kGiB);
+  memory->set_peak_total_bytes(61 * kGiB);
+  EXPECT_EQ(CheckPlanFit(plan, 40 * kGiB).suggested_dp, 8);
+  EXPECT_EQ(CheckPlanFit(plan, 40 * kGiB - 1).suggested_dp, 16);
+  const std::string table = FormatPlanTable(plan, nullptr, 40 * kGiB);
+  EXPECT_THAT(table, HasSubstr("  activations     10.00 GiB  peak per rank: "
+                               "micro-batch 2 x 4096 tokens, checkpointing "
+                               "none\n"));
+  EXPECT_THAT(table, HasSubstr("  peak in step    13.00 GiB  unsharded + "
+                               "activations 8.00 GiB at one point\n"));
+  EXPECT_THAT(table, HasSubstr("  peak total      61.00 GiB  persistent + "
+                               "peak in step\n"));
+  // 8 of 13 GiB are activations: recomputing is suggested.
+  EXPECT_THAT(FitLine(table),
+              HasSubstr("--activation-checkpointing all recomputes them"));
+  plan.mutable_activations()->set_checkpointing("all");
+  EXPECT_THAT(FitLine(FormatPlanTable(plan, nullptr, 40 * kGiB)),
+              Not(HasSubstr("--activation-checkpointing")));
+}
+
 TEST(CheckPlanFitTest, NoSuggestionBeyondTheCapOrUnderTheUnshardedPeak) {
   // 1 MiB of room beside the 6 GiB peak: 48 GiB / N <= 1 MiB needs
   // N >= 49152, so from dp 1 the first power of two is 65536 (the cap,

@@ -302,6 +302,8 @@ absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
     json["tokens_per_second"] = summary.tokens_per_second;
     json["peak_unsharded_bytes"] = summary.measured_peak;
     json["planned_peak_unsharded_bytes"] = summary.planned_peak;
+    json["peak_activation_bytes"] = summary.measured_activations;
+    json["planned_peak_activation_bytes"] = summary.planned_activations;
     json["all_gathers_per_step"] = summary.all_gathers;
     json["reduce_scatters_per_step"] = summary.reduce_scatters;
     nlohmann::ordered_json losses = nlohmann::ordered_json::array();

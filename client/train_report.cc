@@ -130,12 +130,16 @@ TrainSummary SummarizeTraining(const std::vector<v1::StepEvent>& events,
     summary.step_seconds += event.step_seconds();
     summary.measured_peak =
         std::max(summary.measured_peak, event.peak_unsharded_bytes());
+    summary.measured_activations =
+        std::max(summary.measured_activations, event.peak_activation_bytes());
   }
   if (summary.step_seconds > 0) {
     summary.tokens_per_second =
         static_cast<double>(summary.tokens) / summary.step_seconds;
   }
   summary.planned_peak = events.back().planned_peak_unsharded_bytes();
+  summary.planned_activations =
+      events.back().planned_peak_activation_bytes();
   summary.all_gathers = events.back().all_gathers();
   summary.reduce_scatters = events.back().reduce_scatters();
   return summary;
@@ -180,19 +184,26 @@ std::string FormatTrainSummary(const TrainSummary& s) {
                       "of steps)\n",
                       HumanCount(static_cast<int64_t>(s.tokens_per_second)),
                       HumanCount(s.tokens), s.step_seconds));
-  std::string verdict;
-  if (s.measured_peak == s.planned_peak) {
-    verdict = "equal";
-  } else {
-    verdict = absl::StrFormat(
-        "differ by %s%s", s.measured_peak > s.planned_peak ? "+" : "-",
-        HumanBytes(std::abs(s.measured_peak - s.planned_peak)));
-  }
+  auto verdict = [](int64_t measured, int64_t planned) -> std::string {
+    if (measured == planned) return "equal";
+    return absl::StrFormat("differ by %s%s", measured > planned ? "+" : "-",
+                           HumanBytes(std::abs(measured - planned)));
+  };
   absl::StrAppend(
       &out, absl::StrFormat("  peak unsharded/rank  measured %s, planned %s "
                             "(%s)\n",
                             HumanBytes(s.measured_peak),
-                            HumanBytes(s.planned_peak), verdict));
+                            HumanBytes(s.planned_peak),
+                            verdict(s.measured_peak, s.planned_peak)));
+  if (s.planned_activations > 0) {
+    absl::StrAppend(
+        &out,
+        absl::StrFormat("  activations/rank    measured %s, planned %s (%s)\n",
+                        HumanBytes(s.measured_activations),
+                        HumanBytes(s.planned_activations),
+                        verdict(s.measured_activations,
+                                s.planned_activations)));
+  }
   absl::StrAppend(&out,
                   absl::StrFormat("  collectives/step     %d all-gathers, %d "
                                   "reduce-scatters per rank\n",

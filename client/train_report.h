@@ -61,6 +61,9 @@ struct TrainSummary {
   double tokens_per_second = 0;  // tokens / step_seconds.
   int64_t measured_peak = 0;     // Max over steps (and ranks).
   int64_t planned_peak = 0;
+  // Activations, where the plan models them (0 otherwise).
+  int64_t measured_activations = 0;  // Max over steps (and ranks).
+  int64_t planned_activations = 0;
   int64_t all_gathers = 0;  // Per rank, in the last step.
   int64_t reduce_scatters = 0;
   // The last evaluation (eval_step 0: none): held-out loss and tokens.

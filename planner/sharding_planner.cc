@@ -440,14 +440,15 @@ absl::StatusOr<ShardingPlan> ShardingPlanner::Plan(
   }
 
   *plan.mutable_step() = step;
+  // Without a micro-batch there are no activations to count; a job's plan
+  // always has one (the coordinator sets it), so activation_checkpointing
+  // takes effect there. Its spelling is checked either way.
   if (options.micro_batch_size() != 0 || options.seq_len() != 0) {
     SHARDD_ASSIGN_OR_RETURN(*plan.mutable_activations(),
                             ModelActivations(model, options));
-  } else if (!options.activation_checkpointing().empty() &&
-             options.activation_checkpointing() != "none") {
-    return absl::InvalidArgumentError(
-        "activation_checkpointing: needs micro_batch_size and seq_len (the "
-        "activations it trades for compute)");
+  } else {
+    SHARDD_RETURN_IF_ERROR(
+        ParseCheckpointPolicy(options.activation_checkpointing()).status());
   }
   plan.set_fingerprint(Fingerprint(plan));
   SHARDD_RETURN_IF_ERROR(ModelStep(options.include_timeline(), &plan));

@@ -138,6 +138,38 @@ TEST_F(TrainIntegrationTest, AHuggingFaceAttentionModelTrains) {
   EXPECT_GT(final_loss, 0.95 * best);
   EXPECT_EQ(json["peak_unsharded_bytes"].get<int64_t>(),
             json["planned_peak_unsharded_bytes"].get<int64_t>());
+  // The coordinator planned the job's micro-batch activations; the workers
+  // held exactly those.
+  EXPECT_GT(json["planned_peak_activation_bytes"].get<int64_t>(), 0);
+  EXPECT_EQ(json["peak_activation_bytes"].get<int64_t>(),
+            json["planned_peak_activation_bytes"].get<int64_t>());
+}
+
+// Recomputing every layer in backward (through the coordinator, the plan
+// and the workers) trains bit for bit as keeping the activations, with
+// fewer of them.
+TEST_F(TrainIntegrationTest, ActivationCheckpointingChangesNoLoss) {
+  auto attention = [&](int steps, std::vector<std::string> extra) {
+    std::vector<std::string> args = TrainArgs(steps, extra);
+    auto model = std::find(args.begin(), args.end(), "--model");
+    EXPECT_NE(model, args.end());
+    if (model != args.end()) *(model + 1) = "tests/data/tiny_qwen3_moe.json";
+    return args;
+  };
+  ProcessResult kept = Shardctl(attention(4, {}));
+  ASSERT_EQ(kept.exit_code, 0) << kept.err;
+  ProcessResult recomputed =
+      Shardctl(attention(4, {"--activation-checkpointing", "all"}));
+  ASSERT_EQ(recomputed.exit_code, 0) << recomputed.err;
+  auto a = LocalCluster::ParseTrainOutput(kept.out);
+  auto b = LocalCluster::ParseTrainOutput(recomputed.out);
+  ASSERT_FALSE(a.is_discarded()) << kept.out;
+  ASSERT_FALSE(b.is_discarded()) << recomputed.out;
+  EXPECT_EQ(a["losses"], b["losses"]);
+  EXPECT_EQ(b["peak_activation_bytes"].get<int64_t>(),
+            b["planned_peak_activation_bytes"].get<int64_t>());
+  EXPECT_LT(b["peak_activation_bytes"].get<int64_t>(),
+            a["peak_activation_bytes"].get<int64_t>());
 }
 
 // Learning: 2 workers train the small MoE on synthetic Markov data until the

@@ -578,6 +578,7 @@ class JobRunner::Attempt {
     double weighted_loss = 0.0;
     double plain_loss = 0.0;
     int64_t peak = 0;
+    int64_t activations = 0;
     int64_t all_gathers = 0;
     int64_t reduce_scatters = 0;
     for (const v1::ExecuteResponse& result : results) {
@@ -585,6 +586,7 @@ class JobRunner::Attempt {
       weighted_loss += result.loss() * static_cast<double>(result.tokens());
       plain_loss += result.loss();
       peak = std::max(peak, result.peak_unsharded_bytes());
+      activations = std::max(activations, result.peak_activation_bytes());
       all_gathers = std::max(all_gathers, result.all_gathers());
       reduce_scatters = std::max(reduce_scatters, result.reduce_scatters());
     }
@@ -603,6 +605,9 @@ class JobRunner::Attempt {
     event.set_peak_unsharded_bytes(peak);
     event.set_planned_peak_unsharded_bytes(
         spec_.plan.memory().peak_unsharded_bytes());
+    event.set_peak_activation_bytes(activations);
+    event.set_planned_peak_activation_bytes(
+        spec_.plan.memory().peak_activation_bytes());
     event.set_all_gathers(all_gathers);
     event.set_reduce_scatters(reduce_scatters);
     event.set_data_entropy_rate(loaded_[0].data_entropy_rate());
