@@ -59,12 +59,12 @@ Plan:
 Activations:
   --micro-batch-size N, --seq N   count each rank's activations for N
                                sequences of --seq tokens per micro-batch
-                               (both, or neither; not modelled yet for
-                               DiffusionGemma)
+                               (both, or neither)
   --activation-checkpointing P none (default), all, experts or every:K:
                                the layers (all, or every K-th from 0) or
                                only the grouped experts that recompute
-                               their forward in backward
+                               their forward in backward (not yet for
+                               DiffusionGemma)
 Device:
   --device-memory SIZE         memory per GPU to check the peak against
                                (default 80GiB, an H100): 80GiB, 141GiB,

@@ -41,8 +41,23 @@ struct LayerBytes {
   int64_t experts_backward = 0;
   int64_t experts_grad = 0;
   int64_t backward = 0;
+  int64_t experts_kept = 0;
+  int64_t encoder_kv_grad = 0;
   bool has_experts = false;
 };
+
+void SetLayer(int l, const LayerBytes& b, v1::LayerActivations* layer) {
+  layer->set_layer(l);
+  layer->set_saved_bytes(b.saved);
+  layer->set_checkpoint_bytes(b.checkpoint);
+  layer->set_handoff_bytes(b.handoff);
+  layer->set_experts_saved_bytes(b.experts_saved);
+  layer->set_experts_backward_bytes(b.experts_backward);
+  layer->set_experts_grad_bytes(b.experts_grad);
+  layer->set_backward_bytes(b.backward);
+  layer->set_experts_kept_bytes(b.experts_kept);
+  layer->set_encoder_kv_grad_bytes(b.encoder_kv_grad);
+}
 
 absl::StatusOr<LayerBytes> LayerActivations(const v1::ModelSpec& model,
                                             const Shapes& shapes, int layer,
@@ -162,6 +177,59 @@ absl::StatusOr<LayerBytes> LayerActivations(const v1::ModelSpec& model,
   return b;
 }
 
+// A DiffusionGemma layer (worker/model/gemma_layer.h) over t tokens;
+// `encoder_rows` > 0 for a decode layer: the encode's rows per micro-batch
+// whose K/V gradients its backward adds.
+absl::StatusOr<LayerBytes> GemmaLayerActivations(const v1::ModelSpec& model,
+                                                 const Shapes& shapes,
+                                                 int layer, int64_t t,
+                                                 int64_t encoder_rows,
+                                                 int64_t d) {
+  const v1::ModelDims& dims = model.dims();
+  const std::string p = absl::StrCat("model.layers.", layer, ".");
+  const int64_t hq = dims.num_attention_heads();
+  const int64_t q_rows = Dim(shapes, p + "self_attn.q_proj.weight", 0);
+  const int64_t hd = hq > 0 ? q_rows / hq : 0;
+  const int64_t hkv =
+      hd > 0 ? Dim(shapes, p + "self_attn.k_proj.weight", 0) / hd : 0;
+  const int64_t inter_dense = Dim(shapes, p + "mlp.gate_proj.weight", 0);
+  const std::string gu = p + "moe.experts.gate_and_up_projs";
+  const int64_t e = Dim(shapes, gu, 0);
+  const int64_t inter = Dim(shapes, gu, 2) / 2;
+  const int64_t k = dims.top_k();
+  if (hq < 1 || hd < 1 || hkv < 1 || inter_dense < 1 || e < 1 || inter < 1 ||
+      k < 1 || k > e) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        p, ": a DiffusionGemma layer needs attention heads, an mlp and [E, D, "
+           "2I] experts with dims.top_k in [1, E]"));
+  }
+  LayerBytes b;
+  b.has_experts = true;
+  // The input, normed input, attention output, mid residual, dense input
+  // and output, their sum, the MLP's input copy, the router's normed and
+  // scaled inputs, the experts' input; six inverse RMS; q before and after
+  // its norm, o; k and v before and after theirs; q's and lse's, k's and
+  // v's inverse RMS; the MLP's gate, up, hidden; the router.
+  const int64_t per_token = 11 * d + 6 + 3 * hq * hd + 4 * hkv * hd + 2 * hq +
+                            2 * hkv + 3 * inter_dense + 3 * k + e + 1;
+  b.saved = t * per_token * kF32;
+  b.checkpoint = t * d * kF32;
+  b.backward = t * (e + 2 * inter_dense) * kF32;  // router, MLP gradients
+  const int64_t n = t * k;
+  // FORWARD(EXPERTS): the layer unit's weights it copies (three norms and
+  // the scalar), the experts' output and two inverse RMS, kept until
+  // BACKWARD(LAYER); the grouped experts' state as for other layers.
+  b.experts_kept = (3 * d + 1 + t * d + 2 * t) * kF32;
+  b.experts_saved = b.experts_kept + (e + 1 + e) * kI64 +
+                    (t * k + n + n + n * d + n * 2 * inter + n * inter) * kF32;
+  b.experts_backward = (n * inter + n + n * 2 * inter + n * d + n * d) * kF32;
+  // The mid residual's and the sum's gradients, the weights', three norm
+  // weights' gradients.
+  b.experts_grad = (2 * t * d + t * k + 3 * d) * kF32;
+  b.encoder_kv_grad = 2 * encoder_rows * hkv * hd * kF32;
+  return b;
+}
+
 }  // namespace
 
 std::string CheckpointPolicy::Text() const {
@@ -202,17 +270,8 @@ absl::StatusOr<CheckpointPolicy> ParseCheckpointPolicy(absl::string_view text) {
       text, "'"));
 }
 
-bool ActivationsModelled(const v1::ModelSpec& model) {
-  return model.architecture() != kBlockDiffusionArchitecture;
-}
-
 absl::StatusOr<v1::ActivationModel> ModelActivations(
     const v1::ModelSpec& model, const v1::PlanOptions& options) {
-  if (!ActivationsModelled(model)) {
-    return absl::UnimplementedError(absl::StrCat(
-        "micro_batch_size / seq_len: activations are not modelled for ",
-        model.architecture(), " yet; plan it without them"));
-  }
   const int64_t batch = options.micro_batch_size();
   const int64_t seq = options.seq_len();
   if (batch < 1 || seq < 1 || batch > kMaxTokens / seq) {
@@ -244,22 +303,67 @@ absl::StatusOr<v1::ActivationModel> ModelActivations(
   out.set_head_bytes((t * d + t + t * d) * kF32);
   out.set_hidden_bytes(t * d * kF32);
   out.set_grad_stream_bytes(t * d * kF32);
+  const bool gemma = model.architecture() == kBlockDiffusionArchitecture;
+  if (gemma && policy.kind != CheckpointPolicy::kNone) {
+    return absl::UnimplementedError(
+        "activation_checkpointing: DiffusionGemma's layers do not recompute "
+        "yet; use none");
+  }
+  // The block-diffusion step (3 passes, 1 without gradients) decodes the
+  // response rows of each sequence after encoding it.
+  const bool diffusion = gemma && options.passes() == 3 &&
+                         options.has_no_grad_passes() &&
+                         options.no_grad_passes() == 1;
+  int64_t rows = 0;
+  if (diffusion) {
+    rows = options.response_length() > 0 ? options.response_length()
+                                         : model.dims().canvas_length();
+    if (rows < 1 || rows >= seq) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "response_length: DiffusionGemma's block-diffusion step decodes "
+          "between 1 and seq_len - 1 rows per sequence, got ",
+          rows, " of ", seq));
+    }
+    const int64_t r = batch * rows;
+    const int64_t vocab = Dim(shapes, "model.embed_tokens.weight", 0);
+    const int64_t sc_inter =
+        Dim(shapes, "model.self_conditioning.gate_proj.weight", 0);
+    out.set_block_diffusion(true);
+    out.set_response_length(rows);
+    out.set_decode_stream_bytes(r * d * kF32);
+    out.set_decode_head_bytes((r * d + r + r * d) * kF32);
+    out.set_decode_grad_stream_bytes(r * d * kF32);
+    // The canvas embeddings and their sum, its inverse RMS; the signal,
+    // its pre-norm output and inverse RMS, the MLP output, its input copy,
+    // gate, up and hidden; the MLP's two gradients; the probabilities.
+    out.set_sc_embed_bytes((2 * r * d + r) * kF32);
+    out.set_sc_signal_bytes((r * d + r * d + r + r * d + r * d +
+                             3 * r * sc_inter) *
+                            kF32);
+    out.set_sc_backward_bytes(2 * r * sc_inter * kF32);
+    out.set_sc_probs_bytes(r * vocab * kF32);
+  }
   for (int l = 0;; ++l) {
     if (!Has(shapes, absl::StrCat("model.layers.", l,
                                   ".input_layernorm.weight"))) {
       break;
     }
-    SHARDD_ASSIGN_OR_RETURN(const LayerBytes b,
-                            LayerActivations(model, shapes, l, batch, seq, d));
+    LayerBytes b;
+    if (gemma) {
+      SHARDD_ASSIGN_OR_RETURN(
+          b, GemmaLayerActivations(model, shapes, l, t, 0, d));
+      if (diffusion) {
+        SHARDD_ASSIGN_OR_RETURN(
+            const LayerBytes decode,
+            GemmaLayerActivations(model, shapes, l, batch * rows, t, d));
+        SetLayer(l, decode, out.add_decode_layers());
+      }
+    } else {
+      SHARDD_ASSIGN_OR_RETURN(
+          b, LayerActivations(model, shapes, l, batch, seq, d));
+    }
     v1::LayerActivations* layer = out.add_layers();
-    layer->set_layer(l);
-    layer->set_saved_bytes(b.saved);
-    layer->set_checkpoint_bytes(b.checkpoint);
-    layer->set_handoff_bytes(b.handoff);
-    layer->set_experts_saved_bytes(b.experts_saved);
-    layer->set_experts_backward_bytes(b.experts_backward);
-    layer->set_experts_grad_bytes(b.experts_grad);
-    layer->set_backward_bytes(b.backward);
+    SetLayer(l, b, layer);
     const bool whole = policy.kind == CheckpointPolicy::kAll ||
                        (policy.kind == CheckpointPolicy::kEveryK &&
                         l % policy.every == 0);

@@ -4,7 +4,8 @@
 // The activations one rank keeps for one micro-batch (micro_batch_size
 // sequences of seq_len tokens), per layer and computation, for the
 // architectures the CPU workers train (Llama, Mixtral, Qwen3-MoE,
-// DeepSeek-V3, GPT-OSS; docs/design.md, "Activation memory"). The step
+// DeepSeek-V3, GPT-OSS, DiffusionGemma's causal pass and block-diffusion
+// step; docs/design.md, "Activation memory"). The step
 // model (program/step_model.h) replays them with the step program, so a
 // plan's peak counts parameters, gradients and activations together.
 //
@@ -36,18 +37,16 @@ struct CheckpointPolicy {
 // allowed.
 absl::StatusOr<CheckpointPolicy> ParseCheckpointPolicy(absl::string_view text);
 
-// Whether the activation model covers `model` (every architecture the CPU
-// workers train but DiffusionGemmaForBlockDiffusion, whose Gemma layers and
-// block-diffusion passes it does not model yet).
-bool ActivationsModelled(const v1::ModelSpec& model);
-
 // The activation model of `model` for options.micro_batch_size() sequences
-// of options.seq_len() tokens with options.activation_checkpointing().
+// of options.seq_len() tokens with options.activation_checkpointing(), for
+// the step shape options.passes() / no_grad_passes() (as planned: for
+// DiffusionGemma 3 / 1 is the block-diffusion step, which decodes
+// options.response_length() rows, 0: dims.canvas_length).
 // Errors: INVALID_ARGUMENT naming the field (micro_batch_size or seq_len
 // < 1 or too large for 64-bit byte counts, a malformed
-// activation_checkpointing, a layer whose parameters are not shaped as
-// the architecture needs); UNIMPLEMENTED for a model
-// ActivationsModelled refuses.
+// activation_checkpointing, response_length outside [1, seq_len), a layer
+// whose parameters are not shaped as the architecture needs);
+// UNIMPLEMENTED for recompute of DiffusionGemma layers.
 absl::StatusOr<v1::ActivationModel> ModelActivations(
     const v1::ModelSpec& model, const v1::PlanOptions& options);
 

@@ -123,9 +123,20 @@ TEST(ActivationModelTest, RefusesWhatItCannotModel) {
   ASSERT_FALSE(bad.ok());
   EXPECT_THAT(bad.status().message(), HasSubstr("activation_checkpointing"));
   const v1::ModelSpec gemma = Config("tiny_diffusion_gemma");
-  EXPECT_FALSE(ActivationsModelled(gemma));
-  EXPECT_EQ(ModelActivations(gemma, Options(1, 16, "")).status().code(),
+  EXPECT_EQ(ModelActivations(gemma, Options(1, 16, "all")).status().code(),
             absl::StatusCode::kUnimplemented);
+  v1::PlanOptions step = Options(1, 8, "");
+  step.set_passes(3);
+  step.set_no_grad_passes(1);
+  absl::StatusOr<v1::ActivationModel> no_room = ModelActivations(gemma, step);
+  ASSERT_FALSE(no_room.ok());
+  EXPECT_THAT(no_room.status().message(), HasSubstr("response_length"));
+  step.set_seq_len(12);
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ActivationModel diffusion,
+                              ModelActivations(gemma, step));
+  EXPECT_TRUE(diffusion.block_diffusion());
+  EXPECT_EQ(diffusion.response_length(), 8);  // canvas_length
+  EXPECT_EQ(diffusion.decode_layers_size(), diffusion.layers_size());
 }
 
 // Through the planner: the step's peak counts activations, recomputing

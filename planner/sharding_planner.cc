@@ -444,8 +444,11 @@ absl::StatusOr<ShardingPlan> ShardingPlanner::Plan(
   // always has one (the coordinator sets it), so activation_checkpointing
   // takes effect there. Its spelling is checked either way.
   if (options.micro_batch_size() != 0 || options.seq_len() != 0) {
+    v1::PlanOptions shaped = options;
+    shaped.set_passes(step.passes());
+    shaped.set_no_grad_passes(step.no_grad_passes());
     SHARDD_ASSIGN_OR_RETURN(*plan.mutable_activations(),
-                            ModelActivations(model, options));
+                            ModelActivations(model, shaped));
   } else {
     SHARDD_RETURN_IF_ERROR(
         ParseCheckpointPolicy(options.activation_checkpointing()).status());

@@ -14,6 +14,9 @@ ActivationLedger::ActivationLedger(const v1::ActivationModel* model,
   for (const v1::LayerActivations& layer : model_->layers()) {
     layers_[layer.layer()] = &layer;
   }
+  for (const v1::LayerActivations& layer : model_->decode_layers()) {
+    decode_layers_[layer.layer()] = &layer;
+  }
 }
 
 const v1::LayerActivations& ActivationLedger::Layer(int layer) const {
@@ -21,98 +24,180 @@ const v1::LayerActivations& ActivationLedger::Layer(int layer) const {
   return it == layers_.end() ? none_ : *it->second;
 }
 
+const v1::LayerActivations& ActivationLedger::DecodeLayer(int layer) const {
+  auto it = decode_layers_.find(layer);
+  return it == decode_layers_.end() ? none_ : *it->second;
+}
+
+int64_t ActivationLedger::LayerPart(Command::Op op, Command::Part part,
+                                    const v1::LayerActivations& l, bool grad) {
+  const int64_t before = live_;
+  int64_t peak = before;
+  const bool experts = l.experts_saved_bytes() > 0;
+  const bool recompute_experts = l.recompute() || l.recompute_experts();
+  if (op == Command::FORWARD && part == Command::LAYER) {
+    peak = before + l.saved_bytes() + l.handoff_bytes();
+    if (!grad) {
+      // Dropped once the layer's last forward is done.
+      live_ = experts ? peak : before;
+    } else {
+      live_ = before +
+              (l.recompute() ? l.checkpoint_bytes() : l.saved_bytes()) +
+              l.handoff_bytes();
+    }
+  } else if (op == Command::FORWARD) {  // EXPERTS
+    peak = before + l.experts_saved_bytes();
+    if (!grad) {
+      live_ = before - l.handoff_bytes() - l.saved_bytes();
+    } else {
+      live_ = before - l.handoff_bytes() +
+              (recompute_experts ? 0 : l.experts_saved_bytes());
+    }
+  } else if (part == Command::EXPERTS) {
+    peak = before + l.experts_grad_bytes() + l.experts_backward_bytes() +
+           (recompute_experts ? l.experts_saved_bytes() : 0);
+    // The grouped experts' state goes; what the layer's backward reads
+    // stays.
+    live_ = before + l.experts_grad_bytes() -
+            (recompute_experts
+                 ? 0
+                 : l.experts_saved_bytes() - l.experts_kept_bytes());
+  } else {  // BACKWARD(LAYER)
+    peak = before +
+           (l.recompute() ? l.saved_bytes() - l.checkpoint_bytes() : 0) +
+           l.backward_bytes();
+    live_ = before - (l.recompute() ? l.checkpoint_bytes() : l.saved_bytes()) -
+            l.experts_kept_bytes() - l.experts_grad_bytes();
+  }
+  return peak;
+}
+
 int64_t ActivationLedger::Apply(Command::Op op, Command::Part part, int layer,
                                 int pass) {
   if (model_ == nullptr) return 0;
-  const v1::ActivationModel& m = *model_;
-  const bool grad = passes_.requires_grad(pass);
   const int64_t before = live_;
   int64_t peak = before;
-  if (op == Command::FORWARD) {
-    switch (part) {
-      case Command::EMBED: {
-        live_ += m.stream_bytes();
-        peak = live_;
-        // The previous pass's output, kept only for this embedding when
-        // that pass had no gradients.
-        if (pass > 0 && !passes_.requires_grad(pass - 1)) {
-          live_ -= m.hidden_bytes();
-        }
-        break;
-      }
-      case Command::LAYER: {
-        const v1::LayerActivations& l = Layer(layer);
-        peak = before + l.saved_bytes() + l.handoff_bytes();
-        const bool experts = l.experts_saved_bytes() > 0;
-        if (!grad) {
-          // Dropped once the layer's last forward is done.
-          live_ = experts ? peak : before;
-        } else {
-          live_ = before + (l.recompute() ? l.checkpoint_bytes()
-                                          : l.saved_bytes()) +
-                  l.handoff_bytes();
-        }
-        break;
-      }
-      case Command::EXPERTS: {
-        const v1::LayerActivations& l = Layer(layer);
-        peak = before + l.experts_saved_bytes();
-        if (!grad) {
-          live_ = before - l.handoff_bytes() - l.saved_bytes();
-        } else {
-          const bool recompute = l.recompute() || l.recompute_experts();
-          live_ = before - l.handoff_bytes() +
-                  (recompute ? 0 : l.experts_saved_bytes());
-        }
-        break;
-      }
-      case Command::HEAD: {
-        // The stream becomes the final norm's input.
-        peak = before - m.stream_bytes() + m.head_bytes();
-        if (grad) {
-          live_ = peak;
-        } else {
-          const bool next = pass + 1 < passes_.passes();
-          live_ = before - m.stream_bytes() + (next ? m.hidden_bytes() : 0);
-        }
-        break;
-      }
-      default:
-        break;
+  if (model_->block_diffusion()) {
+    peak = BlockDiffusion(op, part, layer, pass);
+    return std::max({peak, before, live_});
+  }
+  const v1::ActivationModel& m = *model_;
+  const bool grad = passes_.requires_grad(pass);
+  if (part == Command::LAYER || part == Command::EXPERTS) {
+    peak = LayerPart(op, part, Layer(layer), grad);
+  } else if (op == Command::FORWARD && part == Command::EMBED) {
+    live_ += m.stream_bytes();
+    peak = live_;
+    // The previous pass's output, kept only for this embedding when that
+    // pass had no gradients.
+    if (pass > 0 && !passes_.requires_grad(pass - 1)) {
+      live_ -= m.hidden_bytes();
     }
-  } else {
-    switch (part) {
-      case Command::HEAD:
-        peak = before + m.grad_stream_bytes();
-        live_ = peak - m.head_bytes();
-        break;
-      case Command::EXPERTS: {
-        const v1::LayerActivations& l = Layer(layer);
-        const bool recompute = l.recompute() || l.recompute_experts();
-        peak = before + l.experts_grad_bytes() + l.experts_backward_bytes() +
-               (recompute ? l.experts_saved_bytes() : 0);
-        live_ = before + l.experts_grad_bytes() -
-                (recompute ? 0 : l.experts_saved_bytes());
-        break;
-      }
-      case Command::LAYER: {
-        const v1::LayerActivations& l = Layer(layer);
-        peak = before +
-               (l.recompute() ? l.saved_bytes() - l.checkpoint_bytes() : 0) +
-               l.backward_bytes();
-        live_ = before -
-                (l.recompute() ? l.checkpoint_bytes() : l.saved_bytes()) -
-                l.experts_grad_bytes();
-        break;
-      }
-      case Command::EMBED:
-        live_ = before - m.grad_stream_bytes();
-        break;
-      default:
-        break;
+  } else if (op == Command::FORWARD && part == Command::HEAD) {
+    // The stream becomes the final norm's input.
+    peak = before - m.stream_bytes() + m.head_bytes();
+    if (grad) {
+      live_ = peak;
+    } else {
+      const bool next = pass + 1 < passes_.passes();
+      live_ = before - m.stream_bytes() + (next ? m.hidden_bytes() : 0);
     }
+  } else if (part == Command::HEAD) {  // BACKWARD
+    peak = before + m.grad_stream_bytes();
+    live_ = peak - m.head_bytes();
+  } else if (part == Command::EMBED) {  // BACKWARD
+    live_ = before - m.grad_stream_bytes();
   }
   return std::max({peak, before, live_});
+}
+
+int64_t ActivationLedger::BlockDiffusion(Command::Op op, Command::Part part,
+                                         int layer, int pass) {
+  const v1::ActivationModel& m = *model_;
+  const bool eval = passes_.eval();
+  const bool encode = pass == 0;
+  const int64_t before = live_;
+  int64_t peak = before;
+  const int64_t stream =
+      encode ? m.stream_bytes() : m.decode_stream_bytes();
+  const int64_t head = encode ? m.head_bytes() : m.decode_head_bytes();
+  const int64_t grad_stream =
+      encode ? m.grad_stream_bytes() : m.decode_grad_stream_bytes();
+  if (part == Command::LAYER || part == Command::EXPERTS) {
+    const v1::LayerActivations& l =
+        encode ? Layer(layer) : DecodeLayer(layer);
+    if (op == Command::FORWARD) {
+      // The encode keeps its K/V for the decodes (in an evaluation until
+      // the last decode's layer is done); the self-conditioning decode and
+      // an evaluated decode drop theirs once the layer is done.
+      const bool keep = encode || (pass == 2 && !eval);
+      peak = LayerPart(op, part, l, keep);
+      if (eval && pass == 2 && part == Command::EXPERTS) {
+        const v1::LayerActivations& e = Layer(layer);
+        live_ -= e.saved_bytes() + e.experts_saved_bytes();
+      }
+      return peak;
+    }
+    if (part == Command::EXPERTS) return LayerPart(op, part, l, true);
+    // BACKWARD(LAYER): a decode adds the encode's K/V gradients; the
+    // encode frees them with the rest.
+    const int64_t kv = encode ? encoder_kv_grads_[layer]
+                              : l.encoder_kv_grad_bytes();
+    peak = LayerPart(op, part, l, true);
+    if (encode) {
+      live_ -= kv;
+      encoder_kv_grads_[layer] = 0;
+    } else {
+      peak += kv;
+      live_ += kv;
+      encoder_kv_grads_[layer] = kv;
+    }
+    return peak;
+  }
+  if (op == Command::FORWARD && part == Command::EMBED) {
+    if (pass == 1) {
+      live_ += m.sc_embed_bytes() + stream;
+    } else if (pass == 2) {
+      live_ += m.sc_signal_bytes() + stream;
+      peak = live_;
+      // An evaluation needs no self-conditioning state once the decode's
+      // input is built.
+      if (eval) {
+        live_ -= m.sc_embed_bytes() + m.sc_signal_bytes() + m.sc_probs_bytes();
+      }
+    } else {
+      live_ += stream;
+    }
+    return std::max(peak, live_);
+  }
+  if (op == Command::FORWARD) {  // HEAD
+    peak = before - stream + head;
+    if (pass == 1) {
+      // The softmaxed logits for pass 2; the hidden states go.
+      peak += m.sc_probs_bytes();
+      live_ = before - stream + m.sc_probs_bytes();
+    } else if (eval) {
+      live_ = before - stream;
+    } else {
+      live_ = peak;
+    }
+    return peak;
+  }
+  if (part == Command::HEAD) {  // BACKWARD
+    peak = before + grad_stream;
+    live_ = peak - head;
+    return peak;
+  }
+  // BACKWARD(EMBED): the decode's self-conditioning backward frees its
+  // state and the probabilities.
+  if (pass == 2) {
+    peak = before + m.sc_backward_bytes();
+    live_ = before - grad_stream - m.sc_embed_bytes() - m.sc_signal_bytes() -
+            m.sc_probs_bytes();
+  } else {
+    live_ = before - grad_stream;
+  }
+  return peak;
 }
 
 }  // namespace program_internal

@@ -34,10 +34,22 @@ class ActivationLedger {
 
  private:
   const v1::LayerActivations& Layer(int layer) const;
+  const v1::LayerActivations& DecodeLayer(int layer) const;
+
+  // A layer's FORWARD / BACKWARD of LAYER or EXPERTS with `l`'s bytes;
+  // `grad`: the pass builds a graph.
+  int64_t LayerPart(v1::Command::Op op, v1::Command::Part part,
+                    const v1::LayerActivations& l, bool grad);
+  // DiffusionGemma's block-diffusion step.
+  int64_t BlockDiffusion(v1::Command::Op op, v1::Command::Part part,
+                         int layer, int pass);
 
   const v1::ActivationModel* model_;
   const PassLayout passes_;
   std::map<int, const v1::LayerActivations*> layers_;
+  std::map<int, const v1::LayerActivations*> decode_layers_;
+  // Block diffusion: the encode layers' K/V gradients from the decode.
+  std::map<int, int64_t> encoder_kv_grads_;
   v1::LayerActivations none_;
   int64_t live_ = 0;
 };

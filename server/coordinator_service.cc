@@ -660,10 +660,8 @@ absl::StatusOr<v1::SubmitStepResponse> CoordinatorService::SubmitStep(
         config.global_batch()));
   }
   // Plan the activations of the micro-batches the ranks will hold (and the
-  // layers that recompute), where the model has an activation model.
-  const bool checkpointing = !options.activation_checkpointing().empty() &&
-                             options.activation_checkpointing() != "none";
-  if (ActivationsModelled(job.model) || checkpointing) {
+  // layers that recompute).
+  {
     const int64_t micro_batch = config.global_batch() / split;
     if (micro_batch > std::numeric_limits<int32_t>::max()) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -673,6 +671,7 @@ absl::StatusOr<v1::SubmitStepResponse> CoordinatorService::SubmitStep(
     }
     options.set_micro_batch_size(static_cast<int32_t>(micro_batch));
     options.set_seq_len(config.seq_len());
+    options.set_response_length(config.diffusion().response_length());
     SHARDD_ASSIGN_OR_RETURN(job.plan,
                             PlanModel(request.model_id(), job.model, options));
   }

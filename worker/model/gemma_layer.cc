@@ -400,6 +400,8 @@ absl::Status GemmaLayerBlock::ForwardExperts(const MoeLayerSpec& layer,
                           params->Param(layer.layer_scalar.name));
   SHARDD_ASSIGN_OR_RETURN(const float* w_pre2,
                           params->Param(layer.pre_ff_norm_2.name));
+  a->layer_w.clear();
+  a->layer_w.reserve(3 * d + 1);
   a->layer_w.assign(w_post2, w_post2 + d);
   a->layer_w.insert(a->layer_w.end(), w_post, w_post + d);
   a->layer_w.insert(a->layer_w.end(), w_pre2, w_pre2 + d);
@@ -409,6 +411,8 @@ absl::Status GemmaLayerBlock::ForwardExperts(const MoeLayerSpec& layer,
       {t, d, layer.moe_inter, layer.experts, arch_->top_k}, arch_->activation,
       a->experts_in.data(), a->indices.data(), a->weights.data(), nullptr,
       w_gu, w_d, a->experts_out.data(), &a->experts));
+  // The per-row outputs are the kernel's scratch; backward regrows them.
+  std::vector<float>().swap(a->experts.o);
   a->post2_inv.resize(t);
   g_.resize(t * d);
   SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(a->experts_out.data(),

@@ -342,7 +342,8 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
       if (spec.gemma) {
         SHARDD_RETURN_IF_ERROR(gemma_block->ForwardExperts(
             spec, params, t, &la.gemma, a.x.data()));
-        if (eval) la = LayerActs();
+        MarkActivationPeak();
+        if (!c.requires_grad()) la = LayerActs();
         return absl::OkStatus();
       }
       SHARDD_RETURN_IF_ERROR(ExpertsForward(spec, params, t, &la));
@@ -452,9 +453,7 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
       if (dnorm != nullptr)
         SHARDD_RETURN_IF_ERROR(AddGrad(params, final_norm, dnorm));
       MarkActivationPeak();
-      FreeVector(&a.final_x);
-      FreeVector(&a.final_inv);
-      FreeVector(&a.h);
+      FreeHead(&a);
       return absl::OkStatus();
     }
     case Command::EXPERTS: {
@@ -462,8 +461,11 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
       const LayerSpec& spec = layers[l];
       LayerActs& la = a.layers[l];
       if (spec.gemma) {
-        return gemma_block->BackwardExperts(spec, params, t, a.dx.data(),
-                                            &la.gemma);
+        SHARDD_RETURN_IF_ERROR(gemma_block->BackwardExperts(
+            spec, params, t, a.dx.data(), &la.gemma));
+        MarkActivationPeak();
+        la.gemma.experts = kernels::GroupedExpertsWorkspace();
+        return absl::OkStatus();
       }
       if (recompute_layer[l] || recompute_experts[l]) {
         SHARDD_RETURN_IF_ERROR(ExpertsForward(spec, params, t, &la));
@@ -503,8 +505,11 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
       const LayerSpec& spec = layers[l];
       LayerActs& la = a.layers[l];
       if (spec.gemma) {
-        return gemma_block->BackwardLayer(spec, params, batch.batch, batch.seq,
-                                          &la.gemma, a.dx.data());
+        SHARDD_RETURN_IF_ERROR(gemma_block->BackwardLayer(
+            spec, params, batch.batch, batch.seq, &la.gemma, a.dx.data()));
+        MarkActivationPeak();
+        la = LayerActs();
+        return absl::OkStatus();
       }
       if (recompute_layer[l]) {
         // The checkpoint holds the input (and the experts' inputs, which

@@ -65,7 +65,17 @@ absl::Status MoeModel::Impl::DiffusionForward(const Command& c,
   const int64_t t = batch.batch * seq;
   switch (c.part()) {
     case Command::EMBED: {
-      if (pass > 0) return SelfConditioningForward(pass, &batch, params, &a);
+      if (pass > 0) {
+        SHARDD_RETURN_IF_ERROR(
+            SelfConditioningForward(pass, &batch, params, &a));
+        if (eval && pass == 2) {
+          // Only a decode with gradients reads them again.
+          MarkActivationPeak();
+          sc = SelfConditioningActs();
+          if (!hold_self_conditioning) FreeVector(&batch.sc_probs);
+        }
+        return absl::OkStatus();
+      }
       SHARDD_ASSIGN_OR_RETURN(const float* table, params->Param(embed.name));
       a.x.resize(t * dim);
       SHARDD_RETURN_IF_ERROR(kernels::EmbeddingForward(
@@ -85,10 +95,13 @@ absl::Status MoeModel::Impl::DiffusionForward(const Command& c,
       GemmaLayerActs& la = a.layers[c.layer()].gemma;
       SHARDD_RETURN_IF_ERROR(gemma_block->ForwardExperts(
           layers[c.layer()], params, t, &la, a.x.data()));
+      MarkActivationPeak();
       // The self-conditioning decode has no backward, nor has an evaluated
       // decode: their layer's activations can go at once (the encode's
-      // hold the K/V the decodes read).
+      // hold the K/V the decodes read; an evaluation's last decode of the
+      // layer is done with them).
       if (pass == 1 || (eval && pass == 2)) la = GemmaLayerActs();
+      if (eval && pass == 2) acts[0].layers[c.layer()] = LayerActs();
       return absl::OkStatus();
     }
     case Command::HEAD: {
@@ -96,18 +109,23 @@ absl::Status MoeModel::Impl::DiffusionForward(const Command& c,
       if (eval && pass != 1) {
         // The weighted terms of DiffusionHeadBackward, one term per
         // micro-batch.
-        return pass == 0
-                   ? EvalLoss(params, a.h.data(), t, batch.ar_targets.data(),
-                              options.diffusion.encoder_loss_weight,
-                              /*new_term=*/false)
-                   : EvalLoss(params, a.h.data(), t, batch.canvas.clean.data(),
-                              options.diffusion.diffusion_loss_weight,
-                              /*new_term=*/true);
+        SHARDD_RETURN_IF_ERROR(
+            pass == 0
+                ? EvalLoss(params, a.h.data(), t, batch.ar_targets.data(),
+                           options.diffusion.encoder_loss_weight,
+                           /*new_term=*/false)
+                : EvalLoss(params, a.h.data(), t, batch.canvas.clean.data(),
+                           options.diffusion.diffusion_loss_weight,
+                           /*new_term=*/true));
+        MarkActivationPeak();
+        FreeHead(&a);
+        return absl::OkStatus();
       }
       if (pass != 1) return absl::OkStatus();  // Losses in BACKWARD(HEAD).
       std::vector<float>& probs = batch.sc_probs;
       if (hold_self_conditioning &&
           static_cast<int64_t>(probs.size()) == t * vocab) {
+        FreeHead(&a);
         return absl::OkStatus();
       }
       // The self-conditioning decode's soft-capped logits, softmaxed.
@@ -127,6 +145,9 @@ absl::Status MoeModel::Impl::DiffusionForward(const Command& c,
           row[v] = static_cast<float>(std::exp(row[v] - top) / total);
         }
       }
+      // Pass 2 reads the probabilities, not the hidden states.
+      MarkActivationPeak();
+      FreeHead(&a);
       return absl::OkStatus();
     }
     default:
@@ -282,27 +303,51 @@ absl::Status MoeModel::Impl::DiffusionBackward(const Command& c,
   const int64_t t = batch.batch * seq;
   switch (c.part()) {
     case Command::HEAD:
-      return DiffusionHeadBackward(pass, batch, params, &a);
-    case Command::EXPERTS:
-      return gemma_block->BackwardExperts(layers[c.layer()], params, t,
-                                          a.dx.data(),
-                                          &a.layers[c.layer()].gemma);
+      SHARDD_RETURN_IF_ERROR(DiffusionHeadBackward(pass, batch, params, &a));
+      MarkActivationPeak();
+      FreeHead(&a);
+      return absl::OkStatus();
+    case Command::EXPERTS: {
+      GemmaLayerActs& la = a.layers[c.layer()].gemma;
+      SHARDD_RETURN_IF_ERROR(gemma_block->BackwardExperts(
+          layers[c.layer()], params, t, a.dx.data(), &la));
+      MarkActivationPeak();
+      la.experts = kernels::GroupedExpertsWorkspace();
+      return absl::OkStatus();
+    }
     case Command::LAYER: {
       const int l = c.layer();
       GemmaDecode decode{batch.seq - canvas, batch.seq, block,
                          &acts[0].layers[l].gemma};
-      return gemma_block->BackwardLayer(layers[l], params, batch.batch, seq,
-                                        &a.layers[l].gemma, a.dx.data(),
-                                        pass == 0 ? nullptr : &decode);
+      SHARDD_RETURN_IF_ERROR(gemma_block->BackwardLayer(
+          layers[l], params, batch.batch, seq, &a.layers[l].gemma,
+          a.dx.data(), pass == 0 ? nullptr : &decode));
+      // A decode's K/V gradients stay in the encode's state until its
+      // backward.
+      MarkActivationPeak();
+      a.layers[l] = LayerActs();
+      return absl::OkStatus();
     }
     case Command::EMBED: {
-      if (pass > 0) return SelfConditioningBackward(batch, params, &a);
-      if (embed.frozen) return absl::OkStatus();
-      for (float& v : a.dx) v *= embedding_scale;
-      float* dtable = Zeroed(&scratch, vocab * dim);
-      SHARDD_RETURN_IF_ERROR(kernels::EmbeddingBackward(
-          a.dx.data(), batch.inputs.data(), t, vocab, dim, dtable));
-      return AddGrad(params, embed, dtable);
+      if (pass > 0) {
+        SHARDD_RETURN_IF_ERROR(SelfConditioningBackward(batch, params, &a));
+        MarkActivationPeak();
+        sc = SelfConditioningActs();
+        if (!hold_self_conditioning) {
+          FreeVector(&batches[c.microbatch()].sc_probs);
+        }
+        FreeVector(&a.dx);
+        return absl::OkStatus();
+      }
+      if (!embed.frozen) {
+        for (float& v : a.dx) v *= embedding_scale;
+        float* dtable = Zeroed(&scratch, vocab * dim);
+        SHARDD_RETURN_IF_ERROR(kernels::EmbeddingBackward(
+            a.dx.data(), batch.inputs.data(), t, vocab, dim, dtable));
+        SHARDD_RETURN_IF_ERROR(AddGrad(params, embed, dtable));
+      }
+      FreeVector(&a.dx);
+      return absl::OkStatus();
     }
     default:
       return absl::InvalidArgumentError(

@@ -215,6 +215,12 @@ struct MoeModel::Impl : MoeArchitecture {
   static void FreeVector(std::vector<T>* v) {
     std::vector<T>().swap(*v);
   }
+  // Frees FORWARD(HEAD)'s final norm input, inverse RMS and output.
+  static void FreeHead(PassActs* a) {
+    FreeVector(&a->final_x);
+    FreeVector(&a->final_inv);
+    FreeVector(&a->h);
+  }
   // What a recomputed layer keeps from its forward: its input, and the
   // experts' inputs (normed, choices, weights, the dense branch's output).
   static void KeepCheckpoint(const LayerSpec& spec, LayerActs* la);
