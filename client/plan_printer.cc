@@ -12,6 +12,7 @@
 #include "common/dtype.h"
 #include "layout/shard_ranges.h"
 #include "layout/unit_layout.h"
+#include "program/pass_layout.h"
 
 namespace shardd {
 namespace {
@@ -245,6 +246,7 @@ std::string FitText(const v1::ShardingPlan& plan, const PlanFit& fit) {
   // Activations do not shrink with more ranks; recomputing trades them for
   // compute.
   if (plan.has_activations() && plan.activations().checkpointing() == "none" &&
+      plan.architecture() != kBlockDiffusionArchitecture &&
       memory.peak_step_activation_bytes() > memory.peak_step_bytes() / 4) {
     absl::StrAppend(&text, "; activations are ",
                     HumanBytes(memory.peak_step_activation_bytes()),
