@@ -12,6 +12,10 @@
 // round-robin kRounds times (1, 2, 4, 1, 2, 4, ...) so drift in machine load
 // hits all of them; each round is a fresh executor.
 //
+// Then activation checkpointing: tests/data/small_qwen3_moe.json (attention)
+// on 2 ranks, each policy's median step time against "none" in the same
+// rounds, with the measured peak of activations (= the plan's).
+//
 // Run: bazel run -c opt //bench:train_step_bench
 
 #include <cblas.h>
@@ -64,14 +68,15 @@ std::string ReadFile(const std::string& path) {
   return buffer.str();
 }
 
-// The runfiles tree (bazel run's working directory) or next to the binary.
-std::string FindSpec() {
-  std::vector<std::string> candidates = {"tests/data/small_moe.json"};
+// tests/data/<name> in the runfiles tree (bazel run's working directory)
+// or next to the binary.
+std::string FindSpec(const std::string& name) {
+  std::vector<std::string> candidates = {"tests/data/" + name};
   char exe[4096];
   const ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
   if (n > 0) {
     candidates.push_back(std::string(exe, n) +
-                         ".runfiles/shardd/tests/data/small_moe.json");
+                         ".runfiles/shardd/tests/data/" + name);
   }
   for (const std::string& path : candidates) {
     std::string text = ReadFile(path);
@@ -86,13 +91,22 @@ double Median(std::vector<double> v) {
 }
 
 // Median step seconds of `world` ranks, or a negative number on failure.
-double RunWorld(const v1::ModelSpec& model, int world, bool mixed) {
+// With `checkpointing` the plan models activations (and recomputes as it
+// says); *peak_activations gets rank 0's measured peak.
+double RunWorld(const v1::ModelSpec& model, int world, bool mixed,
+                const std::string& checkpointing = "",
+                int64_t* peak_activations = nullptr) {
   static StrategyRegistry* registry =
       StrategyRegistry::CreateWithBuiltins().release();
   ShardingPlanner planner(registry);
   v1::PlanOptions plan_options;
   plan_options.mutable_mesh()->set_dp_shard(world);
   plan_options.set_mixed_precision(mixed);
+  if (!checkpointing.empty()) {
+    plan_options.set_micro_batch_size(static_cast<int32_t>(kGlobalBatch / world));
+    plan_options.set_seq_len(kSeq);
+    plan_options.set_activation_checkpointing(checkpointing);
+  }
   absl::StatusOr<v1::ShardingPlan> plan = planner.Plan(model, plan_options);
   if (!plan.ok()) {
     std::fprintf(stderr, "plan: %s\n", plan.status().ToString().c_str());
@@ -150,6 +164,9 @@ double RunWorld(const v1::ModelSpec& model, int world, bool mixed) {
           if (!result.ok()) return result.status();
           absl::MutexLock lock(&mu);
           step_seconds[s] = std::max(step_seconds[s], result->seconds);
+          if (r == 0 && peak_activations != nullptr) {
+            *peak_activations = result->peak_activation_bytes;
+          }
         }
         return absl::OkStatus();
       });
@@ -163,7 +180,7 @@ double RunWorld(const v1::ModelSpec& model, int world, bool mixed) {
 
 int main() {
   openblas_set_num_threads(1);
-  const std::string json = shardd::FindSpec();
+  const std::string json = shardd::FindSpec("small_moe.json");
   absl::StatusOr<shardd::v1::ModelSpec> model =
       shardd::ModelSpecFromNativeJson(json);
   if (!model.ok()) {
@@ -199,6 +216,39 @@ int main() {
                   shardd::kGlobalBatch * shardd::kSeq / t, base / t);
     }
     std::fflush(stdout);
+  }
+
+  absl::StatusOr<shardd::v1::ModelSpec> attention =
+      shardd::ModelSpecFromJson(shardd::FindSpec("small_qwen3_moe.json"));
+  if (!attention.ok()) {
+    std::fprintf(stderr, "tests/data/small_qwen3_moe.json: %s\n",
+                 attention.status().ToString().c_str());
+    return 1;
+  }
+  const char* policies[] = {"none", "experts", "every:2", "all"};
+  std::vector<std::vector<double>> medians(4);
+  std::vector<int64_t> peaks(4, 0);
+  for (int round = 0; round < shardd::kRounds; ++round) {
+    for (int p = 0; p < 4; ++p) {
+      const double t = shardd::RunWorld(*attention, 2, /*mixed=*/false,
+                                        policies[p], &peaks[p]);
+      if (t < 0) return 1;
+      medians[p].push_back(t);
+    }
+  }
+  std::printf(
+      "\nsmall_qwen3_moe, 2 ranks, fp32, %lld sequences x %lld tokens per "
+      "rank\n| activation_checkpointing | median step ms | step time ratio "
+      "to none | peak activations per rank | ratio to none |\n"
+      "|---|---|---|---|---|\n",
+      static_cast<long long>(shardd::kGlobalBatch / 2),
+      static_cast<long long>(shardd::kSeq));
+  const double base = shardd::Median(medians[0]);
+  for (int p = 0; p < 4; ++p) {
+    const double t = shardd::Median(medians[p]);
+    std::printf("| %s | %.2f | %.2f | %.2f MiB | %.2f |\n", policies[p],
+                t * 1e3, t / base, peaks[p] / 1048576.0,
+                static_cast<double>(peaks[p]) / peaks[0]);
   }
   return 0;
 }

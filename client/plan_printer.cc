@@ -12,7 +12,6 @@
 #include "common/dtype.h"
 #include "layout/shard_ranges.h"
 #include "layout/unit_layout.h"
-#include "program/pass_layout.h"
 
 namespace shardd {
 namespace {
@@ -246,7 +245,6 @@ std::string FitText(const v1::ShardingPlan& plan, const PlanFit& fit) {
   // Activations do not shrink with more ranks; recomputing trades them for
   // compute.
   if (plan.has_activations() && plan.activations().checkpointing() == "none" &&
-      plan.architecture() != kBlockDiffusionArchitecture &&
       memory.peak_step_activation_bytes() > memory.peak_step_bytes() / 4) {
     absl::StrAppend(&text, "; activations are ",
                     HumanBytes(memory.peak_step_activation_bytes()),

@@ -63,8 +63,7 @@ Activations:
   --activation-checkpointing P none (default), all, experts or every:K:
                                the layers (all, or every K-th from 0) or
                                only the grouped experts that recompute
-                               their forward in backward (not yet for
-                               DiffusionGemma)
+                               their forward in backward
 Device:
   --device-memory SIZE         memory per GPU to check the peak against
                                (default 80GiB, an H100): 80GiB, 141GiB,

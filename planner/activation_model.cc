@@ -43,6 +43,8 @@ struct LayerBytes {
   int64_t backward = 0;
   int64_t experts_kept = 0;
   int64_t encoder_kv_grad = 0;
+  int64_t experts_checkpoint = 0;
+  bool checkpoint_after_experts = false;
   bool has_experts = false;
 };
 
@@ -57,6 +59,8 @@ void SetLayer(int l, const LayerBytes& b, v1::LayerActivations* layer) {
   layer->set_backward_bytes(b.backward);
   layer->set_experts_kept_bytes(b.experts_kept);
   layer->set_encoder_kv_grad_bytes(b.encoder_kv_grad);
+  layer->set_experts_checkpoint_bytes(b.experts_checkpoint);
+  layer->set_checkpoint_after_experts(b.checkpoint_after_experts);
 }
 
 absl::StatusOr<LayerBytes> LayerActivations(const v1::ModelSpec& model,
@@ -184,7 +188,7 @@ absl::StatusOr<LayerBytes> GemmaLayerActivations(const v1::ModelSpec& model,
                                                  const Shapes& shapes,
                                                  int layer, int64_t t,
                                                  int64_t encoder_rows,
-                                                 int64_t d) {
+                                                 bool keep_kv, int64_t d) {
   const v1::ModelDims& dims = model.dims();
   const std::string p = absl::StrCat("model.layers.", layer, ".");
   const int64_t hq = dims.num_attention_heads();
@@ -213,7 +217,13 @@ absl::StatusOr<LayerBytes> GemmaLayerActivations(const v1::ModelSpec& model,
   const int64_t per_token = 11 * d + 6 + 3 * hq * hd + 4 * hkv * hd + 2 * hq +
                             2 * hkv + 3 * inter_dense + 3 * k + e + 1;
   b.saved = t * per_token * kF32;
-  b.checkpoint = t * d * kF32;
+  // Recomputed, it keeps (after its experts' forward) the input, the mid
+  // residual, the sum, the experts' input and inverse RMS, the choices and
+  // weights; an encode layer its K/V for the decodes; and of the experts'
+  // part the copied weights and the sum's inverse RMS.
+  b.checkpoint = t * (4 * d + 1 + 2 * k + (keep_kv ? 2 * hkv * hd : 0)) * kF32;
+  b.experts_checkpoint = (3 * d + 1 + t) * kF32;
+  b.checkpoint_after_experts = true;
   b.backward = t * (e + 2 * inter_dense) * kF32;  // router, MLP gradients
   const int64_t n = t * k;
   // FORWARD(EXPERTS): the layer unit's weights it copies (three norms and
@@ -228,6 +238,16 @@ absl::StatusOr<LayerBytes> GemmaLayerActivations(const v1::ModelSpec& model,
   b.experts_grad = (2 * t * d + t * k + 3 * d) * kF32;
   b.encoder_kv_grad = 2 * encoder_rows * hkv * hd * kF32;
   return b;
+}
+
+void SetPolicy(const CheckpointPolicy& policy, int l, bool has_experts,
+               v1::LayerActivations* layer) {
+  const bool whole =
+      policy.kind == CheckpointPolicy::kAll ||
+      (policy.kind == CheckpointPolicy::kEveryK && l % policy.every == 0);
+  layer->set_recompute(whole);
+  layer->set_recompute_experts(
+      !whole && policy.kind == CheckpointPolicy::kExperts && has_experts);
 }
 
 }  // namespace
@@ -304,11 +324,6 @@ absl::StatusOr<v1::ActivationModel> ModelActivations(
   out.set_hidden_bytes(t * d * kF32);
   out.set_grad_stream_bytes(t * d * kF32);
   const bool gemma = model.architecture() == kBlockDiffusionArchitecture;
-  if (gemma && policy.kind != CheckpointPolicy::kNone) {
-    return absl::UnimplementedError(
-        "activation_checkpointing: DiffusionGemma's layers do not recompute "
-        "yet; use none");
-  }
   // The block-diffusion step (3 passes, 1 without gradients) decodes the
   // response rows of each sequence after encoding it.
   const bool diffusion = gemma && options.passes() == 3 &&
@@ -350,13 +365,17 @@ absl::StatusOr<v1::ActivationModel> ModelActivations(
     }
     LayerBytes b;
     if (gemma) {
+      // The encode of the block-diffusion step keeps its K/V for the
+      // decodes when recomputed.
       SHARDD_ASSIGN_OR_RETURN(
-          b, GemmaLayerActivations(model, shapes, l, t, 0, d));
+          b, GemmaLayerActivations(model, shapes, l, t, 0, diffusion, d));
       if (diffusion) {
         SHARDD_ASSIGN_OR_RETURN(
-            const LayerBytes decode,
-            GemmaLayerActivations(model, shapes, l, batch * rows, t, d));
-        SetLayer(l, decode, out.add_decode_layers());
+            LayerBytes decode,
+            GemmaLayerActivations(model, shapes, l, batch * rows, t, false, d));
+        v1::LayerActivations* dl = out.add_decode_layers();
+        SetLayer(l, decode, dl);
+        SetPolicy(policy, l, decode.has_experts, dl);
       }
     } else {
       SHARDD_ASSIGN_OR_RETURN(
@@ -364,13 +383,7 @@ absl::StatusOr<v1::ActivationModel> ModelActivations(
     }
     v1::LayerActivations* layer = out.add_layers();
     SetLayer(l, b, layer);
-    const bool whole = policy.kind == CheckpointPolicy::kAll ||
-                       (policy.kind == CheckpointPolicy::kEveryK &&
-                        l % policy.every == 0);
-    layer->set_recompute(whole);
-    layer->set_recompute_experts(!whole &&
-                                 policy.kind == CheckpointPolicy::kExperts &&
-                                 b.has_experts);
+    SetPolicy(policy, l, b.has_experts, layer);
   }
   return out;
 }

@@ -45,8 +45,7 @@ absl::StatusOr<CheckpointPolicy> ParseCheckpointPolicy(absl::string_view text);
 // Errors: INVALID_ARGUMENT naming the field (micro_batch_size or seq_len
 // < 1 or too large for 64-bit byte counts, a malformed
 // activation_checkpointing, response_length outside [1, seq_len), a layer
-// whose parameters are not shaped as the architecture needs);
-// UNIMPLEMENTED for recompute of DiffusionGemma layers.
+// whose parameters are not shaped as the architecture needs).
 absl::StatusOr<v1::ActivationModel> ModelActivations(
     const v1::ModelSpec& model, const v1::PlanOptions& options);
 

@@ -123,8 +123,6 @@ TEST(ActivationModelTest, RefusesWhatItCannotModel) {
   ASSERT_FALSE(bad.ok());
   EXPECT_THAT(bad.status().message(), HasSubstr("activation_checkpointing"));
   const v1::ModelSpec gemma = Config("tiny_diffusion_gemma");
-  EXPECT_EQ(ModelActivations(gemma, Options(1, 16, "all")).status().code(),
-            absl::StatusCode::kUnimplemented);
   v1::PlanOptions step = Options(1, 8, "");
   step.set_passes(3);
   step.set_no_grad_passes(1);
@@ -137,6 +135,20 @@ TEST(ActivationModelTest, RefusesWhatItCannotModel) {
   EXPECT_TRUE(diffusion.block_diffusion());
   EXPECT_EQ(diffusion.response_length(), 8);  // canvas_length
   EXPECT_EQ(diffusion.decode_layers_size(), diffusion.layers_size());
+  // A recomputed encode layer keeps its K/V for the decodes; a decode
+  // layer does not.
+  step.set_activation_checkpointing("all");
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ActivationModel recomputed,
+                              ModelActivations(gemma, step));
+  for (int l = 0; l < recomputed.layers_size(); ++l) {
+    EXPECT_TRUE(recomputed.layers(l).recompute());
+    EXPECT_TRUE(recomputed.decode_layers(l).recompute());
+    EXPECT_TRUE(recomputed.layers(l).checkpoint_after_experts());
+    // Per row, the encode keeps more: its K/V besides the same buffers.
+    EXPECT_GT(recomputed.layers(l).checkpoint_bytes() / 12.0,
+              recomputed.decode_layers(l).checkpoint_bytes() /
+                  static_cast<double>(recomputed.response_length()));
+  }
 }
 
 // Through the planner: the step's peak counts activations, recomputing

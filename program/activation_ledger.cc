@@ -30,43 +30,55 @@ const v1::LayerActivations& ActivationLedger::DecodeLayer(int layer) const {
 }
 
 int64_t ActivationLedger::LayerPart(Command::Op op, Command::Part part,
-                                    const v1::LayerActivations& l, bool grad) {
+                                    const v1::LayerActivations& l, bool keep,
+                                    bool recompute) {
   const int64_t before = live_;
   int64_t peak = before;
   const bool experts = l.experts_saved_bytes() > 0;
-  const bool recompute_experts = l.recompute() || l.recompute_experts();
+  // Only a pass with gradients recomputes.
+  const bool recompute_layer = recompute && l.recompute();
+  const bool recompute_experts =
+      recompute && (l.recompute() || l.recompute_experts());
   if (op == Command::FORWARD && part == Command::LAYER) {
     peak = before + l.saved_bytes() + l.handoff_bytes();
-    if (!grad) {
+    if (!keep) {
       // Dropped once the layer's last forward is done.
       live_ = experts ? peak : before;
     } else {
-      live_ = before +
-              (l.recompute() ? l.checkpoint_bytes() : l.saved_bytes()) +
+      const bool trim = recompute_layer && !l.checkpoint_after_experts();
+      live_ = before + (trim ? l.checkpoint_bytes() : l.saved_bytes()) +
               l.handoff_bytes();
     }
   } else if (op == Command::FORWARD) {  // EXPERTS
     peak = before + l.experts_saved_bytes();
-    if (!grad) {
+    if (!keep) {
       live_ = before - l.handoff_bytes() - l.saved_bytes();
+    } else if (recompute_experts) {
+      // Recomputed experts keep experts_checkpoint_bytes; a layer that
+      // checkpoints after its experts trims itself now.
+      const bool trim = recompute_layer && l.checkpoint_after_experts();
+      live_ = before - l.handoff_bytes() + l.experts_checkpoint_bytes() -
+              (trim ? l.saved_bytes() - l.checkpoint_bytes() : 0);
     } else {
-      live_ = before - l.handoff_bytes() +
-              (recompute_experts ? 0 : l.experts_saved_bytes());
+      live_ = before - l.handoff_bytes() + l.experts_saved_bytes();
     }
   } else if (part == Command::EXPERTS) {
     peak = before + l.experts_grad_bytes() + l.experts_backward_bytes() +
-           (recompute_experts ? l.experts_saved_bytes() : 0);
+           (recompute_experts
+                ? l.experts_saved_bytes() - l.experts_checkpoint_bytes()
+                : 0);
     // The grouped experts' state goes; what the layer's backward reads
     // stays.
-    live_ = before + l.experts_grad_bytes() -
+    live_ = before + l.experts_grad_bytes() +
             (recompute_experts
-                 ? 0
-                 : l.experts_saved_bytes() - l.experts_kept_bytes());
+                 ? l.experts_kept_bytes() - l.experts_checkpoint_bytes()
+                 : l.experts_kept_bytes() - l.experts_saved_bytes());
   } else {  // BACKWARD(LAYER)
     peak = before +
-           (l.recompute() ? l.saved_bytes() - l.checkpoint_bytes() : 0) +
+           (recompute_layer ? l.saved_bytes() - l.checkpoint_bytes() : 0) +
            l.backward_bytes();
-    live_ = before - (l.recompute() ? l.checkpoint_bytes() : l.saved_bytes()) -
+    live_ = before -
+            (recompute_layer ? l.checkpoint_bytes() : l.saved_bytes()) -
             l.experts_kept_bytes() - l.experts_grad_bytes();
   }
   return peak;
@@ -84,7 +96,7 @@ int64_t ActivationLedger::Apply(Command::Op op, Command::Part part, int layer,
   const v1::ActivationModel& m = *model_;
   const bool grad = passes_.requires_grad(pass);
   if (part == Command::LAYER || part == Command::EXPERTS) {
-    peak = LayerPart(op, part, Layer(layer), grad);
+    peak = LayerPart(op, part, Layer(layer), grad, grad);
   } else if (op == Command::FORWARD && part == Command::EMBED) {
     live_ += m.stream_bytes();
     peak = live_;
@@ -131,19 +143,19 @@ int64_t ActivationLedger::BlockDiffusion(Command::Op op, Command::Part part,
       // the last decode's layer is done); the self-conditioning decode and
       // an evaluated decode drop theirs once the layer is done.
       const bool keep = encode || (pass == 2 && !eval);
-      peak = LayerPart(op, part, l, keep);
+      peak = LayerPart(op, part, l, keep, passes_.requires_grad(pass));
       if (eval && pass == 2 && part == Command::EXPERTS) {
         const v1::LayerActivations& e = Layer(layer);
         live_ -= e.saved_bytes() + e.experts_saved_bytes();
       }
       return peak;
     }
-    if (part == Command::EXPERTS) return LayerPart(op, part, l, true);
+    if (part == Command::EXPERTS) return LayerPart(op, part, l, true, true);
     // BACKWARD(LAYER): a decode adds the encode's K/V gradients; the
     // encode frees them with the rest.
     const int64_t kv = encode ? encoder_kv_grads_[layer]
                               : l.encoder_kv_grad_bytes();
-    peak = LayerPart(op, part, l, true);
+    peak = LayerPart(op, part, l, true, true);
     if (encode) {
       live_ -= kv;
       encoder_kv_grads_[layer] = 0;

@@ -37,9 +37,10 @@ class ActivationLedger {
   const v1::LayerActivations& DecodeLayer(int layer) const;
 
   // A layer's FORWARD / BACKWARD of LAYER or EXPERTS with `l`'s bytes;
-  // `grad`: the pass builds a graph.
+  // `keep`: the forward keeps them (for a backward, or a later decode);
+  // `recompute`: the pass builds a graph, so l's recompute flags apply.
   int64_t LayerPart(v1::Command::Op op, v1::Command::Part part,
-                    const v1::LayerActivations& l, bool grad);
+                    const v1::LayerActivations& l, bool keep, bool recompute);
   // DiffusionGemma's block-diffusion step.
   int64_t BlockDiffusion(v1::Command::Op op, v1::Command::Part part,
                          int layer, int pass);

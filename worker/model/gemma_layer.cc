@@ -261,16 +261,86 @@ absl::Status GemmaLayerBlock::ForwardLayer(const MoeLayerSpec& layer,
                                            int64_t batch, int64_t seq,
                                            GemmaLayerActs* a,
                                            const GemmaDecode* decode) {
+  // A new forward: no decode has read these K/V yet.
+  a->dk_ext.clear();
+  a->dv_ext.clear();
+  a->x_in.assign(x, x + batch * seq * arch_->dim);
+  return LayerFromInput(layer, params, batch, seq, a, decode);
+}
+
+absl::Status GemmaLayerBlock::RecomputeLayer(const MoeLayerSpec& layer,
+                                             ParamSource* params,
+                                             int64_t batch, int64_t seq,
+                                             GemmaLayerActs* a,
+                                             const GemmaDecode* decode) {
+  if (static_cast<int64_t>(a->x_in.size()) != batch * seq * arch_->dim) {
+    return absl::FailedPreconditionError(
+        "recompute of a DiffusionGemma layer without its kept input");
+  }
+  return LayerFromInput(layer, params, batch, seq, a, decode);
+}
+
+void GemmaLayerBlock::KeepCheckpoint(bool experts_only, bool keep_kv,
+                                     GemmaLayerActs* a) {
+  if (experts_only) {
+    a->experts = kernels::GroupedExpertsWorkspace();
+    std::vector<float>().swap(a->experts_out);
+    std::vector<float>().swap(a->post2_inv);
+    return;
+  }
+  GemmaLayerActs keep;
+  keep.x_in = std::move(a->x_in);
+  keep.m = std::move(a->m);
+  keep.sum = std::move(a->sum);
+  keep.pre2_inv = std::move(a->pre2_inv);
+  keep.post_ff_inv = std::move(a->post_ff_inv);
+  keep.experts_in = std::move(a->experts_in);
+  keep.indices = std::move(a->indices);
+  keep.weights = std::move(a->weights);
+  keep.layer_w = std::move(a->layer_w);
+  if (keep_kv) {
+    keep.k = std::move(a->k);
+    keep.v = std::move(a->v);
+  }
+  *a = std::move(keep);
+}
+
+absl::Status GemmaLayerBlock::RecomputeExperts(const MoeLayerSpec& layer,
+                                               ParamSource* params, int64_t t,
+                                               GemmaLayerActs* a) {
+  const int64_t d = arch_->dim;
+  if (static_cast<int64_t>(a->layer_w.size()) != 3 * d + 1) {
+    return absl::FailedPreconditionError(
+        "recompute of a DiffusionGemma layer's experts without its forward");
+  }
+  SHARDD_ASSIGN_OR_RETURN(const float* w_gu, params->Param(layer.w_gu.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(layer.w_d.name));
+  a->experts_out.resize(t * d);
+  SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsForward(
+      {t, d, layer.moe_inter, layer.experts, arch_->top_k}, arch_->activation,
+      a->experts_in.data(), a->indices.data(), a->weights.data(), nullptr,
+      w_gu, w_d, a->experts_out.data(), &a->experts));
+  std::vector<float>().swap(a->experts.o);
+  // post_feedforward_layernorm_2's inverse RMS (its weight: the copy).
+  a->post2_inv.resize(t);
+  g_.resize(t * d);
+  return kernels::RmsNormForward(a->experts_out.data(), a->layer_w.data(), t,
+                                 d, arch_->eps, g_.data(),
+                                 a->post2_inv.data());
+}
+
+absl::Status GemmaLayerBlock::LayerFromInput(const MoeLayerSpec& layer,
+                                             ParamSource* params,
+                                             int64_t batch, int64_t seq,
+                                             GemmaLayerActs* a,
+                                             const GemmaDecode* decode) {
   const int64_t t = batch * seq, d = arch_->dim, hq = arch_->q_heads;
   const int64_t hkv = layer.layer_kv_heads, hd = layer.layer_head_dim;
   const float eps = arch_->eps;
   const int64_t offset = decode == nullptr ? 0 : decode->prefix;
   SHARDD_RETURN_IF_ERROR(Prepare(seq + offset));
-  // A new forward: no decode has read these K/V yet.
-  a->dk_ext.clear();
-  a->dv_ext.clear();
+  const float* x = a->x_in.data();
   SHARDD_ASSIGN_OR_RETURN(const float* w_in, params->Param(layer.norm.name));
-  a->x_in.assign(x, x + t * d);
   a->in_inv.resize(t);
   a->n.resize(t * d);
   SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(x, w_in, t, d, eps,

@@ -112,6 +112,24 @@ class GemmaLayerBlock {
                             const float* x, int64_t batch, int64_t seq,
                             GemmaLayerActs* acts,
                             const GemmaDecode* decode = nullptr);
+  // LAYER's forward again in its backward (activation checkpointing): from
+  // acts->x_in, refilling what KeepCheckpoint dropped with the same values
+  // and keeping the K/V gradients a decode added.
+  absl::Status RecomputeLayer(const MoeLayerSpec& layer, ParamSource* params,
+                              int64_t batch, int64_t seq, GemmaLayerActs* acts,
+                              const GemmaDecode* decode = nullptr);
+  // The grouped experts' forward state (acts->experts, experts_out,
+  // post2_inv) again from the kept experts_in, choices, weights and copied
+  // layer weights, before BACKWARD(EXPERTS) of a recomputed layer.
+  absl::Status RecomputeExperts(const MoeLayerSpec& layer, ParamSource* params,
+                                int64_t tokens, GemmaLayerActs* acts);
+  // What a recomputed layer keeps once its forward is done: the input and
+  // what BACKWARD(EXPERTS) reads besides the experts' state (m, the sum,
+  // two inverse RMS, the experts' input, choices, weights, the copied
+  // layer weights), and with `keep_kv` the K/V a later decode reads.
+  // With `experts_only`, only the experts' state and output go.
+  static void KeepCheckpoint(bool experts_only, bool keep_kv,
+                             GemmaLayerActs* acts);
   // EXPERTS: writes the layer's output to x [T, D].
   absl::Status ForwardExperts(const MoeLayerSpec& layer, ParamSource* params,
                               int64_t tokens, GemmaLayerActs* acts, float* x);
@@ -129,6 +147,10 @@ class GemmaLayerBlock {
  private:
   absl::Status AddGrad(ParamSource* params, const ArchTensor& t,
                        const std::vector<float>& g);
+  // LAYER's forward from acts->x_in.
+  absl::Status LayerFromInput(const MoeLayerSpec& layer, ParamSource* params,
+                              int64_t batch, int64_t seq, GemmaLayerActs* acts,
+                              const GemmaDecode* decode);
   absl::Status Rotate(const MoeLayerSpec& layer, std::vector<float>* x,
                       int64_t tokens, int64_t seq, int64_t heads, bool inverse,
                       int64_t offset = 0);

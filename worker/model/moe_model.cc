@@ -343,7 +343,12 @@ absl::Status MoeModel::Impl::Forward(const Command& c, ParamSource* params) {
         SHARDD_RETURN_IF_ERROR(gemma_block->ForwardExperts(
             spec, params, t, &la.gemma, a.x.data()));
         MarkActivationPeak();
-        if (!c.requires_grad()) la = LayerActs();
+        if (!c.requires_grad()) {
+          la = LayerActs();
+        } else if (recompute_layer[l] || recompute_experts[l]) {
+          GemmaLayerBlock::KeepCheckpoint(!recompute_layer[l],
+                                          /*keep_kv=*/false, &la.gemma);
+        }
         return absl::OkStatus();
       }
       SHARDD_RETURN_IF_ERROR(ExpertsForward(spec, params, t, &la));
@@ -461,6 +466,10 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
       const LayerSpec& spec = layers[l];
       LayerActs& la = a.layers[l];
       if (spec.gemma) {
+        if (recompute_layer[l] || recompute_experts[l]) {
+          SHARDD_RETURN_IF_ERROR(
+              gemma_block->RecomputeExperts(spec, params, t, &la.gemma));
+        }
         SHARDD_RETURN_IF_ERROR(gemma_block->BackwardExperts(
             spec, params, t, a.dx.data(), &la.gemma));
         MarkActivationPeak();
@@ -505,6 +514,10 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
       const LayerSpec& spec = layers[l];
       LayerActs& la = a.layers[l];
       if (spec.gemma) {
+        if (recompute_layer[l]) {
+          SHARDD_RETURN_IF_ERROR(gemma_block->RecomputeLayer(
+              spec, params, batch.batch, batch.seq, &la.gemma));
+        }
         SHARDD_RETURN_IF_ERROR(gemma_block->BackwardLayer(
             spec, params, batch.batch, batch.seq, &la.gemma, a.dx.data()));
         MarkActivationPeak();
@@ -669,13 +682,6 @@ absl::Status MoeModel::SetRecompute(std::vector<bool> layers,
     return absl::InvalidArgumentError(absl::StrCat(
         "recompute: needs one flag per layer (", n, "), got ", layers.size(),
         " and ", experts.size()));
-  }
-  for (size_t l = 0; l < n; ++l) {
-    if ((layers[l] || experts[l]) && m.layers[l].gemma) {
-      return absl::UnimplementedError(absl::StrCat(
-          "activation_checkpointing: layer ", l,
-          " is a DiffusionGemma layer, which does not recompute yet"));
-    }
   }
   m.recompute_layer = std::move(layers);
   m.recompute_experts = std::move(experts);

@@ -152,8 +152,7 @@ class MoeModel {
   // checkpointing): `layers[l]` the whole layer (its forward keeps only its
   // input and the experts' inputs), `experts[l]` only its grouped experts
   // (their forward keeps nothing). One flag per layer; all false by
-  // default. Errors: INVALID_ARGUMENT for a wrong count; UNIMPLEMENTED for
-  // a DiffusionGemma layer.
+  // default. Errors: INVALID_ARGUMENT for a wrong count.
   absl::Status SetRecompute(std::vector<bool> layers,
                             std::vector<bool> experts);
 

@@ -102,6 +102,12 @@ absl::Status MoeModel::Impl::DiffusionForward(const Command& c,
       // layer is done with them).
       if (pass == 1 || (eval && pass == 2)) la = GemmaLayerActs();
       if (eval && pass == 2) acts[0].layers[c.layer()] = LayerActs();
+      const int l = c.layer();
+      if (c.requires_grad() && (recompute_layer[l] || recompute_experts[l])) {
+        // The encode keeps the K/V the decodes read.
+        GemmaLayerBlock::KeepCheckpoint(!recompute_layer[l],
+                                        /*keep_kv=*/pass == 0, &la);
+      }
       return absl::OkStatus();
     }
     case Command::HEAD: {
@@ -308,7 +314,12 @@ absl::Status MoeModel::Impl::DiffusionBackward(const Command& c,
       FreeHead(&a);
       return absl::OkStatus();
     case Command::EXPERTS: {
-      GemmaLayerActs& la = a.layers[c.layer()].gemma;
+      const int l = c.layer();
+      GemmaLayerActs& la = a.layers[l].gemma;
+      if (recompute_layer[l] || recompute_experts[l]) {
+        SHARDD_RETURN_IF_ERROR(
+            gemma_block->RecomputeExperts(layers[l], params, t, &la));
+      }
       SHARDD_RETURN_IF_ERROR(gemma_block->BackwardExperts(
           layers[c.layer()], params, t, a.dx.data(), &la));
       MarkActivationPeak();
@@ -319,6 +330,11 @@ absl::Status MoeModel::Impl::DiffusionBackward(const Command& c,
       const int l = c.layer();
       GemmaDecode decode{batch.seq - canvas, batch.seq, block,
                          &acts[0].layers[l].gemma};
+      if (recompute_layer[l]) {
+        SHARDD_RETURN_IF_ERROR(gemma_block->RecomputeLayer(
+            layers[l], params, batch.batch, seq, &a.layers[l].gemma,
+            pass == 0 ? nullptr : &decode));
+      }
       SHARDD_RETURN_IF_ERROR(gemma_block->BackwardLayer(
           layers[l], params, batch.batch, seq, &a.layers[l].gemma,
           a.dx.data(), pass == 0 ? nullptr : &decode));
