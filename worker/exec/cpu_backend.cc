@@ -292,6 +292,7 @@ absl::Status CpuBackend::CreateModel(const MoeModelOptions& options) {
 void CpuBackend::SyncActivations(int64_t peak, int64_t live) {
   // Only a plan that models activations compares them with the tracker.
   if (!plan_.has_activations()) return;
+  absl::MutexLock lock(&activations_mu_);
   if (peak > tracked_activations_) {
     tracker_->Allocate(MemoryKind::kActivations, peak - tracked_activations_);
   } else {
@@ -373,11 +374,19 @@ absl::Status CpuBackend::Run(const v1::Command& c, const std::string& label,
     case v1::Command::BACKWARD: {
       Params params(store, state);
       const absl::Status status = model_->Run(c, &params);
-      SyncActivations(model_->command_activation_peak(),
-                      model_->activation_bytes());
       if (plan_.has_activations()) {
-        activation_trace_.push_back({model_->command_activation_peak(),
-                                     model_->activation_bytes()});
+        const int64_t peak = model_->command_activation_peak();
+        const int64_t live = model_->activation_bytes();
+        activation_trace_.push_back({peak, live});
+        // The tracker sees the activations where the program has them:
+        // after the collectives issued before this command took or freed
+        // their buffers, before those issued after it (the queue's
+        // order), so its peak of unsharded bytes plus activations is the
+        // program's, as the plan replays it.
+        comm_->Enqueue(label, [this, peak, live] {
+          SyncActivations(peak, live);
+          return absl::OkStatus();
+        });
       }
       if (!status.ok()) return here(status);
       peak_activation_bytes_ =

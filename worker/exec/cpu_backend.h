@@ -100,7 +100,8 @@ class CpuBackend final : public StepBackend {
   // Creates model_ for `options` with the plan's recompute flags.
   absl::Status CreateModel(const MoeModelOptions& options);
   // Moves the tracker's kActivations to `peak`, then down to `live`.
-  void SyncActivations(int64_t peak, int64_t live);
+  void SyncActivations(int64_t peak, int64_t live)
+      ABSL_LOCKS_EXCLUDED(activations_mu_);
 
   const v1::ShardingPlan plan_;
   const StepExecutorOptions options_;
@@ -121,8 +122,10 @@ class CpuBackend final : public StepBackend {
   int64_t last_free_ticket_ = -1;
   CollectiveStatsSnapshot stats_start_;
   int64_t peak_activation_bytes_ = 0;
-  // The activation bytes the tracker holds as kActivations.
-  int64_t tracked_activations_ = 0;
+  // The activation bytes the tracker holds as kActivations (updated on the
+  // communication thread, in program order; see Run).
+  absl::Mutex activations_mu_;
+  int64_t tracked_activations_ ABSL_GUARDED_BY(activations_mu_) = 0;
   std::vector<ActivationPoint> activation_trace_;
   double grad_norm_ = 0.0;
   double clip_coefficient_ = 1.0;
