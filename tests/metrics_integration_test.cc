@@ -321,7 +321,13 @@ TEST_F(MetricsIntegrationTest, CountersMatchWhatWasTrained) {
                 Optional(static_cast<double>(rank)));
     EXPECT_THAT(w.Find("shardd_worker_optimizer_steps"),
                 Optional(double{kSteps}));
-    EXPECT_EQ(w.Count("shardd_worker_memory_live_bytes"), 7);
+    // One series per memory kind (activations included: every job's plan
+    // models them, and the last step's peak is there).
+    EXPECT_EQ(w.Count("shardd_worker_memory_live_bytes"), 8);
+    EXPECT_GT(w.Find("shardd_worker_memory_peak_bytes",
+                     {{"kind", "activations"}})
+                  .value_or(0),
+              0.0);
     EXPECT_GT(w.Sum("shardd_worker_memory_peak_bytes"), 0.0);
     EXPECT_EQ(w.type.at("shardd_worker_step_seconds"), "histogram");
   }
