@@ -28,7 +28,59 @@ absl::StatusOr<Response> Invoke(const WorkerCallOptions& options,
   return response;
 }
 
+// One call of gRPC's callback API: its context (deadline, cancellation)
+// lives until the reaction, which unregisters it and reports.
+struct AsyncCall {
+  grpc::ClientContext context;
+  CallCanceller* canceller = nullptr;
+  uint64_t handle = 0;
+  WorkerClient::DoneCallback done;
+};
+
+AsyncCall* StartAsync(const WorkerCallOptions& options,
+                      WorkerClient::DoneCallback done) {
+  auto* call = new AsyncCall;
+  if (options.deadline != absl::InfiniteFuture()) {
+    call->context.set_deadline(absl::ToChronoTime(options.deadline));
+  }
+  call->done = std::move(done);
+  call->canceller = options.canceller;
+  if (call->canceller != nullptr) {
+    call->handle =
+        call->canceller->Add([call] { call->context.TryCancel(); });
+  }
+  return call;
+}
+
+// The reaction: after Remove no cancel runs on the context, so it can go.
+std::function<void(grpc::Status)> FinishAsync(AsyncCall* call) {
+  return [call](grpc::Status status) {
+    if (call->canceller != nullptr) call->canceller->Remove(call->handle);
+    WorkerClient::DoneCallback done = std::move(call->done);
+    delete call;
+    done(status.ok() ? absl::OkStatus() : FromGrpcStatus(status));
+  };
+}
+
 }  // namespace
+
+void GrpcWorkerClient::LoadPlanAsync(const v1::LoadPlanRequest& request,
+                                     const WorkerCallOptions& options,
+                                     v1::LoadPlanResponse* response,
+                                     DoneCallback done) {
+  AsyncCall* call = StartAsync(options, std::move(done));
+  stub_->async()->LoadPlan(&call->context, &request, response,
+                           FinishAsync(call));
+}
+
+void GrpcWorkerClient::ExecuteAsync(const v1::ExecuteRequest& request,
+                                    const WorkerCallOptions& options,
+                                    v1::ExecuteResponse* response,
+                                    DoneCallback done) {
+  AsyncCall* call = StartAsync(options, std::move(done));
+  stub_->async()->Execute(&call->context, &request, response,
+                          FinishAsync(call));
+}
 
 absl::StatusOr<std::unique_ptr<WorkerClient>> GrpcWorkerClient::Create(
     const std::string& address, const ChannelSecurity& security) {

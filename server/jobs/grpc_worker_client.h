@@ -46,6 +46,13 @@ class GrpcWorkerClient final : public WorkerClient {
   absl::StatusOr<v1::LoadShardsResponse> LoadShards(
       const v1::LoadShardsRequest& request,
       const WorkerCallOptions& options) override;
+  void LoadPlanAsync(const v1::LoadPlanRequest& request,
+                     const WorkerCallOptions& options,
+                     v1::LoadPlanResponse* response,
+                     DoneCallback done) override;
+  void ExecuteAsync(const v1::ExecuteRequest& request,
+                    const WorkerCallOptions& options,
+                    v1::ExecuteResponse* response, DoneCallback done) override;
   absl::StatusOr<v1::HealReplicasResponse> HealReplicas(
       const v1::HealReplicasRequest& request,
       const WorkerCallOptions& options) override;

@@ -234,36 +234,54 @@ class JobRunner::Attempt {
     load.set_collective_timeout_ms(
         absl::ToInt64Milliseconds(runner_->options_.collective_timeout));
     loaded_.assign(world_, v1::LoadPlanResponse());
+    // One request per rank (rank, keep_state), alive until its call ends.
+    std::vector<v1::LoadPlanRequest> requests(world_, load);
     return Prefixed(
         "LoadPlan: ",
-        OnAllRanks(
-            [&](int rank, const WorkerCallOptions& options) -> absl::Status {
-              v1::LoadPlanRequest request = load;
-              request.set_rank(rank);
-              request.set_keep_state(keep_[rank]);
-              absl::StatusOr<v1::LoadPlanResponse> loaded =
-                  clients_[rank]->LoadPlan(request, options);
-              if (!loaded.ok() && ErrorReasonOf(loaded.status()) ==
-                                      kReasonPlanDerivationMismatch) {
-                SHARDD_LOG(WARNING)
-                    << "job " << job_->id << ": rank " << rank
-                    << " derives another plan (" << loaded.status().message()
-                    << "); sending it the plan";
-                request.clear_plan_options();
-                request.clear_plan_fingerprint();
-                request.clear_model_id();
-                *request.mutable_plan() = spec_.plan;
-                loaded = clients_[rank]->LoadPlan(request, options);
-              }
-              SHARDD_ASSIGN_OR_RETURN(loaded_[rank], std::move(loaded));
-              if (keep_[rank] && loaded_[rank].kept_step() != start_) {
-                return absl::AbortedError(absl::StrCat(
-                    "kept step ", loaded_[rank].kept_step(), " instead of ",
-                    start_, " (its state changed during the recovery)"));
-              }
-              return absl::OkStatus();
+        runner_->RunOnAllRanksAsync(
+            snapshot_,
+            [&](int rank, const WorkerCallOptions& options,
+                std::function<void(absl::Status)> finish) {
+              v1::LoadPlanRequest* request = &requests[rank];
+              request->set_rank(rank);
+              request->set_keep_state(keep_[rank]);
+              clients_[rank]->LoadPlanAsync(
+                  *request, options, &loaded_[rank],
+                  [this, rank, request, options,
+                   finish = std::move(finish)](absl::Status status) mutable {
+                    if (ErrorReasonOf(status) ==
+                        kReasonPlanDerivationMismatch) {
+                      SHARDD_LOG(WARNING)
+                          << "job " << job_->id << ": rank " << rank
+                          << " derives another plan (" << status.message()
+                          << "); sending it the plan";
+                      request->clear_plan_options();
+                      request->clear_plan_fingerprint();
+                      request->clear_model_id();
+                      *request->mutable_plan() = spec_.plan;
+                      clients_[rank]->LoadPlanAsync(
+                          *request, options, &loaded_[rank],
+                          [this, rank, finish = std::move(finish)](
+                              absl::Status again) {
+                            finish(CheckLoaded(rank, std::move(again)));
+                          });
+                      return;
+                    }
+                    finish(CheckLoaded(rank, std::move(status)));
+                  });
             },
             "LoadPlan"));
+  }
+
+  // A rank's LoadPlan status, and with keep_state the step it kept.
+  absl::Status CheckLoaded(int rank, absl::Status status) const {
+    if (!status.ok()) return status;
+    if (keep_[rank] && loaded_[rank].kept_step() != start_) {
+      return absl::AbortedError(absl::StrCat(
+          "kept step ", loaded_[rank].kept_step(), " instead of ", start_,
+          " (its state changed during the recovery)"));
+    }
+    return absl::OkStatus();
   }
 
   absl::Status HealReplicas() {
@@ -450,14 +468,15 @@ class JobRunner::Attempt {
     if (!spec_.config.fine_grained()) {
       execute_.mutable_program()->set_step(step);
       SHARDD_RETURN_IF_ERROR(Prefixed(
-          label,
-          OnAllRanks(
-              [&](int rank, const WorkerCallOptions& options) -> absl::Status {
-                SHARDD_ASSIGN_OR_RETURN(
-                    results[rank], clients_[rank]->Execute(execute_, options));
-                return absl::OkStatus();
-              },
-              "Execute")));
+          label, runner_->RunOnAllRanksAsync(
+                     snapshot_,
+                     [&](int rank, const WorkerCallOptions& options,
+                         std::function<void(absl::Status)> finish) {
+                       clients_[rank]->ExecuteAsync(execute_, options,
+                                                    &results[rank],
+                                                    std::move(finish));
+                     },
+                     "Execute")));
     } else {
       const int commands = spec_.program.commands_size();
       for (int i = 0; i < commands; ++i) {
@@ -535,12 +554,12 @@ class JobRunner::Attempt {
       eval_execute_.mutable_program()->set_step(k);
       SHARDD_RETURN_IF_ERROR(Prefixed(
           absl::StrCat(label, "eval batch ", k, ": "),
-          OnAllRanks(
-              [&](int rank, const WorkerCallOptions& options) -> absl::Status {
-                SHARDD_ASSIGN_OR_RETURN(
-                    results[rank],
-                    clients_[rank]->Execute(eval_execute_, options));
-                return absl::OkStatus();
+          runner_->RunOnAllRanksAsync(
+              snapshot_,
+              [&](int rank, const WorkerCallOptions& options,
+                  std::function<void(absl::Status)> finish) {
+                clients_[rank]->ExecuteAsync(eval_execute_, options,
+                                             &results[rank], std::move(finish));
               },
               "Execute")));
       int64_t batch_gathers = 0;

@@ -50,6 +50,27 @@ absl::Status JobRunner::RunOnAllRanks(
     const std::vector<WorkerSnapshot>& workers, RankPool* pool,
     const std::function<absl::Status(int, const WorkerCallOptions&)>& call,
     absl::string_view what) {
+  // `call` outlives the tasks: RunRound waits for every one.
+  return RunRound(
+      workers,
+      [pool, &call](int rank, const WorkerCallOptions& options,
+                    std::function<void(absl::Status)> finish) {
+        pool->Run(rank, [&call, rank, options, finish = std::move(finish)] {
+          finish(call(rank, options));
+        });
+      },
+      what);
+}
+
+absl::Status JobRunner::RunOnAllRanksAsync(
+    const std::vector<WorkerSnapshot>& workers, const AsyncRankCall& start,
+    absl::string_view what) {
+  return RunRound(workers, start, what);
+}
+
+absl::Status JobRunner::RunRound(const std::vector<WorkerSnapshot>& workers,
+                                 const AsyncRankCall& start,
+                                 absl::string_view what) {
   const int world = static_cast<int>(workers.size());
   const absl::Duration timeout =
       options_.collective_timeout + options_.rpc_margin;
@@ -66,10 +87,9 @@ absl::Status JobRunner::RunOnAllRanks(
   call_options.deadline = deadline;
   call_options.canceller = &canceller;
   for (int rank = 0; rank < world; ++rank) {
-    // `call` and `canceller` outlive the task: this function waits for
-    // every task before it returns.
-    pool->Run(rank, [round, rank, &call, call_options] {
-      absl::Status status = call(rank, call_options);
+    // `canceller` outlives the calls: this function waits for every
+    // finish before it returns.
+    start(rank, call_options, [round, rank](absl::Status status) {
       absl::MutexLock lock(&round->mu);
       if (!status.ok()) round->failures.push_back(rank);
       round->results[rank] = std::move(status);

@@ -277,6 +277,18 @@ class JobRunner {
       const std::vector<WorkerSnapshot>& workers, RankPool* pool,
       const std::function<absl::Status(int, const WorkerCallOptions&)>& call,
       absl::string_view what) ABSL_LOCKS_EXCLUDED(mu_);
+  // The same with calls that do not block: `start(rank, options, finish)`
+  // issues rank's call and returns; the call runs finish(status) once when
+  // it ends (WorkerClient's *Async). No thread per rank.
+  using AsyncRankCall = std::function<void(
+      int, const WorkerCallOptions&, std::function<void(absl::Status)>)>;
+  absl::Status RunOnAllRanksAsync(const std::vector<WorkerSnapshot>& workers,
+                                  const AsyncRankCall& start,
+                                  absl::string_view what)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status RunRound(const std::vector<WorkerSnapshot>& workers,
+                        const AsyncRankCall& start, absl::string_view what)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // OK while ranks 0..W-1 are alive with the snapshot's incarnations.
   absl::Status CheckMembership(
       const std::vector<WorkerSnapshot>& snapshot) const;

@@ -62,19 +62,17 @@ struct JobRunner::Control {
 };
 
 // One thread per rank, so that every rank's blocking call of a round is in
-// flight at the same time (a collective needs all of them). Each rank has
-// its own lock and condition: one shared by thousands of waiting threads
-// made every hand-out re-check all of their conditions.
+// flight at the same time (a collective needs all of them), started on the
+// round that first needs it (the step's and the job start's rounds use
+// asynchronous calls and none). Each rank has its own lock and condition:
+// one shared by thousands of waiting threads made every hand-out re-check
+// all of their conditions. Run is called from one thread at a time.
 class JobRunner::RankPool {
  public:
-  explicit RankPool(int ranks) {
+  explicit RankPool(int ranks) : threads_(ranks) {
     slots_.reserve(ranks);
     for (int rank = 0; rank < ranks; ++rank) {
       slots_.push_back(std::make_unique<Slot>());
-    }
-    threads_.reserve(ranks);
-    for (int rank = 0; rank < ranks; ++rank) {
-      threads_.emplace_back([this, rank] { Loop(slots_[rank].get()); });
     }
   }
 
@@ -83,7 +81,9 @@ class JobRunner::RankPool {
       absl::MutexLock lock(&slot->mu);
       slot->stop = true;
     }
-    for (std::thread& thread : threads_) thread.join();
+    for (std::thread& thread : threads_) {
+      if (thread.joinable()) thread.join();
+    }
   }
 
   RankPool(const RankPool&) = delete;
@@ -92,8 +92,13 @@ class JobRunner::RankPool {
   // Runs `task` on `rank`'s thread; the rank must be idle.
   void Run(int rank, std::function<void()> task) {
     Slot& slot = *slots_[rank];
-    absl::MutexLock lock(&slot.mu);
-    slot.task = std::move(task);
+    {
+      absl::MutexLock lock(&slot.mu);
+      slot.task = std::move(task);
+    }
+    if (!threads_[rank].joinable()) {
+      threads_[rank] = std::thread([&slot] { Loop(&slot); });
+    }
   }
 
  private:

@@ -1,5 +1,6 @@
 #include "server/jobs/worker_client.h"
 
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -48,6 +49,41 @@ absl::StatusOr<v1::HealReplicasResponse> WorkerClient::HealReplicas(
     const v1::HealReplicasRequest&, const WorkerCallOptions&) {
   return absl::UnimplementedError(
       absl::StrCat("HealReplicas: not supported by the client of ", address()));
+}
+
+namespace {
+
+// Runs `call` (a blocking client call) on a detached thread: the caller
+// waits for `done`, which is the last thing the thread does with any of
+// its arguments.
+template <typename Response, typename Call>
+void OnThread(Call call, Response* response,
+              WorkerClient::DoneCallback done) {
+  std::thread([call = std::move(call), response,
+               done = std::move(done)]() mutable {
+    absl::StatusOr<Response> result = call();
+    if (result.ok()) *response = *std::move(result);
+    done(result.status());
+  }).detach();
+}
+
+}  // namespace
+
+void WorkerClient::LoadPlanAsync(const v1::LoadPlanRequest& request,
+                                 const WorkerCallOptions& options,
+                                 v1::LoadPlanResponse* response,
+                                 DoneCallback done) {
+  OnThread(
+      [this, &request, options] { return LoadPlan(request, options); },
+      response, std::move(done));
+}
+
+void WorkerClient::ExecuteAsync(const v1::ExecuteRequest& request,
+                                const WorkerCallOptions& options,
+                                v1::ExecuteResponse* response,
+                                DoneCallback done) {
+  OnThread([this, &request, options] { return Execute(request, options); },
+           response, std::move(done));
 }
 
 bool CallCanceller::cancelled() const {

@@ -88,6 +88,21 @@ class WorkerClient {
   // HSDP healing. The default answers UNIMPLEMENTED.
   virtual absl::StatusOr<v1::HealReplicasResponse> HealReplicas(
       const v1::HealReplicasRequest& request, const WorkerCallOptions& options);
+
+  // Asynchronous forms of the calls a job makes on every rank at once, so
+  // that thousands of ranks need no thread each: `done` runs exactly once,
+  // on another thread, with the call's status (and *response filled when
+  // it is OK). `request`, `response` and options.canceller outlive the
+  // call. The defaults run the blocking form on a thread of their own
+  // (fakes); the gRPC client uses gRPC's callback API.
+  using DoneCallback = std::function<void(absl::Status)>;
+  virtual void LoadPlanAsync(const v1::LoadPlanRequest& request,
+                             const WorkerCallOptions& options,
+                             v1::LoadPlanResponse* response,
+                             DoneCallback done);
+  virtual void ExecuteAsync(const v1::ExecuteRequest& request,
+                            const WorkerCallOptions& options,
+                            v1::ExecuteResponse* response, DoneCallback done);
 };
 
 // Makes a client for the worker at `address`. Errors: INVALID_ARGUMENT
