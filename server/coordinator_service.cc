@@ -632,6 +632,7 @@ absl::StatusOr<v1::SubmitStepResponse> CoordinatorService::SubmitStep(
   JobSpec job;
   job.model_id = request.model_id();
   v1::PlanOptions options;
+  int world = 0;
   {
     absl::MutexLock lock(&mu_);
     auto it = models_.find(request.model_id());
@@ -641,17 +642,12 @@ absl::StatusOr<v1::SubmitStepResponse> CoordinatorService::SubmitStep(
     }
     job.model = it->second.spec;
     options = it->second.options;
+    // The model's plan has the job's mesh (the step shape does not change
+    // the world).
+    world = it->second.plan.world_size();
   }
-  // The memory model depends on the step shape: plan for the one the
-  // workers will run.
-  options.set_microbatches(config.microbatches());
-  options.set_defer_grad_sync(config.defer_grad_sync());
-  options.set_include_timeline(false);
-  SHARDD_ASSIGN_OR_RETURN(job.plan,
-                          PlanModel(request.model_id(), job.model, options));
-  const int world = job.plan.world_size();
   const int64_t split = int64_t{world} * config.microbatches();
-  if (config.global_batch() % split != 0) {
+  if (world < 1 || config.global_batch() % split != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "config.global_batch: must be divisible by world size x "
         "microbatches (",
@@ -659,22 +655,24 @@ absl::StatusOr<v1::SubmitStepResponse> CoordinatorService::SubmitStep(
         ") so that every rank trains on the same number of sequences, got ",
         config.global_batch()));
   }
-  // Plan the activations of the micro-batches the ranks will hold (and the
-  // layers that recompute).
-  {
-    const int64_t micro_batch = config.global_batch() / split;
-    if (micro_batch > std::numeric_limits<int32_t>::max()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "config.global_batch: ", micro_batch,
-          " sequences per micro-batch and rank is more than the activation "
-          "model counts"));
-    }
-    options.set_micro_batch_size(static_cast<int32_t>(micro_batch));
-    options.set_seq_len(config.seq_len());
-    options.set_response_length(config.diffusion().response_length());
-    SHARDD_ASSIGN_OR_RETURN(job.plan,
-                            PlanModel(request.model_id(), job.model, options));
+  const int64_t micro_batch = config.global_batch() / split;
+  if (micro_batch > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.global_batch: ", micro_batch,
+        " sequences per micro-batch and rank is more than the activation "
+        "model counts"));
   }
+  // The memory model depends on the step shape and the micro-batch: plan
+  // for the ones the workers will run, with the activations the ranks will
+  // hold (and the layers that recompute).
+  options.set_microbatches(config.microbatches());
+  options.set_defer_grad_sync(config.defer_grad_sync());
+  options.set_include_timeline(false);
+  options.set_micro_batch_size(static_cast<int32_t>(micro_batch));
+  options.set_seq_len(config.seq_len());
+  options.set_response_length(config.diffusion().response_length());
+  SHARDD_ASSIGN_OR_RETURN(job.plan,
+                          PlanModel(request.model_id(), job.model, options));
   absl::StatusOr<v1::StepProgram> program = CompileStepProgram(job.plan);
   if (!program.ok()) {
     return absl::InvalidArgumentError(
