@@ -75,8 +75,8 @@ std::string FindSpec(const std::string& name) {
   char exe[4096];
   const ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
   if (n > 0) {
-    candidates.push_back(std::string(exe, n) +
-                         ".runfiles/shardd/tests/data/" + name);
+    candidates.push_back(std::string(exe, n) + ".runfiles/shardd/tests/data/" +
+                         name);
   }
   for (const std::string& path : candidates) {
     std::string text = ReadFile(path);
@@ -103,7 +103,8 @@ double RunWorld(const v1::ModelSpec& model, int world, bool mixed,
   plan_options.mutable_mesh()->set_dp_shard(world);
   plan_options.set_mixed_precision(mixed);
   if (!checkpointing.empty()) {
-    plan_options.set_micro_batch_size(static_cast<int32_t>(kGlobalBatch / world));
+    plan_options.set_micro_batch_size(
+        static_cast<int32_t>(kGlobalBatch / world));
     plan_options.set_seq_len(kSeq);
     plan_options.set_activation_checkpointing(checkpointing);
   }

@@ -471,9 +471,9 @@ std::string FormatPlanTable(const v1::ShardingPlan& plan,
   if (plan.has_activations()) {
     const v1::ActivationModel& a = plan.activations();
     mem.AddRow({"activations", HumanBytes(memory.peak_activation_bytes()),
-                absl::StrCat("peak per rank: micro-batch ", a.micro_batch_size(),
-                             " x ", a.seq_len(), " tokens, checkpointing ",
-                             a.checkpointing())});
+                absl::StrCat("peak per rank: micro-batch ",
+                             a.micro_batch_size(), " x ", a.seq_len(),
+                             " tokens, checkpointing ", a.checkpointing())});
     mem.AddRow({"peak in step", HumanBytes(memory.peak_step_bytes()),
                 absl::StrCat("unsharded + activations ",
                              HumanBytes(memory.peak_step_activation_bytes()),
@@ -638,7 +638,7 @@ nlohmann::ordered_json PlanToJson(const v1::ShardingPlan& plan,
       layer["saved_bytes"] = l.saved_bytes();
       layer["checkpoint_bytes"] = l.checkpoint_bytes();
       layer["experts_saved_bytes"] = l.experts_saved_bytes();
-      layer["recompute"] = l.recompute() ? "layer"
+      layer["recompute"] = l.recompute()           ? "layer"
                            : l.recompute_experts() ? "experts"
                                                    : "none";
       layers.push_back(std::move(layer));

@@ -398,19 +398,20 @@ TEST(FormatPlanTableTest, FitLineDoesNotWidenTheMemoryColumns) {
   ASSERT_NE(end, std::string::npos);
   // Labels are 14 wide ("sharded params"), values 9 ("32.00 GiB"); the
   // verdict starts in the value column and runs on.
-  EXPECT_EQ(table.substr(begin, end + 1 - begin),
-            "Per-rank memory\n"
-            "  sharded params   8.00 GiB  master shards, float32\n"
-            "  sharded grads    8.00 GiB  float32\n"
-            "  optimizer       32.00 GiB  AdamW exp_avg + exp_avg_sq\n"
-            "  persistent      48.00 GiB  params + grads + optimizer\n"
-            "  peak unsharded   6.00 GiB  gathered params 4.00 GiB + "
-            "unsharded grads 2.00 GiB\n"
-            "  peak total      54.00 GiB  persistent + peak unsharded "
+  EXPECT_EQ(
+      table.substr(begin, end + 1 - begin),
+      "Per-rank memory\n"
+      "  sharded params   8.00 GiB  master shards, float32\n"
+      "  sharded grads    8.00 GiB  float32\n"
+      "  optimizer       32.00 GiB  AdamW exp_avg + exp_avg_sq\n"
+      "  persistent      48.00 GiB  params + grads + optimizer\n"
+      "  peak unsharded   6.00 GiB  gathered params 4.00 GiB + "
+      "unsharded grads 2.00 GiB\n"
+      "  peak total      54.00 GiB  persistent + peak unsharded "
       "(activations not counted: --micro-batch-size N --seq N counts them)\n"
-            "  fits 80 GiB     yes: 54.00 GiB of 80.00 GiB, 26.00 GiB left for "
-            "activations and workspace\n"
-            "  peak at: backward, unit model.layers.0\n");
+      "  fits 80 GiB     yes: 54.00 GiB of 80.00 GiB, 26.00 GiB left for "
+      "activations and workspace\n"
+      "  peak at: backward, unit model.layers.0\n");
 }
 
 TEST(FormatPlanTableTest, FitLineWithASuggestion) {

@@ -128,25 +128,25 @@ TEST(ShardctlArgsTest, ReshardAcceptsBoolsAndGroupSizes) {
 
 TEST(ShardctlArgsTest, ActivationFlags) {
   SHARDD_ASSERT_OK_AND_ASSIGN(
-      auto plan, Parse({"plan", "--model", "x", "--dp", "2",
-                        "--micro-batch-size", "4", "--seq", "2048",
-                        "--activation-checkpointing", "every:2"}));
+      auto plan,
+      Parse({"plan", "--model", "x", "--dp", "2", "--micro-batch-size", "4",
+             "--seq", "2048", "--activation-checkpointing", "every:2"}));
   EXPECT_EQ(plan.options.micro_batch_size(), 4);
   EXPECT_EQ(plan.options.seq_len(), 2048);
   EXPECT_EQ(plan.options.activation_checkpointing(), "every:2");
-  EXPECT_THAT(Parse({"plan", "--model", "x", "--dp", "2", "--seq", "8"}),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("give both")));
+  EXPECT_THAT(
+      Parse({"plan", "--model", "x", "--dp", "2", "--seq", "8"}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("give both")));
   EXPECT_THAT(Parse({"plan", "--model", "x", "--dp", "2",
                      "--activation-checkpointing", "all"}),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("needs --micro-batch-size N and --seq N")));
-  EXPECT_THAT(Parse({"plan", "--model", "x", "--dp", "2",
-                     "--micro-batch-size", "1", "--seq", "8",
-                     "--activation-checkpointing", "every:0"}),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("--activation-checkpointing: "
-                                 "activation_checkpointing: must be none")));
+  EXPECT_THAT(
+      Parse({"plan", "--model", "x", "--dp", "2", "--micro-batch-size", "1",
+             "--seq", "8", "--activation-checkpointing", "every:0"}),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("--activation-checkpointing: "
+                         "activation_checkpointing: must be none")));
   // train: the job's batch sets the micro-batch; the policy is the model's.
   SHARDD_ASSERT_OK_AND_ASSIGN(
       auto train, Parse({"train", "--coordinator=h:1", "--model", "x",

@@ -138,8 +138,7 @@ TrainSummary SummarizeTraining(const std::vector<v1::StepEvent>& events,
         static_cast<double>(summary.tokens) / summary.step_seconds;
   }
   summary.planned_peak = events.back().planned_peak_unsharded_bytes();
-  summary.planned_activations =
-      events.back().planned_peak_activation_bytes();
+  summary.planned_activations = events.back().planned_peak_activation_bytes();
   summary.all_gathers = events.back().all_gathers();
   summary.reduce_scatters = events.back().reduce_scatters();
   return summary;
@@ -190,19 +189,18 @@ std::string FormatTrainSummary(const TrainSummary& s) {
                            HumanBytes(std::abs(measured - planned)));
   };
   absl::StrAppend(
-      &out, absl::StrFormat("  peak unsharded/rank  measured %s, planned %s "
-                            "(%s)\n",
-                            HumanBytes(s.measured_peak),
-                            HumanBytes(s.planned_peak),
-                            verdict(s.measured_peak, s.planned_peak)));
+      &out,
+      absl::StrFormat("  peak unsharded/rank  measured %s, planned %s "
+                      "(%s)\n",
+                      HumanBytes(s.measured_peak), HumanBytes(s.planned_peak),
+                      verdict(s.measured_peak, s.planned_peak)));
   if (s.planned_activations > 0) {
     absl::StrAppend(
-        &out,
-        absl::StrFormat("  activations/rank    measured %s, planned %s (%s)\n",
-                        HumanBytes(s.measured_activations),
-                        HumanBytes(s.planned_activations),
-                        verdict(s.measured_activations,
-                                s.planned_activations)));
+        &out, absl::StrFormat(
+                  "  activations/rank    measured %s, planned %s (%s)\n",
+                  HumanBytes(s.measured_activations),
+                  HumanBytes(s.planned_activations),
+                  verdict(s.measured_activations, s.planned_activations)));
   }
   absl::StrAppend(&out,
                   absl::StrFormat("  collectives/step     %d all-gathers, %d "

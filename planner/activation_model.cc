@@ -87,11 +87,11 @@ absl::StatusOr<LayerBytes> LayerActivations(const v1::ModelSpec& model,
           " has latent attention, which needs num_attention_heads, "
           "kv_lora_rank, the qk head dims and v_head_dim >= 1"));
     }
-    saved += t * d;                              // its normed input
-    if (rq > 0) saved += t * rq + t + t * rq;    // q_a_proj out, norm
-    saved += t * rkv + t + t * rkv;              // latent, its norm
-    saved += 2 * t * h * qk;                     // q, k
-    saved += t * h * dv + t * h * dv + t * h;    // v, o, lse
+    saved += t * d;                            // its normed input
+    if (rq > 0) saved += t * rq + t + t * rq;  // q_a_proj out, norm
+    saved += t * rkv + t + t * rkv;            // latent, its norm
+    saved += 2 * t * h * qk;                   // q, k
+    saved += t * h * dv + t * h * dv + t * h;  // v, o, lse
     saved += t * d + t;  // the residual after it, post_attention_layernorm
   } else if (Has(shapes, attn + "q_proj.weight")) {
     const int64_t hq = dims.num_attention_heads();
@@ -105,8 +105,8 @@ absl::StatusOr<LayerBytes> LayerActivations(const v1::ModelSpec& model,
           "dims.num_attention_heads / num_key_value_heads / head_dim: layer ",
           layer, " has attention, which needs them >= 1"));
     }
-    saved += t * d;                                      // normed input
-    saved += t * hq * hd + 2 * t * hkv * hd;             // q, k, v
+    saved += t * d;                           // normed input
+    saved += t * hq * hd + 2 * t * hkv * hd;  // q, k, v
     if (Has(shapes, attn + "q_norm.weight")) {
       saved += t * hq * hd + t * hkv * hd + t * hq + t * hkv;  // pre-norm
     }
@@ -121,9 +121,9 @@ absl::StatusOr<LayerBytes> LayerActivations(const v1::ModelSpec& model,
     mlp_inter = Dim(shapes, p + "moe.shared_experts.gate_proj.weight", 0);
   }
   if (mlp_inter > 0) {
-    saved += t * d + 3 * t * mlp_inter;    // input copy, gate, up, hidden
-    b.backward += 2 * t * mlp_inter;       // d_hidden, d_gate
-    if (moe) b.handoff = t * d;            // its output, added by EXPERTS
+    saved += t * d + 3 * t * mlp_inter;  // input copy, gate, up, hidden
+    b.backward += 2 * t * mlp_inter;     // d_hidden, d_gate
+    if (moe) b.handoff = t * d;          // its output, added by EXPERTS
   }
   if (!moe) {
     b.backward += t * d;  // the normed input's gradient
@@ -161,8 +161,8 @@ absl::StatusOr<LayerBytes> LayerActivations(const v1::ModelSpec& model,
     default:
       break;
   }
-  b.backward += t * e;            // the router's logit gradient
-  if (aux) b.backward += t * e;   // the auxiliary loss's
+  b.backward += t * e;           // the router's logit gradient
+  if (aux) b.backward += t * e;  // the auxiliary loss's
   // The checkpoint keeps the layer's input and the experts' inputs.
   b.checkpoint = (t * d + t * d + 2 * t * k) * kF32;
   b.saved = saved * kF32;
@@ -204,8 +204,9 @@ absl::StatusOr<LayerBytes> GemmaLayerActivations(const v1::ModelSpec& model,
   if (hq < 1 || hd < 1 || hkv < 1 || inter_dense < 1 || e < 1 || inter < 1 ||
       k < 1 || k > e) {
     return absl::InvalidArgumentError(absl::StrCat(
-        p, ": a DiffusionGemma layer needs attention heads, an mlp and [E, D, "
-           "2I] experts with dims.top_k in [1, E]"));
+        p,
+        ": a DiffusionGemma layer needs attention heads, an mlp and [E, D, "
+        "2I] experts with dims.top_k in [1, E]"));
   }
   LayerBytes b;
   b.has_experts = true;
@@ -300,9 +301,9 @@ absl::StatusOr<v1::ActivationModel> ModelActivations(
         "per micro-batch, got ",
         batch, " x ", seq));
   }
-  SHARDD_ASSIGN_OR_RETURN(const CheckpointPolicy policy,
-                          ParseCheckpointPolicy(
-                              options.activation_checkpointing()));
+  SHARDD_ASSIGN_OR_RETURN(
+      const CheckpointPolicy policy,
+      ParseCheckpointPolicy(options.activation_checkpointing()));
   Shapes shapes;
   for (const ParamRef& ref : ListParams(model)) {
     shapes[ref.fqn].assign(ref.tensor->shape().begin(),
@@ -352,15 +353,14 @@ absl::StatusOr<v1::ActivationModel> ModelActivations(
     // its pre-norm output and inverse RMS, the MLP output, its input copy,
     // gate, up and hidden; the MLP's two gradients; the probabilities.
     out.set_sc_embed_bytes((2 * r * d + r) * kF32);
-    out.set_sc_signal_bytes((r * d + r * d + r + r * d + r * d +
-                             3 * r * sc_inter) *
-                            kF32);
+    out.set_sc_signal_bytes(
+        (r * d + r * d + r + r * d + r * d + 3 * r * sc_inter) * kF32);
     out.set_sc_backward_bytes(2 * r * sc_inter * kF32);
     out.set_sc_probs_bytes(r * vocab * kF32);
   }
   for (int l = 0;; ++l) {
-    if (!Has(shapes, absl::StrCat("model.layers.", l,
-                                  ".input_layernorm.weight"))) {
+    if (!Has(shapes,
+             absl::StrCat("model.layers.", l, ".input_layernorm.weight"))) {
       break;
     }
     LayerBytes b;

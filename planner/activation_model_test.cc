@@ -37,7 +37,8 @@ v1::PlanOptions Options(int batch, int64_t seq, const std::string& policy) {
 }
 
 TEST(CheckpointPolicyTest, ParsesEveryFormAndNamesTheFieldOtherwise) {
-  for (const char* text : {"", "none", "all", "experts", "every:1", "every:3"}) {
+  for (const char* text :
+       {"", "none", "all", "experts", "every:1", "every:3"}) {
     SHARDD_ASSERT_OK_AND_ASSIGN(CheckpointPolicy policy,
                                 ParseCheckpointPolicy(text));
     EXPECT_EQ(policy.Text(), std::string(text).empty() ? "none" : text);
@@ -62,8 +63,8 @@ TEST(ActivationModelTest, LlamaLayerKeepsWhatItsBackwardReads) {
   SHARDD_ASSERT_OK_AND_ASSIGN(v1::ActivationModel acts,
                               ModelActivations(model, Options(2, 8, "none")));
   ASSERT_EQ(acts.layers_size(), 2);
-  const int64_t per_token = (d + 1 + d) + d + hq * hd + 2 * hkv * hd +
-                            hq * hd + hq + (d + 1) + (d + 3 * inter);
+  const int64_t per_token = (d + 1 + d) + d + hq * hd + 2 * hkv * hd + hq * hd +
+                            hq + (d + 1) + (d + 3 * inter);
   for (const v1::LayerActivations& layer : acts.layers()) {
     EXPECT_EQ(layer.saved_bytes(), 4 * t * per_token);
     EXPECT_EQ(layer.checkpoint_bytes(), 4 * t * d);

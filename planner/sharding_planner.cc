@@ -13,11 +13,11 @@
 #include "common/dtype.h"
 #include "common/fingerprint.h"
 #include "common/status_macros.h"
-#include "model/model_util.h"
-#include "planner/sharding_strategy.h"
-#include "planner/activation_model.h"
-#include "program/step_model.h"
 #include "layout/unit_layout.h"
+#include "model/model_util.h"
+#include "planner/activation_model.h"
+#include "planner/sharding_strategy.h"
+#include "program/step_model.h"
 
 namespace shardd {
 namespace {

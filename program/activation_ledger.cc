@@ -130,14 +130,12 @@ int64_t ActivationLedger::BlockDiffusion(Command::Op op, Command::Part part,
   const bool encode = pass == 0;
   const int64_t before = live_;
   int64_t peak = before;
-  const int64_t stream =
-      encode ? m.stream_bytes() : m.decode_stream_bytes();
+  const int64_t stream = encode ? m.stream_bytes() : m.decode_stream_bytes();
   const int64_t head = encode ? m.head_bytes() : m.decode_head_bytes();
   const int64_t grad_stream =
       encode ? m.grad_stream_bytes() : m.decode_grad_stream_bytes();
   if (part == Command::LAYER || part == Command::EXPERTS) {
-    const v1::LayerActivations& l =
-        encode ? Layer(layer) : DecodeLayer(layer);
+    const v1::LayerActivations& l = encode ? Layer(layer) : DecodeLayer(layer);
     if (op == Command::FORWARD) {
       // The encode keeps its K/V for the decodes (in an evaluation until
       // the last decode's layer is done); the self-conditioning decode and
@@ -153,8 +151,8 @@ int64_t ActivationLedger::BlockDiffusion(Command::Op op, Command::Part part,
     if (part == Command::EXPERTS) return LayerPart(op, part, l, true, true);
     // BACKWARD(LAYER): a decode adds the encode's K/V gradients; the
     // encode frees them with the rest.
-    const int64_t kv = encode ? encoder_kv_grads_[layer]
-                              : l.encoder_kv_grad_bytes();
+    const int64_t kv =
+        encode ? encoder_kv_grads_[layer] : l.encoder_kv_grad_bytes();
     peak = LayerPart(op, part, l, true, true);
     if (encode) {
       live_ -= kv;

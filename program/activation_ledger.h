@@ -42,8 +42,8 @@ class ActivationLedger {
   int64_t LayerPart(v1::Command::Op op, v1::Command::Part part,
                     const v1::LayerActivations& l, bool keep, bool recompute);
   // DiffusionGemma's block-diffusion step.
-  int64_t BlockDiffusion(v1::Command::Op op, v1::Command::Part part,
-                         int layer, int pass);
+  int64_t BlockDiffusion(v1::Command::Op op, v1::Command::Part part, int layer,
+                         int pass);
 
   const v1::ActivationModel* model_;
   const PassLayout passes_;

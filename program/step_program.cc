@@ -16,9 +16,9 @@
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
 #include "common/status_macros.h"
+#include "program/activation_ledger.h"
 #include "program/pass_layout.h"
 #include "program/plan_info.h"
-#include "program/activation_ledger.h"
 #include "program/step_replay.h"
 #include "program/unit_state.h"
 
@@ -441,7 +441,7 @@ absl::StatusOr<std::vector<ActivationPoint>> ReplayActivations(
   std::vector<ActivationPoint> points;
   if (!plan.has_activations()) return points;
   program_internal::ActivationLedger ledger(&plan.activations(),
-                                           ProgramPasses(plan, program));
+                                            ProgramPasses(plan, program));
   for (const Command& c : program.commands()) {
     if (c.op() != Command::FORWARD && c.op() != Command::BACKWARD) continue;
     ActivationPoint point;

@@ -11,9 +11,8 @@
 // The parts and the units that own them, and the compiled schedule command
 // by command: docs/design.md ("Step programs").
 
-#include <string>
-
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"

@@ -15,8 +15,8 @@
 namespace shardd {
 namespace program_internal {
 
-Runner::Runner(const PlanInfo& info, int microbatches,
-               const PassLayout& passes, const ReplayOutput* replay)
+Runner::Runner(const PlanInfo& info, int microbatches, const PassLayout& passes,
+               const ReplayOutput* replay)
     : info_(info),
       microbatches_(microbatches),
       passes_(passes),
@@ -306,8 +306,7 @@ absl::Status Runner::Run(int index, const Command& c) {
   if (replay_ != nullptr) {
     const int64_t during =
         activations_.Apply(c.op(), c.part(), c.layer(), c.pass());
-    ObserveStepPeak(index, Command::Op_Name(c.op()).c_str(), -1, last_,
-                    during);
+    ObserveStepPeak(index, Command::Op_Name(c.op()).c_str(), -1, last_, during);
     v1::MemoryReport* memory = replay_->memory;
     memory->set_peak_activation_bytes(
         std::max(memory->peak_activation_bytes(), during));

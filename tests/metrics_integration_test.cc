@@ -324,10 +324,10 @@ TEST_F(MetricsIntegrationTest, CountersMatchWhatWasTrained) {
     // One series per memory kind (activations included: every job's plan
     // models them, and the last step's peak is there).
     EXPECT_EQ(w.Count("shardd_worker_memory_live_bytes"), 8);
-    EXPECT_GT(w.Find("shardd_worker_memory_peak_bytes",
-                     {{"kind", "activations"}})
-                  .value_or(0),
-              0.0);
+    EXPECT_GT(
+        w.Find("shardd_worker_memory_peak_bytes", {{"kind", "activations"}})
+            .value_or(0),
+        0.0);
     EXPECT_GT(w.Sum("shardd_worker_memory_peak_bytes"), 0.0);
     EXPECT_EQ(w.type.at("shardd_worker_step_seconds"), "histogram");
   }

@@ -63,9 +63,9 @@ TEST(WorkerMetricsTest, CountsStepsAndReadsTheRuntimeAtScrapeTime) {
             static_cast<int>(MemoryKind::kNumKinds));
   EXPECT_EQ(parsed.Count("shardd_worker_memory_peak_bytes"),
             static_cast<int>(MemoryKind::kNumKinds));
-  EXPECT_THAT(parsed.Find("shardd_worker_memory_live_bytes",
-                          {{"kind", "activations"}}),
-              Optional(0.0));
+  EXPECT_THAT(
+      parsed.Find("shardd_worker_memory_live_bytes", {{"kind", "activations"}}),
+      Optional(0.0));
   EXPECT_THAT(parsed.Find("shardd_worker_memory_live_bytes",
                           {{"kind", "shard_params"}}),
               Optional(0.0));

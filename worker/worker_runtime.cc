@@ -720,9 +720,8 @@ v1::ExecuteResponse WorkerRuntime::ToResponse(const StepResult& r) const {
   response.set_grad_norm(r.grad_norm);
   response.set_lr(r.lr);
   response.set_peak_unsharded_bytes(r.peak_unsharded_bytes);
-  response.set_peak_activation_bytes(r.activation_trace.empty()
-                                         ? 0
-                                         : r.peak_activation_bytes);
+  response.set_peak_activation_bytes(
+      r.activation_trace.empty() ? 0 : r.peak_activation_bytes);
   response.set_peak_workspace_bytes(r.peak_workspace_bytes);
   response.set_all_gathers(r.collectives.all_gathers);
   response.set_reduce_scatters(r.collectives.reduce_scatters);

@@ -46,8 +46,7 @@ AsyncCall* StartAsync(const WorkerCallOptions& options,
   call->done = std::move(done);
   call->canceller = options.canceller;
   if (call->canceller != nullptr) {
-    call->handle =
-        call->canceller->Add([call] { call->context.TryCancel(); });
+    call->handle = call->canceller->Add([call] { call->context.TryCancel(); });
   }
   return call;
 }

@@ -261,8 +261,8 @@ class JobRunner::Attempt {
                       *request->mutable_plan() = spec_.plan;
                       clients_[rank]->LoadPlanAsync(
                           *request, options, &loaded_[rank],
-                          [this, rank, finish = std::move(finish)](
-                              absl::Status again) {
+                          [this, rank,
+                           finish = std::move(finish)](absl::Status again) {
                             finish(CheckLoaded(rank, std::move(again)));
                           });
                       return;
@@ -277,9 +277,9 @@ class JobRunner::Attempt {
   absl::Status CheckLoaded(int rank, absl::Status status) const {
     if (!status.ok()) return status;
     if (keep_[rank] && loaded_[rank].kept_step() != start_) {
-      return absl::AbortedError(absl::StrCat(
-          "kept step ", loaded_[rank].kept_step(), " instead of ", start_,
-          " (its state changed during the recovery)"));
+      return absl::AbortedError(
+          absl::StrCat("kept step ", loaded_[rank].kept_step(), " instead of ",
+                       start_, " (its state changed during the recovery)"));
     }
     return absl::OkStatus();
   }
@@ -467,16 +467,16 @@ class JobRunner::Attempt {
     std::vector<v1::ExecuteResponse>& results = results_;
     if (!spec_.config.fine_grained()) {
       execute_.mutable_program()->set_step(step);
-      SHARDD_RETURN_IF_ERROR(Prefixed(
-          label, runner_->RunOnAllRanksAsync(
-                     snapshot_,
-                     [&](int rank, const WorkerCallOptions& options,
-                         std::function<void(absl::Status)> finish) {
-                       clients_[rank]->ExecuteAsync(execute_, options,
-                                                    &results[rank],
-                                                    std::move(finish));
-                     },
-                     "Execute")));
+      SHARDD_RETURN_IF_ERROR(
+          Prefixed(label, runner_->RunOnAllRanksAsync(
+                              snapshot_,
+                              [&](int rank, const WorkerCallOptions& options,
+                                  std::function<void(absl::Status)> finish) {
+                                clients_[rank]->ExecuteAsync(execute_, options,
+                                                             &results[rank],
+                                                             std::move(finish));
+                              },
+                              "Execute")));
     } else {
       const int commands = spec_.program.commands_size();
       for (int i = 0; i < commands; ++i) {

@@ -280,8 +280,8 @@ class JobRunner {
   // The same with calls that do not block: `start(rank, options, finish)`
   // issues rank's call and returns; the call runs finish(status) once when
   // it ends (WorkerClient's *Async). No thread per rank.
-  using AsyncRankCall = std::function<void(
-      int, const WorkerCallOptions&, std::function<void(absl::Status)>)>;
+  using AsyncRankCall = std::function<void(int, const WorkerCallOptions&,
+                                           std::function<void(absl::Status)>)>;
   absl::Status RunOnAllRanksAsync(const std::vector<WorkerSnapshot>& workers,
                                   const AsyncRankCall& start,
                                   absl::string_view what)

@@ -57,8 +57,7 @@ namespace {
 // waits for `done`, which is the last thing the thread does with any of
 // its arguments.
 template <typename Response, typename Call>
-void OnThread(Call call, Response* response,
-              WorkerClient::DoneCallback done) {
+void OnThread(Call call, Response* response, WorkerClient::DoneCallback done) {
   std::thread([call = std::move(call), response,
                done = std::move(done)]() mutable {
     absl::StatusOr<Response> result = call();
@@ -73,9 +72,8 @@ void WorkerClient::LoadPlanAsync(const v1::LoadPlanRequest& request,
                                  const WorkerCallOptions& options,
                                  v1::LoadPlanResponse* response,
                                  DoneCallback done) {
-  OnThread(
-      [this, &request, options] { return LoadPlan(request, options); },
-      response, std::move(done));
+  OnThread([this, &request, options] { return LoadPlan(request, options); },
+           response, std::move(done));
 }
 
 void WorkerClient::ExecuteAsync(const v1::ExecuteRequest& request,

@@ -98,8 +98,7 @@ class WorkerClient {
   using DoneCallback = std::function<void(absl::Status)>;
   virtual void LoadPlanAsync(const v1::LoadPlanRequest& request,
                              const WorkerCallOptions& options,
-                             v1::LoadPlanResponse* response,
-                             DoneCallback done);
+                             v1::LoadPlanResponse* response, DoneCallback done);
   virtual void ExecuteAsync(const v1::ExecuteRequest& request,
                             const WorkerCallOptions& options,
                             v1::ExecuteResponse* response, DoneCallback done);

@@ -277,9 +277,9 @@ absl::Status CpuBackend::CreateModel(const MoeModelOptions& options) {
   std::vector<bool> whole(layers, false), experts(layers, false);
   for (const v1::LayerActivations& l : plan_.activations().layers()) {
     if (l.layer() < 0 || l.layer() >= layers) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "plan.activations.layers: layer ", l.layer(), " outside [0, ",
-          layers, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("plan.activations.layers: layer ", l.layer(),
+                       " outside [0, ", layers, ")"));
     }
     whole[l.layer()] = l.recompute();
     experts[l.layer()] = l.recompute_experts();

@@ -1,14 +1,14 @@
 #include "worker/exec/step_executor.h"
 
 #include <algorithm>
-#include <fstream>
-#include <sstream>
 #include <atomic>
 #include <cctype>
 #include <cmath>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <set>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -1035,9 +1035,9 @@ class StepExecutorActivationTest
 TEST_P(StepExecutorActivationTest, MeasuredEqualsPlannedAndRecomputeIsExact) {
   const ActivationCase c = GetParam();
   const v1::ModelSpec model =
-      c.model == "tiny_moe_native"          ? TinyMoe(/*freeze=*/true)
-      : c.model == "tiny_diffusion_gemma" ? TinyDiffusionGemma()
-                                            : TinyHf(c.model);
+      c.model == "tiny_moe_native"        ? TinyMoe(/*freeze=*/true)
+             : c.model == "tiny_diffusion_gemma" ? TinyDiffusionGemma()
+                                          : TinyHf(c.model);
   const bool gemma = c.model == "tiny_diffusion_gemma";
   constexpr int kBatchPerRank = 2;
   const int64_t global_batch =
@@ -1107,9 +1107,8 @@ TEST_P(StepExecutorActivationTest, MeasuredEqualsPlannedAndRecomputeIsExact) {
         // Parameters, gradients and activations together.
         EXPECT_EQ(result.peak_step_bytes, memory.peak_step_bytes())
             << "plan's peak " << memory.peak_step_where();
-        EXPECT_LE(memory.peak_step_bytes(),
-                  memory.peak_unsharded_bytes() +
-                      memory.peak_activation_bytes());
+        EXPECT_LE(memory.peak_step_bytes(), memory.peak_unsharded_bytes() +
+                                                memory.peak_activation_bytes());
       }
     }
     runs.emplace(policy, run);

@@ -269,9 +269,8 @@ absl::Status GemmaLayerBlock::ForwardLayer(const MoeLayerSpec& layer,
 }
 
 absl::Status GemmaLayerBlock::RecomputeLayer(const MoeLayerSpec& layer,
-                                             ParamSource* params,
-                                             int64_t batch, int64_t seq,
-                                             GemmaLayerActs* a,
+                                             ParamSource* params, int64_t batch,
+                                             int64_t seq, GemmaLayerActs* a,
                                              const GemmaDecode* decode) {
   if (static_cast<int64_t>(a->x_in.size()) != batch * seq * arch_->dim) {
     return absl::FailedPreconditionError(
@@ -318,21 +317,19 @@ absl::Status GemmaLayerBlock::RecomputeExperts(const MoeLayerSpec& layer,
   a->experts_out.resize(t * d);
   SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsForward(
       {t, d, layer.moe_inter, layer.experts, arch_->top_k}, arch_->activation,
-      a->experts_in.data(), a->indices.data(), a->weights.data(), nullptr,
-      w_gu, w_d, a->experts_out.data(), &a->experts));
+      a->experts_in.data(), a->indices.data(), a->weights.data(), nullptr, w_gu,
+      w_d, a->experts_out.data(), &a->experts));
   std::vector<float>().swap(a->experts.o);
   // post_feedforward_layernorm_2's inverse RMS (its weight: the copy).
   a->post2_inv.resize(t);
   g_.resize(t * d);
-  return kernels::RmsNormForward(a->experts_out.data(), a->layer_w.data(), t,
-                                 d, arch_->eps, g_.data(),
-                                 a->post2_inv.data());
+  return kernels::RmsNormForward(a->experts_out.data(), a->layer_w.data(), t, d,
+                                 arch_->eps, g_.data(), a->post2_inv.data());
 }
 
 absl::Status GemmaLayerBlock::LayerFromInput(const MoeLayerSpec& layer,
-                                             ParamSource* params,
-                                             int64_t batch, int64_t seq,
-                                             GemmaLayerActs* a,
+                                             ParamSource* params, int64_t batch,
+                                             int64_t seq, GemmaLayerActs* a,
                                              const GemmaDecode* decode) {
   const int64_t t = batch * seq, d = arch_->dim, hq = arch_->q_heads;
   const int64_t hkv = layer.layer_kv_heads, hd = layer.layer_head_dim;

@@ -196,11 +196,11 @@ absl::Status MoeModel::Impl::LayerForward(const LayerSpec& spec,
     // reads post_attention_layernorm(x_mid).
     scratch_td.resize(t * dim);
     SHARDD_RETURN_IF_ERROR(
-        spec.mla ? mla->Forward(spec, params, la->normed.data(), batch.batch,
-                                batch.seq, &la->mla, scratch_td.data())
-                 : attention->Forward(spec, params, la->normed.data(),
-                                      batch.batch, batch.seq, &la->attn,
-                                      scratch_td.data()));
+        spec.mla
+            ? mla->Forward(spec, params, la->normed.data(), batch.batch,
+                           batch.seq, &la->mla, scratch_td.data())
+            : attention->Forward(spec, params, la->normed.data(), batch.batch,
+                                 batch.seq, &la->attn, scratch_td.data()));
     la->x_mid.resize(t * dim);
     for (int64_t i = 0; i < t * dim; ++i) {
       la->x_mid[i] = la->x_in[i] + scratch_td[i];
@@ -209,9 +209,9 @@ absl::Status MoeModel::Impl::LayerForward(const LayerSpec& spec,
     SHARDD_ASSIGN_OR_RETURN(const float* post_w,
                             params->Param(spec.post_norm.name));
     la->post_inv.resize(t);
-    SHARDD_RETURN_IF_ERROR(
-        kernels::RmsNormForward(la->x_mid.data(), post_w, t, dim, eps,
-                                la->normed.data(), la->post_inv.data()));
+    SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(la->x_mid.data(), post_w, t,
+                                                   dim, eps, la->normed.data(),
+                                                   la->post_inv.data()));
   }
   if (spec.has_mlp) {
     SHARDD_ASSIGN_OR_RETURN(const float* wg, params->Param(spec.mlp_gate.name));
@@ -679,9 +679,9 @@ absl::Status MoeModel::SetRecompute(std::vector<bool> layers,
   Impl& m = *impl_;
   const size_t n = m.layers.size();
   if (layers.size() != n || experts.size() != n) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "recompute: needs one flag per layer (", n, "), got ", layers.size(),
-        " and ", experts.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("recompute: needs one flag per layer (", n, "), got ",
+                     layers.size(), " and ", experts.size()));
   }
   m.recompute_layer = std::move(layers);
   m.recompute_experts = std::move(experts);

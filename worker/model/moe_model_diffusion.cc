@@ -336,8 +336,8 @@ absl::Status MoeModel::Impl::DiffusionBackward(const Command& c,
             pass == 0 ? nullptr : &decode));
       }
       SHARDD_RETURN_IF_ERROR(gemma_block->BackwardLayer(
-          layers[l], params, batch.batch, seq, &a.layers[l].gemma,
-          a.dx.data(), pass == 0 ? nullptr : &decode));
+          layers[l], params, batch.batch, seq, &a.layers[l].gemma, a.dx.data(),
+          pass == 0 ? nullptr : &decode));
       // A decode's K/V gradients stay in the encode's state until its
       // backward.
       MarkActivationPeak();
