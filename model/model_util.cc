@@ -297,4 +297,14 @@ absl::Status ValidateModelSpec(const v1::ModelSpec& model) {
   return absl::OkStatus();
 }
 
+AttentionHeads AttentionHeadsOf(const v1::ModelDims& dims, int64_t hidden) {
+  AttentionHeads heads;
+  heads.q = dims.num_attention_heads();
+  heads.kv = dims.num_key_value_heads() > 0 ? dims.num_key_value_heads()
+                                            : dims.num_attention_heads();
+  heads.dim = dims.head_dim() > 0 ? dims.head_dim()
+                                  : (heads.q > 0 ? hidden / heads.q : 0);
+  return heads;
+}
+
 }  // namespace shardd

@@ -42,6 +42,16 @@ std::vector<ParamRef> ListParams(const v1::ModelSpec& model);
 // Totals; tied parameters count once, frozen ones are not trainable.
 v1::ModelSummary Summarize(const v1::ModelSpec& model);
 
+// A standard attention's head geometry from the spec's dims:
+// num_attention_heads, num_key_value_heads (0: the attention heads) and
+// head_dim (0: hidden / heads). Unchecked: callers refuse values < 1.
+struct AttentionHeads {
+  int64_t q = 0;
+  int64_t kv = 0;
+  int64_t dim = 0;
+};
+AttentionHeads AttentionHeadsOf(const v1::ModelDims& dims, int64_t hidden);
+
 // Structural checks every spec must pass before planning:
 // non-empty architecture; a root with an empty name; at most 64 module
 // levels; every shape has >= 1 dimension, each >= 1 and the total below 2^53

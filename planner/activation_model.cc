@@ -94,12 +94,8 @@ absl::StatusOr<LayerBytes> LayerActivations(const v1::ModelSpec& model,
     saved += t * h * dv + t * h * dv + t * h;  // v, o, lse
     saved += t * d + t;  // the residual after it, post_attention_layernorm
   } else if (Has(shapes, attn + "q_proj.weight")) {
-    const int64_t hq = dims.num_attention_heads();
-    const int64_t hkv = dims.num_key_value_heads() > 0
-                            ? dims.num_key_value_heads()
-                            : dims.num_attention_heads();
-    const int64_t hd =
-        dims.head_dim() > 0 ? dims.head_dim() : (hq > 0 ? d / hq : 0);
+    const AttentionHeads heads = AttentionHeadsOf(dims, d);
+    const int64_t hq = heads.q, hkv = heads.kv, hd = heads.dim;
     if (hq < 1 || hkv < 1 || hd < 1) {
       return absl::InvalidArgumentError(absl::StrCat(
           "dims.num_attention_heads / num_key_value_heads / head_dim: layer ",

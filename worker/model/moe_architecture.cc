@@ -269,12 +269,8 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
       SHARDD_RETURN_IF_ERROR(ReadMlaLayer(model.dims(), l, take, &arch, &layer));
     } else if (tensors.count(p + "self_attn.q_proj.weight") > 0) {
       const v1::ModelDims& dims = model.dims();
-      const int64_t hq = dims.num_attention_heads();
-      const int64_t hkv = dims.num_key_value_heads() > 0
-                              ? dims.num_key_value_heads()
-                              : dims.num_attention_heads();
-      const int64_t hd =
-          dims.head_dim() > 0 ? dims.head_dim() : (hq > 0 ? d / hq : 0);
+      const AttentionHeads heads = AttentionHeadsOf(dims, d);
+      const int64_t hq = heads.q, hkv = heads.kv, hd = heads.dim;
       if (hq < 1 || hkv < 1 || hq % hkv != 0 || hd < 1) {
         return absl::InvalidArgumentError(absl::StrCat(
             "dims.num_attention_heads / num_key_value_heads / head_dim: "

@@ -615,23 +615,29 @@ absl::Status MoeModel::Impl::Backward(const Command& c, ParamSource* params) {
       FreeVector(&a.aux_d_logits);
       return absl::OkStatus();
     }
-    case Command::EMBED: {
-      if (!embed.frozen) {
-        if (embedding_scale > 0) {
-          for (float& v : a.dx) v *= embedding_scale;
-        }
-        float* dtable = Zeroed(&scratch, vocab * dim);
-        SHARDD_RETURN_IF_ERROR(kernels::EmbeddingBackward(
-            a.dx.data(), batch.inputs.data(), t, vocab, dim, dtable));
-        SHARDD_RETURN_IF_ERROR(AddGrad(params, embed, dtable));
-      }
-      FreeVector(&a.dx);
-      return absl::OkStatus();
-    }
+    case Command::EMBED:
+      return EmbedBackward(params, batch.inputs.data(), t,
+                           embedding_scale > 0 ? embedding_scale : 1.0f, &a);
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("BACKWARD of part ", Command::Part_Name(c.part())));
   }
+}
+
+absl::Status MoeModel::Impl::EmbedBackward(ParamSource* params,
+                                           const int32_t* ids, int64_t t,
+                                           float scale, PassActs* a) {
+  if (!embed.frozen) {
+    if (scale != 1.0f) {
+      for (float& v : a->dx) v *= scale;
+    }
+    float* dtable = Zeroed(&scratch, vocab * dim);
+    SHARDD_RETURN_IF_ERROR(kernels::EmbeddingBackward(a->dx.data(), ids, t,
+                                                      vocab, dim, dtable));
+    SHARDD_RETURN_IF_ERROR(AddGrad(params, embed, dtable));
+  }
+  FreeVector(&a->dx);
+  return absl::OkStatus();
 }
 
 void MoeModel::SetEvaluation(bool eval) { impl_->eval = eval; }

@@ -355,15 +355,8 @@ absl::Status MoeModel::Impl::DiffusionBackward(const Command& c,
         FreeVector(&a.dx);
         return absl::OkStatus();
       }
-      if (!embed.frozen) {
-        for (float& v : a.dx) v *= embedding_scale;
-        float* dtable = Zeroed(&scratch, vocab * dim);
-        SHARDD_RETURN_IF_ERROR(kernels::EmbeddingBackward(
-            a.dx.data(), batch.inputs.data(), t, vocab, dim, dtable));
-        SHARDD_RETURN_IF_ERROR(AddGrad(params, embed, dtable));
-      }
-      FreeVector(&a.dx);
-      return absl::OkStatus();
+      return EmbedBackward(params, batch.inputs.data(), t, embedding_scale,
+                           &a);
     }
     default:
       return absl::InvalidArgumentError(

@@ -215,6 +215,10 @@ struct MoeModel::Impl : MoeArchitecture {
   static void FreeVector(std::vector<T>* v) {
     std::vector<T>().swap(*v);
   }
+  // BACKWARD(EMBED) of tokens `ids` [t] embedded times `scale`: the
+  // embedding's gradient from a->dx, then a->dx is freed.
+  absl::Status EmbedBackward(ParamSource* params, const int32_t* ids,
+                             int64_t t, float scale, PassActs* a);
   // Frees FORWARD(HEAD)'s final norm input, inverse RMS and output.
   static void FreeHead(PassActs* a) {
     FreeVector(&a->final_x);
