@@ -84,6 +84,10 @@ def plan_options(
     keep_compute_shard: Optional[bool] = None,
     bucket_elements: Optional[int] = None,
     include_timeline: Optional[bool] = None,
+    shard_placement: Optional[str] = None,
+    micro_batch_size: Optional[int] = None,
+    seq_len: Optional[int] = None,
+    activation_checkpointing: Optional[str] = None,
 ) -> ppb.PlanOptions:
     """Builds a PlanOptions message; None leaves the strategy's default.
 
@@ -98,6 +102,12 @@ def plan_options(
         keep_compute_shard: keep a compute-dtype copy of every shard.
         bucket_elements: flat-bucket size (megatron_fsdp).
         include_timeline: return the full memory timeline.
+        shard_placement: "auto" (default) or "dim0".
+        micro_batch_size, seq_len: count each rank's activations for that
+            many sequences of seq_len tokens per micro-batch (a job's plan
+            always counts its own).
+        activation_checkpointing: "none", "all", "experts" or "every:K":
+            the layers (or only the experts) that recompute in backward.
     """
     options = ppb.PlanOptions()
     if dp is not None:
@@ -128,6 +138,14 @@ def plan_options(
         options.keep_compute_shard = keep_compute_shard
     if bucket_elements is not None:
         options.bucket_elements = bucket_elements
+    if shard_placement is not None:
+        options.shard_placement = shard_placement
+    if micro_batch_size is not None:
+        options.micro_batch_size = micro_batch_size
+    if seq_len is not None:
+        options.seq_len = seq_len
+    if activation_checkpointing is not None:
+        options.activation_checkpointing = activation_checkpointing
     if include_timeline is not None:
         options.include_timeline = include_timeline
     return options

@@ -63,6 +63,19 @@ class ClientIntegrationTest(unittest.TestCase):
         self.assertEqual(stored.fingerprint, submitted.plan.fingerprint)
         single = self.coordinator.plan(submitted.model_id, dp=1)
         self.assertEqual(single.world_size, 1)
+        # With a micro-batch the plan counts activations; recomputing every
+        # layer holds fewer of them.
+        kept = self.coordinator.plan(submitted.model_id, dp=WORKERS,
+                                     micro_batch_size=8, seq_len=32)
+        recomputed = self.coordinator.plan(
+            submitted.model_id, dp=WORKERS, micro_batch_size=8, seq_len=32,
+            activation_checkpointing="all")
+        self.assertGreater(kept.memory.peak_activation_bytes, 0)
+        self.assertEqual(kept.memory.peak_total_bytes,
+                         kept.memory.persistent_bytes
+                         + kept.memory.peak_step_bytes)
+        self.assertLess(recomputed.memory.peak_activation_bytes,
+                        kept.memory.peak_activation_bytes)
         # Submitting the same spec as a dict gives the same model.
         again = self.coordinator.submit_model(small_moe(), dp=WORKERS)
         self.assertEqual(again.model_id, submitted.model_id)
@@ -93,6 +106,9 @@ class ClientIntegrationTest(unittest.TestCase):
             self.assertEqual(event.total_steps, STEPS)
             self.assertEqual(event.peak_unsharded_bytes,
                              event.planned_peak_unsharded_bytes)
+            self.assertGreater(event.planned_peak_activation_bytes, 0)
+            self.assertEqual(event.peak_activation_bytes,
+                             event.planned_peak_activation_bytes)
 
         info = job.info()
         self.assertEqual(info.state, v1.JOB_DONE)
