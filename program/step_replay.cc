@@ -375,6 +375,16 @@ void Runner::Emit(int command, const char* op, int unit,
   }
 }
 
+std::string Runner::PeakWhere(int command, const char* op, int unit,
+                              const Context& context, const char* when) const {
+  std::string where =
+      absl::StrCat(context.phase, ", micro-batch ", context.microbatch);
+  if (context.pass >= 0) absl::StrAppend(&where, ", pass ", context.pass);
+  if (unit >= 0) absl::StrAppend(&where, ", unit ", info_.units[unit].name);
+  absl::StrAppend(&where, ", ", when, " ", op, " (command ", command, ")");
+  return where;
+}
+
 void Runner::ObservePeak(int command, const char* op, int unit,
                          const Context& context, int event) {
   if (replay_ == nullptr) return;
@@ -386,12 +396,7 @@ void Runner::ObservePeak(int command, const char* op, int unit,
     memory->set_peak_param_bytes(live_params_);
     memory->set_peak_grad_bytes(live_grads_);
     memory->set_peak_event(index);
-    std::string where =
-        absl::StrCat(context.phase, ", micro-batch ", context.microbatch);
-    if (context.pass >= 0) absl::StrAppend(&where, ", pass ", context.pass);
-    if (unit >= 0) absl::StrAppend(&where, ", unit ", info_.units[unit].name);
-    absl::StrAppend(&where, ", after ", op, " (command ", command, ")");
-    memory->set_peak_where(std::move(where));
+    memory->set_peak_where(PeakWhere(command, op, unit, context, "after"));
   }
   ObserveStepPeak(command, op, unit, context, activations_.live());
 }
@@ -403,13 +408,9 @@ void Runner::ObserveStepPeak(int command, const char* op, int unit,
   if (total > memory->peak_step_bytes()) {
     memory->set_peak_step_bytes(total);
     memory->set_peak_step_activation_bytes(activations);
-    std::string where =
-        absl::StrCat(context.phase, ", micro-batch ", context.microbatch);
-    if (context.pass >= 0) absl::StrAppend(&where, ", pass ", context.pass);
-    if (unit >= 0) absl::StrAppend(&where, ", unit ", info_.units[unit].name);
-    absl::StrAppend(&where, ", ", unit >= 0 ? "after " : "during ", op,
-                    " (command ", command, ")");
-    memory->set_peak_step_where(std::move(where));
+    // A unit's command changed memory; a computation (no unit) holds it.
+    memory->set_peak_step_where(PeakWhere(command, op, unit, context,
+                                          unit >= 0 ? "after" : "during"));
   }
 }
 

@@ -104,6 +104,10 @@ class Runner {
   void ObservePeak(int command, const char* op, int unit,
                    const Context& context, int event = -1);
 
+  // "backward, micro-batch 0, pass 1, unit U, WHEN OP (command N)".
+  std::string PeakWhere(int command, const char* op, int unit,
+                        const Context& context, const char* when) const;
+
   // The step's peak (unsharded bytes plus `activations` live now).
   void ObserveStepPeak(int command, const char* op, int unit,
                        const Context& context, int64_t activations);
