@@ -50,8 +50,8 @@ absl::Status JobRunner::RunOnAllRanks(
     const std::vector<WorkerSnapshot>& workers, RankPool* pool,
     const std::function<absl::Status(int, const WorkerCallOptions&)>& call,
     absl::string_view what) {
-  // `call` outlives the tasks: RunRound waits for every one.
-  return RunRound(
+  // `call` outlives the tasks: the round waits for every one.
+  return RunOnAllRanksAsync(
       workers,
       [pool, &call](int rank, const WorkerCallOptions& options,
                     std::function<void(absl::Status)> finish) {
@@ -65,12 +65,6 @@ absl::Status JobRunner::RunOnAllRanks(
 absl::Status JobRunner::RunOnAllRanksAsync(
     const std::vector<WorkerSnapshot>& workers, const AsyncRankCall& start,
     absl::string_view what) {
-  return RunRound(workers, start, what);
-}
-
-absl::Status JobRunner::RunRound(const std::vector<WorkerSnapshot>& workers,
-                                 const AsyncRankCall& start,
-                                 absl::string_view what) {
   const int world = static_cast<int>(workers.size());
   const absl::Duration timeout =
       options_.collective_timeout + options_.rpc_margin;

@@ -286,9 +286,6 @@ class JobRunner {
                                   const AsyncRankCall& start,
                                   absl::string_view what)
       ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status RunRound(const std::vector<WorkerSnapshot>& workers,
-                        const AsyncRankCall& start, absl::string_view what)
-      ABSL_LOCKS_EXCLUDED(mu_);
   // OK while ranks 0..W-1 are alive with the snapshot's incarnations.
   absl::Status CheckMembership(
       const std::vector<WorkerSnapshot>& snapshot) const;
