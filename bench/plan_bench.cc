@@ -72,18 +72,30 @@ const v1::ModelSpec* DeepseekV3() {
   return spec;
 }
 
-void PlanDeepseekV3(benchmark::State& state, const char* strategy,
-                    bool exclude_free) {
+// DeepSeek-V3, or null after marking the benchmark skipped.
+const v1::ModelSpec* DeepseekV3OrSkip(benchmark::State& state) {
   const v1::ModelSpec* model = DeepseekV3();
   if (model == nullptr) {
     state.SkipWithError("cannot read or parse tests/data/deepseek_v3.json");
-    return;
   }
+  return model;
+}
+
+// Options sharding over state.range(0) ranks.
+v1::PlanOptions OverRanks(const benchmark::State& state) {
+  v1::PlanOptions options;
+  options.mutable_mesh()->set_dp_shard(static_cast<int>(state.range(0)));
+  return options;
+}
+
+void PlanDeepseekV3(benchmark::State& state, const char* strategy,
+                    bool exclude_free) {
+  const v1::ModelSpec* model = DeepseekV3OrSkip(state);
+  if (model == nullptr) return;
   std::unique_ptr<StrategyRegistry> registry =
       StrategyRegistry::CreateWithBuiltins();
   ShardingPlanner planner(registry.get());
-  v1::PlanOptions options;
-  options.mutable_mesh()->set_dp_shard(static_cast<int>(state.range(0)));
+  v1::PlanOptions options = OverRanks(state);
   options.set_strategy(strategy);
   int64_t units = 0;
   int64_t rank_entries = 0;
@@ -119,16 +131,12 @@ void PlanDeepseekV3(benchmark::State& state, const char* strategy,
 // derivation (planning the model) and its fingerprint check. Counters: the
 // request's bytes either way and the coordinator's egress over the world.
 void LoadPlanEgress(benchmark::State& state) {
-  const v1::ModelSpec* model = DeepseekV3();
-  if (model == nullptr) {
-    state.SkipWithError("cannot read or parse tests/data/deepseek_v3.json");
-    return;
-  }
+  const v1::ModelSpec* model = DeepseekV3OrSkip(state);
+  if (model == nullptr) return;
   std::unique_ptr<StrategyRegistry> registry =
       StrategyRegistry::CreateWithBuiltins();
   ShardingPlanner planner(registry.get());
-  v1::PlanOptions options;
-  options.mutable_mesh()->set_dp_shard(static_cast<int>(state.range(0)));
+  const v1::PlanOptions options = OverRanks(state);
   absl::StatusOr<v1::ShardingPlan> plan = planner.Plan(*model, options);
   if (!plan.ok()) {
     state.SkipWithError(std::string(plan.status().message()).c_str());
