@@ -1,5 +1,6 @@
 #include "worker/model/attention_geometry.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -56,6 +57,49 @@ absl::StatusOr<kernels::RopeTable> RopeTableFor(const MoeArchitecture& arch,
   }
   return kernels::BuildRopeTable(arch.rope.inv_freq, seq,
                                  arch.rope.attention_factor);
+}
+
+kernels::AttentionDims GemmaAttentionDims(const MoeArchitecture& arch,
+                                          const MoeLayerSpec& layer,
+                                          int64_t batch, int64_t seq) {
+  kernels::AttentionDims d;
+  d.batch = batch;
+  d.q_len = seq;
+  d.kv_len = seq;
+  d.q_heads = arch.q_heads;
+  d.kv_heads = layer.layer_kv_heads;
+  d.head_dim = layer.layer_head_dim;
+  return d;
+}
+
+kernels::AttentionOptions GemmaAttentionOptions(const MoeArchitecture& arch,
+                                                const MoeLayerSpec& layer,
+                                                bool decode) {
+  kernels::AttentionOptions o;
+  o.scale = static_cast<float>(
+      arch.softmax_scale > 0
+          ? arch.softmax_scale
+          : 1.0 / std::sqrt(static_cast<double>(layer.layer_head_dim)));
+  o.mask = layer.sliding ? kernels::AttentionMask::kSlidingWindow
+                         : kernels::AttentionMask::kCausal;
+  o.window = arch.sliding_window;
+  if (decode) o.mask = kernels::AttentionMask::kBidirectional;
+  return o;
+}
+
+std::vector<GemmaDecodeBlock> GemmaDecodeBlocks(int64_t block, int64_t seq) {
+  const int64_t size = block > 0 ? block : seq;
+  std::vector<GemmaDecodeBlock> blocks;
+  for (int64_t c = 0; c < seq; c += size) {
+    blocks.push_back({c, std::min(size, seq - c)});
+  }
+  return blocks;
+}
+
+int64_t GemmaEncoderLow(const MoeArchitecture& arch, const MoeLayerSpec& layer,
+                        int64_t prefix, int64_t begin) {
+  if (!layer.sliding) return 0;
+  return std::max<int64_t>(0, prefix + begin - arch.sliding_window + 1);
 }
 
 }  // namespace shardd

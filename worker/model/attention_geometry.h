@@ -6,6 +6,7 @@
 // the kernel shapes and options of a layer, and the RoPE table.
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "kernels/cpu/attention.h"
@@ -25,6 +26,32 @@ kernels::AttentionOptions SelfAttentionOptions(const MoeArchitecture& arch,
                                                const MoeLayerSpec& layer);
 
 kernels::RopeLayout RopeLayoutOf(const MoeArchitecture& arch);
+
+// DiffusionGemma's layers (gemma_layer.h, and the GPU model's), each with
+// its own kv heads and head dim. The scale is dims.attention.softmax_scale
+// (Gemma 4's 1.0: q_norm and k_norm carry it), else layer_head_dim^-0.5;
+// causal or sliding-window; a decode block is given exactly the keys its
+// mask allows, so it attends to all of them.
+kernels::AttentionDims GemmaAttentionDims(const MoeArchitecture& arch,
+                                          const MoeLayerSpec& layer,
+                                          int64_t batch, int64_t seq);
+kernels::AttentionOptions GemmaAttentionOptions(const MoeArchitecture& arch,
+                                                const MoeLayerSpec& layer,
+                                                bool decode);
+
+// A decode's canvas rows [begin, begin + len), in blocks of `block` rows
+// (0: one block) over `seq` canvas rows.
+struct GemmaDecodeBlock {
+  int64_t begin = 0, len = 0;
+};
+std::vector<GemmaDecodeBlock> GemmaDecodeBlocks(int64_t block, int64_t seq);
+
+// The first encoder row the decode block starting at canvas row `begin`
+// sees on `layer` (its encoder keys end at prefix + begin): 0 on full
+// layers, the sliding window's start on sliding ones.
+int64_t GemmaEncoderLow(const MoeArchitecture& arch, const MoeLayerSpec& layer,
+                        int64_t prefix, int64_t begin);
+
 
 // RoPE on `heads` heads of `head_stride` elements per token (packed, so
 // heads * head_stride per token), from dim `dim_offset` of each head on (the

@@ -235,4 +235,39 @@ absl::StatusOr<MoeArchitecture> ReadDiffusionGemmaArchitecture(
   return arch;
 }
 
+absl::StatusOr<BlockDiffusionSpec> ReadBlockDiffusionSpec(
+    const MoeArchitecture& arch, int64_t canvas_length,
+    int64_t response_length) {
+  if (canvas_length < 1) {
+    return absl::InvalidArgumentError(
+        "dims.canvas_length: DiffusionGemma's 3-pass step needs >= 1");
+  }
+  if (response_length < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "train.diffusion.response_length: must be >= 1 (0: canvas_length), "
+        "got ",
+        response_length));
+  }
+  BlockDiffusionSpec out;
+  out.block = canvas_length;
+  out.canvas = response_length > 0 ? response_length : canvas_length;
+  const std::string p = "model.self_conditioning.";
+  int found = 0;
+  for (const ArchTensor& t : arch.unused) {
+    if (t.name == p + "pre_norm.weight") out.pre_norm = t, ++found;
+    if (t.name == p + "gate_proj.weight") out.gate = t, ++found;
+    if (t.name == p + "up_proj.weight") out.up = t, ++found;
+    if (t.name == p + "down_proj.weight") out.down = t, ++found;
+  }
+  if (found != 4 || out.gate.shape.size() != 2 ||
+      out.gate.shape[1] != arch.dim || out.pre_norm.numel() != arch.dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "module '", p,
+        "': the 3-pass step needs pre_norm.weight [D] and gate_proj, up_proj "
+        "[I, D], down_proj [D, I]"));
+  }
+  out.inter = out.gate.shape[0];
+  return out;
+}
+
 }  // namespace shardd

@@ -73,49 +73,6 @@ absl::Status GemmaLayerBlock::Rotate(const MoeLayerSpec& layer,
       x->data(), inverse);
 }
 
-std::vector<GemmaLayerBlock::DecodeBlock> GemmaLayerBlock::Blocks(
-    const GemmaDecode& d, int64_t seq) const {
-  const int64_t size = d.block > 0 ? d.block : seq;
-  std::vector<DecodeBlock> blocks;
-  for (int64_t c = 0; c < seq; c += size) {
-    blocks.push_back({c, std::min(size, seq - c)});
-  }
-  return blocks;
-}
-
-int64_t GemmaLayerBlock::EncoderLow(const MoeLayerSpec& layer,
-                                    const GemmaDecode& d, int64_t begin) const {
-  if (!layer.sliding) return 0;
-  return std::max<int64_t>(0, d.prefix + begin - arch_->sliding_window + 1);
-}
-
-kernels::AttentionDims GemmaLayerBlock::Dims(const MoeLayerSpec& layer,
-                                             int64_t batch, int64_t seq) const {
-  kernels::AttentionDims d;
-  d.batch = batch;
-  d.q_len = seq;
-  d.kv_len = seq;
-  d.q_heads = arch_->q_heads;
-  d.kv_heads = layer.layer_kv_heads;
-  d.head_dim = layer.layer_head_dim;
-  return d;
-}
-
-kernels::AttentionOptions GemmaLayerBlock::Options(const MoeLayerSpec& layer,
-                                                   bool decode) const {
-  kernels::AttentionOptions o;
-  // Gemma 4's scaling is 1.0: q_norm and k_norm carry the scale.
-  o.scale = static_cast<float>(
-      arch_->softmax_scale > 0 ? arch_->softmax_scale
-                               : 1.0 / std::sqrt(double(layer.layer_head_dim)));
-  o.mask = layer.sliding ? kernels::AttentionMask::kSlidingWindow
-                         : kernels::AttentionMask::kCausal;
-  o.window = arch_->sliding_window;
-  // The keys a decode block is given are exactly those its mask allows.
-  if (decode) o.mask = kernels::AttentionMask::kBidirectional;
-  return o;
-}
-
 namespace {
 
 // Rows [begin, begin + len) of each of `batch` sequences of `seq` rows of
@@ -138,12 +95,12 @@ void ScatterRows(const float* src, int64_t batch, int64_t seq, int64_t width,
 }  // namespace
 
 absl::Status GemmaLayerBlock::ComposeBlockKeys(
-    const MoeLayerSpec& layer, const GemmaDecode& d, const DecodeBlock& blk,
+    const MoeLayerSpec& layer, const GemmaDecode& d, const GemmaDecodeBlock& blk,
     int64_t batch, int64_t seq, const GemmaLayerActs& a, std::vector<float>* k,
     std::vector<float>* v) {
   const int64_t row = layer.layer_kv_heads * layer.layer_head_dim;
   const int64_t end = d.prefix + blk.begin;  // Encoder keys end here.
-  const int64_t lo = EncoderLow(layer, d, blk.begin), enc = end - lo;
+  const int64_t lo = GemmaEncoderLow(*arch_, layer, d.prefix, blk.begin), enc = end - lo;
   const int64_t len = enc + blk.len;
   const GemmaLayerActs& e = *d.encoder;
   if (static_cast<int64_t>(e.k.size()) != batch * d.encoder_seq * row ||
@@ -174,18 +131,18 @@ absl::Status GemmaLayerBlock::DecodeAttentionForward(const MoeLayerSpec& layer,
   a->o.resize(batch * seq * hq * hd);
   a->lse.resize(batch * hq * seq);
   std::vector<float> q, k, v, o, lse;
-  for (const DecodeBlock& blk : Blocks(d, seq)) {
+  for (const GemmaDecodeBlock& blk : GemmaDecodeBlocks(d.block, seq)) {
     SHARDD_RETURN_IF_ERROR(
         ComposeBlockKeys(layer, d, blk, batch, seq, *a, &k, &v));
     q.resize(batch * blk.len * hq * hd);
     GatherRows(a->q.data(), batch, seq, hq * hd, blk.begin, blk.len, q.data());
-    kernels::AttentionDims dims = Dims(layer, batch, blk.len);
+    kernels::AttentionDims dims = GemmaAttentionDims(*arch_, layer, batch, blk.len);
     dims.kv_len =
         static_cast<int64_t>(k.size()) / (batch * layer.layer_kv_heads * hd);
     o.resize(q.size());
     lse.resize(batch * hq * blk.len);
     SHARDD_RETURN_IF_ERROR(kernels::AttentionForward(
-        dims, Options(layer, true), q.data(), k.data(), v.data(), o.data(),
+        dims, GemmaAttentionOptions(*arch_, layer, true), q.data(), k.data(), v.data(), o.data(),
         lse.data(), &ws_));
     ScatterRows(o.data(), batch, seq, hq * hd, blk.begin, blk.len, a->o.data());
     // lse [batch, hq, rows]: (batch, head) rows of `seq`.
@@ -213,12 +170,12 @@ absl::Status GemmaLayerBlock::DecodeAttentionBackward(const MoeLayerSpec& layer,
     e.dv_ext.assign(n, 0.0f);
   }
   std::vector<float> q, k, v, o, lse, dout, dq, dk, dv;
-  for (const DecodeBlock& blk : Blocks(d, seq)) {
+  for (const GemmaDecodeBlock& blk : GemmaDecodeBlocks(d.block, seq)) {
     SHARDD_RETURN_IF_ERROR(
         ComposeBlockKeys(layer, d, blk, batch, seq, a, &k, &v));
     const int64_t len = static_cast<int64_t>(k.size()) / (batch * row);
     const int64_t enc = len - blk.len;
-    const int64_t lo = EncoderLow(layer, d, blk.begin);
+    const int64_t lo = GemmaEncoderLow(*arch_, layer, d.prefix, blk.begin);
     q.resize(batch * blk.len * hq * hd);
     o.resize(q.size());
     dout.resize(q.size());
@@ -229,13 +186,13 @@ absl::Status GemmaLayerBlock::DecodeAttentionBackward(const MoeLayerSpec& layer,
                dout.data());
     GatherRows(a.lse.data(), batch * hq, seq, 1, blk.begin, blk.len,
                lse.data());
-    kernels::AttentionDims dims = Dims(layer, batch, blk.len);
+    kernels::AttentionDims dims = GemmaAttentionDims(*arch_, layer, batch, blk.len);
     dims.kv_len = len;
     dq.assign(q.size(), 0.0f);
     dk.assign(k.size(), 0.0f);
     dv.assign(v.size(), 0.0f);
     SHARDD_RETURN_IF_ERROR(kernels::AttentionBackward(
-        dims, Options(layer, true), q.data(), k.data(), v.data(), o.data(),
+        dims, GemmaAttentionOptions(*arch_, layer, true), q.data(), k.data(), v.data(), o.data(),
         lse.data(), dout.data(), dq.data(), dk.data(), dv.data(), nullptr,
         &ws_));
     ScatterRows(dq.data(), batch, seq, hq * hd, blk.begin, blk.len, dq_.data());
@@ -385,7 +342,7 @@ absl::Status GemmaLayerBlock::LayerFromInput(const MoeLayerSpec& layer,
     a->o.resize(t * hq * hd);
     a->lse.resize(batch * hq * seq);
     SHARDD_RETURN_IF_ERROR(kernels::AttentionForward(
-        Dims(layer, batch, seq), Options(layer, false), a->q.data(),
+        GemmaAttentionDims(*arch_, layer, batch, seq), GemmaAttentionOptions(*arch_, layer, false), a->q.data(),
         a->k.data(), a->v.data(), a->o.data(), a->lse.data(), &ws_));
   }
   a->attn.resize(t * d);
@@ -641,7 +598,7 @@ absl::Status GemmaLayerBlock::BackwardLayer(const MoeLayerSpec& layer,
     dk_.assign(t * hkv * hd, 0.0f);
     dv_.assign(t * hkv * hd, 0.0f);
     SHARDD_RETURN_IF_ERROR(kernels::AttentionBackward(
-        Dims(layer, batch, seq), Options(layer, false), a->q.data(),
+        GemmaAttentionDims(*arch_, layer, batch, seq), GemmaAttentionOptions(*arch_, layer, false), a->q.data(),
         a->k.data(), a->v.data(), a->o.data(), a->lse.data(), do_.data(),
         dq_.data(), dk_.data(), dv_.data(), nullptr, &ws_));
   }

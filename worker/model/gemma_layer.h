@@ -46,6 +46,7 @@
 #include "kernels/cpu/grouped_experts.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/cpu/router.h"
+#include "worker/model/attention_geometry.h"
 #include "worker/model/moe_architecture.h"
 #include "worker/model/param_source.h"
 
@@ -154,24 +155,11 @@ class GemmaLayerBlock {
   absl::Status Rotate(const MoeLayerSpec& layer, std::vector<float>* x,
                       int64_t tokens, int64_t seq, int64_t heads, bool inverse,
                       int64_t offset = 0);
-  kernels::AttentionDims Dims(const MoeLayerSpec& layer, int64_t batch,
-                              int64_t seq) const;
-  kernels::AttentionOptions Options(const MoeLayerSpec& layer,
-                                    bool decode) const;
-  // The canvas rows [begin, begin + len) of one decode block.
-  struct DecodeBlock {
-    int64_t begin = 0, len = 0;
-  };
-  std::vector<DecodeBlock> Blocks(const GemmaDecode& d, int64_t seq) const;
-  // The first encoder row the block starting at canvas row `begin` sees on
-  // this layer (its keys end at prefix + begin).
-  int64_t EncoderLow(const MoeLayerSpec& layer, const GemmaDecode& d,
-                     int64_t begin) const;
   // A block's keys and values, [batch, enc + len, kv row]: its encoder rows,
   // then its canvas rows of a->k / a->v. FAILED_PRECONDITION when the
   // encode's K/V do not fit the batch.
   absl::Status ComposeBlockKeys(const MoeLayerSpec& layer, const GemmaDecode& d,
-                                const DecodeBlock& blk, int64_t batch,
+                                const GemmaDecodeBlock& blk, int64_t batch,
                                 int64_t seq, const GemmaLayerActs& a,
                                 std::vector<float>* k, std::vector<float>* v);
   // A decode's attention, block by block: a->o and a->lse from a->q, k, v.

@@ -179,6 +179,26 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(const v1::ModelSpec& model);
 absl::StatusOr<MoeArchitecture> ReadDiffusionGemmaArchitecture(
     const v1::ModelSpec& model);
 
+// DiffusionGemma's block-diffusion step (docs/model-spec.md), for the CPU
+// and the GPU model alike: the self-conditioning block's parameters
+// (model.self_conditioning.*, which the causal pass leaves in `unused`) and
+// the canvas geometry.
+struct BlockDiffusionSpec {
+  ArchTensor pre_norm, gate, up, down;
+  int64_t inter = 0;   // The self-conditioning MLP's width.
+  int64_t canvas = 0;  // Canvas rows per sequence (the response).
+  int64_t block = 0;   // Rows per decode block (canvas_length).
+};
+
+// The response is the last `response_length` tokens (0: canvas_length),
+// cut into blocks of canvas_length. Errors: INVALID_ARGUMENT for
+// canvas_length < 1 (naming dims.canvas_length), a negative response_length
+// (naming train.diffusion.response_length), or a missing or misshapen
+// self-conditioning parameter (naming the module and the shapes it needs).
+absl::StatusOr<BlockDiffusionSpec> ReadBlockDiffusionSpec(
+    const MoeArchitecture& arch, int64_t canvas_length,
+    int64_t response_length);
+
 // INVALID_ARGUMENT unless passes >= 1, 0 <= no_grad_passes < passes and
 // microbatches >= 1.
 absl::Status CheckModelStepShape(int passes, int no_grad_passes,

@@ -22,37 +22,17 @@ namespace shardd {
 using v1::Command;
 
 absl::Status MoeModel::Impl::TakeSelfConditioning(int64_t canvas_length) {
-  if (canvas_length < 1) {
-    return absl::InvalidArgumentError(
-        "dims.canvas_length: DiffusionGemma's 3-pass step needs >= 1");
-  }
-  // The response (the canvas rows) is the last response_length tokens, in
-  // blocks of canvas_length; by default one block.
-  const int64_t response = options.diffusion.response_length;
-  if (response < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "train.diffusion.response_length: must be >= 1 (0: canvas_length), "
-        "got ",
-        response));
-  }
-  block = canvas_length;
-  canvas = response > 0 ? response : canvas_length;
-  const std::string p = "model.self_conditioning.";
-  int found = 0;
-  for (const Tensor& t : unused) {
-    if (t.name == p + "pre_norm.weight") sc_pre_norm = t, ++found;
-    if (t.name == p + "gate_proj.weight") sc_gate = t, ++found;
-    if (t.name == p + "up_proj.weight") sc_up = t, ++found;
-    if (t.name == p + "down_proj.weight") sc_down = t, ++found;
-  }
-  if (found != 4 || sc_gate.shape.size() != 2 ||
-      sc_gate.shape[1] != dim || sc_pre_norm.numel() != dim) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "module '", p,
-        "': the 3-pass step needs pre_norm.weight [D] and gate_proj, up_proj "
-        "[I, D], down_proj [D, I]"));
-  }
-  sc_inter = sc_gate.shape[0];
+  SHARDD_ASSIGN_OR_RETURN(
+      const BlockDiffusionSpec spec,
+      ReadBlockDiffusionSpec(*this, canvas_length,
+                             options.diffusion.response_length));
+  block = spec.block;
+  canvas = spec.canvas;
+  sc_pre_norm = spec.pre_norm;
+  sc_gate = spec.gate;
+  sc_up = spec.up;
+  sc_down = spec.down;
+  sc_inter = spec.inter;
   return absl::OkStatus();
 }
 
