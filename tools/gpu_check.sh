@@ -173,16 +173,17 @@ if want sanitize; then
     pids=()
     for t in attention_test grouped_experts_test rope_test router_test \
       cross_entropy_test rms_norm_test embedding_test adamw_test bias_test \
-      router_aux_loss_test dense_mlp_test bf16_cast_test; do
+      router_aux_loss_test dense_mlp_test bf16_cast_test \
+      ../../worker/model/device_moe_model_gemma_test; do
       timeout 150 "$san" --tool memcheck --error-exitcode 9 \
-        "$root/bin/kernels/cuda/$t" >"$out/san_$t.log" 2>&1 &
+        "$root/bin/kernels/cuda/$t" >"$out/san_${t##*/}.log" 2>&1 &
       pids+=("$!:$t")
     done
     for entry in "${pids[@]}"; do
       wait "${entry%%:*}"
       rc=$?
       t=${entry#*:}
-      summary+=("$(printf 'memcheck %-28s rc=%-3s %s' "$t" "$rc" "$(grep -m1 'ERROR SUMMARY' "$out/san_$t.log")")")
+      summary+=("$(printf 'memcheck %-28s rc=%-3s %s' "${t##*/}" "$rc" "$(grep -m1 'ERROR SUMMARY' "$out/san_${t##*/}.log")")")
     done
   fi
 fi

@@ -33,7 +33,13 @@ absl::Status Validate(const CrossEntropyDims& d,
   SHARDD_RETURN_IF_ERROR(CheckInRange(d.tokens, 0, kMaxInt, "tokens", op));
   SHARDD_RETURN_IF_ERROR(CheckInRange(d.dim, 1, kMaxInt, "dim", op));
   SHARDD_RETURN_IF_ERROR(CheckInRange(d.vocab, 1, kMaxInt, "vocab", op));
-  return CheckInRange(options.block_rows, 1, kMaxInt, "block_rows", op);
+  SHARDD_RETURN_IF_ERROR(
+      CheckInRange(options.block_rows, 1, kMaxInt, "block_rows", op));
+  if (!(options.softcap >= 0.0f) || !std::isfinite(options.softcap)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        op, ": softcap must be finite and >= 0, got ", options.softcap));
+  }
+  return absl::OkStatus();
 }
 
 struct Layout {
@@ -103,9 +109,9 @@ absl::Status Run(const CrossEntropyDims& dims, const T* hidden, const T* weight,
         {weight, kType, d, true}, 0.0f, layout.logits, DType::kFloat32, v, op));
     SHARDD_CUDA_RETURN_IF_ERROR(
         LaunchCrossEntropyRows(layout.logits, rows, v, targets + start,
-                               options.ignore_index, layout.row_loss + start,
-                               layout.row_flag + start, loss_scale, d_logits,
-                               stream),
+                               options.ignore_index, options.softcap,
+                               layout.row_loss + start, layout.row_flag + start,
+                               loss_scale, d_logits, stream),
         op);
     if (!with_grad) continue;
     if (dhidden != nullptr) {
@@ -126,6 +132,56 @@ absl::Status Run(const CrossEntropyDims& dims, const T* hidden, const T* weight,
       LaunchCrossEntropyReduce(layout.row_loss, layout.row_flag, dims.tokens,
                                result, stream),
       op);
+  return absl::OkStatus();
+}
+
+// LmHeadSoftmax's workspace: one block of fp32 logits.
+struct SoftmaxLayout {
+  float* logits = nullptr;  // [B, V]
+  int64_t block = 0;        // B
+  size_t bytes = 0;
+};
+
+SoftmaxLayout LayOutSoftmax(void* base, const CrossEntropyDims& d,
+                            const CudaCrossEntropyOptions& options) {
+  SoftmaxLayout layout;
+  layout.block = std::min(options.block_rows, d.tokens);
+  WorkspaceCarver carver(base);
+  layout.logits =
+      carver.Take<float>(static_cast<size_t>(layout.block) * d.vocab);
+  layout.bytes = carver.used();
+  return layout;
+}
+
+template <typename T>
+absl::Status RunSoftmax(const CrossEntropyDims& dims, const T* hidden,
+                        const T* weight, T* probs, void* workspace,
+                        size_t workspace_bytes,
+                        const CudaCrossEntropyOptions& options,
+                        cublasHandle_t handle, cudaStream_t stream) {
+  constexpr const char* op = "cuda LmHeadSoftmax";
+  SHARDD_RETURN_IF_ERROR(Validate(dims, options, op));
+  if (dims.tokens == 0) return absl::OkStatus();
+  SHARDD_RETURN_IF_ERROR(CheckNotNull(hidden, "hidden", op));
+  SHARDD_RETURN_IF_ERROR(CheckNotNull(weight, "weight", op));
+  SHARDD_RETURN_IF_ERROR(CheckNotNull(probs, "probs", op));
+  const SoftmaxLayout layout = LayOutSoftmax(workspace, dims, options);
+  SHARDD_RETURN_IF_ERROR(
+      CheckWorkspace(workspace, workspace_bytes, layout.bytes, op));
+  SHARDD_RETURN_IF_ERROR(BindCublasHandle(handle, stream, op));
+  constexpr DType kType = DTypeOf<T>::value;
+  const int64_t d = dims.dim, v = dims.vocab;
+  for (int64_t start = 0; start < dims.tokens; start += layout.block) {
+    const int64_t rows = std::min(layout.block, dims.tokens - start);
+    // logits[rows, V] = h[rows, D] @ weight[V, D]^T
+    SHARDD_RETURN_IF_ERROR(RowMajorGemm(
+        handle, rows, v, d, 1.0f, {hidden + start * d, kType, d, false},
+        {weight, kType, d, true}, 0.0f, layout.logits, DType::kFloat32, v, op));
+    SHARDD_CUDA_RETURN_IF_ERROR(
+        LaunchLmHeadSoftmaxRows(layout.logits, rows, v, options.softcap,
+                                probs + start * v, stream),
+        op);
+  }
   return absl::OkStatus();
 }
 
@@ -183,6 +239,31 @@ absl::Status LmHeadCrossEntropyBackward(
                        dweight, accumulate_dhidden, result, workspace,
                        workspace_bytes, options, handle, stream,
                        "cuda LmHeadCrossEntropyBackward");
+}
+
+size_t LmHeadSoftmaxWorkspaceBytes(const CrossEntropyDims& dims,
+                                   DType /*dtype*/,
+                                   const CudaCrossEntropyOptions& options) {
+  if (!Validate(dims, options, "").ok()) return 0;
+  return LayOutSoftmax(nullptr, dims, options).bytes;
+}
+
+absl::Status LmHeadSoftmax(const CrossEntropyDims& dims, const float* hidden,
+                           const float* weight, float* probs, void* workspace,
+                           size_t workspace_bytes,
+                           const CudaCrossEntropyOptions& options,
+                           cublasHandle_t cublas, cudaStream_t stream) {
+  return RunSoftmax<float>(dims, hidden, weight, probs, workspace,
+                           workspace_bytes, options, cublas, stream);
+}
+
+absl::Status LmHeadSoftmax(const CrossEntropyDims& dims, const uint16_t* hidden,
+                           const uint16_t* weight, uint16_t* probs,
+                           void* workspace, size_t workspace_bytes,
+                           const CudaCrossEntropyOptions& options,
+                           cublasHandle_t cublas, cudaStream_t stream) {
+  return RunSoftmax<uint16_t>(dims, hidden, weight, probs, workspace,
+                              workspace_bytes, options, cublas, stream);
 }
 
 }  // namespace cuda

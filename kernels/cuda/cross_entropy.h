@@ -8,6 +8,10 @@
 //   logits[t, :] = hidden[t, :] @ weight^T     hidden [T, D], weight [V, D]
 //   loss_t       = logsumexp(logits[t, :]) - logits[t, targets[t]]
 //
+// With options.softcap = c > 0 the logits are first soft-capped (Gemma's
+// final_logit_softcapping), y = c * tanh(x / c) in fp32, and the logits
+// gradient is multiplied by dy/dx = 1 - (y / c)^2, as kernels/cpu does.
+//
 // Rows are processed in blocks of `block_rows`: per block one cublasGemmEx
 // writes fp32 logits [block_rows, V] into the workspace, one kernel computes
 // each row's log-sum-exp by an online softmax (fp32 max and sum, log and
@@ -56,6 +60,9 @@ struct CudaCrossEntropyOptions {
   // Rows per logits block (>= 1); scratch is about block_rows * V * 4 bytes
   // (* 6 with bf16 gradients).
   int64_t block_rows = kDefaultCudaCrossEntropyBlockRows;
+  // > 0: logits are soft-capped, softcap * tanh(logits / softcap), before
+  // the softmax; 0: not. Finite and >= 0.
+  float softcap = 0.0f;
 };
 
 // Written (not added to) by every call, in device memory.
@@ -76,9 +83,10 @@ size_t CrossEntropyWorkspaceBytes(const CrossEntropyDims& dims, DType dtype,
 // Forward only. hidden [T, D], weight [V, D], targets [T] (device int32);
 // result: device CrossEntropyDeviceResult.
 // Errors: INVALID_ARGUMENT for T < 0, D or V < 1, sizes beyond int,
-// block_rows < 1, null pointers (hidden, weight and targets only with
-// T > 0), a null handle, or a missing, small or misaligned workspace;
-// cuBLAS and launch errors via CublasStatus/CudaStatus.
+// block_rows < 1, a negative or non-finite softcap, null pointers (hidden,
+// weight and targets only with T > 0), a null handle, or a missing, small
+// or misaligned workspace; cuBLAS and launch errors via
+// CublasStatus/CudaStatus.
 absl::Status LmHeadCrossEntropyForward(
     const CrossEntropyDims& dims, const float* hidden, const float* weight,
     const int32_t* targets, CrossEntropyDeviceResult* result, void* workspace,
@@ -111,6 +119,37 @@ absl::Status LmHeadCrossEntropyBackward(
     CrossEntropyDeviceResult* result, void* workspace, size_t workspace_bytes,
     const CudaCrossEntropyOptions& options, cublasHandle_t handle,
     cudaStream_t stream);
+
+// LM-head softmax for DiffusionGemma's self-conditioning:
+//   probs[t, :] = softmax(softcap(hidden[t, :] @ weight^T))
+// (softcap as options.softcap; 0: none), written in the storage type of
+// hidden (fp32 or bf16, rounded to nearest even). fp32 logits, cap, max and
+// exp; the row sum in double; each probability exp(y - max) / sum rounded
+// to float, as the CPU model computes it. Blocked by options.block_rows like
+// the loss (workspace: block_rows x V fp32 logits); ignore_index is unused.
+// No allocation; asynchronous on `stream`.
+
+// Device workspace of LmHeadSoftmax (the dtype does not change it: the
+// logits are fp32). 0 for invalid arguments or T = 0.
+size_t LmHeadSoftmaxWorkspaceBytes(const CrossEntropyDims& dims, DType dtype,
+                                   const CudaCrossEntropyOptions& options);
+
+// hidden [T, D], weight [V, D], probs [T, V] (overwritten).
+// Errors: INVALID_ARGUMENT for T < 0, D or V < 1, sizes beyond int,
+// block_rows < 1, a negative or non-finite softcap, null hidden, weight or
+// probs with T > 0, a null handle, or a missing, small or misaligned
+// workspace (T > 0); cuBLAS and launch errors via CublasStatus/CudaStatus.
+// With T = 0 nothing is launched (the options are still checked).
+absl::Status LmHeadSoftmax(const CrossEntropyDims& dims, const float* hidden,
+                           const float* weight, float* probs, void* workspace,
+                           size_t workspace_bytes,
+                           const CudaCrossEntropyOptions& options,
+                           cublasHandle_t cublas, cudaStream_t stream);
+absl::Status LmHeadSoftmax(const CrossEntropyDims& dims, const uint16_t* hidden,
+                           const uint16_t* weight, uint16_t* probs,
+                           void* workspace, size_t workspace_bytes,
+                           const CudaCrossEntropyOptions& options,
+                           cublasHandle_t cublas, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace kernels

@@ -22,6 +22,41 @@ struct DeviceResult {
   double mean_loss;
 };
 
+// Gemma's soft cap in fp32 with the CPU's rounding steps
+// (kernels/cpu/softcap.cc): y = cap * tanh(x * inv), inv = 1 / cap rounded
+// on the host.
+struct Softcap {
+  float cap;
+  float inv;
+};
+
+Softcap MakeSoftcap(float cap) { return {cap, cap > 0 ? 1.0f / cap : 0.0f}; }
+
+template <bool kCapped>
+__device__ __forceinline__ float Capped(float x, Softcap c) {
+  if (!kCapped) return x;
+  return __fmul_rn(c.cap, tanhf(__fmul_rn(x, c.inv)));
+}
+
+// dy/dx = 1 - (y / cap)^2 from the capped y; t * t rounded before the
+// subtraction (no FMA), as on the CPU.
+__device__ __forceinline__ float CapSlope(float y, Softcap c) {
+  const float t = __fmul_rn(y, c.inv);
+  return __fsub_rn(1.0f, __fmul_rn(t, t));
+}
+
+// Max over the block (blockDim.x a multiple of 32); `scratch` holds 32
+// floats in shared memory. NaNs are dropped (fmaxf); every thread gets the
+// result.
+__device__ __forceinline__ float BlockMax(float value, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  value = WarpMax(value);
+  __syncthreads();  // scratch may still be read by a previous reduction
+  if (lane == 0) scratch[warp] = value;
+  __syncthreads();
+  return WarpMax(lane < (blockDim.x >> 5) ? scratch[lane] : -INFINITY);
+}
+
 // Running (max, sum of exp(x - max)) of an online softmax.
 struct MaxSum {
   float max;
@@ -66,12 +101,15 @@ __device__ MaxSum BlockMerge(MaxSum acc, MaxSum* scratch) {
 
 // One block per row (grid-stride). The log-sum-exp is an online softmax in
 // one read of the row; the gradient pass reads it once more. Each element is
-// read and written by one thread, so d_logits may alias logits.
-template <typename DL>
+// read and written by one thread, so d_logits may alias logits. The soft cap
+// is recomputed from the raw logit on each read rather than stored: another
+// thread reads row[target], and the gradient pass overwrites in place.
+template <typename DL, bool kCapped>
 __global__ void __launch_bounds__(kRowThreads)
     CrossEntropyRowsKernel(const float* logits, int64_t rows, int64_t vocab,
                            const int32_t* __restrict__ targets,
-                           int32_t ignore_index, double* __restrict__ row_loss,
+                           int32_t ignore_index, Softcap cap,
+                           double* __restrict__ row_loss,
                            int32_t* __restrict__ row_flag, float loss_scale,
                            DL* d_logits) {
   __shared__ MaxSum scratch[32];
@@ -92,10 +130,11 @@ __global__ void __launch_bounds__(kRowThreads)
       }
       continue;
     }
-    const float target_logit = row[target];  // read before any overwrite
+    // Read before any overwrite.
+    const float target_logit = Capped<kCapped>(row[target], cap);
     MaxSum acc{-INFINITY, 0.0f};
     for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) {
-      OnlineAdd(row[j], acc);
+      OnlineAdd(Capped<kCapped>(row[j], cap), acc);
     }
     acc = BlockMerge(acc, scratch);
     if (threadIdx.x == 0) {
@@ -108,10 +147,45 @@ __global__ void __launch_bounds__(kRowThreads)
       const float scale =
           static_cast<float>(double{loss_scale} / double{acc.sum});
       for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) {
-        float g = expf(row[j] - acc.max) * scale;
+        const float y = Capped<kCapped>(row[j], cap);
+        float g = expf(y - acc.max) * scale;
         if (j == target) g -= loss_scale;
+        // The CPU's order: (softmax - onehot) * loss_scale, then the cap's
+        // slope.
+        if (kCapped) g *= CapSlope(y, cap);
         StoreFromFloat(dl + j, g);
       }
+    }
+  }
+}
+
+// probs = softmax(softcap(logits)) per row, one block per row
+// (grid-stride), three reads of the row: the max, the double sum of
+// exp(y - max), then exp(y - max) / sum (the CPU model's formula). The cap
+// and exp are recomputed per read instead of written back, which keeps the
+// logits read-only and saves two writes of the row.
+template <typename P, bool kCapped>
+__global__ void __launch_bounds__(kRowThreads)
+    LmHeadSoftmaxRowsKernel(const float* __restrict__ logits, int64_t rows,
+                            int64_t vocab, Softcap cap, P* __restrict__ probs) {
+  __shared__ float max_scratch[32];
+  __shared__ double sum_scratch[32];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float* row = logits + r * vocab;
+    float top = -INFINITY;
+    for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) {
+      top = fmaxf(top, Capped<kCapped>(row[j], cap));
+    }
+    top = BlockMax(top, max_scratch);
+    double total = 0.0;
+    for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) {
+      total += expf(Capped<kCapped>(row[j], cap) - top);
+    }
+    total = BlockSum(total, sum_scratch);
+    P* out = probs + r * vocab;
+    for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) {
+      const float e = expf(Capped<kCapped>(row[j], cap) - top);
+      StoreFromFloat(out + j, static_cast<float>(double{e} / total));
     }
   }
 }
@@ -141,16 +215,42 @@ __global__ void __launch_bounds__(kReduceThreads)
   }
 }
 
+int RowGrid(int64_t rows) {
+  return static_cast<int>(
+      std::min<int64_t>(std::max<int64_t>(rows, 1), kMaxBlocks));
+}
+
 template <typename DL>
 cudaError_t Rows(float* logits, int64_t rows, int64_t vocab,
-                 const int32_t* targets, int32_t ignore_index, double* row_loss,
-                 int32_t* row_flag, float loss_scale, DL* d_logits,
-                 cudaStream_t stream) {
-  const int grid = static_cast<int>(
-      std::min<int64_t>(std::max<int64_t>(rows, 1), kMaxBlocks));
-  CrossEntropyRowsKernel<DL><<<grid, kRowThreads, 0, stream>>>(
-      logits, rows, vocab, targets, ignore_index, row_loss, row_flag,
-      loss_scale, d_logits);
+                 const int32_t* targets, int32_t ignore_index, float softcap,
+                 double* row_loss, int32_t* row_flag, float loss_scale,
+                 DL* d_logits, cudaStream_t stream) {
+  const int grid = RowGrid(rows);
+  const Softcap cap = MakeSoftcap(softcap);
+  if (softcap > 0) {
+    CrossEntropyRowsKernel<DL, true><<<grid, kRowThreads, 0, stream>>>(
+        logits, rows, vocab, targets, ignore_index, cap, row_loss, row_flag,
+        loss_scale, d_logits);
+  } else {
+    CrossEntropyRowsKernel<DL, false><<<grid, kRowThreads, 0, stream>>>(
+        logits, rows, vocab, targets, ignore_index, cap, row_loss, row_flag,
+        loss_scale, d_logits);
+  }
+  return cudaGetLastError();
+}
+
+template <typename P>
+cudaError_t SoftmaxRows(const float* logits, int64_t rows, int64_t vocab,
+                        float softcap, P* probs, cudaStream_t stream) {
+  const int grid = RowGrid(rows);
+  const Softcap cap = MakeSoftcap(softcap);
+  if (softcap > 0) {
+    LmHeadSoftmaxRowsKernel<P, true>
+        <<<grid, kRowThreads, 0, stream>>>(logits, rows, vocab, cap, probs);
+  } else {
+    LmHeadSoftmaxRowsKernel<P, false>
+        <<<grid, kRowThreads, 0, stream>>>(logits, rows, vocab, cap, probs);
+  }
   return cudaGetLastError();
 }
 
@@ -158,20 +258,32 @@ cudaError_t Rows(float* logits, int64_t rows, int64_t vocab,
 
 cudaError_t LaunchCrossEntropyRows(float* logits, int64_t rows, int64_t vocab,
                                    const int32_t* targets, int32_t ignore_index,
-                                   double* row_loss, int32_t* row_flag,
-                                   float loss_scale, float* d_logits,
-                                   cudaStream_t stream) {
-  return Rows(logits, rows, vocab, targets, ignore_index, row_loss, row_flag,
-              loss_scale, d_logits, stream);
+                                   float softcap, double* row_loss,
+                                   int32_t* row_flag, float loss_scale,
+                                   float* d_logits, cudaStream_t stream) {
+  return Rows(logits, rows, vocab, targets, ignore_index, softcap, row_loss,
+              row_flag, loss_scale, d_logits, stream);
 }
 
 cudaError_t LaunchCrossEntropyRows(float* logits, int64_t rows, int64_t vocab,
                                    const int32_t* targets, int32_t ignore_index,
-                                   double* row_loss, int32_t* row_flag,
-                                   float loss_scale, uint16_t* d_logits,
-                                   cudaStream_t stream) {
-  return Rows(logits, rows, vocab, targets, ignore_index, row_loss, row_flag,
-              loss_scale, d_logits, stream);
+                                   float softcap, double* row_loss,
+                                   int32_t* row_flag, float loss_scale,
+                                   uint16_t* d_logits, cudaStream_t stream) {
+  return Rows(logits, rows, vocab, targets, ignore_index, softcap, row_loss,
+              row_flag, loss_scale, d_logits, stream);
+}
+
+cudaError_t LaunchLmHeadSoftmaxRows(const float* logits, int64_t rows,
+                                    int64_t vocab, float softcap, float* probs,
+                                    cudaStream_t stream) {
+  return SoftmaxRows(logits, rows, vocab, softcap, probs, stream);
+}
+
+cudaError_t LaunchLmHeadSoftmaxRows(const float* logits, int64_t rows,
+                                    int64_t vocab, float softcap,
+                                    uint16_t* probs, cudaStream_t stream) {
+  return SoftmaxRows(logits, rows, vocab, softcap, probs, stream);
 }
 
 cudaError_t LaunchCrossEntropyReduce(const double* row_loss,

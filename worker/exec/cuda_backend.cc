@@ -215,6 +215,14 @@ absl::Status CudaBackend::BeginStep(
     model_options_ = wanted;
   }
   SHARDD_RETURN_IF_ERROR(SetStepBatches(model_.get(), batches));
+  // DiffusionGemma's canvas noise is keyed by the step and each row's global
+  // index, so every data-parallel layout draws the same (as on the CPU).
+  for (size_t m = 0; m < batches.size(); ++m) {
+    const data::MicroBatch& b = batches[m];
+    if (static_cast<int64_t>(b.sequence_indices.size()) != b.rows) continue;
+    SHARDD_RETURN_IF_ERROR(model_->SetSequenceKeys(
+        static_cast<int>(m), header.step(), b.sequence_indices.data()));
+  }
   allocator_->ResetPeaks();
   tracker_->ResetPeaks();
   allocator_start_ = allocator_->stats();

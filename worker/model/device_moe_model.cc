@@ -51,6 +51,8 @@ ModelState::~ModelState() {
     b.targets.Reset();
     if (b.pinned != nullptr) cudaFreeHost(b.pinned);
     if (b.staged != nullptr) cudaEventDestroy(b.staged);
+    if (b.canvas_pinned != nullptr) cudaFreeHost(b.canvas_pinned);
+    if (b.canvas_staged != nullptr) cudaEventDestroy(b.canvas_staged);
   }
   expert_workspaces.clear();
   if (cublas != nullptr) cublasDestroy(cublas);
@@ -118,6 +120,7 @@ void ModelState::ReleaseExpertSlot(ExpertSlot* slot) {
 }
 
 void ModelState::ReleaseLayer(LayerState* l) {
+  ReleaseGemmaLayer(&l->gemma);
   l->x_in.Reset();
   l->inv_rms.Reset();
   l->normed.Reset();
@@ -143,6 +146,7 @@ void ModelState::ReleasePass(PassState* s) {
   s->dn.Reset();
   s->dweights.Reset();
   s->aux.Reset();
+  s->sc.Reset();
   s->h_for_next = s->h_for_backward = false;
 }
 
@@ -152,6 +156,7 @@ namespace kc = ::shardd::kernels::cuda;
 using device_model::DeviceStepLoss;
 using device_moe_internal::BatchState;
 using device_moe_internal::kCublasWorkspaceBytes;
+using device_moe_internal::kMaxAttentionHeadDim;
 using device_moe_internal::kMaxRouterExperts;
 using device_moe_internal::kMaxRouterTopK;
 using device_moe_internal::LayerState;
@@ -179,14 +184,32 @@ absl::StatusOr<std::unique_ptr<DeviceMoeModel>> DeviceMoeModel::Create(
   impl->options = options;
   impl->allocator = allocator;
 
-  // What the GPU model does not compute yet is refused by name rather than
-  // computed without it: DiffusionGemma's layers (worker/model/gemma_layer.h),
+  // DiffusionGemma: its causal pass or its block-diffusion step, as the CPU
+  // model; head dims the GPU attention cannot take are refused by name.
   if (arch.gemma) {
-    return absl::InvalidArgumentError(
-        "the GPU model does not compute DiffusionGemma's layers (Gemma 4's "
-        "sandwich norms, per-layer-type attention with values from keys and "
-        "v_norm, the scaled router, layer_scalar, the logit soft-cap) yet; "
-        "train it on CPU workers");
+    if (shape.passes == 3 && shape.no_grad_passes == 1) {
+      impl->diffusion = true;
+      SHARDD_ASSIGN_OR_RETURN(
+          impl->block_diffusion,
+          ReadBlockDiffusionSpec(arch, model.dims().canvas_length(),
+                                 shape.diffusion.response_length));
+    } else if (shape.passes != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "DiffusionGemma: the GPU model computes the causal pass (1 pass) "
+          "or the block-diffusion step (3 passes, 1 without gradients), got ",
+          shape.passes, " passes, ", shape.no_grad_passes,
+          " without gradients"));
+    }
+    for (const MoeLayerSpec& layer : arch.layers) {
+      if (layer.layer_head_dim > kMaxAttentionHeadDim) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "model.layers.", &layer - arch.layers.data(),
+            ".self_attn: the GPU attention takes head dims up to ",
+            kMaxAttentionHeadDim, ", this layer's is ", layer.layer_head_dim,
+            " (dims.attention global_head_dim / head_dim); train it on CPU "
+            "workers"));
+      }
+    }
   }
 
   const int64_t d = arch.dim;
@@ -262,8 +285,10 @@ absl::StatusOr<std::unique_ptr<DeviceMoeModel>> DeviceMoeModel::Create(
     m.mla_attention =
         std::make_unique<DeviceMlaBlock>(&m, allocator, m.stream, m.cublas);
   }
+  // DiffusionGemma's pass 1 builds no graph (program/pass_layout.h).
   m.order = std::make_unique<ModelCommandOrder>(
-      options.model.passes, options.model.no_grad_passes,
+      PassLayout::For(m.gemma ? kBlockDiffusionArchitecture : "",
+                      options.model.passes, options.model.no_grad_passes),
       options.model.microbatches, m.LayersWithExperts(),
       /*per_microbatch=*/true);
   return absl::WrapUnique(new DeviceMoeModel(std::move(impl)));
@@ -314,8 +339,18 @@ absl::Status DeviceMoeModel::SetBatch(int microbatch, const int32_t* inputs,
       SHARDD_RETURN_IF_ERROR(m.AllocInto(&b.positions, bytes));
     }
   }
+  if (m.diffusion && seq <= m.block_diffusion.canvas) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "seq: DiffusionGemma's 3-pass step needs more than ",
+        m.block_diffusion.canvas,
+        " tokens per sequence (the response: train.diffusion."
+        "response_length, else canvas_length; the encoder keys before it), "
+        "got ",
+        seq));
+  }
   if (m.has_attention) {
-    SHARDD_RETURN_IF_ERROR(m.attention->Prepare(seq));
+    SHARDD_RETURN_IF_ERROR(m.gemma ? m.PrepareGemma(seq)
+                                   : m.attention->Prepare(seq));
     for (int64_t i = 0; i < tokens; ++i) {
       b.pinned[2 * tokens + i] = static_cast<int32_t>(i % seq);
     }
@@ -340,6 +375,40 @@ absl::Status DeviceMoeModel::SetBatch(int microbatch, const int32_t* inputs,
   b.batch = batch;
   b.seq = seq;
   b.counted = counted;
+  if (m.diffusion) {
+    // The canvas is built from these (and the keys SetSequenceKeys may
+    // replace) before the micro-batch's first command.
+    b.host_inputs.assign(inputs, inputs + tokens);
+    b.host_targets.assign(targets, targets + tokens);
+    b.ar_counted = 0;
+    for (int64_t r = 0; r < batch; ++r) {
+      for (int64_t i = 0; i + 1 < seq; ++i) {
+        b.ar_counted += targets[r * seq + i] >= 0;
+      }
+    }
+    b.step = 0;
+    b.sequence_indices.resize(batch);
+    for (int64_t r = 0; r < batch; ++r) {
+      b.sequence_indices[r] = microbatch * batch + r;
+    }
+    b.canvas_dirty = true;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DeviceMoeModel::SetSequenceKeys(int microbatch, int64_t step,
+                                             const int64_t* sequence_indices) {
+  Impl& m = *impl_;
+  if (microbatch < 0 || microbatch >= m.options.model.microbatches ||
+      m.batches[microbatch].tokens == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "SetSequenceKeys: micro-batch ", microbatch, " has no batch"));
+  }
+  if (!m.diffusion) return absl::OkStatus();
+  BatchState& b = m.batches[microbatch];
+  b.step = step;
+  b.sequence_indices.assign(sequence_indices, sequence_indices + b.batch);
+  b.canvas_dirty = true;
   return absl::OkStatus();
 }
 
@@ -415,11 +484,13 @@ int64_t DeviceMoeModel::activation_bytes() const {
       bytes += l.x_in.bytes() + l.inv_rms.bytes() + l.normed.bytes() +
                l.indices.bytes() + l.weights.bytes() + l.router_saved.bytes() +
                l.dense_out.bytes() + l.mlp_saved.bytes() +
-               l.experts.memory.bytes();
+               l.experts.memory.bytes() + l.gemma.bytes();
     }
+    bytes += s.sc.bytes();
     bytes += s.x.bytes() + s.final_x.bytes() + s.final_inv.bytes() +
              s.h.bytes() + s.dx.bytes() + s.dn.bytes() + s.dweights.bytes();
   }
+  for (const BatchState& b : impl_->batches) bytes += b.sc_probs.bytes();
   return bytes;
 }
 

@@ -7,7 +7,9 @@
 // router (+ dense MLP) -> grouped experts, final RMSNorm, LM head with
 // cross-entropy, loss scaling by 1 / (microbatches * grad_passes), GPT-OSS's
 // attention biases and sinks, router and expert biases and clamped SwiGLU,
-// the router load-balancing loss) on one
+// the router load-balancing loss, DiffusionGemma's causal pass and
+// block-diffusion step: device_moe_model_gemma.cc and
+// device_moe_model_diffusion.cc) on one
 // CUDA device, with the kernels of kernels/cuda/ (bf16 or fp32 storage as
 // the parameters' compute dtype says, fp32 accumulation).
 //
@@ -58,6 +60,15 @@ class DeviceMoeModel {
   // device asynchronously (pinned staging). Errors as MoeModel::SetBatch.
   absl::Status SetBatch(int microbatch, const int32_t* inputs,
                         const int32_t* targets, int64_t batch, int64_t seq);
+
+  // DiffusionGemma's 3-pass step: the keys of micro-batch `microbatch`'s
+  // canvas noise (MoeModel::SetSequenceKeys; block_diffusion.h), so that
+  // every data-parallel layout draws the same canvases. Call after SetBatch
+  // (which defaults to step 0 and microbatch * batch + row). A no-op for
+  // other models. Errors: FAILED_PRECONDITION without the micro-batch's
+  // SetBatch.
+  absl::Status SetSequenceKeys(int microbatch, int64_t step,
+                               const int64_t* sequence_indices);
 
   // Enqueues one FORWARD or BACKWARD command. Errors as MoeModel::Run, plus
   // the CUDA/cuBLAS errors of the kernels.

@@ -19,6 +19,7 @@ namespace {
 
 using ::shardd::testing_util::AddChild;
 using ::shardd::testing_util::AddParam;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 constexpr int64_t kVocab = 11, kDim = 8, kInter = 4;
@@ -102,7 +103,8 @@ TEST_F(DeviceMoeModelCreateTest, RefusesWhatOnlyTheGpuKernelsCannotRun) {
 // GPU; one it refuses fails before, naming what it cannot compute.
 class DeviceMoeModelHfSpecTest : public DeviceMoeModelCreateTest {
  protected:
-  absl::Status CreateFromConfig(const std::string& file) {
+  absl::Status CreateFromConfig(const std::string& file,
+                                const MoeModelOptions& shape = {}) {
     std::ifstream in("tests/data/" + file);
     std::stringstream ss;
     ss << in.rdbuf();
@@ -111,6 +113,7 @@ class DeviceMoeModelHfSpecTest : public DeviceMoeModelCreateTest {
     absl::StatusOr<v1::ModelSpec> spec = ModelSpecFromHfConfig(json);
     if (!spec.ok()) return spec.status();
     DeviceMoeModelOptions options;
+    options.model = shape;
     options.device = 4096;
     return DeviceMoeModel::Create(*spec, options, &allocator_).status();
   }
@@ -147,20 +150,39 @@ TEST_F(DeviceMoeModelHfSpecTest, AcceptsDeepSeekV3) {
   EXPECT_EQ(backend_.mallocs(), 0);
 }
 
-TEST_F(DeviceMoeModelCreateTest, RefusesDiffusionGemmaByName) {
-  // The CPU model computes its causal pass (gemma_layer.h); the GPU not yet.
-  absl::StatusOr<v1::ModelSpec> spec = ModelSpecFromHfConfig(R"({
-    "architectures": ["DiffusionGemmaForBlockDiffusion"],
-    "text_config": {"vocab_size": 11, "hidden_size": 8,
-      "num_hidden_layers": 2, "num_attention_heads": 2,
-      "num_key_value_heads": 1, "head_dim": 4, "global_head_dim": 8,
-      "intermediate_size": 8, "moe_intermediate_size": 4, "num_experts": 4,
-      "top_k_experts": 2, "sliding_window": 4, "dtype": "float32",
-      "layer_types": ["sliding_attention", "full_attention"]}})");
-  ASSERT_TRUE(spec.ok()) << spec.status();
-  EXPECT_THAT(DeviceMoeModel::Create(*spec, {}, &allocator_).status(),
+TEST_F(DeviceMoeModelHfSpecTest, AcceptsDiffusionGemmaStepsTheGpuComputes) {
+  // The causal pass and the block-diffusion step pass every spec check;
+  // only the device is missing.
+  EXPECT_THAT(
+      CreateFromConfig("tiny_diffusion_gemma.json"),
+      StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("device")));
+  MoeModelOptions diffusion;
+  diffusion.passes = 3;
+  diffusion.no_grad_passes = 1;
+  EXPECT_THAT(
+      CreateFromConfig("tiny_diffusion_gemma.json", diffusion),
+      StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("device")));
+  // Any other step shape is refused by name, as on the CPU.
+  MoeModelOptions two;
+  two.passes = 2;
+  two.no_grad_passes = 1;
+  EXPECT_THAT(CreateFromConfig("tiny_diffusion_gemma.json", two),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("DiffusionGemma")));
+                       HasSubstr("block-diffusion step")));
+  // A response of negative length names the field.
+  diffusion.diffusion.response_length = -1;
+  EXPECT_THAT(CreateFromConfig("tiny_diffusion_gemma.json", diffusion),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("train.diffusion.response_length")));
+  EXPECT_EQ(backend_.mallocs(), 0);
+}
+
+TEST_F(DeviceMoeModelHfSpecTest, RefusesHeadDimsBeyondTheGpuAttention) {
+  // The released 26B model's full layers have global_head_dim 512.
+  EXPECT_THAT(CreateFromConfig("diffusion_gemma_26b.json"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("self_attn"), HasSubstr("512"),
+                             HasSubstr("256"))));
   EXPECT_EQ(backend_.mallocs(), 0);
 }
 

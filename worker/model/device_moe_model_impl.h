@@ -30,9 +30,12 @@
 #include "kernels/cuda/embedding.h"
 #include "kernels/cuda/grouped_experts.h"
 #include "kernels/cuda/rms_norm.h"
+#include "kernels/cuda/rope.h"
 #include "kernels/cuda/router.h"
 #include "kernels/cuda/router_aux_loss.h"
 #include "model/model_util.h"
+#include "worker/model/attention_geometry.h"
+#include "worker/model/block_diffusion.h"
 #include "worker/model/command_order.h"
 #include "worker/model/device_attention_block.h"
 #include "worker/model/device_mla_block.h"
@@ -53,6 +56,8 @@ constexpr int64_t kCublasWorkspaceBytes = int64_t{32} << 20;
 // Router kernel limits (kernels/cuda/router.h).
 constexpr int64_t kMaxRouterExperts = 1024;
 constexpr int64_t kMaxRouterTopK = 32;
+// kernels/cuda/attention.h's head-dim limit.
+constexpr int64_t kMaxAttentionHeadDim = 256;
 // Grouped-experts workspace objects cached by device address; beyond this
 // many, the ones not in use are dropped (each holds a pinned host buffer).
 constexpr size_t kMaxCachedExpertWorkspaces = 256;
@@ -65,6 +70,73 @@ using LayerInfo = MoeLayerSpec;
 struct ExpertSlot {
   DeviceBuffer memory;
   kc::GroupedExpertsWorkspace* workspace = nullptr;
+};
+
+// DiffusionGemma's layer in one (micro-batch, pass), the CPU's
+// GemmaLayerActs (worker/model/gemma_layer.h has the math;
+// device_moe_model_gemma.cc computes it). Storage type T unless noted.
+struct GemmaLayerState {
+  DeviceBuffer x_in, in_inv, n;      // input, fp32 [T], normed
+  DeviceBuffer q_pre, k_pre, v_pre;  // the projections
+  DeviceBuffer q_inv, k_inv, v_inv;  // fp32 per (token, head)
+  DeviceBuffer q, k, v, o, lse;      // the attention's
+  DeviceBuffer attn, post_inv, m;    // o Wo^T, its norm, mid
+  DeviceBuffer pre_inv, dense_in, dense_out, mlp_saved, post1_inv;
+  DeviceBuffer r_inv, r_in, router_saved, indices, weights;
+  DeviceBuffer pre2_inv, experts_in, experts_out, post2_inv;
+  DeviceBuffer sum, post_ff_inv;  // h1 + h2, its norm
+  ExpertSlot experts;
+  // post_feedforward_layernorm_2, post_feedforward_layernorm,
+  // pre_feedforward_layernorm_2 [D] each and layer_scalar, copied by
+  // FORWARD(EXPERTS): BACKWARD(EXPERTS) runs where only the experts' unit
+  // may be gathered.
+  DeviceBuffer layer_w;
+  // BACKWARD(EXPERTS) -> BACKWARD(LAYER): d(m), d(h1 + h2), the routing
+  // weights' gradient (fp32) and the three norms' weight gradients (fp32
+  // [3D], added to the layer unit's buffer by BACKWARD(LAYER)).
+  DeviceBuffer dm, dsum, dweights, d_ff_norms;
+  // The encode's: the decodes' gradients of its k and v (fp32), added by
+  // its BACKWARD(LAYER).
+  DeviceBuffer dk_ext, dv_ext;
+  std::vector<DeviceBuffer*> Buffers() {
+    return {&x_in,      &in_inv,    &n,           &q_pre,      &k_pre,
+            &v_pre,     &q_inv,     &k_inv,       &v_inv,      &q,
+            &k,         &v,         &o,           &lse,        &attn,
+            &post_inv,  &m,         &pre_inv,     &dense_in,   &dense_out,
+            &mlp_saved, &post1_inv, &r_inv,       &r_in,       &router_saved,
+            &indices,   &weights,   &pre2_inv,    &experts_in, &experts_out,
+            &post2_inv, &sum,       &post_ff_inv, &layer_w,    &dm,
+            &dsum,      &dweights,  &d_ff_norms,  &dk_ext,     &dv_ext};
+  }
+  int64_t bytes() const {
+    int64_t total = experts.memory.bytes();
+    for (DeviceBuffer* b : const_cast<GemmaLayerState*>(this)->Buffers()) {
+      total += b->bytes();
+    }
+    return total;
+  }
+};
+
+// A decode's view of the encode (the same layer's state in pass 0).
+struct GemmaDecodeView {
+  int64_t prefix = 0;       // Canvas row j sits at position prefix + j.
+  int64_t encoder_seq = 0;  // Rows per sequence of encoder->k / v.
+  int64_t block = 0;        // Canvas rows per decode block.
+  GemmaLayerState* encoder = nullptr;
+};
+
+// The self-conditioning block of a decode with gradients (pass 2).
+struct SelfConditioningState {
+  DeviceBuffer signal, p, p_inv, mlp_saved, sum, sum_inv;
+  int64_t bytes() const {
+    return signal.bytes() + p.bytes() + p_inv.bytes() + mlp_saved.bytes() +
+           sum.bytes() + sum_inv.bytes();
+  }
+  void Reset() {
+    for (DeviceBuffer* b : {&signal, &p, &p_inv, &mlp_saved, &sum, &sum_inv}) {
+      b->Reset();
+    }
+  }
 };
 
 // What one layer of one (micro-batch, pass) keeps for its backward (the
@@ -85,6 +157,7 @@ struct LayerState {
   DeviceMlaActs mla;       // DeepSeek-V3's latent attention instead
   DeviceBuffer attn_x_in;  // [T, D]
   DeviceBuffer attn_inv;   // [T] fp32
+  GemmaLayerState gemma;   // DiffusionGemma's whole layer instead.
 };
 
 // One (micro-batch, pass): the CPU's PassActs, kept per micro-batch too so
@@ -117,6 +190,7 @@ struct PassState {
   DeviceBuffer dx;         // [T, D] gradient of the residual stream
   DeviceBuffer dn;         // [T, D] gradient of a layer's normed input
   DeviceBuffer dweights;   // [T, K] fp32
+  SelfConditioningState sc;  // DiffusionGemma's pass 2.
   // Saved state for a backward is kept (the pass has gradients).
   bool saves = false;
   // Who still reads h: the next pass's EMBED, this pass's BACKWARD HEAD.
@@ -136,6 +210,22 @@ struct BatchState {
   int64_t batch = 0;
   int64_t seq = 0;
   int64_t counted = 0;  // Non-ignored targets.
+  // DiffusionGemma's block-diffusion step (device_moe_model_diffusion.cc):
+  // the canvas's noise keys, the canvas built on the host from them
+  // (uploaded before the micro-batch's first command when `canvas_dirty`),
+  // and on the device the noised and clean canvas ids and positions [B * R],
+  // the encoder's targets [B * S] and pass 1's probabilities [B * R, V].
+  int64_t step = 0;
+  std::vector<int64_t> sequence_indices;
+  std::vector<int32_t> host_inputs, host_targets;
+  DiffusionCanvas canvas;
+  bool canvas_dirty = false;
+  int64_t ar_counted = 0;
+  DeviceBuffer noised, clean, canvas_positions, ar_targets, sc_probs;
+  int32_t* canvas_pinned = nullptr;  // [3 * B * R + B * S]
+  int64_t canvas_pinned_ints = 0;
+  cudaEvent_t canvas_staged = nullptr;
+  bool canvas_recorded = false;
 };
 
 template <typename T>
@@ -165,6 +255,14 @@ struct ModelState : MoeArchitecture {
   std::unique_ptr<ModelCommandOrder> order;
   int loss_terms = 0;
   int64_t host_syncs = 0;
+  // DiffusionGemma: its 3-pass step (else the causal pass), its geometry,
+  // ones [max(D, head dims)] for the weightless norms, and the full and
+  // sliding layers' RoPE tables.
+  bool diffusion = false;
+  BlockDiffusionSpec block_diffusion;
+  DeviceBuffer ones;
+  DeviceBuffer rope_cos[2], rope_sin[2];
+  int64_t gemma_rope_positions = 0;
 
   // GroupedExpertsWorkspace objects by (device address, bytes): the caching
   // allocator hands the same blocks back step after step, so the objects
@@ -380,6 +478,62 @@ struct ModelState : MoeArchitecture {
   absl::Status Forward(const Command& c, DeviceParamSource* params);
   template <typename T>
   absl::Status Backward(const Command& c, DeviceParamSource* params);
+
+  // DiffusionGemma (device_moe_model_gemma.cc: the layer;
+  // device_moe_model_diffusion.cc: the step's other parts and the 3 passes).
+  absl::Status PrepareGemma(int64_t seq);
+  kc::DeviceRopeTable GemmaRope(const LayerInfo& spec) const;
+  absl::Status UploadCanvas(int microbatch);
+  void ReleaseGemmaLayer(GemmaLayerState* g);
+  template <typename T>
+  absl::Status GemmaForward(const Command& c, DeviceParamSource* params);
+  template <typename T>
+  absl::Status GemmaBackward(const Command& c, DeviceParamSource* params);
+  template <typename T>
+  absl::Status GemmaLayerForward(const LayerInfo& spec,
+                                 DeviceParamSource* params, int64_t batch,
+                                 int64_t seq, const int32_t* positions,
+                                 const GemmaDecodeView* decode,
+                                 GemmaLayerState* g);
+  template <typename T>
+  absl::Status GemmaExpertsForward(const LayerInfo& spec,
+                                   DeviceParamSource* params, int64_t t,
+                                   bool saves, GemmaLayerState* g, T* x);
+  template <typename T>
+  absl::Status GemmaExpertsBackward(const LayerInfo& spec,
+                                    DeviceParamSource* params, int64_t t,
+                                    const T* dx, GemmaLayerState* g);
+  template <typename T>
+  absl::Status GemmaLayerBackward(const LayerInfo& spec,
+                                  DeviceParamSource* params, int64_t batch,
+                                  int64_t seq, const int32_t* positions,
+                                  const GemmaDecodeView* decode,
+                                  GemmaLayerState* g, DeviceBuffer* dx);
+  template <typename T>
+  absl::Status GemmaDecodeAttentionForward(const LayerInfo& spec,
+                                           const GemmaDecodeView& d,
+                                           int64_t batch, int64_t seq,
+                                           GemmaLayerState* g);
+  template <typename T>
+  absl::Status GemmaDecodeAttentionBackward(
+      const LayerInfo& spec, const GemmaDecodeView& d, int64_t batch,
+      int64_t seq, const GemmaLayerState& g, const DeviceBuffer& d_o,
+      DeviceBuffer* dq, DeviceBuffer* dk, DeviceBuffer* dv);
+  template <typename T>
+  absl::Status SelfConditioningForward(int pass, int microbatch,
+                                       DeviceParamSource* params, PassState* a);
+  template <typename T>
+  absl::Status SelfConditioningBackward(int microbatch,
+                                        DeviceParamSource* params,
+                                        PassState* a);
+  // BACKWARD(HEAD) of a pass of t rows: the (soft-capped, when the model
+  // says) cross-entropy against `targets` with gradient scale `loss_scale`,
+  // its mean times `weight` added to the step's loss (a new term of the
+  // step's mean when `new_term`), and a->dx.
+  template <typename T>
+  absl::Status HeadBackward(PassState* a, DeviceParamSource* params, int64_t t,
+                            const int32_t* targets, double loss_scale,
+                            double weight, bool new_term);
 };
 
 template <typename T>

@@ -42,11 +42,34 @@ __global__ void AddScaledKernel(T* x, const T* __restrict__ h, float scale,
   }
 }
 
+template <typename T>
+__global__ void ScaleKernel(T* x, float scale, int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < n; i += stride) {
+    StoreFromFloat(x + i, __fmul_rn(LoadAsFloat(x + i), scale));
+  }
+}
+
+template <typename T>
+__global__ void SumTimesScalarKernel(const T* a, const T* b,
+                                     const T* __restrict__ s, T* out,
+                                     int64_t n) {
+  const float scale = LoadAsFloat(s);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < n; i += stride) {
+    float v = LoadAsFloat(a + i);
+    if (b != nullptr) v = __fadd_rn(v, LoadAsFloat(b + i));
+    StoreFromFloat(out + i, __fmul_rn(v, scale));
+  }
+}
+
 __global__ void AccumulateStepLossKernel(const double* mean_loss,
                                          const int64_t* count,
                                          const int64_t* invalid_targets,
-                                         DeviceStepLoss* acc) {
-  acc->loss_sum += *mean_loss;
+                                         double weight, DeviceStepLoss* acc) {
+  acc->loss_sum += __dmul_rn(weight, *mean_loss);
   acc->tokens += *count;
   acc->invalid_targets += *invalid_targets;
 }
@@ -103,7 +126,40 @@ cudaError_t AddScaled(T* x, const T* h, float scale, int64_t n,
   return cudaGetLastError();
 }
 
+template <typename T>
+cudaError_t Scale(T* x, float scale, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  ScaleKernel<T><<<Blocks(n), kThreads, 0, stream>>>(x, scale, n);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t SumTimesScalar(const T* a, const T* b, const T* s, T* out,
+                           int64_t n, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  SumTimesScalarKernel<T><<<Blocks(n), kThreads, 0, stream>>>(a, b, s, out, n);
+  return cudaGetLastError();
+}
+
 }  // namespace
+
+cudaError_t LaunchScale(float* x, float scale, int64_t n, cudaStream_t stream) {
+  return Scale(x, scale, n, stream);
+}
+cudaError_t LaunchScale(uint16_t* x, float scale, int64_t n,
+                        cudaStream_t stream) {
+  return Scale(x, scale, n, stream);
+}
+
+cudaError_t LaunchSumTimesScalar(const float* a, const float* b, const float* s,
+                                 float* out, int64_t n, cudaStream_t stream) {
+  return SumTimesScalar(a, b, s, out, n, stream);
+}
+cudaError_t LaunchSumTimesScalar(const uint16_t* a, const uint16_t* b,
+                                 const uint16_t* s, uint16_t* out, int64_t n,
+                                 cudaStream_t stream) {
+  return SumTimesScalar(a, b, s, out, n, stream);
+}
 
 cudaError_t LaunchResidualAdd(const float* x, const float* a, const float* b,
                               float* out, int64_t n, cudaStream_t stream) {
@@ -127,9 +183,10 @@ cudaError_t LaunchAddScaled(uint16_t* x, const uint16_t* h, float scale,
 cudaError_t LaunchAccumulateStepLoss(const double* mean_loss,
                                      const int64_t* count,
                                      const int64_t* invalid_targets,
-                                     DeviceStepLoss* acc, cudaStream_t stream) {
+                                     double weight, DeviceStepLoss* acc,
+                                     cudaStream_t stream) {
   AccumulateStepLossKernel<<<1, 1, 0, stream>>>(mean_loss, count,
-                                                invalid_targets, acc);
+                                                invalid_targets, weight, acc);
   return cudaGetLastError();
 }
 

@@ -41,13 +41,28 @@ cudaError_t LaunchAddScaled(float* x, const float* h, float scale, int64_t n,
 cudaError_t LaunchAddScaled(uint16_t* x, const uint16_t* h, float scale,
                             int64_t n, cudaStream_t stream);
 
-// One thread: acc->loss_sum += *mean_loss; acc->tokens += *count;
+// One thread: acc->loss_sum += weight * *mean_loss; acc->tokens += *count;
 // acc->invalid_targets += *invalid_targets (device pointers into a
-// CrossEntropyDeviceResult).
+// CrossEntropyDeviceResult; weight 1 but for DiffusionGemma's weighted
+// terms).
 cudaError_t LaunchAccumulateStepLoss(const double* mean_loss,
                                      const int64_t* count,
                                      const int64_t* invalid_targets,
-                                     DeviceStepLoss* acc, cudaStream_t stream);
+                                     double weight, DeviceStepLoss* acc,
+                                     cudaStream_t stream);
+
+// x[i] *= scale (DiffusionGemma's embedding scale). n >= 0.
+cudaError_t LaunchScale(float* x, float scale, int64_t n, cudaStream_t stream);
+cudaError_t LaunchScale(uint16_t* x, float scale, int64_t n,
+                        cudaStream_t stream);
+
+// out[i] = (a[i] + b[i]) * s[0] (b may be null: a[i] * s[0]), s a device
+// scalar (DiffusionGemma's layer_scalar). out may alias a. n >= 0.
+cudaError_t LaunchSumTimesScalar(const float* a, const float* b, const float* s,
+                                 float* out, int64_t n, cudaStream_t stream);
+cudaError_t LaunchSumTimesScalar(const uint16_t* a, const uint16_t* b,
+                                 const uint16_t* s, uint16_t* out, int64_t n,
+                                 cudaStream_t stream);
 
 // The load-balancing statistics (kernels/cuda/router_aux_loss.h) between
 // their device sums and the all-reduce, as the CPU model converts them.

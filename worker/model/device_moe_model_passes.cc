@@ -12,6 +12,7 @@ namespace device_moe_internal {
 
 template <typename T>
 absl::Status ModelState::Forward(const Command& c, DeviceParamSource* params) {
+  if (gemma) return GemmaForward<T>(c, params);
   constexpr int64_t kElem = sizeof(T);
   const int pass = c.pass();
   const int mb = c.microbatch();
@@ -234,6 +235,7 @@ absl::Status ModelState::Forward(const Command& c, DeviceParamSource* params) {
 
 template <typename T>
 absl::Status ModelState::Backward(const Command& c, DeviceParamSource* params) {
+  if (gemma) return GemmaBackward<T>(c, params);
   constexpr int64_t kElem = sizeof(T);
   const int pass = c.pass();
   const int mb = c.microbatch();
@@ -244,69 +246,15 @@ absl::Status ModelState::Backward(const Command& c, DeviceParamSource* params) {
   std::vector<DeviceBuffer> temps;  // Freed (stream-ordered) on return.
   switch (c.part()) {
     case Command::HEAD: {
-      if (a.final_x.empty() || a.h.empty()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "BACKWARD HEAD of pass ", pass, " without its forward"));
-      }
-      SHARDD_ASSIGN_OR_RETURN(const T* head_w, Param<T>(params, head, &temps));
-      SHARDD_ASSIGN_OR_RETURN(const T* norm_w,
-                              Param<T>(params, final_norm, &temps));
-      SHARDD_ASSIGN_OR_RETURN(float* dhead, Grad(params, head));
-      SHARDD_ASSIGN_OR_RETURN(float* dnorm, Grad(params, final_norm));
       // The CPU model's scale: the gradient of this pass's mean loss,
       // averaged over micro-batches and grad passes.
-      const float loss_scale =
+      const double loss_scale =
           batch.counted == 0
-              ? 0.0f
-              : static_cast<float>(1.0 / (static_cast<double>(batch.counted) *
-                                          options.model.microbatches *
-                                          grad_passes()));
-      const kc::CrossEntropyDims dims{t, dim, vocab};
-      const kc::CudaCrossEntropyOptions ce_options;  // ignore_index -1
-      const size_t ws_bytes = kc::CrossEntropyWorkspaceBytes(
-          dims, kc::DTypeOf<T>::value, ce_options, /*with_grad=*/true);
-      SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws, Alloc(ws_bytes));
-      SHARDD_ASSIGN_OR_RETURN(DeviceBuffer result,
-                              Alloc(sizeof(kc::CrossEntropyDeviceResult)));
-      SHARDD_ASSIGN_OR_RETURN(DeviceBuffer dh, Alloc(td * kElem));
-      auto* r = result.as<kc::CrossEntropyDeviceResult>();
-      SHARDD_RETURN_IF_ERROR(kc::LmHeadCrossEntropyBackward(
-          dims, a.h.as<T>(), head_w, batch.targets.as<int32_t>(), loss_scale,
-          dh.as<T>(), dhead, /*accumulate_dhidden=*/false, r, ws.data(),
-          ws_bytes, ce_options, cublas, stream));
-      // Device pointers to the result's fields (address arithmetic only).
-      const char* base = static_cast<const char*>(result.data());
-      SHARDD_CUDA_RETURN_IF_ERROR(
-          device_model::LaunchAccumulateStepLoss(
-              reinterpret_cast<const double*>(
-                  base + offsetof(kc::CrossEntropyDeviceResult, mean_loss)),
-              reinterpret_cast<const int64_t*>(
-                  base + offsetof(kc::CrossEntropyDeviceResult, count)),
-              reinterpret_cast<const int64_t*>(
-                  base +
-                  offsetof(kc::CrossEntropyDeviceResult, invalid_targets)),
-              step_loss.as<DeviceStepLoss>(), stream),
-          "BACKWARD HEAD: accumulating the loss");
-      // A pass's loss is CE + coef * aux (one term of the step's mean).
-      if (aux_on()) SHARDD_RETURN_IF_ERROR(AuxLoss(&a));
-      ++loss_terms;
-      SHARDD_RETURN_IF_ERROR(AllocInto(&a.dx, td * kElem));
-      const size_t norm_ws_bytes =
-          dnorm == nullptr ? 0 : kc::RmsNormBackwardWorkspaceBytes(t, dim);
-      SHARDD_ASSIGN_OR_RETURN(DeviceBuffer norm_ws, Alloc(norm_ws_bytes));
-      SHARDD_RETURN_IF_ERROR(kc::RmsNormBackward(
-          dh.as<T>(), a.final_x.as<T>(), norm_w, a.final_inv.as<float>(), t,
-          dim, a.dx.as<T>(), /*accumulate_dx=*/false, dnorm, norm_ws.data(),
-          norm_ws_bytes, stream));
-      temps.push_back(std::move(ws));
-      temps.push_back(std::move(result));
-      temps.push_back(std::move(dh));
-      temps.push_back(std::move(norm_ws));
-      a.final_x.Reset();
-      a.final_inv.Reset();
-      a.h_for_backward = false;
-      MaybeReleaseH(&a);
-      return absl::OkStatus();
+              ? 0.0
+              : 1.0 / (static_cast<double>(batch.counted) *
+                       options.model.microbatches * grad_passes());
+      return HeadBackward<T>(&a, params, t, batch.targets.as<int32_t>(),
+                             loss_scale, /*weight=*/1.0, /*new_term=*/true);
     }
     case Command::EXPERTS: {
       const int l = c.layer();
@@ -458,6 +406,72 @@ absl::Status ModelState::Backward(const Command& c, DeviceParamSource* params) {
       return absl::InvalidArgumentError(
           absl::StrCat("BACKWARD of part ", Command::Part_Name(c.part())));
   }
+}
+
+template <typename T>
+absl::Status ModelState::HeadBackward(PassState* pass_state,
+                                      DeviceParamSource* params, int64_t t,
+                                      const int32_t* targets, double loss_scale,
+                                      double weight, bool new_term) {
+  constexpr int64_t kElem = sizeof(T);
+  PassState& a = *pass_state;
+  const int64_t td = t * dim;
+  std::vector<DeviceBuffer> temps;  // Freed (stream-ordered) on return.
+  if (a.final_x.empty() || a.h.empty()) {
+    return absl::FailedPreconditionError(
+        "BACKWARD HEAD of a pass without its forward");
+  }
+  SHARDD_ASSIGN_OR_RETURN(const T* head_w, Param<T>(params, head, &temps));
+  SHARDD_ASSIGN_OR_RETURN(const T* norm_w,
+                          Param<T>(params, final_norm, &temps));
+  SHARDD_ASSIGN_OR_RETURN(float* dhead, Grad(params, head));
+  SHARDD_ASSIGN_OR_RETURN(float* dnorm, Grad(params, final_norm));
+  const kc::CrossEntropyDims dims{t, dim, vocab};
+  kc::CudaCrossEntropyOptions ce_options;  // ignore_index -1
+  ce_options.softcap = final_logit_softcap;
+  const size_t ws_bytes = kc::CrossEntropyWorkspaceBytes(
+      dims, kc::DTypeOf<T>::value, ce_options, /*with_grad=*/true);
+  SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws, Alloc(ws_bytes));
+  SHARDD_ASSIGN_OR_RETURN(DeviceBuffer result,
+                          Alloc(sizeof(kc::CrossEntropyDeviceResult)));
+  SHARDD_ASSIGN_OR_RETURN(DeviceBuffer dh, Alloc(td * kElem));
+  auto* r = result.as<kc::CrossEntropyDeviceResult>();
+  SHARDD_RETURN_IF_ERROR(kc::LmHeadCrossEntropyBackward(
+      dims, a.h.as<T>(), head_w, targets, static_cast<float>(loss_scale),
+      dh.as<T>(), dhead, /*accumulate_dhidden=*/false, r, ws.data(), ws_bytes,
+      ce_options, cublas, stream));
+  // Device pointers to the result's fields (address arithmetic only).
+  const char* base = static_cast<const char*>(result.data());
+  SHARDD_CUDA_RETURN_IF_ERROR(
+      device_model::LaunchAccumulateStepLoss(
+          reinterpret_cast<const double*>(
+              base + offsetof(kc::CrossEntropyDeviceResult, mean_loss)),
+          reinterpret_cast<const int64_t*>(
+              base + offsetof(kc::CrossEntropyDeviceResult, count)),
+          reinterpret_cast<const int64_t*>(
+              base + offsetof(kc::CrossEntropyDeviceResult, invalid_targets)),
+          weight, step_loss.as<DeviceStepLoss>(), stream),
+      "BACKWARD HEAD: accumulating the loss");
+  // A pass's loss is CE + coef * aux (one term of the step's mean).
+  if (aux_on()) SHARDD_RETURN_IF_ERROR(AuxLoss(&a));
+  if (new_term) ++loss_terms;
+  SHARDD_RETURN_IF_ERROR(AllocInto(&a.dx, td * kElem));
+  const size_t norm_ws_bytes =
+      dnorm == nullptr ? 0 : kc::RmsNormBackwardWorkspaceBytes(t, dim);
+  SHARDD_ASSIGN_OR_RETURN(DeviceBuffer norm_ws, Alloc(norm_ws_bytes));
+  SHARDD_RETURN_IF_ERROR(kc::RmsNormBackward(
+      dh.as<T>(), a.final_x.as<T>(), norm_w, a.final_inv.as<float>(), t, dim,
+      a.dx.as<T>(), /*accumulate_dx=*/false, dnorm, norm_ws.data(),
+      norm_ws_bytes, stream));
+  temps.push_back(std::move(ws));
+  temps.push_back(std::move(result));
+  temps.push_back(std::move(dh));
+  temps.push_back(std::move(norm_ws));
+  a.final_x.Reset();
+  a.final_inv.Reset();
+  a.h_for_backward = false;
+  MaybeReleaseH(&a);
+  return absl::OkStatus();
 }
 
 template absl::Status ModelState::Forward<float>(const Command& c,
