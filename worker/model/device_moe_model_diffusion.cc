@@ -316,19 +316,7 @@ absl::Status ModelState::GemmaForward(const Command& c,
       return absl::OkStatus();
     }
     case Command::HEAD: {
-      if (a.x.empty()) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("FORWARD HEAD before the last layer in pass ", pass));
-      }
-      SHARDD_ASSIGN_OR_RETURN(const T* norm_w,
-                              Param<T>(params, final_norm, &temps));
-      a.final_x = std::move(a.x);
-      a.x = DeviceBuffer();
-      SHARDD_RETURN_IF_ERROR(AllocInto(&a.final_inv, t * sizeof(float)));
-      SHARDD_RETURN_IF_ERROR(AllocInto(&a.h, td * kElem));
-      SHARDD_RETURN_IF_ERROR(
-          kc::RmsNormForward(a.final_x.as<T>(), norm_w, t, dim, eps,
-                             a.h.as<T>(), a.final_inv.as<float>(), stream));
+      SHARDD_RETURN_IF_ERROR(FinalNormForward<T>(&a, params, pass, t));
       if (a.saves) {
         a.h_for_backward = true;  // Losses in BACKWARD(HEAD).
         return absl::OkStatus();

@@ -285,38 +285,55 @@ absl::Status ModelState::GemmaLayerForward(const LayerInfo& spec,
 }
 
 template <typename T>
+absl::Status ModelState::ComposeDecodeKeys(const LayerInfo& spec,
+                                           const GemmaDecodeView& d,
+                                           const GemmaDecodeBlock& blk,
+                                           int64_t batch, int64_t seq,
+                                           const GemmaLayerState& g,
+                                           DeviceBuffer* k, DeviceBuffer* v) {
+  constexpr int64_t kElem = sizeof(T);
+  const int64_t row = spec.layer_kv_heads * spec.layer_head_dim;
+  const int64_t end = d.prefix + blk.begin;  // Encoder keys end here.
+  const int64_t lo = GemmaEncoderLow(*this, spec, d.prefix, blk.begin);
+  const int64_t enc = end - lo, len = enc + blk.len;
+  const GemmaLayerState& e = *d.encoder;
+  if (e.k.bytes() != batch * d.encoder_seq * row * kElem ||
+      end > d.encoder_seq) {
+    return absl::FailedPreconditionError(
+        "decode: the encode's K/V of this layer do not match the batch");
+  }
+  SHARDD_RETURN_IF_ERROR(AllocInto(k, batch * len * row * kElem));
+  SHARDD_RETURN_IF_ERROR(AllocInto(v, batch * len * row * kElem));
+  const DeviceBuffer* enc_kv[2] = {&e.k, &e.v};
+  const DeviceBuffer* own_kv[2] = {&g.k, &g.v};
+  DeviceBuffer* out_kv[2] = {k, v};
+  for (int i = 0; i < 2; ++i) {
+    SHARDD_RETURN_IF_ERROR(Copy2D(
+        out_kv[i]->data(), len * row * kElem, At<T>(*enc_kv[i], lo * row),
+        d.encoder_seq * row * kElem, enc * row * kElem, batch, stream));
+    SHARDD_RETURN_IF_ERROR(
+        Copy2D(At<T>(*out_kv[i], enc * row), len * row * kElem,
+               At<T>(*own_kv[i], blk.begin * row), seq * row * kElem,
+               blk.len * row * kElem, batch, stream));
+  }
+  return absl::OkStatus();
+}
+
+template <typename T>
 absl::Status ModelState::GemmaDecodeAttentionForward(const LayerInfo& spec,
                                                      const GemmaDecodeView& d,
                                                      int64_t batch, int64_t seq,
                                                      GemmaLayerState* g) {
   constexpr int64_t kElem = sizeof(T);
-  const int64_t hq = q_heads, hd = spec.layer_head_dim;
-  const int64_t row = spec.layer_kv_heads * hd, qrow = hq * hd;
-  const GemmaLayerState& e = *d.encoder;
+  const int64_t hq = q_heads, qrow = hq * spec.layer_head_dim;
   for (const GemmaDecodeBlock& blk : GemmaDecodeBlocks(d.block, seq)) {
     const int64_t end = d.prefix + blk.begin;  // Encoder keys end here.
     const int64_t lo = GemmaEncoderLow(*this, spec, d.prefix, blk.begin);
-    const int64_t enc = end - lo, len = enc + blk.len;
-    if (e.k.bytes() != batch * d.encoder_seq * row * kElem ||
-        end > d.encoder_seq) {
-      return absl::FailedPreconditionError(
-          "decode: the encode's K/V of this layer do not match the batch");
-    }
+    const int64_t len = end - lo + blk.len;
     std::vector<DeviceBuffer> temps;
-    SHARDD_ASSIGN_OR_RETURN(DeviceBuffer k, Alloc(batch * len * row * kElem));
-    SHARDD_ASSIGN_OR_RETURN(DeviceBuffer v, Alloc(batch * len * row * kElem));
-    const DeviceBuffer* enc_kv[2] = {&e.k, &e.v};
-    const DeviceBuffer* own_kv[2] = {&g->k, &g->v};
-    DeviceBuffer* out_kv[2] = {&k, &v};
-    for (int i = 0; i < 2; ++i) {
-      SHARDD_RETURN_IF_ERROR(Copy2D(
-          out_kv[i]->data(), len * row * kElem, At<T>(*enc_kv[i], lo * row),
-          d.encoder_seq * row * kElem, enc * row * kElem, batch, stream));
-      SHARDD_RETURN_IF_ERROR(
-          Copy2D(At<T>(*out_kv[i], enc * row), len * row * kElem,
-                 At<T>(*own_kv[i], blk.begin * row), seq * row * kElem,
-                 blk.len * row * kElem, batch, stream));
-    }
+    DeviceBuffer k, v;
+    SHARDD_RETURN_IF_ERROR(
+        ComposeDecodeKeys<T>(spec, d, blk, batch, seq, *g, &k, &v));
     SHARDD_ASSIGN_OR_RETURN(DeviceBuffer q,
                             Alloc(batch * blk.len * qrow * kElem));
     SHARDD_ASSIGN_OR_RETURN(DeviceBuffer o,
@@ -364,26 +381,10 @@ absl::Status ModelState::GemmaDecodeAttentionBackward(
     const int64_t end = d.prefix + blk.begin;
     const int64_t lo = GemmaEncoderLow(*this, spec, d.prefix, blk.begin);
     const int64_t enc = end - lo, len = enc + blk.len;
-    if (e.k.bytes() != batch * d.encoder_seq * row * kElem ||
-        end > d.encoder_seq) {
-      return absl::FailedPreconditionError(
-          "decode: the encode's K/V of this layer do not match the batch");
-    }
     std::vector<DeviceBuffer> temps;
-    SHARDD_ASSIGN_OR_RETURN(DeviceBuffer k, Alloc(batch * len * row * kElem));
-    SHARDD_ASSIGN_OR_RETURN(DeviceBuffer v, Alloc(batch * len * row * kElem));
-    const DeviceBuffer* enc_kv[2] = {&e.k, &e.v};
-    const DeviceBuffer* own_kv[2] = {&g.k, &g.v};
-    DeviceBuffer* out_kv[2] = {&k, &v};
-    for (int i = 0; i < 2; ++i) {
-      SHARDD_RETURN_IF_ERROR(Copy2D(
-          out_kv[i]->data(), len * row * kElem, At<T>(*enc_kv[i], lo * row),
-          d.encoder_seq * row * kElem, enc * row * kElem, batch, stream));
-      SHARDD_RETURN_IF_ERROR(
-          Copy2D(At<T>(*out_kv[i], enc * row), len * row * kElem,
-                 At<T>(*own_kv[i], blk.begin * row), seq * row * kElem,
-                 blk.len * row * kElem, batch, stream));
-    }
+    DeviceBuffer k, v;
+    SHARDD_RETURN_IF_ERROR(
+        ComposeDecodeKeys<T>(spec, d, blk, batch, seq, g, &k, &v));
     // The block's q, o, d_o rows and lse.
     const int64_t qbytes = batch * blk.len * qrow * kElem;
     SHARDD_ASSIGN_OR_RETURN(DeviceBuffer q, Alloc(qbytes));

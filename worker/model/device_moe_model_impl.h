@@ -509,6 +509,15 @@ struct ModelState : MoeArchitecture {
                                   int64_t seq, const int32_t* positions,
                                   const GemmaDecodeView* decode,
                                   GemmaLayerState* g, DeviceBuffer* dx);
+  // A decode block's keys and values [batch, enc + len, kv row] into *k and
+  // *v: its encoder rows [lo, end) of d.encoder's, then its canvas rows of
+  // g's. FAILED_PRECONDITION when the encode's K/V do not fit the batch.
+  template <typename T>
+  absl::Status ComposeDecodeKeys(const LayerInfo& spec,
+                                 const GemmaDecodeView& d,
+                                 const GemmaDecodeBlock& blk, int64_t batch,
+                                 int64_t seq, const GemmaLayerState& g,
+                                 DeviceBuffer* k, DeviceBuffer* v);
   template <typename T>
   absl::Status GemmaDecodeAttentionForward(const LayerInfo& spec,
                                            const GemmaDecodeView& d,
@@ -526,6 +535,11 @@ struct ModelState : MoeArchitecture {
   absl::Status SelfConditioningBackward(int microbatch,
                                         DeviceParamSource* params,
                                         PassState* a);
+  // FORWARD(HEAD)'s final norm: a->x becomes a->final_x, with a->final_inv
+  // and a->h. FAILED_PRECONDITION before the pass's last layer.
+  template <typename T>
+  absl::Status FinalNormForward(PassState* a, DeviceParamSource* params,
+                                int pass, int64_t t);
   // BACKWARD(HEAD) of a pass of t rows: the (soft-capped, when the model
   // says) cross-entropy against `targets` with gradient scale `loss_scale`,
   // its mean times `weight` added to the step's loss (a new term of the

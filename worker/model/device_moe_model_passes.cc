@@ -202,19 +202,7 @@ absl::Status ModelState::Forward(const Command& c, DeviceParamSource* params) {
       return absl::OkStatus();
     }
     case Command::HEAD: {
-      if (a.x.empty()) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("FORWARD HEAD before the last layer in pass ", pass));
-      }
-      SHARDD_ASSIGN_OR_RETURN(const T* norm_w,
-                              Param<T>(params, final_norm, &temps));
-      a.final_x = std::move(a.x);
-      a.x = DeviceBuffer();
-      SHARDD_RETURN_IF_ERROR(AllocInto(&a.final_inv, t * sizeof(float)));
-      SHARDD_RETURN_IF_ERROR(AllocInto(&a.h, td * kElem));
-      SHARDD_RETURN_IF_ERROR(
-          kc::RmsNormForward(a.final_x.as<T>(), norm_w, t, dim, eps,
-                             a.h.as<T>(), a.final_inv.as<float>(), stream));
+      SHARDD_RETURN_IF_ERROR(FinalNormForward<T>(&a, params, pass, t));
       if (aux_on()) SHARDD_RETURN_IF_ERROR(AuxFinishForward(&a));
       // As on the CPU, the loss of a pass with gradients is computed by its
       // BACKWARD HEAD; a pass without only produces h for the next pass.
@@ -406,6 +394,25 @@ absl::Status ModelState::Backward(const Command& c, DeviceParamSource* params) {
       return absl::InvalidArgumentError(
           absl::StrCat("BACKWARD of part ", Command::Part_Name(c.part())));
   }
+}
+
+template <typename T>
+absl::Status ModelState::FinalNormForward(PassState* a,
+                                          DeviceParamSource* params, int pass,
+                                          int64_t t) {
+  if (a->x.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("FORWARD HEAD before the last layer in pass ", pass));
+  }
+  std::vector<DeviceBuffer> temps;
+  SHARDD_ASSIGN_OR_RETURN(const T* norm_w,
+                          Param<T>(params, final_norm, &temps));
+  a->final_x = std::move(a->x);
+  a->x = DeviceBuffer();
+  SHARDD_RETURN_IF_ERROR(AllocInto(&a->final_inv, t * sizeof(float)));
+  SHARDD_RETURN_IF_ERROR(AllocInto(&a->h, t * dim * sizeof(T)));
+  return kc::RmsNormForward(a->final_x.as<T>(), norm_w, t, dim, eps,
+                            a->h.as<T>(), a->final_inv.as<float>(), stream);
 }
 
 template <typename T>
