@@ -45,18 +45,6 @@ __device__ __forceinline__ float CapSlope(float y, Softcap c) {
   return __fsub_rn(1.0f, __fmul_rn(t, t));
 }
 
-// Max over the block (blockDim.x a multiple of 32); `scratch` holds 32
-// floats in shared memory. NaNs are dropped (fmaxf); every thread gets the
-// result.
-__device__ __forceinline__ float BlockMax(float value, float* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  value = WarpMax(value);
-  __syncthreads();  // scratch may still be read by a previous reduction
-  if (lane == 0) scratch[warp] = value;
-  __syncthreads();
-  return WarpMax(lane < (blockDim.x >> 5) ? scratch[lane] : -INFINITY);
-}
-
 // Running (max, sum of exp(x - max)) of an online softmax.
 struct MaxSum {
   float max;

@@ -70,6 +70,18 @@ __device__ __forceinline__ T BlockSum(T value, T* scratch) {
   return WarpSum(total);
 }
 
+// Max over the block (blockDim.x a multiple of 32, at most 1024). `scratch`
+// holds 32 floats in shared memory. NaNs are dropped (fmaxf). Every thread
+// gets the result.
+__device__ __forceinline__ float BlockMax(float value, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  value = WarpMax(value);
+  __syncthreads();  // scratch may still be read by a previous reduction
+  if (lane == 0) scratch[warp] = value;
+  __syncthreads();
+  return WarpMax(lane < (blockDim.x >> 5) ? scratch[lane] : -INFINITY);
+}
+
 // The segment of row r given segment offsets [segments + 1] (ascending,
 // offsets[0] <= r < offsets[segments]): the largest s with offsets[s] <= r,
 // which is never an empty segment. Binary search, O(log segments).
