@@ -62,11 +62,7 @@ absl::StatusOr<kernels::RopeTable> RopeTableFor(const MoeArchitecture& arch,
 kernels::AttentionDims GemmaAttentionDims(const MoeArchitecture& arch,
                                           const MoeLayerSpec& layer,
                                           int64_t batch, int64_t seq) {
-  kernels::AttentionDims d;
-  d.batch = batch;
-  d.q_len = seq;
-  d.kv_len = seq;
-  d.q_heads = arch.q_heads;
+  kernels::AttentionDims d = SelfAttentionDims(arch, batch, seq);
   d.kv_heads = layer.layer_kv_heads;
   d.head_dim = layer.layer_head_dim;
   return d;
@@ -75,14 +71,11 @@ kernels::AttentionDims GemmaAttentionDims(const MoeArchitecture& arch,
 kernels::AttentionOptions GemmaAttentionOptions(const MoeArchitecture& arch,
                                                 const MoeLayerSpec& layer,
                                                 bool decode) {
-  kernels::AttentionOptions o;
-  o.scale = static_cast<float>(
-      arch.softmax_scale > 0
-          ? arch.softmax_scale
-          : 1.0 / std::sqrt(static_cast<double>(layer.layer_head_dim)));
-  o.mask = layer.sliding ? kernels::AttentionMask::kSlidingWindow
-                         : kernels::AttentionMask::kCausal;
-  o.window = arch.sliding_window;
+  kernels::AttentionOptions o = SelfAttentionOptions(arch, layer);
+  if (arch.softmax_scale <= 0) {
+    o.scale = static_cast<float>(
+        1.0 / std::sqrt(static_cast<double>(layer.layer_head_dim)));
+  }
   if (decode) o.mask = kernels::AttentionMask::kBidirectional;
   return o;
 }
