@@ -304,6 +304,9 @@ absl::Status DeviceMoeModel::SetBatch(int microbatch, const int32_t* inputs,
       const int64_t counted,
       CheckMicroBatch(microbatch, m.options.model.microbatches, inputs, targets,
                       batch, seq, m.vocab));
+  if (m.diffusion) {
+    SHARDD_RETURN_IF_ERROR(CheckBlockDiffusionSeq(seq, m.block_diffusion.canvas));
+  }
   const int64_t tokens = batch * seq;
   SHARDD_CUDA_RETURN_IF_ERROR(cudaSetDevice(m.options.device),
                               "SetBatch: cudaSetDevice");
@@ -338,15 +341,6 @@ absl::Status DeviceMoeModel::SetBatch(int microbatch, const int32_t* inputs,
     if (m.has_attention) {
       SHARDD_RETURN_IF_ERROR(m.AllocInto(&b.positions, bytes));
     }
-  }
-  if (m.diffusion && seq <= m.block_diffusion.canvas) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "seq: DiffusionGemma's 3-pass step needs more than ",
-        m.block_diffusion.canvas,
-        " tokens per sequence (the response: train.diffusion."
-        "response_length, else canvas_length; the encoder keys before it), "
-        "got ",
-        seq));
   }
   if (m.has_attention) {
     SHARDD_RETURN_IF_ERROR(m.gemma ? m.PrepareGemma(seq)

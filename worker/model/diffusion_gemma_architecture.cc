@@ -270,4 +270,14 @@ absl::StatusOr<BlockDiffusionSpec> ReadBlockDiffusionSpec(
   return out;
 }
 
+absl::Status CheckBlockDiffusionSeq(int64_t seq, int64_t canvas) {
+  if (seq > canvas) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "seq: DiffusionGemma's 3-pass step needs more than ", canvas,
+      " tokens per sequence (the response: train.diffusion."
+      "response_length, else canvas_length; the encoder keys before it), "
+      "got ",
+      seq));
+}
+
 }  // namespace shardd

@@ -199,6 +199,10 @@ absl::StatusOr<BlockDiffusionSpec> ReadBlockDiffusionSpec(
     const MoeArchitecture& arch, int64_t canvas_length,
     int64_t response_length);
 
+// INVALID_ARGUMENT (naming seq) unless a sequence of `seq` tokens holds the
+// canvas of `canvas` rows and at least one encoder key before it.
+absl::Status CheckBlockDiffusionSeq(int64_t seq, int64_t canvas);
+
 // INVALID_ARGUMENT unless passes >= 1, 0 <= no_grad_passes < passes and
 // microbatches >= 1.
 absl::Status CheckModelStepShape(int passes, int no_grad_passes,

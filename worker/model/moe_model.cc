@@ -87,14 +87,7 @@ absl::Status MoeModel::SetBatch(int microbatch, const int32_t* inputs,
   b.targets.assign(targets, targets + b.tokens);
   b.counted = counted;
   if (m.diffusion) {
-    if (seq <= m.canvas) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "seq: DiffusionGemma's 3-pass step needs more than ", m.canvas,
-          " tokens per sequence (the response: train.diffusion."
-          "response_length, else canvas_length; the encoder keys before it), "
-          "got ",
-          seq));
-    }
+    SHARDD_RETURN_IF_ERROR(CheckBlockDiffusionSeq(seq, m.canvas));
     // The encoder's pairs: logits 0..S-2 against tokens 1..S-1.
     b.ar_targets = b.targets;
     b.ar_counted = 0;
