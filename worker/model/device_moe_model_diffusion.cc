@@ -132,31 +132,21 @@ absl::Status ModelState::SelfConditioningForward(int pass, int microbatch,
     const BlockDiffusionSpec& bd = block_diffusion;
     SHARDD_ASSIGN_OR_RETURN(const T* pre_w,
                             Param<T>(params, bd.pre_norm, &temps));
-    SHARDD_ASSIGN_OR_RETURN(const T* wg, Param<T>(params, bd.gate, &temps));
-    SHARDD_ASSIGN_OR_RETURN(const T* wu, Param<T>(params, bd.up, &temps));
-    SHARDD_ASSIGN_OR_RETURN(const T* wd, Param<T>(params, bd.down, &temps));
     SHARDD_RETURN_IF_ERROR(AllocInto(&sc.p, t * d * kElem));
     SHARDD_RETURN_IF_ERROR(AllocInto(&sc.p_inv, t * 4));
     SHARDD_RETURN_IF_ERROR(kc::RmsNormForward(sc.signal.as<T>(), pre_w, t, d,
                                               eps, sc.p.as<T>(),
                                               sc.p_inv.as<float>(), stream));
-    const kc::DenseMlpDims mlp{t, d, bd.inter};
-    const size_t saved_bytes = kc::DenseMlpSavedBytes(mlp, dt);
-    const size_t ws_bytes = kc::DenseMlpForwardWorkspaceBytes(mlp, dt);
-    SHARDD_RETURN_IF_ERROR(AllocInto(&sc.mlp_saved, saved_bytes));
     SHARDD_ASSIGN_OR_RETURN(DeviceBuffer mlp_out, Alloc(t * d * kElem));
-    SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws, Alloc(ws_bytes));
-    SHARDD_RETURN_IF_ERROR(kc::DenseMlpForward(
-        mlp, activation, sc.p.as<T>(), wg, wu, wd, mlp_out.as<T>(),
-        /*accumulate_y=*/false, sc.mlp_saved.data(), saved_bytes, ws.data(),
-        ws_bytes, cublas, stream));
+    SHARDD_RETURN_IF_ERROR(MlpForward<T>({&bd.gate, &bd.up, &bd.down, bd.inter},
+                                         params, sc.p.as<T>(), t,
+                                         mlp_out.as<T>(), &sc.mlp_saved));
     SHARDD_ASSIGN_OR_RETURN(sum, Alloc(t * d * kElem));
     SHARDD_CUDA_RETURN_IF_ERROR(
         device_model::LaunchResidualAdd(e.as<T>(), mlp_out.as<T>(), nullptr,
                                         sum.as<T>(), t * d, stream),
         "self-conditioning: e + mlp");
     temps.push_back(std::move(mlp_out));
-    temps.push_back(std::move(ws));
     temps.push_back(std::move(e));
   } else {
     // Pass 1's zero signal: pre_norm(0) = 0 and the MLP gives 0, so the
@@ -182,7 +172,6 @@ absl::Status ModelState::SelfConditioningBackward(int microbatch,
                                                   DeviceParamSource* params,
                                                   PassState* a) {
   constexpr int64_t kElem = sizeof(T);
-  const kc::DType dt = kc::DTypeOf<T>::value;
   const BatchState& b = batches[microbatch];
   const int64_t r = block_diffusion.canvas, t = b.batch * r, d = dim;
   const BlockDiffusionSpec& bd = block_diffusion;
@@ -200,22 +189,12 @@ absl::Status ModelState::SelfConditioningBackward(int microbatch,
   // The MLP and pre_norm, down to d(signal).
   SHARDD_ASSIGN_OR_RETURN(const T* pre_w,
                           Param<T>(params, bd.pre_norm, &temps));
-  SHARDD_ASSIGN_OR_RETURN(const T* wg, Param<T>(params, bd.gate, &temps));
-  SHARDD_ASSIGN_OR_RETURN(const T* wu, Param<T>(params, bd.up, &temps));
-  SHARDD_ASSIGN_OR_RETURN(const T* wd, Param<T>(params, bd.down, &temps));
   SHARDD_ASSIGN_OR_RETURN(float* dpre, Grad(params, bd.pre_norm));
-  SHARDD_ASSIGN_OR_RETURN(float* dwg, Grad(params, bd.gate));
-  SHARDD_ASSIGN_OR_RETURN(float* dwu, Grad(params, bd.up));
-  SHARDD_ASSIGN_OR_RETURN(float* dwd, Grad(params, bd.down));
-  const kc::DenseMlpDims mlp{t, d, bd.inter};
-  const size_t ws_bytes = kc::DenseMlpBackwardWorkspaceBytes(mlp, dt);
-  SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws, Alloc(ws_bytes));
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer dp, Alloc(t * d * kElem));
-  SHARDD_RETURN_IF_ERROR(kc::DenseMlpBackward(
-      mlp, activation, sc.p.as<T>(), wg, wu, wd, g.as<T>(), sc.mlp_saved.data(),
-      static_cast<size_t>(sc.mlp_saved.bytes()), dp.as<T>(),
-      /*accumulate_dx=*/false, dwg, dwu, dwd, ws.data(), ws_bytes, cublas,
-      stream));
+  SHARDD_RETURN_IF_ERROR(MlpBackward<T>({&bd.gate, &bd.up, &bd.down, bd.inter},
+                                        params, sc.p.as<T>(), t, g.as<T>(),
+                                        sc.mlp_saved, dp.as<T>(),
+                                        /*accumulate_dx=*/false));
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ds, Alloc(t * d * kElem));
   const size_t norm_ws =
       dpre == nullptr ? 0 : kc::RmsNormBackwardWorkspaceBytes(t, d);
@@ -227,15 +206,8 @@ absl::Status ModelState::SelfConditioningBackward(int microbatch,
   if (dtable != nullptr) {
     // The embeddings: the canvas ids' rows and, through s = probs @ E *
     // scale (probs detached), probs^T d(s) * scale.
-    SHARDD_CUDA_RETURN_IF_ERROR(
-        device_model::LaunchScale(g.as<T>(), embedding_scale, t * d, stream),
-        "self-conditioning: embedding scale");
-    const size_t ews_bytes = kc::EmbeddingBackwardWorkspaceBytes(vocab, t);
-    SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ews, Alloc(ews_bytes));
-    SHARDD_RETURN_IF_ERROR(kc::EmbeddingBackward(
-        g.as<T>(), b.noised.as<int32_t>(), t, vocab, d, dtable, ews.data(),
-        ews_bytes, &step_loss.as<DeviceStepLoss>()->bad_ids, stream));
-    temps.push_back(std::move(ews));
+    SHARDD_RETURN_IF_ERROR(
+        EmbedBackward<T>(g.as<T>(), b.noised.as<int32_t>(), t, dtable));
     SHARDD_CUDA_RETURN_IF_ERROR(
         device_model::LaunchScale(ds.as<T>(), embedding_scale, t * d, stream),
         "self-conditioning: signal scale");
@@ -247,7 +219,7 @@ absl::Status ModelState::SelfConditioningBackward(int microbatch,
           d, "self-conditioning embedding gradient"));
     }
   }
-  for (DeviceBuffer* buf : {&g, &ws, &dp, &ds, &nws}) {
+  for (DeviceBuffer* buf : {&g, &dp, &ds, &nws}) {
     temps.push_back(std::move(*buf));
   }
   return absl::OkStatus();
@@ -420,19 +392,8 @@ absl::Status ModelState::GemmaBackward(const Command& c,
       }
       SHARDD_ASSIGN_OR_RETURN(float* dtable, Grad(params, embed));
       if (dtable != nullptr) {
-        if (embedding_scale > 0) {
-          SHARDD_CUDA_RETURN_IF_ERROR(
-              device_model::LaunchScale(a.dx.as<T>(), embedding_scale, t * dim,
-                                        stream),
-              "BACKWARD EMBED: embedding scale");
-        }
-        const size_t ws_bytes = kc::EmbeddingBackwardWorkspaceBytes(vocab, t);
-        SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws, Alloc(ws_bytes));
-        SHARDD_RETURN_IF_ERROR(kc::EmbeddingBackward(
-            a.dx.as<T>(), batch.inputs.as<int32_t>(), t, vocab, dim, dtable,
-            ws.data(), ws_bytes, &step_loss.as<DeviceStepLoss>()->bad_ids,
-            stream));
-        temps.push_back(std::move(ws));
+        SHARDD_RETURN_IF_ERROR(EmbedBackward<T>(
+            a.dx.as<T>(), batch.inputs.as<int32_t>(), t, dtable));
       }
       a.dx.Reset();
       return absl::OkStatus();

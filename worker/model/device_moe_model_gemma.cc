@@ -8,6 +8,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -47,13 +48,10 @@ char* At(DeviceBuffer& b, int64_t elements) {
 }  // namespace
 
 absl::Status ModelState::PrepareGemma(int64_t seq) {
-  const int64_t width = std::max({dim, head_dim, [&] {
-                                    int64_t w = 0;
-                                    for (const LayerInfo& l : layers) {
-                                      w = std::max(w, l.layer_head_dim);
-                                    }
-                                    return w;
-                                  }()});
+  // The weightless norms' weights: over D (the router's, the
+  // self-conditioning's) and over a head (v_norm).
+  int64_t width = dim;
+  for (const LayerInfo& l : layers) width = std::max(width, l.layer_head_dim);
   const int64_t elem = options.activations == DeviceDType::kFloat32 ? 4 : 2;
   if (ones.bytes() < width * elem) {
     SHARDD_RETURN_IF_ERROR(AllocInto(&ones, width * elem));
@@ -134,6 +132,27 @@ absl::Status NormBack(ModelState& m, const T* dy, const T* x, const T* w,
                                              ws.data(), ws_bytes, m.stream));
   temps->push_back(std::move(ws));
   return absl::OkStatus();
+}
+
+// D^-0.5, the router input's scale besides the learned one.
+float RouterRoot(int64_t d) {
+  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+}
+
+// The router reads RMSNorm(m) * scale * D^-0.5: one RMSNorm whose weight is
+// scale * D^-0.5 [D], formed here in storage type T.
+template <typename T>
+absl::StatusOr<DeviceBuffer> RouterNormWeight(ModelState& m, const T* scale) {
+  const int64_t bytes = m.dim * static_cast<int64_t>(sizeof(T));
+  SHARDD_ASSIGN_OR_RETURN(DeviceBuffer w, m.Alloc(bytes));
+  SHARDD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(w.data(), scale, bytes,
+                                              cudaMemcpyDeviceToDevice,
+                                              m.stream),
+                              "DiffusionGemma: router scale");
+  SHARDD_CUDA_RETURN_IF_ERROR(
+      device_model::LaunchScale(w.as<T>(), RouterRoot(m.dim), m.dim, m.stream),
+      "DiffusionGemma: router scale");
+  return w;
 }
 
 absl::StatusOr<DeviceBuffer> Zeroed(ModelState& m, int64_t bytes) {
@@ -233,38 +252,20 @@ absl::Status ModelState::GemmaLayerForward(const LayerInfo& spec,
                           Param<T>(params, spec.pre_ff_norm, &temps));
   SHARDD_ASSIGN_OR_RETURN(const T* w_post1,
                           Param<T>(params, spec.post_ff_norm_1, &temps));
-  SHARDD_ASSIGN_OR_RETURN(const T* wg, Param<T>(params, spec.mlp_gate, &temps));
-  SHARDD_ASSIGN_OR_RETURN(const T* wu, Param<T>(params, spec.mlp_up, &temps));
-  SHARDD_ASSIGN_OR_RETURN(const T* wd, Param<T>(params, spec.mlp_down, &temps));
   SHARDD_RETURN_IF_ERROR(
       NormInto<T>(*this, g->m.as<T>(), w_pre, t, d, &g->dense_in, &g->pre_inv));
-  const kc::DenseMlpDims mlp{t, d, spec.mlp_inter};
-  const size_t saved_bytes = kc::DenseMlpSavedBytes(mlp, dt);
-  const size_t ws_bytes = kc::DenseMlpForwardWorkspaceBytes(mlp, dt);
   SHARDD_RETURN_IF_ERROR(AllocInto(&g->dense_out, t * d * kElem));
-  SHARDD_RETURN_IF_ERROR(AllocInto(&g->mlp_saved, saved_bytes));
-  SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws, Alloc(ws_bytes));
-  SHARDD_RETURN_IF_ERROR(kc::DenseMlpForward(
-      mlp, activation, g->dense_in.as<T>(), wg, wu, wd, g->dense_out.as<T>(),
-      /*accumulate_y=*/false, g->mlp_saved.data(), saved_bytes, ws.data(),
-      ws_bytes, cublas, stream));
-  temps.push_back(std::move(ws));
+  SHARDD_RETURN_IF_ERROR(MlpForward<T>(
+      {&spec.mlp_gate, &spec.mlp_up, &spec.mlp_down, spec.mlp_inter}, params,
+      g->dense_in.as<T>(), t, g->dense_out.as<T>(), &g->mlp_saved));
   SHARDD_RETURN_IF_ERROR(NormInto<T>(*this, g->dense_out.as<T>(), w_post1, t, d,
                                      &g->sum, &g->post1_inv));
-  // The router reads RMSNorm(m) * scale * D^-0.5: one RMSNorm whose weight
-  // is scale * D^-0.5.
+  // The router's input (RouterNormWeight).
   SHARDD_ASSIGN_OR_RETURN(const T* scale,
                           Param<T>(params, spec.router_scale, &temps));
   SHARDD_ASSIGN_OR_RETURN(const T* proj, Param<T>(params, spec.gate, &temps));
-  SHARDD_ASSIGN_OR_RETURN(DeviceBuffer w_router, Alloc(d * kElem));
-  SHARDD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(w_router.data(), scale, d * kElem,
-                                              cudaMemcpyDeviceToDevice, stream),
-                              "DiffusionGemma: router scale");
-  SHARDD_CUDA_RETURN_IF_ERROR(
-      device_model::LaunchScale(w_router.as<T>(),
-                                static_cast<float>(1.0 / std::sqrt(double(d))),
-                                d, stream),
-      "DiffusionGemma: router scale");
+  SHARDD_ASSIGN_OR_RETURN(DeviceBuffer w_router,
+                          RouterNormWeight<T>(*this, scale));
   SHARDD_RETURN_IF_ERROR(NormInto<T>(*this, g->m.as<T>(), w_router.as<T>(), t,
                                      d, &g->r_in, &g->r_inv));
   temps.push_back(std::move(w_router));
@@ -592,28 +593,17 @@ absl::Status ModelState::GemmaLayerBackward(
                           Param<T>(params, spec.post_ff_norm_1, &temps));
   SHARDD_ASSIGN_OR_RETURN(const T* w_pre,
                           Param<T>(params, spec.pre_ff_norm, &temps));
-  SHARDD_ASSIGN_OR_RETURN(const T* wg, Param<T>(params, spec.mlp_gate, &temps));
-  SHARDD_ASSIGN_OR_RETURN(const T* wu, Param<T>(params, spec.mlp_up, &temps));
-  SHARDD_ASSIGN_OR_RETURN(const T* wd, Param<T>(params, spec.mlp_down, &temps));
   SHARDD_ASSIGN_OR_RETURN(float* d_post1, Grad(params, spec.post_ff_norm_1));
   SHARDD_ASSIGN_OR_RETURN(float* d_pre, Grad(params, spec.pre_ff_norm));
-  SHARDD_ASSIGN_OR_RETURN(float* dwg, Grad(params, spec.mlp_gate));
-  SHARDD_ASSIGN_OR_RETURN(float* dwu, Grad(params, spec.mlp_up));
-  SHARDD_ASSIGN_OR_RETURN(float* dwd, Grad(params, spec.mlp_down));
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer g2, Alloc(t * d * kElem));
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer gb, Alloc(t * d * kElem));
   SHARDD_RETURN_IF_ERROR(
       NormBack<T>(*this, g->dsum.as<T>(), g->dense_out.as<T>(), w_post1,
                   g->post1_inv, t, d, g2.as<T>(), false, d_post1, &temps));
-  const kc::DenseMlpDims mlp{t, d, spec.mlp_inter};
-  const size_t mlp_ws = kc::DenseMlpBackwardWorkspaceBytes(mlp, dt);
-  SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws, Alloc(mlp_ws));
-  SHARDD_RETURN_IF_ERROR(kc::DenseMlpBackward(
-      mlp, activation, g->dense_in.as<T>(), wg, wu, wd, g2.as<T>(),
-      g->mlp_saved.data(), static_cast<size_t>(g->mlp_saved.bytes()),
-      gb.as<T>(), /*accumulate_dx=*/false, dwg, dwu, dwd, ws.data(), mlp_ws,
-      cublas, stream));
-  temps.push_back(std::move(ws));
+  SHARDD_RETURN_IF_ERROR(MlpBackward<T>(
+      {&spec.mlp_gate, &spec.mlp_up, &spec.mlp_down, spec.mlp_inter}, params,
+      g->dense_in.as<T>(), t, g2.as<T>(), g->mlp_saved, gb.as<T>(),
+      /*accumulate_dx=*/false));
   SHARDD_RETURN_IF_ERROR(NormBack<T>(*this, gb.as<T>(), g->m.as<T>(), w_pre,
                                      g->pre_inv, t, d, g->dm.as<T>(), true,
                                      d_pre, &temps));
@@ -632,14 +622,9 @@ absl::Status ModelState::GemmaLayerBackward(
       gb.as<T>(), /*accumulate_dx=*/false, dproj, nullptr, rws.data(),
       router_ws, cublas, stream));
   temps.push_back(std::move(rws));
-  const float root = static_cast<float>(1.0 / std::sqrt(double(d)));
-  SHARDD_ASSIGN_OR_RETURN(DeviceBuffer w_router, Alloc(d * kElem));
-  SHARDD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(w_router.data(), scale, d * kElem,
-                                              cudaMemcpyDeviceToDevice, stream),
-                              "DiffusionGemma: router scale");
-  SHARDD_CUDA_RETURN_IF_ERROR(
-      device_model::LaunchScale(w_router.as<T>(), root, d, stream),
-      "DiffusionGemma: router scale");
+  const float root = RouterRoot(d);
+  SHARDD_ASSIGN_OR_RETURN(DeviceBuffer w_router,
+                          RouterNormWeight<T>(*this, scale));
   DeviceBuffer d_w_router;  // d(scale * root), then d(scale) += root * it.
   if (dscale != nullptr) {
     SHARDD_ASSIGN_OR_RETURN(d_w_router, Zeroed(*this, d * 4));

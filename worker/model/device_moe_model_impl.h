@@ -98,22 +98,27 @@ struct GemmaLayerState {
   // The encode's: the decodes' gradients of its k and v (fp32), added by
   // its BACKWARD(LAYER).
   DeviceBuffer dk_ext, dv_ext;
-  std::vector<DeviceBuffer*> Buffers() {
-    return {&x_in,      &in_inv,    &n,           &q_pre,      &k_pre,
-            &v_pre,     &q_inv,     &k_inv,       &v_inv,      &q,
-            &k,         &v,         &o,           &lse,        &attn,
-            &post_inv,  &m,         &pre_inv,     &dense_in,   &dense_out,
-            &mlp_saved, &post1_inv, &r_inv,       &r_in,       &router_saved,
-            &indices,   &weights,   &pre2_inv,    &experts_in, &experts_out,
-            &post2_inv, &sum,       &post_ff_inv, &layer_w,    &dm,
-            &dsum,      &dweights,  &d_ff_norms,  &dk_ext,     &dv_ext};
-  }
+  std::vector<DeviceBuffer*> Buffers() { return BuffersOf(*this); }
+  std::vector<const DeviceBuffer*> Buffers() const { return BuffersOf(*this); }
   int64_t bytes() const {
     int64_t total = experts.memory.bytes();
-    for (DeviceBuffer* b : const_cast<GemmaLayerState*>(this)->Buffers()) {
-      total += b->bytes();
-    }
+    for (const DeviceBuffer* b : Buffers()) total += b->bytes();
     return total;
+  }
+
+ private:
+  template <typename Self>
+  static auto BuffersOf(Self& s) -> std::vector<decltype(&s.x_in)> {
+    return {&s.x_in,      &s.in_inv,    &s.n,           &s.q_pre,
+            &s.k_pre,     &s.v_pre,     &s.q_inv,       &s.k_inv,
+            &s.v_inv,     &s.q,         &s.k,           &s.v,
+            &s.o,         &s.lse,       &s.attn,        &s.post_inv,
+            &s.m,         &s.pre_inv,   &s.dense_in,    &s.dense_out,
+            &s.mlp_saved, &s.post1_inv, &s.r_inv,       &s.r_in,
+            &s.router_saved, &s.indices, &s.weights,    &s.pre2_inv,
+            &s.experts_in, &s.experts_out, &s.post2_inv, &s.sum,
+            &s.post_ff_inv, &s.layer_w, &s.dm,          &s.dsum,
+            &s.dweights,  &s.d_ff_norms, &s.dk_ext,     &s.dv_ext};
   }
 };
 
@@ -535,6 +540,30 @@ struct ModelState : MoeArchitecture {
   absl::Status SelfConditioningBackward(int microbatch,
                                         DeviceParamSource* params,
                                         PassState* a);
+  // A gated MLP (gate_proj, up_proj [inter, D], down_proj [D, inter]) over
+  // x [t, D]: the forward writes y [t, D] and fills *saved for the
+  // backward; the backward writes (or with `accumulate_dx` adds to) dx and
+  // adds the weights' gradients (none for a frozen weight).
+  struct MlpTensors {
+    const TensorInfo* gate;
+    const TensorInfo* up;
+    const TensorInfo* down;
+    int64_t inter;
+  };
+  template <typename T>
+  absl::Status MlpForward(const MlpTensors& mlp, DeviceParamSource* params,
+                          const T* x, int64_t t, T* y, DeviceBuffer* saved);
+  template <typename T>
+  absl::Status MlpBackward(const MlpTensors& mlp, DeviceParamSource* params,
+                           const T* x, int64_t t, const T* dy,
+                           const DeviceBuffer& saved, T* dx,
+                           bool accumulate_dx);
+  // dtable += the rows of dx [t, D] at `ids` (device int32 [t]); dx is
+  // first scaled in place by embedding_scale when that is set
+  // (DiffusionGemma). Out-of-range ids are counted in the step's bad_ids.
+  template <typename T>
+  absl::Status EmbedBackward(T* dx, const int32_t* ids, int64_t t,
+                             float* dtable);
   // FORWARD(HEAD)'s final norm: a->x becomes a->final_x, with a->final_inv
   // and a->h. FAILED_PRECONDITION before the pass's last layer.
   template <typename T>

@@ -108,24 +108,11 @@ absl::Status ModelState::Forward(const Command& c, DeviceParamSource* params) {
             la.inv_rms.as<float>(), stream));
       }
       if (spec.has_mlp) {
-        SHARDD_ASSIGN_OR_RETURN(const T* wg,
-                                Param<T>(params, spec.mlp_gate, &temps));
-        SHARDD_ASSIGN_OR_RETURN(const T* wu,
-                                Param<T>(params, spec.mlp_up, &temps));
-        SHARDD_ASSIGN_OR_RETURN(const T* wd,
-                                Param<T>(params, spec.mlp_down, &temps));
-        const kc::DenseMlpDims dims{t, dim, spec.mlp_inter};
-        const kc::DType dtype = kc::DTypeOf<T>::value;
-        const size_t saved_bytes = kc::DenseMlpSavedBytes(dims, dtype);
-        const size_t ws_bytes = kc::DenseMlpForwardWorkspaceBytes(dims, dtype);
         SHARDD_RETURN_IF_ERROR(AllocInto(&la.dense_out, td * kElem));
-        SHARDD_RETURN_IF_ERROR(AllocInto(&la.mlp_saved, saved_bytes));
-        SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws, Alloc(ws_bytes));
-        SHARDD_RETURN_IF_ERROR(kc::DenseMlpForward(
-            dims, activation, la.normed.as<T>(), wg, wu, wd,
-            la.dense_out.as<T>(), /*accumulate_y=*/false, la.mlp_saved.data(),
-            saved_bytes, ws.data(), ws_bytes, cublas, stream));
-        temps.push_back(std::move(ws));
+        SHARDD_RETURN_IF_ERROR(MlpForward<T>(
+            {&spec.mlp_gate, &spec.mlp_up, &spec.mlp_down, spec.mlp_inter},
+            params, la.normed.as<T>(), t, la.dense_out.as<T>(),
+            &la.mlp_saved));
       }
       if (spec.has_moe) {
         SHARDD_ASSIGN_OR_RETURN(const T* gw,
@@ -289,25 +276,10 @@ absl::Status ModelState::Backward(const Command& c, DeviceParamSource* params) {
       // layer, by the dense MLP first in a dense one).
       if (!spec.has_moe) SHARDD_RETURN_IF_ERROR(AllocInto(&a.dn, td * kElem));
       if (spec.has_mlp) {
-        SHARDD_ASSIGN_OR_RETURN(const T* wg,
-                                Param<T>(params, spec.mlp_gate, &temps));
-        SHARDD_ASSIGN_OR_RETURN(const T* wu,
-                                Param<T>(params, spec.mlp_up, &temps));
-        SHARDD_ASSIGN_OR_RETURN(const T* wd,
-                                Param<T>(params, spec.mlp_down, &temps));
-        SHARDD_ASSIGN_OR_RETURN(float* dwg, Grad(params, spec.mlp_gate));
-        SHARDD_ASSIGN_OR_RETURN(float* dwu, Grad(params, spec.mlp_up));
-        SHARDD_ASSIGN_OR_RETURN(float* dwd, Grad(params, spec.mlp_down));
-        const kc::DenseMlpDims dims{t, dim, spec.mlp_inter};
-        const size_t ws_bytes =
-            kc::DenseMlpBackwardWorkspaceBytes(dims, kc::DTypeOf<T>::value);
-        SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws, Alloc(ws_bytes));
-        SHARDD_RETURN_IF_ERROR(kc::DenseMlpBackward(
-            dims, activation, la.normed.as<T>(), wg, wu, wd, a.dx.as<T>(),
-            la.mlp_saved.data(), static_cast<size_t>(la.mlp_saved.bytes()),
-            a.dn.as<T>(), /*accumulate_dx=*/spec.has_moe, dwg, dwu, dwd,
-            ws.data(), ws_bytes, cublas, stream));
-        temps.push_back(std::move(ws));
+        SHARDD_RETURN_IF_ERROR(MlpBackward<T>(
+            {&spec.mlp_gate, &spec.mlp_up, &spec.mlp_down, spec.mlp_inter},
+            params, la.normed.as<T>(), t, a.dx.as<T>(), la.mlp_saved,
+            a.dn.as<T>(), /*accumulate_dx=*/spec.has_moe));
       }
       if (spec.has_moe) {
         SHARDD_ASSIGN_OR_RETURN(const T* gw,
@@ -379,13 +351,8 @@ absl::Status ModelState::Backward(const Command& c, DeviceParamSource* params) {
       }
       SHARDD_ASSIGN_OR_RETURN(float* dtable, Grad(params, embed));
       if (dtable != nullptr) {
-        const size_t ws_bytes = kc::EmbeddingBackwardWorkspaceBytes(vocab, t);
-        SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws, Alloc(ws_bytes));
-        SHARDD_RETURN_IF_ERROR(kc::EmbeddingBackward(
-            a.dx.as<T>(), batch.inputs.as<int32_t>(), t, vocab, dim, dtable,
-            ws.data(), ws_bytes, &step_loss.as<DeviceStepLoss>()->bad_ids,
-            stream));
-        temps.push_back(std::move(ws));
+        SHARDD_RETURN_IF_ERROR(EmbedBackward<T>(
+            a.dx.as<T>(), batch.inputs.as<int32_t>(), t, dtable));
       }
       a.dx.Reset();
       return absl::OkStatus();
@@ -394,6 +361,65 @@ absl::Status ModelState::Backward(const Command& c, DeviceParamSource* params) {
       return absl::InvalidArgumentError(
           absl::StrCat("BACKWARD of part ", Command::Part_Name(c.part())));
   }
+}
+
+template <typename T>
+absl::Status ModelState::MlpForward(const MlpTensors& mlp,
+                                    DeviceParamSource* params, const T* x,
+                                    int64_t t, T* y, DeviceBuffer* saved) {
+  std::vector<DeviceBuffer> temps;
+  SHARDD_ASSIGN_OR_RETURN(const T* wg, Param<T>(params, *mlp.gate, &temps));
+  SHARDD_ASSIGN_OR_RETURN(const T* wu, Param<T>(params, *mlp.up, &temps));
+  SHARDD_ASSIGN_OR_RETURN(const T* wd, Param<T>(params, *mlp.down, &temps));
+  const kc::DenseMlpDims dims{t, dim, mlp.inter};
+  const kc::DType dtype = kc::DTypeOf<T>::value;
+  const size_t saved_bytes = kc::DenseMlpSavedBytes(dims, dtype);
+  const size_t ws_bytes = kc::DenseMlpForwardWorkspaceBytes(dims, dtype);
+  SHARDD_RETURN_IF_ERROR(AllocInto(saved, saved_bytes));
+  SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws, Alloc(ws_bytes));
+  return kc::DenseMlpForward(dims, activation, x, wg, wu, wd, y,
+                             /*accumulate_y=*/false, saved->data(),
+                             saved_bytes, ws.data(), ws_bytes, cublas, stream);
+}
+
+template <typename T>
+absl::Status ModelState::MlpBackward(const MlpTensors& mlp,
+                                     DeviceParamSource* params, const T* x,
+                                     int64_t t, const T* dy,
+                                     const DeviceBuffer& saved, T* dx,
+                                     bool accumulate_dx) {
+  std::vector<DeviceBuffer> temps;
+  SHARDD_ASSIGN_OR_RETURN(const T* wg, Param<T>(params, *mlp.gate, &temps));
+  SHARDD_ASSIGN_OR_RETURN(const T* wu, Param<T>(params, *mlp.up, &temps));
+  SHARDD_ASSIGN_OR_RETURN(const T* wd, Param<T>(params, *mlp.down, &temps));
+  SHARDD_ASSIGN_OR_RETURN(float* dwg, Grad(params, *mlp.gate));
+  SHARDD_ASSIGN_OR_RETURN(float* dwu, Grad(params, *mlp.up));
+  SHARDD_ASSIGN_OR_RETURN(float* dwd, Grad(params, *mlp.down));
+  const kc::DenseMlpDims dims{t, dim, mlp.inter};
+  const size_t ws_bytes =
+      kc::DenseMlpBackwardWorkspaceBytes(dims, kc::DTypeOf<T>::value);
+  SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws, Alloc(ws_bytes));
+  return kc::DenseMlpBackward(dims, activation, x, wg, wu, wd, dy,
+                              saved.data(), static_cast<size_t>(saved.bytes()),
+                              dx, accumulate_dx, dwg, dwu, dwd, ws.data(),
+                              ws_bytes, cublas, stream);
+}
+
+template <typename T>
+absl::Status ModelState::EmbedBackward(T* dx, const int32_t* ids, int64_t t,
+                                       float* dtable) {
+  if (embedding_scale > 0) {
+    SHARDD_CUDA_RETURN_IF_ERROR(
+        device_model::LaunchScale(dx, embedding_scale, t * dim, stream),
+        "BACKWARD EMBED: embedding scale");
+  }
+  const size_t ws_bytes = kc::EmbeddingBackwardWorkspaceBytes(vocab, t);
+  SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws, Alloc(ws_bytes));
+  // The workspace is freed stream-ordered, after the kernel.
+  return kc::EmbeddingBackward(dx, ids, t, vocab, dim, dtable, ws.data(),
+                               ws_bytes,
+                               &step_loss.as<DeviceStepLoss>()->bad_ids,
+                               stream);
 }
 
 template <typename T>
