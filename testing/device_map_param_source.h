@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,8 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/bf16.h"
+#include "model/model_util.h"
+#include "proto/model.pb.h"
 #include "worker/model/device_param_source.h"
 
 namespace shardd {
@@ -29,6 +32,21 @@ class TestDeviceSource : public DeviceParamSource {
     for (auto& [name, p] : params_) {
       cudaFree(p.data);
       cudaFree(p.grad);
+    }
+  }
+
+  // Every parameter of `values` in `dtype`; those `spec` freezes (DeepSeek's
+  // e_score_correction_bias, DiffusionGemma's router) get no gradient
+  // buffer, as on a worker.
+  void AddAll(const v1::ModelSpec& spec,
+              const std::map<std::string, std::vector<float>>& values,
+              DeviceDType dtype) {
+    std::set<std::string> frozen;
+    for (const ParamRef& ref : ListParams(spec)) {
+      if (ref.tensor->frozen()) frozen.insert(ref.fqn);
+    }
+    for (const auto& [name, v] : values) {
+      Add(name, v, dtype, frozen.count(name) > 0);
     }
   }
 

@@ -15,7 +15,6 @@
 #include <fstream>
 #include <map>
 #include <random>
-#include <set>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -25,7 +24,6 @@
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "model/hf_config.h"
-#include "model/model_util.h"
 #include "program/pass_layout.h"
 #include "testing/device_map_param_source.h"
 #include "testing/gpu.h"
@@ -174,15 +172,9 @@ void CheckAgainstCpu(const Case& test) {
   Result cpu{cpu_model->step_loss(), cpu_model->step_tokens(), cpu_source.grads,
              true};
 
-  std::set<std::string> frozen;
-  for (const ParamRef& ref : ListParams(spec)) {
-    if (ref.tensor->frozen()) frozen.insert(ref.fqn);
-  }
   TestDeviceSource source;
-  for (const auto& [name, v] : values) {
-    source.Add(name, v, bf16 ? DeviceDType::kBFloat16 : DeviceDType::kFloat32,
-               frozen.count(name) > 0);
-  }
+  source.AddAll(spec, values,
+                bf16 ? DeviceDType::kBFloat16 : DeviceDType::kFloat32);
   CudaMemoryBackend backend(0);
   DeviceAllocator allocator(&backend, nullptr);
   DeviceMoeModelOptions options;
@@ -296,9 +288,8 @@ TEST(DeviceMoeModelGemmaTest, Bf16BlockDiffusionStepRunsAndRepeats) {
                               ReadMoeArchitecture(spec));
   const Step s = MakeStep(arch.vocab, 8);
   TestDeviceSource source;
-  for (const auto& [name, v] : testing_util::RandomParamValues(spec, random)) {
-    source.Add(name, v, DeviceDType::kBFloat16, false);
-  }
+  source.AddAll(spec, testing_util::RandomParamValues(spec, random),
+                DeviceDType::kBFloat16);
   CudaMemoryBackend backend(0);
   DeviceAllocator allocator(&backend, nullptr);
   DeviceMoeModelOptions options;

@@ -27,7 +27,6 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/bf16.h"
 #include "model/hf_config.h"
-#include "model/model_util.h"
 #include "testing/device_map_param_source.h"
 #include "testing/gpu.h"
 #include "testing/map_param_source.h"
@@ -241,17 +240,9 @@ void CheckAgainstCpu(const Case& test) {
   const StepResult cpu = RunCpu(spec, values, data);
   ASSERT_TRUE(cpu.ok);
 
-  // Frozen parameters (DeepSeek's e_score_correction_bias) get no gradient
-  // buffer, as on a worker.
-  std::set<std::string> frozen;
-  for (const ParamRef& ref : ListParams(spec)) {
-    if (ref.tensor->frozen()) frozen.insert(ref.fqn);
-  }
   TestDeviceSource source;
-  for (const auto& [name, v] : values) {
-    source.Add(name, v, bf16 ? DeviceDType::kBFloat16 : DeviceDType::kFloat32,
-               frozen.count(name) > 0);
-  }
+  source.AddAll(spec, values,
+                bf16 ? DeviceDType::kBFloat16 : DeviceDType::kFloat32);
   CudaMemoryBackend backend(0);
   DeviceAllocator allocator(&backend, nullptr);
   DeviceMoeModelOptions options;
