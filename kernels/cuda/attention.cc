@@ -24,6 +24,25 @@ absl::Status Validate(const AttentionDims& d, const AttentionOptions& o,
   return CheckInRange(d.q_heads, 1, kMaxGrid, "dims.q_heads", op);
 }
 
+// The widest heads need more shared memory than some GPUs give a block; say
+// so by name rather than fail the launch with cudaErrorInvalidValue.
+absl::Status CheckSharedMemory(const AttentionLaunch& a, const char* op) {
+  const size_t need = AttentionSharedMemoryBytes(a);
+  if (need <= 48 * 1024) return absl::OkStatus();
+  int device = 0, limit = 0;
+  SHARDD_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device), op);
+  SHARDD_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                             device),
+      op);
+  if (need <= static_cast<size_t>(limit)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      op, ": dims.head_dim ", a.head_dim, " and dims.v_head_dim ",
+      a.v_head_dim == 0 ? a.head_dim : a.v_head_dim, " need ", need,
+      " bytes of shared memory per block; CUDA device ", device, " allows ",
+      limit));
+}
+
 AttentionLaunch ToLaunch(const AttentionDims& d, const AttentionOptions& o) {
   AttentionLaunch a;
   a.batch = d.batch;
@@ -53,8 +72,10 @@ absl::Status Forward(const AttentionDims& d, const AttentionOptions& o,
     SHARDD_RETURN_IF_ERROR(CheckNotNull(k, "k", kOp));
     SHARDD_RETURN_IF_ERROR(CheckNotNull(v, "v", kOp));
   }
+  const AttentionLaunch launch = ToLaunch(d, o);
+  SHARDD_RETURN_IF_ERROR(CheckSharedMemory(launch, kOp));
   SHARDD_CUDA_RETURN_IF_ERROR(
-      LaunchAttentionForward(ToLaunch(d, o), q, k, v, out, lse, stream), kOp);
+      LaunchAttentionForward(launch, q, k, v, out, lse, stream), kOp);
   return absl::OkStatus();
 }
 
@@ -79,9 +100,11 @@ absl::Status Backward(const AttentionDims& d, const AttentionOptions& o,
       workspace, workspace_bytes, AttentionBackwardWorkspaceBytes(d), kOp));
   float* delta = static_cast<float*>(workspace);
   float* sink_part = delta + d.batch * d.q_heads * d.q_len;
+  const AttentionLaunch launch = ToLaunch(d, o);
+  SHARDD_RETURN_IF_ERROR(CheckSharedMemory(launch, kOp));
   SHARDD_CUDA_RETURN_IF_ERROR(
-      LaunchAttentionBackward(ToLaunch(d, o), q, k, v, out, lse, d_out, dq, dk,
-                              dv, d_sinks, delta, sink_part, stream),
+      LaunchAttentionBackward(launch, q, k, v, out, lse, d_out, dq, dk, dv,
+                              d_sinks, delta, sink_part, stream),
       kOp);
   return absl::OkStatus();
 }

@@ -24,8 +24,10 @@ namespace kernels {
 namespace cuda {
 
 // Errors: kernels::ValidateAttention's; INVALID_ARGUMENT for head_dim or
-// v_head_dim above 256, batch or heads above 65535, or a null pointer with
-// q_len > 0; launch errors via CudaStatus.
+// v_head_dim above 512, head dims whose tiles need more shared memory than
+// the current device gives a block (512 needs about 199 KB: Hopper, not
+// Ampere), batch or heads above 65535, or a null pointer with q_len > 0;
+// launch errors via CudaStatus.
 absl::Status AttentionForward(const AttentionDims& dims,
                               const AttentionOptions& options, const float* q,
                               const float* k, const float* v, float* out,

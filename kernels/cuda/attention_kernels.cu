@@ -345,6 +345,16 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Keys per dQ tile: kBlockK, or kBlockKV when the head dims are so wide
+// that kBlockK keys would not fit in an H100's 227 KiB of shared memory
+// (DiffusionGemma's 512-wide full-attention heads). A function of the dims
+// only, so a call's summation order does not depend on the device.
+__host__ __device__ __forceinline__ int QueryGradTileK(
+    const AttentionLaunch& a) {
+  const int64_t dv = a.v_head_dim == 0 ? a.head_dim : a.v_head_dim;
+  return a.head_dim > 256 || dv > 256 ? kBlockKV : kBlockK;
+}
+
 // dQ of a query tile: one block per (query tile, head, sequence).
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
@@ -358,13 +368,14 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t g = h / (a.q_heads / a.kv_heads);
   const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kBlockQ;
   const int bq = MinRows(kBlockQ, a.q_len - i0);
+  const int tile_k = QueryGradTileK(a);
   float* qs = smem;                        // [kBlockQ][dh]
   float* dos = qs + kBlockQ * dh;          // [kBlockQ][dv]
-  float* ks = dos + kBlockQ * dv;          // [kBlockK][dh + 1]
-  float* vs = ks + kBlockK * (dh + 1);     // [kBlockK][dv]
-  float* ps = vs + kBlockK * dv;           // [kBlockQ][kBlockK]
-  float* dss = ps + kBlockQ * kBlockK;     // [kBlockQ][kBlockK]
-  float* dq_acc = dss + kBlockQ * kBlockK;  // [kBlockQ][dh]
+  float* ks = dos + kBlockQ * dv;          // [tile_k][dh + 1]
+  float* vs = ks + tile_k * (dh + 1);      // [tile_k][dv]
+  float* ps = vs + tile_k * dv;            // [kBlockQ][tile_k]
+  float* dss = ps + kBlockQ * tile_k;      // [kBlockQ][tile_k]
+  float* dq_acc = dss + kBlockQ * tile_k;  // [kBlockQ][dh]
   float* lse_s = dq_acc + kBlockQ * dh;    // [kBlockQ]
   float* delta_s = lse_s + kBlockQ;        // [kBlockQ]
 
@@ -375,18 +386,18 @@ __global__ void __launch_bounds__(kThreads)
   MaskKeyRange(a.rule, i0 + a.rule.q_offset, i0 + bq - 1 + a.rule.q_offset,
                a.kv_len, &k_begin, &k_end);
   __syncthreads();
-  for (int64_t j0 = k_begin; j0 < k_end; j0 += kBlockK) {
-    const int bk = MinRows(kBlockK, k_end - j0);
-    LoadKeyTile(a, b, g, j0, bk, kBlockK, k, v, ks, vs);
+  for (int64_t j0 = k_begin; j0 < k_end; j0 += tile_k) {
+    const int bk = MinRows(tile_k, k_end - j0);
+    LoadKeyTile(a, b, g, j0, bk, tile_k, k, v, ks, vs);
     __syncthreads();
-    TileGradients(a, i0, bq, j0, bk, kBlockK, qs, dos, ks, vs, lse_s, delta_s,
+    TileGradients(a, i0, bq, j0, bk, tile_k, qs, dos, ks, vs, lse_s, delta_s,
                   ps, dss);
     __syncthreads();
     for (int64_t idx = threadIdx.x; idx < kBlockQ * dh; idx += kThreads) {
       const int r = static_cast<int>(idx / dh);
       const int64_t e = idx % dh;
       float sum = 0.0f;
-      for (int c = 0; c < bk; ++c) sum += dss[r * kBlockK + c] * ks[c * (dh + 1) + e];
+      for (int c = 0; c < bk; ++c) sum += dss[r * tile_k + c] * ks[c * (dh + 1) + e];
       dq_acc[idx] += a.scale * sum;
     }
     __syncthreads();
@@ -412,9 +423,10 @@ size_t KeyValueGradSmem(const AttentionLaunch& a) {
 
 size_t QueryGradSmem(const AttentionLaunch& a) {
   const int64_t dh = a.head_dim, dv = a.v_head_dim == 0 ? dh : a.v_head_dim;
+  const int64_t tile_k = QueryGradTileK(a);
   return sizeof(float) *
-         (kBlockQ * dh + kBlockQ * dv + kBlockK * (dh + 1) + kBlockK * dv +
-          2 * kBlockQ * kBlockK + kBlockQ * dh + 2 * kBlockQ);
+         (kBlockQ * dh + kBlockQ * dv + tile_k * (dh + 1) + tile_k * dv +
+          2 * kBlockQ * tile_k + kBlockQ * dh + 2 * kBlockQ);
 }
 
 template <typename Kernel, typename... Args>
@@ -424,6 +436,13 @@ cudaError_t Launch(Kernel kernel, dim3 grid, size_t smem, cudaStream_t stream,
 }
 
 }  // namespace
+
+size_t AttentionSharedMemoryBytes(const AttentionLaunch& a) {
+  size_t bytes = ForwardSmem(a);
+  if (KeyValueGradSmem(a) > bytes) bytes = KeyValueGradSmem(a);
+  if (QueryGradSmem(a) > bytes) bytes = QueryGradSmem(a);
+  return bytes;
+}
 
 template <typename T>
 cudaError_t LaunchAttentionForward(const AttentionLaunch& a, const T* q,

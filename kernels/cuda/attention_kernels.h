@@ -21,8 +21,14 @@ struct AttentionLaunch {
   const float* sinks;  // [Hq] or null
 };
 
-// The largest head_dim / v_head_dim the kernels take.
-inline constexpr int64_t kMaxAttentionHeadDim = 256;
+// The largest head_dim / v_head_dim the kernels take (DiffusionGemma's
+// full-attention layers use 512).
+inline constexpr int64_t kMaxAttentionHeadDim = 512;
+
+// Dynamic shared memory per block of the largest generic kernel a call with
+// these dims launches (forward or backward): at head dims 512 about 199 KB,
+// which fits Hopper's 227 KiB but not an A100's 163 KiB.
+size_t AttentionSharedMemoryBytes(const AttentionLaunch& a);
 
 template <typename T>
 cudaError_t LaunchAttentionForward(const AttentionLaunch& a, const T* q,

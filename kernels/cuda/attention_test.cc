@@ -218,6 +218,16 @@ std::vector<Case> Cases() {
   // MLA-like head dims: more than 48 KiB of shared memory per block.
   cases.push_back({"mla dims causal", Dims(1, 65, 65, 2, 2, 192, 128),
                    Options(AttentionMask::kCausal, 0.072f)});
+  // DiffusionGemma's full-attention heads (values are the keys: dv = dh):
+  // the widest the kernels take, with the narrower dQ key tile.
+  cases.push_back({"gemma full 512 bidirectional",
+                   Dims(1, 37, 45, 2, 1, 512),
+                   Options(AttentionMask::kBidirectional, 0.0442f)});
+  Case wide_block{"gemma full 512 block causal", Dims(1, 24, 56, 2, 2, 512),
+                  Options(AttentionMask::kBlockCausal, 0.0442f)};
+  wide_block.options.q_offset = 32;
+  wide_block.options.block = 8;
+  cases.push_back(wide_block);
   Case empty{"no keys, sinks", Dims(1, 5, 0, 2, 2, 8),
              Options(AttentionMask::kBidirectional, 0.3f), true};
   cases.push_back(empty);
@@ -250,7 +260,7 @@ TEST(AttentionGpuTest, MatchesTheCpuKernelBf16) {
 }
 
 TEST(AttentionGpuTest, RefusesWhatItCannotRun) {
-  AttentionDims d = Dims(1, 4, 4, 1, 1, 512);
+  AttentionDims d = Dims(1, 4, 4, 1, 1, 513);
   EXPECT_THAT(
       AttentionForward(d, Options(AttentionMask::kCausal, 1.0f),
                        static_cast<const float*>(nullptr), nullptr, nullptr,

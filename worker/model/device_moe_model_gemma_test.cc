@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
@@ -46,7 +47,10 @@ constexpr int kMicrobatches = 2;
 constexpr int64_t kBatch = 2;
 constexpr int64_t kSeq = 14;  // The canvas (8 or 10 rows) plus a prompt.
 
-v1::ModelSpec Spec(bool all_experts) {
+// global_head_dim > 0 widens the full-attention layers' heads (the tiny
+// config's are 32; the released 26B model's are 512, the widest the GPU
+// attention takes).
+v1::ModelSpec Spec(bool all_experts, int64_t global_head_dim = 0) {
   std::ifstream in("tests/data/tiny_diffusion_gemma.json");
   std::stringstream ss;
   ss << in.rdbuf();
@@ -55,6 +59,13 @@ v1::ModelSpec Spec(bool all_experts) {
   if (all_experts) {
     json = absl::StrReplaceAll(
         json, {{"\"top_k_experts\": 2", "\"top_k_experts\": 8"}});
+  }
+  if (global_head_dim > 0) {
+    const std::string wider = absl::StrReplaceAll(
+        json, {{"\"global_head_dim\": 32",
+                absl::StrCat("\"global_head_dim\": ", global_head_dim)}});
+    EXPECT_NE(wider, json);
+    json = wider;
   }
   absl::StatusOr<v1::ModelSpec> spec = ModelSpecFromHfConfig(json);
   EXPECT_THAT(spec.status(), IsOk());
@@ -135,6 +146,7 @@ struct Case {
   int passes = 1;  // 1: the causal pass; 3: the block-diffusion step.
   int64_t response = 0;
   DeviceDType activations = DeviceDType::kFloat32;
+  int64_t global_head_dim = 0;  // 0: the config's.
 };
 
 // ||got - want||_2 / ||want||_2.
@@ -150,7 +162,7 @@ double Relative(const std::vector<float>& got, const std::vector<float>& want) {
 
 void CheckAgainstCpu(const Case& test) {
   const bool bf16 = test.activations == DeviceDType::kBFloat16;
-  const v1::ModelSpec spec = Spec(/*all_experts=*/bf16);
+  const v1::ModelSpec spec = Spec(/*all_experts=*/bf16, test.global_head_dim);
   testing_util::RandomParamOptions random;
   random.round_to_bf16 = bf16;
   random.range = static_cast<float>(std::sqrt(3.0 / spec.dims().hidden_size()));
@@ -269,6 +281,13 @@ TEST(DeviceMoeModelGemmaTest, Fp32BlockDiffusionInBlocksMatchesCpuModel) {
   // A response of 10 rows: blocks of 8 and 2 after a prompt of 4, so the
   // sliding layers' decode keys start past the first encoder row.
   CheckAgainstCpu({3, 10, DeviceDType::kFloat32});
+}
+
+TEST(DeviceMoeModelGemmaTest, Fp32WideFullAttentionHeadsMatchCpuModel) {
+  SHARDD_SKIP_WITHOUT_GPU();
+  // The released model's 512-wide full-attention heads, both step shapes.
+  CheckAgainstCpu({1, 0, DeviceDType::kFloat32, 512});
+  CheckAgainstCpu({3, 10, DeviceDType::kFloat32, 512});
 }
 
 TEST(DeviceMoeModelGemmaTest, Bf16BlockDiffusionStepRunsAndRepeats) {

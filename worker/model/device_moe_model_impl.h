@@ -56,8 +56,9 @@ constexpr int64_t kCublasWorkspaceBytes = int64_t{32} << 20;
 // Router kernel limits (kernels/cuda/router.h).
 constexpr int64_t kMaxRouterExperts = 1024;
 constexpr int64_t kMaxRouterTopK = 32;
-// kernels/cuda/attention.h's head-dim limit.
-constexpr int64_t kMaxAttentionHeadDim = 256;
+// kernels/cuda/attention.h's head-dim limit (512 needs a Hopper's shared
+// memory; the kernel names the device's limit on others).
+constexpr int64_t kMaxAttentionHeadDim = 512;
 // Grouped-experts workspace objects cached by device address; beyond this
 // many, the ones not in use are dropped (each holds a pinned host buffer).
 constexpr size_t kMaxCachedExpertWorkspaces = 256;
