@@ -40,6 +40,12 @@ ABSL_FLAG(absl::Duration, beat_phase, absl::Seconds(10),
           "How long each heartbeat cadence runs");
 ABSL_FLAG(std::string, coordinator_binary, "server/shardd-coordinator",
           "The coordinator to start");
+ABSL_FLAG(int, heartbeat_relay_group, 1,
+          "The coordinator's --heartbeat-relay-group; above 1 the simulated "
+          "workers beat through their group's first rank as real ones do");
+ABSL_FLAG(bool, heartbeats_only, false,
+          "Register and beat every second, then stop (the 1 s heartbeat "
+          "cost alone)");
 
 namespace shardd {
 namespace {
@@ -88,7 +94,9 @@ int RunOne(int n) {
                                        "/control_plane_", getpid(), "_", n);
   const pid_t coordinator = testing_util::Spawn(
       {absl::GetFlag(FLAGS_coordinator_binary), "--listen=127.0.0.1:0",
-       absl::StrCat("--data-dir=", dir), "--heartbeat-timeout=10s"},
+       absl::StrCat("--data-dir=", dir), "--heartbeat-timeout=10s",
+       absl::StrCat("--heartbeat-relay-group=",
+                    absl::GetFlag(FLAGS_heartbeat_relay_group))},
       dir + ".out", dir + ".err");
   const int port =
       testing_util::WaitForPortFile(dir, coordinator, absl::Seconds(30));
@@ -110,6 +118,9 @@ int RunOne(int n) {
   options.workers = n;
   for (int i = 0; i < n; ++i)
     options.addresses.push_back((*service)->address(i));
+  if (absl::GetFlag(FLAGS_heartbeat_relay_group) > 1) {
+    options.service = service->get();
+  }
   absl::StatusOr<std::unique_ptr<SimulatedWorkers>> workers =
       SimulatedWorkers::Create(options);
   if (!workers.ok()) return 1;
@@ -139,8 +150,42 @@ int RunOne(int n) {
         n / absl::ToDoubleSeconds(cadence),
         static_cast<long long>(beats.errors), Ms(beats).c_str(),
         100.0 * cpu / wall);
+    // What the coordinator made of them: every worker must still be alive.
+    absl::StatusOr<std::unique_ptr<CoordinatorClient>> status_client =
+        CoordinatorClient::Connect(options.coordinator);
+    absl::StatusOr<v1::GetStatusResponse> status =
+        status_client.ok()
+            ? (*status_client)->GetStatus()
+            : absl::StatusOr<v1::GetStatusResponse>(status_client.status());
+    if (status.ok()) {
+      int alive = 0;
+      int64_t oldest = 0;
+      for (const v1::WorkerInfo& w : status->workers()) {
+        alive += w.alive() ? 1 : 0;
+        oldest = std::max(oldest, w.last_heartbeat_ms_ago());
+      }
+      int64_t relayed = 0;
+      for (int i = 0; i < n; ++i) relayed += (*service)->relay(i)->relayed();
+      std::printf(
+          "N=%d after them: %d of %d workers alive, the oldest heartbeat "
+          "%lld ms ago; %lld beats relayed so far\n",
+          n, alive, n, static_cast<long long>(oldest),
+          static_cast<long long>(relayed));
+    } else {
+      std::printf("N=%d GetStatus: %s\n", n,
+                  status.status().ToString().c_str());
+    }
   };
   beat(absl::Seconds(1));
+  if (absl::GetFlag(FLAGS_heartbeats_only)) {
+    std::printf("N=%d coordinator: %.2f s CPU in all, %.0f MiB resident\n", n,
+                CpuSeconds(coordinator), RssMiB(coordinator));
+    std::fflush(stdout);
+    workers->reset();
+    testing_util::Stop(coordinator);
+    service->reset();
+    return 0;
+  }
   // Before the 100 ms cadence, which can saturate the coordinator.
   absl::StatusOr<SimulatedWorkers::BarrierResult> barrier =
       (*workers)->Barrier(absl::StrCat("bench-", n));

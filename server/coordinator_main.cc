@@ -71,6 +71,12 @@ ABSL_FLAG(int, workers, 0,
 ABSL_FLAG(absl::Duration, heartbeat_timeout, absl::Seconds(10),
           "A worker without a heartbeat for this long is dead (workers "
           "heartbeat every third of it), e.g. 10s or 500ms");
+ABSL_FLAG(int, heartbeat_relay_group, 1,
+          "Workers per heartbeat relay group: each worker sends its "
+          "heartbeats through the first rank of its group, which forwards "
+          "them with its own, so the coordinator gets one message per group "
+          "and interval (for thousands of workers; docs/reliability.md). 1: "
+          "every worker beats the coordinator directly");
 ABSL_FLAG(absl::Duration, collective_timeout, absl::Seconds(60),
           "Training jobs: how long a worker waits for its peers in one "
           "collective; every worker RPC of a job gets this plus 30s");
@@ -176,6 +182,15 @@ int Run() {
     return 2;
   }
 
+  const int relay_group = absl::GetFlag(FLAGS_heartbeat_relay_group);
+  if (relay_group < 1 || relay_group > 1024) {
+    std::fprintf(stderr,
+                 "shardd-coordinator: --heartbeat_relay_group: expected 1 (no "
+                 "relays) to 1024, got %d\n",
+                 relay_group);
+    return 2;
+  }
+
   const absl::Duration collective_timeout =
       absl::GetFlag(FLAGS_collective_timeout);
   if (collective_timeout < absl::Milliseconds(100) ||
@@ -266,6 +281,7 @@ int Run() {
   service_options.max_workers = absl::GetFlag(FLAGS_workers);
   service_options.insecure_warning = insecure_warning;
   service_options.heartbeat_timeout = heartbeat_timeout;
+  service_options.heartbeat_relay_group = relay_group;
   service_options.worker_clients = GrpcWorkerClientFactory(worker_channel);
   service_options.jobs.collective_timeout = collective_timeout;
   service_options.jobs.max_pending_jobs = absl::GetFlag(FLAGS_max_pending_jobs);

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <random>
 #include <string>
 #include <utility>
@@ -52,6 +53,7 @@ WorkerRegistryOptions RegistryOptions(const CoordinatorServiceOptions& o,
   WorkerRegistryOptions options;
   options.max_workers = o.max_workers;
   options.heartbeat_timeout = o.heartbeat_timeout;
+  options.heartbeat_relay_group = o.heartbeat_relay_group;
   options.clock = o.clock;
   options.initial_epoch = generation << 32;
   return options;
@@ -523,12 +525,36 @@ absl::StatusOr<v1::RegisterWorkerResponse> CoordinatorService::RegisterWorker(
 
 absl::StatusOr<v1::HeartbeatResponse> CoordinatorService::Heartbeat(
     const v1::HeartbeatRequest& request) {
+  if (request.relayed_size() > kMaxRelayedHeartbeats) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "relayed: at most ", kMaxRelayedHeartbeats,
+        " relayed heartbeats per call, got ", request.relayed_size()));
+  }
   SHARDD_ASSIGN_OR_RETURN(
       uint64_t epoch,
       workers_.Heartbeat(request.rank(), request.incarnation()));
   v1::HeartbeatResponse response;
   response.set_coordinator_incarnation(incarnation_);
+  // The relay's own beat went through, so it speaks for live workers: each
+  // relayed beat counts as that worker's, and a refusal goes back by rank.
+  for (const v1::RelayedHeartbeat& beat : request.relayed()) {
+    absl::StatusOr<uint64_t> relayed =
+        workers_.Heartbeat(beat.rank(), beat.incarnation());
+    if (relayed.ok()) {
+      epoch = std::max(epoch, *relayed);
+      continue;
+    }
+    v1::RelayedHeartbeatError* error = response.add_relayed_errors();
+    error->set_rank(beat.rank());
+    error->set_code(static_cast<int>(relayed.status().code()));
+    error->set_message(std::string(relayed.status().message()));
+  }
   response.set_membership_epoch(epoch);
+  if (std::optional<std::pair<int, std::string>> relay =
+          workers_.RelayFor(request.rank())) {
+    response.set_relay_rank(relay->first);
+    response.set_relay_address(relay->second);
+  }
   return response;
 }
 

@@ -68,6 +68,9 @@ struct CoordinatorServiceOptions {
   // A worker without a heartbeat for this long is dead (--heartbeat-timeout).
   // Workers are told to heartbeat every third of it.
   absl::Duration heartbeat_timeout = absl::Seconds(10);
+  // Ranks per heartbeat relay group (--heartbeat-relay-group;
+  // WorkerRegistryOptions). 1: every worker beats the coordinator.
+  int heartbeat_relay_group = 1;
   KvStoreOptions kv;
   BarrierTableOptions barriers;
   // How jobs reach workers (grpc_worker_client.h in the binary, fakes in
@@ -144,8 +147,13 @@ class CoordinatorService {
   // out of range), RESOURCE_EXHAUSTED (every rank held by a live worker).
   absl::StatusOr<v1::RegisterWorkerResponse> RegisterWorker(
       const v1::RegisterWorkerRequest& request);
+  // Also records the beats the worker relays for others (each refused one
+  // comes back in relayed_errors) and names the worker's relay when it has
+  // one (heartbeat_relay_group).
   // Errors: NOT_FOUND (unknown rank), ABORTED (incarnation mismatch, or the
-  // worker was declared dead: it must re-register).
+  // worker was declared dead: it must re-register), INVALID_ARGUMENT (more
+  // than kMaxRelayedHeartbeats relayed).
+  static constexpr int kMaxRelayedHeartbeats = 4096;
   absl::StatusOr<v1::HeartbeatResponse> Heartbeat(
       const v1::HeartbeatRequest& request);
 

@@ -557,6 +557,90 @@ TEST_F(CoordinatorServiceTest, MembershipThroughTheServiceWithAFakeClock) {
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("rank 5")));
 }
 
+TEST_F(CoordinatorServiceTest, RelayedHeartbeatsCountAsTheirWorkersOwn) {
+  absl::Mutex mu;
+  absl::Time now = absl::FromUnixSeconds(1000);
+  CoordinatorServiceOptions options;
+  options.incarnation = 7;
+  options.heartbeat_timeout = absl::Seconds(3);
+  options.heartbeat_relay_group = 2;
+  options.clock = [&] {
+    absl::MutexLock lock(&mu);
+    return now;
+  };
+  auto advance = [&](absl::Duration d) {
+    absl::MutexLock lock(&mu);
+    now += d;
+  };
+  auto service = MakeService(options);
+  for (int i = 0; i < 3; ++i) {
+    SHARDD_ASSERT_OK(
+        service->RegisterWorker(WorkerRequest(5000 + i, 11 + i)).status());
+  }
+  // Rank 1's own beat names its relay, rank 0; rank 0's and 2's name none.
+  v1::HeartbeatRequest beat;
+  beat.set_rank(1);
+  beat.set_incarnation(12);
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::HeartbeatResponse hb,
+                              service->Heartbeat(beat));
+  EXPECT_EQ(hb.relay_rank(), 0);
+  EXPECT_EQ(hb.relay_address(), "127.0.0.1:5000");
+  beat.set_rank(2);
+  beat.set_incarnation(13);
+  SHARDD_ASSERT_OK_AND_ASSIGN(hb, service->Heartbeat(beat));
+  EXPECT_TRUE(hb.relay_address().empty());
+
+  // For 5 s only rank 0 calls, relaying rank 1's beats: rank 1 lives,
+  // rank 2 (silent) dies.
+  v1::HeartbeatRequest relay;
+  relay.set_rank(0);
+  relay.set_incarnation(11);
+  v1::RelayedHeartbeat* relayed = relay.add_relayed();
+  relayed->set_rank(1);
+  relayed->set_incarnation(12);
+  for (int t = 0; t < 5; ++t) {
+    advance(absl::Seconds(1));
+    SHARDD_ASSERT_OK_AND_ASSIGN(hb, service->Heartbeat(relay));
+    EXPECT_EQ(hb.relayed_errors_size(), 0);
+    EXPECT_TRUE(hb.relay_address().empty());
+  }
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto status, service->GetStatus({}));
+  ASSERT_THAT(status.workers(), SizeIs(3));
+  EXPECT_TRUE(status.workers(1).alive());
+  EXPECT_EQ(status.workers(1).last_heartbeat_ms_ago(), 0);
+  EXPECT_FALSE(status.workers(2).alive());
+
+  // Refusals come back by rank, with the error the worker would have had;
+  // the relay's own beat still succeeds.
+  relayed = relay.add_relayed();
+  relayed->set_rank(2);
+  relayed->set_incarnation(13);
+  relayed = relay.add_relayed();
+  relayed->set_rank(9);
+  relayed->set_incarnation(5);
+  SHARDD_ASSERT_OK_AND_ASSIGN(hb, service->Heartbeat(relay));
+  ASSERT_EQ(hb.relayed_errors_size(), 2);
+  EXPECT_EQ(hb.relayed_errors(0).rank(), 2);
+  EXPECT_EQ(hb.relayed_errors(0).code(),
+            static_cast<int>(absl::StatusCode::kAborted));
+  EXPECT_THAT(hb.relayed_errors(0).message(), HasSubstr("declared dead"));
+  EXPECT_EQ(hb.relayed_errors(1).rank(), 9);
+  EXPECT_EQ(hb.relayed_errors(1).code(),
+            static_cast<int>(absl::StatusCode::kNotFound));
+
+  // A relay that is not registered relays nothing.
+  relay.set_rank(7);
+  EXPECT_THAT(service->Heartbeat(relay), StatusIs(absl::StatusCode::kNotFound));
+  // A bounded number per call.
+  relay.set_rank(0);
+  for (int i = 0; i <= CoordinatorService::kMaxRelayedHeartbeats; ++i) {
+    relay.add_relayed()->set_rank(1);
+  }
+  EXPECT_THAT(service->Heartbeat(relay),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("relayed: at most")));
+}
+
 TEST_F(CoordinatorServiceTest, KeyValueRpcs) {
   auto service = MakeService();
   v1::PutRequest put;

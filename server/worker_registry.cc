@@ -208,6 +208,18 @@ absl::StatusOr<uint64_t> WorkerRegistry::Heartbeat(int rank,
   return epoch_;
 }
 
+std::optional<std::pair<int, std::string>> WorkerRegistry::RelayFor(int rank) {
+  const int group = options_.heartbeat_relay_group;
+  if (group <= 1 || rank < 0) return std::nullopt;
+  const int relay = rank - rank % group;
+  if (relay == rank) return std::nullopt;
+  absl::MutexLock lock(&mu_);
+  SweepLocked(options_.clock());
+  auto it = workers_.find(relay);
+  if (it == workers_.end() || !it->second.alive) return std::nullopt;
+  return std::make_pair(relay, it->second.address);
+}
+
 absl::Status WorkerRegistry::Remove(int rank) {
   absl::MutexLock lock(&mu_);
   if (workers_.find(rank) == workers_.end()) {

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -42,6 +43,9 @@ struct WorkerRegistryOptions {
   int max_workers = 0;
   // A worker without a heartbeat for this long is dead.
   absl::Duration heartbeat_timeout = absl::Seconds(10);
+  // Ranks per heartbeat relay group (RelayFor): rank r beats through rank
+  // r - r % heartbeat_relay_group. 1: every worker beats directly.
+  int heartbeat_relay_group = 1;
   // Time source; defaults to absl::Now. Tests inject a fake.
   std::function<absl::Time()> clock;
   // The membership epoch before the first join. A coordinator with durable
@@ -107,6 +111,13 @@ class WorkerRegistry {
   // (the rank belongs to another incarnation, or the worker was declared
   // dead: register again).
   absl::StatusOr<uint64_t> Heartbeat(int rank, uint64_t incarnation)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The worker `rank` should send its heartbeats through: the first rank of
+  // its relay group (rank - rank % heartbeat_relay_group) when that is
+  // another rank, registered and alive; else nullopt (beat directly). The
+  // pair is (relay rank, relay address).
+  std::optional<std::pair<int, std::string>> RelayFor(int rank)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Removes the worker holding `rank`. Errors: NOT_FOUND (no such rank).

@@ -180,6 +180,36 @@ TEST_F(WorkerRegistryTest, WorkerDiesExactlyAtTheTimeoutAndHeartbeatsDelayIt) {
   EXPECT_EQ(registry.live_workers(), 2);
 }
 
+TEST_F(WorkerRegistryTest, RelayIsTheGroupsFirstRankWhileItLives) {
+  WorkerRegistryOptions options = Options();
+  options.heartbeat_relay_group = 4;
+  WorkerRegistry registry(options);
+  for (int i = 0; i < 6; ++i) {
+    SHARDD_ASSERT_OK(registry.Register(Worker(9000 + i, 100 + i, i)).status());
+  }
+  EXPECT_EQ(registry.RelayFor(0), std::nullopt);  // Rank 0 is the relay.
+  EXPECT_EQ(registry.RelayFor(3), std::make_optional(std::make_pair(
+                                      0, std::string("127.0.0.1:9000"))));
+  EXPECT_EQ(registry.RelayFor(4), std::nullopt);
+  EXPECT_EQ(registry.RelayFor(5), std::make_optional(std::make_pair(
+                                      4, std::string("127.0.0.1:9004"))));
+  EXPECT_EQ(registry.RelayFor(-1), std::nullopt);
+  // Rank 4 dies (only the others beat): its group beats directly.
+  Advance(absl::Seconds(6));
+  for (int r : {0, 1, 2, 3, 5}) {
+    SHARDD_ASSERT_OK(registry.Heartbeat(r, 100 + r).status());
+  }
+  Advance(absl::Seconds(5));
+  EXPECT_EQ(registry.RelayFor(5), std::nullopt);
+  EXPECT_EQ(registry.RelayFor(1), std::make_optional(std::make_pair(
+                                      0, std::string("127.0.0.1:9000"))));
+  // A group of one: no relays.
+  WorkerRegistry direct(Options());
+  SHARDD_ASSERT_OK(direct.Register(Worker(9000, 1, 0)).status());
+  SHARDD_ASSERT_OK(direct.Register(Worker(9001, 2, 1)).status());
+  EXPECT_EQ(direct.RelayFor(1), std::nullopt);
+}
+
 TEST_F(WorkerRegistryTest, NewcomerTakesOverADeadWorkersRank) {
   WorkerRegistry registry(Options(2));
   SHARDD_ASSERT_OK(registry.Register(Worker(5000, 1)).status());

@@ -24,7 +24,10 @@ const grpc::Status kCrashed(grpc::StatusCode::UNAVAILABLE,
 
 SimulatedWorkerService::SimulatedWorkerService(int workers)
     : crashed_(new std::atomic<bool>[workers]), held_(workers) {
-  for (int i = 0; i < workers; ++i) crashed_[i] = false;
+  for (int i = 0; i < workers; ++i) {
+    crashed_[i] = false;
+    relays_.push_back(std::make_unique<HeartbeatRelay>());
+  }
 }
 
 SimulatedWorkerService::~SimulatedWorkerService() {
@@ -125,6 +128,22 @@ grpc::ServerUnaryReactor* SimulatedWorkerService::GetStats(
   response->set_job_id(held_[i].job);
   response->set_plan_fingerprint(held_[i].fingerprint);
   response->set_optimizer_steps(held_[i].steps);
+  return Finish(context, grpc::Status::OK);
+}
+
+grpc::ServerUnaryReactor* SimulatedWorkerService::RelayHeartbeat(
+    grpc::CallbackServerContext* context, const v1::HeartbeatRequest* request,
+    v1::HeartbeatResponse* response) {
+  const int i = WorkerOf(context);
+  if (i < 0 || crashed_[i]) return Finish(context, kCrashed);
+  absl::StatusOr<v1::HeartbeatResponse> answer = relays_[i]->Record(*request);
+  if (!answer.ok()) {
+    return Finish(context,
+                  grpc::Status(static_cast<grpc::StatusCode>(
+                                   static_cast<int>(answer.status().code())),
+                               std::string(answer.status().message())));
+  }
+  *response = *std::move(answer);
   return Finish(context, grpc::Status::OK);
 }
 

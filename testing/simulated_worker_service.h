@@ -6,7 +6,9 @@
 // whose port it was addressed to (its :authority). It answers what a job
 // asks of a worker without computing anything: LoadPlan (counting the
 // bytes it was sent), Execute (a fixed loss, committing the step),
-// GetStats; a worker marked crashed answers UNAVAILABLE. For the control
+// GetStats, RelayHeartbeat (each worker has the real HeartbeatRelay that
+// SimulatedWorkers' heartbeats forward from); a worker marked crashed
+// answers UNAVAILABLE. For the control
 // plane benchmark and the job-at-scale test. Thread-safe.
 
 #include <atomic>
@@ -21,6 +23,7 @@
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/worker.grpc.pb.h"
+#include "worker/grpc/heartbeat_relay.h"
 
 namespace shardd {
 namespace testing_util {
@@ -37,6 +40,8 @@ class SimulatedWorkerService final : public v1::Worker::CallbackService {
   const std::string& address(int i) const { return addresses_[i]; }
   // Worker i answers UNAVAILABLE from now on (a crashed process).
   void Crash(int i) { crashed_[i] = true; }
+  // Worker i's heartbeat relay (what others relayed through it).
+  HeartbeatRelay* relay(int i) { return relays_[i].get(); }
 
   // What the workers were sent: LoadPlan calls, their serialized bytes, the
   // largest one, and how many carried the whole plan.
@@ -58,6 +63,9 @@ class SimulatedWorkerService final : public v1::Worker::CallbackService {
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context,
                                      const v1::GetStatsRequest* request,
                                      v1::GetStatsResponse* response) override;
+  grpc::ServerUnaryReactor* RelayHeartbeat(
+      grpc::CallbackServerContext* context, const v1::HeartbeatRequest* request,
+      v1::HeartbeatResponse* response) override;
 
  private:
   explicit SimulatedWorkerService(int workers);
@@ -74,6 +82,7 @@ class SimulatedWorkerService final : public v1::Worker::CallbackService {
   std::vector<std::string> addresses_;
   absl::flat_hash_map<std::string, int> worker_of_;
   std::unique_ptr<std::atomic<bool>[]> crashed_;
+  std::vector<std::unique_ptr<HeartbeatRelay>> relays_;
   absl::Mutex mu_;
   std::vector<Held> held_ ABSL_GUARDED_BY(mu_);
   Received received_ ABSL_GUARDED_BY(mu_);

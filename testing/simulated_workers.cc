@@ -104,8 +104,12 @@ SimulatedWorkers::SimulatedWorkers(const Options& options)
     : options_(options),
       ranks_(options.workers, -1),
       incarnations_(options.workers, 0),
-      silenced_(new std::atomic<bool>[options.workers]) {
-  for (int i = 0; i < options.workers; ++i) silenced_[i] = false;
+      silenced_(new std::atomic<bool>[options.workers]),
+      relay_of_(new std::atomic<int>[options.workers]) {
+  for (int i = 0; i < options.workers; ++i) {
+    silenced_[i] = false;
+    relay_of_[i] = -1;
+  }
 }
 
 absl::StatusOr<std::unique_ptr<SimulatedWorkers>> SimulatedWorkers::Create(
@@ -129,6 +133,15 @@ absl::StatusOr<std::unique_ptr<SimulatedWorkers>> SimulatedWorkers::Create(
   }
   for (int i = 0; i < options.workers; ++i) {
     workers->incarnations_[i] = 1000 + static_cast<uint64_t>(i);
+  }
+  if (options.service != nullptr) {
+    for (int c = 0; c < options.channels; ++c) {
+      grpc::ChannelArguments args;
+      args.SetInt("shardd.simulated_relay_channel", c);
+      workers->relay_stubs_.push_back(v1::Worker::NewStub(
+          grpc::CreateCustomChannel(options.service->address(0),
+                                    grpc::InsecureChannelCredentials(), args)));
+    }
   }
   return workers;
 }
@@ -168,9 +181,14 @@ absl::StatusOr<Latencies> SimulatedWorkers::RegisterAll() {
     return absl::UnavailableError(absl::StrCat(
         out.errors, " registrations failed, the first: ", out.first_error));
   }
+  index_of_rank_.clear();
   for (int i = 0; i < options_.workers; ++i) {
     ranks_[i] = responses[i].rank();
     interval_ = absl::Milliseconds(responses[i].heartbeat_interval_ms());
+    if (ranks_[i] >= static_cast<int>(index_of_rank_.size())) {
+      index_of_rank_.resize(ranks_[i] + 1, -1);
+    }
+    if (ranks_[i] >= 0) index_of_rank_[ranks_[i]] = i;
   }
   return out;
 }
@@ -188,6 +206,13 @@ void SimulatedWorkers::StartHeartbeats(absl::Duration interval) {
 }
 
 void SimulatedWorkers::HeartbeatLoop(absl::Duration interval) {
+  if (options_.service != nullptr) {
+    // As CoordinatorAgent: an answer older than one and a half periods is
+    // no answer.
+    for (int i = 0; i < options_.workers; ++i) {
+      options_.service->relay(i)->set_stale_after(interval * 1.5);
+    }
+  }
   // Ticks of 1 ms, each sending its share of the round.
   const absl::Duration tick = absl::Milliseconds(1);
   const double per_tick = options_.workers * absl::FDivDuration(tick, interval);
@@ -200,34 +225,95 @@ void SimulatedWorkers::HeartbeatLoop(absl::Duration interval) {
       const int i = next;
       next = (next + 1) % options_.workers;
       if (silenced_[i] || ranks_[i] < 0) continue;
-      auto* call = new Call<v1::HeartbeatRequest, v1::HeartbeatResponse>();
-      call->request.set_rank(ranks_[i]);
-      call->request.set_incarnation(incarnations_[i]);
-      call->context.set_deadline(std::chrono::system_clock::now() +
-                                 absl::ToChronoNanoseconds(interval));
-      call->start = absl::Now();
       {
         absl::MutexLock lock(&mu_);
         ++in_flight_;
       }
-      stub(i)->async()->Heartbeat(
-          &call->context, &call->request, &call->response,
-          [this, call](grpc::Status status) {
-            const double seconds =
-                absl::ToDoubleSeconds(absl::Now() - call->start);
-            delete call;
-            absl::MutexLock lock(&mu_);
-            beat_seconds_.push_back(seconds);
-            if (!status.ok() && beat_errors_++ == 0) {
-              beat_first_error_ = absl::StrCat(status.error_code(), ": ",
-                                               status.error_message());
-            }
-            --in_flight_;
-          });
+      const int relay = relay_of_[i].load();
+      if (relay >= 0) {
+        BeatThroughRelay(i, relay, interval);
+      } else {
+        BeatCoordinator(i, interval, absl::Now());
+      }
     }
     at += tick;
     absl::SleepFor(at - absl::Now());
   }
+}
+
+void SimulatedWorkers::BeatDone(absl::Time start, const grpc::Status& status) {
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  absl::MutexLock lock(&mu_);
+  beat_seconds_.push_back(seconds);
+  if (!status.ok() && beat_errors_++ == 0) {
+    beat_first_error_ =
+        absl::StrCat(status.error_code(), ": ", status.error_message());
+  }
+  --in_flight_;
+}
+
+void SimulatedWorkers::BeatCoordinator(int i, absl::Duration interval,
+                                       absl::Time start) {
+  auto* call = new Call<v1::HeartbeatRequest, v1::HeartbeatResponse>();
+  call->request.set_rank(ranks_[i]);
+  call->request.set_incarnation(incarnations_[i]);
+  HeartbeatRelay* relay =
+      options_.service != nullptr ? options_.service->relay(i) : nullptr;
+  if (relay != nullptr) {
+    for (v1::RelayedHeartbeat& beat : relay->TakePending()) {
+      *call->request.add_relayed() = std::move(beat);
+    }
+  }
+  call->context.set_deadline(std::chrono::system_clock::now() +
+                             absl::ToChronoNanoseconds(interval));
+  call->start = start;
+  stub(i)->async()->Heartbeat(
+      &call->context, &call->request, &call->response,
+      [this, i, call, relay](grpc::Status status) {
+        if (relay != nullptr) {
+          if (status.ok()) {
+            relay->Delivered(call->response);
+          } else {
+            relay->Failed();
+          }
+        }
+        if (status.ok() && options_.service != nullptr) {
+          const int r = call->response.relay_address().empty()
+                            ? -1
+                            : call->response.relay_rank();
+          relay_of_[i] = r >= 0 && r < static_cast<int>(index_of_rank_.size())
+                             ? index_of_rank_[r]
+                             : -1;
+        }
+        const absl::Time begun = call->start;
+        delete call;
+        BeatDone(begun, status);
+      });
+}
+
+void SimulatedWorkers::BeatThroughRelay(int i, int relay,
+                                        absl::Duration interval) {
+  auto* call = new Call<v1::HeartbeatRequest, v1::HeartbeatResponse>();
+  call->request.set_rank(ranks_[i]);
+  call->request.set_incarnation(incarnations_[i]);
+  call->context.set_authority(options_.service->address(relay));
+  call->context.set_deadline(std::chrono::system_clock::now() +
+                             absl::ToChronoNanoseconds(interval / 2));
+  call->start = absl::Now();
+  relay_stubs_[i % relay_stubs_.size()]->async()->RelayHeartbeat(
+      &call->context, &call->request, &call->response,
+      [this, i, call, interval](grpc::Status status) {
+        const absl::Time begun = call->start;
+        delete call;
+        if (status.ok() || status.error_code() == grpc::StatusCode::ABORTED ||
+            status.error_code() == grpc::StatusCode::NOT_FOUND) {
+          BeatDone(begun, status);
+          return;
+        }
+        // The relay cannot relay now: the coordinator, in the same beat.
+        relay_of_[i] = -1;
+        BeatCoordinator(i, interval, begun);
+      });
 }
 
 Latencies SimulatedWorkers::StopHeartbeats() {

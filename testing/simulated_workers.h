@@ -22,6 +22,8 @@
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/coordinator.grpc.pb.h"
+#include "proto/worker.grpc.pb.h"
+#include "testing/simulated_worker_service.h"
 
 namespace shardd {
 namespace testing_util {
@@ -46,6 +48,13 @@ class SimulatedWorkers {
     // The address each worker registers (SimulatedWorkerService's, to take
     // jobs); empty: 127.0.0.1:<40000 + i>, which nothing serves.
     std::vector<std::string> addresses;
+    // The service behind `addresses` (not owned). When set, workers follow
+    // the heartbeat relay the coordinator names (its
+    // --heartbeat-relay-group), as CoordinatorAgent does: they beat through
+    // that worker's RelayHeartbeat, fall back to the coordinator when it
+    // refuses, and each worker's beats to the coordinator carry what its
+    // relay (SimulatedWorkerService::relay) holds.
+    SimulatedWorkerService* service = nullptr;
   };
   // Errors: INVALID_ARGUMENT (no address, workers < 1, channels < 1).
   static absl::StatusOr<std::unique_ptr<SimulatedWorkers>> Create(
@@ -92,9 +101,23 @@ class SimulatedWorkers {
   }
   std::unique_ptr<grpc::ClientContext> Context() const;
   void HeartbeatLoop(absl::Duration interval);
+  // One heartbeat of worker `i` to the coordinator / through worker
+  // `relay`; `start` is when the beat began (a relay's refusal falls back
+  // to the coordinator within the same beat).
+  void BeatCoordinator(int i, absl::Duration interval, absl::Time start);
+  void BeatThroughRelay(int i, int relay, absl::Duration interval);
+  // Records one finished beat.
+  void BeatDone(absl::Time start, const grpc::Status& status)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   const Options options_;
   std::vector<std::unique_ptr<v1::Coordinator::Stub>> stubs_;
+  // To Options::service (a call names its worker by :authority).
+  std::vector<std::unique_ptr<v1::Worker::Stub>> relay_stubs_;
+  // Worker index of each registered rank, and the index of the worker each
+  // one beats through (-1: the coordinator).
+  std::vector<int> index_of_rank_;
+  std::unique_ptr<std::atomic<int>[]> relay_of_;
   std::vector<int> ranks_;
   std::vector<uint64_t> incarnations_;
   absl::Duration interval_ = absl::Seconds(1);

@@ -21,9 +21,11 @@
 #include "gmock/gmock.h"
 #include "grpc/grpc.h"
 #include "gtest/gtest.h"
+#include "planner/strategy_registry.h"
 #include "server/coordinator_server.h"
 #include "server/coordinator_service.h"
-#include "planner/strategy_registry.h"
+#include "testing/simulated_worker_service.h"
+#include "worker/grpc/heartbeat_relay.h"
 
 namespace shardd {
 namespace {
@@ -86,9 +88,11 @@ class CoordinatorAgentTest : public ::testing::Test {
 
   // Starts a coordinator on `address` (port 0: any).
   void StartCoordinator(const std::string& address, int max_workers = 0,
-                        uint64_t incarnation = 0) {
+                        uint64_t incarnation = 0, int relay_group = 1,
+                        absl::Duration timeout = kHeartbeatTimeout) {
     CoordinatorServiceOptions options;
-    options.heartbeat_timeout = kHeartbeatTimeout;
+    options.heartbeat_timeout = timeout;
+    options.heartbeat_relay_group = relay_group;
     options.max_workers = max_workers;
     options.incarnation = incarnation;
     coordinator_.service =
@@ -221,6 +225,73 @@ TEST_F(CoordinatorAgentTest, AgentsRendezvousThenAStoppedOneIsReportedDead) {
   EXPECT_THAT(
       victim->Set("k", "v"),
       StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("stopped")));
+}
+
+TEST_F(CoordinatorAgentTest, HeartbeatsGoThroughTheRelayAndAroundItOnceStale) {
+  // Relay groups of 2: rank 1 beats through rank 0. Rank 0's Worker
+  // service is a simulated one holding the real HeartbeatRelay its agent
+  // forwards from. A longer timeout than the other tests: a relayed beat
+  // reaches the coordinator up to one interval late.
+  constexpr absl::Duration kTimeout = absl::Milliseconds(1500);
+  StartCoordinator("127.0.0.1:0", /*max_workers=*/0, /*incarnation=*/0,
+                   /*relay_group=*/2, kTimeout);
+  absl::StatusOr<std::unique_ptr<testing_util::SimulatedWorkerService>>
+      service = testing_util::SimulatedWorkerService::Start(1);
+  ASSERT_THAT(service, IsOk());
+  HeartbeatRelay* relay = (*service)->relay(0);
+  CoordinatorAgentOptions first = AgentOptions(0);
+  first.address = (*service)->address(0);
+  first.requested_rank = 0;
+  first.relay = relay;
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<CoordinatorAgent> leader,
+                              CoordinatorAgent::Start(first));
+  HeartbeatRelay own_relay;  // Relays for no one.
+  CoordinatorAgentOptions second = AgentOptions(UnusedPort());
+  second.requested_rank = 1;
+  second.relay = &own_relay;
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<CoordinatorAgent> member,
+                              CoordinatorAgent::Start(second));
+  ASSERT_EQ(leader->rank(), 0);
+  ASSERT_EQ(member->rank(), 1);
+
+  // The member's beats go through the leader (after its first, direct one
+  // named the relay), and keep it alive past two timeouts.
+  EXPECT_TRUE(WaitFor([&] { return relay->relayed() >= 3; }, absl::Seconds(5)));
+  absl::SleepFor(2 * kTimeout);
+  SHARDD_EXPECT_OK(coordinator_.service->CheckWorkersReady(2));
+  const int64_t relayed = relay->relayed();
+  // Two timeouts are six intervals: at least four more beats whatever the
+  // phases of the two heartbeat loops (one may fall outside at each end).
+  EXPECT_GE(relayed, 3 + 4);
+  EXPECT_EQ(member->heartbeat_failures(), 0);
+  EXPECT_EQ(own_relay.relayed(), 0);
+
+  // The leader's agent stops (its Worker service still answers): its relay
+  // goes stale and turns the member away, which then beats the coordinator
+  // directly; the leader is declared dead, the member never is.
+  const absl::Time stopped_at = absl::Now();
+  leader->Stop();
+  bool member_always_alive = true;
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        v1::GetStatusResponse status = Status();
+        if (status.workers_size() != 2) return false;
+        member_always_alive &= status.workers(1).alive();
+        return !status.workers(0).alive();
+      },
+      absl::Seconds(10)));
+  EXPECT_GE(absl::Now() - stopped_at, kTimeout - absl::Milliseconds(510));
+  const absl::Time watch_until = absl::Now() + 2 * kTimeout;
+  while (absl::Now() < watch_until) {
+    v1::GetStatusResponse status = Status();
+    ASSERT_EQ(status.workers_size(), 2);
+    member_always_alive &= status.workers(1).alive();
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_TRUE(member_always_alive);
+  EXPECT_EQ(member->heartbeat_failures(), 0);
+  EXPECT_LE(relay->relayed(), relayed + 2);
+  EXPECT_EQ(member->registrations(), 1);
 }
 
 TEST_F(CoordinatorAgentTest, KeyValueErrorsComeFromTheCoordinator) {

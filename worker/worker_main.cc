@@ -299,6 +299,7 @@ int main(int argc, char** argv) {
     agent_options.device = device;
     agent_options.requested_rank = absl::GetFlag(FLAGS_requested_rank);
     agent_options.insecure = *exposed;
+    agent_options.relay = service.heartbeat_relay();
     agent_options.connect_timeout = absl::GetFlag(FLAGS_coordinator_timeout);
     auto started = shardd::CoordinatorAgent::Start(agent_options);
     if (!started.ok()) {

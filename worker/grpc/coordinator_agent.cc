@@ -252,17 +252,26 @@ void CoordinatorAgent::HeartbeatLoop() {
   int failures = 0;
   while (SleepUnlessStopped(registration().heartbeat_interval)) {
     const AgentRegistration current = registration();
-    v1::HeartbeatRequest request;
-    request.set_rank(current.rank);
-    request.set_incarnation(incarnation_);
     v1::HeartbeatResponse response;
-    // A heartbeat that takes longer than two periods is as good as lost.
-    CallScope call(
-        this, std::min(options_.rpc_timeout, 2 * current.heartbeat_interval),
-        /*wait_for_ready=*/false);
-    if (!call.status().ok()) return;
-    const absl::Status status =
-        FromGrpcStatus(stub_->Heartbeat(call.context(), request, &response));
+    absl::Status status = absl::UnavailableError("no relay");
+    bool relayed = false;
+    if (relay_stub_ != nullptr) {
+      status = BeatThroughRelay(current, &response);
+      // The relay's word on this worker (OK, or the coordinator's refusal)
+      // stands; anything else means it cannot relay now: beat the
+      // coordinator at once, and ignore relays for a while.
+      relayed = status.ok() || status.code() == absl::StatusCode::kAborted ||
+                status.code() == absl::StatusCode::kNotFound;
+      if (!relayed) {
+        SHARDD_LOG(WARNING)
+            << "heartbeat through relay " << relay_address_ << " failed ("
+            << status << "); heartbeating the coordinator directly";
+        relay_stub_.reset();
+        relay_address_.clear();
+        relay_retry_at_ = absl::Now() + 10 * current.heartbeat_interval;
+      }
+    }
+    if (!relayed) status = BeatCoordinator(current, &response);
     if (status.ok()) {
       failures = 0;
       if (response.coordinator_incarnation() !=
@@ -289,6 +298,81 @@ void CoordinatorAgent::HeartbeatLoop() {
                           << " failed: " << status;
     }
   }
+}
+
+absl::Status CoordinatorAgent::BeatCoordinator(
+    const AgentRegistration& current, v1::HeartbeatResponse* response) {
+  HeartbeatRelay* relay = options_.relay;
+  v1::HeartbeatRequest request;
+  request.set_rank(current.rank);
+  request.set_incarnation(incarnation_);
+  if (relay != nullptr) {
+    // This worker answers the coordinator every interval; an answer older
+    // than one and a half is no answer, so that a member turned away still
+    // reaches the coordinator directly within 2.5 intervals of its last
+    // relayed beat, inside the timeout of 3.
+    relay->set_stale_after(current.heartbeat_interval * 1.5);
+    for (v1::RelayedHeartbeat& beat : relay->TakePending()) {
+      *request.add_relayed() = std::move(beat);
+    }
+  }
+  // A heartbeat that takes longer than two periods is as good as lost.
+  CallScope call(this,
+                 std::min(options_.rpc_timeout, 2 * current.heartbeat_interval),
+                 /*wait_for_ready=*/false);
+  absl::Status status = call.status();
+  if (status.ok()) {
+    status =
+        FromGrpcStatus(stub_->Heartbeat(call.context(), request, response));
+  }
+  if (relay != nullptr) {
+    if (status.ok()) {
+      relay->Delivered(*response);
+    } else {
+      relay->Failed();
+    }
+  }
+  if (status.ok()) FollowRelay(*response, current.heartbeat_interval);
+  return status;
+}
+
+absl::Status CoordinatorAgent::BeatThroughRelay(
+    const AgentRegistration& current, v1::HeartbeatResponse* response) {
+  v1::HeartbeatRequest request;
+  request.set_rank(current.rank);
+  request.set_incarnation(incarnation_);
+  // Short: a relay that does not answer quickly leaves time for the direct
+  // beat in the same period.
+  CallScope call(this,
+                 std::min(options_.rpc_timeout, current.heartbeat_interval / 2),
+                 /*wait_for_ready=*/false);
+  if (!call.status().ok()) return call.status();
+  return FromGrpcStatus(
+      relay_stub_->RelayHeartbeat(call.context(), request, response));
+}
+
+void CoordinatorAgent::FollowRelay(const v1::HeartbeatResponse& response,
+                                   absl::Duration interval) {
+  const std::string& address = response.relay_address();
+  if (address.empty() || absl::Now() < relay_retry_at_) {
+    relay_stub_.reset();
+    relay_address_.clear();
+    return;
+  }
+  if (address == relay_address_ && relay_stub_ != nullptr) return;
+  grpc::ChannelArguments args;
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel =
+      CreateSecureChannel(address, options_.security, args);
+  if (!channel.ok()) {
+    SHARDD_LOG(WARNING) << "cannot dial heartbeat relay " << address << ": "
+                        << channel.status();
+    relay_retry_at_ = absl::Now() + 10 * interval;
+    return;
+  }
+  relay_address_ = address;
+  relay_stub_ = v1::Worker::NewStub(*channel);
+  SHARDD_LOG(INFO) << "heartbeating through relay rank "
+                   << response.relay_rank() << " at " << address;
 }
 
 void CoordinatorAgent::Reregister(const absl::Status& why) {

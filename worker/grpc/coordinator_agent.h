@@ -30,7 +30,9 @@
 #include "common/grpc_security.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/coordinator.grpc.pb.h"
+#include "proto/worker.grpc.pb.h"
 #include "worker/comm/kv_client.h"
+#include "worker/grpc/heartbeat_relay.h"
 
 namespace shardd {
 
@@ -71,6 +73,10 @@ struct CoordinatorAgentOptions {
   // Re-registration backoff: doubles from initial to max.
   absl::Duration initial_backoff = absl::Milliseconds(50);
   absl::Duration max_backoff = absl::Seconds(2);
+  // This worker's relay for the others of its heartbeat relay group (the
+  // Worker service's; not owned; null: it relays for no one). Each
+  // heartbeat to the coordinator carries the beats it holds.
+  HeartbeatRelay* relay = nullptr;
   // Runs on the heartbeat thread after each re-registration; it must be
   // quick. (Stop from inside it ends the heartbeats but cannot join.)
   std::function<void(const AgentRegistration&)> on_reregistered;
@@ -138,6 +144,16 @@ class CoordinatorAgent final : public KeyValueClient {
   // Registers until success, retrying transient errors, until `give_up`.
   absl::Status RegisterUntil(absl::Time give_up) ABSL_LOCKS_EXCLUDED(mu_);
   void HeartbeatLoop() ABSL_LOCKS_EXCLUDED(mu_);
+  // One heartbeat to the coordinator, carrying the relay's pending beats;
+  // follows the relay the answer names.
+  absl::Status BeatCoordinator(const AgentRegistration& current,
+                               v1::HeartbeatResponse* response);
+  // One heartbeat through this worker's relay (Worker.RelayHeartbeat).
+  absl::Status BeatThroughRelay(const AgentRegistration& current,
+                                v1::HeartbeatResponse* response);
+  // Starts or stops beating through the relay `response` names.
+  void FollowRelay(const v1::HeartbeatResponse& response,
+                   absl::Duration interval);
   // Re-registers with backoff until it works or Stop.
   void Reregister(const absl::Status& why) ABSL_LOCKS_EXCLUDED(mu_);
   // Waits `d` unless Stop comes first; returns false on Stop.
@@ -150,6 +166,13 @@ class CoordinatorAgent final : public KeyValueClient {
   const uint64_t incarnation_;
   const std::shared_ptr<grpc::Channel> channel_;
   const std::unique_ptr<v1::Coordinator::Stub> stub_;
+
+  // The relay this worker beats through (heartbeat thread only): its
+  // address and stub (null: beat the coordinator directly), and when a
+  // relay may be used again after one failed.
+  std::string relay_address_;
+  std::unique_ptr<v1::Worker::Stub> relay_stub_;
+  absl::Time relay_retry_at_ = absl::InfinitePast();
 
   mutable absl::Mutex mu_;
   AgentRegistration registration_ ABSL_GUARDED_BY(mu_);

@@ -257,6 +257,18 @@ grpc::ServerUnaryReactor* GrpcWorkerService::GetStats(
   return Finish(context, absl::OkStatus());
 }
 
+grpc::ServerUnaryReactor* GrpcWorkerService::RelayHeartbeat(
+    grpc::CallbackServerContext* context, const v1::HeartbeatRequest* request,
+    v1::HeartbeatResponse* response) {
+  if (absl::Status status = authorizer_.Check(*context, kWorkerRole);
+      !status.ok()) {
+    return Finish(context, status);
+  }
+  absl::StatusOr<v1::HeartbeatResponse> answer = relay_.Record(*request);
+  if (answer.ok()) *response = *std::move(answer);
+  return Finish(context, answer.status());
+}
+
 grpc::ServerUnaryReactor* GrpcWorkerService::Shutdown(
     grpc::CallbackServerContext* context, const v1::ShutdownRequest*,
     v1::ShutdownResponse*) {

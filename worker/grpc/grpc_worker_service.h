@@ -28,6 +28,7 @@
 #include "common/grpc_security.h"
 #include "proto/worker.grpc.pb.h"
 #include "worker/comm/kv_client.h"
+#include "worker/grpc/heartbeat_relay.h"
 #include "worker/worker_runtime.h"
 
 namespace shardd {
@@ -51,6 +52,10 @@ class GrpcWorkerService final : public v1::Worker::CallbackService {
   // so only single-rank plans load). Clear it (or Stop) before the store
   // goes away.
   void set_kv_client(KeyValueClient* kv) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The relay RelayHeartbeat records into; the CoordinatorAgent forwards
+  // what it holds (CoordinatorAgentOptions::relay).
+  HeartbeatRelay* heartbeat_relay() { return &relay_; }
 
   // Finishes every queued call with UNAVAILABLE, waits for the running one
   // (bounded by the job's collective timeout) and stops the runtime thread;
@@ -83,6 +88,10 @@ class GrpcWorkerService final : public v1::Worker::CallbackService {
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context,
                                      const v1::GetStatsRequest* request,
                                      v1::GetStatsResponse* response) override;
+  // Answered inline (HeartbeatRelay::Record), never queued behind a step.
+  grpc::ServerUnaryReactor* RelayHeartbeat(
+      grpc::CallbackServerContext* context, const v1::HeartbeatRequest* request,
+      v1::HeartbeatResponse* response) override;
   grpc::ServerUnaryReactor* Shutdown(grpc::CallbackServerContext* context,
                                      const v1::ShutdownRequest* request,
                                      v1::ShutdownResponse* response) override;
@@ -117,6 +126,7 @@ class GrpcWorkerService final : public v1::Worker::CallbackService {
   void Loop() ABSL_LOCKS_EXCLUDED(mu_);
   KeyValueClient* kv_client() ABSL_LOCKS_EXCLUDED(mu_);
 
+  HeartbeatRelay relay_;
   WorkerRuntime* const runtime_;
   const std::function<void()> on_shutdown_;
   const Authorizer authorizer_;
