@@ -207,10 +207,10 @@ void SimulatedWorkers::StartHeartbeats(absl::Duration interval) {
 
 void SimulatedWorkers::HeartbeatLoop(absl::Duration interval) {
   if (options_.service != nullptr) {
-    // As CoordinatorAgent: an answer older than one and a half periods is
+    // As CoordinatorAgent: an answer older than 1.25 periods is
     // no answer.
     for (int i = 0; i < options_.workers; ++i) {
-      options_.service->relay(i)->set_stale_after(interval * 1.5);
+      options_.service->relay(i)->set_stale_after(interval * 1.25);
     }
   }
   // Ticks of 1 ms, each sending its share of the round.

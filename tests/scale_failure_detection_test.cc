@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <memory>
+#include <set>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -48,7 +49,9 @@ class ScaleFailureDetectionTest : public ::testing::Test {
 
   // Polls GetStatus until `until`; returns the first time `silent_rank` is
   // dead (absl::InfiniteFuture() if never) and counts other dead workers.
-  absl::Time Watch(absl::Time until, int silent_rank, int* false_dead) {
+  // Ranks in `known_dead` are not counted.
+  absl::Time Watch(absl::Time until, int silent_rank, int* false_dead,
+                   const std::set<int>& known_dead = {}) {
     while (absl::Now() < until) {
       absl::StatusOr<v1::GetStatusResponse> status = client_->GetStatus();
       EXPECT_TRUE(status.ok()) << status.status();
@@ -57,6 +60,7 @@ class ScaleFailureDetectionTest : public ::testing::Test {
         for (const v1::WorkerInfo& worker : status->workers()) {
           if (worker.alive()) continue;
           if (worker.rank() == silent_rank) return absl::Now();
+          if (known_dead.count(worker.rank()) > 0) continue;
           ++*false_dead;
         }
       }
@@ -66,13 +70,14 @@ class ScaleFailureDetectionTest : public ::testing::Test {
   }
 
   // Starts the coordinator; its address.
-  std::string StartCoordinator(const std::string& name) {
+  std::string StartCoordinator(const std::string& name, int relay_group = 1) {
     const std::string dir =
         absl::StrCat(TempDir(), "/scale_", name, "_", getpid());
     coordinator_ = Spawn(
         {"server/shardd-coordinator", "--listen=127.0.0.1:0",
          absl::StrCat("--data-dir=", dir, "/data"),
-         absl::StrCat("--heartbeat-timeout=", absl::FormatDuration(kTimeout))},
+         absl::StrCat("--heartbeat-timeout=", absl::FormatDuration(kTimeout)),
+         absl::StrCat("--heartbeat-relay-group=", relay_group)},
         dir + ".out", dir + ".err");
     EXPECT_GT(coordinator_, 0);
     const int port =
@@ -139,6 +144,84 @@ TEST_F(ScaleFailureDetectionTest, OneSilentWorkerOfTwoThousandIsDeclaredDead) {
   std::printf("[failure detection] %lld heartbeats, p50 %.2f ms, p99 %.2f ms\n",
               static_cast<long long>(beats.calls), beats.p50 * 1e3,
               beats.p99 * 1e3);
+}
+
+// The same with relay groups of 8 (--heartbeat-relay-group): the workers
+// beat through their group's first rank (SimulatedWorkers follows the
+// relays as CoordinatorAgent does, through the real HeartbeatRelay behind
+// each simulated Worker service). A silent member is declared dead one
+// relay interval later at most; a silent relay is declared dead within the
+// timeout, and its group, turned away by its stale relay, beats the
+// coordinator directly without one false positive.
+TEST_F(ScaleFailureDetectionTest, SilentMemberAndSilentRelayOfRelayGroups) {
+  constexpr int kGroup = 8;
+  constexpr int kSilentRelay = 1024;  // Ranks 1025-1031 beat through it.
+  const std::string address = StartCoordinator("relay", kGroup);
+  ASSERT_FALSE(address.empty());
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<testing_util::SimulatedWorkerService> service,
+      testing_util::SimulatedWorkerService::Start(kWorkers));
+  SimulatedWorkers::Options options;
+  options.coordinator = address;
+  options.workers = kWorkers;
+  for (int i = 0; i < kWorkers; ++i) {
+    options.addresses.push_back(service->address(i));
+  }
+  options.service = service.get();
+  SHARDD_ASSERT_OK_AND_ASSIGN(workers_, SimulatedWorkers::Create(options));
+  SHARDD_ASSERT_OK(workers_->RegisterAll().status());
+  ASSERT_EQ(workers_->rank(kSilent), kSilent);
+  ASSERT_EQ(workers_->rank(kSilentRelay), kSilentRelay);
+  const absl::Duration interval = workers_->heartbeat_interval();
+  workers_->StartHeartbeats(interval);
+  auto relayed = [&] {
+    int64_t n = 0;
+    for (int i = 0; i < kWorkers; i += kGroup)
+      n += service->relay(i)->relayed();
+    return n;
+  };
+
+  int false_dead = 0;
+  EXPECT_EQ(Watch(absl::Now() + kTimeout + absl::Seconds(1), -1, &false_dead),
+            absl::InfiniteFuture());
+  EXPECT_EQ(false_dead, 0);
+  // Seven of every eight workers' beats went through relays: after the
+  // first, direct round, about 7/8 of 2048 per interval.
+  const int64_t relayed_before = relayed();
+  EXPECT_GT(relayed_before, kWorkers / 2);
+
+  // A member: its last beat reaches the coordinator with its relay's next
+  // heartbeat, up to one interval later.
+  absl::Time silenced = absl::Now();
+  workers_->Silence(kSilent);
+  absl::Time dead = Watch(silenced + kTimeout + interval + absl::Seconds(2),
+                          kSilent, &false_dead);
+  ASSERT_NE(dead, absl::InfiniteFuture()) << "member never declared dead";
+  const double member_after = absl::ToDoubleSeconds(dead - silenced);
+  EXPECT_LE(member_after, absl::ToDoubleSeconds(kTimeout + interval) + 0.5);
+  EXPECT_EQ(false_dead, 0);
+
+  // A relay: declared dead within the timeout; its members keep living.
+  silenced = absl::Now();
+  workers_->Silence(kSilentRelay);
+  dead = Watch(silenced + kTimeout + absl::Seconds(2), kSilentRelay,
+               &false_dead, {kSilent});
+  ASSERT_NE(dead, absl::InfiniteFuture()) << "relay never declared dead";
+  const double relay_after = absl::ToDoubleSeconds(dead - silenced);
+  EXPECT_LE(relay_after, absl::ToDoubleSeconds(kTimeout) + 0.5);
+  // Its members, turned away, beat directly: none dies in the next two
+  // timeouts.
+  Watch(absl::Now() + 2 * kTimeout, -1, &false_dead, {kSilent, kSilentRelay});
+  EXPECT_EQ(false_dead, 0);
+  std::printf(
+      "[failure detection, relay groups of %d] member declared dead %.2f s "
+      "after it went silent, relay %.2f s (timeout %s, interval %s); %lld "
+      "beats relayed\n",
+      kGroup, member_after, relay_after, absl::FormatDuration(kTimeout).c_str(),
+      absl::FormatDuration(interval).c_str(),
+      static_cast<long long>(relayed()));
+  const testing_util::Latencies beats = workers_->StopHeartbeats();
+  EXPECT_EQ(beats.errors, 0) << beats.first_error;
 }
 
 // A job over 2048 simulated workers: each gets a LoadPlan of the plan's

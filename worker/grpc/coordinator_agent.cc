@@ -19,6 +19,9 @@ namespace {
 constexpr absl::Duration kMaxWait = absl::Hours(24);
 // Shortest heartbeat period, whatever the coordinator says.
 constexpr absl::Duration kMinHeartbeatInterval = absl::Milliseconds(10);
+// A relay's answer from the coordinator goes stale after this many heartbeat
+// intervals (HeartbeatRelayOptions::stale_after).
+constexpr double kRelayStaleAfter = 1.25;
 // Message size for KV values (the coordinator accepts 16 MiB values).
 constexpr int kMaxMessageBytes = 64 << 20;
 
@@ -307,11 +310,11 @@ absl::Status CoordinatorAgent::BeatCoordinator(
   request.set_rank(current.rank);
   request.set_incarnation(incarnation_);
   if (relay != nullptr) {
-    // This worker answers the coordinator every interval; an answer older
-    // than one and a half is no answer, so that a member turned away still
-    // reaches the coordinator directly within 2.5 intervals of its last
-    // relayed beat, inside the timeout of 3.
-    relay->set_stale_after(current.heartbeat_interval * 1.5);
+    // This worker hears from the coordinator every interval; an answer
+    // older than 1.25 intervals is no answer (kRelayStaleAfter), so a member
+    // turned away reaches the coordinator directly within 2.25 intervals of
+    // its last relayed beat, well inside the timeout of 3.
+    relay->set_stale_after(current.heartbeat_interval * kRelayStaleAfter);
     for (v1::RelayedHeartbeat& beat : relay->TakePending()) {
       *request.add_relayed() = std::move(beat);
     }

@@ -27,7 +27,7 @@ namespace shardd {
 struct HeartbeatRelayOptions {
   // An answer from the coordinator older than this is no answer: the relay
   // turns callers away (UNAVAILABLE) so that they beat the coordinator
-  // directly. The agent sets 1.5 heartbeat intervals (set_stale_after).
+  // directly. The agent sets 1.25 heartbeat intervals (set_stale_after).
   absl::Duration stale_after = absl::Seconds(7);
   // Most distinct workers with a beat pending (a group is a handful; this
   // bounds what a misconfigured or hostile caller can make it hold).
