@@ -150,6 +150,10 @@ int RunOne(int n) {
         n / absl::ToDoubleSeconds(cadence),
         static_cast<long long>(beats.errors), Ms(beats).c_str(),
         100.0 * cpu / wall);
+    if (beats.errors > 0) {
+      std::printf("N=%d the first heartbeat error: %s\n", n,
+                  beats.first_error.c_str());
+    }
     // What the coordinator made of them: every worker must still be alive.
     absl::StatusOr<std::unique_ptr<CoordinatorClient>> status_client =
         CoordinatorClient::Connect(options.coordinator);
