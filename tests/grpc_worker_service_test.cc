@@ -200,6 +200,51 @@ TEST(WorkerServiceAuthTest, CheckpointRpcsNeedTheWorkerToken) {
   running->server->Shutdown();
 }
 
+TEST(WorkerServiceAuthTest, RelayHeartbeatNeedsTheWorkerTokenAndAnAnswer) {
+  WorkerRuntime runtime{WorkerRuntimeOptions()};
+  GrpcWorkerService service(&runtime, nullptr,
+                            Authorizer("client-token", "worker-token"));
+  auto running = StartGrpcServer(GrpcServerOptions{}, {&service});
+  ASSERT_TRUE(running.ok()) << running.status();
+  auto stub = v1::Worker::NewStub(grpc::CreateChannel(
+      running->address, grpc::InsecureChannelCredentials()));
+  v1::HeartbeatRequest beat;
+  beat.set_rank(3);
+  beat.set_incarnation(33);
+  auto call = [&](const char* token, v1::HeartbeatResponse* response) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::seconds(10));
+    if (*token != '\0') {
+      context.AddMetadata("authorization", std::string("Bearer ") + token);
+    }
+    return stub->RelayHeartbeat(&context, beat, response);
+  };
+  v1::HeartbeatResponse response;
+  EXPECT_EQ(call("", &response).error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(call("client-token", &response).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  // No answer from the coordinator yet: the caller is sent there directly.
+  EXPECT_EQ(call("worker-token", &response).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+  EXPECT_TRUE(service.heartbeat_relay()->TakePending().empty());
+  v1::HeartbeatResponse answer;
+  answer.set_coordinator_incarnation(9);
+  answer.set_membership_epoch(4);
+  service.heartbeat_relay()->Delivered(answer);
+  const grpc::Status status = call("worker-token", &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.coordinator_incarnation(), 9u);
+  EXPECT_EQ(response.membership_epoch(), 4u);
+  const std::vector<v1::RelayedHeartbeat> pending =
+      service.heartbeat_relay()->TakePending();
+  ASSERT_EQ(pending.size(), 1u);
+  EXPECT_EQ(pending[0].rank(), 3);
+  EXPECT_EQ(pending[0].incarnation(), 33u);
+  running->server->Shutdown();
+}
+
 TEST_F(WorkerServiceTest, LoadPlanAndExecuteOneRank) {
   const v1::ModelSpec model = TinyMoe();
   const v1::ShardingPlan plan = MakePlan(model, 1);
