@@ -180,8 +180,8 @@ int RunOne(int n) {
                   status.status().ToString().c_str());
     }
   };
-  beat(absl::Seconds(1));
-  if (absl::GetFlag(FLAGS_heartbeats_only)) {
+  // The coordinator's totals, then everything stopped.
+  auto finish = [&] {
     std::printf("N=%d coordinator: %.2f s CPU in all, %.0f MiB resident\n", n,
                 CpuSeconds(coordinator), RssMiB(coordinator));
     std::fflush(stdout);
@@ -189,7 +189,9 @@ int RunOne(int n) {
     testing_util::Stop(coordinator);
     service->reset();
     return 0;
-  }
+  };
+  beat(absl::Seconds(1));
+  if (absl::GetFlag(FLAGS_heartbeats_only)) return finish();
   // Before the 100 ms cadence, which can saturate the coordinator.
   absl::StatusOr<SimulatedWorkers::BarrierResult> barrier =
       (*workers)->Barrier(absl::StrCat("bench-", n));
@@ -277,13 +279,7 @@ int RunOne(int n) {
   (*workers)->StopHeartbeats();
 
   beat(absl::Milliseconds(100));
-  std::printf("N=%d coordinator: %.2f s CPU in all, %.0f MiB resident\n", n,
-              CpuSeconds(coordinator), RssMiB(coordinator));
-  std::fflush(stdout);
-  workers->reset();
-  testing_util::Stop(coordinator);
-  service->reset();
-  return 0;
+  return finish();
 }
 
 }  // namespace

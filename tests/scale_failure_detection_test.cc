@@ -92,6 +92,19 @@ class ScaleFailureDetectionTest : public ::testing::Test {
     return address;
   }
 
+  // kWorkers simulated workers of `address`, registering `service`'s
+  // addresses.
+  static SimulatedWorkers::Options Workers(
+      const std::string& address, testing_util::SimulatedWorkerService* service) {
+    SimulatedWorkers::Options options;
+    options.coordinator = address;
+    options.workers = kWorkers;
+    for (int i = 0; i < kWorkers; ++i) {
+      options.addresses.push_back(service->address(i));
+    }
+    return options;
+  }
+
   pid_t coordinator_ = -1;
   std::unique_ptr<CoordinatorClient> client_;
   std::unique_ptr<SimulatedWorkers> workers_;
@@ -161,12 +174,7 @@ TEST_F(ScaleFailureDetectionTest, SilentMemberAndSilentRelayOfRelayGroups) {
   SHARDD_ASSERT_OK_AND_ASSIGN(
       std::unique_ptr<testing_util::SimulatedWorkerService> service,
       testing_util::SimulatedWorkerService::Start(kWorkers));
-  SimulatedWorkers::Options options;
-  options.coordinator = address;
-  options.workers = kWorkers;
-  for (int i = 0; i < kWorkers; ++i) {
-    options.addresses.push_back(service->address(i));
-  }
+  SimulatedWorkers::Options options = Workers(address, service.get());
   options.service = service.get();
   SHARDD_ASSERT_OK_AND_ASSIGN(workers_, SimulatedWorkers::Create(options));
   SHARDD_ASSERT_OK(workers_->RegisterAll().status());
@@ -235,12 +243,7 @@ TEST_F(ScaleFailureDetectionTest,
   SHARDD_ASSERT_OK_AND_ASSIGN(
       std::unique_ptr<testing_util::SimulatedWorkerService> service,
       testing_util::SimulatedWorkerService::Start(kWorkers));
-  SimulatedWorkers::Options options;
-  options.coordinator = address;
-  options.workers = kWorkers;
-  for (int i = 0; i < kWorkers; ++i) {
-    options.addresses.push_back(service->address(i));
-  }
+  SimulatedWorkers::Options options = Workers(address, service.get());
   SHARDD_ASSERT_OK_AND_ASSIGN(workers_, SimulatedWorkers::Create(options));
   SHARDD_ASSERT_OK(workers_->RegisterAll().status());
   workers_->StartHeartbeats(workers_->heartbeat_interval());

@@ -9,7 +9,8 @@
 #
 # Knobs (environment): SHARDD_WORKERS (4), SHARDD_STEPS (300),
 # SHARDD_TRAIN_ARGS (extra `shardctl train` flags, e.g. "--microbatches 2
-# --defer-grad-sync" or "--fine-grained"), SHARDD_TLS (1: every endpoint
+# --defer-grad-sync" or "--fine-grained"), SHARDD_COORDINATOR_ARGS (extra
+# shardd-coordinator flags, e.g. "--heartbeat-relay-group=2"), SHARDD_TLS (1: every endpoint
 # serves mutual TLS with a throwaway CA from tools/make_test_certs.sh, and
 # clients and workers present their bearer tokens; 0: plaintext, no tokens),
 # SHARDD_MODEL (the model: a native spec or a Hugging Face config.json;
@@ -33,6 +34,7 @@ cd "$(dirname "$0")/../.."
 workers=${SHARDD_WORKERS:-4}
 steps=${SHARDD_STEPS:-300}
 read -r -a extra_args <<<"${SHARDD_TRAIN_ARGS:-}"
+read -r -a coordinator_args <<<"${SHARDD_COORDINATOR_ARGS:-}"
 tls=${SHARDD_TLS:-1}
 
 device=${SHARDD_DEVICE:-cpu}
@@ -140,7 +142,7 @@ checkpoints="$workdir/data/checkpoints"
 "$bin/server/shardd-coordinator" --listen=127.0.0.1:0 \
   --data-dir="$workdir/data" --workers="$workers" \
   --checkpoint-dir="$checkpoints" --metrics-listen=127.0.0.1:0 \
-  "${coordinator_security[@]}" \
+  "${coordinator_security[@]}" "${coordinator_args[@]}" \
   2>"$workdir/coordinator.log" &
 pids+=($!)
 
