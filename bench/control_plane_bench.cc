@@ -2,21 +2,28 @@
 // process and N simulated workers (testing/simulated_workers.h: the real
 // gRPC API, many per process) on loopback, for N = 256, 2048 and 8192:
 // registration, heartbeats at a 1 s and a 100 ms cadence, one N-party
-// barrier, and one key fanned out to N - 1 waiting Gets. Reports client
-// latency percentiles, the coordinator's CPU (from /proc, as a share of one
-// core) and resident memory. A fresh coordinator per N.
+// barrier, one key fanned out to N - 1 waiting Gets, and a DeepSeek-V3 job
+// start. Reports client latency percentiles, server-side ones (the
+// coordinator's shardd_coordinator_rpc_seconds histograms, scraped before
+// and after each phase; bucket upper bounds, so within a factor of 2), the
+// coordinator's CPU (from /proc, as a share of one core) and resident
+// memory. A fresh coordinator per N.
 //
 //   bazel run -c opt //bench:control_plane_bench [-- --workers=256,2048]
 //
 // Targets (issue 17): 8192 workers beating every second at under 25% of one
 // core; a 2048-party barrier released within 100 ms of its last arrival.
 
+#include <httplib.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -31,6 +38,8 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/coordinator_client.h"
+#include "common/metrics_text_parser.h"
+#include "server/rpc_latencies.h"
 #include "testing/simulated_worker_service.h"
 #include "testing/simulated_workers.h"
 #include "tests/subprocess.h"
@@ -69,6 +78,70 @@ double CpuSeconds(pid_t pid) {
   return static_cast<double>(utime + stime) / sysconf(_SC_CLK_TCK);
 }
 
+// The coordinator's metrics port, from its "metrics listening on" line.
+int MetricsPort(const std::string& err_file, absl::Duration limit) {
+  const absl::Time end = absl::Now() + limit;
+  while (absl::Now() < end) {
+    const std::string text = testing_util::ReadFile(err_file);
+    const std::string marker = "metrics listening on 127.0.0.1:";
+    const size_t at = text.find(marker);
+    int port = 0;
+    if (at != std::string::npos &&
+        absl::SimpleAtoi(text.substr(at + marker.size(),
+                                     text.find('\n', at) - at - marker.size()),
+                         &port)) {
+      return port;
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return 0;
+}
+
+// The coordinator's server-side latency counts of `method`
+// (shardd_coordinator_rpc_seconds), scraped over HTTP; empty on error.
+RpcLatencies::Snapshot ServerSide(int port, RpcLatencies::Method method) {
+  RpcLatencies::Snapshot out;
+  httplib::Client client("127.0.0.1", port);
+  client.set_connection_timeout(5);
+  client.set_read_timeout(30);
+  httplib::Result result = client.Get("/metrics");
+  if (!result || result->status != 200) return out;
+  absl::StatusOr<ParsedMetrics> parsed = ParseMetricsText(result->body);
+  if (!parsed.ok()) return out;
+  // Cumulative counts by bound, then per bucket.
+  std::vector<std::pair<double, double>> cumulative;
+  for (const ParsedSample& sample : parsed->samples) {
+    if (sample.name != "shardd_coordinator_rpc_seconds_bucket") continue;
+    auto m = sample.labels.find("method");
+    auto le = sample.labels.find("le");
+    if (m == sample.labels.end() || le == sample.labels.end() ||
+        m->second != RpcLatencies::Name(method)) {
+      continue;
+    }
+    const double bound = le->second == "+Inf"
+                             ? std::numeric_limits<double>::infinity()
+                             : std::strtod(le->second.c_str(), nullptr);
+    cumulative.emplace_back(bound, sample.value);
+  }
+  std::sort(cumulative.begin(), cumulative.end());
+  double below = 0;
+  for (const auto& [bound, count] : cumulative) {
+    out.bucket_counts.push_back(static_cast<uint64_t>(count - below));
+    below = count;
+  }
+  out.count = static_cast<uint64_t>(below);
+  return out;
+}
+
+// "server p50 X / p99 Y ms" of the calls between two snapshots (bucket
+// upper bounds: within a factor of 2).
+std::string ServerMs(const RpcLatencies::Snapshot& after,
+                     const RpcLatencies::Snapshot& before) {
+  return absl::StrFormat("server p50 <= %.2f / p99 <= %.2f ms",
+                         RpcLatencies::Quantile(after, before, 0.5) * 1e3,
+                         RpcLatencies::Quantile(after, before, 0.99) * 1e3);
+}
+
 double RssMiB(pid_t pid) {
   std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
   std::string line;
@@ -95,6 +168,7 @@ int RunOne(int n) {
   const pid_t coordinator = testing_util::Spawn(
       {absl::GetFlag(FLAGS_coordinator_binary), "--listen=127.0.0.1:0",
        absl::StrCat("--data-dir=", dir), "--heartbeat-timeout=10s",
+       "--metrics-listen=127.0.0.1:0",
        absl::StrCat("--heartbeat-relay-group=",
                     absl::GetFlag(FLAGS_heartbeat_relay_group))},
       dir + ".out", dir + ".err");
@@ -105,6 +179,10 @@ int RunOne(int n) {
                  testing_util::ReadFile(dir + ".err").c_str());
     return 1;
   }
+  const int metrics = MetricsPort(dir + ".err", absl::Seconds(30));
+  auto server_side = [&](RpcLatencies::Method method) {
+    return ServerSide(metrics, method);
+  };
   // The workers' own ports, for the job at the end.
   absl::StatusOr<std::unique_ptr<testing_util::SimulatedWorkerService>>
       service = testing_util::SimulatedWorkerService::Start(n);
@@ -125,17 +203,22 @@ int RunOne(int n) {
       SimulatedWorkers::Create(options);
   if (!workers.ok()) return 1;
   const double idle_cpu = CpuSeconds(coordinator);
+  const RpcLatencies::Snapshot register0 =
+      server_side(RpcLatencies::kRegisterWorker);
   absl::StatusOr<Latencies> registered = (*workers)->RegisterAll();
   if (!registered.ok()) {
     std::fprintf(stderr, "%s\n", registered.status().ToString().c_str());
     testing_util::Stop(coordinator);
     return 1;
   }
-  std::printf("N=%d register: %.2f s for all, %s; coordinator CPU %.2f s\n", n,
-              registered->wall, Ms(*registered).c_str(),
-              CpuSeconds(coordinator) - idle_cpu);
+  std::printf(
+      "N=%d register: %.2f s for all, %s, %s; coordinator CPU %.2f s\n", n,
+      registered->wall, Ms(*registered).c_str(),
+      ServerMs(server_side(RpcLatencies::kRegisterWorker), register0).c_str(),
+      CpuSeconds(coordinator) - idle_cpu);
   // One heartbeat cadence for --beat_phase, with the coordinator's CPU.
   auto beat = [&](absl::Duration cadence) {
+    const RpcLatencies::Snapshot beats0 = server_side(RpcLatencies::kHeartbeat);
     const double cpu0 = CpuSeconds(coordinator);
     const absl::Time t0 = absl::Now();
     (*workers)->StartHeartbeats(cadence);
@@ -145,10 +228,11 @@ int RunOne(int n) {
     const double cpu = CpuSeconds(coordinator) - cpu0;
     std::printf(
         "N=%d heartbeats every %s: %.0f/s answered of %.0f/s asked, %lld "
-        "errors, %s; coordinator %.1f%% of one core\n",
+        "errors, %s, %s; coordinator %.1f%% of one core\n",
         n, absl::FormatDuration(cadence).c_str(), beats.calls / wall,
         n / absl::ToDoubleSeconds(cadence),
         static_cast<long long>(beats.errors), Ms(beats).c_str(),
+        ServerMs(server_side(RpcLatencies::kHeartbeat), beats0).c_str(),
         100.0 * cpu / wall);
     if (beats.errors > 0) {
       std::printf("N=%d the first heartbeat error: %s\n", n,
@@ -193,23 +277,31 @@ int RunOne(int n) {
   beat(absl::Seconds(1));
   if (absl::GetFlag(FLAGS_heartbeats_only)) return finish();
   // Before the 100 ms cadence, which can saturate the coordinator.
+  const RpcLatencies::Snapshot barrier0 = server_side(RpcLatencies::kBarrier);
   absl::StatusOr<SimulatedWorkers::BarrierResult> barrier =
       (*workers)->Barrier(absl::StrCat("bench-", n));
   if (barrier.ok()) {
+    // Server-side, the last arrival's call is the shortest: its time from
+    // arrival to release.
+    const RpcLatencies::Snapshot barrier1 = server_side(RpcLatencies::kBarrier);
     std::printf(
         "N=%d barrier: released %.1f ms after the last arrival was "
-        "sent; calls %s\n",
-        n, barrier->release * 1e3, Ms(barrier->calls).c_str());
+        "sent; calls %s, %s, the shortest <= %.2f ms\n",
+        n, barrier->release * 1e3, Ms(barrier->calls).c_str(),
+        ServerMs(barrier1, barrier0).c_str(),
+        RpcLatencies::Quantile(barrier1, barrier0, 1e-9) * 1e3);
   } else {
     std::printf("N=%d barrier: %s\n", n, barrier.status().ToString().c_str());
   }
+  const RpcLatencies::Snapshot get0 = server_side(RpcLatencies::kGet);
   absl::StatusOr<SimulatedWorkers::FanoutResult> fanout =
       (*workers)->KvFanout(absl::StrCat("bench/key-", n), 128);
   if (fanout.ok()) {
     std::printf(
         "N=%d KV fan-out of 128 B to %d waiting Gets: %.1f ms after "
-        "the Put was sent\n",
-        n, n - 1, fanout->fanout * 1e3);
+        "the Put was sent; Gets %s\n",
+        n, n - 1, fanout->fanout * 1e3,
+        ServerMs(server_side(RpcLatencies::kGet), get0).c_str());
   } else {
     std::printf("N=%d KV fan-out: %s\n", n, fanout.status().ToString().c_str());
   }

@@ -224,6 +224,16 @@ void HistogramFamily::Observe(const LabelValues& labels, double value) {
   s.sum += value;
 }
 
+void HistogramFamily::Set(const LabelValues& labels, const Snapshot& snapshot) {
+  if (!CheckLabels(labels)) return;
+  if (snapshot.bucket_counts.size() != bounds_.size() + 1) {
+    CountInvalid();
+    return;
+  }
+  absl::MutexLock lock(&mu_);
+  values_[labels] = snapshot;
+}
+
 HistogramFamily::Snapshot HistogramFamily::Get(
     const LabelValues& labels) const {
   absl::MutexLock lock(&mu_);

@@ -131,6 +131,11 @@ class HistogramFamily final : public MetricFamilyBase {
   };
   // Zeros (with every bucket) for labels never observed.
   Snapshot Get(const LabelValues& labels) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Replaces the series with `snapshot`, for collectors that keep their own
+  // counts (one bucket per bound plus +Inf, as Get returns; a snapshot of
+  // another size is ignored and counted as an invalid call).
+  void Set(const LabelValues& labels, const Snapshot& snapshot)
+      ABSL_LOCKS_EXCLUDED(mu_);
   const std::vector<double>& bounds() const { return bounds_; }
 
   MetricType type() const override { return MetricType::kHistogram; }

@@ -98,6 +98,32 @@ TEST(MetricsRegistryTest, HistogramBucketsAreCumulative) {
               Optional(::testing::DoubleNear(52.65, 1e-9)));
 }
 
+TEST(MetricsRegistryTest, AHistogramCanBeSetFromACollectorsCounts) {
+  MetricsRegistry registry;
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      HistogramFamily * seconds,
+      registry.AddHistogram("rpc_seconds", "RPC time.", {"method"}, {0.1, 1}));
+  HistogramFamily::Snapshot counts;
+  counts.bucket_counts = {3, 0, 1};
+  counts.count = 4;
+  counts.sum = 2.5;
+  seconds->Set({"Get"}, counts);
+  SHARDD_ASSERT_OK_AND_ASSIGN(ParsedMetrics parsed,
+                              ParseMetricsText(registry.Render()));
+  EXPECT_THAT(
+      parsed.Find("rpc_seconds_bucket", {{"method", "Get"}, {"le", "1"}}),
+      Optional(3.0));
+  EXPECT_THAT(
+      parsed.Find("rpc_seconds_bucket", {{"method", "Get"}, {"le", "+Inf"}}),
+      Optional(4.0));
+  EXPECT_THAT(parsed.Find("rpc_seconds_sum", {{"method", "Get"}}),
+              Optional(2.5));
+  // A snapshot with other buckets is refused.
+  counts.bucket_counts = {1, 1};
+  seconds->Set({"Put"}, counts);
+  EXPECT_EQ(seconds->Get({"Put"}).count, 0u);
+}
+
 TEST(MetricsRegistryTest, CollectorsRunAtRenderAndClearDropsLabels) {
   MetricsRegistry registry;
   SHARDD_ASSERT_OK_AND_ASSIGN(GaugeFamily * jobs,

@@ -296,6 +296,9 @@ int Run() {
   server_options.security = ServerSecurityFromFlags();
   server_options.authorizer = Authorizer(*client_token, *worker_token);
   server_options.health_listen_address = absl::GetFlag(FLAGS_health_listen);
+  // Outlives the server, whose calls record into it.
+  static RpcLatencies* const latencies = new RpcLatencies();
+  server_options.latencies = latencies;
   absl::StatusOr<std::unique_ptr<CoordinatorServer>> server =
       CoordinatorServer::Start(server_options, &service);
   if (!server.ok()) {
@@ -321,7 +324,8 @@ int Run() {
   std::unique_ptr<MetricsHttpServer> metrics_server;
   if (const std::string listen = absl::GetFlag(FLAGS_metrics_listen);
       !listen.empty()) {
-    absl::Status registered = RegisterCoordinatorMetrics(&service, &metrics);
+    absl::Status registered =
+        RegisterCoordinatorMetrics(&service, &metrics, latencies);
     absl::StatusOr<std::unique_ptr<MetricsHttpServer>> started =
         registered.ok() ? MetricsHttpServer::Start({listen}, &metrics)
                         : registered;

@@ -10,7 +10,8 @@
 namespace shardd {
 
 absl::Status RegisterCoordinatorMetrics(CoordinatorService* service,
-                                        MetricsRegistry* registry) {
+                                        MetricsRegistry* registry,
+                                        const RpcLatencies* latencies) {
   SHARDD_ASSIGN_OR_RETURN(
       GaugeFamily * uptime,
       registry->AddGauge("shardd_coordinator_uptime_seconds",
@@ -136,6 +137,26 @@ absl::Status RegisterCoordinatorMetrics(CoordinatorService* service,
     }
     for (const auto& [state, count] : by_state) jobs->Set({state}, count);
   });
+  if (latencies != nullptr) {
+    SHARDD_ASSIGN_OR_RETURN(
+        HistogramFamily * rpc_seconds,
+        registry->AddHistogram(
+            "shardd_coordinator_rpc_seconds",
+            "Server-side latency of control-plane calls: from the handler's "
+            "start to its answer (a Get or Barrier: to its release).",
+            {"method"}, RpcLatencies::Bounds()));
+    registry->AddCollector([latencies, rpc_seconds] {
+      for (int m = 0; m < RpcLatencies::kMethods; ++m) {
+        const auto method = static_cast<RpcLatencies::Method>(m);
+        const RpcLatencies::Snapshot s = latencies->Get(method);
+        HistogramFamily::Snapshot out;
+        out.bucket_counts = s.bucket_counts;
+        out.count = s.count;
+        out.sum = s.sum_seconds;
+        rpc_seconds->Set({RpcLatencies::Name(method)}, out);
+      }
+    });
+  }
   return absl::OkStatus();
 }
 

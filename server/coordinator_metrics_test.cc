@@ -10,9 +10,13 @@
 #include "common/metrics_text_parser.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "server/coordinator_service.h"
 #include "planner/strategy_registry.h"
+#include "proto/coordinator.grpc.pb.h"
+#include "server/coordinator_server.h"
+#include "server/coordinator_service.h"
+#include "server/rpc_latencies.h"
 
 namespace shardd {
 namespace {
@@ -109,6 +113,72 @@ TEST(CoordinatorMetricsTest, InsecureListenersAreReported) {
   EXPECT_EQ(status.insecure(), options.insecure_warning);
   ASSERT_EQ(status.workers_size(), 2);
   EXPECT_NE(status.workers(0).insecure(), status.workers(1).insecure());
+}
+
+TEST(CoordinatorMetricsTest, ServerSideRpcLatenciesByMethod) {
+  std::unique_ptr<StrategyRegistry> strategies =
+      StrategyRegistry::CreateWithBuiltins();
+  CoordinatorService service(strategies.get(), CoordinatorServiceOptions());
+  RpcLatencies latencies;
+  CoordinatorServerOptions server_options;
+  server_options.listen_address = "127.0.0.1:0";
+  server_options.latencies = &latencies;
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<CoordinatorServer> server,
+      CoordinatorServer::Start(server_options, &service));
+  MetricsRegistry registry;
+  SHARDD_ASSERT_OK(RegisterCoordinatorMetrics(&service, &registry, &latencies));
+  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(
+      server->address(), grpc::InsecureChannelCredentials()));
+  auto context = [] {
+    auto c = std::make_unique<grpc::ClientContext>();
+    c->set_deadline(std::chrono::system_clock::now() +
+                    std::chrono::seconds(10));
+    return c;
+  };
+  v1::RegisterWorkerResponse registered;
+  ASSERT_TRUE(
+      stub->RegisterWorker(context().get(), WorkerRequest(5000, 1), &registered)
+          .ok());
+  v1::HeartbeatRequest beat;
+  beat.set_rank(registered.rank());
+  beat.set_incarnation(1);
+  v1::HeartbeatResponse answer;
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(stub->Heartbeat(context().get(), beat, &answer).ok());
+  }
+  // A Get that waits 50 ms for a key nobody writes: its latency is the wait.
+  v1::GetRequest get;
+  get.set_key("absent");
+  get.set_wait_ms(50);
+  v1::GetResponse got;
+  EXPECT_EQ(stub->Get(context().get(), get, &got).error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+
+  SHARDD_ASSERT_OK_AND_ASSIGN(ParsedMetrics parsed,
+                              ParseMetricsText(registry.Render()));
+  EXPECT_EQ(parsed.type["shardd_coordinator_rpc_seconds"], "histogram");
+  EXPECT_THAT(parsed.Find("shardd_coordinator_rpc_seconds_count",
+                          {{"method", "Heartbeat"}}),
+              Optional(3.0));
+  EXPECT_THAT(parsed.Find("shardd_coordinator_rpc_seconds_count",
+                          {{"method", "RegisterWorker"}}),
+              Optional(1.0));
+  EXPECT_THAT(parsed.Find("shardd_coordinator_rpc_seconds_count",
+                          {{"method", "Barrier"}}),
+              Optional(0.0));
+  // The Get's latency is its 50 ms wait.
+  EXPECT_THAT(
+      parsed.Find("shardd_coordinator_rpc_seconds_count", {{"method", "Get"}}),
+      Optional(1.0));
+  const std::optional<double> get_seconds =
+      parsed.Find("shardd_coordinator_rpc_seconds_sum", {{"method", "Get"}});
+  ASSERT_TRUE(get_seconds.has_value());
+  EXPECT_GE(*get_seconds, 0.05);
+  EXPECT_LT(*get_seconds, 5.0);
+  EXPECT_GE(RpcLatencies::Quantile(latencies.Get(RpcLatencies::kGet), {}, 0.5),
+            0.05);
+  server->Shutdown(absl::Seconds(1));
 }
 
 }  // namespace

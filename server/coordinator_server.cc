@@ -48,8 +48,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
       MakeServerCredentials(options.security);
   if (!credentials.ok()) return credentials.status();
-  auto grpc_service =
-      std::make_unique<GrpcCoordinatorService>(service, options.authorizer);
+  auto grpc_service = std::make_unique<GrpcCoordinatorService>(
+      service, options.authorizer, options.latencies);
   GrpcServerOptions grpc_options;
   grpc_options.credentials = *std::move(credentials);
   grpc_options.address = options.listen_address;

@@ -16,6 +16,7 @@
 #include "grpcpp/grpcpp.h"
 #include "server/coordinator_service.h"
 #include "server/grpc_coordinator_service.h"
+#include "server/rpc_latencies.h"
 
 namespace shardd {
 
@@ -33,6 +34,9 @@ struct CoordinatorServerOptions {
   // "host:port" of a plaintext listener serving only grpc.health.v1 (for
   // Kubernetes gRPC probes, which cannot speak TLS); empty: none.
   std::string health_listen_address;
+  // Where each control-plane call's server-side latency goes (not owned;
+  // null: not measured).
+  RpcLatencies* latencies = nullptr;
 };
 
 class CoordinatorServer {

@@ -61,10 +61,12 @@ class WaitingCall : public std::enable_shared_from_this<WaitingCall> {
  public:
   WaitingCall(grpc::ServerUnaryReactor* reactor,
               std::function<void(uint64_t)> cancel_op,
-              std::shared_ptr<GrpcCoordinatorService::WaitingCalls> owner)
+              std::shared_ptr<GrpcCoordinatorService::WaitingCalls> owner,
+              std::unique_ptr<RpcLatencyScope> latency = nullptr)
       : reactor_(reactor),
         cancel_op_(std::move(cancel_op)),
-        owner_(std::move(owner)) {}
+        owner_(std::move(owner)),
+        latency_(std::move(latency)) {}
 
   // Finishes with `status` (after `fill` wrote the response when OK) unless
   // the call already finished.
@@ -87,6 +89,8 @@ class WaitingCall : public std::enable_shared_from_this<WaitingCall> {
   grpc::ServerUnaryReactor* const reactor_;
   const std::function<void(uint64_t)> cancel_op_;
   const std::shared_ptr<GrpcCoordinatorService::WaitingCalls> owner_;
+  // Records the call's latency when it finishes (only the claimer).
+  std::unique_ptr<RpcLatencyScope> latency_;
 
   absl::Mutex mu_;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
@@ -162,6 +166,7 @@ bool WaitingCall::Claim(uint64_t* handle) {
 
 void WaitingCall::FinishClaimed(const absl::Status& status) {
   owner_->Remove(shared_from_this());
+  latency_.reset();
   reactor_->Finish(ToGrpcStatus(status));
 }
 
@@ -203,9 +208,11 @@ grpc::ServerUnaryReactor* StartWaiting(
     Response* response,
     const std::function<
         uint64_t(std::function<void(absl::StatusOr<Response>)>)>& start,
-    std::function<void(uint64_t)> cancel) {
+    std::function<void(uint64_t)> cancel,
+    std::unique_ptr<RpcLatencyScope> latency = nullptr) {
   auto* reactor = new WaitingReactor();
-  auto call = std::make_shared<WaitingCall>(reactor, std::move(cancel), owner);
+  auto call = std::make_shared<WaitingCall>(reactor, std::move(cancel), owner,
+                                            std::move(latency));
   if (!owner->Add(call)) {
     reactor->Finish(ToGrpcStatus(ShuttingDown()));
     return reactor;
@@ -382,9 +389,11 @@ using grpc_coordinator_internal::StartWaiting;
 using grpc_coordinator_internal::WatchReactor;
 
 GrpcCoordinatorService::GrpcCoordinatorService(CoordinatorService* service,
-                                               Authorizer authorizer)
+                                               Authorizer authorizer,
+                                               RpcLatencies* latencies)
     : service_(service),
       authorizer_(std::move(authorizer)),
+      latencies_(latencies),
       waiting_(std::make_shared<WaitingCalls>()),
       watches_(std::make_shared<WatchStreams>()) {}
 
@@ -421,6 +430,7 @@ grpc::ServerUnaryReactor* GrpcCoordinatorService::ListStrategies(
 grpc::ServerUnaryReactor* GrpcCoordinatorService::SubmitModel(
     grpc::CallbackServerContext* context, const v1::SubmitModelRequest* request,
     v1::SubmitModelResponse* response) {
+  RpcLatencyScope latency(latencies_, RpcLatencies::kSubmitModel);
   if (grpc::ServerUnaryReactor* refused =
           Refused(authorizer_, context, kClientRole)) {
     return refused;
@@ -431,6 +441,7 @@ grpc::ServerUnaryReactor* GrpcCoordinatorService::SubmitModel(
 grpc::ServerUnaryReactor* GrpcCoordinatorService::GetPlan(
     grpc::CallbackServerContext* context, const v1::GetPlanRequest* request,
     v1::GetPlanResponse* response) {
+  RpcLatencyScope latency(latencies_, RpcLatencies::kGetPlan);
   if (grpc::ServerUnaryReactor* refused =
           Refused(authorizer_, context, kClientRole)) {
     return refused;
@@ -442,6 +453,7 @@ grpc::ServerUnaryReactor* GrpcCoordinatorService::RegisterWorker(
     grpc::CallbackServerContext* context,
     const v1::RegisterWorkerRequest* request,
     v1::RegisterWorkerResponse* response) {
+  RpcLatencyScope latency(latencies_, RpcLatencies::kRegisterWorker);
   if (grpc::ServerUnaryReactor* refused =
           Refused(authorizer_, context, kWorkerRole)) {
     return refused;
@@ -452,6 +464,7 @@ grpc::ServerUnaryReactor* GrpcCoordinatorService::RegisterWorker(
 grpc::ServerUnaryReactor* GrpcCoordinatorService::Heartbeat(
     grpc::CallbackServerContext* context, const v1::HeartbeatRequest* request,
     v1::HeartbeatResponse* response) {
+  RpcLatencyScope latency(latencies_, RpcLatencies::kHeartbeat);
   if (grpc::ServerUnaryReactor* refused =
           Refused(authorizer_, context, kWorkerRole)) {
     return refused;
@@ -462,6 +475,7 @@ grpc::ServerUnaryReactor* GrpcCoordinatorService::Heartbeat(
 grpc::ServerUnaryReactor* GrpcCoordinatorService::Put(
     grpc::CallbackServerContext* context, const v1::PutRequest* request,
     v1::PutResponse* response) {
+  RpcLatencyScope latency(latencies_, RpcLatencies::kPut);
   if (grpc::ServerUnaryReactor* refused =
           Refused(authorizer_, context, kWorkerRole)) {
     return refused;
@@ -482,12 +496,14 @@ grpc::ServerUnaryReactor* GrpcCoordinatorService::Get(
       [service, request](CoordinatorService::GetCallback done) {
         return service->GetAsync(*request, std::move(done));
       },
-      [service](uint64_t handle) { service->CancelGet(handle); });
+      [service](uint64_t handle) { service->CancelGet(handle); },
+      std::make_unique<RpcLatencyScope>(latencies_, RpcLatencies::kGet));
 }
 
 grpc::ServerUnaryReactor* GrpcCoordinatorService::Delete(
     grpc::CallbackServerContext* context, const v1::DeleteRequest* request,
     v1::DeleteResponse* response) {
+  RpcLatencyScope latency(latencies_, RpcLatencies::kDelete);
   if (grpc::ServerUnaryReactor* refused =
           Refused(authorizer_, context, kWorkerRole)) {
     return refused;
@@ -508,12 +524,14 @@ grpc::ServerUnaryReactor* GrpcCoordinatorService::Barrier(
       [service, request](CoordinatorService::BarrierCallback done) {
         return service->BarrierAsync(*request, std::move(done));
       },
-      [service](uint64_t handle) { service->CancelBarrier(handle); });
+      [service](uint64_t handle) { service->CancelBarrier(handle); },
+      std::make_unique<RpcLatencyScope>(latencies_, RpcLatencies::kBarrier));
 }
 
 grpc::ServerUnaryReactor* GrpcCoordinatorService::SubmitStep(
     grpc::CallbackServerContext* context, const v1::SubmitStepRequest* request,
     v1::SubmitStepResponse* response) {
+  RpcLatencyScope latency(latencies_, RpcLatencies::kSubmitStep);
   if (grpc::ServerUnaryReactor* refused =
           Refused(authorizer_, context, kClientRole)) {
     return refused;
@@ -595,6 +613,7 @@ grpc::ServerUnaryReactor* GrpcCoordinatorService::ListCheckpoints(
 grpc::ServerUnaryReactor* GrpcCoordinatorService::GetStatus(
     grpc::CallbackServerContext* context, const v1::GetStatusRequest* request,
     v1::GetStatusResponse* response) {
+  RpcLatencyScope latency(latencies_, RpcLatencies::kGetStatus);
   if (grpc::ServerUnaryReactor* refused =
           Refused(authorizer_, context, kClientRole)) {
     return refused;

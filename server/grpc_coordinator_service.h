@@ -17,6 +17,7 @@
 #include "grpcpp/grpcpp.h"
 #include "proto/coordinator.grpc.pb.h"
 #include "server/coordinator_service.h"
+#include "server/rpc_latencies.h"
 
 namespace shardd {
 
@@ -27,8 +28,11 @@ class GrpcCoordinatorService final : public v1::Coordinator::CallbackService {
   // the worker token for RegisterWorker, Heartbeat, Put, Get, Delete and
   // Barrier, the client token for the rest; a refused call ends with
   // UNAUTHENTICATED or PERMISSION_DENIED without reaching `service`.
+  // `latencies` (not owned; null: none) gets each control-plane call's
+  // server-side latency (rpc_latencies.h).
   explicit GrpcCoordinatorService(CoordinatorService* service,
-                                  Authorizer authorizer = Authorizer());
+                                  Authorizer authorizer = Authorizer(),
+                                  RpcLatencies* latencies = nullptr);
   ~GrpcCoordinatorService() override;
 
   GrpcCoordinatorService(const GrpcCoordinatorService&) = delete;
@@ -108,6 +112,7 @@ class GrpcCoordinatorService final : public v1::Coordinator::CallbackService {
  private:
   CoordinatorService* service_;  // Not owned.
   const Authorizer authorizer_;
+  RpcLatencies* const latencies_;  // Not owned; may be null.
   std::shared_ptr<WaitingCalls> waiting_;
   std::shared_ptr<WatchStreams> watches_;
 };
