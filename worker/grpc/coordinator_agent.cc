@@ -245,6 +245,11 @@ absl::Status CoordinatorAgent::RegisterUntil(absl::Time give_up) {
   }
 }
 
+bool CoordinatorAgent::Stopped() const {
+  absl::MutexLock lock(&mu_);
+  return stopped_;
+}
+
 bool CoordinatorAgent::SleepUnlessStopped(absl::Duration d) {
   absl::MutexLock lock(&mu_);
   mu_.AwaitWithTimeout(absl::Condition(&stopped_), d);
@@ -260,6 +265,7 @@ void CoordinatorAgent::HeartbeatLoop() {
     bool relayed = false;
     if (relay_stub_ != nullptr) {
       status = BeatThroughRelay(current, &response);
+      if (Stopped()) return;
       // The relay's word on this worker (OK, or the coordinator's refusal)
       // stands; anything else means it cannot relay now: beat the
       // coordinator at once, and ignore relays for a while.
@@ -275,6 +281,8 @@ void CoordinatorAgent::HeartbeatLoop() {
       }
     }
     if (!relayed) status = BeatCoordinator(current, &response);
+    // Stop cancelled the call: not a failed heartbeat.
+    if (Stopped()) return;
     if (status.ok()) {
       failures = 0;
       if (response.coordinator_incarnation() !=

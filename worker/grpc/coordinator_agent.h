@@ -156,6 +156,7 @@ class CoordinatorAgent final : public KeyValueClient {
                    absl::Duration interval);
   // Re-registers with backoff until it works or Stop.
   void Reregister(const absl::Status& why) ABSL_LOCKS_EXCLUDED(mu_);
+  bool Stopped() const ABSL_LOCKS_EXCLUDED(mu_);
   // Waits `d` unless Stop comes first; returns false on Stop.
   bool SleepUnlessStopped(absl::Duration d) ABSL_LOCKS_EXCLUDED(mu_);
 
