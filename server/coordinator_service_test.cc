@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -99,6 +100,26 @@ v1::SubmitModelRequest SpecRequest(const v1::ModelSpec& spec, int dp) {
   *request.mutable_options() = Options(dp);
   return request;
 }
+
+// A settable time source for CoordinatorServiceOptions::clock (the service
+// reads it from its own threads too, hence the lock).
+class TestClock {
+ public:
+  std::function<absl::Time()> Source() {
+    return [this] {
+      absl::MutexLock lock(&mu_);
+      return now_;
+    };
+  }
+  void Advance(absl::Duration d) {
+    absl::MutexLock lock(&mu_);
+    now_ += d;
+  }
+
+ private:
+  absl::Mutex mu_;
+  absl::Time now_ = absl::FromUnixSeconds(1000);
+};
 
 class CoordinatorServiceTest : public ::testing::Test {
  protected:
@@ -419,19 +440,12 @@ TEST_F(CoordinatorServiceTest, ReplanDoesNotChangeTheStoredPlan) {
 }
 
 TEST_F(CoordinatorServiceTest, StatusListsModelsInOrderWithUptime) {
-  absl::Mutex mu;
-  absl::Time now = absl::FromUnixSeconds(1000);
+  TestClock clock;
   CoordinatorServiceOptions options;
   options.incarnation = 42;
-  options.clock = [&] {
-    absl::MutexLock lock(&mu);
-    return now;
-  };
+  options.clock = clock.Source();
   auto service = MakeService(options);
-  {
-    absl::MutexLock lock(&mu);
-    now += absl::Milliseconds(1500);
-  }
+  clock.Advance(absl::Milliseconds(1500));
   v1::SubmitModelRequest a = SpecRequest(TinySpec(), 4);
   a.set_name("a");
   v1::SubmitModelRequest b = SpecRequest(TinySpec(), 2);
@@ -492,20 +506,12 @@ v1::RegisterWorkerRequest WorkerRequest(int port, uint64_t incarnation) {
 }
 
 TEST_F(CoordinatorServiceTest, MembershipThroughTheServiceWithAFakeClock) {
-  absl::Mutex mu;
-  absl::Time now = absl::FromUnixSeconds(1000);
+  TestClock clock;
   CoordinatorServiceOptions options;
   options.incarnation = 7;
   options.max_workers = 2;
   options.heartbeat_timeout = absl::Seconds(3);
-  options.clock = [&] {
-    absl::MutexLock lock(&mu);
-    return now;
-  };
-  auto advance = [&](absl::Duration d) {
-    absl::MutexLock lock(&mu);
-    now += d;
-  };
+  options.clock = clock.Source();
   auto service = MakeService(options);
   EXPECT_THAT(service->CheckWorkersReady(2),
               StatusIs(absl::StatusCode::kFailedPrecondition,
@@ -525,14 +531,14 @@ TEST_F(CoordinatorServiceTest, MembershipThroughTheServiceWithAFakeClock) {
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("2")));
   SHARDD_EXPECT_OK(service->CheckWorkersReady(2));
 
-  advance(absl::Seconds(2));
+  clock.Advance(absl::Seconds(2));
   v1::HeartbeatRequest beat;
   beat.set_rank(0);
   beat.set_incarnation(11);
   SHARDD_ASSERT_OK_AND_ASSIGN(auto hb, service->Heartbeat(beat));
   EXPECT_EQ(hb.coordinator_incarnation(), 7u);
   EXPECT_EQ(hb.membership_epoch(), 2u);
-  advance(absl::Milliseconds(1500));  // Rank 1 silent for 3.5 s.
+  clock.Advance(absl::Milliseconds(1500));  // Rank 1 silent for 3.5 s.
 
   SHARDD_ASSERT_OK_AND_ASSIGN(auto status, service->GetStatus({}));
   ASSERT_THAT(status.workers(), SizeIs(2));
@@ -558,20 +564,12 @@ TEST_F(CoordinatorServiceTest, MembershipThroughTheServiceWithAFakeClock) {
 }
 
 TEST_F(CoordinatorServiceTest, RelayedHeartbeatsCountAsTheirWorkersOwn) {
-  absl::Mutex mu;
-  absl::Time now = absl::FromUnixSeconds(1000);
+  TestClock clock;
   CoordinatorServiceOptions options;
   options.incarnation = 7;
   options.heartbeat_timeout = absl::Seconds(3);
   options.heartbeat_relay_group = 2;
-  options.clock = [&] {
-    absl::MutexLock lock(&mu);
-    return now;
-  };
-  auto advance = [&](absl::Duration d) {
-    absl::MutexLock lock(&mu);
-    now += d;
-  };
+  options.clock = clock.Source();
   auto service = MakeService(options);
   for (int i = 0; i < 3; ++i) {
     SHARDD_ASSERT_OK(
@@ -599,7 +597,7 @@ TEST_F(CoordinatorServiceTest, RelayedHeartbeatsCountAsTheirWorkersOwn) {
   relayed->set_rank(1);
   relayed->set_incarnation(12);
   for (int t = 0; t < 5; ++t) {
-    advance(absl::Seconds(1));
+    clock.Advance(absl::Seconds(1));
     SHARDD_ASSERT_OK_AND_ASSIGN(hb, service->Heartbeat(relay));
     EXPECT_EQ(hb.relayed_errors_size(), 0);
     EXPECT_TRUE(hb.relay_address().empty());

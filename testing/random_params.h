@@ -4,12 +4,14 @@
 // Random values for every (untied) parameter of a model spec, for the model
 // tests: norm weights near 1, DiffusionGemma's layer_scalar exactly 1, the
 // rest uniform. Drawn in ListParams order from one seeded stream, so a spec
-// and options always give the same values.
+// and options always give the same values. And random token micro-batches
+// for the same tests.
 
 #include <cstdint>
 #include <map>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/bf16.h"
@@ -48,6 +50,29 @@ inline std::map<std::string, std::vector<float>> RandomParamValues(
     }
   }
   return out;
+}
+
+// Micro-batches of `tokens` token ids each, uniform over [0, vocab), and
+// their targets, uniform too but every 5th (index % 5 == 3) ignored (-1);
+// one stream seeded with `seed`, each micro-batch's inputs then targets.
+struct TokenBatches {
+  std::vector<std::vector<int32_t>> inputs, targets;
+};
+
+inline TokenBatches RandomTokenBatches(int microbatches, int64_t tokens,
+                                       int64_t vocab, uint32_t seed) {
+  TokenBatches b;
+  std::mt19937 gen(seed);
+  for (int m = 0; m < microbatches; ++m) {
+    std::vector<int32_t> in(tokens), tg(tokens);
+    for (int32_t& x : in) x = static_cast<int32_t>(gen() % vocab);
+    for (int64_t i = 0; i < tokens; ++i) {
+      tg[i] = i % 5 == 3 ? -1 : static_cast<int32_t>(gen() % vocab);
+    }
+    b.inputs.push_back(std::move(in));
+    b.targets.push_back(std::move(tg));
+  }
+  return b;
 }
 
 }  // namespace testing_util

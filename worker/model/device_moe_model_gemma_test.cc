@@ -14,7 +14,6 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
-#include <random>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -82,15 +81,11 @@ struct Step {
 // canvases have the self-conditioning coin both up and down.
 Step MakeStep(int64_t vocab, int64_t canvas) {
   Step s;
-  std::mt19937 gen(7);
+  testing_util::TokenBatches batches = testing_util::RandomTokenBatches(
+      kMicrobatches, kBatch * kSeq, vocab, /*seed=*/7);
+  s.inputs = std::move(batches.inputs);
+  s.targets = std::move(batches.targets);
   for (int m = 0; m < kMicrobatches; ++m) {
-    std::vector<int32_t> in(kBatch * kSeq), tg(kBatch * kSeq);
-    for (int32_t& x : in) x = static_cast<int32_t>(gen() % vocab);
-    for (size_t i = 0; i < tg.size(); ++i) {
-      tg[i] = i % 5 == 3 ? -1 : static_cast<int32_t>(gen() % vocab);
-    }
-    s.inputs.push_back(in);
-    s.targets.push_back(tg);
     s.indices.push_back({40 + 2 * m, 41 + 2 * m});
   }
   for (s.step = 1;; ++s.step) {

@@ -15,7 +15,6 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
-#include <random>
 #include <set>
 #include <sstream>
 #include <string>
@@ -95,24 +94,12 @@ std::map<std::string, std::vector<float>> RandomParams(
   return testing_util::RandomParamValues(spec, options);
 }
 
-struct Batches {
-  std::vector<std::vector<int32_t>> inputs, targets;
-};
+using Batches = testing_util::TokenBatches;
 
 // Every 5th target is -1 (ignored).
 Batches MakeBatches(int64_t vocab) {
-  Batches b;
-  std::mt19937 gen(11);
-  for (int m = 0; m < kMicrobatches; ++m) {
-    std::vector<int32_t> in(kBatch * kSeq), tg(kBatch * kSeq);
-    for (auto& x : in) x = static_cast<int32_t>(gen() % vocab);
-    for (size_t i = 0; i < tg.size(); ++i) {
-      tg[i] = i % 5 == 3 ? -1 : static_cast<int32_t>(gen() % vocab);
-    }
-    b.inputs.push_back(in);
-    b.targets.push_back(tg);
-  }
-  return b;
+  return testing_util::RandomTokenBatches(kMicrobatches, kBatch * kSeq, vocab,
+                                          /*seed=*/11);
 }
 
 MoeModelOptions StepShape() {

@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
-#include <random>
 #include <set>
 #include <string>
 #include <vector>
@@ -97,25 +96,7 @@ std::map<std::string, std::vector<float>> RandomParams(
   return testing_util::RandomParamValues(spec, options);
 }
 
-struct Batches {
-  std::vector<std::vector<int32_t>> inputs, targets;
-};
-
-// Every 5th target is -1 (ignored).
-Batches MakeBatches(int microbatches, int64_t tokens, int64_t vocab) {
-  Batches b;
-  std::mt19937 gen(11);
-  for (int m = 0; m < microbatches; ++m) {
-    std::vector<int32_t> in(tokens), tg(tokens);
-    for (auto& x : in) x = static_cast<int32_t>(gen() % vocab);
-    for (int64_t i = 0; i < tokens; ++i) {
-      tg[i] = i % 5 == 3 ? -1 : static_cast<int32_t>(gen() % vocab);
-    }
-    b.inputs.push_back(in);
-    b.targets.push_back(tg);
-  }
-  return b;
-}
+using Batches = testing_util::TokenBatches;
 
 constexpr int kPasses = 2;
 constexpr int kNoGradPasses = 1;
@@ -254,7 +235,8 @@ void CheckAgainstCpu(const Case& test) {
   const bool bf16 = test.activations == DeviceDType::kBFloat16;
   const auto values = RandomParams(spec, /*round_to_bf16=*/bf16);
   const Batches data =
-      MakeBatches(kMicrobatches, kBatch * kSeq, test.shape.vocab);
+      testing_util::RandomTokenBatches(kMicrobatches, kBatch * kSeq,
+                                       test.shape.vocab, /*seed=*/11);
   const CpuResult cpu = RunCpu(spec, values, data);
 
   TestDeviceSource source;
