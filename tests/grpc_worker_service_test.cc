@@ -161,6 +161,17 @@ TEST_F(WorkerServiceTest, HealReplicasNeedsAPlan) {
   EXPECT_EQ(ErrorReasonOf(FromGrpcStatus(status)), kReasonPlanNotHeld);
 }
 
+// A call context with a 10 s deadline that presents `token` ("": none).
+std::unique_ptr<grpc::ClientContext> TokenContext(const char* token) {
+  auto context = std::make_unique<grpc::ClientContext>();
+  context->set_deadline(std::chrono::system_clock::now() +
+                        std::chrono::seconds(10));
+  if (*token != '\0') {
+    context->AddMetadata("authorization", std::string("Bearer ") + token);
+  }
+  return context;
+}
+
 TEST(WorkerServiceAuthTest, CheckpointRpcsNeedTheWorkerToken) {
   WorkerRuntimeOptions options;
   options.checkpoint_root = "/nonexistent";
@@ -172,27 +183,15 @@ TEST(WorkerServiceAuthTest, CheckpointRpcsNeedTheWorkerToken) {
   auto stub = v1::Worker::NewStub(grpc::CreateChannel(
       running->address, grpc::InsecureChannelCredentials()));
   for (const char* token : {"", "client-token"}) {
-    grpc::ClientContext save_context;
-    save_context.set_deadline(std::chrono::system_clock::now() +
-                              std::chrono::seconds(10));
-    if (*token != '\0') {
-      save_context.AddMetadata("authorization", std::string("Bearer ") + token);
-    }
     v1::SaveShardsResponse saved;
-    const grpc::Status status =
-        stub->SaveShards(&save_context, v1::SaveShardsRequest(), &saved);
+    const grpc::Status status = stub->SaveShards(
+        TokenContext(token).get(), v1::SaveShardsRequest(), &saved);
     EXPECT_TRUE(status.error_code() == grpc::StatusCode::UNAUTHENTICATED ||
                 status.error_code() == grpc::StatusCode::PERMISSION_DENIED)
         << token << ": " << status.error_message();
-    grpc::ClientContext load_context;
-    load_context.set_deadline(std::chrono::system_clock::now() +
-                              std::chrono::seconds(10));
-    if (*token != '\0') {
-      load_context.AddMetadata("authorization", std::string("Bearer ") + token);
-    }
     v1::LoadShardsResponse loaded;
-    const grpc::Status load_status =
-        stub->LoadShards(&load_context, v1::LoadShardsRequest(), &loaded);
+    const grpc::Status load_status = stub->LoadShards(
+        TokenContext(token).get(), v1::LoadShardsRequest(), &loaded);
     EXPECT_TRUE(load_status.error_code() == grpc::StatusCode::UNAUTHENTICATED ||
                 load_status.error_code() == grpc::StatusCode::PERMISSION_DENIED)
         << token << ": " << load_status.error_message();
@@ -212,13 +211,7 @@ TEST(WorkerServiceAuthTest, RelayHeartbeatNeedsTheWorkerTokenAndAnAnswer) {
   beat.set_rank(3);
   beat.set_incarnation(33);
   auto call = [&](const char* token, v1::HeartbeatResponse* response) {
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() +
-                         std::chrono::seconds(10));
-    if (*token != '\0') {
-      context.AddMetadata("authorization", std::string("Bearer ") + token);
-    }
-    return stub->RelayHeartbeat(&context, beat, response);
+    return stub->RelayHeartbeat(TokenContext(token).get(), beat, response);
   };
   v1::HeartbeatResponse response;
   EXPECT_EQ(call("", &response).error_code(),
