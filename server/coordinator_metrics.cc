@@ -148,12 +148,7 @@ absl::Status RegisterCoordinatorMetrics(CoordinatorService* service,
     registry->AddCollector([latencies, rpc_seconds] {
       for (int m = 0; m < RpcLatencies::kMethods; ++m) {
         const auto method = static_cast<RpcLatencies::Method>(m);
-        const RpcLatencies::Snapshot s = latencies->Get(method);
-        HistogramFamily::Snapshot out;
-        out.bucket_counts = s.bucket_counts;
-        out.count = s.count;
-        out.sum = s.sum_seconds;
-        rpc_seconds->Set({RpcLatencies::Name(method)}, out);
+        rpc_seconds->Set({RpcLatencies::Name(method)}, latencies->Get(method));
       }
     });
   }

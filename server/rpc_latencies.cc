@@ -68,7 +68,7 @@ RpcLatencies::Snapshot RpcLatencies::Get(Method method) const {
     out.bucket_counts[i] = m.buckets[i].load(std::memory_order_relaxed);
     out.count += out.bucket_counts[i];
   }
-  out.sum_seconds =
+  out.sum =
       static_cast<double>(m.sum_nanos.load(std::memory_order_relaxed)) * 1e-9;
   return out;
 }

@@ -15,6 +15,7 @@
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/metrics_registry.h"
 
 namespace shardd {
 
@@ -41,12 +42,10 @@ class RpcLatencies {
   static constexpr int kBounds = 24;
   static const std::vector<double>& Bounds();
 
-  struct Snapshot {
-    // Non-cumulative counts, one per bound, the unbounded bucket last.
-    std::vector<uint64_t> bucket_counts;
-    uint64_t count = 0;
-    double sum_seconds = 0.0;
-  };
+  // Non-cumulative counts, one per bound, the unbounded bucket last; the
+  // sum in seconds. The metrics registry's type, so a collector sets it as
+  // it is.
+  using Snapshot = HistogramFamily::Snapshot;
 
   RpcLatencies();
 

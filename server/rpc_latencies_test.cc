@@ -25,7 +25,7 @@ TEST(RpcLatenciesTest, CountsEachCallInItsBucket) {
   EXPECT_EQ(s.bucket_counts[1], 1u);                      // <= 20 us
   EXPECT_EQ(s.bucket_counts[7], 1u);                      // <= 1.28 ms
   EXPECT_EQ(s.bucket_counts[RpcLatencies::kBounds], 1u);  // > 84 s
-  EXPECT_NEAR(s.sum_seconds, 100.001016, 1e-9);
+  EXPECT_NEAR(s.sum, 100.001016, 1e-9);
   EXPECT_EQ(latencies.Get(RpcLatencies::kBarrier).count, 1u);
   EXPECT_EQ(latencies.Get(RpcLatencies::kPut).count, 0u);
 

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/grpc_status.h"
 
 namespace shardd {
 namespace testing_util {
@@ -137,14 +138,8 @@ grpc::ServerUnaryReactor* SimulatedWorkerService::RelayHeartbeat(
   const int i = WorkerOf(context);
   if (i < 0 || crashed_[i]) return Finish(context, kCrashed);
   absl::StatusOr<v1::HeartbeatResponse> answer = relays_[i]->Record(*request);
-  if (!answer.ok()) {
-    return Finish(context,
-                  grpc::Status(static_cast<grpc::StatusCode>(
-                                   static_cast<int>(answer.status().code())),
-                               std::string(answer.status().message())));
-  }
-  *response = *std::move(answer);
-  return Finish(context, grpc::Status::OK);
+  if (answer.ok()) *response = *std::move(answer);
+  return Finish(context, ToGrpcStatus(answer.status()));
 }
 
 }  // namespace testing_util

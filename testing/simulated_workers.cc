@@ -8,6 +8,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "absl/time/clock.h"
+#include "common/grpc_status.h"
+#include "worker/grpc/heartbeat_relay.h"
 
 namespace shardd {
 namespace testing_util {
@@ -207,10 +209,10 @@ void SimulatedWorkers::StartHeartbeats(absl::Duration interval) {
 
 void SimulatedWorkers::HeartbeatLoop(absl::Duration interval) {
   if (options_.service != nullptr) {
-    // As CoordinatorAgent: an answer older than 1.25 periods is
-    // no answer.
+    // As CoordinatorAgent.
     for (int i = 0; i < options_.workers; ++i) {
-      options_.service->relay(i)->set_stale_after(interval * 1.25);
+      options_.service->relay(i)->set_stale_after(interval *
+                                                  kRelayStaleIntervals);
     }
   }
   // Ticks of 1 ms, each sending its share of the round.
@@ -298,15 +300,15 @@ void SimulatedWorkers::BeatThroughRelay(int i, int relay,
   call->request.set_incarnation(incarnations_[i]);
   call->context.set_authority(options_.service->address(relay));
   call->context.set_deadline(std::chrono::system_clock::now() +
-                             absl::ToChronoNanoseconds(interval / 2));
+                             absl::ToChronoNanoseconds(interval *
+                                                       kRelayCallIntervals));
   call->start = absl::Now();
   relay_stubs_[i % relay_stubs_.size()]->async()->RelayHeartbeat(
       &call->context, &call->request, &call->response,
       [this, i, call, interval](grpc::Status status) {
         const absl::Time begun = call->start;
         delete call;
-        if (status.ok() || status.error_code() == grpc::StatusCode::ABORTED ||
-            status.error_code() == grpc::StatusCode::NOT_FOUND) {
+        if (RelayAnswered(FromGrpcStatus(status).code())) {
           BeatDone(begun, status);
           return;
         }

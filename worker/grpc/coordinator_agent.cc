@@ -19,9 +19,6 @@ namespace {
 constexpr absl::Duration kMaxWait = absl::Hours(24);
 // Shortest heartbeat period, whatever the coordinator says.
 constexpr absl::Duration kMinHeartbeatInterval = absl::Milliseconds(10);
-// A relay's answer from the coordinator goes stale after this many heartbeat
-// intervals (HeartbeatRelayOptions::stale_after).
-constexpr double kRelayStaleAfter = 1.25;
 // Message size for KV values (the coordinator accepts 16 MiB values).
 constexpr int kMaxMessageBytes = 64 << 20;
 
@@ -269,8 +266,7 @@ void CoordinatorAgent::HeartbeatLoop() {
       // The relay's word on this worker (OK, or the coordinator's refusal)
       // stands; anything else means it cannot relay now: beat the
       // coordinator at once, and ignore relays for a while.
-      relayed = status.ok() || status.code() == absl::StatusCode::kAborted ||
-                status.code() == absl::StatusCode::kNotFound;
+      relayed = RelayAnswered(status.code());
       if (!relayed) {
         SHARDD_LOG(WARNING)
             << "heartbeat through relay " << relay_address_ << " failed ("
@@ -318,11 +314,8 @@ absl::Status CoordinatorAgent::BeatCoordinator(
   request.set_rank(current.rank);
   request.set_incarnation(incarnation_);
   if (relay != nullptr) {
-    // This worker hears from the coordinator every interval; an answer
-    // older than 1.25 intervals is no answer (kRelayStaleAfter), so a member
-    // turned away reaches the coordinator directly within 2.25 intervals of
-    // its last relayed beat, well inside the timeout of 3.
-    relay->set_stale_after(current.heartbeat_interval * kRelayStaleAfter);
+    // This worker hears from the coordinator every interval.
+    relay->set_stale_after(current.heartbeat_interval * kRelayStaleIntervals);
     for (v1::RelayedHeartbeat& beat : relay->TakePending()) {
       *request.add_relayed() = std::move(beat);
     }
@@ -355,7 +348,8 @@ absl::Status CoordinatorAgent::BeatThroughRelay(
   // Short: a relay that does not answer quickly leaves time for the direct
   // beat in the same period.
   CallScope call(this,
-                 std::min(options_.rpc_timeout, current.heartbeat_interval / 2),
+                 std::min(options_.rpc_timeout,
+                          current.heartbeat_interval * kRelayCallIntervals),
                  /*wait_for_ready=*/false);
   if (!call.status().ok()) return call.status();
   return FromGrpcStatus(

@@ -24,10 +24,29 @@
 
 namespace shardd {
 
+// How a worker uses its relay (CoordinatorAgent, and the simulated workers
+// that stand in for it): the relay's answer from the coordinator goes stale
+// after this many heartbeat intervals, so a member it turns away reaches
+// the coordinator within 2.25 intervals of its last relayed beat, inside
+// the timeout of 3 ...
+inline constexpr double kRelayStaleIntervals = 1.25;
+// ... and a call to the relay gets half an interval, leaving the rest of
+// the period for a direct beat.
+inline constexpr double kRelayCallIntervals = 0.5;
+
+// True when a RelayHeartbeat's status is the relay's word on the caller (OK,
+// or the coordinator's refusal: register again); anything else means the
+// relay cannot relay now and the caller beats the coordinator directly.
+inline bool RelayAnswered(absl::StatusCode code) {
+  return code == absl::StatusCode::kOk || code == absl::StatusCode::kAborted ||
+         code == absl::StatusCode::kNotFound;
+}
+
 struct HeartbeatRelayOptions {
   // An answer from the coordinator older than this is no answer: the relay
   // turns callers away (UNAVAILABLE) so that they beat the coordinator
-  // directly. The agent sets 1.25 heartbeat intervals (set_stale_after).
+  // directly. The agent sets kRelayStaleIntervals heartbeat intervals
+  // (set_stale_after).
   absl::Duration stale_after = absl::Seconds(7);
   // Most distinct workers with a beat pending (a group is a handful; this
   // bounds what a misconfigured or hostile caller can make it hold).
