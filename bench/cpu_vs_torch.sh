@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One shardd CPU worker against plain PyTorch (bench/torch_qwen3_step.py)
+# One shardd CPU worker against plain PyTorch 2 (bench/torch_qwen3_step.py)
 # training the same Qwen3-MoE config on the same batch shape with the same
 # thread count, in one run; prints both tokens/s and the ratio.
 #
@@ -11,6 +11,9 @@
 # `shardctl train` reports it); PyTorch's is the median after 2 warm-ups.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# PyTorch 2 from the tests' virtual environment (made here when missing).
+tools/python_env.sh >&2
+python=${SHARDD_VENV:-/opt/shardd/venv}/bin/python
 config=${1:-tests/data/bench_qwen3_moe.json}
 batch=${2:-8}
 seq=${3:-256}
@@ -30,7 +33,7 @@ if [[ -z "$shardd" ]]; then
   echo "cpu_vs_torch: shardd did not report tokens/s" >&2
   exit 1
 fi
-torch_line=$(/usr/bin/python3 bench/torch_qwen3_step.py "$config" \
+torch_line=$("$python" bench/torch_qwen3_step.py "$config" \
   --batch "$batch" --seq "$seq" --threads "$threads" --steps "$steps")
 torch=$(sed -n 's/.*, \([0-9]*\) tokens\/s.*/\1/p' <<<"$torch_line")
 echo "config $config, batch $batch x seq $seq, $threads threads"

@@ -134,7 +134,21 @@ absl::StatusOr<v1::ModelSpec> BuildQwen3Moe(const ConfigReader& r,
                           ActivationFromConfig(r, "hidden_act", v1::SWIGLU));
   SHARDD_ASSIGN_OR_RETURN(Heads h, ReadHeads(r, c.hidden));
   SHARDD_ASSIGN_OR_RETURN(bool attn_bias, r.BoolOr("attention_bias", false));
-  SHARDD_ASSIGN_OR_RETURN(int64_t e, r.Int("num_experts", 1, kMaxExperts));
+  // The released configs say num_experts; transformers 5 writes
+  // num_local_experts (Qwen3MoeConfig's attribute map).
+  const bool released = r.Has("num_experts") || !r.Has("num_local_experts");
+  SHARDD_ASSIGN_OR_RETURN(
+      int64_t e,
+      r.Int(released ? "num_experts" : "num_local_experts", 1, kMaxExperts));
+  if (released && r.Has("num_local_experts")) {
+    SHARDD_ASSIGN_OR_RETURN(int64_t local,
+                            r.Int("num_local_experts", 1, kMaxExperts));
+    if (local != e) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "num_local_experts: ", local, " differs from num_experts ", e,
+          "; give one, or both equal"));
+    }
+  }
   SHARDD_ASSIGN_OR_RETURN(int64_t k, ReadTopK(r, "num_experts_per_tok", e));
   SHARDD_ASSIGN_OR_RETURN(int64_t moe_inter,
                           r.Int("moe_intermediate_size", 1, kMaxIntermediate));

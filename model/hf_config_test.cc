@@ -616,6 +616,28 @@ TEST(HfConfigTest, BadInputNamesTheField) {
   }
 }
 
+// transformers 5 saves Qwen3-MoE's expert count as num_local_experts.
+TEST(HfConfigTest, Qwen3MoeTakesTransformers5ExpertCount) {
+  json q = LoadJson("qwen3_30b_a3b.json");
+  const int64_t experts = q["num_experts"];
+  q.erase("num_experts");
+  q["num_local_experts"] = experts;
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ModelSpec spec, Parse(q));
+  EXPECT_EQ(spec.dims().num_experts(), experts);
+  q["num_experts"] = experts;  // Both, equal.
+  SHARDD_ASSERT_OK_AND_ASSIGN(spec, Parse(q));
+  EXPECT_EQ(spec.dims().num_experts(), experts);
+  q["num_experts"] = experts / 2;
+  EXPECT_THAT(Parse(q),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("num_local_experts: 128 differs from "
+                                 "num_experts 64")));
+  q.erase("num_experts");
+  q.erase("num_local_experts");
+  EXPECT_THAT(Parse(q), StatusIs(absl::StatusCode::kInvalidArgument,
+                                 HasSubstr("num_experts: missing")));
+}
+
 TEST(HfConfigTest, ArchitectureSpecificBadInput) {
   json q = LoadJson("qwen3_30b_a3b.json");
   q["mlp_only_layers"] = {99};

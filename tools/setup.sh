@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian packages shardd needs (tools/packages.txt) when they are
 # missing. Idempotent: with everything present it only checks and returns.
+# The tests' Python packages (PyPI) are tools/python_env.sh's, which
+# tools/test.sh runs after this; the main job and the image need none.
 # CUDA and NCCL are not Debian packages; they are used from /usr/local/cuda
 # when present (only `--config=cuda` builds need them).
 set -euo pipefail
@@ -30,20 +32,6 @@ else
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -q
   apt-get install -y -q --no-install-recommends "${missing[@]}"
-fi
-
-# The npm packages the deploy/k8s tests validate manifests with, exactly as
-# locked, into the git-ignored deploy/k8s/tests/node_modules (bazel test
-# downloads nothing). Reinstalled only when the lock file changed.
-npm_dir=deploy/k8s/tests
-if ! cmp -s "$npm_dir/package-lock.json" \
-    "$npm_dir/node_modules/.shardd-package-lock.json"; then
-  echo "setup: npm ci in $npm_dir"
-  (cd "$npm_dir" && npm ci --no-audit --no-fund --loglevel=error)
-  cp "$npm_dir/package-lock.json" \
-    "$npm_dir/node_modules/.shardd-package-lock.json"
-else
-  echo "setup: npm packages in $npm_dir/node_modules up to date"
 fi
 
 if [[ -x /usr/local/cuda/bin/nvcc ]]; then

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The README's test command: installs what is missing and runs the whole test
-# suite. Where nvcc is present (/usr/local/cuda) the suite runs under
+# The README's test command: installs what is missing (Debian packages, then
+# the tests' Python environment from PyPI) and runs the whole test suite. Where nvcc is present (/usr/local/cuda) the suite runs under
 # --config=cuda, so the CUDA kernels, the NCCL communicator and the device
 # allocator compile and link too and their CPU-runnable tests run; tests
 # tagged "gpu" are built but not run there (they need a GPU: run them with
@@ -11,6 +11,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh
+# The tests' Python environment: torch, transformers, safetensors,
+# kubernetes-validate at tools/python-requirements.txt's versions.
+tools/python_env.sh
 status=0
 # Dependencies point one way (docs/design.md, "Package map").
 tools/check_layering.sh || status=1

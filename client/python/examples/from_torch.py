@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """From a PyTorch nn.Module to a shardd training job.
 
 Defines a small Mixture-of-Experts language model in PyTorch (embedding; per
@@ -8,7 +8,8 @@ the module to write the native model spec of docs/model-spec.md, then
 submits it to a running coordinator, plans it and trains a few steps on the
 coordinator's workers:
 
-    /usr/bin/python3 client/python/examples/from_torch.py \\
+    PYTHONPATH=client/python /opt/shardd/venv/bin/python \\
+        client/python/examples/from_torch.py \\
         --coordinator 127.0.0.1:7070 --steps 10
 
 Only the module's structure travels: the workers initialise and train their

@@ -17,9 +17,9 @@ try:
     import torch
 except ImportError as error:
     # A failure, not a skip: tools/setup.sh installs them.
-    sys.exit(f"FAIL: {error}; this test needs Debian's python3-grpcio, "
-             "python3-protobuf and python3-torch for /usr/bin/python3 "
-             "(run tools/setup.sh)")
+    sys.exit(f"FAIL: {error}; this test needs torch, grpcio and protobuf "
+             "from the tests' Python environment (run tools/test.sh, or "
+             "tools/python_env.sh)")
 
 import shardd
 

@@ -1,34 +1,22 @@
-#!/usr/bin/python3
 """Renders every kustomization under deploy/k8s with every kubectl found
 (kubectl on PATH, plus SHARDD_KUBECTLS), validates each object against the
-Kubernetes JSON schemas (validate.js, kubernetes-models from tools/setup.sh)
-and checks what the manifests promise: probes on the health ports, GPUs only
+Kubernetes JSON schemas of named Kubernetes versions (schema_check.py,
+kubernetes-validate from the tests' Python environment) and checks what the manifests promise: probes on the health ports, GPUs only
 in the gpu overlay, secrets and ConfigMap keys that exist, labels that the
 Services and NetworkPolicies select. Different kubectls must render the
 same objects."""
 
 import base64
+import copy
 import json
 import os
-import re
 import subprocess
 import sys
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import k8s_util  # noqa: E402
-
-
-def node_modules():
-    """SHARDD_NODE_MODULES, else the node_modules beside the real
-    package.json (tools/setup.sh installs it there; the sandbox sees the
-    source tree read-only)."""
-    if os.environ.get("SHARDD_NODE_MODULES"):
-        return os.environ["SHARDD_NODE_MODULES"]
-    package = os.path.join(k8s_util.runfiles_root(), "deploy", "k8s", "tests",
-                           "package.json")
-    return os.path.join(os.path.dirname(os.path.realpath(package)),
-                        "node_modules")
+import schema_check  # noqa: E402
 
 
 def container(pod_owner, name):
@@ -98,19 +86,51 @@ class RenderTest(unittest.TestCase):
 
     def test_objects_match_the_schemas(self):
         self.assertTrue(self.rendered)
-        files = []
-        out = k8s_util.make_temp_dir("json")
+        failures, checked = [], 0
         for (kubectl, kustomization), objects in self.rendered.items():
-            name = re.sub(r"[^A-Za-z0-9]+", "_",
-                          f"{kubectl}_{kustomization}") + ".json"
-            path = os.path.join(out, name)
-            with open(path, "w") as f:
-                json.dump(objects, f)
-            files.append(path)
-        result = subprocess.run(
-            ["node", "deploy/k8s/tests/validate.js", node_modules()] + files,
-            capture_output=True, text=True, timeout=120)
-        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+            for version in schema_check.KUBERNETES_VERSIONS:
+                for obj in objects:
+                    checked += 1
+                    failures += [f"{kustomization} ({kubectl}), Kubernetes "
+                                 f"{version}: {p}"
+                                 for p in schema_check.problems(obj, version)]
+        print(f"{checked} object checks against Kubernetes "
+              f"{' and '.join(schema_check.KUBERNETES_VERSIONS)}")
+        self.assertEqual(failures, [])
+
+    def test_broken_objects_fail_the_schemas(self):
+        """The check above can fail: a misspelt field, a wrong type, a
+        missing required field and an unknown kind, each in an otherwise
+        valid rendered object."""
+        objects = self.rendered[(self.kubectls[0], "overlays/cpu")]
+        workers = k8s_util.one(objects, "StatefulSet", "shardd-worker")
+
+        def broken(change):
+            obj = copy.deepcopy(workers)
+            change(obj)
+            return obj
+
+        def misspelt(o):
+            c = o["spec"]["template"]["spec"]["containers"][0]
+            c["readinesProbe"] = c.pop("readinessProbe")
+
+        def wrong_type(o):
+            o["spec"]["replicas"] = "four"
+
+        def no_selector(o):
+            del o["spec"]["selector"]
+
+        def unknown_kind(o):
+            o["kind"] = "StatefulSett"
+        for version in schema_check.KUBERNETES_VERSIONS:
+            self.assertEqual(schema_check.problems(workers, version), [])
+            for change, want in ((misspelt, "'readinesProbe' was unexpected"),
+                                 (wrong_type, "/spec/replicas"),
+                                 (no_selector, "'selector' is a required"),
+                                 (unknown_kind, "no schema for apps/v1")):
+                found = schema_check.problems(broken(change), version)
+                self.assertTrue(any(want in p for p in found),
+                                f"{change.__name__} under {version}: {found}")
 
     def test_kubectls_agree(self):
         def sort_env(value):
