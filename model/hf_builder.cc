@@ -43,6 +43,7 @@ absl::StatusOr<v1::ModelSpec> BuildDecoder(
   d->set_activation(c.activation);
   d->set_tie_word_embeddings(c.tie);
   d->set_rms_norm_eps(c.eps);
+  if (c.pad >= 0) d->set_pad_token_id(c.pad);
   return spec;
 }
 
@@ -91,6 +92,8 @@ absl::StatusOr<CommonConfig> ReadCommon(const ConfigReader& r,
   SHARDD_ASSIGN_OR_RETURN(c.layers, r.Int("num_hidden_layers", 1, kMaxLayers));
   SHARDD_ASSIGN_OR_RETURN(c.tie, r.BoolOr("tie_word_embeddings", default_tie));
   SHARDD_ASSIGN_OR_RETURN(c.eps, r.NonNegativeDoubleOr("rms_norm_eps", 1e-6));
+  // transformers builds the embedding with padding_idx = pad_token_id.
+  SHARDD_ASSIGN_OR_RETURN(c.pad, r.IntOr("pad_token_id", -1, 0, c.vocab - 1));
   return c;
 }
 

@@ -122,6 +122,7 @@ struct CommonConfig {
   bool tie = false;
   double eps = 1e-6;
   v1::Activation activation = v1::SWIGLU;
+  int64_t pad = -1;  // pad_token_id; -1: none.
 };
 
 // The usual decoder skeleton: root {model {embed_tokens, layers, norm,

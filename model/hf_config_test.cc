@@ -616,6 +616,30 @@ TEST(HfConfigTest, BadInputNamesTheField) {
   }
 }
 
+// pad_token_id becomes dims.pad_token_id (transformers' padding_idx): set
+// when the config names one, unset when absent or null, refused outside the
+// vocabulary.
+TEST(HfConfigTest, PadTokenId) {
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ModelSpec oss,
+                              Parse(LoadJson("gpt_oss_20b.json")));
+  ASSERT_TRUE(oss.dims().has_pad_token_id());
+  EXPECT_EQ(oss.dims().pad_token_id(), 199999);
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ModelSpec gemma,
+                              Parse(LoadJson("diffusion_gemma_26b.json")));
+  ASSERT_TRUE(gemma.dims().has_pad_token_id());  // text_config's.
+  EXPECT_EQ(gemma.dims().pad_token_id(), 0);
+  json l = LoadJson("llama3_8b.json");
+  l.erase("pad_token_id");
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ModelSpec none, Parse(l));
+  EXPECT_FALSE(none.dims().has_pad_token_id());
+  l["pad_token_id"] = nullptr;
+  SHARDD_ASSERT_OK_AND_ASSIGN(none, Parse(l));
+  EXPECT_FALSE(none.dims().has_pad_token_id());
+  l["pad_token_id"] = l["vocab_size"];
+  EXPECT_THAT(Parse(l), StatusIs(absl::StatusCode::kInvalidArgument,
+                                 HasSubstr("pad_token_id")));
+}
+
 // transformers 5 saves Qwen3-MoE's expert count as num_local_experts.
 TEST(HfConfigTest, Qwen3MoeTakesTransformers5ExpertCount) {
   json q = LoadJson("qwen3_30b_a3b.json");

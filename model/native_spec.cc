@@ -174,7 +174,8 @@ absl::StatusOr<v1::ModelDims> ReadDims(const json& v, const std::string& path) {
                                        "n_group",
                                        "topk_group",
                                        "routed_scaling_factor",
-                                       "router_aux_loss_coef"}));
+                                       "router_aux_loss_coef",
+                                       "pad_token_id"}));
   v1::ModelDims d;
   constexpr int64_t kI32 = 2147483647;
   constexpr int64_t kBig = kMaxDim - 1;
@@ -205,6 +206,7 @@ absl::StatusOr<v1::ModelDims> ReadDims(const json& v, const std::string& path) {
       {"n_group", kI32, [&](int64_t x) { d.set_n_group(x); }},
       {"topk_group", kI32, [&](int64_t x) { d.set_topk_group(x); }},
       {"canvas_length", kBig, [&](int64_t x) { d.set_canvas_length(x); }},
+      {"pad_token_id", kBig, [&](int64_t x) { d.set_pad_token_id(x); }},
   };
   // Every size is optional and defaults to 0 ("none").
   for (const IntField& f : fields) {
@@ -562,6 +564,7 @@ std::string ModelSpecToNativeJson(const v1::ModelSpec& model) {
   }
   if (d.embedding_scale() != 0) dims["embedding_scale"] = d.embedding_scale();
   if (d.canvas_length() != 0) dims["canvas_length"] = d.canvas_length();
+  if (d.has_pad_token_id()) dims["pad_token_id"] = d.pad_token_id();
   if (d.has_attention()) {
     std::string text;
     google::protobuf::util::JsonPrintOptions options;

@@ -57,10 +57,12 @@ absl::Status EmbeddingForward(const float* table, int64_t vocab_size,
 
 absl::Status EmbeddingBackward(const float* dout, const int32_t* ids,
                                int64_t num_tokens, int64_t vocab_size,
-                               int64_t dim, float* dtable) {
+                               int64_t dim, float* dtable,
+                               int64_t padding_id) {
   SHARDD_RETURN_IF_ERROR(ValidateArgs(dtable, vocab_size, dim, ids, num_tokens,
                                       dout, "dtable", "dout"));
   for (int64_t t = 0; t < num_tokens; ++t) {
+    if (ids[t] == padding_id) continue;
     float* row = dtable + static_cast<int64_t>(ids[t]) * dim;
     const float* g = dout + t * dim;
     for (int64_t d = 0; d < dim; ++d) row[d] += g[d];

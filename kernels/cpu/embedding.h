@@ -24,10 +24,13 @@ absl::Status EmbeddingForward(const float* table, int64_t vocab_size,
 // (deterministic; repeated ids accumulate in that order).
 // dtable is a PARAMETER gradient: it accumulates (+=), never overwritten.
 // Shapes: dout [num_tokens, dim], ids [num_tokens], dtable [vocab_size, dim].
+// Tokens whose id is `padding_id` add nothing (torch.nn.Embedding's
+// padding_idx; -1: none).
 // Errors: as EmbeddingForward; on error `dtable` is untouched.
 absl::Status EmbeddingBackward(const float* dout, const int32_t* ids,
                                int64_t num_tokens, int64_t vocab_size,
-                               int64_t dim, float* dtable);
+                               int64_t dim, float* dtable,
+                               int64_t padding_id = -1);
 
 }  // namespace kernels
 }  // namespace shardd

@@ -93,6 +93,26 @@ TEST(EmbeddingTest, BackwardScatterAddsAndAccumulates) {
               ::testing::ElementsAre(10.5f, 20.5f, 0.5f, 0.5f, 101.5f, 202.5f));
 }
 
+// torch.nn.Embedding's padding_idx: the padding row's lookups add nothing;
+// the other rows are as without it.
+TEST(EmbeddingTest, BackwardSkipsThePaddingId) {
+  const int64_t vocab = 3, dim = 2;
+  const std::vector<int32_t> ids = {2, 0, 2};
+  const std::vector<float> dout = {1, 2, 10, 20, 100, 200};
+  std::vector<float> dtable = {0.5f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f};
+  SHARDD_ASSERT_OK(EmbeddingBackward(dout.data(), ids.data(), ids.size(), vocab,
+                                     dim, dtable.data(), /*padding_id=*/2));
+  EXPECT_THAT(dtable,
+              ::testing::ElementsAre(10.5f, 20.5f, 0.5f, 0.5f, 0.5f, 0.5f));
+  // An id no token has changes nothing.
+  std::vector<float> plain(vocab * dim, 0.0f), skipped(vocab * dim, 0.0f);
+  SHARDD_ASSERT_OK(EmbeddingBackward(dout.data(), ids.data(), ids.size(), vocab,
+                                     dim, plain.data()));
+  SHARDD_ASSERT_OK(EmbeddingBackward(dout.data(), ids.data(), ids.size(), vocab,
+                                     dim, skipped.data(), /*padding_id=*/1));
+  EXPECT_EQ(plain, skipped);
+}
+
 TEST(EmbeddingTest, BackwardMatchesFiniteDifferences) {
   const int64_t vocab = 6, dim = 4;
   const std::vector<int32_t> ids = {1, 5, 1, 3, 0};

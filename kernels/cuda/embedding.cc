@@ -66,7 +66,8 @@ template <typename T>
 absl::Status Backward(const T* dout, const int32_t* ids, int64_t num_tokens,
                       int64_t vocab_size, int64_t dim, float* dtable,
                       void* workspace, size_t workspace_bytes,
-                      int32_t* bad_id_count, cudaStream_t stream) {
+                      int32_t* bad_id_count, int64_t padding_id,
+                      cudaStream_t stream) {
   constexpr const char* kOp = "cuda EmbeddingBackward";
   SHARDD_RETURN_IF_ERROR(ValidateSizes(vocab_size, dim, num_tokens, kOp));
   if (num_tokens == 0 || dim == 0) return absl::OkStatus();
@@ -82,7 +83,7 @@ absl::Status Backward(const T* dout, const int32_t* ids, int64_t num_tokens,
   SHARDD_CUDA_RETURN_IF_ERROR(
       LaunchEmbeddingBackward(dout, ids, num_tokens, vocab_size, dim, dtable,
                               layout.buckets, layout.sorted_tokens,
-                              bad_id_count, stream),
+                              bad_id_count, padding_id, stream),
       kOp);
   return absl::OkStatus();
 }
@@ -114,18 +115,18 @@ absl::Status EmbeddingBackward(const float* dout, const int32_t* ids,
                                int64_t num_tokens, int64_t vocab_size,
                                int64_t dim, float* dtable, void* workspace,
                                size_t workspace_bytes, int32_t* bad_id_count,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, int64_t padding_id) {
   return Backward(dout, ids, num_tokens, vocab_size, dim, dtable, workspace,
-                  workspace_bytes, bad_id_count, stream);
+                  workspace_bytes, bad_id_count, padding_id, stream);
 }
 
 absl::Status EmbeddingBackward(const uint16_t* dout, const int32_t* ids,
                                int64_t num_tokens, int64_t vocab_size,
                                int64_t dim, float* dtable, void* workspace,
                                size_t workspace_bytes, int32_t* bad_id_count,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, int64_t padding_id) {
   return Backward(dout, ids, num_tokens, vocab_size, dim, dtable, workspace,
-                  workspace_bytes, bad_id_count, stream);
+                  workspace_bytes, bad_id_count, padding_id, stream);
 }
 
 }  // namespace cuda

@@ -43,7 +43,9 @@ absl::Status EmbeddingForward(const uint16_t* table, int64_t vocab_size,
 // int32 (each piece aligned to kWorkspaceAlignment). 0 for negative sizes.
 size_t EmbeddingBackwardWorkspaceBytes(int64_t vocab_size, int64_t num_tokens);
 
-// dtable[ids[t], :] += dout[t, :] for t in [0, num_tokens). dtable is a
+// dtable[ids[t], :] += dout[t, :] for t in [0, num_tokens), except for tokens
+// whose id is `padding_id` (torch.nn.Embedding's padding_idx; -1: none).
+// dtable is a
 // PARAMETER gradient (fp32): it accumulates, never overwritten. Deterministic:
 // the tokens are stably bucketed by id (a counting sort in the workspace), and
 // each table row adds its tokens' rows in token order, exactly as the CPU
@@ -59,12 +61,12 @@ absl::Status EmbeddingBackward(const float* dout, const int32_t* ids,
                                int64_t num_tokens, int64_t vocab_size,
                                int64_t dim, float* dtable, void* workspace,
                                size_t workspace_bytes, int32_t* bad_id_count,
-                               cudaStream_t stream);
+                               cudaStream_t stream, int64_t padding_id = -1);
 absl::Status EmbeddingBackward(const uint16_t* dout, const int32_t* ids,
                                int64_t num_tokens, int64_t vocab_size,
                                int64_t dim, float* dtable, void* workspace,
                                size_t workspace_bytes, int32_t* bad_id_count,
-                               cudaStream_t stream);
+                               cudaStream_t stream, int64_t padding_id = -1);
 
 }  // namespace cuda
 }  // namespace kernels

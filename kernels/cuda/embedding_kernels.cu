@@ -141,10 +141,12 @@ __global__ void AccumulateRunsKernel(const T* __restrict__ dout,
                                      const int32_t* __restrict__ ids,
                                      const int32_t* __restrict__ sorted_tokens,
                                      int64_t num_tokens, int64_t vocab_size,
-                                     int64_t dim, float* __restrict__ dtable) {
+                                     int64_t dim, float* __restrict__ dtable,
+                                     int64_t padding_id) {
   for (int64_t p = blockIdx.x; p < num_tokens; p += gridDim.x) {
     const int32_t id = ids[sorted_tokens[p]];
     if (id < 0 || id >= vocab_size) continue;  // the bad ids sort last
+    if (id == padding_id) continue;  // nn.Embedding's padding_idx
     if (p > 0 && ids[sorted_tokens[p - 1]] == id) continue;
     int64_t run_end = p + 1;
     while (run_end < num_tokens && ids[sorted_tokens[run_end]] == id) {
@@ -167,14 +169,15 @@ cudaError_t LaunchBackward(const T* dout, const int32_t* ids,
                            int64_t num_tokens, int64_t vocab_size, int64_t dim,
                            float* dtable, int32_t* buckets,
                            int32_t* sorted_tokens, int32_t* bad_id_count,
-                           cudaStream_t stream) {
+                           int64_t padding_id, cudaStream_t stream) {
   BucketTokensKernel<<<1, kSortThreads, 0, stream>>>(
       ids, num_tokens, vocab_size, buckets, sorted_tokens, bad_id_count);
   cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) return error;
   AccumulateRunsKernel<T>
       <<<GridFor(num_tokens), kAccumulateThreads, 0, stream>>>(
-          dout, ids, sorted_tokens, num_tokens, vocab_size, dim, dtable);
+          dout, ids, sorted_tokens, num_tokens, vocab_size, dim, dtable,
+          padding_id);
   return cudaGetLastError();
 }
 
@@ -207,20 +210,20 @@ cudaError_t LaunchEmbeddingBackward(const float* dout, const int32_t* ids,
                                     int64_t num_tokens, int64_t vocab_size,
                                     int64_t dim, float* dtable,
                                     int32_t* buckets, int32_t* sorted_tokens,
-                                    int32_t* bad_id_count,
+                                    int32_t* bad_id_count, int64_t padding_id,
                                     cudaStream_t stream) {
   return LaunchBackward(dout, ids, num_tokens, vocab_size, dim, dtable, buckets,
-                        sorted_tokens, bad_id_count, stream);
+                        sorted_tokens, bad_id_count, padding_id, stream);
 }
 
 cudaError_t LaunchEmbeddingBackward(const uint16_t* dout, const int32_t* ids,
                                     int64_t num_tokens, int64_t vocab_size,
                                     int64_t dim, float* dtable,
                                     int32_t* buckets, int32_t* sorted_tokens,
-                                    int32_t* bad_id_count,
+                                    int32_t* bad_id_count, int64_t padding_id,
                                     cudaStream_t stream) {
   return LaunchBackward(dout, ids, num_tokens, vocab_size, dim, dtable, buckets,
-                        sorted_tokens, bad_id_count, stream);
+                        sorted_tokens, bad_id_count, padding_id, stream);
 }
 
 }  // namespace cuda

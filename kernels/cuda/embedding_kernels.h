@@ -21,18 +21,21 @@ cudaError_t LaunchEmbeddingForward(const void* table, int64_t vocab_size,
                                    int64_t num_tokens, void* out,
                                    int32_t* bad_id_count, cudaStream_t stream);
 
-// dtable[ids[t], :] += dout[t, :] in token order per row. `buckets` holds
+// dtable[ids[t], :] += dout[t, :] in token order per row, except for tokens
+// whose id is padding_id (-1: none). `buckets` holds
 // vocab_size + 1 ints and `sorted_tokens` num_tokens ints of scratch.
 cudaError_t LaunchEmbeddingBackward(const float* dout, const int32_t* ids,
                                     int64_t num_tokens, int64_t vocab_size,
                                     int64_t dim, float* dtable,
                                     int32_t* buckets, int32_t* sorted_tokens,
-                                    int32_t* bad_id_count, cudaStream_t stream);
+                                    int32_t* bad_id_count, int64_t padding_id,
+                                    cudaStream_t stream);
 cudaError_t LaunchEmbeddingBackward(const uint16_t* dout, const int32_t* ids,
                                     int64_t num_tokens, int64_t vocab_size,
                                     int64_t dim, float* dtable,
                                     int32_t* buckets, int32_t* sorted_tokens,
-                                    int32_t* bad_id_count, cudaStream_t stream);
+                                    int32_t* bad_id_count, int64_t padding_id,
+                                    cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace kernels

@@ -85,6 +85,20 @@ TYPED_TEST(EmbeddingGpuTest, MatchesCpuExactly) {
     EXPECT_EQ(ops_testing::ToFloat(d_out.Download()), expected_out);
     EXPECT_EQ(d_dtable.Download(), expected_dtable);
     EXPECT_EQ(d_bad.Download()[0], 0);
+
+    // With a padding id (torch.nn.Embedding's padding_idx), as the CPU.
+    const int64_t pad = ids[0];
+    std::vector<float> expected_padded = dtable0;
+    SHARDD_ASSERT_OK(kernels::EmbeddingBackward(dout.data(), ids.data(),
+                                                c.tokens, c.vocab, c.dim,
+                                                expected_padded.data(), pad));
+    DeviceBuffer<float> d_padded(dtable0);
+    SHARDD_ASSERT_OK(EmbeddingBackward(
+        d_dout.get(), d_ids.get(), c.tokens, c.vocab, c.dim, d_padded.get(),
+        workspace.get(), workspace.size(), d_bad.get(), gpu.stream(), pad));
+    gpu.Sync();
+    EXPECT_EQ(d_padded.Download(), expected_padded);
+    EXPECT_NE(expected_padded, expected_dtable);
   }
 }
 

@@ -1,6 +1,6 @@
 """A coordinator and CPU workers on loopback, and `shardctl train` through
-them, for the reference tests (train_reference_test.py,
-transformers_test.py)."""
+them, for the reference tests (transformers_test.py, safetensors_test.py,
+diffusion_gemma_test.py)."""
 
 import json
 import os

@@ -60,6 +60,11 @@ FP32_BOUND = 1e-5
 # updates, 2 lr R u |g|_1 per earlier step; only step 1's gradient norm.
 BF16_BOUND = 27 * 2.0 ** -9
 
+# Configs given a pad_token_id (transformers then builds the embedding with
+# padding_idx: that row gets no gradient from lookups; Llama's head is tied,
+# so the row still trains through it).
+PADDED = {"tiny_llama3.json": 0, "tiny_mixtral.json": 5}
+
 # The dtype and shard size save_pretrained writes each config in.
 STORAGE = {
     "tiny_llama3.json": (torch.float32, None),
@@ -121,9 +126,9 @@ def tensor_shapes(directory):
     return shapes
 
 
-def tensor_bytes(directory):
-    """The tensor data bytes of every safetensors file in a directory (from
-    the files' headers)."""
+def tensor_bytes(directory, keep=lambda name: True):
+    """The data bytes of the tensors `keep` accepts in every safetensors file
+    of a directory (from the files' headers)."""
     total = 0
     for name in os.listdir(directory):
         if name.endswith(".safetensors"):
@@ -131,7 +136,8 @@ def tensor_bytes(directory):
                 (size,) = struct.unpack("<Q", f.read(8))
                 header = json.loads(f.read(size))
             total += sum(t["data_offsets"][1] - t["data_offsets"][0]
-                         for k, t in header.items() if k != "__metadata__")
+                         for k, t in header.items()
+                         if k != "__metadata__" and keep(k))
     return total
 
 
@@ -380,10 +386,24 @@ def no_swiglu_clamp(model):
             m.limit = limit
 
 
+@contextlib.contextmanager
+def no_padding_idx(model):
+    """The padding row trained by lookups too."""
+    embedding = model.get_input_embeddings()
+    padding = embedding.padding_idx
+    embedding.padding_idx = None
+    try:
+        yield
+    finally:
+        embedding.padding_idx = padding
+
+
 def mutations(model):
     """The deliberate errors that apply to this model (each also shows
     that what it removes matters here)."""
     out = [("a wrong softmax scale", wrong_softmax_scale)]
+    if model.get_input_embeddings().padding_idx is not None:
+        out.append(("no padding_idx", no_padding_idx))
     if getattr(model.config, "output_router_logits", False):
         out.append(("no load-balancing term", no_aux_loss))
     if any(n.endswith("e_score_correction_bias")
@@ -418,9 +438,11 @@ class ConfigCheck:
         self.hf_dir = os.path.join(work, self.name + ".hf")
         dtype, shard = STORAGE.get(self.name, (torch.float32, None))
         gen = torch.Generator().manual_seed(seed)
+        hf_config = load_config(config)
+        if self.name in PADDED:
+            hf_config.pad_token_id = PADDED[self.name]
         model = transformers.AutoModelForCausalLM.from_config(
-            load_config(config), attn_implementation="eager",
-            dtype=torch.float32)
+            hf_config, attn_implementation="eager", dtype=torch.float32)
         redraw(model, gen)
         model.to(dtype).save_pretrained(
             self.hf_dir, **({"max_shard_size": shard} if shard else {}))
@@ -441,6 +463,12 @@ class ConfigCheck:
         vocab = model.config.vocab_size
         self.tokens = torch.randint(0, vocab, (STEPS * BATCH * SEQ + 1,),
                                     generator=gen).tolist()
+        if model.config.pad_token_id is not None:
+            # The padding token in every step's batch, twice.
+            for step in range(STEPS):
+                for k in (3, SEQ + 7):
+                    self.tokens[step * BATCH * SEQ + k] = (
+                        model.config.pad_token_id)
         self.data_path = os.path.join(work, self.name + ".bin")
         with open(self.data_path, "wb") as f:
             f.write(struct.pack(f"<{len(self.tokens)}H", *self.tokens))

@@ -419,7 +419,7 @@ absl::Status ModelState::EmbedBackward(T* dx, const int32_t* ids, int64_t t,
   return kc::EmbeddingBackward(dx, ids, t, vocab, dim, dtable, ws.data(),
                                ws_bytes,
                                &step_loss.as<DeviceStepLoss>()->bad_ids,
-                               stream);
+                               stream, pad_id);
 }
 
 template <typename T>
@@ -515,6 +515,15 @@ template absl::Status ModelState::Backward<float>(const Command& c,
                                                   DeviceParamSource* params);
 template absl::Status ModelState::Backward<uint16_t>(const Command& c,
                                                      DeviceParamSource* params);
+// device_moe_model_diffusion.cc's passes use these too.
+template absl::Status ModelState::EmbedBackward<float>(float* dx,
+                                                       const int32_t* ids,
+                                                       int64_t t,
+                                                       float* dtable);
+template absl::Status ModelState::EmbedBackward<uint16_t>(uint16_t* dx,
+                                                          const int32_t* ids,
+                                                          int64_t t,
+                                                          float* dtable);
 
 }  // namespace device_moe_internal
 }  // namespace shardd

@@ -54,6 +54,7 @@ absl::StatusOr<MoeArchitecture> ReadDiffusionGemmaArchitecture(
   const v1::AttentionSpec& spec = dims.attention();
   arch.vocab = dims.vocab_size();
   arch.dim = dims.hidden_size();
+  SHARDD_ASSIGN_OR_RETURN(arch.pad_id, PadIdOf(dims, arch.vocab));
   const int64_t d = arch.dim;
   arch.top_k = dims.top_k();
   arch.eps = dims.rms_norm_eps() > 0 ? static_cast<float>(dims.rms_norm_eps())

@@ -176,6 +176,16 @@ absl::Status CheckModelStepShape(int passes, int no_grad_passes,
   return absl::OkStatus();
 }
 
+absl::StatusOr<int64_t> PadIdOf(const v1::ModelDims& dims, int64_t vocab) {
+  if (!dims.has_pad_token_id()) return -1;
+  if (dims.pad_token_id() < 0 || dims.pad_token_id() >= vocab) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("dims.pad_token_id: ", dims.pad_token_id(),
+                     " is not a token id; allowed: [0, ", vocab, ")"));
+  }
+  return dims.pad_token_id();
+}
+
 absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
     const v1::ModelSpec& model) {
   if (model.architecture() == "DiffusionGemmaForBlockDiffusion") {
@@ -220,6 +230,7 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
   }
   arch.vocab = arch.embed.shape[0];
   arch.dim = arch.embed.shape[1];
+  SHARDD_ASSIGN_OR_RETURN(arch.pad_id, PadIdOf(model.dims(), arch.vocab));
   const int64_t d = arch.dim;
   arch.top_k = model.dims().top_k();
   arch.eps = model.dims().rms_norm_eps() > 0

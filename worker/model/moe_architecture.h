@@ -100,6 +100,9 @@ struct MoeLayerSpec {
 struct MoeArchitecture {
   int64_t vocab = 0;
   int64_t dim = 0;
+  // dims.pad_token_id: the embedding row that lookups pass no gradient to
+  // (torch.nn.Embedding's padding_idx); -1: none.
+  int64_t pad_id = -1;
   int top_k = 0;
   float eps = 1e-6f;
   kernels::GatedActivation activation = kernels::GatedActivation::kSwiGLU;
@@ -169,6 +172,10 @@ struct MoeArchitecture {
 // the sigmoid router (Hugging Face's loss softmaxes the logits), or a
 // parameter the model does not use.
 absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(const v1::ModelSpec& model);
+
+// dims.pad_token_id as MoeArchitecture::pad_id (-1 when unset). Errors:
+// INVALID_ARGUMENT naming dims.pad_token_id when it is outside [0, vocab).
+absl::StatusOr<int64_t> PadIdOf(const v1::ModelDims& dims, int64_t vocab);
 
 // DiffusionGemmaForBlockDiffusion's shared stack (model/hf_diffusion_gemma's
 // tree), read by ReadMoeArchitecture: every layer `gemma`, with attention

@@ -626,7 +626,8 @@ absl::Status MoeModel::Impl::EmbedBackward(ParamSource* params,
     }
     float* dtable = Zeroed(&scratch, vocab * dim);
     SHARDD_RETURN_IF_ERROR(kernels::EmbeddingBackward(a->dx.data(), ids, t,
-                                                      vocab, dim, dtable));
+                                                      vocab, dim, dtable,
+                                                      pad_id));
     SHARDD_RETURN_IF_ERROR(AddGrad(params, embed, dtable));
   }
   FreeVector(&a->dx);

@@ -227,7 +227,7 @@ absl::Status MoeModel::Impl::SelfConditioningBackward(const Batch& batch,
   float* dtable = Zeroed(&scratch, vocab * dim);
   for (float& v : g) v *= embedding_scale;
   SHARDD_RETURN_IF_ERROR(kernels::EmbeddingBackward(
-      g.data(), batch.canvas.noised.data(), t, vocab, dim, dtable));
+      g.data(), batch.canvas.noised.data(), t, vocab, dim, dtable, pad_id));
   for (float& v : ds) v *= embedding_scale;
   for (int64_t s = 0; s < batch.batch; ++s) {
     if (!batch.canvas.self_cond[s]) continue;
