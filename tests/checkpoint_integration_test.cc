@@ -207,7 +207,7 @@ TEST_F(CheckpointIntegrationTest, ResumedJobContinuesTheLearningRateSchedule) {
 // rank without --optimizer: the job inherits muon (and --muon-lr) from the
 // checkpoint's config, and its losses continue the uninterrupted job's
 // within the same bounds as AdamW's above (measured differences across
-// world sizes: ~1e-8 relative, train_reference_test). Resumed as AdamW
+// world sizes: ~1e-8 relative, tests/reference/transformers_test). Resumed as AdamW
 // instead, steps 5 and 6 would run AdamW from Muon's momentum and a zero
 // second moment.
 TEST_F(CheckpointIntegrationTest, ResumedJobContinuesMuon) {
