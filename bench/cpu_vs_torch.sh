@@ -1,42 +1,61 @@
 #!/usr/bin/env bash
-# One shardd CPU worker against plain PyTorch 2 (bench/torch_qwen3_step.py)
-# training the same Qwen3-MoE config on the same batch shape with the same
-# thread count, in one run; prints both tokens/s and the ratio.
+# shardd's CPU workers (1 and 2) against Hugging Face transformers' own model
+# under PyTorch 2 (bench/torch2_step.py: eager, SDPA, torch.compile, and
+# FSDP2 over Gloo with 2 processes), in one run, on the same config, batch,
+# sequence, fp32 and thread count. Every figure is the median step time
+# after the same warm-up; prints tokens/s for each and shardd's best over
+# the fastest PyTorch peer.
 #
 #   bench/cpu_vs_torch.sh [CONFIG.json] [BATCH] [SEQ] [THREADS] [STEPS]
 #
-# Defaults: tests/data/bench_qwen3_moe.json (hidden 512, 4 layers, 8
-# experts top-2), batch 8 x seq 256, 2 threads, 10 steps. shardd's figure is
-# its own mean step time over the steps (the first one included, as
-# `shardctl train` reports it); PyTorch's is the median after 2 warm-ups.
+# Defaults: tests/data/bench_qwen3_moe.json, batch 8 x seq 256, 2 threads,
+# 8 timed steps after 2 warm-up steps. With 2 workers or 2 FSDP2 processes,
+# each gets half the threads.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# PyTorch 2 from the tests' virtual environment (made here when missing).
 tools/python_env.sh >&2
 python=${SHARDD_VENV:-/opt/shardd/venv}/bin/python
 config=${1:-tests/data/bench_qwen3_moe.json}
 batch=${2:-8}
 seq=${3:-256}
 threads=${4:-2}
-steps=${5:-10}
+steps=${5:-8}
+warmup=2
 
-out=$(OPENBLAS_NUM_THREADS=$threads SHARDD_MODEL=$config SHARDD_WORKERS=1 \
-  SHARDD_STEPS=$steps SHARDD_TLS=0 SHARDD_BATCH=$batch SHARDD_SEQ=$seq \
-  SHARDD_TRAIN_ARGS="--json" SHARDD_ORDER=1 \
-  deploy/local/run.sh 2>&1)
-# The summary line of `shardctl train --json` (the last JSON line).
-shardd=$(grep '^{"event":"summary"' <<<"$out" | /usr/bin/python3 -c \
-  'import json, sys; print(json.loads(sys.stdin.readline())["tokens_per_second"])' \
-  2>/dev/null || true)
-if [[ -z "$shardd" ]]; then
-  echo "$out" | tail -n 30 >&2
-  echo "cpu_vs_torch: shardd did not report tokens/s" >&2
-  exit 1
-fi
-torch_line=$("$python" bench/torch_qwen3_step.py "$config" \
-  --batch "$batch" --seq "$seq" --threads "$threads" --steps "$steps")
-torch=$(sed -n 's/.*, \([0-9]*\) tokens\/s.*/\1/p' <<<"$torch_line")
-echo "config $config, batch $batch x seq $seq, $threads threads"
-echo "shardd (1 CPU worker): $shardd tokens/s"
-echo "$torch_line"
-/usr/bin/python3 -c "print(f'shardd / torch: {$shardd / $torch:.2f}x')"
+# shardd_tokens_per_second WORKERS: the median step after the warm-up.
+shardd_tokens_per_second() {
+  local workers=$1 out
+  out=$(OPENBLAS_NUM_THREADS=$((threads / workers > 0 ? threads / workers : 1)) \
+    SHARDD_MODEL=$config SHARDD_WORKERS=$workers \
+    SHARDD_STEPS=$((steps + warmup)) SHARDD_TLS=0 SHARDD_BATCH=$batch \
+    SHARDD_SEQ=$seq SHARDD_TRAIN_ARGS="--json --no-mixed-precision" \
+    SHARDD_ORDER=1 deploy/local/run.sh 2>&1) || {
+    echo "$out" | tail -n 30 >&2
+    echo "cpu_vs_torch: shardd at $workers worker(s) failed" >&2
+    return 1
+  }
+  grep '^{"event":"step"' <<<"$out" | "$python" -c '
+import json, statistics, sys
+warmup, tokens = int(sys.argv[1]), int(sys.argv[2])
+times = [json.loads(l)["step_seconds"] for l in sys.stdin][warmup:]
+print(tokens / statistics.median(times))' "$warmup" "$((batch * seq))"
+}
+
+echo "config $config, batch $batch x seq $seq, $threads threads, fp32," \
+     "median of $steps steps after $warmup"
+best_shardd=0
+for workers in 1 2; do
+  tps=$(shardd_tokens_per_second "$workers")
+  printf 'shardd, %d CPU worker(s): %.0f tokens/s\n' "$workers" "$tps"
+  best_shardd=$("$python" -c "print(max($best_shardd, $tps))")
+done
+best_torch=0
+while read -r line; do
+  mode=$("$python" -c 'import json,sys; print(json.loads(sys.argv[1])["mode"])' "$line")
+  tps=$("$python" -c 'import json,sys; print(json.loads(sys.argv[1])["tokens_per_second"])' "$line")
+  printf 'transformers under torch 2, %s: %.0f tokens/s\n' "$mode" "$tps"
+  best_torch=$("$python" -c "print(max($best_torch, $tps))")
+done < <("$python" bench/torch2_step.py "$config" --batch "$batch" \
+           --seq "$seq" --threads "$threads" --steps "$steps" \
+           --warmup "$warmup" 2>/dev/null | grep '^{')
+"$python" -c "print(f'shardd (best) / fastest PyTorch: {$best_shardd / $best_torch:.2f}x')"

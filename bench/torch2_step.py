@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Tokens/s of Hugging Face transformers' own model training on the CPU under
 PyTorch 2: the peers shardd's CPU workers are measured against
-(bench/cpu_vs_torch2.sh).
+(bench/cpu_vs_torch.sh).
 
 The architecture's class is built from a config.json (fp32, random
 weights), and each step is a forward, the mean token cross-entropy, a

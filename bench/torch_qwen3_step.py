@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Tokens/s of a plain-PyTorch Qwen3-MoE training step, CPU or one GPU.
 
-The PyTorch side of bench/cpu_vs_torch.sh and bench/gpu_vs_fsdp2.sh: the
-model of a Hugging Face Qwen3-MoE config.json written as Hugging Face
-defines it (the same layers as tests/reference/hf_reference_test.py), AdamW
+The PyTorch side of bench/gpu_vs_fsdp2.sh (the CPU comparison,
+bench/cpu_vs_torch.sh, runs transformers' own model: bench/torch2_step.py):
+the model of a Hugging Face Qwen3-MoE config.json written as Hugging Face
+defines it, AdamW
 with gradient clipping at 1.0, random tokens, the given batch. Prints the
 median step time and tokens/s after warm-up.
 
