@@ -20,14 +20,12 @@ shardd's own SplitMix64, keyed by (optimizer step, global sequence index),
 recomputed here in Python integers.
 """
 
-import json
-import os
-import tempfile
-
 import torch
 import torch.nn.functional as F
 import transformers
 from transformers import DynamicCache
+
+from transformers_test import load_config
 
 # DiffusionGemma's encoder is multimodal: transformers builds a vision tower
 # from vision_config. shardd trains the text stack and skips the tower's
@@ -47,13 +45,7 @@ FROZEN = ("router.proj.weight", "router.scale", "router.per_expert_scale")
 def config_with_vision(path):
     """transformers' config for a DiffusionGemma config.json, with the tiny
     vision tower when it has none."""
-    with open(path) as f:
-        config = json.load(f)
-    config.setdefault("vision_config", TINY_VISION_CONFIG)
-    with tempfile.TemporaryDirectory() as d:
-        with open(os.path.join(d, "config.json"), "w") as f:
-            json.dump(config, f)
-        return transformers.AutoConfig.from_pretrained(d)
+    return load_config(path, {"vision_config": TINY_VISION_CONFIG})
 
 
 def is_text(name):

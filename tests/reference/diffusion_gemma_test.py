@@ -32,7 +32,6 @@ no gradient to its row from lookups, and neither may shardd's.
 Usage: diffusion_gemma_test.py BIN_DIR CONFIG.json
 """
 
-import contextlib
 import os
 import struct
 import sys
@@ -45,8 +44,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import diffusion_gemma_oracle as dg  # noqa: E402
 from shardd_cluster import (BATCH, BETAS, EPS, LR, SEQ, STEPS,  # noqa: E402
                             WEIGHT_DECAY, Cluster, train)
-from transformers_test import (BF16_BOUND, Tally, redraw,  # noqa: E402
-                               tensor_bytes)
+from transformers_test import (BF16_BOUND, Tally,  # noqa: E402
+                               gradient_norms, no_padding_idx, patched,
+                               redraw, tensor_bytes)
 
 # The 3-pass step's chain: L = 3 x 100 operations of n <= 128 terms,
 # sqrt(L n) u = 196 * 2^-24 = 1.2e-5, times the 2.3 that FP32_BOUND allows
@@ -80,9 +80,7 @@ def oracle(model, tokens, steps=STEPS, first_step=0, first_update=None,
         loss, _, _ = dg.block_diffusion_loss(
             model, rows[:, :-1], step % STEPS, indices, response, loss_weights)
         loss.backward()
-        grads = [w.grad for w in trainable.values() if w.grad is not None]
-        norm = torch.sqrt(sum((g ** 2).sum() for g in grads)).item()
-        l1 = sum(g.abs().sum() for g in grads).item()
+        norm, l1 = gradient_norms(trainable.values())
         out.append((loss.item(), norm, l1))
         if step < first_step + steps:
             opt.step()
@@ -118,17 +116,10 @@ def adamw_update_ratio(got, first_update, grad_norm):
 
 
 # Deliberate errors: each must move step 1 outside the bound.
-@contextlib.contextmanager
 def no_softcap(model):
-    cap = model.final_logit_softcapping
-    model.final_logit_softcapping = 1e9
-    try:
-        yield
-    finally:
-        model.final_logit_softcapping = cap
+    return patched([(model, "final_logit_softcapping", 1e9)])
 
 
-@contextlib.contextmanager
 def canvas_sees_the_answer(model):
     """The canvas attends to every encoder key, the clean response too."""
     original = dg.training_masks
@@ -138,41 +129,16 @@ def canvas_sees_the_answer(model):
         for mask in masks.values():
             mask[..., :s] = 0.0
         return masks
-    dg.training_masks = open_masks
-    try:
-        yield
-    finally:
-        dg.training_masks = original
+    return patched([(dg, "training_masks", open_masks)])
 
 
-@contextlib.contextmanager
 def no_self_conditioning(model):
     original = dg.diffusion_canvas
 
     def no_coins(*args):
         noised, coins = original(*args)
         return noised, [False] * len(coins)
-    dg.diffusion_canvas = no_coins
-    try:
-        yield
-    finally:
-        dg.diffusion_canvas = original
-
-
-@contextlib.contextmanager
-def no_padding_idx(model):
-    """The padding row trained by lookups too (the encoder's and the
-    decoder's embedding modules share the table)."""
-    saved = [(m, m.padding_idx) for m in model.modules()
-             if isinstance(m, torch.nn.Embedding) and m.padding_idx is not None]
-    assert saved, "no embedding with a padding_idx"
-    for m, _ in saved:
-        m.padding_idx = None
-    try:
-        yield
-    finally:
-        for m, padding in saved:
-            m.padding_idx = padding
+    return patched([(dg, "diffusion_canvas", no_coins)])
 
 
 MUTATIONS = (("without its soft-cap", no_softcap),
@@ -266,7 +232,7 @@ class Check:
         bound = BF16_BOUND if mixed else DG_FP32_BOUND
         want, update = self.run_reference(
             saved, f"{mesh}.{strategy}.{'bf16' if mixed else 'fp32'}", mixed)
-        errs, ratios = [], []
+        errs = []
         for (gl, gn), (wl, wn, _) in zip(got, want):
             errs.append(abs(gl - wl) / abs(wl))
             if not mixed:
@@ -367,10 +333,7 @@ def main():
             check.check_export_round_trip()
         finally:
             cluster.stop()
-    print(f"{tally.checks} checks: largest fp32 error "
-          f"{tally.worst['fp32']:.2e}, bf16 {tally.worst['bf16']:.2e}; "
-          f"{tally.failures} failed")
-    return 1 if tally.failures else 0
+    return tally.summary()
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shardd_cluster import BATCH, SEQ, STEPS, Cluster  # noqa: E402
-from transformers_test import load_config, redraw  # noqa: E402
+from transformers_test import (load_config, redraw,  # noqa: E402
+                               safetensors_files)
 
 TINY_LR = "1e-30"
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -110,11 +111,10 @@ def read_checkpoint(directory):
 def read_hf(directory):
     """{name: tensor} of every safetensors file in a directory."""
     out = {}
-    for file in sorted(os.listdir(directory)):
-        if file.endswith(".safetensors"):
-            with safe_open(os.path.join(directory, file), "pt") as f:
-                for name in f.keys():
-                    out[name] = f.get_tensor(name)
+    for path in safetensors_files(directory):
+        with safe_open(path, "pt") as f:
+            for name in f.keys():
+                out[name] = f.get_tensor(name)
     return out
 
 

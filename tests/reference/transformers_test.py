@@ -34,7 +34,6 @@ Usage: transformers_test.py BIN_DIR CONFIG.json [...]
 import contextlib
 import json
 import os
-import shutil
 import struct
 import sys
 import tempfile
@@ -76,10 +75,16 @@ STORAGE = {
 }
 
 
-def load_config(path):
-    """transformers' own config object for a config.json."""
+def load_config(path, defaults=None):
+    """transformers' own config object for a config.json, with the members
+    of `defaults` it lacks."""
+    with open(path) as f:
+        config = json.load(f)
+    for key, value in (defaults or {}).items():
+        config.setdefault(key, value)
     with tempfile.TemporaryDirectory() as d:
-        shutil.copy(path, os.path.join(d, "config.json"))
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(config, f)
         return transformers.AutoConfig.from_pretrained(d)
 
 
@@ -115,14 +120,20 @@ def redraw(model, gen):
             w.copy_(normal(scale * fan_in ** -0.5))
 
 
+def safetensors_files(directory):
+    """The paths of a model directory's safetensors files, sorted."""
+    return [os.path.join(directory, name)
+            for name in sorted(os.listdir(directory))
+            if name.endswith(".safetensors")]
+
+
 def tensor_shapes(directory):
     """{name: shape} of every safetensors file in a model directory."""
     shapes = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(directory, name), "pt") as f:
-                for key in f.keys():
-                    shapes[key] = tuple(f.get_slice(key).get_shape())
+    for path in safetensors_files(directory):
+        with safe_open(path, "pt") as f:
+            for key in f.keys():
+                shapes[key] = tuple(f.get_slice(key).get_shape())
     return shapes
 
 
@@ -130,14 +141,13 @@ def tensor_bytes(directory, keep=lambda name: True):
     """The data bytes of the tensors `keep` accepts in every safetensors file
     of a directory (from the files' headers)."""
     total = 0
-    for name in os.listdir(directory):
-        if name.endswith(".safetensors"):
-            with open(os.path.join(directory, name), "rb") as f:
-                (size,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(size))
-            total += sum(t["data_offsets"][1] - t["data_offsets"][0]
-                         for k, t in header.items()
-                         if k != "__metadata__" and keep(k))
+    for path in safetensors_files(directory):
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        total += sum(t["data_offsets"][1] - t["data_offsets"][0]
+                     for k, t in header.items()
+                     if k != "__metadata__" and keep(k))
     return total
 
 
@@ -177,6 +187,13 @@ def loss_of(model, inputs, targets):
     return loss, out.logits
 
 
+def gradient_norms(params):
+    """(|g|_2, |g|_1) over the parameters' gradients (those that have one)."""
+    grads = [w.grad for w in params if w.grad is not None]
+    return (torch.sqrt(sum((g ** 2).sum() for g in grads)).item(),
+            sum(g.abs().sum() for g in grads).item())
+
+
 def oracle_steps(model, data, steps=STEPS, near_zero=None):
     """(loss, gradient norm, |gradient|_1) of each step of torch.optim.AdamW
     on `model` (changed in place). `near_zero`, when given, receives for each
@@ -192,9 +209,7 @@ def oracle_steps(model, data, steps=STEPS, near_zero=None):
         opt.zero_grad(set_to_none=True)
         loss, _ = loss_of(model, *data[step])
         loss.backward()
-        grads = [w.grad for w in trainable if w.grad is not None]
-        norm = torch.sqrt(sum((g ** 2).sum() for g in grads)).item()
-        l1 = sum(g.abs().sum() for g in grads).item()
+        norm, l1 = gradient_norms(trainable)
         out.append((loss.item(), norm, l1))
         if near_zero is not None:
             for n, w in named:
@@ -285,8 +300,7 @@ def muon_oracle_steps(model, data):
             w.grad = None
         loss, _ = loss_of(model, *data[step])
         loss.backward()
-        norm = torch.sqrt(sum((w.grad ** 2).sum() for _, w in named
-                              if w.grad is not None)).item()
+        norm, _ = gradient_norms(w for _, w in named)
         term = sum(MUON_LR * muon.scales[n] * NS_GAIN * w.grad.norm().item()
                    for n, w in muon.params.items())
         out.append((loss.item(), norm, term))
@@ -298,111 +312,84 @@ def muon_oracle_steps(model, data):
 # Deliberate errors patched into transformers' own modules: each must move
 # step 1 outside the bound.
 @contextlib.contextmanager
-def wrong_softmax_scale(model):
-    """Attention scores times head_dim^-1 instead of head_dim^-0.5."""
-    saved = []
-    for name, module in model.named_modules():
-        if name.endswith("self_attn") and hasattr(module, "scaling"):
-            saved.append((module, module.scaling))
-            module.scaling = module.scaling ** 2
-    assert saved, "no attention module with a scaling attribute"
+def patched(changes):
+    """Sets each (object, attribute, value) of `changes` for the block and
+    restores the old values after it. Refuses an empty list: a mutation that
+    finds nothing to change would check nothing."""
+    assert changes, "the mutation found nothing to change"
+    saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in changes]
+    for obj, attr, value in changes:
+        setattr(obj, attr, value)
     try:
         yield
     finally:
-        for module, scaling in saved:
-            module.scaling = scaling
+        for obj, attr, value in reversed(saved):
+            setattr(obj, attr, value)
 
 
-@contextlib.contextmanager
+def wrong_softmax_scale(model):
+    """Attention scores times head_dim^-1 instead of head_dim^-0.5."""
+    return patched([(m, "scaling", m.scaling ** 2)
+                    for name, m in model.named_modules()
+                    if name.endswith("self_attn") and hasattr(m, "scaling")])
+
+
+def rotate_pairs(x):
+    even, odd = x[..., ::2], x[..., 1::2]
+    return torch.stack((-odd, even), dim=-1).flatten(-2)
+
+
 def wrong_rope_pairing(model):
     """RoPE rotating adjacent pairs (2i, 2i + 1) where the architecture
     rotates halves (i, i + d/2), or halves where it de-interleaves."""
-    module = sys.modules[type(model).__module__]
-    original = module.rotate_half
-
-    def rotate_pairs(x):
-        even, odd = x[..., ::2], x[..., 1::2]
-        return torch.stack((-odd, even), dim=-1).flatten(-2)
-    module.rotate_half = rotate_pairs
-    try:
-        yield
-    finally:
-        module.rotate_half = original
+    return patched([(sys.modules[type(model).__module__], "rotate_half",
+                     rotate_pairs)])
 
 
-@contextlib.contextmanager
 def wrong_renormalisation(model):
     """The top-k router weights renormalised where the architecture does
     not, or not where it does."""
-    saved = []
-    for module in model.modules():
-        if hasattr(module, "norm_topk_prob"):
-            saved.append((module, module.norm_topk_prob))
-            module.norm_topk_prob = not module.norm_topk_prob
-    assert saved, "no router with norm_topk_prob"
-    try:
-        yield
-    finally:
-        for module, value in saved:
-            module.norm_topk_prob = value
+    return patched([(m, "norm_topk_prob", not m.norm_topk_prob)
+                    for m in model.modules()
+                    if hasattr(m, "norm_topk_prob")])
 
 
-@contextlib.contextmanager
 def no_aux_loss(model):
     """The load-balancing term left out."""
-    coef = model.config.router_aux_loss_coef
-    model.config.router_aux_loss_coef = 0.0
-    try:
-        yield
-    finally:
-        model.config.router_aux_loss_coef = coef
+    return patched([(model.config, "router_aux_loss_coef", 0.0)])
 
 
-@contextlib.contextmanager
 def no_correction_bias(model):
     """DeepSeek-V3's e_score_correction_bias ignored in the choice."""
-    saved = [(b, b.clone()) for n, b in model.named_buffers()
-             if n.endswith("e_score_correction_bias")]
-    for b, _ in saved:
-        b.zero_()
-    try:
-        yield
-    finally:
-        for b, value in saved:
-            b.copy_(value)
+    return patched([(m, "e_score_correction_bias",
+                     torch.zeros_like(m.e_score_correction_bias))
+                    for m in model.modules()
+                    if "e_score_correction_bias" in m._buffers])
 
 
-@contextlib.contextmanager
 def no_swiglu_clamp(model):
     """GPT-OSS's experts without the clamp at swiglu_limit."""
-    saved = [(m, m.limit) for m in model.modules()
-             if hasattr(m, "limit") and hasattr(m, "alpha")]
-    for m, _ in saved:
-        m.limit = float("inf")
-    try:
-        yield
-    finally:
-        for m, limit in saved:
-            m.limit = limit
+    return patched([(m, "limit", float("inf")) for m in model.modules()
+                    if hasattr(m, "limit") and hasattr(m, "alpha")])
 
 
-@contextlib.contextmanager
+def padded_embeddings(model):
+    return [m for m in model.modules()
+            if isinstance(m, torch.nn.Embedding) and m.padding_idx is not None]
+
+
 def no_padding_idx(model):
-    """The padding row trained by lookups too."""
-    embedding = model.get_input_embeddings()
-    padding = embedding.padding_idx
-    embedding.padding_idx = None
-    try:
-        yield
-    finally:
-        embedding.padding_idx = padding
+    """The padding row trained by lookups too (every embedding module: a
+    tied table may sit in several)."""
+    return patched([(m, "padding_idx", None)
+                    for m in padded_embeddings(model)])
 
 
 def mutations(model):
     """The deliberate errors that apply to this model (each also shows
     that what it removes matters here)."""
     out = [("a wrong softmax scale", wrong_softmax_scale)]
-    if model.get_input_embeddings().padding_idx is not None:
+    if padded_embeddings(model):
         out.append(("no padding_idx", no_padding_idx))
     if getattr(model.config, "output_router_logits", False):
         out.append(("no load-balancing term", no_aux_loss))
@@ -429,6 +416,13 @@ class Tally:
         self.failures += not ok
         self.worst[kind] = max(self.worst[kind], worst)
         return "ok" if ok else "FAIL"
+
+    def summary(self):
+        """Prints the closing line; returns the test's exit code."""
+        print(f"{self.checks} checks: largest fp32 error "
+              f"{self.worst['fp32']:.2e}, bf16 {self.worst['bf16']:.2e}; "
+              f"{self.failures} failed")
+        return 1 if self.failures else 0
 
 
 class ConfigCheck:
@@ -667,10 +661,7 @@ def main():
                 check.check_export()
         finally:
             cluster.stop()
-    print(f"{tally.checks} checks: largest fp32 error "
-          f"{tally.worst['fp32']:.2e}, bf16 {tally.worst['bf16']:.2e}; "
-          f"{tally.failures} failed")
-    return 1 if tally.failures else 0
+    return tally.summary()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ where kubernetes-validate's command line would only warn."""
 import re
 
 import jsonschema
-import kubernetes_validate
 from kubernetes_validate import utils
 from referencing import Registry, Resource
 
@@ -22,31 +21,29 @@ KUBERNETES_VERSIONS = ("1.25.0", "1.37.0")
 
 def problems(obj, version):
     """Every schema violation of `obj` under Kubernetes `version` as
-    'PATH: message' lines (empty when it is valid)."""
+    'PATH: message' lines (empty when it is valid). kubernetes_validate's
+    own validate() stops at the first error; this lists them all, with the
+    same schemas and validator."""
     if version not in utils.all_versions():
         raise ValueError(f"kubernetes-validate has no schemas for {version}; "
                          f"it has {', '.join(utils.all_versions())}")
     label = (f"{obj.get('kind')}/"
              f"{(obj.get('metadata') or {}).get('name')}")
     try:
-        # Resolves the schema file of the object's apiVersion and kind, and
-        # raises when there is none (or when the object is invalid).
-        kubernetes_validate.validate(obj, version, strict=True)
-        return []
-    except utils.SchemaNotFoundError:
+        validator = _validator(obj, version)
+    except FileNotFoundError:
         return [f"{label}: no schema for {obj.get('apiVersion')} "
                 f"{obj.get('kind')} in Kubernetes {version}"]
-    except (KeyError, TypeError) as e:
+    except (KeyError, TypeError, AttributeError) as e:
         return [f"{label}: not a Kubernetes object ({e!r})"]
-    except utils.ValidationError:
-        pass
-    # kubernetes_validate stops at the first error; list them all.
     return [f"{label} /{'/'.join(str(p) for p in e.absolute_path)}: "
-            f"{e.message}" for e in _validator(obj, version).iter_errors(obj)]
+            f"{e.message}" for e in validator.iter_errors(obj)]
 
 
 def _validator(obj, version):
-    """The Draft 2020-12 validator kubernetes_validate.validate builds."""
+    """The Draft 2020-12 validator kubernetes_validate.validate builds for
+    the object's apiVersion and kind from the package's strict schemas.
+    FileNotFoundError when the version has no schema for them."""
     api = re.sub(r'^([^./]*)(?:\.[^/]*)?/', r'\1-', obj["apiVersion"])
     schema_dir = f"v{version}-local-strict"
     schema = utils.schema_contents(
