@@ -43,19 +43,26 @@ print(tokens / statistics.median(times))' "$warmup" "$((batch * seq))"
 
 echo "config $config, batch $batch x seq $seq, $threads threads, fp32," \
      "median of $steps steps after $warmup"
-best_shardd=0
+shardd=()
 for workers in 1 2; do
   tps=$(shardd_tokens_per_second "$workers")
   printf 'shardd, %d CPU worker(s): %.0f tokens/s\n' "$workers" "$tps"
-  best_shardd=$("$python" -c "print(max($best_shardd, $tps))")
+  shardd+=("$tps")
 done
-best_torch=0
-while read -r line; do
-  mode=$("$python" -c 'import json,sys; print(json.loads(sys.argv[1])["mode"])' "$line")
-  tps=$("$python" -c 'import json,sys; print(json.loads(sys.argv[1])["tokens_per_second"])' "$line")
-  printf 'transformers under torch 2, %s: %.0f tokens/s\n' "$mode" "$tps"
-  best_torch=$("$python" -c "print(max($best_torch, $tps))")
-done < <("$python" bench/torch2_step.py "$config" --batch "$batch" \
-           --seq "$seq" --threads "$threads" --steps "$steps" \
-           --warmup "$warmup" 2>/dev/null | grep '^{')
-"$python" -c "print(f'shardd (best) / fastest PyTorch: {$best_shardd / $best_torch:.2f}x')"
+# torch2_step.py's JSON lines: each mode's figure, then the ratio of the
+# best shardd figure to the fastest of them.
+"$python" bench/torch2_step.py "$config" --batch "$batch" --seq "$seq" \
+    --threads "$threads" --steps "$steps" --warmup "$warmup" 2>/dev/null |
+  grep '^{' | "$python" -c '
+import json, sys
+best_shardd = max(float(x) for x in sys.argv[1:])
+best_torch = 0.0
+for line in sys.stdin:
+    run = json.loads(line)
+    mode, tps = run["mode"], run["tokens_per_second"]
+    print(f"transformers under torch 2, {mode}: {tps:.0f} tokens/s")
+    best_torch = max(best_torch, tps)
+if best_torch == 0:
+    sys.exit("cpu_vs_torch: torch2_step.py reported nothing")
+print(f"shardd (best) / fastest PyTorch: {best_shardd / best_torch:.2f}x")
+' "${shardd[@]}"

@@ -30,10 +30,10 @@ start=$SECONDS
 # any other version, --only-binary from building anything.
 "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps \
     --only-binary=:all: --require-virtualenv -r "$requirements"
-"$venv/bin/pip" check --disable-pip-version-check >/dev/null || {
-  "$venv/bin/pip" check --disable-pip-version-check >&2
+if ! report=$("$venv/bin/pip" check --disable-pip-version-check); then
+  echo "$report" >&2
   echo "setup: $requirements is not self-consistent" >&2
   exit 1
-}
+fi
 cp "$requirements" "$stamp"
 echo "setup: Python test environment ready in $((SECONDS - start)) s"
