@@ -2,13 +2,19 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/compute_pool.h"
+#include "kernels/cpu/simd_level.h"
 
 namespace shardd {
 namespace kernels {
 namespace {
+
+// Elements per chunk of the element-wise loops (256 KiB of fp32 per array).
+constexpr int64_t kElementGrain = int64_t{1} << 16;
 
 absl::Status CheckRange(const char* name, double value, double lo,
                         bool lo_inclusive, double hi, bool hi_inclusive) {
@@ -20,6 +26,45 @@ absl::Status CheckRange(const char* name, double value, double lo,
       "adamw: ", name, " must be finite and in ", lo_inclusive ? "[" : "(", lo,
       ", ", hi, hi_inclusive ? "]" : ")", ", got ", value));
 }
+
+// The per-element update's fp32 constants.
+struct StepScalars {
+  float decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size,
+      bc2_sqrt, eps;
+};
+
+// The update of n elements, in PyTorch's order of operations. Cloned per
+// SIMD level below; IEEE sqrt and division and no FMA contraction keep every
+// clone's bits the same.
+SHARDD_ALWAYS_INLINE void StepBody(const StepScalars& c,
+                                   float* __restrict param,
+                                   const float* __restrict grad,
+                                   float* __restrict exp_avg,
+                                   float* __restrict exp_avg_sq, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = grad[i];
+    float p = param[i] * c.decay;
+    const float m = c.beta1 * exp_avg[i] + c.one_minus_beta1 * g;
+    const float v = c.beta2 * exp_avg_sq[i] + c.one_minus_beta2 * g * g;
+    const float denom = std::sqrt(v) / c.bc2_sqrt + c.eps;
+    p -= c.step_size * (m / denom);
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    param[i] = p;
+  }
+}
+
+#define SHARDD_ADAMW_AT(suffix, attr)                                          \
+  attr void Step##suffix(const StepScalars& c, float* param,                   \
+                         const float* grad, float* exp_avg, float* exp_avg_sq, \
+                         int64_t n) {                                          \
+    StepBody(c, param, grad, exp_avg, exp_avg_sq, n);                          \
+  }
+SHARDD_ADAMW_AT(Baseline, )
+SHARDD_ADAMW_AT(V3, SHARDD_TARGET_X86_64_V3)
+SHARDD_ADAMW_AT(V4, SHARDD_TARGET_X86_64_V4)
+#undef SHARDD_ADAMW_AT
 
 }  // namespace
 
@@ -58,28 +103,47 @@ absl::Status AdamWStep(float* param, const float* grad, float* exp_avg,
   const float step_size = static_cast<float>(config.lr / bias_correction1);
   const float bc2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
   const float eps = static_cast<float>(config.eps);
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = grad[i];
-    float p = param[i] * decay;
-    const float m = beta1 * exp_avg[i] + one_minus_beta1 * g;
-    const float v = beta2 * exp_avg_sq[i] + one_minus_beta2 * g * g;
-    const float denom = std::sqrt(v) / bc2_sqrt + eps;
-    p -= step_size * (m / denom);
-    exp_avg[i] = m;
-    exp_avg_sq[i] = v;
-    param[i] = p;
-  }
+  SHARDD_ASSIGN_OR_RETURN(const SimdLevel level, ActiveSimdLevel());
+  const StepScalars c{decay,           beta1,     one_minus_beta1, beta2,
+                      one_minus_beta2, step_size, bc2_sqrt,        eps};
+  ParallelFor(n, kElementGrain, [&](int64_t begin, int64_t end) {
+    const int64_t len = end - begin;
+    float* p = param + begin;
+    const float* g = grad + begin;
+    float* m = exp_avg + begin;
+    float* v = exp_avg_sq + begin;
+    switch (level) {
+      case SimdLevel::kX86_64_V4:
+        return StepV4(c, p, g, m, v, len);
+      case SimdLevel::kX86_64_V3:
+        return StepV3(c, p, g, m, v, len);
+      case SimdLevel::kBaseline:
+        break;
+    }
+    StepBaseline(c, p, g, m, v, len);
+  });
   return absl::OkStatus();
 }
 
 double SumOfSquares(const float* x, int64_t n) {
+  // Partial sums over fixed chunks, added in chunk order: the same bits at
+  // every thread count.
+  const int64_t chunks = n <= 0 ? 0 : (n + kElementGrain - 1) / kElementGrain;
+  std::vector<double> partial(chunks, 0.0);
+  ParallelFor(n, kElementGrain, [&](int64_t begin, int64_t end) {
+    double sum = 0.0;
+    for (int64_t i = begin; i < end; ++i) sum += double{x[i]} * x[i];
+    partial[begin / kElementGrain] = sum;
+  });
   double sum = 0.0;
-  for (int64_t i = 0; i < n; ++i) sum += double{x[i]} * x[i];
+  for (double part : partial) sum += part;
   return sum;
 }
 
 void ScaleInPlace(float* x, int64_t n, float scale) {
-  for (int64_t i = 0; i < n; ++i) x[i] *= scale;
+  ParallelFor(n, kElementGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) x[i] *= scale;
+  });
 }
 
 double ClipCoefficient(double total_norm, double max_norm) {

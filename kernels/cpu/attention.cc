@@ -1,12 +1,15 @@
 #include "kernels/cpu/attention.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "kernels/cpu/compute_pool.h"
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/simd_level.h"
+#include "kernels/cpu/vec_exp.h"
 
 namespace shardd {
 namespace kernels {
@@ -54,8 +57,91 @@ HeadViews Views(const AttentionDims& d, const float* q, const float* k,
   return out;
 }
 
+// How many pool slots split `tasks` independent tasks.
+int64_t Slots(int64_t tasks) {
+  const int64_t threads = InParallelRegion() ? 1 : ComputeThreads();
+  return std::max<int64_t>(1, std::min(tasks, threads));
+}
+
 void Grow(std::vector<float>* v, int64_t n) {
   if (static_cast<int64_t>(v->size()) < n) v->resize(n);
+}
+
+// The score rows' element loops, cloned per SIMD level (simd_level.h) with
+// the same bits on every level: VecExp, per-lane arithmetic, fixed-lane sums.
+constexpr int64_t kLanes = 8;
+
+// The largest of row[lo, hi) (-inf for an empty range).
+SHARDD_ALWAYS_INLINE float RowMaxBody(const float* row, int64_t lo,
+                                      int64_t hi) {
+  float m = kNegInf;
+#pragma omp simd reduction(max : m)
+  for (int64_t c = lo; c < hi; ++c) m = row[c] > m ? row[c] : m;
+  return m;
+}
+
+// row[c] = exp(row[c] - shift) for c in [lo, hi), 0 for the other c in
+// [0, n) (the masked keys); returns the sum of the row, added in kLanes
+// fixed partial sums.
+SHARDD_ALWAYS_INLINE float ExpRowBody(float* __restrict row, int64_t n,
+                                      int64_t lo, int64_t hi, float shift) {
+  float acc[kLanes] = {};
+  for (int64_t base = 0; base < n; base += kLanes) {
+    const int64_t lanes = n - base < kLanes ? n - base : kLanes;
+#pragma omp simd
+    for (int64_t l = 0; l < lanes; ++l) {
+      const int64_t c = base + l;
+      const float e = VecExp(row[c] - shift);
+      const float value = c >= lo && c < hi ? e : 0.0f;
+      row[c] = value;
+      acc[l] += value;
+    }
+  }
+  float sum = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) sum += acc[l];
+  return sum;
+}
+
+#define SHARDD_ATTENTION_ROWS_AT(suffix, attr)                             \
+  attr float RowMax##suffix(const float* row, int64_t lo, int64_t hi) {    \
+    return RowMaxBody(row, lo, hi);                                        \
+  }                                                                        \
+  attr float ExpRow##suffix(float* row, int64_t n, int64_t lo, int64_t hi, \
+                            float shift) {                                 \
+    return ExpRowBody(row, n, lo, hi, shift);                              \
+  }
+SHARDD_ATTENTION_ROWS_AT(Baseline, )
+SHARDD_ATTENTION_ROWS_AT(V3, SHARDD_TARGET_X86_64_V3)
+SHARDD_ATTENTION_ROWS_AT(V4, SHARDD_TARGET_X86_64_V4)
+#undef SHARDD_ATTENTION_ROWS_AT
+
+// The clones of one SIMD level.
+struct RowOps {
+  float (*max)(const float* row, int64_t lo, int64_t hi);
+  float (*exp)(float* row, int64_t n, int64_t lo, int64_t hi, float shift);
+};
+
+RowOps RowOpsFor(SimdLevel level) {
+  switch (level) {
+    case SimdLevel::kX86_64_V4:
+      return {RowMaxV4, ExpRowV4};
+    case SimdLevel::kX86_64_V3:
+      return {RowMaxV3, ExpRowV3};
+    case SimdLevel::kBaseline:
+      break;
+  }
+  return {RowMaxBaseline, ExpRowBaseline};
+}
+
+// The keys [*lo, *hi) of the block [j0, j0 + bk) that the query at `pos`
+// sees, relative to j0. Every mask lets a query see one contiguous run of
+// keys, which MaskKeyRange gives for a single position.
+void RowKeys(const MaskRule& rule, int64_t pos, int64_t s, int64_t j0,
+             int64_t bk, int64_t* lo, int64_t* hi) {
+  int64_t begin, end;
+  MaskKeyRange(rule, pos, pos, s, &begin, &end);
+  *lo = std::min(std::max(begin - j0, int64_t{0}), bk);
+  *hi = std::max(std::min(end - j0, bk), *lo);
 }
 
 }  // namespace
@@ -121,22 +207,28 @@ absl::Status AttentionForward(const AttentionDims& d, const AttentionOptions& o,
   const int64_t t = d.q_len, s = d.kv_len;
   const MaskRule rule = o.rule();
   if (t == 0) return absl::OkStatus();
+  SHARDD_ASSIGN_OR_RETURN(const SimdLevel level, ActiveSimdLevel());
+  const RowOps ops = RowOpsFor(level);
   if (q == nullptr || out == nullptr || lse == nullptr || ws == nullptr ||
       (s > 0 && (k == nullptr || v == nullptr))) {
     return absl::InvalidArgumentError(
         "attention: q, k, v, out, lse and ws must not be null");
   }
-  Grow(&ws->scores, kBlockQ * kBlockK);
-  Grow(&ws->acc, kBlockQ * dv);
-  Grow(&ws->row_max, kBlockQ);
-  Grow(&ws->row_sum, kBlockQ);
-  float* scores = ws->scores.data();
-  float* acc = ws->acc.data();
-  float* m = ws->row_max.data();
-  float* l = ws->row_sum.data();
-
-  for (int64_t b = 0; b < d.batch; ++b) {
-    for (int64_t h = 0; h < d.q_heads; ++h) {
+  // (sequence, head) pairs are independent; each slot of the pool takes
+  // every slots-th one with its own score block.
+  const int64_t pairs = d.batch * d.q_heads;
+  const int64_t slots = Slots(pairs);
+  Grow(&ws->scores, slots * kBlockQ * kBlockK);
+  Grow(&ws->acc, slots * kBlockQ * dv);
+  Grow(&ws->row_max, slots * kBlockQ);
+  Grow(&ws->row_sum, slots * kBlockQ);
+  ParallelFor(slots, 1, [&](int64_t slot, int64_t) {
+    float* scores = ws->scores.data() + slot * kBlockQ * kBlockK;
+    float* acc = ws->acc.data() + slot * kBlockQ * dv;
+    float* m = ws->row_max.data() + slot * kBlockQ;
+    float* l = ws->row_sum.data() + slot * kBlockQ;
+    for (int64_t pair = slot; pair < pairs; pair += slots) {
+      const int64_t b = pair / d.q_heads, h = pair % d.q_heads;
       const HeadViews hv = Views(d, q, k, v, b, h);
       float* o_head = out + (b * t * d.q_heads + h) * dv;
       float* lse_head = lse + (b * d.q_heads + h) * t;
@@ -150,18 +242,15 @@ absl::Status AttentionForward(const AttentionDims& d, const AttentionOptions& o,
                      &k_begin, &k_end);
         for (int64_t j0 = k_begin; j0 < k_end; j0 += kBlockK) {
           const int64_t bk = std::min(kBlockK, k_end - j0);
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, bq, bk,
-                      d.head_dim, o.scale, hv.q + i0 * hv.ldq, hv.ldq,
-                      hv.k + j0 * hv.ldk, hv.ldk, 0.0f, scores, bk);
+          Sgemm(CblasNoTrans, CblasTrans, bq, bk, d.head_dim, o.scale,
+                hv.q + i0 * hv.ldq, hv.ldq, hv.k + j0 * hv.ldk, hv.ldk, 0.0f,
+                scores, bk);
           bool any = false;
           for (int64_t r = 0; r < bq; ++r) {
-            const int64_t pos = i0 + r + o.q_offset;
             float* row = scores + r * bk;
-            float block_max = kNegInf;
-            for (int64_t c = 0; c < bk; ++c) {
-              if (!MaskAllows(rule, pos, j0 + c)) row[c] = kNegInf;
-              block_max = std::max(block_max, row[c]);
-            }
+            int64_t lo, hi;
+            RowKeys(rule, i0 + r + o.q_offset, s, j0, bk, &lo, &hi);
+            const float block_max = ops.max(row, lo, hi);
             if (block_max == kNegInf) {
               std::fill(row, row + bk, 0.0f);
               continue;
@@ -169,11 +258,7 @@ absl::Status AttentionForward(const AttentionDims& d, const AttentionOptions& o,
             any = true;
             const float m_new = std::max(m[r], block_max);
             const float correction = std::exp(m[r] - m_new);
-            float sum = 0.0f;
-            for (int64_t c = 0; c < bk; ++c) {
-              row[c] = std::exp(row[c] - m_new);
-              sum += row[c];
-            }
+            const float sum = ops.exp(row, bk, lo, hi, m_new);
             l[r] = l[r] * correction + sum;
             if (correction != 1.0f) {
               for (int64_t e = 0; e < dv; ++e) acc[r * dv + e] *= correction;
@@ -181,9 +266,8 @@ absl::Status AttentionForward(const AttentionDims& d, const AttentionOptions& o,
             m[r] = m_new;
           }
           if (!any) continue;
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, bq, dv, bk,
-                      1.0f, scores, bk, hv.v + j0 * hv.ldv, hv.ldv, 1.0f, acc,
-                      dv);
+          Sgemm(CblasNoTrans, CblasNoTrans, bq, dv, bk, 1.0f, scores, bk,
+                hv.v + j0 * hv.ldv, hv.ldv, 1.0f, acc, dv);
         }
         for (int64_t r = 0; r < bq; ++r) {
           if (o.sinks != nullptr) {
@@ -206,7 +290,7 @@ absl::Status AttentionForward(const AttentionDims& d, const AttentionOptions& o,
         }
       }
     }
-  }
+  });
   return absl::OkStatus();
 }
 
@@ -221,98 +305,114 @@ absl::Status AttentionBackward(const AttentionDims& d,
   const int64_t t = d.q_len, s = d.kv_len;
   const MaskRule rule = o.rule();
   if (t == 0) return absl::OkStatus();
+  SHARDD_ASSIGN_OR_RETURN(const SimdLevel level, ActiveSimdLevel());
+  const RowOps ops = RowOpsFor(level);
   if (q == nullptr || out == nullptr || lse == nullptr || d_out == nullptr ||
       ws == nullptr || (s > 0 && (k == nullptr || v == nullptr))) {
     return absl::InvalidArgumentError(
         "attention backward: q, k, v, out, lse, d_out and ws must not be "
         "null");
   }
-  Grow(&ws->scores, kBlockQ * kBlockK);
-  Grow(&ws->dp, kBlockQ * kBlockK);
-  Grow(&ws->row_delta, kBlockQ);
-  float* p = ws->scores.data();
-  float* dp = ws->dp.data();
-  float* delta = ws->row_delta.data();
-
-  for (int64_t b = 0; b < d.batch; ++b) {
-    for (int64_t h = 0; h < d.q_heads; ++h) {
-      const HeadViews hv = Views(d, q, k, v, b, h);
-      const int64_t q_at = (b * t * d.q_heads + h);
-      const float* o_head = out + q_at * dv;
-      const float* do_head = d_out + q_at * dv;
-      float* dq_head = dq == nullptr ? nullptr : dq + q_at * d.head_dim;
-      const int64_t kv_at = b * s * d.kv_heads + h / (d.q_heads / d.kv_heads);
-      float* dk_head = dk == nullptr ? nullptr : dk + kv_at * d.head_dim;
-      float* dv_head = dv_out == nullptr ? nullptr : dv_out + kv_at * dv;
-      const float* lse_head = lse + (b * d.q_heads + h) * t;
-      for (int64_t i0 = 0; i0 < t; i0 += kBlockQ) {
-        const int64_t bq = std::min(kBlockQ, t - i0);
-        // delta_i = dO_i . O_i (the softmax backward's row term).
-        for (int64_t r = 0; r < bq; ++r) {
-          const float* o_row = o_head + (i0 + r) * hv.ldo;
-          const float* do_row = do_head + (i0 + r) * hv.ldo;
-          float sum = 0.0f;
-          for (int64_t e = 0; e < dv; ++e) sum += o_row[e] * do_row[e];
-          delta[r] = sum;
-          if (d_sinks != nullptr && o.sinks != nullptr &&
-              lse_head[i0 + r] != kNegInf) {
-            // d sink = -p_sink * delta (the sink carries no value).
-            d_sinks[h] -= std::exp(o.sinks[h] - lse_head[i0 + r]) * sum;
-          }
-        }
-        int64_t k_begin, k_end;
-        MaskKeyRange(rule, i0 + o.q_offset, i0 + bq - 1 + o.q_offset, s,
-                     &k_begin, &k_end);
-        for (int64_t j0 = k_begin; j0 < k_end; j0 += kBlockK) {
-          const int64_t bk = std::min(kBlockK, k_end - j0);
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, bq, bk,
-                      d.head_dim, o.scale, hv.q + i0 * hv.ldq, hv.ldq,
-                      hv.k + j0 * hv.ldk, hv.ldk, 0.0f, p, bk);
-          bool any = false;
-          for (int64_t r = 0; r < bq; ++r) {
-            const int64_t pos = i0 + r + o.q_offset;
-            const float row_lse = lse_head[i0 + r];
-            float* row = p + r * bk;
-            for (int64_t c = 0; c < bk; ++c) {
-              const bool on =
-                  row_lse != kNegInf && MaskAllows(rule, pos, j0 + c);
-              row[c] = on ? std::exp(row[c] - row_lse) : 0.0f;
-              any = any || on;
+  // A key/value head's gradients sum over the query heads that share it, so
+  // a task is one (sequence, kv head) and its query heads in order; with
+  // sinks, whose gradients sum over the sequences too, a task is one kv
+  // head over every sequence. Either way each output has one writer and
+  // the order of its sums is the serial one, at every thread count.
+  const int64_t group = d.q_heads / d.kv_heads;
+  const bool per_sequence = d_sinks == nullptr;
+  const int64_t tasks = per_sequence ? d.batch * d.kv_heads : d.kv_heads;
+  const int64_t slots = Slots(tasks);
+  Grow(&ws->scores, slots * kBlockQ * kBlockK);
+  Grow(&ws->dp, slots * kBlockQ * kBlockK);
+  Grow(&ws->row_delta, slots * kBlockQ);
+  ParallelFor(slots, 1, [&](int64_t slot, int64_t) {
+    float* p = ws->scores.data() + slot * kBlockQ * kBlockK;
+    float* dp = ws->dp.data() + slot * kBlockQ * kBlockK;
+    float* delta = ws->row_delta.data() + slot * kBlockQ;
+    for (int64_t task = slot; task < tasks; task += slots) {
+      const int64_t g = task % d.kv_heads;
+      const int64_t b_begin = per_sequence ? task / d.kv_heads : 0;
+      const int64_t b_end = per_sequence ? b_begin + 1 : d.batch;
+      for (int64_t b = b_begin; b < b_end; ++b) {
+        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+          const HeadViews hv = Views(d, q, k, v, b, h);
+          const int64_t q_at = (b * t * d.q_heads + h);
+          const float* o_head = out + q_at * dv;
+          const float* do_head = d_out + q_at * dv;
+          float* dq_head = dq == nullptr ? nullptr : dq + q_at * d.head_dim;
+          const int64_t kv_at =
+              b * s * d.kv_heads + h / (d.q_heads / d.kv_heads);
+          float* dk_head = dk == nullptr ? nullptr : dk + kv_at * d.head_dim;
+          float* dv_head = dv_out == nullptr ? nullptr : dv_out + kv_at * dv;
+          const float* lse_head = lse + (b * d.q_heads + h) * t;
+          for (int64_t i0 = 0; i0 < t; i0 += kBlockQ) {
+            const int64_t bq = std::min(kBlockQ, t - i0);
+            // delta_i = dO_i . O_i (the softmax backward's row term).
+            for (int64_t r = 0; r < bq; ++r) {
+              const float* o_row = o_head + (i0 + r) * hv.ldo;
+              const float* do_row = do_head + (i0 + r) * hv.ldo;
+              float sum = 0.0f;
+              for (int64_t e = 0; e < dv; ++e) sum += o_row[e] * do_row[e];
+              delta[r] = sum;
+              if (d_sinks != nullptr && o.sinks != nullptr &&
+                  lse_head[i0 + r] != kNegInf) {
+                // d sink = -p_sink * delta (the sink carries no value).
+                d_sinks[h] -= std::exp(o.sinks[h] - lse_head[i0 + r]) * sum;
+              }
             }
-          }
-          if (!any) continue;
-          if (dv_head != nullptr) {
-            // dV += P^T dO.
-            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, bk, dv, bq,
-                        1.0f, p, bk, do_head + i0 * hv.ldo, hv.ldo, 1.0f,
-                        dv_head + j0 * hv.ldv, hv.ldv);
-          }
-          if (dq_head == nullptr && dk_head == nullptr) continue;
-          // dP = dO V^T; dS = P * (dP - delta), in place.
-          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, bq, bk, dv, 1.0f,
-                      do_head + i0 * hv.ldo, hv.ldo, hv.v + j0 * hv.ldv, hv.ldv,
-                      0.0f, dp, bk);
-          for (int64_t r = 0; r < bq; ++r) {
-            for (int64_t c = 0; c < bk; ++c) {
-              dp[r * bk + c] = p[r * bk + c] * (dp[r * bk + c] - delta[r]);
+            int64_t k_begin, k_end;
+            MaskKeyRange(rule, i0 + o.q_offset, i0 + bq - 1 + o.q_offset, s,
+                         &k_begin, &k_end);
+            for (int64_t j0 = k_begin; j0 < k_end; j0 += kBlockK) {
+              const int64_t bk = std::min(kBlockK, k_end - j0);
+              Sgemm(CblasNoTrans, CblasTrans, bq, bk, d.head_dim, o.scale,
+                    hv.q + i0 * hv.ldq, hv.ldq, hv.k + j0 * hv.ldk, hv.ldk,
+                    0.0f, p, bk);
+              bool any = false;
+              for (int64_t r = 0; r < bq; ++r) {
+                const float row_lse = lse_head[i0 + r];
+                int64_t lo = 0, hi = 0;
+                if (row_lse != kNegInf) {
+                  RowKeys(rule, i0 + r + o.q_offset, s, j0, bk, &lo, &hi);
+                }
+                ops.exp(p + r * bk, bk, lo, hi, row_lse);
+                any = any || lo < hi;
+              }
+              if (!any) continue;
+              if (dv_head != nullptr) {
+                // dV += P^T dO.
+                Sgemm(CblasTrans, CblasNoTrans, bk, dv, bq, 1.0f, p, bk,
+                      do_head + i0 * hv.ldo, hv.ldo, 1.0f,
+                      dv_head + j0 * hv.ldv, hv.ldv);
+              }
+              if (dq_head == nullptr && dk_head == nullptr) continue;
+              // dP = dO V^T; dS = P * (dP - delta), in place.
+              Sgemm(CblasNoTrans, CblasTrans, bq, bk, dv, 1.0f,
+                    do_head + i0 * hv.ldo, hv.ldo, hv.v + j0 * hv.ldv, hv.ldv,
+                    0.0f, dp, bk);
+              for (int64_t r = 0; r < bq; ++r) {
+                for (int64_t c = 0; c < bk; ++c) {
+                  dp[r * bk + c] = p[r * bk + c] * (dp[r * bk + c] - delta[r]);
+                }
+              }
+              if (dq_head != nullptr) {
+                // dQ += scale dS K.
+                Sgemm(CblasNoTrans, CblasNoTrans, bq, d.head_dim, bk, o.scale,
+                      dp, bk, hv.k + j0 * hv.ldk, hv.ldk, 1.0f,
+                      dq_head + i0 * hv.ldq, hv.ldq);
+              }
+              if (dk_head != nullptr) {
+                // dK += scale dS^T Q.
+                Sgemm(CblasTrans, CblasNoTrans, bk, d.head_dim, bq, o.scale, dp,
+                      bk, hv.q + i0 * hv.ldq, hv.ldq, 1.0f,
+                      dk_head + j0 * hv.ldk, hv.ldk);
+              }
             }
-          }
-          if (dq_head != nullptr) {
-            // dQ += scale dS K.
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, bq,
-                        d.head_dim, bk, o.scale, dp, bk, hv.k + j0 * hv.ldk,
-                        hv.ldk, 1.0f, dq_head + i0 * hv.ldq, hv.ldq);
-          }
-          if (dk_head != nullptr) {
-            // dK += scale dS^T Q.
-            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, bk, d.head_dim,
-                        bq, o.scale, dp, bk, hv.q + i0 * hv.ldq, hv.ldq, 1.0f,
-                        dk_head + j0 * hv.ldk, hv.ldk);
           }
         }
       }
     }
-  }
+  });
   return absl::OkStatus();
 }
 

@@ -73,11 +73,12 @@ struct AttentionOptions {
 // Scratch of one call (grown on demand, reused across calls; not
 // thread-safe). Nothing in it is needed between the forward and the
 // backward.
+// Each array holds one block per compute-pool slot (compute_pool.h).
 struct AttentionWorkspace {
-  std::vector<float> scores;  // [block_q, block_k]: s, then p
-  std::vector<float> dp;      // [block_q, block_k]: dp, then ds
-  std::vector<float> acc;     // [block_q, Dv]
-  std::vector<float> row_max, row_sum, row_delta;  // [block_q]
+  std::vector<float> scores;  // [slots, block_q, block_k]: s, then p
+  std::vector<float> dp;      // [slots, block_q, block_k]: dp, then ds
+  std::vector<float> acc;     // [slots, block_q, Dv]
+  std::vector<float> row_max, row_sum, row_delta;  // [slots, block_q]
 };
 
 // INVALID_ARGUMENT naming the field for dims or options outside the ranges

@@ -1,7 +1,5 @@
 #include "kernels/cpu/cross_entropy.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -9,11 +7,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/compute_pool.h"
+#include "kernels/cpu/gemm.h"
 #include "kernels/cpu/softcap.h"
 
 namespace shardd {
 namespace kernels {
 namespace {
+
+// Rows of logits per chunk of the softmax loop.
+constexpr int64_t kRowGrain = 16;
 
 constexpr int64_t kMaxBlasInt = std::numeric_limits<int>::max();
 
@@ -34,9 +37,9 @@ absl::Status Validate(const float* hidden, const float* weight, int64_t tokens,
         "cross_entropy: block_rows must be >= 1, got ", options.block_rows));
   }
   if (!(options.softcap >= 0) || !std::isfinite(options.softcap)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cross_entropy: softcap must be finite and >= 0, got ",
-        options.softcap));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cross_entropy: softcap must be finite and >= 0, got ",
+                     options.softcap));
   }
   if (tokens == 0) return absl::OkStatus();
   if (hidden == nullptr || weight == nullptr || targets == nullptr) {
@@ -70,13 +73,15 @@ CrossEntropyResult Run(const float* hidden, const float* weight, int64_t tokens,
   const bool capped = options.softcap > 0;
   // The capped logits, kept for the cap's backward.
   std::vector<float> capped_logits(capped && want_grad ? block * vocab : 0);
+  std::vector<double> row_loss(block);
+  std::vector<char> row_counted(block);
   for (int64_t start = 0; start < tokens; start += block) {
     const int64_t rows = std::min(block, tokens - start);
     const int B = static_cast<int>(rows);
     const float* h = hidden + start * dim;
     // logits[rows, V] = h[rows, D] @ weight[V, D]^T
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, B, V, D, 1.0f, h, D,
-                weight, D, 0.0f, logits.data(), V);
+    Sgemm(CblasNoTrans, CblasTrans, B, V, D, 1.0f, h, D, weight, D, 0.0f,
+          logits.data(), V);
     if (capped) {
       SoftcapForward(logits.data(), rows * vocab, options.softcap);
       if (want_grad) {
@@ -84,31 +89,41 @@ CrossEntropyResult Run(const float* hidden, const float* weight, int64_t tokens,
                   capped_logits.begin());
       }
     }
+    // Rows are independent; each one's loss term lands in row_loss and the
+    // terms are added in row order below, as a serial loop would.
+    ParallelFor(rows, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        float* row = logits.data() + r * vocab;
+        const int32_t target = targets[start + r];
+        if (target == options.ignore_index) {
+          if (want_grad) std::fill(row, row + vocab, 0.0f);
+          row_counted[r] = 0;
+          continue;
+        }
+        row_counted[r] = 1;
+        const float target_logit = row[target];
+        const float max = *std::max_element(row, row + vocab);
+        // Overwrite the row with exp(logit - max); it becomes dlogits below.
+        double sum = 0.0;
+        for (int64_t j = 0; j < vocab; ++j) {
+          row[j] = std::exp(row[j] - max);
+          sum += row[j];
+        }
+        const double lse = double{max} + std::log(sum);
+        row_loss[r] = lse - double{target_logit};
+        if (want_grad) {
+          const float scale = static_cast<float>(double{loss_scale} / sum);
+          for (int64_t j = 0; j < vocab; ++j) row[j] *= scale;
+          row[target] -= loss_scale;
+        }
+      }
+    });
     bool any_counted = false;
     for (int64_t r = 0; r < rows; ++r) {
-      float* row = logits.data() + r * vocab;
-      const int32_t target = targets[start + r];
-      if (target == options.ignore_index) {
-        if (want_grad) std::fill(row, row + vocab, 0.0f);
-        continue;
-      }
+      if (row_counted[r] == 0) continue;
       any_counted = true;
-      const float target_logit = row[target];
-      const float max = *std::max_element(row, row + vocab);
-      // Overwrite the row with exp(logit - max); it becomes dlogits below.
-      double sum = 0.0;
-      for (int64_t j = 0; j < vocab; ++j) {
-        row[j] = std::exp(row[j] - max);
-        sum += row[j];
-      }
-      const double lse = double{max} + std::log(sum);
-      result.loss_sum += lse - double{target_logit};
+      result.loss_sum += row_loss[r];
       ++result.count;
-      if (want_grad) {
-        const float scale = static_cast<float>(double{loss_scale} / sum);
-        for (int64_t j = 0; j < vocab; ++j) row[j] *= scale;
-        row[target] -= loss_scale;
-      }
     }
     if (!want_grad) continue;
     if (capped) {
@@ -118,14 +133,13 @@ CrossEntropyResult Run(const float* hidden, const float* weight, int64_t tokens,
     const float* dl = logits.data();
     if (dhidden != nullptr) {
       // dhidden[rows, D] = dlogits[rows, V] @ weight[V, D]
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, B, D, V, 1.0f, dl,
-                  V, weight, D, accumulate_dhidden ? 1.0f : 0.0f,
-                  dhidden + start * dim, D);
+      Sgemm(CblasNoTrans, CblasNoTrans, B, D, V, 1.0f, dl, V, weight, D,
+            accumulate_dhidden ? 1.0f : 0.0f, dhidden + start * dim, D);
     }
     if (dweight != nullptr && any_counted) {
       // dweight[V, D] += dlogits[rows, V]^T @ h[rows, D]
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, V, D, B, 1.0f, dl, V,
-                  h, D, 1.0f, dweight, D);
+      Sgemm(CblasTrans, CblasNoTrans, V, D, B, 1.0f, dl, V, h, D, 1.0f, dweight,
+            D);
     }
   }
   if (result.count > 0) result.mean_loss = result.loss_sum / result.count;

@@ -1,13 +1,12 @@
 #include "kernels/cpu/dense_mlp.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/gemm.h"
 
 namespace shardd {
 namespace kernels {
@@ -104,16 +103,16 @@ absl::Status DenseMlpForward(const DenseMlpDims& dims,
     float* g = ws->gate.data();
     float* u = ws->up.data();
     float* a = ws->hidden.data();
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, I, D, 1.0f, x, D,
+    Sgemm(CblasNoTrans, CblasTrans, T, I, D, 1.0f, x, D,
                 gate_proj, D, 0.0f, g, I);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, I, D, 1.0f, x, D,
+    Sgemm(CblasNoTrans, CblasTrans, T, I, D, 1.0f, x, D,
                 up_proj, D, 0.0f, u, I);
     for (int64_t i = 0; i < t * in; ++i) {
       float act;
       Activate(activation, g[i], &act, nullptr);
       a[i] = act * u[i];
     }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, D, I, 1.0f, a, I,
+    Sgemm(CblasNoTrans, CblasTrans, T, D, I, 1.0f, a, I,
                 down_proj, I, accumulate_y ? 1.0f : 0.0f, y, D);
   }
   ws->dims = dims;
@@ -162,7 +161,7 @@ absl::Status DenseMlpBackward(const DenseMlpDims& dims,
 
   // dW_down += dy^T @ A   [D, I]
   if (d_down_proj != nullptr) {
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, D, I, T, 1.0f, dy, D,
+    Sgemm(CblasTrans, CblasNoTrans, D, I, T, 1.0f, dy, D,
                 a, I, 1.0f, d_down_proj, I);
   }
   if (!need_dh) return absl::OkStatus();
@@ -172,7 +171,7 @@ absl::Status DenseMlpBackward(const DenseMlpDims& dims,
   float* du = ws->d_hidden.data();  // dA first, dU in place after
   float* dg = ws->d_gate.data();
   // dA = dy @ down_proj   [T, I]
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, I, D, 1.0f, dy, D,
+  Sgemm(CblasNoTrans, CblasNoTrans, T, I, D, 1.0f, dy, D,
               down_proj, I, 0.0f, du, I);
   for (int64_t i = 0; i < t * in; ++i) {
     float act, dact;
@@ -183,18 +182,18 @@ absl::Status DenseMlpBackward(const DenseMlpDims& dims,
   }
   // dW_gate += dG^T @ x, dW_up += dU^T @ x   [I, D]
   if (d_gate_proj != nullptr) {
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, I, D, T, 1.0f, dg, I,
+    Sgemm(CblasTrans, CblasNoTrans, I, D, T, 1.0f, dg, I,
                 x, D, 1.0f, d_gate_proj, D);
   }
   if (d_up_proj != nullptr) {
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, I, D, T, 1.0f, du, I,
+    Sgemm(CblasTrans, CblasNoTrans, I, D, T, 1.0f, du, I,
                 x, D, 1.0f, d_up_proj, D);
   }
   // dx = dG @ gate_proj + dU @ up_proj   [T, D]
   if (dx != nullptr) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, D, I, 1.0f, dg, I,
+    Sgemm(CblasNoTrans, CblasNoTrans, T, D, I, 1.0f, dg, I,
                 gate_proj, D, accumulate_dx ? 1.0f : 0.0f, dx, D);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, D, I, 1.0f, du, I,
+    Sgemm(CblasNoTrans, CblasNoTrans, T, D, I, 1.0f, du, I,
                 up_proj, D, 1.0f, dx, D);
   }
   return absl::OkStatus();

@@ -1,7 +1,5 @@
 #include "kernels/cpu/grouped_experts.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -9,10 +7,14 @@
 #include <limits>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/compute_pool.h"
+#include "kernels/cpu/gemm.h"
 #include "kernels/cpu/simd_level.h"
+#include "kernels/cpu/vec_exp.h"
 
 namespace shardd {
 namespace kernels {
@@ -76,41 +78,7 @@ bool SameDims(const ExpertDims& a, const ExpertDims& b) {
 // FMA contraction (-ffp-contract=off in BUILD), per-lane arithmetic only,
 // and fixed-lane reductions. (OpenBLAS' own kernels still depend on the
 // CPU.)
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define SHARDD_TARGET_X86_64_V3 __attribute__((target("arch=x86-64-v3")))
-#define SHARDD_TARGET_X86_64_V4 __attribute__((target("arch=x86-64-v4")))
-#else
-#define SHARDD_TARGET_X86_64_V3
-#define SHARDD_TARGET_X86_64_V4
-#endif
-#define SHARDD_ALWAYS_INLINE inline __attribute__((always_inline))
-
-// exp(x) that the compiler can vectorize (libm's expf is a call): Cody-Waite
-// range reduction x = n ln2 + r and Cephes' degree-6 polynomial for e^r,
-// within 8.2e-8 relative (1.4 ulp) of exp on [-40, 40]. x is clamped to that
-// range: beyond it tanh and the upper sigmoid are exactly +-1 in fp32 anyway
-// (Silu handles the lower side). The compiler evaluates the clamped branch
-// in every vector lane, and with a wider clamp such as [-87, 88] that branch
-// makes subnormals whose microcode assists made the loop 10x slower. NaN maps
-// to -40; callers multiply by g, which carries the NaN on.
-inline float VecExp(float x) {
-  x = x > -40.0f ? x : -40.0f;
-  x = x < 40.0f ? x : 40.0f;
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: x + kRound rounds x
-  const float n = (x * 1.44269504088896341f + kRound) - kRound;
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+// (SHARDD_TARGET_* and SHARDD_ALWAYS_INLINE come from simd_level.h.)
 
 // The gate nonlinearities f(g) and their derivatives f'(g).
 struct Silu {
@@ -300,6 +268,20 @@ void ClampedBackward(const ClampedGate& c, const float* h, const float* w,
 
 // out[t] (+)= sum over k of rows[row_of_slot[t * K + k]], skipping masked
 // slots; k order makes the sum deterministic.
+// Runs fn(e) for every expert. An expert's GEMMs, activation and gradient
+// slices touch only its own rows and weights, so with enough experts to
+// share out each thread takes whole experts (its GEMMs on one thread, no
+// split); with fewer, experts run in order and each GEMM is split.
+void ForEachExpert(int64_t experts, absl::FunctionRef<void(int64_t)> fn) {
+  if (experts >= 2 * ComputeThreads()) {
+    ParallelFor(experts, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t e = begin; e < end; ++e) fn(e);
+    });
+    return;
+  }
+  for (int64_t e = 0; e < experts; ++e) fn(e);
+}
+
 void ScatterRows(const float* rows, const int32_t* row_of_slot, int64_t tokens,
                  int64_t top_k, int64_t d, bool accumulate, float* out) {
   for (int64_t t = 0; t < tokens; ++t) {
@@ -417,17 +399,16 @@ absl::Status GroupedExpertsForward(const ExpertDims& dims,
   }
 
   const int64_t gu_stride = d * 2 * inter, d_stride = inter * d;
-  for (int64_t e = 0; e < e_count; ++e) {
+  ForEachExpert(e_count, [&](int64_t e) {
     const int64_t begin = offsets[e], rows = offsets[e + 1] - begin;
-    if (rows == 0) continue;  // contributes nothing; see the header
+    if (rows == 0) return;  // contributes nothing; see the header
     float* h = ws->h.data() + begin * 2 * inter;
     float* a = ws->a.data() + begin * inter;
     // h[n_e, 2I] = Xe[n_e, D] @ W_gu[e][D, 2I].
-    cblas_sgemm(
-        CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows),
-        static_cast<int>(2 * inter), static_cast<int>(d), 1.0f,
-        ws->xs.data() + begin * d, static_cast<int>(d), w_gu + e * gu_stride,
-        static_cast<int>(2 * inter), 0.0f, h, static_cast<int>(2 * inter));
+    Sgemm(CblasNoTrans, CblasNoTrans, static_cast<int>(rows),
+          static_cast<int>(2 * inter), static_cast<int>(d), 1.0f,
+          ws->xs.data() + begin * d, static_cast<int>(d), w_gu + e * gu_stride,
+          static_cast<int>(2 * inter), 0.0f, h, static_cast<int>(2 * inter));
     if (options.gate_up_bias != nullptr) {
       const float* b = options.gate_up_bias + e * 2 * inter;
       for (int64_t r = 0; r < rows; ++r) {
@@ -446,18 +427,17 @@ absl::Status GroupedExpertsForward(const ExpertDims& dims,
     }
     // o[n_e, D] = a[n_e, I] @ W_d[e][I, D] (+ w * b_d[e]).
     float* o = ws->o.data() + begin * d;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans,
-                static_cast<int>(rows), static_cast<int>(d),
-                static_cast<int>(inter), 1.0f, a, static_cast<int>(inter),
-                w_d + e * d_stride, static_cast<int>(d), 0.0f, o,
-                static_cast<int>(d));
+    Sgemm(CblasNoTrans, CblasNoTrans, static_cast<int>(rows),
+          static_cast<int>(d), static_cast<int>(inter), 1.0f, a,
+          static_cast<int>(inter), w_d + e * d_stride, static_cast<int>(d),
+          0.0f, o, static_cast<int>(d));
     if (options.down_bias != nullptr) {
       const float* b = options.down_bias + e * d;
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t j = 0; j < d; ++j) o[r * d + j] += w[r] * b[j];
       }
     }
-  }
+  });
   ScatterRows(ws->o.data(), ws->row_of_slot.data(), t_count, k, d,
               /*accumulate=*/false, y);
 
@@ -527,23 +507,23 @@ absl::Status GroupedExpertsBackward(
 
   const int64_t* offsets = ws->expert_offsets.data();
   const int64_t gu_stride = d * 2 * inter, d_stride = inter * d;
-  for (int64_t e = 0; e < e_count; ++e) {
+  ForEachExpert(e_count, [&](int64_t e) {
     const int64_t begin = offsets[e], rows = offsets[e + 1] - begin;
-    if (rows == 0) continue;  // dW += 0: the buffers keep their values
+    if (rows == 0) return;  // dW += 0: the buffers keep their values
     const float* d_oe = d_o + begin * d;
     float* da = ws->da.data() + begin * inter;
     // dA[n_e, I] = dO[n_e, D] @ W_d[e]^T.
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows),
-                static_cast<int>(inter), static_cast<int>(d), 1.0f, d_oe,
-                static_cast<int>(d), w_d + e * d_stride, static_cast<int>(d),
-                0.0f, da, static_cast<int>(inter));
+    Sgemm(CblasNoTrans, CblasTrans, static_cast<int>(rows),
+          static_cast<int>(inter), static_cast<int>(d), 1.0f, d_oe,
+          static_cast<int>(d), w_d + e * d_stride, static_cast<int>(d), 0.0f,
+          da, static_cast<int>(inter));
     if (dw_d != nullptr) {
       // dW_d[e][I, D] += A[n_e, I]^T @ dO[n_e, D].
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans,
-                  static_cast<int>(inter), static_cast<int>(d),
-                  static_cast<int>(rows), 1.0f, ws->a.data() + begin * inter,
-                  static_cast<int>(inter), d_oe, static_cast<int>(d), 1.0f,
-                  dw_d + e * d_stride, static_cast<int>(d));
+      Sgemm(CblasTrans, CblasNoTrans, static_cast<int>(inter),
+            static_cast<int>(d), static_cast<int>(rows), 1.0f,
+            ws->a.data() + begin * inter, static_cast<int>(inter), d_oe,
+            static_cast<int>(d), 1.0f, dw_d + e * d_stride,
+            static_cast<int>(d));
     }
     const float* h = ws->h.data() + begin * 2 * inter;
     const float* w = ws->row_weight.data() + begin;
@@ -582,23 +562,21 @@ absl::Status GroupedExpertsBackward(
     }
     if (dw_gu != nullptr) {
       // dW_gu[e][D, 2I] += Xe[n_e, D]^T @ dH[n_e, 2I].
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(d),
-                  static_cast<int>(2 * inter), static_cast<int>(rows), 1.0f,
-                  ws->xs.data() + begin * d, static_cast<int>(d), dh,
-                  static_cast<int>(2 * inter), 1.0f, dw_gu + e * gu_stride,
-                  static_cast<int>(2 * inter));
+      Sgemm(CblasTrans, CblasNoTrans, static_cast<int>(d),
+            static_cast<int>(2 * inter), static_cast<int>(rows), 1.0f,
+            ws->xs.data() + begin * d, static_cast<int>(d), dh,
+            static_cast<int>(2 * inter), 1.0f, dw_gu + e * gu_stride,
+            static_cast<int>(2 * inter));
     }
     if (dx != nullptr) {
       // dXs[n_e, D] = dH[n_e, 2I] @ W_gu[e]^T.
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans,
-                  static_cast<int>(rows), static_cast<int>(d),
-                  static_cast<int>(2 * inter), 1.0f, dh,
-                  static_cast<int>(2 * inter), w_gu + e * gu_stride,
-                  static_cast<int>(2 * inter), 0.0f, ws->dxs.data() + begin * d,
-                  static_cast<int>(d));
+      Sgemm(CblasNoTrans, CblasTrans, static_cast<int>(rows),
+            static_cast<int>(d), static_cast<int>(2 * inter), 1.0f, dh,
+            static_cast<int>(2 * inter), w_gu + e * gu_stride,
+            static_cast<int>(2 * inter), 0.0f, ws->dxs.data() + begin * d,
+            static_cast<int>(d));
     }
-  }
-
+  });
   if (d_weights != nullptr) {
     for (int64_t slot = 0; slot < t_count * k; ++slot) {
       const int32_t row = ws->row_of_slot[slot];

@@ -1,10 +1,9 @@
 #include "kernels/cpu/linear.h"
 
-#include <cblas.h>
-
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/gemm.h"
 
 namespace shardd {
 namespace kernels {
@@ -30,7 +29,7 @@ absl::Status LinearForward(const float* x, const float* w, int64_t tokens,
   if (x == nullptr || w == nullptr || y == nullptr) {
     return absl::InvalidArgumentError("linear: x, w and y must not be null");
   }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, tokens, out, in, 1.0f, x,
+  Sgemm(CblasNoTrans, CblasTrans, tokens, out, in, 1.0f, x,
               in, w, in, accumulate ? 1.0f : 0.0f, y, out);
   return absl::OkStatus();
 }
@@ -46,11 +45,11 @@ absl::Status LinearBackward(const float* x, const float* w, const float* dy,
         "linear backward: dy, and w for dx / x for dw, must not be null");
   }
   if (dx != nullptr) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, tokens, in, out,
+    Sgemm(CblasNoTrans, CblasNoTrans, tokens, in, out,
                 1.0f, dy, out, w, in, accumulate_dx ? 1.0f : 0.0f, dx, in);
   }
   if (dw != nullptr) {
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, out, in, tokens, 1.0f,
+    Sgemm(CblasTrans, CblasNoTrans, out, in, tokens, 1.0f,
                 dy, out, x, in, 1.0f, dw, in);
   }
   return absl::OkStatus();

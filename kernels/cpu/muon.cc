@@ -1,7 +1,5 @@
 #include "kernels/cpu/muon.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -9,6 +7,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/gemm.h"
 
 namespace shardd {
 namespace kernels {
@@ -88,15 +87,15 @@ absl::Status NewtonSchulz(float* x, int64_t rows, int64_t cols, int steps,
 
   for (int s = 0; s < steps; ++s) {
     // A = X X^T.
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, r, r, c, 1.0f, X, c, X,
+    Sgemm(CblasNoTrans, CblasTrans, r, r, c, 1.0f, X, c, X,
                 c, 0.0f, A, r);
     // B = b A + c A A.
     std::memcpy(B, A, static_cast<size_t>(r) * r * sizeof(float));
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r, r, r,
+    Sgemm(CblasNoTrans, CblasNoTrans, r, r, r,
                 kNewtonSchulzC, A, r, A, r, kNewtonSchulzB, B, r);
     // X = a X + B X.
     std::memcpy(next, X, static_cast<size_t>(rc) * sizeof(float));
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, r, c, r, 1.0f, B, r,
+    Sgemm(CblasNoTrans, CblasNoTrans, r, c, r, 1.0f, B, r,
                 X, c, kNewtonSchulzA, next, c);
     std::swap(X, next);
   }

@@ -1,14 +1,21 @@
 #include "kernels/cpu/rms_norm.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/compute_pool.h"
 
 namespace shardd {
 namespace kernels {
 namespace {
+
+// Rows per chunk: about 64 Ki elements, at least one row.
+int64_t RowGrain(int64_t dim) {
+  return std::max<int64_t>(1, (int64_t{1} << 16) / dim);
+}
 
 absl::Status ValidateShape(int64_t rows, int64_t dim) {
   if (rows < 0 || dim < 1) {
@@ -33,17 +40,18 @@ absl::Status RmsNormForward(const float* x, const float* weight, int64_t rows,
     return absl::InvalidArgumentError(
         "rms_norm: x, weight, y and inv_rms must be non-null");
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * dim;
-    float* yr = y + r * dim;
-    double sum_sq = 0.0;
-    for (int64_t d = 0; d < dim; ++d) sum_sq += double{xr[d]} * xr[d];
-    const float inv =
-        static_cast<float>(1.0 / std::sqrt(sum_sq / dim + double{eps}));
-    inv_rms[r] = inv;
-    // (x * inv_rms) * weight, in that order, as the HF reference computes it.
-    for (int64_t d = 0; d < dim; ++d) yr[d] = (xr[d] * inv) * weight[d];
-  }
+  ParallelFor(rows, RowGrain(dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = x + r * dim;
+      float* yr = y + r * dim;
+      double sum_sq = 0.0;
+      for (int64_t d = 0; d < dim; ++d) sum_sq += double{xr[d]} * xr[d];
+      const float inv =
+          static_cast<float>(1.0 / std::sqrt(sum_sq / dim + double{eps}));
+      inv_rms[r] = inv;
+      for (int64_t d = 0; d < dim; ++d) yr[d] = (xr[d] * inv) * weight[d];
+    }
+  });
   return absl::OkStatus();
 }
 
@@ -59,26 +67,37 @@ absl::Status RmsNormBackward(const float* dy, const float* x,
   }
   // Sum this call's contribution in double first and add it once, so the
   // result does not depend on what dweight already holds.
-  std::vector<double> dw_sum(dim, 0.0);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* dyr = dy + r * dim;
-    const float* xr = x + r * dim;
-    float* dxr = dx + r * dim;
-    const float inv = inv_rms[r];
-    double dot = 0.0;  // sum_k g_k * xhat_k
-    for (int64_t d = 0; d < dim; ++d) {
-      const float xhat = xr[d] * inv;
-      dot += double{dyr[d]} * weight[d] * xhat;
-      dw_sum[d] += double{dyr[d]} * xhat;
+  // dweight sums over rows: one partial per chunk of rows, added in chunk
+  // order, so the bits do not depend on the thread count.
+  const int64_t grain = RowGrain(dim);
+  const int64_t chunks = (rows + grain - 1) / grain;
+  std::vector<double> dw_partial(chunks * dim, 0.0);
+  ParallelFor(rows, grain, [&](int64_t begin, int64_t end) {
+    double* dw_sum = dw_partial.data() + (begin / grain) * dim;
+    for (int64_t r = begin; r < end; ++r) {
+      const float* dyr = dy + r * dim;
+      const float* xr = x + r * dim;
+      float* dxr = dx + r * dim;
+      const float inv = inv_rms[r];
+      double dot = 0.0;  // sum_k g_k * xhat_k
+      for (int64_t d = 0; d < dim; ++d) {
+        const float xhat = xr[d] * inv;
+        dot += double{dyr[d]} * weight[d] * xhat;
+        dw_sum[d] += double{dyr[d]} * xhat;
+      }
+      const float mean_dot = static_cast<float>(dot / dim);
+      for (int64_t d = 0; d < dim; ++d) {
+        const float xhat = xr[d] * inv;
+        const float grad = inv * (dyr[d] * weight[d] - xhat * mean_dot);
+        dxr[d] = accumulate_dx ? dxr[d] + grad : grad;
+      }
     }
-    const float mean_dot = static_cast<float>(dot / dim);
-    for (int64_t d = 0; d < dim; ++d) {
-      const float xhat = xr[d] * inv;
-      const float grad = inv * (dyr[d] * weight[d] - xhat * mean_dot);
-      dxr[d] = accumulate_dx ? dxr[d] + grad : grad;
-    }
+  });
+  for (int64_t d = 0; d < dim; ++d) {
+    double sum = 0.0;
+    for (int64_t c = 0; c < chunks; ++c) sum += dw_partial[c * dim + d];
+    dweight[d] += static_cast<float>(sum);
   }
-  for (int64_t d = 0; d < dim; ++d) dweight[d] += static_cast<float>(dw_sum[d]);
   return absl::OkStatus();
 }
 

@@ -1,9 +1,11 @@
 #include "kernels/cpu/rope.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/compute_pool.h"
 
 namespace shardd {
 namespace kernels {
@@ -73,21 +75,28 @@ absl::Status RopeRotate(const RopeTable& table, RopeLayout layout,
           absl::StrCat("rope positions[", t, "]: ", p,
                        " outside the table's [0, ", table.positions, ")"));
     }
-    const float* c = table.cos.data() + p * half;
-    const float* s = table.sin.data() + p * half;
-    for (int64_t h = 0; h < shape.heads; ++h) {
-      float* head =
-          x + t * shape.token_stride + h * shape.head_stride + shape.dim_offset;
-      for (int64_t i = 0; i < half; ++i) {
-        float* a = layout == RopeLayout::kHalf ? head + i : head + 2 * i;
-        float* b =
-            layout == RopeLayout::kHalf ? head + i + half : head + 2 * i + 1;
-        const float x1 = *a, x2 = *b, si = sign * s[i];
-        *a = x1 * c[i] - x2 * si;
-        *b = x2 * c[i] + x1 * si;
+  }
+  const int64_t grain = std::max<int64_t>(
+      1, (int64_t{1} << 15) / std::max<int64_t>(1, shape.heads * half));
+  ParallelFor(shape.tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t p = positions[t];
+      const float* c = table.cos.data() + p * half;
+      const float* s = table.sin.data() + p * half;
+      for (int64_t h = 0; h < shape.heads; ++h) {
+        float* head = x + t * shape.token_stride + h * shape.head_stride +
+                      shape.dim_offset;
+        for (int64_t i = 0; i < half; ++i) {
+          float* a = layout == RopeLayout::kHalf ? head + i : head + 2 * i;
+          float* b =
+              layout == RopeLayout::kHalf ? head + i + half : head + 2 * i + 1;
+          const float x1 = *a, x2 = *b, si = sign * s[i];
+          *a = x1 * c[i] - x2 * si;
+          *b = x2 * c[i] + x1 * si;
+        }
       }
     }
-  }
+  });
   return absl::OkStatus();
 }
 

@@ -1,7 +1,5 @@
 #include "kernels/cpu/router.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -11,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/gemm.h"
 #include "kernels/cpu/router_select.h"
 
 namespace shardd {
@@ -152,7 +151,7 @@ absl::Status RouterForward(const RouterDims& dims, const float* x,
   GrowTo(cache->denom, static_cast<size_t>(t_count));
   float* probs = cache->probs.data();
   if (t_count > 0) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans,
+    Sgemm(CblasNoTrans, CblasTrans,
                 static_cast<int>(t_count), static_cast<int>(e_count),
                 static_cast<int>(d), 1.0f, x, static_cast<int>(d), w,
                 static_cast<int>(d), 0.0f, probs, static_cast<int>(e_count));
@@ -358,7 +357,7 @@ absl::Status RouterBackward(const RouterDims& dims, const float* x,
   }
   if (dx != nullptr) {
     // dx[T, D] = d_logits[T, E] @ W[E, D].
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans,
+    Sgemm(CblasNoTrans, CblasNoTrans,
                 static_cast<int>(t_count), static_cast<int>(d),
                 static_cast<int>(e_count), 1.0f, d_logits,
                 static_cast<int>(e_count), w, static_cast<int>(d),
@@ -373,7 +372,7 @@ absl::Status RouterBackward(const RouterDims& dims, const float* x,
   }
   if (dw != nullptr) {
     // dW[E, D] += d_logits^T[E, T] @ x[T, D].
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans,
+    Sgemm(CblasTrans, CblasNoTrans,
                 static_cast<int>(e_count), static_cast<int>(d),
                 static_cast<int>(t_count), 1.0f, d_logits,
                 static_cast<int>(e_count), x, static_cast<int>(d), 1.0f, dw,

@@ -14,6 +14,18 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
+// Function attributes for a kernel body's per-level clones: the body is
+// SHARDD_ALWAYS_INLINE and each wrapper carries a SHARDD_TARGET_*; the
+// library builds with -ffp-contract=off so no level contracts into FMAs.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define SHARDD_TARGET_X86_64_V3 __attribute__((target("arch=x86-64-v3")))
+#define SHARDD_TARGET_X86_64_V4 __attribute__((target("arch=x86-64-v4")))
+#else
+#define SHARDD_TARGET_X86_64_V3
+#define SHARDD_TARGET_X86_64_V4
+#endif
+#define SHARDD_ALWAYS_INLINE inline __attribute__((always_inline))
+
 namespace shardd {
 namespace kernels {
 

@@ -9,6 +9,7 @@
 #include "common/dtype.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/bf16.h"
+#include "kernels/cpu/compute_pool.h"
 #include "layout/shard_layout.h"
 
 namespace shardd {
@@ -27,17 +28,22 @@ void ToFp32(const void* src, v1::DType dtype, int64_t n, float* dst) {
   }
 }
 
+// Elements per chunk of the element-wise adds spread over the compute pool.
+constexpr int64_t kAddGrain = int64_t{1} << 16;
+
 // dst[i] += src[i], dst in `dtype` (fp32, or bf16 rounded once per add).
 void AddInto(const float* src, int64_t n, v1::DType dtype, void* dst) {
-  if (dtype == v1::BFLOAT16) {
-    uint16_t* d = static_cast<uint16_t*>(dst);
-    for (int64_t i = 0; i < n; ++i) {
-      d[i] = kernels::Fp32ToBf16(kernels::Bf16ToFp32(d[i]) + src[i]);
+  kernels::ParallelFor(n, kAddGrain, [&](int64_t begin, int64_t end) {
+    if (dtype == v1::BFLOAT16) {
+      uint16_t* d = static_cast<uint16_t*>(dst);
+      for (int64_t i = begin; i < end; ++i) {
+        d[i] = kernels::Fp32ToBf16(kernels::Bf16ToFp32(d[i]) + src[i]);
+      }
+    } else {
+      float* d = static_cast<float*>(dst);
+      for (int64_t i = begin; i < end; ++i) d[i] += src[i];
     }
-  } else {
-    float* d = static_cast<float*>(dst);
-    for (int64_t i = 0; i < n; ++i) d[i] += src[i];
-  }
+  });
 }
 
 }  // namespace
@@ -91,9 +97,9 @@ absl::StatusOr<std::unique_ptr<ShardStore>> ShardStore::Create(
     store->units_.push_back(std::move(state));
   }
   // Every owned range from its global initialiser; padding zero.
-  SHARDD_RETURN_IF_ERROR(
-      InitMasterShards(plan, model, options.shard_rank, options.seed, masters,
-                       options.initial_values));
+  SHARDD_RETURN_IF_ERROR(InitMasterShards(plan, model, options.shard_rank,
+                                          options.seed, masters,
+                                          options.initial_values));
   store->layouts_ = std::move(layouts);
   for (int u = 0; u < plan.units_size(); ++u) {
     UnitState& state = *store->units_[u];
@@ -286,14 +292,16 @@ absl::Status ShardStore::ReduceScatter(int unit, Communicator* shard_group,
   // chunk holds only the trainable parameters' shards).
   float* grads = state->grads.as<float>();
   auto add = [&](int64_t from, int64_t to, int64_t n) {
-    if (state->reduce == v1::BFLOAT16) {
-      const uint16_t* in = reinterpret_cast<const uint16_t*>(out) + from;
-      for (int64_t i = 0; i < n; ++i)
-        grads[to + i] += kernels::Bf16ToFp32(in[i]);
-    } else {
-      const float* in = reinterpret_cast<const float*>(out) + from;
-      for (int64_t i = 0; i < n; ++i) grads[to + i] += in[i];
-    }
+    kernels::ParallelFor(n, kAddGrain, [&](int64_t begin, int64_t end) {
+      if (state->reduce == v1::BFLOAT16) {
+        const uint16_t* in = reinterpret_cast<const uint16_t*>(out) + from;
+        for (int64_t i = begin; i < end; ++i)
+          grads[to + i] += kernels::Bf16ToFp32(in[i]);
+      } else {
+        const float* in = reinterpret_cast<const float*>(out) + from;
+        for (int64_t i = begin; i < end; ++i) grads[to + i] += in[i];
+      }
+    });
   };
   for (const CopySegment& seg : layouts_[unit].shard_grad) {
     add(seg.src, seg.dst, seg.count);

@@ -1,0 +1,51 @@
+#ifndef SHARDD_KERNELS_CPU_COMPUTE_POOL_H_
+#define SHARDD_KERNELS_CPU_COMPUTE_POOL_H_
+
+// The threads a CPU worker's kernels split their work over, one pool per
+// process. The kernels own their threading: OpenBLAS is held at one thread
+// (its idle threads would otherwise spin in sched_yield while the rest of
+// the step runs on one core), and GEMMs are split over this pool by
+// kernels::Sgemm (gemm.h) like every other loop. See docs/performance.md.
+//
+// Size: SHARDD_CPU_THREADS, else OPENBLAS_NUM_THREADS, else every core, read
+// once on first use; SetComputeThreads changes it.
+
+#include <cstdint>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+
+namespace shardd {
+namespace kernels {
+
+inline constexpr char kComputeThreadsEnv[] = "SHARDD_CPU_THREADS";
+inline constexpr int kMaxComputeThreads = 256;
+
+// The pool's thread count, the calling thread included (>= 1).
+int ComputeThreads();
+
+// Resizes the pool (the calling thread counts as one). Must not be called
+// from inside ParallelFor. Errors: INVALID_ARGUMENT for n outside
+// [1, kMaxComputeThreads], naming the allowed range.
+absl::Status SetComputeThreads(int n);
+
+// Calls fn(begin, end) on the chunks [0, grain), [grain, 2 grain), ... of
+// [0, n) (the last one shorter), spread over the pool; returns when all are
+// done. The chunk boundaries depend on n and grain only, never on the thread
+// count, so a kernel that reduces within a chunk and combines the chunks in
+// order gives the same bits at every thread count. Chunks run in any order
+// and concurrently: fn must only write what its chunk owns. Runs inline
+// (chunk by chunk, in order) with one thread, one chunk, or when called from
+// inside another ParallelFor or while another thread holds the pool.
+// n <= 0 does nothing; grain < 1 counts as 1.
+void ParallelFor(int64_t n, int64_t grain,
+                 absl::FunctionRef<void(int64_t, int64_t)> fn);
+
+// True inside a chunk that ParallelFor runs on the pool (nested calls run
+// inline).
+bool InParallelRegion();
+
+}  // namespace kernels
+}  // namespace shardd
+
+#endif  // SHARDD_KERNELS_CPU_COMPUTE_POOL_H_
