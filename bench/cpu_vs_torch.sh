@@ -28,7 +28,7 @@ shardd_tokens_per_second() {
   out=$(OPENBLAS_NUM_THREADS=$((threads / workers > 0 ? threads / workers : 1)) \
     SHARDD_MODEL=$config SHARDD_WORKERS=$workers \
     SHARDD_STEPS=$((steps + warmup)) SHARDD_TLS=0 SHARDD_BATCH=$batch \
-    SHARDD_SEQ=$seq SHARDD_TRAIN_ARGS="--json --no-mixed-precision" \
+    SHARDD_SEQ=$seq SHARDD_TRAIN_ARGS="--json --no-mixed-precision --grad-clip 0" \
     SHARDD_ORDER=1 deploy/local/run.sh 2>&1) || {
     echo "$out" | tail -n 30 >&2
     echo "cpu_vs_torch: shardd at $workers worker(s) failed" >&2

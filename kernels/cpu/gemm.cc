@@ -25,16 +25,23 @@ void Sgemm(CBLAS_TRANSPOSE trans_a, CBLAS_TRANSPOSE trans_b, int m, int n,
            int k, float alpha, const float* a, int lda, const float* b, int ldb,
            float beta, float* c, int ldc) {
   const int64_t macs = int64_t{m} * n * k;
-  const int threads = InParallelRegion() ? 1 : ComputeThreads();
-  int64_t piece = (int64_t{m} + threads - 1) / threads;
-  piece = (piece + kRowAlign - 1) / kRowAlign * kRowAlign;
-  if (threads <= 1 || macs < kMinSplitMacs || piece >= m) {
+  const int64_t threads = InParallelRegion() ? 1 : ComputeThreads();
+  // One piece per thread, its first row the multiple of kRowAlign nearest
+  // to an even share.
+  const int64_t pieces = std::min<int64_t>(threads, m / kRowAlign);
+  if (pieces <= 1 || macs < kMinSplitMacs) {
     cblas_sgemm(CblasRowMajor, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb,
                 beta, c, ldc);
     return;
   }
-  // Rows [begin, end) of C and of op(A).
-  ParallelFor(m, piece, [&](int64_t begin, int64_t end) {
+  auto first_row = [&](int64_t piece) {
+    if (piece == pieces) return int64_t{m};
+    return (m * piece / pieces + kRowAlign / 2) / kRowAlign * kRowAlign;
+  };
+  ParallelFor(pieces, 1, [&](int64_t piece, int64_t) {
+    // Rows [begin, end) of C and of op(A).
+    const int64_t begin = first_row(piece), end = first_row(piece + 1);
+    if (begin >= end) return;
     const float* a_part = trans_a == CblasNoTrans ? a + begin * lda : a + begin;
     cblas_sgemm(CblasRowMajor, trans_a, trans_b, static_cast<int>(end - begin),
                 n, k, alpha, a_part, lda, b, ldb, beta, c + begin * ldc, ldc);

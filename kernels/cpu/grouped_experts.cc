@@ -268,14 +268,22 @@ void ClampedBackward(const ClampedGate& c, const float* h, const float* w,
 
 // out[t] (+)= sum over k of rows[row_of_slot[t * K + k]], skipping masked
 // slots; k order makes the sum deterministic.
-// Runs fn(e) for every expert. An expert's GEMMs, activation and gradient
-// slices touch only its own rows and weights, so with enough experts to
-// share out each thread takes whole experts (its GEMMs on one thread, no
-// split); with fewer, experts run in order and each GEMM is split.
-void ForEachExpert(int64_t experts, absl::FunctionRef<void(int64_t)> fn) {
+// Runs fn(e) for every expert, given the experts' row offsets [E + 1]. An
+// expert's GEMMs, activation and gradient slices touch only its own rows
+// and weights, so with enough experts to share out each thread takes whole
+// experts (its GEMMs on one thread, no split), the largest first so that
+// the last ones to finish are short; with fewer, experts run in order and
+// each GEMM is split.
+void ForEachExpert(int64_t experts, const int64_t* offsets,
+                   absl::FunctionRef<void(int64_t)> fn) {
   if (experts >= 2 * ComputeThreads()) {
+    std::vector<int64_t> order(experts);
+    for (int64_t e = 0; e < experts; ++e) order[e] = e;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+      return offsets[x + 1] - offsets[x] > offsets[y + 1] - offsets[y];
+    });
     ParallelFor(experts, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t e = begin; e < end; ++e) fn(e);
+      for (int64_t i = begin; i < end; ++i) fn(order[i]);
     });
     return;
   }
@@ -399,7 +407,7 @@ absl::Status GroupedExpertsForward(const ExpertDims& dims,
   }
 
   const int64_t gu_stride = d * 2 * inter, d_stride = inter * d;
-  ForEachExpert(e_count, [&](int64_t e) {
+  ForEachExpert(e_count, offsets, [&](int64_t e) {
     const int64_t begin = offsets[e], rows = offsets[e + 1] - begin;
     if (rows == 0) return;  // contributes nothing; see the header
     float* h = ws->h.data() + begin * 2 * inter;
@@ -507,7 +515,7 @@ absl::Status GroupedExpertsBackward(
 
   const int64_t* offsets = ws->expert_offsets.data();
   const int64_t gu_stride = d * 2 * inter, d_stride = inter * d;
-  ForEachExpert(e_count, [&](int64_t e) {
+  ForEachExpert(e_count, offsets, [&](int64_t e) {
     const int64_t begin = offsets[e], rows = offsets[e + 1] - begin;
     if (rows == 0) return;  // dW += 0: the buffers keep their values
     const float* d_oe = d_o + begin * d;
