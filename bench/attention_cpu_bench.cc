@@ -22,8 +22,8 @@
 #include <vector>
 
 #include "kernels/cpu/attention.h"
-
-extern "C" void openblas_set_num_threads(int);
+#include "kernels/cpu/compute_pool.h"
+#include "kernels/cpu/gemm.h"
 
 namespace shardd {
 namespace {
@@ -56,7 +56,10 @@ int Main(int argc, char** argv) {
     std::string a = argv[i];
     if (a.rfind("--threads=", 0) == 0) threads = std::atoi(a.c_str() + 10);
   }
-  openblas_set_num_threads(threads);
+  if (absl::Status set = kernels::SetComputeThreads(threads); !set.ok()) {
+    std::fprintf(stderr, "%s\n", set.ToString().c_str());
+    return 2;
+  }
   std::printf(
       "CPU attention (causal, 8 q / 4 kv heads of 64) vs sgemm of "
       "the same FLOPs, %d threads, median of 5\n",
@@ -93,8 +96,8 @@ int Main(int argc, char** argv) {
     const std::vector<float> a = Random(n * n, &rng), b = Random(n * n, &rng);
     std::vector<float> c(n * n);
     const double gemm = MedianSeconds(5, [&] {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f,
-                  a.data(), n, b.data(), n, 0.0f, c.data(), n);
+      kernels::Sgemm(CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n,
+                     b.data(), n, 0.0f, c.data(), n);
     });
     const double attn_rate = flops / (fwd + bwd) / 1e9;
     const double gemm_rate = 2.0 * n * n * n / gemm / 1e9;

@@ -15,10 +15,10 @@ namespace shardd {
 namespace kernels {
 namespace {
 
-// Queries and keys per block: a [64, 128] fp32 score block (32 KiB) stays in
+// Queries and keys per block: a [64, 256] fp32 score block (64 KiB) stays in
 // L1/L2 next to its query and key rows.
 constexpr int64_t kBlockQ = 64;
-constexpr int64_t kBlockK = 128;
+constexpr int64_t kBlockK = 256;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 int64_t Dv(const AttentionDims& d) {
