@@ -25,7 +25,7 @@ warmup=2
 # shardd_tokens_per_second WORKERS: the median step after the warm-up.
 shardd_tokens_per_second() {
   local workers=$1 out
-  out=$(OPENBLAS_NUM_THREADS=$((threads / workers > 0 ? threads / workers : 1)) \
+  out=$(SHARDD_CPU_THREADS=$((threads / workers > 0 ? threads / workers : 1)) \
     SHARDD_MODEL=$config SHARDD_WORKERS=$workers \
     SHARDD_STEPS=$((steps + warmup)) SHARDD_TLS=0 SHARDD_BATCH=$batch \
     SHARDD_SEQ=$seq SHARDD_TRAIN_ARGS="--json --no-mixed-precision --grad-clip 0" \

@@ -5,22 +5,21 @@
 //   bazel run -c opt //bench:grouped_experts_bench
 //
 // The baseline is what the kernel would cost if it were nothing but GEMMs:
-// for every expert, the same six cblas_sgemm calls (two forward, four
+// for every expert, the same six Sgemm calls (two forward, four
 // backward) with the same per-expert row counts, shapes, transposes and
 // leading dimensions, on buffers that are already contiguous. It skips what
 // the kernel adds around them: the counting sort, the row gather and
 // scatter, and the activation forward and backward.
 //
-// Arguments: shape (index into kShapes) and blas_threads, which the benchmark
-// passes to openblas_set_num_threads before running (1, and every core).
+// Arguments: shape (index into kShapes) and threads, the compute pool's size
+// (kernels::SetComputeThreads) for both the kernel and the baseline, whose
+// GEMMs go through kernels::Sgemm (1, and every core).
 // FLOPs per step are 18 * N * D * I with N = T * K routed rows: forward
 // 2N*D*2I + 2N*I*D, backward twice that.
 //
 // Counters: GFLOP/s of the benchmark's own loop; for BM_GroupedExperts also
 // vs_sgemm = t(baseline) / t(grouped), each the minimum of kRatioReps
 // interleaved runs, so both see the same machine state.
-
-#include <cblas.h>
 
 #include <algorithm>
 #include <chrono>
@@ -32,6 +31,8 @@
 #include <vector>
 
 #include "benchmark/benchmark.h"
+#include "kernels/cpu/compute_pool.h"
+#include "kernels/cpu/gemm.h"
 #include "kernels/cpu/grouped_experts.h"
 #include "kernels/cpu/router.h"
 
@@ -151,23 +152,24 @@ struct Baseline {
       if (rows == 0) continue;
       const float* wg = w_gu + e * d * 2 * inter;
       const float* wd = w_d + e * inter * d;
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, gu_n, di,
-                  1.0f, xs.data() + b * d, di, wg, gu_n, 0.0f,
-                  h.data() + b * 2 * inter, gu_n);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, di, ii, 1.0f,
-                  a.data() + b * inter, ii, wd, di, 0.0f, o.data() + b * d, di);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, ii, di, 1.0f,
-                  d_o.data() + b * d, di, wd, di, 0.0f, da.data() + b * inter,
-                  ii);
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, ii, di, rows, 1.0f,
-                  a.data() + b * inter, ii, d_o.data() + b * d, di, 1.0f,
-                  dw_d + e * inter * d, di);
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, di, gu_n, rows, 1.0f,
-                  xs.data() + b * d, di, dh.data() + b * 2 * inter, gu_n, 1.0f,
-                  dw_gu + e * d * 2 * inter, gu_n);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, di, gu_n, 1.0f,
-                  dh.data() + b * 2 * inter, gu_n, wg, gu_n, 0.0f,
-                  dxs.data() + b * d, di);
+      kernels::Sgemm(CblasNoTrans, CblasNoTrans, rows, gu_n, di, 1.0f,
+                     xs.data() + b * d, di, wg, gu_n, 0.0f,
+                     h.data() + b * 2 * inter, gu_n);
+      kernels::Sgemm(CblasNoTrans, CblasNoTrans, rows, di, ii, 1.0f,
+                     a.data() + b * inter, ii, wd, di, 0.0f, o.data() + b * d,
+                     di);
+      kernels::Sgemm(CblasNoTrans, CblasTrans, rows, ii, di, 1.0f,
+                     d_o.data() + b * d, di, wd, di, 0.0f,
+                     da.data() + b * inter, ii);
+      kernels::Sgemm(CblasTrans, CblasNoTrans, ii, di, rows, 1.0f,
+                     a.data() + b * inter, ii, d_o.data() + b * d, di, 1.0f,
+                     dw_d + e * inter * d, di);
+      kernels::Sgemm(CblasTrans, CblasNoTrans, di, gu_n, rows, 1.0f,
+                     xs.data() + b * d, di, dh.data() + b * 2 * inter, gu_n,
+                     1.0f, dw_gu + e * d * 2 * inter, gu_n);
+      kernels::Sgemm(CblasNoTrans, CblasTrans, rows, di, gu_n, 1.0f,
+                     dh.data() + b * 2 * inter, gu_n, wg, gu_n, 0.0f,
+                     dxs.data() + b * d, di);
     }
   }
 };
@@ -187,7 +189,10 @@ void SetLabels(benchmark::State& state, const Setup& s) {
 }
 
 void BM_GroupedExperts(benchmark::State& state) {
-  openblas_set_num_threads(static_cast<int>(state.range(1)));
+  if (!kernels::SetComputeThreads(static_cast<int>(state.range(1))).ok()) {
+    state.SkipWithError("SetComputeThreads");
+    return;
+  }
   Setup s(kShapes[state.range(0)]);
   Baseline base(s);
   s.Step();  // warm the workspace
@@ -206,7 +211,10 @@ void BM_GroupedExperts(benchmark::State& state) {
 }
 
 void BM_PlainSgemm(benchmark::State& state) {
-  openblas_set_num_threads(static_cast<int>(state.range(1)));
+  if (!kernels::SetComputeThreads(static_cast<int>(state.range(1))).ok()) {
+    state.SkipWithError("SetComputeThreads");
+    return;
+  }
   Setup s(kShapes[state.range(0)]);
   Baseline base(s);
   base.Step();
@@ -218,7 +226,7 @@ void BM_PlainSgemm(benchmark::State& state) {
 }
 
 void Args(benchmark::internal::Benchmark* b) {
-  b->ArgNames({"shape", "blas_threads"});
+  b->ArgNames({"shape", "threads"});
   const int cores =
       std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   for (int shape = 0; shape < static_cast<int>(std::size(kShapes)); ++shape) {

@@ -5,8 +5,8 @@
 // Model: tests/data/small_moe.json. Global batch 64 x seq 64 (4096 tokens
 // per optimizer step, split over the W ranks), one micro-batch, fp32
 // ("default" strategy, mixed precision off) and bf16 gathers (on).
-// OpenBLAS runs 1 thread (openblas_set_num_threads(1)), so W ranks use W
-// compute threads plus W communication threads.
+// The kernels run on 1 thread (kernels::SetComputeThreads(1)), so W ranks
+// use W compute threads plus W communication threads.
 // Step time is the slowest rank's StepResult::seconds of each step; the
 // table shows the median over kTimed steps after kWarmup. The worlds run
 // round-robin kRounds times (1, 2, 4, 1, 2, 4, ...) so drift in machine load
@@ -18,7 +18,6 @@
 //
 // Run: bazel run -c opt //bench:train_step_bench
 
-#include <cblas.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -37,18 +36,19 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "bench/local_gloo_group.h"
-#include "proto/model.pb.h"
-#include "proto/plan.pb.h"
+#include "kernels/cpu/compute_pool.h"
 #include "model/native_spec.h"
 #include "planner/sharding_planner.h"
-#include "program/step_program.h"
 #include "planner/strategy_registry.h"
-#include "worker/data/batch_sampler.h"
+#include "program/step_program.h"
+#include "proto/model.pb.h"
+#include "proto/plan.pb.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/in_memory_kv_client.h"
 #include "worker/comm/kv_gloo_store.h"
-#include "worker/memory/memory_tracker.h"
+#include "worker/data/batch_sampler.h"
 #include "worker/exec/step_executor.h"
+#include "worker/memory/memory_tracker.h"
 
 namespace shardd {
 namespace {
@@ -180,7 +180,7 @@ double RunWorld(const v1::ModelSpec& model, int world, bool mixed,
 }  // namespace shardd
 
 int main() {
-  openblas_set_num_threads(1);
+  if (!shardd::kernels::SetComputeThreads(1).ok()) return 1;
   const std::string json = shardd::FindSpec("small_moe.json");
   absl::StatusOr<shardd::v1::ModelSpec> model =
       shardd::ModelSpecFromNativeJson(json);

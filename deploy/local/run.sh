@@ -23,7 +23,9 @@
 # bazel-bin, e.g. gpu_bundle/bin from tools/gpu_bundle.sh; then nothing is
 # installed or built), SHARDD_PICTURES (where the pictures go: the loss curve, and the memory
 # timeline of one step as rank 0 measured it and as the planner predicts
-# it; default: a new /tmp/shardd-pictures.XXXXXX, kept after the run).
+# it; default: a new /tmp/shardd-pictures.XXXXXX, kept after the run),
+# SHARDD_CPU_THREADS (each CPU worker's compute threads; default the cores
+# divided among the workers, at least 1).
 #
 # Every process serves Prometheus metrics on a free loopback port
 # (--metrics-listen); the addresses are printed, and the end of the run
@@ -163,13 +165,19 @@ fi
 addr="127.0.0.1:$port"
 echo "== coordinator at $addr (--workers $workers)"
 
+# Each CPU worker splits its kernels over this many threads
+# (kernels/cpu/compute_pool.h): the machine's cores shared out among the
+# workers, unless SHARDD_CPU_THREADS is set.
+cores=$(nproc)
+cpu_threads=${SHARDD_CPU_THREADS:-$((cores / workers > 0 ? cores / workers : 1))}
 for i in $(seq 0 $((workers - 1))); do
   # Rank 0 draws the memory it measures in its first step.
   timeline_flag=()
   worker_device=cpu
   [[ "$device" == cuda ]] && worker_device="cuda:$i"
   ((i == 0)) && timeline_flag=(--memory-timeline-svg="$pictures/memory-measured.svg")
-  "$bin/worker/shardd-worker" --coordinator="$addr" --listen=127.0.0.1:0 \
+  SHARDD_CPU_THREADS=$cpu_threads \
+    "$bin/worker/shardd-worker" --coordinator="$addr" --listen=127.0.0.1:0 \
     --device="$worker_device" --requested-rank="$i" "${worker_security[@]}" \
     "${timeline_flag[@]}" \
     --checkpoint-root="$checkpoints" --metrics-listen=127.0.0.1:0 \

@@ -1,5 +1,7 @@
 #include "kernels/cpu/compute_pool.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -131,8 +133,14 @@ int ThreadsFromEnvironment() {
       return std::min(n, kMaxComputeThreads);
     }
   }
-  return std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1,
-                    kMaxComputeThreads);
+  // The CPUs this process may run on (a container's cpuset, taskset), not
+  // every core of the host.
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  int n = sched_getaffinity(0, sizeof(cpus), &cpus) == 0
+              ? CPU_COUNT(&cpus)
+              : static_cast<int>(std::thread::hardware_concurrency());
+  return std::clamp(n, 1, kMaxComputeThreads);
 }
 
 absl::Mutex pool_mu(absl::kConstInit);

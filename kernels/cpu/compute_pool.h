@@ -7,8 +7,9 @@
 // the step runs on one core), and GEMMs are split over this pool by
 // kernels::Sgemm (gemm.h) like every other loop. See docs/performance.md.
 //
-// Size: SHARDD_CPU_THREADS, else OPENBLAS_NUM_THREADS, else every core, read
-// once on first use; SetComputeThreads changes it.
+// Size: SHARDD_CPU_THREADS, else OPENBLAS_NUM_THREADS, else the CPUs the
+// process may run on (its affinity mask), read once on first use;
+// SetComputeThreads changes it. Results do not depend on it (ParallelFor).
 
 #include <cstdint>
 
