@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -175,6 +176,13 @@ absl::Status SetComputeThreads(int n) {
 }
 
 bool InParallelRegion() { return in_region; }
+
+void FillZero(void* data, int64_t bytes) {
+  char* bytes_at = static_cast<char*>(data);
+  ParallelFor(bytes, int64_t{1} << 18, [&](int64_t begin, int64_t end) {
+    std::memset(bytes_at + begin, 0, static_cast<size_t>(end - begin));
+  });
+}
 
 void ParallelFor(int64_t n, int64_t grain,
                  absl::FunctionRef<void(int64_t, int64_t)> fn) {

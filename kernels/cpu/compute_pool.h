@@ -42,6 +42,10 @@ absl::Status SetComputeThreads(int n);
 void ParallelFor(int64_t n, int64_t grain,
                  absl::FunctionRef<void(int64_t, int64_t)> fn);
 
+// memset(data, 0, bytes) over the pool, in 256 KiB chunks (so the first
+// touch of fresh pages is shared out too).
+void FillZero(void* data, int64_t bytes);
+
 // True inside a chunk that ParallelFor runs on the pool (nested calls run
 // inline).
 bool InParallelRegion();

@@ -290,25 +290,44 @@ void ForEachExpert(int64_t experts, const int64_t* offsets,
   for (int64_t e = 0; e < experts; ++e) fn(e);
 }
 
+// Rows per chunk of the gather and scatter loops (about 64 KiB each).
+int64_t TokenGrain(int64_t d) {
+  return std::max<int64_t>(1, (int64_t{1} << 14) / d);
+}
+
 void ScatterRows(const float* rows, const int32_t* row_of_slot, int64_t tokens,
                  int64_t top_k, int64_t d, bool accumulate, float* out) {
-  for (int64_t t = 0; t < tokens; ++t) {
-    float* __restrict dst = out + t * d;
-    bool written = accumulate;
-    for (int64_t k = 0; k < top_k; ++k) {
-      const int32_t row = row_of_slot[t * top_k + k];
-      if (row < 0) continue;
-      const float* __restrict src = rows + static_cast<int64_t>(row) * d;
-      if (written) {
+  ParallelFor(tokens, TokenGrain(d), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* __restrict dst = out + t * d;
+      bool written = accumulate;
+      for (int64_t k = 0; k < top_k; ++k) {
+        const int32_t row = row_of_slot[t * top_k + k];
+        if (row < 0) continue;
+        const float* __restrict src = rows + static_cast<int64_t>(row) * d;
+        if (written) {
 #pragma omp simd
-        for (int64_t j = 0; j < d; ++j) dst[j] += src[j];
-      } else {
-        std::memcpy(dst, src, sizeof(float) * d);
-        written = true;
+          for (int64_t j = 0; j < d; ++j) dst[j] += src[j];
+        } else {
+          std::memcpy(dst, src, sizeof(float) * d);
+          written = true;
+        }
       }
+      if (!written) std::memset(dst, 0, sizeof(float) * d);
     }
-    if (!written) std::memset(dst, 0, sizeof(float) * d);
-  }
+  });
+}
+
+// Copies row_token[row]'s row of `from` [T, d] to row `row` of `to` for
+// rows [0, n): the gather into expert order.
+void GatherRows(const float* from, const int32_t* row_token, int64_t n,
+                int64_t d, float* to) {
+  ParallelFor(n, TokenGrain(d), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      std::memcpy(to + row * d, from + static_cast<int64_t>(row_token[row]) * d,
+                  sizeof(float) * d);
+    }
+  });
 }
 
 }  // namespace
@@ -402,9 +421,9 @@ absl::Status GroupedExpertsForward(const ExpertDims& dims,
       ws->row_of_slot[slot] = static_cast<int32_t>(row);
       ws->row_token[row] = static_cast<int32_t>(t);
       ws->row_weight[row] = weights[slot];
-      std::memcpy(ws->xs.data() + row * d, x + t * d, sizeof(float) * d);
     }
   }
+  GatherRows(x, ws->row_token.data(), n, d, ws->xs.data());
 
   const int64_t gu_stride = d * 2 * inter, d_stride = inter * d;
   ForEachExpert(e_count, offsets, [&](int64_t e) {
@@ -507,11 +526,7 @@ absl::Status GroupedExpertsBackward(
   // caller may have freed in between).
   GrowTo(ws->o, static_cast<size_t>(n * d));
   float* d_o = ws->o.data();
-  for (int64_t row = 0; row < n; ++row) {
-    std::memcpy(d_o + row * d,
-                dy + static_cast<int64_t>(ws->row_token[row]) * d,
-                sizeof(float) * d);
-  }
+  GatherRows(dy, ws->row_token.data(), n, d, d_o);
 
   const int64_t* offsets = ws->expert_offsets.data();
   const int64_t gu_stride = d * 2 * inter, d_stride = inter * d;

@@ -16,6 +16,7 @@
 #include "common/error_info.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/adamw.h"
+#include "kernels/cpu/compute_pool.h"
 #include "layout/shard_layout.h"
 #include "worker/exec/optimizer_registry.h"
 #include "worker/exec/step_checks.h"
@@ -566,7 +567,7 @@ void CpuBackend::ZeroShardGrads() {
   for (int u = 0; u < store_->num_units(); ++u) {
     const ShardStore::UnitShard shard = store_->shard(u);
     if (shard.grads != nullptr && shard.numel > 0) {
-      std::memset(shard.grads, 0, static_cast<size_t>(shard.numel) * 4);
+      kernels::FillZero(shard.grads, shard.numel * 4);
     }
   }
 }

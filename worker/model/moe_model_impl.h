@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/compute_pool.h"
 #include "kernels/cpu/dense_mlp.h"
 #include "kernels/cpu/grouped_experts.h"
 #include "kernels/cpu/router.h"
@@ -35,8 +36,8 @@ struct LayerActs {
   // Attention layers: the sublayer's activations, the residual after it
   // (the post_attention_layernorm's input) and that norm's inverse RMS.
   AttentionActs attn;
-  MlaActs mla;  // DeepSeek-V3's latent attention instead.
-  GemmaLayerActs gemma;  // DiffusionGemma's whole layer instead.
+  MlaActs mla;                   // DeepSeek-V3's latent attention instead.
+  GemmaLayerActs gemma;          // DiffusionGemma's whole layer instead.
   std::vector<float> x_mid;      // [T, D]
   std::vector<float> post_inv;   // [T]
   std::vector<float> normed;     // [T, D] the MoE / MLP input
@@ -47,13 +48,14 @@ struct LayerActs {
   kernels::GroupedExpertsWorkspace experts;
   kernels::DenseMlpWorkspace mlp;
   int64_t bytes() const {
-    return static_cast<int64_t>(
-        (x_in.capacity() + inv_rms.capacity() + x_mid.capacity() +
-         post_inv.capacity() + normed.capacity() + weights.capacity() +
-         dense_out.capacity()) *
-            sizeof(float) +
-        attn.bytes() + mla.bytes() + gemma.bytes() + indices.capacity() * sizeof(int32_t) + router.bytes() +
-        experts.bytes() + mlp.bytes());
+    return static_cast<int64_t>((x_in.capacity() + inv_rms.capacity() +
+                                 x_mid.capacity() + post_inv.capacity() +
+                                 normed.capacity() + weights.capacity() +
+                                 dense_out.capacity()) *
+                                    sizeof(float) +
+                                attn.bytes() + mla.bytes() + gemma.bytes() +
+                                indices.capacity() * sizeof(int32_t) +
+                                router.bytes() + experts.bytes() + mlp.bytes());
   }
 };
 
@@ -96,17 +98,16 @@ struct Batch {
 
 // The self-conditioning block's activations (the decode's input, pass 2).
 struct SelfConditioningActs {
-  std::vector<float> e;         // [T, D] scaled canvas embeddings
-  std::vector<float> signal;    // [T, D] probs @ E * scale, 0 without coin
-  std::vector<float> p, p_inv;  // pre_norm(signal)
-  std::vector<float> mlp_out;   // [T, D]
+  std::vector<float> e;             // [T, D] scaled canvas embeddings
+  std::vector<float> signal;        // [T, D] probs @ E * scale, 0 without coin
+  std::vector<float> p, p_inv;      // pre_norm(signal)
+  std::vector<float> mlp_out;       // [T, D]
   std::vector<float> sum, sum_inv;  // e + mlp_out, post_norm's
   kernels::DenseMlpWorkspace mlp;
   int64_t bytes() const {
     return static_cast<int64_t>(
-        (e.capacity() + signal.capacity() + p.capacity() +
-         p_inv.capacity() + mlp_out.capacity() + sum.capacity() +
-         sum_inv.capacity()) *
+        (e.capacity() + signal.capacity() + p.capacity() + p_inv.capacity() +
+         mlp_out.capacity() + sum.capacity() + sum_inv.capacity()) *
             sizeof(float) +
         mlp.bytes());
   }
@@ -167,7 +168,7 @@ struct MoeModel::Impl : MoeArchitecture {
   // A zeroed staging buffer for one parameter gradient.
   float* Zeroed(std::vector<float>* buffer, int64_t n) {
     if (static_cast<int64_t>(buffer->size()) < n) buffer->resize(n);
-    std::fill(buffer->begin(), buffer->begin() + n, 0.0f);
+    kernels::FillZero(buffer->data(), n * static_cast<int64_t>(sizeof(float)));
     return buffer->data();
   }
 
@@ -217,8 +218,8 @@ struct MoeModel::Impl : MoeArchitecture {
   }
   // BACKWARD(EMBED) of tokens `ids` [t] embedded times `scale`: the
   // embedding's gradient from a->dx, then a->dx is freed.
-  absl::Status EmbedBackward(ParamSource* params, const int32_t* ids,
-                             int64_t t, float scale, PassActs* a);
+  absl::Status EmbedBackward(ParamSource* params, const int32_t* ids, int64_t t,
+                             float scale, PassActs* a);
   // Frees FORWARD(HEAD)'s final norm input, inverse RMS and output.
   static void FreeHead(PassActs* a) {
     FreeVector(&a->final_x);
@@ -253,8 +254,8 @@ struct MoeModel::Impl : MoeArchitecture {
   absl::Status DiffusionBackward(const Command& c, ParamSource* params);
   absl::Status SelfConditioningForward(int pass, Batch* batch,
                                        ParamSource* params, PassActs* a);
-  absl::Status SelfConditioningBackward(const Batch& batch,
-                                        ParamSource* params, PassActs* a);
+  absl::Status SelfConditioningBackward(const Batch& batch, ParamSource* params,
+                                        PassActs* a);
   absl::Status DiffusionHeadBackward(int pass, const Batch& batch,
                                      ParamSource* params, PassActs* a);
   // Reads model.self_conditioning from `unused` (they train in pass 2).

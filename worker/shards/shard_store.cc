@@ -263,7 +263,7 @@ absl::Status ShardStore::AllocGrad(int unit) {
       state->grad_chunk_numel * state->world * DTypeBytes(state->reduce);
   state->unsharded_grad =
       TrackedBuffer(tracker_, MemoryKind::kUnshardedGrads, bytes, &cache_);
-  std::memset(state->unsharded_grad.data(), 0, static_cast<size_t>(bytes));
+  kernels::FillZero(state->unsharded_grad.data(), bytes);
   return absl::OkStatus();
 }
 
