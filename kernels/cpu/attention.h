@@ -27,9 +27,10 @@
 //
 // Layouts are the projections' natural ones, row-major:
 //   q [B, T, Hq, Dh], k [B, S, Hkv, Dh], v [B, S, Hkv, Dv], out [B, T, Hq, Dv]
-// and the saved log-sum-exp lse [B, Hq, T]. GEMMs run on OpenBLAS (its
-// thread count is the caller's business); the rest is single-threaded and
-// deterministic.
+// and the saved log-sum-exp lse [B, Hq, T]. The (sequence, head) pairs are
+// shared out over the compute pool (compute_pool.h), each with one-thread
+// GEMMs; the results are deterministic and do not depend on the thread
+// count.
 
 #include <cstdint>
 #include <vector>

@@ -13,8 +13,9 @@
 // with act = silu (SwiGLU) or gelu with the tanh approximation (GeGLU), the
 // same GatedActivation the grouped experts use.
 //
-// All arrays are dense and row-major. The GEMMs run on OpenBLAS, whose thread
-// count is the caller's business; the elementwise loops are single-threaded.
+// All arrays are dense and row-major. The GEMMs run through kernels::Sgemm
+// (gemm.h, split over the compute pool); the elementwise loops are
+// single-threaded.
 
 #include <cstddef>
 #include <cstdint>

@@ -33,10 +33,11 @@
 // they are), so every rank's gradient buffers have the same shape and the
 // same collectives follow whatever the routing was.
 //
-// All arrays are dense and row-major. GEMMs run on OpenBLAS, whose thread
-// count is the caller's business (openblas_set_num_threads or
-// OPENBLAS_NUM_THREADS); the gather, activation and scatter loops are
-// single-threaded and allocate nothing once the workspace is warm.
+// All arrays are dense and row-major. The work is spread over the compute
+// pool (compute_pool.h): whole experts per thread when there are at least
+// twice as many experts as threads, else split GEMMs (gemm.h); the gather
+// and scatter by rows. Results do not depend on the thread count, and
+// nothing is allocated once the workspace is warm.
 
 #include <cstddef>
 #include <cstdint>

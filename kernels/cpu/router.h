@@ -36,9 +36,9 @@
 //                   (renormalize), or scale * s[t, idx_k]
 //
 // All arrays are dense, row-major, with the shapes given in brackets. GEMMs
-// run on OpenBLAS, whose thread count is the caller's business
-// (openblas_set_num_threads or OPENBLAS_NUM_THREADS); everything else is a
-// single-threaded loop that allocates nothing once the cache is warm.
+// run through kernels::Sgemm (gemm.h, split over the compute pool);
+// everything else is a single-threaded loop that allocates nothing once the
+// cache is warm.
 
 #include <cstddef>
 #include <cstdint>
