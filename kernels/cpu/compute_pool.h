@@ -25,9 +25,10 @@ inline constexpr int kMaxComputeThreads = 256;
 // The pool's thread count, the calling thread included (>= 1).
 int ComputeThreads();
 
-// Resizes the pool (the calling thread counts as one). Must not be called
-// from inside ParallelFor. Errors: INVALID_ARGUMENT for n outside
-// [1, kMaxComputeThreads], naming the allowed range.
+// Resizes the pool (the calling thread counts as one), for start-up, tests
+// and benchmarks: no kernel may be running on any thread meanwhile. Errors:
+// INVALID_ARGUMENT for n outside [1, kMaxComputeThreads], naming the
+// allowed range.
 absl::Status SetComputeThreads(int n);
 
 // Calls fn(begin, end) on the chunks [0, grain), [grain, 2 grain), ... of
