@@ -22,15 +22,15 @@ namespace {
 
 constexpr int64_t kMaxBlasInt = std::numeric_limits<int>::max();
 
-template <typename T>
-void GrowTo(std::vector<T>& v, size_t n) {
+template <typename Vector>
+void GrowTo(Vector& v, size_t n) {
   // Never shrink: resize() would value-initialize the tail again next time.
   if (v.size() < n) v.resize(n);
 }
 
-template <typename T>
-size_t CapacityBytes(const std::vector<T>& v) {
-  return v.capacity() * sizeof(T);
+template <typename Vector>
+size_t CapacityBytes(const Vector& v) {
+  return v.capacity() * sizeof(typename Vector::value_type);
 }
 
 absl::Status ValidateDims(const ExpertDims& d) {

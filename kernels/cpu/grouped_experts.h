@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "kernels/cpu/uninit_vector.h"
 
 namespace shardd {
 namespace kernels {
@@ -98,18 +99,19 @@ struct GroupedExpertsWorkspace {
   std::vector<float> row_weight;        // [N] routing weight of each row
   std::vector<int64_t> expert_cursor;   // [E] sort scratch
 
-  // Saved activations.
-  std::vector<float> xs;  // [N, D]  permuted inputs
-  std::vector<float> h;   // [N, 2I] gate and up pre-activations
-  std::vector<float> a;   // [N, I]  weighted activation (input to down)
+  // Saved activations (every row written before it is read, so grown
+  // without zeroing).
+  UninitVector<float> xs;  // [N, D]  permuted inputs
+  UninitVector<float> h;   // [N, 2I] gate and up pre-activations
+  UninitVector<float> a;   // [N, I]  weighted activation (input to down)
 
   // Scratch: o / dO [N, D], dA [N, I], dH [N, 2I], dXs [N, D], and the
   // routing-weight gradient of each row [N].
-  std::vector<float> o;
-  std::vector<float> da;
-  std::vector<float> dh;
-  std::vector<float> dxs;
-  std::vector<float> row_dweight;
+  UninitVector<float> o;
+  UninitVector<float> da;
+  UninitVector<float> dh;
+  UninitVector<float> dxs;
+  UninitVector<float> row_dweight;
 
   // Bytes held (capacity), for memory accounting.
   size_t bytes() const;

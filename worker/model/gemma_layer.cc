@@ -276,7 +276,7 @@ absl::Status GemmaLayerBlock::RecomputeExperts(const MoeLayerSpec& layer,
       {t, d, layer.moe_inter, layer.experts, arch_->top_k}, arch_->activation,
       a->experts_in.data(), a->indices.data(), a->weights.data(), nullptr, w_gu,
       w_d, a->experts_out.data(), &a->experts));
-  std::vector<float>().swap(a->experts.o);
+  decltype(a->experts.o)().swap(a->experts.o);
   // post_feedforward_layernorm_2's inverse RMS (its weight: the copy).
   a->post2_inv.resize(t);
   g_.resize(t * d);
@@ -436,7 +436,7 @@ absl::Status GemmaLayerBlock::ForwardExperts(const MoeLayerSpec& layer,
       a->experts_in.data(), a->indices.data(), a->weights.data(), nullptr,
       w_gu, w_d, a->experts_out.data(), &a->experts));
   // The per-row outputs are the kernel's scratch; backward regrows them.
-  std::vector<float>().swap(a->experts.o);
+  decltype(a->experts.o)().swap(a->experts.o);
   a->post2_inv.resize(t);
   g_.resize(t * d);
   SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(a->experts_out.data(),

@@ -213,8 +213,8 @@ struct MoeModel::Impl : MoeArchitecture {
     activation_peak = std::max(activation_peak, ActivationBytes());
   }
   template <typename T>
-  static void FreeVector(std::vector<T>* v) {
-    std::vector<T>().swap(*v);
+  static void FreeVector(T* v) {
+    T().swap(*v);
   }
   // BACKWARD(EMBED) of tokens `ids` [t] embedded times `scale`: the
   // embedding's gradient from a->dx, then a->dx is freed.
