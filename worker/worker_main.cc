@@ -52,6 +52,7 @@
 #include "common/logging.h"
 #include "common/metrics_http_server.h"
 #include "common/metrics_registry.h"
+#include "kernels/cpu/compute_pool.h"
 #include "kernels/cpu/simd_level.h"
 #include "worker/grpc/coordinator_agent.h"
 #include "worker/grpc/grpc_worker_service.h"
@@ -163,11 +164,20 @@ int main(int argc, char** argv) {
                  std::string(simd.status().message()).c_str());
     return 2;
   }
+  // And a bad SHARDD_CPU_THREADS would be ignored silently.
+  const absl::StatusOr<int> cpu_threads =
+      shardd::kernels::ComputeThreadsFromEnvironment();
+  if (!cpu_threads.ok()) {
+    std::fprintf(stderr, "shardd-worker: %s\n",
+                 std::string(cpu_threads.status().message()).c_str());
+    return 2;
+  }
   SHARDD_LOG(INFO) << "shardd-worker CPU kernels at "
                    << shardd::kernels::SimdLevelName(*simd) << " (best here: "
                    << shardd::kernels::SimdLevelName(
                           shardd::kernels::SupportedSimdLevel())
-                   << ")";
+                   << ") on " << shardd::kernels::ComputeThreads()
+                   << " compute threads";
 
   shardd::WorkerRuntimeOptions runtime_options;
   runtime_options.bind_address = absl::GetFlag(FLAGS_collective_bind);

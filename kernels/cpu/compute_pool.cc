@@ -125,22 +125,14 @@ class Pool {
   std::vector<std::thread> workers_;
 };
 
-int ThreadsFromEnvironment() {
-  for (const char* name : {kComputeThreadsEnv, "OPENBLAS_NUM_THREADS"}) {
-    const char* value = std::getenv(name);
-    int n = 0;
-    if (value != nullptr && *value != '\0' && absl::SimpleAtoi(value, &n) &&
-        n >= 1) {
-      return std::min(n, kMaxComputeThreads);
-    }
-  }
-  // The CPUs this process may run on (a container's cpuset, taskset), not
-  // every core of the host.
+// The CPUs this process may run on (a container's cpuset, taskset), not
+// every core of the host.
+int AffinityCpus() {
   cpu_set_t cpus;
   CPU_ZERO(&cpus);
-  int n = sched_getaffinity(0, sizeof(cpus), &cpus) == 0
-              ? CPU_COUNT(&cpus)
-              : static_cast<int>(std::thread::hardware_concurrency());
+  const int n = sched_getaffinity(0, sizeof(cpus), &cpus) == 0
+                    ? CPU_COUNT(&cpus)
+                    : static_cast<int>(std::thread::hardware_concurrency());
   return std::clamp(n, 1, kMaxComputeThreads);
 }
 
@@ -152,7 +144,8 @@ Pool* GetPool() {
   if (pool == nullptr) {
     // Every GEMM goes through Sgemm, which splits it over this pool.
     openblas_set_num_threads(1);
-    pool = new Pool(ThreadsFromEnvironment());
+    const absl::StatusOr<int> threads = ComputeThreadsFromEnvironment();
+    pool = new Pool(threads.ok() ? *threads : AffinityCpus());
   }
   return pool;
 }
@@ -160,6 +153,21 @@ Pool* GetPool() {
 }  // namespace
 
 int ComputeThreads() { return GetPool()->threads(); }
+
+absl::StatusOr<int> ComputeThreadsFromEnvironment() {
+  for (const char* name : {kComputeThreadsEnv, "OPENBLAS_NUM_THREADS"}) {
+    const char* value = std::getenv(name);
+    if (value == nullptr || *value == '\0') continue;
+    int n = 0;
+    if (!absl::SimpleAtoi(value, &n) || n < 1 || n > kMaxComputeThreads) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " must be an integer in [1, ", kMaxComputeThreads,
+                       "], got \"", value, "\""));
+    }
+    return n;
+  }
+  return AffinityCpus();
+}
 
 absl::Status SetComputeThreads(int n) {
   if (n < 1 || n > kMaxComputeThreads) {

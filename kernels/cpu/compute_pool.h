@@ -15,6 +15,7 @@
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace shardd {
 namespace kernels {
@@ -24,6 +25,13 @@ inline constexpr int kMaxComputeThreads = 256;
 
 // The pool's thread count, the calling thread included (>= 1).
 int ComputeThreads();
+
+// The size the environment asks for: SHARDD_CPU_THREADS, else
+// OPENBLAS_NUM_THREADS, else the CPUs in the process's affinity mask.
+// Errors: INVALID_ARGUMENT naming the variable when one that is set is not
+// an integer in [1, kMaxComputeThreads] (the pool itself then falls back to
+// the affinity mask; a worker refuses to start).
+absl::StatusOr<int> ComputeThreadsFromEnvironment();
 
 // Resizes the pool (the calling thread counts as one), for start-up, tests
 // and benchmarks: no kernel may be running on any thread meanwhile. Errors:

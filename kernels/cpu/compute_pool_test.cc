@@ -2,6 +2,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -13,6 +15,7 @@ namespace shardd {
 namespace kernels {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 class ComputePoolTest : public ::testing::TestWithParam<int> {
@@ -90,6 +93,60 @@ TEST_P(ComputePoolTest, ConcurrentCallersAllFinish) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Threads, ComputePoolTest, ::testing::Values(1, 2, 5));
+
+// Sets (or, for null, unsets) an environment variable for one scope.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    if (old != nullptr) old_ = old;
+    had_ = old != nullptr;
+    if (value == nullptr) {
+      unsetenv(name);
+    } else {
+      setenv(name, value, 1);
+    }
+  }
+  ~ScopedEnv() {
+    if (had_) {
+      setenv(name_, old_.c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+
+ private:
+  const char* name_;
+  std::string old_;
+  bool had_ = false;
+};
+
+TEST(ComputePoolSizeTest, ReadsTheEnvironment) {
+  {
+    ScopedEnv threads(kComputeThreadsEnv, "3");
+    ScopedEnv blas("OPENBLAS_NUM_THREADS", "5");
+    EXPECT_THAT(ComputeThreadsFromEnvironment(), IsOkAndHolds(3));
+  }
+  {
+    ScopedEnv threads(kComputeThreadsEnv, nullptr);
+    ScopedEnv blas("OPENBLAS_NUM_THREADS", "5");
+    EXPECT_THAT(ComputeThreadsFromEnvironment(), IsOkAndHolds(5));
+  }
+  {
+    ScopedEnv threads(kComputeThreadsEnv, nullptr);
+    ScopedEnv blas("OPENBLAS_NUM_THREADS", nullptr);
+    const absl::StatusOr<int> cpus = ComputeThreadsFromEnvironment();
+    ASSERT_TRUE(cpus.ok());
+    EXPECT_GE(*cpus, 1);
+  }
+  for (const char* bad : {"0", "-2", "two", "2x", "257"}) {
+    ScopedEnv threads(kComputeThreadsEnv, bad);
+    EXPECT_THAT(ComputeThreadsFromEnvironment(),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("SHARDD_CPU_THREADS"),
+                               HasSubstr("[1, 256]"), HasSubstr(bad))));
+  }
+}
 
 TEST(ComputePoolSizeTest, RejectsOutOfRange) {
   EXPECT_THAT(SetComputeThreads(0), StatusIs(absl::StatusCode::kInvalidArgument,
