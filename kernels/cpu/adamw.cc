@@ -13,9 +13,6 @@ namespace shardd {
 namespace kernels {
 namespace {
 
-// Elements per chunk of the element-wise loops (256 KiB of fp32 per array).
-constexpr int64_t kElementGrain = int64_t{1} << 16;
-
 absl::Status CheckRange(const char* name, double value, double lo,
                         bool lo_inclusive, double hi, bool hi_inclusive) {
   const bool ok = std::isfinite(value) &&

@@ -59,8 +59,7 @@ HeadViews Views(const AttentionDims& d, const float* q, const float* k,
 
 // How many pool slots split `tasks` independent tasks.
 int64_t Slots(int64_t tasks) {
-  const int64_t threads = InParallelRegion() ? 1 : ComputeThreads();
-  return std::max<int64_t>(1, std::min(tasks, threads));
+  return std::max<int64_t>(1, std::min<int64_t>(tasks, UsableThreads()));
 }
 
 void Grow(std::vector<float>* v, int64_t n) {

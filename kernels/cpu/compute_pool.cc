@@ -185,9 +185,12 @@ absl::Status SetComputeThreads(int n) {
 
 bool InParallelRegion() { return in_region; }
 
+int UsableThreads() { return in_region ? 1 : ComputeThreads(); }
+
 void FillZero(void* data, int64_t bytes) {
   char* bytes_at = static_cast<char*>(data);
-  ParallelFor(bytes, int64_t{1} << 18, [&](int64_t begin, int64_t end) {
+  constexpr int64_t kBytes = kElementGrain * sizeof(float);
+  ParallelFor(bytes, kBytes, [&](int64_t begin, int64_t end) {
     std::memset(bytes_at + begin, 0, static_cast<size_t>(end - begin));
   });
 }

@@ -51,13 +51,26 @@ absl::Status SetComputeThreads(int n);
 void ParallelFor(int64_t n, int64_t grain,
                  absl::FunctionRef<void(int64_t, int64_t)> fn);
 
-// memset(data, 0, bytes) over the pool, in 256 KiB chunks (so the first
-// touch of fresh pages is shared out too).
+// memset(data, 0, bytes) over the pool, in kElementGrain * 4-byte chunks
+// (so the first touch of fresh pages is shared out too).
 void FillZero(void* data, int64_t bytes);
 
 // True inside a chunk that ParallelFor runs on the pool (nested calls run
 // inline).
 bool InParallelRegion();
+
+// The threads work split here would run on: 1 inside a parallel region,
+// else ComputeThreads().
+int UsableThreads();
+
+// Elements per chunk of the kernels' element-wise loops (256 KiB of fp32).
+inline constexpr int64_t kElementGrain = int64_t{1} << 16;
+
+// Rows per chunk for rows of `row_elements` elements: about kElementGrain
+// elements, at least one row.
+inline int64_t RowGrain(int64_t row_elements) {
+  return row_elements >= kElementGrain ? 1 : kElementGrain / row_elements;
+}
 
 }  // namespace kernels
 }  // namespace shardd

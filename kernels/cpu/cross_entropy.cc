@@ -15,9 +15,6 @@ namespace shardd {
 namespace kernels {
 namespace {
 
-// Rows of logits per chunk of the softmax loop.
-constexpr int64_t kRowGrain = 16;
-
 constexpr int64_t kMaxBlasInt = std::numeric_limits<int>::max();
 
 absl::Status Validate(const float* hidden, const float* weight, int64_t tokens,
@@ -91,7 +88,7 @@ CrossEntropyResult Run(const float* hidden, const float* weight, int64_t tokens,
     }
     // Rows are independent; each one's loss term lands in row_loss and the
     // terms are added in row order below, as a serial loop would.
-    ParallelFor(rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    ParallelFor(rows, RowGrain(vocab), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         float* row = logits.data() + r * vocab;
         const int32_t target = targets[start + r];

@@ -25,7 +25,7 @@ void Sgemm(CBLAS_TRANSPOSE trans_a, CBLAS_TRANSPOSE trans_b, int m, int n,
            int k, float alpha, const float* a, int lda, const float* b, int ldb,
            float beta, float* c, int ldc) {
   const int64_t macs = int64_t{m} * n * k;
-  const int64_t threads = InParallelRegion() ? 1 : ComputeThreads();
+  const int64_t threads = UsableThreads();
   // One piece per thread, its first row the multiple of kRowAlign nearest
   // to an even share.
   const int64_t pieces = std::min<int64_t>(threads, m / kRowAlign);

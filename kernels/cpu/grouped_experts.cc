@@ -266,8 +266,6 @@ void ClampedBackward(const ClampedGate& c, const float* h, const float* w,
   }
 }
 
-// out[t] (+)= sum over k of rows[row_of_slot[t * K + k]], skipping masked
-// slots; k order makes the sum deterministic.
 // Runs fn(e) for every expert, given the experts' row offsets [E + 1]. An
 // expert's GEMMs, activation and gradient slices touch only its own rows
 // and weights, so with enough experts to share out each thread takes whole
@@ -276,7 +274,7 @@ void ClampedBackward(const ClampedGate& c, const float* h, const float* w,
 // each GEMM is split.
 void ForEachExpert(int64_t experts, const int64_t* offsets,
                    absl::FunctionRef<void(int64_t)> fn) {
-  if (experts >= 2 * ComputeThreads()) {
+  if (experts >= 2 * UsableThreads()) {
     std::vector<int64_t> order(experts);
     for (int64_t e = 0; e < experts; ++e) order[e] = e;
     std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
@@ -290,14 +288,11 @@ void ForEachExpert(int64_t experts, const int64_t* offsets,
   for (int64_t e = 0; e < experts; ++e) fn(e);
 }
 
-// Rows per chunk of the gather and scatter loops (about 64 KiB each).
-int64_t TokenGrain(int64_t d) {
-  return std::max<int64_t>(1, (int64_t{1} << 14) / d);
-}
-
+// out[t] (+)= sum over k of rows[row_of_slot[t * K + k]], skipping masked
+// slots; k order makes the sum deterministic.
 void ScatterRows(const float* rows, const int32_t* row_of_slot, int64_t tokens,
                  int64_t top_k, int64_t d, bool accumulate, float* out) {
-  ParallelFor(tokens, TokenGrain(d), [&](int64_t begin, int64_t end) {
+  ParallelFor(tokens, RowGrain(d), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* __restrict dst = out + t * d;
       bool written = accumulate;
@@ -322,7 +317,7 @@ void ScatterRows(const float* rows, const int32_t* row_of_slot, int64_t tokens,
 // rows [0, n): the gather into expert order.
 void GatherRows(const float* from, const int32_t* row_token, int64_t n,
                 int64_t d, float* to) {
-  ParallelFor(n, TokenGrain(d), [&](int64_t begin, int64_t end) {
+  ParallelFor(n, RowGrain(d), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       std::memcpy(to + row * d, from + static_cast<int64_t>(row_token[row]) * d,
                   sizeof(float) * d);

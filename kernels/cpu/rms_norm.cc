@@ -1,6 +1,5 @@
 #include "kernels/cpu/rms_norm.h"
 
-#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -11,11 +10,6 @@
 namespace shardd {
 namespace kernels {
 namespace {
-
-// Rows per chunk: about 64 Ki elements, at least one row.
-int64_t RowGrain(int64_t dim) {
-  return std::max<int64_t>(1, (int64_t{1} << 16) / dim);
-}
 
 absl::Status ValidateShape(int64_t rows, int64_t dim) {
   if (rows < 0 || dim < 1) {
@@ -49,6 +43,8 @@ absl::Status RmsNormForward(const float* x, const float* weight, int64_t rows,
       const float inv =
           static_cast<float>(1.0 / std::sqrt(sum_sq / dim + double{eps}));
       inv_rms[r] = inv;
+      // (x * inv_rms) * weight, in that order, as the HF reference computes
+      // it.
       for (int64_t d = 0; d < dim; ++d) yr[d] = (xr[d] * inv) * weight[d];
     }
   });

@@ -76,8 +76,7 @@ absl::Status RopeRotate(const RopeTable& table, RopeLayout layout,
                        " outside the table's [0, ", table.positions, ")"));
     }
   }
-  const int64_t grain = std::max<int64_t>(
-      1, (int64_t{1} << 15) / std::max<int64_t>(1, shape.heads * half));
+  const int64_t grain = RowGrain(std::max<int64_t>(1, shape.heads * 2 * half));
   ParallelFor(shape.tokens, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t p = positions[t];

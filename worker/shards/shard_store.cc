@@ -28,12 +28,11 @@ void ToFp32(const void* src, v1::DType dtype, int64_t n, float* dst) {
   }
 }
 
-// Elements per chunk of the element-wise adds spread over the compute pool.
-constexpr int64_t kAddGrain = int64_t{1} << 16;
+using kernels::kElementGrain;
 
 // dst[i] += src[i], dst in `dtype` (fp32, or bf16 rounded once per add).
 void AddInto(const float* src, int64_t n, v1::DType dtype, void* dst) {
-  kernels::ParallelFor(n, kAddGrain, [&](int64_t begin, int64_t end) {
+  kernels::ParallelFor(n, kElementGrain, [&](int64_t begin, int64_t end) {
     if (dtype == v1::BFLOAT16) {
       uint16_t* d = static_cast<uint16_t*>(dst);
       for (int64_t i = begin; i < end; ++i) {
@@ -292,7 +291,7 @@ absl::Status ShardStore::ReduceScatter(int unit, Communicator* shard_group,
   // chunk holds only the trainable parameters' shards).
   float* grads = state->grads.as<float>();
   auto add = [&](int64_t from, int64_t to, int64_t n) {
-    kernels::ParallelFor(n, kAddGrain, [&](int64_t begin, int64_t end) {
+    kernels::ParallelFor(n, kElementGrain, [&](int64_t begin, int64_t end) {
       if (state->reduce == v1::BFLOAT16) {
         const uint16_t* in = reinterpret_cast<const uint16_t*>(out) + from;
         for (int64_t i = begin; i < end; ++i)
