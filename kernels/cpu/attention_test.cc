@@ -12,6 +12,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/grad_check.h"
+#include "kernels/cpu/test_vectors.h"
 
 namespace shardd {
 namespace kernels {
@@ -20,14 +21,7 @@ namespace {
 using ::testing::HasSubstr;
 using testing_util::ExpectGradNear;
 using testing_util::NumericGrad;
-
-std::vector<float> RandomVector(int64_t n, uint32_t seed, float scale = 1.0f) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(-scale, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
+using testing_util::RandomVector;
 
 int64_t Dv(const AttentionDims& d) {
   return d.v_head_dim == 0 ? d.head_dim : d.v_head_dim;

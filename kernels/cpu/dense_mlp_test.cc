@@ -10,20 +10,15 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/grad_check.h"
+#include "kernels/cpu/test_vectors.h"
 
 namespace shardd {
 namespace kernels {
 namespace {
 
-using ::testing::HasSubstr;
+using testing_util::RandomVector;
 
-std::vector<float> RandomVector(int64_t n, uint32_t seed, float scale = 1.0f) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(-scale, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
+using ::testing::HasSubstr;
 
 std::vector<double> ToDouble(const std::vector<float>& v) {
   return std::vector<double>(v.begin(), v.end());

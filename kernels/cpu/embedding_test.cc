@@ -10,21 +10,16 @@
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/test_vectors.h"
 
 namespace shardd {
 namespace kernels {
 namespace {
 
+using testing_util::RandomVector;
+
 using ::testing::AllOf;
 using ::testing::HasSubstr;
-
-std::vector<float> RandomVector(int64_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
 
 TEST(EmbeddingTest, ForwardGathersRows) {
   const int64_t vocab = 5, dim = 3;

@@ -12,21 +12,16 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/bf16.h"
 #include "kernels/cpu/simd_level.h"
+#include "kernels/cpu/test_vectors.h"
 
 namespace shardd {
 namespace kernels {
 namespace {
 
+using testing_util::RandomVector;
+
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
-
-std::vector<float> RandomVector(size_t n, uint32_t seed, float scale = 1.0f) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(-scale, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
 
 // Random top-k style indices: K distinct experts per token.
 std::vector<int32_t> RandomIndices(int64_t t, int64_t e, int64_t k,

@@ -9,6 +9,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/grad_check.h"
+#include "kernels/cpu/test_vectors.h"
 
 namespace shardd {
 namespace kernels {
@@ -17,14 +18,7 @@ namespace {
 using ::testing::HasSubstr;
 using testing_util::ExpectGradNear;
 using testing_util::NumericGrad;
-
-std::vector<float> RandomVector(int64_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
+using testing_util::RandomVector;
 
 // Frequencies as the default RoPE of Hugging Face: theta^(-2i / R).
 std::vector<float> DefaultFrequencies(int64_t rotary_dim, double theta) {

@@ -17,18 +17,13 @@
 #include "kernels/cpu/grouped_experts.h"
 #include "kernels/cpu/rms_norm.h"
 #include "kernels/cpu/rope.h"
+#include "kernels/cpu/test_vectors.h"
 
 namespace shardd {
 namespace kernels {
 namespace {
 
-std::vector<float> Random(int64_t n, uint32_t seed, float scale = 1.0f) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(-scale, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
+using testing_util::RandomVector;
 
 // Runs `kernel` (which returns every output concatenated) at 1, 2 and 3
 // threads and expects the same bits each time.
@@ -50,9 +45,9 @@ void ExpectSameBitsAtEveryThreadCount(
 
 TEST(ThreadCountTest, AdamWAndGradientNorm) {
   const int64_t n = 300001;  // several chunks and a short last one
-  const std::vector<float> grad = Random(n, 1);
+  const std::vector<float> grad = RandomVector(n, 1);
   ExpectSameBitsAtEveryThreadCount([&] {
-    std::vector<float> param = Random(n, 2), m(n, 0.0f), v(n, 0.0f);
+    std::vector<float> param = RandomVector(n, 2), m(n, 0.0f), v(n, 0.0f);
     for (int step = 1; step <= 2; ++step) {
       SHARDD_EXPECT_OK(AdamWStep(param.data(), grad.data(), m.data(), v.data(),
                                  n, step, AdamWConfig{}));
@@ -67,8 +62,9 @@ TEST(ThreadCountTest, AdamWAndGradientNorm) {
 
 TEST(ThreadCountTest, RmsNormForwardAndBackward) {
   const int64_t rows = 777, dim = 192;
-  const std::vector<float> x = Random(rows * dim, 3), w = Random(dim, 4);
-  const std::vector<float> dy = Random(rows * dim, 5);
+  const std::vector<float> x = RandomVector(rows * dim, 3),
+                           w = RandomVector(dim, 4);
+  const std::vector<float> dy = RandomVector(rows * dim, 5);
   ExpectSameBitsAtEveryThreadCount([&] {
     std::vector<float> y(rows * dim), inv(rows), dx(rows * dim), dw(dim, 0.0f);
     SHARDD_EXPECT_OK(RmsNormForward(x.data(), w.data(), rows, dim, 1e-6f,
@@ -88,11 +84,14 @@ TEST(ThreadCountTest, AttentionWithGroupsAndSinks) {
   d.q_heads = 4;
   d.kv_heads = 2;
   d.head_dim = 16;
-  const std::vector<float> q = Random(d.batch * d.q_len * d.q_heads * 16, 6);
-  const std::vector<float> k = Random(d.batch * d.kv_len * d.kv_heads * 16, 7);
-  const std::vector<float> v = Random(d.batch * d.kv_len * d.kv_heads * 16, 8);
-  const std::vector<float> d_out = Random(q.size(), 9);
-  const std::vector<float> sinks = Random(d.q_heads, 10);
+  const std::vector<float> q =
+      RandomVector(d.batch * d.q_len * d.q_heads * 16, 6);
+  const std::vector<float> k =
+      RandomVector(d.batch * d.kv_len * d.kv_heads * 16, 7);
+  const std::vector<float> v =
+      RandomVector(d.batch * d.kv_len * d.kv_heads * 16, 8);
+  const std::vector<float> d_out = RandomVector(q.size(), 9);
+  const std::vector<float> sinks = RandomVector(d.q_heads, 10);
   for (bool with_sinks : {false, true}) {
     AttentionOptions o;
     o.scale = 0.25f;
@@ -127,12 +126,12 @@ TEST(ThreadCountTest, GroupedExpertsAcrossAndWithinExperts) {
     d.intermediate = 96;
     d.experts = experts;
     d.top_k = 2;
-    const std::vector<float> x = Random(d.tokens * d.dim, 11);
+    const std::vector<float> x = RandomVector(d.tokens * d.dim, 11);
     const std::vector<float> w_gu =
-        Random(experts * d.dim * 2 * d.intermediate, 12, 0.2f);
+        RandomVector(experts * d.dim * 2 * d.intermediate, 12, 0.2f);
     const std::vector<float> w_d =
-        Random(experts * d.intermediate * d.dim, 13, 0.2f);
-    const std::vector<float> dy = Random(d.tokens * d.dim, 14);
+        RandomVector(experts * d.intermediate * d.dim, 13, 0.2f);
+    const std::vector<float> dy = RandomVector(d.tokens * d.dim, 14);
     std::vector<int32_t> indices(d.tokens * 2);
     std::vector<float> weights(d.tokens * 2);
     for (int64_t t = 0; t < d.tokens; ++t) {
@@ -165,8 +164,8 @@ TEST(ThreadCountTest, GroupedExpertsAcrossAndWithinExperts) {
 
 TEST(ThreadCountTest, LmHeadCrossEntropy) {
   const int64_t tokens = 300, dim = 64, vocab = 1000;
-  const std::vector<float> h = Random(tokens * dim, 15),
-                           w = Random(vocab * dim, 16);
+  const std::vector<float> h = RandomVector(tokens * dim, 15),
+                           w = RandomVector(vocab * dim, 16);
   std::vector<int32_t> targets(tokens);
   for (int64_t t = 0; t < tokens; ++t) {
     targets[t] = t % 11 == 0 ? -1 : static_cast<int32_t>((t * 37) % vocab);
