@@ -285,7 +285,6 @@ struct ModelState : MoeArchitecture {
   PassState& State(int pass, int mb) {
     return states[static_cast<size_t>(mb) * options.model.passes + pass];
   }
-  bool aux_on() const { return router_aux_loss_coef > 0; }
   // The architecture's router, as the CPU model configures its own.
   kc::RouterDims RouterDimsOf(const LayerInfo& spec, int64_t t) const {
     kc::RouterDims dims{t, dim, spec.experts, top_k, renormalize_topk};

@@ -149,6 +149,27 @@ struct MoeArchitecture {
   RopeFrequencies sliding_rope;
   std::vector<ArchTensor> unused;
 
+  bool aux_on() const { return router_aux_loss_coef > 0; }
+
+  // The router of `layer` over t tokens, as both models configure it.
+  kernels::RouterDims RouterDimsOf(const MoeLayerSpec& layer,
+                                   int64_t t) const {
+    kernels::RouterDims dims{t, dim, layer.experts, top_k, renormalize_topk};
+    dims.scoring = router_scoring;
+    dims.groups = router_groups;
+    dims.top_groups = router_top_groups;
+    dims.scale = routed_scaling_factor;
+    dims.keep_softmax = aux_on();
+    return dims;
+  }
+  // The clamped activation's constants (no biases).
+  kernels::ExpertOptions ExpertOptions() const {
+    kernels::ExpertOptions options;
+    options.alpha = swiglu_alpha;
+    options.limit = swiglu_limit;
+    return options;
+  }
+
   // layers[l].has_moe for every l (the command order's layer table).
   std::vector<bool> LayersWithExperts() const {
     std::vector<bool> out;

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/memory/memory.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/cross_entropy.h"
@@ -55,6 +56,20 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Create(
         options.passes, " passes, ", options.no_grad_passes,
         " without gradients"));
   }
+  if (!impl->gemma && !options.legacy_step_for_test) {
+    auto ops = std::make_unique<step::CpuBlockOps>(impl.get());
+    step::CpuBlockOps* raw_ops = ops.get();
+    const step::StepShape shape{options.passes, options.no_grad_passes,
+                                options.microbatches,
+                                options.self_conditioning_scale};
+    SHARDD_ASSIGN_OR_RETURN(
+        std::unique_ptr<step::ModelStep> driver,
+        step::ModelStep::Create(impl.get(), shape, std::move(ops)));
+    auto model = absl::WrapUnique(new MoeModel(std::move(impl)));
+    model->ops_ = raw_ops;
+    model->step_ = std::move(driver);
+    return model;
+  }
   impl->order = std::make_unique<ModelCommandOrder>(
       PassLayout::For(impl->gemma ? kBlockDiffusionArchitecture : "",
                       options.passes, options.no_grad_passes),
@@ -66,6 +81,9 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Create(
 absl::Status MoeModel::SetBatch(int microbatch, const int32_t* inputs,
                                 const int32_t* targets, int64_t batch,
                                 int64_t seq) {
+  if (step_ != nullptr) {
+    return step_->SetBatch(microbatch, inputs, targets, batch, seq);
+  }
   Impl& m = *impl_;
   SHARDD_ASSIGN_OR_RETURN(
       const int64_t counted,
@@ -106,6 +124,7 @@ absl::Status MoeModel::SetBatch(int microbatch, const int32_t* inputs,
 absl::Status MoeModel::SetSequenceKeys(int microbatch, int64_t step,
                                        const int64_t* sequence_indices) {
   Impl& m = *impl_;
+  if (step_ != nullptr) return absl::OkStatus();  // Not a diffusion step.
   if (microbatch < 0 || microbatch >= m.options.microbatches ||
       m.batches[microbatch].tokens == 0) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -118,6 +137,12 @@ absl::Status MoeModel::SetSequenceKeys(int microbatch, int64_t step,
 }
 
 absl::Status MoeModel::Run(const v1::Command& command, ParamSource* params) {
+  if (step_ != nullptr) {
+    ops_->Bind(params);
+    const absl::Status status = step_->Run(command);
+    ops_->Bind(nullptr);
+    return status;
+  }
   Impl& m = *impl_;
   SHARDD_RETURN_IF_ERROR(m.order->Check(command, "MoeModel"));
   if (m.batches[command.microbatch()].tokens == 0) {
@@ -634,9 +659,13 @@ absl::Status MoeModel::Impl::EmbedBackward(ParamSource* params,
   return absl::OkStatus();
 }
 
-void MoeModel::SetEvaluation(bool eval) { impl_->eval = eval; }
+void MoeModel::SetEvaluation(bool eval) {
+  impl_->eval = eval;
+  if (step_ != nullptr) step_->SetEvaluation(eval);
+}
 
 void MoeModel::ResetStep() {
+  if (step_ != nullptr) return step_->ResetStep();
   Impl& m = *impl_;
   m.loss_sum = 0.0;
   m.loss_terms = 0;
@@ -645,10 +674,13 @@ void MoeModel::ResetStep() {
 }
 
 double MoeModel::step_loss() const {
+  if (step_ != nullptr) return step_->step_loss();
   return impl_->loss_terms == 0 ? 0.0 : impl_->loss_sum / impl_->loss_terms;
 }
 
-int64_t MoeModel::step_tokens() const { return impl_->tokens; }
+int64_t MoeModel::step_tokens() const {
+  return step_ != nullptr ? step_->step_tokens() : impl_->tokens;
+}
 
 int64_t MoeModel::Impl::ActivationBytes() const {
   int64_t bytes = 0;
@@ -668,14 +700,21 @@ int64_t MoeModel::Impl::ActivationBytes() const {
   return bytes;
 }
 
-int64_t MoeModel::activation_bytes() const { return impl_->ActivationBytes(); }
+int64_t MoeModel::activation_bytes() const {
+  return step_ != nullptr ? step_->activation_bytes()
+                          : impl_->ActivationBytes();
+}
 
 int64_t MoeModel::command_activation_peak() const {
-  return impl_->activation_peak;
+  return step_ != nullptr ? step_->command_activation_peak()
+                          : impl_->activation_peak;
 }
 
 absl::Status MoeModel::SetRecompute(std::vector<bool> layers,
                                     std::vector<bool> experts) {
+  if (step_ != nullptr) {
+    return step_->SetRecompute(std::move(layers), std::move(experts));
+  }
   Impl& m = *impl_;
   const size_t n = m.layers.size();
   if (layers.size() != n || experts.size() != n) {
@@ -695,6 +734,10 @@ void MoeModel::HoldSelfConditioningForTest(bool hold) {
 bool MoeModel::router_aux_loss() const { return impl_->aux_on(); }
 
 MoeModel::RouterAuxStats* MoeModel::router_aux_stats(int pass) {
+  if (step_ != nullptr) {
+    step::Saved* aux = step_->aux_stats(pass, 0);
+    return aux == nullptr ? nullptr : &aux->Get<step::CpuAuxState>()->stats;
+  }
   if (!impl_->aux_on() || pass < 0 ||
       pass >= static_cast<int>(impl_->acts.size())) {
     return nullptr;

@@ -56,6 +56,8 @@
 #include "proto/model.pb.h"
 #include "proto/worker.pb.h"
 #include "worker/model/block_diffusion.h"
+#include "worker/model/cpu_block_ops.h"
+#include "worker/model/model_step.h"
 #include "worker/model/param_source.h"
 
 namespace shardd {
@@ -68,18 +70,16 @@ struct MoeModelOptions {
   // DiffusionGemma's block-diffusion step: noise, self-conditioning coin
   // and loss weights (TrainConfig.diffusion).
   DiffusionTrainingOptions diffusion;
+  // Tests only, until the step driver has replaced it: run a non-Gemma
+  // model on MoeModel's own step instead of ModelStep (model_step.h), to
+  // show that both compute the same bits.
+  bool legacy_step_for_test = false;
 };
 
 class MoeModel {
  public:
   // A pass's load-balancing statistics, summed over its MoE layers' rows.
-  struct RouterAuxStats {
-    // [E + 2]: the top-k choices of each expert, then the rows (tokens times
-    // MoE layers), then the ranks summed (1 on each rank).
-    std::vector<int64_t> counts;
-    // [E]: the routing probabilities' sums per expert.
-    std::vector<float> prob_sums;
-  };
+  using RouterAuxStats = step::HostRouterAuxStats;
 
   // Checks that the spec is one the CPU path computes: model.embed_tokens
   // (MODULE_EMBEDDING), model.layers.N each with input_layernorm and either a
@@ -176,7 +176,12 @@ class MoeModel {
   ~MoeModel();
 
  private:
+  // The architecture and the options live in impl_. Non-Gemma models run
+  // on the step driver over the CPU's block ops; DiffusionGemma (and the
+  // legacy switch) on Impl's own step.
   std::unique_ptr<Impl> impl_;
+  step::CpuBlockOps* ops_ = nullptr;  // Owned by step_.
+  std::unique_ptr<step::ModelStep> step_;
 };
 
 }  // namespace shardd

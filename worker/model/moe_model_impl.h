@@ -159,7 +159,6 @@ struct MoeModel::Impl : MoeArchitecture {
   int64_t tokens = 0;
 
   int grad_passes() const { return options.passes - options.no_grad_passes; }
-  bool aux_on() const { return router_aux_loss_coef > 0; }
 
   // Micro-batches run forward and backward one after the other, so
   // activations are kept per pass and reused by the next micro-batch.
@@ -178,22 +177,10 @@ struct MoeModel::Impl : MoeArchitecture {
     return params->AccumulateGrad(t.name, values);
   }
 
-  kernels::RouterDims RouterDimsOf(const LayerSpec& spec, int64_t t) const {
-    kernels::RouterDims dims{t, dim, spec.experts, top_k, renormalize_topk};
-    dims.scoring = router_scoring;
-    dims.groups = router_groups;
-    dims.top_groups = router_top_groups;
-    dims.scale = routed_scaling_factor;
-    dims.keep_softmax = aux_on();
-    return dims;
-  }
-
   // The clamped activation's constants and the layer's expert biases.
   absl::StatusOr<kernels::ExpertOptions> ExpertOptionsOf(
       const LayerSpec& spec, ParamSource* params) const {
-    kernels::ExpertOptions options;
-    options.alpha = swiglu_alpha;
-    options.limit = swiglu_limit;
+    kernels::ExpertOptions options = MoeArchitecture::ExpertOptions();
     if (spec.expert_bias) {
       SHARDD_ASSIGN_OR_RETURN(options.gate_up_bias,
                               params->Param(spec.b_gu.name));

@@ -1,0 +1,433 @@
+#include "worker/model/model_step.h"
+
+#include <utility>
+
+#include "absl/memory/memory.h"
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "program/pass_layout.h"
+
+namespace shardd {
+namespace step {
+
+using v1::Command;
+
+ModelStep::ModelStep(const MoeArchitecture* arch, const StepShape& shape,
+                     std::unique_ptr<BlockOps> ops)
+    : arch_(*arch), shape_(shape), ops_(std::move(ops)) {}
+
+ModelStep::~ModelStep() {
+  // Slots first: their Acts and Saved release into ops_' memory and the
+  // ledger.
+  slots_.clear();
+  batches_.clear();
+}
+
+absl::StatusOr<std::unique_ptr<ModelStep>> ModelStep::Create(
+    const MoeArchitecture* arch, const StepShape& shape,
+    std::unique_ptr<BlockOps> ops) {
+  if (arch->gemma) {
+    return absl::InvalidArgumentError(
+        "ModelStep: DiffusionGemma's layers are computed by MoeModel");
+  }
+  SHARDD_RETURN_IF_ERROR(CheckModelStepShape(
+      shape.passes, shape.no_grad_passes, shape.microbatches));
+  auto step = absl::WrapUnique(new ModelStep(arch, shape, std::move(ops)));
+  const bool per_microbatch = step->ops_->per_microbatch_state();
+  step->order_ = std::make_unique<ModelCommandOrder>(
+      PassLayout::For("", shape.passes, shape.no_grad_passes),
+      shape.microbatches, arch->LayersWithExperts(), per_microbatch);
+  step->batches_.resize(shape.microbatches);
+  step->slots_.resize(per_microbatch
+                          ? static_cast<size_t>(shape.passes) *
+                                shape.microbatches
+                          : shape.passes);
+  for (PassSlot& a : step->slots_) a.layers.resize(arch->layers.size());
+  step->recompute_layer_.assign(arch->layers.size(), false);
+  step->recompute_experts_.assign(arch->layers.size(), false);
+  return step;
+}
+
+ModelStep::PassSlot& ModelStep::Slot(int pass, int microbatch) {
+  return ops_->per_microbatch_state()
+             ? slots_[static_cast<size_t>(microbatch) * shape_.passes + pass]
+             : slots_[pass];
+}
+
+absl::Status ModelStep::Ensure(Act* a, Elem elem, int64_t numel, bool zero) {
+  if (!a->empty() && a->numel() == numel && a->elem() == elem) {
+    if (zero) {
+      SHARDD_ASSIGN_OR_RETURN(Act zeros, ops_->Allocate(elem, numel, true));
+      return ops_->Copy(zeros, a);
+    }
+    return absl::OkStatus();
+  }
+  a->Reset();
+  SHARDD_ASSIGN_OR_RETURN(*a, ops_->Allocate(elem, numel, zero));
+  a->Track(&ledger_);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Act> ModelStep::Temp(int64_t numel) {
+  return ops_->Allocate(Elem::kStorage, numel, /*zero=*/false);
+}
+
+absl::Status ModelStep::SetBatch(int microbatch, const int32_t* inputs,
+                                 const int32_t* targets, int64_t batch,
+                                 int64_t seq) {
+  SHARDD_ASSIGN_OR_RETURN(
+      const int64_t counted,
+      CheckMicroBatch(microbatch, shape_.microbatches, inputs, targets, batch,
+                      seq, arch_.vocab));
+  SHARDD_RETURN_IF_ERROR(ops_->Prepare(seq));
+  BatchSlot& b = batches_[microbatch];
+  b.batch = batch;
+  b.seq = seq;
+  b.tokens = batch * seq;
+  SHARDD_ASSIGN_OR_RETURN(b.inputs, ops_->Upload(inputs, b.tokens));
+  SHARDD_ASSIGN_OR_RETURN(b.targets, ops_->Upload(targets, b.tokens));
+  b.counted = counted;
+  return absl::OkStatus();
+}
+
+absl::Status ModelStep::SetRecompute(std::vector<bool> layers,
+                                     std::vector<bool> experts) {
+  const size_t n = arch_.layers.size();
+  if (layers.size() != n || experts.size() != n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("recompute: needs one flag per layer (", n, "), got ",
+                     layers.size(), " and ", experts.size()));
+  }
+  recompute_layer_ = std::move(layers);
+  recompute_experts_ = std::move(experts);
+  return absl::OkStatus();
+}
+
+void ModelStep::ResetStep() {
+  ops_->ResetLoss();
+  loss_terms_ = 0;
+  order_->Reset();
+}
+
+Saved* ModelStep::aux_stats(int pass, int microbatch) {
+  if (!arch_.aux_on() || pass < 0 || pass >= shape_.passes ||
+      microbatch < 0 || microbatch >= shape_.microbatches) {
+    return nullptr;
+  }
+  return &Slot(pass, microbatch).aux;
+}
+
+absl::Status ModelStep::Run(const Command& command) {
+  SHARDD_RETURN_IF_ERROR(order_->Check(command, "MoeModel"));
+  if (batches_[command.microbatch()].tokens == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("micro-batch ", command.microbatch(),
+                     " has no tokens (SetBatch missing)"));
+  }
+  ledger_.BeginCommand();
+  SHARDD_RETURN_IF_ERROR(command.op() == Command::FORWARD ? Forward(command)
+                                                          : Backward(command));
+  order_->Commit(command);
+  return absl::OkStatus();
+}
+
+void ModelStep::KeepCheckpoint(const MoeLayerSpec& spec, LayerSlot* la) {
+  LayerSlot keep;
+  keep.x_in = std::move(la->x_in);
+  if (spec.has_moe) {
+    keep.normed = std::move(la->normed);
+    keep.indices = std::move(la->indices);
+    keep.weights = std::move(la->weights);
+    keep.dense_out = std::move(la->dense_out);
+  }
+  *la = std::move(keep);
+}
+
+absl::Status ModelStep::LayerForward(const MoeLayerSpec& spec,
+                                     const BatchSlot& batch, LayerSlot* la,
+                                     PassSlot* a) {
+  const int64_t t = batch.tokens;
+  const int64_t td = t * arch_.dim;
+  SHARDD_RETURN_IF_ERROR(Ensure(&la->inv_rms, Elem::kF32, t));
+  SHARDD_RETURN_IF_ERROR(Ensure(&la->normed, Elem::kStorage, td));
+  SHARDD_RETURN_IF_ERROR(
+      ops_->NormForward(spec.norm, la->x_in, t, &la->normed, &la->inv_rms));
+  if (spec.has_attention) {
+    // x_mid = x + attention(input_layernorm(x)); the MoE / MLP branch
+    // reads post_attention_layernorm(x_mid).
+    SHARDD_ASSIGN_OR_RETURN(Act y, Temp(td));
+    SHARDD_RETURN_IF_ERROR(ops_->AttentionForward(
+        spec, la->normed, batch.batch, batch.seq, &la->attention, &y));
+    la->attention.Sync(&ledger_);
+    SHARDD_RETURN_IF_ERROR(Ensure(&la->x_mid, Elem::kStorage, td));
+    SHARDD_RETURN_IF_ERROR(ops_->Sum(la->x_in, y, &la->x_mid));
+    if (a != nullptr) SHARDD_RETURN_IF_ERROR(ops_->Copy(la->x_mid, &a->x));
+    SHARDD_RETURN_IF_ERROR(Ensure(&la->post_inv, Elem::kF32, t));
+    SHARDD_RETURN_IF_ERROR(ops_->NormForward(spec.post_norm, la->x_mid, t,
+                                             &la->normed, &la->post_inv));
+  }
+  if (spec.has_mlp) {
+    // Beside experts the output waits for EXPERTS (a recompute does not
+    // need it); a dense layer adds it to the stream here.
+    Act temp;
+    Act* y = &temp;
+    if (spec.has_moe && a != nullptr) {
+      SHARDD_RETURN_IF_ERROR(Ensure(&la->dense_out, Elem::kStorage, td));
+      y = &la->dense_out;
+    } else {
+      SHARDD_ASSIGN_OR_RETURN(temp, Temp(td));
+    }
+    const MlpTensors mlp{&spec.mlp_gate, &spec.mlp_up, &spec.mlp_down,
+                         spec.mlp_inter};
+    SHARDD_RETURN_IF_ERROR(ops_->MlpForward(mlp, la->normed, t, &la->mlp, y));
+    la->mlp.Sync(&ledger_);
+    if (!spec.has_moe && a != nullptr) {
+      SHARDD_RETURN_IF_ERROR(ops_->Add(&a->x, *y, nullptr));
+    }
+  }
+  if (spec.has_moe) {
+    SHARDD_RETURN_IF_ERROR(Ensure(&la->indices, Elem::kI32, t * arch_.top_k));
+    SHARDD_RETURN_IF_ERROR(Ensure(&la->weights, Elem::kF32, t * arch_.top_k));
+    SHARDD_RETURN_IF_ERROR(ops_->RouterForward(spec, la->normed, t,
+                                               &la->indices, &la->weights,
+                                               &la->router));
+    la->router.Sync(&ledger_);
+    if (arch_.aux_on() && a != nullptr) {
+      SHARDD_RETURN_IF_ERROR(
+          ops_->AuxAccumulate(la->router, la->indices, t, &a->aux));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ModelStep::ExpertsForward(const MoeLayerSpec& spec, int64_t t,
+                                       LayerSlot* la, Act* y) {
+  SHARDD_RETURN_IF_ERROR(ops_->ExpertsForward(
+      spec, la->normed, la->indices, la->weights, t, &la->experts, y));
+  la->experts.Sync(&ledger_);
+  return absl::OkStatus();
+}
+
+absl::Status ModelStep::Forward(const Command& c) {
+  const int pass = c.pass();
+  const int mb = c.microbatch();
+  PassSlot& a = Slot(pass, mb);
+  const BatchSlot& batch = batches_[mb];
+  const int64_t t = batch.tokens;
+  const int64_t td = t * arch_.dim;
+  switch (c.part()) {
+    case Command::EMBED: {
+      PassSlot* prev = pass > 0 ? &Slot(pass - 1, mb) : nullptr;
+      if (prev != nullptr && prev->h.empty()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("FORWARD EMBED of pass ", pass, ": pass ", pass - 1,
+                         "'s output is gone (its backward ran first)"));
+      }
+      SHARDD_RETURN_IF_ERROR(Ensure(&a.x, Elem::kStorage, td));
+      SHARDD_RETURN_IF_ERROR(ops_->EmbedForward(batch.inputs, t, &a.x));
+      if (arch_.embedding_scale > 0) {
+        SHARDD_RETURN_IF_ERROR(ops_->Scale(&a.x, arch_.embedding_scale));
+      }
+      if (arch_.aux_on()) SHARDD_RETURN_IF_ERROR(ops_->AuxStart(&a.aux));
+      if (prev != nullptr) {
+        // Self-conditioning: the previous pass's output, detached.
+        SHARDD_RETURN_IF_ERROR(
+            ops_->AddScaled(&a.x, prev->h, shape_.self_conditioning_scale));
+        // A pass without gradients kept it only for this.
+        if (!RequiresGrad(pass - 1)) prev->h.Reset();
+      }
+      return absl::OkStatus();
+    }
+    case Command::LAYER: {
+      const int l = c.layer();
+      const MoeLayerSpec& spec = arch_.layers[l];
+      LayerSlot& la = a.layers[l];
+      SHARDD_RETURN_IF_ERROR(Ensure(&la.x_in, Elem::kStorage, td));
+      SHARDD_RETURN_IF_ERROR(ops_->Copy(a.x, &la.x_in));
+      SHARDD_RETURN_IF_ERROR(LayerForward(spec, batch, &la, &a));
+      if (!c.requires_grad()) {
+        // Nothing reads it again once the layer's last forward is done.
+        if (!spec.has_moe) la = LayerSlot();
+      } else if (recompute_layer_[l]) {
+        KeepCheckpoint(spec, &la);
+      }
+      return absl::OkStatus();
+    }
+    case Command::EXPERTS: {
+      const int l = c.layer();
+      const MoeLayerSpec& spec = arch_.layers[l];
+      LayerSlot& la = a.layers[l];
+      SHARDD_ASSIGN_OR_RETURN(Act y, Temp(td));
+      SHARDD_RETURN_IF_ERROR(ExpertsForward(spec, t, &la, &y));
+      SHARDD_RETURN_IF_ERROR(ops_->Add(
+          &a.x, y, la.dense_out.empty() ? nullptr : &la.dense_out));
+      la.dense_out.Reset();
+      if (!c.requires_grad()) {
+        la = LayerSlot();
+      } else if (recompute_layer_[l] || recompute_experts_[l]) {
+        la.experts.Reset();
+      }
+      return absl::OkStatus();
+    }
+    case Command::HEAD: {
+      // The stream becomes the final norm's input; nothing reads it again.
+      a.final_x = std::move(a.x);
+      SHARDD_RETURN_IF_ERROR(Ensure(&a.final_inv, Elem::kF32, t));
+      SHARDD_RETURN_IF_ERROR(Ensure(&a.h, Elem::kStorage, td));
+      SHARDD_RETURN_IF_ERROR(ops_->NormForward(arch_.final_norm, a.final_x, t,
+                                               &a.h, &a.final_inv));
+      if (!c.requires_grad()) {
+        // An evaluation scores the passes a training step takes its loss
+        // from.
+        if (eval_ && pass >= shape_.no_grad_passes) {
+          SHARDD_RETURN_IF_ERROR(ops_->HeadLoss(a.h, batch.targets, t,
+                                                LossTerm{0.0f, 1.0}, 0.0,
+                                                /*dh=*/nullptr));
+          ++loss_terms_;
+        }
+        a.final_x.Reset();
+        a.final_inv.Reset();
+        // The next pass's embedding reads the output.
+        if (pass + 1 == shape_.passes) a.h.Reset();
+        return absl::OkStatus();
+      }
+      if (arch_.aux_on()) SHARDD_RETURN_IF_ERROR(ops_->AuxFinishForward(&a.aux));
+      // The loss of a pass with gradients is computed by its BACKWARD HEAD
+      // (one sweep over the logits for both); passes without gradients only
+      // produce h for the next pass.
+      return absl::OkStatus();
+    }
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("FORWARD of part ", Command::Part_Name(c.part())));
+  }
+}
+
+absl::Status ModelStep::LayerBackward(const MoeLayerSpec& spec, int l,
+                                      const BatchSlot& batch, PassSlot* a) {
+  LayerSlot& la = a->layers[l];
+  const int64_t t = batch.tokens;
+  const int64_t td = t * arch_.dim;
+  if (recompute_layer_[l]) {
+    // The checkpoint holds the input (and the experts' inputs, which the
+    // forward writes again with the same values).
+    SHARDD_RETURN_IF_ERROR(LayerForward(spec, batch, &la, nullptr));
+  }
+  // a->dx is the gradient of the layer's output; a->dn collects the
+  // gradient of its normed input (EXPERTS' backward started it).
+  if (!spec.has_moe) {
+    SHARDD_RETURN_IF_ERROR(Ensure(&a->dn, Elem::kStorage, td, /*zero=*/true));
+  }
+  if (spec.has_mlp) {
+    const MlpTensors mlp{&spec.mlp_gate, &spec.mlp_up, &spec.mlp_down,
+                         spec.mlp_inter};
+    SHARDD_RETURN_IF_ERROR(ops_->MlpBackward(mlp, la.normed, t, a->dx, &la.mlp,
+                                             &a->dn, /*accumulate=*/true));
+    la.mlp.Sync(&ledger_);
+  }
+  if (spec.has_moe) {
+    const Act* extra_d_logits = nullptr;
+    if (arch_.aux_on()) {
+      SHARDD_RETURN_IF_ERROR(
+          Ensure(&a->aux_d_logits, Elem::kF32, t * arch_.aux_experts));
+      SHARDD_RETURN_IF_ERROR(
+          ops_->AuxLogitGrad(la.router, t, a->aux, &a->aux_d_logits));
+      extra_d_logits = &a->aux_d_logits;
+    }
+    SHARDD_RETURN_IF_ERROR(ops_->RouterBackward(
+        spec, la.normed, t, a->dweights, extra_d_logits, &la.router, &a->dn));
+    la.router.Sync(&ledger_);
+  }
+  if (spec.has_attention) {
+    // a->dn is the gradient of post_attention_layernorm's output; a->dx
+    // becomes the gradient of x_mid, which is also the attention
+    // sublayer's output gradient; then a->dn becomes the gradient of
+    // input_layernorm's output.
+    SHARDD_RETURN_IF_ERROR(ops_->NormBackward(spec.post_norm, a->dn, la.x_mid,
+                                              la.post_inv, t, &a->dx,
+                                              /*accumulate=*/true));
+    SHARDD_RETURN_IF_ERROR(ops_->AttentionBackward(
+        spec, la.attention, batch.batch, batch.seq, a->dx, &a->dn));
+  }
+  // Residual: d(x_in) = d(x_out) + RMSNorm'(d normed).
+  SHARDD_RETURN_IF_ERROR(ops_->NormBackward(spec.norm, a->dn, la.x_in,
+                                            la.inv_rms, t, &a->dx,
+                                            /*accumulate=*/true));
+  la = LayerSlot();
+  a->dn.Reset();
+  a->dweights.Reset();
+  a->aux_d_logits.Reset();
+  return absl::OkStatus();
+}
+
+absl::Status ModelStep::Backward(const Command& c) {
+  const int pass = c.pass();
+  const int mb = c.microbatch();
+  PassSlot& a = Slot(pass, mb);
+  const BatchSlot& batch = batches_[mb];
+  const int64_t t = batch.tokens;
+  const int64_t td = t * arch_.dim;
+  switch (c.part()) {
+    case Command::HEAD: {
+      LossTerm term;
+      term.grad_scale =
+          batch.counted == 0
+              ? 0.0f
+              : static_cast<float>(1.0 / (static_cast<double>(batch.counted) *
+                                          shape_.microbatches *
+                                          grad_passes()));
+      double aux = 0.0;
+      if (arch_.aux_on()) {
+        SHARDD_ASSIGN_OR_RETURN(
+            aux, ops_->AuxLoss(&a.aux, arch_.router_aux_loss_coef,
+                               static_cast<double>(shape_.microbatches) *
+                                   grad_passes()));
+      }
+      SHARDD_ASSIGN_OR_RETURN(Act dh, Temp(td));
+      SHARDD_RETURN_IF_ERROR(ops_->HeadLoss(a.h, batch.targets, t, term,
+                                            arch_.router_aux_loss_coef * aux,
+                                            &dh));
+      ++loss_terms_;
+      SHARDD_RETURN_IF_ERROR(Ensure(&a.dx, Elem::kStorage, td));
+      SHARDD_RETURN_IF_ERROR(ops_->NormBackward(arch_.final_norm, dh,
+                                                a.final_x, a.final_inv, t,
+                                                &a.dx, /*accumulate=*/false));
+      a.final_x.Reset();
+      a.final_inv.Reset();
+      a.h.Reset();
+      return absl::OkStatus();
+    }
+    case Command::EXPERTS: {
+      const int l = c.layer();
+      const MoeLayerSpec& spec = arch_.layers[l];
+      LayerSlot& la = a.layers[l];
+      if (recompute_layer_[l] || recompute_experts_[l]) {
+        SHARDD_ASSIGN_OR_RETURN(Act y, Temp(td));
+        SHARDD_RETURN_IF_ERROR(ExpertsForward(spec, t, &la, &y));
+      }
+      SHARDD_RETURN_IF_ERROR(Ensure(&a.dn, Elem::kStorage, td));
+      SHARDD_RETURN_IF_ERROR(
+          Ensure(&a.dweights, Elem::kF32, t * arch_.top_k));
+      SHARDD_RETURN_IF_ERROR(ops_->ExpertsBackward(spec, a.dx, t, &la.experts,
+                                                   &a.dn, &a.dweights));
+      la.experts.Sync(&ledger_);
+      la.experts.Reset();
+      return absl::OkStatus();
+    }
+    case Command::LAYER:
+      return LayerBackward(arch_.layers[c.layer()], c.layer(), batch, &a);
+    case Command::EMBED: {
+      SHARDD_RETURN_IF_ERROR(ops_->EmbedBackward(
+          &a.dx, batch.inputs, t,
+          arch_.embedding_scale > 0 ? arch_.embedding_scale : 1.0f));
+      a.dx.Reset();
+      return absl::OkStatus();
+    }
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("BACKWARD of part ", Command::Part_Name(c.part())));
+  }
+}
+
+}  // namespace step
+}  // namespace shardd
