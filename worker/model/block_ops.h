@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -202,6 +203,27 @@ struct LossTerm {
   double weight = 1.0;
 };
 
+// A DiffusionGemma decode's view of its encode: the same layer's state in
+// pass 0 (gemma_layer.h's GemmaDecode).
+struct GemmaDecodeView {
+  int64_t prefix = 0;       // Canvas row j sits at position prefix + j.
+  int64_t encoder_seq = 0;  // Rows per sequence of the encode's K/V.
+  int64_t block = 0;        // Canvas rows per decode block.
+  Saved* encoder = nullptr;
+};
+
+// What a DiffusionGemma layer's state keeps (GemmaTrim).
+enum class GemmaKeep : uint8_t {
+  // Everything but the grouped experts' workspace (after their backward).
+  kAllButExpertsWorkspace,
+  // Everything but the experts' state and output (they recompute).
+  kAllButExperts,
+  // A recomputed layer's checkpoint: its input and what BACKWARD(EXPERTS)
+  // reads besides the experts' state; with kv, the K/V a decode reads.
+  kCheckpoint,
+  kCheckpointAndKv,
+};
+
 // The arithmetic and memory of one device. Weights are named by their
 // ArchTensor and read from the parameters bound for the current command;
 // parameter gradients are added there (nothing for a frozen parameter).
@@ -296,6 +318,48 @@ class BlockOps {
   virtual absl::Status HeadLoss(const Act& h, const Act& targets, int64_t t,
                                 const LossTerm& term, double extra_loss,
                                 Act* dh) = 0;
+
+  // ---- DiffusionGemma (gemma_layer.h has the math, block_diffusion.h the
+  // canvas).
+  // LAYER's forward into `layer` from x [T, D] (copied in), or with null x
+  // again from the kept input (a recompute; FAILED_PRECONDITION without
+  // it). `decode`: the layer runs the canvas of a decode.
+  virtual absl::Status GemmaLayerForward(const MoeLayerSpec& spec,
+                                         const Act* x, int64_t batch,
+                                         int64_t seq,
+                                         const GemmaDecodeView* decode,
+                                         Saved* layer) = 0;
+  // EXPERTS' forward: the layer's output into *x [T, D]; with null x only
+  // the experts' state again (a recompute before their backward).
+  virtual absl::Status GemmaExpertsForward(const MoeLayerSpec& spec,
+                                           int64_t t, Saved* layer,
+                                           Act* x) = 0;
+  // BACKWARD(EXPERTS) from dx, the gradient of the layer's output.
+  virtual absl::Status GemmaExpertsBackward(const MoeLayerSpec& spec,
+                                            int64_t t, const Act& dx,
+                                            Saved* layer) = 0;
+  // BACKWARD(LAYER): dx becomes the gradient of the layer's input; a
+  // decode's encoder-row K/V gradients are added to decode->encoder.
+  virtual absl::Status GemmaLayerBackward(const MoeLayerSpec& spec,
+                                          int64_t batch, int64_t seq,
+                                          const GemmaDecodeView* decode,
+                                          Saved* layer, Act* dx) = 0;
+  virtual void GemmaTrim(GemmaKeep keep, Saved* layer) = 0;
+  // The decode's input x [batch * canvas, D] from the noised canvas ids:
+  // the scaled embeddings, plus with `probs` [batch * canvas, V] the
+  // self-conditioning signal of the sequences whose coin is set, through
+  // the block's norms and MLP (spec: BlockDiffusionSpec's tensors).
+  virtual absl::Status SelfConditioningForward(
+      const BlockDiffusionSpec& spec, const Act& noised, const Act* probs,
+      const std::vector<uint8_t>& coin, int64_t batch, int64_t canvas,
+      Saved* state, Act* x) = 0;
+  // Its backward from dx: the block's and the embedding's gradients.
+  virtual absl::Status SelfConditioningBackward(
+      const BlockDiffusionSpec& spec, const Act& noised, const Act& probs,
+      const std::vector<uint8_t>& coin, int64_t batch, int64_t canvas,
+      Saved* state, const Act& dx) = 0;
+  // probs [t, V] fp32 = softmax of the head's (soft-capped) logits of h.
+  virtual absl::Status HeadSoftmax(const Act& h, int64_t t, Act* probs) = 0;
 
   // ---- The load-balancing loss (statistics in `aux`, one per pass).
   // Zeroes the statistics; this rank counts as one.

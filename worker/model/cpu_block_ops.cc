@@ -1,5 +1,7 @@
 #include "worker/model/cpu_block_ops.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <utility>
 
@@ -10,9 +12,11 @@
 #include "kernels/cpu/dense_mlp.h"
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/grouped_experts.h"
+#include "kernels/cpu/linear.h"
 #include "kernels/cpu/rms_norm.h"
 #include "kernels/cpu/router.h"
 #include "kernels/cpu/router_aux_loss.h"
+#include "kernels/cpu/softcap.h"
 #include "kernels/cpu/uninit_vector.h"
 
 namespace shardd {
@@ -50,6 +54,27 @@ struct MlpState : BlockState {
   int64_t bytes() const override { return static_cast<int64_t>(ws.bytes()); }
 };
 
+struct GemmaState : BlockState {
+  GemmaLayerActs acts;
+  int64_t bytes() const override { return acts.bytes(); }
+};
+// The self-conditioning block's activations (a decode's input).
+struct SelfConditioningState : BlockState {
+  std::vector<float> e;             // [T, D] scaled canvas embeddings
+  std::vector<float> signal;        // [T, D] probs @ E * scale, 0 without coin
+  std::vector<float> p, p_inv;      // pre_norm(signal)
+  std::vector<float> mlp_out;       // [T, D]
+  std::vector<float> sum, sum_inv;  // e + mlp_out, post_norm's
+  kernels::DenseMlpWorkspace mlp;
+  int64_t bytes() const override {
+    return static_cast<int64_t>(
+        (e.capacity() + signal.capacity() + p.capacity() + p_inv.capacity() +
+         mlp_out.capacity() + sum.capacity() + sum_inv.capacity()) *
+            sizeof(float) +
+        mlp.bytes());
+  }
+};
+
 float* F(Act* a) { return a->as<float>(); }
 const float* F(const Act& a) { return a.as<float>(); }
 
@@ -67,14 +92,17 @@ void Elementwise(int64_t n, Fn fn) {
 CpuBlockOps::CpuBlockOps(const MoeArchitecture* arch)
     : arch_(arch),
       attention_(std::make_unique<AttentionBlock>(arch)),
-      mla_(std::make_unique<MlaBlock>(arch)) {}
+      mla_(std::make_unique<MlaBlock>(arch)),
+      gemma_(std::make_unique<GemmaLayerBlock>(arch)) {}
 
 CpuBlockOps::~CpuBlockOps() = default;
 
 absl::Status CpuBlockOps::Prepare(int64_t seq) {
   for (const MoeLayerSpec& layer : arch_->layers) {
     if (layer.has_attention) {
-      return layer.mla ? mla_->Prepare(seq) : attention_->Prepare(seq);
+      return layer.gemma ? gemma_->Prepare(seq)
+             : layer.mla ? mla_->Prepare(seq)
+                         : attention_->Prepare(seq);
     }
   }
   return absl::OkStatus();
@@ -373,6 +401,208 @@ absl::Status CpuBlockOps::HeadLoss(const Act& h, const Act& targets,
   }
   loss_sum_ += term.weight * ce.mean_loss + extra_loss;
   tokens_ += ce.count;
+  return absl::OkStatus();
+}
+
+namespace {
+
+// The CPU's GemmaDecode for a decode view (its encoder's state).
+absl::StatusOr<GemmaDecode> DecodeOf(const GemmaDecodeView* view) {
+  GemmaDecode d;
+  if (view == nullptr) return d;
+  GemmaState* encoder =
+      view->encoder == nullptr ? nullptr : view->encoder->Peek<GemmaState>();
+  if (encoder == nullptr) {
+    return absl::FailedPreconditionError(
+        "a DiffusionGemma decode before its layer's encode");
+  }
+  d.prefix = view->prefix;
+  d.encoder_seq = view->encoder_seq;
+  d.block = view->block;
+  d.encoder = &encoder->acts;
+  return d;
+}
+
+}  // namespace
+
+absl::Status CpuBlockOps::GemmaLayerForward(const MoeLayerSpec& spec,
+                                            const Act* x, int64_t batch,
+                                            int64_t seq,
+                                            const GemmaDecodeView* decode,
+                                            Saved* layer) {
+  SHARDD_ASSIGN_OR_RETURN(const GemmaDecode d, DecodeOf(decode));
+  GemmaLayerActs* acts = &layer->Get<GemmaState>()->acts;
+  const GemmaDecode* dp = decode == nullptr ? nullptr : &d;
+  if (x == nullptr) {
+    return gemma_->RecomputeLayer(spec, params_, batch, seq, acts, dp);
+  }
+  return gemma_->ForwardLayer(spec, params_, F(*x), batch, seq, acts, dp);
+}
+
+absl::Status CpuBlockOps::GemmaExpertsForward(const MoeLayerSpec& spec,
+                                              int64_t t, Saved* layer,
+                                              Act* x) {
+  GemmaLayerActs* acts = &layer->Get<GemmaState>()->acts;
+  if (x == nullptr) return gemma_->RecomputeExperts(spec, params_, t, acts);
+  return gemma_->ForwardExperts(spec, params_, t, acts, F(x));
+}
+
+absl::Status CpuBlockOps::GemmaExpertsBackward(const MoeLayerSpec& spec,
+                                               int64_t t, const Act& dx,
+                                               Saved* layer) {
+  return gemma_->BackwardExperts(spec, params_, t, F(dx),
+                                 &layer->Get<GemmaState>()->acts);
+}
+
+absl::Status CpuBlockOps::GemmaLayerBackward(const MoeLayerSpec& spec,
+                                             int64_t batch, int64_t seq,
+                                             const GemmaDecodeView* decode,
+                                             Saved* layer, Act* dx) {
+  SHARDD_ASSIGN_OR_RETURN(const GemmaDecode d, DecodeOf(decode));
+  return gemma_->BackwardLayer(spec, params_, batch, seq,
+                               &layer->Get<GemmaState>()->acts, F(dx),
+                               decode == nullptr ? nullptr : &d);
+}
+
+void CpuBlockOps::GemmaTrim(GemmaKeep keep, Saved* layer) {
+  GemmaState* state = layer->Peek<GemmaState>();
+  if (state == nullptr) return;
+  GemmaLayerActs* acts = &state->acts;
+  switch (keep) {
+    case GemmaKeep::kAllButExpertsWorkspace:
+      acts->experts = kernels::GroupedExpertsWorkspace();
+      return;
+    case GemmaKeep::kAllButExperts:
+      GemmaLayerBlock::KeepCheckpoint(/*experts_only=*/true,
+                                      /*keep_kv=*/false, acts);
+      return;
+    case GemmaKeep::kCheckpoint:
+    case GemmaKeep::kCheckpointAndKv:
+      GemmaLayerBlock::KeepCheckpoint(
+          /*experts_only=*/false, keep == GemmaKeep::kCheckpointAndKv, acts);
+      return;
+  }
+}
+
+absl::Status CpuBlockOps::SelfConditioningForward(
+    const BlockDiffusionSpec& spec, const Act& noised, const Act* probs,
+    const std::vector<uint8_t>& coin, int64_t batch, int64_t canvas,
+    Saved* state, Act* x) {
+  const int64_t dim = arch_->dim, vocab = arch_->vocab, t = batch * canvas;
+  const float scale = arch_->embedding_scale;
+  SelfConditioningState& sc = *state->Get<SelfConditioningState>();
+  SHARDD_ASSIGN_OR_RETURN(const float* table, Param(arch_->embed));
+  sc.e.resize(t * dim);
+  SHARDD_RETURN_IF_ERROR(kernels::EmbeddingForward(
+      table, vocab, dim, noised.as<int32_t>(), t, sc.e.data()));
+  for (float& v : sc.e) v *= scale;
+  const std::vector<float> ones(dim, 1.0f);
+  sc.sum = sc.e;
+  if (probs != nullptr) {
+    // s = softmax(sc_logits) @ E * scale, for the examples whose coin came
+    // up; pre_norm, the gated MLP, added to the embeddings.
+    sc.signal.assign(t * dim, 0.0f);
+    for (int64_t s = 0; s < batch; ++s) {
+      if (!coin[s]) continue;
+      SHARDD_RETURN_IF_ERROR(kernels::LinearBackward(
+          nullptr, table, F(*probs) + s * canvas * vocab, canvas, dim, vocab,
+          sc.signal.data() + s * canvas * dim, false, nullptr));
+    }
+    for (float& v : sc.signal) v *= scale;
+    SHARDD_ASSIGN_OR_RETURN(const float* pre_w, Param(spec.pre_norm));
+    SHARDD_ASSIGN_OR_RETURN(const float* wg, Param(spec.gate));
+    SHARDD_ASSIGN_OR_RETURN(const float* wu, Param(spec.up));
+    SHARDD_ASSIGN_OR_RETURN(const float* wd, Param(spec.down));
+    sc.p.resize(t * dim);
+    sc.p_inv.resize(t);
+    SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(sc.signal.data(), pre_w, t,
+                                                   dim, arch_->eps, sc.p.data(),
+                                                   sc.p_inv.data()));
+    sc.mlp_out.resize(t * dim);
+    SHARDD_RETURN_IF_ERROR(kernels::DenseMlpForward(
+        {t, dim, spec.inter}, arch_->activation, sc.p.data(), wg, wu, wd,
+        sc.mlp_out.data(), &sc.mlp));
+    for (int64_t i = 0; i < t * dim; ++i) sc.sum[i] += sc.mlp_out[i];
+  }
+  // Without a signal: pre_norm(0) = 0 and the MLP gives 0, so the input is
+  // post_norm(e).
+  sc.sum_inv.resize(t);
+  return kernels::RmsNormForward(sc.sum.data(), ones.data(), t, dim,
+                                 arch_->eps, F(x), sc.sum_inv.data());
+}
+
+absl::Status CpuBlockOps::SelfConditioningBackward(
+    const BlockDiffusionSpec& spec, const Act& noised, const Act& probs,
+    const std::vector<uint8_t>& coin, int64_t batch, int64_t canvas,
+    Saved* state, const Act& dx) {
+  const int64_t dim = arch_->dim, vocab = arch_->vocab, t = batch * canvas;
+  const float scale = arch_->embedding_scale;
+  SelfConditioningState* scp = state->Peek<SelfConditioningState>();
+  if (scp == nullptr) {
+    return absl::FailedPreconditionError(
+        "self-conditioning backward without its forward");
+  }
+  SelfConditioningState& sc = *scp;
+  const std::vector<float> ones(dim, 1.0f);
+  std::vector<float> g(t * dim), unused(dim, 0.0f);
+  SHARDD_RETURN_IF_ERROR(kernels::RmsNormBackward(
+      F(dx), sc.sum.data(), ones.data(), sc.sum_inv.data(), t, dim, g.data(),
+      unused.data()));
+  // The MLP and pre_norm, down to d(signal).
+  SHARDD_ASSIGN_OR_RETURN(const float* pre_w, Param(spec.pre_norm));
+  SHARDD_ASSIGN_OR_RETURN(const float* wg, Param(spec.gate));
+  SHARDD_ASSIGN_OR_RETURN(const float* wu, Param(spec.up));
+  SHARDD_ASSIGN_OR_RETURN(const float* wd, Param(spec.down));
+  std::vector<float> dp(t * dim), ds(t * dim), dpre(dim, 0.0f);
+  std::vector<float> dwg(spec.gate.numel(), 0.0f), dwu(spec.up.numel(), 0.0f),
+      dwd(spec.down.numel(), 0.0f);
+  SHARDD_RETURN_IF_ERROR(kernels::DenseMlpBackward(
+      {t, dim, spec.inter}, arch_->activation, wg, wu, wd, g.data(), dp.data(),
+      false, dwg.data(), dwu.data(), dwd.data(), &sc.mlp));
+  SHARDD_RETURN_IF_ERROR(kernels::RmsNormBackward(
+      dp.data(), sc.signal.data(), pre_w, sc.p_inv.data(), t, dim, ds.data(),
+      dpre.data()));
+  SHARDD_RETURN_IF_ERROR(AddGrad(spec.pre_norm, dpre.data()));
+  SHARDD_RETURN_IF_ERROR(AddGrad(spec.gate, dwg.data()));
+  SHARDD_RETURN_IF_ERROR(AddGrad(spec.up, dwu.data()));
+  SHARDD_RETURN_IF_ERROR(AddGrad(spec.down, dwd.data()));
+  const ArchTensor& embed = arch_->embed;
+  if (embed.frozen) return absl::OkStatus();
+  // The embeddings: the canvas ids' rows and, through s = probs @ E * scale
+  // (probs detached), probs^T d(s) * scale.
+  SHARDD_ASSIGN_OR_RETURN(const float* table, Param(embed));
+  float* dtable = Zeroed(&scratch_, vocab * dim);
+  for (float& v : g) v *= scale;
+  SHARDD_RETURN_IF_ERROR(kernels::EmbeddingBackward(
+      g.data(), noised.as<int32_t>(), t, vocab, dim, dtable, arch_->pad_id));
+  for (float& v : ds) v *= scale;
+  for (int64_t s = 0; s < batch; ++s) {
+    if (!coin[s]) continue;
+    SHARDD_RETURN_IF_ERROR(kernels::LinearBackward(
+        ds.data() + s * canvas * dim, table, F(probs) + s * canvas * vocab,
+        canvas, dim, vocab, nullptr, false, dtable));
+  }
+  return AddGrad(embed, dtable);
+}
+
+absl::Status CpuBlockOps::HeadSoftmax(const Act& h, int64_t t, Act* probs) {
+  const int64_t dim = arch_->dim, vocab = arch_->vocab;
+  SHARDD_ASSIGN_OR_RETURN(const float* head_w, Param(arch_->head));
+  float* p = F(probs);
+  SHARDD_RETURN_IF_ERROR(
+      kernels::LinearForward(F(h), head_w, t, dim, vocab, p));
+  if (arch_->final_logit_softcap > 0) {
+    kernels::SoftcapForward(p, t * vocab, arch_->final_logit_softcap);
+  }
+  for (int64_t r = 0; r < t; ++r) {
+    float* row = p + r * vocab;
+    const float top = *std::max_element(row, row + vocab);
+    double total = 0.0;
+    for (int64_t v = 0; v < vocab; ++v) total += std::exp(row[v] - top);
+    for (int64_t v = 0; v < vocab; ++v) {
+      row[v] = static_cast<float>(std::exp(row[v] - top) / total);
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -12,6 +12,7 @@
 
 #include "worker/model/attention_block.h"
 #include "worker/model/block_ops.h"
+#include "worker/model/gemma_layer.h"
 #include "worker/model/mla_block.h"
 #include "worker/model/moe_architecture.h"
 #include "worker/model/param_source.h"
@@ -95,6 +96,30 @@ class CpuBlockOps : public BlockOps {
                         const LossTerm& term, double extra_loss,
                         Act* dh) override;
 
+  absl::Status GemmaLayerForward(const MoeLayerSpec& spec, const Act* x,
+                                 int64_t batch, int64_t seq,
+                                 const GemmaDecodeView* decode,
+                                 Saved* layer) override;
+  absl::Status GemmaExpertsForward(const MoeLayerSpec& spec, int64_t t,
+                                   Saved* layer, Act* x) override;
+  absl::Status GemmaExpertsBackward(const MoeLayerSpec& spec, int64_t t,
+                                    const Act& dx, Saved* layer) override;
+  absl::Status GemmaLayerBackward(const MoeLayerSpec& spec, int64_t batch,
+                                  int64_t seq, const GemmaDecodeView* decode,
+                                  Saved* layer, Act* dx) override;
+  void GemmaTrim(GemmaKeep keep, Saved* layer) override;
+  absl::Status SelfConditioningForward(const BlockDiffusionSpec& spec,
+                                       const Act& noised, const Act* probs,
+                                       const std::vector<uint8_t>& coin,
+                                       int64_t batch, int64_t canvas,
+                                       Saved* state, Act* x) override;
+  absl::Status SelfConditioningBackward(const BlockDiffusionSpec& spec,
+                                        const Act& noised, const Act& probs,
+                                        const std::vector<uint8_t>& coin,
+                                        int64_t batch, int64_t canvas,
+                                        Saved* state, const Act& dx) override;
+  absl::Status HeadSoftmax(const Act& h, int64_t t, Act* probs) override;
+
   absl::Status AuxStart(Saved* aux) override;
   absl::Status AuxAccumulate(const Saved& router, const Act& indices,
                              int64_t rows, Saved* aux) override;
@@ -119,6 +144,7 @@ class CpuBlockOps : public BlockOps {
   ParamSource* params_ = nullptr;
   std::unique_ptr<AttentionBlock> attention_;
   std::unique_ptr<MlaBlock> mla_;
+  std::unique_ptr<GemmaLayerBlock> gemma_;
   std::vector<float> scratch_, scratch2_;  // Gradient staging.
   double loss_sum_ = 0.0;  // Sum of the terms' weighted means.
   int64_t tokens_ = 0;

@@ -26,16 +26,26 @@ ModelStep::~ModelStep() {
 absl::StatusOr<std::unique_ptr<ModelStep>> ModelStep::Create(
     const MoeArchitecture* arch, const StepShape& shape,
     std::unique_ptr<BlockOps> ops) {
-  if (arch->gemma) {
-    return absl::InvalidArgumentError(
-        "ModelStep: DiffusionGemma's layers are computed by MoeModel");
-  }
   SHARDD_RETURN_IF_ERROR(CheckModelStepShape(
       shape.passes, shape.no_grad_passes, shape.microbatches));
   auto step = absl::WrapUnique(new ModelStep(arch, shape, std::move(ops)));
+  if (arch->gemma && shape.passes == 3 && shape.no_grad_passes == 1) {
+    step->diffusion_ = true;
+    SHARDD_ASSIGN_OR_RETURN(
+        step->block_diffusion_,
+        ReadBlockDiffusionSpec(*arch, shape.canvas_length,
+                               shape.diffusion.response_length));
+  } else if (arch->gemma && shape.passes != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "DiffusionGemma: the model computes the causal pass (1 pass) or "
+        "the block-diffusion step (3 passes, 1 without gradients), got ",
+        shape.passes, " passes, ", shape.no_grad_passes,
+        " without gradients"));
+  }
   const bool per_microbatch = step->ops_->per_microbatch_state();
   step->order_ = std::make_unique<ModelCommandOrder>(
-      PassLayout::For("", shape.passes, shape.no_grad_passes),
+      PassLayout::For(arch->gemma ? kBlockDiffusionArchitecture : "",
+                      shape.passes, shape.no_grad_passes),
       shape.microbatches, arch->LayersWithExperts(), per_microbatch);
   step->batches_.resize(shape.microbatches);
   step->slots_.resize(per_microbatch
@@ -80,6 +90,10 @@ absl::Status ModelStep::SetBatch(int microbatch, const int32_t* inputs,
       CheckMicroBatch(microbatch, shape_.microbatches, inputs, targets, batch,
                       seq, arch_.vocab));
   SHARDD_RETURN_IF_ERROR(ops_->Prepare(seq));
+  if (diffusion_) {
+    SHARDD_RETURN_IF_ERROR(
+        CheckBlockDiffusionSeq(seq, block_diffusion_.canvas));
+  }
   BatchSlot& b = batches_[microbatch];
   b.batch = batch;
   b.seq = seq;
@@ -87,6 +101,37 @@ absl::Status ModelStep::SetBatch(int microbatch, const int32_t* inputs,
   SHARDD_ASSIGN_OR_RETURN(b.inputs, ops_->Upload(inputs, b.tokens));
   SHARDD_ASSIGN_OR_RETURN(b.targets, ops_->Upload(targets, b.tokens));
   b.counted = counted;
+  if (diffusion_) {
+    // The encoder's pairs: logits 0..S-2 against tokens 1..S-1.
+    b.host_inputs.assign(inputs, inputs + b.tokens);
+    std::vector<int32_t> ar(targets, targets + b.tokens);
+    b.ar_counted = 0;
+    for (int64_t r = 0; r < batch; ++r) {
+      ar[r * seq + seq - 1] = -1;
+      for (int64_t i = 0; i < seq; ++i) b.ar_counted += ar[r * seq + i] >= 0;
+    }
+    SHARDD_ASSIGN_OR_RETURN(b.ar_targets, ops_->Upload(ar.data(), b.tokens));
+    b.step = 0;
+    if (!hold_sc_) b.sc_probs.Reset();
+    b.sequence_indices.resize(batch);
+    for (int64_t r = 0; r < batch; ++r) {
+      b.sequence_indices[r] = microbatch * batch + r;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ModelStep::SetSequenceKeys(int microbatch, int64_t step,
+                                        const int64_t* sequence_indices) {
+  if (microbatch < 0 || microbatch >= shape_.microbatches ||
+      batches_[microbatch].tokens == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "SetSequenceKeys: micro-batch ", microbatch, " has no batch"));
+  }
+  if (!diffusion_) return absl::OkStatus();  // Only the canvas reads them.
+  BatchSlot& b = batches_[microbatch];
+  b.step = step;
+  b.sequence_indices.assign(sequence_indices, sequence_indices + b.batch);
   return absl::OkStatus();
 }
 
@@ -208,7 +253,88 @@ absl::Status ModelStep::ExpertsForward(const MoeLayerSpec& spec, int64_t t,
   return absl::OkStatus();
 }
 
+absl::Status ModelStep::FinalNorm(int64_t t, PassSlot* a) {
+  // The stream becomes the final norm's input; nothing reads it again.
+  a->final_x = std::move(a->x);
+  SHARDD_RETURN_IF_ERROR(Ensure(&a->final_inv, Elem::kF32, t));
+  SHARDD_RETURN_IF_ERROR(Ensure(&a->h, Elem::kStorage, t * arch_.dim));
+  return ops_->NormForward(arch_.final_norm, a->final_x, t, &a->h,
+                           &a->final_inv);
+}
+
+absl::Status ModelStep::HeadBackward(int64_t t, const Act& targets,
+                                     const LossTerm& term, double extra_loss,
+                                     PassSlot* a) {
+  SHARDD_ASSIGN_OR_RETURN(Act dh, Temp(t * arch_.dim));
+  SHARDD_RETURN_IF_ERROR(
+      ops_->HeadLoss(a->h, targets, t, term, extra_loss, &dh));
+  SHARDD_RETURN_IF_ERROR(Ensure(&a->dx, Elem::kStorage, t * arch_.dim));
+  SHARDD_RETURN_IF_ERROR(ops_->NormBackward(arch_.final_norm, dh, a->final_x,
+                                            a->final_inv, t, &a->dx,
+                                            /*accumulate=*/false));
+  a->final_x.Reset();
+  a->final_inv.Reset();
+  a->h.Reset();
+  return absl::OkStatus();
+}
+
+absl::Status ModelStep::GemmaForward(const Command& c, PassSlot* a,
+                                     const BatchSlot& batch) {
+  const int l = c.layer();
+  const MoeLayerSpec& spec = arch_.layers[l];
+  LayerSlot& la = a->layers[l];
+  if (c.part() == Command::LAYER) {
+    SHARDD_RETURN_IF_ERROR(ops_->GemmaLayerForward(
+        spec, &a->x, batch.batch, batch.seq, nullptr, &la.gemma));
+    la.gemma.Sync(&ledger_);
+    return absl::OkStatus();
+  }
+  SHARDD_RETURN_IF_ERROR(
+      ops_->GemmaExpertsForward(spec, batch.tokens, &la.gemma, &a->x));
+  la.gemma.Sync(&ledger_);
+  if (!c.requires_grad()) {
+    la = LayerSlot();
+  } else if (recompute_layer_[l] || recompute_experts_[l]) {
+    ops_->GemmaTrim(recompute_layer_[l] ? GemmaKeep::kCheckpoint
+                                        : GemmaKeep::kAllButExperts,
+                    &la.gemma);
+    la.gemma.Sync(&ledger_);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ModelStep::GemmaBackward(const Command& c, PassSlot* a,
+                                      const BatchSlot& batch) {
+  const int l = c.layer();
+  const MoeLayerSpec& spec = arch_.layers[l];
+  LayerSlot& la = a->layers[l];
+  if (c.part() == Command::EXPERTS) {
+    if (recompute_layer_[l] || recompute_experts_[l]) {
+      SHARDD_RETURN_IF_ERROR(
+          ops_->GemmaExpertsForward(spec, batch.tokens, &la.gemma, nullptr));
+      la.gemma.Sync(&ledger_);
+    }
+    SHARDD_RETURN_IF_ERROR(
+        ops_->GemmaExpertsBackward(spec, batch.tokens, a->dx, &la.gemma));
+    la.gemma.Sync(&ledger_);
+    ops_->GemmaTrim(GemmaKeep::kAllButExpertsWorkspace, &la.gemma);
+    la.gemma.Sync(&ledger_);
+    return absl::OkStatus();
+  }
+  if (recompute_layer_[l]) {
+    SHARDD_RETURN_IF_ERROR(ops_->GemmaLayerForward(
+        spec, nullptr, batch.batch, batch.seq, nullptr, &la.gemma));
+    la.gemma.Sync(&ledger_);
+  }
+  SHARDD_RETURN_IF_ERROR(ops_->GemmaLayerBackward(
+      spec, batch.batch, batch.seq, nullptr, &la.gemma, &a->dx));
+  la.gemma.Sync(&ledger_);
+  la = LayerSlot();
+  return absl::OkStatus();
+}
+
 absl::Status ModelStep::Forward(const Command& c) {
+  if (diffusion_) return DiffusionForward(c);
   const int pass = c.pass();
   const int mb = c.microbatch();
   PassSlot& a = Slot(pass, mb);
@@ -241,6 +367,7 @@ absl::Status ModelStep::Forward(const Command& c) {
     case Command::LAYER: {
       const int l = c.layer();
       const MoeLayerSpec& spec = arch_.layers[l];
+      if (spec.gemma) return GemmaForward(c, &a, batch);
       LayerSlot& la = a.layers[l];
       SHARDD_RETURN_IF_ERROR(Ensure(&la.x_in, Elem::kStorage, td));
       SHARDD_RETURN_IF_ERROR(ops_->Copy(a.x, &la.x_in));
@@ -256,6 +383,7 @@ absl::Status ModelStep::Forward(const Command& c) {
     case Command::EXPERTS: {
       const int l = c.layer();
       const MoeLayerSpec& spec = arch_.layers[l];
+      if (spec.gemma) return GemmaForward(c, &a, batch);
       LayerSlot& la = a.layers[l];
       SHARDD_ASSIGN_OR_RETURN(Act y, Temp(td));
       SHARDD_RETURN_IF_ERROR(ExpertsForward(spec, t, &la, &y));
@@ -270,12 +398,7 @@ absl::Status ModelStep::Forward(const Command& c) {
       return absl::OkStatus();
     }
     case Command::HEAD: {
-      // The stream becomes the final norm's input; nothing reads it again.
-      a.final_x = std::move(a.x);
-      SHARDD_RETURN_IF_ERROR(Ensure(&a.final_inv, Elem::kF32, t));
-      SHARDD_RETURN_IF_ERROR(Ensure(&a.h, Elem::kStorage, td));
-      SHARDD_RETURN_IF_ERROR(ops_->NormForward(arch_.final_norm, a.final_x, t,
-                                               &a.h, &a.final_inv));
+      SHARDD_RETURN_IF_ERROR(FinalNorm(t, &a));
       if (!c.requires_grad()) {
         // An evaluation scores the passes a training step takes its loss
         // from.
@@ -361,6 +484,7 @@ absl::Status ModelStep::LayerBackward(const MoeLayerSpec& spec, int l,
 }
 
 absl::Status ModelStep::Backward(const Command& c) {
+  if (diffusion_) return DiffusionBackward(c);
   const int pass = c.pass();
   const int mb = c.microbatch();
   PassSlot& a = Slot(pass, mb);
@@ -383,23 +507,15 @@ absl::Status ModelStep::Backward(const Command& c) {
                                static_cast<double>(shape_.microbatches) *
                                    grad_passes()));
       }
-      SHARDD_ASSIGN_OR_RETURN(Act dh, Temp(td));
-      SHARDD_RETURN_IF_ERROR(ops_->HeadLoss(a.h, batch.targets, t, term,
-                                            arch_.router_aux_loss_coef * aux,
-                                            &dh));
+      SHARDD_RETURN_IF_ERROR(HeadBackward(
+          t, batch.targets, term, arch_.router_aux_loss_coef * aux, &a));
       ++loss_terms_;
-      SHARDD_RETURN_IF_ERROR(Ensure(&a.dx, Elem::kStorage, td));
-      SHARDD_RETURN_IF_ERROR(ops_->NormBackward(arch_.final_norm, dh,
-                                                a.final_x, a.final_inv, t,
-                                                &a.dx, /*accumulate=*/false));
-      a.final_x.Reset();
-      a.final_inv.Reset();
-      a.h.Reset();
       return absl::OkStatus();
     }
     case Command::EXPERTS: {
       const int l = c.layer();
       const MoeLayerSpec& spec = arch_.layers[l];
+      if (spec.gemma) return GemmaBackward(c, &a, batch);
       LayerSlot& la = a.layers[l];
       if (recompute_layer_[l] || recompute_experts_[l]) {
         SHARDD_ASSIGN_OR_RETURN(Act y, Temp(td));
@@ -415,6 +531,7 @@ absl::Status ModelStep::Backward(const Command& c) {
       return absl::OkStatus();
     }
     case Command::LAYER:
+      if (arch_.layers[c.layer()].gemma) return GemmaBackward(c, &a, batch);
       return LayerBackward(arch_.layers[c.layer()], c.layer(), batch, &a);
     case Command::EMBED: {
       SHARDD_RETURN_IF_ERROR(ops_->EmbedBackward(

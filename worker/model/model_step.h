@@ -9,8 +9,10 @@
 // activation ledger. The arithmetic and memory are a BlockOps's
 // (block_ops.h). The math is MoeModel's (moe_model.h).
 //
-// DiffusionGemma's layers and its block-diffusion step are not on the
-// driver yet (MoeModel keeps them); Create refuses them.
+// DiffusionGemma runs its causal pass (1 pass) or its block-diffusion step
+// (3 passes, the second without gradients; model_step_diffusion.cc): pass 0
+// the causal encode, pass 1 the self-conditioning decode, pass 2 the decode
+// over the encode's K/V.
 
 #include <cstdint>
 #include <memory>
@@ -19,6 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "proto/worker.pb.h"
+#include "worker/model/block_diffusion.h"
 #include "worker/model/block_ops.h"
 #include "worker/model/command_order.h"
 #include "worker/model/moe_architecture.h"
@@ -32,13 +35,18 @@ struct StepShape {
   int microbatches = 1;
   // Pass p > 0 embeds its tokens plus this times pass p-1's output.
   float self_conditioning_scale = 0.5f;
+  // DiffusionGemma's block-diffusion step (3 passes, 1 without gradients):
+  // its training knobs and dims.canvas_length.
+  DiffusionTrainingOptions diffusion;
+  int64_t canvas_length = 0;
 };
 
 class ModelStep {
  public:
   // `arch` outlives the step; `ops` computes on `arch` too.
-  // Errors: INVALID_ARGUMENT for a DiffusionGemma architecture or a step
-  // shape CheckModelStepShape refuses.
+  // Errors: INVALID_ARGUMENT for a step shape CheckModelStepShape refuses,
+  // DiffusionGemma with a shape other than 1 or 3 (1 without gradients)
+  // passes, and ReadBlockDiffusionSpec's errors.
   static absl::StatusOr<std::unique_ptr<ModelStep>> Create(
       const MoeArchitecture* arch, const StepShape& shape,
       std::unique_ptr<BlockOps> ops);
@@ -49,6 +57,12 @@ class ModelStep {
   // As MoeModel::SetBatch.
   absl::Status SetBatch(int microbatch, const int32_t* inputs,
                         const int32_t* targets, int64_t batch, int64_t seq);
+  // As MoeModel::SetSequenceKeys (FAILED_PRECONDITION without the
+  // micro-batch's SetBatch).
+  absl::Status SetSequenceKeys(int microbatch, int64_t step,
+                               const int64_t* sequence_indices);
+  // As MoeModel::HoldSelfConditioningForTest.
+  void HoldSelfConditioningForTest(bool hold) { hold_sc_ = hold; }
   // As MoeModel::SetRecompute.
   absl::Status SetRecompute(std::vector<bool> layers,
                             std::vector<bool> experts);
@@ -78,6 +92,7 @@ class ModelStep {
     Act weights;   // [T, K] fp32
     Act dense_out;  // [T, D] the dense branch beside experts, LAYER->EXPERTS
     Saved attention, router, experts, mlp;
+    Saved gemma;  // DiffusionGemma's whole layer instead.
   };
   struct PassSlot {
     std::vector<LayerSlot> layers;
@@ -95,6 +110,20 @@ class ModelStep {
     Act inputs, targets;  // [T] int32
     int64_t batch = 0, seq = 0, tokens = 0;
     int64_t counted = 0;  // Non-ignored targets.
+    // Block diffusion: the noise keys (SetSequenceKeys; by default step 0
+    // and microbatch * batch + row), the inputs on the host, the encoder's
+    // targets (inputs shifted by one, the last position ignored) and their
+    // count, the canvas (host and uploaded ids), the self-conditioning
+    // block's state and pass 1's softmax [B * R, V] (detached).
+    int64_t step = 0;
+    std::vector<int64_t> sequence_indices;
+    std::vector<int32_t> host_inputs;
+    Act ar_targets;
+    int64_t ar_counted = 0;
+    DiffusionCanvas canvas;
+    Act noised, clean;
+    Saved sc;
+    Act sc_probs;
   };
 
   ModelStep(const MoeArchitecture* arch, const StepShape& shape,
@@ -125,6 +154,26 @@ class ModelStep {
                               LayerSlot* la, Act* y);
   absl::Status LayerBackward(const MoeLayerSpec& spec, int layer,
                              const BatchSlot& batch, PassSlot* a);
+  // A DiffusionGemma layer of the causal pass.
+  absl::Status GemmaForward(const v1::Command& c, PassSlot* a,
+                            const BatchSlot& batch);
+  absl::Status GemmaBackward(const v1::Command& c, PassSlot* a,
+                             const BatchSlot& batch);
+  // The block-diffusion step's commands (model_step_diffusion.cc).
+  absl::Status DiffusionForward(const v1::Command& c);
+  absl::Status DiffusionBackward(const v1::Command& c);
+  // A decode's view of layer l's encode in micro-batch mb.
+  GemmaDecodeView DecodeView(int layer, int microbatch,
+                             const BatchSlot& batch);
+  // FORWARD(HEAD)'s final norm: a->x becomes a->final_x, with final_inv
+  // and h.
+  absl::Status FinalNorm(int64_t t, PassSlot* a);
+  // BACKWARD(HEAD)'s loss and a->dx: the cross-entropy against `targets`
+  // with `term`, plus `extra_loss`, then the final norm's backward; frees
+  // the head's activations.
+  absl::Status HeadBackward(int64_t t, const Act& targets,
+                            const LossTerm& term, double extra_loss,
+                            PassSlot* a);
 
   const MoeArchitecture& arch_;
   StepShape shape_;
@@ -137,6 +186,9 @@ class ModelStep {
   std::vector<bool> recompute_layer_, recompute_experts_;
   bool eval_ = false;
   int loss_terms_ = 0;
+  bool diffusion_ = false;
+  BlockDiffusionSpec block_diffusion_;
+  bool hold_sc_ = false;
 };
 
 }  // namespace step

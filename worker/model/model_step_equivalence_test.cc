@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "model/hf_config.h"
 #include "model/model_util.h"
+#include "program/pass_layout.h"
 #include "testing/map_param_source.h"
 #include "testing/model_builder.h"
 #include "testing/model_commands.h"
@@ -42,13 +43,22 @@ struct Case {
   Recompute recompute = Recompute::kNone;
   bool eval = false;
   bool freeze = false;  // Freeze layer 0 and the head.
+  // DiffusionGemma's block-diffusion step (3 passes, 1 without gradients):
+  // tokens per sequence and train.diffusion.response_length.
+  int64_t seq = 8;
+  int64_t response = 0;
+  bool hold = false;  // HoldSelfConditioningForTest after the first step.
 };
+
+bool Diffusion(const Case& c) { return c.passes == 3 && c.no_grad == 1 && c.config == "tiny_diffusion_gemma.json"; }
 
 std::string Name(const Case& c) {
   return absl::StrCat(c.config.empty() ? "builder" : c.config, " passes=",
                       c.passes, "/", c.no_grad, " mb=", c.microbatches,
                       " recompute=", static_cast<int>(c.recompute),
-                      c.eval ? " eval" : "", c.freeze ? " frozen" : "");
+                      c.eval ? " eval" : "", c.freeze ? " frozen" : "",
+                      " seq=", c.seq, " response=", c.response,
+                      c.hold ? " hold" : "");
 }
 
 v1::ModelSpec SpecOf(const Case& c) {
@@ -101,6 +111,7 @@ Trace Run(const v1::ModelSpec& spec, const Case& c, bool legacy) {
   options.no_grad_passes = c.no_grad;
   options.microbatches = c.microbatches;
   options.legacy_step_for_test = legacy;
+  options.diffusion.response_length = c.response;
   absl::StatusOr<std::unique_ptr<MoeModel>> created =
       MoeModel::Create(spec, options);
   EXPECT_TRUE(created.ok()) << created.status();
@@ -122,8 +133,9 @@ Trace Run(const v1::ModelSpec& spec, const Case& c, bool legacy) {
   MapSource source;
   source.values = testing_util::RandomParamValues(spec);
   std::mt19937 gen(7);
-  const int64_t batch = 2, seq = 8;
+  const int64_t batch = 2, seq = c.seq;
   for (int step = 0; step < 2; ++step) {
+    if (step == 1 && c.hold) model.HoldSelfConditioningForTest(true);
     model.ResetStep();
     std::vector<std::vector<int32_t>> inputs(c.microbatches),
         targets(c.microbatches);
@@ -138,9 +150,22 @@ Trace Run(const v1::ModelSpec& spec, const Case& c, bool legacy) {
       EXPECT_THAT(model.SetBatch(m, inputs[m].data(), targets[m].data(),
                                  batch, seq),
                   IsOk());
+      if (Diffusion(c)) {
+        // Keys that change the canvas and the coins from step to step.
+        const std::vector<int64_t> keys = {10 * m + 3 * step,
+                                           10 * m + 3 * step + 1};
+        EXPECT_THAT(model.SetSequenceKeys(m, step + 5, keys.data()), IsOk());
+      }
     }
-    std::vector<v1::Command> commands = testing_util::ModelStepCommands(
-        arch->LayersWithExperts(), c.passes, c.no_grad, c.microbatches);
+    std::vector<v1::Command> commands =
+        Diffusion(c)
+            ? testing_util::ModelStepCommands(
+                  arch->LayersWithExperts(),
+                  PassLayout::For(kBlockDiffusionArchitecture, 3, 1),
+                  c.microbatches)
+            : testing_util::ModelStepCommands(arch->LayersWithExperts(),
+                                              c.passes, c.no_grad,
+                                              c.microbatches);
     if (c.eval) {
       // An evaluation runs the forwards only, none with a graph.
       std::vector<v1::Command> forwards;
@@ -261,6 +286,51 @@ TEST(ModelStepEquivalenceTest, FrozenParameters) {
     c.recompute = Recompute::kAll;
     ExpectSame(c);
   }
+}
+
+constexpr char kGemma[] = "tiny_diffusion_gemma.json";
+
+TEST(ModelStepEquivalenceTest, DiffusionGemmaCausalPass) {
+  for (Recompute r : {Recompute::kNone, Recompute::kAll, Recompute::kExperts,
+                      Recompute::kEveryOther}) {
+    Case c{kGemma};
+    c.recompute = r;
+    ExpectSame(c);
+  }
+  Case eval{kGemma};
+  eval.eval = true;
+  ExpectSame(eval);
+  Case frozen{kGemma};
+  frozen.freeze = true;
+  ExpectSame(frozen);
+}
+
+TEST(ModelStepEquivalenceTest, DiffusionGemmaBlockDiffusionStep) {
+  // canvas_length 8: 12 tokens hold one block after a prefix of 4, 20 two
+  // blocks of a 16-token response.
+  for (int64_t response : {0, 16}) {
+    for (Recompute r : {Recompute::kNone, Recompute::kAll,
+                        Recompute::kExperts, Recompute::kEveryOther}) {
+      Case c{kGemma, /*passes=*/3, /*no_grad=*/1, /*microbatches=*/2};
+      c.seq = response == 0 ? 12 : 20;
+      c.response = response;
+      c.recompute = r;
+      ExpectSame(c);
+    }
+    Case eval{kGemma, 3, 1, 2};
+    eval.seq = response == 0 ? 12 : 20;
+    eval.response = response;
+    eval.eval = true;
+    ExpectSame(eval);
+  }
+  Case frozen{kGemma, 3, 1, 2};
+  frozen.seq = 12;
+  frozen.freeze = true;
+  ExpectSame(frozen);
+  Case hold{kGemma, 3, 1, 1};
+  hold.seq = 12;
+  hold.hold = true;
+  ExpectSame(hold);
 }
 
 }  // namespace

@@ -56,12 +56,16 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Create(
         options.passes, " passes, ", options.no_grad_passes,
         " without gradients"));
   }
-  if (!impl->gemma && !options.legacy_step_for_test) {
+  if (!options.legacy_step_for_test) {
     auto ops = std::make_unique<step::CpuBlockOps>(impl.get());
     step::CpuBlockOps* raw_ops = ops.get();
-    const step::StepShape shape{options.passes, options.no_grad_passes,
-                                options.microbatches,
-                                options.self_conditioning_scale};
+    step::StepShape shape;
+    shape.passes = options.passes;
+    shape.no_grad_passes = options.no_grad_passes;
+    shape.microbatches = options.microbatches;
+    shape.self_conditioning_scale = options.self_conditioning_scale;
+    shape.diffusion = options.diffusion;
+    shape.canvas_length = model.dims().canvas_length();
     SHARDD_ASSIGN_OR_RETURN(
         std::unique_ptr<step::ModelStep> driver,
         step::ModelStep::Create(impl.get(), shape, std::move(ops)));
@@ -123,8 +127,10 @@ absl::Status MoeModel::SetBatch(int microbatch, const int32_t* inputs,
 
 absl::Status MoeModel::SetSequenceKeys(int microbatch, int64_t step,
                                        const int64_t* sequence_indices) {
+  if (step_ != nullptr) {
+    return step_->SetSequenceKeys(microbatch, step, sequence_indices);
+  }
   Impl& m = *impl_;
-  if (step_ != nullptr) return absl::OkStatus();  // Not a diffusion step.
   if (microbatch < 0 || microbatch >= m.options.microbatches ||
       m.batches[microbatch].tokens == 0) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -729,6 +735,7 @@ absl::Status MoeModel::SetRecompute(std::vector<bool> layers,
 
 void MoeModel::HoldSelfConditioningForTest(bool hold) {
   impl_->hold_self_conditioning = hold;
+  if (step_ != nullptr) step_->HoldSelfConditioningForTest(hold);
 }
 
 bool MoeModel::router_aux_loss() const { return impl_->aux_on(); }
