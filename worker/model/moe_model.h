@@ -37,7 +37,7 @@
 //
 // DiffusionGemma (gemma_layer.h) with 3 passes, 1 without gradients, runs
 // the block-diffusion step instead (docs/model-spec.md, block_diffusion.h,
-// moe_model_diffusion.cc): pass 0 the causal encode, pass 1 the
+// model_step_diffusion.cc): pass 0 the causal encode, pass 1 the
 // self-conditioning decode, pass 2 the decode over the encode's K/V; loss =
 // diffusion CE on the canvas + the encoder's AR CE per micro-batch, the
 // step loss their mean over micro-batches.
@@ -45,6 +45,10 @@
 // Parameters are read and gradients written through ParamSource (the
 // worker's ShardStore, or a plain map in tests and the unsharded reference),
 // so the model never sees the sharding.
+//
+// What a step computes, keeps, frees and recomputes is ModelStep's
+// (model_step.h), shared with the GPU; MoeModel binds it to the CPU's
+// arithmetic (cpu_block_ops.h).
 
 #include <cstdint>
 #include <memory>
@@ -56,6 +60,7 @@
 #include "proto/model.pb.h"
 #include "proto/worker.pb.h"
 #include "worker/model/block_diffusion.h"
+#include "worker/model/moe_architecture.h"
 #include "worker/model/cpu_block_ops.h"
 #include "worker/model/model_step.h"
 #include "worker/model/param_source.h"
@@ -70,10 +75,6 @@ struct MoeModelOptions {
   // DiffusionGemma's block-diffusion step: noise, self-conditioning coin
   // and loss weights (TrainConfig.diffusion).
   DiffusionTrainingOptions diffusion;
-  // Tests only, until the step driver has replaced it: run a non-Gemma
-  // model on MoeModel's own step instead of ModelStep (model_step.h), to
-  // show that both compute the same bits.
-  bool legacy_step_for_test = false;
 };
 
 class MoeModel {
@@ -169,19 +170,13 @@ class MoeModel {
   int64_t vocab_size() const;
 
  private:
-  struct Impl;
-  explicit MoeModel(std::unique_ptr<Impl> impl);
+  MoeModel() = default;
 
- public:
-  ~MoeModel();
-
- private:
-  // The architecture and the options live in impl_. Non-Gemma models run
-  // on the step driver over the CPU's block ops; DiffusionGemma (and the
-  // legacy switch) on Impl's own step.
-  std::unique_ptr<Impl> impl_;
-  step::CpuBlockOps* ops_ = nullptr;  // Owned by step_.
+  // The step runs on the step driver (model_step.h) over the CPU's block
+  // ops; the architecture outlives both.
+  std::unique_ptr<MoeArchitecture> arch_;
   std::unique_ptr<step::ModelStep> step_;
+  step::CpuBlockOps* ops_ = nullptr;  // Owned by step_.
 };
 
 }  // namespace shardd
