@@ -1,6 +1,8 @@
-// Attention forward + backward on one GPU (kernels/cuda/attention.h), bf16
-// storage, causal, on real attention shapes; bench/torch_sdpa.py prints the
-// same table for torch.nn.functional.scaled_dot_product_attention.
+// Attention forward + backward on one GPU, bf16 storage, causal, on real
+// attention shapes: the own kernels (kernels/cuda/attention.h) and cuDNN's
+// fused attention (kernels/cuda/cudnn_attention.h; skipped, with the
+// reason, when cuDNN does not load); bench/torch_sdpa.py prints the same
+// table for torch.nn.functional.scaled_dot_product_attention.
 //
 //   bazel run --config=cuda -c opt //bench:attention_cuda_bench --
 //       [--iters=10] [--warmup=3]
@@ -15,12 +17,14 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "kernels/cpu/bf16.h"
 #include "kernels/cuda/attention.h"
+#include "kernels/cuda/cudnn_attention.h"
 
 namespace shardd {
 namespace kernels {
@@ -96,10 +100,19 @@ int Main(int argc, char** argv) {
       "causal, "
       "median of %d after %d warmup\n",
       prop.name, iters, warmup);
-  std::printf("%-16s %6s %8s %8s %9s %9s\n", "shape", "seq", "fwd_ms", "bwd_ms",
-              "fwd_TF/s", "bwd_TF/s");
+  std::printf("%-16s %-6s %6s %8s %8s %9s %9s\n", "shape", "kernel", "seq",
+              "fwd_ms", "bwd_ms", "fwd_TF/s", "bwd_TF/s");
   cudaStream_t stream;
   Check(cudaStreamCreate(&stream), "stream");
+  std::unique_ptr<CudnnAttention> cudnn;
+  if (absl::StatusOr<std::unique_ptr<CudnnAttention>> c =
+          CudnnAttention::Create(stream);
+      c.ok()) {
+    cudnn = *std::move(c);
+    std::printf("cuDNN %lld\n", static_cast<long long>(*LoadCudnn()));
+  } else {
+    std::printf("cuDNN rows skipped: %s\n", c.status().ToString().c_str());
+  }
   std::mt19937 rng(7);
   for (const Shape& s : kShapes) {
     AttentionDims d;
@@ -130,28 +143,63 @@ int Main(int argc, char** argv) {
     cudaEventCreate(&a);
     cudaEventCreate(&b);
     cudaEventCreate(&c);
-    std::vector<float> fwd, bwd;
-    for (int it = 0; it < warmup + iters; ++it) {
-      Check(cudaEventRecord(a, stream), "record");
-      CheckStatus(AttentionForward(d, o, q, k, v, out, lse, stream));
-      Check(cudaEventRecord(b, stream), "record");
-      CheckStatus(AttentionBackward(d, o, q, k, v, out, lse, dout, dq, dk, dv,
-                                    nullptr, ws, ws_bytes, stream));
-      Check(cudaEventRecord(c, stream), "record");
-      Check(cudaEventSynchronize(c), "sync");
-      if (it < warmup) continue;
-      float f = 0, g = 0;
-      cudaEventElapsedTime(&f, a, b);
-      cudaEventElapsedTime(&g, b, c);
-      fwd.push_back(f);
-      bwd.push_back(g);
-    }
     const double flops =
         4.0 * s.batch * s.q_heads * s.seq * s.seq * s.head_dim / 2.0;
-    const double f = Median(fwd), g = Median(bwd);
-    std::printf("%-16s %6lld %8.3f %8.3f %9.2f %9.2f\n", s.name,
-                static_cast<long long>(s.seq), f, g, flops / f / 1e9,
-                2.5 * flops / g / 1e9);
+    // One kernel's forward and backward, timed; `fwd` / `bwd` enqueue them.
+    auto time = [&](const char* kernel, auto&& fwd_call, auto&& bwd_call) {
+      std::vector<float> fwd, bwd;
+      for (int it = 0; it < warmup + iters; ++it) {
+        Check(cudaEventRecord(a, stream), "record");
+        CheckStatus(fwd_call());
+        Check(cudaEventRecord(b, stream), "record");
+        CheckStatus(bwd_call());
+        Check(cudaEventRecord(c, stream), "record");
+        Check(cudaEventSynchronize(c), "sync");
+        if (it < warmup) continue;
+        float f = 0, g = 0;
+        cudaEventElapsedTime(&f, a, b);
+        cudaEventElapsedTime(&g, b, c);
+        fwd.push_back(f);
+        bwd.push_back(g);
+      }
+      const double f = Median(fwd), g = Median(bwd);
+      std::printf("%-16s %-6s %6lld %8.3f %8.3f %9.2f %9.2f\n", s.name,
+                  kernel, static_cast<long long>(s.seq), f, g,
+                  flops / f / 1e9, 2.5 * flops / g / 1e9);
+    };
+    time(
+        "own",
+        [&] { return AttentionForward(d, o, q, k, v, out, lse, stream); },
+        [&] {
+          return AttentionBackward(d, o, q, k, v, out, lse, dout, dq, dk, dv,
+                                   nullptr, ws, ws_bytes, stream);
+        });
+    if (cudnn != nullptr) {
+      const absl::StatusOr<size_t> fb = cudnn->ForwardWorkspaceBytes(d, o);
+      const absl::StatusOr<size_t> bb = cudnn->BackwardWorkspaceBytes(d, o);
+      if (!fb.ok() || !bb.ok()) {
+        std::printf("%-16s cudnn  %s\n", s.name,
+                    (fb.ok() ? bb.status() : fb.status()).ToString().c_str());
+      } else {
+        void* cws = nullptr;
+        Check(cudaMalloc(&cws, std::max<size_t>(std::max(*fb, *bb), 1)),
+              "cuDNN workspace");
+        // bf16 gradients (cuDNN writes the inputs' type) into dq/dk/dv.
+        auto* dq16 = reinterpret_cast<uint16_t*>(dq);
+        auto* dk16 = reinterpret_cast<uint16_t*>(dk);
+        auto* dv16 = reinterpret_cast<uint16_t*>(dv);
+        time(
+            "cudnn",
+            [&] {
+              return cudnn->Forward(d, o, q, k, v, out, lse, cws, *fb);
+            },
+            [&] {
+              return cudnn->Backward(d, o, q, k, v, out, lse, dout, dq16,
+                                     dk16, dv16, cws, *bb);
+            });
+        cudaFree(cws);
+      }
+    }
     for (void* p :
          {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v),
           static_cast<void*>(dout), static_cast<void*>(out),

@@ -35,6 +35,12 @@ for lib in libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libnccl.so.2; do
     -name "$lib" 2>/dev/null | head -n 1)
   [[ -n "$found" ]] && cuda_dirs+=("$(dirname "$found")")
 done
+# cuDNN 9 (kernels/cuda/cudnn_attention.h opens it at run time): the pip
+# wheel nvidia-cudnn-cu13 of the target's Python, else the toolkit's.
+cudnn_dir=$(python3 -c 'import nvidia.cudnn, os; print(os.path.join(os.path.dirname(nvidia.cudnn.__file__), "lib"))' 2>/dev/null)
+[[ -z "$cudnn_dir" || ! -e "$cudnn_dir/libcudnn.so.9" ]] &&
+  cudnn_dir=$(dirname "$(find /usr/local/cuda/lib64/ /opt /usr/lib -name libcudnn.so.9 2>/dev/null | head -n 1)" 2>/dev/null)
+[[ -n "$cudnn_dir" && "$cudnn_dir" != "." ]] && cuda_dirs+=("$cudnn_dir")
 ld_path="$root/lib"
 for d in $(printf '%s\n' "${cuda_dirs[@]}" | sort -u); do ld_path+=":$d"; done
 export LD_LIBRARY_PATH="$ld_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"

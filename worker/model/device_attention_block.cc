@@ -5,12 +5,14 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/bf16_cast.h"
 #include "kernels/cuda/bias.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/cudnn_attention.h"
 #include "kernels/cuda/dtype.h"
 #include "kernels/cuda/rms_norm.h"
 #include "kernels/cuda/rope.h"
@@ -45,6 +47,42 @@ kernels::cuda::DeviceRopeTable DeviceAttentionBlock::RopeTable() const {
   return {cos_.as<float>(), sin_.as<float>(),
           static_cast<int64_t>(arch_->rope.inv_freq.size()) * 2,
           table_positions_};
+}
+
+DeviceAttentionBlock::DeviceAttentionBlock(const MoeArchitecture* arch,
+                                           DeviceAllocator* allocator,
+                                           cudaStream_t stream,
+                                           cublasHandle_t cublas)
+    : arch_(arch),
+      allocator_(allocator),
+      stream_(stream),
+      cublas_(cublas),
+      kernels_(kc::AttentionKernelsFromEnvironment()) {}
+
+DeviceAttentionBlock::~DeviceAttentionBlock() = default;
+
+absl::StatusOr<kc::CudnnAttention*> DeviceAttentionBlock::CudnnFor(
+    const kernels::AttentionDims& dims,
+    const kernels::AttentionOptions& options, bool bf16) {
+  if (!kernels_.ok()) return kernels_.status();
+  if (*kernels_ == kc::AttentionKernels::kOwn ||
+      !kc::CudnnAttentionSupports(dims, options, bf16).ok()) {
+    return nullptr;
+  }
+  if (cudnn_ == nullptr) {
+    absl::StatusOr<std::unique_ptr<kc::CudnnAttention>> created =
+        kc::CudnnAttention::Create(stream_);
+    if (!created.ok()) {
+      if (*kernels_ == kc::AttentionKernels::kCudnn) return created.status();
+      SHARDD_LOG(WARNING) << "attention: cuDNN unavailable, the own kernels "
+                             "compute every call: "
+                          << created.status();
+      kernels_ = kc::AttentionKernels::kOwn;
+      return nullptr;
+    }
+    cudnn_ = *std::move(created);
+  }
+  return cudnn_.get();
 }
 
 absl::StatusOr<DeviceBuffer> DeviceAttentionBlock::Alloc(int64_t bytes) {
@@ -131,10 +169,28 @@ absl::Status DeviceAttentionBlock::Forward(const MoeLayerSpec& layer,
                      positions, acts->k.as<T>(), false, stream_));
   SHARDD_ASSIGN_OR_RETURN(acts->o, Alloc(t * hq * hd * kElem));
   SHARDD_ASSIGN_OR_RETURN(acts->lse, Alloc(batch * hq * seq * 4));
-  SHARDD_RETURN_IF_ERROR(kc::AttentionForward(
-      SelfAttentionDims(a, batch, seq), OptionsWithSinks(a, layer, p),
-      acts->q.as<T>(), acts->k.as<T>(), acts->v.as<T>(), acts->o.as<T>(),
-      acts->lse.as<float>(), stream_));
+  const kernels::AttentionDims dims = SelfAttentionDims(a, batch, seq);
+  const kernels::AttentionOptions options = OptionsWithSinks(a, layer, p);
+  SHARDD_ASSIGN_OR_RETURN(kc::CudnnAttention * cudnn,
+                          CudnnFor(dims, options, sizeof(T) == 2));
+  bool done = false;
+  if constexpr (sizeof(T) == 2) {
+    if (cudnn != nullptr) {
+      SHARDD_ASSIGN_OR_RETURN(const size_t ws_bytes,
+                              cudnn->ForwardWorkspaceBytes(dims, options));
+      SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws,
+                              Alloc(static_cast<int64_t>(ws_bytes)));
+      SHARDD_RETURN_IF_ERROR(cudnn->Forward(
+          dims, options, acts->q.as<T>(), acts->k.as<T>(), acts->v.as<T>(),
+          acts->o.as<T>(), acts->lse.as<float>(), ws.data(), ws_bytes));
+      done = true;
+    }
+  }
+  if (!done) {
+    SHARDD_RETURN_IF_ERROR(kc::AttentionForward(
+        dims, options, acts->q.as<T>(), acts->k.as<T>(), acts->v.as<T>(),
+        acts->o.as<T>(), acts->lse.as<float>(), stream_));
+  }
   SHARDD_RETURN_IF_ERROR(StorageGemm<T>(cublas_, t, d, hq * hd, acts->o.data(),
                                         hq * hd, false, p.wo, hq * hd, true,
                                         0.0f, y, dt, d, "o_proj"));
@@ -177,14 +233,45 @@ absl::Status DeviceAttentionBlock::Backward(const MoeLayerSpec& layer,
         cudaMemsetAsync(b->data(), 0, b->bytes(), stream_), "zeroing");
   }
   const kernels::AttentionDims dims = SelfAttentionDims(a, batch, seq);
-  const size_t ws_bytes = kc::AttentionBackwardWorkspaceBytes(dims);
-  SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws,
-                          Alloc(static_cast<int64_t>(ws_bytes)));
-  SHARDD_RETURN_IF_ERROR(kc::AttentionBackward(
-      dims, OptionsWithSinks(a, layer, p), acts.q.as<T>(), acts.k.as<T>(),
-      acts.v.as<T>(), acts.o.as<T>(), acts.lse.as<float>(), d_o.as<T>(),
-      dq.as<float>(), dk.as<float>(), dv.as<float>(),
-      layer.has_sinks ? p.dsinks : nullptr, ws.data(), ws_bytes, stream_));
+  const kernels::AttentionOptions options = OptionsWithSinks(a, layer, p);
+  SHARDD_ASSIGN_OR_RETURN(kc::CudnnAttention * cudnn,
+                          CudnnFor(dims, options, sizeof(T) == 2));
+  bool done = false;
+  if constexpr (sizeof(T) == 2) {
+    if (cudnn != nullptr) {
+      // cuDNN writes bf16 gradients; widened to fp32 here, the rest of the
+      // backward (RoPE, norms, projections) is the same for both kernels.
+      SHARDD_ASSIGN_OR_RETURN(const size_t ws_bytes,
+                              cudnn->BackwardWorkspaceBytes(dims, options));
+      SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws,
+                              Alloc(static_cast<int64_t>(ws_bytes)));
+      SHARDD_ASSIGN_OR_RETURN(DeviceBuffer dq16, Alloc(t * hq * hd * kElem));
+      SHARDD_ASSIGN_OR_RETURN(DeviceBuffer dk16, Alloc(t * hkv * hd * kElem));
+      SHARDD_ASSIGN_OR_RETURN(DeviceBuffer dv16, Alloc(t * hkv * hd * kElem));
+      SHARDD_RETURN_IF_ERROR(cudnn->Backward(
+          dims, options, acts.q.as<T>(), acts.k.as<T>(), acts.v.as<T>(),
+          acts.o.as<T>(), acts.lse.as<float>(), d_o.as<T>(),
+          dq16.as<uint16_t>(), dk16.as<uint16_t>(), dv16.as<uint16_t>(),
+          ws.data(), ws_bytes));
+      SHARDD_RETURN_IF_ERROR(kc::CastBf16ToFp32(
+          dq16.as<uint16_t>(), dq.as<float>(), t * hq * hd, stream_));
+      SHARDD_RETURN_IF_ERROR(kc::CastBf16ToFp32(
+          dk16.as<uint16_t>(), dk.as<float>(), t * hkv * hd, stream_));
+      SHARDD_RETURN_IF_ERROR(kc::CastBf16ToFp32(
+          dv16.as<uint16_t>(), dv.as<float>(), t * hkv * hd, stream_));
+      done = true;
+    }
+  }
+  if (!done) {
+    const size_t ws_bytes = kc::AttentionBackwardWorkspaceBytes(dims);
+    SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws,
+                            Alloc(static_cast<int64_t>(ws_bytes)));
+    SHARDD_RETURN_IF_ERROR(kc::AttentionBackward(
+        dims, options, acts.q.as<T>(), acts.k.as<T>(), acts.v.as<T>(),
+        acts.o.as<T>(), acts.lse.as<float>(), d_o.as<T>(), dq.as<float>(),
+        dk.as<float>(), dv.as<float>(), layer.has_sinks ? p.dsinks : nullptr,
+        ws.data(), ws_bytes, stream_));
+  }
   // RoPE's backward is the inverse rotation.
   const kc::DeviceRopeTable table = RopeTable();
   const kernels::RopeLayout layout = RopeLayoutOf(a);

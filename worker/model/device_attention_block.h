@@ -16,6 +16,7 @@
 
 #include "absl/status/status.h"
 #include "kernels/cuda/rope.h"
+#include "kernels/cuda/cudnn_attention.h"
 #include "worker/memory/device_allocator.h"
 #include "worker/model/moe_architecture.h"
 
@@ -64,9 +65,12 @@ struct DeviceAttentionActs {
 class DeviceAttentionBlock {
  public:
   // `arch` and `allocator` outlive the block.
+  // The attention itself runs on the kernels SHARDD_ATTENTION names
+  // (kernels/cuda/cudnn_attention.h): cuDNN's fused attention for the
+  // calls its rule takes, the own kernels for the rest.
   DeviceAttentionBlock(const MoeArchitecture* arch, DeviceAllocator* allocator,
-                       cudaStream_t stream, cublasHandle_t cublas)
-      : arch_(arch), allocator_(allocator), stream_(stream), cublas_(cublas) {}
+                       cudaStream_t stream, cublasHandle_t cublas);
+  ~DeviceAttentionBlock();
 
   // Uploads the RoPE table for positions [0, seq) when it covers fewer.
   // Errors: INVALID_ARGUMENT for seq beyond max_position_embeddings;
@@ -97,6 +101,11 @@ class DeviceAttentionBlock {
 
  private:
   absl::StatusOr<DeviceBuffer> Alloc(int64_t bytes);
+  // cuDNN's attention for this call, or null for the own kernels.
+  // Errors: a bad SHARDD_ATTENTION; with "cudnn", LoadCudnn's.
+  absl::StatusOr<kernels::cuda::CudnnAttention*> CudnnFor(
+      const kernels::AttentionDims& dims,
+      const kernels::AttentionOptions& options, bool bf16);
 
   const MoeArchitecture* arch_;
   DeviceAllocator* allocator_;
@@ -104,6 +113,8 @@ class DeviceAttentionBlock {
   cublasHandle_t cublas_;
   DeviceBuffer cos_, sin_;
   int64_t table_positions_ = 0;
+  absl::StatusOr<kernels::cuda::AttentionKernels> kernels_;
+  std::unique_ptr<kernels::cuda::CudnnAttention> cudnn_;
 };
 
 }  // namespace shardd
