@@ -19,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "checkpoint/checkpoint_index.h"
 #include "checkpoint/checkpoint_reader.h"
+#include "checkpoint/checkpoint_size.h"
 #include "checkpoint/checkpoint_writer.h"
 #include "checkpoint/plan_index.h"
 #include "common/status_macros.h"
@@ -301,6 +302,57 @@ TEST(ShardCheckpointTest, RoundTripsIntoEveryLayoutWithPaddingZero) {
 // Stacked experts split by elements (4 experts on 3 ranks, the default
 // placement) save global-shape tensors that load into dim-0 layouts, flat
 // buckets and element splits of other worlds, each element read once.
+// checkpoint::PlanCheckpointBytes against the files SaveRankShards
+// writes: the data bytes exactly, the file within the header bound.
+TEST(ShardCheckpointTest, ThePlansCheckpointSizeBoundsTheFiles) {
+  const v1::ModelSpec model = TinyMoe(/*freeze=*/true);
+  for (const auto& [strategy, world] :
+       std::vector<std::pair<std::string, int>>{{"default", 1},
+                                                {"default", 3},
+                                                {"megatron_fsdp", 2},
+                                                {"diffusion_gemma", 4}}) {
+    SCOPED_TRACE(absl::StrCat(strategy, " at ", world, " ranks"));
+    const v1::ShardingPlan plan = MakePlan(model, strategy, world);
+    SHARDD_ASSERT_OK_AND_ASSIGN(const std::vector<checkpoint::CheckpointBytes>
+                                    sizes,
+                                checkpoint::PlanCheckpointBytes(plan));
+    ASSERT_EQ(sizes.size(), static_cast<size_t>(world));
+    auto stores = MakeStores(plan, model);
+    const std::string root = NewRoot(absl::StrCat("size-", strategy, world));
+    SHARDD_ASSERT_OK_AND_ASSIGN(const std::string tmp,
+                                checkpoint::BeginCheckpoint(root, 1));
+    int64_t data = 0;
+    for (int r = 0; r < world; ++r) {
+      SHARDD_ASSERT_OK_AND_ASSIGN(
+          const checkpoint::RankFile file,
+          SaveRankShards(plan, *stores[r]->store, tmp, r));
+      int64_t rank_data = 0;
+      for (const checkpoint::TensorChunk& c : file.chunks) {
+        rank_data += (c.chunk.end - c.chunk.begin) * 4;
+      }
+      EXPECT_EQ(rank_data, sizes[r].params + sizes[r].optimizer) << r;
+      EXPECT_LE(file.file.size_bytes, sizes[r].total()) << r;
+      // The bound is a bound, not a guess: within 2 KiB + 300 bytes per
+      // tensor entry of the file.
+      EXPECT_GE(file.file.size_bytes + 2048 + 300 * int64_t(file.chunks.size()),
+                sizes[r].total())
+          << r;
+      data += rank_data;
+    }
+    const checkpoint::CheckpointBytes sum =
+        checkpoint::SumCheckpointBytes(sizes);
+    EXPECT_EQ(sum.params + sum.optimizer, data);
+    int64_t want = 0;
+    for (const v1::FsdpUnit& unit : plan.units()) {
+      for (const v1::ParamLayout& param : unit.params()) {
+        want += param.numel() * 4 * (param.frozen() ? 1 : 3);
+      }
+    }
+    EXPECT_EQ(data, want);
+    EXPECT_LT(sum.without_optimizer(), sum.total());
+  }
+}
+
 TEST(ShardCheckpointTest, ElementSplitExpertsReshardAcrossPlacements) {
   const v1::ModelSpec model = TinyMoe(/*freeze=*/true);
   const v1::ShardingPlan saved = MakePlan(model, "diffusion_gemma", 3);
