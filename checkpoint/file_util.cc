@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <sys/statvfs.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -194,6 +195,24 @@ bool IsPlainName(absl::string_view name) {
          name.find('/') == absl::string_view::npos &&
          name.find("..") == absl::string_view::npos &&
          name.find('\0') == absl::string_view::npos;
+}
+
+absl::StatusOr<int64_t> FreeBytes(const std::string& path) {
+  struct statvfs st;
+  if (::statvfs(path.c_str(), &st) != 0) {
+    return ErrnoStatus(errno, "statvfs", path);
+  }
+  return static_cast<int64_t>(st.f_bavail) * static_cast<int64_t>(st.f_frsize);
+}
+
+absl::Status CheckFreeBytes(const std::string& path, int64_t required,
+                            absl::string_view what) {
+  if (required <= 0) return absl::OkStatus();
+  SHARDD_ASSIGN_OR_RETURN(const int64_t free, FreeBytes(path));
+  if (free >= required) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      what, ": ", path, " has ", free, " bytes free, the checkpoint needs ",
+      required, " (its size from the plan plus a margin)"));
 }
 
 }  // namespace checkpoint

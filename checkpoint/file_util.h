@@ -68,6 +68,15 @@ absl::StatusOr<int64_t> FileSize(int fd, const std::string& path);
 absl::Status SyncFd(int fd, const std::string& path);
 absl::Status SyncDir(const std::string& path);
 
+// Bytes an unprivileged writer may still put on the file system holding
+// `path` (statvfs: f_bavail * f_frsize). Errors: as ErrnoStatus.
+absl::StatusOr<int64_t> FreeBytes(const std::string& path);
+
+// OK when the file system of `path` has at least `required` free bytes;
+// RESOURCE_EXHAUSTED naming `what`, the path and both figures when not.
+absl::Status CheckFreeBytes(const std::string& path, int64_t required,
+                            absl::string_view what);
+
 // Writes `contents` to `path` (created or truncated) and fsyncs it.
 absl::Status WriteStringToFile(const std::string& path,
                                absl::string_view contents);

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "checkpoint/checkpoint_size.h"
 #include "common/dtype.h"
 #include "layout/shard_ranges.h"
 #include "layout/unit_layout.h"
@@ -286,6 +287,31 @@ double UnitShardNumel(const v1::ShardingPlan& plan, const v1::FsdpUnit& unit,
   return total;
 }
 
+// The checkpoint section: what a save writes (replica 0's shard ranks),
+// to size the disk (checkpoint/checkpoint_size.h).
+std::string CheckpointText(const v1::ShardingPlan& plan) {
+  absl::StatusOr<std::vector<checkpoint::CheckpointBytes>> ck =
+      checkpoint::PlanCheckpointBytes(plan);
+  if (!ck.ok() || ck->empty()) return "";
+  const checkpoint::CheckpointBytes sum = checkpoint::SumCheckpointBytes(*ck);
+  int64_t largest = 0;
+  for (const checkpoint::CheckpointBytes& b : *ck) {
+    largest = std::max(largest, b.total());
+  }
+  std::string out = "\nCheckpoint (one save)\n";
+  TextTable t({{"", false}, {"", true}, {"", false}});
+  t.AddRow({"per rank", HumanBytes(largest),
+            absl::StrCat("largest of ", ck->size(),
+                         " shard ranks' files (fp32 params + AdamW moments)")});
+  t.AddRow({"total", HumanBytes(sum.total()),
+            "all ranks, with optimizer state (resumable)"});
+  t.AddRow({"weights only", HumanBytes(sum.without_optimizer()),
+            "fp32 parameters alone"});
+  std::string text = t.Render("  ");
+  text.erase(0, text.find('\n') + 1);
+  return out + text;
+}
+
 }  // namespace
 
 PlanFit CheckPlanFit(const v1::ShardingPlan& plan,
@@ -502,6 +528,8 @@ std::string FormatPlanTable(const v1::ShardingPlan& plan,
                     "\n");
   }
 
+  absl::StrAppend(&out, CheckpointText(plan));
+
   absl::StrAppend(&out, "\nPer-step communication (per rank)\n");
   TextTable net({{"", false}, {"", true}, {"", false}});
   net.AddRow({"all-gather", HumanBytes(comm.all_gather_bytes()),
@@ -666,6 +694,19 @@ nlohmann::ordered_json PlanToJson(const v1::ShardingPlan& plan,
     per_rank["timeline"] = std::move(timeline);
   }
   json["per_rank"] = std::move(per_rank);
+  if (absl::StatusOr<std::vector<checkpoint::CheckpointBytes>> ck =
+          checkpoint::PlanCheckpointBytes(plan);
+      ck.ok() && !ck->empty()) {
+    // Files of replica 0's shard ranks (the other replicas write none).
+    const checkpoint::CheckpointBytes sum = checkpoint::SumCheckpointBytes(*ck);
+    Json c = Json::object();
+    Json ranks = Json::array();
+    for (const checkpoint::CheckpointBytes& b : *ck) ranks.push_back(b.total());
+    c["rank_bytes"] = std::move(ranks);
+    c["total_bytes"] = sum.total();
+    c["total_bytes_without_optimizer"] = sum.without_optimizer();
+    json["checkpoint"] = std::move(c);
+  }
 
   if (device_memory_bytes > 0) {
     const PlanFit fit = CheckPlanFit(plan, device_memory_bytes);

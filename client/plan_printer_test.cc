@@ -77,6 +77,7 @@ v1::ShardingPlan TwoUnitPlan() {
   w->add_local_shape(4);
   w->set_local_numel(12);
   w->set_numel(40);
+  for (int rows : {3, 3, 3, 1}) w->add_valid_rows(rows);
 
   v1::FsdpUnit* root = plan.add_units();
   root->set_name("<root>");
@@ -95,7 +96,10 @@ v1::ShardingPlan TwoUnitPlan() {
   e->add_global_shape(4);
   e->set_dtype(v1::FLOAT32);
   e->set_padded_dim0(8);
+  e->set_rows_per_rank(2);
   e->set_local_numel(8);
+  e->set_numel(32);
+  for (int rows : {2, 2, 2, 2}) e->add_valid_rows(rows);
 
   v1::MemoryReport* memory = plan.mutable_memory();
   memory->set_sharded_param_bytes((12 + 8) * 4);
@@ -153,6 +157,15 @@ TEST(PlanToJsonTest, HasTheDocumentedFields) {
   EXPECT_EQ(json["comm"]["reduce_scatter_bytes"], int64_t{3} << 30);
   EXPECT_FALSE(json.contains("timeline"));
   EXPECT_FALSE(json["per_rank"].contains("timeline"));
+  // One save's files (checkpoint/checkpoint_size.h): the 40 + 32 fp32
+  // parameters of the two units, 3x with the AdamW moments, plus headers.
+  ASSERT_TRUE(json.contains("checkpoint"));
+  EXPECT_EQ(json["checkpoint"]["rank_bytes"].size(), 4u);
+  const int64_t total = json["checkpoint"]["total_bytes"];
+  const int64_t weights = json["checkpoint"]["total_bytes_without_optimizer"];
+  EXPECT_GE(weights, 72 * 4);
+  EXPECT_GE(total - weights, 72 * 8);
+  EXPECT_LT(total, 72 * 12 + 4 * 8192);
 }
 
 TEST(PlanToJsonTest, DumpIsOneParsableObject) {
@@ -194,6 +207,8 @@ TEST(FormatPlanTableTest, ShowsUnitsMemoryAndComm) {
   EXPECT_THAT(root_row, HasSubstr("root"));
   EXPECT_THAT(root_row, HasSubstr("to 2"));
   EXPECT_THAT(root_row, HasSubstr("bwd 0"));
+  EXPECT_THAT(table, HasSubstr("Checkpoint (one save)"));
+  EXPECT_THAT(table, HasSubstr("weights only"));
   EXPECT_THAT(table, HasSubstr("3.00 MiB"));  // Peak unsharded.
   EXPECT_THAT(table, HasSubstr("2.00 MiB"));  // Of it, gathered params.
   EXPECT_THAT(table, HasSubstr("backward, unit model.layers.0"));
@@ -393,7 +408,7 @@ TEST(FormatPlanTableTest, FitLineWhenItFits) {
 TEST(FormatPlanTableTest, FitLineDoesNotWidenTheMemoryColumns) {
   const std::string table = FormatPlanTable(FitPlan(4), nullptr, 80 * kGiB);
   const size_t begin = table.find("Per-rank memory\n");
-  const size_t end = table.find("\n\nPer-step");
+  const size_t end = table.find("\n\nCheckpoint");
   ASSERT_NE(begin, std::string::npos);
   ASSERT_NE(end, std::string::npos);
   // Labels are 14 wide ("sharded params"), values 9 ("32.00 GiB"); the

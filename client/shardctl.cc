@@ -309,7 +309,19 @@ absl::Status RunStatus(const ShardctlArgs& args, Backend* backend,
           job.recoveries(),
           job.last_checkpoint().empty() ? "-" : job.last_checkpoint(),
           job.error());
+      if (job.checkpoint_failures() > 0) {
+        out << absl::StrFormat("          %d checkpoint save(s) failed; last: %s\n",
+                               job.checkpoint_failures(),
+                               job.last_checkpoint_error());
+      }
     }
+  }
+  if (response->checkpoint_failures_total() > 0 ||
+      response->checkpoints_deleted_total() > 0) {
+    out << absl::StrFormat(
+        "\nCheckpoints: %d save(s) failed, %d deleted by retention\n",
+        response->checkpoint_failures_total(),
+        response->checkpoints_deleted_total());
   }
   return absl::OkStatus();
 }

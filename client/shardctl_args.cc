@@ -226,6 +226,9 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                              "--log-every",
                                              "--watch-timeout",
                                              "--checkpoint-every",
+                                             "--keep-checkpoints",
+                                             "--keep-every",
+                                             "--on-checkpoint-failure",
                                              "--resume-from",
                                              "--init-from",
                                              "--synthetic-order",
@@ -398,6 +401,20 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
     absl::StatusOr<int32_t> n = ParseInt(flag, value, 1);
     if (!n.ok()) return n.status();
     args->train.set_checkpoint_every(*n);
+  } else if (flag == "--keep-checkpoints") {
+    absl::StatusOr<int32_t> n = ParseInt(flag, value, 1);
+    if (!n.ok()) return n.status();
+    args->train.set_keep_checkpoints(*n);
+  } else if (flag == "--keep-every") {
+    absl::StatusOr<int32_t> n = ParseInt(flag, value, 1);
+    if (!n.ok()) return n.status();
+    args->train.set_keep_every(*n);
+  } else if (flag == "--on-checkpoint-failure") {
+    if (value != "fail" && value != "skip") {
+      return Usage(absl::StrCat("--on-checkpoint-failure: \"", value,
+                                "\"; allowed: fail (the default), skip"));
+    }
+    args->train.set_on_checkpoint_failure(value);
   } else if (flag == "--resume-from") {
     if (value.empty()) {
       return Usage(

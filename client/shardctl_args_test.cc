@@ -190,6 +190,23 @@ TEST(ShardctlArgsTest, CheckpointFlagsAndCheckpointList) {
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--resume-from")));
 
   SHARDD_ASSERT_OK_AND_ASSIGN(
+      ShardctlArgs kept,
+      Parse({"train", "--coordinator", "h:1", "--model", "m.json",
+             "--checkpoint-every", "2", "--keep-checkpoints", "3",
+             "--keep-every", "10", "--on-checkpoint-failure", "skip"}));
+  EXPECT_EQ(kept.train.keep_checkpoints(), 3);
+  EXPECT_EQ(kept.train.keep_every(), 10);
+  EXPECT_EQ(kept.train.on_checkpoint_failure(), "skip");
+  EXPECT_THAT(Parse({"train", "--coordinator", "h:1", "--model", "m.json",
+                     "--keep-checkpoints", "0"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--keep-checkpoints")));
+  EXPECT_THAT(Parse({"train", "--coordinator", "h:1", "--model", "m.json",
+                     "--on-checkpoint-failure", "retry"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("allowed: fail (the default), skip")));
+
+  SHARDD_ASSERT_OK_AND_ASSIGN(
       ShardctlArgs list, Parse({"checkpoint", "list", "--coordinator", "h:1",
                                 "--job", "j-2", "--json"}));
   EXPECT_EQ(list.command, ShardctlCommand::kCheckpointList);

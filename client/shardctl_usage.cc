@@ -199,8 +199,18 @@ Job:
   --fine-grained               one RPC per command instead of per step
 Checkpoints (the coordinator's --checkpoint-dir, shared with the workers):
   --checkpoint-every N         save after every N-th step to
-                               JOB/step-NNNNNNNN (atomic; a failed save
-                               fails the job)
+                               JOB/step-NNNNNNNN (atomic; checked for free
+                               space first; a failed save fails the job
+                               unless --on-checkpoint-failure skip)
+  --keep-checkpoints K         keep the K newest of the job's checkpoints,
+                               deleting older ones once a newer commits
+                               (saves on demand and --resume-from are
+                               never deleted)
+  --keep-every M               with --keep-checkpoints: also keep every
+                               M-th step's
+  --on-checkpoint-failure P    fail (default) or skip: a save that cannot
+                               finish (no room, a write error) is reported
+                               and training goes on
   --resume-from NAME           start from a committed checkpoint (e.g.
                                j-1/step-00000020, see shardctl checkpoint
                                list) in any world size and strategy: runs

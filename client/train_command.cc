@@ -67,6 +67,13 @@ nlohmann::ordered_json StepEventJson(const v1::StepEvent& event) {
   json["tokens_per_second"] = event.tokens_per_second();
   json["peak_unsharded_bytes"] = event.peak_unsharded_bytes();
   if (!event.checkpoint().empty()) json["checkpoint"] = event.checkpoint();
+  if (!event.checkpoint_error().empty()) {
+    json["checkpoint_error"] = event.checkpoint_error();
+  }
+  if (event.checkpoints_deleted_size() > 0) {
+    json["checkpoints_deleted"] = std::vector<std::string>(
+        event.checkpoints_deleted().begin(), event.checkpoints_deleted().end());
+  }
   return json;
 }
 
@@ -318,6 +325,19 @@ absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
         checkpoints.push_back(event.checkpoint());
     }
     json["checkpoints"] = std::move(checkpoints);
+    nlohmann::ordered_json deleted = nlohmann::ordered_json::array();
+    nlohmann::ordered_json failures = nlohmann::ordered_json::array();
+    for (const v1::StepEvent& event : events) {
+      for (const std::string& d : event.checkpoints_deleted()) {
+        deleted.push_back(d);
+      }
+      if (!event.checkpoint_error().empty()) {
+        failures.push_back({{"step", event.step()},
+                            {"error", event.checkpoint_error()}});
+      }
+    }
+    json["checkpoints_deleted"] = std::move(deleted);
+    json["checkpoint_failures"] = std::move(failures);
     nlohmann::ordered_json eval_losses = nlohmann::ordered_json::array();
     nlohmann::ordered_json eval_steps = nlohmann::ordered_json::array();
     for (const v1::StepEvent& event : evals) {
@@ -333,6 +353,13 @@ absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
     for (const v1::StepEvent& event : events) {
       if (!event.checkpoint().empty()) {
         out << "Checkpoint  " << event.checkpoint() << "\n";
+      }
+      for (const std::string& d : event.checkpoints_deleted()) {
+        out << "Deleted     " << d << " (--keep-checkpoints)\n";
+      }
+      if (!event.checkpoint_error().empty()) {
+        out << "Not saved   after step " << event.step() << ": "
+            << event.checkpoint_error() << "\n";
       }
     }
   }

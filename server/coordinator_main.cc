@@ -64,6 +64,11 @@ ABSL_FLAG(std::string, checkpoint_dir, "",
           "DATA_DIR/checkpoints. Workers must get the same directory (on a "
           "shared file system) as --checkpoint-root; empty with no "
           "--data-dir: checkpoints are off");
+ABSL_FLAG(bool, checkpoint_space_check, true,
+          "Before a save, check the checkpoint directory's free space (the "
+          "coordinator for the whole checkpoint, each worker for its file) "
+          "against the plan's checkpoint size plus a margin; turn off where "
+          "the reported free space is not what the file system accepts");
 ABSL_FLAG(bool, log_json, false, "Log one JSON object per line");
 ABSL_FLAG(int, max_models, 1024, "Most models kept at once");
 ABSL_FLAG(int, workers, 0,
@@ -286,6 +291,8 @@ int Run() {
   service_options.jobs.collective_timeout = collective_timeout;
   service_options.jobs.max_pending_jobs = absl::GetFlag(FLAGS_max_pending_jobs);
   service_options.jobs.checkpoint_dir = checkpoint_dir;
+  service_options.jobs.check_checkpoint_space =
+      absl::GetFlag(FLAGS_checkpoint_space_check);
   service_options.jobs.recovery_timeout = absl::GetFlag(FLAGS_recovery_timeout);
   service_options.jobs.default_max_recoveries =
       std::max(0, absl::GetFlag(FLAGS_max_recoveries));

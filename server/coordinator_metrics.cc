@@ -35,6 +35,18 @@ absl::Status RegisterCoordinatorMetrics(CoordinatorService* service,
                            "deadline passed.",
                            {}));
   SHARDD_ASSIGN_OR_RETURN(
+      CounterFamily * checkpoint_failures,
+      registry->AddCounter("shardd_coordinator_checkpoint_failures_total",
+                           "Periodic checkpoint saves that failed or were "
+                           "skipped (no room, a write error).",
+                           {}));
+  SHARDD_ASSIGN_OR_RETURN(
+      CounterFamily * checkpoints_deleted,
+      registry->AddCounter("shardd_coordinator_checkpoints_deleted_total",
+                           "Checkpoints deleted by jobs' retention "
+                           "(keep_checkpoints).",
+                           {}));
+  SHARDD_ASSIGN_OR_RETURN(
       GaugeFamily * insecure,
       registry->AddGauge("shardd_coordinator_insecure",
                          "1 when the coordinator serves other machines "
@@ -108,6 +120,10 @@ absl::Status RegisterCoordinatorMetrics(CoordinatorService* service,
     epoch->Set({}, static_cast<double>(service->workers()->membership_epoch()));
     declared_dead->Set(
         {}, static_cast<double>(service->workers()->declared_dead()));
+    checkpoint_failures->Set(
+        {}, static_cast<double>(status->checkpoint_failures_total()));
+    checkpoints_deleted->Set(
+        {}, static_cast<double>(status->checkpoints_deleted_total()));
 
     // Every state appears (zeros included), so a rate or alert on one never
     // sees the series vanish.

@@ -59,6 +59,14 @@ TEST(CoordinatorMetricsTest, ReflectsMembershipAtScrapeTime) {
   EXPECT_EQ(empty.Count("shardd_coordinator_job_steps_done"), 0);
   EXPECT_EQ(empty.type["shardd_coordinator_workers_declared_dead_total"],
             "counter");
+  // Checkpoint outcomes (their values: tests/checkpoint_disk_test through
+  // shardctl status, which reads the same GetStatus fields).
+  EXPECT_EQ(empty.type["shardd_coordinator_checkpoint_failures_total"],
+            "counter");
+  EXPECT_THAT(empty.Find("shardd_coordinator_checkpoint_failures_total"),
+              Optional(0.0));
+  EXPECT_EQ(empty.type["shardd_coordinator_checkpoints_deleted_total"],
+            "counter");
   EXPECT_THAT(empty.Find("shardd_coordinator_insecure"), Optional(0.0));
   EXPECT_THAT(empty.Find("shardd_coordinator_insecure_workers"), Optional(0.0));
 

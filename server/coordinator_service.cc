@@ -493,7 +493,12 @@ absl::StatusOr<v1::GetStatusResponse> CoordinatorService::GetStatus(
     info->set_error(job.error);
     info->set_recoveries(job.recoveries);
     info->set_last_checkpoint(job.last_checkpoint);
+    info->set_checkpoint_failures(job.checkpoint_failures);
+    info->set_last_checkpoint_error(job.last_checkpoint_error);
   }
+  const CheckpointCounters counters = jobs_->checkpoint_counters();
+  response.set_checkpoint_failures_total(counters.failures);
+  response.set_checkpoints_deleted_total(counters.deleted);
   return response;
 }
 

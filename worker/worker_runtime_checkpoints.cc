@@ -10,11 +10,14 @@
 #include "absl/strings/str_cat.h"
 #include "checkpoint/checkpoint_reader.h"
 #include "checkpoint/checkpoint_writer.h"
+#include "checkpoint/file_util.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "worker/shards/shard_checkpoint.h"
 #include "worker/shards/shard_state_transfer.h"
 #include "worker/worker_runtime.h"
+
+#include "checkpoint/file_util.h"
 #include "worker/worker_runtime_internal.h"
 
 namespace shardd {
@@ -54,6 +57,11 @@ absl::StatusOr<v1::SaveShardsResponse> WorkerRuntime::SaveShards(
   SHARDD_ASSIGN_OR_RETURN(
       const std::string dir,
       ResolveUnderRoot(options_.checkpoint_root, request.tmp_dir(), "tmp_dir"));
+  // Nothing is written when the file cannot fit: a full disk mid-write
+  // would fail the same save later, after the I/O.
+  SHARDD_RETURN_IF_ERROR(checkpoint::CheckFreeBytes(
+      dir, request.required_free_bytes(),
+      absl::StrCat("SaveShards on rank ", job_->rank)));
   absl::StatusOr<checkpoint::RankFile> saved =
       SaveRankShards(job_->plan, executor->shards(), dir, job_->shard_rank);
   if (!saved.ok()) return StepError(saved.status());

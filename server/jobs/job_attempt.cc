@@ -2,15 +2,20 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <system_error>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "checkpoint/checkpoint_reader.h"
+#include "checkpoint/checkpoint_size.h"
 #include "checkpoint/checkpoint_writer.h"
+#include "checkpoint/file_util.h"
+#include "checkpoint/retention.h"
 #include "checkpoint/plan_index.h"
 #include "common/error_info.h"
 #include "common/logging.h"
@@ -334,26 +339,57 @@ class JobRunner::Attempt {
     return absl::OkStatus();
   }
 
+  // What the plan's checkpoint takes per shard rank (computed once).
+  absl::StatusOr<const std::vector<checkpoint::CheckpointBytes>*>
+  CheckpointSizes() {
+    if (!checkpoint_bytes_.has_value()) {
+      SHARDD_ASSIGN_OR_RETURN(checkpoint_bytes_,
+                              checkpoint::PlanCheckpointBytes(spec_.plan));
+    }
+    return &*checkpoint_bytes_;
+  }
+
+  // Free bytes a save of `bytes` asks for: 2% and 1 MiB more (the index,
+  // file system overhead).
+  static int64_t WithMargin(int64_t bytes) {
+    return bytes + bytes / 50 + (int64_t{1} << 20);
+  }
+
   // Saves the shards after `steps_done` steps; returns the checkpoint's
-  // name relative to the checkpoint dir.
-  absl::StatusOr<std::string> Save(int64_t steps_done) {
+  // name relative to the checkpoint dir. `pinned` (on-demand saves): the
+  // retention never deletes it. Each writing rank first checks its free
+  // space against its file's size (RESOURCE_EXHAUSTED before writing).
+  absl::StatusOr<std::string> Save(int64_t steps_done, bool pinned) {
+    SHARDD_ASSIGN_OR_RETURN(const std::vector<checkpoint::CheckpointBytes>*
+                                sizes,
+                            CheckpointSizes());
     SHARDD_ASSIGN_OR_RETURN(const std::string tmp,
                             checkpoint::BeginCheckpoint(job_root_, steps_done));
-    v1::SaveShardsRequest request;
-    request.set_plan_fingerprint(fingerprint_);
-    request.set_tmp_dir(absl::StrCat(
-        job_->id, "/", std::filesystem::path(tmp).filename().string()));
     std::vector<checkpoint::RankFile> files(dp_shard_);
-    absl::Status saved = OnAllRanks(
-        [&](int rank, const WorkerCallOptions& options) -> absl::Status {
-          // Replica 0 holds every shard once; the other replicas the same.
-          if (rank >= dp_shard_) return absl::OkStatus();
-          SHARDD_ASSIGN_OR_RETURN(v1::SaveShardsResponse response,
-                                  clients_[rank]->SaveShards(request, options));
-          files[rank] = ToRankFile(response);
-          return absl::OkStatus();
-        },
-        "SaveShards");
+    absl::Status saved = pinned ? checkpoint::PinCheckpoint(tmp)
+                                : absl::OkStatus();
+    if (saved.ok()) {
+      saved = OnAllRanks(
+          [&](int rank, const WorkerCallOptions& options) -> absl::Status {
+            // Replica 0 holds every shard once; the other replicas the same.
+            if (rank >= dp_shard_) return absl::OkStatus();
+            v1::SaveShardsRequest request;
+            request.set_plan_fingerprint(fingerprint_);
+            request.set_tmp_dir(absl::StrCat(
+                job_->id, "/", std::filesystem::path(tmp).filename().string()));
+            if (runner_->options_.check_checkpoint_space &&
+                rank < static_cast<int>(sizes->size())) {
+              request.set_required_free_bytes(
+                  WithMargin((*sizes)[rank].total()));
+            }
+            SHARDD_ASSIGN_OR_RETURN(
+                v1::SaveShardsResponse response,
+                clients_[rank]->SaveShards(request, options));
+            files[rank] = ToRankFile(response);
+            return absl::OkStatus();
+          },
+          "SaveShards");
+    }
     absl::StatusOr<std::string> committed;
     if (saved.ok()) {
       absl::StatusOr<checkpoint::CheckpointIndex> index =
@@ -385,6 +421,112 @@ class JobRunner::Attempt {
                         checkpoint::CheckpointDirName(steps_done));
   }
 
+  // The job's retention policy (TrainConfig.keep_checkpoints, keep_every):
+  // the checkpoint it resumed from, when it is one of its own, is kept.
+  checkpoint::RetentionPolicy Retention(int keep_last) const {
+    checkpoint::RetentionPolicy policy;
+    policy.keep_last = keep_last;
+    policy.keep_every = spec_.config.keep_every();
+    const std::string own = job_->id + "/";
+    const std::string& resumed = spec_.config.resume_from();
+    if (absl::StartsWith(resumed, own)) {
+      policy.protect.insert(resumed.substr(own.size()));
+    }
+    return policy;
+  }
+
+  // Deletes what `policy` chooses among the job's committed checkpoints;
+  // their names (relative to the checkpoint dir) are appended to *deleted.
+  // A deletion that fails is logged and ends the round (the next save
+  // retries); it never fails the job.
+  void Prune(const checkpoint::RetentionPolicy& policy,
+             std::vector<std::string>* deleted) {
+    absl::StatusOr<std::vector<checkpoint::CheckpointInfo>> committed =
+        checkpoint::ListCheckpoints(job_root_);
+    if (!committed.ok()) {
+      SHARDD_LOG(WARNING) << "job " << job_->id << ": retention: "
+                          << committed.status();
+      return;
+    }
+    for (const checkpoint::CheckpointInfo& victim :
+         checkpoint::RetentionVictims(*committed, policy)) {
+      const absl::Status s = checkpoint::DeleteCheckpoint(job_root_, victim);
+      if (!s.ok()) {
+        SHARDD_LOG(WARNING) << "job " << job_->id << ": retention: " << s;
+        return;
+      }
+      deleted->push_back(absl::StrCat(job_->id, "/", victim.name));
+      SHARDD_LOG(INFO) << "job " << job_->id << ": retention deleted "
+                       << deleted->back();
+      absl::MutexLock lock(&runner_->mu_);
+      ++runner_->checkpoints_deleted_total_;
+    }
+  }
+
+  // A periodic save after `steps_done` steps under the job's policies:
+  // the space check (freeing what retention would delete after the save
+  // when short, never the newest checkpoint), the save, then retention. A
+  // save that cannot start or finish fails the job, or with
+  // on_checkpoint_failure "skip" is reported in `event` and the job goes
+  // on (the previous checkpoints untouched either way).
+  absl::Status PeriodicSave(int64_t steps_done, const std::string& label,
+                            v1::StepEvent* event) {
+    const int keep = spec_.config.keep_checkpoints();
+    std::vector<std::string> deleted;
+    absl::Status room = EnoughRoom();
+    if (!room.ok() && absl::IsResourceExhausted(room) && keep > 0) {
+      Prune(Retention(std::max(keep - 1, 1)), &deleted);
+      room = EnoughRoom();
+    }
+    absl::StatusOr<std::string> name =
+        room.ok() ? Save(steps_done, /*pinned=*/false)
+                  : absl::StatusOr<std::string>(room);
+    if (!name.ok()) {
+      const absl::Status failed =
+          Prefixed(absl::StrCat(label, "checkpoint: "), name.status());
+      {
+        absl::MutexLock lock(&runner_->mu_);
+        ++job_->checkpoint_failures;
+        job_->last_checkpoint_error = std::string(failed.message());
+        ++runner_->checkpoint_failures_total_;
+      }
+      if (spec_.config.on_checkpoint_failure() != "skip") return failed;
+      SHARDD_LOG(WARNING) << "job " << job_->id << ": " << failed.message()
+                          << " (on_checkpoint_failure skip: training on)";
+      event->set_checkpoint_error(std::string(failed.message()));
+      for (const std::string& d : deleted) event->add_checkpoints_deleted(d);
+      return absl::OkStatus();
+    }
+    SHARDD_LOG(INFO) << "job " << job_->id << ": saved checkpoint " << *name;
+    event->set_checkpoint(*name);
+    if (keep > 0) Prune(Retention(keep), &deleted);
+    for (const std::string& d : deleted) event->add_checkpoints_deleted(d);
+    return absl::OkStatus();
+  }
+
+  // Whether the checkpoint directory's file system holds the plan's whole
+  // checkpoint (every rank's file; the workers share the directory) plus
+  // the margin. RESOURCE_EXHAUSTED with both figures when not.
+  absl::Status EnoughRoom() {
+    if (!runner_->options_.check_checkpoint_space) return absl::OkStatus();
+    SHARDD_ASSIGN_OR_RETURN(const std::vector<checkpoint::CheckpointBytes>*
+                                sizes,
+                            CheckpointSizes());
+    const int64_t need =
+        WithMargin(checkpoint::SumCheckpointBytes(*sizes).total());
+    std::error_code ec;
+    std::filesystem::create_directories(job_root_, ec);
+    const auto& free_bytes = runner_->options_.free_bytes;
+    SHARDD_ASSIGN_OR_RETURN(const int64_t free,
+                            free_bytes ? free_bytes(job_root_)
+                                       : checkpoint::FreeBytes(job_root_));
+    if (free >= need) return absl::OkStatus();
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "not saved: ", job_root_, " has ", free,
+        " bytes free, the checkpoint needs ", need,
+        " (its size from the plan plus a margin)"));
+  }
+
   // Serves the on-demand saves and rollbacks queued so far, between steps
   // (`*step` steps done; `saved`: the checkpoint already committed for it).
   // A rollback moves *step back and publishes a recovery event; with
@@ -400,7 +542,16 @@ class JobRunner::Attempt {
       }
       if (control.save) {
         absl::StatusOr<std::string> name =
-            saved.empty() ? Save(*step) : absl::StatusOr<std::string>(saved);
+            saved.empty() ? Save(*step, /*pinned=*/true)
+                          : absl::StatusOr<std::string>(saved);
+        // A periodic save of this step counts as the asked-for one; pin it.
+        if (name.ok() && !saved.empty()) {
+          const absl::Status pinned = checkpoint::PinCheckpoint(
+              runner_->options_.checkpoint_dir + "/" + saved);
+          if (!pinned.ok()) {
+            SHARDD_LOG(WARNING) << "job " << job_->id << ": " << pinned;
+          }
+        }
         if (!name.ok()) {
           control.done(name.status());
           // The workers may be gone: the job's next step tells.
@@ -506,12 +657,7 @@ class JobRunner::Attempt {
     v1::StepEvent event = StepEventOf(step, results, seconds);
     const int32_t checkpoint_every = spec_.config.checkpoint_every();
     if (checkpoint_every > 0 && (step + 1) % checkpoint_every == 0) {
-      absl::StatusOr<std::string> name = Save(step + 1);
-      if (!name.ok()) {
-        return Prefixed(absl::StrCat(label, "checkpoint: "), name.status());
-      }
-      SHARDD_LOG(INFO) << "job " << job_->id << ": saved checkpoint " << *name;
-      event.set_checkpoint(*name);
+      SHARDD_RETURN_IF_ERROR(PeriodicSave(step + 1, label, &event));
     }
     // With an evaluation after it, the evaluation's event ends the job.
     const bool eval = EvalDue(step + 1);
@@ -646,6 +792,7 @@ class JobRunner::Attempt {
   const int32_t total_;
   const uint64_t fingerprint_;
   const std::string job_root_;
+  std::optional<std::vector<checkpoint::CheckpointBytes>> checkpoint_bytes_;
   RankPool pool_;
   std::vector<WorkerSnapshot> snapshot_;
   uint64_t epoch_ = 0;

@@ -247,6 +247,22 @@ absl::StatusOr<std::string> JobRunner::Submit(JobSpec spec) {
         absl::StrCat("config.checkpoint_every: must be >= 0 (0 = never), got ",
                      spec.config.checkpoint_every()));
   }
+  if (spec.config.keep_checkpoints() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.keep_checkpoints: must be >= 0 (0 = keep every one), got ",
+        spec.config.keep_checkpoints()));
+  }
+  if (spec.config.keep_every() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.keep_every: must be >= 0 (0 = none), got ",
+        spec.config.keep_every()));
+  }
+  const std::string& on_failure = spec.config.on_checkpoint_failure();
+  if (!on_failure.empty() && on_failure != "fail" && on_failure != "skip") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.on_checkpoint_failure: \"", on_failure,
+                     "\"; allowed: fail (the default), skip"));
+  }
   int64_t first_step = 0;
   const std::string& resume_from = spec.config.resume_from();
   const std::string& init_from = spec.config.init_from();
@@ -419,9 +435,16 @@ std::vector<JobSummary> JobRunner::ListJobs() const {
     summary.error = job.error;
     summary.recoveries = job.recoveries;
     summary.last_checkpoint = job.last_checkpoint;
+    summary.checkpoint_failures = job.checkpoint_failures;
+    summary.last_checkpoint_error = job.last_checkpoint_error;
     out.push_back(std::move(summary));
   }
   return out;
+}
+
+CheckpointCounters JobRunner::checkpoint_counters() const {
+  absl::MutexLock lock(&mu_);
+  return {checkpoint_failures_total_, checkpoints_deleted_total_};
 }
 
 void JobRunner::Shutdown() {

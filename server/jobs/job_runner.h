@@ -136,6 +136,11 @@ struct JobRunnerOptions {
   // j-<n> directory found here, so a restarted coordinator does not reuse
   // a job's checkpoint directory.
   std::string checkpoint_dir;
+  // Whether a save first checks the free space (TrainConfig
+  // on_checkpoint_failure says what a shortage does).
+  bool check_checkpoint_space = true;
+  // Free bytes of a directory's file system (tests: a fake; null: statvfs).
+  std::function<absl::StatusOr<int64_t>(const std::string&)> free_bytes;
 };
 
 // What SubmitStep hands the runner: everything a job needs, checked.
@@ -175,6 +180,14 @@ struct JobSummary {
   std::string error;
   int32_t recoveries = 0;
   std::string last_checkpoint;
+  int32_t checkpoint_failures = 0;
+  std::string last_checkpoint_error;
+};
+
+// Checkpoint outcomes since the coordinator started.
+struct CheckpointCounters {
+  int64_t failures = 0;  // Periodic saves that failed or were skipped.
+  int64_t deleted = 0;   // Checkpoints retention deleted.
 };
 
 // What an on-demand save or rollback did: the checkpoint (relative to the
@@ -215,6 +228,8 @@ class JobRunner {
 
   // Every kept job in submission order.
   std::vector<JobSummary> ListJobs() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Checkpoint failures and retention deletions since the start.
+  CheckpointCounters checkpoint_counters() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Asks running job `job_id` to commit a checkpoint after the step in
   // progress. `done` runs exactly once: on the job's thread once committed,
@@ -304,6 +319,8 @@ class JobRunner {
   mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   int64_t next_job_ ABSL_GUARDED_BY(mu_) = 1;
+  int64_t checkpoint_failures_total_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t checkpoints_deleted_total_ ABSL_GUARDED_BY(mu_) = 0;
   // Job id -> job; order_ lists ids in submission order.
   std::map<std::string, std::unique_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> order_ ABSL_GUARDED_BY(mu_);

@@ -51,6 +51,9 @@ struct JobRunner::Job {
   int32_t recoveries = 0;
   // The checkpoint a recovery reloads: the last one committed or loaded.
   std::string last_checkpoint;
+  // Periodic saves that failed or were skipped, and the last reason.
+  int32_t checkpoint_failures = 0;
+  std::string last_checkpoint_error;
   // On-demand saves and rollbacks, served between steps.
   std::deque<Control> controls;
 };

@@ -559,6 +559,21 @@ TEST_F(JobRunnerTest, CheckpointOptionsAreCheckedAndJobIdsContinue) {
   EXPECT_THAT(runner_->Submit(every),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("config.checkpoint_every")));
+  JobSpec keep = Spec(1, 1);
+  keep.config.set_keep_checkpoints(-2);
+  EXPECT_THAT(runner_->Submit(keep),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("config.keep_checkpoints")));
+  keep.config.set_keep_checkpoints(2);
+  keep.config.set_keep_every(-1);
+  EXPECT_THAT(runner_->Submit(keep),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("config.keep_every")));
+  keep.config.set_keep_every(0);
+  keep.config.set_on_checkpoint_failure("ignore");
+  EXPECT_THAT(runner_->Submit(keep),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("allowed: fail (the default), skip")));
 
   const char* tmp = std::getenv("TEST_TMPDIR");
   const std::string dir =
