@@ -19,6 +19,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -181,6 +182,12 @@ TEST_F(CheckpointDiskTest, ASaveThatDoesNotFitFailsOrIsSkipped) {
 
 TEST_F(CheckpointDiskTest, RetentionMakesRoomAndKeepsTheNewest) {
   StartCluster(/*room=*/2.6);
+  // What a coordinator killed mid-deletion leaves in the job's directory
+  // (the job ids continue from 1 here): the job's start removes it.
+  const std::string stale =
+      cluster_->checkpoint_dir() + "/j-1/.tmp-deleted-step-00000009-AbCdEf";
+  std::filesystem::create_directories(stale);
+  { std::ofstream(stale + "/rank-00000.safetensors") << "partial"; }
   ProcessResult run;
   const nlohmann::json json =
       Train(5, {"--keep-checkpoints", "2"}, &run);

@@ -54,6 +54,17 @@ class JobRunner::Attempt {
   // `recovering`: after a fault or a restart. Returns the failure, if any.
   absl::Status Run(bool recovering) {
     SHARDD_RETURN_IF_ERROR(Connect());
+    if (!runner_->options_.checkpoint_dir.empty()) {
+      // No save of this job is in progress: what a crash left of one (or
+      // of a retention deletion) goes.
+      absl::StatusOr<int> stale = checkpoint::RemoveStaleTemporaries(job_root_);
+      if (!stale.ok()) {
+        SHARDD_LOG(WARNING) << "job " << job_->id << ": " << stale.status();
+      } else if (*stale > 0) {
+        SHARDD_LOG(INFO) << "job " << job_->id << ": removed " << *stale
+                         << " unfinished save(s) or deletion(s)";
+      }
+    }
     // Built once: a program can be long.
     *execute_.mutable_program() = spec_.program;
     *eval_execute_.mutable_program() = spec_.eval_program;

@@ -492,6 +492,9 @@ class Coordinator:
         defer_grad_sync: bool = False,
         fine_grained: bool = False,
         checkpoint_every: Optional[int] = None,
+        keep_checkpoints: Optional[int] = None,
+        keep_every: Optional[int] = None,
+        on_checkpoint_failure: Optional[str] = None,
         resume_from: Optional[str] = None,
         config: Optional[cpb.TrainConfig] = None,
         options: Optional[ppb.PlanOptions] = None,
@@ -525,6 +528,9 @@ class Coordinator:
                       beta1=beta1, beta2=beta2, eps=eps,
                       weight_decay=weight_decay, grad_clip=grad_clip,
                       seed=seed, checkpoint_every=checkpoint_every,
+                      keep_checkpoints=keep_checkpoints,
+                      keep_every=keep_every,
+                      on_checkpoint_failure=on_checkpoint_failure,
                       resume_from=resume_from)
         for key, value in fields.items():
             if value is not None:
