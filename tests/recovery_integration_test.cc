@@ -311,5 +311,42 @@ TEST_F(RecoveryIntegrationTest, OnDemandSaveAndRollbackOfARunningJob) {
   EXPECT_THAT(out, HasSubstr("FAILED_PRECONDITION"));
 }
 
+// Retention never deletes a save asked for on demand: a job saving every 2
+// steps and keeping 1 ends with its last periodic checkpoint and the
+// on-demand one (pinned), nothing else.
+TEST_F(RecoveryIntegrationTest, RetentionKeepsOnDemandSaves) {
+  ASSERT_NO_FATAL_FAILURE(StartCluster(2));
+  SHARDD_ASSERT_OK(cluster_->StartWorkers(2));
+  StartTraining(20, {"--dp", "2", "--checkpoint-every", "2",
+                     "--keep-checkpoints", "1"});
+  ASSERT_NO_FATAL_FAILURE(WaitForSteps("j-1", 3));
+  std::string out;
+  ASSERT_EQ(Shardctl({"checkpoint", "save", "--coordinator", address_, "--job",
+                      "j-1", "--json"},
+                     &out),
+            0)
+      << out;
+  auto saved = nlohmann::json::parse(out, nullptr, false);
+  ASSERT_FALSE(saved.is_discarded()) << out;
+  const std::string pinned = saved["checkpoint"];
+  const nlohmann::json done = FinishTraining();
+  ASSERT_FALSE(done.is_discarded());
+  EXPECT_FALSE(done["checkpoints_deleted"].empty());
+  ASSERT_EQ(Shardctl({"checkpoint", "list", "--coordinator", address_,
+                      "--json"},
+                     &out),
+            0)
+      << out;
+  auto listed = nlohmann::json::parse(out, nullptr, false);
+  ASSERT_FALSE(listed.is_discarded()) << out;
+  std::vector<std::string> names;
+  for (const auto& c : listed["checkpoints"]) names.push_back(c["name"]);
+  if (pinned == "j-1/step-00000020") {
+    EXPECT_EQ(names, std::vector<std::string>({pinned}));
+  } else {
+    EXPECT_EQ(names, std::vector<std::string>({"j-1/step-00000020", pinned}));
+  }
+}
+
 }  // namespace
 }  // namespace shardd
