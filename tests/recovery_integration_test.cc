@@ -279,7 +279,8 @@ TEST_F(RecoveryIntegrationTest, OnDemandSaveAndRollbackOfARunningJob) {
   const nlohmann::json reference = Train(40, {"--dp", "2"});
   ASSERT_FALSE(reference.is_discarded());
 
-  StartTraining(40, {"--dp", "2"});
+  // Periodic saves too: the steps the rollback runs again save again.
+  StartTraining(40, {"--dp", "2", "--checkpoint-every", "5"});
   ASSERT_NO_FATAL_FAILURE(WaitForSteps("j-2", 3));
   std::string out;
   ASSERT_EQ(Shardctl({"checkpoint", "save", "--coordinator", address_, "--job",

@@ -371,6 +371,24 @@ class JobRunner::Attempt {
   // retention never deletes it. Each writing rank first checks its free
   // space against its file's size (RESOURCE_EXHAUSTED before writing).
   absl::StatusOr<std::string> Save(int64_t steps_done, bool pinned) {
+    // The step may be saved already: by this step's periodic save (an
+    // on-demand request then pins it), or before a rollback or a reload
+    // past a corrupt checkpoint made the job run it again (the same state:
+    // the steps are deterministic). A pinned one stands; another goes.
+    const std::string dir_name = checkpoint::CheckpointDirName(steps_done);
+    const std::string existing = absl::StrCat(job_root_, "/", dir_name);
+    const std::string name = absl::StrCat(job_->id, "/", dir_name);
+    std::error_code ec;
+    if (std::filesystem::exists(existing, ec)) {
+      absl::StatusOr<std::unique_ptr<checkpoint::CheckpointReader>> whole =
+          checkpoint::CheckpointReader::Open(existing);
+      if (whole.ok() && (pinned || checkpoint::IsPinned(existing))) {
+        if (pinned) SHARDD_RETURN_IF_ERROR(checkpoint::PinCheckpoint(existing));
+        return name;
+      }
+      SHARDD_RETURN_IF_ERROR(checkpoint::DeleteCheckpoint(
+          job_root_, {dir_name, existing, steps_done}));
+    }
     SHARDD_ASSIGN_OR_RETURN(const std::vector<checkpoint::CheckpointBytes>*
                                 sizes,
                             CheckpointSizes());
