@@ -23,7 +23,12 @@
 #include <string>
 #include <vector>
 
+#include <httplib.h>
+
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
@@ -66,6 +71,7 @@ class CheckpointDiskTest : public ::testing::Test {
   // checkpoint alone), with `flags` added to the coordinator's.
   void StartCluster(double room, bool bare = false,
                     std::vector<std::string> flags = {}) {
+    flags.push_back("--metrics-listen=127.0.0.1:0");
     std::string why;
     ASSERT_TRUE(PrivateMounts(&why))
         << why << " (this test needs to mount a tmpfs: run it as root)";
@@ -136,6 +142,33 @@ class CheckpointDiskTest : public ::testing::Test {
     }
   }
 
+  // The coordinator's /metrics value of an unlabelled series (-1: none).
+  double Metric(const std::string& name) {
+    const std::string log = cluster_->CoordinatorLog();
+    constexpr absl::string_view kMarker = "metrics listening on ";
+    const size_t at = log.find(std::string(kMarker));
+    if (at == std::string::npos) return -1;
+    const size_t end = log.find_first_of("\"\n", at);
+    const std::string address =
+        log.substr(at + kMarker.size(), end - at - kMarker.size());
+    int port = 0;
+    if (!absl::SimpleAtoi(address.substr(address.rfind(':') + 1), &port)) {
+      return -1;
+    }
+    httplib::Client client("127.0.0.1", port);
+    client.set_connection_timeout(5);
+    client.set_read_timeout(10);
+    httplib::Result result = client.Get("/metrics");
+    if (!result || result->status != 200) return -1;
+    for (absl::string_view line : absl::StrSplit(result->body, '\n')) {
+      if (absl::ConsumePrefix(&line, name + " ")) {
+        double value = 0;
+        if (absl::SimpleAtod(line, &value)) return value;
+      }
+    }
+    return -1;
+  }
+
   std::string Status() {
     ProcessResult status =
         cluster_->Shardctl({"status", "--coordinator", cluster_->address()});
@@ -174,6 +207,7 @@ TEST_F(CheckpointDiskTest, ASaveThatDoesNotFitFailsOrIsSkipped) {
   const std::string status = Status();
   EXPECT_THAT(status, HasSubstr("2 checkpoint save(s) failed"));
   EXPECT_THAT(status, HasSubstr("3 save(s) failed"));  // coordinator total
+  EXPECT_EQ(Metric("shardd_coordinator_checkpoint_failures_total"), 3.0);
   // The one checkpoint is whole: a job resumes from it.
   ProcessResult resumed = cluster_->Shardctl(cluster_->TrainArgs(
       1, 5, {"--dp", "2", "--resume-from", "j-2/step-00000001"}));
@@ -203,6 +237,7 @@ TEST_F(CheckpointDiskTest, RetentionMakesRoomAndKeepsTheNewest) {
                           {"j-1/step-00000005", "j-1/step-00000004"}));
   ExpectNoTemporaries("j-1");
   EXPECT_THAT(Status(), HasSubstr("3 deleted by retention"));
+  EXPECT_EQ(Metric("shardd_coordinator_checkpoints_deleted_total"), 3.0);
 }
 
 TEST_F(CheckpointDiskTest, AFullDiskMidSaveLeavesThePreviousCheckpoint) {

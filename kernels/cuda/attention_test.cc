@@ -21,6 +21,7 @@ namespace {
 
 using ops_testing::DeviceBuffer;
 using ops_testing::ExpectAllClose;
+using ops_testing::ExpectRelL2Close;
 using ops_testing::GpuContext;
 using ops_testing::RandomVector;
 using ops_testing::ToFloat;
@@ -44,22 +45,6 @@ bool UsesTensorCores(const AttentionDims& d) {
          d.kv_len > 0;
 }
 
-// ||actual - expected||_2 <= tol * ||expected||_2, and no NaN.
-void ExpectRelL2Close(const std::vector<float>& actual,
-                      const std::vector<float>& expected, double tol,
-                      const std::string& what) {
-  ASSERT_EQ(actual.size(), expected.size()) << what;
-  double err = 0.0, ref = 0.0;
-  for (size_t i = 0; i < actual.size(); ++i) {
-    ASSERT_FALSE(std::isnan(actual[i])) << what << "[" << i << "]";
-    const double d = static_cast<double>(actual[i]) - expected[i];
-    err += d * d;
-    ref += static_cast<double>(expected[i]) * expected[i];
-  }
-  EXPECT_GT(ref, 0.0) << what;
-  EXPECT_LE(std::sqrt(err), tol * std::sqrt(ref))
-      << what << ": relative L2 error " << std::sqrt(err / ref);
-}
 
 template <typename T>
 void CheckCase(const Case& c) {

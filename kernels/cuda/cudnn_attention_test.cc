@@ -22,6 +22,7 @@ namespace cuda {
 namespace {
 
 using ops_testing::DeviceBuffer;
+using ops_testing::ExpectRelL2Close;
 using ops_testing::FromBf16;
 using ops_testing::GpuAvailable;
 using ops_testing::GpuContext;
@@ -29,22 +30,6 @@ using ops_testing::RandomVector;
 using ops_testing::RoundedToBf16;
 using ops_testing::ToBf16;
 
-// ||actual - expected||_2 <= tol * ||expected||_2, and no NaN.
-void ExpectRelL2Close(const std::vector<float>& actual,
-                      const std::vector<float>& expected, double tol,
-                      const std::string& what) {
-  ASSERT_EQ(actual.size(), expected.size()) << what;
-  double err = 0.0, ref = 0.0;
-  for (size_t i = 0; i < actual.size(); ++i) {
-    ASSERT_FALSE(std::isnan(actual[i])) << what << "[" << i << "]";
-    const double d = static_cast<double>(actual[i]) - expected[i];
-    err += d * d;
-    ref += static_cast<double>(expected[i]) * expected[i];
-  }
-  EXPECT_GT(ref, 0.0) << what;
-  EXPECT_LE(std::sqrt(err), tol * std::sqrt(ref))
-      << what << ": relative L2 error " << std::sqrt(err / ref);
-}
 
 struct Case {
   std::string name;

@@ -186,6 +186,25 @@ inline void ExpectAllClose(const std::vector<float>& actual,
                          << " elements out of tolerance";
 }
 
+// ||actual - expected||_2 <= tol * ||expected||_2, and no NaN: the
+// normwise bound of results whose summands are rounded to bf16 (tensor-core
+// attention), where an elementwise bound would need each sum's terms.
+inline void ExpectRelL2Close(const std::vector<float>& actual,
+                             const std::vector<float>& expected, double tol,
+                             const std::string& what) {
+  ASSERT_EQ(actual.size(), expected.size()) << what;
+  double err = 0.0, ref = 0.0;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    ASSERT_FALSE(std::isnan(actual[i])) << what << "[" << i << "]";
+    const double d = static_cast<double>(actual[i]) - expected[i];
+    err += d * d;
+    ref += static_cast<double>(expected[i]) * expected[i];
+  }
+  EXPECT_GT(ref, 0.0) << what;
+  EXPECT_LE(std::sqrt(err), tol * std::sqrt(ref))
+      << what << ": relative L2 error " << std::sqrt(err / ref);
+}
+
 }  // namespace ops_testing
 }  // namespace cuda
 }  // namespace kernels

@@ -17,6 +17,7 @@
 #include "program/step_program.h"
 #include "testing/gpu.h"
 #include "testing/model_builder.h"
+#include "testing/step_batches.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/in_memory_kv_client.h"
 #include "worker/comm/kv_gloo_store.h"
@@ -91,28 +92,8 @@ StepExecutorOptions Options() {
 
 std::vector<std::vector<data::MicroBatch>> Batches(const v1::ShardingPlan& plan,
                                                    int steps) {
-  data::DataSourceOptions source_options;
-  source_options.model_vocab_size = kVocab;
-  source_options.seed = kSeed;
-  auto source = data::CreateDataSource(source_options);
-  EXPECT_TRUE(source.ok()) << source.status();
-  data::BatchSamplerOptions options;
-  options.global_batch = 4 * plan.step().microbatches();
-  options.seq_len = kSeq;
-  options.microbatches = plan.step().microbatches();
-  options.ranks = 1;
-  options.model_vocab_size = kVocab;
-  auto sampler = data::BatchSampler::Create(*source, options);
-  EXPECT_TRUE(sampler.ok()) << sampler.status();
-  std::vector<std::vector<data::MicroBatch>> out(steps);
-  for (int s = 0; s < steps; ++s) {
-    for (int m = 0; m < options.microbatches; ++m) {
-      auto batch = sampler->Get(s, 0, m);
-      EXPECT_TRUE(batch.ok()) << batch.status();
-      out[s].push_back(*std::move(batch));
-    }
-  }
-  return out;
+  return testing_util::StepBatches(plan, kVocab, kSeed, kSeq, /*rows=*/4,
+                                   steps);
 }
 
 struct Case {

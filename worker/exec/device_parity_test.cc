@@ -21,22 +21,21 @@
 // store with the same operations.
 
 #include <cmath>
-#include <fstream>
 #include <functional>
 #include <memory>
 #include <ostream>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
-#include "model/hf_config.h"
 #include "planner/sharding_planner.h"
 #include "planner/strategy_registry.h"
 #include "program/step_program.h"
 #include "testing/model_builder.h"
+#include "testing/step_batches.h"
+#include "testing/tiny_models.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/in_memory_kv_client.h"
 #include "worker/comm/kv_gloo_store.h"
@@ -117,21 +116,7 @@ std::vector<Feature> Features() {
 
 v1::ModelSpec ModelOf(const Feature& f) {
   if (f.model == Feature::Model::kDiffusion) {
-    std::ifstream in("tests/data/tiny_diffusion_gemma.json");
-    std::stringstream text;
-    text << in.rdbuf();
-    std::string json = text.str();
-    for (const auto& [from, to] :
-         std::vector<std::pair<std::string, std::string>>{
-             {"\"vocab_size\": 97", "\"vocab_size\": 30"},
-             {"\"canvas_length\": 8", "\"canvas_length\": 4"}}) {
-      const size_t at = json.find(from);
-      EXPECT_NE(at, std::string::npos) << from;
-      if (at != std::string::npos) json.replace(at, from.size(), to);
-    }
-    absl::StatusOr<v1::ModelSpec> spec = ModelSpecFromHfConfig(json);
-    EXPECT_TRUE(spec.ok()) << spec.status();
-    return spec.ok() ? *spec : v1::ModelSpec();
+    return testing_util::TinyDiffusionGemmaSpec();
   }
   // Qwen3-style attention (GQA, q/k norms, a sliding layer) over MoE layers
   // with a dense branch, layer 0's router frozen.
@@ -203,28 +188,8 @@ StepExecutorOptions OptionsOf(const Feature& f) {
 
 std::vector<std::vector<data::MicroBatch>> BatchesOf(
     const v1::ShardingPlan& plan, int64_t seq) {
-  data::DataSourceOptions source_options;
-  source_options.model_vocab_size = kVocab;
-  source_options.seed = kSeed;
-  auto source = data::CreateDataSource(source_options);
-  EXPECT_TRUE(source.ok()) << source.status();
-  data::BatchSamplerOptions options;
-  options.global_batch = 2 * plan.step().microbatches();
-  options.seq_len = seq;
-  options.microbatches = plan.step().microbatches();
-  options.ranks = 1;
-  options.model_vocab_size = kVocab;
-  auto sampler = data::BatchSampler::Create(*source, options);
-  EXPECT_TRUE(sampler.ok()) << sampler.status();
-  std::vector<std::vector<data::MicroBatch>> out(kSteps);
-  for (int s = 0; s < kSteps; ++s) {
-    for (int m = 0; m < options.microbatches; ++m) {
-      auto batch = sampler->Get(s, 0, m);
-      EXPECT_TRUE(batch.ok()) << batch.status();
-      out[s].push_back(*std::move(batch));
-    }
-  }
-  return out;
+  return testing_util::StepBatches(plan, kVocab, kSeed, seq, /*rows=*/2,
+                                   kSteps);
 }
 
 // What a job produced.

@@ -30,6 +30,7 @@
 #include "program/step_program.h"
 #include "testing/map_param_source.h"
 #include "testing/model_builder.h"
+#include "testing/tiny_models.h"
 #include "testing/numerics.h"
 #include "testing/shard_state.h"
 #include "worker/comm/gloo_communicator.h"
@@ -431,21 +432,7 @@ WorldRun Train(const v1::ModelSpec& model, const v1::ShardingPlan& plan,
 constexpr int64_t kDiffusionSeq = 10;
 
 v1::ModelSpec TinyDiffusionGemma() {
-  std::ifstream in("tests/data/tiny_diffusion_gemma.json");
-  std::stringstream text;
-  text << in.rdbuf();
-  std::string json = text.str();
-  for (const auto& [from, to] :
-       std::vector<std::pair<std::string, std::string>>{
-           {"\"vocab_size\": 97", "\"vocab_size\": 30"},
-           {"\"canvas_length\": 8", "\"canvas_length\": 4"}}) {
-    const size_t at = json.find(from);
-    EXPECT_NE(at, std::string::npos) << from;
-    if (at != std::string::npos) json.replace(at, from.size(), to);
-  }
-  absl::StatusOr<v1::ModelSpec> spec = ModelSpecFromHfConfig(json);
-  EXPECT_TRUE(spec.ok()) << spec.status();
-  return spec.ok() ? *spec : v1::ModelSpec();
+  return testing_util::TinyDiffusionGemmaSpec();
 }
 
 struct MemoryCase {

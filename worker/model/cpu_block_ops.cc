@@ -320,17 +320,27 @@ absl::Status CpuBlockOps::RouterBackward(const MoeLayerSpec& layer,
   return absl::OkStatus();
 }
 
+absl::StatusOr<CpuBlockOps::ExpertWeights> CpuBlockOps::ExpertsOf(
+    const MoeLayerSpec& layer) {
+  ExpertWeights e;
+  SHARDD_ASSIGN_OR_RETURN(e.w_gu, Param(layer.w_gu));
+  SHARDD_ASSIGN_OR_RETURN(e.w_d, Param(layer.w_d));
+  e.options = arch_->ExpertOptions();
+  if (layer.expert_bias) {
+    SHARDD_ASSIGN_OR_RETURN(e.options.gate_up_bias, Param(layer.b_gu));
+    SHARDD_ASSIGN_OR_RETURN(e.options.down_bias, Param(layer.b_d));
+  }
+  return e;
+}
+
 absl::Status CpuBlockOps::ExpertsForward(const MoeLayerSpec& layer,
                                          const Act& x, const Act& indices,
                                          const Act& weights, int64_t t,
                                          Saved* state, Act* y) {
-  SHARDD_ASSIGN_OR_RETURN(const float* w_gu, Param(layer.w_gu));
-  SHARDD_ASSIGN_OR_RETURN(const float* w_d, Param(layer.w_d));
-  kernels::ExpertOptions options = arch_->ExpertOptions();
-  if (layer.expert_bias) {
-    SHARDD_ASSIGN_OR_RETURN(options.gate_up_bias, Param(layer.b_gu));
-    SHARDD_ASSIGN_OR_RETURN(options.down_bias, Param(layer.b_d));
-  }
+  SHARDD_ASSIGN_OR_RETURN(const ExpertWeights e, ExpertsOf(layer));
+  const float* w_gu = e.w_gu;
+  const float* w_d = e.w_d;
+  const kernels::ExpertOptions& options = e.options;
   const kernels::ExpertDims dims{t, arch_->dim, layer.moe_inter, layer.experts,
                                  arch_->top_k};
   kernels::GroupedExpertsWorkspace& ws = state->Get<ExpertsState>()->ws;
@@ -347,13 +357,10 @@ absl::Status CpuBlockOps::ExpertsBackward(const MoeLayerSpec& layer,
                                           const Act& dy, int64_t t,
                                           Saved* state, Act* dx,
                                           Act* d_weights) {
-  SHARDD_ASSIGN_OR_RETURN(const float* w_gu, Param(layer.w_gu));
-  SHARDD_ASSIGN_OR_RETURN(const float* w_d, Param(layer.w_d));
-  kernels::ExpertOptions options = arch_->ExpertOptions();
-  if (layer.expert_bias) {
-    SHARDD_ASSIGN_OR_RETURN(options.gate_up_bias, Param(layer.b_gu));
-    SHARDD_ASSIGN_OR_RETURN(options.down_bias, Param(layer.b_d));
-  }
+  SHARDD_ASSIGN_OR_RETURN(const ExpertWeights e, ExpertsOf(layer));
+  const float* w_gu = e.w_gu;
+  const float* w_d = e.w_d;
+  const kernels::ExpertOptions& options = e.options;
   const kernels::ExpertDims dims{t, arch_->dim, layer.moe_inter, layer.experts,
                                  arch_->top_k};
   const bool frozen = layer.w_gu.frozen && layer.w_d.frozen;

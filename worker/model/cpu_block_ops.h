@@ -135,6 +135,13 @@ class CpuBlockOps : public BlockOps {
 
  private:
   absl::StatusOr<const float*> Param(const ArchTensor& t);
+  // A layer's grouped experts: weights and options (biases included).
+  struct ExpertWeights {
+    const float* w_gu = nullptr;
+    const float* w_d = nullptr;
+    kernels::ExpertOptions options;
+  };
+  absl::StatusOr<ExpertWeights> ExpertsOf(const MoeLayerSpec& layer);
   // A zeroed gradient staging buffer of n floats in `buffer`.
   float* Zeroed(std::vector<float>* buffer, int64_t n);
   // Adds staged gradient values (nothing for a frozen parameter).
