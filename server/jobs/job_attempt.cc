@@ -545,10 +545,8 @@ class JobRunner::Attempt {
         WithMargin(checkpoint::SumCheckpointBytes(*sizes).total());
     std::error_code ec;
     std::filesystem::create_directories(job_root_, ec);
-    const auto& free_bytes = runner_->options_.free_bytes;
     SHARDD_ASSIGN_OR_RETURN(const int64_t free,
-                            free_bytes ? free_bytes(job_root_)
-                                       : checkpoint::FreeBytes(job_root_));
+                            checkpoint::FreeBytes(job_root_));
     if (free >= need) return absl::OkStatus();
     return absl::ResourceExhaustedError(absl::StrCat(
         "not saved: ", job_root_, " has ", free,

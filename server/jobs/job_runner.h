@@ -139,8 +139,6 @@ struct JobRunnerOptions {
   // Whether a save first checks the free space (TrainConfig
   // on_checkpoint_failure says what a shortage does).
   bool check_checkpoint_space = true;
-  // Free bytes of a directory's file system (tests: a fake; null: statvfs).
-  std::function<absl::StatusOr<int64_t>(const std::string&)> free_bytes;
 };
 
 // What SubmitStep hands the runner: everything a job needs, checked.
