@@ -70,6 +70,18 @@ struct TinyMoeShape {
   int64_t window = 0;
 };
 
+// Qwen3-style attention on `s`: GQA of 4 query heads on 2 kv heads of 4,
+// q/k norms, RoPE, layer 1 (of 2) sliding over 3 keys.
+inline void AddQwen3Attention(TinyMoeShape* s) {
+  s->attention = true;
+  s->heads = 4;
+  s->kv_heads = 2;
+  s->head_dim = 4;
+  s->qk_norm = true;
+  s->sliding_layers = {false, true};
+  s->window = 3;
+}
+
 inline v1::ModelSpec TinyMoeSpec(const TinyMoeShape& s) {
   v1::ModelSpec spec;
   spec.set_architecture("ShardMoEForCausalLM");

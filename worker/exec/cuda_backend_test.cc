@@ -44,16 +44,7 @@ using ::shardd::testing_util::AddParam;
 // `freeze` freezes layer 0's router (kFrozen).
 v1::ModelSpec TinyMoe(bool freeze, bool attention = false) {
   testing_util::TinyMoeShape shape;
-  if (attention) {
-    // Qwen3-style: GQA 4 on 2 heads of 4, q/k norms, RoPE, layer 1 sliding.
-    shape.attention = true;
-    shape.heads = 4;
-    shape.kv_heads = 2;
-    shape.head_dim = 4;
-    shape.qk_norm = true;
-    shape.sliding_layers = {false, true};
-    shape.window = 3;
-  }
+  if (attention) testing_util::AddQwen3Attention(&shape);
   shape.vocab = kVocab;
   shape.dim = kDim;
   shape.experts = kExperts;

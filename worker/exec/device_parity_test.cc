@@ -126,13 +126,7 @@ v1::ModelSpec ModelOf(const Feature& f) {
   shape.experts = 4;
   shape.inter = 8;
   shape.mlp = 12;
-  shape.attention = true;
-  shape.heads = 4;
-  shape.kv_heads = 2;
-  shape.head_dim = 4;
-  shape.qk_norm = true;
-  shape.sliding_layers = {false, true};
-  shape.window = 3;
+  testing_util::AddQwen3Attention(&shape);
   shape.freeze_router0 = true;
   v1::ModelSpec spec = testing_util::TinyMoeSpec(shape);
   if (f.model == Feature::Model::kAux) {

@@ -278,57 +278,66 @@ absl::Status ModelStep::HeadBackward(int64_t t, const Act& targets,
   return absl::OkStatus();
 }
 
-absl::Status ModelStep::GemmaForward(const Command& c, PassSlot* a,
-                                     const BatchSlot& batch) {
+absl::Status ModelStep::GemmaForward(const Command& c, int64_t batch,
+                                     int64_t seq,
+                                     const GemmaDecodeView* decode,
+                                     bool keep_without_grad, PassSlot* a) {
   const int l = c.layer();
   const MoeLayerSpec& spec = arch_.layers[l];
   LayerSlot& la = a->layers[l];
   if (c.part() == Command::LAYER) {
-    SHARDD_RETURN_IF_ERROR(ops_->GemmaLayerForward(
-        spec, &a->x, batch.batch, batch.seq, nullptr, &la.gemma));
+    SHARDD_RETURN_IF_ERROR(
+        ops_->GemmaLayerForward(spec, &a->x, batch, seq, decode, &la.gemma));
     la.gemma.Sync(&ledger_);
     return absl::OkStatus();
   }
   SHARDD_RETURN_IF_ERROR(
-      ops_->GemmaExpertsForward(spec, batch.tokens, &la.gemma, &a->x));
+      ops_->GemmaExpertsForward(spec, batch * seq, &la.gemma, &a->x));
   la.gemma.Sync(&ledger_);
   if (!c.requires_grad()) {
-    la = LayerSlot();
+    if (!keep_without_grad) la = LayerSlot();
   } else if (recompute_layer_[l] || recompute_experts_[l]) {
-    ops_->GemmaTrim(recompute_layer_[l] ? GemmaKeep::kCheckpoint
-                                        : GemmaKeep::kAllButExperts,
+    // An encode keeps the K/V its decodes read.
+    ops_->GemmaTrim(!recompute_layer_[l] ? GemmaKeep::kAllButExperts
+                    : keep_without_grad  ? GemmaKeep::kCheckpointAndKv
+                                         : GemmaKeep::kCheckpoint,
                     &la.gemma);
     la.gemma.Sync(&ledger_);
   }
   return absl::OkStatus();
 }
 
-absl::Status ModelStep::GemmaBackward(const Command& c, PassSlot* a,
-                                      const BatchSlot& batch) {
+absl::Status ModelStep::GemmaBackward(const Command& c, int64_t batch,
+                                      int64_t seq,
+                                      const GemmaDecodeView* decode,
+                                      PassSlot* a) {
   const int l = c.layer();
   const MoeLayerSpec& spec = arch_.layers[l];
   LayerSlot& la = a->layers[l];
+  const int64_t t = batch * seq;
   if (c.part() == Command::EXPERTS) {
     if (recompute_layer_[l] || recompute_experts_[l]) {
       SHARDD_RETURN_IF_ERROR(
-          ops_->GemmaExpertsForward(spec, batch.tokens, &la.gemma, nullptr));
+          ops_->GemmaExpertsForward(spec, t, &la.gemma, nullptr));
       la.gemma.Sync(&ledger_);
     }
     SHARDD_RETURN_IF_ERROR(
-        ops_->GemmaExpertsBackward(spec, batch.tokens, a->dx, &la.gemma));
+        ops_->GemmaExpertsBackward(spec, t, a->dx, &la.gemma));
     la.gemma.Sync(&ledger_);
     ops_->GemmaTrim(GemmaKeep::kAllButExpertsWorkspace, &la.gemma);
     la.gemma.Sync(&ledger_);
     return absl::OkStatus();
   }
   if (recompute_layer_[l]) {
-    SHARDD_RETURN_IF_ERROR(ops_->GemmaLayerForward(
-        spec, nullptr, batch.batch, batch.seq, nullptr, &la.gemma));
+    SHARDD_RETURN_IF_ERROR(
+        ops_->GemmaLayerForward(spec, nullptr, batch, seq, decode, &la.gemma));
     la.gemma.Sync(&ledger_);
   }
-  SHARDD_RETURN_IF_ERROR(ops_->GemmaLayerBackward(
-      spec, batch.batch, batch.seq, nullptr, &la.gemma, &a->dx));
+  SHARDD_RETURN_IF_ERROR(
+      ops_->GemmaLayerBackward(spec, batch, seq, decode, &la.gemma, &a->dx));
   la.gemma.Sync(&ledger_);
+  // A decode's K/V gradients stay in the encode's state until its backward.
+  if (decode != nullptr) decode->encoder->Sync(&ledger_);
   la = LayerSlot();
   return absl::OkStatus();
 }
@@ -367,7 +376,10 @@ absl::Status ModelStep::Forward(const Command& c) {
     case Command::LAYER: {
       const int l = c.layer();
       const MoeLayerSpec& spec = arch_.layers[l];
-      if (spec.gemma) return GemmaForward(c, &a, batch);
+      if (spec.gemma) {
+        return GemmaForward(c, batch.batch, batch.seq, nullptr,
+                            /*keep_without_grad=*/false, &a);
+      }
       LayerSlot& la = a.layers[l];
       SHARDD_RETURN_IF_ERROR(Ensure(&la.x_in, Elem::kStorage, td));
       SHARDD_RETURN_IF_ERROR(ops_->Copy(a.x, &la.x_in));
@@ -383,7 +395,10 @@ absl::Status ModelStep::Forward(const Command& c) {
     case Command::EXPERTS: {
       const int l = c.layer();
       const MoeLayerSpec& spec = arch_.layers[l];
-      if (spec.gemma) return GemmaForward(c, &a, batch);
+      if (spec.gemma) {
+        return GemmaForward(c, batch.batch, batch.seq, nullptr,
+                            /*keep_without_grad=*/false, &a);
+      }
       LayerSlot& la = a.layers[l];
       SHARDD_ASSIGN_OR_RETURN(Act y, Temp(td));
       SHARDD_RETURN_IF_ERROR(ExpertsForward(spec, t, &la, &y));
@@ -515,7 +530,9 @@ absl::Status ModelStep::Backward(const Command& c) {
     case Command::EXPERTS: {
       const int l = c.layer();
       const MoeLayerSpec& spec = arch_.layers[l];
-      if (spec.gemma) return GemmaBackward(c, &a, batch);
+      if (spec.gemma) {
+        return GemmaBackward(c, batch.batch, batch.seq, nullptr, &a);
+      }
       LayerSlot& la = a.layers[l];
       if (recompute_layer_[l] || recompute_experts_[l]) {
         SHARDD_ASSIGN_OR_RETURN(Act y, Temp(td));
@@ -531,7 +548,9 @@ absl::Status ModelStep::Backward(const Command& c) {
       return absl::OkStatus();
     }
     case Command::LAYER:
-      if (arch_.layers[c.layer()].gemma) return GemmaBackward(c, &a, batch);
+      if (arch_.layers[c.layer()].gemma) {
+        return GemmaBackward(c, batch.batch, batch.seq, nullptr, &a);
+      }
       return LayerBackward(arch_.layers[c.layer()], c.layer(), batch, &a);
     case Command::EMBED: {
       SHARDD_RETURN_IF_ERROR(ops_->EmbedBackward(

@@ -154,11 +154,15 @@ class ModelStep {
                               LayerSlot* la, Act* y);
   absl::Status LayerBackward(const MoeLayerSpec& spec, int layer,
                              const BatchSlot& batch, PassSlot* a);
-  // A DiffusionGemma layer of the causal pass.
-  absl::Status GemmaForward(const v1::Command& c, PassSlot* a,
-                            const BatchSlot& batch);
-  absl::Status GemmaBackward(const v1::Command& c, PassSlot* a,
-                             const BatchSlot& batch);
+  // LAYER or EXPERTS of a DiffusionGemma layer over `batch` sequences of
+  // `seq` rows (a decode's canvas, with `decode`). Without a graph its state
+  // goes after EXPERTS unless `keep_without_grad` (an encode whose K/V the
+  // decodes read); a recomputed encode keeps them too.
+  absl::Status GemmaForward(const v1::Command& c, int64_t batch, int64_t seq,
+                            const GemmaDecodeView* decode,
+                            bool keep_without_grad, PassSlot* a);
+  absl::Status GemmaBackward(const v1::Command& c, int64_t batch, int64_t seq,
+                             const GemmaDecodeView* decode, PassSlot* a);
   // The block-diffusion step's commands (model_step_diffusion.cc).
   absl::Status DiffusionForward(const v1::Command& c);
   absl::Status DiffusionBackward(const v1::Command& c);

@@ -62,35 +62,18 @@ absl::Status ModelStep::DiffusionForward(const Command& c) {
       }
       return absl::OkStatus();
     }
-    case Command::LAYER: {
-      const int l = c.layer();
-      const GemmaDecodeView decode = DecodeView(l, mb, batch);
-      LayerSlot& la = a.layers[l];
-      SHARDD_RETURN_IF_ERROR(
-          ops_->GemmaLayerForward(arch_.layers[l], &a.x, batch.batch, seq,
-                                  pass == 0 ? nullptr : &decode, &la.gemma));
-      la.gemma.Sync(&ledger_);
-      return absl::OkStatus();
-    }
+    case Command::LAYER:
     case Command::EXPERTS: {
       const int l = c.layer();
-      LayerSlot& la = a.layers[l];
-      SHARDD_RETURN_IF_ERROR(
-          ops_->GemmaExpertsForward(arch_.layers[l], t, &la.gemma, &a.x));
-      la.gemma.Sync(&ledger_);
-      // The self-conditioning decode has no backward, nor has an evaluated
-      // decode: their layer's activations can go at once (the encode's
-      // hold the K/V the decodes read; an evaluation's last decode of the
-      // layer is done with them).
-      if (pass == 1 || (eval_ && pass == 2)) la = LayerSlot();
-      if (eval_ && pass == 2) Slot(0, mb).layers[l] = LayerSlot();
-      if (c.requires_grad() && (recompute_layer_[l] || recompute_experts_[l])) {
-        // The encode keeps the K/V the decodes read.
-        ops_->GemmaTrim(!recompute_layer_[l] ? GemmaKeep::kAllButExperts
-                        : pass == 0          ? GemmaKeep::kCheckpointAndKv
-                                             : GemmaKeep::kCheckpoint,
-                        &la.gemma);
-        la.gemma.Sync(&ledger_);
+      const GemmaDecodeView decode = DecodeView(l, mb, batch);
+      SHARDD_RETURN_IF_ERROR(GemmaForward(c, batch.batch, seq,
+                                          pass == 0 ? nullptr : &decode,
+                                          /*keep_without_grad=*/pass == 0,
+                                          &a));
+      // An evaluation's last decode of the layer is done with the encode's
+      // K/V.
+      if (c.part() == Command::EXPERTS && eval_ && pass == 2) {
+        Slot(0, mb).layers[l] = LayerSlot();
       }
       return absl::OkStatus();
     }
@@ -159,41 +142,11 @@ absl::Status ModelStep::DiffusionBackward(const Command& c) {
       if (!encode) ++loss_terms_;
       return absl::OkStatus();
     }
+    case Command::LAYER:
     case Command::EXPERTS: {
-      const int l = c.layer();
-      const MoeLayerSpec& spec = arch_.layers[l];
-      LayerSlot& la = a.layers[l];
-      if (recompute_layer_[l] || recompute_experts_[l]) {
-        SHARDD_RETURN_IF_ERROR(
-            ops_->GemmaExpertsForward(spec, t, &la.gemma, nullptr));
-        la.gemma.Sync(&ledger_);
-      }
-      SHARDD_RETURN_IF_ERROR(
-          ops_->GemmaExpertsBackward(spec, t, a.dx, &la.gemma));
-      la.gemma.Sync(&ledger_);
-      ops_->GemmaTrim(GemmaKeep::kAllButExpertsWorkspace, &la.gemma);
-      la.gemma.Sync(&ledger_);
-      return absl::OkStatus();
-    }
-    case Command::LAYER: {
-      const int l = c.layer();
-      const MoeLayerSpec& spec = arch_.layers[l];
-      const GemmaDecodeView decode = DecodeView(l, mb, batch);
-      const GemmaDecodeView* d = pass == 0 ? nullptr : &decode;
-      LayerSlot& la = a.layers[l];
-      if (recompute_layer_[l]) {
-        SHARDD_RETURN_IF_ERROR(ops_->GemmaLayerForward(
-            spec, nullptr, batch.batch, seq, d, &la.gemma));
-        la.gemma.Sync(&ledger_);
-      }
-      SHARDD_RETURN_IF_ERROR(
-          ops_->GemmaLayerBackward(spec, batch.batch, seq, d, &la.gemma, &a.dx));
-      la.gemma.Sync(&ledger_);
-      // A decode's K/V gradients stay in the encode's state until its
-      // backward.
-      if (d != nullptr) d->encoder->Sync(&ledger_);
-      la = LayerSlot();
-      return absl::OkStatus();
+      const GemmaDecodeView decode = DecodeView(c.layer(), mb, batch);
+      return GemmaBackward(c, batch.batch, seq, pass == 0 ? nullptr : &decode,
+                           &a);
     }
     case Command::EMBED: {
       if (pass == 0) {
