@@ -168,6 +168,11 @@ void CoordinatorAgent::Stop() {
       heartbeat_thread_.get_id() != std::this_thread::get_id()) {
     heartbeat_thread_.join();
   }
+  // No beat of this worker carries its relay's pending beats any more: turn
+  // the group's members away now, so they beat the coordinator directly
+  // within one interval instead of losing beats until the relay goes stale
+  // (with a skipped delivery that can take longer than the timeout).
+  if (options_.relay != nullptr) options_.relay->Failed();
 }
 
 AgentRegistration CoordinatorAgent::registration() const {

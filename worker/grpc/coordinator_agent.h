@@ -101,7 +101,9 @@ class CoordinatorAgent final : public KeyValueClient {
 
   // Stops heartbeating (the coordinator declares this worker dead after its
   // timeout; the protocol has no leave RPC), cancels calls in flight and
-  // refuses later ones with FAILED_PRECONDITION. Idempotent.
+  // refuses later ones with FAILED_PRECONDITION, and marks its relay
+  // failed so that the relay's members beat the coordinator directly.
+  // Idempotent.
   void Stop() ABSL_LOCKS_EXCLUDED(mu_);
 
   AgentRegistration registration() const ABSL_LOCKS_EXCLUDED(mu_);

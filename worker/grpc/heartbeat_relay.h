@@ -27,8 +27,9 @@ namespace shardd {
 // How a worker uses its relay (CoordinatorAgent, and the simulated workers
 // that stand in for it): the relay's answer from the coordinator goes stale
 // after this many heartbeat intervals, so a member it turns away reaches
-// the coordinator within 2.25 intervals of its last relayed beat, inside
-// the timeout of 3 ...
+// the coordinator within 2.25 intervals of the relay's last delivered
+// heartbeat, inside the timeout of 3 (docs/reliability.md: the one corner
+// where that is not enough) ...
 inline constexpr double kRelayStaleIntervals = 1.25;
 // ... and a call to the relay gets half an interval, leaving the rest of
 // the period for a direct beat.
