@@ -270,19 +270,24 @@ double UnitShardNumel(const v1::ShardingPlan& plan, const v1::FsdpUnit& unit,
                             : 0.0;
   }
   const bool by_elements_if_padded = plan.shard_placement() == "auto";
+  // An expert-parallel unit is one block over the block's ranks (the same
+  // ep at any dp).
+  const int64_t blocks = std::max(1, unit.ep());
+  const int64_t group = std::max<int64_t>(1, ranks / blocks);
   double total = 0;
   for (const v1::ParamLayout& param : unit.params()) {
     if (param.global_shape_size() == 0 || param.global_shape(0) <= 0) continue;
-    if (by_elements_if_padded &&
-        DimZeroPadsTooMuch(GlobalShape(param), ranks)) {
-      total += static_cast<double>(CeilDiv(param.numel(), ranks));
+    std::vector<int64_t> shape = GlobalShape(param);
+    shape[0] = std::max<int64_t>(1, shape[0] / blocks);
+    if (by_elements_if_padded && DimZeroPadsTooMuch(shape, group)) {
+      total += static_cast<double>(CeilDiv(param.numel() / blocks, group));
       continue;
     }
     double row = 1;
-    for (int d = 1; d < param.global_shape_size(); ++d) {
-      row *= static_cast<double>(std::max<int64_t>(param.global_shape(d), 0));
+    for (size_t d = 1; d < shape.size(); ++d) {
+      row *= static_cast<double>(std::max<int64_t>(shape[d], 0));
     }
-    total += static_cast<double>(CeilDiv(param.global_shape(0), ranks)) * row;
+    total += static_cast<double>(CeilDiv(shape[0], group)) * row;
   }
   return total;
 }
@@ -421,6 +426,16 @@ std::string FormatPlanTable(const v1::ShardingPlan& plan,
                   " x dp_replicate ", mesh.dp_replicate(), " (tp ", mesh.tp(),
                   ", cp ", mesh.cp(), "), world size ", plan.world_size(),
                   "\n");
+  if (mesh.ep() > 1) {
+    const int ep_shard = mesh.dp_shard() / mesh.ep();
+    absl::StrAppend(&out, "             experts: ep ", mesh.ep(),
+                    " x ep_shard ", ep_shard, ", ", mesh.ep(),
+                    " groups of ", ep_shard,
+                    ep_shard == 1 ? " rank" : " consecutive ranks",
+                    ", each holding 1/", mesh.ep(),
+                    " of every layer's routed experts and running the "
+                    "tokens routed to them\n");
+  }
   absl::StrAppend(&out, "Precision    ", PrecisionText(plan.precision()), "\n");
   absl::StrAppend(&out, "Step         ", step.microbatches(), " micro-batch",
                   step.microbatches() == 1 ? "" : "es", ", ", step.passes(),
@@ -440,15 +455,15 @@ std::string FormatPlanTable(const v1::ShardingPlan& plan,
   std::vector<std::pair<std::string, bool>> columns = {
       {"#", true}, {"name", false}, {"kind", false}};
   if (nested) columns.push_back({"in", true});
-  for (auto column :
-       std::vector<std::pair<std::string, bool>>{{"tensors", true},
-                                                 {"numel", true},
-                                                 {"shard/rank", true},
-                                                 {"gathered", true},
-                                                 {"reshard", false},
-                                                 {"prefetch", false}}) {
-    columns.push_back(column);
-  }
+  const bool ep = mesh.ep() > 1;
+  std::vector<std::pair<std::string, bool>> more = {{"tensors", true},
+                                                    {"numel", true},
+                                                    {"shard/rank", true},
+                                                    {"gathered", true}};
+  if (ep) more.push_back({"over", true});
+  more.push_back({"reshard", false});
+  more.push_back({"prefetch", false});
+  for (auto column : more) columns.push_back(column);
   TextTable units(std::move(columns));
   for (const v1::FsdpUnit& unit : plan.units()) {
     std::vector<std::string> row = {absl::StrCat(unit.index()), unit.name(),
@@ -458,10 +473,18 @@ std::string FormatPlanTable(const v1::ShardingPlan& plan,
     }
     for (std::string cell :
          {absl::StrCat(unit.params_size()), HumanCount(unit.numel()),
-          HumanCount(unit.shard_numel()), HumanBytes(GatheredBytes(plan, unit)),
-          ReshardText(unit.reshard_after_forward()), PrefetchText(unit)}) {
+          HumanCount(unit.shard_numel()),
+          HumanBytes(GatheredBytes(plan, unit))}) {
       row.push_back(std::move(cell));
     }
+    if (ep) {
+      row.push_back(unit.ep() > 1
+                        ? absl::StrCat(mesh.dp_shard() / unit.ep(), " (1/",
+                                       unit.ep(), ")")
+                        : absl::StrCat(mesh.dp_shard()));
+    }
+    row.push_back(ReshardText(unit.reshard_after_forward()));
+    row.push_back(PrefetchText(unit));
     units.AddRow(std::move(row));
   }
   absl::StrAppend(&out, units.Render("  "));
@@ -469,7 +492,11 @@ std::string FormatPlanTable(const v1::ShardingPlan& plan,
                   "  (numel: unpadded elements; shard/rank: elements each "
                   "rank holds, padding included; gathered: the all-gather "
                   "buffer in the compute dtype",
-                  nested ? "; in: the enclosing unit" : "", ")\n");
+                  nested ? "; in: the enclosing unit" : "",
+                  ep ? "; over: the ranks a unit is sharded and gathered "
+                       "over, (1/N): one expert-parallel block of N"
+                     : "",
+                  ")\n");
 
   absl::StrAppend(&out, "\nPer-rank memory\n");
   TextTable mem({{"", false}, {"", true}, {"", false}});
@@ -499,7 +526,14 @@ std::string FormatPlanTable(const v1::ShardingPlan& plan,
     mem.AddRow({"activations", HumanBytes(memory.peak_activation_bytes()),
                 absl::StrCat("peak per rank: micro-batch ",
                              a.micro_batch_size(), " x ", a.seq_len(),
-                             " tokens, checkpointing ", a.checkpointing())});
+                             " tokens, checkpointing ", a.checkpointing(),
+                             a.ep() > 1
+                                 ? absl::StrFormat(
+                                       "; experts over up to %gx the "
+                                       "balanced routed rows "
+                                       "(--ep-capacity-factor)",
+                                       a.ep_capacity_factor())
+                                 : "")});
     mem.AddRow({"peak in step", HumanBytes(memory.peak_step_bytes()),
                 absl::StrCat("unsharded + activations ",
                              HumanBytes(memory.peak_step_activation_bytes()),
@@ -541,6 +575,15 @@ std::string FormatPlanTable(const v1::ShardingPlan& plan,
                 absl::StrCat("in ", comm.all_reduces(),
                              " collectives (HSDP replicas)")});
   }
+  if (mesh.ep() > 1) {
+    net.AddRow({"all-to-all", HumanBytes(comm.all_to_all_bytes()),
+                plan.has_activations()
+                    ? absl::StrCat("in ", comm.all_to_alls(),
+                                   " collectives (expert dispatch and "
+                                   "combine, balanced routing)")
+                    : "not counted: --micro-batch-size N --seq N counts "
+                      "the routed tokens"});
+  }
   std::string net_text = net.Render("  ");
   net_text.erase(0, net_text.find('\n') + 1);
   absl::StrAppend(&out, net_text);
@@ -570,6 +613,8 @@ nlohmann::ordered_json PlanToJson(const v1::ShardingPlan& plan,
   mesh["dp_replicate"] = plan.mesh().dp_replicate();
   mesh["tp"] = plan.mesh().tp();
   mesh["cp"] = plan.mesh().cp();
+  mesh["ep"] = std::max(1, plan.mesh().ep());
+  mesh["ep_shard"] = plan.mesh().dp_shard() / std::max(1, plan.mesh().ep());
   json["mesh"] = std::move(mesh);
   json["precision"] = PrecisionJson(plan.precision());
   Json step = Json::object();
@@ -599,6 +644,8 @@ nlohmann::ordered_json PlanToJson(const v1::ShardingPlan& plan,
     u["shard_numel"] = unit.shard_numel();
     u["gathered_numel"] = unit.gathered_numel();
     u["gathered_bytes"] = GatheredBytes(plan, unit);
+    u["ep"] = std::max(1, unit.ep());
+    u["shard_group"] = plan.mesh().dp_shard() / std::max(1, unit.ep());
     u["precision"] = PrecisionJson(UnitPrecision(plan, unit));
     u["reshard_after_forward"] = ReshardJson(unit.reshard_after_forward());
     u["forward_prefetch"] = IntArray(unit.forward_prefetch());
@@ -620,6 +667,7 @@ nlohmann::ordered_json PlanToJson(const v1::ShardingPlan& plan,
       p["shard_offset"] = param.shard_offset();
       p["unsharded_offset"] = param.unsharded_offset();
       p["frozen"] = param.frozen();
+      if (param.ep_blocks() > 1) p["ep_blocks"] = param.ep_blocks();
       // valid_rows is left out: it is derivable from rows_per_rank and has
       // one entry per rank (large for big worlds).
       // Flat buckets: the span of shard ranks holding the parameter (the
@@ -659,6 +707,7 @@ nlohmann::ordered_json PlanToJson(const v1::ShardingPlan& plan,
     acts["micro_batch_size"] = a.micro_batch_size();
     acts["seq_len"] = a.seq_len();
     acts["checkpointing"] = a.checkpointing();
+    if (a.ep() > 1) acts["ep_capacity_factor"] = a.ep_capacity_factor();
     Json layers = Json::array();
     for (const v1::LayerActivations& l : a.layers()) {
       Json layer = Json::object();
@@ -666,6 +715,10 @@ nlohmann::ordered_json PlanToJson(const v1::ShardingPlan& plan,
       layer["saved_bytes"] = l.saved_bytes();
       layer["checkpoint_bytes"] = l.checkpoint_bytes();
       layer["experts_saved_bytes"] = l.experts_saved_bytes();
+      if (a.ep() > 1) {
+        layer["routed_rows"] = l.routed_rows();
+        layer["dispatch_bytes"] = l.dispatch_bytes();
+      }
       layer["recompute"] = l.recompute()           ? "layer"
                            : l.recompute_experts() ? "experts"
                                                    : "none";
@@ -726,6 +779,8 @@ nlohmann::ordered_json PlanToJson(const v1::ShardingPlan& plan,
   c["all_gathers"] = comm.all_gathers();
   c["reduce_scatters"] = comm.reduce_scatters();
   c["all_reduces"] = comm.all_reduces();
+  c["all_to_all_bytes"] = comm.all_to_all_bytes();
+  c["all_to_alls"] = comm.all_to_alls();
   json["comm"] = std::move(c);
   return json;
 }

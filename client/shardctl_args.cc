@@ -175,6 +175,8 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                             "--model",
                                             "--dp",
                                             "--replicate",
+                                            "--ep",
+                                            "--ep-capacity-factor",
                                             "--strategy",
                                             "--microbatches",
                                             "--passes",
@@ -205,6 +207,7 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                              "--seed",
                                              "--dp",
                                              "--replicate",
+                                             "--ep",
                                              "--strategy",
                                              "--defer-grad-sync",
                                              "--fine-grained",
@@ -325,6 +328,20 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
     absl::StatusOr<int32_t> replicate = ParseInt(flag, value, 1);
     if (!replicate.ok()) return replicate.status();
     options.mutable_mesh()->set_dp_replicate(*replicate);
+  } else if (flag == "--ep") {
+    absl::StatusOr<int32_t> ep = ParseInt(flag, value, 1);
+    if (!ep.ok()) return ep.status();
+    options.mutable_mesh()->set_ep(*ep);
+  } else if (flag == "--ep-capacity-factor") {
+    double factor = 0;
+    if (!absl::SimpleAtod(value, &factor) || !(factor >= 1.0) ||
+        factor > 65536) {
+      return Usage(absl::StrCat(
+          "--ep-capacity-factor: expected a number >= 1 (a multiple of the "
+          "balanced rows a rank's experts receive), got '",
+          value, "'"));
+    }
+    options.set_ep_capacity_factor(factor);
   } else if (flag == "--strategy") {
     if (value.empty()) return Usage("--strategy: expected a strategy name");
     options.set_strategy(value);
@@ -912,7 +929,7 @@ absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
       if (has_id) {
         // The stored model's plan options are fixed.
         for (const char* fixed :
-             {"--dp", "--replicate", "--strategy", "--passes",
+             {"--dp", "--replicate", "--ep", "--strategy", "--passes",
               "--no-grad-passes", "--no-mixed-precision",
               "--keep-compute-shard", "--reshard-after-forward",
               "--fwd-prefetch", "--bwd-prefetch", "--shard-placement",

@@ -155,6 +155,29 @@ TEST(ShardctlArgsTest, ActivationFlags) {
   EXPECT_EQ(train.options.seq_len(), 0);
 }
 
+TEST(ShardctlArgsTest, ExpertParallelFlags) {
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      auto plan, Parse({"plan", "--model", "x", "--dp", "8", "--ep", "4",
+                        "--ep-capacity-factor", "1.25"}));
+  EXPECT_EQ(plan.options.mesh().ep(), 4);
+  EXPECT_EQ(plan.options.ep_capacity_factor(), 1.25);
+  EXPECT_THAT(Parse({"plan", "--model", "x", "--dp", "8", "--ep", "0"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--ep: expected an integer >= 1")));
+  EXPECT_THAT(Parse({"plan", "--model", "x", "--dp", "8",
+                     "--ep-capacity-factor", "x"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--ep-capacity-factor: expected a number")));
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      auto train,
+      Parse({"train", "--coordinator=h:1", "--model", "x", "--ep", "2"}));
+  EXPECT_EQ(train.options.mesh().ep(), 2);
+  EXPECT_THAT(Parse({"train", "--coordinator=h:1", "--model-id", "m-1",
+                     "--ep", "2"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--ep cannot be combined with --model-id")));
+}
+
 TEST(ShardctlArgsTest, BadNumbersNameTheFlag) {
   EXPECT_THAT(Parse({"plan", "--model", "x", "--dp", "x"}),
               StatusIs(absl::StatusCode::kInvalidArgument,

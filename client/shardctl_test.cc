@@ -187,6 +187,71 @@ TEST(ShardctlTest, MixtralTableAndJson) {
   EXPECT_EQ(json["strategy"], "default");
 }
 
+// Expert parallelism: the table shows the ep dimension, each unit's shard
+// group and the all-to-all bytes; the JSON carries them, and the expert
+// units' gathered buffers are one block over dp / ep ranks.
+TEST(ShardctlTest, PlanWithExpertParallelism) {
+  const std::vector<std::string> base = {"plan",  "--hf-config", kMixtral,
+                                         "--dp",  "8",           "--ep",
+                                         "4",     "--micro-batch-size",
+                                         "1",     "--seq",       "512"};
+  Result table = Shardctl(base);
+  ASSERT_EQ(table.code, kShardctlOk) << table.err;
+  EXPECT_THAT(table.out, HasSubstr("experts: ep 4 x ep_shard 2, 4 groups of 2 "
+                                   "consecutive ranks"));
+  EXPECT_THAT(table.out, HasSubstr("2 (1/4)"));
+  EXPECT_THAT(table.out, HasSubstr("all-to-all"));
+  EXPECT_THAT(table.out, HasSubstr("expert dispatch and combine"));
+  EXPECT_THAT(table.out, HasSubstr("2x the balanced routed rows"));
+
+  std::vector<std::string> json_args = base;
+  json_args.push_back("--json");
+  json_args.push_back("--ep-capacity-factor");
+  json_args.push_back("1.5");
+  Result json_run = Shardctl(json_args);
+  ASSERT_EQ(json_run.code, kShardctlOk) << json_run.err;
+  auto json = nlohmann::json::parse(json_run.out, nullptr, false);
+  ASSERT_FALSE(json.is_discarded());
+  EXPECT_EQ(json["mesh"]["ep"], 4);
+  EXPECT_EQ(json["mesh"]["ep_shard"], 2);
+  EXPECT_EQ(json["activations"]["ep_capacity_factor"], 1.5);
+  int experts = 0;
+  for (const auto& unit : json["units"]) {
+    if (unit["kind"] != "experts") {
+      EXPECT_EQ(unit["ep"], 1) << unit["name"];
+      EXPECT_EQ(unit["shard_group"], 8) << unit["name"];
+      continue;
+    }
+    ++experts;
+    EXPECT_EQ(unit["ep"], 4) << unit["name"];
+    EXPECT_EQ(unit["shard_group"], 2) << unit["name"];
+    EXPECT_EQ(unit["gathered_numel"].get<int64_t>(),
+              2 * unit["shard_numel"].get<int64_t>());
+    // Mixtral's 8 experts in 4 blocks of 2, each block over 2 ranks.
+    int64_t block_numel = 0;
+    for (const auto& param : unit["params"]) {
+      EXPECT_EQ(param["ep_blocks"], 4);
+      block_numel += Product(param["global_shape"]) / 4;
+    }
+    EXPECT_EQ(unit["numel"].get<int64_t>(), 4 * block_numel);
+  }
+  EXPECT_EQ(experts, 32);
+  // 32 MoE layers, 2 exchanges forward and 2 backward of 512 x top-2 rows
+  // of 4096 floats.
+  EXPECT_EQ(json["comm"]["all_to_alls"], 32 * 4);
+  EXPECT_EQ(json["comm"]["all_to_all_bytes"].get<int64_t>(),
+            int64_t{32} * 4 * 512 * 2 * 4096 * 4);
+
+  Result bad = Shardctl({"plan", "--hf-config", kMixtral, "--dp", "8", "--ep",
+                         "3"});
+  EXPECT_EQ(bad.code, kShardctlError);
+  EXPECT_THAT(bad.err, HasSubstr("options.mesh.ep (--ep)"));
+  Result factor = Shardctl({"plan", "--hf-config", kMixtral, "--dp", "8",
+                            "--ep", "2", "--ep-capacity-factor", "0.5"});
+  EXPECT_EQ(factor.code, kShardctlUsage);
+  EXPECT_THAT(factor.err, HasSubstr("--ep-capacity-factor: expected a number"));
+}
+
 // The fit verdict is computed here from the JSON's own memory numbers.
 TEST(ShardctlTest, PlanChecksTheFitAgainstDeviceMemory) {
   constexpr int64_t kGiB = int64_t{1} << 30;

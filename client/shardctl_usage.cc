@@ -40,6 +40,15 @@ Model (exactly one):
 Mesh:
   --dp N                       ranks each parameter is sharded over (required)
   --replicate R                HSDP replicas (default 1)
+  --ep N                       expert parallelism: the --dp ranks form N
+                               groups, each holding 1/N of every layer's
+                               routed experts (sharded over its --dp/N
+                               ranks) and receiving the tokens routed to
+                               them (N divides --dp and the expert count;
+                               default 1; docs/expert_parallel.md)
+  --ep-capacity-factor C       with --ep: the routing skew the activations
+                               assume, a rank's experts receiving at most
+                               C x the balanced rows (default 2, 1..N)
 Plan:
   --strategy NAME              a registry strategy instead of the
                                architecture's (see shardctl strategies)
@@ -122,6 +131,8 @@ Mesh and plan (with --model):
   --dp N                       ranks each parameter is sharded over
                                (default: the live workers / --replicate)
   --replicate R                HSDP replicas (default 1)
+  --ep N                       expert parallelism, as for plan (the CPU and
+                               GPU workers do not run it yet: refused)
   --strategy NAME              a registry strategy (see shardctl strategies)
   --passes P                   forward passes per micro-batch (default 1)
   --no-grad-passes K           leading passes without gradients

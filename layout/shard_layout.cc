@@ -57,8 +57,21 @@ absl::StatusOr<std::vector<UnitLayout>> ComputeUnitLayouts(
   layouts.reserve(plan.units_size());
   for (int u = 0; u < plan.units_size(); ++u) {
     const v1::FsdpUnit& unit = plan.units(u);
+    // Expert parallelism: the unit is one block of its parameters, gathered
+    // over the block's ep_shard ranks.
+    const int ep = unit.ep() > 1 ? unit.ep() : 1;
+    if (world % ep != 0 || (ep > 1 && plan.flat_buckets())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "units[", u, "] (", unit.name(), "): ep ", ep,
+          " must divide mesh.dp_shard (", world,
+          ") in a plan without flat buckets"));
+    }
+    const int group = world / ep;
+    const int block = r / group;
     UnitLayout layout;
-    layout.world = world;
+    layout.world = group;
+    layout.ep = ep;
+    layout.block = block;
     layout.flat = plan.flat_buckets();
     layout.shard_numel = unit.shard_numel();
     layout.gathered_numel = unit.gathered_numel();
@@ -72,9 +85,16 @@ absl::StatusOr<std::vector<UnitLayout>> ComputeUnitLayouts(
       placement.name = param.name();
       placement.index = p;
       placement.frozen = param.frozen();
-      placement.numel = param.numel();
       const std::string where = absl::StrCat(
           "units[", u, "] (", unit.name(), ") parameter '", param.name(), "'");
+      if (EpBlocks(param) != ep) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ": ep_blocks ", param.ep_blocks(), " differs from the unit's ep ",
+            unit.ep()));
+      }
+      // The unsharded parameter the model sees: one block with EP.
+      placement.numel = param.numel() / ep;
+      const int64_t base = block * placement.numel;
       if (layout.flat) {
         const int64_t offset = param.unsharded_offset();
         if (offset < 0 || offset + param.numel() > layout.gathered_numel) {
@@ -111,16 +131,17 @@ absl::StatusOr<std::vector<UnitLayout>> ComputeUnitLayouts(
         }
         // Rank q's rows, for every q (ranks past the last row hold only
         // padding).
-        for (int q = 0; q < world; ++q) {
+        for (int q = 0; q < group; ++q) {
           const std::vector<OwnedRange> runs =
-              OwnedRuns(param, false, shard, q);
+              OwnedRuns(param, false, shard, block * group + q);
           if (runs.empty()) break;
           const int64_t count = runs[0].end - runs[0].begin;
+          const int64_t begin = runs[0].begin - base;
           placement.gathered.push_back(
-              {q * shard + runs[0].shard_offset, runs[0].begin, count});
+              {q * shard + runs[0].shard_offset, begin, count});
           if (!param.frozen()) {
             // Rank q's chunk offset is added once the chunk size is known.
-            placement.grad.push_back({runs[0].begin, grad_offset, count});
+            placement.grad.push_back({begin, grad_offset, count});
           }
         }
         if (!param.frozen()) {

@@ -51,7 +51,13 @@ struct ParamPlacement {
 };
 
 struct UnitLayout {
+  // The ranks the unit is gathered and reduce-scattered over: dp_shard, or
+  // with expert parallelism (ep > 1) the ep_shard ranks of this rank's
+  // block, which the gathered buffer and the parameters below are one
+  // block of (OwnedRange stays global).
   int world = 1;
+  int ep = 1;
+  int block = 0;
   bool flat = false;
   int64_t shard_numel = 0;
   int64_t gathered_numel = 0;

@@ -25,6 +25,16 @@ int64_t ShardedRows(const v1::ParamLayout& param) {
   return row > 0 ? param.numel() / row : 0;
 }
 
+int EpBlocks(const v1::ParamLayout& param) {
+  return param.ep_blocks() > 1 ? param.ep_blocks() : 1;
+}
+
+int64_t EpShardGroup(const v1::ParamLayout& param) {
+  return param.rows_per_rank() > 0
+             ? param.padded_dim0() / param.rows_per_rank()
+             : 0;
+}
+
 bool SplitByElements(const v1::ParamLayout& param) {
   return param.global_shape_size() > 0 && param.row_numel() > 0 &&
          ShardedRows(param) != param.global_shape(0);
@@ -54,12 +64,25 @@ std::vector<OwnedRange> OwnedRuns(const v1::ParamLayout& param, bool flat,
     return out;
   }
   if (param.global_shape_size() == 0 || param.global_shape(0) <= 0) return out;
-  const int64_t dim0 = ShardedRows(param);
+  const int64_t blocks = EpBlocks(param);
+  // Rows of one block (the whole parameter without expert parallelism).
+  const int64_t dim0 = ShardedRows(param) / blocks;
   const int64_t row_numel = RowNumel(param);
-  const int64_t first_row = shard_rank * param.rows_per_rank();
+  int64_t block = 0;
+  int64_t local_rank = shard_rank;
+  if (blocks > 1) {
+    const int64_t group = EpShardGroup(param);
+    if (group < 1) return out;
+    block = shard_rank / group;
+    local_rank = shard_rank % group;
+    if (block >= blocks) return out;
+  }
+  const int64_t base = block * dim0 * row_numel;
+  const int64_t first_row = local_rank * param.rows_per_rank();
   const int64_t rows = std::min(param.rows_per_rank(), dim0 - first_row);
   if (rows > 0 && row_numel > 0) {
-    out.push_back({first_row * row_numel, (first_row + rows) * row_numel,
+    out.push_back({base + first_row * row_numel,
+                   base + (first_row + rows) * row_numel,
                    param.shard_offset()});
   }
   return out;
@@ -83,10 +106,22 @@ absl::StatusOr<std::vector<OwnedRange>> OwnedElementRanges(
         absl::StrCat(where, ": global_shape has no dimensions"));
   }
   const bool flat = param.shard_dim() < 0;
-  if (!flat && shard_rank >= param.valid_rows_size()) {
+  const int64_t ranks =
+      static_cast<int64_t>(param.valid_rows_size()) * EpBlocks(param);
+  if (!flat && shard_rank >= ranks) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, ": shard_rank ", shard_rank, " outside the ",
-                     param.valid_rows_size(), " ranks of its dim-0 layout"));
+                     ranks, " ranks of its dim-0 layout"));
+  }
+  if (!flat && EpBlocks(param) > 1 &&
+      (param.ep_blocks() > param.global_shape(0) ||
+       param.global_shape(0) % param.ep_blocks() != 0 ||
+       EpShardGroup(param) != param.valid_rows_size())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": ep_blocks ", param.ep_blocks(),
+        " must divide dim 0 (", param.global_shape(0),
+        ") and padded_dim0 / rows_per_rank must equal its ",
+        param.valid_rows_size(), " valid_rows entries"));
   }
   return OwnedRuns(param, flat, unit_shard_numel, shard_rank);
 }

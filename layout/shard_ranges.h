@@ -38,6 +38,13 @@ std::vector<int64_t> GlobalShape(const v1::ParamLayout& param);
 int64_t RowNumel(const v1::ParamLayout& param);
 int64_t ShardedRows(const v1::ParamLayout& param);
 
+// Expert parallelism: the blocks a dim-0 parameter is split into (1 without
+// it), and the ranks each block is laid out over (padded_dim0 /
+// rows_per_rank; 0 without rows). Shard rank r then holds block
+// r / EpShardGroup's share of its rank r % EpShardGroup.
+int EpBlocks(const v1::ParamLayout& param);
+int64_t EpShardGroup(const v1::ParamLayout& param);
+
 // Whether the placement split a dim-0 layout parameter by elements (its
 // rows are not its dim 0's), and how many parameters of `plan` it split
 // that way (0 for flat buckets).
@@ -48,8 +55,10 @@ int ElementSplitParams(const v1::ShardingPlan& plan);
 // local shard has `unit_shard_numel` elements, for a plan whose units are
 // flat buckets when `flat`, else dim-0 sharded (valid rows computed from
 // rows_per_rank and the global dim 0). Empty when the rank holds only
-// padding of it, or the parameter has no shape (dim-0). Unchecked: the
-// caller has validated the plan.
+// padding of it, or the parameter has no shape (dim-0). For an
+// expert-parallel parameter `shard_rank` is the rank among all dp_shard
+// ranks (its block's ranks hold that block's rows; the ranges are global).
+// Unchecked: the caller has validated the plan.
 std::vector<OwnedRange> OwnedRuns(const v1::ParamLayout& param, bool flat,
                                   int64_t unit_shard_numel, int shard_rank);
 

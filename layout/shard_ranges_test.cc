@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "common/status_matchers.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/plan.pb.h"
 #include "model/model_util.h"
@@ -66,7 +67,7 @@ TEST_F(ShardRangesTest, Dim0RanksHoldTheirValidRowsOnly) {
   EXPECT_TRUE(b3.empty());
   EXPECT_THAT(OwnedElementRanges(w, unit.shard_numel(), 4),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("outside the 4 ranks")));
+                       ::testing::HasSubstr("outside the 4 ranks")));
   EXPECT_THAT(OwnedElementRanges(w, unit.shard_numel(), -1),
               StatusIs(absl::StatusCode::kInvalidArgument));
 }
@@ -129,4 +130,47 @@ TEST_F(ShardRangesTest, FlatRangesMatchTheBucket) {
 
 }  // namespace
 }  // namespace checkpoint
+}  // namespace shardd
+
+namespace shardd {
+namespace {
+
+// Expert parallelism: rank r owns rows of block r / group only; a layout
+// whose blocks and valid_rows disagree is refused when read unchecked.
+TEST(ExpertParallelRangesTest, RanksOwnRowsOfTheirBlock) {
+  v1::ParamLayout p;
+  p.set_name("experts");
+  p.add_global_shape(8);
+  p.add_global_shape(4);
+  p.set_shard_dim(0);
+  p.set_numel(32);
+  p.set_row_numel(4);
+  p.set_ep_blocks(2);       // Blocks of 4 experts ...
+  p.set_padded_dim0(4);     // ... over 2 ranks of 2 rows.
+  p.set_rows_per_rank(2);
+  p.add_valid_rows(2);
+  p.add_valid_rows(2);
+  p.set_local_numel(8);
+  p.set_shard_offset(5);
+  const std::vector<std::pair<int64_t, int64_t>> want = {
+      {0, 8}, {8, 16}, {16, 24}, {24, 32}};
+  for (int r = 0; r < 4; ++r) {
+    SHARDD_ASSERT_OK_AND_ASSIGN(std::vector<OwnedRange> runs,
+                                checkpoint::OwnedElementRanges(p, 13, r));
+    ASSERT_EQ(runs.size(), 1u) << r;
+    EXPECT_EQ(runs[0].begin, want[r].first) << r;
+    EXPECT_EQ(runs[0].end, want[r].second) << r;
+    EXPECT_EQ(runs[0].shard_offset, 5);
+  }
+  EXPECT_THAT(checkpoint::OwnedElementRanges(p, 13, 4),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       ::testing::HasSubstr("outside the 4 ranks")));
+  v1::ParamLayout bad = p;
+  bad.set_ep_blocks(3);
+  EXPECT_THAT(checkpoint::OwnedElementRanges(bad, 13, 0),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       ::testing::HasSubstr("ep_blocks 3 must divide dim 0 (8)")));
+}
+
+}  // namespace
 }  // namespace shardd

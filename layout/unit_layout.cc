@@ -138,21 +138,34 @@ absl::StatusOr<ParamRows> PlaceParamRows(const std::vector<int64_t>& shape,
 
 absl::Status LayoutDim0Shards(const std::vector<ParamRef>& params,
                               int shard_size, v1::FsdpUnit* unit,
-                              ShardPlacement placement) {
+                              ShardPlacement placement, int ep_blocks) {
   if (unit == nullptr) return absl::InvalidArgumentError("unit is null");
   absl::Status status = CheckCommon(params, shard_size);
   if (!status.ok()) return status;
+  if (ep_blocks < 1 || ep_blocks > kMaxShardSize) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ep_blocks must be in [1, ", kMaxShardSize, "], got ", ep_blocks));
+  }
 
   const int64_t world = shard_size;
   google::protobuf::RepeatedPtrField<v1::ParamLayout> layouts;
   int64_t shard_numel = 0;
-  int64_t numel_total = 0;
+  int64_t numel_total = 0;   // One block's, for unsharded_offset.
+  int64_t global_total = 0;
   int64_t trainable = 0;
   for (const ParamRef& param : params) {
     const v1::TensorSpec& tensor = *param.tensor;
-    absl::StatusOr<ParamRows> placed = PlaceParamRows(
-        std::vector<int64_t>(tensor.shape().begin(), tensor.shape().end()),
-        world, placement);
+    // With expert parallelism each block of dim 0 is laid out on its own.
+    std::vector<int64_t> shape(tensor.shape().begin(), tensor.shape().end());
+    if (shape[0] % ep_blocks != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "parameter '", param.fqn, "': dim 0 (", shape[0],
+          ") must be divisible by the ", ep_blocks,
+          " expert-parallel blocks it is split into"));
+    }
+    shape[0] /= ep_blocks;
+    absl::StatusOr<ParamRows> placed =
+        PlaceParamRows(shape, world, placement);
     if (!placed.ok()) return Overflow("element count", param);
     const int64_t dim0 = placed->rows;
     const int64_t row_numel = placed->row_numel;
@@ -183,15 +196,20 @@ absl::Status LayoutDim0Shards(const std::vector<ParamRef>& params,
     }
     layout->set_shard_offset(shard_numel);
     layout->set_unsharded_offset(numel_total);
-    layout->set_numel(numel);
+    // numel * ep_blocks is the tensor's element count, checked above.
+    const int64_t global_numel = numel * ep_blocks;
+    layout->set_numel(global_numel);
+    if (ep_blocks > 1) layout->set_ep_blocks(ep_blocks);
 
     if (!CheckedAdd(shard_numel, local_numel, &shard_numel)) {
       return Overflow("unit shard size at", param);
     }
-    if (!CheckedAdd(numel_total, numel, &numel_total)) {
+    if (!CheckedAdd(numel_total, numel, &numel_total) ||
+        !CheckedAdd(global_total, global_numel, &global_total)) {
       return Overflow("unit element count at", param);
     }
-    if (!tensor.frozen()) trainable += numel;  // <= numel_total: no overflow.
+    // <= global_total: no overflow.
+    if (!tensor.frozen()) trainable += global_numel;
   }
   int64_t gathered = 0;
   if (!CheckedMul(shard_numel, world, &gathered)) {
@@ -201,8 +219,9 @@ absl::Status LayoutDim0Shards(const std::vector<ParamRef>& params,
                      "overflows int64"));
   }
   unit->mutable_params()->Swap(&layouts);
-  unit->set_numel(numel_total);
+  unit->set_numel(global_total);
   unit->set_shard_numel(shard_numel);
+  unit->set_ep(ep_blocks > 1 ? ep_blocks : 0);
   unit->set_gathered_numel(gathered);
   unit->set_trainable_numel(trainable);
   return absl::OkStatus();

@@ -77,13 +77,20 @@ absl::StatusOr<ParamRows> PlaceParamRows(const std::vector<int64_t>& shape,
 // Fills unit->params (replacing any), numel, shard_numel, gathered_numel and
 // trainable_numel for the dim-0 layout, each parameter placed by
 // `placement`. ParamLayout.dtype is the tensor's own dtype (the planner may
-// override it with the master dtype). On error `unit` is left unchanged.
-// Errors: INVALID_ARGUMENT (shard_size outside [1, 2^20], an empty parameter
-// list, a null tensor, a shape with no dimensions or a dimension < 1,
-// element counts overflowing int64).
+// override it with the master dtype). With `ep_blocks` > 1 (expert
+// parallelism) every parameter's dim 0 is split into that many blocks and
+// the layout is one block's over `shard_size` ranks (ep_shard): the
+// per-rank fields, shard_numel and gathered_numel are a block's, numel and
+// trainable_numel the tensors' own; ParamLayout.ep_blocks and FsdpUnit.ep
+// say so. On error `unit` is left unchanged.
+// Errors: INVALID_ARGUMENT (shard_size or ep_blocks outside [1, 2^20], an
+// empty parameter list, a null tensor, a shape with no dimensions or a
+// dimension < 1, a dim 0 that ep_blocks does not divide, element counts
+// overflowing int64).
 absl::Status LayoutDim0Shards(const std::vector<ParamRef>& params,
                               int shard_size, v1::FsdpUnit* unit,
-                              ShardPlacement placement = ShardPlacement::kAuto);
+                              ShardPlacement placement = ShardPlacement::kAuto,
+                              int ep_blocks = 1);
 
 // Same for the flat layout; sets shard_dim = -1, unsharded_offset, numel and
 // first_shard_rank / last_shard_rank. The per-rank fields of the dim-0 layout

@@ -539,3 +539,48 @@ TEST(LayoutPropertyTest, FlatCoversEveryElementOnce) {
 
 }  // namespace
 }  // namespace shardd
+
+namespace shardd {
+namespace {
+
+// Expert parallelism: [8, 3, 2] experts in 4 blocks of 2 over 2 ranks
+// each: every block laid out alone (1 row per rank), global sizes kept.
+TEST(LayoutDim0Test, ExpertParallelBlocks) {
+  Params params;
+  params.Add("experts", {8, 3, 2}).Add("bias", {8, 3});
+  v1::FsdpUnit unit;
+  SHARDD_ASSERT_OK(LayoutDim0Shards(params.refs(), 2, &unit,
+                                    ShardPlacement::kAuto, /*ep_blocks=*/4));
+  EXPECT_EQ(unit.ep(), 4);
+  EXPECT_EQ(unit.numel(), 48 + 24);
+  EXPECT_EQ(unit.trainable_numel(), 48 + 24);
+  EXPECT_EQ(unit.shard_numel(), 6 + 3);
+  EXPECT_EQ(unit.gathered_numel(), 2 * 9);
+  const v1::ParamLayout& p = unit.params(0);
+  EXPECT_EQ(p.ep_blocks(), 4);
+  EXPECT_THAT(Vec(p.global_shape()), ElementsAre(8, 3, 2));
+  EXPECT_EQ(p.numel(), 48);
+  EXPECT_EQ(p.padded_dim0(), 2);
+  EXPECT_EQ(p.rows_per_rank(), 1);
+  EXPECT_THAT(Vec(p.valid_rows()), ElementsAre(1, 1));
+  EXPECT_THAT(Vec(p.local_shape()), ElementsAre(1, 3, 2));
+  EXPECT_EQ(unit.params(1).unsharded_offset(), 12);  // One block's elements.
+
+  // A dim 0 the blocks do not divide is refused, naming the parameter.
+  Params odd;
+  odd.Add("experts", {6, 2});
+  v1::FsdpUnit untouched;
+  EXPECT_THAT(LayoutDim0Shards(odd.refs(), 1, &untouched,
+                               ShardPlacement::kAuto, 4),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("'experts'"),
+                             HasSubstr("must be divisible by the 4"))));
+  EXPECT_EQ(untouched.params_size(), 0);
+  EXPECT_THAT(LayoutDim0Shards(odd.refs(), 1, &untouched,
+                               ShardPlacement::kAuto, 0),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("ep_blocks must be in [1,")));
+}
+
+}  // namespace
+}  // namespace shardd

@@ -1,5 +1,6 @@
 #include "planner/activation_model.h"
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <map>
@@ -46,7 +47,45 @@ struct LayerBytes {
   int64_t experts_checkpoint = 0;
   bool checkpoint_after_experts = false;
   bool has_experts = false;
+  int64_t routed_rows = 0;
+  int64_t dispatch = 0;
 };
+
+// Expert parallelism as the activations see it: a rank's local experts
+// (E / ep of them) process the rows all ep ranks of its group route to
+// them, at most capacity x the balanced share (T * top_k rows).
+struct EpShape {
+  int ep = 1;
+  double capacity = 1.0;
+};
+
+// The grouped experts' state over the n = t * k rows a layer routes:
+// experts_saved, experts_backward and the exchange's buffers. Without
+// expert parallelism the rows are this rank's own and all e experts are
+// local; with it the experts run over the received rows.
+void SetExpertBytes(int64_t t, int64_t k, int64_t e, int64_t d, int64_t inter,
+                    const EpShape& ep, LayerBytes* b) {
+  const int64_t n = t * k;
+  const int64_t local_e = e / ep.ep;
+  const int64_t rows =
+      ep.ep > 1 ? static_cast<int64_t>(std::ceil(ep.capacity * n)) : n;
+  b->routed_rows = n;
+  // The rows sent to the experts and the outputs combined back.
+  b->dispatch = ep.ep > 1 ? 2 * n * d * kF32 : 0;
+  // The sort (offsets and cursor in int64), each slot's row, each row's
+  // token and weight, the permuted inputs, gate/up pre-activations and the
+  // weighted activation.
+  b->experts_saved += (local_e + 1 + local_e) * kI64 +
+                      (t * k + rows + rows + rows * d + rows * 2 * inter +
+                       rows * inter) *
+                          kF32 +
+                      b->dispatch;
+  // Backward: the activation's and the pre-activations' gradients, each
+  // row's weight gradient, the input rows' and the output rows' gradients.
+  b->experts_backward = (rows * inter + rows + rows * 2 * inter + rows * d +
+                         rows * d) *
+                        kF32;
+}
 
 void SetLayer(int l, const LayerBytes& b, v1::LayerActivations* layer) {
   layer->set_layer(l);
@@ -61,12 +100,14 @@ void SetLayer(int l, const LayerBytes& b, v1::LayerActivations* layer) {
   layer->set_encoder_kv_grad_bytes(b.encoder_kv_grad);
   layer->set_experts_checkpoint_bytes(b.experts_checkpoint);
   layer->set_checkpoint_after_experts(b.checkpoint_after_experts);
+  layer->set_routed_rows(b.routed_rows);
+  layer->set_dispatch_bytes(b.dispatch);
 }
 
 absl::StatusOr<LayerBytes> LayerActivations(const v1::ModelSpec& model,
                                             const Shapes& shapes, int layer,
                                             int64_t batch, int64_t seq,
-                                            int64_t d) {
+                                            int64_t d, const EpShape& ep) {
   const v1::ModelDims& dims = model.dims();
   const std::string p = absl::StrCat("model.layers.", layer, ".");
   const int64_t t = batch * seq;
@@ -164,15 +205,7 @@ absl::StatusOr<LayerBytes> LayerActivations(const v1::ModelSpec& model,
   b.saved = saved * kF32;
   b.backward *= kF32;
   b.handoff *= kF32;
-  // Grouped experts over the n = T * K routed rows: the sort (offsets and
-  // cursor in int64), each slot's row, each row's token and weight, the
-  // permuted inputs, gate/up pre-activations and the weighted activation.
-  const int64_t n = t * k;
-  b.experts_saved = (e + 1 + e) * kI64 +
-                    (t * k + n + n + n * d + n * 2 * inter + n * inter) * kF32;
-  // Backward: the activation's and the pre-activations' gradients, each
-  // row's weight gradient, the input rows' and the output rows' gradients.
-  b.experts_backward = (n * inter + n + n * 2 * inter + n * d + n * d) * kF32;
+  SetExpertBytes(t, k, e, d, inter, ep, &b);
   b.experts_grad = (t * d + t * k) * kF32;  // dn and the weights' gradient
   return b;
 }
@@ -184,7 +217,8 @@ absl::StatusOr<LayerBytes> GemmaLayerActivations(const v1::ModelSpec& model,
                                                  const Shapes& shapes,
                                                  int layer, int64_t t,
                                                  int64_t encoder_rows,
-                                                 bool keep_kv, int64_t d) {
+                                                 bool keep_kv, int64_t d,
+                                                 const EpShape& ep) {
   const v1::ModelDims& dims = model.dims();
   const std::string p = absl::StrCat("model.layers.", layer, ".");
   const int64_t hq = dims.num_attention_heads();
@@ -222,14 +256,12 @@ absl::StatusOr<LayerBytes> GemmaLayerActivations(const v1::ModelSpec& model,
   b.experts_checkpoint = (3 * d + 1 + t) * kF32;
   b.checkpoint_after_experts = true;
   b.backward = t * (e + 2 * inter_dense) * kF32;  // router, MLP gradients
-  const int64_t n = t * k;
   // FORWARD(EXPERTS): the layer unit's weights it copies (three norms and
   // the scalar), the experts' output and two inverse RMS, kept until
   // BACKWARD(LAYER); the grouped experts' state as for other layers.
   b.experts_kept = (3 * d + 1 + t * d + 2 * t) * kF32;
-  b.experts_saved = b.experts_kept + (e + 1 + e) * kI64 +
-                    (t * k + n + n + n * d + n * 2 * inter + n * inter) * kF32;
-  b.experts_backward = (n * inter + n + n * 2 * inter + n * d + n * d) * kF32;
+  b.experts_saved = b.experts_kept;
+  SetExpertBytes(t, k, e, d, inter, ep, &b);
   // The mid residual's and the sum's gradients, the weights', three norm
   // weights' gradients.
   b.experts_grad = (2 * t * d + t * k + 3 * d) * kF32;
@@ -312,7 +344,19 @@ absl::StatusOr<v1::ActivationModel> ModelActivations(
         "hidden]");
   }
   const int64_t t = batch * seq;
+  EpShape ep;
+  if (options.mesh().ep() > 1) {
+    ep.ep = options.mesh().ep();
+    ep.capacity = options.ep_capacity_factor() > 0
+                      ? options.ep_capacity_factor()
+                      : kDefaultEpCapacityFactor;
+  }
   v1::ActivationModel out;
+  if (ep.ep > 1) {
+    out.set_ep(ep.ep);
+    out.set_ep_capacity_factor(ep.capacity);
+  }
+  out.set_hidden_size(d);
   out.set_micro_batch_size(static_cast<int32_t>(batch));
   out.set_seq_len(seq);
   out.set_checkpointing(policy.Text());
@@ -364,18 +408,19 @@ absl::StatusOr<v1::ActivationModel> ModelActivations(
       // The encode of the block-diffusion step keeps its K/V for the
       // decodes when recomputed.
       SHARDD_ASSIGN_OR_RETURN(
-          b, GemmaLayerActivations(model, shapes, l, t, 0, diffusion, d));
+          b, GemmaLayerActivations(model, shapes, l, t, 0, diffusion, d, ep));
       if (diffusion) {
         SHARDD_ASSIGN_OR_RETURN(
             LayerBytes decode,
-            GemmaLayerActivations(model, shapes, l, batch * rows, t, false, d));
+            GemmaLayerActivations(model, shapes, l, batch * rows, t, false, d,
+                                  ep));
         v1::LayerActivations* dl = out.add_decode_layers();
         SetLayer(l, decode, dl);
         SetPolicy(policy, l, decode.has_experts, dl);
       }
     } else {
       SHARDD_ASSIGN_OR_RETURN(
-          b, LayerActivations(model, shapes, l, batch, seq, d));
+          b, LayerActivations(model, shapes, l, batch, seq, d, ep));
     }
     v1::LayerActivations* layer = out.add_layers();
     SetLayer(l, b, layer);

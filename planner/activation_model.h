@@ -24,6 +24,10 @@
 
 namespace shardd {
 
+// PlanOptions.ep_capacity_factor when 0: a rank's experts are assumed to
+// receive at most twice the balanced share of routed rows.
+inline constexpr double kDefaultEpCapacityFactor = 2.0;
+
 // PlanOptions.activation_checkpointing parsed: which layers recompute.
 struct CheckpointPolicy {
   enum Kind { kNone, kAll, kExperts, kEveryK };
@@ -41,7 +45,10 @@ absl::StatusOr<CheckpointPolicy> ParseCheckpointPolicy(absl::string_view text);
 // of options.seq_len() tokens with options.activation_checkpointing(), for
 // the step shape options.passes() / no_grad_passes() (as planned: for
 // DiffusionGemma 3 / 1 is the block-diffusion step, which decodes
-// options.response_length() rows, 0: dims.canvas_length).
+// options.response_length() rows, 0: dims.canvas_length). With
+// options.mesh().ep() > 1 the experts' bytes are those of E / ep local
+// experts over options.ep_capacity_factor() (0: the default) times the
+// balanced rows, plus the exchange's buffers; the planner has checked both.
 // Errors: INVALID_ARGUMENT naming the field (micro_batch_size or seq_len
 // < 1 or too large for 64-bit byte counts, a malformed
 // activation_checkpointing, response_length outside [1, seq_len), a layer

@@ -48,13 +48,21 @@ absl::StatusOr<LayerSplit> SplitByLayer(const v1::ModelSpec& model);
 // Appends a UNIT_LAYER unit for `layer` (a prefetch target).
 void AddLayerUnit(LayerSplit::Layer layer, UnitGrouping* grouping);
 
+// Appends `layer` with each of its grouped-experts modules as a UNIT_EXPERTS
+// unit nested before it (not a prefetch target), then the rest of the layer
+// as its UNIT_LAYER unit; a layer of nothing but experts stays one layer
+// unit.
+void AddLayerUnitWithExperts(LayerSplit::Layer layer, UnitGrouping* grouping);
+
 // Appends the UNIT_ROOT unit when `params` is non-empty.
 void AddRootUnit(std::vector<ParamRef> params, UnitGrouping* grouping);
 
 // One UNIT_LAYER unit per decoder layer (layer units are prefetch targets),
 // then one UNIT_ROOT unit "<root>" with every other parameter (embeddings,
 // final norm, head, layer-less models). Tied parameters are skipped. A model
-// whose parameters all sit in layers gets no root unit.
+// whose parameters all sit in layers gets no root unit. With expert
+// parallelism (options.mesh.ep > 1) each layer's experts form their own
+// nested unit, as in diffusion_gemma.
 class DefaultStrategy : public ShardingStrategy {
  public:
   static constexpr char kName[] = "default";

@@ -71,6 +71,18 @@ absl::StatusOr<v1::MeshSpec> NormalizeMesh(const PlanOptions& options) {
         "later, not planned yet), got ",
         in.cp()));
   }
+  if (in.ep() < 0 || in.ep() > kMaxWorldSize) {
+    return OutOfRange("options.mesh.ep (--ep)", in.ep(), 1, kMaxWorldSize);
+  }
+  if (in.ep() > 1) {
+    if (mesh.dp_shard() % in.ep() != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "options.mesh.ep (--ep): the expert-parallel degree must divide "
+          "options.mesh.dp_shard (",
+          mesh.dp_shard(), ", the ranks of one replica), got ", in.ep()));
+    }
+    mesh.set_ep(in.ep());
+  }
   const int64_t world =
       static_cast<int64_t>(mesh.dp_shard()) * mesh.dp_replicate();
   if (world > kMaxWorldSize) {
@@ -93,6 +105,76 @@ absl::Status ValidateReshard(const PlanOptions& options, int dp_shard) {
         "options.reshard_after_forward.group_size: must be >= 1 and divide "
         "options.mesh.dp_shard (",
         dp_shard, "), got ", g));
+  }
+  return absl::OkStatus();
+}
+
+bool UnderGroupedExperts(const ParamRef& param) {
+  for (const v1::ModuleSpec* module : param.path) {
+    if (module->kind() == v1::MODULE_GROUPED_EXPERTS) return true;
+  }
+  return false;
+}
+
+// Expert parallelism needs every routed expert in an experts unit of its
+// own (so that it can be placed by block) and E divisible by ep.
+absl::Status CheckExpertParallel(const std::string& strategy,
+                                 const UnitGrouping& grouping, int ep) {
+  const std::string field = "options.mesh.ep (--ep)";
+  if (grouping.flat_buckets) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": strategy '", strategy,
+        "' packs parameters into flat buckets that cut experts anywhere, so "
+        "it cannot place whole experts on ranks; expert parallelism works "
+        "with the strategies 'default' and 'diffusion_gemma'"));
+  }
+  int64_t experts = 0;
+  for (const UnitDraft& draft : grouping.units) {
+    for (const ParamRef& param : draft.params) {
+      if (!UnderGroupedExperts(param)) continue;
+      ++experts;
+      if (draft.kind != v1::UNIT_EXPERTS) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ": strategy '", strategy, "' keeps the routed expert "
+            "parameter '", param.fqn, "' in unit '", draft.name,
+            "' with other parameters, so it cannot place experts by block; "
+            "expert parallelism works with the strategies 'default' and "
+            "'diffusion_gemma'"));
+      }
+      const int64_t e = param.tensor->shape_size() > 0
+                            ? param.tensor->shape(0)
+                            : 0;
+      if (e % ep != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ": ", ep, " does not divide the ", e,
+            " routed experts of '", param.fqn,
+            "'; allowed: divisors of the expert count that also divide "
+            "options.mesh.dp_shard"));
+      }
+    }
+  }
+  if (experts == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": the model has no routed (grouped) experts to place; "
+        "expert parallelism needs a mixture-of-experts model (leave ep at "
+        "1)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckCapacityFactor(const PlanOptions& options, int ep) {
+  const double c = options.ep_capacity_factor();
+  if (c == 0) return absl::OkStatus();
+  if (ep <= 1) {
+    return absl::InvalidArgumentError(
+        "options.ep_capacity_factor: applies with expert parallelism "
+        "(options.mesh.ep > 1) only; leave it 0");
+  }
+  if (!(c >= 1.0 && c <= ep)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.ep_capacity_factor: must be between 1 (balanced routing) "
+        "and options.mesh.ep (",
+        ep, ": every row to one rank), got ", c));
   }
   return absl::OkStatus();
 }
@@ -225,6 +307,11 @@ uint64_t Fingerprint(const ShardingPlan& plan) {
   f.AddInt(plan.mesh().dp_replicate());
   f.AddInt(plan.mesh().tp());
   f.AddInt(plan.mesh().cp());
+  // Plans without expert parallelism keep their fingerprints.
+  if (plan.mesh().ep() > 1) {
+    f.AddString("ep");
+    f.AddInt(plan.mesh().ep());
+  }
   f.AddInt(plan.flat_buckets() ? 1 : 0);
   f.AddInt(plan.bucket_elements());
   f.AddInt(plan.units_size());
@@ -261,6 +348,7 @@ uint64_t Fingerprint(const ShardingPlan& plan) {
       f.AddInt(param.shard_offset());
       f.AddInt(param.unsharded_offset());
       f.AddInt(param.frozen() ? 1 : 0);
+      if (param.ep_blocks() > 1) f.AddInt(param.ep_blocks());
     }
   }
   // Which layers recompute changes what the workers run (plans without
@@ -271,6 +359,7 @@ uint64_t Fingerprint(const ShardingPlan& plan) {
     f.AddInt(a.micro_batch_size());
     f.AddInt(a.seq_len());
     f.AddString(a.checkpointing());
+    if (a.ep() > 1) f.AddInt(static_cast<int64_t>(a.ep_capacity_factor() * 1000));
   }
   return f.value();
 }
@@ -290,6 +379,7 @@ absl::StatusOr<ShardingPlan> ShardingPlanner::Plan(
   SHARDD_ASSIGN_OR_RETURN(v1::MeshSpec mesh, NormalizeMesh(options));
   const int dp_shard = mesh.dp_shard();
   SHARDD_RETURN_IF_ERROR(ValidateReshard(options, dp_shard));
+  SHARDD_RETURN_IF_ERROR(CheckCapacityFactor(options, mesh.ep()));
   SHARDD_ASSIGN_OR_RETURN(v1::StepShape step,
                           MakeStep(options, model.architecture()));
   if (options.bucket_elements() < 0) {
@@ -321,9 +411,15 @@ absl::StatusOr<ShardingPlan> ShardingPlanner::Plan(
     return absl::InternalError("strategy registry returned no strategy");
   }
   const std::string strategy_name = strategy->name();
+  v1::PlanOptions normalized = options;
+  *normalized.mutable_mesh() = mesh;
   SHARDD_ASSIGN_OR_RETURN(UnitGrouping grouping,
-                          strategy->GroupParams(model, options));
+                          strategy->GroupParams(model, normalized));
   SHARDD_RETURN_IF_ERROR(CheckGrouping(strategy_name, grouping));
+  const int ep = mesh.ep() > 1 ? mesh.ep() : 1;
+  if (ep > 1) {
+    SHARDD_RETURN_IF_ERROR(CheckExpertParallel(strategy_name, grouping, ep));
+  }
 
   const bool mixed =
       !options.has_mixed_precision() || options.mixed_precision();
@@ -360,10 +456,15 @@ absl::StatusOr<ShardingPlan> ShardingPlanner::Plan(
     unit->set_index(i);
     unit->set_parent(draft.parent);
     unit->set_prefetch_target(draft.prefetch_target);
+    // Routed experts under expert parallelism: one block per ep rank
+    // group, laid out over its ep_shard ranks.
+    const bool ep_unit = ep > 1 && draft.kind == v1::UNIT_EXPERTS;
     const absl::Status laid_out =
         grouping.flat_buckets
             ? LayoutFlatRanges(draft.params, dp_shard, unit)
-            : LayoutDim0Shards(draft.params, dp_shard, unit, placement);
+        : ep_unit ? LayoutDim0Shards(draft.params, dp_shard / ep, unit,
+                                     placement, ep)
+                  : LayoutDim0Shards(draft.params, dp_shard, unit, placement);
     if (!laid_out.ok()) {
       return absl::Status(
           laid_out.code(),

@@ -26,7 +26,12 @@ class ShardingPlanner {
   // Errors: INVALID_ARGUMENT naming the field: mesh sizes < 1 or a world
   // above kMaxWorldSize, tp or cp != 1, a reshard group that does not divide
   // dp_shard, unknown strategy (listing the registered ones), step shape out
-  // of range; plus the errors of ValidateModelSpec and the strategy.
+  // of range; mesh.ep (expert parallelism, docs/expert_parallel.md) that
+  // does not divide dp_shard or a layer's routed experts, on a model without
+  // grouped experts, or with a strategy that does not give the experts units
+  // of their own (megatron_fsdp, deepseek_v4); ep_capacity_factor outside
+  // [1, ep] or set without ep; plus the errors of ValidateModelSpec and the
+  // strategy.
   absl::StatusOr<v1::ShardingPlan> Plan(const v1::ModelSpec& model,
                                         const v1::PlanOptions& options) const;
 

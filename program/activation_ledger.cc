@@ -29,6 +29,25 @@ const v1::LayerActivations& ActivationLedger::DecodeLayer(int layer) const {
   return it == decode_layers_.end() ? none_ : *it->second;
 }
 
+ActivationLedger::Exchanges ActivationLedger::AllToAll(Command::Op op,
+                                                       Command::Part part,
+                                                       int layer,
+                                                       int pass) const {
+  Exchanges out;
+  if (model_ == nullptr || model_->ep() <= 1 || part != Command::EXPERTS) {
+    return out;
+  }
+  const v1::LayerActivations& l =
+      model_->block_diffusion() && pass > 0 ? DecodeLayer(layer) : Layer(layer);
+  if (l.routed_rows() <= 0) return out;
+  out.rows = l.routed_rows();
+  out.count = 2;
+  if (op == Command::BACKWARD && (l.recompute() || l.recompute_experts())) {
+    out.count += 2;
+  }
+  return out;
+}
+
 int64_t ActivationLedger::LayerPart(Command::Op op, Command::Part part,
                                     const v1::LayerActivations& l, bool keep,
                                     bool recompute) {

@@ -32,6 +32,18 @@ class ActivationLedger {
 
   int64_t live() const { return live_; }
 
+  // Expert parallelism (the model's ep > 1): the all-to-all exchanges one
+  // computation runs and the routed rows each moves. FORWARD(EXPERTS)
+  // dispatches and combines (2); BACKWARD(EXPERTS) runs their transposes
+  // (2), and 2 more when it recomputes the experts' forward. None
+  // otherwise.
+  struct Exchanges {
+    int count = 0;
+    int64_t rows = 0;
+  };
+  Exchanges AllToAll(v1::Command::Op op, v1::Command::Part part, int layer,
+                     int pass) const;
+
  private:
   const v1::LayerActivations& Layer(int layer) const;
   const v1::LayerActivations& DecodeLayer(int layer) const;

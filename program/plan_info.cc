@@ -104,12 +104,30 @@ absl::Status AnalyzeUnit(const ShardingPlan& plan, int i, int dp_shard,
   if (u.shard_numel() < 0 || u.numel() < 0 || u.trainable_numel() < 0) {
     return InvalidUnit(i, "shard_numel", "sizes must be >= 0");
   }
-  if (u.shard_numel() > INT64_MAX / dp_shard ||
-      u.gathered_numel() != u.shard_numel() * dp_shard) {
-    return InvalidUnit(i, "gathered_numel",
-                       absl::StrCat("must equal shard_numel * mesh.dp_shard (",
-                                    u.shard_numel(), " * ", dp_shard, "), got ",
-                                    u.gathered_numel()));
+  // Expert parallelism: the unit is gathered over its block's ep_shard
+  // ranks.
+  const int ep = u.ep() > 1 ? u.ep() : 1;
+  if (u.ep() < 0 || dp_shard % ep != 0 ||
+      (ep > 1 && (plan.flat_buckets() || u.kind() != v1::UNIT_EXPERTS ||
+                  ep != plan.mesh().ep()))) {
+    return InvalidUnit(
+        i, "ep",
+        absl::StrCat("must be 0, or mesh.ep (", plan.mesh().ep(),
+                     ", dividing mesh.dp_shard ", dp_shard,
+                     ") on an experts unit of a plan without flat buckets, "
+                     "got ",
+                     u.ep()));
+  }
+  const int group = dp_shard / ep;
+  m->group = group;
+  m->ep = ep;
+  if (u.shard_numel() > INT64_MAX / group ||
+      u.gathered_numel() != u.shard_numel() * group) {
+    return InvalidUnit(
+        i, "gathered_numel",
+        absl::StrCat("must equal shard_numel * its shard group (mesh.dp_shard",
+                     ep > 1 ? " / ep" : "", ": ", u.shard_numel(), " * ",
+                     group, "), got ", u.gathered_numel()));
   }
   if (u.parent() != -1 && (u.parent() <= i || u.parent() >= n)) {
     return InvalidUnit(
@@ -147,7 +165,7 @@ absl::Status AnalyzeUnit(const ShardingPlan& plan, int i, int dp_shard,
   SHARDD_RETURN_IF_ERROR(MulBytes(i, "gathered_numel", u.gathered_numel(),
                                   compute_size, &m->gathered_bytes));
   SHARDD_RETURN_IF_ERROR(MulBytes(i, "trainable_numel",
-                                  m->trainable_shard_numel * dp_shard,
+                                  m->trainable_shard_numel * group,
                                   reduce_size, &m->grad_bytes));
   SHARDD_RETURN_IF_ERROR(MulBytes(i, "trainable_numel",
                                   m->trainable_shard_numel, reduce_size,
@@ -170,10 +188,12 @@ absl::Status AnalyzeUnit(const ShardingPlan& plan, int i, int dp_shard,
             absl::StrCat("must be >= 1 and divide mesh.dp_shard (", dp_shard,
                          "), got ", g));
       }
-      // As in FSDP2: 1 means keep everything, dp_shard means free.
+      // As in FSDP2: 1 means keep everything, dp_shard means free. An
+      // expert-parallel unit keeps a slice only where g divides its
+      // smaller group, and frees the rest.
       if (g == 1) {
         m->policy = ForwardPolicy::kKeep;
-      } else if (g == dp_shard) {
+      } else if (g >= group || group % g != 0) {
         m->policy = ForwardPolicy::kFree;
       } else {
         m->policy = ForwardPolicy::kPartial;

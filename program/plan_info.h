@@ -25,6 +25,10 @@ struct UnitInfo {
   bool is_root = false;
   ForwardPolicy policy = ForwardPolicy::kFree;
   int group_size = 0;               // kPartial: the smaller shard group.
+  // The ranks it is gathered over: dp_shard, or dp_shard / ep for an
+  // expert-parallel unit (ep > 1).
+  int group = 1;
+  int ep = 1;
   int64_t gathered_bytes = 0;       // Unsharded params, compute dtype.
   int64_t grad_bytes = 0;           // Unsharded grads, reduce dtype.
   int64_t shard_grad_bytes = 0;     // Sharded grads, reduce dtype.

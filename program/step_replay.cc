@@ -310,6 +310,16 @@ absl::Status Runner::Run(int index, const Command& c) {
     v1::MemoryReport* memory = replay_->memory;
     memory->set_peak_activation_bytes(
         std::max(memory->peak_activation_bytes(), during));
+    const ActivationLedger::Exchanges exchanges =
+        activations_.AllToAll(c.op(), c.part(), c.layer(), c.pass());
+    if (exchanges.count > 0) {
+      // Rows of the hidden size, in the activations' fp32.
+      v1::CommReport* comm = replay_->comm;
+      comm->set_all_to_alls(comm->all_to_alls() + exchanges.count);
+      comm->set_all_to_all_bytes(comm->all_to_all_bytes() +
+                                 exchanges.count * exchanges.rows *
+                                     info_.activations->hidden_size() * 4);
+    }
   }
   if (++position_ == static_cast<int>(schedule_.size())) {
     position_ = 0;

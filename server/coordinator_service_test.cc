@@ -906,6 +906,33 @@ TEST_F(CoordinatorServiceTest, SubmitStepChecksItsInput) {
   EXPECT_TRUE(workers.loads().empty());
 }
 
+// Expert parallelism is planned (SubmitModel, as `shardctl plan --ep`
+// uses it) but a job with it is refused until the workers run it.
+TEST_F(CoordinatorServiceTest, ExpertParallelJobsAreRefusedNamingTheFlag) {
+  RecordingWorkers workers;
+  CoordinatorServiceOptions options;
+  options.worker_clients = workers.Factory();
+  auto service = MakeService(options);
+  v1::ModelSpec spec = TinySpec();
+  v1::ModuleSpec* layers =
+      spec.mutable_root()->mutable_children(0)->mutable_children(1);
+  for (v1::ModuleSpec& layer : *layers->mutable_children()) {
+    v1::ModuleSpec* experts =
+        AddChild(&layer, "experts", v1::MODULE_GROUPED_EXPERTS);
+    AddParam(experts, "gate_and_up_projs", {4, kHidden, 2 * kInter});
+    AddParam(experts, "down_projs", {4, kInter, kHidden});
+  }
+  v1::SubmitModelRequest request = SpecRequest(spec, 2);
+  request.mutable_options()->mutable_mesh()->set_ep(2);
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto model, service->SubmitModel(request));
+  EXPECT_EQ(model.plan().mesh().ep(), 2);
+  EXPECT_THAT(service->SubmitStep(StepRequest(model.model_id())),
+              StatusIs(absl::StatusCode::kUnimplemented,
+                       AllOf(HasSubstr("options.mesh.ep (--ep)"),
+                             HasSubstr("docs/expert_parallel.md"))));
+  EXPECT_TRUE(workers.loads().empty());
+}
+
 TEST_F(CoordinatorServiceTest, SubmitStepNeedsLiveWorkersForThePlansWorld) {
   RecordingWorkers workers;
   CoordinatorServiceOptions options;

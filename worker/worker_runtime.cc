@@ -75,6 +75,12 @@ absl::Status CheckPlanMatchesModel(const v1::ShardingPlan& plan,
     return absl::InvalidArgumentError(absl::StrCat(
         "plan.mesh: tp and cp must be 1, got ", mesh.tp(), " and ", mesh.cp()));
   }
+  if (mesh.ep() > 1) {
+    return absl::UnimplementedError(absl::StrCat(
+        "plan.mesh.ep: expert parallelism (", mesh.ep(),
+        ") is planned but not executed by this worker yet "
+        "(docs/expert_parallel.md)"));
+  }
   const int64_t world =
       static_cast<int64_t>(mesh.dp_shard()) * mesh.dp_replicate();
   if (plan.world_size() != world) {

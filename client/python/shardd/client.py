@@ -72,6 +72,8 @@ def plan_options(
     *,
     dp: Optional[int] = None,
     replicate: Optional[int] = None,
+    ep: Optional[int] = None,
+    ep_capacity_factor: Optional[float] = None,
     strategy: Optional[str] = None,
     microbatches: Optional[int] = None,
     passes: Optional[int] = None,
@@ -94,6 +96,11 @@ def plan_options(
     Args:
         dp: ranks to shard over (MeshSpec.dp_shard).
         replicate: replicas (MeshSpec.dp_replicate, HSDP when > 1).
+        ep: expert-parallel degree (MeshSpec.ep): the dp ranks form ep
+            groups, each holding 1/ep of every layer's routed experts
+            (docs/expert_parallel.md; planned, not yet trained).
+        ep_capacity_factor: with ep, the routing skew the activation model
+            assumes (default 2.0, between 1 and ep).
         strategy: a registered strategy instead of the model's architecture.
         microbatches, passes, no_grad_passes, defer_grad_sync: the step shape.
         reshard_after_forward: True/False, or an int group size.
@@ -114,6 +121,10 @@ def plan_options(
         options.mesh.dp_shard = dp
     if replicate is not None:
         options.mesh.dp_replicate = replicate
+    if ep is not None:
+        options.mesh.ep = ep
+    if ep_capacity_factor is not None:
+        options.ep_capacity_factor = ep_capacity_factor
     if strategy is not None:
         options.strategy = strategy
     if microbatches is not None:
