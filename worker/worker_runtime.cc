@@ -128,7 +128,8 @@ void AddCommunicatorStats(const CommunicatorStats& from,
         std::make_pair(&from.reduce_scatter, &to->reduce_scatter),
         std::make_pair(&from.all_reduce, &to->all_reduce),
         std::make_pair(&from.broadcast, &to->broadcast),
-        std::make_pair(&from.barrier, &to->barrier)}) {
+        std::make_pair(&from.barrier, &to->barrier),
+        std::make_pair(&from.all_to_all, &to->all_to_all)}) {
     dst->calls += src->calls;
     dst->failures += src->failures;
     dst->bytes += src->bytes;

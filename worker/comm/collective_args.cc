@@ -1,9 +1,11 @@
 #include "worker/comm/collective_args.h"
 
 #include <limits>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
+#include "common/status_macros.h"
 
 namespace shardd {
 
@@ -50,6 +52,43 @@ absl::StatusOr<int64_t> CollectiveBufferBytes(int64_t count, int64_t ranks,
         absl::StrCat(count_name, " ", count, " overflows the buffer size"));
   }
   return count * per_element;
+}
+
+absl::StatusOr<AllToAllVBytes> CollectiveAllToAllVBytes(
+    const std::vector<int64_t>& send_counts,
+    const std::vector<int64_t>& recv_counts, int rank, int world_size,
+    int64_t element_bytes) {
+  AllToAllVBytes out;
+  for (const auto& [counts, name, total] :
+       {std::make_tuple(&send_counts, "send_counts", &out.send),
+        std::make_tuple(&recv_counts, "recv_counts", &out.recv)}) {
+    if (static_cast<int64_t>(counts->size()) != world_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " must have one entry per rank (", world_size,
+                       "), got ", counts->size()));
+    }
+    int64_t elements = 0;
+    for (size_t r = 0; r < counts->size(); ++r) {
+      const int64_t c = (*counts)[r];
+      if (c < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            name, "[", r, "] must be >= 0, got ", c));
+      }
+      if (__builtin_add_overflow(elements, c, &elements)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(name, ": the total overflows int64"));
+      }
+    }
+    SHARDD_ASSIGN_OR_RETURN(
+        *total, CollectiveBufferBytes(elements, 1, element_bytes, name));
+  }
+  if (rank < 0 || rank >= world_size ||
+      send_counts[rank] != recv_counts[rank]) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "recv_counts[", rank, "] must equal send_counts[", rank,
+        "] (the piece this rank sends itself)"));
+  }
+  return out;
 }
 
 absl::Status CheckCollectiveBuffer(const void* ptr, int64_t bytes,

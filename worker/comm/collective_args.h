@@ -6,6 +6,7 @@
 // sizes without overflow, non-null buffers, and timeouts.
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -31,6 +32,21 @@ absl::StatusOr<int64_t> CollectiveElementBytes(v1::DType dtype,
 absl::StatusOr<int64_t> CollectiveBufferBytes(int64_t count, int64_t ranks,
                                               int64_t element_bytes,
                                               absl::string_view count_name);
+
+// The send and receive buffer sizes of an AllToAllV (communicator.h) of
+// `rank` over `world_size` ranks, in bytes of `element_bytes` elements.
+// Errors: INVALID_ARGUMENT naming send_counts / recv_counts when a list
+// does not have world_size entries, holds a negative count, or its total
+// overflows int64, or when the piece the rank sends itself differs from
+// the one it expects.
+struct AllToAllVBytes {
+  int64_t send = 0;
+  int64_t recv = 0;
+};
+absl::StatusOr<AllToAllVBytes> CollectiveAllToAllVBytes(
+    const std::vector<int64_t>& send_counts,
+    const std::vector<int64_t>& recv_counts, int rank, int world_size,
+    int64_t element_bytes);
 
 // INVALID_ARGUMENT naming the buffer when it is null and bytes > 0.
 absl::Status CheckCollectiveBuffer(const void* ptr, int64_t bytes,

@@ -24,8 +24,8 @@
 //   unspecified.
 //
 // Data types (v1::DType):
-// - AllGather and Broadcast move bytes: any dtype with a known element size
-//   (FLOAT32, BFLOAT16, FLOAT16, FLOAT8_E4M3, INT32, INT64).
+// - AllGather, Broadcast and AllToAllV move bytes: any dtype with a known
+//   element size (FLOAT32, BFLOAT16, FLOAT16, FLOAT8_E4M3, INT32, INT64).
 // - ReduceScatter and AllReduce reduce FLOAT32, BFLOAT16, INT32 and INT64.
 //   BFLOAT16 values are uint16 bit patterns; reductions widen them to fp32,
 //   accumulate in fp32 and round to bf16 once at the end (round to nearest,
@@ -46,6 +46,7 @@
 // peers of a rank that rejected its arguments will time out.
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -67,7 +68,7 @@ struct CollectiveStats {
   int64_t failures = 0;
   // Sum over successful calls of the full (unsharded) buffer size in the
   // caller's dtype: AllGather's output, ReduceScatter's input, AllReduce's and
-  // Broadcast's buffer. 0 for Barrier.
+  // Broadcast's buffer, AllToAllV's send buffer. 0 for Barrier.
   int64_t bytes = 0;
   // Wall time spent inside successful calls (including waiting for peers).
   absl::Duration time = absl::ZeroDuration();
@@ -79,6 +80,7 @@ struct CommunicatorStats {
   CollectiveStats all_reduce;
   CollectiveStats broadcast;
   CollectiveStats barrier;
+  CollectiveStats all_to_all;
 };
 
 class Communicator {
@@ -112,6 +114,23 @@ class Communicator {
   // root is not in [0, world_size).
   virtual absl::Status Broadcast(void* inout, int64_t count, v1::DType dtype,
                                  int root, absl::Duration timeout) = 0;
+
+  // Expert parallelism's token exchange: this rank sends send_counts[j]
+  // elements to rank j and receives recv_counts[i] elements from rank i.
+  // `send` holds the pieces for ranks 0, 1, ... back to back, `recv` gets
+  // the pieces from ranks 0, 1, ... back to back; the piece for this rank
+  // itself is copied. Both count lists have world_size entries, and
+  // recv_counts[i] must equal rank i's send_counts[this rank] (exchange the
+  // counts first, e.g. with an AllToAllV of equal counts); a mismatch is a
+  // caller bug that surfaces as DEADLINE_EXCEEDED or ABORTED. `send` and
+  // `recv` must not overlap. Errors also: INVALID_ARGUMENT for a count list
+  // of the wrong length, a negative count, a null buffer with elements, or
+  // overlapping buffers.
+  virtual absl::Status AllToAllV(const void* send,
+                                 const std::vector<int64_t>& send_counts,
+                                 void* recv,
+                                 const std::vector<int64_t>& recv_counts,
+                                 v1::DType dtype, absl::Duration timeout) = 0;
 
   // Returns once every rank of the group has entered the barrier.
   virtual absl::Status Barrier(absl::Duration timeout) = 0;

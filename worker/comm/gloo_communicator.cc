@@ -19,6 +19,7 @@
 #include "gloo/allgather.h"
 #include "gloo/allreduce.h"
 #include "gloo/alltoall.h"
+#include "gloo/alltoallv.h"
 #include "gloo/barrier.h"
 #include "gloo/broadcast.h"
 #include "gloo/rendezvous/context.h"
@@ -363,6 +364,63 @@ absl::Status GlooCommunicator::ReduceScatter(const void* input, void* output,
     gloo::alltoall(opts);
     ReduceChunks(received.get(), output, count_per_rank, world_size_, dtype,
                  op);
+  });
+}
+
+absl::Status GlooCommunicator::AllToAllV(
+    const void* send, const std::vector<int64_t>& send_counts, void* recv,
+    const std::vector<int64_t>& recv_counts, v1::DType dtype,
+    absl::Duration timeout) {
+  constexpr auto kKind = &CommunicatorStats::all_to_all;
+  auto checked = [&]() -> absl::StatusOr<AllToAllVBytes> {
+    SHARDD_ASSIGN_OR_RETURN(
+        const int64_t element,
+        CollectiveElementBytes(dtype, false, ReduceOp::kSum));
+    SHARDD_ASSIGN_OR_RETURN(
+        const AllToAllVBytes bytes,
+        CollectiveAllToAllVBytes(send_counts, recv_counts, rank_, world_size_,
+                                 element));
+    SHARDD_RETURN_IF_ERROR(CheckCollectiveBuffer(send, bytes.send, "send"));
+    SHARDD_RETURN_IF_ERROR(CheckCollectiveBuffer(recv, bytes.recv, "recv"));
+    SHARDD_RETURN_IF_ERROR(ToGlooTimeout(timeout).status());
+    const auto in = reinterpret_cast<uintptr_t>(send);
+    const auto out = reinterpret_cast<uintptr_t>(recv);
+    if (bytes.send > 0 && bytes.recv > 0 && in < out + bytes.recv &&
+        out < in + bytes.send) {
+      return absl::InvalidArgumentError("send and recv must not overlap");
+    }
+    return bytes;
+  }();
+  if (!checked.ok()) return RecordInvalid(kKind, checked.status());
+  const AllToAllVBytes bytes = *checked;
+  const int64_t element = bytes.send > 0 || bytes.recv > 0
+                              ? *CollectiveElementBytes(dtype, false,
+                                                        ReduceOp::kSum)
+                              : 1;
+  const std::chrono::milliseconds gloo_timeout = *ToGlooTimeout(timeout);
+  return Run(kKind, "AllToAllV", bytes.send, [&](uint32_t tag) {
+    const auto* in = static_cast<const uint8_t*>(send);
+    auto* out = static_cast<uint8_t*>(recv);
+    if (world_size_ == 1) {
+      if (bytes.send > 0) std::memcpy(out, in, bytes.send);
+      return;
+    }
+    // Gloo counts in elements of the type it is given: bytes here.
+    std::vector<int64_t> send_bytes(world_size_), recv_bytes(world_size_);
+    for (int r = 0; r < world_size_; ++r) {
+      send_bytes[r] = send_counts[r] * element;
+      recv_bytes[r] = recv_counts[r] * element;
+    }
+    // Gloo wants buffers even where nothing moves.
+    uint8_t none = 0;
+    gloo::AlltoallvOptions opts(context_);
+    opts.setInput<uint8_t>(bytes.send > 0 ? const_cast<uint8_t*>(in) : &none,
+                           std::move(send_bytes));
+    opts.setOutput<uint8_t>(bytes.recv > 0 ? out : &none,
+                            std::move(recv_bytes));
+    opts.setTag(tag);
+    opts.setTimeout(gloo_timeout);
+    gloo::alltoallv(opts);
   });
 }
 

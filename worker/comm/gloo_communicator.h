@@ -22,6 +22,8 @@
 //   through an fp32 copy of the buffer (Gloo has no bf16 type), which also
 //   doubles its traffic.
 // - Broadcast: gloo::broadcast on raw bytes. Barrier: gloo::barrier.
+// - AllToAllV: gloo::alltoallv on raw bytes (this rank's own piece is a
+//   local copy inside it).
 // kAvg divides the sum by world_size after the collective.
 //
 // Error mapping from Gloo's exceptions (see gloo_status.h): a receive or send
@@ -42,6 +44,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/function_ref.h"
@@ -108,6 +111,10 @@ class GlooCommunicator final : public Communicator {
                          ReduceOp op, absl::Duration timeout) override;
   absl::Status Broadcast(void* inout, int64_t count, v1::DType dtype, int root,
                          absl::Duration timeout) override;
+  absl::Status AllToAllV(const void* send,
+                         const std::vector<int64_t>& send_counts, void* recv,
+                         const std::vector<int64_t>& recv_counts,
+                         v1::DType dtype, absl::Duration timeout) override;
   absl::Status Barrier(absl::Duration timeout) override;
   CommunicatorStats stats() const override;
 

@@ -14,6 +14,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/status_macros.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -414,6 +415,109 @@ TEST_P(GlooCommunicatorTest, BadArgumentsAreRejectedWithoutBreakingTheGroup) {
     EXPECT_EQ(s.all_gather.failures, 3);
     EXPECT_EQ(s.all_reduce.calls, 3);
     EXPECT_EQ(s.all_reduce.failures, 2);
+  }
+}
+
+// Rank r sends (r + j) % 3 + (r == j) elements to rank j (some pieces
+// empty), each element encoding (sender, receiver, index), so every
+// received element says where it came from; fp32, bf16 and int64 alike.
+TEST_P(GlooCommunicatorTest, AllToAllVDeliversEachPieceToItsRank) {
+  Group group(world(), Prefix());
+  ASSERT_TRUE(group.ok());
+  const int w = world();
+  auto count = [](int from, int to) -> int64_t {
+    return (from + to) % 3 + (from == to ? 1 : 0);
+  };
+  auto value = [](int from, int to, int64_t i) -> int64_t {
+    return 1000 * from + 100 * to + i;
+  };
+  ExpectAllOk(OnAllRanks(w, [&](int r) -> absl::Status {
+    std::vector<int64_t> send_counts(w), recv_counts(w);
+    std::vector<int64_t> send;
+    std::vector<float> send_f;
+    for (int j = 0; j < w; ++j) {
+      send_counts[j] = count(r, j);
+      recv_counts[j] = count(j, r);
+      for (int64_t i = 0; i < send_counts[j]; ++i) {
+        send.push_back(value(r, j, i));
+        send_f.push_back(static_cast<float>(value(r, j, i)));
+      }
+    }
+    int64_t total = 0;
+    for (int64_t c : recv_counts) total += c;
+    std::vector<int64_t> recv(total, -1);
+    std::vector<float> recv_f(total, -1);
+    SHARDD_RETURN_IF_ERROR(group[r].AllToAllV(send.data(), send_counts,
+                                              recv.data(), recv_counts,
+                                              v1::INT64, kTimeout));
+    SHARDD_RETURN_IF_ERROR(group[r].AllToAllV(send_f.data(), send_counts,
+                                              recv_f.data(), recv_counts,
+                                              v1::FLOAT32, kTimeout));
+    int64_t at = 0;
+    for (int i = 0; i < w; ++i) {
+      for (int64_t k = 0; k < recv_counts[i]; ++k, ++at) {
+        if (recv[at] != value(i, r, k) ||
+            recv_f[at] != static_cast<float>(value(i, r, k))) {
+          return absl::InternalError(absl::StrCat(
+              "rank ", r, " element ", at, " from rank ", i, ": got ",
+              recv[at], " / ", recv_f[at], ", want ", value(i, r, k)));
+        }
+      }
+    }
+    // Equal counts exchange the per-expert counts the same way.
+    std::vector<int64_t> ones(w, 1), mine(w, r), theirs(w, -1);
+    SHARDD_RETURN_IF_ERROR(group[r].AllToAllV(
+        mine.data(), ones, theirs.data(), ones, v1::INT64, kTimeout));
+    for (int i = 0; i < w; ++i) {
+      if (theirs[i] != i) return absl::InternalError("counts exchange");
+    }
+    return absl::OkStatus();
+  }));
+  for (int r = 0; r < w; ++r) {
+    const CommunicatorStats s = group[r].stats();
+    EXPECT_EQ(s.all_to_all.calls, 3);
+    EXPECT_EQ(s.all_to_all.failures, 0);
+    int64_t sent = 0;
+    for (int j = 0; j < w; ++j) sent += count(r, j);
+    EXPECT_EQ(s.all_to_all.bytes, sent * 8 + sent * 4 + w * 8);
+  }
+}
+
+TEST_P(GlooCommunicatorTest, AllToAllVRejectsBadCountsWithoutBreakingTheGroup) {
+  Group group(world(), Prefix());
+  ASSERT_TRUE(group.ok());
+  const int w = world();
+  std::vector<std::vector<absl::Status>> errors(w);
+  ExpectAllOk(OnAllRanks(w, [&](int r) {
+    GlooCommunicator& c = group[r];
+    std::vector<int64_t> buf(4 * w), out(4 * w);
+    std::vector<int64_t> ok(w, 1), shorter(w + 1, 1), negative(w, 1),
+        self(w, 1);
+    negative[w - 1] = -1;
+    self[r] = 2;
+    errors[r] = {
+        c.AllToAllV(buf.data(), shorter, out.data(), ok, v1::INT64, kTimeout),
+        c.AllToAllV(buf.data(), ok, out.data(), negative, v1::INT64, kTimeout),
+        c.AllToAllV(buf.data(), ok, out.data(), self, v1::INT64, kTimeout),
+        c.AllToAllV(nullptr, ok, out.data(), ok, v1::INT64, kTimeout),
+        c.AllToAllV(buf.data(), ok, buf.data() + w - 1, ok, v1::INT64, kTimeout),
+        c.AllToAllV(buf.data(), ok, out.data(), ok, v1::DTYPE_UNSPECIFIED,
+                    kTimeout),
+    };
+    // Still usable: every rank rejected the same calls.
+    return c.AllToAllV(buf.data(), ok, out.data(), ok, v1::INT64, kTimeout);
+  }));
+  const std::vector<std::string> fields = {
+      "send_counts must have one entry per rank", "recv_counts[",
+      "must equal send_counts", "send must not be null", "overlap", "dtype"};
+  for (int r = 0; r < w; ++r) {
+    ASSERT_EQ(errors[r].size(), fields.size());
+    for (size_t k = 0; k < fields.size(); ++k) {
+      EXPECT_THAT(errors[r][k], StatusIs(absl::StatusCode::kInvalidArgument,
+                                         HasSubstr(fields[k])))
+          << "rank " << r << " case " << k;
+    }
+    EXPECT_EQ(group[r].stats().all_to_all.failures, 6);
   }
 }
 

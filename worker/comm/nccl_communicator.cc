@@ -786,6 +786,68 @@ absl::StatusOr<NcclWork> NcclCommunicator::BroadcastAsync(
                  });
 }
 
+absl::StatusOr<NcclWork> NcclCommunicator::AllToAllVAsync(
+    const void* send, const std::vector<int64_t>& send_counts, void* recv,
+    const std::vector<int64_t>& recv_counts, v1::DType dtype,
+    const NcclWaitFor& wait_for, absl::Duration timeout) {
+  constexpr auto kKind = &CommunicatorStats::all_to_all;
+  int64_t element = 0;
+  auto checked = [&]() -> absl::StatusOr<AllToAllVBytes> {
+    SHARDD_ASSIGN_OR_RETURN(
+        element, CollectiveElementBytes(dtype, false, ReduceOp::kSum));
+    SHARDD_ASSIGN_OR_RETURN(
+        const AllToAllVBytes bytes,
+        CollectiveAllToAllVBytes(send_counts, recv_counts, rank_, world_size_,
+                                 element));
+    SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(timeout, "timeout"));
+    SHARDD_RETURN_IF_ERROR(CheckDeviceBuffer(send, bytes.send, "send"));
+    SHARDD_RETURN_IF_ERROR(CheckDeviceBuffer(recv, bytes.recv, "recv"));
+    if (bytes.send > 0 && bytes.recv > 0 &&
+        !Disjoint(send, bytes.send, recv, bytes.recv)) {
+      return absl::InvalidArgumentError("send and recv must not overlap");
+    }
+    return bytes;
+  }();
+  if (!checked.ok()) return RecordInvalid(kKind, checked.status());
+  const AllToAllVBytes bytes = *checked;
+  return Enqueue(
+      kKind, "AllToAllV", all_gather_stream_, bytes.send, wait_for, timeout,
+      [&](ncclComm_t comm, cudaStream_t stream) {
+        if (bytes.send == 0 && bytes.recv == 0) return ncclSuccess;
+        const char* in = static_cast<const char*>(send);
+        char* out = static_cast<char*>(recv);
+        ncclResult_t result = ncclGroupStart();
+        if (result != ncclSuccess) return result;
+        int64_t sent = 0, received = 0;
+        for (int peer = 0; peer < world_size_; ++peer) {
+          const int64_t s = send_counts[peer] * element;
+          const int64_t r = recv_counts[peer] * element;
+          if (s > 0 && result == ncclSuccess) {
+            result = ncclSend(in + sent, static_cast<size_t>(s), ncclInt8,
+                              peer, comm, stream);
+          }
+          if (r > 0 && result == ncclSuccess) {
+            result = ncclRecv(out + received, static_cast<size_t>(r),
+                              ncclInt8, peer, comm, stream);
+          }
+          sent += s;
+          received += r;
+        }
+        // The group is closed whatever happened inside it.
+        const ncclResult_t ended = ncclGroupEnd();
+        return result != ncclSuccess ? result : ended;
+      });
+}
+
+absl::Status NcclCommunicator::AllToAllV(
+    const void* send, const std::vector<int64_t>& send_counts, void* recv,
+    const std::vector<int64_t>& recv_counts, v1::DType dtype,
+    absl::Duration timeout) {
+  return RunBlocking(AllToAllVAsync(
+      send, send_counts, recv, recv_counts, dtype,
+      NcclWaitFor::Stream(options_.compute_stream), timeout));
+}
+
 absl::Status NcclCommunicator::AllGather(const void* input, void* output,
                                          int64_t count_per_rank,
                                          v1::DType dtype,

@@ -73,6 +73,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/function_ref.h"
@@ -241,6 +242,13 @@ class NcclCommunicator final : public Communicator {
                                           v1::DType dtype, int root,
                                           const NcclWaitFor& wait_for,
                                           absl::Duration timeout);
+  // Grouped ncclSend / ncclRecv to and from every rank (this rank's own
+  // piece included), on the all-gather stream: the token exchange sits on
+  // the forward path.
+  absl::StatusOr<NcclWork> AllToAllVAsync(
+      const void* send, const std::vector<int64_t>& send_counts, void* recv,
+      const std::vector<int64_t>& recv_counts, v1::DType dtype,
+      const NcclWaitFor& wait_for, absl::Duration timeout);
 
   // Blocking collectives on DEVICE pointers (see the file comment).
   absl::Status AllGather(const void* input, void* output,
@@ -253,6 +261,10 @@ class NcclCommunicator final : public Communicator {
                          ReduceOp op, absl::Duration timeout) override;
   absl::Status Broadcast(void* inout, int64_t count, v1::DType dtype, int root,
                          absl::Duration timeout) override;
+  absl::Status AllToAllV(const void* send,
+                         const std::vector<int64_t>& send_counts, void* recv,
+                         const std::vector<int64_t>& recv_counts,
+                         v1::DType dtype, absl::Duration timeout) override;
   // A one-element all-reduce on a scratch buffer of the communicator.
   absl::Status Barrier(absl::Duration timeout) override;
 

@@ -140,6 +140,32 @@ TEST(NcclCommunicatorGpuTest, SingleRankAllGatherCopies) {
   SHARDD_EXPECT_OK(comm->health());
 }
 
+// One rank sends itself its whole piece through a grouped send/recv;
+// mismatched self counts are refused before anything is enqueued.
+TEST(NcclCommunicatorGpuTest, SingleRankAllToAllVCopiesItsOwnPiece) {
+  SHARDD_SKIP_WITHOUT_GPU();
+  InMemoryKeyValueClient kv;
+  auto comm = MakeSingleRank(&kv, "t/all_to_all");
+  ASSERT_NE(comm, nullptr);
+  constexpr int kCount = 1031;
+  std::vector<float> host(kCount);
+  for (int i = 0; i < kCount; ++i) host[i] = 0.5f * i - 3.0f;
+  DeviceArray<float> send(kCount), recv(kCount);
+  send.Upload(host);
+  SHARDD_ASSERT_OK(comm->AllToAllV(send.get(), {kCount}, recv.get(), {kCount},
+                                   v1::FLOAT32, kTimeout));
+  EXPECT_EQ(recv.Download(), host);
+  EXPECT_THAT(comm->AllToAllV(send.get(), {kCount}, recv.get(), {kCount - 1},
+                              v1::FLOAT32, kTimeout),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("recv_counts[0] must equal send_counts[0]")));
+  const CommunicatorStats stats = comm->stats();
+  EXPECT_EQ(stats.all_to_all.calls, 2);
+  EXPECT_EQ(stats.all_to_all.failures, 1);
+  EXPECT_EQ(stats.all_to_all.bytes, kCount * 4);
+  SHARDD_EXPECT_OK(comm->health());
+}
+
 TEST(NcclCommunicatorGpuTest, SingleRankReduceScatterAvgEqualsInput) {
   SHARDD_SKIP_WITHOUT_GPU();
   InMemoryKeyValueClient kv;
