@@ -302,14 +302,21 @@ class BlockOps {
                                       int64_t t, const Act& d_weights,
                                       const Act* extra_d_logits, Saved* state,
                                       Act* dx) = 0;
-  // The layer's grouped experts: y [t, D] from x, indices and weights.
+  // The layer's grouped experts: y [t, D] from x, indices and weights
+  // [t, k] (k: the model's top_k, or 1 for rows an expert-parallel
+  // exchange delivered, with `layer` holding only the local experts).
   virtual absl::Status ExpertsForward(const MoeLayerSpec& layer, const Act& x,
                                       const Act& indices, const Act& weights,
-                                      int64_t t, Saved* state, Act* y) = 0;
-  // dx [t, D] and d_weights [t, K] fp32 (overwritten) from dy.
+                                      int64_t t, int k, Saved* state,
+                                      Act* y) = 0;
+  // dx [t, D] and d_weights [t, k] fp32 (overwritten) from dy.
   virtual absl::Status ExpertsBackward(const MoeLayerSpec& layer,
-                                       const Act& dy, int64_t t, Saved* state,
-                                       Act* dx, Act* d_weights) = 0;
+                                       const Act& dy, int64_t t, int k,
+                                       Saved* state, Act* dx,
+                                       Act* d_weights) = 0;
+  // Whether Act memory is host memory (an expert-parallel exchange reads
+  // and writes it directly).
+  virtual bool host_memory() const = 0;
   // The head's cross-entropy of h [t, D] against targets [t] (int32, -1
   // ignored), its mean times term.weight added to the step's loss with
   // `extra_loss` (the load-balancing term), and with dh (else forward

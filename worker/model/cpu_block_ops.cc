@@ -336,13 +336,13 @@ absl::StatusOr<CpuBlockOps::ExpertWeights> CpuBlockOps::ExpertsOf(
 absl::Status CpuBlockOps::ExpertsForward(const MoeLayerSpec& layer,
                                          const Act& x, const Act& indices,
                                          const Act& weights, int64_t t,
-                                         Saved* state, Act* y) {
+                                         int k, Saved* state, Act* y) {
   SHARDD_ASSIGN_OR_RETURN(const ExpertWeights e, ExpertsOf(layer));
   const float* w_gu = e.w_gu;
   const float* w_d = e.w_d;
   const kernels::ExpertOptions& options = e.options;
   const kernels::ExpertDims dims{t, arch_->dim, layer.moe_inter, layer.experts,
-                                 arch_->top_k};
+                                 k};
   kernels::GroupedExpertsWorkspace& ws = state->Get<ExpertsState>()->ws;
   SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsForward(
       dims, arch_->activation, options, F(x), indices.as<int32_t>(),
@@ -354,7 +354,7 @@ absl::Status CpuBlockOps::ExpertsForward(const MoeLayerSpec& layer,
 }
 
 absl::Status CpuBlockOps::ExpertsBackward(const MoeLayerSpec& layer,
-                                          const Act& dy, int64_t t,
+                                          const Act& dy, int64_t t, int k,
                                           Saved* state, Act* dx,
                                           Act* d_weights) {
   SHARDD_ASSIGN_OR_RETURN(const ExpertWeights e, ExpertsOf(layer));
@@ -362,7 +362,7 @@ absl::Status CpuBlockOps::ExpertsBackward(const MoeLayerSpec& layer,
   const float* w_d = e.w_d;
   const kernels::ExpertOptions& options = e.options;
   const kernels::ExpertDims dims{t, arch_->dim, layer.moe_inter, layer.experts,
-                                 arch_->top_k};
+                                 k};
   const bool frozen = layer.w_gu.frozen && layer.w_d.frozen;
   float* dw_gu = frozen ? nullptr : Zeroed(&scratch_, layer.w_gu.numel());
   float* dw_d = frozen ? nullptr : Zeroed(&scratch2_, layer.w_d.numel());

@@ -88,10 +88,12 @@ class CpuBlockOps : public BlockOps {
                               Act* dx) override;
   absl::Status ExpertsForward(const MoeLayerSpec& layer, const Act& x,
                               const Act& indices, const Act& weights,
-                              int64_t t, Saved* state, Act* y) override;
+                              int64_t t, int k, Saved* state,
+                              Act* y) override;
   absl::Status ExpertsBackward(const MoeLayerSpec& layer, const Act& dy,
-                               int64_t t, Saved* state, Act* dx,
+                               int64_t t, int k, Saved* state, Act* dx,
                                Act* d_weights) override;
+  bool host_memory() const override { return true; }
   absl::Status HeadLoss(const Act& h, const Act& targets, int64_t t,
                         const LossTerm& term, double extra_loss,
                         Act* dh) override;

@@ -1,5 +1,7 @@
 #include "worker/model/model_step.h"
 
+#include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include "absl/memory/memory.h"
@@ -247,10 +249,114 @@ absl::Status ModelStep::LayerForward(const MoeLayerSpec& spec,
 
 absl::Status ModelStep::ExpertsForward(const MoeLayerSpec& spec, int64_t t,
                                        LayerSlot* la, Act* y) {
-  SHARDD_RETURN_IF_ERROR(ops_->ExpertsForward(
-      spec, la->normed, la->indices, la->weights, t, &la->experts, y));
+  if (exchange_ != nullptr) return ParallelExpertsForward(spec, t, la, y);
+  SHARDD_RETURN_IF_ERROR(ops_->ExpertsForward(spec, la->normed, la->indices,
+                                              la->weights, t, arch_.top_k,
+                                              &la->experts, y));
   la->experts.Sync(&ledger_);
   return absl::OkStatus();
+}
+
+absl::Status ModelStep::ExpertsBackward(const MoeLayerSpec& spec, int64_t t,
+                                        LayerSlot* la, PassSlot* a) {
+  SHARDD_RETURN_IF_ERROR(Ensure(&a->dn, Elem::kStorage, t * arch_.dim));
+  SHARDD_RETURN_IF_ERROR(Ensure(&a->dweights, Elem::kF32, t * arch_.top_k));
+  if (exchange_ != nullptr) return ParallelExpertsBackward(spec, t, la, a);
+  SHARDD_RETURN_IF_ERROR(ops_->ExpertsBackward(spec, a->dx, t, arch_.top_k,
+                                               &la->experts, &a->dn,
+                                               &a->dweights));
+  la->experts.Sync(&ledger_);
+  return absl::OkStatus();
+}
+
+absl::Status ModelStep::SetExpertExchange(ExpertExchange* exchange,
+                                          double capacity_factor) {
+  local_specs_.clear();
+  exchange_ = nullptr;
+  if (exchange == nullptr) return absl::OkStatus();
+  if (!ops_->host_memory()) {
+    return absl::FailedPreconditionError(
+        "expert parallelism: this device's step does not run it yet (the CPU "
+        "workers do; docs/expert_parallel.md)");
+  }
+  for (const MoeLayerSpec& spec : arch_.layers) {
+    MoeLayerSpec local = spec;
+    if (spec.has_moe) {
+      if (spec.gemma) {
+        return absl::InvalidArgumentError(
+            "expert parallelism: DiffusionGemma's layers do not run it yet "
+            "(docs/expert_parallel.md)");
+      }
+      if (spec.experts != exchange->experts()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "expert parallelism: a layer has ", spec.experts,
+            " experts, the exchange ", exchange->experts()));
+      }
+      // This rank's block: dim 0 of the stacked tensors.
+      local.experts = exchange->local_experts();
+      for (ArchTensor* w : {&local.w_gu, &local.w_d, &local.b_gu, &local.b_d}) {
+        if (!w->shape.empty()) w->shape[0] /= exchange->ep();
+      }
+    }
+    local_specs_.push_back(std::move(local));
+  }
+  exchange_ = exchange;
+  capacity_factor_ = capacity_factor;
+  return absl::OkStatus();
+}
+
+absl::Status ModelStep::ParallelExpertsForward(const MoeLayerSpec& spec,
+                                               int64_t t, LayerSlot* la,
+                                               Act* y) {
+  const int k = arch_.top_k;
+  const int64_t d = arch_.dim;
+  const int64_t bound =
+      capacity_factor_ > 0
+          ? static_cast<int64_t>(std::ceil(capacity_factor_ * t * k))
+          : 0;
+  SHARDD_RETURN_IF_ERROR(exchange_->Route(la->indices.as<int32_t>(), t, k,
+                                          bound, &la->route));
+  const int64_t r = la->route.received;
+  // At least one element: an Act of 0 holds no memory.
+  SHARDD_ASSIGN_OR_RETURN(Act x_r, Temp(std::max<int64_t>(1, r * d)));
+  SHARDD_ASSIGN_OR_RETURN(Act ids_r,
+                          ops_->Allocate(Elem::kI32, std::max<int64_t>(1, r),
+                                         /*zero=*/false));
+  SHARDD_ASSIGN_OR_RETURN(Act w_r,
+                          ops_->Allocate(Elem::kF32, std::max<int64_t>(1, r),
+                                         /*zero=*/false));
+  SHARDD_RETURN_IF_ERROR(exchange_->Dispatch(
+      la->route, la->normed.as<float>(), la->weights.as<float>(),
+      la->indices.as<int32_t>(), d, x_r.as<float>(), ids_r.as<int32_t>(),
+      w_r.as<float>()));
+  SHARDD_ASSIGN_OR_RETURN(Act y_r, Temp(std::max<int64_t>(1, r * d)));
+  SHARDD_RETURN_IF_ERROR(ops_->ExpertsForward(local_specs_[&spec -
+                                                           arch_.layers.data()],
+                                              x_r, ids_r, w_r, r, /*k=*/1,
+                                              &la->experts, &y_r));
+  la->experts.Sync(&ledger_);
+  return exchange_->Combine(la->route, y_r.as<float>(), d, y->as<float>());
+}
+
+absl::Status ModelStep::ParallelExpertsBackward(const MoeLayerSpec& spec,
+                                                int64_t t, LayerSlot* la,
+                                                PassSlot* a) {
+  (void)t;
+  const int64_t d = arch_.dim;
+  const int64_t r = la->route.received;
+  SHARDD_ASSIGN_OR_RETURN(Act dy_r, Temp(std::max<int64_t>(1, r * d)));
+  SHARDD_RETURN_IF_ERROR(exchange_->DispatchGrad(la->route, a->dx.as<float>(),
+                                                 d, dy_r.as<float>()));
+  SHARDD_ASSIGN_OR_RETURN(Act dx_r, Temp(std::max<int64_t>(1, r * d)));
+  SHARDD_ASSIGN_OR_RETURN(Act dw_r,
+                          ops_->Allocate(Elem::kF32, std::max<int64_t>(1, r),
+                                         /*zero=*/false));
+  SHARDD_RETURN_IF_ERROR(ops_->ExpertsBackward(
+      local_specs_[&spec - arch_.layers.data()], dy_r, r, /*k=*/1,
+      &la->experts, &dx_r, &dw_r));
+  la->experts.Sync(&ledger_);
+  return exchange_->CombineGrad(la->route, dx_r.as<float>(), dw_r.as<float>(),
+                                d, a->dn.as<float>(), a->dweights.as<float>());
 }
 
 absl::Status ModelStep::FinalNorm(int64_t t, PassSlot* a) {
@@ -538,13 +644,9 @@ absl::Status ModelStep::Backward(const Command& c) {
         SHARDD_ASSIGN_OR_RETURN(Act y, Temp(td));
         SHARDD_RETURN_IF_ERROR(ExpertsForward(spec, t, &la, &y));
       }
-      SHARDD_RETURN_IF_ERROR(Ensure(&a.dn, Elem::kStorage, td));
-      SHARDD_RETURN_IF_ERROR(
-          Ensure(&a.dweights, Elem::kF32, t * arch_.top_k));
-      SHARDD_RETURN_IF_ERROR(ops_->ExpertsBackward(spec, a.dx, t, &la.experts,
-                                                   &a.dn, &a.dweights));
-      la.experts.Sync(&ledger_);
+      SHARDD_RETURN_IF_ERROR(ExpertsBackward(spec, t, &la, &a));
       la.experts.Reset();
+      la.route = ExpertRoute();
       return absl::OkStatus();
     }
     case Command::LAYER:

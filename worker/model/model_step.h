@@ -24,6 +24,7 @@
 #include "worker/model/block_diffusion.h"
 #include "worker/model/block_ops.h"
 #include "worker/model/command_order.h"
+#include "worker/model/expert_exchange.h"
 #include "worker/model/moe_architecture.h"
 
 namespace shardd {
@@ -67,6 +68,17 @@ class ModelStep {
   absl::Status SetRecompute(std::vector<bool> layers,
                             std::vector<bool> experts);
   void SetEvaluation(bool eval) { eval_ = eval; }
+  // Expert parallelism (docs/expert_parallel.md): the bound parameters
+  // hold this rank's block of every MoE layer's experts, and EXPERTS
+  // exchanges the routed rows through `exchange` (not owned; null turns
+  // it off), each rank's experts accepting at most `capacity_factor` x
+  // t * top_k rows (0: no bound).
+  // Errors: FAILED_PRECONDITION when the ops' memory is not host memory
+  // (the GPU path does not run it yet); INVALID_ARGUMENT for DiffusionGemma
+  // layers (not yet), or a MoE layer whose experts the exchange's group
+  // does not divide.
+  absl::Status SetExpertExchange(ExpertExchange* exchange,
+                                 double capacity_factor);
   // Forgets the step's loss and command order (activations stay).
   void ResetStep();
   // As MoeModel::Run, on the parameters the ops are bound to.
@@ -92,6 +104,9 @@ class ModelStep {
     Act weights;   // [T, K] fp32
     Act dense_out;  // [T, D] the dense branch beside experts, LAYER->EXPERTS
     Saved attention, router, experts, mlp;
+    // Expert parallelism: where the routed rows went (EXPERTS' forward to
+    // its backward).
+    ExpertRoute route;
     Saved gemma;  // DiffusionGemma's whole layer instead.
   };
   struct PassSlot {
@@ -152,6 +167,15 @@ class ModelStep {
   // EXPERTS' forward into *y [T, D].
   absl::Status ExpertsForward(const MoeLayerSpec& spec, int64_t t,
                               LayerSlot* la, Act* y);
+  // BACKWARD(EXPERTS)'s gradients a->dn and a->dweights from a->dx.
+  absl::Status ExpertsBackward(const MoeLayerSpec& spec, int64_t t,
+                               LayerSlot* la, PassSlot* a);
+  // With expert parallelism: the exchange, and the experts over the rows
+  // this rank's experts receive.
+  absl::Status ParallelExpertsForward(const MoeLayerSpec& spec, int64_t t,
+                                      LayerSlot* la, Act* y);
+  absl::Status ParallelExpertsBackward(const MoeLayerSpec& spec, int64_t t,
+                                       LayerSlot* la, PassSlot* a);
   absl::Status LayerBackward(const MoeLayerSpec& spec, int layer,
                              const BatchSlot& batch, PassSlot* a);
   // LAYER or EXPERTS of a DiffusionGemma layer over `batch` sequences of
@@ -193,6 +217,10 @@ class ModelStep {
   bool diffusion_ = false;
   BlockDiffusionSpec block_diffusion_;
   bool hold_sc_ = false;
+  ExpertExchange* exchange_ = nullptr;
+  double capacity_factor_ = 0;
+  // Each layer's spec over its local experts (expert parallelism).
+  std::vector<MoeLayerSpec> local_specs_;
 };
 
 }  // namespace step

@@ -54,6 +54,11 @@ absl::Status MoeModel::Run(const v1::Command& command, ParamSource* params) {
 
 void MoeModel::SetEvaluation(bool eval) { step_->SetEvaluation(eval); }
 
+absl::Status MoeModel::SetExpertExchange(ExpertExchange* exchange,
+                                         double capacity_factor) {
+  return step_->SetExpertExchange(exchange, capacity_factor);
+}
+
 void MoeModel::ResetStep() { step_->ResetStep(); }
 
 double MoeModel::step_loss() const { return step_->step_loss(); }

@@ -131,6 +131,12 @@ class MoeModel {
   // done (DiffusionGemma's encode keeps the K/V its decodes read).
   void SetEvaluation(bool eval);
 
+  // Expert parallelism: as ModelStep::SetExpertExchange (the parameter
+  // source then serves this rank's block [E / ep, ...] of every expert
+  // tensor, and gradients come back the same shape).
+  absl::Status SetExpertExchange(ExpertExchange* exchange,
+                                 double capacity_factor);
+
   // Forgets every activation and the step's loss (call at a step's start).
   void ResetStep();
 
