@@ -237,10 +237,10 @@ TEST(ShardctlTest, PlanWithExpertParallelism) {
   }
   EXPECT_EQ(experts, 32);
   // 32 MoE layers, 2 exchanges forward and 2 backward of 512 x top-2 rows
-  // of 4096 floats.
+  // of 4096 floats and 3 more (expert id, weight, its gradient).
   EXPECT_EQ(json["comm"]["all_to_alls"], 32 * 4);
   EXPECT_EQ(json["comm"]["all_to_all_bytes"].get<int64_t>(),
-            int64_t{32} * 4 * 512 * 2 * 4096 * 4);
+            int64_t{32} * 512 * 2 * (4 * 4096 + 3) * 4);
 
   Result bad = Shardctl({"plan", "--hf-config", kMixtral, "--dp", "8", "--ep",
                          "3"});

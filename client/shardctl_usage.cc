@@ -131,8 +131,8 @@ Mesh and plan (with --model):
   --dp N                       ranks each parameter is sharded over
                                (default: the live workers / --replicate)
   --replicate R                HSDP replicas (default 1)
-  --ep N                       expert parallelism, as for plan (the CPU and
-                               GPU workers do not run it yet: refused)
+  --ep N                       expert parallelism, as for plan (CPU workers;
+                               GPU workers refuse it for now)
   --strategy NAME              a registry strategy (see shardctl strategies)
   --passes P                   forward passes per micro-batch (default 1)
   --no-grad-passes K           leading passes without gradients

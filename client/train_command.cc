@@ -313,6 +313,7 @@ absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
     json["planned_peak_activation_bytes"] = summary.planned_activations;
     json["all_gathers_per_step"] = summary.all_gathers;
     json["reduce_scatters_per_step"] = summary.reduce_scatters;
+    json["all_to_alls_per_step"] = summary.all_to_alls;
     nlohmann::ordered_json losses = nlohmann::ordered_json::array();
     for (const v1::StepEvent& event : events) losses.push_back(event.loss());
     json["losses"] = std::move(losses);

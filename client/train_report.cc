@@ -141,6 +141,7 @@ TrainSummary SummarizeTraining(const std::vector<v1::StepEvent>& events,
   summary.planned_activations = events.back().planned_peak_activation_bytes();
   summary.all_gathers = events.back().all_gathers();
   summary.reduce_scatters = events.back().reduce_scatters();
+  summary.all_to_alls = events.back().all_to_alls();
   return summary;
 }
 
@@ -204,8 +205,14 @@ std::string FormatTrainSummary(const TrainSummary& s) {
   }
   absl::StrAppend(&out,
                   absl::StrFormat("  collectives/step     %d all-gathers, %d "
-                                  "reduce-scatters per rank\n",
-                                  s.all_gathers, s.reduce_scatters));
+                                  "reduce-scatters%s per rank\n",
+                                  s.all_gathers, s.reduce_scatters,
+                                  s.all_to_alls > 0
+                                      ? absl::StrFormat(
+                                            ", %d all-to-alls (expert "
+                                            "dispatch and combine)",
+                                            s.all_to_alls)
+                                      : ""));
   return out;
 }
 

@@ -66,6 +66,7 @@ struct TrainSummary {
   int64_t planned_activations = 0;
   int64_t all_gathers = 0;  // Per rank, in the last step.
   int64_t reduce_scatters = 0;
+  int64_t all_to_alls = 0;  // Expert parallelism's token exchanges.
   // The last evaluation (eval_step 0: none): held-out loss and tokens.
   int64_t eval_step = 0;
   double eval_loss = 0;

@@ -255,12 +255,15 @@ TEST_F(ExpertParallelPlanTest, CommunicationModel) {
     options.set_microbatches(kMicro);
     options.set_activation_checkpointing(checkpointing);
     SHARDD_ASSERT_OK_AND_ASSIGN(v1::ShardingPlan ep, Plan(model, options));
-    // Recomputed experts dispatch and combine again in backward.
-    const int per_layer = std::string(checkpointing) == "none" ? 4 : 6;
+    // Recomputed experts dispatch and combine again in backward. Rows of
+    // D + 2, D (forward), D, D + 1 (backward) floats.
+    const bool again = std::string(checkpointing) != "none";
+    const int per_layer = again ? 6 : 4;
+    const int64_t floats = (4 * d + 3) + (again ? 2 * d + 2 : 0);
     const int64_t rows = kBatch * kSeq * k;
     EXPECT_EQ(ep.comm().all_to_alls(), kMicro * layers * per_layer);
     EXPECT_EQ(ep.comm().all_to_all_bytes(),
-              int64_t{kMicro} * layers * per_layer * rows * d * 4);
+              int64_t{kMicro} * layers * rows * floats * 4);
     for (const v1::LayerActivations& l : ep.activations().layers()) {
       EXPECT_EQ(l.routed_rows(), rows);
       EXPECT_EQ(l.dispatch_bytes(), 2 * rows * d * 4);

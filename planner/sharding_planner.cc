@@ -380,6 +380,16 @@ absl::StatusOr<ShardingPlan> ShardingPlanner::Plan(
   const int dp_shard = mesh.dp_shard();
   SHARDD_RETURN_IF_ERROR(ValidateReshard(options, dp_shard));
   SHARDD_RETURN_IF_ERROR(CheckCapacityFactor(options, mesh.ep()));
+  if (mesh.ep() > 1 && options.reshard_after_forward().policy_case() ==
+                           v1::ReshardPolicy::kGroupSize) {
+    const int g = options.reshard_after_forward().group_size();
+    if (g > 1 && g < dp_shard) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "options.reshard_after_forward.group_size: resharding to a group "
+          "of ", g, " ranks is not supported with expert parallelism "
+          "(options.mesh.ep, --ep) yet; use true or false"));
+    }
+  }
   SHARDD_ASSIGN_OR_RETURN(v1::StepShape step,
                           MakeStep(options, model.architecture()));
   if (options.bucket_elements() < 0) {

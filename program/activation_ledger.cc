@@ -40,10 +40,18 @@ ActivationLedger::Exchanges ActivationLedger::AllToAll(Command::Op op,
   const v1::LayerActivations& l =
       model_->block_diffusion() && pass > 0 ? DecodeLayer(layer) : Layer(layer);
   if (l.routed_rows() <= 0) return out;
+  const int64_t d = model_->hidden_size();
   out.rows = l.routed_rows();
+  if (op == Command::FORWARD) {
+    out.count = 2;
+    out.floats = (d + 2) + d;
+    return out;
+  }
   out.count = 2;
-  if (op == Command::BACKWARD && (l.recompute() || l.recompute_experts())) {
+  out.floats = d + (d + 1);
+  if (l.recompute() || l.recompute_experts()) {
     out.count += 2;
+    out.floats += (d + 2) + d;
   }
   return out;
 }

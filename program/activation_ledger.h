@@ -33,13 +33,18 @@ class ActivationLedger {
   int64_t live() const { return live_; }
 
   // Expert parallelism (the model's ep > 1): the all-to-all exchanges one
-  // computation runs and the routed rows each moves. FORWARD(EXPERTS)
-  // dispatches and combines (2); BACKWARD(EXPERTS) runs their transposes
-  // (2), and 2 more when it recomputes the experts' forward. None
+  // computation runs and the routed rows each moves, as the workers'
+  // ExpertExchange sends them (worker/model/expert_exchange.h): FORWARD
+  // (EXPERTS) dispatches rows of D + 2 floats (the row, its local expert
+  // and weight) and combines rows of D; BACKWARD(EXPERTS) sends D and
+  // returns D + 1 (the weight's gradient), and recomputing the experts'
+  // forward dispatches and combines again. `floats` sums the widths of the
+  // exchanges; with balanced routing each moves `rows` rows. None
   // otherwise.
   struct Exchanges {
     int count = 0;
     int64_t rows = 0;
+    int64_t floats = 0;
   };
   Exchanges AllToAll(v1::Command::Op op, v1::Command::Part part, int layer,
                      int pass) const;

@@ -313,12 +313,11 @@ absl::Status Runner::Run(int index, const Command& c) {
     const ActivationLedger::Exchanges exchanges =
         activations_.AllToAll(c.op(), c.part(), c.layer(), c.pass());
     if (exchanges.count > 0) {
-      // Rows of the hidden size, in the activations' fp32.
+      // fp32 rows, as the workers exchange them.
       v1::CommReport* comm = replay_->comm;
       comm->set_all_to_alls(comm->all_to_alls() + exchanges.count);
       comm->set_all_to_all_bytes(comm->all_to_all_bytes() +
-                                 exchanges.count * exchanges.rows *
-                                     info_.activations->hidden_size() * 4);
+                                 exchanges.rows * exchanges.floats * 4);
     }
   }
   if (++position_ == static_cast<int>(schedule_.size())) {

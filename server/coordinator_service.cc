@@ -671,14 +671,6 @@ absl::StatusOr<v1::SubmitStepResponse> CoordinatorService::SubmitStep(
       return absl::NotFoundError(absl::StrCat(
           "model_id: no model '", request.model_id(), "' on this coordinator"));
     }
-    if (it->second.plan.mesh().ep() > 1) {
-      return absl::UnimplementedError(absl::StrCat(
-          "options.mesh.ep (--ep): model '", request.model_id(),
-          "' is planned with expert parallelism ", it->second.plan.mesh().ep(),
-          ", which the workers cannot run yet (docs/expert_parallel.md); "
-          "`shardctl plan --ep N` shows what it would save; train without "
-          "--ep"));
-    }
     job.model = it->second.spec;
     options = it->second.options;
     // The model's plan has the job's mesh (the step shape does not change

@@ -906,9 +906,9 @@ TEST_F(CoordinatorServiceTest, SubmitStepChecksItsInput) {
   EXPECT_TRUE(workers.loads().empty());
 }
 
-// Expert parallelism is planned (SubmitModel, as `shardctl plan --ep`
-// uses it) but a job with it is refused until the workers run it.
-TEST_F(CoordinatorServiceTest, ExpertParallelJobsAreRefusedNamingTheFlag) {
+// An expert-parallel model is planned with its ep mesh and its job goes to
+// the workers like any other (here: none registered yet).
+TEST_F(CoordinatorServiceTest, ExpertParallelModelsPlanAndTrain) {
   RecordingWorkers workers;
   CoordinatorServiceOptions options;
   options.worker_clients = workers.Factory();
@@ -926,10 +926,14 @@ TEST_F(CoordinatorServiceTest, ExpertParallelJobsAreRefusedNamingTheFlag) {
   request.mutable_options()->mutable_mesh()->set_ep(2);
   SHARDD_ASSERT_OK_AND_ASSIGN(auto model, service->SubmitModel(request));
   EXPECT_EQ(model.plan().mesh().ep(), 2);
+  int expert_units = 0;
+  for (const v1::FsdpUnit& unit : model.plan().units()) {
+    if (unit.ep() == 2) ++expert_units;
+  }
+  EXPECT_EQ(expert_units, kLayers);
   EXPECT_THAT(service->SubmitStep(StepRequest(model.model_id())),
-              StatusIs(absl::StatusCode::kUnimplemented,
-                       AllOf(HasSubstr("options.mesh.ep (--ep)"),
-                             HasSubstr("docs/expert_parallel.md"))));
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("have not registered")));
   EXPECT_TRUE(workers.loads().empty());
 }
 

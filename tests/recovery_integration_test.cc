@@ -205,6 +205,27 @@ TEST_F(RecoveryIntegrationTest,
   EXPECT_EQ(Job("j-2").recoveries(), 1);
 }
 
+// Expert parallelism (issue 31 item 4): 4 workers, experts in 2 blocks
+// over 2 ranks each; a worker killed with SIGKILL mid-job comes back and
+// the job reloads its last checkpoint, with the losses of an uninterrupted
+// run.
+TEST_F(RecoveryIntegrationTest, ExpertParallelJobRecoversFromAKilledWorker) {
+  ASSERT_NO_FATAL_FAILURE(StartCluster(4));
+  SHARDD_ASSERT_OK(cluster_->StartWorkers(4));
+  const nlohmann::json reference = Train(16, {"--dp", "4", "--ep", "2"});
+  ASSERT_FALSE(reference.is_discarded());
+  EXPECT_GT(reference["all_to_alls_per_step"].get<int64_t>(), 0);
+
+  StartTraining(16, {"--dp", "4", "--ep", "2", "--checkpoint-every", "4"});
+  ASSERT_NO_FATAL_FAILURE(WaitForSteps("j-2", 6));
+  SHARDD_ASSERT_OK(cluster_->KillWorker(2));
+  SHARDD_ASSERT_OK(cluster_->StartWorker(2));
+  const nlohmann::json resumed = FinishTraining();
+  ASSERT_FALSE(resumed.is_discarded());
+  ExpectSameLosses(resumed, LossByStep(reference), 16);
+  EXPECT_THAT(Incidents(resumed), HasSubstr("reloaded checkpoint j-2/step-"));
+}
+
 TEST_F(RecoveryIntegrationTest, LostHsdpReplicaHealsFromItsPeer) {
   ASSERT_NO_FATAL_FAILURE(StartCluster(4));
   SHARDD_ASSERT_OK(cluster_->StartWorkers(4));

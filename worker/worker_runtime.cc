@@ -75,12 +75,6 @@ absl::Status CheckPlanMatchesModel(const v1::ShardingPlan& plan,
     return absl::InvalidArgumentError(absl::StrCat(
         "plan.mesh: tp and cp must be 1, got ", mesh.tp(), " and ", mesh.cp()));
   }
-  if (mesh.ep() > 1) {
-    return absl::UnimplementedError(absl::StrCat(
-        "plan.mesh.ep: expert parallelism (", mesh.ep(),
-        ") is planned but not executed by this worker yet "
-        "(docs/expert_parallel.md)"));
-  }
   const int64_t world =
       static_cast<int64_t>(mesh.dp_shard()) * mesh.dp_replicate();
   if (plan.world_size() != world) {
@@ -492,6 +486,12 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::BuildJobLocked(
     }
     executor_options.initial_values = weights.get();
   }
+  if (options_.device >= 0 && plan.mesh().ep() > 1) {
+    return absl::UnimplementedError(absl::StrCat(
+        "rank ", job->rank, ": plan.mesh.ep: expert parallelism (",
+        plan.mesh().ep(), ") runs on CPU workers only so far; device cuda:",
+        options_.device, " does not run it yet (docs/expert_parallel.md)"));
+  }
   if (options_.device >= 0) {
 #ifdef SHARDD_WITH_CUDA
     DeviceStepRunnerOptions device_options;
@@ -584,11 +584,37 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::BuildJobLocked(
     job->slice_groups[g] = *std::move(group);
   }
 
+  // Expert parallelism: each block's ranks (consecutive shard ranks)
+  // gather its experts; the ranks at the same place of every block
+  // exchange the tokens.
+  ExpertGroups expert_groups;
+  if (plan.mesh().ep() > 1) {
+    const int ep = plan.mesh().ep();
+    const int g = dp_shard / ep;
+    const int block = job->shard_rank / g;
+    const int place = job->shard_rank % g;
+    const std::string shard_prefix =
+        absl::StrCat(base, "epshard", job->replica_rank, "/b", block);
+    auto ep_shard = join(shard_prefix, place, g);
+    if (!ep_shard.ok()) {
+      return with_context(ep_shard.status(), "ep_shard group " + shard_prefix);
+    }
+    job->ep_shard_group = *std::move(ep_shard);
+    const std::string ep_prefix =
+        absl::StrCat(base, "ep", job->replica_rank, "/p", place);
+    auto ep_group = join(ep_prefix, block, ep);
+    if (!ep_group.ok()) {
+      return with_context(ep_group.status(), "ep group " + ep_prefix);
+    }
+    job->ep_group = *std::move(ep_group);
+    expert_groups = {job->ep_shard_group.get(), job->ep_group.get()};
+  }
+
   SHARDD_ASSIGN_OR_RETURN(
       std::unique_ptr<StepExecutor> executor,
       StepExecutor::Create(plan, request.model(), executor_options,
                            job->shard_group.get(), job->replicas.get(),
-                           &tracker_, slice_groups));
+                           &tracker_, slice_groups, expert_groups));
   int64_t kept_step = -1;
   if (*kept != nullptr) {
     // Same job and fingerprint, so the same layout: a failure here is a bug.
@@ -737,6 +763,8 @@ v1::ExecuteResponse WorkerRuntime::ToResponse(const StepResult& r) const {
   response.set_all_reduces(r.collectives.replica_all_reduces);
   response.set_all_gather_bytes(r.collectives.all_gather_bytes);
   response.set_reduce_scatter_bytes(r.collectives.reduce_scatter_bytes);
+  response.set_all_to_alls(r.collectives.all_to_alls);
+  response.set_all_to_all_bytes(r.collectives.all_to_all_bytes);
   return response;
 }
 

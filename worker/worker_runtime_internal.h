@@ -41,6 +41,9 @@ struct WorkerRuntime::Job {
   std::unique_ptr<Communicator> replicas;
   // Slice groups by size, for units resharded to a smaller group.
   std::map<int, std::unique_ptr<Communicator>> slice_groups;
+  // Expert parallelism (plan.mesh.ep > 1): the ep_shard and ep groups.
+  std::unique_ptr<Communicator> ep_shard_group;
+  std::unique_ptr<Communicator> ep_group;
   // Declared last: destroyed first, while the communicators still exist.
   // A device runner owns its own (NCCL) communicators.
   std::unique_ptr<StepRunner> steps;

@@ -773,7 +773,11 @@ class JobRunner::Attempt {
     int64_t activations = 0;
     int64_t all_gathers = 0;
     int64_t reduce_scatters = 0;
+    int64_t all_to_alls = 0;
+    int64_t all_to_all_bytes = 0;
     for (const v1::ExecuteResponse& result : results) {
+      all_to_alls = std::max(all_to_alls, result.all_to_alls());
+      all_to_all_bytes = std::max(all_to_all_bytes, result.all_to_all_bytes());
       tokens += result.tokens();
       weighted_loss += result.loss() * static_cast<double>(result.tokens());
       plain_loss += result.loss();
@@ -802,6 +806,8 @@ class JobRunner::Attempt {
         spec_.plan.memory().peak_activation_bytes());
     event.set_all_gathers(all_gathers);
     event.set_reduce_scatters(reduce_scatters);
+    event.set_all_to_alls(all_to_alls);
+    event.set_all_to_all_bytes(all_to_all_bytes);
     event.set_data_entropy_rate(loaded_[0].data_entropy_rate());
     event.set_data_one_token_loss(loaded_[0].data_one_token_loss());
     event.set_total_steps(total_);

@@ -139,6 +139,16 @@ class Communicator {
   virtual CommunicatorStats stats() const = 0;
 };
 
+// Expert parallelism's groups (plan.mesh.ep > 1; docs/expert_parallel.md):
+// `ep_shard`, the dp_shard / ep ranks of this rank's block (this rank at
+// shard_rank % (dp_shard / ep)), gathers and reduces the expert units;
+// `ep`, the ep ranks at the same place of every block (this rank at
+// shard_rank / (dp_shard / ep)), exchanges the routed tokens.
+struct ExpertGroups {
+  Communicator* ep_shard = nullptr;
+  Communicator* ep = nullptr;
+};
+
 }  // namespace shardd
 
 #endif  // SHARDD_WORKER_COMM_COMMUNICATOR_H_

@@ -178,12 +178,15 @@ class CpuBackend::Params : public ParamSource {
 CpuBackend::CpuBackend(const v1::ShardingPlan& plan,
                        const StepExecutorOptions& options,
                        Communicator* shard_group, Communicator* replicas,
-                       const SliceGroups& slice_groups, MemoryTracker* tracker)
+                       const SliceGroups& slice_groups,
+                       const ExpertGroups& expert_groups,
+                       MemoryTracker* tracker)
     : plan_(plan),
       options_(options),
       shard_group_(shard_group),
       replicas_(replicas),
       slice_groups_(slice_groups),
+      expert_groups_(expert_groups),
       tracker_(tracker) {}
 
 CpuBackend::~CpuBackend() {
@@ -195,19 +198,30 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(
     const v1::ShardingPlan& plan, const v1::ModelSpec& model,
     const StepExecutorOptions& options, Communicator* shard_group,
     Communicator* replicas, MemoryTracker* tracker,
-    const SliceGroups& slice_groups) {
+    const SliceGroups& slice_groups, const ExpertGroups& expert_groups) {
   if (shard_group == nullptr || tracker == nullptr) {
     return absl::InvalidArgumentError(
         "shard_group and tracker: must not be null");
   }
   SHARDD_RETURN_IF_ERROR(CheckStepGroups(
       plan, options.shard_rank, options.replica_rank, *shard_group, replicas));
+  SHARDD_RETURN_IF_ERROR(
+      CheckExpertGroups(plan, options.shard_rank, expert_groups));
   SHARDD_RETURN_IF_ERROR(CheckStepOptions(
       options.collective_timeout, options.max_grad_norm, options.adamw));
   SHARDD_RETURN_IF_ERROR(
       CheckSliceGroups(plan, options.shard_rank, slice_groups));
-  auto backend = absl::WrapUnique(new CpuBackend(
-      plan, options, shard_group, replicas, slice_groups, tracker));
+  auto backend = absl::WrapUnique(new CpuBackend(plan, options, shard_group,
+                                                 replicas, slice_groups,
+                                                 expert_groups, tracker));
+  if (plan.mesh().ep() > 1) {
+    SHARDD_ASSIGN_OR_RETURN(const int64_t experts, RoutedExperts(model));
+    SHARDD_ASSIGN_OR_RETURN(
+        ExpertExchange exchange,
+        ExpertExchange::Create(expert_groups.ep, experts,
+                               options.collective_timeout));
+    backend->exchange_ = std::make_unique<ExpertExchange>(exchange);
+  }
   ShardStoreOptions store_options;
   store_options.shard_rank = options.shard_rank;
   store_options.seed = options.seed;
@@ -259,7 +273,8 @@ absl::Status CpuBackend::BeginStep(const v1::StepProgram& header,
   // A failed step may have left activations behind; count what is held.
   SyncActivations(model_->activation_bytes(), model_->activation_bytes());
   tracker_->ResetPeaks();
-  stats_start_ = SnapshotCollectives(*shard_group_, replicas_, slice_groups_);
+  stats_start_ = SnapshotCollectives(*shard_group_, replicas_, slice_groups_,
+                                     expert_groups_);
   last_free_ticket_ = -1;
   peak_activation_bytes_ = 0;
   activation_trace_.clear();
@@ -286,6 +301,11 @@ absl::Status CpuBackend::CreateModel(const MoeModelOptions& options) {
     experts[l.layer()] = l.recompute_experts();
   }
   SHARDD_RETURN_IF_ERROR(model_->SetRecompute(whole, experts));
+  if (exchange_ != nullptr) {
+    // The plan's skew bound, when it modelled the activations.
+    SHARDD_RETURN_IF_ERROR(model_->SetExpertExchange(
+        exchange_.get(), plan_.activations().ep_capacity_factor()));
+  }
   SyncActivations(0, 0);
   return absl::OkStatus();
 }
@@ -322,7 +342,7 @@ absl::Status CpuBackend::Run(const v1::Command& c, const std::string& label,
   ShardStore* store = store_.get();
   switch (c.op()) {
     case v1::Command::UNSHARD: {
-      Communicator* group = shard_group_;
+      Communicator* group = GroupOf(u);
       const SliceGroups* slices = &slice_groups_;
       const int64_t ticket = comm_->Enqueue(label, [store, group, slices, u] {
         return store->Unshard(u, group, slices);
@@ -362,7 +382,7 @@ absl::Status CpuBackend::Run(const v1::Command& c, const std::string& label,
       return absl::OkStatus();
     }
     case v1::Command::REDUCE_SCATTER: {
-      Communicator* group = shard_group_;
+      Communicator* group = GroupOf(u);
       Communicator* replicas = replicas_;
       const int64_t ticket = comm_->Enqueue(label, [store, group, replicas, u] {
         return store->ReduceScatter(u, group, replicas);
@@ -505,7 +525,8 @@ absl::Status CpuBackend::EndStep(const StepState& state,
   result->clip_coefficient = clip_coefficient_;
   result->collectives = CollectivesBetween(
       stats_start_,
-      SnapshotCollectives(*shard_group_, replicas_, slice_groups_));
+      SnapshotCollectives(*shard_group_, replicas_, slice_groups_,
+                          expert_groups_));
   SetMemoryPeaks(tracker_->Snapshot(), result);
   result->peak_activation_bytes = peak_activation_bytes_;
   result->activation_trace = activation_trace_;

@@ -28,6 +28,7 @@
 #include "worker/exec/step_backend.h"
 #include "worker/exec/step_state.h"
 #include "worker/memory/memory_tracker.h"
+#include "worker/model/expert_exchange.h"
 #include "worker/model/moe_model.h"
 #include "worker/shards/shard_store.h"
 
@@ -42,7 +43,8 @@ class CpuBackend final : public StepBackend {
       const v1::ShardingPlan& plan, const v1::ModelSpec& model,
       const StepExecutorOptions& options, Communicator* shard_group,
       Communicator* replicas, MemoryTracker* tracker,
-      const SliceGroups& slice_groups);
+      const SliceGroups& slice_groups,
+      const ExpertGroups& expert_groups = ExpertGroups());
 
   // Skips queued collectives and waits for the running one (at most about
   // collective_timeout).
@@ -80,7 +82,14 @@ class CpuBackend final : public StepBackend {
 
   CpuBackend(const v1::ShardingPlan& plan, const StepExecutorOptions& options,
              Communicator* shard_group, Communicator* replicas,
-             const SliceGroups& slice_groups, MemoryTracker* tracker);
+             const SliceGroups& slice_groups,
+             const ExpertGroups& expert_groups, MemoryTracker* tracker);
+
+  // The group unit `u` gathers and reduces over: its ep_shard group for an
+  // expert-parallel unit, else the shard group.
+  Communicator* GroupOf(int u) const {
+    return plan_.units(u).ep() > 1 ? expert_groups_.ep_shard : shard_group_;
+  }
 
   // OPTIMIZER_STEP: drains the queue, all-reduces the gradient norm, clips,
   // prepares every unit's update, then applies them all.
@@ -108,6 +117,10 @@ class CpuBackend final : public StepBackend {
   Communicator* const shard_group_;
   Communicator* const replicas_;
   const SliceGroups slice_groups_;
+  const ExpertGroups expert_groups_;
+  // Expert parallelism's token exchange over expert_groups_.ep (null
+  // without it); the model reads it.
+  std::unique_ptr<ExpertExchange> exchange_;
   MemoryTracker* const tracker_;
   v1::ModelSpec model_spec_;
   // Used by the caller thread and the queued tasks (which the queue orders

@@ -40,6 +40,22 @@ StepCollectives CollectivesBetween(const CollectiveStatsSnapshot& start,
     c.all_gather_bytes += slice.bytes;
     time += slice.time;
   }
+  // Expert units gather and reduce over their ep_shard group; the ep
+  // group's all-to-alls are the token exchanges (its all-gathers, the
+  // routing counts, are not the plan's).
+  const CollectiveStats ep_gathers =
+      delta(start.ep_shard.all_gather, end.ep_shard.all_gather);
+  const CollectiveStats ep_scatters =
+      delta(start.ep_shard.reduce_scatter, end.ep_shard.reduce_scatter);
+  const CollectiveStats exchanges =
+      delta(start.ep.all_to_all, end.ep.all_to_all);
+  c.all_gathers += ep_gathers.calls;
+  c.all_gather_bytes += ep_gathers.bytes;
+  c.reduce_scatters += ep_scatters.calls;
+  c.reduce_scatter_bytes += ep_scatters.bytes;
+  c.all_to_alls = exchanges.calls;
+  c.all_to_all_bytes = exchanges.bytes;
+  time += ep_gathers.time + ep_scatters.time + exchanges.time;
   c.seconds = absl::ToDoubleSeconds(time);
   return c;
 }

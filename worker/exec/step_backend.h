@@ -85,6 +85,11 @@ struct StepCollectives {
   int64_t norm_all_reduce_bytes = 0;
   // Of all_gathers: re-gathers from post-forward slices over a slice group.
   int64_t slice_all_gathers = 0;
+  // Expert parallelism: the token exchanges (all-to-all, ep group); the
+  // expert units' all-gathers and reduce-scatters over their ep_shard group
+  // are among those above.
+  int64_t all_to_alls = 0;
+  int64_t all_to_all_bytes = 0;
   // Wall time inside successful collectives of both groups.
   double seconds = 0.0;
 };
@@ -149,19 +154,26 @@ struct CollectiveStatsSnapshot {
   CommunicatorStats shard;
   CommunicatorStats replicas;
   std::map<int, CommunicatorStats> slices;
+  // Expert parallelism's groups (zeros without it).
+  CommunicatorStats ep_shard;
+  CommunicatorStats ep;
 };
+
 
 // Takes a snapshot. `replicas` may be null. Works for any communicator
 // backend (the GPU executor passes its NCCL groups).
 template <typename Group>
 CollectiveStatsSnapshot SnapshotCollectives(
     const Communicator& shard, const Communicator* replicas,
-    const std::map<int, Group*>& slices) {
+    const std::map<int, Group*>& slices,
+    const ExpertGroups& experts = ExpertGroups()) {
   CollectiveStatsSnapshot snapshot;
   snapshot.shard = shard.stats();
   if (replicas != nullptr) snapshot.replicas = replicas->stats();
   for (const auto& [size, group] : slices)
     snapshot.slices[size] = group->stats();
+  if (experts.ep_shard != nullptr) snapshot.ep_shard = experts.ep_shard->stats();
+  if (experts.ep != nullptr) snapshot.ep = experts.ep->stats();
   return snapshot;
 }
 

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/error_info.h"
+#include "model/model_util.h"
 #include "program/step_program.h"
 
 namespace shardd {
@@ -80,6 +81,56 @@ MoeModelOptions ModelOptionsFor(int microbatches, int passes,
 bool SameStepShape(const MoeModelOptions& a, const MoeModelOptions& b) {
   return a.microbatches == b.microbatches && a.passes == b.passes &&
          a.no_grad_passes == b.no_grad_passes;
+}
+
+absl::Status CheckExpertGroups(const v1::ShardingPlan& plan, int shard_rank,
+                               const ExpertGroups& groups) {
+  const int ep = plan.mesh().ep();
+  if (ep <= 1) {
+    if (groups.ep_shard != nullptr || groups.ep != nullptr) {
+      return absl::InvalidArgumentError(
+          "expert_groups: the plan has no expert parallelism (mesh.ep <= 1)");
+    }
+    return absl::OkStatus();
+  }
+  const int dp_shard = plan.mesh().dp_shard();
+  const int g = dp_shard / ep;
+  if (groups.ep_shard == nullptr || groups.ep_shard->world_size() != g ||
+      groups.ep_shard->rank() != shard_rank % g) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "expert_groups.ep_shard: mesh.ep ", ep, " needs a group of dp_shard / "
+        "ep = ", g, " ranks with this rank at ", shard_rank % g));
+  }
+  if (groups.ep == nullptr || groups.ep->world_size() != ep ||
+      groups.ep->rank() != shard_rank / g) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "expert_groups.ep: mesh.ep ", ep, " needs a group of ", ep,
+        " ranks with this rank at ", shard_rank / g));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> RoutedExperts(const v1::ModelSpec& model) {
+  int64_t experts = 0;
+  for (const ParamRef& ref : ListParams(model)) {
+    bool routed = false;
+    for (const v1::ModuleSpec* m : ref.path) {
+      routed |= m->kind() == v1::MODULE_GROUPED_EXPERTS;
+    }
+    if (!routed || ref.tensor->shape_size() == 0) continue;
+    const int64_t e = ref.tensor->shape(0);
+    if (experts != 0 && e != experts) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "expert parallelism: the model's MoE layers differ in their expert "
+          "counts (", experts, " and ", e, " at '", ref.fqn, "')"));
+    }
+    experts = e;
+  }
+  if (experts == 0) {
+    return absl::InvalidArgumentError(
+        "expert parallelism: the model has no routed experts");
+  }
+  return experts;
 }
 
 absl::Status CheckStepGroups(const v1::ShardingPlan& plan, int shard_rank,

@@ -65,6 +65,17 @@ absl::Status SetStepBatches(Model* model,
 // plan.mesh().dp_shard() ranks with this rank at `shard_rank`; under HSDP
 // `replicas` has dp_replicate ranks with this rank at `replica_rank`, and
 // without it holds one rank or is null. INVALID_ARGUMENT naming the group.
+// Expert parallelism (plan.mesh.ep > 1): `groups` holds an ep_shard group
+// of dp_shard / ep ranks with this rank at shard_rank % (dp_shard / ep) and
+// an ep group of ep ranks with it at shard_rank / (dp_shard / ep); without
+// it both are null. Errors: INVALID_ARGUMENT naming the group.
+absl::Status CheckExpertGroups(const v1::ShardingPlan& plan, int shard_rank,
+                               const ExpertGroups& groups);
+
+// The routed experts of `model`'s MoE layers (the same in every layer).
+// Errors: INVALID_ARGUMENT when it has none or the layers differ.
+absl::StatusOr<int64_t> RoutedExperts(const v1::ModelSpec& model);
+
 absl::Status CheckStepGroups(const v1::ShardingPlan& plan, int shard_rank,
                              int replica_rank, const Communicator& shard_group,
                              const Communicator* replicas);

@@ -24,10 +24,11 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(
     const v1::ShardingPlan& plan, const v1::ModelSpec& model,
     const StepExecutorOptions& options, Communicator* shard_group,
     Communicator* replicas, MemoryTracker* tracker,
-    const SliceGroups& slice_groups) {
-  SHARDD_ASSIGN_OR_RETURN(std::unique_ptr<CpuBackend> backend,
-                          CpuBackend::Create(plan, model, options, shard_group,
-                                             replicas, tracker, slice_groups));
+    const SliceGroups& slice_groups, const ExpertGroups& expert_groups) {
+  SHARDD_ASSIGN_OR_RETURN(
+      std::unique_ptr<CpuBackend> backend,
+      CpuBackend::Create(plan, model, options, shard_group, replicas, tracker,
+                         slice_groups, expert_groups));
   return std::make_unique<StepExecutor>(plan, options, std::move(backend));
 }
 

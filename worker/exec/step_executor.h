@@ -56,8 +56,9 @@ class StepExecutor {
   // ranks with this rank at options.shard_rank; `replicas` (may be null
   // when dp_replicate is 1) has dp_replicate ranks; `slice_groups` (see
   // SliceGroups in shard_store.h) a group for every G in (1, dp_shard) a
-  // unit's reshard_after_forward names. The communicators and the tracker
-  // must outlive the executor.
+  // unit's reshard_after_forward names; `expert_groups` the groups of
+  // expert parallelism when plan.mesh.ep > 1 (communicator.h). The
+  // communicators and the tracker must outlive the executor.
   // Errors: INVALID_ARGUMENT (null shard_group or tracker, communicator
   // size or rank not matching the plan's mesh, a missing replicate or slice
   // group, an AdamW hyper-parameter out of range, max_grad_norm < 0 or not
@@ -69,7 +70,8 @@ class StepExecutor {
       const v1::ShardingPlan& plan, const v1::ModelSpec& model,
       const StepExecutorOptions& options, Communicator* shard_group,
       Communicator* replicas, MemoryTracker* tracker,
-      const SliceGroups& slice_groups = {});
+      const SliceGroups& slice_groups = {},
+      const ExpertGroups& expert_groups = ExpertGroups());
 
   // Lets the backend stop outstanding work first (its destructor).
   ~StepExecutor();

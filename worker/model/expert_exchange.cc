@@ -50,11 +50,14 @@ absl::Status ExpertExchange::Route(const int32_t* indices, int64_t t, int k,
   }
   route->order.assign(n, 0);
   for (int64_t j = 0; j < n; ++j) route->order[next[indices[j] / local]++] = j;
-  std::vector<int64_t> ones(ep_, 1);
+  // Every rank's counts (an all-gather, so that the all-to-alls are the
+  // row exchanges alone); this rank's column is what it receives.
+  std::vector<int64_t> all(static_cast<size_t>(ep_) * ep_);
+  SHARDD_RETURN_IF_ERROR(comm_->AllGather(route->send_counts.data(),
+                                          all.data(), ep_, v1::INT64,
+                                          timeout_));
   route->recv_counts.assign(ep_, 0);
-  SHARDD_RETURN_IF_ERROR(comm_->AllToAllV(route->send_counts.data(), ones,
-                                          route->recv_counts.data(), ones,
-                                          v1::INT64, timeout_));
+  for (int r = 0; r < ep_; ++r) route->recv_counts[r] = all[r * ep_ + rank_];
   route->received = 0;
   for (int64_t c : route->recv_counts) route->received += c;
   if (max_received_rows > 0 && route->received > max_received_rows) {

@@ -7,7 +7,7 @@
 // the rank holding the slot's expert, the experts there run over the rows
 // they receive, and the outputs come back to be summed per token.
 //
-//   Route        counts per destination, exchanged (one int64 per rank)
+//   Route        counts per destination, all-gathered (ep int64 per rank)
 //   Dispatch     rows x[i] with the slot's local expert and weight  ->
 //   (experts)    the receiving rank's local experts, top-1 per row
 //   Combine      weighted outputs back  ->  y[i] = sum over the k slots

@@ -71,7 +71,8 @@ v1::ModelSpec TinyMoe(bool freeze, int64_t mlp = kMlp) {
 absl::StatusOr<v1::ShardingPlan> TryPlan(const v1::ModelSpec& model,
                                          const std::string& strategy,
                                          int dp_shard, int reshard_group = 0,
-                                         const std::string& placement = "") {
+                                         const std::string& placement = "",
+                                         int ep = 0) {
   static StrategyRegistry* registry =
       StrategyRegistry::CreateWithBuiltins().release();
   ShardingPlanner planner(registry);
@@ -79,6 +80,7 @@ absl::StatusOr<v1::ShardingPlan> TryPlan(const v1::ModelSpec& model,
   options.set_strategy(strategy);
   options.mutable_mesh()->set_dp_shard(dp_shard);
   options.mutable_mesh()->set_dp_replicate(1);
+  options.mutable_mesh()->set_ep(ep);
   options.set_mixed_precision(false);  // fp32 end to end: tight comparisons.
   if (reshard_group > 0) {
     options.mutable_reshard_after_forward()->set_group_size(reshard_group);
@@ -386,6 +388,48 @@ TEST(ShardCheckpointTest, ElementSplitExpertsReshardAcrossPlacements) {
         const v1::ShardingPlan plan,
         TryPlan(model, t.strategy, t.world, 0, t.placement));
     ExpectLoadsEveryRank(model, plan, dir, /*salt=*/7, /*step=*/2);
+  }
+}
+
+// Expert parallelism (issue 31 item 4): checkpoints hold global tensors,
+// so they reshard between EP layouts bit for bit: EP=4 -> EP=2 -> no EP
+// (2 ranks) -> EP=4, each a save of what the previous one loaded, every
+// element where the pattern put it (the 4 experts in blocks of 1 and 2,
+// over 1 and 2 ranks).
+TEST(ShardCheckpointTest, ReshardsBetweenExpertParallelLayouts) {
+  const v1::ModelSpec model = TinyMoe(/*freeze=*/true);
+  struct Layout {
+    int world, ep;
+  };
+  const std::vector<Layout> chain = {{4, 4}, {4, 2}, {2, 0}, {4, 4}};
+  std::string dir;
+  for (size_t i = 0; i < chain.size(); ++i) {
+    SCOPED_TRACE(absl::StrCat("world ", chain[i].world, " ep ", chain[i].ep));
+    SHARDD_ASSERT_OK_AND_ASSIGN(
+        const v1::ShardingPlan plan,
+        TryPlan(model, "default", chain[i].world, 0, "", chain[i].ep));
+    EXPECT_EQ(plan.mesh().ep(), chain[i].ep > 1 ? chain[i].ep : 0);
+    auto stores = MakeStores(plan, model);
+    ASSERT_EQ(stores.size(), static_cast<size_t>(chain[i].world));
+    if (i == 0) {
+      for (int r = 0; r < chain[i].world; ++r) {
+        FillPattern(plan, r, /*salt=*/3, stores[r]->store.get());
+      }
+    } else {
+      ExpectLoadsEveryRank(model, plan, dir, /*salt=*/3,
+                           /*step=*/static_cast<int64_t>(i));
+      for (int r = 0; r < chain[i].world; ++r) {
+        SHARDD_ASSERT_OK_AND_ASSIGN(
+            std::unique_ptr<checkpoint::CheckpointReader> reader,
+            checkpoint::CheckpointReader::Open(dir));
+        SHARDD_ASSERT_OK(
+            LoadRankShards(plan, stores[r]->store.get(), reader.get(), r)
+                .status());
+      }
+    }
+    SHARDD_ASSERT_OK_AND_ASSIGN(
+        dir, SaveStores(plan, stores, NewRoot("ep-chain"),
+                        static_cast<int64_t>(i + 1)));
   }
 }
 

@@ -66,7 +66,9 @@ absl::StatusOr<std::unique_ptr<ShardStore>> ShardStore::Create(
     state->shard_numel = layout.shard_numel;
     state->gathered_numel = layout.gathered_numel;
     state->grad_chunk_numel = layout.grad_chunk_numel;
-    state->world = world;
+    state->world = layout.world;
+    state->group_rank = options.shard_rank % layout.world;
+    state->ep = layout.ep;
     state->compute = unit.precision().compute_dtype();
     state->reduce = unit.precision().reduce_dtype();
     state->flat = layout.flat;
@@ -196,6 +198,13 @@ absl::Status ShardStore::Unshard(int unit, Communicator* shard_group,
     state->slice_group = 0;
     return absl::OkStatus();
   }
+  if (shard_group->world_size() != state->world ||
+      shard_group->rank() != state->group_rank) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Unshard: unit ", unit, " is gathered over ", state->world,
+        " ranks with this rank at ", state->group_rank, "; the group has ",
+        shard_group->world_size(), " with it at ", shard_group->rank()));
+  }
   state->gathered = TrackedBuffer(tracker_, MemoryKind::kGatheredParams,
                                   state->gathered_numel * elem, &cache_);
   if (!state->compute_shard.empty()) {
@@ -209,7 +218,7 @@ absl::Status ShardStore::Unshard(int unit, Communicator* shard_group,
   }
   // Copy-in straight into this rank's slot, then gather in place.
   char* slot = state->gathered.as<char>() +
-               options_.shard_rank * state->shard_numel * elem;
+               state->group_rank * state->shard_numel * elem;
   const float* master = state->master.as<float>();
   if (state->compute == v1::BFLOAT16) {
     kernels::Fp32ToBf16Array(master, reinterpret_cast<uint16_t*>(slot),
@@ -239,7 +248,7 @@ absl::Status ShardStore::Reshard(int unit, int group_size) {
                                  slice_bytes, &cache_);
     std::memcpy(
         state->slice.data(),
-        state->gathered.as<char>() + (options_.shard_rank % g) * slice_bytes,
+        state->gathered.as<char>() + (state->group_rank % g) * slice_bytes,
         static_cast<size_t>(slice_bytes));
     state->slice_group = g;
   }
@@ -275,9 +284,16 @@ absl::Status ShardStore::ReduceScatter(int unit, Communicator* shard_group,
   }
   const int64_t elem = DTypeBytes(state->reduce);
   const int64_t chunk = state->grad_chunk_numel;
+  if (shard_group->world_size() != state->world ||
+      shard_group->rank() != state->group_rank) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ReduceScatter: unit ", unit, " is reduced over ", state->world,
+        " ranks with this rank at ", state->group_rank, "; the group has ",
+        shard_group->world_size(), " with it at ", shard_group->rank()));
+  }
   // The reduced chunk lands in this rank's own slot of the input.
   char* out =
-      state->unsharded_grad.as<char>() + options_.shard_rank * chunk * elem;
+      state->unsharded_grad.as<char>() + state->group_rank * chunk * elem;
   SHARDD_RETURN_IF_ERROR(shard_group->ReduceScatter(
       state->unsharded_grad.data(), out, chunk, state->reduce, ReduceOp::kAvg,
       options_.collective_timeout));
@@ -289,16 +305,21 @@ absl::Status ShardStore::ReduceScatter(int unit, Communicator* shard_group,
   // Add the reduced chunk into the sharded gradient (UnitLayout::shard_grad:
   // a flat bucket chunk matches the shard element for element; a dim-0
   // chunk holds only the trainable parameters' shards).
+  // An expert-parallel block's gradient holds the rows of its ep ranks'
+  // tokens: averaged over the ep_shard ranks it is the sum of ep ranks'
+  // local-mean gradients, so 1/ep more makes it the dp_shard average the
+  // other units get.
+  const float scale = 1.0f / static_cast<float>(state->ep);
   float* grads = state->grads.as<float>();
   auto add = [&](int64_t from, int64_t to, int64_t n) {
     kernels::ParallelFor(n, kElementGrain, [&](int64_t begin, int64_t end) {
       if (state->reduce == v1::BFLOAT16) {
         const uint16_t* in = reinterpret_cast<const uint16_t*>(out) + from;
         for (int64_t i = begin; i < end; ++i)
-          grads[to + i] += kernels::Bf16ToFp32(in[i]);
+          grads[to + i] += scale * kernels::Bf16ToFp32(in[i]);
       } else {
         const float* in = reinterpret_cast<const float*>(out) + from;
-        for (int64_t i = begin; i < end; ++i) grads[to + i] += in[i];
+        for (int64_t i = begin; i < end; ++i) grads[to + i] += scale * in[i];
       }
     });
   };

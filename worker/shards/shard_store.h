@@ -169,7 +169,12 @@ class ShardStore {
     int64_t gathered_numel = 0;
     // Elements per rank of the unsharded gradient buffer.
     int64_t grad_chunk_numel = 0;
+    // The ranks the unit is gathered over (dp_shard, or an expert-parallel
+    // unit's ep_shard), this rank's place among them, and the expert
+    // parallelism degree (1: none).
     int world = 1;
+    int group_rank = 0;
+    int ep = 1;
     v1::DType compute = v1::FLOAT32;
     v1::DType reduce = v1::FLOAT32;
     bool flat = false;
