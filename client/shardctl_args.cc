@@ -208,6 +208,7 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                              "--dp",
                                              "--replicate",
                                              "--ep",
+                                             "--ep-capacity-factor",
                                              "--strategy",
                                              "--defer-grad-sync",
                                              "--fine-grained",
@@ -929,7 +930,8 @@ absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
       if (has_id) {
         // The stored model's plan options are fixed.
         for (const char* fixed :
-             {"--dp", "--replicate", "--ep", "--strategy", "--passes",
+             {"--dp", "--replicate", "--ep", "--ep-capacity-factor",
+              "--strategy", "--passes",
               "--no-grad-passes", "--no-mixed-precision",
               "--keep-compute-shard", "--reshard-after-forward",
               "--fwd-prefetch", "--bwd-prefetch", "--shard-placement",

@@ -48,7 +48,9 @@ Mesh:
                                default 1; docs/expert_parallel.md)
   --ep-capacity-factor C       with --ep: the routing skew the activations
                                assume, a rank's experts receiving at most
-                               C x the balanced rows (default 2, 1..N)
+                               C x the balanced rows (1..N); given, training
+                               fails a step whose routing exceeds it
+                               (default: 2 assumed, not enforced)
 Plan:
   --strategy NAME              a registry strategy instead of the
                                architecture's (see shardctl strategies)
@@ -133,6 +135,9 @@ Mesh and plan (with --model):
   --replicate R                HSDP replicas (default 1)
   --ep N                       expert parallelism, as for plan (CPU workers;
                                GPU workers refuse it for now)
+  --ep-capacity-factor C       with --ep: fail a step whose routing sends a
+                               rank's experts more than C x the balanced
+                               rows (default: no bound)
   --strategy NAME              a registry strategy (see shardctl strategies)
   --passes P                   forward passes per micro-batch (default 1)
   --no-grad-passes K           leading passes without gradients

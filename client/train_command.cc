@@ -66,6 +66,11 @@ nlohmann::ordered_json StepEventJson(const v1::StepEvent& event) {
   json["step_seconds"] = event.step_seconds();
   json["tokens_per_second"] = event.tokens_per_second();
   json["peak_unsharded_bytes"] = event.peak_unsharded_bytes();
+  if (event.all_to_alls() > 0) {
+    // Expert parallelism's token exchanges (per rank, the most any sent).
+    json["all_to_alls"] = event.all_to_alls();
+    json["all_to_all_bytes"] = event.all_to_all_bytes();
+  }
   if (!event.checkpoint().empty()) json["checkpoint"] = event.checkpoint();
   if (!event.checkpoint_error().empty()) {
     json["checkpoint_error"] = event.checkpoint_error();

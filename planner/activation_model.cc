@@ -355,6 +355,7 @@ absl::StatusOr<v1::ActivationModel> ModelActivations(
   if (ep.ep > 1) {
     out.set_ep(ep.ep);
     out.set_ep_capacity_factor(ep.capacity);
+    out.set_ep_capacity_enforced(options.ep_capacity_factor() > 0);
   }
   out.set_hidden_size(d);
   out.set_micro_batch_size(static_cast<int32_t>(batch));

@@ -296,6 +296,9 @@ TEST_F(ExpertParallelPlanTest, CapacityFactorScalesTheExpertsBytes) {
   options.clear_ep_capacity_factor();
   SHARDD_ASSERT_OK_AND_ASSIGN(v1::ShardingPlan dflt, Plan(model, options));
   EXPECT_EQ(dflt.activations().ep_capacity_factor(), 2.0);
+  // Given, the workers enforce it; the default is an assumption only.
+  EXPECT_TRUE(three.activations().ep_capacity_enforced());
+  EXPECT_FALSE(dflt.activations().ep_capacity_enforced());
   ASSERT_EQ(one.activations().layers_size(),
             three.activations().layers_size());
   for (int l = 0; l < one.activations().layers_size(); ++l) {

@@ -359,7 +359,10 @@ uint64_t Fingerprint(const ShardingPlan& plan) {
     f.AddInt(a.micro_batch_size());
     f.AddInt(a.seq_len());
     f.AddString(a.checkpointing());
-    if (a.ep() > 1) f.AddInt(static_cast<int64_t>(a.ep_capacity_factor() * 1000));
+    if (a.ep() > 1) {
+      f.AddInt(static_cast<int64_t>(a.ep_capacity_factor() * 1000));
+      f.AddInt(a.ep_capacity_enforced() ? 1 : 0);
+    }
   }
   return f.value();
 }

@@ -302,9 +302,11 @@ absl::Status CpuBackend::CreateModel(const MoeModelOptions& options) {
   }
   SHARDD_RETURN_IF_ERROR(model_->SetRecompute(whole, experts));
   if (exchange_ != nullptr) {
-    // The plan's skew bound, when it modelled the activations.
+    // The plan's skew bound, when the job set one.
+    const v1::ActivationModel& a = plan_.activations();
     SHARDD_RETURN_IF_ERROR(model_->SetExpertExchange(
-        exchange_.get(), plan_.activations().ep_capacity_factor()));
+        exchange_.get(),
+        a.ep_capacity_enforced() ? a.ep_capacity_factor() : 0.0));
   }
   SyncActivations(0, 0);
   return absl::OkStatus();

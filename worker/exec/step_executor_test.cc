@@ -1321,6 +1321,15 @@ std::vector<EquivalenceCase> AuxLossCases() {
   accumulate.dp_shard = 2;
   accumulate.microbatches = 2;
   cases.push_back({"accumulate_W2", accumulate});
+  // Expert parallelism: the statistics are the router's, over every rank's
+  // tokens (the all-reduce of the shard group), wherever the experts run.
+  for (const auto& [world, ep] :
+       std::vector<std::pair<int, int>>{{2, 2}, {4, 2}, {4, 4}}) {
+    Shape s;
+    s.dp_shard = world;
+    s.ep = ep;
+    cases.push_back({absl::StrCat("default_W", world, "_ep", ep), s});
+  }
   return cases;
 }
 
