@@ -295,7 +295,12 @@ absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
     return absl::AbortedError(
         absl::StrCat("job ", job->job_id(), " failed: ", failure));
   }
-  const TrainSummary summary = SummarizeTraining(events, evals);
+  TrainSummary summary = SummarizeTraining(events, evals);
+  // The planner's rule for DiffusionGemma's 3-pass step (one without
+  // gradients): its loss is not a next-token loss.
+  summary.block_diffusion =
+      plan.architecture() == "DiffusionGemmaForBlockDiffusion" &&
+      plan.step().passes() == 3 && plan.step().no_grad_passes() == 1;
   if (args.json) {
     nlohmann::ordered_json json;
     json["event"] = "summary";
@@ -308,7 +313,13 @@ absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
     json["final_window"] = summary.final_window;
     json["data_entropy_rate"] = summary.entropy_rate;
     json["data_one_token_loss"] = summary.one_token_loss;
-    json["gap_percent"] = summary.gap_percent;
+    if (summary.block_diffusion) {
+      // No comparable reference (see FormatTrainSummary).
+      json["gap_percent"] = nullptr;
+      json["loss_terms"] = "diffusion_ce+encoder_ce";
+    } else {
+      json["gap_percent"] = summary.gap_percent;
+    }
     json["tokens"] = summary.tokens;
     json["step_seconds"] = summary.step_seconds;
     json["tokens_per_second"] = summary.tokens_per_second;

@@ -153,7 +153,15 @@ std::string FormatTrainSummary(const TrainSummary& s) {
                   absl::StrFormat("  loss                 %.4f at step 1 -> "
                                   "%.4f (mean of the last %d steps)\n",
                                   s.first_loss, s.final_loss, s.final_window));
-  if (s.entropy_rate > 0) {
+  if (s.entropy_rate > 0 && s.block_diffusion) {
+    absl::StrAppend(
+        &out,
+        absl::StrFormat("  data entropy rate    %.4f nats/token, the floor of "
+                        "a next-token loss; this loss is block diffusion's "
+                        "(canvas diffusion CE + encoder next-token CE), which "
+                        "it does not bound: no gap is given\n",
+                        s.entropy_rate));
+  } else if (s.entropy_rate > 0) {
     absl::StrAppend(
         &out, absl::StrFormat("  data entropy rate    %.4f nats/token (the "
                               "best reachable loss); gap %+.2f%%\n",
@@ -168,7 +176,8 @@ std::string FormatTrainSummary(const TrainSummary& s) {
                         "eval tokens)\n",
                         s.eval_loss, s.eval_step, HumanCount(s.eval_tokens)));
   }
-  if (s.one_token_loss > s.entropy_rate + 1e-9 && s.entropy_rate > 0) {
+  if (s.one_token_loss > s.entropy_rate + 1e-9 && s.entropy_rate > 0 &&
+      !s.block_diffusion) {
     absl::StrAppend(
         &out,
         absl::StrFormat("  without attention    %.4f nats/token (the floor of "

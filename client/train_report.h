@@ -67,6 +67,11 @@ struct TrainSummary {
   int64_t all_gathers = 0;  // Per rank, in the last step.
   int64_t reduce_scatters = 0;
   int64_t all_to_alls = 0;  // Expert parallelism's token exchanges.
+  // DiffusionGemma's block-diffusion step (set by the caller from the
+  // plan): the loss is the canvas's diffusion cross-entropy plus the
+  // encoder's next-token cross-entropy, which the data's entropy rate does
+  // not bound, so the summary gives it no reference.
+  bool block_diffusion = false;
   // The last evaluation (eval_step 0: none): held-out loss and tokens.
   int64_t eval_step = 0;
   double eval_loss = 0;

@@ -82,6 +82,27 @@ TEST(FormatTrainSummaryTest, SaysWhetherPeaksMatchAndWhenTheFloorIsUnknown) {
   EXPECT_THAT(text, Not(HasSubstr("gap")));
 }
 
+// Issue 32 item 5: DiffusionGemma's block-diffusion loss (diffusion CE on
+// the canvas + the encoder's next-token CE) is not a next-token loss, so
+// the entropy rate is shown for what it is and no gap is given.
+TEST(FormatTrainSummaryTest, BlockDiffusionGetsNoNextTokenGap) {
+  std::vector<v1::StepEvent> events = {Event(1, 9.0), Event(2, 6.7)};
+  events[1].set_data_one_token_loss(1.5);
+  TrainSummary summary = SummarizeTraining(events);
+  summary.block_diffusion = true;
+  const std::string text = FormatTrainSummary(summary);
+  EXPECT_THAT(text, HasSubstr("9.0000 at step 1 -> 6.7000"));
+  EXPECT_THAT(text, HasSubstr("1.0000 nats/token, the floor of a next-token "
+                              "loss"));
+  EXPECT_THAT(text, HasSubstr("canvas diffusion CE + encoder next-token CE"));
+  EXPECT_THAT(text, HasSubstr("no gap is given"));
+  EXPECT_THAT(text, Not(HasSubstr("gap +")));
+  EXPECT_THAT(text, Not(HasSubstr("without attention")));
+  // The same events as a next-token job keep their gap.
+  EXPECT_THAT(FormatTrainSummary(SummarizeTraining(events)),
+              HasSubstr("gap +570.00%"));
+}
+
 TEST(FormatTrainSummaryTest, ShowsTheAttentionFreeFloorOfOrderKData) {
   std::vector<v1::StepEvent> events = {Event(1, 3.0), Event(2, 1.1)};
   // First-order data: the floor equals the best loss and is not shown.
