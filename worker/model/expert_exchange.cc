@@ -49,7 +49,12 @@ absl::Status ExpertExchange::Route(const int32_t* indices, int64_t t, int k,
     next[r] = next[r - 1] + route->send_counts[r - 1];
   }
   route->order.assign(n, 0);
-  for (int64_t j = 0; j < n; ++j) route->order[next[indices[j] / local]++] = j;
+  route->position.assign(n, 0);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t at = next[indices[j] / local]++;
+    route->order[at] = j;
+    route->position[j] = at;
+  }
   // Every rank's counts (an all-gather, so that the all-to-alls are the
   // row exchanges alone); this rank's column is what it receives.
   std::vector<int64_t> all(static_cast<size_t>(ep_) * ep_);
@@ -119,9 +124,8 @@ absl::Status ExpertExchange::Combine(const ExpertRoute& route, const float* y_r,
   std::vector<float> send(y_r, y_r + route.received * d);
   std::vector<float> back;
   SHARDD_RETURN_IF_ERROR(Exchange(route, /*reverse=*/true, d, send, &back));
-  // Slot j of token i came back at position where[i * k + j].
-  std::vector<int64_t> where(route.order.size());
-  for (size_t j = 0; j < route.order.size(); ++j) where[route.order[j]] = j;
+  // Slot s of token i came back at route.position[i * k + s].
+  const std::vector<int64_t>& where = route.position;
   for (int64_t i = 0; i < route.t; ++i) {
     float* out = y + i * d;
     std::memcpy(out, back.data() + where[i * route.k] * d, d * sizeof(float));
@@ -159,8 +163,7 @@ absl::Status ExpertExchange::CombineGrad(const ExpertRoute& route,
   }
   std::vector<float> back;
   SHARDD_RETURN_IF_ERROR(Exchange(route, /*reverse=*/true, width, send, &back));
-  std::vector<int64_t> where(route.order.size());
-  for (size_t j = 0; j < route.order.size(); ++j) where[route.order[j]] = j;
+  const std::vector<int64_t>& where = route.position;
   for (int64_t i = 0; i < route.t; ++i) {
     float* out = dx + i * d;
     for (int s = 0; s < route.k; ++s) {

@@ -36,14 +36,18 @@ namespace shardd {
 struct ExpertRoute {
   int64_t t = 0;
   int k = 0;
-  // The sent rows' slots (token * k + slot), grouped by destination rank.
+  // The sent rows' slots (token * k + slot), grouped by destination rank,
+  // and its inverse: where each slot's row sits in that order (and so in
+  // what comes back).
   std::vector<int64_t> order;
+  std::vector<int64_t> position;
   std::vector<int64_t> send_counts;  // Rows per destination rank.
   std::vector<int64_t> recv_counts;  // Rows per source rank.
   int64_t received = 0;              // Sum of recv_counts.
 
   int64_t bytes() const {
-    return static_cast<int64_t>(order.size() * sizeof(int64_t) +
+    return static_cast<int64_t>((order.size() + position.size()) *
+                                    sizeof(int64_t) +
                                 (send_counts.size() + recv_counts.size()) *
                                     sizeof(int64_t));
   }

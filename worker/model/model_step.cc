@@ -261,7 +261,7 @@ absl::Status ModelStep::ExpertsBackward(const MoeLayerSpec& spec, int64_t t,
                                         LayerSlot* la, PassSlot* a) {
   SHARDD_RETURN_IF_ERROR(Ensure(&a->dn, Elem::kStorage, t * arch_.dim));
   SHARDD_RETURN_IF_ERROR(Ensure(&a->dweights, Elem::kF32, t * arch_.top_k));
-  if (exchange_ != nullptr) return ParallelExpertsBackward(spec, t, la, a);
+  if (exchange_ != nullptr) return ParallelExpertsBackward(spec, la, a);
   SHARDD_RETURN_IF_ERROR(ops_->ExpertsBackward(spec, a->dx, t, arch_.top_k,
                                                &la->experts, &a->dn,
                                                &a->dweights));
@@ -330,18 +330,15 @@ absl::Status ModelStep::ParallelExpertsForward(const MoeLayerSpec& spec,
       la->indices.as<int32_t>(), d, x_r.as<float>(), ids_r.as<int32_t>(),
       w_r.as<float>()));
   SHARDD_ASSIGN_OR_RETURN(Act y_r, Temp(std::max<int64_t>(1, r * d)));
-  SHARDD_RETURN_IF_ERROR(ops_->ExpertsForward(local_specs_[&spec -
-                                                           arch_.layers.data()],
-                                              x_r, ids_r, w_r, r, /*k=*/1,
-                                              &la->experts, &y_r));
+  SHARDD_RETURN_IF_ERROR(ops_->ExpertsForward(LocalSpec(spec), x_r, ids_r,
+                                              w_r, r, /*k=*/1, &la->experts,
+                                              &y_r));
   la->experts.Sync(&ledger_);
   return exchange_->Combine(la->route, y_r.as<float>(), d, y->as<float>());
 }
 
 absl::Status ModelStep::ParallelExpertsBackward(const MoeLayerSpec& spec,
-                                                int64_t t, LayerSlot* la,
-                                                PassSlot* a) {
-  (void)t;
+                                                LayerSlot* la, PassSlot* a) {
   const int64_t d = arch_.dim;
   const int64_t r = la->route.received;
   SHARDD_ASSIGN_OR_RETURN(Act dy_r, Temp(std::max<int64_t>(1, r * d)));
@@ -352,7 +349,7 @@ absl::Status ModelStep::ParallelExpertsBackward(const MoeLayerSpec& spec,
                           ops_->Allocate(Elem::kF32, std::max<int64_t>(1, r),
                                          /*zero=*/false));
   SHARDD_RETURN_IF_ERROR(ops_->ExpertsBackward(
-      local_specs_[&spec - arch_.layers.data()], dy_r, r, /*k=*/1,
+      LocalSpec(spec), dy_r, r, /*k=*/1,
       &la->experts, &dx_r, &dw_r));
   la->experts.Sync(&ledger_);
   return exchange_->CombineGrad(la->route, dx_r.as<float>(), dw_r.as<float>(),

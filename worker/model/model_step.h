@@ -174,8 +174,12 @@ class ModelStep {
   // this rank's experts receive.
   absl::Status ParallelExpertsForward(const MoeLayerSpec& spec, int64_t t,
                                       LayerSlot* la, Act* y);
-  absl::Status ParallelExpertsBackward(const MoeLayerSpec& spec, int64_t t,
+  absl::Status ParallelExpertsBackward(const MoeLayerSpec& spec,
                                        LayerSlot* la, PassSlot* a);
+  // `spec`'s layer (an element of arch_.layers) over its local experts.
+  const MoeLayerSpec& LocalSpec(const MoeLayerSpec& spec) const {
+    return local_specs_[&spec - arch_.layers.data()];
+  }
   absl::Status LayerBackward(const MoeLayerSpec& spec, int layer,
                              const BatchSlot& batch, PassSlot* a);
   // LAYER or EXPERTS of a DiffusionGemma layer over `batch` sequences of
