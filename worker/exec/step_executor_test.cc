@@ -1377,6 +1377,22 @@ TEST_P(StepExecutorDiffusionTest, SameStepsAsOneRankWithinRounding) {
   const int64_t tokens = kGlobalBatch * (kDiffusionSeq + 4);
   ExpectSameStepsAs(model, DiffusionReference(), run, EquivalenceOptions(),
                     MoeStepTolerances(model.dims(), tokens, c.shape.dp_shard));
+  // Under expert parallelism every pass exchanged each MoE layer's rows:
+  // dispatch and combine forward, their transposes in the passes with
+  // gradients.
+  const v1::ShardingPlan plan = MakePlan(model, c.shape);
+  int moe_layers = 0;
+  for (const v1::FsdpUnit& unit : plan.units()) {
+    moe_layers += unit.kind() == v1::UNIT_EXPERTS ? 1 : 0;
+  }
+  const int passes = c.shape.passes, grad_passes = passes - c.shape.no_grad_passes;
+  for (const auto& rank : run.results) {
+    for (const StepResult& r : rank) {
+      EXPECT_EQ(r.collectives.all_to_alls,
+                c.shape.ep > 1 ? moe_layers * (2 * passes + 2 * grad_passes)
+                               : 0);
+    }
+  }
 }
 
 std::vector<EquivalenceCase> DiffusionCases() {
@@ -1386,6 +1402,15 @@ std::vector<EquivalenceCase> DiffusionCases() {
       if (world == 1 && std::string(strategy) == "default") continue;
       cases.push_back({absl::StrCat(strategy, "_W", world),
                        DiffusionShape(strategy, world)});
+    }
+  }
+  // Expert parallelism inside the Gemma layers' EXPERTS.
+  for (const char* strategy : {"default", "diffusion_gemma"}) {
+    for (const auto& [world, ep] :
+         std::vector<std::pair<int, int>>{{2, 2}, {4, 2}, {4, 4}}) {
+      Shape s = DiffusionShape(strategy, world);
+      s.ep = ep;
+      cases.push_back({absl::StrCat(strategy, "_W", world, "_ep", ep), s});
     }
   }
   return cases;

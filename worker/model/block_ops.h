@@ -20,6 +20,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "worker/model/expert_exchange.h"
 #include "worker/model/moe_architecture.h"
 
 namespace shardd {
@@ -337,14 +338,18 @@ class BlockOps {
                                          const GemmaDecodeView* decode,
                                          Saved* layer) = 0;
   // EXPERTS' forward: the layer's output into *x [T, D]; with null x only
-  // the experts' state again (a recompute before their backward).
+  // the experts' state again (a recompute before their backward). With
+  // `ep`, the routed experts run expert-parallel and `spec` holds this
+  // rank's block (FAILED_PRECONDITION where Act memory is not host memory).
   virtual absl::Status GemmaExpertsForward(const MoeLayerSpec& spec,
-                                           int64_t t, Saved* layer,
-                                           Act* x) = 0;
-  // BACKWARD(EXPERTS) from dx, the gradient of the layer's output.
+                                           int64_t t, Saved* layer, Act* x,
+                                           const RoutedExchange* ep) = 0;
+  // BACKWARD(EXPERTS) from dx, the gradient of the layer's output (`ep` as
+  // in the forward).
   virtual absl::Status GemmaExpertsBackward(const MoeLayerSpec& spec,
                                             int64_t t, const Act& dx,
-                                            Saved* layer) = 0;
+                                            Saved* layer,
+                                            const RoutedExchange* ep) = 0;
   // BACKWARD(LAYER): dx becomes the gradient of the layer's input; a
   // decode's encoder-row K/V gradients are added to decode->encoder.
   virtual absl::Status GemmaLayerBackward(const MoeLayerSpec& spec,

@@ -448,17 +448,21 @@ absl::Status CpuBlockOps::GemmaLayerForward(const MoeLayerSpec& spec,
 
 absl::Status CpuBlockOps::GemmaExpertsForward(const MoeLayerSpec& spec,
                                               int64_t t, Saved* layer,
-                                              Act* x) {
+                                              Act* x,
+                                              const RoutedExchange* ep) {
   GemmaLayerActs* acts = &layer->Get<GemmaState>()->acts;
-  if (x == nullptr) return gemma_->RecomputeExperts(spec, params_, t, acts);
-  return gemma_->ForwardExperts(spec, params_, t, acts, F(x));
+  if (x == nullptr) {
+    return gemma_->RecomputeExperts(spec, params_, t, acts, ep);
+  }
+  return gemma_->ForwardExperts(spec, params_, t, acts, F(x), ep);
 }
 
 absl::Status CpuBlockOps::GemmaExpertsBackward(const MoeLayerSpec& spec,
                                                int64_t t, const Act& dx,
-                                               Saved* layer) {
+                                               Saved* layer,
+                                               const RoutedExchange* ep) {
   return gemma_->BackwardExperts(spec, params_, t, F(dx),
-                                 &layer->Get<GemmaState>()->acts);
+                                 &layer->Get<GemmaState>()->acts, ep);
 }
 
 absl::Status CpuBlockOps::GemmaLayerBackward(const MoeLayerSpec& spec,

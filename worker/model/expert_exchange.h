@@ -53,6 +53,16 @@ struct ExpertRoute {
   }
 };
 
+class ExpertExchange;
+
+// A layer's experts run expert-parallel through `exchange`; the layer spec
+// that goes with it holds this rank's block of E / ep experts (the
+// router's choices stay global ids).
+struct RoutedExchange {
+  ExpertExchange* exchange = nullptr;  // Not owned.
+  int64_t max_received_rows = 0;       // 0: no bound (Route).
+};
+
 class ExpertExchange {
  public:
   // `comm` (not owned, outlives this) is the expert-parallel group: its

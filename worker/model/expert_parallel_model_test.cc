@@ -28,9 +28,11 @@
 #include "testing/model_commands.h"
 #include "testing/numerics.h"
 #include "testing/random_params.h"
+#include "program/pass_layout.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/in_memory_kv_client.h"
 #include "worker/comm/kv_gloo_store.h"
+#include "worker/model/block_diffusion.h"
 #include "worker/model/expert_exchange.h"
 #include "worker/model/moe_architecture.h"
 #include "worker/model/moe_model.h"
@@ -41,7 +43,7 @@ namespace {
 using testing_util::MapParamSource;
 
 constexpr absl::Duration kTimeout = absl::Seconds(60);
-constexpr int64_t kBatch = 2, kSeq = 8;
+constexpr int64_t kBatch = 2;
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
@@ -59,16 +61,44 @@ struct RankResult {
   std::map<std::string, std::vector<float>> grads;
 };
 
+// How a case runs: a standard next-token step, or DiffusionGemma's block
+// diffusion (encode, self-conditioning decode, decode; the canvas's noise
+// keyed by each rank's sequence keys).
+struct Case {
+  std::string config;
+  int64_t seq = 8;
+  bool diffusion = false;
+};
+
+MoeModelOptions OptionsFor(const Case& c) {
+  MoeModelOptions o;
+  if (c.diffusion) {
+    o.passes = 3;
+    o.no_grad_passes = 1;
+  }
+  return o;
+}
+
 // One step of micro-batch `tokens` on `model` reading `source`.
-absl::StatusOr<RankResult> Step(MoeModel* model, const std::vector<bool>& moe,
+absl::StatusOr<RankResult> Step(MoeModel* model, const Case& c,
+                                const std::vector<bool>& moe, int rank,
                                 MapParamSource* source,
                                 const testing_util::TokenBatches& tokens) {
   model->ResetStep();
   SHARDD_RETURN_IF_ERROR(model->SetBatch(0, tokens.inputs[0].data(),
                                          tokens.targets[0].data(), kBatch,
-                                         kSeq));
-  for (const v1::Command& c : testing_util::ModelStepCommands(moe, 1, 0, 1)) {
-    SHARDD_RETURN_IF_ERROR(model->Run(c, source));
+                                         c.seq));
+  std::vector<v1::Command> commands;
+  if (c.diffusion) {
+    const int64_t keys[kBatch] = {100 + 2 * rank, 101 + 2 * rank};
+    SHARDD_RETURN_IF_ERROR(model->SetSequenceKeys(0, /*step=*/3, keys));
+    commands = testing_util::ModelStepCommands(
+        moe, PassLayout::For(kBlockDiffusionArchitecture, 3, 1), 1);
+  } else {
+    commands = testing_util::ModelStepCommands(moe, 1, 0, 1);
+  }
+  for (const v1::Command& cmd : commands) {
+    SHARDD_RETURN_IF_ERROR(model->Run(cmd, source));
   }
   RankResult out;
   out.loss = model->step_loss();
@@ -86,13 +116,14 @@ double RelL2(const std::vector<float>& got, const std::vector<float>& want) {
   return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
 }
 
-void ExpectEpMatchesLocal(const std::string& config, int ep,
-                          bool recompute_experts) {
-  SCOPED_TRACE(absl::StrCat(config, " ep ", ep,
-                            recompute_experts ? " recompute experts" : ""));
+void ExpectEpMatchesLocal(const Case& c, int ep, bool recompute_experts,
+                          bool recompute_layers = false) {
+  SCOPED_TRACE(absl::StrCat(c.config, " ep ", ep,
+                            recompute_experts ? " recompute experts" : "",
+                            recompute_layers ? " recompute layers" : ""));
   SHARDD_ASSERT_OK_AND_ASSIGN(
       const v1::ModelSpec spec,
-      ModelSpecFromHfConfig(ReadFile("tests/data/" + config)));
+      ModelSpecFromHfConfig(ReadFile("tests/data/" + c.config)));
   SHARDD_ASSERT_OK_AND_ASSIGN(const MoeArchitecture arch,
                               ReadMoeArchitecture(spec));
   const std::vector<bool> moe = arch.LayersWithExperts();
@@ -102,20 +133,21 @@ void ExpectEpMatchesLocal(const std::string& config, int ep,
   std::vector<testing_util::TokenBatches> tokens;
   for (int r = 0; r < ep; ++r) {
     tokens.push_back(
-        testing_util::RandomTokenBatches(1, kBatch * kSeq, arch.vocab, 7 + r));
+        testing_util::RandomTokenBatches(1, kBatch * c.seq, arch.vocab, 7 + r));
   }
-  std::vector<bool> recompute(arch.layers.size(), false);
+  std::vector<bool> recompute(arch.layers.size(), recompute_layers);
   std::vector<bool> recompute_e(arch.layers.size(), recompute_experts);
 
   // Each rank alone, every expert local.
   std::vector<RankResult> local(ep);
   for (int r = 0; r < ep; ++r) {
-    SHARDD_ASSERT_OK_AND_ASSIGN(auto model, MoeModel::Create(spec, {}));
+    SHARDD_ASSERT_OK_AND_ASSIGN(auto model,
+                                MoeModel::Create(spec, OptionsFor(c)));
     SHARDD_ASSERT_OK(model->SetRecompute(recompute, recompute_e));
     MapParamSource source;
     source.values = values;
-    SHARDD_ASSERT_OK_AND_ASSIGN(local[r],
-                                Step(model.get(), moe, &source, tokens[r]));
+    SHARDD_ASSERT_OK_AND_ASSIGN(
+        local[r], Step(model.get(), c, moe, r, &source, tokens[r]));
   }
 
   // The ep ranks together, each with its block of the experts.
@@ -135,7 +167,8 @@ void ExpectEpMatchesLocal(const std::string& config, int ep,
         SHARDD_ASSIGN_OR_RETURN(
             ExpertExchange exchange,
             ExpertExchange::Create(comm.get(), experts, kTimeout));
-        SHARDD_ASSIGN_OR_RETURN(auto model, MoeModel::Create(spec, {}));
+        SHARDD_ASSIGN_OR_RETURN(auto model,
+                                MoeModel::Create(spec, OptionsFor(c)));
         SHARDD_RETURN_IF_ERROR(model->SetRecompute(recompute, recompute_e));
         SHARDD_RETURN_IF_ERROR(model->SetExpertExchange(&exchange, 2.0));
         MapParamSource source;
@@ -148,8 +181,8 @@ void ExpectEpMatchesLocal(const std::string& config, int ep,
           source.values[name].assign(v.begin() + r * block,
                                      v.begin() + (r + 1) * block);
         }
-        SHARDD_ASSIGN_OR_RETURN(parallel[r],
-                                Step(model.get(), moe, &source, tokens[r]));
+        SHARDD_ASSIGN_OR_RETURN(
+            parallel[r], Step(model.get(), c, moe, r, &source, tokens[r]));
         return absl::OkStatus();
       }();
     });
@@ -158,7 +191,7 @@ void ExpectEpMatchesLocal(const std::string& config, int ep,
   for (int r = 0; r < ep; ++r) ASSERT_THAT(statuses[r], IsOk()) << r;
 
   const testing_util::StepTolerances tol = testing_util::MoeStepTolerances(
-      spec.dims(), ep * kBatch * kSeq, ep);
+      spec.dims(), ep * kBatch * c.seq, ep);
   int expert_tensors = 0;
   for (int r = 0; r < ep; ++r) {
     testing_util::ExpectRelativelyNear(parallel[r].loss, local[r].loss,
@@ -192,12 +225,22 @@ TEST(ExpertParallelModelTest, MatchesEveryRankAloneWithAllExperts) {
   // (latent attention, shared experts, the group-limited router).
   for (const char* config : {"tiny_qwen3_moe.json", "tiny_mixtral.json",
                              "tiny_gpt_oss.json", "tiny_deepseek_v3.json"}) {
-    for (int ep : {2, 4}) ExpectEpMatchesLocal(config, ep, false);
+    for (int ep : {2, 4}) ExpectEpMatchesLocal({config}, ep, false);
   }
 }
 
 TEST(ExpertParallelModelTest, RecomputedExpertsDispatchAgain) {
-  ExpectEpMatchesLocal("tiny_qwen3_moe_aux.json", 2, true);
+  ExpectEpMatchesLocal({"tiny_qwen3_moe_aux.json"}, 2, true);
+}
+
+// DiffusionGemma: the experts sit inside the Gemma layer's EXPERTS, after
+// the dense MLP and the router; every pass of the block-diffusion step
+// (the no-grad self-conditioning decode included) exchanges its rows.
+TEST(ExpertParallelModelTest, DiffusionGemmaBlockDiffusionStep) {
+  const Case gemma{"tiny_diffusion_gemma.json", /*seq=*/12, /*diffusion=*/true};
+  for (int ep : {2, 4}) ExpectEpMatchesLocal(gemma, ep, false);
+  ExpectEpMatchesLocal(gemma, 2, /*recompute_experts=*/true);
+  ExpectEpMatchesLocal(gemma, 2, false, /*recompute_layers=*/true);
 }
 
 }  // namespace

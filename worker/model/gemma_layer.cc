@@ -26,7 +26,8 @@ int64_t GemmaLayerActs::bytes() const {
   }
   return static_cast<int64_t>(floats * sizeof(float) +
                               indices.capacity() * sizeof(int32_t) +
-                              router.bytes() + experts.bytes() + mlp.bytes());
+                              router.bytes() + experts.bytes() + mlp.bytes() +
+                              route.bytes());
 }
 
 absl::Status GemmaLayerBlock::Prepare(int64_t seq) {
@@ -240,6 +241,7 @@ void GemmaLayerBlock::KeepCheckpoint(bool experts_only, bool keep_kv,
                                      GemmaLayerActs* a) {
   if (experts_only) {
     a->experts = kernels::GroupedExpertsWorkspace();
+    a->route = ExpertRoute();  // The recompute routes again.
     std::vector<float>().swap(a->experts_out);
     std::vector<float>().swap(a->post2_inv);
     return;
@@ -261,22 +263,15 @@ void GemmaLayerBlock::KeepCheckpoint(bool experts_only, bool keep_kv,
   *a = std::move(keep);
 }
 
-absl::Status GemmaLayerBlock::RecomputeExperts(const MoeLayerSpec& layer,
-                                               ParamSource* params, int64_t t,
-                                               GemmaLayerActs* a) {
+absl::Status GemmaLayerBlock::RecomputeExperts(
+    const MoeLayerSpec& layer, ParamSource* params, int64_t t,
+    GemmaLayerActs* a, const RoutedExchange* ep) {
   const int64_t d = arch_->dim;
   if (static_cast<int64_t>(a->layer_w.size()) != 3 * d + 1) {
     return absl::FailedPreconditionError(
         "recompute of a DiffusionGemma layer's experts without its forward");
   }
-  SHARDD_ASSIGN_OR_RETURN(const float* w_gu, params->Param(layer.w_gu.name));
-  SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(layer.w_d.name));
-  a->experts_out.resize(t * d);
-  SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsForward(
-      {t, d, layer.moe_inter, layer.experts, arch_->top_k}, arch_->activation,
-      a->experts_in.data(), a->indices.data(), a->weights.data(), nullptr, w_gu,
-      w_d, a->experts_out.data(), &a->experts));
-  decltype(a->experts.o)().swap(a->experts.o);
+  SHARDD_RETURN_IF_ERROR(RoutedExpertsForward(layer, params, t, a, ep));
   // post_feedforward_layernorm_2's inverse RMS (its weight: the copy).
   a->post2_inv.resize(t);
   g_.resize(t * d);
@@ -411,11 +406,10 @@ absl::Status GemmaLayerBlock::LayerFromInput(const MoeLayerSpec& layer,
 
 absl::Status GemmaLayerBlock::ForwardExperts(const MoeLayerSpec& layer,
                                              ParamSource* params, int64_t t,
-                                             GemmaLayerActs* a, float* x) {
+                                             GemmaLayerActs* a, float* x,
+                                             const RoutedExchange* ep) {
   const int64_t d = arch_->dim;
   const float eps = arch_->eps;
-  SHARDD_ASSIGN_OR_RETURN(const float* w_gu, params->Param(layer.w_gu.name));
-  SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(layer.w_d.name));
   SHARDD_ASSIGN_OR_RETURN(const float* w_post2,
                           params->Param(layer.post_ff_norm_2.name));
   SHARDD_ASSIGN_OR_RETURN(const float* w_post,
@@ -430,13 +424,7 @@ absl::Status GemmaLayerBlock::ForwardExperts(const MoeLayerSpec& layer,
   a->layer_w.insert(a->layer_w.end(), w_post, w_post + d);
   a->layer_w.insert(a->layer_w.end(), w_pre2, w_pre2 + d);
   a->layer_w.push_back(ls[0]);
-  a->experts_out.resize(t * d);
-  SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsForward(
-      {t, d, layer.moe_inter, layer.experts, arch_->top_k}, arch_->activation,
-      a->experts_in.data(), a->indices.data(), a->weights.data(), nullptr,
-      w_gu, w_d, a->experts_out.data(), &a->experts));
-  // The per-row outputs are the kernel's scratch; backward regrows them.
-  decltype(a->experts.o)().swap(a->experts.o);
+  SHARDD_RETURN_IF_ERROR(RoutedExpertsForward(layer, params, t, a, ep));
   a->post2_inv.resize(t);
   g_.resize(t * d);
   SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(a->experts_out.data(),
@@ -453,10 +441,9 @@ absl::Status GemmaLayerBlock::ForwardExperts(const MoeLayerSpec& layer,
 absl::Status GemmaLayerBlock::BackwardExperts(const MoeLayerSpec& layer,
                                               ParamSource* params, int64_t t,
                                               const float* dx,
-                                              GemmaLayerActs* a) {
-  const int64_t d = arch_->dim, k = arch_->top_k;
-  SHARDD_ASSIGN_OR_RETURN(const float* w_gu, params->Param(layer.w_gu.name));
-  SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(layer.w_d.name));
+                                              GemmaLayerActs* a,
+                                              const RoutedExchange* ep) {
+  const int64_t d = arch_->dim;
   if (static_cast<int64_t>(a->layer_w.size()) != 3 * d + 1) {
     return absl::FailedPreconditionError(
         "BACKWARD(EXPERTS) of a DiffusionGemma layer without its forward");
@@ -480,20 +467,89 @@ absl::Status GemmaLayerBlock::BackwardExperts(const MoeLayerSpec& layer,
       a->dsum.data(), a->experts_out.data(), w_post2, a->post2_inv.data(), t,
       d, g2_.data(), a->d_post_ff_2.data()));
   g_.resize(t * d);
-  a->dweights.resize(t * k);
-  std::vector<float> dw_gu(layer.w_gu.frozen ? 0 : layer.w_gu.numel(), 0.0f);
-  std::vector<float> dw_d(layer.w_d.frozen ? 0 : layer.w_d.numel(), 0.0f);
-  SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsBackward(
-      {t, d, layer.moe_inter, layer.experts, k}, arch_->activation, w_gu, w_d,
-      g2_.data(), g_.data(), /*accumulate_dx=*/false, a->dweights.data(),
-      dw_gu.empty() ? nullptr : dw_gu.data(),
-      dw_d.empty() ? nullptr : dw_d.data(), &a->experts));
-  SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.w_gu, dw_gu));
-  SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.w_d, dw_d));
+  SHARDD_RETURN_IF_ERROR(
+      RoutedExpertsBackward(layer, params, t, g2_.data(), g_.data(), a, ep));
   a->d_pre_ff_2.assign(d, 0.0f);
   return kernels::RmsNormBackward(g_.data(), a->m.data(), w_pre2,
                                   a->pre2_inv.data(), t, d, a->dm.data(),
                                   a->d_pre_ff_2.data(), /*accumulate_dx=*/true);
+}
+
+absl::Status GemmaLayerBlock::RoutedExpertsForward(
+    const MoeLayerSpec& layer, ParamSource* params, int64_t t,
+    GemmaLayerActs* a, const RoutedExchange* ep) {
+  const int64_t d = arch_->dim;
+  const int k = arch_->top_k;
+  SHARDD_ASSIGN_OR_RETURN(const float* w_gu, params->Param(layer.w_gu.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(layer.w_d.name));
+  a->experts_out.resize(t * d);
+  if (ep == nullptr || ep->exchange == nullptr) {
+    SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsForward(
+        {t, d, layer.moe_inter, layer.experts, k}, arch_->activation,
+        a->experts_in.data(), a->indices.data(), a->weights.data(), nullptr,
+        w_gu, w_d, a->experts_out.data(), &a->experts));
+  } else {
+    // Each received row is one (token, slot) for one local expert: top-1
+    // over the block, its weight applied there as on one rank.
+    ExpertExchange& ex = *ep->exchange;
+    SHARDD_RETURN_IF_ERROR(ex.Route(a->indices.data(), t, k,
+                                    ep->max_received_rows, &a->route));
+    const int64_t r = a->route.received;
+    std::vector<float> x_r(r * d), w_r(r), y_r(r * d);
+    std::vector<int32_t> ids_r(r);
+    SHARDD_RETURN_IF_ERROR(ex.Dispatch(a->route, a->experts_in.data(),
+                                       a->weights.data(), a->indices.data(), d,
+                                       x_r.data(), ids_r.data(), w_r.data()));
+    SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsForward(
+        {r, d, layer.moe_inter, layer.experts, 1}, arch_->activation,
+        x_r.data(), ids_r.data(), w_r.data(), nullptr, w_gu, w_d, y_r.data(),
+        &a->experts));
+    SHARDD_RETURN_IF_ERROR(
+        ex.Combine(a->route, y_r.data(), d, a->experts_out.data()));
+  }
+  // The per-row outputs are the kernel's scratch; backward regrows them.
+  decltype(a->experts.o)().swap(a->experts.o);
+  return absl::OkStatus();
+}
+
+absl::Status GemmaLayerBlock::RoutedExpertsBackward(
+    const MoeLayerSpec& layer, ParamSource* params, int64_t t,
+    const float* dy, float* dx, GemmaLayerActs* a,
+    const RoutedExchange* ep) {
+  const int64_t d = arch_->dim;
+  const int k = arch_->top_k;
+  SHARDD_ASSIGN_OR_RETURN(const float* w_gu, params->Param(layer.w_gu.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(layer.w_d.name));
+  a->dweights.resize(t * k);
+  std::vector<float> dw_gu(layer.w_gu.frozen ? 0 : layer.w_gu.numel(), 0.0f);
+  std::vector<float> dw_d(layer.w_d.frozen ? 0 : layer.w_d.numel(), 0.0f);
+  float* g_gu = dw_gu.empty() ? nullptr : dw_gu.data();
+  float* g_d = dw_d.empty() ? nullptr : dw_d.data();
+  if (ep == nullptr || ep->exchange == nullptr) {
+    SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsBackward(
+        {t, d, layer.moe_inter, layer.experts, k}, arch_->activation, w_gu,
+        w_d, dy, dx, /*accumulate_dx=*/false, a->dweights.data(), g_gu, g_d,
+        &a->experts));
+  } else {
+    ExpertExchange& ex = *ep->exchange;
+    if (a->route.t != t || a->route.k != k) {
+      return absl::FailedPreconditionError(
+          "BACKWARD(EXPERTS) of an expert-parallel DiffusionGemma layer "
+          "without its forward's route");
+    }
+    const int64_t r = a->route.received;
+    std::vector<float> dy_r(r * d), dx_r(r * d), dw_r(r);
+    SHARDD_RETURN_IF_ERROR(ex.DispatchGrad(a->route, dy, d, dy_r.data()));
+    SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsBackward(
+        {r, d, layer.moe_inter, layer.experts, 1}, arch_->activation, w_gu,
+        w_d, dy_r.data(), dx_r.data(), /*accumulate_dx=*/false, dw_r.data(),
+        g_gu, g_d, &a->experts));
+    SHARDD_RETURN_IF_ERROR(ex.CombineGrad(a->route, dx_r.data(), dw_r.data(),
+                                          d, dx, a->dweights.data()));
+    a->route = ExpertRoute();
+  }
+  SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.w_gu, dw_gu));
+  return AddGrad(params, layer.w_d, dw_d);
 }
 
 absl::Status GemmaLayerBlock::BackwardLayer(const MoeLayerSpec& layer,

@@ -47,6 +47,7 @@
 #include "kernels/cpu/rope.h"
 #include "kernels/cpu/router.h"
 #include "worker/model/attention_geometry.h"
+#include "worker/model/expert_exchange.h"
 #include "worker/model/moe_architecture.h"
 #include "worker/model/param_source.h"
 
@@ -68,6 +69,9 @@ struct GemmaLayerActs {
   std::vector<float> weights;                      // [T, K]
   kernels::RouterCache router;
   kernels::GroupedExpertsWorkspace experts;
+  // With expert parallelism: where the experts' rows went, from
+  // FORWARD(EXPERTS) (or its recompute) to BACKWARD(EXPERTS).
+  ExpertRoute route;
   kernels::DenseMlpWorkspace mlp;
   // Between BACKWARD(EXPERTS) and BACKWARD(LAYER): the gradients of m, of
   // h1 + h2 and of the routing weights.
@@ -123,7 +127,8 @@ class GemmaLayerBlock {
   // post2_inv) again from the kept experts_in, choices, weights and copied
   // layer weights, before BACKWARD(EXPERTS) of a recomputed layer.
   absl::Status RecomputeExperts(const MoeLayerSpec& layer, ParamSource* params,
-                                int64_t tokens, GemmaLayerActs* acts);
+                                int64_t tokens, GemmaLayerActs* acts,
+                                const RoutedExchange* ep = nullptr);
   // What a recomputed layer keeps once its forward is done: the input and
   // what BACKWARD(EXPERTS) reads besides the experts' state (m, the sum,
   // two inverse RMS, the experts' input, choices, weights, the copied
@@ -132,12 +137,16 @@ class GemmaLayerBlock {
   static void KeepCheckpoint(bool experts_only, bool keep_kv,
                              GemmaLayerActs* acts);
   // EXPERTS: writes the layer's output to x [T, D].
+  // With `ep`, the experts run expert-parallel (the same `ep` in the
+  // recompute and the backward).
   absl::Status ForwardExperts(const MoeLayerSpec& layer, ParamSource* params,
-                              int64_t tokens, GemmaLayerActs* acts, float* x);
+                              int64_t tokens, GemmaLayerActs* acts, float* x,
+                              const RoutedExchange* ep = nullptr);
   // BACKWARD(EXPERTS): dx [T, D] is the gradient of the layer's output.
   absl::Status BackwardExperts(const MoeLayerSpec& layer, ParamSource* params,
                                int64_t tokens, const float* dx,
-                               GemmaLayerActs* acts);
+                               GemmaLayerActs* acts,
+                               const RoutedExchange* ep = nullptr);
   // BACKWARD(LAYER): dx [T, D] becomes the gradient of the layer's input.
   // With `decode` (the forward's), decode->encoder's dk_ext / dv_ext gain
   // the encoder rows' gradients.
@@ -148,6 +157,19 @@ class GemmaLayerBlock {
  private:
   absl::Status AddGrad(ParamSource* params, const ArchTensor& t,
                        const std::vector<float>& g);
+  // The routed experts: acts->experts_out [T, D] from experts_in, indices
+  // and weights, over all experts or (with ep) exchanged.
+  absl::Status RoutedExpertsForward(const MoeLayerSpec& layer,
+                                    ParamSource* params, int64_t tokens,
+                                    GemmaLayerActs* acts,
+                                    const RoutedExchange* ep);
+  // Their backward: dx [T, D] (overwritten) and acts->dweights [T, K] from
+  // dy, the experts' weight gradients added to params.
+  absl::Status RoutedExpertsBackward(const MoeLayerSpec& layer,
+                                     ParamSource* params, int64_t tokens,
+                                     const float* dy, float* dx,
+                                     GemmaLayerActs* acts,
+                                     const RoutedExchange* ep);
   // LAYER's forward from acts->x_in.
   absl::Status LayerFromInput(const MoeLayerSpec& layer, ParamSource* params,
                               int64_t batch, int64_t seq, GemmaLayerActs* acts,

@@ -282,11 +282,6 @@ absl::Status ModelStep::SetExpertExchange(ExpertExchange* exchange,
   for (const MoeLayerSpec& spec : arch_.layers) {
     MoeLayerSpec local = spec;
     if (spec.has_moe) {
-      if (spec.gemma) {
-        return absl::InvalidArgumentError(
-            "expert parallelism: DiffusionGemma's layers do not run it yet "
-            "(docs/expert_parallel.md)");
-      }
       if (spec.experts != exchange->experts()) {
         return absl::InvalidArgumentError(absl::StrCat(
             "expert parallelism: a layer has ", spec.experts,
@@ -305,17 +300,24 @@ absl::Status ModelStep::SetExpertExchange(ExpertExchange* exchange,
   return absl::OkStatus();
 }
 
+RoutedExchange ModelStep::RoutedFor(int64_t t) const {
+  RoutedExchange ep;
+  ep.exchange = exchange_;
+  if (capacity_factor_ > 0) {
+    ep.max_received_rows =
+        static_cast<int64_t>(std::ceil(capacity_factor_ * t * arch_.top_k));
+  }
+  return ep;
+}
+
 absl::Status ModelStep::ParallelExpertsForward(const MoeLayerSpec& spec,
                                                int64_t t, LayerSlot* la,
                                                Act* y) {
   const int k = arch_.top_k;
   const int64_t d = arch_.dim;
-  const int64_t bound =
-      capacity_factor_ > 0
-          ? static_cast<int64_t>(std::ceil(capacity_factor_ * t * k))
-          : 0;
   SHARDD_RETURN_IF_ERROR(exchange_->Route(la->indices.as<int32_t>(), t, k,
-                                          bound, &la->route));
+                                          RoutedFor(t).max_received_rows,
+                                          &la->route));
   const int64_t r = la->route.received;
   // At least one element: an Act of 0 holds no memory.
   SHARDD_ASSIGN_OR_RETURN(Act x_r, Temp(std::max<int64_t>(1, r * d)));
@@ -394,8 +396,10 @@ absl::Status ModelStep::GemmaForward(const Command& c, int64_t batch,
     la.gemma.Sync(&ledger_);
     return absl::OkStatus();
   }
-  SHARDD_RETURN_IF_ERROR(
-      ops_->GemmaExpertsForward(spec, batch * seq, &la.gemma, &a->x));
+  const RoutedExchange ep = RoutedFor(batch * seq);
+  SHARDD_RETURN_IF_ERROR(ops_->GemmaExpertsForward(
+      ExpertSpec(spec), batch * seq, &la.gemma, &a->x,
+      exchange_ == nullptr ? nullptr : &ep));
   la.gemma.Sync(&ledger_);
   if (!c.requires_grad()) {
     if (!keep_without_grad) la = LayerSlot();
@@ -419,13 +423,15 @@ absl::Status ModelStep::GemmaBackward(const Command& c, int64_t batch,
   LayerSlot& la = a->layers[l];
   const int64_t t = batch * seq;
   if (c.part() == Command::EXPERTS) {
+    const RoutedExchange ep = RoutedFor(t);
+    const RoutedExchange* epp = exchange_ == nullptr ? nullptr : &ep;
     if (recompute_layer_[l] || recompute_experts_[l]) {
-      SHARDD_RETURN_IF_ERROR(
-          ops_->GemmaExpertsForward(spec, t, &la.gemma, nullptr));
+      SHARDD_RETURN_IF_ERROR(ops_->GemmaExpertsForward(
+          ExpertSpec(spec), t, &la.gemma, nullptr, epp));
       la.gemma.Sync(&ledger_);
     }
-    SHARDD_RETURN_IF_ERROR(
-        ops_->GemmaExpertsBackward(spec, t, a->dx, &la.gemma));
+    SHARDD_RETURN_IF_ERROR(ops_->GemmaExpertsBackward(ExpertSpec(spec), t,
+                                                      a->dx, &la.gemma, epp));
     la.gemma.Sync(&ledger_);
     ops_->GemmaTrim(GemmaKeep::kAllButExpertsWorkspace, &la.gemma);
     la.gemma.Sync(&ledger_);

@@ -74,9 +74,8 @@ class ModelStep {
   // it off), each rank's experts accepting at most `capacity_factor` x
   // t * top_k rows (0: no bound).
   // Errors: FAILED_PRECONDITION when the ops' memory is not host memory
-  // (the GPU path does not run it yet); INVALID_ARGUMENT for DiffusionGemma
-  // layers (not yet), or a MoE layer whose experts the exchange's group
-  // does not divide.
+  // (the GPU path does not run it yet); INVALID_ARGUMENT for a MoE layer
+  // whose experts the exchange's group does not divide.
   absl::Status SetExpertExchange(ExpertExchange* exchange,
                                  double capacity_factor);
   // Forgets the step's loss and command order (activations stay).
@@ -180,6 +179,13 @@ class ModelStep {
   const MoeLayerSpec& LocalSpec(const MoeLayerSpec& spec) const {
     return local_specs_[&spec - arch_.layers.data()];
   }
+  // The spec EXPERTS runs with: the local one under expert parallelism.
+  const MoeLayerSpec& ExpertSpec(const MoeLayerSpec& spec) const {
+    return exchange_ == nullptr ? spec : LocalSpec(spec);
+  }
+  // The exchange over t tokens, with the capacity factor's bound on the
+  // rows received.
+  RoutedExchange RoutedFor(int64_t t) const;
   absl::Status LayerBackward(const MoeLayerSpec& spec, int layer,
                              const BatchSlot& batch, PassSlot* a);
   // LAYER or EXPERTS of a DiffusionGemma layer over `batch` sequences of
