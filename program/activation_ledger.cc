@@ -34,7 +34,8 @@ ActivationLedger::Exchanges ActivationLedger::AllToAll(Command::Op op,
                                                        int layer,
                                                        int pass) const {
   Exchanges out;
-  if (model_ == nullptr || model_->ep() <= 1 || part != Command::EXPERTS) {
+  if (model_ == nullptr || model_->ep() <= 1 ||
+      (part != Command::DISPATCH && part != Command::COMBINE)) {
     return out;
   }
   const v1::LayerActivations& l =
@@ -42,14 +43,19 @@ ActivationLedger::Exchanges ActivationLedger::AllToAll(Command::Op op,
   if (l.routed_rows() <= 0) return out;
   const int64_t d = model_->hidden_size();
   out.rows = l.routed_rows();
+  out.count = 1;
   if (op == Command::FORWARD) {
-    out.count = 2;
-    out.floats = (d + 2) + d;
+    // Rows out with their local expert and weight; outputs back.
+    out.floats = part == Command::DISPATCH ? d + 2 : d;
     return out;
   }
-  out.count = 2;
-  out.floats = d + (d + 1);
+  if (part == Command::DISPATCH) {
+    out.floats = d + 1;  // Input gradients with the weights' back.
+    return out;
+  }
+  out.floats = d;  // Output gradients out.
   if (l.recompute() || l.recompute_experts()) {
+    // The recomputed forward's dispatch and combine first.
     out.count += 2;
     out.floats += (d + 2) + d;
   }
@@ -116,6 +122,9 @@ int64_t ActivationLedger::Apply(Command::Op op, Command::Part part, int layer,
   if (model_ == nullptr) return 0;
   const int64_t before = live_;
   int64_t peak = before;
+  // The exchange's buffers are counted in EXPERTS' peak (the activation
+  // model's dispatch bytes): they live from DISPATCH to COMBINE.
+  if (part == Command::DISPATCH || part == Command::COMBINE) return before;
   if (model_->block_diffusion()) {
     peak = BlockDiffusion(op, part, layer, pass);
     return std::max({peak, before, live_});

@@ -35,12 +35,12 @@ class ActivationLedger {
   // Expert parallelism (the model's ep > 1): the all-to-all exchanges one
   // computation runs and the routed rows each moves, as the workers'
   // ExpertExchange sends them (worker/model/expert_exchange.h): FORWARD
-  // (EXPERTS) dispatches rows of D + 2 floats (the row, its local expert
-  // and weight) and combines rows of D; BACKWARD(EXPERTS) sends D and
-  // returns D + 1 (the weight's gradient), and recomputing the experts'
-  // forward dispatches and combines again. `floats` sums the widths of the
-  // exchanges; with balanced routing each moves `rows` rows. None
-  // otherwise.
+  // DISPATCH sends rows of D + 2 floats (the row, its local expert and
+  // weight), FORWARD COMBINE rows of D; BACKWARD COMBINE sends D (after
+  // dispatching and combining again when the experts are recomputed) and
+  // BACKWARD DISPATCH returns D + 1 (the weight's gradient). `floats` sums
+  // the widths of the exchanges; with balanced routing each moves `rows`
+  // rows. None for every other part.
   struct Exchanges {
     int count = 0;
     int64_t rows = 0;

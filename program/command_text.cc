@@ -32,7 +32,9 @@ std::string CommandToString(const Command& command) {
                                    : absl::StrCat("PART(", command.part(), ")");
       std::string out = absl::StrCat(op_name, " ", part);
       if (command.part() == Command::LAYER ||
-          command.part() == Command::EXPERTS || command.layer() != -1) {
+          command.part() == Command::EXPERTS ||
+          command.part() == Command::DISPATCH ||
+          command.part() == Command::COMBINE || command.layer() != -1) {
         absl::StrAppend(&out, " l", command.layer());
       }
       absl::StrAppend(&out, " p", command.pass(), " m", command.microbatch());

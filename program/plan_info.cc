@@ -323,6 +323,16 @@ absl::Status AnalyzePlan(const ShardingPlan& plan, PlanInfo* info) {
     layer.layer_owners.insert(layer.layer_owners.end(), layer.nested.begin(),
                               layer.nested.end());
     layer.has_experts = !layer.experts.empty();
+    for (int u : layer.experts) {
+      if (info->units[u].ep > 1) layer.exchanged = true;
+    }
+    if (plan.has_activations()) {
+      for (const v1::LayerActivations& l : plan.activations().layers()) {
+        if (l.layer() == layer.layer) {
+          layer.recomputes_experts = l.recompute() || l.recompute_experts();
+        }
+      }
+    }
     for (int u : layer.layer_owners) {
       for (const v1::ParamLayout& param : plan.units(u).params()) {
         if (absl::StrContains(param.name(), ".experts.")) {

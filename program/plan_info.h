@@ -47,6 +47,12 @@ struct LayerInfo {
   std::vector<int> nested;   // Nested non-expert units (LAYER owners).
   std::vector<int> experts;  // Experts units and units nested in them.
   bool has_experts = false;
+  // Its experts run expert-parallel (an experts unit with ep > 1): DISPATCH
+  // and COMBINE commands surround EXPERTS.
+  bool exchanged = false;
+  // The plan's activation model recomputes its experts (or the whole
+  // layer) in backward.
+  bool recomputes_experts = false;
   std::vector<int> layer_owners;  // units, then nested.
 
   const std::vector<int>& experts_owners() const {

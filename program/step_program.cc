@@ -120,7 +120,23 @@ class Compiler {
       }
       SHARDD_RETURN_IF_ERROR(Compute(Command::FORWARD, Command::LAYER,
                                      layer.layer, p, layer.layer_owners));
-      if (layer.has_experts) {
+      if (layer.exchanged) {
+        // Expert parallelism: the experts' gather runs under the dispatch
+        // of their rows; they are resharded before the outputs come back.
+        SHARDD_RETURN_IF_ERROR(Prefetch(layer.experts));
+        SHARDD_RETURN_IF_ERROR(
+            Compute(Command::FORWARD, Command::DISPATCH, layer.layer, p, {}));
+        for (int u : layer.experts) {
+          SHARDD_RETURN_IF_ERROR(Prefetch(info_.units[u].forward_prefetch));
+        }
+        SHARDD_RETURN_IF_ERROR(Compute(Command::FORWARD, Command::EXPERTS,
+                                       layer.layer, p, layer.experts));
+        for (int u : layer.experts) {
+          SHARDD_RETURN_IF_ERROR(PolicyReshard(u));
+        }
+        SHARDD_RETURN_IF_ERROR(
+            Compute(Command::FORWARD, Command::COMBINE, layer.layer, p, {}));
+      } else if (layer.has_experts) {
         // Experts units gather lazily, right before their forward.
         for (int u : layer.experts) {
           SHARDD_RETURN_IF_ERROR(Gather(u));
@@ -158,7 +174,34 @@ class Compiler {
         SHARDD_RETURN_IF_ERROR(Gather(*u));
         SHARDD_RETURN_IF_ERROR(Prefetch(info_.units[*u].backward_prefetch));
       }
-      if (layer.has_experts && !layer.experts.empty()) {
+      if (layer.exchanged) {
+        // The experts' gather runs under the output gradients' exchange
+        // (unless BACKWARD COMBINE recomputes them), their reduce-scatter
+        // under the input gradients' return.
+        if (layer.recomputes_experts) {
+          for (auto u = layer.experts.rbegin(); u != layer.experts.rend();
+               ++u) {
+            SHARDD_RETURN_IF_ERROR(Gather(*u));
+          }
+          for (int u : layer.experts) SHARDD_RETURN_IF_ERROR(AllocGrad(u));
+        } else {
+          std::vector<int> reversed(layer.experts.rbegin(),
+                                    layer.experts.rend());
+          SHARDD_RETURN_IF_ERROR(Prefetch(reversed));
+        }
+        SHARDD_RETURN_IF_ERROR(Compute(
+            Command::BACKWARD, Command::COMBINE, layer.layer, p,
+            layer.recomputes_experts ? layer.experts : std::vector<int>()));
+        for (auto u = layer.experts.rbegin(); u != layer.experts.rend(); ++u) {
+          SHARDD_RETURN_IF_ERROR(Prefetch(info_.units[*u].backward_prefetch));
+        }
+        for (int u : layer.experts) SHARDD_RETURN_IF_ERROR(AllocGrad(u));
+        SHARDD_RETURN_IF_ERROR(Compute(Command::BACKWARD, Command::EXPERTS,
+                                       layer.layer, p, layer.experts));
+        for (int u : layer.experts) SHARDD_RETURN_IF_ERROR(PostBackward(u));
+        SHARDD_RETURN_IF_ERROR(
+            Compute(Command::BACKWARD, Command::DISPATCH, layer.layer, p, {}));
+      } else if (layer.has_experts && !layer.experts.empty()) {
         for (auto u = layer.experts.rbegin(); u != layer.experts.rend(); ++u) {
           SHARDD_RETURN_IF_ERROR(Gather(*u));
           SHARDD_RETURN_IF_ERROR(Prefetch(info_.units[*u].backward_prefetch));

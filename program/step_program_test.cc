@@ -18,8 +18,10 @@
 namespace shardd {
 namespace {
 
+using ::testing::Contains;
 using ::testing::ElementsAreArray;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using v1::Command;
 
 // All hand-built plans shard over W = 4 ranks with fp32 master, bf16 gather
@@ -734,6 +736,158 @@ TEST(StepProgramValidatorTest, RejectsBrokenPrograms) {
     EXPECT_EQ(ReplayStepProgram(plan, program, false, &memory, &comm), status)
         << c.name;
   }
+}
+
+// The same plan under expert parallelism 2: each experts unit is one block
+// of 2 ranks (ep_shard 2 of dp_shard 4). With `recompute`, the activation
+// model recomputes the experts of both layers.
+v1::ShardingPlan ExpertParallelPlan(bool recompute) {
+  v1::ShardingPlan plan = ExpertsOwnUnitPlan();
+  plan.mutable_mesh()->set_ep(2);
+  for (int u : {0, 2}) {
+    v1::FsdpUnit* experts = plan.mutable_units(u);
+    experts->set_ep(2);
+    experts->set_gathered_numel(kExpertShard * kW / 2);
+  }
+  if (recompute) {
+    for (int l = 0; l < 2; ++l) {
+      v1::LayerActivations* layer = plan.mutable_activations()->add_layers();
+      layer->set_layer(l);
+      layer->set_recompute_experts(true);
+    }
+  }
+  return plan;
+}
+
+TEST(StepProgramTest, ExpertParallelLayersDispatchAndCombine) {
+  const v1::ShardingPlan plan = ExpertParallelPlan(/*recompute=*/false);
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::StepProgram program,
+                              CompileStepProgram(plan));
+  const std::vector<std::string> expected = {
+      "UNSHARD u4",
+      "FORWARD EMBED p0 m0",
+      "UNSHARD u1",
+      "UNSHARD u3 prefetch",
+      "FORWARD LAYER l0 p0 m0",
+      // The experts' gather runs under the dispatch of their rows; they go
+      // before the outputs come back.
+      "UNSHARD u0 prefetch",
+      "FORWARD DISPATCH l0 p0 m0",
+      "WAIT_UNSHARD u0",
+      "FORWARD EXPERTS l0 p0 m0",
+      "RESHARD u0",
+      "FORWARD COMBINE l0 p0 m0",
+      "RESHARD u1",
+      "WAIT_UNSHARD u3",
+      "FORWARD LAYER l1 p0 m0",
+      "UNSHARD u2 prefetch",
+      "FORWARD DISPATCH l1 p0 m0",
+      "WAIT_UNSHARD u2",
+      "FORWARD EXPERTS l1 p0 m0",
+      "FORWARD COMBINE l1 p0 m0",
+      "FORWARD HEAD p0 m0",
+      "ALLOC_GRAD u4",
+      "BACKWARD HEAD p0 m0",
+      "UNSHARD u1 prefetch",
+      // Layer 1's experts stayed gathered: the output gradients go out, the
+      // experts run backward, and their reduce-scatter runs under the
+      // return of the input gradients.
+      "BACKWARD COMBINE l1 p0 m0",
+      "ALLOC_GRAD u2",
+      "BACKWARD EXPERTS l1 p0 m0",
+      "REDUCE_SCATTER u2",
+      "RESHARD u2",
+      "BACKWARD DISPATCH l1 p0 m0",
+      "ALLOC_GRAD u3",
+      "BACKWARD LAYER l1 p0 m0",
+      "REDUCE_SCATTER u3",
+      "RESHARD u3",
+      // Layer 0's experts gather under the output gradients' exchange.
+      "UNSHARD u0 prefetch",
+      "BACKWARD COMBINE l0 p0 m0",
+      "ALLOC_GRAD u0",
+      "WAIT_UNSHARD u0",
+      "BACKWARD EXPERTS l0 p0 m0",
+      "REDUCE_SCATTER u0",
+      "RESHARD u0",
+      "BACKWARD DISPATCH l0 p0 m0",
+      "ALLOC_GRAD u1",
+      "WAIT_UNSHARD u1",
+      "BACKWARD LAYER l0 p0 m0",
+      "REDUCE_SCATTER u1",
+      "RESHARD u1",
+      "BACKWARD EMBED p0 m0",
+      "REDUCE_SCATTER u4",
+      "RESHARD u4",
+      "OPTIMIZER_STEP",
+  };
+  EXPECT_THAT(Lines(program), ElementsAreArray(expected));
+  SHARDD_EXPECT_OK(ValidateStepProgram(plan, program));
+
+  // The eval program exchanges too.
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::StepProgram eval, CompileEvalProgram(plan));
+  EXPECT_GT(Find(eval, "FORWARD EXPERTS l1 p0 m0 no_grad"),
+            Find(eval, "FORWARD DISPATCH l1 p0 m0 no_grad"));
+  EXPECT_GT(Find(eval, "FORWARD COMBINE l1 p0 m0 no_grad"),
+            Find(eval, "FORWARD EXPERTS l1 p0 m0 no_grad"));
+  SHARDD_EXPECT_OK(ValidateStepProgram(plan, eval));
+
+  // Recomputed experts run their forward again in BACKWARD COMBINE, so it
+  // needs them gathered and their gradient allocated.
+  const v1::ShardingPlan recompute = ExpertParallelPlan(/*recompute=*/true);
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::StepProgram rp,
+                              CompileStepProgram(recompute));
+  SHARDD_EXPECT_OK(ValidateStepProgram(recompute, rp));
+  const int combine = Find(rp, "BACKWARD COMBINE l0 p0 m0");
+  ASSERT_GE(combine, 2);
+  EXPECT_EQ(Lines(rp)[combine - 2], "UNSHARD u0");
+  EXPECT_EQ(Lines(rp)[combine - 1], "ALLOC_GRAD u0");
+  // The non-recomputing program's order fails that plan's validation.
+  EXPECT_THAT(ValidateStepProgram(recompute, program),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("(BACKWARD COMBINE l1 p0 m0): writes the "
+                                 "gradient of unit 2")));
+}
+
+TEST(StepProgramValidatorTest, ExpertParallelOrder) {
+  const v1::ShardingPlan plan = ExpertParallelPlan(/*recompute=*/false);
+  SHARDD_ASSERT_OK_AND_ASSIGN(const v1::StepProgram good,
+                              CompileStepProgram(plan));
+  const int dispatch = Find(good, "FORWARD DISPATCH l0 p0 m0");
+  const int combine = Find(good, "FORWARD COMBINE l0 p0 m0");
+  const int b_dispatch = Find(good, "BACKWARD DISPATCH l1 p0 m0");
+  {
+    // No DISPATCH: EXPERTS is not the next computation.
+    v1::StepProgram p = good;
+    Erase(&p, dispatch);
+    EXPECT_THAT(ValidateStepProgram(plan, p),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("the next computation of the step is "
+                                   "FORWARD DISPATCH l0 p0 m0")));
+  }
+  {
+    v1::StepProgram p = good;
+    Erase(&p, combine);
+    EXPECT_THAT(ValidateStepProgram(plan, p),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("FORWARD COMBINE l0 p0 m0")));
+  }
+  {
+    v1::StepProgram p = good;
+    Erase(&p, b_dispatch);
+    EXPECT_THAT(ValidateStepProgram(plan, p),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("BACKWARD DISPATCH l1 p0 m0")));
+  }
+  // A plan without expert parallelism takes no DISPATCH.
+  SHARDD_ASSERT_OK_AND_ASSIGN(const v1::StepProgram plain,
+                              CompileStepProgram(ExpertsOwnUnitPlan()));
+  EXPECT_THAT(Lines(plain), Not(Contains("FORWARD DISPATCH l0 p0 m0")));
+  EXPECT_THAT(ValidateStepProgram(ExpertsOwnUnitPlan(), good),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("(FORWARD DISPATCH l0 p0 m0): out of order: "
+                                 "the next computation of the step is "
+                                 "FORWARD EXPERTS l0 p0 m0")));
 }
 
 TEST(StepProgramValidatorTest, AllocGradNeedsTrainableParameters) {

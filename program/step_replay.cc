@@ -29,7 +29,13 @@ Runner::Runner(const PlanInfo& info, int microbatches, const PassLayout& passes,
     for (const LayerInfo& layer : info.layers) {
       Add(Command::FORWARD, Command::LAYER, layer.layer, p);
       if (layer.has_experts) {
+        if (layer.exchanged) {
+          Add(Command::FORWARD, Command::DISPATCH, layer.layer, p);
+        }
         Add(Command::FORWARD, Command::EXPERTS, layer.layer, p);
+        if (layer.exchanged) {
+          Add(Command::FORWARD, Command::COMBINE, layer.layer, p);
+        }
       }
     }
     Add(Command::FORWARD, Command::HEAD, -1, p);
@@ -38,7 +44,13 @@ Runner::Runner(const PlanInfo& info, int microbatches, const PassLayout& passes,
     Add(Command::BACKWARD, Command::HEAD, -1, p);
     for (auto it = info.layers.rbegin(); it != info.layers.rend(); ++it) {
       if (it->has_experts) {
+        if (it->exchanged) {
+          Add(Command::BACKWARD, Command::COMBINE, it->layer, p);
+        }
         Add(Command::BACKWARD, Command::EXPERTS, it->layer, p);
+        if (it->exchanged) {
+          Add(Command::BACKWARD, Command::DISPATCH, it->layer, p);
+        }
       }
       Add(Command::BACKWARD, Command::LAYER, it->layer, p);
     }
@@ -239,12 +251,28 @@ absl::Status Runner::ReduceScatter(int index, const Command& c) {
   return absl::OkStatus();
 }
 
-const std::vector<int>& Runner::Owners(Command::Part part, int layer) const {
+const std::vector<int>& Runner::Owners(Command::Op op, Command::Part part,
+                                       int layer) const {
+  static const std::vector<int>* none = new std::vector<int>();
   if (part == Command::EMBED || part == Command::HEAD) {
     return info_.root_owners;
   }
   const LayerInfo& l = info_.layers[info_.layer_pos.at(layer)];
-  return part == Command::LAYER ? l.layer_owners : l.experts_owners();
+  switch (part) {
+    case Command::LAYER:
+      return l.layer_owners;
+    case Command::DISPATCH:
+      // Moves rows only: the experts' gather can run under it.
+      return *none;
+    case Command::COMBINE:
+      // BACKWARD COMBINE runs the experts' forward again when they are
+      // recomputed, so it needs them then; otherwise it moves rows only.
+      return op == Command::BACKWARD && l.recomputes_experts
+                 ? l.experts_owners()
+                 : *none;
+    default:
+      return l.experts_owners();
+  }
 }
 
 absl::Status Runner::Run(int index, const Command& c) {
@@ -279,7 +307,7 @@ absl::Status Runner::Run(int index, const Command& c) {
                                  : " (the first no_grad_passes passes build "
                                    "no graph)"));
   }
-  for (int u : Owners(c.part(), c.layer())) {
+  for (int u : Owners(c.op(), c.part(), c.layer())) {
     const UnitState& s = states_[u];
     if (!s.gathered) {
       return Fail(

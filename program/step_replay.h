@@ -84,7 +84,10 @@ class Runner {
 
   absl::Status ReduceScatter(int index, const Command& c);
 
-  const std::vector<int>& Owners(Command::Part part, int layer) const;
+  // The units a computation reads (gathered and waited; with BACKWARD,
+  // their gradients allocated).
+  const std::vector<int>& Owners(Command::Op op, Command::Part part,
+                                 int layer) const;
 
   absl::Status Run(int index, const Command& c);
 

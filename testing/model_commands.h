@@ -58,10 +58,12 @@ inline std::vector<v1::Command> ModelStepCommands(
 }
 
 // The same for a pass layout (program/pass_layout.h): every pass forward
-// (requires_grad as the layout says), then the backwards in its order.
+// (requires_grad as the layout says), then the backwards in its order;
+// with `exchanged` (expert parallelism) EXPERTS sits between DISPATCH and
+// COMBINE (backward: COMBINE, EXPERTS, DISPATCH).
 inline std::vector<v1::Command> ModelStepCommands(
     const std::vector<bool>& layer_has_moe, const PassLayout& layout,
-    int microbatches) {
+    int microbatches, bool exchanged = false) {
   std::vector<v1::Command> out;
   const int layers = static_cast<int>(layer_has_moe.size());
   auto add = [&](v1::Command::Op op, v1::Command::Part part, int layer,
@@ -81,14 +83,21 @@ inline std::vector<v1::Command> ModelStepCommands(
       add(v1::Command::FORWARD, v1::Command::EMBED, -1, p, m);
       for (int l = 0; l < layers; ++l) {
         add(v1::Command::FORWARD, v1::Command::LAYER, l, p, m);
-        if (layer_has_moe[l]) add(v1::Command::FORWARD, v1::Command::EXPERTS, l, p, m);
+        if (!layer_has_moe[l]) continue;
+        if (exchanged) add(v1::Command::FORWARD, v1::Command::DISPATCH, l, p, m);
+        add(v1::Command::FORWARD, v1::Command::EXPERTS, l, p, m);
+        if (exchanged) add(v1::Command::FORWARD, v1::Command::COMBINE, l, p, m);
       }
       add(v1::Command::FORWARD, v1::Command::HEAD, -1, p, m);
     }
     for (int p : layout.backward_order()) {
       add(v1::Command::BACKWARD, v1::Command::HEAD, -1, p, m);
       for (int l = layers - 1; l >= 0; --l) {
-        if (layer_has_moe[l]) add(v1::Command::BACKWARD, v1::Command::EXPERTS, l, p, m);
+        if (layer_has_moe[l]) {
+          if (exchanged) add(v1::Command::BACKWARD, v1::Command::COMBINE, l, p, m);
+          add(v1::Command::BACKWARD, v1::Command::EXPERTS, l, p, m);
+          if (exchanged) add(v1::Command::BACKWARD, v1::Command::DISPATCH, l, p, m);
+        }
         add(v1::Command::BACKWARD, v1::Command::LAYER, l, p, m);
       }
       add(v1::Command::BACKWARD, v1::Command::EMBED, -1, p, m);

@@ -340,16 +340,21 @@ class BlockOps {
   // EXPERTS' forward: the layer's output into *x [T, D]; with null x only
   // the experts' state again (a recompute before their backward). With
   // `ep`, the routed experts run expert-parallel and `spec` holds this
-  // rank's block (FAILED_PRECONDITION where Act memory is not host memory).
+  // rank's block (FAILED_PRECONDITION where Act memory is not host
+  // memory); `phase` is the share of the DISPATCH, EXPERTS or COMBINE
+  // command (x written by COMBINE), or kAll.
   virtual absl::Status GemmaExpertsForward(const MoeLayerSpec& spec,
                                            int64_t t, Saved* layer, Act* x,
-                                           const RoutedExchange* ep) = 0;
+                                           const RoutedExchange* ep,
+                                           ExpertsPhase phase) = 0;
   // BACKWARD(EXPERTS) from dx, the gradient of the layer's output (`ep` as
-  // in the forward).
+  // in the forward; BACKWARD COMBINE, EXPERTS, DISPATCH's shares in that
+  // order).
   virtual absl::Status GemmaExpertsBackward(const MoeLayerSpec& spec,
                                             int64_t t, const Act& dx,
                                             Saved* layer,
-                                            const RoutedExchange* ep) = 0;
+                                            const RoutedExchange* ep,
+                                            ExpertsPhase phase) = 0;
   // BACKWARD(LAYER): dx becomes the gradient of the layer's input; a
   // decode's encoder-row K/V gradients are added to decode->encoder.
   virtual absl::Status GemmaLayerBackward(const MoeLayerSpec& spec,

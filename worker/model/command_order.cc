@@ -79,6 +79,7 @@ void ModelCommandOrder::Reset() {
     p = Place();
     p.layer_done.assign(layer_has_moe_.size(), false);
     p.experts_done.assign(layer_has_moe_.size(), false);
+    p.stage.assign(layer_has_moe_.size(), 0);
   }
 }
 
@@ -92,10 +93,19 @@ absl::Status ModelCommandOrder::Check(const Command& c,
         "command pass ", pass, " / microbatch ", mb, " outside the step's ",
         passes_, " passes and ", microbatches_, " micro-batches"));
   }
-  if ((c.part() == Command::LAYER || c.part() == Command::EXPERTS) &&
+  const bool exchange_part =
+      c.part() == Command::DISPATCH || c.part() == Command::COMBINE;
+  if ((c.part() == Command::LAYER || c.part() == Command::EXPERTS ||
+       exchange_part) &&
       (c.layer() < 0 || c.layer() >= layers)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "command layer ", c.layer(), " outside [0, ", layers, ")"));
+  }
+  if (exchange_part && (!exchanged_ || !layer_has_moe_[c.layer()])) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        Command::Op_Name(c.op()), " ", Command::Part_Name(c.part()),
+        " of layer ", c.layer(),
+        ": only a MoE layer under expert parallelism exchanges its rows"));
   }
   switch (c.op()) {
     case Command::FORWARD:
@@ -133,14 +143,30 @@ absl::Status ModelCommandOrder::CheckForward(const Command& c) const {
             absl::StrCat("FORWARD LAYER ", l, " out of order in pass ", pass));
       }
       return absl::OkStatus();
+    case Command::DISPATCH:
+      if (!a.layer_done[l] || a.experts_done[l] || a.stage[l] != 0) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "FORWARD DISPATCH ", l, " must follow FORWARD LAYER ", l));
+      }
+      return absl::OkStatus();
     case Command::EXPERTS:
       if (!layer_has_moe_[l]) {
         return absl::InvalidArgumentError(
             absl::StrCat("FORWARD EXPERTS of layer ", l, ", which has none"));
       }
+      if (exchanged_ && a.stage[l] != 1) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "FORWARD EXPERTS ", l, " must follow FORWARD DISPATCH ", l));
+      }
       if (!a.layer_done[l] || a.experts_done[l]) {
         return absl::FailedPreconditionError(absl::StrCat(
             "FORWARD EXPERTS ", l, " must follow FORWARD LAYER ", l));
+      }
+      return absl::OkStatus();
+    case Command::COMBINE:
+      if (a.stage[l] != 2) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "FORWARD COMBINE ", l, " must follow FORWARD EXPERTS ", l));
       }
       return absl::OkStatus();
     case Command::HEAD: {
@@ -169,11 +195,26 @@ absl::Status ModelCommandOrder::CheckBackward(const Command& c) const {
             "BACKWARD HEAD of pass ", pass, " without its forward"));
       }
       return absl::OkStatus();
+    case Command::COMBINE:
+      if (!a.head_backward_done || a.next_backward_layer != l ||
+          !a.experts_done[l] || a.stage[l] != 0) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "BACKWARD COMBINE ", l, " out of order in pass ", pass));
+      }
+      return absl::OkStatus();
     case Command::EXPERTS:
       if (!layer_has_moe_[l] || !a.head_backward_done ||
-          a.next_backward_layer != l || !a.experts_done[l]) {
+          a.next_backward_layer != l || !a.experts_done[l] ||
+          a.stage[l] != (exchanged_ ? 3 : 0)) {
         return absl::FailedPreconditionError(absl::StrCat(
-            "BACKWARD EXPERTS ", l, " out of order in pass ", pass));
+            "BACKWARD EXPERTS ", l, " out of order in pass ", pass,
+            exchanged_ ? " (BACKWARD COMBINE comes first)" : ""));
+      }
+      return absl::OkStatus();
+    case Command::DISPATCH:
+      if (a.stage[l] != 4) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "BACKWARD DISPATCH ", l, " must follow BACKWARD EXPERTS ", l));
       }
       return absl::OkStatus();
     case Command::LAYER:
@@ -209,12 +250,25 @@ void ModelCommandOrder::Commit(const Command& c) {
         a.next_backward_layer = last;
         a.layer_done.assign(a.layer_done.size(), false);
         a.experts_done.assign(a.experts_done.size(), false);
+        a.stage.assign(a.stage.size(), 0);
         return;
       case Command::LAYER:
         a.layer_done[l] = true;
         a.experts_done[l] = false;
+        a.stage[l] = 0;
+        return;
+      case Command::DISPATCH:
+        a.stage[l] = 1;
         return;
       case Command::EXPERTS:
+        if (exchanged_) {
+          a.stage[l] = 2;
+        } else {
+          a.experts_done[l] = true;
+        }
+        return;
+      case Command::COMBINE:
+        a.stage[l] = 0;
         a.experts_done[l] = true;
         return;
       case Command::HEAD:
@@ -230,8 +284,19 @@ void ModelCommandOrder::Commit(const Command& c) {
       a.head_backward_done = true;
       a.next_backward_layer = last;
       return;
+    case Command::COMBINE:
+      a.stage[l] = 3;
+      return;
     case Command::EXPERTS:
-      a.experts_done[l] = false;  // Consumed: LAYER backward comes next.
+      if (exchanged_) {
+        a.stage[l] = 4;
+      } else {
+        a.experts_done[l] = false;  // Consumed: LAYER backward comes next.
+      }
+      return;
+    case Command::DISPATCH:
+      a.stage[l] = 0;
+      a.experts_done[l] = false;
       return;
     case Command::LAYER:
       a.layer_done[l] = false;

@@ -58,6 +58,11 @@ class ModelCommandOrder {
   // Forgets every command (a new step).
   void Reset();
 
+  // Expert parallelism: every MoE layer's EXPERTS sits between DISPATCH and
+  // COMBINE, forward (DISPATCH, EXPERTS, COMBINE) and backward (COMBINE,
+  // EXPERTS, DISPATCH); without it DISPATCH and COMBINE are refused.
+  void SetExchanged(bool exchanged) { exchanged_ = exchanged; }
+
  private:
   struct Place {
     bool embedded = false;
@@ -66,6 +71,10 @@ class ModelCommandOrder {
     int next_backward_layer = -1;
     std::vector<bool> layer_done;
     std::vector<bool> experts_done;
+    // Under expert parallelism, how far a layer's exchange got: forward 1
+    // after DISPATCH, 2 after EXPERTS (experts_done after COMBINE);
+    // backward 3 after COMBINE, 4 after EXPERTS (0 again after DISPATCH).
+    std::vector<int> stage;
   };
 
   const Place& At(int pass, int microbatch) const;
@@ -78,6 +87,7 @@ class ModelCommandOrder {
   int microbatches_;
   std::vector<bool> layer_has_moe_;
   bool per_microbatch_;
+  bool exchanged_ = false;
   std::vector<Place> places_;
 };
 

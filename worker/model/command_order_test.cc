@@ -202,5 +202,62 @@ TEST(CheckMicroBatchTest, CountsTargetsAndNamesBadFields) {
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("targets[1]")));
 }
 
+// Expert parallelism: EXPERTS between DISPATCH and COMBINE, forward and
+// backward (COMBINE, EXPERTS, DISPATCH); without it neither is taken.
+TEST(ModelCommandOrderTest, ExpertParallelLayersExchangeAroundExperts) {
+  ModelCommandOrder plain = TwoLayers(false);
+  SHARDD_EXPECT_OK(Apply(plain, Cmd(Command::FORWARD, Command::EMBED)));
+  SHARDD_EXPECT_OK(Apply(plain, Cmd(Command::FORWARD, Command::LAYER, 0, 0)));
+  SHARDD_EXPECT_OK(Apply(plain, Cmd(Command::FORWARD, Command::LAYER, 0, 1)));
+  EXPECT_THAT(Apply(plain, Cmd(Command::FORWARD, Command::DISPATCH, 0, 1)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("only a MoE layer under expert parallelism")));
+
+  ModelCommandOrder order = TwoLayers(false);
+  order.SetExchanged(true);
+  auto fwd = [](Command::Part part, int layer) {
+    return Cmd(Command::FORWARD, part, 0, layer);
+  };
+  auto bwd = [](Command::Part part, int layer) {
+    return Cmd(Command::BACKWARD, part, 0, layer);
+  };
+  SHARDD_EXPECT_OK(Apply(order, fwd(Command::EMBED, 0)));
+  SHARDD_EXPECT_OK(Apply(order, fwd(Command::LAYER, 0)));
+  // The dense layer exchanges nothing.
+  EXPECT_THAT(Apply(order, fwd(Command::DISPATCH, 0)),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  SHARDD_EXPECT_OK(Apply(order, fwd(Command::LAYER, 1)));
+  EXPECT_THAT(Apply(order, fwd(Command::EXPERTS, 1)),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("must follow FORWARD DISPATCH 1")));
+  EXPECT_THAT(Apply(order, fwd(Command::COMBINE, 1)),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("must follow FORWARD EXPERTS 1")));
+  SHARDD_EXPECT_OK(Apply(order, fwd(Command::DISPATCH, 1)));
+  EXPECT_THAT(Apply(order, fwd(Command::HEAD, 0)),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  SHARDD_EXPECT_OK(Apply(order, fwd(Command::EXPERTS, 1)));
+  EXPECT_THAT(Apply(order, fwd(Command::HEAD, 0)),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  SHARDD_EXPECT_OK(Apply(order, fwd(Command::COMBINE, 1)));
+  SHARDD_EXPECT_OK(Apply(order, fwd(Command::HEAD, 0)));
+  SHARDD_EXPECT_OK(Apply(order, bwd(Command::HEAD, 0)));
+  EXPECT_THAT(Apply(order, bwd(Command::EXPERTS, 1)),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("BACKWARD COMBINE comes first")));
+  EXPECT_THAT(Apply(order, bwd(Command::DISPATCH, 1)),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  SHARDD_EXPECT_OK(Apply(order, bwd(Command::COMBINE, 1)));
+  EXPECT_THAT(Apply(order, bwd(Command::LAYER, 1)),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  SHARDD_EXPECT_OK(Apply(order, bwd(Command::EXPERTS, 1)));
+  EXPECT_THAT(Apply(order, bwd(Command::LAYER, 1)),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  SHARDD_EXPECT_OK(Apply(order, bwd(Command::DISPATCH, 1)));
+  SHARDD_EXPECT_OK(Apply(order, bwd(Command::LAYER, 1)));
+  SHARDD_EXPECT_OK(Apply(order, bwd(Command::LAYER, 0)));
+  SHARDD_EXPECT_OK(Apply(order, bwd(Command::EMBED, 0)));
+}
+
 }  // namespace
 }  // namespace shardd

@@ -449,20 +449,23 @@ absl::Status CpuBlockOps::GemmaLayerForward(const MoeLayerSpec& spec,
 absl::Status CpuBlockOps::GemmaExpertsForward(const MoeLayerSpec& spec,
                                               int64_t t, Saved* layer,
                                               Act* x,
-                                              const RoutedExchange* ep) {
+                                              const RoutedExchange* ep,
+                                              ExpertsPhase phase) {
   GemmaLayerActs* acts = &layer->Get<GemmaState>()->acts;
-  if (x == nullptr) {
+  if (x == nullptr && phase == ExpertsPhase::kAll) {
     return gemma_->RecomputeExperts(spec, params_, t, acts, ep);
   }
-  return gemma_->ForwardExperts(spec, params_, t, acts, F(x), ep);
+  return gemma_->ForwardExperts(spec, params_, t, acts,
+                                x == nullptr ? nullptr : F(x), ep, phase);
 }
 
 absl::Status CpuBlockOps::GemmaExpertsBackward(const MoeLayerSpec& spec,
                                                int64_t t, const Act& dx,
                                                Saved* layer,
-                                               const RoutedExchange* ep) {
+                                               const RoutedExchange* ep,
+                                               ExpertsPhase phase) {
   return gemma_->BackwardExperts(spec, params_, t, F(dx),
-                                 &layer->Get<GemmaState>()->acts, ep);
+                                 &layer->Get<GemmaState>()->acts, ep, phase);
 }
 
 absl::Status CpuBlockOps::GemmaLayerBackward(const MoeLayerSpec& spec,

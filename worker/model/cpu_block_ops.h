@@ -104,10 +104,12 @@ class CpuBlockOps : public BlockOps {
                                  Saved* layer) override;
   absl::Status GemmaExpertsForward(const MoeLayerSpec& spec, int64_t t,
                                    Saved* layer, Act* x,
-                                   const RoutedExchange* ep) override;
+                                   const RoutedExchange* ep,
+                                   ExpertsPhase phase) override;
   absl::Status GemmaExpertsBackward(const MoeLayerSpec& spec, int64_t t,
                                     const Act& dx, Saved* layer,
-                                    const RoutedExchange* ep) override;
+                                    const RoutedExchange* ep,
+                                    ExpertsPhase phase) override;
   absl::Status GemmaLayerBackward(const MoeLayerSpec& spec, int64_t batch,
                                   int64_t seq, const GemmaDecodeView* decode,
                                   Saved* layer, Act* dx) override;

@@ -55,6 +55,11 @@ struct ExpertRoute {
 
 class ExpertExchange;
 
+// Which share of a layer's EXPERTS a call runs: all of it, or under expert
+// parallelism that of the step program's DISPATCH, EXPERTS or COMBINE
+// command (proto/worker.proto), forward or backward.
+enum class ExpertsPhase : uint8_t { kAll, kDispatch, kCompute, kCombine };
+
 // A layer's experts run expert-parallel through `exchange`; the layer spec
 // that goes with it holds this rank's block of E / ep experts (the
 // router's choices stay global ids).

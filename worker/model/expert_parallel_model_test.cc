@@ -82,7 +82,7 @@ MoeModelOptions OptionsFor(const Case& c) {
 // One step of micro-batch `tokens` on `model` reading `source`.
 absl::StatusOr<RankResult> Step(MoeModel* model, const Case& c,
                                 const std::vector<bool>& moe, int rank,
-                                MapParamSource* source,
+                                bool exchanged, MapParamSource* source,
                                 const testing_util::TokenBatches& tokens) {
   model->ResetStep();
   SHARDD_RETURN_IF_ERROR(model->SetBatch(0, tokens.inputs[0].data(),
@@ -93,9 +93,10 @@ absl::StatusOr<RankResult> Step(MoeModel* model, const Case& c,
     const int64_t keys[kBatch] = {100 + 2 * rank, 101 + 2 * rank};
     SHARDD_RETURN_IF_ERROR(model->SetSequenceKeys(0, /*step=*/3, keys));
     commands = testing_util::ModelStepCommands(
-        moe, PassLayout::For(kBlockDiffusionArchitecture, 3, 1), 1);
+        moe, PassLayout::For(kBlockDiffusionArchitecture, 3, 1), 1, exchanged);
   } else {
-    commands = testing_util::ModelStepCommands(moe, 1, 0, 1);
+    commands = testing_util::ModelStepCommands(
+        moe, PassLayout::For("", 1, 0), 1, exchanged);
   }
   for (const v1::Command& cmd : commands) {
     SHARDD_RETURN_IF_ERROR(model->Run(cmd, source));
@@ -147,7 +148,7 @@ void ExpectEpMatchesLocal(const Case& c, int ep, bool recompute_experts,
     MapParamSource source;
     source.values = values;
     SHARDD_ASSERT_OK_AND_ASSIGN(
-        local[r], Step(model.get(), c, moe, r, &source, tokens[r]));
+        local[r], Step(model.get(), c, moe, r, false, &source, tokens[r]));
   }
 
   // The ep ranks together, each with its block of the experts.
@@ -182,7 +183,8 @@ void ExpectEpMatchesLocal(const Case& c, int ep, bool recompute_experts,
                                      v.begin() + (r + 1) * block);
         }
         SHARDD_ASSIGN_OR_RETURN(
-            parallel[r], Step(model.get(), c, moe, r, &source, tokens[r]));
+            parallel[r],
+            Step(model.get(), c, moe, r, true, &source, tokens[r]));
         return absl::OkStatus();
       }();
     });

@@ -21,11 +21,14 @@ int64_t GemmaLayerActs::bytes() const {
         &post1_inv,   &r_inv,       &r_norm,    &r_in,     &pre2_inv,
         &experts_in,  &experts_out, &post2_inv, &sum,      &post_ff_inv,
         &weights,     &dm,          &dsum,      &dweights, &d_post_ff,
-        &d_post_ff_2, &d_pre_ff_2,  &layer_w,   &dk_ext,   &dv_ext}) {
+        &d_post_ff_2, &d_pre_ff_2,  &layer_w,   &dk_ext,   &dv_ext,
+        &x_r,         &w_r,         &y_r,       &dy_r,     &dx_r,
+        &dw_r}) {
     floats += v->capacity();
   }
   return static_cast<int64_t>(floats * sizeof(float) +
-                              indices.capacity() * sizeof(int32_t) +
+                              (indices.capacity() + ids_r.capacity()) *
+                                  sizeof(int32_t) +
                               router.bytes() + experts.bytes() + mlp.bytes() +
                               route.bytes());
 }
@@ -407,24 +410,49 @@ absl::Status GemmaLayerBlock::LayerFromInput(const MoeLayerSpec& layer,
 absl::Status GemmaLayerBlock::ForwardExperts(const MoeLayerSpec& layer,
                                              ParamSource* params, int64_t t,
                                              GemmaLayerActs* a, float* x,
-                                             const RoutedExchange* ep) {
+                                             const RoutedExchange* ep,
+                                             ExpertsPhase phase) {
   const int64_t d = arch_->dim;
   const float eps = arch_->eps;
-  SHARDD_ASSIGN_OR_RETURN(const float* w_post2,
-                          params->Param(layer.post_ff_norm_2.name));
-  SHARDD_ASSIGN_OR_RETURN(const float* w_post,
-                          params->Param(layer.post_ff_norm.name));
-  SHARDD_ASSIGN_OR_RETURN(const float* ls,
-                          params->Param(layer.layer_scalar.name));
-  SHARDD_ASSIGN_OR_RETURN(const float* w_pre2,
-                          params->Param(layer.pre_ff_norm_2.name));
-  a->layer_w.clear();
-  a->layer_w.reserve(3 * d + 1);
-  a->layer_w.assign(w_post2, w_post2 + d);
-  a->layer_w.insert(a->layer_w.end(), w_post, w_post + d);
-  a->layer_w.insert(a->layer_w.end(), w_pre2, w_pre2 + d);
-  a->layer_w.push_back(ls[0]);
-  SHARDD_RETURN_IF_ERROR(RoutedExpertsForward(layer, params, t, a, ep));
+  const bool all = phase == ExpertsPhase::kAll;
+  if (!all && (ep == nullptr || ep->exchange == nullptr)) {
+    return absl::FailedPreconditionError(
+        "DISPATCH / COMBINE of a DiffusionGemma layer without expert "
+        "parallelism");
+  }
+  if ((all || phase == ExpertsPhase::kCombine) && x == nullptr) {
+    return absl::InvalidArgumentError("EXPERTS' forward without an output");
+  }
+  if (all || phase == ExpertsPhase::kDispatch) {
+    // The layer unit's weights the rest of EXPERTS and its backward read.
+    SHARDD_ASSIGN_OR_RETURN(const float* w_post2,
+                            params->Param(layer.post_ff_norm_2.name));
+    SHARDD_ASSIGN_OR_RETURN(const float* w_post,
+                            params->Param(layer.post_ff_norm.name));
+    SHARDD_ASSIGN_OR_RETURN(const float* ls,
+                            params->Param(layer.layer_scalar.name));
+    SHARDD_ASSIGN_OR_RETURN(const float* w_pre2,
+                            params->Param(layer.pre_ff_norm_2.name));
+    a->layer_w.clear();
+    a->layer_w.reserve(3 * d + 1);
+    a->layer_w.assign(w_post2, w_post2 + d);
+    a->layer_w.insert(a->layer_w.end(), w_post, w_post + d);
+    a->layer_w.insert(a->layer_w.end(), w_pre2, w_pre2 + d);
+    a->layer_w.push_back(ls[0]);
+  }
+  if (all) {
+    SHARDD_RETURN_IF_ERROR(RoutedExpertsForward(layer, params, t, a, ep));
+  } else {
+    SHARDD_RETURN_IF_ERROR(ExchangedForward(layer, params, t, a, *ep, phase));
+    if (phase != ExpertsPhase::kCombine) return absl::OkStatus();
+  }
+  if (static_cast<int64_t>(a->layer_w.size()) != 3 * d + 1) {
+    return absl::FailedPreconditionError(
+        "COMBINE of a DiffusionGemma layer without its DISPATCH");
+  }
+  const float* w_post2 = a->layer_w.data();
+  const float* w_post = w_post2 + d;
+  const float* ls = w_post + 2 * d;
   a->post2_inv.resize(t);
   g_.resize(t * d);
   SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(a->experts_out.data(),
@@ -442,33 +470,49 @@ absl::Status GemmaLayerBlock::BackwardExperts(const MoeLayerSpec& layer,
                                               ParamSource* params, int64_t t,
                                               const float* dx,
                                               GemmaLayerActs* a,
-                                              const RoutedExchange* ep) {
+                                              const RoutedExchange* ep,
+                                              ExpertsPhase phase) {
   const int64_t d = arch_->dim;
   if (static_cast<int64_t>(a->layer_w.size()) != 3 * d + 1) {
     return absl::FailedPreconditionError(
         "BACKWARD(EXPERTS) of a DiffusionGemma layer without its forward");
   }
+  const bool all = phase == ExpertsPhase::kAll;
+  if (!all && (ep == nullptr || ep->exchange == nullptr)) {
+    return absl::FailedPreconditionError(
+        "BACKWARD DISPATCH / COMBINE of a DiffusionGemma layer without "
+        "expert parallelism");
+  }
   const float* w_post2 = a->layer_w.data();
   const float* w_post = w_post2 + d;
   const float* w_pre2 = w_post + d;
   const float* ls = w_pre2 + d;
-  // The residual and the post-feed-forward norm both see dx * layer_scalar.
-  a->dm.resize(t * d);
-  for (int64_t i = 0; i < t * d; ++i) a->dm[i] = dx[i] * ls[0];
-  a->dsum.resize(t * d);
-  a->d_post_ff.assign(d, 0.0f);
-  SHARDD_RETURN_IF_ERROR(
-      kernels::RmsNormBackward(a->dm.data(), a->sum.data(), w_post,
-                               a->post_ff_inv.data(), t, d, a->dsum.data(),
-                               a->d_post_ff.data()));
-  g2_.resize(t * d);
-  a->d_post_ff_2.assign(d, 0.0f);
-  SHARDD_RETURN_IF_ERROR(kernels::RmsNormBackward(
-      a->dsum.data(), a->experts_out.data(), w_post2, a->post2_inv.data(), t,
-      d, g2_.data(), a->d_post_ff_2.data()));
+  if (all || phase == ExpertsPhase::kCombine) {
+    // The residual and the post-feed-forward norm both see dx *
+    // layer_scalar.
+    a->dm.resize(t * d);
+    for (int64_t i = 0; i < t * d; ++i) a->dm[i] = dx[i] * ls[0];
+    a->dsum.resize(t * d);
+    a->d_post_ff.assign(d, 0.0f);
+    SHARDD_RETURN_IF_ERROR(
+        kernels::RmsNormBackward(a->dm.data(), a->sum.data(), w_post,
+                                 a->post_ff_inv.data(), t, d, a->dsum.data(),
+                                 a->d_post_ff.data()));
+    g2_.resize(t * d);
+    a->d_post_ff_2.assign(d, 0.0f);
+    SHARDD_RETURN_IF_ERROR(kernels::RmsNormBackward(
+        a->dsum.data(), a->experts_out.data(), w_post2, a->post2_inv.data(), t,
+        d, g2_.data(), a->d_post_ff_2.data()));
+  }
   g_.resize(t * d);
-  SHARDD_RETURN_IF_ERROR(
-      RoutedExpertsBackward(layer, params, t, g2_.data(), g_.data(), a, ep));
+  if (all) {
+    SHARDD_RETURN_IF_ERROR(
+        RoutedExpertsBackward(layer, params, t, g2_.data(), g_.data(), a, ep));
+  } else {
+    SHARDD_RETURN_IF_ERROR(ExchangedBackward(layer, params, t, g2_.data(),
+                                             g_.data(), a, *ep, phase));
+    if (phase != ExpertsPhase::kDispatch) return absl::OkStatus();
+  }
   a->d_pre_ff_2.assign(d, 0.0f);
   return kernels::RmsNormBackward(g_.data(), a->m.data(), w_pre2,
                                   a->pre2_inv.data(), t, d, a->dm.data(),
@@ -478,44 +522,96 @@ absl::Status GemmaLayerBlock::BackwardExperts(const MoeLayerSpec& layer,
 absl::Status GemmaLayerBlock::RoutedExpertsForward(
     const MoeLayerSpec& layer, ParamSource* params, int64_t t,
     GemmaLayerActs* a, const RoutedExchange* ep) {
+  if (ep != nullptr && ep->exchange != nullptr) {
+    for (ExpertsPhase phase : {ExpertsPhase::kDispatch, ExpertsPhase::kCompute,
+                               ExpertsPhase::kCombine}) {
+      SHARDD_RETURN_IF_ERROR(ExchangedForward(layer, params, t, a, *ep, phase));
+    }
+    return absl::OkStatus();
+  }
   const int64_t d = arch_->dim;
-  const int k = arch_->top_k;
   SHARDD_ASSIGN_OR_RETURN(const float* w_gu, params->Param(layer.w_gu.name));
   SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(layer.w_d.name));
   a->experts_out.resize(t * d);
-  if (ep == nullptr || ep->exchange == nullptr) {
-    SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsForward(
-        {t, d, layer.moe_inter, layer.experts, k}, arch_->activation,
-        a->experts_in.data(), a->indices.data(), a->weights.data(), nullptr,
-        w_gu, w_d, a->experts_out.data(), &a->experts));
-  } else {
-    // Each received row is one (token, slot) for one local expert: top-1
-    // over the block, its weight applied there as on one rank.
-    ExpertExchange& ex = *ep->exchange;
-    SHARDD_RETURN_IF_ERROR(ex.Route(a->indices.data(), t, k,
-                                    ep->max_received_rows, &a->route));
-    const int64_t r = a->route.received;
-    std::vector<float> x_r(r * d), w_r(r), y_r(r * d);
-    std::vector<int32_t> ids_r(r);
-    SHARDD_RETURN_IF_ERROR(ex.Dispatch(a->route, a->experts_in.data(),
-                                       a->weights.data(), a->indices.data(), d,
-                                       x_r.data(), ids_r.data(), w_r.data()));
-    SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsForward(
-        {r, d, layer.moe_inter, layer.experts, 1}, arch_->activation,
-        x_r.data(), ids_r.data(), w_r.data(), nullptr, w_gu, w_d, y_r.data(),
-        &a->experts));
-    SHARDD_RETURN_IF_ERROR(
-        ex.Combine(a->route, y_r.data(), d, a->experts_out.data()));
-  }
+  SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsForward(
+      {t, d, layer.moe_inter, layer.experts, arch_->top_k}, arch_->activation,
+      a->experts_in.data(), a->indices.data(), a->weights.data(), nullptr,
+      w_gu, w_d, a->experts_out.data(), &a->experts));
   // The per-row outputs are the kernel's scratch; backward regrows them.
   decltype(a->experts.o)().swap(a->experts.o);
   return absl::OkStatus();
+}
+
+absl::Status GemmaLayerBlock::ExchangedForward(const MoeLayerSpec& layer,
+                                               ParamSource* params, int64_t t,
+                                               GemmaLayerActs* a,
+                                               const RoutedExchange& ep,
+                                               ExpertsPhase phase) {
+  const int64_t d = arch_->dim;
+  const int k = arch_->top_k;
+  ExpertExchange& ex = *ep.exchange;
+  const int64_t r = a->route.received;
+  switch (phase) {
+    case ExpertsPhase::kDispatch:
+      // Each received row is one (token, slot) for one local expert.
+      SHARDD_RETURN_IF_ERROR(ex.Route(a->indices.data(), t, k,
+                                      ep.max_received_rows, &a->route));
+      a->x_r.resize(a->route.received * d);
+      a->w_r.resize(a->route.received);
+      a->ids_r.resize(a->route.received);
+      return ex.Dispatch(a->route, a->experts_in.data(), a->weights.data(),
+                         a->indices.data(), d, a->x_r.data(), a->ids_r.data(),
+                         a->w_r.data());
+    case ExpertsPhase::kCompute: {
+      if (a->route.t != t || static_cast<int64_t>(a->x_r.size()) != r * d) {
+        return absl::FailedPreconditionError(
+            "EXPERTS of an expert-parallel DiffusionGemma layer before its "
+            "DISPATCH");
+      }
+      SHARDD_ASSIGN_OR_RETURN(const float* w_gu,
+                              params->Param(layer.w_gu.name));
+      SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(layer.w_d.name));
+      // Top-1 over the block, each row's weight applied here as on one rank.
+      a->y_r.resize(r * d);
+      SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsForward(
+          {r, d, layer.moe_inter, layer.experts, 1}, arch_->activation,
+          a->x_r.data(), a->ids_r.data(), a->w_r.data(), nullptr, w_gu, w_d,
+          a->y_r.data(), &a->experts));
+      decltype(a->experts.o)().swap(a->experts.o);
+      std::vector<float>().swap(a->x_r);
+      std::vector<float>().swap(a->w_r);
+      std::vector<int32_t>().swap(a->ids_r);
+      return absl::OkStatus();
+    }
+    case ExpertsPhase::kCombine:
+      if (a->route.t != t || static_cast<int64_t>(a->y_r.size()) != r * d) {
+        return absl::FailedPreconditionError(
+            "COMBINE of an expert-parallel DiffusionGemma layer before its "
+            "EXPERTS");
+      }
+      a->experts_out.resize(t * d);
+      SHARDD_RETURN_IF_ERROR(
+          ex.Combine(a->route, a->y_r.data(), d, a->experts_out.data()));
+      std::vector<float>().swap(a->y_r);
+      return absl::OkStatus();
+    case ExpertsPhase::kAll:
+      break;
+  }
+  return absl::InternalError("ExchangedForward of the whole EXPERTS");
 }
 
 absl::Status GemmaLayerBlock::RoutedExpertsBackward(
     const MoeLayerSpec& layer, ParamSource* params, int64_t t,
     const float* dy, float* dx, GemmaLayerActs* a,
     const RoutedExchange* ep) {
+  if (ep != nullptr && ep->exchange != nullptr) {
+    for (ExpertsPhase phase : {ExpertsPhase::kCombine, ExpertsPhase::kCompute,
+                               ExpertsPhase::kDispatch}) {
+      SHARDD_RETURN_IF_ERROR(
+          ExchangedBackward(layer, params, t, dy, dx, a, *ep, phase));
+    }
+    return absl::OkStatus();
+  }
   const int64_t d = arch_->dim;
   const int k = arch_->top_k;
   SHARDD_ASSIGN_OR_RETURN(const float* w_gu, params->Param(layer.w_gu.name));
@@ -523,33 +619,73 @@ absl::Status GemmaLayerBlock::RoutedExpertsBackward(
   a->dweights.resize(t * k);
   std::vector<float> dw_gu(layer.w_gu.frozen ? 0 : layer.w_gu.numel(), 0.0f);
   std::vector<float> dw_d(layer.w_d.frozen ? 0 : layer.w_d.numel(), 0.0f);
-  float* g_gu = dw_gu.empty() ? nullptr : dw_gu.data();
-  float* g_d = dw_d.empty() ? nullptr : dw_d.data();
-  if (ep == nullptr || ep->exchange == nullptr) {
-    SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsBackward(
-        {t, d, layer.moe_inter, layer.experts, k}, arch_->activation, w_gu,
-        w_d, dy, dx, /*accumulate_dx=*/false, a->dweights.data(), g_gu, g_d,
-        &a->experts));
-  } else {
-    ExpertExchange& ex = *ep->exchange;
-    if (a->route.t != t || a->route.k != k) {
-      return absl::FailedPreconditionError(
-          "BACKWARD(EXPERTS) of an expert-parallel DiffusionGemma layer "
-          "without its forward's route");
-    }
-    const int64_t r = a->route.received;
-    std::vector<float> dy_r(r * d), dx_r(r * d), dw_r(r);
-    SHARDD_RETURN_IF_ERROR(ex.DispatchGrad(a->route, dy, d, dy_r.data()));
-    SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsBackward(
-        {r, d, layer.moe_inter, layer.experts, 1}, arch_->activation, w_gu,
-        w_d, dy_r.data(), dx_r.data(), /*accumulate_dx=*/false, dw_r.data(),
-        g_gu, g_d, &a->experts));
-    SHARDD_RETURN_IF_ERROR(ex.CombineGrad(a->route, dx_r.data(), dw_r.data(),
-                                          d, dx, a->dweights.data()));
-    a->route = ExpertRoute();
-  }
+  SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsBackward(
+      {t, d, layer.moe_inter, layer.experts, k}, arch_->activation, w_gu, w_d,
+      dy, dx, /*accumulate_dx=*/false, a->dweights.data(),
+      dw_gu.empty() ? nullptr : dw_gu.data(),
+      dw_d.empty() ? nullptr : dw_d.data(), &a->experts));
   SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.w_gu, dw_gu));
   return AddGrad(params, layer.w_d, dw_d);
+}
+
+absl::Status GemmaLayerBlock::ExchangedBackward(
+    const MoeLayerSpec& layer, ParamSource* params, int64_t t,
+    const float* dy, float* dx, GemmaLayerActs* a, const RoutedExchange& ep,
+    ExpertsPhase phase) {
+  const int64_t d = arch_->dim;
+  const int k = arch_->top_k;
+  ExpertExchange& ex = *ep.exchange;
+  const int64_t r = a->route.received;
+  if (a->route.t != t || a->route.k != k) {
+    return absl::FailedPreconditionError(
+        "BACKWARD of an expert-parallel DiffusionGemma layer without its "
+        "forward's route");
+  }
+  switch (phase) {
+    case ExpertsPhase::kCombine:
+      a->dy_r.resize(r * d);
+      return ex.DispatchGrad(a->route, dy, d, a->dy_r.data());
+    case ExpertsPhase::kCompute: {
+      if (static_cast<int64_t>(a->dy_r.size()) != r * d) {
+        return absl::FailedPreconditionError(
+            "BACKWARD EXPERTS of an expert-parallel DiffusionGemma layer "
+            "before its BACKWARD COMBINE");
+      }
+      SHARDD_ASSIGN_OR_RETURN(const float* w_gu,
+                              params->Param(layer.w_gu.name));
+      SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(layer.w_d.name));
+      std::vector<float> dw_gu(layer.w_gu.frozen ? 0 : layer.w_gu.numel(),
+                               0.0f);
+      std::vector<float> dw_d(layer.w_d.frozen ? 0 : layer.w_d.numel(), 0.0f);
+      a->dx_r.resize(r * d);
+      a->dw_r.resize(r);
+      SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsBackward(
+          {r, d, layer.moe_inter, layer.experts, 1}, arch_->activation, w_gu,
+          w_d, a->dy_r.data(), a->dx_r.data(), /*accumulate_dx=*/false,
+          a->dw_r.data(), dw_gu.empty() ? nullptr : dw_gu.data(),
+          dw_d.empty() ? nullptr : dw_d.data(), &a->experts));
+      std::vector<float>().swap(a->dy_r);
+      SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.w_gu, dw_gu));
+      return AddGrad(params, layer.w_d, dw_d);
+    }
+    case ExpertsPhase::kDispatch:
+      if (static_cast<int64_t>(a->dx_r.size()) != r * d) {
+        return absl::FailedPreconditionError(
+            "BACKWARD DISPATCH of an expert-parallel DiffusionGemma layer "
+            "before its BACKWARD EXPERTS");
+      }
+      a->dweights.resize(t * k);
+      SHARDD_RETURN_IF_ERROR(ex.CombineGrad(a->route, a->dx_r.data(),
+                                            a->dw_r.data(), d, dx,
+                                            a->dweights.data()));
+      std::vector<float>().swap(a->dx_r);
+      std::vector<float>().swap(a->dw_r);
+      a->route = ExpertRoute();
+      return absl::OkStatus();
+    case ExpertsPhase::kAll:
+      break;
+  }
+  return absl::InternalError("ExchangedBackward of the whole EXPERTS");
 }
 
 absl::Status GemmaLayerBlock::BackwardLayer(const MoeLayerSpec& layer,

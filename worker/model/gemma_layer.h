@@ -69,9 +69,13 @@ struct GemmaLayerActs {
   std::vector<float> weights;                      // [T, K]
   kernels::RouterCache router;
   kernels::GroupedExpertsWorkspace experts;
-  // With expert parallelism: where the experts' rows went, from
-  // FORWARD(EXPERTS) (or its recompute) to BACKWARD(EXPERTS).
+  // With expert parallelism: where the experts' rows went, from DISPATCH
+  // (or the recompute) to BACKWARD DISPATCH, and the rows between the
+  // commands: received (x_r, their local experts and weights), their
+  // outputs (y_r), and backward dy_r, then dx_r and the weights' dw_r.
   ExpertRoute route;
+  std::vector<float> x_r, w_r, y_r, dy_r, dx_r, dw_r;
+  std::vector<int32_t> ids_r;
   kernels::DenseMlpWorkspace mlp;
   // Between BACKWARD(EXPERTS) and BACKWARD(LAYER): the gradients of m, of
   // h1 + h2 and of the routing weights.
@@ -138,15 +142,22 @@ class GemmaLayerBlock {
                              GemmaLayerActs* acts);
   // EXPERTS: writes the layer's output to x [T, D].
   // With `ep`, the experts run expert-parallel (the same `ep` in the
-  // recompute and the backward).
+  // recompute and the backward): `phase` kAll runs the whole exchange,
+  // the others the share of the DISPATCH, EXPERTS or COMBINE command (x is
+  // written by COMBINE). FAILED_PRECONDITION for a phase without `ep` or
+  // out of order.
   absl::Status ForwardExperts(const MoeLayerSpec& layer, ParamSource* params,
                               int64_t tokens, GemmaLayerActs* acts, float* x,
-                              const RoutedExchange* ep = nullptr);
-  // BACKWARD(EXPERTS): dx [T, D] is the gradient of the layer's output.
+                              const RoutedExchange* ep = nullptr,
+                              ExpertsPhase phase = ExpertsPhase::kAll);
+  // BACKWARD(EXPERTS): dx [T, D] is the gradient of the layer's output
+  // (read by the kAll and kCombine phases; BACKWARD COMBINE, EXPERTS,
+  // DISPATCH in that order).
   absl::Status BackwardExperts(const MoeLayerSpec& layer, ParamSource* params,
                                int64_t tokens, const float* dx,
                                GemmaLayerActs* acts,
-                               const RoutedExchange* ep = nullptr);
+                               const RoutedExchange* ep = nullptr,
+                               ExpertsPhase phase = ExpertsPhase::kAll);
   // BACKWARD(LAYER): dx [T, D] becomes the gradient of the layer's input.
   // With `decode` (the forward's), decode->encoder's dk_ext / dv_ext gain
   // the encoder rows' gradients.
@@ -170,6 +181,20 @@ class GemmaLayerBlock {
                                      const float* dy, float* dx,
                                      GemmaLayerActs* acts,
                                      const RoutedExchange* ep);
+  // One phase of the exchanged experts (not kAll): kDispatch routes and
+  // fills x_r / ids_r / w_r, kCompute runs the local experts into y_r,
+  // kCombine sums y_r back into acts->experts_out.
+  absl::Status ExchangedForward(const MoeLayerSpec& layer, ParamSource* params,
+                                int64_t tokens, GemmaLayerActs* acts,
+                                const RoutedExchange& ep, ExpertsPhase phase);
+  // Backward: kCombine sends dy to the experts (dy_r), kCompute runs their
+  // backward (dx_r, dw_r, the weight gradients), kDispatch returns dx
+  // [T, D] and acts->dweights.
+  absl::Status ExchangedBackward(const MoeLayerSpec& layer,
+                                 ParamSource* params, int64_t tokens,
+                                 const float* dy, float* dx,
+                                 GemmaLayerActs* acts,
+                                 const RoutedExchange& ep, ExpertsPhase phase);
   // LAYER's forward from acts->x_in.
   absl::Status LayerFromInput(const MoeLayerSpec& layer, ParamSource* params,
                               int64_t batch, int64_t seq, GemmaLayerActs* acts,

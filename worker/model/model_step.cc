@@ -261,7 +261,6 @@ absl::Status ModelStep::ExpertsBackward(const MoeLayerSpec& spec, int64_t t,
                                         LayerSlot* la, PassSlot* a) {
   SHARDD_RETURN_IF_ERROR(Ensure(&a->dn, Elem::kStorage, t * arch_.dim));
   SHARDD_RETURN_IF_ERROR(Ensure(&a->dweights, Elem::kF32, t * arch_.top_k));
-  if (exchange_ != nullptr) return ParallelExpertsBackward(spec, la, a);
   SHARDD_RETURN_IF_ERROR(ops_->ExpertsBackward(spec, a->dx, t, arch_.top_k,
                                                &la->experts, &a->dn,
                                                &a->dweights));
@@ -273,6 +272,7 @@ absl::Status ModelStep::SetExpertExchange(ExpertExchange* exchange,
                                           double capacity_factor) {
   local_specs_.clear();
   exchange_ = nullptr;
+  order_->SetExchanged(false);
   if (exchange == nullptr) return absl::OkStatus();
   if (!ops_->host_memory()) {
     return absl::FailedPreconditionError(
@@ -296,6 +296,7 @@ absl::Status ModelStep::SetExpertExchange(ExpertExchange* exchange,
     local_specs_.push_back(std::move(local));
   }
   exchange_ = exchange;
+  order_->SetExchanged(true);
   capacity_factor_ = capacity_factor;
   return absl::OkStatus();
 }
@@ -310,52 +311,132 @@ RoutedExchange ModelStep::RoutedFor(int64_t t) const {
   return ep;
 }
 
+absl::StatusOr<ExpertsPhase> ModelStep::PhaseOf(const Command& c) const {
+  if (exchange_ == nullptr) {
+    if (c.part() == Command::EXPERTS) return ExpertsPhase::kAll;
+    return absl::FailedPreconditionError(
+        absl::StrCat(Command::Part_Name(c.part()), " of layer ", c.layer(),
+                     " without expert parallelism (the plan's experts units "
+                     "have no ep)"));
+  }
+  switch (c.part()) {
+    case Command::DISPATCH:
+      return ExpertsPhase::kDispatch;
+    case Command::COMBINE:
+      return ExpertsPhase::kCombine;
+    default:
+      return ExpertsPhase::kCompute;
+  }
+}
+
 absl::Status ModelStep::ParallelExpertsForward(const MoeLayerSpec& spec,
                                                int64_t t, LayerSlot* la,
                                                Act* y) {
+  SHARDD_RETURN_IF_ERROR(DispatchRows(t, la));
+  SHARDD_RETURN_IF_ERROR(LocalExpertsForward(spec, t, la));
+  return CombineRows(t, la, y);
+}
+
+absl::Status ModelStep::DispatchRows(int64_t t, LayerSlot* la) {
   const int k = arch_.top_k;
   const int64_t d = arch_.dim;
   SHARDD_RETURN_IF_ERROR(exchange_->Route(la->indices.as<int32_t>(), t, k,
                                           RoutedFor(t).max_received_rows,
                                           &la->route));
-  const int64_t r = la->route.received;
   // At least one element: an Act of 0 holds no memory.
-  SHARDD_ASSIGN_OR_RETURN(Act x_r, Temp(std::max<int64_t>(1, r * d)));
-  SHARDD_ASSIGN_OR_RETURN(Act ids_r,
-                          ops_->Allocate(Elem::kI32, std::max<int64_t>(1, r),
-                                         /*zero=*/false));
-  SHARDD_ASSIGN_OR_RETURN(Act w_r,
-                          ops_->Allocate(Elem::kF32, std::max<int64_t>(1, r),
-                                         /*zero=*/false));
-  SHARDD_RETURN_IF_ERROR(exchange_->Dispatch(
-      la->route, la->normed.as<float>(), la->weights.as<float>(),
-      la->indices.as<int32_t>(), d, x_r.as<float>(), ids_r.as<int32_t>(),
-      w_r.as<float>()));
-  SHARDD_ASSIGN_OR_RETURN(Act y_r, Temp(std::max<int64_t>(1, r * d)));
-  SHARDD_RETURN_IF_ERROR(ops_->ExpertsForward(LocalSpec(spec), x_r, ids_r,
-                                              w_r, r, /*k=*/1, &la->experts,
-                                              &y_r));
+  const int64_t r = std::max<int64_t>(1, la->route.received);
+  SHARDD_RETURN_IF_ERROR(Ensure(&la->x_r, Elem::kStorage, r * d));
+  SHARDD_RETURN_IF_ERROR(Ensure(&la->ids_r, Elem::kI32, r));
+  SHARDD_RETURN_IF_ERROR(Ensure(&la->w_r, Elem::kF32, r));
+  return exchange_->Dispatch(la->route, la->normed.as<float>(),
+                             la->weights.as<float>(),
+                             la->indices.as<int32_t>(), d,
+                             la->x_r.as<float>(), la->ids_r.as<int32_t>(),
+                             la->w_r.as<float>());
+}
+
+absl::Status ModelStep::LocalExpertsForward(const MoeLayerSpec& spec,
+                                            int64_t t, LayerSlot* la) {
+  const int64_t r = la->route.received;
+  if (la->route.t != t || la->x_r.empty()) {
+    return absl::FailedPreconditionError(
+        "EXPERTS of an expert-parallel layer before its DISPATCH");
+  }
+  SHARDD_RETURN_IF_ERROR(
+      Ensure(&la->y_r, Elem::kStorage, std::max<int64_t>(1, r) * arch_.dim));
+  SHARDD_RETURN_IF_ERROR(ops_->ExpertsForward(LocalSpec(spec), la->x_r,
+                                              la->ids_r, la->w_r, r, /*k=*/1,
+                                              &la->experts, &la->y_r));
   la->experts.Sync(&ledger_);
-  return exchange_->Combine(la->route, y_r.as<float>(), d, y->as<float>());
+  la->x_r.Reset();
+  la->ids_r.Reset();
+  la->w_r.Reset();
+  return absl::OkStatus();
+}
+
+absl::Status ModelStep::CombineRows(int64_t t, LayerSlot* la, Act* y) {
+  if (la->route.t != t || la->y_r.empty()) {
+    return absl::FailedPreconditionError(
+        "COMBINE of an expert-parallel layer before its EXPERTS");
+  }
+  SHARDD_RETURN_IF_ERROR(
+      exchange_->Combine(la->route, la->y_r.as<float>(), arch_.dim,
+                         y->as<float>()));
+  la->y_r.Reset();
+  return absl::OkStatus();
 }
 
 absl::Status ModelStep::ParallelExpertsBackward(const MoeLayerSpec& spec,
+                                                int64_t t, ExpertsPhase phase,
                                                 LayerSlot* la, PassSlot* a) {
   const int64_t d = arch_.dim;
   const int64_t r = la->route.received;
-  SHARDD_ASSIGN_OR_RETURN(Act dy_r, Temp(std::max<int64_t>(1, r * d)));
-  SHARDD_RETURN_IF_ERROR(exchange_->DispatchGrad(la->route, a->dx.as<float>(),
-                                                 d, dy_r.as<float>()));
-  SHARDD_ASSIGN_OR_RETURN(Act dx_r, Temp(std::max<int64_t>(1, r * d)));
-  SHARDD_ASSIGN_OR_RETURN(Act dw_r,
-                          ops_->Allocate(Elem::kF32, std::max<int64_t>(1, r),
-                                         /*zero=*/false));
-  SHARDD_RETURN_IF_ERROR(ops_->ExpertsBackward(
-      LocalSpec(spec), dy_r, r, /*k=*/1,
-      &la->experts, &dx_r, &dw_r));
-  la->experts.Sync(&ledger_);
-  return exchange_->CombineGrad(la->route, dx_r.as<float>(), dw_r.as<float>(),
-                                d, a->dn.as<float>(), a->dweights.as<float>());
+  const int64_t rows = std::max<int64_t>(1, r);
+  if (la->route.t != t) {
+    return absl::FailedPreconditionError(
+        "the backward of an expert-parallel layer without its forward's "
+        "route");
+  }
+  switch (phase) {
+    case ExpertsPhase::kCombine:
+      SHARDD_RETURN_IF_ERROR(Ensure(&la->dy_r, Elem::kStorage, rows * d));
+      return exchange_->DispatchGrad(la->route, a->dx.as<float>(), d,
+                                     la->dy_r.as<float>());
+    case ExpertsPhase::kCompute:
+      if (la->dy_r.empty()) {
+        return absl::FailedPreconditionError(
+            "BACKWARD EXPERTS of an expert-parallel layer before its "
+            "BACKWARD COMBINE");
+      }
+      SHARDD_RETURN_IF_ERROR(Ensure(&la->dx_r, Elem::kStorage, rows * d));
+      SHARDD_RETURN_IF_ERROR(Ensure(&la->dw_r, Elem::kF32, rows));
+      SHARDD_RETURN_IF_ERROR(ops_->ExpertsBackward(LocalSpec(spec), la->dy_r,
+                                                   r, /*k=*/1, &la->experts,
+                                                   &la->dx_r, &la->dw_r));
+      la->experts.Sync(&ledger_);
+      la->experts.Reset();
+      la->dy_r.Reset();
+      return absl::OkStatus();
+    case ExpertsPhase::kDispatch:
+      if (la->dx_r.empty()) {
+        return absl::FailedPreconditionError(
+            "BACKWARD DISPATCH of an expert-parallel layer before its "
+            "BACKWARD EXPERTS");
+      }
+      SHARDD_RETURN_IF_ERROR(Ensure(&a->dn, Elem::kStorage, t * d));
+      SHARDD_RETURN_IF_ERROR(
+          Ensure(&a->dweights, Elem::kF32, t * arch_.top_k));
+      SHARDD_RETURN_IF_ERROR(exchange_->CombineGrad(
+          la->route, la->dx_r.as<float>(), la->dw_r.as<float>(), d,
+          a->dn.as<float>(), a->dweights.as<float>()));
+      la->dx_r.Reset();
+      la->dw_r.Reset();
+      la->route = ExpertRoute();
+      return absl::OkStatus();
+    case ExpertsPhase::kAll:
+      break;
+  }
+  return absl::InternalError("ParallelExpertsBackward of the whole EXPERTS");
 }
 
 absl::Status ModelStep::FinalNorm(int64_t t, PassSlot* a) {
@@ -396,11 +477,16 @@ absl::Status ModelStep::GemmaForward(const Command& c, int64_t batch,
     la.gemma.Sync(&ledger_);
     return absl::OkStatus();
   }
+  // EXPERTS, or under expert parallelism DISPATCH, EXPERTS or COMBINE.
+  SHARDD_ASSIGN_OR_RETURN(const ExpertsPhase phase, PhaseOf(c));
   const RoutedExchange ep = RoutedFor(batch * seq);
   SHARDD_RETURN_IF_ERROR(ops_->GemmaExpertsForward(
       ExpertSpec(spec), batch * seq, &la.gemma, &a->x,
-      exchange_ == nullptr ? nullptr : &ep));
+      exchange_ == nullptr ? nullptr : &ep, phase));
   la.gemma.Sync(&ledger_);
+  if (phase != ExpertsPhase::kAll && phase != ExpertsPhase::kCombine) {
+    return absl::OkStatus();
+  }
   if (!c.requires_grad()) {
     if (!keep_without_grad) la = LayerSlot();
   } else if (recompute_layer_[l] || recompute_experts_[l]) {
@@ -422,19 +508,23 @@ absl::Status ModelStep::GemmaBackward(const Command& c, int64_t batch,
   const MoeLayerSpec& spec = arch_.layers[l];
   LayerSlot& la = a->layers[l];
   const int64_t t = batch * seq;
-  if (c.part() == Command::EXPERTS) {
+  if (c.part() != Command::LAYER) {
+    SHARDD_ASSIGN_OR_RETURN(const ExpertsPhase phase, PhaseOf(c));
     const RoutedExchange ep = RoutedFor(t);
     const RoutedExchange* epp = exchange_ == nullptr ? nullptr : &ep;
-    if (recompute_layer_[l] || recompute_experts_[l]) {
+    if ((phase == ExpertsPhase::kAll || phase == ExpertsPhase::kCombine) &&
+        (recompute_layer_[l] || recompute_experts_[l])) {
       SHARDD_RETURN_IF_ERROR(ops_->GemmaExpertsForward(
-          ExpertSpec(spec), t, &la.gemma, nullptr, epp));
+          ExpertSpec(spec), t, &la.gemma, nullptr, epp, ExpertsPhase::kAll));
       la.gemma.Sync(&ledger_);
     }
-    SHARDD_RETURN_IF_ERROR(ops_->GemmaExpertsBackward(ExpertSpec(spec), t,
-                                                      a->dx, &la.gemma, epp));
+    SHARDD_RETURN_IF_ERROR(ops_->GemmaExpertsBackward(
+        ExpertSpec(spec), t, a->dx, &la.gemma, epp, phase));
     la.gemma.Sync(&ledger_);
-    ops_->GemmaTrim(GemmaKeep::kAllButExpertsWorkspace, &la.gemma);
-    la.gemma.Sync(&ledger_);
+    if (phase == ExpertsPhase::kAll || phase == ExpertsPhase::kCompute) {
+      ops_->GemmaTrim(GemmaKeep::kAllButExpertsWorkspace, &la.gemma);
+      la.gemma.Sync(&ledger_);
+    }
     return absl::OkStatus();
   }
   if (recompute_layer_[l]) {
@@ -501,7 +591,9 @@ absl::Status ModelStep::Forward(const Command& c) {
       }
       return absl::OkStatus();
     }
-    case Command::EXPERTS: {
+    case Command::DISPATCH:
+    case Command::EXPERTS:
+    case Command::COMBINE: {
       const int l = c.layer();
       const MoeLayerSpec& spec = arch_.layers[l];
       if (spec.gemma) {
@@ -509,8 +601,17 @@ absl::Status ModelStep::Forward(const Command& c) {
                             /*keep_without_grad=*/false, &a);
       }
       LayerSlot& la = a.layers[l];
+      SHARDD_ASSIGN_OR_RETURN(const ExpertsPhase phase, PhaseOf(c));
+      if (phase == ExpertsPhase::kDispatch) return DispatchRows(t, &la);
+      if (phase == ExpertsPhase::kCompute) {
+        return LocalExpertsForward(spec, t, &la);
+      }
       SHARDD_ASSIGN_OR_RETURN(Act y, Temp(td));
-      SHARDD_RETURN_IF_ERROR(ExpertsForward(spec, t, &la, &y));
+      if (phase == ExpertsPhase::kAll) {
+        SHARDD_RETURN_IF_ERROR(ExpertsForward(spec, t, &la, &y));
+      } else {
+        SHARDD_RETURN_IF_ERROR(CombineRows(t, &la, &y));
+      }
       SHARDD_RETURN_IF_ERROR(ops_->Add(
           &a.x, y, la.dense_out.empty() ? nullptr : &la.dense_out));
       la.dense_out.Reset();
@@ -636,20 +737,28 @@ absl::Status ModelStep::Backward(const Command& c) {
       ++loss_terms_;
       return absl::OkStatus();
     }
-    case Command::EXPERTS: {
+    case Command::DISPATCH:
+    case Command::EXPERTS:
+    case Command::COMBINE: {
       const int l = c.layer();
       const MoeLayerSpec& spec = arch_.layers[l];
       if (spec.gemma) {
         return GemmaBackward(c, batch.batch, batch.seq, nullptr, &a);
       }
       LayerSlot& la = a.layers[l];
-      if (recompute_layer_[l] || recompute_experts_[l]) {
+      SHARDD_ASSIGN_OR_RETURN(const ExpertsPhase phase, PhaseOf(c));
+      // The experts' forward again first (under expert parallelism in
+      // BACKWARD COMBINE: dispatched and combined again).
+      if ((phase == ExpertsPhase::kAll || phase == ExpertsPhase::kCombine) &&
+          (recompute_layer_[l] || recompute_experts_[l])) {
         SHARDD_ASSIGN_OR_RETURN(Act y, Temp(td));
         SHARDD_RETURN_IF_ERROR(ExpertsForward(spec, t, &la, &y));
       }
+      if (phase != ExpertsPhase::kAll) {
+        return ParallelExpertsBackward(spec, t, phase, &la, &a);
+      }
       SHARDD_RETURN_IF_ERROR(ExpertsBackward(spec, t, &la, &a));
       la.experts.Reset();
-      la.route = ExpertRoute();
       return absl::OkStatus();
     }
     case Command::LAYER:

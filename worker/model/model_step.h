@@ -103,9 +103,12 @@ class ModelStep {
     Act weights;   // [T, K] fp32
     Act dense_out;  // [T, D] the dense branch beside experts, LAYER->EXPERTS
     Saved attention, router, experts, mlp;
-    // Expert parallelism: where the routed rows went (EXPERTS' forward to
-    // its backward).
+    // Expert parallelism: where the routed rows went (DISPATCH's forward
+    // to its backward), and the rows between the commands: received with
+    // their local experts and weights, their outputs, and backward the
+    // output gradients, then the input and weight gradients.
     ExpertRoute route;
+    Act x_r, ids_r, w_r, y_r, dy_r, dx_r, dw_r;
     Saved gemma;  // DiffusionGemma's whole layer instead.
   };
   struct PassSlot {
@@ -173,8 +176,22 @@ class ModelStep {
   // this rank's experts receive.
   absl::Status ParallelExpertsForward(const MoeLayerSpec& spec, int64_t t,
                                       LayerSlot* la, Act* y);
-  absl::Status ParallelExpertsBackward(const MoeLayerSpec& spec,
-                                       LayerSlot* la, PassSlot* a);
+  // Which share of the experts a command runs: kAll for EXPERTS without
+  // expert parallelism, else DISPATCH's, EXPERTS' or COMBINE's.
+  // FAILED_PRECONDITION for DISPATCH / COMBINE without it.
+  absl::StatusOr<ExpertsPhase> PhaseOf(const v1::Command& c) const;
+  // FORWARD DISPATCH: routes la->indices and fills la->x_r / ids_r / w_r.
+  absl::Status DispatchRows(int64_t t, LayerSlot* la);
+  // FORWARD EXPERTS: the local experts over the received rows into y_r.
+  absl::Status LocalExpertsForward(const MoeLayerSpec& spec, int64_t t,
+                                   LayerSlot* la);
+  // FORWARD COMBINE: y [t, D] from y_r.
+  absl::Status CombineRows(int64_t t, LayerSlot* la, Act* y);
+  // BACKWARD COMBINE (dy_r from a->dx), EXPERTS (dx_r, dw_r) and DISPATCH
+  // (a->dn, a->dweights).
+  absl::Status ParallelExpertsBackward(const MoeLayerSpec& spec, int64_t t,
+                                       ExpertsPhase phase, LayerSlot* la,
+                                       PassSlot* a);
   // `spec`'s layer (an element of arch_.layers) over its local experts.
   const MoeLayerSpec& LocalSpec(const MoeLayerSpec& spec) const {
     return local_specs_[&spec - arch_.layers.data()];

@@ -63,7 +63,9 @@ absl::Status ModelStep::DiffusionForward(const Command& c) {
       return absl::OkStatus();
     }
     case Command::LAYER:
-    case Command::EXPERTS: {
+    case Command::DISPATCH:
+    case Command::EXPERTS:
+    case Command::COMBINE: {
       const int l = c.layer();
       const GemmaDecodeView decode = DecodeView(l, mb, batch);
       SHARDD_RETURN_IF_ERROR(GemmaForward(c, batch.batch, seq,
@@ -72,7 +74,9 @@ absl::Status ModelStep::DiffusionForward(const Command& c) {
                                           &a));
       // An evaluation's last decode of the layer is done with the encode's
       // K/V.
-      if (c.part() == Command::EXPERTS && eval_ && pass == 2) {
+      const Command::Part last =
+          exchange_ == nullptr ? Command::EXPERTS : Command::COMBINE;
+      if (c.part() == last && eval_ && pass == 2) {
         Slot(0, mb).layers[l] = LayerSlot();
       }
       return absl::OkStatus();
@@ -143,7 +147,9 @@ absl::Status ModelStep::DiffusionBackward(const Command& c) {
       return absl::OkStatus();
     }
     case Command::LAYER:
-    case Command::EXPERTS: {
+    case Command::DISPATCH:
+    case Command::EXPERTS:
+    case Command::COMBINE: {
       const GemmaDecodeView decode = DecodeView(c.layer(), mb, batch);
       return GemmaBackward(c, batch.batch, seq, pass == 0 ? nullptr : &decode,
                            &a);
