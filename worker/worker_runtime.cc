@@ -24,6 +24,7 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "model/model_util.h"
+#include "program/pass_layout.h"
 #include "planner/sharding_planner.h"
 #include "planner/strategy_registry.h"
 #include "worker/comm/gloo_communicator.h"
@@ -365,6 +366,23 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::LoadPlan(
   source_options.synthetic_order = train.synthetic_order();
   SHARDD_ASSIGN_OR_RETURN(std::shared_ptr<const data::SequenceSource> source,
                           data::CreateDataSource(source_options));
+  if (source->masked()) {
+    // An SFT dataset's loss mask (docs/sft_data.md).
+    if (options_.device >= 0) {
+      return absl::UnimplementedError(absl::StrCat(
+          "train.data_path: ", train.data_path(),
+          " is an SFT dataset; loss-masked training runs on the CPU workers "
+          "only for now, this worker trains on cuda:",
+          options_.device));
+    }
+    if (request.model().architecture() == kBlockDiffusionArchitecture &&
+        plan.step().passes() == 3) {
+      return absl::UnimplementedError(absl::StrCat(
+          "train.data_path: ", train.data_path(),
+          " is an SFT dataset; DiffusionGemma's block-diffusion step does "
+          "not split prompt and response per example yet"));
+    }
+  }
   job->entropy_rate = source->BestLoss(train.seq_len());
   job->one_token_loss = source->OneTokenLoss(train.seq_len());
   data::BatchSamplerOptions sampler_options;
@@ -730,8 +748,13 @@ absl::Status WorkerRuntime::FetchBatchesLocked(
                      " differs from the job's train config (", job_m, ")"));
   }
   batches->resize(job_m);
+  int64_t step_counted = 0;
+  if (sampler->source().masked()) {
+    SHARDD_ASSIGN_OR_RETURN(step_counted, sampler->CountedTargets(step));
+  }
   for (int m = 0; m < job_m; ++m) {
     SHARDD_RETURN_IF_ERROR(sampler->Fill(step, job_->rank, m, &(*batches)[m]));
+    (*batches)[m].step_counted = step_counted;
   }
   return absl::OkStatus();
 }

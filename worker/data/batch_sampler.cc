@@ -10,6 +10,8 @@
 #include "common/fingerprint.h"
 #include "common/status_macros.h"
 #include "worker/data/order_k_source.h"
+#include "worker/data/sft_dataset.h"
+#include "worker/data/sft_source.h"
 
 namespace shardd {
 namespace data {
@@ -104,15 +106,24 @@ absl::Status BatchSampler::FillRows(int64_t first_sequence, int64_t rows,
   out->inputs.resize(rows * s);
   out->targets.resize(rows * s);
   out->sequence_indices.resize(rows);
-  std::vector<int32_t> tokens(s + 1);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t index = first_sequence + r;
-    SHARDD_RETURN_IF_ERROR(source_->Fill(index, absl::MakeSpan(tokens)));
-    std::copy(tokens.begin(), tokens.end() - 1, out->inputs.begin() + r * s);
-    std::copy(tokens.begin() + 1, tokens.end(), out->targets.begin() + r * s);
+    SHARDD_RETURN_IF_ERROR(source_->FillRow(
+        index, absl::MakeSpan(out->inputs).subspan(r * s, s),
+        absl::MakeSpan(out->targets).subspan(r * s, s)));
     out->sequence_indices[r] = index;
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> BatchSampler::CountedTargets(int64_t step) const {
+  int64_t counted = 0;
+  MicroBatch batch;
+  for (int32_t m = 0; m < options_.microbatches; ++m) {
+    SHARDD_RETURN_IF_ERROR(FillAllRanks(step, m, &batch));
+    for (int32_t t : batch.targets) counted += t >= 0;
+  }
+  return counted;
 }
 
 absl::Status BatchSampler::Fill(int64_t step, int32_t rank, int32_t microbatch,
@@ -174,6 +185,13 @@ absl::StatusOr<std::shared_ptr<const SequenceSource>> CreateDataSource(
     return absl::InvalidArgumentError(
         absl::StrCat("model_vocab_size must be in [2, 2147483647], got ",
                      options.model_vocab_size));
+  }
+  if (!options.path.empty() && SftDataset::IsDataset(options.path)) {
+    SHARDD_ASSIGN_OR_RETURN(
+        std::unique_ptr<SftDataset> dataset,
+        SftDataset::Open(options.path, options.model_vocab_size));
+    return std::shared_ptr<const SequenceSource>(std::make_shared<SftSource>(
+        std::shared_ptr<const SftDataset>(std::move(dataset)), options.seed));
   }
   if (!options.path.empty()) {
     TokenFileOptions file_options;

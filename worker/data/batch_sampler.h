@@ -49,6 +49,10 @@ struct MicroBatch {
   std::vector<int32_t> targets;
   // Global sequence index of each row (for logs and tests).
   std::vector<int64_t> sequence_indices;
+  // A masked source (SequenceSource::masked()): the counted targets of the
+  // whole step's global batch, every rank and micro-batch (the loss's
+  // denominator); 0 otherwise.
+  int64_t step_counted = 0;
 };
 
 // Where a data stream stands; saved in checkpoints. Resuming at `step`
@@ -75,6 +79,10 @@ class BatchSampler {
   int64_t rows_per_rank() const { return rows_per_rank_; }
   // B / M, the rows of an all-ranks micro-batch.
   int64_t rows_per_microbatch() const { return rows_per_microbatch_; }
+
+  // The counted targets (not -1) of step `step`'s whole global batch: the
+  // same on every rank, computed without communication. Errors: as Fill.
+  absl::StatusOr<int64_t> CountedTargets(int64_t step) const;
 
   // Global sequence index of `row` of (step, rank, microbatch). Errors:
   // INVALID_ARGUMENT naming the argument out of range, or a step so large

@@ -26,6 +26,7 @@ enum StreamDomain : uint64_t {
   kTokenOffsetDomain = 3,  // Token-file window offsets, index = sequence.
   kOrderKPermutation = 4,  // Order-k source's permutation, index 0.
   kOrderKSequence = 5,     // Order-k sequences, index = sequence number.
+  kSftEpoch = 6,           // SFT example order, index = epoch.
 };
 
 // Seed of an independent stream, keyed by the user seed, a domain tag (so

@@ -7,8 +7,10 @@
 // batch with no communication and an unsharded process can reproduce the
 // whole batch.
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
@@ -28,6 +30,27 @@ class SequenceSource {
   // `out` or a length the source cannot serve, and source-specific errors
   // (see the implementations).
   virtual absl::Status Fill(int64_t index, absl::Span<int32_t> out) const = 0;
+
+  // Sequence `index` as a training row of S = inputs.size() positions:
+  // inputs and targets (-1: not counted in the loss). By default the
+  // S + 1 tokens of Fill, targets shifted by one, all counted; a source
+  // with a loss mask (masked()) overrides it. Errors: as Fill.
+  virtual absl::Status FillRow(int64_t index, absl::Span<int32_t> inputs,
+                               absl::Span<int32_t> targets) const {
+    if (inputs.empty() || inputs.size() != targets.size()) {
+      return absl::InvalidArgumentError(
+          "FillRow: inputs and targets must be equal and non-empty");
+    }
+    std::vector<int32_t> tokens(inputs.size() + 1);
+    const absl::Status filled = Fill(index, absl::MakeSpan(tokens));
+    if (!filled.ok()) return filled;
+    std::copy(tokens.begin(), tokens.end() - 1, inputs.begin());
+    std::copy(tokens.begin() + 1, tokens.end(), targets.begin());
+    return absl::OkStatus();
+  }
+  // Whether FillRow leaves targets out of the loss (so the loss's
+  // denominator depends on the batch).
+  virtual bool masked() const { return false; }
 
   // Stable across processes and machines; changes whenever the sequences
   // would. Lets a checkpoint detect a resume onto different data.

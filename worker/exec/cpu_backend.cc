@@ -261,6 +261,12 @@ absl::Status CpuBackend::BeginStep(const v1::StepProgram& header,
   }
   SHARDD_RETURN_IF_ERROR(SetStepBatches(model_.get(), batches));
   model_->SetEvaluation(header.eval());
+  // A masked batch (SFT): the loss is the mean over the global batch's
+  // counted tokens, shared by every data-parallel rank.
+  model_->SetGlobalLossTokens(
+      batches.empty() ? 0 : batches[0].step_counted,
+      std::max(1, plan_.mesh().dp_shard()) *
+          std::max(1, plan_.mesh().dp_replicate()));
   // DiffusionGemma's canvas noise is keyed by the step and each row's global
   // index, so every data-parallel layout draws the same.
   for (size_t m = 0; m < batches.size(); ++m) {

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <random>
 #include <set>
 #include <sstream>
 #include <string>
@@ -32,6 +33,7 @@
 #include "testing/model_builder.h"
 #include "testing/tiny_models.h"
 #include "testing/numerics.h"
+#include "testing/sft_dataset_writer.h"
 #include "testing/shard_state.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/in_memory_kv_client.h"
@@ -219,8 +221,10 @@ void RunWorld(const v1::ShardingPlan& plan, Fn body) {
 }
 
 data::BatchSampler MakeSampler(const v1::ShardingPlan& plan,
-                               int64_t global_batch, int64_t seq = kSeq) {
+                               int64_t global_batch, int64_t seq = kSeq,
+                               const std::string& data_path = "") {
   data::DataSourceOptions source_options;
+  source_options.path = data_path;
   source_options.model_vocab_size = kVocab;
   source_options.seed = kSeed;
   auto source = data::CreateDataSource(source_options);
@@ -237,13 +241,24 @@ data::BatchSampler MakeSampler(const v1::ShardingPlan& plan,
   return *std::move(sampler);
 }
 
+// As the worker fetches them (WorkerRuntime::FetchBatchesLocked): a masked
+// source's batches carry the step's counted targets, unless `drop_counted`
+// (the loss then falls back to the mean of the micro-batches' means).
 std::vector<data::MicroBatch> BatchesFor(const data::BatchSampler& sampler,
-                                         int64_t step, int data_rank) {
+                                         int64_t step, int data_rank,
+                                         bool drop_counted = false) {
   std::vector<data::MicroBatch> batches;
+  int64_t counted = 0;
+  if (sampler.source().masked() && !drop_counted) {
+    auto total = sampler.CountedTargets(step);
+    EXPECT_TRUE(total.ok()) << total.status();
+    counted = total.value_or(0);
+  }
   for (int m = 0; m < sampler.options().microbatches; ++m) {
     auto batch = sampler.Get(step, data_rank, m);
     EXPECT_TRUE(batch.ok()) << batch.status();
     batches.push_back(*std::move(batch));
+    batches.back().step_counted = counted;
   }
   return batches;
 }
@@ -370,6 +385,10 @@ struct TrainOptions {
   int64_t seq = kSeq;  // Tokens per sequence.
   // Before every step: the eval program on that step's batches.
   bool evaluate = false;
+  // A data path (an SFT dataset) instead of the Markov source; with
+  // `drop_counted` its batches do not carry the step's counted targets.
+  std::string data_path;
+  bool drop_counted = false;
 };
 
 TrainOptions FineGrained() {
@@ -389,7 +408,8 @@ WorldRun Train(const v1::ModelSpec& model, const v1::ShardingPlan& plan,
   const v1::StepProgram program = compiled.ok() ? *compiled : v1::StepProgram();
   absl::StatusOr<v1::StepProgram> eval_program = CompileEvalProgram(plan);
   EXPECT_TRUE(eval_program.ok()) << eval_program.status();
-  const data::BatchSampler sampler = MakeSampler(plan, global_batch, train.seq);
+  const data::BatchSampler sampler =
+      MakeSampler(plan, global_batch, train.seq, train.data_path);
   WorldRun run;
   run.results.resize(dp * rep);
   run.evals.resize(dp * rep);
@@ -419,7 +439,8 @@ WorldRun Train(const v1::ModelSpec& model, const v1::ShardingPlan& plan,
       step_program.set_step(s);
       const std::vector<data::MicroBatch> batches =
           train.shared_data != nullptr ? BatchesFor(*train.shared_data, s, 0)
-                                       : BatchesFor(sampler, s, ctx.data_rank);
+                                       : BatchesFor(sampler, s, ctx.data_rank,
+                                                    train.drop_counted);
       if (train.evaluate && eval_program.ok()) {
         v1::StepProgram eval = *eval_program;
         eval.set_step(s);
@@ -703,10 +724,18 @@ TrainingState StateAfter(const WorldRun& run, size_t replica, int step) {
 
 // The global loss of a step: every rank holds the same number of tokens, so
 // it is the mean of the ranks' losses.
+// The step's loss as the coordinator reports it: the ranks' losses
+// weighted by their counted tokens.
 double MeanLoss(const WorldRun& run, int step) {
-  double loss = 0.0;
-  for (const auto& rank : run.results) loss += rank[step].loss;
-  return loss / run.results.size();
+  double loss = 0.0, weighted = 0.0;
+  int64_t tokens = 0;
+  for (const auto& rank : run.results) {
+    loss += rank[step].loss;
+    weighted += rank[step].loss * static_cast<double>(rank[step].tokens);
+    tokens += rank[step].tokens;
+  }
+  return tokens > 0 ? weighted / static_cast<double>(tokens)
+                    : loss / run.results.size();
 }
 
 // A run from the same state as `ref` at every step (TrainOptions::restart)
@@ -1440,6 +1469,103 @@ std::vector<EquivalenceCase> DiffusionCases() {
 
 INSTANTIATE_TEST_SUITE_P(Worlds, StepExecutorDiffusionTest,
                          ::testing::ValuesIn(DiffusionCases()), CaseName);
+
+// ---- SFT data: a loss mask and the global batch's token mean ---------------
+
+// 40 examples of 3 to 9 tokens (kSeq 8 holds 9) with random masks, so the
+// ranks and micro-batches of a step count different numbers of targets
+// (from none to all). The loss is the mean over the global batch's
+// counted tokens: 2 and 4 ranks, with and without micro-batches and
+// deferred sync, must equal one rank within rounding. The mean of
+// per-micro-batch means (drop_counted) does not, which the last case
+// checks so the test can fail.
+std::string SftDataDir() {
+  static const std::string* dir = [] {
+    auto* d = new std::string(::testing::TempDir() + "/executor_sft");
+    const std::string mk = "rm -rf '" + *d + "' && mkdir -p '" + *d + "'";
+    EXPECT_EQ(std::system(mk.c_str()), 0);
+    std::mt19937 gen(11);
+    std::vector<testing_util::SftExample> examples;
+    for (int e = 0; e < 40; ++e) {
+      testing_util::SftExample x;
+      const int n = 3 + static_cast<int>(gen() % 7);
+      for (int j = 0; j < n; ++j) {
+        x.tokens.push_back(static_cast<int32_t>(1 + gen() % (kVocab - 1)));
+        // A prompt of a few tokens, then a response counted in the loss.
+        x.mask.push_back(j >= n / 2 || (e % 5 == 0));
+      }
+      x.line = e + 1;
+      examples.push_back(std::move(x));
+    }
+    testing_util::WriteSftDataset(*d, examples, kVocab);
+    return d;
+  }();
+  return *dir;
+}
+
+TrainOptions SftTrain() {
+  TrainOptions train;
+  train.data_path = SftDataDir();
+  return train;
+}
+
+const WorldRun& SftReference() {
+  static const WorldRun* run = [] {
+    const v1::ModelSpec model = TinyMoe(/*freeze=*/false);
+    return new WorldRun(Train(model, MakePlan(model, Shape()),
+                              EquivalenceOptions(), kSteps, kGlobalBatch,
+                              SftTrain()));
+  }();
+  return *run;
+}
+
+TEST(StepExecutorSftTest, GlobalTokenMeanAtEveryWorldAndMicroBatching) {
+  const v1::ModelSpec model = TinyMoe(/*freeze=*/false);
+  const WorldRun& ref = SftReference();
+  // The mask really varies the counts: every step counts fewer targets
+  // than it has rows x seq.
+  for (const StepResult& r : ref.results[0]) {
+    EXPECT_LT(r.tokens, kGlobalBatch * kSeq);
+    EXPECT_GT(r.tokens, 0);
+  }
+  struct Case {
+    int world;
+    int microbatches;
+    bool defer;
+  };
+  for (const Case& c : std::vector<Case>{
+           {2, 1, false}, {4, 1, false}, {2, 2, false}, {2, 2, true}}) {
+    SCOPED_TRACE(absl::StrCat("world ", c.world, " micro-batches ",
+                              c.microbatches, c.defer ? " deferred" : ""));
+    Shape shape;
+    shape.dp_shard = c.world;
+    shape.microbatches = c.microbatches;
+    shape.defer = c.defer;
+    TrainOptions train = SftTrain();
+    train.restart = &ref;
+    const WorldRun run = Train(model, MakePlan(model, shape),
+                               EquivalenceOptions(), kSteps, kGlobalBatch,
+                               train);
+    ExpectSameStepsAs(model, ref, run, EquivalenceOptions(),
+                      MoeStepTolerances(model.dims(), kGlobalBatch * kSeq,
+                                        c.world));
+  }
+  // Without the global count each rank averages its own tokens: the
+  // gradient differs from the global mean's far beyond rounding.
+  Shape four;
+  four.dp_shard = 4;
+  TrainOptions train = SftTrain();
+  train.restart = &ref;
+  train.drop_counted = true;
+  const WorldRun wrong = Train(model, MakePlan(model, four),
+                               EquivalenceOptions(), 1, kGlobalBatch, train);
+  const StepTolerances tol =
+      MoeStepTolerances(model.dims(), kGlobalBatch * kSeq, 4);
+  const double norm = wrong.results[0][0].grad_norm;
+  const double want = ref.results[0][0].grad_norm;
+  EXPECT_GT(std::abs(norm - want) / want, 10 * tol.grad)
+      << norm << " vs " << want;
+}
 
 // ---- Evaluation: forward-only programs -------------------------------------
 

@@ -725,6 +725,20 @@ absl::Status ModelStep::Backward(const Command& c) {
               : static_cast<float>(1.0 / (static_cast<double>(batch.counted) *
                                           shape_.microbatches *
                                           grad_passes()));
+      if (global_counted_ > 0) {
+        // The mean over the global batch's counted tokens; reported as this
+        // rank's own token mean over its micro-batches.
+        int64_t local = 0;
+        for (int m = 0; m < shape_.microbatches; ++m) {
+          local += batches_[m].counted;
+        }
+        term.grad_scale = static_cast<float>(
+            loss_ranks_ /
+            (static_cast<double>(global_counted_) * grad_passes()));
+        term.weight = local == 0 ? 0.0
+                                 : static_cast<double>(batch.counted) *
+                                       shape_.microbatches / local;
+      }
       double aux = 0.0;
       if (arch_.aux_on()) {
         SHARDD_ASSIGN_OR_RETURN(

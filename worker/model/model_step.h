@@ -68,6 +68,17 @@ class ModelStep {
   absl::Status SetRecompute(std::vector<bool> layers,
                             std::vector<bool> experts);
   void SetEvaluation(bool eval) { eval_ = eval; }
+  // A loss over a masked batch (SFT, docs/sft_data.md): the step's
+  // counted targets over the whole global batch and the data-parallel
+  // ranks sharing it. The training loss becomes the mean over those
+  // tokens: each rank's head gradient is scaled by ranks / global_counted
+  // (the ranks' average then gives the global mean) and its reported loss
+  // is its own token mean (the coordinator weighs ranks by tokens).
+  // global_counted 0: the mean of the micro-batches' means, as before.
+  void SetGlobalLossTokens(int64_t global_counted, int ranks) {
+    global_counted_ = global_counted;
+    loss_ranks_ = ranks;
+  }
   // Expert parallelism (docs/expert_parallel.md): the bound parameters
   // hold this rank's block of every MoE layer's experts, and EXPERTS
   // exchanges the routed rows through `exchange` (not owned; null turns
@@ -241,6 +252,8 @@ class ModelStep {
   std::vector<bool> recompute_layer_, recompute_experts_;
   bool eval_ = false;
   int loss_terms_ = 0;
+  int64_t global_counted_ = 0;  // SetGlobalLossTokens.
+  int loss_ranks_ = 1;
   bool diffusion_ = false;
   BlockDiffusionSpec block_diffusion_;
   bool hold_sc_ = false;

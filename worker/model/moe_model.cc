@@ -54,6 +54,10 @@ absl::Status MoeModel::Run(const v1::Command& command, ParamSource* params) {
 
 void MoeModel::SetEvaluation(bool eval) { step_->SetEvaluation(eval); }
 
+void MoeModel::SetGlobalLossTokens(int64_t global_counted, int ranks) {
+  step_->SetGlobalLossTokens(global_counted, ranks);
+}
+
 absl::Status MoeModel::SetExpertExchange(ExpertExchange* exchange,
                                          double capacity_factor) {
   return step_->SetExpertExchange(exchange, capacity_factor);

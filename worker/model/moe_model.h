@@ -130,6 +130,8 @@ class MoeModel {
   // step_tokens, and a layer's activations are dropped once its forward is
   // done (DiffusionGemma's encode keeps the K/V its decodes read).
   void SetEvaluation(bool eval);
+  // As ModelStep::SetGlobalLossTokens.
+  void SetGlobalLossTokens(int64_t global_counted, int ranks);
 
   // Expert parallelism: as ModelStep::SetExpertExchange (the parameter
   // source then serves this rank's block [E / ep, ...] of every expert

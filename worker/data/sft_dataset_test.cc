@@ -1,0 +1,227 @@
+// The SFT dataset's files (Megatron's indexed dataset, the manifest and its
+// checksums), their corruption, and the padded rows of SftSource.
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_matchers.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "testing/sft_dataset_writer.h"
+#include "worker/data/indexed_dataset.h"
+#include "worker/data/sft_dataset.h"
+#include "worker/data/sft_source.h"
+
+namespace shardd {
+namespace data {
+namespace {
+
+using ::testing::HasSubstr;
+
+using testing_util::SftExample;
+using testing_util::WriteSftDataset;
+
+template <typename T>
+void Append(std::string* out, T v) {
+  out->append(reinterpret_cast<const char*>(&v), sizeof(T));
+}
+
+void WriteFile(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+class SftDatasetTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = absl::StrCat(::testing::TempDir(), "/sft_",
+                        ::testing::UnitTest::GetInstance()
+                            ->current_test_info()
+                            ->name());
+    std::string rm = "rm -rf '" + dir_ + "' && mkdir -p '" + dir_ + "'";
+    ASSERT_EQ(std::system(rm.c_str()), 0);
+    examples_ = {
+        {{1, 2, 3, 4, 5}, {0, 0, 1, 1, 1}, 1},
+        {{6, 7, 8}, {0, 1, 1}, 3},
+        {{9, 10, 11, 12}, {0, 0, 0, 1}, 4},
+    };
+  }
+
+  // Writes the dataset with checksums over chunks of `chunk` bytes.
+  void Write(int64_t chunk = 16, int version = 1) {
+    WriteSftDataset(dir_, examples_, /*vocab=*/16, chunk, version);
+  }
+
+  std::string Path(const std::string& name) const {
+    return dir_ + "/" + name;
+  }
+
+  // Flips one byte of `name` at `offset`.
+  void Flip(const std::string& name, size_t offset) {
+    std::string bytes = ReadFile(Path(name));
+    bytes[offset] ^= 0x40;
+    WriteFile(Path(name), bytes);
+  }
+
+  std::string dir_;
+  std::vector<SftExample> examples_;
+};
+
+TEST_F(SftDatasetTest, OpensAndReadsEveryExample) {
+  Write();
+  ASSERT_TRUE(SftDataset::IsDataset(dir_));
+  EXPECT_FALSE(SftDataset::IsDataset(dir_ + "/nothing"));
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto d, SftDataset::Open(dir_, 16));
+  ASSERT_EQ(d->examples(), 3);
+  EXPECT_EQ(d->max_length(), 5);
+  for (int64_t e = 0; e < 3; ++e) {
+    ASSERT_EQ(d->length(e), static_cast<int64_t>(examples_[e].tokens.size()));
+    EXPECT_EQ(d->SourceLine(e), examples_[e].line);
+    for (int64_t j = 0; j < d->length(e); ++j) {
+      EXPECT_EQ(d->Token(e, j), examples_[e].tokens[j]);
+      EXPECT_EQ(d->Counted(e, j), examples_[e].mask[j] == 1);
+    }
+  }
+  // The fingerprint follows the bytes.
+  const uint64_t before = d->fingerprint();
+  examples_[1].tokens[0] = 5;
+  Write();
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto changed, SftDataset::Open(dir_, 16));
+  EXPECT_NE(changed->fingerprint(), before);
+}
+
+TEST_F(SftDatasetTest, CorruptionIsDataLossNamingTheFileAndOffset) {
+  Write(/*chunk=*/16);
+  // Byte 37 of the tokens sits in the chunk [32, 48).
+  Flip("tokens.bin", 37);
+  EXPECT_THAT(SftDataset::Open(dir_, 16),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       AllOf(HasSubstr("tokens.bin: byte 32"),
+                             HasSubstr("[32, 48)"))));
+  Write();
+  // A truncated mask.
+  std::string mask = ReadFile(Path("loss_mask.bin"));
+  WriteFile(Path("loss_mask.bin"), mask.substr(0, mask.size() - 2));
+  EXPECT_THAT(SftDataset::Open(dir_, 16),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstr("loss_mask.bin: byte 10")));
+  Write();
+  WriteFile(Path(SftDataset::kManifest), "{\"format\": ");
+  EXPECT_THAT(SftDataset::Open(dir_, 16),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstr("shardd_sft.json: not a JSON object")));
+  Write(16, /*version=*/2);
+  EXPECT_THAT(SftDataset::Open(dir_, 16),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("version 2")));
+  std::remove(Path(SftDataset::kManifest).c_str());
+  EXPECT_THAT(SftDataset::Open(dir_, 16),
+              StatusIs(absl::StatusCode::kNotFound));
+}
+
+TEST_F(SftDatasetTest, TokensOutsideTheModelsVocabularyNameTheLine) {
+  examples_[2].tokens[1] = 20;
+  Write();
+  EXPECT_THAT(SftDataset::Open(dir_, 16),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("example 2 (line 4), token 1: id 20"),
+                             HasSubstr("[0, 16)"))));
+  SHARDD_EXPECT_OK(SftDataset::Open(dir_, 21).status());
+}
+
+TEST(IndexedDatasetTest, BrokenIndexesAreDataLossAtTheField) {
+  const std::string prefix = ::testing::TempDir() + "/indexed";
+  const std::vector<int> lengths = {2, 3};
+  std::string bin;
+  for (int16_t v : {1, -2, 3, 4, 5}) Append<int16_t>(&bin, v);
+  WriteFile(prefix + ".bin", bin);
+  const std::string idx = testing_util::sft_internal::Index(3, 2, lengths);
+  WriteFile(prefix + ".idx", idx);
+  SHARDD_ASSERT_OK_AND_ASSIGN(auto d, IndexedDataset::Open(prefix));
+  EXPECT_EQ(d->sequences(), 2);
+  EXPECT_EQ(d->documents(), 2);
+  EXPECT_EQ(d->Item(0, 1), -2);
+  EXPECT_EQ(d->Item(1, 2), 5);
+
+  std::string bad = idx;
+  bad[0] = 'X';
+  WriteFile(prefix + ".idx", bad);
+  EXPECT_THAT(IndexedDataset::Open(prefix),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstr("indexed.idx: byte 0: not a Megatron")));
+  // Sequence 1's pointer (header 34 + lengths 8 + pointer 0's 8 = byte 50).
+  bad = idx;
+  bad[50] = 7;
+  WriteFile(prefix + ".idx", bad);
+  EXPECT_THAT(IndexedDataset::Open(prefix),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstr("indexed.idx: byte 50: sequence 1 starts")));
+  bad = idx;
+  bad[17] = 9;  // Dtype code.
+  WriteFile(prefix + ".idx", bad);
+  EXPECT_THAT(IndexedDataset::Open(prefix),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstr("byte 17: dtype code")));
+  WriteFile(prefix + ".idx", idx);
+  WriteFile(prefix + ".bin", bin.substr(0, 8));
+  EXPECT_THAT(IndexedDataset::Open(prefix),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       HasSubstr("indexed.bin: byte 8: the data file has 8 "
+                                 "bytes; the index describes 10")));
+}
+
+TEST_F(SftDatasetTest, PaddedRowsCountOnlyTheMaskedTargets) {
+  Write();
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<SftDataset> opened,
+                              SftDataset::Open(dir_, 16));
+  std::shared_ptr<const SftDataset> d = std::move(opened);
+  SftSource source(d, /*seed=*/3);
+  // Every epoch holds every example once.
+  for (int64_t epoch = 0; epoch < 3; ++epoch) {
+    std::set<int64_t> seen;
+    for (int64_t k = 0; k < 3; ++k) seen.insert(source.Example(epoch * 3 + k));
+    EXPECT_EQ(seen.size(), 3u);
+  }
+  for (int64_t k = 0; k < 6; ++k) {
+    const SftExample& e = examples_[source.Example(k)];
+    std::vector<int32_t> in(6), tg(6);
+    SHARDD_ASSERT_OK(
+        source.FillRow(k, absl::MakeSpan(in), absl::MakeSpan(tg)));
+    const size_t n = e.tokens.size();
+    for (size_t j = 0; j < 6; ++j) {
+      EXPECT_EQ(in[j], j < n ? e.tokens[j] : 0) << k << " " << j;
+      const bool counted = j + 1 < n && e.mask[j + 1] == 1;
+      EXPECT_EQ(tg[j], counted ? e.tokens[j + 1] : -1) << k << " " << j;
+    }
+  }
+  // Example 0 has 5 tokens: a sequence of 3 cannot hold it.
+  int64_t first = 0;
+  while (source.Example(first) != 0) ++first;
+  std::vector<int32_t> in(3), tg(3);
+  EXPECT_THAT(source.FillRow(first, absl::MakeSpan(in), absl::MakeSpan(tg)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("example 0 (line 1) has 5 tokens; a "
+                                 "sequence of 3 holds at most 4")));
+  // Another seed, another order; the same seed, the same.
+  SftSource again(d, 3), other(d, 4);
+  bool differs = false;
+  for (int64_t k = 0; k < 30; ++k) {
+    EXPECT_EQ(again.Example(k), source.Example(k));
+    differs |= other.Example(k) != source.Example(k);
+  }
+  EXPECT_TRUE(differs);
+  EXPECT_NE(again.Fingerprint(), other.Fingerprint());
+}
+
+}  // namespace
+}  // namespace data
+}  // namespace shardd
