@@ -153,7 +153,8 @@ const std::set<std::string>& BoolFlags() {
                                                        "--no-mixed-precision",
                                                        "--keep-compute-shard",
                                                        "--timeline",
-                                                       "--fine-grained"};
+                                                       "--fine-grained",
+                                                       "--no-packing"};
   return *flags;
 }
 
@@ -212,6 +213,7 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                              "--strategy",
                                              "--defer-grad-sync",
                                              "--fine-grained",
+                                             "--no-packing",
                                              "--passes",
                                              "--no-grad-passes",
                                              "--no-mixed-precision",
@@ -654,6 +656,8 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
     }
   } else if (flag == "--fine-grained") {
     args->train.set_fine_grained(true);
+  } else if (flag == "--no-packing") {
+    args->train.set_no_packing(true);
   } else if (flag == "--log-every") {
     absl::StatusOr<int32_t> n = ParseInt(flag, value, 1);
     if (!n.ok()) return n.status();

@@ -167,6 +167,9 @@ Job:
   --eval-every N               steps between evaluations (default: only
                                after the last step)
   --eval-batches K             global batches per evaluation (default 4)
+  --no-packing                 an SFT dataset as --data: one example per row,
+                               padded (default: several packed per row,
+                               attention kept within each)
   --data-order O               random (default: each window of --data at a
                                drawn offset) or strided (the file in order,
                                epoch after epoch)

@@ -358,6 +358,7 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::LoadPlan(
 
   data::DataSourceOptions source_options;
   source_options.path = train.data_path();
+  source_options.packing = !train.no_packing();
   source_options.offsets = train.data_order() == "strided"
                                ? data::OffsetMode::kStrided
                                : data::OffsetMode::kRandom;

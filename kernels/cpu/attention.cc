@@ -135,12 +135,34 @@ RowOps RowOpsFor(SimdLevel level) {
 // The keys [*lo, *hi) of the block [j0, j0 + bk) that the query at `pos`
 // sees, relative to j0. Every mask lets a query see one contiguous run of
 // keys, which MaskKeyRange gives for a single position.
+// `first`: the first key the query may see besides the mask (packed
+// sequences' key_begin), else 0.
 void RowKeys(const MaskRule& rule, int64_t pos, int64_t s, int64_t j0,
-             int64_t bk, int64_t* lo, int64_t* hi) {
+             int64_t bk, int64_t first, int64_t* lo, int64_t* hi) {
   int64_t begin, end;
   MaskKeyRange(rule, pos, pos, s, &begin, &end);
+  begin = std::max(begin, first);
   *lo = std::min(std::max(begin - j0, int64_t{0}), bk);
   *hi = std::max(std::min(end - j0, bk), *lo);
+}
+
+// The first key query i of sequence b may see besides the mask.
+int64_t FirstKey(const AttentionOptions& o, int64_t b, int64_t t, int64_t i) {
+  return o.key_begin == nullptr ? 0 : o.key_begin[b * t + i];
+}
+
+// The keys a block of queries [i0, i0 + bq) of sequence b may see.
+void BlockKeys(const MaskRule& rule, const AttentionOptions& o, int64_t b,
+               int64_t t, int64_t s, int64_t i0, int64_t bq,
+               int64_t* begin, int64_t* end) {
+  MaskKeyRange(rule, i0 + o.q_offset, i0 + bq - 1 + o.q_offset, s, begin,
+               end);
+  if (o.key_begin == nullptr) return;
+  int64_t first = s;
+  for (int64_t r = 0; r < bq; ++r) {
+    first = std::min(first, FirstKey(o, b, t, i0 + r));
+  }
+  *begin = std::min(std::max(*begin, first), *end);
 }
 
 }  // namespace
@@ -237,8 +259,7 @@ absl::Status AttentionForward(const AttentionDims& d, const AttentionOptions& o,
         std::fill(l, l + bq, 0.0f);
         std::fill(acc, acc + bq * dv, 0.0f);
         int64_t k_begin, k_end;
-        MaskKeyRange(rule, i0 + o.q_offset, i0 + bq - 1 + o.q_offset, s,
-                     &k_begin, &k_end);
+        BlockKeys(rule, o, b, t, s, i0, bq, &k_begin, &k_end);
         for (int64_t j0 = k_begin; j0 < k_end; j0 += kBlockK) {
           const int64_t bk = std::min(kBlockK, k_end - j0);
           Sgemm(CblasNoTrans, CblasTrans, bq, bk, d.head_dim, o.scale,
@@ -248,7 +269,8 @@ absl::Status AttentionForward(const AttentionDims& d, const AttentionOptions& o,
           for (int64_t r = 0; r < bq; ++r) {
             float* row = scores + r * bk;
             int64_t lo, hi;
-            RowKeys(rule, i0 + r + o.q_offset, s, j0, bk, &lo, &hi);
+            RowKeys(rule, i0 + r + o.q_offset, s, j0, bk,
+                    FirstKey(o, b, t, i0 + r), &lo, &hi);
             const float block_max = ops.max(row, lo, hi);
             if (block_max == kNegInf) {
               std::fill(row, row + bk, 0.0f);
@@ -360,8 +382,7 @@ absl::Status AttentionBackward(const AttentionDims& d,
               }
             }
             int64_t k_begin, k_end;
-            MaskKeyRange(rule, i0 + o.q_offset, i0 + bq - 1 + o.q_offset, s,
-                         &k_begin, &k_end);
+            BlockKeys(rule, o, b, t, s, i0, bq, &k_begin, &k_end);
             for (int64_t j0 = k_begin; j0 < k_end; j0 += kBlockK) {
               const int64_t bk = std::min(kBlockK, k_end - j0);
               Sgemm(CblasNoTrans, CblasTrans, bq, bk, d.head_dim, o.scale,
@@ -372,7 +393,8 @@ absl::Status AttentionBackward(const AttentionDims& d,
                 const float row_lse = lse_head[i0 + r];
                 int64_t lo = 0, hi = 0;
                 if (row_lse != kNegInf) {
-                  RowKeys(rule, i0 + r + o.q_offset, s, j0, bk, &lo, &hi);
+                  RowKeys(rule, i0 + r + o.q_offset, s, j0, bk,
+                          FirstKey(o, b, t, i0 + r), &lo, &hi);
                 }
                 ops.exp(p + r * bk, bk, lo, hi, row_lse);
                 any = any || lo < hi;

@@ -59,7 +59,9 @@ std::vector<double> RefForward(const AttentionDims& d,
         std::vector<bool> on(d.kv_len, false);
         double mx = sinks.empty() ? -INFINITY : double{sinks[h]};
         for (int64_t j = 0; j < d.kv_len; ++j) {
-          on[j] = RefAllowed(o, i + o.q_offset, j);
+          on[j] = RefAllowed(o, i + o.q_offset, j) &&
+                  (o.key_begin == nullptr ||
+                   j >= o.key_begin[b * d.q_len + i]);
           if (!on[j]) continue;
           double dot = 0;
           for (int64_t e = 0; e < d.head_dim; ++e) {
@@ -101,6 +103,8 @@ struct Case {
   AttentionDims dims;
   AttentionOptions options;
   bool sinks = false;
+  // Packed sequences: AttentionOptions::key_begin [batch, q_len].
+  std::vector<int32_t> key_begin;
 };
 
 // Forward against the double reference, then every gradient (q, k, v,
@@ -121,6 +125,7 @@ void CheckCase(const Case& c) {
   const std::vector<float> w =
       RandomVector(d.batch * d.q_len * d.q_heads * dv, 5);
   o.sinks = c.sinks ? sinks.data() : nullptr;
+  if (!c.key_begin.empty()) o.key_begin = c.key_begin.data();
 
   std::vector<float> out(w.size(), std::nanf("")),
       lse(d.batch * d.q_heads * d.q_len);
@@ -185,6 +190,33 @@ AttentionOptions Options(AttentionMask mask, float scale) {
   o.mask = mask;
   o.scale = scale;
   return o;
+}
+
+// Packed rows: each query sees only its own example's keys (causal, or a
+// sliding window within it), across two query blocks of 64.
+TEST(AttentionTest, PackedSequencesSeeOnlyTheirOwnExample) {
+  auto segments = [](const std::vector<int>& lengths) {
+    std::vector<int32_t> out;
+    int start = 0;
+    for (int n : lengths) {
+      for (int i = 0; i < n; ++i) out.push_back(start);
+      start += n;
+    }
+    return out;
+  };
+  std::vector<int32_t> begin = segments({5, 30, 1, 44});
+  const std::vector<int32_t> row1 = segments({20, 60});
+  begin.insert(begin.end(), row1.begin(), row1.end());
+  Case causal{"packed causal", Dims(2, 80, 80, 2, 1, 4),
+              Options(AttentionMask::kCausal, 0.35f)};
+  causal.key_begin = begin;
+  CheckCase(causal);
+  AttentionOptions window = Options(AttentionMask::kSlidingWindow, 0.35f);
+  window.window = 6;
+  Case sliding{"packed sliding window", Dims(2, 80, 80, 2, 2, 4), window,
+               /*sinks=*/true};
+  sliding.key_begin = begin;
+  CheckCase(sliding);
 }
 
 TEST(AttentionTest, MultiHeadCausal) {

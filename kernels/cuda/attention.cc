@@ -16,6 +16,11 @@ constexpr int64_t kMaxGrid = 65535;
 absl::Status Validate(const AttentionDims& d, const AttentionOptions& o,
                       const char* op) {
   SHARDD_RETURN_IF_ERROR(ValidateAttention(d, o));
+  if (o.key_begin != nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        op, ": options.key_begin (packed sequences) runs on the CPU kernels "
+            "only"));
+  }
   SHARDD_RETURN_IF_ERROR(
       CheckInRange(d.head_dim, 1, kMaxAttentionHeadDim, "dims.head_dim", op));
   SHARDD_RETURN_IF_ERROR(CheckInRange(d.v_head_dim, 0, kMaxAttentionHeadDim,

@@ -8,12 +8,15 @@
   not know, no assistant turn) or the flag (an existing --output), and
   nothing is left behind;
 - `shardctl train --data DATASET` over 1 and 2 CPU workers equals
-  transformers' own Qwen3-MoE (eager, float64) trained with
-  torch.optim.AdamW on the same padded rows, labels outside the mask
-  ignored, the loss the mean over the global batch's counted tokens:
-  every step's loss and gradient norm within the fp32 bound of
-  transformers_test.py; the same check against an oracle whose mask is
-  one token late must fail that bound, and the response-token loss falls.
+  transformers' own Qwen3-MoE and DeepSeek-V3 (eager, float64) trained
+  with torch.optim.AdamW on the same rows, labels outside the mask
+  ignored, the loss the mean over the global batch's counted tokens: the
+  packed rows (the default) with each example's position_ids and a
+  block-diagonal causal attention mask, and the padded ones
+  (--no-packing); every step's loss and gradient norm within the fp32
+  bound of transformers_test.py. The same check against an oracle whose
+  mask is one token late, or that attends across the packed examples,
+  must fail that bound; and the response-token loss falls.
 
 Usage: sft_test.py BIN_DIR REPO_ROOT
 """
@@ -82,37 +85,100 @@ def read_dataset(path):
     return list(zip(tokens, masks, lines))
 
 
-def rows(examples, step, pad, late=False):
-    """(inputs, targets) of step `step`: sequence k holds example
-    order[k mod N] of epoch k / N, padded; target j is token j + 1 where
-    that token counts (with `late`, where token j + 2 does: a mask one
-    token late), else -100."""
+def epoch_rows(examples, epoch):
+    """Epoch `epoch`'s packed rows (worker/data/sft_source.h): its examples
+    in order, cut greedily into rows of SEQ positions (an example of L
+    tokens takes L; one of SEQ + 1 takes a row alone)."""
+    rows_, cur, used = [], [], 0
+    for e in epoch_order(len(examples), SEED, epoch):
+        n = len(examples[e][0])
+        if n == SEQ + 1:
+            if cur:
+                rows_.append(cur)
+            rows_.append([e])
+            cur, used = [], 0
+        elif used + n > SEQ:
+            rows_.append(cur)
+            cur, used = [e], n
+        else:
+            cur.append(e)
+            used += n
+    if cur:
+        rows_.append(cur)
+    return rows_
+
+
+def packs(examples, count):
+    """The first `count` packed rows over the epochs."""
+    out, epoch = [], 0
+    while len(out) < count:
+        out += epoch_rows(examples, epoch)
+        epoch += 1
+    return out[:count]
+
+
+def rows(examples, step, pad, packed, late=False):
+    """(inputs, targets, position_ids, attention mask) of step `step`.
+    Padded: sequence k holds example order[k mod N] of epoch k / N.
+    Packed: the k-th packed row, each example with its own positions and
+    causal attention within it. Target j is the next token of the same
+    example where it counts (with `late`, where the token after it does:
+    a mask one token late), else -100; padding is its own segment."""
     n = len(examples)
-    inputs, targets = [], []
-    for k in range(step * BATCH, (step + 1) * BATCH):
-        tokens, mask, _ = examples[epoch_order(n, SEED, k // n)[k % n]]
-        inp = (tokens + [pad] * SEQ)[:SEQ]
-        tgt = []
-        for j in range(SEQ):
-            m = j + 2 if late else j + 1
-            counted = j + 1 < len(tokens) and m < len(mask) and mask[m]
-            tgt.append(tokens[j + 1] if counted else -100)
+    if packed:
+        chosen = packs(examples, (step + 1) * BATCH)[step * BATCH:]
+    else:
+        chosen = [[epoch_order(n, SEED, k // n)[k % n]]
+                  for k in range(step * BATCH, (step + 1) * BATCH)]
+    inputs, targets, starts = [], [], []
+    for group in chosen:
+        inp, tgt, seg = [], [], []
+        for e in group:
+            tokens, mask, _ = examples[e]
+            first = len(inp)
+            for j in range(min(len(tokens), SEQ)):
+                m = j + 2 if late else j + 1
+                counted = j + 1 < len(tokens) and m < len(mask) and mask[m]
+                inp.append(tokens[j])
+                tgt.append(tokens[j + 1] if counted else -100)
+                seg.append(first)
+        pad_start = len(inp)
+        while len(inp) < SEQ:
+            inp.append(pad)
+            tgt.append(-100)
+            seg.append(pad_start)
         inputs.append(inp)
         targets.append(tgt)
-    return torch.tensor(inputs), torch.tensor(targets)
+        starts.append(seg)
+    seg = torch.tensor(starts)
+    pos = torch.arange(SEQ)
+    positions = pos[None, :] - seg
+    allowed = (pos[None, None, :] <= pos[None, :, None]) & (
+        pos[None, None, :] >= seg[:, :, None])
+    # transformers takes a custom 4D mask as additive scores (a boolean one
+    # would be added as 1 and 0).
+    mask = torch.where(allowed, 0.0, float("-inf")).to(torch.float64)
+    return (torch.tensor(inputs), torch.tensor(targets), positions,
+            mask[:, None])
 
 
-def oracle_steps(model, examples, pad, late=False):
+def oracle_steps(model, examples, pad, packed, late=False, plain=False):
     """(loss, gradient norm) of each AdamW step: the mean cross-entropy
-    over the global batch's counted targets."""
+    over the global batch's counted targets. `plain`: causal attention
+    over the whole row with positions 0..S-1 (the packing ignored)."""
     params = [w for w in model.parameters() if w.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS,
                             weight_decay=WEIGHT_DECAY)
     out = []
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
-        inputs, targets = rows(examples, step, pad, late)
-        logits = model(input_ids=inputs).logits
+        inputs, targets, positions, mask = rows(examples, step, pad, packed,
+                                                late)
+        if packed and not plain:
+            logits = model(input_ids=inputs, attention_mask=mask,
+                           position_ids=positions).logits
+        else:
+            logits = model(input_ids=inputs).logits
         loss = F.cross_entropy(logits.flatten(0, 1).double(),
                                targets.flatten(), ignore_index=-100)
         loss.backward()
@@ -190,46 +256,64 @@ def main():
         check(r.returncode == 1 and "--output" in r.stderr,
               "an existing --output is refused")
 
-        # A tiny Qwen3-MoE (vocab 64 holds the tokenizer's 55 ids).
-        hf_dir = os.path.join(work, "qwen3_moe.hf")
-        model = transformers.AutoModelForCausalLM.from_config(
-            load_config(os.path.join(repo, "tests/data/tiny_qwen3_moe.json")),
-            attn_implementation="eager", dtype=torch.float32)
-        redraw(model, torch.Generator().manual_seed(3))
-        model.save_pretrained(hf_dir)
         pad = json.load(open(os.path.join(dataset, "shardd_sft.json")))["pad_id"]
-        want = oracle_steps(load_oracle(hf_dir)[0], examples, pad)
-        late = oracle_steps(load_oracle(hf_dir)[0], examples, pad, late=True)
-        print("transformers:", want)
-
         cluster = Cluster(bin_dir, work)
         try:
-            losses = None
-            for world in (1, 2):
-                r = cluster.shardctl(
-                    ["train", "--model", hf_dir, "--init-from", hf_dir,
-                     "--data", dataset, "--seed", str(SEED), "--steps",
-                     str(STEPS), "--global-batch", str(BATCH), "--seq",
-                     str(SEQ), "--lr", str(LR), "--beta1", str(BETAS[0]),
-                     "--beta2", str(BETAS[1]), "--eps", str(EPS),
-                     "--weight-decay", str(WEIGHT_DECAY), "--grad-clip", "0",
-                     "--dp", str(world), "--no-mixed-precision", "--json"])
-                got = [(s["loss"], s["grad_norm"]) for s in
-                       (json.loads(line) for line in r.stdout.splitlines()
-                        if line.startswith('{"event":"step"'))]
-                errs = [max(abs(gl - wl) / wl, abs(gn - wn) / wn)
-                        for (gl, gn), (wl, wn) in zip(got, want)]
-                wrong = [abs(gl - wl) / wl for (gl, _), (wl, _) in
-                         zip(got, late)]
-                check(len(got) == STEPS and max(errs) <= FP32_BOUND,
-                      f"{world} worker(s): losses and gradient norms within "
-                      f"{max(errs):.2e} of transformers' (bound "
-                      f"{FP32_BOUND:.0e}): {got}")
-                check(len(got) == STEPS and wrong[0] > FP32_BOUND,
-                      f"{world} worker(s): a mask one token late is "
-                      f"{wrong[0]:.2e} away at step 1 (outside the bound)")
-                losses = got
+            # Qwen3-MoE (attention with q/k norms) and DeepSeek-V3 (latent
+            # attention, its own RoPE); vocab 64 holds the tokenizer's 55
+            # ids. Packed rows (the default) and padded (--no-packing).
+            for config in ("tiny_qwen3_moe.json", "tiny_deepseek_v3.json"):
+                hf_dir = os.path.join(work, config + ".hf")
+                model = transformers.AutoModelForCausalLM.from_config(
+                    load_config(os.path.join(repo, "tests/data", config)),
+                    attn_implementation="eager", dtype=torch.float32)
+                redraw(model, torch.Generator().manual_seed(3))
+                model.save_pretrained(hf_dir)
+                for packed in (True, False):
+                    name = f"{config} {'packed' if packed else 'padded'}"
+                    want = oracle_steps(load_oracle(hf_dir)[0], examples, pad,
+                                        packed)
+                    # Deliberate errors: a mask one token late; packed rows
+                    # attended across examples with positions 0..S-1.
+                    wrongs = [("a mask one token late", oracle_steps(
+                        load_oracle(hf_dir)[0], examples, pad, packed,
+                        late=True))]
+                    if packed:
+                        wrongs.append(("attention across the packed examples",
+                                       oracle_steps(load_oracle(hf_dir)[0],
+                                                    examples, pad, packed,
+                                                    plain=True)))
+                    print(f"{name}: transformers", want)
+                    for world in (1, 2):
+                        r = cluster.shardctl(
+                            ["train", "--model", hf_dir, "--init-from", hf_dir,
+                             "--data", dataset, "--seed", str(SEED), "--steps",
+                             str(STEPS), "--global-batch", str(BATCH), "--seq",
+                             str(SEQ), "--lr", str(LR), "--beta1",
+                             str(BETAS[0]), "--beta2", str(BETAS[1]), "--eps",
+                             str(EPS), "--weight-decay", str(WEIGHT_DECAY),
+                             "--grad-clip", "0", "--dp", str(world),
+                             "--no-mixed-precision", "--json"] +
+                            ([] if packed else ["--no-packing"]))
+                        got = [(x["loss"], x["grad_norm"]) for x in
+                               (json.loads(line)
+                                for line in r.stdout.splitlines()
+                                if line.startswith('{"event":"step"'))]
+                        errs = [max(abs(gl - wl) / wl, abs(gn - wn) / wn)
+                                for (gl, gn), (wl, wn) in zip(got, want)]
+                        check(len(got) == STEPS and max(errs) <= FP32_BOUND,
+                              f"{name}, {world} worker(s): losses and gradient "
+                              f"norms within {max(errs):.2e} of transformers' "
+                              f"(bound {FP32_BOUND:.0e}): {got}")
+                        for what, bad_steps in wrongs:
+                            (gl, gn), (wl, wn) = got[0], bad_steps[0]
+                            away = max(abs(gl - wl) / wl, abs(gn - wn) / wn)
+                            check(away > FP32_BOUND,
+                                  f"{name}, {world} worker(s): {what} is "
+                                  f"{away:.2e} away at step 1 (outside the "
+                                  "bound)")
             # Longer training: the response-token loss falls.
+            hf_dir = os.path.join(work, "tiny_qwen3_moe.json.hf")
             r = cluster.shardctl(
                 ["train", "--model", hf_dir, "--init-from", hf_dir, "--data",
                  dataset, "--steps", "20", "--global-batch", str(BATCH),

@@ -106,11 +106,15 @@ absl::Status BatchSampler::FillRows(int64_t first_sequence, int64_t rows,
   out->inputs.resize(rows * s);
   out->targets.resize(rows * s);
   out->sequence_indices.resize(rows);
+  const bool packed = source_->packed();
+  out->segment_starts.resize(packed ? rows * s : 0);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t index = first_sequence + r;
     SHARDD_RETURN_IF_ERROR(source_->FillRow(
         index, absl::MakeSpan(out->inputs).subspan(r * s, s),
-        absl::MakeSpan(out->targets).subspan(r * s, s)));
+        absl::MakeSpan(out->targets).subspan(r * s, s),
+        packed ? absl::MakeSpan(out->segment_starts).subspan(r * s, s)
+               : absl::Span<int32_t>()));
     out->sequence_indices[r] = index;
   }
   return absl::OkStatus();
@@ -191,7 +195,8 @@ absl::StatusOr<std::shared_ptr<const SequenceSource>> CreateDataSource(
         std::unique_ptr<SftDataset> dataset,
         SftDataset::Open(options.path, options.model_vocab_size));
     return std::shared_ptr<const SequenceSource>(std::make_shared<SftSource>(
-        std::shared_ptr<const SftDataset>(std::move(dataset)), options.seed));
+        std::shared_ptr<const SftDataset>(std::move(dataset)), options.seed,
+        options.packing));
   }
   if (!options.path.empty()) {
     TokenFileOptions file_options;

@@ -53,6 +53,9 @@ struct MicroBatch {
   // whole step's global batch, every rank and micro-batch (the loss's
   // denominator); 0 otherwise.
   int64_t step_counted = 0;
+  // A packed source (SequenceSource::packed()): [rows, seq_len], each
+  // position's example start within its row; empty otherwise.
+  std::vector<int32_t> segment_starts;
 };
 
 // Where a data stream stands; saved in checkpoints. Resuming at `step`
@@ -129,8 +132,11 @@ class BatchSampler {
 
 // Choosing a source from a training config.
 struct DataSourceOptions {
-  // Empty: synthetic Markov data. Otherwise a token file (see token_file.h).
+  // Empty: synthetic Markov data. Otherwise an SFT dataset directory
+  // (sft_dataset.h) or a token file (see token_file.h).
   std::string path;
+  // An SFT dataset's rows: several examples packed per row, or one padded.
+  bool packing = true;
   TokenFormat format = TokenFormat::kAuto;
   VocabCheck vocab_check = VocabCheck::kAuto;
   OffsetMode offsets = OffsetMode::kRandom;

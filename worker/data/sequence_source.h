@@ -32,14 +32,19 @@ class SequenceSource {
   virtual absl::Status Fill(int64_t index, absl::Span<int32_t> out) const = 0;
 
   // Sequence `index` as a training row of S = inputs.size() positions:
-  // inputs and targets (-1: not counted in the loss). By default the
-  // S + 1 tokens of Fill, targets shifted by one, all counted; a source
-  // with a loss mask (masked()) overrides it. Errors: as Fill.
+  // inputs and targets (-1: not counted in the loss), and for a packed
+  // source (packed()) segment_starts, each position's example start in the
+  // row (empty for other sources). By default the S + 1 tokens of Fill,
+  // targets shifted by one, all counted; a source with a loss mask
+  // (masked()) overrides it. Errors: as Fill.
   virtual absl::Status FillRow(int64_t index, absl::Span<int32_t> inputs,
-                               absl::Span<int32_t> targets) const {
-    if (inputs.empty() || inputs.size() != targets.size()) {
+                               absl::Span<int32_t> targets,
+                               absl::Span<int32_t> segment_starts) const {
+    if (inputs.empty() || inputs.size() != targets.size() ||
+        !segment_starts.empty()) {
       return absl::InvalidArgumentError(
-          "FillRow: inputs and targets must be equal and non-empty");
+          "FillRow: inputs and targets must be equal and non-empty, "
+          "segment_starts empty");
     }
     std::vector<int32_t> tokens(inputs.size() + 1);
     const absl::Status filled = Fill(index, absl::MakeSpan(tokens));
@@ -51,6 +56,8 @@ class SequenceSource {
   // Whether FillRow leaves targets out of the loss (so the loss's
   // denominator depends on the batch).
   virtual bool masked() const { return false; }
+  // Whether rows hold several sequences (FillRow's segment_starts).
+  virtual bool packed() const { return false; }
 
   // Stable across processes and machines; changes whenever the sequences
   // would. Lets a checkpoint detect a resume onto different data.

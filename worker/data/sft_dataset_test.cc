@@ -184,7 +184,7 @@ TEST_F(SftDatasetTest, PaddedRowsCountOnlyTheMaskedTargets) {
   SHARDD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<SftDataset> opened,
                               SftDataset::Open(dir_, 16));
   std::shared_ptr<const SftDataset> d = std::move(opened);
-  SftSource source(d, /*seed=*/3);
+  SftSource source(d, /*seed=*/3, /*packing=*/false);
   // Every epoch holds every example once.
   for (int64_t epoch = 0; epoch < 3; ++epoch) {
     std::set<int64_t> seen;
@@ -195,7 +195,7 @@ TEST_F(SftDatasetTest, PaddedRowsCountOnlyTheMaskedTargets) {
     const SftExample& e = examples_[source.Example(k)];
     std::vector<int32_t> in(6), tg(6);
     SHARDD_ASSERT_OK(
-        source.FillRow(k, absl::MakeSpan(in), absl::MakeSpan(tg)));
+        source.FillRow(k, absl::MakeSpan(in), absl::MakeSpan(tg), {}));
     const size_t n = e.tokens.size();
     for (size_t j = 0; j < 6; ++j) {
       EXPECT_EQ(in[j], j < n ? e.tokens[j] : 0) << k << " " << j;
@@ -207,12 +207,13 @@ TEST_F(SftDatasetTest, PaddedRowsCountOnlyTheMaskedTargets) {
   int64_t first = 0;
   while (source.Example(first) != 0) ++first;
   std::vector<int32_t> in(3), tg(3);
-  EXPECT_THAT(source.FillRow(first, absl::MakeSpan(in), absl::MakeSpan(tg)),
+  EXPECT_THAT(source.FillRow(first, absl::MakeSpan(in), absl::MakeSpan(tg),
+                             {}),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("example 0 (line 1) has 5 tokens; a "
                                  "sequence of 3 holds at most 4")));
   // Another seed, another order; the same seed, the same.
-  SftSource again(d, 3), other(d, 4);
+  SftSource again(d, 3, false), other(d, 4, false);
   bool differs = false;
   for (int64_t k = 0; k < 30; ++k) {
     EXPECT_EQ(again.Example(k), source.Example(k));
@@ -220,6 +221,72 @@ TEST_F(SftDatasetTest, PaddedRowsCountOnlyTheMaskedTargets) {
   }
   EXPECT_TRUE(differs);
   EXPECT_NE(again.Fingerprint(), other.Fingerprint());
+}
+
+// Packed rows: each epoch's examples in order, cut greedily; every example
+// appears once per epoch, whole, with its own segment, its own targets
+// (none across an example's end) and the rest of the row padding.
+TEST_F(SftDatasetTest, PackedRowsHoldWholeExamplesInOrder) {
+  examples_.push_back({{1, 2, 3, 4, 5, 6, 7, 8, 9}, std::vector<uint8_t>(9, 1),
+                       7});  // 9 tokens: S + 1 for S = 8, a row alone.
+  Write();
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<SftDataset> opened,
+                              SftDataset::Open(dir_, 16));
+  std::shared_ptr<const SftDataset> d = std::move(opened);
+  SftSource packed(d, /*seed=*/3, /*packing=*/true);
+  SftSource padded(d, /*seed=*/3, /*packing=*/false);
+  ASSERT_TRUE(packed.packed());
+  constexpr int64_t kS = 8;
+  // Rows of the first 3 epochs: 4 examples each, in the padded order.
+  int64_t k = 0;
+  for (int64_t epoch = 0; epoch < 3; ++epoch) {
+    std::vector<int64_t> seen;
+    while (static_cast<int64_t>(seen.size()) < 4) {
+      SHARDD_ASSERT_OK_AND_ASSIGN(const std::vector<int64_t> pack,
+                                  packed.Pack(k, kS));
+      std::vector<int32_t> in(kS), tg(kS), seg(kS);
+      SHARDD_ASSERT_OK(packed.FillRow(k, absl::MakeSpan(in),
+                                      absl::MakeSpan(tg), absl::MakeSpan(seg)));
+      int64_t pos = 0, tokens = 0;
+      for (int64_t e : pack) tokens += std::min<int64_t>(d->length(e), kS);
+      EXPECT_LE(tokens, kS);
+      for (int64_t e : pack) {
+        const SftExample& x = examples_[e];
+        const int64_t n = x.tokens.size();
+        for (int64_t j = 0; j < std::min<int64_t>(n, kS); ++j) {
+          EXPECT_EQ(in[pos + j], x.tokens[j]);
+          EXPECT_EQ(seg[pos + j], pos);
+          const bool counted = j + 1 < n && x.mask[j + 1] == 1;
+          EXPECT_EQ(tg[pos + j], counted ? x.tokens[j + 1] : -1);
+        }
+        pos += std::min<int64_t>(n, kS);
+        seen.push_back(e);
+      }
+      for (; pos < kS; ++pos) {
+        EXPECT_EQ(tg[pos], -1);
+        EXPECT_EQ(in[pos], 0);
+      }
+      ++k;
+    }
+    ASSERT_EQ(seen.size(), 4u);
+    for (int64_t i = 0; i < 4; ++i) {
+      EXPECT_EQ(seen[i], padded.Example(epoch * 4 + i)) << epoch << " " << i;
+    }
+  }
+  // A shorter sequence cannot hold the 9-token example.
+  bool refused = false;
+  for (int64_t r = 0; r < 8 && !refused; ++r) {
+    std::vector<int32_t> in(6), tg(6), seg(6);
+    const absl::Status st = packed.FillRow(
+        r, absl::MakeSpan(in), absl::MakeSpan(tg), absl::MakeSpan(seg));
+    refused = !st.ok();
+    if (refused) {
+      EXPECT_THAT(st, StatusIs(absl::StatusCode::kInvalidArgument,
+                               HasSubstr("example 3 (line 7) has 9 tokens")));
+    }
+  }
+  EXPECT_TRUE(refused);
+  EXPECT_NE(packed.Fingerprint(), padded.Fingerprint());
 }
 
 }  // namespace

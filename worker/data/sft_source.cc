@@ -12,8 +12,9 @@
 namespace shardd {
 namespace data {
 
-SftSource::SftSource(std::shared_ptr<const SftDataset> data, uint64_t seed)
-    : data_(std::move(data)), seed_(seed) {}
+SftSource::SftSource(std::shared_ptr<const SftDataset> data, uint64_t seed,
+                     bool packing)
+    : data_(std::move(data)), seed_(seed), packing_(packing) {}
 
 std::shared_ptr<const std::vector<int64_t>> SftSource::Order(
     int64_t epoch) const {
@@ -36,27 +37,121 @@ int64_t SftSource::Example(int64_t index) const {
   return (*Order(index / n))[index % n];
 }
 
-absl::Status SftSource::FillRow(int64_t index, absl::Span<int32_t> inputs,
-                                absl::Span<int32_t> targets) const {
-  if (index < 0 || inputs.empty() || inputs.size() != targets.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "SFT row ", index, ": needs index >= 0 and equal, non-empty inputs "
-        "and targets"));
-  }
-  const int64_t s = static_cast<int64_t>(inputs.size());
-  const int64_t e = Example(index);
+absl::Status SftSource::CheckLength(int64_t e, int64_t seq) const {
   const int64_t n = data_->length(e);
-  if (n > s + 1) {
+  if (n > seq + 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         data_->dir(), ": example ", e, " (line ", data_->SourceLine(e),
-        ") has ", n, " tokens; a sequence of ", s,
-        " holds at most ", s + 1, " (raise --seq, or drop or split the "
-        "example)"));
+        ") has ", n, " tokens; a sequence of ", seq, " holds at most ",
+        seq + 1, " (raise --seq, or drop or split the example)"));
   }
-  for (int64_t j = 0; j < s; ++j) {
-    const bool real = j + 1 < n;
-    inputs[j] = j < n ? data_->Token(e, j) : data_->pad_id();
-    targets[j] = real && data_->Counted(e, j + 1) ? data_->Token(e, j + 1) : -1;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const std::vector<int64_t>>> SftSource::Rows(
+    int64_t epoch, int64_t seq) const {
+  {
+    absl::MutexLock lock(&mu_);
+    if (rows_seq_ == seq && rows_epoch_ == epoch) return rows_;
+  }
+  const std::shared_ptr<const std::vector<int64_t>> order = Order(epoch);
+  const int64_t n = static_cast<int64_t>(order->size());
+  auto starts = std::make_shared<std::vector<int64_t>>(1, 0);
+  int64_t used = 0;  // Positions taken in the current row.
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t e = (*order)[i];
+    SHARDD_RETURN_IF_ERROR(CheckLength(e, seq));
+    const int64_t len = data_->length(e);
+    if (len == seq + 1) {
+      // A row of its own, its last token a target only.
+      if (used > 0) starts->push_back(i);
+      starts->push_back(i + 1);
+      used = 0;
+    } else if (used + len > seq) {
+      starts->push_back(i);
+      used = len;
+    } else {
+      used += len;
+    }
+  }
+  if (starts->back() != n) starts->push_back(n);
+  absl::MutexLock lock(&mu_);
+  if (rows_seq_ != seq) {
+    rows_seq_ = seq;
+    rows_through_.clear();
+  }
+  rows_epoch_ = epoch;
+  rows_ = std::move(starts);
+  return rows_;
+}
+
+absl::StatusOr<std::vector<int64_t>> SftSource::Pack(int64_t index,
+                                                     int64_t seq) const {
+  int64_t epoch = 0, before = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (rows_seq_ == seq && !rows_through_.empty()) {
+      const auto it = std::upper_bound(rows_through_.begin(),
+                                       rows_through_.end(), index);
+      epoch = it - rows_through_.begin();
+      before = epoch == 0 ? 0 : rows_through_[epoch - 1];
+    }
+  }
+  for (;; ++epoch) {
+    SHARDD_ASSIGN_OR_RETURN(const std::shared_ptr<const std::vector<int64_t>> rows,
+                            Rows(epoch, seq));
+    const int64_t count = static_cast<int64_t>(rows->size()) - 1;
+    {
+      absl::MutexLock lock(&mu_);
+      if (rows_seq_ == seq &&
+          static_cast<int64_t>(rows_through_.size()) == epoch) {
+        rows_through_.push_back(before + count);
+      }
+    }
+    if (index < before + count) {
+      const std::shared_ptr<const std::vector<int64_t>> order = Order(epoch);
+      const int64_t r = index - before;
+      return std::vector<int64_t>(order->begin() + (*rows)[r],
+                                  order->begin() + (*rows)[r + 1]);
+    }
+    before += count;
+  }
+}
+
+absl::Status SftSource::FillRow(int64_t index, absl::Span<int32_t> inputs,
+                                absl::Span<int32_t> targets,
+                                absl::Span<int32_t> segment_starts) const {
+  if (index < 0 || inputs.empty() || inputs.size() != targets.size() ||
+      segment_starts.size() != (packing_ ? inputs.size() : 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "SFT row ", index, ": needs index >= 0, equal non-empty inputs and "
+        "targets, and segment_starts ", packing_ ? "as long" : "empty"));
+  }
+  const int64_t s = static_cast<int64_t>(inputs.size());
+  std::vector<int64_t> examples;
+  if (packing_) {
+    SHARDD_ASSIGN_OR_RETURN(examples, Pack(index, s));
+  } else {
+    examples.push_back(Example(index));
+    SHARDD_RETURN_IF_ERROR(CheckLength(examples[0], s));
+  }
+  int64_t pos = 0;
+  for (const int64_t e : examples) {
+    const int64_t n = data_->length(e);
+    const int64_t take = std::min(n, s);
+    for (int64_t j = 0; j < take; ++j) {
+      inputs[pos + j] = data_->Token(e, j);
+      targets[pos + j] =
+          j + 1 < n && data_->Counted(e, j + 1) ? data_->Token(e, j + 1) : -1;
+      if (packing_) segment_starts[pos + j] = static_cast<int32_t>(pos);
+    }
+    pos += take;
+  }
+  const int64_t pad_start = pos;
+  for (; pos < s; ++pos) {
+    inputs[pos] = data_->pad_id();
+    targets[pos] = -1;
+    if (packing_) segment_starts[pos] = static_cast<int32_t>(pad_start);
   }
   return absl::OkStatus();
 }
@@ -65,22 +160,25 @@ absl::Status SftSource::Fill(int64_t index, absl::Span<int32_t> out) const {
   if (out.size() < 2) {
     return absl::InvalidArgumentError("SFT sequence: needs at least 2 tokens");
   }
-  std::vector<int32_t> targets(out.size() - 1);
-  SHARDD_RETURN_IF_ERROR(FillRow(index, out.subspan(0, out.size() - 1),
-                                 absl::MakeSpan(targets)));
-  const int64_t e = Example(index);
-  const int64_t last = static_cast<int64_t>(out.size()) - 1;
-  out[last] = last < data_->length(e) ? data_->Token(e, last) : data_->pad_id();
+  const size_t s = out.size() - 1;
+  std::vector<int32_t> targets(s), starts(packing_ ? s : 0);
+  SHARDD_RETURN_IF_ERROR(FillRow(index, out.subspan(0, s),
+                                 absl::MakeSpan(targets),
+                                 absl::MakeSpan(starts)));
+  // The row's last target, where there is one, else a pad id.
+  out[s] = targets[s - 1] >= 0 ? targets[s - 1] : data_->pad_id();
   return absl::OkStatus();
 }
 
 uint64_t SftSource::Fingerprint() const {
-  return Mix64(data_->fingerprint() ^ Mix64(seed_ + 0x5f7ull));
+  return Mix64(data_->fingerprint() ^ Mix64(seed_ + 0x5f7ull) ^
+               (packing_ ? 0x9acce5ull : 0));
 }
 
 std::string SftSource::Describe() const {
   return absl::StrCat("sft(", data_->dir(), ", ", data_->examples(),
-                      " examples, padded, seed=", seed_, ")");
+                      " examples, ", packing_ ? "packed" : "padded",
+                      ", seed=", seed_, ")");
 }
 
 }  // namespace data

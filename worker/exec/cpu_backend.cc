@@ -260,6 +260,11 @@ absl::Status CpuBackend::BeginStep(const v1::StepProgram& header,
     model_options_ = wanted;
   }
   SHARDD_RETURN_IF_ERROR(SetStepBatches(model_.get(), batches));
+  for (size_t m = 0; m < batches.size(); ++m) {
+    if (batches[m].segment_starts.empty()) continue;
+    SHARDD_RETURN_IF_ERROR(model_->SetRowSegments(
+        static_cast<int>(m), batches[m].segment_starts.data()));
+  }
   model_->SetEvaluation(header.eval());
   // A masked batch (SFT): the loss is the mean over the global batch's
   // counted tokens, shared by every data-parallel rank.

@@ -215,6 +215,13 @@ absl::Status CudaBackend::BeginStep(
     model_options_ = wanted;
   }
   SHARDD_RETURN_IF_ERROR(SetStepBatches(model_.get(), batches));
+  for (const data::MicroBatch& b : batches) {
+    if (!b.segment_starts.empty() || b.step_counted > 0) {
+      return absl::UnimplementedError(
+          "batches: SFT rows (a loss mask, packed examples) train on the CPU "
+          "workers only for now (docs/sft_data.md)");
+    }
+  }
   // DiffusionGemma's canvas noise is keyed by the step and each row's global
   // index, so every data-parallel layout draws the same (as on the CPU).
   for (size_t m = 0; m < batches.size(); ++m) {

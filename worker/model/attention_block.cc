@@ -28,10 +28,7 @@ absl::Status AttentionBlock::Prepare(int64_t seq) {
 
 absl::Status AttentionBlock::Rotate(std::vector<float>* x, int64_t tokens,
                                     int64_t seq, int64_t heads, bool inverse) {
-  positions_.resize(tokens);
-  for (int64_t t = 0; t < tokens; ++t) {
-    positions_[t] = static_cast<int32_t>(t % seq);
-  }
+  FillPositions(segments_, tokens, seq, 0, &positions_);
   kernels::RopeShape shape;
   shape.tokens = tokens;
   shape.heads = heads;
@@ -112,6 +109,7 @@ absl::Status AttentionBlock::Forward(const MoeLayerSpec& layer,
 absl::StatusOr<kernels::AttentionOptions> AttentionBlock::Options(
     const MoeLayerSpec& layer, ParamSource* params) {
   kernels::AttentionOptions options = SelfAttentionOptions(*arch_, layer);
+  options.key_begin = segments_;
   if (layer.has_sinks) {
     SHARDD_ASSIGN_OR_RETURN(options.sinks, params->Param(layer.sinks.name));
   }

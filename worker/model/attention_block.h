@@ -45,6 +45,14 @@ class AttentionBlock {
   // `arch` outlives the block.
   explicit AttentionBlock(const MoeArchitecture* arch) : arch_(arch) {}
 
+  // Packed rows (docs/sft_data.md): segment_starts [batch * seq] gives
+  // each token's example start within its row; RoPE positions restart
+  // there and attention stays inside the example. Null: one sequence per
+  // row. Not owned; valid until the next call.
+  void SetSegments(const int32_t* segment_starts) {
+    segments_ = segment_starts;
+  }
+
   // Makes the RoPE table cover positions [0, seq). Errors: INVALID_ARGUMENT
   // for seq beyond the model's max_position_embeddings.
   absl::Status Prepare(int64_t seq);
@@ -73,6 +81,7 @@ class AttentionBlock {
   const MoeArchitecture* arch_;
   kernels::RopeTable rope_;
   std::vector<int32_t> positions_;
+  const int32_t* segments_ = nullptr;  // SetSegments.
   kernels::AttentionWorkspace ws_;
   // Backward scratch.
   std::vector<float> dq_, dk_, dv_, do_, grad_;

@@ -64,6 +64,19 @@ kernels::RopeShape HeadsRopeShape(int64_t tokens, int64_t heads,
 absl::StatusOr<kernels::RopeTable> RopeTableFor(const MoeArchitecture& arch,
                                                 int64_t seq);
 
+// RoPE positions of `tokens` tokens in rows of `seq`: t % seq + offset,
+// less the start of the token's example within its row for packed rows
+// (`segment_starts` [tokens], docs/sft_data.md; null: one sequence per row).
+inline void FillPositions(const int32_t* segment_starts, int64_t tokens,
+                          int64_t seq, int64_t offset,
+                          std::vector<int32_t>* out) {
+  out->resize(tokens);
+  for (int64_t t = 0; t < tokens; ++t) {
+    (*out)[t] = static_cast<int32_t>(
+        t % seq + offset - (segment_starts == nullptr ? 0 : segment_starts[t]));
+  }
+}
+
 }  // namespace shardd
 
 #endif  // SHARDD_WORKER_MODEL_ATTENTION_GEOMETRY_H_

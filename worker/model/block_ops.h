@@ -318,6 +318,11 @@ class BlockOps {
   // Whether Act memory is host memory (an expert-parallel exchange reads
   // and writes it directly).
   virtual bool host_memory() const = 0;
+  // Packed rows for the attention of the computations that follow
+  // (docs/sft_data.md): segment_starts [t] host memory, each token's
+  // example start within its row, or null. FAILED_PRECONDITION where the
+  // ops do not run packed rows.
+  virtual absl::Status SetRowSegments(const int32_t* segment_starts) = 0;
   // The head's cross-entropy of h [t, D] against targets [t] (int32, -1
   // ignored), its mean times term.weight added to the step's loss with
   // `extra_loss` (the load-balancing term), and with dh (else forward

@@ -432,6 +432,13 @@ absl::StatusOr<GemmaDecode> DecodeOf(const GemmaDecodeView* view) {
 
 }  // namespace
 
+absl::Status CpuBlockOps::SetRowSegments(const int32_t* segment_starts) {
+  attention_->SetSegments(segment_starts);
+  if (mla_ != nullptr) mla_->SetSegments(segment_starts);
+  gemma_->SetSegments(segment_starts);
+  return absl::OkStatus();
+}
+
 absl::Status CpuBlockOps::GemmaLayerForward(const MoeLayerSpec& spec,
                                             const Act* x, int64_t batch,
                                             int64_t seq,

@@ -94,6 +94,7 @@ class CpuBlockOps : public BlockOps {
                                int64_t t, int k, Saved* state, Act* dx,
                                Act* d_weights) override;
   bool host_memory() const override { return true; }
+  absl::Status SetRowSegments(const int32_t* segment_starts) override;
   absl::Status HeadLoss(const Act& h, const Act& targets, int64_t t,
                         const LossTerm& term, double extra_loss,
                         Act* dh) override;

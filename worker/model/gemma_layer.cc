@@ -67,10 +67,8 @@ absl::Status GemmaLayerBlock::Rotate(const MoeLayerSpec& layer,
                                      std::vector<float>* x, int64_t tokens,
                                      int64_t seq, int64_t heads, bool inverse,
                                      int64_t offset) {
-  positions_.resize(tokens);
-  for (int64_t t = 0; t < tokens; ++t) {
-    positions_[t] = static_cast<int32_t>(t % seq + offset);
-  }
+  FillPositions(offset == 0 ? segments_ : nullptr, tokens, seq, offset,
+                &positions_);
   return kernels::RopeRotate(
       layer.sliding ? sliding_rope_ : full_rope_, kernels::RopeLayout::kHalf,
       HeadsRopeShape(tokens, heads, layer.layer_head_dim), positions_.data(),
@@ -340,7 +338,7 @@ absl::Status GemmaLayerBlock::LayerFromInput(const MoeLayerSpec& layer,
     a->o.resize(t * hq * hd);
     a->lse.resize(batch * hq * seq);
     SHARDD_RETURN_IF_ERROR(kernels::AttentionForward(
-        GemmaAttentionDims(*arch_, layer, batch, seq), GemmaAttentionOptions(*arch_, layer, false), a->q.data(),
+        GemmaAttentionDims(*arch_, layer, batch, seq), CausalOptions(layer), a->q.data(),
         a->k.data(), a->v.data(), a->o.data(), a->lse.data(), &ws_));
   }
   a->attn.resize(t * d);
@@ -790,7 +788,7 @@ absl::Status GemmaLayerBlock::BackwardLayer(const MoeLayerSpec& layer,
     dk_.assign(t * hkv * hd, 0.0f);
     dv_.assign(t * hkv * hd, 0.0f);
     SHARDD_RETURN_IF_ERROR(kernels::AttentionBackward(
-        GemmaAttentionDims(*arch_, layer, batch, seq), GemmaAttentionOptions(*arch_, layer, false), a->q.data(),
+        GemmaAttentionDims(*arch_, layer, batch, seq), CausalOptions(layer), a->q.data(),
         a->k.data(), a->v.data(), a->o.data(), a->lse.data(), do_.data(),
         dq_.data(), dk_.data(), dv_.data(), nullptr, &ws_));
   }

@@ -111,6 +111,14 @@ class GemmaLayerBlock {
   // `arch` (arch->gemma) outlives the block.
   explicit GemmaLayerBlock(const MoeArchitecture* arch) : arch_(arch) {}
 
+  // Packed rows (docs/sft_data.md): segment_starts [batch * seq] gives
+  // each token's example start within its row; RoPE positions restart
+  // there and causal attention stays inside the example. Null: one sequence per
+  // row. Not owned; valid until the next call.
+  void SetSegments(const int32_t* segment_starts) {
+    segments_ = segment_starts;
+  }
+
   // RoPE tables for positions [0, seq). INVALID_ARGUMENT beyond
   // max_position_embeddings.
   absl::Status Prepare(int64_t seq);
@@ -218,12 +226,19 @@ class GemmaLayerBlock {
   absl::Status DecodeAttentionBackward(const MoeLayerSpec& layer,
                                        const GemmaDecode& d, int64_t batch,
                                        int64_t seq, const GemmaLayerActs& a);
+  // The causal pass's attention options (with the packed rows' segments).
+  kernels::AttentionOptions CausalOptions(const MoeLayerSpec& layer) const {
+    kernels::AttentionOptions o = GemmaAttentionOptions(*arch_, layer, false);
+    o.key_begin = segments_;
+    return o;
+  }
   // x [rows, dim] through an RMSNorm without weight (ones_).
   const float* Ones(int64_t dim);
 
   const MoeArchitecture* arch_;
   kernels::RopeTable full_rope_, sliding_rope_;
   std::vector<int32_t> positions_;
+  const int32_t* segments_ = nullptr;  // SetSegments; causal passes only.
   kernels::AttentionWorkspace ws_;
   std::vector<float> ones_;
   // Backward scratch.

@@ -27,10 +27,7 @@ absl::Status MlaBlock::Prepare(int64_t seq) {
 absl::Status MlaBlock::Rotate(float* x, int64_t tokens, int64_t seq,
                               int64_t heads, int64_t stride, int64_t offset,
                               bool inverse) {
-  positions_.resize(tokens);
-  for (int64_t t = 0; t < tokens; ++t) {
-    positions_[t] = static_cast<int32_t>(t % seq);
-  }
+  FillPositions(segments_, tokens, seq, 0, &positions_);
   return kernels::RopeRotate(rope_, RopeLayoutOf(*arch_),
                              HeadsRopeShape(tokens, heads, stride, offset),
                              positions_.data(), x, inverse);
@@ -142,7 +139,7 @@ absl::Status MlaBlock::Forward(const MoeLayerSpec& layer, ParamSource* params,
   acts->o.resize(t * h * dv);
   acts->lse.resize(batch * h * seq);
   SHARDD_RETURN_IF_ERROR(kernels::AttentionForward(
-      SelfAttentionDims(a, batch, seq), SelfAttentionOptions(a, layer),
+      SelfAttentionDims(a, batch, seq), Options(layer),
       acts->q.data(), acts->k.data(), acts->v.data(), acts->o.data(),
       acts->lse.data(), &ws_));
   SHARDD_ASSIGN_OR_RETURN(const float* wo, params->Param(layer.o_proj.name));
@@ -177,7 +174,7 @@ absl::Status MlaBlock::Backward(const MoeLayerSpec& layer, ParamSource* params,
   dk_.assign(t * h * qk, 0.0f);
   dv_.assign(t * h * dv, 0.0f);
   SHARDD_RETURN_IF_ERROR(kernels::AttentionBackward(
-      SelfAttentionDims(a, batch, seq), SelfAttentionOptions(a, layer),
+      SelfAttentionDims(a, batch, seq), Options(layer),
       acts.q.data(), acts.k.data(), acts.v.data(), acts.o.data(),
       acts.lse.data(), do_.data(), dq_.data(), dk_.data(), dv_.data(),
       /*d_sinks=*/nullptr, &ws_));

@@ -24,6 +24,7 @@
 #include "absl/status/status.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/rope.h"
+#include "worker/model/attention_geometry.h"
 #include "worker/model/moe_architecture.h"
 #include "worker/model/param_source.h"
 
@@ -44,6 +45,14 @@ class MlaBlock {
  public:
   // `arch` (with arch->mla) outlives the block.
   explicit MlaBlock(const MoeArchitecture* arch) : arch_(arch) {}
+
+  // Packed rows (docs/sft_data.md): segment_starts [batch * seq] gives
+  // each token's example start within its row; RoPE positions restart
+  // there and attention stays inside the example. Null: one sequence per
+  // row. Not owned; valid until the next call.
+  void SetSegments(const int32_t* segment_starts) {
+    segments_ = segment_starts;
+  }
 
   // Makes the RoPE table cover positions [0, seq). Errors: INVALID_ARGUMENT
   // for seq beyond the model's max_position_embeddings.
@@ -76,7 +85,14 @@ class MlaBlock {
 
   const MoeArchitecture* arch_;
   kernels::RopeTable rope_;
+  // The self-attention's options (with the packed rows' segments).
+  kernels::AttentionOptions Options(const MoeLayerSpec& layer) const {
+    kernels::AttentionOptions o = SelfAttentionOptions(*arch_, layer);
+    o.key_begin = segments_;
+    return o;
+  }
   std::vector<int32_t> positions_;
+  const int32_t* segments_ = nullptr;  // SetSegments.
   kernels::AttentionWorkspace ws_;
   // Scratch.
   std::vector<float> kva_, kvb_, kr_, dq_, dk_, dv_, do_, dkva_, dkvb_, dlat_,

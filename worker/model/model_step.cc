@@ -100,6 +100,7 @@ absl::Status ModelStep::SetBatch(int microbatch, const int32_t* inputs,
   b.batch = batch;
   b.seq = seq;
   b.tokens = batch * seq;
+  b.segment_starts.clear();
   SHARDD_ASSIGN_OR_RETURN(b.inputs, ops_->Upload(inputs, b.tokens));
   SHARDD_ASSIGN_OR_RETURN(b.targets, ops_->Upload(targets, b.tokens));
   b.counted = counted;
@@ -541,12 +542,49 @@ absl::Status ModelStep::GemmaBackward(const Command& c, int64_t batch,
   return absl::OkStatus();
 }
 
+absl::Status ModelStep::SetRowSegments(int microbatch,
+                                       const int32_t* segment_starts) {
+  if (microbatch < 0 || microbatch >= shape_.microbatches ||
+      batches_[microbatch].tokens == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "SetRowSegments: micro-batch ", microbatch, " has no SetBatch"));
+  }
+  if (diffusion_) {
+    return absl::FailedPreconditionError(
+        "packed rows: DiffusionGemma's block-diffusion step takes one "
+        "sequence per row");
+  }
+  BatchSlot& b = batches_[microbatch];
+  if (segment_starts == nullptr) {
+    b.segment_starts.clear();
+    return absl::OkStatus();
+  }
+  // Each row's positions are cut into examples: a start is 0 at the row's
+  // first position, then either the previous position's or the position
+  // itself.
+  for (int64_t i = 0; i < b.tokens; ++i) {
+    const int64_t j = i % b.seq;
+    const int32_t s = segment_starts[i];
+    const bool ok = j == 0 ? s == 0 : (s == segment_starts[i - 1] || s == j);
+    if (!ok) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "segment_starts[", i, "]: ", s, " at row position ", j,
+          "; must be 0 at a row's start, then the previous position's start "
+          "or the position itself"));
+    }
+  }
+  b.segment_starts.assign(segment_starts, segment_starts + b.tokens);
+  return absl::OkStatus();
+}
+
 absl::Status ModelStep::Forward(const Command& c) {
   if (diffusion_) return DiffusionForward(c);
   const int pass = c.pass();
   const int mb = c.microbatch();
   PassSlot& a = Slot(pass, mb);
   const BatchSlot& batch = batches_[mb];
+  SHARDD_RETURN_IF_ERROR(ops_->SetRowSegments(
+      batch.segment_starts.empty() ? nullptr : batch.segment_starts.data()));
   const int64_t t = batch.tokens;
   const int64_t td = t * arch_.dim;
   switch (c.part()) {
@@ -714,6 +752,8 @@ absl::Status ModelStep::Backward(const Command& c) {
   const int mb = c.microbatch();
   PassSlot& a = Slot(pass, mb);
   const BatchSlot& batch = batches_[mb];
+  SHARDD_RETURN_IF_ERROR(ops_->SetRowSegments(
+      batch.segment_starts.empty() ? nullptr : batch.segment_starts.data()));
   const int64_t t = batch.tokens;
   const int64_t td = t * arch_.dim;
   switch (c.part()) {

@@ -55,6 +55,8 @@ class ModelStep {
 
   BlockOps* ops() { return ops_.get(); }
 
+  // As MoeModel::SetRowSegments.
+  absl::Status SetRowSegments(int microbatch, const int32_t* segment_starts);
   // As MoeModel::SetBatch.
   absl::Status SetBatch(int microbatch, const int32_t* inputs,
                         const int32_t* targets, int64_t batch, int64_t seq);
@@ -138,6 +140,8 @@ class ModelStep {
     Act inputs, targets;  // [T] int32
     int64_t batch = 0, seq = 0, tokens = 0;
     int64_t counted = 0;  // Non-ignored targets.
+    // Packed rows (SetRowSegments): each token's example start in its row.
+    std::vector<int32_t> segment_starts;
     // Block diffusion: the noise keys (SetSequenceKeys; by default step 0
     // and microbatch * batch + row), the inputs on the host, the encoder's
     // targets (inputs shifted by one, the last position ignored) and their

@@ -36,6 +36,11 @@ absl::Status MoeModel::SetBatch(int microbatch, const int32_t* inputs,
   return step_->SetBatch(microbatch, inputs, targets, batch, seq);
 }
 
+absl::Status MoeModel::SetRowSegments(int microbatch,
+                                      const int32_t* segment_starts) {
+  return step_->SetRowSegments(microbatch, segment_starts);
+}
+
 absl::Status MoeModel::SetSequenceKeys(int microbatch, int64_t step,
                                        const int64_t* sequence_indices) {
   return step_->SetSequenceKeys(microbatch, step, sequence_indices);

@@ -101,6 +101,15 @@ class MoeModel {
   absl::Status SetBatch(int microbatch, const int32_t* inputs,
                         const int32_t* targets, int64_t batch, int64_t seq);
 
+  // Packed rows (docs/sft_data.md) for micro-batch `microbatch`, after its
+  // SetBatch: segment_starts [batch, seq] (copied) gives each token's
+  // example start within its row (0 at a row's start, then the previous
+  // position's start or the position itself); RoPE positions restart there
+  // and attention stays inside the example. Null: one sequence per row.
+  // Errors: FAILED_PRECONDITION (no SetBatch; DiffusionGemma's
+  // block-diffusion step), INVALID_ARGUMENT naming the bad index.
+  absl::Status SetRowSegments(int microbatch, const int32_t* segment_starts);
+
   // DiffusionGemma's 3-pass step: the keys of micro-batch `microbatch`'s
   // canvas noise (block_diffusion.h), the optimizer step and each row's
   // global sequence index [batch], so that every data-parallel layout draws
