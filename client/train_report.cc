@@ -167,7 +167,8 @@ std::string FormatTrainSummary(const TrainSummary& s) {
                               "best reachable loss); gap %+.2f%%\n",
                               s.entropy_rate, s.gap_percent));
   } else {
-    absl::StrAppend(&out, "  data entropy rate    unknown (token file data)\n");
+    absl::StrAppend(&out,
+                    "  data entropy rate    unknown (data from a file)\n");
   }
   if (s.eval_step > 0) {
     absl::StrAppend(

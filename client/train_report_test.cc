@@ -78,7 +78,7 @@ TEST(FormatTrainSummaryTest, SaysWhetherPeaksMatchAndWhenTheFloorIsUnknown) {
   events[1].set_data_entropy_rate(0);
   text = FormatTrainSummary(SummarizeTraining(events));
   EXPECT_THAT(text, HasSubstr("differ by +1.00 KiB"));
-  EXPECT_THAT(text, HasSubstr("unknown (token file data)"));
+  EXPECT_THAT(text, HasSubstr("unknown (data from a file)"));
   EXPECT_THAT(text, Not(HasSubstr("gap")));
 }
 

@@ -367,6 +367,11 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::LoadPlan(
   source_options.synthetic_order = train.synthetic_order();
   SHARDD_ASSIGN_OR_RETURN(std::shared_ptr<const data::SequenceSource> source,
                           data::CreateDataSource(source_options));
+  if (const absl::Status fits = source->CheckSequenceLength(train.seq_len());
+      !fits.ok()) {
+    return absl::Status(fits.code(),
+                        absl::StrCat("train.data_path: ", fits.message()));
+  }
   if (source->masked()) {
     // An SFT dataset's loss mask (docs/sft_data.md).
     if (options_.device >= 0) {

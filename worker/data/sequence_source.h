@@ -58,6 +58,12 @@ class SequenceSource {
   virtual bool masked() const { return false; }
   // Whether rows hold several sequences (FillRow's segment_starts).
   virtual bool packed() const { return false; }
+  // Whether every row of `seq` positions can be filled, checked once
+  // before training (a source of examples: none longer than seq + 1).
+  // Errors: INVALID_ARGUMENT naming what does not fit.
+  virtual absl::Status CheckSequenceLength(int64_t seq) const {
+    return absl::OkStatus();
+  }
 
   // Stable across processes and machines; changes whenever the sequences
   // would. Lets a checkpoint detect a resume onto different data.

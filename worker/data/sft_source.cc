@@ -48,6 +48,14 @@ absl::Status SftSource::CheckLength(int64_t e, int64_t seq) const {
   return absl::OkStatus();
 }
 
+absl::Status SftSource::CheckSequenceLength(int64_t seq) const {
+  if (data_->max_length() <= seq + 1) return absl::OkStatus();
+  for (int64_t e = 0; e < data_->examples(); ++e) {
+    SHARDD_RETURN_IF_ERROR(CheckLength(e, seq));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::shared_ptr<const std::vector<int64_t>>> SftSource::Rows(
     int64_t epoch, int64_t seq) const {
   {

@@ -63,6 +63,8 @@ class SftSource : public SequenceSource {
                        absl::Span<int32_t> segment_starts) const override;
   bool masked() const override { return true; }
   bool packed() const override { return packing_; }
+  // The first example longer than seq + 1 tokens, as FillRow names it.
+  absl::Status CheckSequenceLength(int64_t seq) const override;
   uint64_t Fingerprint() const override;
   std::string Describe() const override;
 

@@ -3,9 +3,13 @@
 // target's cross-entropy (so the loss, the token-weighted mean) and every
 // parameter gradient (the sum over the examples), for standard attention
 // (Llama, Qwen3-MoE with q/k norms, GPT-OSS with sinks and a sliding
-// window) and DeepSeek-V3's latent attention, within the fp32 bounds of
+// window), DeepSeek-V3's latent attention and DiffusionGemma's causal pass
+// (sliding and full layers, two RoPEs), within the fp32 bounds of
 // testing/numerics.h (other block boundaries in the attention's online
-// softmax, another summation order).
+// softmax, another summation order). RoPE positions restart at each
+// example as transformers' position_ids do; RoPE being relative, what the
+// values depend on is the attention staying inside the example (dropping
+// key_begin fails this test; not restarting the positions does not).
 
 #include <cmath>
 #include <fstream>
@@ -158,7 +162,7 @@ void ExpectPackedEqualsAlone(const std::string& config) {
 TEST(PackedRowsTest, EachExampleComputesWhatItComputesAlone) {
   for (const char* config :
        {"tiny_llama3.json", "tiny_qwen3_moe.json", "tiny_gpt_oss.json",
-        "tiny_deepseek_v3.json"}) {
+        "tiny_deepseek_v3.json", "tiny_diffusion_gemma.json"}) {
     ExpectPackedEqualsAlone(config);
   }
 }
