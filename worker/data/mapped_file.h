@@ -14,11 +14,13 @@ namespace data {
 
 class MappedFile {
  public:
-  // Errors: the errno's code (NOT_FOUND, PERMISSION_DENIED, ...) naming
-  // the path when it cannot be opened, stat'ed or mapped. An empty file
-  // maps to size 0 and a null data().
+  // Errors: the errno's code (NOT_FOUND, PERMISSION_DENIED, ...) when the
+  // file cannot be opened, stat'ed or mapped, INVALID_ARGUMENT when it is
+  // not a regular file; messages name it as `what` and the path ("cannot
+  // open token file PATH"). An empty file maps to size 0 and a null
+  // data().
   static absl::StatusOr<std::unique_ptr<MappedFile>> Open(
-      const std::string& path);
+      const std::string& path, const std::string& what = "file");
 
   ~MappedFile();
   MappedFile(const MappedFile&) = delete;

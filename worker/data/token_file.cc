@@ -1,12 +1,6 @@
 #include "worker/data/token_file.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <limits>
 #include <utility>
 
@@ -15,6 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/fingerprint.h"
+#include "common/status_macros.h"
 #include "worker/data/rng.h"
 
 namespace shardd {
@@ -38,12 +33,6 @@ inline uint32_t DecodeToken(const unsigned char* data, int width,
              (static_cast<uint32_t>(p[2]) << 16) |
              (static_cast<uint32_t>(p[3]) << 24);
   }
-}
-
-absl::Status ErrnoError(int error_number, absl::string_view what,
-                        absl::string_view path) {
-  return absl::ErrnoToStatus(error_number,
-                             absl::StrCat(what, " token file ", path));
 }
 
 }  // namespace
@@ -131,45 +120,27 @@ absl::StatusOr<std::unique_ptr<TokenFile>> TokenFile::Open(
     vocab_size = format == TokenFormat::kBytes ? 256 : 65536;
   }
 
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoError(errno, "cannot open", path);
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    const int error_number = errno;
-    ::close(fd);
-    return ErrnoError(error_number, "cannot stat", path);
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    return absl::InvalidArgumentError(
-        absl::StrCat("token file ", path, " is not a regular file"));
-  }
-  const int64_t size = st.st_size;
+  SHARDD_ASSIGN_OR_RETURN(std::unique_ptr<MappedFile> mapped,
+                          MappedFile::Open(path, "token file"));
+  const int64_t size = mapped->size();
   if (size == 0) {
-    ::close(fd);
     return absl::InvalidArgumentError(
         absl::StrCat("token file ", path, " is empty"));
   }
   if (size % width != 0) {
-    ::close(fd);
     return absl::InvalidArgumentError(
         absl::StrCat("token file ", path, ": size ", size,
                      " bytes is not a multiple of the token width ", width,
                      " (format ", TokenFormatName(format), ")"));
   }
-  void* mapped =
-      ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_PRIVATE, fd, 0);
-  const int map_errno = errno;
-  // The mapping keeps the file alive; the descriptor is no longer needed.
-  ::close(fd);
-  if (mapped == MAP_FAILED) return ErrnoError(map_errno, "cannot map", path);
 
   std::unique_ptr<TokenFile> file(new TokenFile());
   file->path_ = path;
   file->format_ = format;
   file->width_ = width;
-  file->data_ = static_cast<const unsigned char*>(mapped);
+  file->data_ = mapped->data();
   file->mapped_bytes_ = static_cast<size_t>(size);
+  file->mapped_ = std::move(mapped);
   file->num_tokens_ = size / width;
   file->vocab_size_ = vocab_size;
 
@@ -202,11 +173,7 @@ absl::StatusOr<std::unique_ptr<TokenFile>> TokenFile::Open(
   return file;
 }
 
-TokenFile::~TokenFile() {
-  if (data_ != nullptr) {
-    ::munmap(const_cast<unsigned char*>(data_), mapped_bytes_);
-  }
-}
+TokenFile::~TokenFile() = default;
 
 uint32_t TokenFile::Token(int64_t index) const {
   return DecodeToken(data_, width_, index);

@@ -38,6 +38,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "worker/data/mapped_file.h"
 #include "worker/data/sequence_source.h"
 
 namespace shardd {
@@ -109,6 +110,7 @@ class TokenFile {
   std::string path_;
   TokenFormat format_ = TokenFormat::kAuto;
   int width_ = 0;
+  std::unique_ptr<MappedFile> mapped_;
   const unsigned char* data_ = nullptr;
   size_t mapped_bytes_ = 0;
   int64_t num_tokens_ = 0;
