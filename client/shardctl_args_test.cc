@@ -613,6 +613,11 @@ TEST(ShardctlArgsTest, TrainUsageErrors) {
                               Parse({"train", "--coordinator", "h:1", "--model",
                                      "a", "--data-order", "strided"}));
   EXPECT_EQ(strided.train.data_order(), "strided");
+  EXPECT_FALSE(strided.train.no_packing());
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      ShardctlArgs padded, Parse({"train", "--coordinator", "h:1", "--model",
+                                  "a", "--data", "/sft", "--no-packing"}));
+  EXPECT_TRUE(padded.train.no_packing());
   usage({"train", "--coordinator", "h:1", "--model", "a", "--data-order",
          "sorted"},
         "--data-order: expected random or strided");

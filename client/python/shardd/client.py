@@ -502,6 +502,7 @@ class Coordinator:
         seed: Optional[int] = None,
         defer_grad_sync: bool = False,
         fine_grained: bool = False,
+        packing: bool = True,
         checkpoint_every: Optional[int] = None,
         keep_checkpoints: Optional[int] = None,
         keep_every: Optional[int] = None,
@@ -521,6 +522,8 @@ class Coordinator:
         workers' defaults (proto/coordinator.proto, TrainConfig); ``config``
         gives them all at once (the keyword arguments override it).
         ``microbatches`` and ``defer_grad_sync`` also go into the plan.
+        ``packing=False`` trains an SFT dataset (``data_path`` a directory
+        from tools/prepare_sft.py) one example per row, padded.
 
         Raises:
             ShardError: those of :meth:`submit_model`; FAILED_PRECONDITION
@@ -550,6 +553,8 @@ class Coordinator:
             train_config.defer_grad_sync = True
         if fine_grained:
             train_config.fine_grained = True
+        if not packing:
+            train_config.no_packing = True
 
         plan: Optional[ppb.ShardingPlan] = None
         if isinstance(model, str):
