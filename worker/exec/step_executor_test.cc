@@ -1590,6 +1590,7 @@ struct EvalCase {
   std::string name;
   Shape shape;
   bool diffusion = false;
+  bool sft = false;  // The SFT dataset: masked, packed rows.
 };
 
 class StepExecutorEvalTest : public ::testing::TestWithParam<EvalCase> {};
@@ -1601,6 +1602,7 @@ TEST_P(StepExecutorEvalTest, ScoresTheStepLossAndChangesNothing) {
   const v1::ShardingPlan plan = MakePlan(model, c.shape);
   TrainOptions train;
   if (c.diffusion) train.seq = kDiffusionSeq;
+  if (c.sft) train.data_path = SftDataDir();
   const WorldRun plain =
       Train(model, plan, EquivalenceOptions(), kSteps, kGlobalBatch, train);
   train.evaluate = true;
@@ -1653,8 +1655,9 @@ TEST_P(StepExecutorEvalTest, ScoresTheStepLossAndChangesNothing) {
 
 std::vector<EvalCase> EvalCases() {
   std::vector<EvalCase> cases;
-  auto add = [&](const std::string& name, Shape s, bool diffusion = false) {
-    cases.push_back({name, s, diffusion});
+  auto add = [&](const std::string& name, Shape s, bool diffusion = false,
+                 bool sft = false) {
+    cases.push_back({name, s, diffusion, sft});
   };
   Shape s;
   add("default_W1", s);
@@ -1678,6 +1681,12 @@ std::vector<EvalCase> EvalCases() {
   s.microbatches = 2;
   s.defer = true;
   add("mixed_accumulate_W2", s);
+  // Masked rows: each rank scores its own token mean over its micro-batches,
+  // as the training step reports it.
+  s = Shape();
+  s.dp_shard = 2;
+  s.microbatches = 2;
+  add("sft_accumulate_W2", s, false, /*sft=*/true);
   s = Shape();
   s.passes = 2;
   s.no_grad_passes = 1;

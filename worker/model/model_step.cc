@@ -542,6 +542,15 @@ absl::Status ModelStep::GemmaBackward(const Command& c, int64_t batch,
   return absl::OkStatus();
 }
 
+double ModelStep::LossWeight(const BatchSlot& batch) const {
+  if (global_counted_ <= 0) return 1.0;
+  int64_t local = 0;
+  for (int m = 0; m < shape_.microbatches; ++m) local += batches_[m].counted;
+  return local == 0 ? 0.0
+                    : static_cast<double>(batch.counted) *
+                          shape_.microbatches / local;
+}
+
 absl::Status ModelStep::SetRowSegments(int microbatch,
                                        const int32_t* segment_starts) {
   if (microbatch < 0 || microbatch >= shape_.microbatches ||
@@ -667,8 +676,8 @@ absl::Status ModelStep::Forward(const Command& c) {
         // from.
         if (eval_ && pass >= shape_.no_grad_passes) {
           SHARDD_RETURN_IF_ERROR(ops_->HeadLoss(a.h, batch.targets, t,
-                                                LossTerm{0.0f, 1.0}, 0.0,
-                                                /*dh=*/nullptr));
+                                                LossTerm{0.0f, LossWeight(batch)},
+                                                0.0, /*dh=*/nullptr));
           ++loss_terms_;
         }
         a.final_x.Reset();
@@ -766,18 +775,11 @@ absl::Status ModelStep::Backward(const Command& c) {
                                           shape_.microbatches *
                                           grad_passes()));
       if (global_counted_ > 0) {
-        // The mean over the global batch's counted tokens; reported as this
-        // rank's own token mean over its micro-batches.
-        int64_t local = 0;
-        for (int m = 0; m < shape_.microbatches; ++m) {
-          local += batches_[m].counted;
-        }
+        // The mean over the global batch's counted tokens.
         term.grad_scale = static_cast<float>(
             loss_ranks_ /
             (static_cast<double>(global_counted_) * grad_passes()));
-        term.weight = local == 0 ? 0.0
-                                 : static_cast<double>(batch.counted) *
-                                       shape_.microbatches / local;
+        term.weight = LossWeight(batch);
       }
       double aux = 0.0;
       if (arch_.aux_on()) {

@@ -218,6 +218,12 @@ class ModelStep {
   // The exchange over t tokens, with the capacity factor's bound on the
   // rows received.
   RoutedExchange RoutedFor(int64_t t) const;
+  // A micro-batch's weight in the reported loss (the mean of the terms):
+  // 1, or under SetGlobalLossTokens its share of this rank's counted
+  // targets times the micro-batches, so the loss is this rank's token
+  // mean (training and evaluation alike).
+  double LossWeight(const BatchSlot& batch) const;
+
   absl::Status LayerBackward(const MoeLayerSpec& spec, int layer,
                              const BatchSlot& batch, PassSlot* a);
   // LAYER or EXPERTS of a DiffusionGemma layer over `batch` sequences of
