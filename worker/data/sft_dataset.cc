@@ -4,6 +4,7 @@
 
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <sstream>
 
 #include "absl/status/status.h"
@@ -122,26 +123,21 @@ absl::StatusOr<std::unique_ptr<SftDataset>> SftDataset::Open(
     return absl::DataLossError(
         absl::StrCat(manifest_path, ": \"files\" is missing"));
   }
-  XXH64_state_t* digest = XXH64_createState();
-  XXH64_reset(digest, 0);
+  std::unique_ptr<XXH64_state_t, XXH_errorcode (*)(XXH64_state_t*)> digest(
+      XXH64_createState(), XXH64_freeState);
+  XXH64_reset(digest.get(), 0);
   for (const char* name :
        {"tokens.bin", "tokens.idx", "loss_mask.bin", "loss_mask.idx",
         "source_lines.bin"}) {
     if (!m["files"].contains(name)) {
-      XXH64_freeState(digest);
       return absl::DataLossError(
           absl::StrCat(manifest_path, ": lists no ", name));
     }
-    const absl::Status verified = VerifyFile(
-        Join(dir, name), m["files"][name], chunk_bytes, digest);
-    if (!verified.ok()) {
-      XXH64_freeState(digest);
-      return verified;
-    }
+    SHARDD_RETURN_IF_ERROR(VerifyFile(Join(dir, name), m["files"][name],
+                                      chunk_bytes, digest.get()));
   }
   std::unique_ptr<SftDataset> d(new SftDataset());
-  d->fingerprint_ = XXH64_digest(digest);
-  XXH64_freeState(digest);
+  d->fingerprint_ = XXH64_digest(digest.get());
   d->dir_ = dir;
   d->pad_id_ = static_cast<int32_t>(pad_id);
   d->vocab_size_ = vocab;

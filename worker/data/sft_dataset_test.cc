@@ -25,11 +25,7 @@ using ::testing::HasSubstr;
 
 using testing_util::SftExample;
 using testing_util::WriteSftDataset;
-
-template <typename T>
-void Append(std::string* out, T v) {
-  out->append(reinterpret_cast<const char*>(&v), sizeof(T));
-}
+using testing_util::sft_internal::Append;
 
 void WriteFile(const std::string& path, const std::string& bytes) {
   std::ofstream(path, std::ios::binary) << bytes;

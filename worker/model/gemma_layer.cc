@@ -527,17 +527,40 @@ absl::Status GemmaLayerBlock::RoutedExpertsForward(
     }
     return absl::OkStatus();
   }
-  const int64_t d = arch_->dim;
+  a->experts_out.resize(t * arch_->dim);
+  return ExpertsKernelForward(layer, params, t, arch_->top_k,
+                              a->experts_in.data(), a->indices.data(),
+                              a->weights.data(), a->experts_out.data(), a);
+}
+
+absl::Status GemmaLayerBlock::ExpertsKernelForward(
+    const MoeLayerSpec& layer, ParamSource* params, int64_t rows, int k,
+    const float* x, const int32_t* ids, const float* w, float* y,
+    GemmaLayerActs* a) {
   SHARDD_ASSIGN_OR_RETURN(const float* w_gu, params->Param(layer.w_gu.name));
   SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(layer.w_d.name));
-  a->experts_out.resize(t * d);
   SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsForward(
-      {t, d, layer.moe_inter, layer.experts, arch_->top_k}, arch_->activation,
-      a->experts_in.data(), a->indices.data(), a->weights.data(), nullptr,
-      w_gu, w_d, a->experts_out.data(), &a->experts));
+      {rows, arch_->dim, layer.moe_inter, layer.experts, k}, arch_->activation,
+      x, ids, w, nullptr, w_gu, w_d, y, &a->experts));
   // The per-row outputs are the kernel's scratch; backward regrows them.
   decltype(a->experts.o)().swap(a->experts.o);
   return absl::OkStatus();
+}
+
+absl::Status GemmaLayerBlock::ExpertsKernelBackward(
+    const MoeLayerSpec& layer, ParamSource* params, int64_t rows, int k,
+    const float* dy, float* dx, float* dweights, GemmaLayerActs* a) {
+  SHARDD_ASSIGN_OR_RETURN(const float* w_gu, params->Param(layer.w_gu.name));
+  SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(layer.w_d.name));
+  std::vector<float> dw_gu(layer.w_gu.frozen ? 0 : layer.w_gu.numel(), 0.0f);
+  std::vector<float> dw_d(layer.w_d.frozen ? 0 : layer.w_d.numel(), 0.0f);
+  SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsBackward(
+      {rows, arch_->dim, layer.moe_inter, layer.experts, k},
+      arch_->activation, w_gu, w_d, dy, dx, /*accumulate_dx=*/false, dweights,
+      dw_gu.empty() ? nullptr : dw_gu.data(),
+      dw_d.empty() ? nullptr : dw_d.data(), &a->experts));
+  SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.w_gu, dw_gu));
+  return AddGrad(params, layer.w_d, dw_d);
 }
 
 absl::Status GemmaLayerBlock::ExchangedForward(const MoeLayerSpec& layer,
@@ -566,16 +589,11 @@ absl::Status GemmaLayerBlock::ExchangedForward(const MoeLayerSpec& layer,
             "EXPERTS of an expert-parallel DiffusionGemma layer before its "
             "DISPATCH");
       }
-      SHARDD_ASSIGN_OR_RETURN(const float* w_gu,
-                              params->Param(layer.w_gu.name));
-      SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(layer.w_d.name));
       // Top-1 over the block, each row's weight applied here as on one rank.
       a->y_r.resize(r * d);
-      SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsForward(
-          {r, d, layer.moe_inter, layer.experts, 1}, arch_->activation,
-          a->x_r.data(), a->ids_r.data(), a->w_r.data(), nullptr, w_gu, w_d,
-          a->y_r.data(), &a->experts));
-      decltype(a->experts.o)().swap(a->experts.o);
+      SHARDD_RETURN_IF_ERROR(ExpertsKernelForward(
+          layer, params, r, /*k=*/1, a->x_r.data(), a->ids_r.data(),
+          a->w_r.data(), a->y_r.data(), a));
       std::vector<float>().swap(a->x_r);
       std::vector<float>().swap(a->w_r);
       std::vector<int32_t>().swap(a->ids_r);
@@ -610,20 +628,9 @@ absl::Status GemmaLayerBlock::RoutedExpertsBackward(
     }
     return absl::OkStatus();
   }
-  const int64_t d = arch_->dim;
-  const int k = arch_->top_k;
-  SHARDD_ASSIGN_OR_RETURN(const float* w_gu, params->Param(layer.w_gu.name));
-  SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(layer.w_d.name));
-  a->dweights.resize(t * k);
-  std::vector<float> dw_gu(layer.w_gu.frozen ? 0 : layer.w_gu.numel(), 0.0f);
-  std::vector<float> dw_d(layer.w_d.frozen ? 0 : layer.w_d.numel(), 0.0f);
-  SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsBackward(
-      {t, d, layer.moe_inter, layer.experts, k}, arch_->activation, w_gu, w_d,
-      dy, dx, /*accumulate_dx=*/false, a->dweights.data(),
-      dw_gu.empty() ? nullptr : dw_gu.data(),
-      dw_d.empty() ? nullptr : dw_d.data(), &a->experts));
-  SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.w_gu, dw_gu));
-  return AddGrad(params, layer.w_d, dw_d);
+  a->dweights.resize(t * arch_->top_k);
+  return ExpertsKernelBackward(layer, params, t, arch_->top_k, dy, dx,
+                               a->dweights.data(), a);
 }
 
 absl::Status GemmaLayerBlock::ExchangedBackward(
@@ -649,22 +656,13 @@ absl::Status GemmaLayerBlock::ExchangedBackward(
             "BACKWARD EXPERTS of an expert-parallel DiffusionGemma layer "
             "before its BACKWARD COMBINE");
       }
-      SHARDD_ASSIGN_OR_RETURN(const float* w_gu,
-                              params->Param(layer.w_gu.name));
-      SHARDD_ASSIGN_OR_RETURN(const float* w_d, params->Param(layer.w_d.name));
-      std::vector<float> dw_gu(layer.w_gu.frozen ? 0 : layer.w_gu.numel(),
-                               0.0f);
-      std::vector<float> dw_d(layer.w_d.frozen ? 0 : layer.w_d.numel(), 0.0f);
       a->dx_r.resize(r * d);
       a->dw_r.resize(r);
-      SHARDD_RETURN_IF_ERROR(kernels::GroupedExpertsBackward(
-          {r, d, layer.moe_inter, layer.experts, 1}, arch_->activation, w_gu,
-          w_d, a->dy_r.data(), a->dx_r.data(), /*accumulate_dx=*/false,
-          a->dw_r.data(), dw_gu.empty() ? nullptr : dw_gu.data(),
-          dw_d.empty() ? nullptr : dw_d.data(), &a->experts));
+      SHARDD_RETURN_IF_ERROR(ExpertsKernelBackward(
+          layer, params, r, /*k=*/1, a->dy_r.data(), a->dx_r.data(),
+          a->dw_r.data(), a));
       std::vector<float>().swap(a->dy_r);
-      SHARDD_RETURN_IF_ERROR(AddGrad(params, layer.w_gu, dw_gu));
-      return AddGrad(params, layer.w_d, dw_d);
+      return absl::OkStatus();
     }
     case ExpertsPhase::kDispatch:
       if (static_cast<int64_t>(a->dx_r.size()) != r * d) {

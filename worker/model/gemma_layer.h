@@ -189,6 +189,19 @@ class GemmaLayerBlock {
                                      const float* dy, float* dx,
                                      GemmaLayerActs* acts,
                                      const RoutedExchange* ep);
+  // The grouped-experts kernel over `rows` rows of k choices (all experts:
+  // the tokens, top_k; the received rows of an exchange: 1) into
+  // acts->experts, and its backward with the experts' weight gradients
+  // added to params.
+  absl::Status ExpertsKernelForward(const MoeLayerSpec& layer,
+                                    ParamSource* params, int64_t rows, int k,
+                                    const float* x, const int32_t* ids,
+                                    const float* w, float* y,
+                                    GemmaLayerActs* acts);
+  absl::Status ExpertsKernelBackward(const MoeLayerSpec& layer,
+                                     ParamSource* params, int64_t rows, int k,
+                                     const float* dy, float* dx,
+                                     float* dweights, GemmaLayerActs* acts);
   // One phase of the exchanged experts (not kAll): kDispatch routes and
   // fills x_r / ids_r / w_r, kCompute runs the local experts into y_r,
   // kCombine sums y_r back into acts->experts_out.

@@ -586,14 +586,18 @@ absl::Status ModelStep::SetRowSegments(int microbatch,
   return absl::OkStatus();
 }
 
+absl::Status ModelStep::UseSegments(const BatchSlot& batch) {
+  return ops_->SetRowSegments(
+      batch.segment_starts.empty() ? nullptr : batch.segment_starts.data());
+}
+
 absl::Status ModelStep::Forward(const Command& c) {
   if (diffusion_) return DiffusionForward(c);
   const int pass = c.pass();
   const int mb = c.microbatch();
   PassSlot& a = Slot(pass, mb);
   const BatchSlot& batch = batches_[mb];
-  SHARDD_RETURN_IF_ERROR(ops_->SetRowSegments(
-      batch.segment_starts.empty() ? nullptr : batch.segment_starts.data()));
+  SHARDD_RETURN_IF_ERROR(UseSegments(batch));
   const int64_t t = batch.tokens;
   const int64_t td = t * arch_.dim;
   switch (c.part()) {
@@ -761,8 +765,7 @@ absl::Status ModelStep::Backward(const Command& c) {
   const int mb = c.microbatch();
   PassSlot& a = Slot(pass, mb);
   const BatchSlot& batch = batches_[mb];
-  SHARDD_RETURN_IF_ERROR(ops_->SetRowSegments(
-      batch.segment_starts.empty() ? nullptr : batch.segment_starts.data()));
+  SHARDD_RETURN_IF_ERROR(UseSegments(batch));
   const int64_t t = batch.tokens;
   const int64_t td = t * arch_.dim;
   switch (c.part()) {

@@ -223,6 +223,8 @@ class ModelStep {
   // targets times the micro-batches, so the loss is this rank's token
   // mean (training and evaluation alike).
   double LossWeight(const BatchSlot& batch) const;
+  // The ops' attention sees `batch`'s packed rows (or none).
+  absl::Status UseSegments(const BatchSlot& batch);
 
   absl::Status LayerBackward(const MoeLayerSpec& spec, int layer,
                              const BatchSlot& batch, PassSlot* a);
