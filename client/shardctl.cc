@@ -35,6 +35,7 @@
 #include "checkpoint/consolidate.h"
 #include "checkpoint/hf_export.h"
 #include "checkpoint/hf_interop.h"
+#include "checkpoint/peft_adapters.h"
 
 namespace shardd {
 namespace {
@@ -435,6 +436,21 @@ absl::Status RunCheckpointConsolidate(const ShardctlArgs& args,
 // checkpoint export
 
 absl::Status RunCheckpointExport(const ShardctlArgs& args, std::ostream& out) {
+  // A LoRA checkpoint's trained state is its adapters: export those as PEFT
+  // loads them onto the base model.
+  const absl::StatusOr<bool> lora =
+      checkpoint::CheckpointHasLora(args.checkpoint_path);
+  if (!lora.ok()) return lora.status();
+  if (*lora) {
+    const absl::Status exported =
+        checkpoint::ExportPeftAdapters(args.checkpoint_path, args.out_path);
+    if (!exported.ok()) return exported;
+    out << "Exported " << args.checkpoint_path
+        << " as PEFT LoRA adapters (adapter_model.safetensors, "
+           "adapter_config.json) into "
+        << args.out_path << "\n";
+    return absl::OkStatus();
+  }
   const absl::Status exported = checkpoint::ExportHfModel(
       args.checkpoint_path, args.out_path, args.max_shard_bytes);
   if (!exported.ok()) return exported;

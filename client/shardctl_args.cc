@@ -13,6 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "planner/activation_model.h"
 
@@ -32,6 +33,32 @@ absl::StatusOr<int32_t> ParseInt(absl::string_view flag,
                               value, "'"));
   }
   return static_cast<int32_t>(parsed);
+}
+
+// LoRA: a rank, and with it the targets; alpha defaults to PEFT's 8.
+absl::Status CheckLoraFlags(const std::set<std::string>& seen,
+                            ShardctlArgs* args) {
+  const bool lora = seen.count("--lora-rank") > 0;
+  for (const char* needs : {"--lora-alpha", "--lora-targets"}) {
+    if (!lora && seen.count(needs) > 0) {
+      return Usage(
+          absl::StrCat(needs, " needs --lora-rank R (LoRA fine-tuning)"));
+    }
+  }
+  if (lora && seen.count("--lora-targets") == 0) {
+    return Usage(
+        "--lora-rank needs --lora-targets (PEFT's module names, e.g. "
+        "q_proj,k_proj,v_proj,o_proj,experts)");
+  }
+  if (lora && seen.count("--lora-alpha") == 0) {
+    args->options.mutable_lora()->set_alpha(8);
+  }
+  if (seen.count("--lora-from") > 0 && !lora) {
+    return Usage(
+        "--lora-from needs --lora-rank, --lora-alpha and --lora-targets as "
+        "the adapters were trained with");
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<int64_t> ParseInt64(absl::string_view flag,
@@ -196,7 +223,10 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                             "--timeline",
                                             "--timeline-svg",
                                             "--compare-strategy",
-                                            "--device-memory"});
+                                            "--device-memory",
+                                            "--lora-rank",
+                                            "--lora-alpha",
+                                            "--lora-targets"});
   static const auto* train = WithConnection({"--model",
                                              "--model-id",
                                              "--steps",
@@ -214,6 +244,10 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                              "--defer-grad-sync",
                                              "--fine-grained",
                                              "--no-packing",
+                                             "--lora-rank",
+                                             "--lora-alpha",
+                                             "--lora-targets",
+                                             "--lora-from",
                                              "--passes",
                                              "--no-grad-passes",
                                              "--no-mixed-precision",
@@ -450,6 +484,42 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
                                 *n));
     }
     args->train.set_synthetic_order(*n);
+  } else if (flag == "--lora-rank") {
+    absl::StatusOr<int32_t> r = ParseInt(flag, value, 1);
+    if (!r.ok()) return r.status();
+    options.mutable_lora()->set_rank(*r);
+  } else if (flag == "--lora-alpha") {
+    double alpha = 0;
+    if (!absl::SimpleAtod(value, &alpha) || !std::isfinite(alpha) ||
+        !(alpha > 0)) {
+      return Usage(absl::StrCat("--lora-alpha: expected a number > 0, got '",
+                                value, "'"));
+    }
+    options.mutable_lora()->set_alpha(alpha);
+  } else if (flag == "--lora-targets") {
+    options.mutable_lora()->clear_targets();
+    for (absl::string_view t : absl::StrSplit(value, ',')) {
+      if (t.empty()) {
+        return Usage(absl::StrCat(
+            "--lora-targets: expected module names separated by commas "
+            "(q_proj,v_proj,...,experts), got '",
+            value, "'"));
+      }
+      options.mutable_lora()->add_targets(std::string(t));
+    }
+  } else if (flag == "--lora-from") {
+    if (value.empty()) {
+      return Usage(
+          "--lora-from: expected a PEFT adapter directory "
+          "(adapter_model.safetensors, adapter_config.json)");
+    }
+    std::error_code ec;
+    const std::filesystem::path absolute = std::filesystem::absolute(value, ec);
+    if (ec) {
+      return Usage(absl::StrCat("--lora-from: cannot resolve '", value,
+                                "': ", ec.message()));
+    }
+    args->train.set_lora_from(absolute.lexically_normal().string());
   } else if (flag == "--init-from") {
     if (value.empty()) {
       return Usage(
@@ -837,6 +907,9 @@ absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
     if (!applied.ok()) return applied;
   }
 
+  if (absl::Status lora = CheckLoraFlags(seen, &args); !lora.ok()) {
+    return lora;
+  }
   switch (args.command) {
     case ShardctlCommand::kPlan: {
       const bool has_hf = seen.count("--hf-config") > 0;
@@ -935,6 +1008,7 @@ absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
         // The stored model's plan options are fixed.
         for (const char* fixed :
              {"--dp", "--replicate", "--ep", "--ep-capacity-factor",
+              "--lora-rank", "--lora-alpha", "--lora-targets",
               "--strategy", "--passes",
               "--no-grad-passes", "--no-mixed-precision",
               "--keep-compute-shard", "--reshard-after-forward",

@@ -14,6 +14,7 @@
 namespace shardd {
 namespace {
 
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
 absl::StatusOr<ShardctlArgs> Parse(std::vector<std::string> args) {
@@ -707,6 +708,48 @@ TEST(ShardctlArgsTest, TrainHasHelp) {
   EXPECT_THAT(ShardctlUsage(ShardctlCommand::kTrain),
               HasSubstr("--global-batch B"));
   EXPECT_THAT(ShardctlUsage(ShardctlCommand::kHelp), HasSubstr("train"));
+}
+
+TEST(ShardctlArgsTest, LoraFlags) {
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      ShardctlArgs args,
+      Parse({"train", "--coordinator", "127.0.0.1:1", "--model", "m.json",
+             "--lora-rank", "8",
+             "--lora-targets", "q_proj,v_proj,experts", "--lora-from",
+             "/a/adapters"}));
+  EXPECT_EQ(args.options.lora().rank(), 8);
+  EXPECT_EQ(args.options.lora().alpha(), 8);  // PEFT's default.
+  EXPECT_THAT(args.options.lora().targets(),
+              ElementsAre("q_proj", "v_proj", "experts"));
+  EXPECT_EQ(args.train.lora_from(), "/a/adapters");
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      ShardctlArgs plan, Parse({"plan", "--model", "m.json", "--dp", "2",
+                                "--lora-rank", "4", "--lora-alpha", "2.5",
+                                "--lora-targets", "experts"}));
+  EXPECT_EQ(plan.options.lora().alpha(), 2.5);
+  const struct {
+    std::vector<std::string> extra;
+    const char* message;
+  } bad[] = {
+      {{"--lora-rank", "0", "--lora-targets", "q_proj"},
+       "--lora-rank: expected an integer >= 1, got '0'"},
+      {{"--lora-rank", "4", "--lora-alpha", "0", "--lora-targets", "q_proj"},
+       "--lora-alpha: expected a number > 0, got '0'"},
+      {{"--lora-rank", "4", "--lora-targets", "q_proj,,v_proj"},
+       "--lora-targets: expected module names separated by commas"},
+      {{"--lora-rank", "4"}, "--lora-rank needs --lora-targets"},
+      {{"--lora-targets", "q_proj"}, "--lora-targets needs --lora-rank"},
+      {{"--lora-from", "/a"}, "--lora-from needs --lora-rank"},
+  };
+  for (const auto& c : bad) {
+    std::vector<std::string> argv = {"train", "--coordinator", "127.0.0.1:1",
+                                     "--model", "m.json"};
+    argv.insert(argv.end(), c.extra.begin(), c.extra.end());
+    const absl::StatusOr<ShardctlArgs> parsed = Parse(argv);
+    EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument)
+        << c.message;
+    EXPECT_THAT(parsed.status().message(), HasSubstr(c.message));
+  }
 }
 
 // (section: timeline-svg)

@@ -62,6 +62,10 @@ Plan:
                                fp32 master (+2 bytes per sharded parameter)
                                so unshards skip the fp32->bf16 conversion
   --bucket-elements N          megatron_fsdp bucket size (default 40M)
+  --lora-rank R, --lora-alpha A, --lora-targets M,...
+                               plan LoRA fine-tuning: rank-R adapters on
+                               those modules (PEFT's names, or experts),
+                               every other weight frozen (docs/lora.md)
   --shard-placement P          auto (default): each parameter on dim 0,
                                unless that pads a rank past 1% of its even
                                share plus one row (stacked experts that do
@@ -234,6 +238,19 @@ Checkpoints (the coordinator's --checkpoint-dir, shared with the workers):
                                j-1/step-00000020, see shardctl checkpoint
                                list) in any world size and strategy: runs
                                --steps more steps from its step on
+  --lora-rank R                LoRA fine-tuning (docs/lora.md): rank-R
+                               adapters on --lora-targets, every other
+                               weight frozen (no gradient, no optimizer
+                               state); `shardctl checkpoint export` writes
+                               them in PEFT's format
+  --lora-alpha A               the adapters' scale is A / R (default 8)
+  --lora-targets M,...         PEFT's module names (q_proj, k_proj, v_proj,
+                               o_proj, gate_proj, up_proj, down_proj, ...)
+                               and experts (the stacked routed experts)
+  --lora-from DIR              the adapters from PEFT's files in DIR
+                               (adapter_model.safetensors) instead of
+                               fresh ones; with --init-from BASE a job
+                               resumes from base + adapters
   --init-from DIR              start from the Hugging Face safetensors in
                                DIR (model.safetensors, or the shards of
                                model.safetensors.index.json; F32, BF16 or

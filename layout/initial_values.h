@@ -27,6 +27,10 @@ class InitialValues {
   virtual absl::Status Read(const std::string& name,
                             const v1::TensorSpec& tensor, int64_t begin,
                             int64_t end, float* out) const = 0;
+
+  // False for a parameter these values leave to the seeded initialisation
+  // (e.g. fresh LoRA adapters over a base checkpoint).
+  virtual bool Provides(const std::string& name) const { return true; }
 };
 
 }  // namespace shardd

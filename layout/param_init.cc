@@ -48,6 +48,18 @@ InitRule InitRuleFor(const v1::TensorSpec& tensor, v1::ModuleKind owner_kind,
     rule.kind = InitKind::kZeros;
     return rule;
   }
+  // LoRA (model/lora.h) as PEFT starts it: B zero, so step 0 computes the
+  // base model; A as nn.Linear's kaiming_uniform(a=sqrt(5)), a bound of
+  // 1/sqrt(in) with in its last dim ([R, in], or [E, R, in] for experts).
+  if (absl::EndsWith(fqn, ".lora_B.weight") || absl::EndsWith(fqn, "_lora_B")) {
+    rule.kind = InitKind::kZeros;
+    return rule;
+  }
+  if (absl::EndsWith(fqn, ".lora_A.weight") || absl::EndsWith(fqn, "_lora_A")) {
+    rule.bound = 1.0 / std::sqrt(static_cast<double>(
+                           tensor.shape(tensor.shape_size() - 1)));
+    return rule;
+  }
   rule.kind = InitKind::kUniform;
   int64_t fan_in = 1;
   const int dims = tensor.shape_size();

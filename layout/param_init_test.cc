@@ -60,6 +60,27 @@ TEST(ParamInitTest, BoundsSeedsAndNamesMatter) {
   EXPECT_NEAR(sum_sq / 1024, 0.25 * 0.25 / 3, 0.004);
 }
 
+// LoRA adapters as PEFT starts them: B zero, A with bound 1/sqrt(in).
+TEST(ParamInitTest, LoraAdapters) {
+  EXPECT_EQ(InitRuleFor(Tensor({64, 4}), v1::MODULE_GENERIC,
+                        "model.layers.0.self_attn.q_proj.lora_B.weight")
+                .kind,
+            InitKind::kZeros);
+  EXPECT_EQ(InitRuleFor(Tensor({8, 64, 4}), v1::MODULE_GROUPED_EXPERTS,
+                        "model.layers.0.moe.experts.down_projs_lora_B")
+                .kind,
+            InitKind::kZeros);
+  const InitRule a = InitRuleFor(Tensor({4, 16}), v1::MODULE_GENERIC,
+                                 "model.layers.0.self_attn.q_proj.lora_A.weight");
+  EXPECT_EQ(a.kind, InitKind::kUniform);
+  EXPECT_DOUBLE_EQ(a.bound, 0.25);
+  // Stacked: the in dim is the last, not dim 1 as for the experts' weights.
+  const InitRule ea =
+      InitRuleFor(Tensor({8, 4, 64}), v1::MODULE_GROUPED_EXPERTS,
+                  "model.layers.0.moe.experts.gate_and_up_projs_lora_A");
+  EXPECT_DOUBLE_EQ(ea.bound, 0.125);
+}
+
 TEST(ParamInitTest, RulesByKind) {
   EXPECT_EQ(InitRuleFor(Tensor({8}), v1::MODULE_NORM, "model.norm.weight").kind,
             InitKind::kOnes);

@@ -217,7 +217,7 @@ absl::Status InitMasterShards(const v1::ShardingPlan& plan,
         return absl::InvalidArgumentError(absl::StrCat(
             "plan parameter '", param.name, "' is not in the model"));
       }
-      if (values != nullptr) {
+      if (values != nullptr && values->Provides(param.name)) {
         for (const OwnedRange& run : param.owned) {
           SHARDD_RETURN_IF_ERROR(values->Read(param.name,
                                               *owner->second.tensor, run.begin,

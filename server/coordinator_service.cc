@@ -18,6 +18,7 @@
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "model/hf_config.h"
+#include "model/lora.h"
 #include "model/model_util.h"
 #include "model/native_spec.h"
 #include "planner/activation_model.h"
@@ -341,6 +342,15 @@ absl::StatusOr<v1::ShardingPlan> CoordinatorService::PlanModel(
 absl::StatusOr<v1::SubmitModelResponse> CoordinatorService::SubmitModel(
     const v1::SubmitModelRequest& request) {
   SHARDD_ASSIGN_OR_RETURN(v1::ModelSpec spec, ParseSource(request));
+  if (request.options().lora().rank() != 0 ||
+      request.options().lora().targets_size() > 0) {
+    // The adapters are parameters of the model the plan is cut from.
+    absl::Status lora = ApplyLora(request.options().lora(), &spec);
+    if (!lora.ok()) {
+      return absl::Status(lora.code(),
+                          absl::StrCat("options.", lora.message()));
+    }
+  }
   const std::string model_id = ModelIdFor(spec, request.options());
 
   v1::SubmitModelResponse response;

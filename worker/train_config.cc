@@ -158,6 +158,12 @@ absl::StatusOr<v1::TrainConfig> ResolveTrainConfig(const v1::TrainConfig& train,
         "got \"",
         train.init_from(), "\""));
   }
+  if (!train.lora_from().empty() && train.lora_from()[0] != '/') {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "train.lora_from: must be an absolute path (every worker reads it), "
+        "got \"",
+        train.lora_from(), "\""));
+  }
   out.set_lr(lr);
   out.set_beta1(beta1);
   out.set_beta2(beta2);

@@ -20,9 +20,12 @@
 #include "checkpoint/checkpoint_reader.h"
 #include "checkpoint/checkpoint_writer.h"
 #include "checkpoint/hf_weights.h"
+#include "checkpoint/peft_adapters.h"
 #include "common/error_info.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "layout/initial_values.h"
+#include "model/lora.h"
 #include "model/model_util.h"
 #include "program/pass_layout.h"
 #include "planner/sharding_planner.h"
@@ -288,6 +291,35 @@ absl::Status WorkerRuntime::WithExecutor(
 
 namespace {
 
+// A job's starting values: LoRA adapters from PEFT's files (--lora-from),
+// the rest from a Hugging Face checkpoint (--init-from); what neither
+// holds starts from the seeded initialisation.
+class BaseAndAdapters : public InitialValues {
+ public:
+  BaseAndAdapters(const InitialValues* base, const InitialValues* adapters)
+      : base_(base), adapters_(adapters) {}
+
+  absl::Status Read(const std::string& name, const v1::TensorSpec& tensor,
+                    int64_t begin, int64_t end, float* out) const override {
+    const InitialValues* from = Source(name);
+    if (from == nullptr) {
+      return absl::InternalError(
+          absl::StrCat("parameter '", name, "': no initial values"));
+    }
+    return from->Read(name, tensor, begin, end, out);
+  }
+  bool Provides(const std::string& name) const override {
+    return Source(name) != nullptr;
+  }
+
+ private:
+  const InitialValues* Source(const std::string& name) const {
+    return IsLoraAdapter(name) ? adapters_ : base_;
+  }
+  const InitialValues* base_;
+  const InitialValues* adapters_;
+};
+
 // LoadPlanRequest's plan, given or derived from the model and options.
 absl::StatusOr<v1::ShardingPlan> RequestPlan(
     const v1::LoadPlanRequest& request) {
@@ -487,13 +519,22 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::BuildJobLocked(
   // fresh shards anyway. Checked (headers, names, shapes) before any
   // collective group forms, so every rank refuses a bad checkpoint alike.
   std::unique_ptr<checkpoint::HfWeights> weights;
+  std::unique_ptr<checkpoint::PeftAdapters> adapters;
+  if (!train.lora_from().empty() && request.model().lora().rank() == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank ", job->rank,
+        ": train.lora_from: the model has no LoRA adapters (submit it with "
+        "--lora-rank, --lora-alpha and --lora-targets)"));
+  }
   if (!train.init_from().empty() && *kept == nullptr) {
     if (!options_.weights_root.empty()) {
       SHARDD_RETURN_IF_ERROR(CheckUnderRoot(
           options_.weights_root, train.init_from(), "train.init_from"));
     }
+    // A LoRA model's base: the checkpoint holds no adapters.
     absl::StatusOr<std::unique_ptr<checkpoint::HfWeights>> opened =
-        checkpoint::HfWeights::Open(train.init_from(), request.model());
+        checkpoint::HfWeights::Open(train.init_from(),
+                                    WithoutLoraAdapters(request.model()));
     if (!opened.ok()) {
       return absl::Status(
           opened.status().code(),
@@ -508,7 +549,31 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::BuildJobLocked(
                           << " are not parameters of the model (first: "
                           << unused.front() << ")";
     }
-    executor_options.initial_values = weights.get();
+  }
+  if (!train.lora_from().empty() && *kept == nullptr) {
+    if (!options_.weights_root.empty()) {
+      SHARDD_RETURN_IF_ERROR(CheckUnderRoot(
+          options_.weights_root, train.lora_from(), "train.lora_from"));
+    }
+    absl::StatusOr<std::unique_ptr<checkpoint::PeftAdapters>> opened =
+        checkpoint::PeftAdapters::Open(train.lora_from(), request.model());
+    if (!opened.ok()) {
+      return absl::Status(
+          opened.status().code(),
+          absl::StrCat("rank ", job->rank, ": train.lora_from: ",
+                       opened.status().message()));
+    }
+    adapters = *std::move(opened);
+  }
+  BaseAndAdapters initial(weights.get(), adapters.get());
+  if (weights != nullptr || adapters != nullptr) {
+    executor_options.initial_values = &initial;
+  }
+  if (options_.device >= 0 && request.model().lora().rank() > 0) {
+    return absl::UnimplementedError(absl::StrCat(
+        "rank ", job->rank, ": model.lora: LoRA runs on CPU workers only so "
+        "far; device cuda:", options_.device,
+        " does not merge adapters yet (docs/lora.md)"));
   }
   if (options_.device >= 0 && plan.mesh().ep() > 1) {
     return absl::UnimplementedError(absl::StrCat(

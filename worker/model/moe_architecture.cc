@@ -3,6 +3,7 @@
 #include <cmath>
 #include <functional>
 #include <map>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -10,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "common/status_macros.h"
+#include "model/lora.h"
 #include "model/model_util.h"
 
 namespace shardd {
@@ -193,11 +195,19 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
   }
   MoeArchitecture arch;
   std::map<std::string, ArchTensor> tensors;
+  // A LoRA-adapted weight is frozen but its gradient is computed: the
+  // parameter source turns it into the adapters' (worker/shards/lora_merge.h).
+  SHARDD_ASSIGN_OR_RETURN(const std::vector<LoraTarget> lora,
+                          LoraTargetsOf(model));
+  std::set<std::string> adapted;
+  for (const LoraTarget& t : lora) adapted.insert(t.base);
   for (const ParamRef& ref : ListParams(model)) {
+    // The adapters enter through their weight's merged view.
+    if (!lora.empty() && IsLoraAdapter(ref.fqn)) continue;
     ArchTensor t;
     t.name = ref.tensor->tied_to().empty() ? ref.fqn : ref.tensor->tied_to();
     t.shape.assign(ref.tensor->shape().begin(), ref.tensor->shape().end());
-    t.frozen = ref.tensor->frozen();
+    t.frozen = ref.tensor->frozen() && !adapted.count(ref.fqn);
     tensors[ref.fqn] = t;
   }
   auto take = [&](const std::string& name,

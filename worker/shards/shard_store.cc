@@ -11,6 +11,7 @@
 #include "kernels/cpu/bf16.h"
 #include "kernels/cpu/compute_pool.h"
 #include "layout/shard_layout.h"
+#include "worker/shards/lora_merge.h"
 
 namespace shardd {
 namespace {
@@ -58,6 +59,9 @@ absl::StatusOr<std::unique_ptr<ShardStore>> ShardStore::Create(
   SHARDD_ASSIGN_OR_RETURN(std::vector<UnitLayout> layouts,
                           ComputeUnitLayouts(plan, options.shard_rank));
   auto store = absl::WrapUnique(new ShardStore(tracker, options));
+  SHARDD_ASSIGN_OR_RETURN(const std::vector<LoraTarget> lora,
+                          LoraTargetsOf(model));
+  for (const LoraTarget& t : lora) store->lora_[t.base] = t;
   std::vector<float*> masters;
   for (int u = 0; u < plan.units_size(); ++u) {
     const v1::FsdpUnit& unit = plan.units(u);
@@ -346,24 +350,74 @@ absl::StatusOr<const float*> ShardStore::ParamView(const std::string& name) {
     return absl::FailedPreconditionError(absl::StrCat(
         "parameter '", name, "': unit ", ref->unit, " is not gathered"));
   }
+  auto lora = lora_.find(name);
+  if (lora != lora_.end()) return LoraView(lora->second, *ref);
   if (ViewsInPlace(*unit, param)) {
     return unit->gathered.as<const float>() + param.gathered[0].src;
   }
   TrackedBuffer& copy = unit->copies[ref->index];
   if (!copy.empty()) return copy.as<const float>();
   copy = TrackedBuffer(tracker_, MemoryKind::kWorkspace, param.numel * 4);
-  const int64_t elem = DTypeBytes(unit->compute);
-  const char* base = unit->gathered.as<const char>();
+  CopyOut(*unit, param, copy.as<float>());
+  return copy.as<const float>();
+}
+
+void ShardStore::CopyOut(const UnitState& unit, const ParamPlacement& param,
+                         float* out) const {
+  const int64_t elem = DTypeBytes(unit.compute);
+  const char* base = unit.gathered.as<const char>();
   for (const CopySegment& seg : param.gathered) {
-    ToFp32(base + seg.src * elem, unit->compute, seg.count,
-           copy.as<float>() + seg.dst);
+    ToFp32(base + seg.src * elem, unit.compute, seg.count, out + seg.dst);
   }
+}
+
+absl::StatusOr<int64_t> ShardStore::LoraExperts(const LoraTarget& t,
+                                                const ParamRef& ref) const {
+  const ParamPlacement& param = layouts_[ref.unit].params[ref.index];
+  const int64_t experts =
+      t.experts == 0 ? 0 : t.experts / units_[ref.unit]->ep;
+  if (param.numel != std::max<int64_t>(experts, 1) * t.in * t.out) {
+    return absl::InternalError(absl::StrCat(
+        "parameter '", t.base, "': ", param.numel,
+        " gathered elements do not hold its LoRA geometry"));
+  }
+  return experts;
+}
+
+absl::StatusOr<const float*> ShardStore::LoraView(const LoraTarget& t,
+                                                  const ParamRef& ref) {
+  UnitState* unit = units_[ref.unit].get();
+  TrackedBuffer& copy = unit->copies[ref.index];
+  // Merged once per gather (Reshard drops the copy). Always a copy: the
+  // gathered buffer keeps W, since a reshard slice of it may seed the next
+  // gather.
+  if (!copy.empty()) return copy.as<const float>();
+  SHARDD_ASSIGN_OR_RETURN(const int64_t experts, LoraExperts(t, ref));
+  SHARDD_ASSIGN_OR_RETURN(const float* a, ParamView(t.a));
+  SHARDD_ASSIGN_OR_RETURN(const float* b, ParamView(t.b));
+  const ParamPlacement& param = layouts_[ref.unit].params[ref.index];
+  copy = TrackedBuffer(tracker_, MemoryKind::kWorkspace, param.numel * 4);
+  CopyOut(*unit, param, copy.as<float>());
+  LoraMergeInto(t, experts, a, b, copy.as<float>());
   return copy.as<const float>();
 }
 
 absl::Status ShardStore::AccumulateGrad(const std::string& name,
                                         const float* values) {
   SHARDD_ASSIGN_OR_RETURN(const ParamRef* ref, Param(name));
+  auto lora = lora_.find(name);
+  if (lora != lora_.end()) {
+    // dL/dW' -> the adapters' gradients; the frozen W takes none.
+    const LoraTarget& t = lora->second;
+    SHARDD_ASSIGN_OR_RETURN(const int64_t experts, LoraExperts(t, *ref));
+    SHARDD_ASSIGN_OR_RETURN(const float* a, ParamView(t.a));
+    SHARDD_ASSIGN_OR_RETURN(const float* b, ParamView(t.b));
+    const int64_t count = std::max<int64_t>(experts, 1) * t.rank;
+    std::vector<float> da(count * t.in), db(count * t.out);
+    LoraSplitGrad(t, experts, a, b, values, da.data(), db.data());
+    SHARDD_RETURN_IF_ERROR(AccumulateGrad(t.a, da.data()));
+    return AccumulateGrad(t.b, db.data());
+  }
   const ParamPlacement& param = layouts_[ref->unit].params[ref->index];
   if (param.frozen) {
     return absl::FailedPreconditionError(

@@ -40,6 +40,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "model/lora.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "layout/shard_layout.h"
@@ -205,6 +206,15 @@ class ShardStore {
   static float* BufferOf(const UnitState& unit, ShardBuffer buffer);
   absl::StatusOr<const ParamRef*> Param(const std::string& name) const;
   bool ViewsInPlace(const UnitState& unit, const ParamPlacement& param) const;
+  // The gathered values of `param` as fp32 into out[0..numel).
+  void CopyOut(const UnitState& unit, const ParamPlacement& param,
+               float* out) const;
+  // A LoRA target's merged view, and the experts this rank holds of it (0
+  // for a linear).
+  absl::StatusOr<const float*> LoraView(const LoraTarget& t,
+                                        const ParamRef& ref);
+  absl::StatusOr<int64_t> LoraExperts(const LoraTarget& t,
+                                      const ParamRef& ref) const;
 
   MemoryTracker* tracker_;
   ShardStoreOptions options_;
@@ -216,6 +226,9 @@ class ShardStore {
   // The arithmetic of where every parameter lives (layout/shard_layout).
   std::vector<UnitLayout> layouts_;
   absl::flat_hash_map<std::string, ParamRef> params_;
+  // LoRA-adapted weights by name (model/lora.h): viewed merged with their
+  // adapters, their gradients turned into the adapters' (lora_merge.h).
+  absl::flat_hash_map<std::string, LoraTarget> lora_;
 };
 
 }  // namespace shardd

@@ -90,6 +90,9 @@ def plan_options(
     micro_batch_size: Optional[int] = None,
     seq_len: Optional[int] = None,
     activation_checkpointing: Optional[str] = None,
+    lora_rank: Optional[int] = None,
+    lora_alpha: Optional[float] = None,
+    lora_targets: Optional[Sequence[str]] = None,
 ) -> ppb.PlanOptions:
     """Builds a PlanOptions message; None leaves the strategy's default.
 
@@ -115,8 +118,21 @@ def plan_options(
             always counts its own).
         activation_checkpointing: "none", "all", "experts" or "every:K":
             the layers (or only the experts) that recompute in backward.
+        lora_rank, lora_alpha, lora_targets: LoRA fine-tuning
+            (docs/lora.md): rank-R adapters on PEFT's module names (and
+            "experts"), scaled by alpha / rank (alpha default 8); every
+            other weight frozen.
     """
     options = ppb.PlanOptions()
+    if lora_rank is not None:
+        if not lora_targets:
+            raise _invalid("lora_targets: name the modules to adapt "
+                           "(q_proj, v_proj, ..., experts)")
+        options.lora.rank = lora_rank
+        options.lora.alpha = 8.0 if lora_alpha is None else lora_alpha
+        options.lora.targets.extend(lora_targets)
+    elif lora_alpha is not None or lora_targets:
+        raise _invalid("lora_alpha, lora_targets: need lora_rank")
     if dp is not None:
         options.mesh.dp_shard = dp
     if replicate is not None:
@@ -508,6 +524,7 @@ class Coordinator:
         keep_every: Optional[int] = None,
         on_checkpoint_failure: Optional[str] = None,
         resume_from: Optional[str] = None,
+        lora_from: Optional[str] = None,
         config: Optional[cpb.TrainConfig] = None,
         options: Optional[ppb.PlanOptions] = None,
         name: str = "",
@@ -524,6 +541,8 @@ class Coordinator:
         ``microbatches`` and ``defer_grad_sync`` also go into the plan.
         ``packing=False`` trains an SFT dataset (``data_path`` a directory
         from tools/prepare_sft.py) one example per row, padded.
+        ``lora_from`` starts a LoRA job's adapters from PEFT's files in that
+        directory (an absolute path the workers read).
 
         Raises:
             ShardError: those of :meth:`submit_model`; FAILED_PRECONDITION
@@ -545,7 +564,7 @@ class Coordinator:
                       keep_checkpoints=keep_checkpoints,
                       keep_every=keep_every,
                       on_checkpoint_failure=on_checkpoint_failure,
-                      resume_from=resume_from)
+                      resume_from=resume_from, lora_from=lora_from)
         for key, value in fields.items():
             if value is not None:
                 setattr(train_config, key, value)

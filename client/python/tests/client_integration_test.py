@@ -145,6 +145,24 @@ class ClientIntegrationTest(unittest.TestCase):
         self.assertIn("root.children[1].params[0].shape[1]",
                       raised.exception.message)
 
+    def test_lora_adapters_are_the_only_trainable_parameters(self):
+        full = self.coordinator.submit_model(SMALL_MOE, dp=WORKERS).summary
+        lora = self.coordinator.submit_model(
+            SMALL_MOE, dp=WORKERS, lora_rank=2, lora_alpha=4,
+            lora_targets=["experts"]).summary
+        adapters = lora.total_params - full.total_params
+        self.assertGreater(adapters, 0)
+        self.assertEqual(lora.trainable_params, adapters)
+        with self.assertRaises(shardd.ShardError) as raised:
+            self.coordinator.submit_model(SMALL_MOE, dp=WORKERS, lora_rank=2,
+                                          lora_targets=["nope"])
+        self.assertEqual(raised.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("options.lora.targets: 'nope' matches no linear module",
+                      raised.exception.message)
+        with self.assertRaises(shardd.ShardError) as raised:
+            self.coordinator.submit_model(SMALL_MOE, dp=WORKERS, lora_rank=2)
+        self.assertIn("lora_targets", raised.exception.message)
+
     def test_bad_train_config_is_invalid_argument_naming_the_field(self):
         model_id = self.coordinator.submit_model(SMALL_MOE, dp=WORKERS).model_id
         with self.assertRaises(shardd.ShardError) as raised:
