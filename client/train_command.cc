@@ -151,9 +151,18 @@ absl::Status RunTrain(const ShardctlArgs& args, bool tty, std::ostream& out) {
   const v1::TrainConfig& config = args.train;
 
   if (!args.json) {
-    out << absl::StrFormat("Model   %s (%s, %s parameters), id %s\n",
+    // A LoRA job trains its adapters only (docs/lora.md).
+    const v1::LoraConfig& lora = args.options.lora();
+    const std::string trainable =
+        lora.rank() > 0
+            ? absl::StrFormat(", %s trainable: LoRA rank %d, alpha %g",
+                              HumanCount(model_summary.trainable_params()),
+                              lora.rank(), lora.alpha())
+            : "";
+    out << absl::StrFormat("Model   %s (%s, %s parameters%s), id %s\n",
                            model_name, plan.architecture(),
-                           HumanCount(model_summary.total_params()), model_id);
+                           HumanCount(model_summary.total_params()), trainable,
+                           model_id);
     out << absl::StrFormat(
         "Plan    strategy %s, %d units, dp_shard %d x dp_replicate %d on %d "
         "workers\n",
