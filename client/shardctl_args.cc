@@ -35,6 +35,25 @@ absl::StatusOr<int32_t> ParseInt(absl::string_view flag,
   return static_cast<int32_t>(parsed);
 }
 
+// A directory the workers read: made absolute here, where a relative path
+// means something (the workers share this file system or mount the same
+// path).
+absl::StatusOr<std::string> WorkerPath(absl::string_view flag,
+                                       absl::string_view value,
+                                       absl::string_view expected) {
+  if (value.empty()) {
+    return Usage(absl::StrCat(flag, ": expected ", expected));
+  }
+  std::error_code ec;
+  const std::filesystem::path absolute =
+      std::filesystem::absolute(std::string(value), ec);
+  if (ec) {
+    return Usage(absl::StrCat(flag, ": cannot resolve '", value,
+                              "': ", ec.message()));
+  }
+  return absolute.lexically_normal().string();
+}
+
 // LoRA: a rank, and with it the targets; alpha defaults to PEFT's 8.
 absl::Status CheckLoraFlags(const std::set<std::string>& seen,
                             ShardctlArgs* args) {
@@ -508,33 +527,19 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
       options.mutable_lora()->add_targets(std::string(t));
     }
   } else if (flag == "--lora-from") {
-    if (value.empty()) {
-      return Usage(
-          "--lora-from: expected a PEFT adapter directory "
-          "(adapter_model.safetensors, adapter_config.json)");
-    }
-    std::error_code ec;
-    const std::filesystem::path absolute = std::filesystem::absolute(value, ec);
-    if (ec) {
-      return Usage(absl::StrCat("--lora-from: cannot resolve '", value,
-                                "': ", ec.message()));
-    }
-    args->train.set_lora_from(absolute.lexically_normal().string());
+    absl::StatusOr<std::string> dir = WorkerPath(
+        flag, value,
+        "a PEFT adapter directory (adapter_model.safetensors, "
+        "adapter_config.json)");
+    if (!dir.ok()) return dir.status();
+    args->train.set_lora_from(*dir);
   } else if (flag == "--init-from") {
-    if (value.empty()) {
-      return Usage(
-          "--init-from: expected a Hugging Face checkpoint directory "
-          "(model.safetensors or model.safetensors.index.json)");
-    }
-    // The workers read it: made absolute here, where a relative path means
-    // something (the workers share this file system or mount the same path).
-    std::error_code ec;
-    const std::filesystem::path absolute = std::filesystem::absolute(value, ec);
-    if (ec) {
-      return Usage(absl::StrCat("--init-from: cannot resolve '", value,
-                                "': ", ec.message()));
-    }
-    args->train.set_init_from(absolute.lexically_normal().string());
+    absl::StatusOr<std::string> dir = WorkerPath(
+        flag, value,
+        "a Hugging Face checkpoint directory (model.safetensors or "
+        "model.safetensors.index.json)");
+    if (!dir.ok()) return dir.status();
+    args->train.set_init_from(*dir);
   } else if (flag == "--checkpoint") {
     if (value.empty()) {
       return Usage("--checkpoint: expected a checkpoint directory");

@@ -35,8 +35,8 @@ import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shardd_cluster import BETAS, EPS, LR, WEIGHT_DECAY, Cluster  # noqa: E402
-from sft_test import (BATCH, SEQ, SEED, STEPS, oracle_steps,  # noqa: E402
-                      prepare, read_dataset)
+from sft_test import (BATCH, SEQ, SEED, STEPS, Checks,  # noqa: E402
+                      oracle_steps, prepare_tiny_chat, read_dataset)
 from transformers_test import (FP32_BOUND, load_config, load_oracle,  # noqa
                                redraw)
 
@@ -65,19 +65,10 @@ def peft_model(base_dir, adapters):
 
 def main():
     bin_dir, repo = sys.argv[1], sys.argv[2]
-    chat = os.path.join(repo, "tests/data/tiny_chat")
-    failures = 0
-
-    def check(ok, what):
-        nonlocal failures
-        failures += not ok
-        print(("ok   " if ok else "FAIL ") + what)
+    check = Checks()
 
     with tempfile.TemporaryDirectory() as work:
-        dataset = os.path.join(work, "chat_sft")
-        run = prepare(repo, ["--tokenizer", chat, "--input",
-                             os.path.join(chat, "chat.jsonl"), "--output",
-                             dataset])
+        dataset, run = prepare_tiny_chat(repo, work)
         if run.returncode != 0:
             print(run.stderr)
             return 1
@@ -234,8 +225,8 @@ def main():
                   f"{curve[-1]:.3f}")
         finally:
             cluster.stop()
-    print(f"{failures} failed")
-    return 1 if failures else 0
+    print(f"{check.failures} failed")
+    return 1 if check.failures else 0
 
 
 if __name__ == "__main__":

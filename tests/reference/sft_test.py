@@ -195,21 +195,34 @@ def prepare(repo, args):
         capture_output=True, text=True, timeout=300)
 
 
+class Checks:
+    """Prints each check as ok or FAIL and counts the failures."""
+
+    def __init__(self):
+        self.failures = 0
+
+    def __call__(self, ok, what):
+        self.failures += not ok
+        print(("ok   " if ok else "FAIL ") + what)
+
+
+def prepare_tiny_chat(repo, work):
+    """tests/data/tiny_chat prepared into work/chat_sft; the run's result."""
+    chat = os.path.join(repo, "tests/data/tiny_chat")
+    dataset = os.path.join(work, "chat_sft")
+    run = prepare(repo, ["--tokenizer", chat, "--input",
+                         os.path.join(chat, "chat.jsonl"), "--output",
+                         dataset])
+    return dataset, run
+
+
 def main():
     bin_dir, repo = sys.argv[1], sys.argv[2]
     chat = os.path.join(repo, "tests/data/tiny_chat")
-    failures = 0
-
-    def check(ok, what):
-        nonlocal failures
-        failures += not ok
-        print(("ok   " if ok else "FAIL ") + what)
+    check = Checks()
 
     with tempfile.TemporaryDirectory() as work:
-        dataset = os.path.join(work, "chat_sft")
-        run = prepare(repo, ["--tokenizer", chat, "--input",
-                             os.path.join(chat, "chat.jsonl"), "--output",
-                             dataset])
+        dataset, run = prepare_tiny_chat(repo, work)
         print(run.stdout.strip(), run.stderr.strip())
         check(run.returncode == 0, "prepare_sft.py prepares tiny_chat")
         examples = read_dataset(dataset)
@@ -325,8 +338,8 @@ def main():
                   f"{curve[-1]:.3f}")
         finally:
             cluster.stop()
-    print(f"{failures} failed")
-    return 1 if failures else 0
+    print(f"{check.failures} failed")
+    return 1 if check.failures else 0
 
 
 if __name__ == "__main__":
