@@ -1,10 +1,12 @@
 #include "layout/unit_layout.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "model/lora.h"
 
 namespace shardd {
 namespace {
@@ -136,10 +138,33 @@ absl::StatusOr<ParamRows> PlaceParamRows(const std::vector<int64_t>& shape,
   return out;
 }
 
-absl::Status LayoutDim0Shards(const std::vector<ParamRef>& params,
+namespace {
+
+// A unit holding LoRA adapters (model/lora.h) lays its trainable parameters
+// out first, so each rank's trainable elements are a prefix of its shard
+// and the worker holds gradients and optimizer moments for that prefix only
+// (ShardStoreOptions::trim_frozen_state). Other units keep the model's
+// order.
+std::vector<ParamRef> TrainableFirstIfAdapted(
+    const std::vector<ParamRef>& params) {
+  std::vector<ParamRef> out = params;
+  bool adapted = false;
+  for (const ParamRef& p : params) adapted = adapted || IsLoraAdapter(p.fqn);
+  if (adapted) {
+    std::stable_partition(out.begin(), out.end(), [](const ParamRef& p) {
+      return !p.tensor->frozen();
+    });
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::Status LayoutDim0Shards(const std::vector<ParamRef>& model_order,
                               int shard_size, v1::FsdpUnit* unit,
                               ShardPlacement placement, int ep_blocks) {
   if (unit == nullptr) return absl::InvalidArgumentError("unit is null");
+  const std::vector<ParamRef> params = TrainableFirstIfAdapted(model_order);
   absl::Status status = CheckCommon(params, shard_size);
   if (!status.ok()) return status;
   if (ep_blocks < 1 || ep_blocks > kMaxShardSize) {

@@ -227,6 +227,10 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(
   store_options.seed = options.seed;
   store_options.initial_values = options.initial_values;
   store_options.collective_timeout = options.collective_timeout;
+  // LoRA's frozen base holds no gradient or moments. Muon uses exp_avg_sq
+  // as whole-shard scratch, so it keeps them all.
+  store_options.trim_frozen_state =
+      model.lora().rank() > 0 && options.optimizer.name == kAdamWOptimizer;
   SHARDD_ASSIGN_OR_RETURN(
       backend->store_, ShardStore::Create(plan, model, store_options, tracker));
   backend->model_spec_ = model;
@@ -600,8 +604,8 @@ void CpuBackend::Abort(bool* clean) {
 void CpuBackend::ZeroShardGrads() {
   for (int u = 0; u < store_->num_units(); ++u) {
     const ShardStore::UnitShard shard = store_->shard(u);
-    if (shard.grads != nullptr && shard.numel > 0) {
-      kernels::FillZero(shard.grads, shard.numel * 4);
+    if (shard.grads != nullptr && shard.state_numel > 0) {
+      kernels::FillZero(shard.grads, shard.state_numel * 4);
     }
   }
 }

@@ -175,10 +175,12 @@ absl::StatusOr<int64_t> LoadRankShards(const v1::ShardingPlan& plan,
   for (int u = 0; u < shards->num_units(); ++u) {
     const ShardStore::UnitShard shard = shards->shard(u);
     const size_t bytes = static_cast<size_t>(shard.numel) * sizeof(float);
+    const size_t state_bytes =
+        static_cast<size_t>(shard.state_numel) * sizeof(float);
     std::memset(shard.params, 0, bytes);
-    std::memset(shard.grads, 0, bytes);
-    std::memset(shard.exp_avg, 0, bytes);
-    std::memset(shard.exp_avg_sq, 0, bytes);
+    for (float* buffer : {shard.grads, shard.exp_avg, shard.exp_avg_sq}) {
+      if (buffer != nullptr) std::memset(buffer, 0, state_bytes);
+    }
   }
   for (const OwnedPiece& piece : pieces) {
     const ShardStore::UnitShard shard = shards->shard(piece.unit);

@@ -47,8 +47,8 @@ void CopyFloats(const float* from, float* to, int64_t n) {
 // every destination does once its masters are written.
 void FinishUnit(int u, ShardStore* store) {
   const ShardStore::UnitShard shard = store->shard(u);
-  if (shard.grads != nullptr && shard.numel > 0) {
-    std::memset(shard.grads, 0, static_cast<size_t>(shard.numel) * 4);
+  if (shard.grads != nullptr && shard.state_numel > 0) {
+    std::memset(shard.grads, 0, static_cast<size_t>(shard.state_numel) * 4);
   }
   store->RefreshComputeShard(u, 0, shard.numel);
 }
@@ -91,8 +91,8 @@ absl::Status CopyShardState(const ShardStore& from, ShardStore* to) {
     const ShardStore::UnitShard src = from.shard(u);
     const ShardStore::UnitShard dst = to->shard(u);
     CopyFloats(src.params, dst.params, src.numel);
-    CopyFloats(src.exp_avg, dst.exp_avg, src.numel);
-    CopyFloats(src.exp_avg_sq, dst.exp_avg_sq, src.numel);
+    CopyFloats(src.exp_avg, dst.exp_avg, src.state_numel);
+    CopyFloats(src.exp_avg_sq, dst.exp_avg_sq, src.state_numel);
     FinishUnit(u, to);
   }
   return absl::OkStatus();
@@ -119,10 +119,11 @@ ShardStateSnapshot CaptureShardState(const ShardStore& store) {
     unit.has_exp_avg = shard.exp_avg != nullptr;
     unit.has_exp_avg_sq = shard.exp_avg_sq != nullptr;
     if (unit.has_exp_avg) {
-      unit.exp_avg.assign(shard.exp_avg, shard.exp_avg + shard.numel);
+      unit.exp_avg.assign(shard.exp_avg, shard.exp_avg + shard.state_numel);
     }
     if (unit.has_exp_avg_sq) {
-      unit.exp_avg_sq.assign(shard.exp_avg_sq, shard.exp_avg_sq + shard.numel);
+      unit.exp_avg_sq.assign(shard.exp_avg_sq,
+                             shard.exp_avg_sq + shard.state_numel);
     }
   }
   return snapshot;
@@ -150,9 +151,9 @@ absl::Status RestoreShardState(const ShardStateSnapshot& snapshot,
     const ShardStore::UnitShard dst = to->shard(u);
     CopyFloats(unit.params.data(), dst.params, dst.numel);
     if (unit.has_exp_avg)
-      CopyFloats(unit.exp_avg.data(), dst.exp_avg, dst.numel);
+      CopyFloats(unit.exp_avg.data(), dst.exp_avg, dst.state_numel);
     if (unit.has_exp_avg_sq) {
-      CopyFloats(unit.exp_avg_sq.data(), dst.exp_avg_sq, dst.numel);
+      CopyFloats(unit.exp_avg_sq.data(), dst.exp_avg_sq, dst.state_numel);
     }
     FinishUnit(u, to);
   }
@@ -194,12 +195,16 @@ absl::StatusOr<int64_t> BroadcastShardState(ShardStore* store,
   for (int u = 0; u < store->num_units(); ++u) {
     const ShardStore::UnitShard shard = store->shard(u);
     if (shard.numel <= 0) continue;
-    for (float* buffer : {shard.params, shard.exp_avg, shard.exp_avg_sq}) {
-      if (buffer == nullptr) continue;
+    // The moments hold state_numel elements (trim_frozen_state).
+    const std::pair<float*, int64_t> buffers[] = {
+        {shard.params, shard.numel},
+        {shard.exp_avg, shard.state_numel},
+        {shard.exp_avg_sq, shard.state_numel}};
+    for (const auto& [buffer, n] : buffers) {
+      if (buffer == nullptr || n <= 0) continue;
       SHARDD_RETURN_IF_ERROR(
-          replicas->Broadcast(buffer, shard.numel, v1::FLOAT32, root, timeout));
-      if (!is_root)
-        received += shard.numel * static_cast<int64_t>(sizeof(float));
+          replicas->Broadcast(buffer, n, v1::FLOAT32, root, timeout));
+      if (!is_root) received += n * static_cast<int64_t>(sizeof(float));
     }
   }
   if (!is_root) {

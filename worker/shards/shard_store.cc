@@ -84,15 +84,27 @@ absl::StatusOr<std::unique_ptr<ShardStore>> ShardStore::Create(
           "float32 or bfloat16, got compute ",
           DTypeName(state->compute), " and reduce ", DTypeName(state->reduce)));
     }
+    state->state_numel = state->shard_numel;
+    if (options.trim_frozen_state) {
+      int64_t end = 0;
+      for (const auto& range : layout.trainable_ranges) {
+        end = std::max(end, range.second);
+      }
+      state->state_numel = end;
+    }
     const int64_t bytes = state->shard_numel * 4;
+    const int64_t state_bytes = state->state_numel * 4;
     state->master = TrackedBuffer(tracker, MemoryKind::kShardParams, bytes);
-    state->grads = TrackedBuffer(tracker, MemoryKind::kShardGrads, bytes);
-    state->exp_avg = TrackedBuffer(tracker, MemoryKind::kOptimizerState, bytes);
+    state->grads = TrackedBuffer(tracker, MemoryKind::kShardGrads, state_bytes);
+    state->exp_avg =
+        TrackedBuffer(tracker, MemoryKind::kOptimizerState, state_bytes);
     state->exp_avg_sq =
-        TrackedBuffer(tracker, MemoryKind::kOptimizerState, bytes);
+        TrackedBuffer(tracker, MemoryKind::kOptimizerState, state_bytes);
     for (TrackedBuffer* b :
          {&state->grads, &state->exp_avg, &state->exp_avg_sq}) {
-      if (!b->empty()) std::memset(b->data(), 0, static_cast<size_t>(bytes));
+      if (!b->empty()) {
+        std::memset(b->data(), 0, static_cast<size_t>(state_bytes));
+      }
     }
     state->copies.resize(unit.params_size());
     for (int p = 0; p < unit.params_size(); ++p) {
@@ -445,6 +457,7 @@ ShardStore::UnitShard ShardStore::shard(int unit) const {
   out.grads = state.grads.as<float>();
   out.exp_avg = state.exp_avg.as<float>();
   out.exp_avg_sq = state.exp_avg_sq.as<float>();
+  out.state_numel = state.state_numel;
   out.numel = state.shard_numel;
   return out;
 }
@@ -461,10 +474,27 @@ float* ShardStore::BufferOf(const UnitState& unit, ShardBuffer buffer) {
   return unit.master.as<float>();
 }
 
+absl::Status ShardStore::CheckHeld(const std::string& name,
+                                   const ParamRef& ref,
+                                   ShardBuffer buffer) const {
+  if (buffer == ShardBuffer::kParams) return absl::OkStatus();
+  const int64_t held = units_[ref.unit]->state_numel;
+  for (const OwnedRange& run : layouts_[ref.unit].params[ref.index].owned) {
+    if (run.shard_offset + (run.end - run.begin) > held) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "parameter '", name,
+          "': its optimizer state is not held (a frozen parameter past the "
+          "unit's last trainable range)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ShardStore::CopyOwnedParamSlice(const std::string& name,
                                              float* out,
                                              ShardBuffer buffer) const {
   SHARDD_ASSIGN_OR_RETURN(const ParamRef* ref, Param(name));
+  SHARDD_RETURN_IF_ERROR(CheckHeld(name, *ref, buffer));
   const float* from = BufferOf(*units_[ref->unit], buffer);
   for (const OwnedRange& run : layouts_[ref->unit].params[ref->index].owned) {
     std::memcpy(out + run.begin, from + run.shard_offset,
@@ -477,6 +507,7 @@ absl::Status ShardStore::WriteOwnedParamSlice(const std::string& name,
                                               const float* in,
                                               ShardBuffer buffer) {
   SHARDD_ASSIGN_OR_RETURN(const ParamRef* ref, Param(name));
+  SHARDD_RETURN_IF_ERROR(CheckHeld(name, *ref, buffer));
   float* to = BufferOf(*units_[ref->unit], buffer);
   for (const OwnedRange& run : layouts_[ref->unit].params[ref->index].owned) {
     const int64_t n = run.end - run.begin;

@@ -69,6 +69,14 @@ struct ShardStoreOptions {
   // it alive during Create.
   const InitialValues* initial_values = nullptr;
   absl::Duration collective_timeout = absl::Seconds(60);
+  // Hold each unit's sharded gradient and AdamW moments only up to the end
+  // of its last trainable range (UnitShard::state_numel) instead of the
+  // whole shard: frozen elements after it have none. For optimizers that
+  // read these buffers only over the trainable ranges (AdamW; not Muon,
+  // which uses exp_avg_sq as whole-shard scratch). LoRA units place their
+  // trainable adapters first (layout/unit_layout.h), so this is what makes
+  // their frozen base cost no optimizer memory.
+  bool trim_frozen_state = false;
 };
 
 class ShardStore {
@@ -137,6 +145,9 @@ class ShardStore {
     float* exp_avg = nullptr;
     float* exp_avg_sq = nullptr;
     int64_t numel = 0;
+    // Elements held by grads, exp_avg and exp_avg_sq: numel, or fewer with
+    // ShardStoreOptions::trim_frozen_state (every trainable range inside).
+    int64_t state_numel = 0;
   };
   UnitShard shard(int unit) const;
   int num_units() const { return static_cast<int>(units_.size()); }
@@ -148,14 +159,15 @@ class ShardStore {
   // checkpoints to compare against an unsharded run. Writes the rows/elements
   // this rank holds into `out` (numel elements of the full parameter), taken
   // from the master parameters or from one of AdamW's moments.
-  // Errors: NOT_FOUND.
+  // Errors: NOT_FOUND; FAILED_PRECONDITION for a moment not held
+  // (trim_frozen_state).
   absl::Status CopyOwnedParamSlice(
       const std::string& name, float* out,
       ShardBuffer buffer = ShardBuffer::kParams) const;
   // The inverse: overwrites this rank's elements of `buffer` from the
   // unsharded values `in` (numel elements), refreshing a kept compute shard.
   // Padding is left as it is. Not to be used while a step runs.
-  // Errors: NOT_FOUND.
+  // Errors: NOT_FOUND; FAILED_PRECONDITION as CopyOwnedParamSlice.
   absl::Status WriteOwnedParamSlice(const std::string& name, const float* in,
                                     ShardBuffer buffer = ShardBuffer::kParams);
 
@@ -167,6 +179,7 @@ class ShardStore {
   };
   struct UnitState {
     int64_t shard_numel = 0;
+    int64_t state_numel = 0;  // UnitShard::state_numel.
     int64_t gathered_numel = 0;
     // Elements per rank of the unsharded gradient buffer.
     int64_t grad_chunk_numel = 0;
@@ -215,6 +228,10 @@ class ShardStore {
                                         const ParamRef& ref);
   absl::StatusOr<int64_t> LoraExperts(const LoraTarget& t,
                                       const ParamRef& ref) const;
+  // FAILED_PRECONDITION when `buffer` (a moment) does not hold the
+  // parameter's elements (trim_frozen_state).
+  absl::Status CheckHeld(const std::string& name, const ParamRef& ref,
+                         ShardBuffer buffer) const;
 
   MemoryTracker* tracker_;
   ShardStoreOptions options_;

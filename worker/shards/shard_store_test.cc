@@ -12,6 +12,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/bf16.h"
 #include "layout/param_init.h"
+#include "model/lora.h"
 #include "model/model_util.h"
 #include "planner/sharding_planner.h"
 #include "planner/strategy_registry.h"
@@ -294,6 +295,63 @@ TEST(ShardStoreFrozenTest, GradientBufferHoldsOnlyTrainableParameters) {
              }
            });
   EXPECT_NEAR(totals[0] + totals[1], expected_total, 1e-3 * expected_total);
+}
+
+// LoRA (model/lora.h): adapted units lay their trainable adapters out
+// first, and with trim_frozen_state the store holds gradients and AdamW
+// moments for them only: the bytes the plan counts.
+TEST(ShardStoreLoraTest, TrimmedStateHoldsTheAdaptersOnly) {
+  v1::ModelSpec model = TinyModel();
+  v1::LoraConfig lora;
+  lora.set_rank(2);
+  lora.set_alpha(4);
+  lora.add_targets("experts");
+  SHARDD_ASSERT_OK(ApplyLora(lora, &model));
+  const v1::ShardingPlan plan = PlanFor(model, 2, "default", false);
+  for (bool trim : {false, true}) {
+    MemoryTracker tracker;
+    ShardStoreOptions options;
+    options.shard_rank = 1;
+    options.seed = kSeed;
+    options.trim_frozen_state = trim;
+    SHARDD_ASSERT_OK_AND_ASSIGN(
+        std::unique_ptr<ShardStore> store,
+        ShardStore::Create(plan, model, options, &tracker));
+    int64_t held = 0, shard = 0;
+    for (int u = 0; u < plan.units_size(); ++u) {
+      int64_t trainable = 0;
+      for (const v1::ParamLayout& p : plan.units(u).params()) {
+        if (!p.frozen()) {
+          // Trainable first: every adapter inside the prefix.
+          EXPECT_EQ(p.shard_offset(), trainable) << p.name();
+          trainable += p.local_numel();
+        }
+      }
+      const ShardStore::UnitShard s = store->shard(u);
+      EXPECT_EQ(s.state_numel, trim ? trainable : s.numel) << u;
+      held += s.state_numel;
+      shard += s.numel;
+    }
+    const MemorySnapshot snap = tracker.Snapshot();
+    const int kOpt = static_cast<int>(MemoryKind::kOptimizerState);
+    const int kGrads = static_cast<int>(MemoryKind::kShardGrads);
+    EXPECT_EQ(snap.live[kOpt], 2 * 4 * held);
+    EXPECT_EQ(snap.live[kGrads], 4 * held);
+    if (trim) {
+      EXPECT_EQ(snap.live[kOpt], plan.memory().optimizer_bytes());
+      EXPECT_LT(held, shard);  // The frozen base holds none.
+    }
+    // A frozen parameter's moments are not held once trimmed.
+    std::vector<float> out(6 * 11);
+    const absl::Status frozen = store->CopyOwnedParamSlice(
+        "model.embed_tokens.weight", out.data(), ShardBuffer::kExpAvg);
+    if (trim) {
+      EXPECT_THAT(frozen, StatusIs(absl::StatusCode::kFailedPrecondition,
+                                   HasSubstr("not held")));
+    } else {
+      SHARDD_EXPECT_OK(frozen);
+    }
+  }
 }
 
 // Reshard to a smaller group (FSDP2's reshard_after_forward=int): after
