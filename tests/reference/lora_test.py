@@ -63,6 +63,76 @@ def peft_model(base_dir, adapters):
     return model, result
 
 
+def fresh_then_export(cluster, check, work, base, common, lora, examples,
+                      pad, trainable, label):
+    """Job 1: fresh adapters (B = 0) start from the base model; its
+    checkpoint exported in PEFT's format and loaded by PEFT. Returns the
+    adapters' directory, their config and PEFT's model with them."""
+    base_steps = oracle_steps(load_oracle(base)[0], examples, pad, True)
+    r = cluster.shardctl(["train"] + common + lora + [
+        "--steps", str(STEPS), "--dp", "2", "--checkpoint-every",
+        str(STEPS)])
+    got = steps_of(r)
+    err = abs(got[0]["loss"] - base_steps[0][0]) / base_steps[0][0]
+    check(len(got) == STEPS and err <= FP32_BOUND,
+          f"{label}: step 1 with fresh adapters is the base model's loss "
+          f"({got[0]['loss']:.6f} vs {base_steps[0][0]:.6f}, {err:.1e})")
+    saved = [s["checkpoint"] for s in got if "checkpoint" in s]
+    adapters = os.path.join(work, f"adapters_{label}")
+    cluster.shardctl_local([
+        "checkpoint", "export", "--checkpoint",
+        os.path.join(cluster.checkpoints, saved[-1]), "--hf", adapters])
+    files = sorted(os.listdir(adapters))
+    config = json.load(open(os.path.join(adapters, "adapter_config.json")))
+    check(files == ["adapter_config.json", "adapter_model.safetensors"] and
+          config["r"] == RANK and config["lora_alpha"] == ALPHA and
+          config["peft_type"] == "LORA",
+          f"{label}: checkpoint export writes PEFT's files {files}, r "
+          f"{config.get('r')}, lora_alpha {config.get('lora_alpha')}")
+    oracle, result = peft_model(base, adapters)
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    unexpected = list(result.unexpected_keys)
+    trained = sum(p.numel() for p in oracle.parameters() if p.requires_grad)
+    check(not missing and not unexpected and trained == trainable,
+          f"{label}: PeftModel.from_pretrained loads them: {trained} adapter "
+          f"parameters (the plan: {trainable}), missing {missing[:3]}, "
+          f"unexpected {unexpected[:3]}")
+    b_norm = sum(float(p.detach().abs().sum())
+                 for n, p in oracle.named_parameters() if "lora_B" in n)
+    check(b_norm > 0, f"{label}: the adapters trained (|B| = {b_norm:.3e})")
+    return adapters, config, oracle
+
+
+def resumed(cluster, common, lora, adapters, world, ep=1):
+    """(loss, grad_norm) per step of a job from base + adapters."""
+    r = cluster.shardctl(["train"] + common + lora + [
+        "--lora-from", adapters, "--steps", str(STEPS), "--dp", str(world)] +
+        (["--ep", str(ep)] if ep > 1 else []))
+    return [(s["loss"], s["grad_norm"]) for s in steps_of(r)]
+
+
+def relative_errors(got, want):
+    return [max(abs(gl - wl) / wl, abs(gn - wn) / wn)
+            for (gl, gn), (wl, wn) in zip(got, want)]
+
+
+def save_base(repo, config, directory):
+    model = transformers.AutoModelForCausalLM.from_config(
+        load_config(os.path.join(repo, "tests/data", config)),
+        attn_implementation="eager", dtype=torch.float32)
+    redraw(model, torch.Generator().manual_seed(3))
+    model.save_pretrained(directory)
+
+
+def train_args(base, dataset):
+    return ["--model", base, "--init-from", base, "--data", dataset,
+            "--seed", str(SEED), "--global-batch", str(BATCH), "--seq",
+            str(SEQ), "--lr", str(LR), "--beta1", str(BETAS[0]),
+            "--beta2", str(BETAS[1]), "--eps", str(EPS),
+            "--weight-decay", str(WEIGHT_DECAY), "--grad-clip", "0",
+            "--no-mixed-precision", "--json"]
+
+
 def main():
     bin_dir, repo = sys.argv[1], sys.argv[2]
     check = Checks()
@@ -76,17 +146,8 @@ def main():
         pad = json.load(open(os.path.join(dataset,
                                           "shardd_sft.json")))["pad_id"]
         base = os.path.join(work, "base")
-        model = transformers.AutoModelForCausalLM.from_config(
-            load_config(os.path.join(repo, "tests/data/tiny_qwen3_moe.json")),
-            attn_implementation="eager", dtype=torch.float32)
-        redraw(model, torch.Generator().manual_seed(3))
-        model.save_pretrained(base)
-        common = ["--model", base, "--init-from", base, "--data", dataset,
-                  "--seed", str(SEED), "--global-batch", str(BATCH), "--seq",
-                  str(SEQ), "--lr", str(LR), "--beta1", str(BETAS[0]),
-                  "--beta2", str(BETAS[1]), "--eps", str(EPS),
-                  "--weight-decay", str(WEIGHT_DECAY), "--grad-clip", "0",
-                  "--no-mixed-precision", "--json"]
+        save_base(repo, "tiny_qwen3_moe.json", base)
+        common = train_args(base, dataset)
         cluster = Cluster(bin_dir, work)
         try:
             # The plan: optimizer state and reduce-scatters for the
@@ -122,47 +183,9 @@ def main():
                       f"plan {key}: {f} -> {l} (the adapters' share "
                       f"{ratio:.3f}, padding aside)")
 
-            # Job 1: fresh adapters (B = 0) start from the base model.
-            base_steps = oracle_steps(load_oracle(base)[0], examples, pad,
-                                      True)
-            r = cluster.shardctl(["train"] + common + LORA + [
-                "--steps", str(STEPS), "--dp", "2", "--checkpoint-every",
-                str(STEPS)])
-            got = steps_of(r)
-            err = abs(got[0]["loss"] - base_steps[0][0]) / base_steps[0][0]
-            check(len(got) == STEPS and err <= FP32_BOUND,
-                  f"step 1 with fresh adapters is the base model's loss "
-                  f"({got[0]['loss']:.6f} vs {base_steps[0][0]:.6f}, "
-                  f"{err:.1e})")
-            saved = [s["checkpoint"] for s in got if "checkpoint" in s]
-            adapters = os.path.join(work, "adapters")
-            cluster.shardctl_local([
-                "checkpoint", "export", "--checkpoint",
-                os.path.join(cluster.checkpoints, saved[-1]), "--hf",
-                adapters])
-            files = sorted(os.listdir(adapters))
-            config = json.load(open(os.path.join(adapters,
-                                                 "adapter_config.json")))
-            check(files == ["adapter_config.json",
-                            "adapter_model.safetensors"] and
-                  config["r"] == RANK and config["lora_alpha"] == ALPHA and
-                  config["peft_type"] == "LORA",
-                  f"checkpoint export writes PEFT's files {files}, r "
-                  f"{config.get('r')}, lora_alpha {config.get('lora_alpha')}")
-            oracle, result = peft_model(base, adapters)
-            missing = [k for k in result.missing_keys if "lora_" in k]
-            unexpected = list(result.unexpected_keys)
-            trained = sum(p.numel() for p in oracle.parameters()
-                          if p.requires_grad)
-            check(not missing and not unexpected and trained ==
-                  int(lora_sum["trainable_params"]),
-                  f"PeftModel.from_pretrained loads them: {trained} adapter "
-                  f"parameters, missing {missing[:3]}, unexpected "
-                  f"{unexpected[:3]}")
-            b_norm = sum(float(p.detach().abs().sum())
-                         for n, p in oracle.named_parameters()
-                         if "lora_B" in n)
-            check(b_norm > 0, f"the adapters trained (|B| = {b_norm:.3e})")
+            adapters, config, oracle = fresh_then_export(
+                cluster, check, work, base, common, LORA, examples, pad,
+                int(lora_sum["trainable_params"]), "Qwen3-MoE")
 
             # Job 2: base + adapters against PEFT's own training.
             want = oracle_steps(oracle, examples, pad, True)
@@ -176,12 +199,8 @@ def main():
                                  pad, True)
             print("peft:", want)
             for world, ep in ((1, 1), (2, 1), (2, 2)):
-                r = cluster.shardctl(["train"] + common + LORA + [
-                    "--lora-from", adapters, "--steps", str(STEPS), "--dp",
-                    str(world)] + (["--ep", str(ep)] if ep > 1 else []))
-                got = [(s["loss"], s["grad_norm"]) for s in steps_of(r)]
-                errs = [max(abs(gl - wl) / wl, abs(gn - wn) / wn)
-                        for (gl, gn), (wl, wn) in zip(got, want)]
+                got = resumed(cluster, common, LORA, adapters, world, ep)
+                errs = relative_errors(got, want)
                 check(len(got) == STEPS and max(errs) <= FP32_BOUND,
                       f"base + adapters, {world} worker(s), ep {ep}: losses and "
                       f"gradient norms within {max(errs):.2e} of PEFT's "
@@ -191,6 +210,32 @@ def main():
                 check(away > FP32_BOUND,
                       f"{world} worker(s): the adapters at twice their scale "
                       f"are {away:.2e} away at step 1 (outside the bound)")
+
+            # DeepSeek-V3: latent attention's projections, the dense MLP of
+            # layer 0 and the shared experts (gate_proj, up_proj, down_proj,
+            # which PEFT takes as target parameters, checkpoint/
+            # peft_adapters.h) and the routed experts.
+            ds_base = os.path.join(work, "deepseek_base")
+            save_base(repo, "tiny_deepseek_v3.json", ds_base)
+            ds_common = train_args(ds_base, dataset)
+            ds_lora = ["--lora-rank", str(RANK), "--lora-alpha", str(ALPHA),
+                       "--lora-targets",
+                       "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,"
+                       "gate_proj,up_proj,down_proj,experts"]
+            r = cluster.shardctl(["plan", "--model", ds_base, "--dp", "2",
+                                  "--no-mixed-precision", "--json"] + ds_lora)
+            ds_trainable = int(json.loads(r.stdout)["summary"][
+                "trainable_params"])
+            ds_adapters, _, ds_oracle = fresh_then_export(
+                cluster, check, work, ds_base, ds_common, ds_lora, examples,
+                pad, ds_trainable, "DeepSeek-V3")
+            ds_want = oracle_steps(ds_oracle, examples, pad, True)
+            got = resumed(cluster, ds_common, ds_lora, ds_adapters, 2)
+            errs = relative_errors(got, ds_want)
+            check(len(got) == STEPS and max(errs) <= FP32_BOUND,
+                  f"DeepSeek-V3 base + adapters, 2 workers: losses and "
+                  f"gradient norms within {max(errs):.2e} of PEFT's (bound "
+                  f"{FP32_BOUND:.0e}): {got}")
 
             # Bad input, named.
             cases = [
