@@ -5,6 +5,7 @@
 
 #include "absl/strings/match.h"
 #include "common/fingerprint.h"
+#include "model/lora.h"
 
 namespace shardd {
 namespace {
@@ -51,11 +52,12 @@ InitRule InitRuleFor(const v1::TensorSpec& tensor, v1::ModuleKind owner_kind,
   // LoRA (model/lora.h) as PEFT starts it: B zero, so step 0 computes the
   // base model; A as nn.Linear's kaiming_uniform(a=sqrt(5)), a bound of
   // 1/sqrt(in) with in its last dim ([R, in], or [E, R, in] for experts).
-  if (absl::EndsWith(fqn, ".lora_B.weight") || absl::EndsWith(fqn, "_lora_B")) {
+  const LoraAdapter adapter = LoraAdapterOf(fqn);
+  if (adapter == LoraAdapter::kB) {
     rule.kind = InitKind::kZeros;
     return rule;
   }
-  if (absl::EndsWith(fqn, ".lora_A.weight") || absl::EndsWith(fqn, "_lora_A")) {
+  if (adapter == LoraAdapter::kA) {
     rule.bound = 1.0 / std::sqrt(static_cast<double>(
                            tensor.shape(tensor.shape_size() - 1)));
     return rule;

@@ -60,10 +60,14 @@ void ForEachModule(
 
 }  // namespace
 
-bool IsLoraAdapter(absl::string_view fqn) {
-  return absl::EndsWith(fqn, ".lora_A.weight") ||
-         absl::EndsWith(fqn, ".lora_B.weight") ||
-         absl::EndsWith(fqn, "_lora_A") || absl::EndsWith(fqn, "_lora_B");
+LoraAdapter LoraAdapterOf(absl::string_view fqn) {
+  if (absl::EndsWith(fqn, ".lora_A.weight") || absl::EndsWith(fqn, "_lora_A")) {
+    return LoraAdapter::kA;
+  }
+  if (absl::EndsWith(fqn, ".lora_B.weight") || absl::EndsWith(fqn, "_lora_B")) {
+    return LoraAdapter::kB;
+  }
+  return LoraAdapter::kNone;
 }
 
 absl::Status ApplyLora(const v1::LoraConfig& config, v1::ModelSpec* model) {

@@ -55,8 +55,15 @@ struct LoraTarget {
 absl::StatusOr<std::vector<LoraTarget>> LoraTargetsOf(
     const v1::ModelSpec& model);
 
+// Which adapter a fully qualified name is: M.lora_A.weight or
+// <tensor>_lora_A (kA), the same with B (kB), or none.
+enum class LoraAdapter { kNone, kA, kB };
+LoraAdapter LoraAdapterOf(absl::string_view fqn);
+
 // True for an adapter parameter's fully qualified name.
-bool IsLoraAdapter(absl::string_view fqn);
+inline bool IsLoraAdapter(absl::string_view fqn) {
+  return LoraAdapterOf(fqn) != LoraAdapter::kNone;
+}
 
 // The spec without adapters, lora unset and the base's own frozen flags
 // unknown (every parameter left as the rewrite marked it): what a base

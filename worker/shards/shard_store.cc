@@ -383,17 +383,19 @@ void ShardStore::CopyOut(const UnitState& unit, const ParamPlacement& param,
   }
 }
 
-absl::StatusOr<int64_t> ShardStore::LoraExperts(const LoraTarget& t,
-                                                const ParamRef& ref) const {
+absl::StatusOr<ShardStore::LoraFactors> ShardStore::LoraFactorsOf(
+    const LoraTarget& t, const ParamRef& ref) {
   const ParamPlacement& param = layouts_[ref.unit].params[ref.index];
-  const int64_t experts =
-      t.experts == 0 ? 0 : t.experts / units_[ref.unit]->ep;
-  if (param.numel != std::max<int64_t>(experts, 1) * t.in * t.out) {
+  LoraFactors out;
+  out.experts = t.experts == 0 ? 0 : t.experts / units_[ref.unit]->ep;
+  if (param.numel != std::max<int64_t>(out.experts, 1) * t.in * t.out) {
     return absl::InternalError(absl::StrCat(
         "parameter '", t.base, "': ", param.numel,
         " gathered elements do not hold its LoRA geometry"));
   }
-  return experts;
+  SHARDD_ASSIGN_OR_RETURN(out.a, ParamView(t.a));
+  SHARDD_ASSIGN_OR_RETURN(out.b, ParamView(t.b));
+  return out;
 }
 
 absl::StatusOr<const float*> ShardStore::LoraView(const LoraTarget& t,
@@ -404,13 +406,11 @@ absl::StatusOr<const float*> ShardStore::LoraView(const LoraTarget& t,
   // gathered buffer keeps W, since a reshard slice of it may seed the next
   // gather.
   if (!copy.empty()) return copy.as<const float>();
-  SHARDD_ASSIGN_OR_RETURN(const int64_t experts, LoraExperts(t, ref));
-  SHARDD_ASSIGN_OR_RETURN(const float* a, ParamView(t.a));
-  SHARDD_ASSIGN_OR_RETURN(const float* b, ParamView(t.b));
+  SHARDD_ASSIGN_OR_RETURN(const LoraFactors f, LoraFactorsOf(t, ref));
   const ParamPlacement& param = layouts_[ref.unit].params[ref.index];
   copy = TrackedBuffer(tracker_, MemoryKind::kWorkspace, param.numel * 4);
   CopyOut(*unit, param, copy.as<float>());
-  LoraMergeInto(t, experts, a, b, copy.as<float>());
+  LoraMergeInto(t, f.experts, f.a, f.b, copy.as<float>());
   return copy.as<const float>();
 }
 
@@ -421,12 +421,10 @@ absl::Status ShardStore::AccumulateGrad(const std::string& name,
   if (lora != lora_.end()) {
     // dL/dW' -> the adapters' gradients; the frozen W takes none.
     const LoraTarget& t = lora->second;
-    SHARDD_ASSIGN_OR_RETURN(const int64_t experts, LoraExperts(t, *ref));
-    SHARDD_ASSIGN_OR_RETURN(const float* a, ParamView(t.a));
-    SHARDD_ASSIGN_OR_RETURN(const float* b, ParamView(t.b));
-    const int64_t count = std::max<int64_t>(experts, 1) * t.rank;
+    SHARDD_ASSIGN_OR_RETURN(const LoraFactors f, LoraFactorsOf(t, *ref));
+    const int64_t count = std::max<int64_t>(f.experts, 1) * t.rank;
     std::vector<float> da(count * t.in), db(count * t.out);
-    LoraSplitGrad(t, experts, a, b, values, da.data(), db.data());
+    LoraSplitGrad(t, f.experts, f.a, f.b, values, da.data(), db.data());
     SHARDD_RETURN_IF_ERROR(AccumulateGrad(t.a, da.data()));
     return AccumulateGrad(t.b, db.data());
   }

@@ -222,12 +222,18 @@ class ShardStore {
   // The gathered values of `param` as fp32 into out[0..numel).
   void CopyOut(const UnitState& unit, const ParamPlacement& param,
                float* out) const;
-  // A LoRA target's merged view, and the experts this rank holds of it (0
-  // for a linear).
+  // A LoRA target's merged view.
   absl::StatusOr<const float*> LoraView(const LoraTarget& t,
                                         const ParamRef& ref);
-  absl::StatusOr<int64_t> LoraExperts(const LoraTarget& t,
-                                      const ParamRef& ref) const;
+  // A LoRA target's adapter views and the experts this rank holds of it (0
+  // for a linear), what both its merge and its gradient split need.
+  struct LoraFactors {
+    int64_t experts = 0;
+    const float* a = nullptr;
+    const float* b = nullptr;
+  };
+  absl::StatusOr<LoraFactors> LoraFactorsOf(const LoraTarget& t,
+                                            const ParamRef& ref);
   // FAILED_PRECONDITION when `buffer` (a moment) does not hold the
   // parameter's elements (trim_frozen_state).
   absl::Status CheckHeld(const std::string& name, const ParamRef& ref,
