@@ -59,11 +59,12 @@ inline std::string Hex(const std::string& bytes, size_t begin, size_t n) {
 }  // namespace sft_internal
 
 // Writes `examples` into the existing directory `dir`, checksummed over
-// chunks of `chunk` bytes; `version` goes into the manifest.
+// chunks of `chunk` bytes; `version` goes into the manifest, and `eos_id`
+// when >= 0.
 inline void WriteSftDataset(const std::string& dir,
                             const std::vector<SftExample>& examples,
                             int64_t vocab, int64_t chunk = 1 << 20,
-                            int version = 1) {
+                            int version = 1, int64_t eos_id = -1) {
   using sft_internal::Append;
   std::string tokens, mask, lines;
   std::vector<int> lengths;
@@ -84,6 +85,7 @@ inline void WriteSftDataset(const std::string& dir,
   m["version"] = version;
   m["vocab_size"] = vocab;
   m["pad_id"] = 0;
+  if (eos_id >= 0) m["eos_id"] = eos_id;
   m["examples"] = examples.size();
   m["chunk_bytes"] = chunk;
   for (const auto& [name, bytes] : files) {

@@ -193,6 +193,8 @@ def prepare(args):
             "vocab_size": vocab,
             "pad_id": tokenizer.pad_token_id if tokenizer.pad_token_id
                       is not None else 0,
+            # DiffusionGemma pads each response with it to its blocks.
+            "eos_id": tokenizer.eos_token_id,
             "tokenizer": os.path.abspath(args.tokenizer),
             "source": os.path.abspath(args.input),
             "examples": len(tokens),

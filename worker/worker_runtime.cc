@@ -397,6 +397,15 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::LoadPlan(
   source_options.model_vocab_size = vocab;
   source_options.seed = train.seed();
   source_options.synthetic_order = train.synthetic_order();
+  if (request.model().architecture() == kBlockDiffusionArchitecture &&
+      plan.step().passes() == 3) {
+    // An SFT dataset's rows split into prompt and canvas per example.
+    const int64_t block = request.model().dims().canvas_length();
+    source_options.diffusion.block = block;
+    source_options.diffusion.canvas = train.diffusion().response_length() > 0
+                                          ? train.diffusion().response_length()
+                                          : block;
+  }
   SHARDD_ASSIGN_OR_RETURN(std::shared_ptr<const data::SequenceSource> source,
                           data::CreateDataSource(source_options));
   if (const absl::Status fits = source->CheckSequenceLength(train.seq_len());
@@ -412,13 +421,6 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::LoadPlan(
           " is an SFT dataset; loss-masked training runs on the CPU workers "
           "only for now, this worker trains on cuda:",
           options_.device));
-    }
-    if (request.model().architecture() == kBlockDiffusionArchitecture &&
-        plan.step().passes() == 3) {
-      return absl::UnimplementedError(absl::StrCat(
-          "train.data_path: ", train.data_path(),
-          " is an SFT dataset; DiffusionGemma's block-diffusion step does "
-          "not split prompt and response per example yet"));
     }
   }
   job->entropy_rate = source->BestLoss(train.seq_len());
@@ -819,13 +821,15 @@ absl::Status WorkerRuntime::FetchBatchesLocked(
                      " differs from the job's train config (", job_m, ")"));
   }
   batches->resize(job_m);
-  int64_t step_counted = 0;
+  int64_t step_counted = 0, canvas_counted = 0;
   if (sampler->source().masked()) {
-    SHARDD_ASSIGN_OR_RETURN(step_counted, sampler->CountedTargets(step));
+    SHARDD_ASSIGN_OR_RETURN(step_counted,
+                            sampler->CountedTargets(step, &canvas_counted));
   }
   for (int m = 0; m < job_m; ++m) {
     SHARDD_RETURN_IF_ERROR(sampler->Fill(step, job_->rank, m, &(*batches)[m]));
     (*batches)[m].step_counted = step_counted;
+    (*batches)[m].step_canvas_counted = canvas_counted;
   }
   return absl::OkStatus();
 }

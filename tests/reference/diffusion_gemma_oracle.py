@@ -181,3 +181,91 @@ def load(directory, dtype=torch.float64):
         directory, dtype=dtype, attn_implementation="eager",
         experts_implementation="eager", output_loading_info=True)
 
+
+
+def sft_canvas(step, sequence_indices, inputs, starts, targets, vocab, pad):
+    """SFT rows' noised canvas [B, C] and coins: row b's canvas is its own
+    response from starts[b] on; only the positions with a target (>= 0)
+    are noised, with the same draws as diffusion_canvas."""
+    b, s = inputs.shape
+    c = targets.shape[1]
+    noised, coins = [], []
+    for row, index in enumerate(sequence_indices):
+        rng = SplitMix64(step, 16, index)
+        level = 1e-3 + (1 - 1e-3) * rng.double()
+        for j in range(c):
+            target = int(targets[row, j])
+            p = int(starts[row]) + j
+            clean = target if target >= 0 else (
+                int(inputs[row, p]) if p < s else pad)
+            u, token = rng.double(), rng.below(vocab)
+            noised.append(token if target >= 0 and u < level else clean)
+        coins.append(SplitMix64(step, 17, index).double() < 0.5)
+    return torch.tensor(noised).view(b, c), coins
+
+
+def sft_training_masks(text, s, starts, c, block_len, dtype):
+    """{layer type: additive mask [B, 1, c, s + c]}: row b's canvas query j
+    (block start j0 = j // L * L) sees the encoder keys before
+    min(starts[b] + j0, s) (sliding layers: from starts[b] + j0 - W + 1
+    on) and the canvas keys of its own block (NeMo AutoModel's
+    build_block_diffusion_training_mask with a per-example prefix)."""
+    window = text.sliding_window
+    p = torch.as_tensor(starts)[:, None, None]
+    j = torch.arange(c)[None, :, None]
+    j0 = j // block_len * block_len
+    key = torch.arange(s + c)[None, None, :]
+    enc = key < s
+    end = torch.clamp(p + j0, max=s)
+    enc_ok = enc & (key < end)
+    canvas_ok = ~enc & ((key - s) // block_len == j // block_len)
+    full = enc_ok | canvas_ok
+    slide = (enc_ok & (key >= p + j0 - window + 1)) | canvas_ok
+
+    def additive(allowed):
+        return torch.where(allowed, 0.0, float("-inf")).to(dtype)[:, None]
+    return {"full_attention": additive(full),
+            "sliding_attention": additive(slide)}
+
+
+def sft_block_diffusion_loss(model, inputs, ar_targets, starts, targets, step,
+                             sequence_indices, counts, pad,
+                             loss_weights=(1.0, 1.0), masks_fn=None):
+    """NeMo AutoModel's DiffusionGemma SFT loss on transformers' model for
+    SFT rows (docs/sft_data.md): inputs [B, S] (prompt, response, EOS fill,
+    padding), the encoder's targets [B, S] (-1: none), each row's response
+    start and canvas targets [B, C] (-1: not scored). Each term is its
+    cross-entropy summed over its scored tokens and divided by its count
+    over the global batch (`counts` = (encoder, canvas)). Returns (loss,
+    noised canvas, coins)."""
+    text = model.config.text_config
+    b, s = inputs.shape
+    c = targets.shape[1]
+    block_len = int(model.config.canvas_length)
+    noised, coins = sft_canvas(step, sequence_indices, inputs, starts,
+                               targets, text.vocab_size, pad)
+    dtype = model.lm_head.weight.dtype
+    masks = (masks_fn or sft_training_masks)(text, s, starts, c, block_len,
+                                             dtype)
+    positions = torch.clamp(torch.as_tensor(starts)[:, None]
+                            + torch.arange(c)[None, :], max=s - 1)
+
+    def run(self_conditioning_logits=None):
+        return model(input_ids=inputs, past_key_values=DynamicCache(),
+                     use_cache=True, decoder_input_ids=noised,
+                     decoder_attention_mask=masks,
+                     decoder_position_ids=positions,
+                     self_conditioning_logits=self_conditioning_logits,
+                     self_conditioning_mask=(
+                         None if self_conditioning_logits is None
+                         else torch.tensor(coins)))
+    with torch.no_grad():
+        first = run().logits
+    out = run(first.to(dtype))
+    diffusion = F.cross_entropy(out.logits.flatten(0, 1).to(dtype),
+                                targets.flatten(), ignore_index=-1,
+                                reduction="sum") / counts[1]
+    enc_logits = softcapped(model, out.encoder_last_hidden_state)
+    ar = F.cross_entropy(enc_logits.flatten(0, 1), ar_targets.flatten(),
+                         ignore_index=-1, reduction="sum") / counts[0]
+    return loss_weights[1] * diffusion + loss_weights[0] * ar, noised, coins

@@ -108,6 +108,9 @@ absl::Status BatchSampler::FillRows(int64_t first_sequence, int64_t rows,
   out->sequence_indices.resize(rows);
   const bool packed = source_->packed();
   out->segment_starts.resize(packed ? rows * s : 0);
+  const int64_t canvas = source_->canvas();
+  out->canvas_starts.resize(canvas > 0 ? rows : 0);
+  out->canvas_targets.resize(rows * canvas);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t index = first_sequence + r;
     SHARDD_RETURN_IF_ERROR(source_->FillRow(
@@ -116,16 +119,29 @@ absl::Status BatchSampler::FillRows(int64_t first_sequence, int64_t rows,
         packed ? absl::MakeSpan(out->segment_starts).subspan(r * s, s)
                : absl::Span<int32_t>()));
     out->sequence_indices[r] = index;
+    if (canvas > 0) {
+      SHARDD_RETURN_IF_ERROR(source_->FillCanvas(
+          index, s, &out->canvas_starts[r],
+          absl::MakeSpan(out->canvas_targets).subspan(r * canvas, canvas)));
+    }
   }
   return absl::OkStatus();
 }
 
 absl::StatusOr<int64_t> BatchSampler::CountedTargets(int64_t step) const {
+  int64_t canvas = 0;
+  return CountedTargets(step, &canvas);
+}
+
+absl::StatusOr<int64_t> BatchSampler::CountedTargets(int64_t step,
+                                                     int64_t* canvas) const {
   int64_t counted = 0;
+  *canvas = 0;
   MicroBatch batch;
   for (int32_t m = 0; m < options_.microbatches; ++m) {
     SHARDD_RETURN_IF_ERROR(FillAllRanks(step, m, &batch));
     for (int32_t t : batch.targets) counted += t >= 0;
+    for (int32_t t : batch.canvas_targets) *canvas += t >= 0;
   }
   return counted;
 }
@@ -196,7 +212,7 @@ absl::StatusOr<std::shared_ptr<const SequenceSource>> CreateDataSource(
         SftDataset::Open(options.path, options.model_vocab_size));
     return std::shared_ptr<const SequenceSource>(std::make_shared<SftSource>(
         std::shared_ptr<const SftDataset>(std::move(dataset)), options.seed,
-        options.packing));
+        options.packing, options.diffusion));
   }
   if (!options.path.empty()) {
     TokenFileOptions file_options;

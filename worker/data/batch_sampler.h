@@ -27,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "worker/data/markov_source.h"
 #include "worker/data/sequence_source.h"
+#include "worker/data/sft_source.h"
 #include "worker/data/token_file.h"
 
 namespace shardd {
@@ -56,6 +57,13 @@ struct MicroBatch {
   // A packed source (SequenceSource::packed()): [rows, seq_len], each
   // position's example start within its row; empty otherwise.
   std::vector<int32_t> segment_starts;
+  // DiffusionGemma's SFT rows (SequenceSource::canvas() > 0): each row's
+  // response start [rows] and canvas targets [rows, canvas] (-1: not
+  // scored), and the scored canvas targets of the step's global batch;
+  // empty and 0 otherwise.
+  std::vector<int32_t> canvas_starts;
+  std::vector<int32_t> canvas_targets;
+  int64_t step_canvas_counted = 0;
 };
 
 // Where a data stream stands; saved in checkpoints. Resuming at `step`
@@ -86,6 +94,9 @@ class BatchSampler {
   // The counted targets (not -1) of step `step`'s whole global batch: the
   // same on every rank, computed without communication. Errors: as Fill.
   absl::StatusOr<int64_t> CountedTargets(int64_t step) const;
+  // The same count and, into *canvas, the global batch's scored canvas
+  // targets (0 for a source without a canvas).
+  absl::StatusOr<int64_t> CountedTargets(int64_t step, int64_t* canvas) const;
 
   // Global sequence index of `row` of (step, rank, microbatch). Errors:
   // INVALID_ARGUMENT naming the argument out of range, or a step so large
@@ -137,6 +148,9 @@ struct DataSourceOptions {
   std::string path;
   // An SFT dataset's rows: several examples packed per row, or one padded.
   bool packing = true;
+  // DiffusionGemma's block-diffusion step: an SFT dataset's rows split
+  // into prompt and canvas (sft_source.h; ignored by other sources).
+  DiffusionRows diffusion;
   TokenFormat format = TokenFormat::kAuto;
   VocabCheck vocab_check = VocabCheck::kAuto;
   OffsetMode offsets = OffsetMode::kRandom;

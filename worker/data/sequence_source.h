@@ -58,6 +58,16 @@ class SequenceSource {
   virtual bool masked() const { return false; }
   // Whether rows hold several sequences (FillRow's segment_starts).
   virtual bool packed() const { return false; }
+  // DiffusionGemma's SFT rows (sft_source.h's DiffusionRows): the canvas
+  // rows of each sequence, 0 for other sources; and sequence `index`'s
+  // canvas for rows of `seq` positions: where its response starts and
+  // targets.size() == canvas() tokens, the scored ones (-1: not scored).
+  virtual int64_t canvas() const { return 0; }
+  virtual absl::Status FillCanvas(int64_t index, int64_t seq, int32_t* start,
+                                  absl::Span<int32_t> targets) const {
+    return absl::FailedPreconditionError(
+        "FillCanvas: this source has no DiffusionGemma canvas");
+  }
   // Whether every row of `seq` positions can be filled, checked once
   // before training (a source of examples: none longer than seq + 1).
   // Errors: INVALID_ARGUMENT naming what does not fit.

@@ -119,6 +119,15 @@ absl::StatusOr<std::unique_ptr<SftDataset>> SftDataset::Open(
         manifest_path, ": chunk_bytes ", chunk_bytes, ", examples ", examples,
         ", vocab_size ", vocab, " or pad_id ", pad_id, " out of range"));
   }
+  // The tokenizer's EOS (DiffusionGemma pads responses with it); optional.
+  int64_t eos_id = -1;
+  if (m.contains("eos_id") && !m["eos_id"].is_null()) {
+    SHARDD_ASSIGN_OR_RETURN(eos_id, integer("eos_id"));
+    if (eos_id < 0 || eos_id >= vocab) {
+      return absl::DataLossError(absl::StrCat(
+          manifest_path, ": eos_id ", eos_id, " outside [0, ", vocab, ")"));
+    }
+  }
   if (!m.contains("files") || !m["files"].is_object()) {
     return absl::DataLossError(
         absl::StrCat(manifest_path, ": \"files\" is missing"));
@@ -140,6 +149,7 @@ absl::StatusOr<std::unique_ptr<SftDataset>> SftDataset::Open(
   d->fingerprint_ = XXH64_digest(digest.get());
   d->dir_ = dir;
   d->pad_id_ = static_cast<int32_t>(pad_id);
+  d->eos_id_ = static_cast<int32_t>(eos_id);
   d->vocab_size_ = vocab;
   SHARDD_ASSIGN_OR_RETURN(d->tokens_,
                           IndexedDataset::Open(Join(dir, "tokens")));
@@ -195,6 +205,11 @@ absl::StatusOr<std::unique_ptr<SftDataset>> SftDataset::Open(
   if (d->pad_id_ >= model_vocab) {
     return absl::InvalidArgumentError(absl::StrCat(
         manifest_path, ": pad_id ", d->pad_id_,
+        " outside the model's vocabulary [0, ", model_vocab, ")"));
+  }
+  if (d->eos_id_ >= model_vocab) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        manifest_path, ": eos_id ", d->eos_id_,
         " outside the model's vocabulary [0, ", model_vocab, ")"));
   }
   return d;

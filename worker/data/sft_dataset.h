@@ -56,6 +56,8 @@ class SftDataset {
   int64_t SourceLine(int64_t e) const { return lines_[e]; }
   int64_t max_length() const { return max_length_; }
   int32_t pad_id() const { return pad_id_; }
+  // The manifest's optional eos_id; -1 without one.
+  int32_t eos_id() const { return eos_id_; }
   int64_t vocab_size() const { return vocab_size_; }
   // From the manifest's checksums: changes with any byte of the data.
   uint64_t fingerprint() const { return fingerprint_; }
@@ -68,6 +70,7 @@ class SftDataset {
   std::vector<int64_t> lines_;
   int64_t max_length_ = 0;
   int32_t pad_id_ = 0;
+  int32_t eos_id_ = -1;
   int64_t vocab_size_ = 0;
   uint64_t fingerprint_ = 0;
 };

@@ -1,5 +1,6 @@
 // The SFT dataset's files (Megatron's indexed dataset, the manifest and its
-// checksums), their corruption, and the padded rows of SftSource.
+// checksums), their corruption, and the padded, packed and DiffusionGemma
+// rows of SftSource.
 
 #include <cstdio>
 #include <cstring>
@@ -283,6 +284,78 @@ TEST_F(SftDatasetTest, PackedRowsHoldWholeExamplesInOrder) {
   }
   EXPECT_TRUE(refused);
   EXPECT_NE(packed.Fingerprint(), padded.Fingerprint());
+}
+
+// DiffusionGemma's rows: the prompt before the first counted token, the
+// response then EOS to a multiple of the block, padding; the encoder's
+// targets every next token of those, the canvas the response's scored
+// tokens (an uncounted one inside it kept out) and the EOS fill.
+TEST_F(SftDatasetTest, DiffusionRowsSplitPromptAndCanvas) {
+  constexpr int32_t kEos = 15;
+  examples_.push_back({{13, 14, 15, 1, 2}, {0, 1, 0, 1, 0}, 6});
+  WriteSftDataset(dir_, examples_, /*vocab=*/16, 1 << 20, 1, kEos);
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<SftDataset> opened,
+                              SftDataset::Open(dir_, 16));
+  std::shared_ptr<const SftDataset> d = std::move(opened);
+  EXPECT_EQ(d->eos_id(), kEos);
+  DiffusionRows rows;
+  rows.canvas = 8;
+  rows.block = 4;
+  SftSource source(d, /*seed=*/3, /*packing=*/true, rows);
+  EXPECT_FALSE(source.packed());  // One example per row, whatever asked.
+  EXPECT_EQ(source.canvas(), 8);
+  SHARDD_EXPECT_OK(source.CheckSequenceLength(8));
+  struct Want {
+    std::vector<int32_t> inputs, targets, canvas;
+    int32_t start;
+  };
+  const int32_t e = kEos;
+  const std::vector<Want> want = {
+      {{1, 2, 3, 4, 5, e, 0, 0}, {2, 3, 4, 5, e, -1, -1, -1},
+       {3, 4, 5, e, -1, -1, -1, -1}, 2},
+      {{6, 7, 8, e, e, 0, 0, 0}, {7, 8, e, e, -1, -1, -1, -1},
+       {7, 8, e, e, -1, -1, -1, -1}, 1},
+      {{9, 10, 11, 12, e, e, e, 0}, {10, 11, 12, e, e, e, -1, -1},
+       {12, e, e, e, -1, -1, -1, -1}, 3},
+      {{13, 14, 15, 1, 2, 0, 0, 0}, {14, 15, 1, 2, -1, -1, -1, -1},
+       {14, -1, 1, -1, -1, -1, -1, -1}, 1},
+  };
+  for (int64_t k = 0; k < 8; ++k) {
+    const Want& w = want[source.Example(k)];
+    std::vector<int32_t> in(8), tg(8), canvas(8);
+    int32_t start = -1;
+    SHARDD_ASSERT_OK(
+        source.FillRow(k, absl::MakeSpan(in), absl::MakeSpan(tg), {}));
+    SHARDD_ASSERT_OK(source.FillCanvas(k, 8, &start, absl::MakeSpan(canvas)));
+    EXPECT_EQ(in, w.inputs) << k;
+    EXPECT_EQ(tg, w.targets) << k;
+    EXPECT_EQ(canvas, w.canvas) << k;
+    EXPECT_EQ(start, w.start) << k;
+  }
+  // Example 2 needs 3 + 4 positions; its response 4 canvas rows.
+  EXPECT_THAT(source.CheckSequenceLength(6),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("example 2 (line 4): its prompt (3 tokens) "
+                                 "and response (1, padded with EOS to blocks "
+                                 "of 4: 4) need 7 positions; a sequence has "
+                                 "6 (raise --seq)")));
+  rows.canvas = 2;
+  EXPECT_THAT(SftSource(d, 3, false, rows).CheckSequenceLength(8),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("needs 4 canvas rows (padded with EOS to "
+                                 "blocks of 4); the canvas has 2 (raise "
+                                 "--response-length)")));
+  // The canvas layout is part of the stream's identity.
+  rows.canvas = 12;
+  EXPECT_NE(SftSource(d, 3, false, rows).Fingerprint(), source.Fingerprint());
+  // A dataset without eos_id cannot be laid out so.
+  Write();
+  SHARDD_ASSERT_OK_AND_ASSIGN(opened, SftDataset::Open(dir_, 16));
+  EXPECT_EQ(opened->eos_id(), -1);
+  std::shared_ptr<const SftDataset> no_eos = std::move(opened);
+  EXPECT_THAT(SftSource(no_eos, 3, false, rows).CheckSequenceLength(8),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("has no eos_id")));
 }
 
 }  // namespace

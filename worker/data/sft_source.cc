@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <string>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -13,8 +14,11 @@ namespace shardd {
 namespace data {
 
 SftSource::SftSource(std::shared_ptr<const SftDataset> data, uint64_t seed,
-                     bool packing)
-    : data_(std::move(data)), seed_(seed), packing_(packing) {}
+                     bool packing, DiffusionRows diffusion)
+    : data_(std::move(data)),
+      seed_(seed),
+      packing_(packing && diffusion.canvas == 0),
+      diffusion_(diffusion) {}
 
 std::shared_ptr<const std::vector<int64_t>> SftSource::Order(
     int64_t epoch) const {
@@ -48,7 +52,91 @@ absl::Status SftSource::CheckLength(int64_t e, int64_t seq) const {
   return absl::OkStatus();
 }
 
+absl::StatusOr<SftSource::Split> SftSource::DiffusionSplit(
+    int64_t e, int64_t seq) const {
+  if (data_->eos_id() < 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        data_->dir(), "/shardd_sft.json has no eos_id; DiffusionGemma pads "
+        "each response with EOS to its blocks (prepare the dataset again "
+        "with tools/prepare_sft.py)"));
+  }
+  const int64_t n = data_->length(e);
+  Split split;
+  while (split.prompt < n && !data_->Counted(e, split.prompt)) ++split.prompt;
+  const std::string where = absl::StrCat(data_->dir(), ": example ", e,
+                                         " (line ", data_->SourceLine(e), ")");
+  if (split.prompt == n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, " counts no token; DiffusionGemma's canvas is the response"));
+  }
+  const int64_t b = diffusion_.block;
+  split.response = (n - split.prompt + b - 1) / b * b;
+  if (split.prompt + split.response > seq) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": its prompt (", split.prompt, " tokens) and response (",
+        n - split.prompt, ", padded with EOS to blocks of ", b, ": ",
+        split.response, ") need ", split.prompt + split.response,
+        " positions; a sequence has ", seq, " (raise --seq)"));
+  }
+  if (split.response > diffusion_.canvas) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": its response needs ", split.response,
+        " canvas rows (padded with EOS to blocks of ", b, "); the canvas has ",
+        diffusion_.canvas, " (raise --response-length)"));
+  }
+  return split;
+}
+
+absl::Status SftSource::FillDiffusionRow(int64_t e,
+                                         absl::Span<int32_t> inputs,
+                                         absl::Span<int32_t> targets) const {
+  const int64_t s = static_cast<int64_t>(inputs.size());
+  SHARDD_ASSIGN_OR_RETURN(const Split split, DiffusionSplit(e, s));
+  const int64_t n = data_->length(e);
+  const int64_t valid = split.prompt + split.response;
+  for (int64_t j = 0; j < s; ++j) {
+    inputs[j] = j < n       ? data_->Token(e, j)
+                : j < valid ? data_->eos_id()
+                            : data_->pad_id();
+  }
+  for (int64_t j = 0; j < s; ++j) {
+    targets[j] = j + 1 < valid ? inputs[j + 1] : -1;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SftSource::FillCanvas(int64_t index, int64_t seq, int32_t* start,
+                                   absl::Span<int32_t> targets) const {
+  if (diffusion_.canvas == 0) {
+    return SequenceSource::FillCanvas(index, seq, start, targets);
+  }
+  if (index < 0 ||
+      static_cast<int64_t>(targets.size()) != diffusion_.canvas) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "SFT canvas ", index, ": needs index >= 0 and ", diffusion_.canvas,
+        " targets, got ", targets.size()));
+  }
+  const int64_t e = Example(index);
+  SHARDD_ASSIGN_OR_RETURN(const Split split, DiffusionSplit(e, seq));
+  const int64_t n = data_->length(e);
+  *start = static_cast<int32_t>(split.prompt);
+  for (int64_t j = 0; j < diffusion_.canvas; ++j) {
+    const int64_t p = split.prompt + j;
+    targets[j] = j >= split.response ? -1
+                 : p >= n            ? data_->eos_id()
+                 : data_->Counted(e, p) ? data_->Token(e, p)
+                                        : -1;
+  }
+  return absl::OkStatus();
+}
+
 absl::Status SftSource::CheckSequenceLength(int64_t seq) const {
+  if (diffusion_.canvas > 0) {
+    for (int64_t e = 0; e < data_->examples(); ++e) {
+      SHARDD_RETURN_IF_ERROR(DiffusionSplit(e, seq).status());
+    }
+    return absl::OkStatus();
+  }
   if (data_->max_length() <= seq + 1) return absl::OkStatus();
   for (int64_t e = 0; e < data_->examples(); ++e) {
     SHARDD_RETURN_IF_ERROR(CheckLength(e, seq));
@@ -136,6 +224,9 @@ absl::Status SftSource::FillRow(int64_t index, absl::Span<int32_t> inputs,
         "targets, and segment_starts ", packing_ ? "as long" : "empty"));
   }
   const int64_t s = static_cast<int64_t>(inputs.size());
+  if (diffusion_.canvas > 0) {
+    return FillDiffusionRow(Example(index), inputs, targets);
+  }
   std::vector<int64_t> examples;
   if (packing_) {
     SHARDD_ASSIGN_OR_RETURN(examples, Pack(index, s));
@@ -179,13 +270,23 @@ absl::Status SftSource::Fill(int64_t index, absl::Span<int32_t> out) const {
 }
 
 uint64_t SftSource::Fingerprint() const {
-  return Mix64(data_->fingerprint() ^ Mix64(seed_ + 0x5f7ull) ^
-               (packing_ ? 0x9acce5ull : 0));
+  uint64_t fp = Mix64(data_->fingerprint() ^ Mix64(seed_ + 0x5f7ull) ^
+                      (packing_ ? 0x9acce5ull : 0));
+  if (diffusion_.canvas > 0) {
+    fp = Mix64(fp ^ Mix64(static_cast<uint64_t>(diffusion_.canvas) * 0x1f3ull +
+                          static_cast<uint64_t>(diffusion_.block)));
+  }
+  return fp;
 }
 
 std::string SftSource::Describe() const {
   return absl::StrCat("sft(", data_->dir(), ", ", data_->examples(),
-                      " examples, ", packing_ ? "packed" : "padded",
+                      " examples, ",
+                      diffusion_.canvas > 0
+                          ? absl::StrCat("prompt + canvas of ",
+                                         diffusion_.canvas)
+                      : packing_ ? "packed"
+                                 : "padded",
                       ", seed=", seed_, ")");
 }
 

@@ -36,10 +36,23 @@
 namespace shardd {
 namespace data {
 
+// DiffusionGemma's rows (docs/sft_data.md, "DiffusionGemma"), as NeMo
+// AutoModel's dLLM collator makes them: one example per row (never
+// packed). The prompt is the example's tokens before its first counted
+// one, at P; the response runs from P to the example's end, then the
+// dataset's eos_id up to a multiple of `block` (R tokens, counted), then
+// pad ids. The encoder's targets are every next token of the P + R (the prompt's too);
+// the canvas is the R response tokens, then `canvas` - R rows of padding,
+// scored where the dataset counts the token and over the eos fill.
+struct DiffusionRows {
+  int64_t canvas = 0;  // Canvas rows per sequence; 0: not DiffusionGemma.
+  int64_t block = 0;   // Canvas rows per diffusion block.
+};
+
 class SftSource : public SequenceSource {
  public:
   SftSource(std::shared_ptr<const SftDataset> data, uint64_t seed,
-            bool packing);
+            bool packing, DiffusionRows diffusion = {});
 
   const SftDataset& dataset() const { return *data_; }
   bool packing() const { return packing_; }
@@ -62,6 +75,10 @@ class SftSource : public SequenceSource {
                        absl::Span<int32_t> targets,
                        absl::Span<int32_t> segment_starts) const override;
   bool masked() const override { return true; }
+  int64_t canvas() const override { return diffusion_.canvas; }
+  // Errors: as FillRow, and FAILED_PRECONDITION without DiffusionRows.
+  absl::Status FillCanvas(int64_t index, int64_t seq, int32_t* start,
+                          absl::Span<int32_t> targets) const override;
   bool packed() const override { return packing_; }
   // The first example longer than seq + 1 tokens, as FillRow names it.
   absl::Status CheckSequenceLength(int64_t seq) const override;
@@ -75,10 +92,20 @@ class SftSource : public SequenceSource {
   absl::StatusOr<std::shared_ptr<const std::vector<int64_t>>> Rows(
       int64_t epoch, int64_t seq) const;
   absl::Status CheckLength(int64_t example, int64_t seq) const;
+  // DiffusionRows' layout of `example`: P and R. INVALID_ARGUMENT naming
+  // the example and its line when it counts no token or P + R exceeds seq
+  // or R the canvas, FAILED_PRECONDITION for a dataset without eos_id.
+  struct Split {
+    int64_t prompt = 0, response = 0;
+  };
+  absl::StatusOr<Split> DiffusionSplit(int64_t example, int64_t seq) const;
+  absl::Status FillDiffusionRow(int64_t example, absl::Span<int32_t> inputs,
+                                absl::Span<int32_t> targets) const;
 
   std::shared_ptr<const SftDataset> data_;
   uint64_t seed_;
   bool packing_;
+  DiffusionRows diffusion_;
   mutable absl::Mutex mu_;
   // The last epoch's order, kept: consecutive sequences share it.
   mutable int64_t epoch_ ABSL_GUARDED_BY(mu_) = -1;

@@ -275,7 +275,8 @@ absl::Status CpuBackend::BeginStep(const v1::StepProgram& header,
   model_->SetGlobalLossTokens(
       batches.empty() ? 0 : batches[0].step_counted,
       std::max(1, plan_.mesh().dp_shard()) *
-          std::max(1, plan_.mesh().dp_replicate()));
+          std::max(1, plan_.mesh().dp_replicate()),
+      batches.empty() ? 0 : batches[0].step_canvas_counted);
   // DiffusionGemma's canvas noise is keyed by the step and each row's global
   // index, so every data-parallel layout draws the same.
   for (size_t m = 0; m < batches.size(); ++m) {
@@ -283,6 +284,13 @@ absl::Status CpuBackend::BeginStep(const v1::StepProgram& header,
     if (static_cast<int64_t>(b.sequence_indices.size()) != b.rows) continue;
     SHARDD_RETURN_IF_ERROR(model_->SetSequenceKeys(
         static_cast<int>(m), header.step(), b.sequence_indices.data()));
+  }
+  // DiffusionGemma's SFT rows: each row's own prompt and canvas.
+  for (size_t m = 0; m < batches.size(); ++m) {
+    if (batches[m].canvas_starts.empty()) continue;
+    SHARDD_RETURN_IF_ERROR(model_->SetCanvasRows(
+        static_cast<int>(m), batches[m].canvas_starts.data(),
+        batches[m].canvas_targets.data()));
   }
   comm_->Reset();
   // A failed step may have left activations behind; count what is held.

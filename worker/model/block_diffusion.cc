@@ -42,7 +42,8 @@ absl::Status BuildDiffusionCanvas(const int32_t* inputs, int64_t batch,
                                   int64_t seq, int64_t canvas, int64_t vocab,
                                   int64_t step, const int64_t* sequence_indices,
                                   const DiffusionTrainingOptions& options,
-                                  DiffusionCanvas* out) {
+                                  DiffusionCanvas* out,
+                                  const CanvasRows* rows) {
   SHARDD_RETURN_IF_ERROR(ValidateDiffusionTraining(options));
   if (canvas < 1 || canvas >= seq || vocab < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -52,6 +53,7 @@ absl::Status BuildDiffusionCanvas(const int32_t* inputs, int64_t batch,
   }
   out->clean.resize(batch * canvas);
   out->noised.resize(batch * canvas);
+  out->targets.resize(batch * canvas);
   out->self_cond.resize(batch);
   for (int64_t b = 0; b < batch; ++b) {
     const uint64_t index = static_cast<uint64_t>(sequence_indices[b]);
@@ -59,12 +61,26 @@ absl::Status BuildDiffusionCanvas(const int32_t* inputs, int64_t batch,
                                           kDiffusionNoiseDomain, index));
     const double level =
         options.noise_eps + (1.0 - options.noise_eps) * rng.NextDouble();
+    const int64_t start = rows == nullptr ? seq - canvas : rows->starts[b];
+    if (start < 0 || start >= seq) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("block diffusion: row ", b, "'s canvas starts at ",
+                       start, ", outside [0, ", seq, ")"));
+    }
     for (int64_t j = 0; j < canvas; ++j) {
-      const int32_t clean = inputs[b * seq + seq - canvas + j];
+      const int64_t i = b * canvas + j;
+      const int32_t target = rows == nullptr ? 0 : rows->targets[i];
+      int32_t clean = rows != nullptr && start + j >= seq
+                          ? rows->pad_id
+                          : inputs[b * seq + start + j];
+      if (rows != nullptr && target >= 0) clean = target;
+      // Both draws always, so a position's noise does not depend on others.
       const double u = rng.NextDouble();
       const auto token = static_cast<int32_t>(rng.NextBelow(vocab));
-      out->clean[b * canvas + j] = clean;
-      out->noised[b * canvas + j] = u < level ? token : clean;
+      const bool scored = rows == nullptr || target >= 0;
+      out->clean[i] = clean;
+      out->targets[i] = scored ? clean : -1;
+      out->noised[i] = scored && u < level ? token : clean;
     }
     data::SplitMix64 coin(data::StreamSeed(static_cast<uint64_t>(step),
                                            kSelfConditioningDomain, index));

@@ -127,5 +127,54 @@ TEST(BlockDiffusionTest, RejectsOptionsOutOfRangeNamingTheField) {
   EXPECT_TRUE(ValidateDiffusionTraining({}).ok());
 }
 
+// SFT rows: each row's canvas from its own start (pad past the row), the
+// same draws as without rows, only the scored positions noised.
+TEST(BlockDiffusionTest, CanvasRowsStartPerRowAndNoiseOnlyTheScored) {
+  const int64_t seq = 10, canvas = 6, vocab = 1000;
+  const std::vector<int32_t> inputs = Ramp(2, seq);
+  const std::vector<int64_t> index = {4, 9};
+  const std::vector<int32_t> starts = {2, 7};
+  std::vector<int32_t> targets(2 * canvas, -1);
+  for (int64_t j = 0; j < 4; ++j) targets[j] = 100 + j;  // Row 0: 4 scored.
+  targets[canvas + 1] = 200;                             // Row 1: one.
+  CanvasRows rows;
+  rows.starts = starts.data();
+  rows.targets = targets.data();
+  rows.pad_id = 999;
+  DiffusionTrainingOptions all_noised;
+  all_noised.noise_eps = 0.999999;  // Every scored position replaced.
+  DiffusionCanvas c, plain;
+  ASSERT_TRUE(BuildDiffusionCanvas(inputs.data(), 2, seq, canvas, vocab, 3,
+                                   index.data(), all_noised, &c, &rows)
+                  .ok());
+  ASSERT_TRUE(BuildDiffusionCanvas(inputs.data(), 2, seq, canvas, vocab, 3,
+                                   index.data(), all_noised, &plain)
+                  .ok());
+  for (int64_t b = 0; b < 2; ++b) {
+    for (int64_t j = 0; j < canvas; ++j) {
+      const int64_t i = b * canvas + j;
+      const int64_t p = starts[b] + j;
+      const int32_t clean = targets[i] >= 0 ? targets[i]
+                            : p < seq       ? inputs[b * seq + p]
+                                            : 999;
+      EXPECT_EQ(c.clean[i], clean) << b << " " << j;
+      EXPECT_EQ(c.targets[i], targets[i]) << b << " " << j;
+      // The same stream: a scored position takes the token drawn for it.
+      EXPECT_EQ(c.noised[i], targets[i] >= 0 ? plain.noised[i] : clean)
+          << b << " " << j;
+    }
+  }
+  EXPECT_EQ(c.self_cond, plain.self_cond);
+  // Without rows, every position is scored against the clean tokens.
+  for (int64_t i = 0; i < 2 * canvas; ++i) {
+    EXPECT_EQ(plain.targets[i], plain.clean[i]);
+  }
+  const std::vector<int32_t> bad = {2, 10};
+  rows.starts = bad.data();
+  EXPECT_FALSE(BuildDiffusionCanvas(inputs.data(), 2, seq, canvas, vocab, 3,
+                                    index.data(), all_noised, &c, &rows)
+                   .ok());
+}
+
 }  // namespace
 }  // namespace shardd

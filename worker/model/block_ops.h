@@ -211,6 +211,8 @@ struct GemmaDecodeView {
   int64_t encoder_seq = 0;  // Rows per sequence of the encode's K/V.
   int64_t block = 0;        // Canvas rows per decode block.
   Saved* encoder = nullptr;
+  // SFT rows: [batch] each row's own prefix (gemma_layer.h's GemmaDecode).
+  const int32_t* row_prefix = nullptr;
 };
 
 // What a DiffusionGemma layer's state keeps (GemmaTrim).

@@ -427,6 +427,7 @@ absl::StatusOr<GemmaDecode> DecodeOf(const GemmaDecodeView* view) {
   d.encoder_seq = view->encoder_seq;
   d.block = view->block;
   d.encoder = &encoder->acts;
+  d.row_prefix = view->row_prefix;
   return d;
 }
 

@@ -66,9 +66,19 @@ absl::Status GemmaLayerBlock::AddGrad(ParamSource* params, const ArchTensor& t,
 absl::Status GemmaLayerBlock::Rotate(const MoeLayerSpec& layer,
                                      std::vector<float>* x, int64_t tokens,
                                      int64_t seq, int64_t heads, bool inverse,
-                                     int64_t offset) {
-  FillPositions(offset == 0 ? segments_ : nullptr, tokens, seq, offset,
-                &positions_);
+                                     const GemmaDecode* decode) {
+  if (decode == nullptr) {
+    FillPositions(segments_, tokens, seq, 0, &positions_);
+  } else {
+    positions_.resize(tokens);
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t p = decode->PrefixOf(t / seq) + t % seq;
+      positions_[t] = static_cast<int32_t>(
+          decode->row_prefix == nullptr
+              ? p
+              : std::min<int64_t>(p, decode->encoder_seq - 1));
+    }
+  }
   return kernels::RopeRotate(
       layer.sliding ? sliding_rope_ : full_rope_, kernels::RopeLayout::kHalf,
       HeadsRopeShape(tokens, heads, layer.layer_head_dim), positions_.data(),
@@ -96,24 +106,51 @@ void ScatterRows(const float* src, int64_t batch, int64_t seq, int64_t width,
 
 }  // namespace
 
+namespace {
+
+// The decode's sequences in runs of one prefix (all of them without
+// row_prefix), with block `blk`'s encoder keys for each run.
+std::vector<DecodeRows> RowRuns(const MoeArchitecture& arch,
+                                const MoeLayerSpec& layer,
+                                const GemmaDecode& d,
+                                const GemmaDecodeBlock& blk, int64_t batch) {
+  std::vector<DecodeRows> runs;
+  for (int64_t b = 0; b < batch;) {
+    DecodeRows r;
+    r.begin = b;
+    r.prefix = d.PrefixOf(b);
+    while (b < batch && d.PrefixOf(b) == r.prefix) ++b;
+    r.end = b;
+    r.key_end = std::min(r.prefix + blk.begin, d.encoder_seq);
+    r.key_lo = std::min(GemmaEncoderLow(arch, layer, r.prefix, blk.begin),
+                        r.key_end);
+    runs.push_back(r);
+  }
+  return runs;
+}
+
+}  // namespace
+
 absl::Status GemmaLayerBlock::ComposeBlockKeys(
     const MoeLayerSpec& layer, const GemmaDecode& d, const GemmaDecodeBlock& blk,
-    int64_t batch, int64_t seq, const GemmaLayerActs& a, std::vector<float>* k,
-    std::vector<float>* v) {
+    const DecodeRows& rows, int64_t batch, int64_t seq, const GemmaLayerActs& a,
+    std::vector<float>* k, std::vector<float>* v) {
   const int64_t row = layer.layer_kv_heads * layer.layer_head_dim;
-  const int64_t end = d.prefix + blk.begin;  // Encoder keys end here.
-  const int64_t lo = GemmaEncoderLow(*arch_, layer, d.prefix, blk.begin), enc = end - lo;
+  const int64_t enc = rows.key_end - rows.key_lo;
   const int64_t len = enc + blk.len;
   const GemmaLayerActs& e = *d.encoder;
   if (static_cast<int64_t>(e.k.size()) != batch * d.encoder_seq * row ||
-      end > d.encoder_seq) {
+      rows.key_lo < 0) {
     return absl::FailedPreconditionError(
         "decode: the encode's K/V of this layer do not match the batch");
   }
-  k->resize(batch * len * row);
-  v->resize(batch * len * row);
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t src = (b * d.encoder_seq + lo) * row, dst = b * len * row;
+  const int64_t n = rows.end - rows.begin;
+  k->resize(n * len * row);
+  v->resize(n * len * row);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t b = rows.begin + i;
+    const int64_t src = (b * d.encoder_seq + rows.key_lo) * row,
+                  dst = i * len * row;
     std::copy_n(e.k.data() + src, enc * row, k->data() + dst);
     std::copy_n(e.v.data() + src, enc * row, v->data() + dst);
     const int64_t canvas = (b * seq + blk.begin) * row;
@@ -130,26 +167,33 @@ absl::Status GemmaLayerBlock::DecodeAttentionForward(const MoeLayerSpec& layer,
                                                      int64_t batch, int64_t seq,
                                                      GemmaLayerActs* a) {
   const int64_t hq = arch_->q_heads, hd = layer.layer_head_dim;
-  a->o.resize(batch * seq * hq * hd);
+  const int64_t qrow = hq * hd;
+  a->o.resize(batch * seq * qrow);
   a->lse.resize(batch * hq * seq);
   std::vector<float> q, k, v, o, lse;
   for (const GemmaDecodeBlock& blk : GemmaDecodeBlocks(d.block, seq)) {
-    SHARDD_RETURN_IF_ERROR(
-        ComposeBlockKeys(layer, d, blk, batch, seq, *a, &k, &v));
-    q.resize(batch * blk.len * hq * hd);
-    GatherRows(a->q.data(), batch, seq, hq * hd, blk.begin, blk.len, q.data());
-    kernels::AttentionDims dims = GemmaAttentionDims(*arch_, layer, batch, blk.len);
-    dims.kv_len =
-        static_cast<int64_t>(k.size()) / (batch * layer.layer_kv_heads * hd);
-    o.resize(q.size());
-    lse.resize(batch * hq * blk.len);
-    SHARDD_RETURN_IF_ERROR(kernels::AttentionForward(
-        dims, GemmaAttentionOptions(*arch_, layer, true), q.data(), k.data(), v.data(), o.data(),
-        lse.data(), &ws_));
-    ScatterRows(o.data(), batch, seq, hq * hd, blk.begin, blk.len, a->o.data());
-    // lse [batch, hq, rows]: (batch, head) rows of `seq`.
-    ScatterRows(lse.data(), batch * hq, seq, 1, blk.begin, blk.len,
-                a->lse.data());
+    for (const DecodeRows& rows : RowRuns(*arch_, layer, d, blk, batch)) {
+      const int64_t n = rows.end - rows.begin;
+      SHARDD_RETURN_IF_ERROR(
+          ComposeBlockKeys(layer, d, blk, rows, batch, seq, *a, &k, &v));
+      q.resize(n * blk.len * qrow);
+      GatherRows(a->q.data() + rows.begin * seq * qrow, n, seq, qrow,
+                 blk.begin, blk.len, q.data());
+      kernels::AttentionDims dims =
+          GemmaAttentionDims(*arch_, layer, n, blk.len);
+      dims.kv_len =
+          static_cast<int64_t>(k.size()) / (n * layer.layer_kv_heads * hd);
+      o.resize(q.size());
+      lse.resize(n * hq * blk.len);
+      SHARDD_RETURN_IF_ERROR(kernels::AttentionForward(
+          dims, GemmaAttentionOptions(*arch_, layer, true), q.data(), k.data(),
+          v.data(), o.data(), lse.data(), &ws_));
+      ScatterRows(o.data(), n, seq, qrow, blk.begin, blk.len,
+                  a->o.data() + rows.begin * seq * qrow);
+      // lse [batch, hq, rows]: (batch, head) rows of `seq`.
+      ScatterRows(lse.data(), n * hq, seq, 1, blk.begin, blk.len,
+                  a->lse.data() + rows.begin * hq * seq);
+    }
   }
   return absl::OkStatus();
 }
@@ -160,56 +204,62 @@ absl::Status GemmaLayerBlock::DecodeAttentionBackward(const MoeLayerSpec& layer,
                                                       int64_t seq,
                                                       const GemmaLayerActs& a) {
   const int64_t hq = arch_->q_heads, hkv = layer.layer_kv_heads;
-  const int64_t hd = layer.layer_head_dim, row = hkv * hd;
+  const int64_t hd = layer.layer_head_dim, row = hkv * hd, qrow = hq * hd;
   const int64_t t = batch * seq;
-  dq_.assign(t * hq * hd, 0.0f);
+  dq_.assign(t * qrow, 0.0f);
   dk_.assign(t * row, 0.0f);
   dv_.assign(t * row, 0.0f);
   GemmaLayerActs& e = *d.encoder;
-  const int64_t n = batch * d.encoder_seq * row;
-  if (static_cast<int64_t>(e.dk_ext.size()) != n) {
-    e.dk_ext.assign(n, 0.0f);
-    e.dv_ext.assign(n, 0.0f);
+  const int64_t total = batch * d.encoder_seq * row;
+  if (static_cast<int64_t>(e.dk_ext.size()) != total) {
+    e.dk_ext.assign(total, 0.0f);
+    e.dv_ext.assign(total, 0.0f);
   }
   std::vector<float> q, k, v, o, lse, dout, dq, dk, dv;
   for (const GemmaDecodeBlock& blk : GemmaDecodeBlocks(d.block, seq)) {
-    SHARDD_RETURN_IF_ERROR(
-        ComposeBlockKeys(layer, d, blk, batch, seq, a, &k, &v));
-    const int64_t len = static_cast<int64_t>(k.size()) / (batch * row);
-    const int64_t enc = len - blk.len;
-    const int64_t lo = GemmaEncoderLow(*arch_, layer, d.prefix, blk.begin);
-    q.resize(batch * blk.len * hq * hd);
-    o.resize(q.size());
-    dout.resize(q.size());
-    lse.resize(batch * hq * blk.len);
-    GatherRows(a.q.data(), batch, seq, hq * hd, blk.begin, blk.len, q.data());
-    GatherRows(a.o.data(), batch, seq, hq * hd, blk.begin, blk.len, o.data());
-    GatherRows(do_.data(), batch, seq, hq * hd, blk.begin, blk.len,
-               dout.data());
-    GatherRows(a.lse.data(), batch * hq, seq, 1, blk.begin, blk.len,
-               lse.data());
-    kernels::AttentionDims dims = GemmaAttentionDims(*arch_, layer, batch, blk.len);
-    dims.kv_len = len;
-    dq.assign(q.size(), 0.0f);
-    dk.assign(k.size(), 0.0f);
-    dv.assign(v.size(), 0.0f);
-    SHARDD_RETURN_IF_ERROR(kernels::AttentionBackward(
-        dims, GemmaAttentionOptions(*arch_, layer, true), q.data(), k.data(), v.data(), o.data(),
-        lse.data(), dout.data(), dq.data(), dk.data(), dv.data(), nullptr,
-        &ws_));
-    ScatterRows(dq.data(), batch, seq, hq * hd, blk.begin, blk.len, dq_.data());
-    for (int64_t b = 0; b < batch; ++b) {
-      const int64_t src = b * len * row;
-      const int64_t dst = (b * d.encoder_seq + lo) * row;
-      for (int64_t i = 0; i < enc * row; ++i) {
-        e.dk_ext[dst + i] += dk[src + i];
-        e.dv_ext[dst + i] += dv[src + i];
+    for (const DecodeRows& rows : RowRuns(*arch_, layer, d, blk, batch)) {
+      const int64_t n = rows.end - rows.begin;
+      SHARDD_RETURN_IF_ERROR(
+          ComposeBlockKeys(layer, d, blk, rows, batch, seq, a, &k, &v));
+      const int64_t len = static_cast<int64_t>(k.size()) / (n * row);
+      const int64_t enc = len - blk.len;
+      const int64_t q0 = rows.begin * seq * qrow;
+      q.resize(n * blk.len * qrow);
+      o.resize(q.size());
+      dout.resize(q.size());
+      lse.resize(n * hq * blk.len);
+      GatherRows(a.q.data() + q0, n, seq, qrow, blk.begin, blk.len, q.data());
+      GatherRows(a.o.data() + q0, n, seq, qrow, blk.begin, blk.len, o.data());
+      GatherRows(do_.data() + q0, n, seq, qrow, blk.begin, blk.len,
+                 dout.data());
+      GatherRows(a.lse.data() + rows.begin * hq * seq, n * hq, seq, 1,
+                 blk.begin, blk.len, lse.data());
+      kernels::AttentionDims dims =
+          GemmaAttentionDims(*arch_, layer, n, blk.len);
+      dims.kv_len = len;
+      dq.assign(q.size(), 0.0f);
+      dk.assign(k.size(), 0.0f);
+      dv.assign(v.size(), 0.0f);
+      SHARDD_RETURN_IF_ERROR(kernels::AttentionBackward(
+          dims, GemmaAttentionOptions(*arch_, layer, true), q.data(), k.data(),
+          v.data(), o.data(), lse.data(), dout.data(), dq.data(), dk.data(),
+          dv.data(), nullptr, &ws_));
+      ScatterRows(dq.data(), n, seq, qrow, blk.begin, blk.len,
+                  dq_.data() + q0);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t b = rows.begin + i;
+        const int64_t src = i * len * row;
+        const int64_t dst = (b * d.encoder_seq + rows.key_lo) * row;
+        for (int64_t j = 0; j < enc * row; ++j) {
+          e.dk_ext[dst + j] += dk[src + j];
+          e.dv_ext[dst + j] += dv[src + j];
+        }
+        const int64_t canvas = (b * seq + blk.begin) * row;
+        std::copy_n(dk.data() + src + enc * row, blk.len * row,
+                    dk_.data() + canvas);
+        std::copy_n(dv.data() + src + enc * row, blk.len * row,
+                    dv_.data() + canvas);
       }
-      const int64_t canvas = (b * seq + blk.begin) * row;
-      std::copy_n(dk.data() + src + enc * row, blk.len * row,
-                  dk_.data() + canvas);
-      std::copy_n(dv.data() + src + enc * row, blk.len * row,
-                  dv_.data() + canvas);
     }
   }
   return absl::OkStatus();
@@ -287,8 +337,10 @@ absl::Status GemmaLayerBlock::LayerFromInput(const MoeLayerSpec& layer,
   const int64_t t = batch * seq, d = arch_->dim, hq = arch_->q_heads;
   const int64_t hkv = layer.layer_kv_heads, hd = layer.layer_head_dim;
   const float eps = arch_->eps;
-  const int64_t offset = decode == nullptr ? 0 : decode->prefix;
-  SHARDD_RETURN_IF_ERROR(Prepare(seq + offset));
+  SHARDD_RETURN_IF_ERROR(Prepare(
+      decode == nullptr ? seq
+      : decode->row_prefix == nullptr ? seq + decode->prefix
+                                      : decode->encoder_seq));
   const float* x = a->x_in.data();
   SHARDD_ASSIGN_OR_RETURN(const float* w_in, params->Param(layer.norm.name));
   a->in_inv.resize(t);
@@ -329,8 +381,8 @@ absl::Status GemmaLayerBlock::LayerFromInput(const MoeLayerSpec& layer,
   SHARDD_RETURN_IF_ERROR(kernels::RmsNormForward(a->v_pre.data(), Ones(hd),
                                                  t * hkv, hd, eps, a->v.data(),
                                                  a->v_inv.data()));
-  SHARDD_RETURN_IF_ERROR(Rotate(layer, &a->q, t, seq, hq, false, offset));
-  SHARDD_RETURN_IF_ERROR(Rotate(layer, &a->k, t, seq, hkv, false, offset));
+  SHARDD_RETURN_IF_ERROR(Rotate(layer, &a->q, t, seq, hq, false, decode));
+  SHARDD_RETURN_IF_ERROR(Rotate(layer, &a->k, t, seq, hkv, false, decode));
   if (decode != nullptr) {
     SHARDD_RETURN_IF_ERROR(
         DecodeAttentionForward(layer, *decode, batch, seq, a));
@@ -799,9 +851,8 @@ absl::Status GemmaLayerBlock::BackwardLayer(const MoeLayerSpec& layer,
     a->dk_ext.clear();
     a->dv_ext.clear();
   }
-  const int64_t offset = decode == nullptr ? 0 : decode->prefix;
-  SHARDD_RETURN_IF_ERROR(Rotate(layer, &dq_, t, seq, hq, true, offset));
-  SHARDD_RETURN_IF_ERROR(Rotate(layer, &dk_, t, seq, hkv, true, offset));
+  SHARDD_RETURN_IF_ERROR(Rotate(layer, &dq_, t, seq, hq, true, decode));
+  SHARDD_RETURN_IF_ERROR(Rotate(layer, &dk_, t, seq, hkv, true, decode));
   std::vector<float> dq_pre(t * hq * hd), dk_pre(t * hkv * hd),
       dv_pre(t * hkv * hd);
   grad_.assign(hd, 0.0f);

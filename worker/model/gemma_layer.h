@@ -98,12 +98,27 @@ struct GemmaLayerActs {
   int64_t bytes() const;
 };
 
+// Consecutive sequences of a decode that share a prefix, and a block's
+// encoder keys [lo, end) for them.
+struct DecodeRows {
+  int64_t begin = 0, end = 0;
+  int64_t prefix = 0;
+  int64_t key_lo = 0, key_end = 0;
+};
+
 // A decode's view of the encode (the same layer's acts).
 struct GemmaDecode {
   int64_t prefix = 0;        // P: canvas query j sits at position P + j.
   int64_t encoder_seq = 0;   // S: rows per sequence of encoder->k / v.
   int64_t block = 0;         // Canvas rows per block; 0: one block.
   GemmaLayerActs* encoder = nullptr;
+  // SFT rows: [batch] each row's own P (null: `prefix` for every row).
+  // A block's encoder keys end at min(P + begin, S) and canvas positions
+  // at S - 1 (rows past a row's response; they are scored nowhere).
+  const int32_t* row_prefix = nullptr;
+  int64_t PrefixOf(int64_t row) const {
+    return row_prefix == nullptr ? prefix : row_prefix[row];
+  }
 };
 
 class GemmaLayerBlock {
@@ -220,14 +235,17 @@ class GemmaLayerBlock {
   absl::Status LayerFromInput(const MoeLayerSpec& layer, ParamSource* params,
                               int64_t batch, int64_t seq, GemmaLayerActs* acts,
                               const GemmaDecode* decode);
+  // RoPE at the causal pass's positions, or at a decode's canvas ones.
   absl::Status Rotate(const MoeLayerSpec& layer, std::vector<float>* x,
                       int64_t tokens, int64_t seq, int64_t heads, bool inverse,
-                      int64_t offset = 0);
-  // A block's keys and values, [batch, enc + len, kv row]: its encoder rows,
-  // then its canvas rows of a->k / a->v. FAILED_PRECONDITION when the
+                      const GemmaDecode* decode);
+  // A block's keys and values for the sequences [rows.begin, rows.end)
+  // (one prefix), [rows, enc + len, kv row]: their encoder rows [lo, end),
+  // then their canvas rows of a->k / a->v. FAILED_PRECONDITION when the
   // encode's K/V do not fit the batch.
   absl::Status ComposeBlockKeys(const MoeLayerSpec& layer, const GemmaDecode& d,
-                                const GemmaDecodeBlock& blk, int64_t batch,
+                                const GemmaDecodeBlock& blk,
+                                const DecodeRows& rows, int64_t batch,
                                 int64_t seq, const GemmaLayerActs& a,
                                 std::vector<float>* k, std::vector<float>* v);
   // A decode's attention, block by block: a->o and a->lse from a->q, k, v.

@@ -109,6 +109,9 @@ absl::Status ModelStep::SetBatch(int microbatch, const int32_t* inputs,
     b.host_inputs.assign(inputs, inputs + b.tokens);
     std::vector<int32_t> ar(targets, targets + b.tokens);
     b.ar_counted = 0;
+    b.canvas_starts.clear();
+    b.canvas_targets.clear();
+    b.canvas_counted = 0;
     for (int64_t r = 0; r < batch; ++r) {
       ar[r * seq + seq - 1] = -1;
       for (int64_t i = 0; i < seq; ++i) b.ar_counted += ar[r * seq + i] >= 0;
@@ -540,6 +543,82 @@ absl::Status ModelStep::GemmaBackward(const Command& c, int64_t batch,
   if (decode != nullptr) decode->encoder->Sync(&ledger_);
   la = LayerSlot();
   return absl::OkStatus();
+}
+
+absl::Status ModelStep::SetCanvasRows(int microbatch, const int32_t* starts,
+                                      const int32_t* targets) {
+  if (microbatch < 0 || microbatch >= shape_.microbatches ||
+      batches_[microbatch].tokens == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "SetCanvasRows: micro-batch ", microbatch, " has no SetBatch"));
+  }
+  if (!diffusion_) {
+    return absl::FailedPreconditionError(
+        "SetCanvasRows: only DiffusionGemma's block-diffusion step has a "
+        "canvas");
+  }
+  BatchSlot& b = batches_[microbatch];
+  const int64_t canvas = block_diffusion_.canvas;
+  for (int64_t r = 0; r < b.batch; ++r) {
+    if (starts[r] < 0 || starts[r] >= b.seq) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("canvas_starts[", r, "]: ", starts[r],
+                       " is outside the row [0, ", b.seq, ")"));
+    }
+  }
+  int64_t counted = 0;
+  for (int64_t i = 0; i < b.batch * canvas; ++i) {
+    if (targets[i] < -1 || targets[i] >= arch_.vocab) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("canvas_targets[", i, "]: ", targets[i],
+                       " is outside [-1, ", arch_.vocab, ")"));
+    }
+    counted += targets[i] >= 0;
+  }
+  b.canvas_starts.assign(starts, starts + b.batch);
+  b.canvas_targets.assign(targets, targets + b.batch * canvas);
+  b.canvas_counted = counted;
+  return absl::OkStatus();
+}
+
+LossTerm ModelStep::DiffusionTerm(const BatchSlot& batch, bool encode) const {
+  const double w = encode ? shape_.diffusion.encoder_loss_weight
+                          : shape_.diffusion.diffusion_loss_weight;
+  const int m = shape_.microbatches;
+  LossTerm term;
+  term.weight = w;
+  if (global_canvas_ <= 0) {
+    // Each a mean over this rank's count, which the reduce-scatter's
+    // average over ranks of equal counts makes the global mean.
+    const int64_t count =
+        encode ? batch.ar_counted : batch.batch * block_diffusion_.canvas;
+    term.grad_scale =
+        count == 0 ? 0.0f
+                   : static_cast<float>(w / (static_cast<double>(count) * m));
+    return term;
+  }
+  // SFT rows: the mean over the term's global count. The rank reports
+  // sum_terms(w x its CE sum / global count) x N / T (N both terms' global
+  // counts, T this rank's), so that the ranks' mean weighted by T is the
+  // global loss.
+  const int64_t global = encode ? global_counted_ : global_canvas_;
+  int64_t local = 0;
+  for (int i = 0; i < m; ++i) {
+    local += batches_[i].ar_counted + batches_[i].canvas_counted;
+  }
+  const int64_t mine = encode ? batch.ar_counted : batch.canvas_counted;
+  term.grad_scale =
+      global == 0 ? 0.0f
+                  : static_cast<float>(w * loss_ranks_ /
+                                       static_cast<double>(global));
+  term.weight = global == 0 || local == 0
+                    ? 0.0
+                    : w * m * static_cast<double>(mine) *
+                          static_cast<double>(global_counted_ +
+                                              global_canvas_) /
+                          (static_cast<double>(global) *
+                           static_cast<double>(local));
+  return term;
 }
 
 double ModelStep::LossWeight(const BatchSlot& batch) const {

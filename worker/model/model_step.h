@@ -64,6 +64,9 @@ class ModelStep {
   // micro-batch's SetBatch).
   absl::Status SetSequenceKeys(int microbatch, int64_t step,
                                const int64_t* sequence_indices);
+  // As MoeModel::SetCanvasRows.
+  absl::Status SetCanvasRows(int microbatch, const int32_t* starts,
+                             const int32_t* targets);
   // As MoeModel::HoldSelfConditioningForTest.
   void HoldSelfConditioningForTest(bool hold) { hold_sc_ = hold; }
   // As MoeModel::SetRecompute.
@@ -77,9 +80,15 @@ class ModelStep {
   // (the ranks' average then gives the global mean) and its reported loss
   // is its own token mean (the coordinator weighs ranks by tokens).
   // global_counted 0: the mean of the micro-batches' means, as before.
-  void SetGlobalLossTokens(int64_t global_counted, int ranks) {
+  // DiffusionGemma's SFT rows (SetCanvasRows) add the global batch's
+  // counted canvas targets: each of its two terms is then the mean over
+  // its own global count, and the reported loss is weighted so that the
+  // coordinator's token-weighted mean of the ranks is the global loss.
+  void SetGlobalLossTokens(int64_t global_counted, int ranks,
+                           int64_t global_canvas = 0) {
     global_counted_ = global_counted;
     loss_ranks_ = ranks;
+    global_canvas_ = global_canvas;
   }
   // Expert parallelism (docs/expert_parallel.md): the bound parameters
   // hold this rank's block of every MoE layer's experts, and EXPERTS
@@ -152,8 +161,13 @@ class ModelStep {
     std::vector<int32_t> host_inputs;
     Act ar_targets;
     int64_t ar_counted = 0;
+    // SFT rows (SetCanvasRows): each row's response start [B] and canvas
+    // targets [B, R] (-1: not scored), and the scored count; empty: the
+    // last R tokens of every row, all scored.
+    std::vector<int32_t> canvas_starts, canvas_targets;
+    int64_t canvas_counted = 0;
     DiffusionCanvas canvas;
-    Act noised, clean;
+    Act noised, scored;  // The noised canvas and the diffusion targets.
     Saved sc;
     Act sc_probs;
   };
@@ -243,6 +257,10 @@ class ModelStep {
   // A decode's view of layer l's encode in micro-batch mb.
   GemmaDecodeView DecodeView(int layer, int microbatch,
                              const BatchSlot& batch);
+  // The loss term of micro-batch `batch`'s encode (the autoregressive CE)
+  // or decode (the diffusion CE): its weight in the reported loss and the
+  // gradient of each scored token.
+  LossTerm DiffusionTerm(const BatchSlot& batch, bool encode) const;
   // FORWARD(HEAD)'s final norm: a->x becomes a->final_x, with final_inv
   // and h.
   absl::Status FinalNorm(int64_t t, PassSlot* a);
@@ -265,6 +283,7 @@ class ModelStep {
   bool eval_ = false;
   int loss_terms_ = 0;
   int64_t global_counted_ = 0;  // SetGlobalLossTokens.
+  int64_t global_canvas_ = 0;
   int loss_ranks_ = 1;
   bool diffusion_ = false;
   BlockDiffusionSpec block_diffusion_;

@@ -3,6 +3,7 @@
 // encode, pass 1 the self-conditioning decode without gradients, pass 2 the
 // decode; the decode's attention reads the encode's K/V of the same layer.
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -16,9 +17,13 @@ using v1::Command;
 
 GemmaDecodeView ModelStep::DecodeView(int layer, int microbatch,
                                       const BatchSlot& batch) {
-  return GemmaDecodeView{batch.seq - block_diffusion_.canvas, batch.seq,
-                         block_diffusion_.block,
-                         &Slot(0, microbatch).layers[layer].gemma};
+  GemmaDecodeView view{batch.seq - block_diffusion_.canvas, batch.seq,
+                       block_diffusion_.block,
+                       &Slot(0, microbatch).layers[layer].gemma};
+  if (!batch.canvas_starts.empty()) {
+    view.row_prefix = batch.canvas_starts.data();
+  }
+  return view;
 }
 
 absl::Status ModelStep::DiffusionForward(const Command& c) {
@@ -38,14 +43,19 @@ absl::Status ModelStep::DiffusionForward(const Command& c) {
       }
       if (pass == 1) {
         // A new canvas for this step's keys.
+        CanvasRows rows;
+        rows.starts = batch.canvas_starts.data();
+        rows.targets = batch.canvas_targets.data();
+        rows.pad_id = static_cast<int32_t>(std::max<int64_t>(arch_.pad_id, 0));
         SHARDD_RETURN_IF_ERROR(BuildDiffusionCanvas(
             batch.host_inputs.data(), batch.batch, batch.seq, canvas,
             arch_.vocab, batch.step, batch.sequence_indices.data(),
-            shape_.diffusion, &batch.canvas));
+            shape_.diffusion, &batch.canvas,
+            batch.canvas_starts.empty() ? nullptr : &rows));
         SHARDD_ASSIGN_OR_RETURN(
             batch.noised, ops_->Upload(batch.canvas.noised.data(), t));
-        SHARDD_ASSIGN_OR_RETURN(batch.clean,
-                                ops_->Upload(batch.canvas.clean.data(), t));
+        SHARDD_ASSIGN_OR_RETURN(batch.scored,
+                                ops_->Upload(batch.canvas.targets.data(), t));
       } else if (batch.sc_probs.empty()) {
         return absl::FailedPreconditionError(
             "FORWARD EMBED of pass 2 before pass 1's HEAD");
@@ -88,10 +98,8 @@ absl::Status ModelStep::DiffusionForward(const Command& c) {
         // term per micro-batch.
         const bool encode = pass == 0;
         SHARDD_RETURN_IF_ERROR(ops_->HeadLoss(
-            a.h, encode ? batch.ar_targets : batch.clean, t,
-            LossTerm{0.0f, encode ? shape_.diffusion.encoder_loss_weight
-                                  : shape_.diffusion.diffusion_loss_weight},
-            0.0, /*dh=*/nullptr));
+            a.h, encode ? batch.ar_targets : batch.scored, t,
+            DiffusionTerm(batch, encode), 0.0, /*dh=*/nullptr));
         if (!encode) ++loss_terms_;
         a.final_x.Reset();
         a.final_inv.Reset();
@@ -127,21 +135,12 @@ absl::Status ModelStep::DiffusionBackward(const Command& c) {
   const int64_t t = batch.batch * seq;
   switch (c.part()) {
     case Command::HEAD: {
-      // Diffusion CE over every canvas position, plus the weighted AR CE;
-      // each a mean over this rank's count, which the reduce-scatter's
-      // average over ranks of equal counts makes the global mean.
+      // The diffusion CE over the scored canvas positions, plus the
+      // weighted AR CE.
       const bool encode = pass == 0;
-      const int64_t count = encode ? batch.ar_counted : t;
-      LossTerm term;
-      term.weight = encode ? shape_.diffusion.encoder_loss_weight
-                           : shape_.diffusion.diffusion_loss_weight;
-      term.grad_scale =
-          count == 0 ? 0.0f
-                     : static_cast<float>(term.weight /
-                                          (static_cast<double>(count) *
-                                           shape_.microbatches));
       SHARDD_RETURN_IF_ERROR(HeadBackward(
-          t, encode ? batch.ar_targets : batch.clean, term, 0.0, &a));
+          t, encode ? batch.ar_targets : batch.scored,
+          DiffusionTerm(batch, encode), 0.0, &a));
       // One loss term per micro-batch: the decode's backward runs first.
       if (!encode) ++loss_terms_;
       return absl::OkStatus();

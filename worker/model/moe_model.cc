@@ -59,8 +59,14 @@ absl::Status MoeModel::Run(const v1::Command& command, ParamSource* params) {
 
 void MoeModel::SetEvaluation(bool eval) { step_->SetEvaluation(eval); }
 
-void MoeModel::SetGlobalLossTokens(int64_t global_counted, int ranks) {
-  step_->SetGlobalLossTokens(global_counted, ranks);
+absl::Status MoeModel::SetCanvasRows(int microbatch, const int32_t* starts,
+                                     const int32_t* targets) {
+  return step_->SetCanvasRows(microbatch, starts, targets);
+}
+
+void MoeModel::SetGlobalLossTokens(int64_t global_counted, int ranks,
+                                   int64_t global_canvas) {
+  step_->SetGlobalLossTokens(global_counted, ranks, global_canvas);
 }
 
 absl::Status MoeModel::SetExpertExchange(ExpertExchange* exchange,

@@ -118,6 +118,15 @@ class MoeModel {
   // Errors: FAILED_PRECONDITION without the micro-batch's SetBatch.
   absl::Status SetSequenceKeys(int microbatch, int64_t step,
                                const int64_t* sequence_indices);
+  // DiffusionGemma's SFT rows (docs/sft_data.md), after SetBatch: starts
+  // [batch] each row's response start and targets [batch, R] its canvas's
+  // scored tokens (-1: not scored); the decode then runs each row's canvas
+  // at positions start + j, its encoder keys up to start + the block's
+  // first row. Errors: FAILED_PRECONDITION without SetBatch or for another
+  // model, INVALID_ARGUMENT for a start outside the row or a target
+  // outside [-1, vocab).
+  absl::Status SetCanvasRows(int microbatch, const int32_t* starts,
+                             const int32_t* targets);
 
   // Tests only: keeps each micro-batch's self-conditioning distribution
   // (pass 1's softmax, detached in the gradient) from the next step that
@@ -140,7 +149,8 @@ class MoeModel {
   // done (DiffusionGemma's encode keeps the K/V its decodes read).
   void SetEvaluation(bool eval);
   // As ModelStep::SetGlobalLossTokens.
-  void SetGlobalLossTokens(int64_t global_counted, int ranks);
+  void SetGlobalLossTokens(int64_t global_counted, int ranks,
+                           int64_t global_canvas = 0);
 
   // Expert parallelism: as ModelStep::SetExpertExchange (the parameter
   // source then serves this rank's block [E / ep, ...] of every expert
