@@ -136,6 +136,26 @@ def softcapped(model, hidden):
     return cap * torch.tanh(model.lm_head(hidden) / cap)
 
 
+def self_conditioned_decode(model, tokens, noised, masks, positions, coins):
+    """The encode and the two decodes (the first without gradients, its
+    logits the second's self-conditioning signal where the coin says so);
+    the model's output of the second."""
+    def run(self_conditioning_logits=None):
+        # A cache of full layers: the training mask, not a sliding cache,
+        # decides which encoder keys a sliding layer sees.
+        return model(input_ids=tokens, past_key_values=DynamicCache(),
+                     use_cache=True, decoder_input_ids=noised,
+                     decoder_attention_mask=masks,
+                     decoder_position_ids=positions,
+                     self_conditioning_logits=self_conditioning_logits,
+                     self_conditioning_mask=(
+                         None if self_conditioning_logits is None
+                         else torch.tensor(coins)))
+    with torch.no_grad():
+        first = run().logits
+    return run(first.to(model.lm_head.weight.dtype))
+
+
 def block_diffusion_loss(model, tokens, step, sequence_indices,
                          response_length=0, loss_weights=(1.0, 1.0)):
     """NeMo AutoModel's block-diffusion training loss on transformers'
@@ -151,21 +171,8 @@ def block_diffusion_loss(model, tokens, step, sequence_indices,
     dtype = model.lm_head.weight.dtype
     masks = training_masks(text, s, r, block_len, dtype)
     positions = (s - r + torch.arange(r))[None, :].expand(b, r)
-
-    def run(self_conditioning_logits=None):
-        # A cache of full layers: the training mask, not a sliding cache,
-        # decides which encoder keys a sliding layer sees.
-        return model(input_ids=tokens, past_key_values=DynamicCache(),
-                     use_cache=True, decoder_input_ids=noised,
-                     decoder_attention_mask=masks,
-                     decoder_position_ids=positions,
-                     self_conditioning_logits=self_conditioning_logits,
-                     self_conditioning_mask=(
-                         None if self_conditioning_logits is None
-                         else torch.tensor(coins)))
-    with torch.no_grad():
-        first = run().logits
-    out = run(first.to(dtype))
+    out = self_conditioned_decode(model, tokens, noised, masks, positions,
+                                  coins)
     diffusion = F.cross_entropy(out.logits.flatten(0, 1).to(dtype),
                                 tokens[:, s - r:].flatten())
     enc_logits = softcapped(model, out.encoder_last_hidden_state)
@@ -249,19 +256,8 @@ def sft_block_diffusion_loss(model, inputs, ar_targets, starts, targets, step,
                                              dtype)
     positions = torch.clamp(torch.as_tensor(starts)[:, None]
                             + torch.arange(c)[None, :], max=s - 1)
-
-    def run(self_conditioning_logits=None):
-        return model(input_ids=inputs, past_key_values=DynamicCache(),
-                     use_cache=True, decoder_input_ids=noised,
-                     decoder_attention_mask=masks,
-                     decoder_position_ids=positions,
-                     self_conditioning_logits=self_conditioning_logits,
-                     self_conditioning_mask=(
-                         None if self_conditioning_logits is None
-                         else torch.tensor(coins)))
-    with torch.no_grad():
-        first = run().logits
-    out = run(first.to(dtype))
+    out = self_conditioned_decode(model, inputs, noised, masks, positions,
+                                  coins)
     diffusion = F.cross_entropy(out.logits.flatten(0, 1).to(dtype),
                                 targets.flatten(), ignore_index=-1,
                                 reduction="sum") / counts[1]
