@@ -18,8 +18,10 @@ its count over the global batch. Step 1's loss and gradient norm must be
 within diffusion_gemma_test's fp32 bound; the same oracle with the old
 layout's fixed prefix (the canvas at the rows' tail), with the EOS fill
 unscored, or with each term a mean over its own micro-batch must miss it.
-A response longer than --response-length is refused naming the example
-and the flag, and 30 steps bring the loss down.
+The held-out loss after step 1 (--eval-data on the same dataset) must
+equal the oracle's on shardd's exported weights. A response longer than
+--response-length is refused naming the example and the flag, and 30
+steps bring the loss down.
 
 Usage: diffusion_gemma_sft_test.py BIN_DIR REPO_ROOT
 """
@@ -167,6 +169,10 @@ def main():
                     (json.loads(line) for line in r.stdout.splitlines()
                      if line.startswith('{"event":"step"'))]
 
+        def events(r, kind):
+            return [json.loads(line) for line in r.stdout.splitlines()
+                    if line.startswith('{"event":"%s"' % kind)]
+
         cluster = Cluster(bin_dir, work)
         try:
             for world, micro in ((1, 1), (2, 1), (2, 2)):
@@ -189,6 +195,29 @@ def main():
                         check(away > DG_FP32_BOUND,
                               f"the oracle with {what} is {away:.2e} away "
                               "(outside the bound)")
+            # The held-out loss after step 1 (the evaluation reads the same
+            # dataset from its start: step 0's rows and noise) against the
+            # oracle on shardd's exported weights after that step.
+            r = train(["--dp", "2", "--response-length", str(canvas),
+                       "--eval-data", dataset, "--eval-batches", "1",
+                       "--checkpoint-every", "1"])
+            saved = [x["checkpoint"] for x in events(r, "step")
+                     if "checkpoint" in x]
+            evals = [x["eval_loss"] for x in events(r, "eval")]
+            if len(saved) != 1 or len(evals) != 1:
+                check(False, f"no checkpoint or evaluation:\n{r.stdout}\n"
+                             f"{r.stderr}")
+            else:
+                out = os.path.join(work, "after1")
+                cluster.shardctl_local([
+                    "checkpoint", "export", "--checkpoint",
+                    os.path.join(cluster.checkpoints, saved[0]), "--hf", out])
+                after, _ = oracle_step1(dg.load(out)[0], rows, n, pad)
+                err = abs(evals[0] - after) / after
+                check(err <= DG_FP32_BOUND,
+                      f"2 workers: the held-out loss after step 1, "
+                      f"{evals[0]:.9f}, within {err:.2e} of transformers' on "
+                      f"the exported weights ({after:.9f})")
             r = train(["--dp", "1", "--response-length", str(canvas - BLOCK)])
             check(r.returncode != 0 and "raise --response-length" in r.stderr
                   and "(line " in r.stderr,
