@@ -346,6 +346,24 @@ absl::Status HfWeights::BindDiffusionGemma(const std::string& name,
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::vector<float>> HfWeights::ExpertScales(
+    const std::string& name) const {
+  auto it = bindings_.find(name);
+  if (it == bindings_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("parameter \"", name, "\" is not bound to ", path()));
+  }
+  const Binding& b = it->second;
+  if (!b.scaled) {
+    return std::vector<float>(b.experts.size(), 1.0f);
+  }
+  const int64_t n = b.scale.entry->numel;
+  std::vector<float> scale(static_cast<size_t>(n));
+  std::vector<uint8_t> staging;
+  SHARDD_RETURN_IF_ERROR(ReadFloats(b.scale, 0, n, scale.data(), &staging));
+  return scale;
+}
+
 absl::Status HfWeights::ApplyScale(const Binding& b, int64_t begin,
                                    int64_t end, float* out) const {
   const int64_t first = begin / b.scale_block;

@@ -84,6 +84,15 @@ class HfWeights final : public InitialValues {
   absl::Status Read(const std::string& name, const v1::TensorSpec& tensor,
                     int64_t begin, int64_t end, float* out) const override;
 
+  // The per-expert factors folded into parameter `name` ([E, ...]):
+  // DiffusionGemma's router.per_expert_scale for a down_projs, E ones for
+  // any other stacked-expert parameter read transposed, empty for the rest
+  // (nothing folded). LoRA adapters of the folded
+  // weight scale by them (checkpoint/peft_adapters.h). Errors: NOT_FOUND
+  // (not bound by Open); DATA_LOSS / INTERNAL reading the scale.
+  absl::StatusOr<std::vector<float>> ExpertScales(
+      const std::string& name) const;
+
   // Tensor data bytes read so far over all files.
   int64_t data_bytes_read() const;
   // Checkpoint tensors no parameter reads (e.g. the lm_head.weight of a tied

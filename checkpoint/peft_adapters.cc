@@ -21,6 +21,7 @@
 #include "checkpoint/checkpoint_reader.h"
 #include "checkpoint/file_util.h"
 #include "checkpoint/hf_export.h"
+#include "checkpoint/hf_weights.h"
 #include "checkpoint/json_text.h"
 #include "common/status_macros.h"
 #include "google/protobuf/util/json_util.h"
@@ -51,13 +52,89 @@ struct PeftTensor {
   int64_t experts = 0;
   int64_t out = 0;
   int64_t rank = 0;
+  // DiffusionGemma: the encoder's copies of the same adapter (transformers
+  // runs the one stack as two module trees with tied weights).
+  std::vector<std::string> copies;
+  // The lora_B of a down_projs into which the base folded per-expert
+  // scales (DiffusionGemma's router.per_expert_scale): shardd's B[e] is
+  // PEFT's times scale[e]. The base parameter whose scales they are.
+  std::string scaled_by;
 };
 
 struct PeftPlan {
   std::vector<PeftTensor> tensors;  // Sorted by PEFT name.
   std::set<std::string> target_modules;
   std::set<std::string> target_parameters;
+  // DiffusionGemma: target_modules as one regular expression over the
+  // module paths (a name would also match the vision tower's).
+  std::string target_regex;
+  // PEFT's task_type: CAUSAL_LM's wrapper needs generation methods that
+  // DiffusionGemma's model lacks, so none there (PEFT's plain PeftModel).
+  bool causal_lm = true;
 };
+
+constexpr char kDiffusionGemma[] = "DiffusionGemmaForBlockDiffusion";
+constexpr char kDgDecoder[] = "model.decoder.";
+constexpr char kDgEncoderLayers[] = "model.encoder.language_model.layers.";
+
+// transformers' DiffusionGemma paths of a shardd module or parameter path:
+// the decoder's, then for a layer's the encoder's copy (moe.experts ->
+// experts, moe.gate -> router).
+std::vector<std::string> DgPaths(const std::string& fqn) {
+  absl::string_view rest = fqn;
+  if (!absl::ConsumePrefix(&rest, "model.")) return {fqn};
+  std::string tail(rest);
+  if (!absl::StartsWith(tail, "layers.")) {
+    return {absl::StrCat(kDgDecoder, tail)};
+  }
+  absl::string_view in_layers = absl::string_view(tail).substr(7);
+  const size_t dot = in_layers.find('.');
+  std::string layer(in_layers.substr(0, dot));
+  std::string inner(dot == absl::string_view::npos ? ""
+                                                   : in_layers.substr(dot + 1));
+  if (absl::StartsWith(inner, "moe.experts")) {
+    inner = absl::StrCat("experts", inner.substr(11));
+  } else if (absl::StartsWith(inner, "moe.gate")) {
+    inner = absl::StrCat("router", inner.substr(8));
+  }
+  return {absl::StrCat(kDgDecoder, "layers.", layer, ".", inner),
+          absl::StrCat(kDgEncoderLayers, layer, ".", inner)};
+}
+
+// A DiffusionGemma path within its layer ("self_attn.q_proj"), or empty
+// outside the layers.
+std::string DgInLayer(const std::string& hf) {
+  absl::string_view rest = hf;
+  if (!absl::ConsumePrefix(&rest, "model.decoder.layers.")) return "";
+  const size_t dot = rest.find('.');
+  return dot == absl::string_view::npos ? "" : std::string(rest.substr(dot + 1));
+}
+
+std::string RegexEscape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '.') out += '\\';
+    out += c;
+  }
+  return out;
+}
+
+// PEFT's target_modules regex (re.fullmatch over module paths) for
+// DiffusionGemma: the adapted linears in both stacks' layers, and the
+// decoder's own ones (self_conditioning).
+std::string DgTargetRegex(const std::set<std::string>& in_layer,
+                          const std::set<std::string>& outside) {
+  std::vector<std::string> parts;
+  if (!in_layer.empty()) {
+    std::vector<std::string> names;
+    for (const std::string& n : in_layer) names.push_back(RegexEscape(n));
+    parts.push_back(absl::StrCat(
+        "model\\.(decoder|encoder\\.language_model)\\.layers\\.\\d+\\.(",
+        absl::StrJoin(names, "|"), ")"));
+  }
+  for (const std::string& n : outside) parts.push_back(RegexEscape(n));
+  return absl::StrJoin(parts, "|");
+}
 
 // The linears whose names PEFT's transformers-5 conversion of a v4 config
 // turns into expert target_parameters (peft/utils/
@@ -116,7 +193,88 @@ std::string LeafOf(const std::string& fqn) {
   return dot == std::string::npos ? fqn : fqn.substr(dot + 1);
 }
 
+// DiffusionGemma's plan: both stacks' copies, the regex, the scaled B.
+absl::StatusOr<PeftPlan> PlanDgPeft(const std::vector<LoraTarget>& targets) {
+  std::map<std::string, int> adapted_in_module;
+  for (const LoraTarget& t : targets) {
+    if (t.experts > 0) ++adapted_in_module[ModuleOf(t.base)];
+  }
+  PeftPlan plan;
+  std::set<std::string> in_layer, outside;
+  for (const LoraTarget& t : targets) {
+    PeftTensor a, b;
+    a.shardd = t.a;
+    b.shardd = t.b;
+    std::vector<std::string> modules = DgPaths(ModuleOf(t.base));
+    if (t.experts == 0) {
+      const std::string where = DgInLayer(modules[0]);
+      if (where.empty()) {
+        outside.insert(modules[0]);
+      } else {
+        in_layer.insert(where);
+      }
+      a.shardd_shape = a.peft_shape = {t.rank, t.in};
+      b.shardd_shape = b.peft_shape = {t.out, t.rank};
+    } else {
+      const std::string tensor = LeafOf(t.base);
+      const std::string hf_tensor = tensor == "gate_and_up_projs"
+                                        ? "gate_up_proj"
+                                        : "down_proj";
+      if (tensor != "gate_and_up_projs" && tensor != "down_projs") {
+        return absl::UnimplementedError(absl::StrCat(
+            "adapter of \"", t.base,
+            "\": PEFT export knows gate_and_up_projs and down_projs"));
+      }
+      plan.target_parameters.insert(absl::StrCat("experts.", hf_tensor));
+      const bool inner = hf_tensor == "gate_up_proj" &&
+                         adapted_in_module[ModuleOf(t.base)] > 1;
+      if (inner) {
+        for (std::string& m : modules) m += ".base_layer";
+      }
+      a.shardd_shape = {t.experts, t.rank, t.in};
+      a.peft_shape = {t.experts * t.rank, t.in};
+      b.shardd_shape = {t.experts, t.out, t.rank};
+      b.peft_shape = {t.out, t.rank * t.experts};
+      b.experts_b = true;
+      b.experts = t.experts;
+      b.out = t.out;
+      b.rank = t.rank;
+      if (tensor == "down_projs") b.scaled_by = t.base;
+    }
+    for (size_t i = 0; i < modules.size(); ++i) {
+      const std::string ka = absl::StrCat(kPeftPrefix, modules[i],
+                                          ".lora_A.weight");
+      const std::string kb = absl::StrCat(kPeftPrefix, modules[i],
+                                          ".lora_B.weight");
+      if (i == 0) {
+        a.peft = ka;
+        b.peft = kb;
+      } else {
+        a.copies.push_back(ka);
+        b.copies.push_back(kb);
+      }
+    }
+    plan.tensors.push_back(std::move(a));
+    plan.tensors.push_back(std::move(b));
+  }
+  plan.target_regex = DgTargetRegex(in_layer, outside);
+  plan.causal_lm = false;
+  std::sort(
+      plan.tensors.begin(), plan.tensors.end(),
+      [](const PeftTensor& x, const PeftTensor& y) { return x.peft < y.peft; });
+  return plan;
+}
+
 absl::StatusOr<PeftPlan> PlanPeft(const v1::ModelSpec& model) {
+  if (model.architecture() == kDiffusionGemma) {
+    SHARDD_ASSIGN_OR_RETURN(const std::vector<LoraTarget> targets,
+                            LoraTargetsOf(model));
+    if (targets.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the model (", model.architecture(), ") has no LoRA adapters"));
+    }
+    return PlanDgPeft(targets);
+  }
   SHARDD_ASSIGN_OR_RETURN(const std::set<std::string> remapped,
                           RemappedLinearNames(model.architecture()));
   SHARDD_ASSIGN_OR_RETURN(const std::vector<LoraTarget> targets,
@@ -201,6 +359,35 @@ std::vector<float> ExpertsBToPeft(const PeftTensor& t,
   return out;
 }
 
+// shardd's expert lora_B [E, out, R] over a base with `scale` folded in,
+// as the B of the unfolded base: B[e] / scale[e]. INVALID_ARGUMENT for a
+// scale count other than E or a zero scale under a non-zero B[e].
+absl::Status UnscaleExpertsB(const PeftTensor& t,
+                             const std::vector<float>& scale,
+                             std::vector<float>* b) {
+  const int64_t block = t.out * t.rank;
+  if (static_cast<int64_t>(scale.size()) != t.experts) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "\"", t.scaled_by, "\": the base has ", scale.size(),
+        " per-expert scales, the adapters ", t.experts, " experts"));
+  }
+  for (int64_t e = 0; e < t.experts; ++e) {
+    for (int64_t i = e * block; i < (e + 1) * block; ++i) {
+      if (scale[e] == 0.0f) {
+        if ((*b)[i] != 0.0f) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "\"", t.scaled_by, "\": expert ", e,
+              "'s per_expert_scale is 0 in the base, so its trained adapter "
+              "has no Hugging Face equivalent"));
+        }
+        continue;
+      }
+      (*b)[i] /= scale[e];
+    }
+  }
+  return absl::OkStatus();
+}
+
 // The model recorded in a checkpoint's index; `recorded` false when there
 // is none.
 absl::Status RecordedModel(const CheckpointReader& reader, v1::ModelSpec* model,
@@ -229,7 +416,11 @@ std::string ListText(const std::set<std::string>& names) {
 json ConfigJson(const v1::LoraConfig& lora, const PeftPlan& plan) {
   json config = json::object();
   config["peft_type"] = "LORA";
-  config["task_type"] = "CAUSAL_LM";
+  if (plan.causal_lm) {
+    config["task_type"] = "CAUSAL_LM";
+  } else {
+    config["task_type"] = nullptr;
+  }
   config["base_model_name_or_path"] = nullptr;
   config["revision"] = nullptr;
   config["r"] = lora.rank();
@@ -254,9 +445,13 @@ json ConfigJson(const v1::LoraConfig& lora, const PeftPlan& plan) {
   config["exclude_modules"] = nullptr;
   config["rank_pattern"] = json::object();
   config["alpha_pattern"] = json::object();
-  config["target_modules"] = json::array();
-  for (const std::string& m : plan.target_modules) {
-    config["target_modules"].push_back(m);
+  if (!plan.target_regex.empty()) {
+    config["target_modules"] = plan.target_regex;
+  } else {
+    config["target_modules"] = json::array();
+    for (const std::string& m : plan.target_modules) {
+      config["target_modules"].push_back(m);
+    }
   }
   config["target_parameters"] = json::array();
   for (const std::string& p : plan.target_parameters) {
@@ -289,11 +484,18 @@ absl::Status WriteAdapterFiles(const std::string& tmp,
                                const json& config) {
   std::vector<TensorView> views;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    views.push_back({tensors[i].peft, "F32", tensors[i].peft_shape,
-                     absl::Span<const uint8_t>(
-                         reinterpret_cast<const uint8_t*>(values[i].data()),
-                         values[i].size() * sizeof(float))});
+    const absl::Span<const uint8_t> bytes(
+        reinterpret_cast<const uint8_t*>(values[i].data()),
+        values[i].size() * sizeof(float));
+    views.push_back({tensors[i].peft, "F32", tensors[i].peft_shape, bytes});
+    for (const std::string& copy : tensors[i].copies) {
+      views.push_back({copy, "F32", tensors[i].peft_shape, bytes});
+    }
   }
+  std::sort(views.begin(), views.end(),
+            [](const TensorView& x, const TensorView& y) {
+              return x.name < y.name;
+            });
   SHARDD_RETURN_IF_ERROR(
       WriteSafetensors(absl::StrCat(tmp, "/", kPeftWeightsFileName), views,
                        {{"format", "pt"}})
@@ -336,7 +538,8 @@ absl::StatusOr<bool> CheckpointHasLora(const std::string& checkpoint_dir) {
 }
 
 absl::Status ExportPeftAdapters(const std::string& checkpoint_dir,
-                                const std::string& out_dir) {
+                                const std::string& out_dir,
+                                const std::string& base_dir) {
   SHARDD_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader,
                           CheckpointReader::Open(checkpoint_dir));
   v1::ModelSpec model;
@@ -350,6 +553,21 @@ absl::Status ExportPeftAdapters(const std::string& checkpoint_dir,
                      "; export it as a whole model (ExportHfModel) instead"));
   }
   SHARDD_ASSIGN_OR_RETURN(const PeftPlan plan, PlanPeft(model));
+  // Per-expert scales the base folded into adapted weights: PEFT's B is
+  // shardd's divided by them.
+  std::unique_ptr<HfWeights> base;
+  for (const PeftTensor& t : plan.tensors) {
+    if (t.scaled_by.empty() || base != nullptr) continue;
+    if (base_dir.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--base: ", model.architecture(), "'s adapters of \"", t.scaled_by,
+          "\" are exported for the Hugging Face base the job started from "
+          "(its router.per_expert_scale, which shardd folds into the "
+          "experts); name that directory"));
+    }
+    SHARDD_ASSIGN_OR_RETURN(base,
+                            HfWeights::Open(base_dir, WithoutLoraAdapters(model)));
+  }
 
   // Verify only the files holding adapters: the frozen base's may be large.
   std::set<std::string> files;
@@ -382,6 +600,11 @@ absl::Status ExportPeftAdapters(const std::string& checkpoint_dir,
         reader->ReadElements(t.shardd, 0, numel, bytes.data()));
     std::vector<float> v(static_cast<size_t>(numel));
     SafetensorsToFloat(record.dtype, bytes.data(), numel, v.data());
+    if (!t.scaled_by.empty()) {
+      SHARDD_ASSIGN_OR_RETURN(const std::vector<float> scale,
+                              base->ExpertScales(t.scaled_by));
+      SHARDD_RETURN_IF_ERROR(UnscaleExpertsB(t, scale, &v));
+    }
     if (t.experts_b) v = ExpertsBToPeft(t, v);
     values.push_back(std::move(v));
   }
@@ -409,7 +632,8 @@ absl::Status ExportPeftAdapters(const std::string& checkpoint_dir,
 }
 
 absl::StatusOr<std::unique_ptr<PeftAdapters>> PeftAdapters::Open(
-    const std::string& dir, const v1::ModelSpec& model) {
+    const std::string& dir, const v1::ModelSpec& model,
+    const ExpertScaleFn& scales) {
   if (model.lora().rank() <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("the model (", model.architecture(),
@@ -496,7 +720,17 @@ absl::StatusOr<std::unique_ptr<PeftAdapters>> PeftAdapters::Open(
     }
     return absl::OkStatus();
   };
-  SHARDD_RETURN_IF_ERROR(names("target_modules", plan.target_modules));
+  if (!plan.target_regex.empty()) {
+    const json* v = field("target_modules");
+    if (v == nullptr || !v->is_string() ||
+        v->get<std::string>() != plan.target_regex) {
+      return bad(absl::StrCat("target_modules is ", ValueText(v),
+                              ", the job's --lora-targets give \"",
+                              plan.target_regex, "\""));
+    }
+  } else {
+    SHARDD_RETURN_IF_ERROR(names("target_modules", plan.target_modules));
+  }
   SHARDD_RETURN_IF_ERROR(names("target_parameters", plan.target_parameters));
 
   auto adapters = absl::WrapUnique(new PeftAdapters());
@@ -532,7 +766,43 @@ absl::StatusOr<std::unique_ptr<PeftAdapters>> PeftAdapters::Open(
     b.experts = t.experts;
     b.out = t.out;
     b.rank = t.rank;
-    adapters->bindings_[t.shardd] = b;
+    if (!t.scaled_by.empty()) {
+      if (!scales) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "adapter \"", t.shardd, "\" needs the base's per-expert scales "
+            "(its router.per_expert_scale): start from a Hugging Face base "
+            "(--init-from)"));
+      }
+      SHARDD_ASSIGN_OR_RETURN(b.scale, scales(t.scaled_by));
+      if (static_cast<int64_t>(b.scale.size()) != t.experts) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "adapter \"", t.shardd, "\": the base has ", b.scale.size(),
+            " per-expert scales for ", t.experts, " experts"));
+      }
+    }
+    // One stack, two module trees: the copies must hold the same values.
+    for (const std::string& copy : t.copies) {
+      expected.insert(copy);
+      const SafetensorsEntry* c = file.Find(copy);
+      if (c == nullptr || c->shape != e->shape ||
+          !SafetensorsFloatDType(c->dtype)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            file.path(), ": no tensor \"", copy, "\" of shape ",
+            ShapeText(e->shape), " (the encoder's copy of \"", t.peft,
+            "\": transformers runs the one stack as two module trees)"));
+      }
+      std::vector<float> x(static_cast<size_t>(e->numel)),
+          y(static_cast<size_t>(e->numel));
+      SHARDD_RETURN_IF_ERROR(ReadFloats(file, *e, 0, e->numel, x.data()));
+      SHARDD_RETURN_IF_ERROR(ReadFloats(file, *c, 0, e->numel, y.data()));
+      if (x != y) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            file.path(), ": \"", copy, "\" differs from \"", t.peft,
+            "\"; shardd trains one adapter for both (the encode and the "
+            "decodes run the same stack)"));
+      }
+    }
+    adapters->bindings_[t.shardd] = std::move(b);
   }
   for (const SafetensorsEntry& e : file.tensors()) {
     if (expected.count(e.name) == 0) {
@@ -567,7 +837,14 @@ absl::Status PeftAdapters::Read(const std::string& name,
   const absl::Status status =
       b.experts_b ? ReadExpertsB(b, begin, end, out)
                   : ReadFloats(*file_, *b.entry, begin, end - begin, out);
-  if (status.ok()) return status;
+  if (status.ok()) {
+    // shardd's B[e] over the folded base: PEFT's times scale[e].
+    if (!b.scale.empty()) {
+      const int64_t block = b.out * b.rank;
+      for (int64_t i = begin; i < end; ++i) out[i - begin] *= b.scale[i / block];
+    }
+    return status;
+  }
   return absl::Status(status.code(), absl::StrCat("parameter \"", name,
                                                   "\": ", status.message()));
 }

@@ -50,7 +50,9 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -84,7 +86,8 @@ absl::StatusOr<bool> CheckpointHasLora(const std::string& checkpoint_dir);
 // adapter missing from the checkpoint or of another shape, a file failing
 // verification); those of CheckpointReader and of writing the files.
 absl::Status ExportPeftAdapters(const std::string& checkpoint_dir,
-                                const std::string& out_dir);
+                                const std::string& out_dir,
+                                const std::string& base_dir = "");
 
 // A PEFT adapter directory as the initial values of the adapters of
 // `model`, a spec rewritten by ApplyLora. Reads only the ranges asked for,
@@ -105,8 +108,14 @@ class PeftAdapters final : public InitialValues {
   // an adapter tensor missing from adapter_model.safetensors, of another
   // shape (both given) or of a dtype other than F32, BF16, F16, or a tensor
   // no adapter of the model reads, each named.
+  // `scales` gives the per-expert factors the base folded into a stacked
+  // expert parameter (HfWeights::ExpertScales); DiffusionGemma's down_projs
+  // adapters need it (FAILED_PRECONDITION without).
+  using ExpertScaleFn = std::function<absl::StatusOr<std::vector<float>>(
+      const std::string& base_param)>;
   static absl::StatusOr<std::unique_ptr<PeftAdapters>> Open(
-      const std::string& dir, const v1::ModelSpec& model);
+      const std::string& dir, const v1::ModelSpec& model,
+      const ExpertScaleFn& scales = nullptr);
 
   // True exactly for the adapter parameters of the model Open bound.
   bool Provides(const std::string& name) const override;
@@ -129,6 +138,7 @@ class PeftAdapters final : public InitialValues {
     int64_t experts = 0;
     int64_t out = 0;
     int64_t rank = 0;
+    std::vector<float> scale;  // Per expert, for a scaled lora_B.
   };
 
   PeftAdapters() = default;

@@ -443,7 +443,8 @@ absl::Status RunCheckpointExport(const ShardctlArgs& args, std::ostream& out) {
   if (!lora.ok()) return lora.status();
   if (*lora) {
     const absl::Status exported =
-        checkpoint::ExportPeftAdapters(args.checkpoint_path, args.out_path);
+        checkpoint::ExportPeftAdapters(args.checkpoint_path, args.out_path,
+                                       args.base_path);
     if (!exported.ok()) return exported;
     out << "Exported " << args.checkpoint_path
         << " as PEFT LoRA adapters (adapter_model.safetensors, "

@@ -314,7 +314,7 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
   static const auto* checkpoint_consolidate =
       new std::set<std::string>{"--checkpoint", "--out", "--hf"};
   static const auto* checkpoint_export = new std::set<std::string>{
-      "--checkpoint", "--hf", "--max-shard-bytes"};
+      "--checkpoint", "--hf", "--max-shard-bytes", "--base"};
   static const auto* checkpoint_save = WithConnection({"--job"});
   static const auto* checkpoint_load =
       WithConnection({"--job", "--checkpoint"});
@@ -554,6 +554,12 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
       return Usage("--hf: expected the Hugging Face directory to write");
     }
     args->out_path = value;
+  } else if (flag == "--base") {
+    if (value.empty()) {
+      return Usage(
+          "--base: expected the Hugging Face directory the job started from");
+    }
+    args->base_path = value;
   } else if (flag == "--max-shard-bytes") {
     absl::StatusOr<int64_t> n = ParseInt64(flag, value, 1);
     if (!n.ok()) return n.status();

@@ -75,9 +75,12 @@ struct ShardctlArgs {
   // a shardd checkpoint).
   // checkpoint export: the checkpoint (--checkpoint), the Hugging Face
   // directory written (--hf, in out_path) and its shard size
-  // (--max-shard-bytes, 0: one file).
+  // (--max-shard-bytes, 0: one file); for a LoRA checkpoint, the Hugging
+  // Face base the job started from (--base: DiffusionGemma's experts
+  // adapters are exported against its per_expert_scale).
   std::string checkpoint_path;
   std::string out_path;
+  std::string base_path;
   std::string hf_naming;
   int64_t max_shard_bytes = 0;
   // Give up watching when the coordinator sends no event for this long.

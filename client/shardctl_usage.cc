@@ -335,7 +335,7 @@ files on this machine, holding the whole model in memory; no coordinator.
                                layers)
 )";
     case ShardctlCommand::kCheckpointExport:
-      return R"(Usage: shardctl checkpoint export --checkpoint DIR --hf OUT [--max-shard-bytes N]
+      return R"(Usage: shardctl checkpoint export --checkpoint DIR --hf OUT [--max-shard-bytes N] [--base DIR]
 
 Writes the parameters of a committed checkpoint (e.g.
 CHECKPOINT_DIR/j-1/step-00000020, every file verified first) as a Hugging
@@ -345,7 +345,8 @@ DeepSeek-V3; GPT-OSS's fused interleaved experts) holding the fp32 master
 values, and the config.json the model was trained from.
 `shardctl train --model OUT --init-from OUT` starts from exactly these
 values. Needs a checkpoint saved by this build from a Hugging Face config;
-local: no coordinator.
+local: no coordinator. A LoRA job's checkpoint is written as PEFT's
+adapter_model.safetensors and adapter_config.json (docs/lora.md).
 
   --checkpoint DIR             the checkpoint directory (required)
   --hf OUT                     the directory to write (required)
@@ -353,6 +354,10 @@ local: no coordinator.
                                files of at most N bytes of tensor data with
                                model.safetensors.index.json (default: one
                                model.safetensors)
+  --base DIR                   LoRA on DiffusionGemma's experts: the Hugging
+                               Face base the job started from, whose
+                               per_expert_scale the exported adapters of
+                               the experts' down_proj are divided by
 )";
     case ShardctlCommand::kHelp:
       break;

@@ -88,11 +88,6 @@ absl::Status ApplyLora(const v1::LoraConfig& config, v1::ModelSpec* model) {
     return absl::InvalidArgumentError(
         "lora: the model already has LoRA adapters");
   }
-  if (model->architecture() == "DiffusionGemmaForBlockDiffusion") {
-    return absl::UnimplementedError(
-        "lora: DiffusionGemma does not take LoRA adapters yet (full "
-        "fine-tuning only; docs/lora.md)");
-  }
   std::set<std::string> wanted;
   for (const std::string& t : config.targets()) {
     if (!wanted.insert(t).second) {

@@ -4,6 +4,7 @@
 #include <functional>
 #include <map>
 #include <sstream>
+#include <set>
 #include <string>
 
 #include "common/status_matchers.h"
@@ -141,9 +142,24 @@ TEST(LoraTest, BadInputNamesTheField) {
   SHARDD_ASSERT_OK(ApplyLora(Config(4, 8, {"q_proj"}), &twice));
   EXPECT_THAT(ApplyLora(Config(4, 8, {"q_proj"}), &twice).message(),
               HasSubstr("already has LoRA adapters"));
+}
+
+// DiffusionGemma's one stack (encode and decodes alike): its attention,
+// dense MLP, self-conditioning MLP (gate_proj matches both, as PEFT's
+// module names do) and stacked experts.
+TEST(LoraTest, DiffusionGemmaAdaptsItsStack) {
   v1::ModelSpec dg = Load("tiny_diffusion_gemma.json");
-  EXPECT_EQ(ApplyLora(Config(4, 8, {"q_proj"}), &dg).code(),
-            absl::StatusCode::kUnimplemented);
+  SHARDD_ASSERT_OK(ApplyLora(Config(4, 8, {"q_proj", "gate_proj", "experts"}),
+                             &dg));
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::vector<LoraTarget> targets,
+                              LoraTargetsOf(dg));
+  std::set<std::string> bases;
+  for (const LoraTarget& t : targets) bases.insert(t.base);
+  // 3 layers x (q_proj, mlp.gate_proj, 2 expert tensors) + self_conditioning.
+  EXPECT_EQ(targets.size(), 13u);
+  EXPECT_EQ(bases.count("model.self_conditioning.gate_proj.weight"), 1u);
+  EXPECT_EQ(bases.count("model.layers.2.moe.experts.down_projs"), 1u);
+  EXPECT_EQ(bases.count("model.layers.0.self_attn.q_proj.weight"), 1u);
 }
 
 TEST(LoraTest, MissingAdapterIsRefused) {

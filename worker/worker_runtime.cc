@@ -557,8 +557,18 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::BuildJobLocked(
       SHARDD_RETURN_IF_ERROR(CheckUnderRoot(
           options_.weights_root, train.lora_from(), "train.lora_from"));
     }
+    // The base's per-expert scales (DiffusionGemma folds them into its
+    // experts; the adapters of those scale with them).
+    checkpoint::PeftAdapters::ExpertScaleFn scales;
+    if (weights != nullptr) {
+      const checkpoint::HfWeights* base = weights.get();
+      scales = [base](const std::string& param) {
+        return base->ExpertScales(param);
+      };
+    }
     absl::StatusOr<std::unique_ptr<checkpoint::PeftAdapters>> opened =
-        checkpoint::PeftAdapters::Open(train.lora_from(), request.model());
+        checkpoint::PeftAdapters::Open(train.lora_from(), request.model(),
+                                       scales);
     if (!opened.ok()) {
       return absl::Status(
           opened.status().code(),

@@ -28,6 +28,8 @@ Usage: diffusion_gemma_sft_test.py BIN_DIR REPO_ROOT
 
 import json
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -77,12 +79,19 @@ def step_rows(rows, step, n):
             idx)
 
 
-def oracle_step1(model, rows, n, pad, micro=1, fixed_prefix=False):
+def oracle_step1(model, rows, n, pad, micro=1, fixed_prefix=False,
+                 trainable=None):
     """(loss, gradient norm) of step 1 on the transformers model. `micro`
     > 1 takes each term's mean over its own micro-batch (then averages
     them) instead of over the global batch; `fixed_prefix` places every
-    canvas at the rows' tail as the non-SFT step does."""
-    trainable = dg.freeze(model)
+    canvas at the rows' tail as the non-SFT step does. `trainable`: a
+    function of the model giving the gradients to measure (by default
+    every parameter shardd trains)."""
+    grads = None
+    if trainable is None:
+        params = dg.freeze(model)
+    else:
+        grads = trainable
     inputs, ar, starts, targets, idx = step_rows(rows, 0, n)
     s, c = inputs.shape[1], targets.shape[1]
     if fixed_prefix:
@@ -99,7 +108,148 @@ def oracle_step1(model, rows, n, pad, micro=1, fixed_prefix=False):
             counts, pad)
         (loss / micro).backward()
         total += loss.item() / micro
-    return total, gradient_norms(trainable.values())[0]
+    if grads is not None:
+        return total, grads(model)
+    return total, gradient_norms(params.values())[0]
+
+
+ENCODER, DECODER = "model.encoder.language_model.layers.", "model.decoder.layers."
+
+
+def lora_gradient_norm(scales):
+    """The norm of the adapters' gradients as shardd's adapters have them:
+    each encoder copy's added to its decoder twin's (transformers runs
+    DiffusionGemma's one stack as two module trees, PEFT gives each its own
+    copy of an adapter, shardd's one adapter gets both gradients); and the
+    experts' down_proj B of the folded weight, as NeMo trains it (shardd's
+    B[e] is PEFT's times per_expert_scale[e], so its gradient is PEFT's
+    divided by it; `scales`: layer -> per_expert_scale)."""
+    def norm(model):
+        summed = {}
+        for name, w in model.named_parameters():
+            if "lora_" not in name or w.grad is None:
+                continue
+            g = w.grad
+            # Live names: ...experts.lora_B.default.weight (down_proj's;
+            # gate_up_proj's wrapper is experts.base_layer).
+            if ".experts.lora_B." in name:
+                pes = scales[name.split("layers.")[1].split(".")[0]]
+                g = (g.view(g.shape[0], -1, pes.numel()) / pes).reshape(g.shape)
+            key = name.replace(ENCODER, DECODER)
+            summed[key] = summed.get(key, 0) + g
+        return torch.sqrt(sum((g ** 2).sum() for g in summed.values())).item()
+    return norm
+
+
+def peft_dg(base, adapters):
+    """transformers' DiffusionGemma of `base` (float64, eager) with PEFT's
+    adapters, and what set_peft_model_state_dict left unmatched."""
+    import peft
+    model = dg.load(base)[0]
+    model = peft.PeftModel.from_pretrained(model, adapters, is_trainable=True)
+    result = peft.set_peft_model_state_dict(
+        model, peft.utils.load_peft_weights(adapters))
+    return model, result
+
+
+def check_lora(cluster, check, work, repo, config_path, dataset, rows, n,
+               pad, seq, canvas, train, events):
+    """LoRA SFT (NeMo's other DiffusionGemma recipe) on a base whose
+    per_expert_scale is not 1: fresh adapters start from the base's loss;
+    the export (with --base) loads with PEFT onto transformers' model, both
+    module trees adapted alike; a job resumed from base + adapters equals
+    PEFT's model at step 1; adapters exported without dividing by
+    per_expert_scale miss it."""
+    import safetensors.torch
+    base = os.path.join(work, "hf_scaled")
+    model = transformers.DiffusionGemmaForBlockDiffusion._from_config(
+        dg.config_with_vision(config_path), attn_implementation="eager",
+        dtype=torch.float32)
+    gen = torch.Generator().manual_seed(7)
+    redraw(model, gen)
+    with torch.no_grad():
+        for name, w in model.named_parameters():
+            if name.endswith("per_expert_scale"):
+                w.copy_(0.5 + torch.rand(w.shape, generator=gen))
+    model.save_pretrained(base)
+    lora = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets",
+            "q_proj,k_proj,v_proj,o_proj,gate_proj,experts"]
+    def run(extra, steps=1):
+        return train(["--response-length", str(canvas)] + extra, steps=steps,
+                     model=base)
+
+    want_base = oracle_step1(dg.load(base)[0], rows, n, pad)
+    r = run(lora + ["--dp", "2", "--checkpoint-every", "2"], steps=2)
+    got = [(x["loss"], x["grad_norm"]) for x in events(r, "step")]
+    saved = [x["checkpoint"] for x in events(r, "step") if "checkpoint" in x]
+    if len(got) != 2 or len(saved) != 1:
+        check(False, f"LoRA: the job did not run:\n{r.stdout}\n{r.stderr}")
+        return
+    err = abs(got[0][0] - want_base[0]) / want_base[0]
+    check(err <= DG_FP32_BOUND,
+          f"LoRA: fresh adapters start from the base's loss ({got[0][0]:.9f} "
+          f"vs {want_base[0]:.9f}, {err:.1e})")
+    ckpt = os.path.join(cluster.checkpoints, saved[0])
+    out = os.path.join(work, "adapters")
+    r = subprocess.run([f"{cluster.bin}/client/shardctl", "checkpoint",
+                        "export", "--checkpoint", ckpt, "--hf", out],
+                       capture_output=True, text=True, timeout=120)
+    check(r.returncode != 0 and "--base" in r.stderr and
+          not os.path.exists(out),
+          f"LoRA: the export without --base is refused naming it "
+          f"({r.stderr.strip()[-160:]})")
+    cluster.shardctl_local(["checkpoint", "export", "--checkpoint", ckpt,
+                            "--hf", out, "--base", base])
+    peft_model, result = peft_dg(base, out)
+    trained = [k for k, _ in peft_model.named_parameters() if "lora_" in k]
+    check(not result.unexpected_keys and not
+          [k for k in result.missing_keys if "lora_" in k] and
+          any(k.startswith("base_model.model." + ENCODER) for k in trained),
+          f"LoRA: PEFT loads the export ({len(trained)} adapter tensors, the "
+          "encoder's and the decoder's module trees; no key missing or left "
+          "over)")
+    weights = safetensors.torch.load_file(
+        os.path.join(base, "model.safetensors"))
+    scales = {k.split("layers.")[1].split(".")[0]: v.double()
+              for k, v in weights.items()
+              if k.startswith(DECODER) and k.endswith("per_expert_scale")}
+    want = oracle_step1(peft_model, rows, n, pad,
+                        trainable=lora_gradient_norm(scales))
+    # Deliberate error: B of the experts' down_proj not divided by
+    # per_expert_scale.
+    wrong_dir = os.path.join(work, "adapters_unscaled")
+    shutil.copytree(out, wrong_dir)
+    tensors = safetensors.torch.load_file(
+        os.path.join(out, "adapter_model.safetensors"))
+    for key, t in tensors.items():
+        if key.endswith("experts.lora_B.weight"):
+            pes = scales[key.split("layers.")[1].split(".")[0]].float()
+            e = pes.numel()
+            tensors[key] = (t.view(t.shape[0], -1, e) * pes).reshape(t.shape)
+    safetensors.torch.save_file(
+        tensors, os.path.join(wrong_dir, "adapter_model.safetensors"),
+        metadata={"format": "pt"})
+    wrong = oracle_step1(peft_dg(base, wrong_dir)[0], rows, n, pad,
+                         trainable=lora_gradient_norm(scales))
+    for world in (1, 2):
+        r = run(lora + ["--dp", str(world), "--lora-from", out])
+        got = [(x["loss"], x["grad_norm"]) for x in events(r, "step")]
+        if len(got) != 1:
+            check(False, f"LoRA resume: no step\n{r.stdout}\n{r.stderr}")
+            continue
+        (gl, gn), (wl, wn) = got[0], want
+        err = max(abs(gl - wl) / wl, abs(gn - wn) / wn)
+        check(err <= DG_FP32_BOUND,
+              f"LoRA: base + exported adapters at {world} worker(s): step 1's "
+              f"loss {gl:.9f} and adapter gradient norm {gn:.9f} within "
+              f"{err:.2e} of PEFT's ({wl:.9f}, {wn:.9f}; bound "
+              f"{DG_FP32_BOUND:.1e})")
+        if world == 2:
+            bl, bn = wrong
+            away = max(abs(gl - bl) / bl, abs(gn - bn) / bn)
+            check(away > DG_FP32_BOUND,
+                  f"LoRA: adapters not divided by per_expert_scale are "
+                  f"{away:.2e} away (outside the bound)")
 
 
 def main():
@@ -154,9 +304,10 @@ def main():
         }
         print("transformers' step 1:", want)
 
-        def train(extra, steps=1, lr=LR):
+        def train(extra, steps=1, lr=LR, model=None):
+            model = model or hf_dir
             return cluster.shardctl(
-                ["train", "--model", hf_dir, "--init-from", hf_dir, "--data",
+                ["train", "--model", model, "--init-from", model, "--data",
                  dataset, "--seed", str(SEED), "--steps", str(steps),
                  "--global-batch", str(BATCH), "--seq", str(seq), "--lr",
                  str(lr), "--beta1", str(BETAS[0]), "--beta2", str(BETAS[1]),
@@ -231,6 +382,8 @@ def main():
             check(len(curve) == 30 and last < 0.75 * first,
                   f"30 steps at lr 0.01: loss (mean of 3) {first:.3f} -> "
                   f"{last:.3f}")
+            check_lora(cluster, check, work, repo, config_path, dataset, rows,
+                       n, pad, seq, canvas, train, events)
         finally:
             cluster.stop()
     print(f"{check.failures} failure(s)")

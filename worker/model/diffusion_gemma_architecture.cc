@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <map>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -11,6 +12,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "model/lora.h"
 #include "model/model_util.h"
 #include "worker/model/moe_architecture.h"
 
@@ -21,11 +23,19 @@ absl::StatusOr<MoeArchitecture> ReadDiffusionGemmaArchitecture(
   MoeArchitecture arch;
   arch.gemma = true;
   std::map<std::string, ArchTensor> tensors;
+  // As ReadMoeArchitecture: a LoRA-adapted weight's gradient is computed
+  // (the parameter source turns it into the adapters'), the adapters enter
+  // through its merged view.
+  SHARDD_ASSIGN_OR_RETURN(const std::vector<LoraTarget> lora,
+                          LoraTargetsOf(model));
+  std::set<std::string> adapted;
+  for (const LoraTarget& t : lora) adapted.insert(t.base);
   for (const ParamRef& ref : ListParams(model)) {
+    if (!lora.empty() && IsLoraAdapter(ref.fqn)) continue;
     ArchTensor t;
     t.name = ref.tensor->tied_to().empty() ? ref.fqn : ref.tensor->tied_to();
     t.shape.assign(ref.tensor->shape().begin(), ref.tensor->shape().end());
-    t.frozen = ref.tensor->frozen();
+    t.frozen = ref.tensor->frozen() && !adapted.count(ref.fqn);
     tensors[ref.fqn] = t;
   }
   auto take = [&](const std::string& name,
