@@ -159,7 +159,8 @@ absl::StatusOr<std::set<std::string>> RemappedLinearNames(
   return absl::UnimplementedError(absl::StrCat(
       "architecture \"", architecture,
       "\": no PEFT adapter export; supported: LlamaForCausalLM, "
-      "Qwen3MoeForCausalLM, DeepseekV3ForCausalLM, MixtralForCausalLM"));
+      "Qwen3MoeForCausalLM, DeepseekV3ForCausalLM, MixtralForCausalLM, "
+      "DiffusionGemmaForBlockDiffusion"));
 }
 
 // transformers-5's name of a shardd module or parameter path: a layer's

@@ -44,8 +44,21 @@
 // "mlp.gate.weight" for a router): PEFT adapts a 2-D parameter with the same
 // lora_A / lora_B keys, shapes and delta as a targeted module.
 //
+// DiffusionGemmaForBlockDiffusion: transformers runs shardd's one stack as
+// two module trees with tied weights, so every layer adapter is written
+// under model.decoder.layers.L.* and model.encoder.language_model.layers.L.*
+// (moe.experts -> experts, moe.gate -> router) with equal values (read
+// back: both required and equal), the self-conditioning's under
+// model.decoder.self_conditioning.*; target_modules is a regex over those
+// paths (the vision tower has q_proj too) and task_type null. shardd's
+// down_projs hold router.per_expert_scale folded in (as NeMo's); the
+// adapter B of that folded weight is transformers' B[e] times
+// scale[e]: divided on export (base_dir, the Hugging Face base), multiplied
+// on import (Open's `scales`).
+//
 // Supported: LlamaForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM,
-// MixtralForCausalLM (transformers 5 names Mixtral's MoE mlp.* too).
+// MixtralForCausalLM (transformers 5 names Mixtral's MoE mlp.* too),
+// DiffusionGemmaForBlockDiffusion.
 
 #include <cstdint>
 #include <map>
@@ -77,7 +90,11 @@ absl::StatusOr<bool> CheckpointHasLora(const std::string& checkpoint_dir);
 // PEFT adapter directory `out_dir`: adapter_model.safetensors (F32) and
 // adapter_config.json. The files are written into a temporary directory
 // beside out_dir, which is then renamed to out_dir, so out_dir appears
-// complete or not at all. Errors: FAILED_PRECONDITION (the checkpoint
+// complete or not at all. `base_dir`: the Hugging Face base the job
+// started from, read for DiffusionGemma's per-expert scales when its
+// experts' down_projs are adapted (INVALID_ARGUMENT naming --base without
+// it; INVALID_ARGUMENT for a zero scale under a trained B). Errors:
+// FAILED_PRECONDITION (the checkpoint
 // records no model, or a model without LoRA: export it with ExportHfModel);
 // UNIMPLEMENTED naming the architecture when PEFT export is not supported
 // for it; INVALID_ARGUMENT (the recorded model's adapters disagree with its

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "checkpoint/checkpoint_writer.h"
+#include "checkpoint/hf_export.h"
 #include "checkpoint/json_text.h"
 #include "checkpoint/safetensors.h"
 #include "common/status_macros.h"
@@ -485,6 +486,115 @@ TEST(PeftAdaptersExportTest, LlamaAndMixtral) {
       EXPECT_EQ(got, want) << ref.fqn;
     }
   }
+}
+
+// DiffusionGemma: every layer adapter under both of transformers' module
+// trees (decoder and encoder copies), target_modules a regex without the
+// vision tower, the experts' down_proj B divided by the base's
+// per_expert_scale on export (1 in a base shardd exported) and multiplied
+// back on import.
+TEST(PeftAdaptersExportTest, DiffusionGemmaWritesBothModuleTrees) {
+  const v1::ModelSpec spec = LoraSpec("tiny_diffusion_gemma.json",
+                                      {"q_proj", "gate_proj", "experts"});
+  const std::string dir = testing_util::FreshTestDir();
+  std::map<std::string, std::vector<float>> values;
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::string checkpoint,
+                              WriteCheckpoint(spec, dir + "/ckpt", &values));
+  EXPECT_THAT(ExportPeftAdapters(checkpoint, dir + "/peft"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--base")));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/peft"));
+  // A base: the model without adapters, as shardd exports it.
+  std::map<std::string, std::vector<float>> base_values;
+  v1::ModelSpec plain = WithoutLoraAdapters(spec);
+  plain.set_hf_config_json(ReadText("tests/data/tiny_diffusion_gemma.json"));
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      const std::string base_checkpoint,
+      WriteCheckpoint(plain, dir + "/base_ckpt", &base_values));
+  SHARDD_ASSERT_OK(ExportHfModel(base_checkpoint, dir + "/base", 0));
+  SHARDD_ASSERT_OK(ExportPeftAdapters(checkpoint, dir + "/peft", dir + "/base"));
+
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      const nlohmann::json j,
+      ParseJsonStrict(ReadText(dir + "/peft/adapter_config.json"), "config",
+                      absl::StatusCode::kDataLoss));
+  EXPECT_EQ(j.at("target_modules"),
+            "model\\.(decoder|encoder\\.language_model)\\.layers\\.\\d+\\."
+            "(mlp\\.gate_proj|self_attn\\.q_proj)|"
+            "model\\.decoder\\.self_conditioning\\.gate_proj");
+  EXPECT_TRUE(j.at("task_type").is_null());
+  EXPECT_EQ(j.at("target_parameters"),
+            nlohmann::json::array({"experts.down_proj", "experts.gate_up_proj"}));
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<SafetensorsReader> file,
+      SafetensorsReader::Open(dir + "/peft/adapter_model.safetensors"));
+  const std::string dec = "base_model.model.model.decoder.layers.1.";
+  const std::string enc = "base_model.model.model.encoder.language_model.layers.1.";
+  for (const std::string key :
+       {"self_attn.q_proj.lora_A.weight", "mlp.gate_proj.lora_B.weight",
+        "experts.base_layer.lora_A.weight", "experts.lora_B.weight"}) {
+    EXPECT_EQ(Floats(*file, dec + key), Floats(*file, enc + key)) << key;
+    EXPECT_FALSE(Floats(*file, dec + key).empty()) << key;
+  }
+  EXPECT_NE(file->Find("base_model.model.model.decoder.self_conditioning."
+                       "gate_proj.lora_A.weight"),
+            nullptr);
+  // 3 layers x (q_proj, mlp.gate_proj, 2 expert tensors) x 2 trees + the
+  // self-conditioning's, A and B each.
+  EXPECT_EQ(file->tensors().size(), 2u * (3 * 4 * 2 + 1));
+
+  // Back: bit for bit with the base's scales (1); twice B with scales 2.
+  auto ones = [](const std::string&) -> absl::StatusOr<std::vector<float>> {
+    return std::vector<float>(8, 1.0f);
+  };
+  auto twos = [](const std::string&) -> absl::StatusOr<std::vector<float>> {
+    return std::vector<float>(8, 2.0f);
+  };
+  EXPECT_THAT(PeftAdapters::Open(dir + "/peft", spec),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       HasSubstr("per-expert scales")));
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<PeftAdapters> same,
+                              PeftAdapters::Open(dir + "/peft", spec, ones));
+  SHARDD_ASSERT_OK_AND_ASSIGN(std::unique_ptr<PeftAdapters> doubled,
+                              PeftAdapters::Open(dir + "/peft", spec, twos));
+  int seen = 0;
+  for (const ParamRef& ref : ListParams(spec)) {
+    if (!IsLoraAdapter(ref.fqn)) continue;
+    ++seen;
+    const std::vector<float>& want = values.at(ref.fqn);
+    std::vector<float> got(want.size()), got2(want.size());
+    const int64_t n = static_cast<int64_t>(want.size());
+    SHARDD_ASSERT_OK(same->Read(ref.fqn, *ref.tensor, 0, n, got.data()));
+    SHARDD_ASSERT_OK(doubled->Read(ref.fqn, *ref.tensor, 0, n, got2.data()));
+    EXPECT_EQ(got, want) << ref.fqn;
+    const bool scaled = ref.fqn == absl::StrCat(ref.fqn.substr(0, ref.fqn.rfind('.')),
+                                                ".down_projs_lora_B");
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_EQ(got2[i], scaled ? 2.0f * want[i] : want[i]) << ref.fqn << i;
+    }
+  }
+  EXPECT_EQ(seen, 2 * (3 * 4 + 1));
+
+  // The encoder's copy must hold the decoder's values.
+  const std::string path = dir + "/peft/adapter_model.safetensors";
+  std::vector<TensorView> views;
+  std::vector<std::vector<float>> keep;
+  for (const SafetensorsEntry& e : file->tensors()) {
+    keep.push_back(Floats(*file, e.name));
+    if (e.name == enc + "self_attn.q_proj.lora_A.weight") keep.back()[0] += 1;
+  }
+  int i = 0;
+  for (const SafetensorsEntry& e : file->tensors()) {
+    views.push_back({e.name, "F32", e.shape,
+                     absl::Span<const uint8_t>(
+                         reinterpret_cast<const uint8_t*>(keep[i].data()),
+                         keep[i].size() * 4)});
+    ++i;
+  }
+  file.reset();
+  SHARDD_ASSERT_OK(WriteSafetensors(path, views, {}).status());
+  EXPECT_THAT(PeftAdapters::Open(dir + "/peft", spec, ones),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("differs from")));
 }
 
 }  // namespace
