@@ -194,6 +194,29 @@ std::string LeafOf(const std::string& fqn) {
   return dot == std::string::npos ? fqn : fqn.substr(dot + 1);
 }
 
+// transformers' name of an adapted stacked-expert tensor; UNIMPLEMENTED
+// for one the export does not know.
+absl::StatusOr<std::string> HfExpertTensor(const LoraTarget& t) {
+  const std::string tensor = LeafOf(t.base);
+  if (tensor == "gate_and_up_projs") return std::string("gate_up_proj");
+  if (tensor == "down_projs") return std::string("down_proj");
+  return absl::UnimplementedError(absl::StrCat(
+      "adapter of \"", t.base,
+      "\": PEFT export knows gate_and_up_projs and down_projs"));
+}
+
+// The shapes of an expert target's A and B in both layouts.
+void SetExpertShapes(const LoraTarget& t, PeftTensor* a, PeftTensor* b) {
+  a->shardd_shape = {t.experts, t.rank, t.in};
+  a->peft_shape = {t.experts * t.rank, t.in};
+  b->shardd_shape = {t.experts, t.out, t.rank};
+  b->peft_shape = {t.out, t.rank * t.experts};
+  b->experts_b = true;
+  b->experts = t.experts;
+  b->out = t.out;
+  b->rank = t.rank;
+}
+
 // DiffusionGemma's plan: both stacks' copies, the regex, the scaled B.
 absl::StatusOr<PeftPlan> PlanDgPeft(const std::vector<LoraTarget>& targets) {
   std::map<std::string, int> adapted_in_module;
@@ -217,30 +240,15 @@ absl::StatusOr<PeftPlan> PlanDgPeft(const std::vector<LoraTarget>& targets) {
       a.shardd_shape = a.peft_shape = {t.rank, t.in};
       b.shardd_shape = b.peft_shape = {t.out, t.rank};
     } else {
-      const std::string tensor = LeafOf(t.base);
-      const std::string hf_tensor = tensor == "gate_and_up_projs"
-                                        ? "gate_up_proj"
-                                        : "down_proj";
-      if (tensor != "gate_and_up_projs" && tensor != "down_projs") {
-        return absl::UnimplementedError(absl::StrCat(
-            "adapter of \"", t.base,
-            "\": PEFT export knows gate_and_up_projs and down_projs"));
-      }
+      SHARDD_ASSIGN_OR_RETURN(const std::string hf_tensor, HfExpertTensor(t));
       plan.target_parameters.insert(absl::StrCat("experts.", hf_tensor));
-      const bool inner = hf_tensor == "gate_up_proj" &&
-                         adapted_in_module[ModuleOf(t.base)] > 1;
-      if (inner) {
+      // gate_up_proj is registered first, so its wrapper is the inner one.
+      if (hf_tensor == "gate_up_proj" &&
+          adapted_in_module[ModuleOf(t.base)] > 1) {
         for (std::string& m : modules) m += ".base_layer";
       }
-      a.shardd_shape = {t.experts, t.rank, t.in};
-      a.peft_shape = {t.experts * t.rank, t.in};
-      b.shardd_shape = {t.experts, t.out, t.rank};
-      b.peft_shape = {t.out, t.rank * t.experts};
-      b.experts_b = true;
-      b.experts = t.experts;
-      b.out = t.out;
-      b.rank = t.rank;
-      if (tensor == "down_projs") b.scaled_by = t.base;
+      SetExpertShapes(t, &a, &b);
+      if (hf_tensor == "down_proj") b.scaled_by = t.base;
     }
     for (size_t i = 0; i < modules.size(); ++i) {
       const std::string ka = absl::StrCat(kPeftPrefix, modules[i],
@@ -307,31 +315,14 @@ absl::StatusOr<PeftPlan> PlanPeft(const v1::ModelSpec& model) {
       b.shardd_shape = b.peft_shape = {t.out, t.rank};
     } else {
       const std::string experts = HfPath(ModuleOf(t.base));
-      const std::string tensor = LeafOf(t.base);
-      std::string hf_tensor;
-      if (tensor == "gate_and_up_projs") {
-        hf_tensor = "gate_up_proj";
-      } else if (tensor == "down_projs") {
-        hf_tensor = "down_proj";
-      } else {
-        return absl::UnimplementedError(absl::StrCat(
-            "adapter of \"", t.base,
-            "\": PEFT export knows gate_and_up_projs and down_projs"));
-      }
+      SHARDD_ASSIGN_OR_RETURN(const std::string hf_tensor, HfExpertTensor(t));
       plan.target_parameters.insert(
           InLayer(absl::StrCat(experts, ".", hf_tensor)));
       // gate_up_proj is registered first, so its wrapper is the inner one.
       const bool inner = hf_tensor == "gate_up_proj" &&
                          adapted_in_module[ModuleOf(t.base)] > 1;
       module = inner ? experts + ".base_layer" : experts;
-      a.shardd_shape = {t.experts, t.rank, t.in};
-      a.peft_shape = {t.experts * t.rank, t.in};
-      b.shardd_shape = {t.experts, t.out, t.rank};
-      b.peft_shape = {t.out, t.rank * t.experts};
-      b.experts_b = true;
-      b.experts = t.experts;
-      b.out = t.out;
-      b.rank = t.rank;
+      SetExpertShapes(t, &a, &b);
     }
     a.peft = absl::StrCat(kPeftPrefix, module, ".lora_A.weight");
     b.peft = absl::StrCat(kPeftPrefix, module, ".lora_B.weight");
