@@ -34,6 +34,7 @@
 #include "worker/comm/kv_gloo_store.h"
 #include "worker/data/batch_sampler.h"
 #include "worker/exec/step_runner.h"
+#include "worker/model/moe_architecture.h"
 #include "worker/shards/shard_checkpoint.h"
 #include "worker/shards/shard_state_transfer.h"
 #include "worker/worker_runtime_internal.h"
@@ -402,9 +403,8 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::LoadPlan(
     // An SFT dataset's rows split into prompt and canvas per example.
     const int64_t block = request.model().dims().canvas_length();
     source_options.diffusion.block = block;
-    source_options.diffusion.canvas = train.diffusion().response_length() > 0
-                                          ? train.diffusion().response_length()
-                                          : block;
+    source_options.diffusion.canvas =
+        DiffusionCanvasRows(block, train.diffusion().response_length());
   }
   SHARDD_ASSIGN_OR_RETURN(std::shared_ptr<const data::SequenceSource> source,
                           data::CreateDataSource(source_options));

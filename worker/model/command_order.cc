@@ -23,16 +23,23 @@ absl::StatusOr<int64_t> CheckMicroBatch(int microbatch, int microbatches,
   if (inputs == nullptr || targets == nullptr) {
     return absl::InvalidArgumentError("inputs and targets: must not be null");
   }
-  int64_t counted = 0;
   for (int64_t i = 0; i < batch * seq; ++i) {
     if (inputs[i] < 0 || inputs[i] >= vocab) {
       return absl::InvalidArgumentError(
           absl::StrCat("inputs[", i, "]: token id ", inputs[i], " outside [0, ",
                        vocab, ")"));
     }
+  }
+  return CountTargets(targets, batch * seq, vocab, "targets");
+}
+
+absl::StatusOr<int64_t> CountTargets(const int32_t* targets, int64_t n,
+                                     int64_t vocab, absl::string_view field) {
+  int64_t counted = 0;
+  for (int64_t i = 0; i < n; ++i) {
     if (targets[i] != -1 && (targets[i] < 0 || targets[i] >= vocab)) {
       return absl::InvalidArgumentError(
-          absl::StrCat("targets[", i, "]: token id ", targets[i],
+          absl::StrCat(field, "[", i, "]: token id ", targets[i],
                        " outside [0, ", vocab, ") (or -1 to ignore)"));
     }
     if (targets[i] != -1) ++counted;

@@ -16,6 +16,11 @@ namespace shardd {
 // [0, microbatches), batch and seq >= 1, non-null arrays of batch * seq ids,
 // inputs in [0, vocab), targets in [0, vocab) or -1 (ignored). Returns the
 // number of counted (non-ignored) targets. INVALID_ARGUMENT names the field.
+// The ids in targets[0, n) other than -1, each checked to lie in
+// [0, vocab): INVALID_ARGUMENT naming `field`[i] otherwise.
+absl::StatusOr<int64_t> CountTargets(const int32_t* targets, int64_t n,
+                                     int64_t vocab, absl::string_view field);
+
 absl::StatusOr<int64_t> CheckMicroBatch(int microbatch, int microbatches,
                                         const int32_t* inputs,
                                         const int32_t* targets, int64_t batch,

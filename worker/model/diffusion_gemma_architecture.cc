@@ -261,7 +261,7 @@ absl::StatusOr<BlockDiffusionSpec> ReadBlockDiffusionSpec(
   }
   BlockDiffusionSpec out;
   out.block = canvas_length;
-  out.canvas = response_length > 0 ? response_length : canvas_length;
+  out.canvas = DiffusionCanvasRows(canvas_length, response_length);
   const std::string p = "model.self_conditioning.";
   int found = 0;
   for (const ArchTensor& t : arch.unused) {

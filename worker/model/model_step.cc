@@ -566,15 +566,9 @@ absl::Status ModelStep::SetCanvasRows(int microbatch, const int32_t* starts,
                        " is outside the row [0, ", b.seq, ")"));
     }
   }
-  int64_t counted = 0;
-  for (int64_t i = 0; i < b.batch * canvas; ++i) {
-    if (targets[i] < -1 || targets[i] >= arch_.vocab) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("canvas_targets[", i, "]: ", targets[i],
-                       " is outside [-1, ", arch_.vocab, ")"));
-    }
-    counted += targets[i] >= 0;
-  }
+  SHARDD_ASSIGN_OR_RETURN(
+      const int64_t counted,
+      CountTargets(targets, b.batch * canvas, arch_.vocab, "canvas_targets"));
   b.canvas_starts.assign(starts, starts + b.batch);
   b.canvas_targets.assign(targets, targets + b.batch * canvas);
   b.canvas_counted = counted;

@@ -218,6 +218,13 @@ struct BlockDiffusionSpec {
   int64_t block = 0;   // Rows per decode block (canvas_length).
 };
 
+// The canvas rows per sequence of DiffusionGemma's block-diffusion step:
+// `response_length`, or one block of `canvas_length` when it is 0.
+inline int64_t DiffusionCanvasRows(int64_t canvas_length,
+                                   int64_t response_length) {
+  return response_length > 0 ? response_length : canvas_length;
+}
+
 // The response is the last `response_length` tokens (0: canvas_length),
 // cut into blocks of canvas_length. Errors: INVALID_ARGUMENT for
 // canvas_length < 1 (naming dims.canvas_length), a negative response_length
