@@ -79,6 +79,21 @@ def step_rows(rows, step, n):
             idx)
 
 
+def events(run, kind):
+    """The run's --json lines of `kind` ("step", "eval")."""
+    return [json.loads(line) for line in run.stdout.splitlines()
+            if line.startswith('{"event":"%s"' % kind)]
+
+
+def steps_of(run):
+    return [(x["loss"], x["grad_norm"]) for x in events(run, "step")]
+
+
+def gap(got, want):
+    """The larger relative difference of (loss, gradient norm)."""
+    return max(abs(g - w) / w for g, w in zip(got, want))
+
+
 def oracle_step1(model, rows, n, pad, micro=1, fixed_prefix=False,
                  trainable=None):
     """(loss, gradient norm) of step 1 on the transformers model. `micro`
@@ -153,7 +168,7 @@ def peft_dg(base, adapters):
 
 
 def check_lora(cluster, check, work, repo, config_path, dataset, rows, n,
-               pad, seq, canvas, train, events):
+               pad, seq, canvas, train):
     """LoRA SFT (NeMo's other DiffusionGemma recipe) on a base whose
     per_expert_scale is not 1: fresh adapters start from the base's loss;
     the export (with --base) loads with PEFT onto transformers' model, both
@@ -180,7 +195,7 @@ def check_lora(cluster, check, work, repo, config_path, dataset, rows, n,
 
     want_base = oracle_step1(dg.load(base)[0], rows, n, pad)
     r = run(lora + ["--dp", "2", "--checkpoint-every", "2"], steps=2)
-    got = [(x["loss"], x["grad_norm"]) for x in events(r, "step")]
+    got = steps_of(r)
     saved = [x["checkpoint"] for x in events(r, "step") if "checkpoint" in x]
     if len(got) != 2 or len(saved) != 1:
         check(False, f"LoRA: the job did not run:\n{r.stdout}\n{r.stderr}")
@@ -233,20 +248,19 @@ def check_lora(cluster, check, work, repo, config_path, dataset, rows, n,
                          trainable=lora_gradient_norm(scales))
     for world in (1, 2):
         r = run(lora + ["--dp", str(world), "--lora-from", out])
-        got = [(x["loss"], x["grad_norm"]) for x in events(r, "step")]
+        got = steps_of(r)
         if len(got) != 1:
             check(False, f"LoRA resume: no step\n{r.stdout}\n{r.stderr}")
             continue
         (gl, gn), (wl, wn) = got[0], want
-        err = max(abs(gl - wl) / wl, abs(gn - wn) / wn)
+        err = gap(got[0], want)
         check(err <= DG_FP32_BOUND,
               f"LoRA: base + exported adapters at {world} worker(s): step 1's "
               f"loss {gl:.9f} and adapter gradient norm {gn:.9f} within "
               f"{err:.2e} of PEFT's ({wl:.9f}, {wn:.9f}; bound "
               f"{DG_FP32_BOUND:.1e})")
         if world == 2:
-            bl, bn = wrong
-            away = max(abs(gl - bl) / bl, abs(gn - bn) / bn)
+            away = gap(got[0], wrong)
             check(away > DG_FP32_BOUND,
                   f"LoRA: adapters not divided by per_expert_scale are "
                   f"{away:.2e} away (outside the bound)")
@@ -315,14 +329,6 @@ def main():
                  "--grad-clip", "0", "--no-mixed-precision", "--json"]
                 + extra, check=False)
 
-        def steps_of(r):
-            return [(x["loss"], x["grad_norm"]) for x in
-                    (json.loads(line) for line in r.stdout.splitlines()
-                     if line.startswith('{"event":"step"'))]
-
-        def events(r, kind):
-            return [json.loads(line) for line in r.stdout.splitlines()
-                    if line.startswith('{"event":"%s"' % kind)]
 
         cluster = Cluster(bin_dir, work)
         try:
@@ -334,15 +340,15 @@ def main():
                     check(False, f"{world} worker(s): no step\n{r.stdout}"
                                  f"\n{r.stderr}")
                     continue
-                (gl, gn), (wl, wn) = got[0], want
-                err = max(abs(gl - wl) / wl, abs(gn - wn) / wn)
+                (gl, gn) = got[0]
+                err = gap(got[0], want)
                 check(err <= DG_FP32_BOUND,
                       f"{world} worker(s), {micro} micro-batch(es): step 1's "
                       f"loss {gl:.9f} and gradient norm {gn:.9f} within "
                       f"{err:.2e} of transformers' (bound {DG_FP32_BOUND:.1e})")
                 if world == 2 and micro == 2:
-                    for what, (bl, bn) in wrong.items():
-                        away = max(abs(gl - bl) / bl, abs(gn - bn) / bn)
+                    for what, bad in wrong.items():
+                        away = gap(got[0], bad)
                         check(away > DG_FP32_BOUND,
                               f"the oracle with {what} is {away:.2e} away "
                               "(outside the bound)")
@@ -383,7 +389,7 @@ def main():
                   f"30 steps at lr 0.01: loss (mean of 3) {first:.3f} -> "
                   f"{last:.3f}")
             check_lora(cluster, check, work, repo, config_path, dataset, rows,
-                       n, pad, seq, canvas, train, events)
+                       n, pad, seq, canvas, train)
         finally:
             cluster.stop()
     print(f"{check.failures} failure(s)")
