@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <random>
 #include <string>
@@ -12,6 +13,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/grad_check.h"
+#include "kernels/cpu/simd_level.h"
 #include "kernels/cpu/test_vectors.h"
 
 namespace shardd {
@@ -255,6 +257,57 @@ TEST(AttentionTest, ManyBlocksOnlineSoftmax) {
          Options(AttentionMask::kSlidingWindow, 1.0f), true};
   c.options.window = 70;
   CheckCase(c);
+}
+
+// The score rows' loops (row max, VecExp, the fixed-lane row sums) run at
+// every SimdLevel this CPU supports and must give the same bits at each:
+// key ranges that are no multiple of any vector width, two key blocks,
+// sinks, and scores large enough that exp's range reduction matters.
+TEST(AttentionTest, EverySimdLevelGivesTheSameBits) {
+  const SimdLevel supported = SupportedSimdLevel();
+  AttentionDims d = Dims(2, 150, 301, 4, 2, 5);
+  AttentionOptions o = Options(AttentionMask::kSlidingWindow, 3.0f);
+  o.window = 263;
+  const std::vector<float> q = RandomVector(2 * 150 * 4 * 5, 21, 2.0f);
+  const std::vector<float> k = RandomVector(2 * 301 * 2 * 5, 22, 2.0f);
+  const std::vector<float> v = RandomVector(2 * 301 * 2 * 5, 23);
+  const std::vector<float> sinks = RandomVector(4, 24, 2.0f);
+  const std::vector<float> dout = RandomVector(2 * 150 * 4 * 5, 25);
+  o.sinks = sinks.data();
+  d.q_len = 150;
+  o.q_offset = 151;  // the queries are the last 150 of 301 positions
+  auto run = [&] {
+    std::vector<float> out(dout.size()), lse(2 * 4 * 150),
+        dq(q.size(), 0.0f), dk(k.size(), 0.0f), dv(v.size(), 0.0f),
+        ds(4, 0.0f);
+    AttentionWorkspace ws;
+    EXPECT_TRUE(AttentionForward(d, o, q.data(), k.data(), v.data(),
+                                 out.data(), lse.data(), &ws)
+                    .ok());
+    EXPECT_TRUE(AttentionBackward(d, o, q.data(), k.data(), v.data(),
+                                  out.data(), lse.data(), dout.data(),
+                                  dq.data(), dk.data(), dv.data(), ds.data(),
+                                  &ws)
+                    .ok());
+    std::vector<float> all;
+    for (const std::vector<float>* part : {&out, &lse, &dq, &dk, &dv, &ds}) {
+      all.insert(all.end(), part->begin(), part->end());
+    }
+    return all;
+  };
+  SHARDD_ASSERT_OK(OverrideSimdLevel(SimdLevel::kBaseline));
+  const std::vector<float> base = run();
+  int compared = 0;
+  for (SimdLevel level : {SimdLevel::kX86_64_V3, SimdLevel::kX86_64_V4}) {
+    if (level > supported) continue;
+    SCOPED_TRACE(SimdLevelName(level));
+    SHARDD_ASSERT_OK(OverrideSimdLevel(level));
+    EXPECT_EQ(run(), base);
+    ++compared;
+  }
+  SHARDD_ASSERT_OK(OverrideSimdLevel(supported));
+  std::printf("[simd] compared x86-64 with %d higher level(s), up to %s\n",
+              compared, SimdLevelName(supported));
 }
 
 TEST(AttentionTest, RowsWithNothingToAttendTo) {

@@ -3,13 +3,21 @@
 
 // Row-major single-precision GEMM for the CPU kernels:
 //   C [M, N] = alpha * op(A) @ op(B) + beta * C
-// with cblas_sgemm's arguments (minus the order, always row-major). Large
-// products are split over the compute pool (compute_pool.h) by rows of C,
-// each piece a one-thread OpenBLAS call, at row offsets that keep every
-// element's arithmetic what it is unsplit: the same bits at every thread
-// count (kernels/cpu/thread_count_test.cc).
+// with cblas_sgemm's arguments (minus the order, always row-major).
+//
+// Large products are cut by rows of C into pieces whose size is a function
+// of the shape alone (SgemmPieceRows), each piece one one-thread OpenBLAS
+// call, and the pieces are spread over the compute pool (compute_pool.h).
+// The calls are therefore the same at every thread count, so the result has
+// the same bits whatever the pool's size, on any BLAS that is deterministic
+// per call, whatever blocking, micro-kernel or small-matrix path it picks
+// for a piece (OpenBLAS's SkylakeX kernels pick by the piece's size). The
+// bits may differ from one unsplit cblas_sgemm call, and from one OpenBLAS
+// kernel (CPU) to another: docs/testing.md.
 
 #include <cblas.h>
+
+#include <cstdint>
 
 namespace shardd {
 namespace kernels {
@@ -18,6 +26,29 @@ void Sgemm(CBLAS_TRANSPOSE trans_a, CBLAS_TRANSPOSE trans_b, int m, int n,
            int k, float alpha, const float* a, int lda, const float* b,
            int ldb, float beta, float* c, int ldc);
 
+// Rows of C per piece for an [m, n] x k product: m (one call) for products
+// too small to be worth splitting, else a multiple of 16 rows that gives
+// each piece enough work to amortize the call and its packing of op(B).
+// Depends on m, n and k only, never on the thread count.
+int64_t SgemmPieceRows(int64_t m, int64_t n, int64_t k);
+
+namespace internal {
+
+// One row-major cblas_sgemm-shaped call, as Sgemm makes them.
+using SgemmCall = void (*)(CBLAS_TRANSPOSE trans_a, CBLAS_TRANSPOSE trans_b,
+                           int m, int n, int k, float alpha, const float* a,
+                           int lda, const float* b, int ldb, float beta,
+                           float* c, int ldc);
+
+// Sgemm with `call` in place of OpenBLAS, so a test can give it a BLAS whose
+// arithmetic depends on the call's shape (as OpenBLAS's does on some CPUs)
+// on any machine.
+void SgemmWith(SgemmCall call, CBLAS_TRANSPOSE trans_a,
+               CBLAS_TRANSPOSE trans_b, int m, int n, int k, float alpha,
+               const float* a, int lda, const float* b, int ldb, float beta,
+               float* c, int ldc);
+
+}  // namespace internal
 }  // namespace kernels
 }  // namespace shardd
 

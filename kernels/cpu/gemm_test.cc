@@ -51,11 +51,11 @@ TEST_P(SgemmTest, MatchesTheProductAtEveryTransposeAndSplit) {
   // Split by rows at every transpose, with a short last piece, and one
   // product too small to split.
   const Shape shapes[] = {
-      {300, 40, 96, CblasNoTrans, CblasNoTrans},
-      {300, 40, 96, CblasTrans, CblasNoTrans},
-      {290, 37, 120, CblasNoTrans, CblasTrans},
-      {290, 37, 120, CblasTrans, CblasTrans},
-      {131, 129, 64, CblasNoTrans, CblasTrans},
+      {700, 40, 96, CblasNoTrans, CblasNoTrans},
+      {700, 40, 96, CblasTrans, CblasNoTrans},
+      {610, 37, 120, CblasNoTrans, CblasTrans},
+      {610, 37, 120, CblasTrans, CblasTrans},
+      {1100, 129, 64, CblasNoTrans, CblasTrans},
       {5, 6, 7, CblasNoTrans, CblasNoTrans},
   };
   for (const Shape& s : shapes) {
@@ -99,6 +99,114 @@ TEST_P(SgemmTest, MatchesTheProductAtEveryTransposeAndSplit) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Threads, SgemmTest, ::testing::Values(1, 2, 3));
+
+// A BLAS whose arithmetic depends on the call's size, as OpenBLAS's does on
+// AVX-512 CPUs (its SkylakeX kernels send products of at most 1e6
+// multiply-adds to a small-matrix kernel that rounds otherwise; the fake
+// draws its line at 2e6 so that Sgemm's pieces fall under it): small calls
+// sum k upwards and apply alpha and beta at the end, large ones scale C by
+// beta first and sum k downwards. Row-major, any transposes.
+void SizeDependentSgemm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int m, int n,
+                        int k, float alpha, const float* a, int lda,
+                        const float* b, int ldb, float beta, float* c,
+                        int ldc) {
+  const bool small = int64_t{m} * n * k <= 2000000;
+  for (int i = 0; i < m; ++i) {
+    for (int j = 0; j < n; ++j) {
+      float acc = 0.0f;
+      for (int q = 0; q < k; ++q) {
+        const int p = small ? q : k - 1 - q;
+        const float x = ta == CblasNoTrans ? a[i * lda + p] : a[p * lda + i];
+        const float y = tb == CblasNoTrans ? b[p * ldb + j] : b[j * ldb + p];
+        acc += x * y;
+      }
+      float& out = c[i * ldc + j];
+      out = small ? alpha * acc + beta * out : beta * out + alpha * acc;
+    }
+  }
+}
+
+// With that BLAS the cuts decide the bits, and Sgemm's cuts are the same at
+// every thread count: this is what fails on a Xeon if the cuts depend on
+// the threads (issue 40), checked here on any CPU.
+TEST(SgemmPiecesTest, SameBitsAtEveryThreadCountOnASizeDependentBlas) {
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> dist(-1, 1);
+  const Shape shapes[] = {
+      {700, 40, 96, CblasNoTrans, CblasNoTrans},
+      {610, 37, 120, CblasTrans, CblasTrans},
+      {1100, 129, 64, CblasNoTrans, CblasTrans},
+      {1500, 33, 200, CblasTrans, CblasNoTrans},
+  };
+  for (const Shape& s : shapes) {
+    const int rows_a = s.ta == CblasNoTrans ? s.m : s.k;
+    const int cols_a = s.ta == CblasNoTrans ? s.k : s.m;
+    const int rows_b = s.tb == CblasNoTrans ? s.k : s.n;
+    const int cols_b = s.tb == CblasNoTrans ? s.n : s.k;
+    const int lda = cols_a + 1, ldb = cols_b + 2, ldc = s.n + 3;
+    std::vector<float> a(rows_a * lda), b(rows_b * ldb), c0(s.m * ldc);
+    for (float& x : a) x = dist(rng);
+    for (float& x : b) x = dist(rng);
+    for (float& x : c0) x = dist(rng);
+    const float alpha = 0.75f, beta = 0.5f;
+    auto run = [&](int threads) {
+      EXPECT_TRUE(SetComputeThreads(threads).ok());
+      std::vector<float> c = c0;
+      internal::SgemmWith(&SizeDependentSgemm, s.ta, s.tb, s.m, s.n, s.k,
+                          alpha, a.data(), lda, b.data(), ldb, beta, c.data(),
+                          ldc);
+      return c;
+    };
+    const std::vector<float> serial = run(1);
+    for (int threads : {2, 3, 4}) {
+      ASSERT_EQ(run(threads), serial)
+          << s.m << "x" << s.n << "x" << s.k << " at " << threads
+          << " threads";
+    }
+    // The fake tells cuts apart: one unsplit call differs from the pieces.
+    std::vector<float> whole = c0;
+    SizeDependentSgemm(s.ta, s.tb, s.m, s.n, s.k, alpha, a.data(), lda,
+                       b.data(), ldb, beta, whole.data(), ldc);
+    ASSERT_LT(SgemmPieceRows(s.m, s.n, s.k), s.m) << s.m << "x" << s.n;
+    EXPECT_NE(whole, serial) << s.m << "x" << s.n << "x" << s.k;
+  }
+  ASSERT_TRUE(SetComputeThreads(1).ok());
+}
+
+TEST(SgemmPiecesTest, PieceRowsFollowTheShapeAlone) {
+  // Too small to split: one piece of every row.
+  EXPECT_EQ(SgemmPieceRows(5, 6, 7), 5);
+  EXPECT_EQ(SgemmPieceRows(300, 40, 96), 300);
+  EXPECT_EQ(SgemmPieceRows(255, 8, 8), 255);
+  EXPECT_EQ(SgemmPieceRows(0, 8, 8), 1);
+  for (int64_t m : {300, 1000, 4096, 100000}) {
+    for (int64_t nk : {int64_t{3840}, int64_t{4096}, int64_t{1} << 16,
+                       int64_t{1} << 22}) {
+      const int64_t rows = SgemmPieceRows(m, nk, 1);
+      ASSERT_GE(rows, 1);
+      if (rows == m) {
+        // One call only where two pieces' worth is not there.
+        EXPECT_TRUE(m < 256 || m * nk < (int64_t{1} << 21) ||
+                    (nk >= (int64_t{1} << 20) && m < 512))
+            << m << " " << nk;
+        continue;
+      }
+      // Whole register blocks, at least 128 rows (256 where op(B) is 4 MiB
+      // or more) and 2^20 multiply-adds, at least two pieces.
+      EXPECT_EQ(rows % 16, 0) << m << " " << nk;
+      EXPECT_GE(rows, nk >= (int64_t{1} << 20) ? 256 : 128) << m << " " << nk;
+      EXPECT_GE(rows * nk, int64_t{1} << 20) << m << " " << nk;
+      EXPECT_LT(rows, m) << m << " " << nk;
+    }
+  }
+  // The thread count does not enter.
+  for (int threads : {1, 2, 3}) {
+    ASSERT_TRUE(SetComputeThreads(threads).ok());
+    EXPECT_EQ(SgemmPieceRows(700, 40, 96), 352);
+    EXPECT_EQ(SgemmPieceRows(1100, 129, 64), 144);
+  }
+  ASSERT_TRUE(SetComputeThreads(1).ok());
+}
 
 }  // namespace
 }  // namespace kernels
