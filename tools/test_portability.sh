@@ -42,21 +42,24 @@ tools/setup.sh >/dev/null
 config=()
 [[ -x /usr/local/cuda/bin/nvcc ]] && config=(--config=cuda)
 
+# Every CPU kernel test, and the executor, model and store tests whose
+# numerics ride on them.
+mapfile -t kernel_tests < <(bazel query --noshow_progress \
+  'kind("cc_test", //kernels/cpu/...)' 2>/dev/null)
 unit_tests=(
+  "${kernel_tests[@]}"
   //worker/exec:step_executor_test
+  //worker/exec:muon_optimizer_test
+  //worker/exec:device_parity_cpu_test
   //worker/shards:shard_checkpoint_test
+  //worker/shards:lora_merge_test
   //worker:worker_runtime_test
   //worker/model:moe_model_test
+  //worker/model:moe_model_diffusion_test
+  //worker/model:expert_parallel_model_test
+  //worker/model:packed_rows_test
   //worker/model:device_moe_model_cpu_test
   //testing:numerics_test
-  //kernels/cpu:adamw_test
-  //kernels/cpu:cross_entropy_test
-  //kernels/cpu:dense_mlp_test
-  //kernels/cpu:embedding_test
-  //kernels/cpu:grouped_experts_test
-  //kernels/cpu:rms_norm_test
-  //kernels/cpu:router_test
-  //kernels/cpu:simd_level_test
 )
 process_tests=(
   //tests:train_integration_test
@@ -71,15 +74,8 @@ has() {
 }
 cpu_model=$(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
 
-# OpenBLAS 0.3.21's x86-64 kernels and the instructions each one needs.
-core_types=()
-has pni && core_types+=(Prescott)
-has ssse3 sse4_1 sse4_2 popcnt && core_types+=(Nehalem)
-has avx && core_types+=(Sandybridge)
-has avx2 fma && core_types+=(Haswell Zen)
-has avx512f avx512bw avx512cd avx512dq avx512vl && core_types+=(SkylakeX)
-has avx512f avx512bw avx512cd avx512dq avx512vl avx512_bf16 &&
-  core_types+=(Cooperlake)
+# The OpenBLAS kernels this CPU executes (the rest would die of SIGILL).
+mapfile -t core_types < <(tools/openblas_core_types.sh --why)
 # GCC's micro-architecture levels (simd_level.h).
 simd_levels=(x86-64)
 has avx avx2 bmi1 bmi2 f16c fma abm movbe xsave && simd_levels+=(x86-64-v3)

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <random>
 #include <vector>
 
@@ -29,6 +30,32 @@ struct RefOut {
   std::vector<int32_t> indices;  // [T, K]
   std::vector<double> weights;   // [T, K]
 };
+
+// The smallest gap, over tokens, between neighbours among the k + 1
+// largest of x W^T (+ b) in double: a top-k selection (and its order) that
+// a kernel must reproduce exactly is only defined by the data when this is
+// far above the fp32 rounding of the scores, which differs with the BLAS
+// kernel and so with the CPU.
+double TopKMargin(const RouterDims& dm, const std::vector<double>& x,
+                  const std::vector<double>& w, const std::vector<double>* b) {
+  double margin = 1e300;
+  for (int64_t t = 0; t < dm.tokens; ++t) {
+    std::vector<double> logit(dm.experts);
+    for (int64_t e = 0; e < dm.experts; ++e) {
+      double s = b != nullptr ? (*b)[e] : 0.0;
+      for (int64_t j = 0; j < dm.dim; ++j) {
+        s += x[t * dm.dim + j] * w[e * dm.dim + j];
+      }
+      logit[e] = s;
+    }
+    std::sort(logit.begin(), logit.end(), std::greater<double>());
+    const int64_t last = std::min<int64_t>(dm.top_k, dm.experts - 1);
+    for (int64_t i = 0; i < last; ++i) {
+      margin = std::min(margin, logit[i] - logit[i + 1]);
+    }
+  }
+  return margin;
+}
 
 RefOut RefRouter(const RouterDims& dm, const std::vector<double>& x,
                  const std::vector<double>& w, const int32_t* fixed) {
@@ -171,6 +198,11 @@ TEST(RouterTest, ForwardMatchesReference) {
     SHARDD_ASSERT_OK(
         RouterForward(dm, x.data(), w.data(), idx.data(), wt.data(), &cache));
     const RefOut ref = RefRouter(dm, ToDouble(x), ToDouble(w), nullptr);
+    // Logits are 6-term dot products of values in [-1, 1]: within
+    // 6 u 6 = 2e-6 in fp32 on any kernel, so a 1e-4 margin decides the
+    // selection.
+    ASSERT_GT(TopKMargin(dm, ToDouble(x), ToDouble(w), nullptr), 1e-4)
+        << "k=" << k;
     EXPECT_EQ(idx, ref.indices) << "k=" << k;
     for (size_t i = 0; i < wt.size(); ++i) {
       EXPECT_NEAR(wt[i], ref.weights[i], 1e-6) << "k=" << k << " i=" << i;
@@ -330,6 +362,9 @@ TEST_P(TopKSoftmaxRouterTest, ForwardAndBackwardMatchTheReference) {
     std::vector<int32_t> want_idx;
     const std::vector<double> want = RefTopKSoftmax(
         dm, ToDouble(x), ToDouble(w), ToDouble(b), nullptr, &want_idx);
+    // 7-term logits of size <= 13: within 7 u 13 = 5e-6 on any kernel.
+    const std::vector<double> bd = ToDouble(b);
+    ASSERT_GT(TopKMargin(dm, ToDouble(x), ToDouble(w), &bd), 1e-4);
     EXPECT_EQ(idx, want_idx);
     // Logits are sums of D + 1 = 7 terms of size <= 2 (a few ulp of 10),
     // the softmax adds a few ulp more: 1e-6 absolute on weights <= 1.

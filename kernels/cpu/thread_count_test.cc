@@ -1,6 +1,7 @@
 // The kernels that spread work over the compute pool give the same bits at
-// every thread count (compute_pool.h's fixed chunks; Sgemm's split along M
-// or N), so a worker's results do not depend on how many cores it has.
+// every thread count (compute_pool.h's fixed chunks; Sgemm's pieces, set by
+// the shape alone), so a worker's results do not depend on how many cores it
+// has.
 
 #include <cstdint>
 #include <cstring>
