@@ -1,5 +1,5 @@
-// kernels::Sgemm (pieces by rows of C, their size set by the shape alone, so
-// the bits do not depend on the thread count) against one unsplit
+// kernels::Sgemm (pieces by rows or columns of C, their size set by the
+// shape alone, so the bits do not depend on the thread count) against one unsplit
 // one-thread cblas_sgemm call of the same product, in the same run: what the
 // fixed pieces cost on one thread, and what they gain on several.
 //
@@ -67,6 +67,7 @@ int Main(int argc, char** argv) {
       {1024, 1024, 1024, CblasTrans, "square 1k"},
       {4096, 4096, 1024, CblasTrans, "wide"},
       {2048, 2048, 2048, CblasNoTrans, "square 2k"},
+      {128, 32000, 512, CblasTrans, "LM head block"},
   };
   std::printf("Sgemm vs one unsplit one-thread cblas_sgemm, %d threads, "
               "min of %d\n",
@@ -107,10 +108,12 @@ int Main(int argc, char** argv) {
       many = std::min(many, t_many);
     }
     const double gf = 2.0 * s.m * s.n * s.k / 1e9;
-    const int64_t rows = kernels::SgemmPieceRows(s.m, s.n, s.k);
+    const kernels::SgemmPieces p = kernels::SgemmPiecesFor(s.m, s.n, s.k);
+    const int64_t pieces = ((s.m + p.rows - 1) / p.rows) *
+                           ((s.n + p.cols - 1) / p.cols);
     std::printf("%-16s %6d %6d %6d %7lld %10.1f %10.1f %10.1f %8.2f %8.2f\n",
                 s.what, s.m, s.n, s.k,
-                static_cast<long long>((s.m + rows - 1) / rows), gf / call,
+                static_cast<long long>(pieces), gf / call,
                 gf / one, gf / many, call / one, one / many);
   }
   return 0;

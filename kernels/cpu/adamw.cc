@@ -13,39 +13,30 @@ namespace shardd {
 namespace kernels {
 namespace {
 
-absl::Status CheckRange(const char* name, double value, double lo,
-                        bool lo_inclusive, double hi, bool hi_inclusive) {
+absl::Status CheckRange(const char* op, const char* name, double value,
+                        double lo, bool lo_inclusive, double hi,
+                        bool hi_inclusive) {
   const bool ok = std::isfinite(value) &&
                   (lo_inclusive ? value >= lo : value > lo) &&
                   (hi_inclusive ? value <= hi : value < hi);
   if (ok) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
-      "adamw: ", name, " must be finite and in ", lo_inclusive ? "[" : "(", lo,
+      op, ": ", name, " must be finite and in ", lo_inclusive ? "[" : "(", lo,
       ", ", hi, hi_inclusive ? "]" : ")", ", got ", value));
 }
 
-// The per-element update's fp32 constants.
-struct StepScalars {
-  float decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size,
-      bc2_sqrt, eps;
-};
-
-// The update of n elements, in PyTorch's order of operations. Cloned per
-// SIMD level below; IEEE sqrt and division and no FMA contraction keep every
-// clone's bits the same.
-SHARDD_ALWAYS_INLINE void StepBody(const StepScalars& c,
+// The update of n elements (AdamWElement). Cloned per SIMD level below;
+// IEEE sqrt and division and no FMA contraction keep every clone's bits the
+// same.
+SHARDD_ALWAYS_INLINE void StepBody(const AdamWScalars& c,
                                    float* __restrict param,
                                    const float* __restrict grad,
                                    float* __restrict exp_avg,
                                    float* __restrict exp_avg_sq, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const float g = grad[i];
-    float p = param[i] * c.decay;
-    const float m = c.beta1 * exp_avg[i] + c.one_minus_beta1 * g;
-    const float v = c.beta2 * exp_avg_sq[i] + c.one_minus_beta2 * g * g;
-    const float denom = std::sqrt(v) / c.bc2_sqrt + c.eps;
-    p -= c.step_size * (m / denom);
+    float p = param[i], m = exp_avg[i], v = exp_avg_sq[i];
+    AdamWElement(p, grad[i], m, v, c);
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
     param[i] = p;
@@ -53,7 +44,7 @@ SHARDD_ALWAYS_INLINE void StepBody(const StepScalars& c,
 }
 
 #define SHARDD_ADAMW_AT(suffix, attr)                                          \
-  attr void Step##suffix(const StepScalars& c, float* param,                   \
+  attr void Step##suffix(const AdamWScalars& c, float* param,                  \
                          const float* grad, float* exp_avg, float* exp_avg_sq, \
                          int64_t n) {                                          \
     StepBody(c, param, grad, exp_avg, exp_avg_sq, n);                          \
@@ -65,6 +56,38 @@ SHARDD_ADAMW_AT(V4, SHARDD_TARGET_X86_64_V4)
 
 }  // namespace
 
+absl::StatusOr<AdamWScalars> AdamWScalarsFor(const AdamWConfig& config,
+                                             int64_t step, const char* op) {
+  if (step < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": step must be >= 1 (1-based), got ", step));
+  }
+  const double inf = HUGE_VAL;
+  SHARDD_RETURN_IF_ERROR(
+      CheckRange(op, "lr", config.lr, 0, true, inf, false));
+  SHARDD_RETURN_IF_ERROR(
+      CheckRange(op, "beta1", config.beta1, 0, true, 1, false));
+  SHARDD_RETURN_IF_ERROR(
+      CheckRange(op, "beta2", config.beta2, 0, true, 1, false));
+  SHARDD_RETURN_IF_ERROR(
+      CheckRange(op, "eps", config.eps, 0, true, inf, false));
+  SHARDD_RETURN_IF_ERROR(CheckRange(op, "weight_decay", config.weight_decay, 0,
+                                    true, inf, false));
+  const double t = static_cast<double>(step);
+  const double bias_correction1 = 1.0 - std::pow(config.beta1, t);
+  const double bias_correction2 = 1.0 - std::pow(config.beta2, t);
+  AdamWScalars s;
+  s.decay = static_cast<float>(1.0 - config.lr * config.weight_decay);
+  s.beta1 = static_cast<float>(config.beta1);
+  s.one_minus_beta1 = static_cast<float>(1.0 - config.beta1);
+  s.beta2 = static_cast<float>(config.beta2);
+  s.one_minus_beta2 = static_cast<float>(1.0 - config.beta2);
+  s.step_size = static_cast<float>(config.lr / bias_correction1);
+  s.bc2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  s.eps = static_cast<float>(config.eps);
+  return s;
+}
+
 absl::Status AdamWStep(float* param, const float* grad, float* exp_avg,
                        float* exp_avg_sq, int64_t n, int64_t step,
                        const AdamWConfig& config) {
@@ -72,37 +95,14 @@ absl::Status AdamWStep(float* param, const float* grad, float* exp_avg,
     return absl::InvalidArgumentError(
         absl::StrCat("adamw: n must be >= 0, got ", n));
   }
-  if (step < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("adamw: step must be >= 1 (1-based), got ", step));
-  }
-  const double inf = HUGE_VAL;
-  SHARDD_RETURN_IF_ERROR(CheckRange("lr", config.lr, 0, true, inf, false));
-  SHARDD_RETURN_IF_ERROR(CheckRange("beta1", config.beta1, 0, true, 1, false));
-  SHARDD_RETURN_IF_ERROR(CheckRange("beta2", config.beta2, 0, true, 1, false));
-  SHARDD_RETURN_IF_ERROR(CheckRange("eps", config.eps, 0, true, inf, false));
-  SHARDD_RETURN_IF_ERROR(
-      CheckRange("weight_decay", config.weight_decay, 0, true, inf, false));
+  SHARDD_ASSIGN_OR_RETURN(const AdamWScalars c,
+                          AdamWScalarsFor(config, step, "adamw"));
   if (n > 0 && (param == nullptr || grad == nullptr || exp_avg == nullptr ||
                 exp_avg_sq == nullptr)) {
     return absl::InvalidArgumentError(
         "adamw: param, grad, exp_avg and exp_avg_sq must be non-null");
   }
-
-  const double t = static_cast<double>(step);
-  const double bias_correction1 = 1.0 - std::pow(config.beta1, t);
-  const double bias_correction2 = 1.0 - std::pow(config.beta2, t);
-  const float decay = static_cast<float>(1.0 - config.lr * config.weight_decay);
-  const float beta1 = static_cast<float>(config.beta1);
-  const float one_minus_beta1 = static_cast<float>(1.0 - config.beta1);
-  const float beta2 = static_cast<float>(config.beta2);
-  const float one_minus_beta2 = static_cast<float>(1.0 - config.beta2);
-  const float step_size = static_cast<float>(config.lr / bias_correction1);
-  const float bc2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
-  const float eps = static_cast<float>(config.eps);
   SHARDD_ASSIGN_OR_RETURN(const SimdLevel level, ActiveSimdLevel());
-  const StepScalars c{decay,           beta1,     one_minus_beta1, beta2,
-                      one_minus_beta2, step_size, bc2_sqrt,        eps};
   ParallelFor(n, kElementGrain, [&](int64_t begin, int64_t end) {
     const int64_t len = end - begin;
     float* p = param + begin;

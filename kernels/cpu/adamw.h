@@ -10,6 +10,8 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/cpu/adamw_element.h"
 
 namespace shardd {
 namespace kernels {
@@ -39,6 +41,14 @@ struct AdamWConfig {
 absl::Status AdamWStep(float* param, const float* grad, float* exp_avg,
                        float* exp_avg_sq, int64_t n, int64_t step,
                        const AdamWConfig& config);
+
+// The per-element constants of step t (AdamWElement, adamw_element.h): the
+// bias corrections and step size in double as Python computes them, then
+// fp32. The CPU and CUDA kernels both take them from here. Errors:
+// INVALID_ARGUMENT, prefixed with `op`, for step < 1 or a hyper-parameter
+// out of the ranges above or not finite.
+absl::StatusOr<AdamWScalars> AdamWScalarsFor(const AdamWConfig& config,
+                                             int64_t step, const char* op);
 
 // sum_i x[i]^2, accumulated in double in index order (deterministic). The
 // global gradient norm is sqrt of the all-reduced (summed) local values.

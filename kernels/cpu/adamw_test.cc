@@ -91,6 +91,53 @@ TEST(AdamWTest, EverySimdLevelGivesTheSameBits) {
               compared, SimdLevelName(supported));
 }
 
+// The per-element function the CUDA kernel shares (adamw_element.h),
+// called one element at a time here, is the CPU kernel bit for bit at every
+// SIMD level, so the device's arithmetic is this arithmetic.
+TEST(AdamWTest, TheSharedElementFunctionIsTheKernel) {
+  const int64_t n = 517;
+  std::mt19937 rng(41);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  std::vector<float> p0(n), g(n), m0(n), v0(n);
+  for (int64_t i = 0; i < n; ++i) {
+    p0[i] = unit(rng);
+    g[i] = unit(rng) * std::ldexp(1.0f, static_cast<int>(i % 30) - 24);
+    m0[i] = 0.1f * unit(rng);
+    v0[i] = 0.01f * std::abs(unit(rng));
+  }
+  AdamWConfig cfg;
+  cfg.lr = 3e-3;
+  cfg.weight_decay = 0.05;
+  const int64_t step = 4;
+  absl::StatusOr<AdamWScalars> s = AdamWScalarsFor(cfg, step, "test");
+  SHARDD_ASSERT_OK(s.status());
+  std::vector<float> p = p0, m = m0, v = v0;
+  for (int64_t i = 0; i < n; ++i) AdamWElement(p[i], g[i], m[i], v[i], *s);
+  const SimdLevel supported = SupportedSimdLevel();
+  for (SimdLevel level :
+       {SimdLevel::kBaseline, SimdLevel::kX86_64_V3, SimdLevel::kX86_64_V4}) {
+    if (level > supported) continue;
+    SCOPED_TRACE(SimdLevelName(level));
+    SHARDD_ASSERT_OK(OverrideSimdLevel(level));
+    std::vector<float> kp = p0, km = m0, kv = v0;
+    SHARDD_ASSERT_OK(
+        AdamWStep(kp.data(), g.data(), km.data(), kv.data(), n, step, cfg));
+    EXPECT_EQ(kp, p);
+    EXPECT_EQ(km, m);
+    EXPECT_EQ(kv, v);
+  }
+  SHARDD_ASSERT_OK(OverrideSimdLevel(supported));
+  // The scalars' checks name the caller.
+  cfg.beta2 = 1.0;
+  EXPECT_THAT(AdamWScalarsFor(cfg, 1, "cuda AdamWStep").status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("cuda AdamWStep: beta2 must be finite")));
+  cfg.beta2 = 0.999;
+  EXPECT_THAT(AdamWScalarsFor(cfg, 0, "op").status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("op: step must be >= 1")));
+}
+
 // Textbook AdamW in double precision.
 void RefStep(std::vector<double>* p, const std::vector<double>& g,
              std::vector<double>* m, std::vector<double>* v, int64_t t,

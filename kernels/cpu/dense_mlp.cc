@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/gate_element.h"
 #include "kernels/cpu/gemm.h"
 
 namespace shardd {
@@ -14,31 +15,15 @@ namespace {
 
 constexpr int64_t kMaxBlasInt = std::numeric_limits<int>::max();
 
-// sqrt(2 / pi), the GELU tanh-approximation constant.
-constexpr float kGeluK = 0.7978845608028654f;
-constexpr float kGeluC = 0.044715f;
-
-float Sigmoid(float g) {
-  // Two branches keep exp() from overflowing for large |g|.
-  if (g >= 0.0f) return 1.0f / (1.0f + std::exp(-g));
-  const float e = std::exp(g);
-  return e / (1.0f + e);
-}
-
-// act(g) and act'(g).
-void Activate(GatedActivation activation, float g, float* act, float* dact) {
+// Calls fn(gate) with the gate object of `activation` (gate_element.h); the
+// dense MLP is the grouped experts' activation with routing weight 1, which
+// gives the same bits as leaving the weight out.
+template <typename Fn>
+void WithGate(GatedActivation activation, Fn&& fn) {
   if (activation == GatedActivation::kSwiGLU) {
-    const float s = Sigmoid(g);
-    *act = g * s;
-    if (dact) *dact = s * (1.0f + g * (1.0f - s));
+    fn(ProductGate<SiluGate>{});
   } else {
-    const float inner = kGeluK * (g + kGeluC * g * g * g);
-    const float t = std::tanh(inner);
-    *act = 0.5f * g * (1.0f + t);
-    if (dact) {
-      *dact = 0.5f * (1.0f + t) + 0.5f * g * (1.0f - t * t) * kGeluK *
-                                      (1.0f + 3.0f * kGeluC * g * g);
-    }
+    fn(ProductGate<GeluTanhGate>{});
   }
 }
 
@@ -107,11 +92,9 @@ absl::Status DenseMlpForward(const DenseMlpDims& dims,
                 gate_proj, D, 0.0f, g, I);
     Sgemm(CblasNoTrans, CblasTrans, T, I, D, 1.0f, x, D,
                 up_proj, D, 0.0f, u, I);
-    for (int64_t i = 0; i < t * in; ++i) {
-      float act;
-      Activate(activation, g[i], &act, nullptr);
-      a[i] = act * u[i];
-    }
+    WithGate(activation, [&](const auto& gate) {
+      for (int64_t i = 0; i < t * in; ++i) a[i] = gate.Forward(g[i], u[i], 1.0f);
+    });
     Sgemm(CblasNoTrans, CblasTrans, T, D, I, 1.0f, a, I,
                 down_proj, I, accumulate_y ? 1.0f : 0.0f, y, D);
   }
@@ -173,13 +156,12 @@ absl::Status DenseMlpBackward(const DenseMlpDims& dims,
   // dA = dy @ down_proj   [T, I]
   Sgemm(CblasNoTrans, CblasNoTrans, T, I, D, 1.0f, dy, D,
               down_proj, I, 0.0f, du, I);
-  for (int64_t i = 0; i < t * in; ++i) {
-    float act, dact;
-    Activate(activation, g[i], &act, &dact);
-    const float da = du[i];
-    dg[i] = da * u[i] * dact;
-    du[i] = da * act;
-  }
+  WithGate(activation, [&](const auto& gate) {
+    for (int64_t i = 0; i < t * in; ++i) {
+      float w_term;  // no routing weight here
+      gate.Backward(g[i], u[i], du[i], 1.0f, &w_term, &dg[i], &du[i]);
+    }
+  });
   // dW_gate += dG^T @ x, dW_up += dU^T @ x   [I, D]
   if (d_gate_proj != nullptr) {
     Sgemm(CblasTrans, CblasNoTrans, I, D, T, 1.0f, dg, I,

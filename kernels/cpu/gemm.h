@@ -5,9 +5,9 @@
 //   C [M, N] = alpha * op(A) @ op(B) + beta * C
 // with cblas_sgemm's arguments (minus the order, always row-major).
 //
-// Large products are cut by rows of C into pieces whose size is a function
-// of the shape alone (SgemmPieceRows), each piece one one-thread OpenBLAS
-// call, and the pieces are spread over the compute pool (compute_pool.h).
+// Large products are cut by rows (or, for few rows, columns) of C into
+// pieces whose size is a function of the shape alone (SgemmPiecesFor), each
+// piece one one-thread OpenBLAS call, and the pieces are spread over the compute pool (compute_pool.h).
 // The calls are therefore the same at every thread count, so the result has
 // the same bits whatever the pool's size, on any BLAS that is deterministic
 // per call, whatever blocking, micro-kernel or small-matrix path it picks
@@ -26,11 +26,17 @@ void Sgemm(CBLAS_TRANSPOSE trans_a, CBLAS_TRANSPOSE trans_b, int m, int n,
            int k, float alpha, const float* a, int lda, const float* b,
            int ldb, float beta, float* c, int ldc);
 
-// Rows of C per piece for an [m, n] x k product: m (one call) for products
-// too small to be worth splitting, else a multiple of 16 rows that gives
-// each piece enough work to amortize the call and its packing of op(B).
-// Depends on m, n and k only, never on the thread count.
-int64_t SgemmPieceRows(int64_t m, int64_t n, int64_t k);
+// How Sgemm cuts an [m, n] x k product: into pieces of `rows` rows of C
+// (cols == n), or, where m is too small for two pieces, of `cols` columns
+// (rows == m); rows == m and cols == n is one call. Pieces are multiples of
+// 16 (all but the last), with at least 128 rows or columns (256 where the
+// operand each call packs again is 4 MiB or more) and 2^20 multiply-adds.
+// A function of m, n and k only, never of the thread count.
+struct SgemmPieces {
+  int64_t rows;
+  int64_t cols;
+};
+SgemmPieces SgemmPiecesFor(int64_t m, int64_t n, int64_t k);
 
 namespace internal {
 

@@ -1,9 +1,11 @@
 #include "kernels/cpu/gemm.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -56,6 +58,9 @@ TEST_P(SgemmTest, MatchesTheProductAtEveryTransposeAndSplit) {
       {610, 37, 120, CblasNoTrans, CblasTrans},
       {610, 37, 120, CblasTrans, CblasTrans},
       {1100, 129, 64, CblasNoTrans, CblasTrans},
+      // Few rows, many columns (an LM head's block): cut by columns.
+      {128, 1500, 40, CblasNoTrans, CblasTrans},
+      {100, 1300, 48, CblasTrans, CblasNoTrans},
       {5, 6, 7, CblasNoTrans, CblasNoTrans},
   };
   for (const Shape& s : shapes) {
@@ -137,6 +142,8 @@ TEST(SgemmPiecesTest, SameBitsAtEveryThreadCountOnASizeDependentBlas) {
       {610, 37, 120, CblasTrans, CblasTrans},
       {1100, 129, 64, CblasNoTrans, CblasTrans},
       {1500, 33, 200, CblasTrans, CblasNoTrans},
+      {128, 1500, 40, CblasNoTrans, CblasTrans},
+      {100, 1300, 48, CblasTrans, CblasNoTrans},
   };
   for (const Shape& s : shapes) {
     const int rows_a = s.ta == CblasNoTrans ? s.m : s.k;
@@ -167,43 +174,65 @@ TEST(SgemmPiecesTest, SameBitsAtEveryThreadCountOnASizeDependentBlas) {
     std::vector<float> whole = c0;
     SizeDependentSgemm(s.ta, s.tb, s.m, s.n, s.k, alpha, a.data(), lda,
                        b.data(), ldb, beta, whole.data(), ldc);
-    ASSERT_LT(SgemmPieceRows(s.m, s.n, s.k), s.m) << s.m << "x" << s.n;
+    const SgemmPieces pieces = SgemmPiecesFor(s.m, s.n, s.k);
+    ASSERT_TRUE(pieces.rows < s.m || pieces.cols < s.n)
+        << s.m << "x" << s.n << "x" << s.k;
     EXPECT_NE(whole, serial) << s.m << "x" << s.n << "x" << s.k;
   }
   ASSERT_TRUE(SetComputeThreads(1).ok());
 }
 
-TEST(SgemmPiecesTest, PieceRowsFollowTheShapeAlone) {
-  // Too small to split: one piece of every row.
-  EXPECT_EQ(SgemmPieceRows(5, 6, 7), 5);
-  EXPECT_EQ(SgemmPieceRows(300, 40, 96), 300);
-  EXPECT_EQ(SgemmPieceRows(255, 8, 8), 255);
-  EXPECT_EQ(SgemmPieceRows(0, 8, 8), 1);
-  for (int64_t m : {300, 1000, 4096, 100000}) {
-    for (int64_t nk : {int64_t{3840}, int64_t{4096}, int64_t{1} << 16,
-                       int64_t{1} << 22}) {
-      const int64_t rows = SgemmPieceRows(m, nk, 1);
-      ASSERT_GE(rows, 1);
-      if (rows == m) {
-        // One call only where two pieces' worth is not there.
-        EXPECT_TRUE(m < 256 || m * nk < (int64_t{1} << 21) ||
-                    (nk >= (int64_t{1} << 20) && m < 512))
-            << m << " " << nk;
-        continue;
+TEST(SgemmPiecesTest, PiecesFollowTheShapeAlone) {
+  // Too small to cut: one call.
+  for (const auto& [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{5, 6, 7},
+                                {300, 40, 96},
+                                {255, 8, 8},
+                                {0, 8, 8},
+                                {8, 0, 8},
+                                {128, 200, 512}}) {
+    const SgemmPieces p = SgemmPiecesFor(m, n, k);
+    EXPECT_EQ(p.rows, std::max<int64_t>(m, 1)) << m << "x" << n << "x" << k;
+    EXPECT_EQ(p.cols, std::max<int64_t>(n, 1)) << m << "x" << n << "x" << k;
+  }
+  for (int64_t m : {64, 128, 300, 1000, 4096, 100000}) {
+    for (int64_t n : {40, 512, 4096, 32000}) {
+      for (int64_t k : {64, 512, 4096}) {
+        SCOPED_TRACE(::testing::Message() << m << "x" << n << "x" << k);
+        const SgemmPieces p = SgemmPiecesFor(m, n, k);
+        ASSERT_GE(p.rows, 1);
+        ASSERT_GE(p.cols, 1);
+        // One dimension is cut at most; rows first.
+        ASSERT_TRUE(p.rows == m || p.cols == n);
+        const bool by_rows = p.rows < m, by_cols = p.cols < n;
+        if (by_cols) EXPECT_EQ(p.rows, m);
+        const int64_t length = by_rows ? p.rows : p.cols;
+        const int64_t other = by_rows ? n * k : m * k;
+        if (!by_rows && !by_cols) {
+          // One call only where neither side has two pieces' worth.
+          for (int64_t extent : {m, n}) {
+            const int64_t across = extent == m ? n * k : m * k;
+            const int64_t min_len =
+                std::max<int64_t>((int64_t{1} << 20) / across + 1,
+                                  across >= (int64_t{1} << 20) ? 256 : 128);
+            EXPECT_LT(extent, 2 * min_len);
+          }
+          continue;
+        }
+        // Whole register blocks, at least 128 (256 where the operand each
+        // call packs is 4 MiB or more) and 2^20 multiply-adds, >= 2 pieces.
+        EXPECT_EQ(length % 16, 0);
+        EXPECT_GE(length, other >= (int64_t{1} << 20) ? 256 : 128);
+        EXPECT_GE(length * other, int64_t{1} << 20);
+        EXPECT_LT(length, by_rows ? m : n);
       }
-      // Whole register blocks, at least 128 rows (256 where op(B) is 4 MiB
-      // or more) and 2^20 multiply-adds, at least two pieces.
-      EXPECT_EQ(rows % 16, 0) << m << " " << nk;
-      EXPECT_GE(rows, nk >= (int64_t{1} << 20) ? 256 : 128) << m << " " << nk;
-      EXPECT_GE(rows * nk, int64_t{1} << 20) << m << " " << nk;
-      EXPECT_LT(rows, m) << m << " " << nk;
     }
   }
   // The thread count does not enter.
   for (int threads : {1, 2, 3}) {
     ASSERT_TRUE(SetComputeThreads(threads).ok());
-    EXPECT_EQ(SgemmPieceRows(700, 40, 96), 352);
-    EXPECT_EQ(SgemmPieceRows(1100, 129, 64), 144);
+    EXPECT_EQ(SgemmPiecesFor(700, 40, 96).rows, 352);
+    EXPECT_EQ(SgemmPiecesFor(1100, 129, 64).rows, 144);
+    EXPECT_EQ(SgemmPiecesFor(128, 1500, 40).cols, 224);
   }
   ASSERT_TRUE(SetComputeThreads(1).ok());
 }

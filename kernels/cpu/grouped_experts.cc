@@ -14,7 +14,7 @@
 #include "kernels/cpu/compute_pool.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/simd_level.h"
-#include "kernels/cpu/vec_exp.h"
+#include "kernels/cpu/gate_element.h"
 
 namespace shardd {
 namespace kernels {
@@ -80,45 +80,10 @@ bool SameDims(const ExpertDims& a, const ExpertDims& b) {
 // CPU.)
 // (SHARDD_TARGET_* and SHARDD_ALWAYS_INLINE come from simd_level.h.)
 
-// The gate nonlinearities f(g) and their derivatives f'(g).
-struct Silu {
-  // sigmoid(g), and exactly 0 below -40 where the clamped exp would leave
-  // g * e^-40 instead of the true |silu(g)| < 2e-16.
-  static float Sigmoid(float g) {
-    const float s = 1.0f / (1.0f + VecExp(-g));
-    return g > -40.0f ? s : 0.0f;
-  }
-  static float Value(float g) { return g * Sigmoid(g); }
-  static void ValueAndGrad(float g, float* f, float* df) {
-    const float s = Sigmoid(g);
-    *f = g * s;
-    *df = s * (1.0f + g * (1.0f - s));
-  }
-};
-
-struct GeluTanh {
-  static constexpr float kC = 0.7978845608028654f;  // sqrt(2 / pi)
-  static constexpr float kA = 0.044715f;
-  // tanh(z) = 1 - 2 / (1 + e^(2z)), saturating cleanly at +-1.
-  static float Tanh(float z) { return 1.0f - 2.0f / (1.0f + VecExp(2.0f * z)); }
-  static float Value(float g) {
-    return 0.5f * g * (1.0f + Tanh(kC * (g + kA * g * g * g)));
-  }
-  static void ValueAndGrad(float g, float* f, float* df) {
-    const float th = Tanh(kC * (g + kA * g * g * g));
-    *f = 0.5f * g * (1.0f + th);
-    // Past |g| = 10, th is exactly +-1 and the second term 0; clamping g
-    // there keeps inf * 0 out of it for huge g.
-    float gc = g > -10.0f ? g : -10.0f;
-    gc = gc < 10.0f ? gc : 10.0f;
-    *df = 0.5f * (1.0f + th) +
-          0.5f * gc * (1.0f - th * th) * kC * (1.0f + 3.0f * kA * gc * gc);
-  }
-};
-
-// a[r, i] = f(h[r, i]) * h[r, I + i] * w[r] for n rows.
-template <typename Act>
-SHARDD_ALWAYS_INLINE void ActivationForwardBody(const float* h, const float* w,
+// a[r, i] = gate(h[r, i], h[r, I + i], w[r]) for n rows (gate_element.h).
+template <typename Gate>
+SHARDD_ALWAYS_INLINE void ActivationForwardBody(const Gate& gate,
+                                                const float* h, const float* w,
                                                 int64_t n, int64_t inter,
                                                 float* a) {
   for (int64_t r = 0; r < n; ++r) {
@@ -127,13 +92,14 @@ SHARDD_ALWAYS_INLINE void ActivationForwardBody(const float* h, const float* w,
     float* __restrict out = a + r * inter;
     const float wr = w[r];
 #pragma omp simd
-    for (int64_t i = 0; i < inter; ++i) out[i] = Act::Value(g[i]) * u[i] * wr;
+    for (int64_t i = 0; i < inter; ++i) out[i] = gate.Forward(g[i], u[i], wr);
   }
 }
 
 // From da = dL/da [n, I]: dh = dL/dh [n, 2I] and dw[r] = dL/dw[r].
-template <typename Act>
-SHARDD_ALWAYS_INLINE void ActivationBackwardBody(const float* h, const float* w,
+template <typename Gate>
+SHARDD_ALWAYS_INLINE void ActivationBackwardBody(const Gate& gate,
+                                                 const float* h, const float* w,
                                                  const float* da, int64_t n,
                                                  int64_t inter, float* dh,
                                                  float* dw) {
@@ -153,12 +119,11 @@ SHARDD_ALWAYS_INLINE void ActivationBackwardBody(const float* h, const float* w,
 #pragma omp simd
       for (int64_t l = 0; l < lanes; ++l) {
         const int64_t i = base + l;
-        float f, df;
-        Act::ValueAndGrad(g[i], &f, &df);
-        acc[l] += dar[i] * f * u[i];
-        const float daw = dar[i] * wr;
-        dg[i] = daw * u[i] * df;
-        du[i] = daw * f;
+        float w_term, dgi, dui;
+        gate.Backward(g[i], u[i], dar[i], wr, &w_term, &dgi, &dui);
+        acc[l] += w_term;
+        dg[i] = dgi;
+        du[i] = dui;
       }
     }
     float sum = 0.0f;
@@ -169,100 +134,63 @@ SHARDD_ALWAYS_INLINE void ActivationBackwardBody(const float* h, const float* w,
 
 // One wrapper per level around each body, and the dispatch between them.
 #define SHARDD_ACTIVATION_AT(suffix, attr)                                    \
-  template <typename Act>                                                     \
-  attr void ActivationForward##suffix(const float* h, const float* w,         \
-                                      int64_t n, int64_t inter, float* a) {   \
-    ActivationForwardBody<Act>(h, w, n, inter, a);                            \
+  template <typename Gate>                                                    \
+  attr void ActivationForward##suffix(const Gate& gate, const float* h,       \
+                                      const float* w, int64_t n,              \
+                                      int64_t inter, float* a) {              \
+    ActivationForwardBody(gate, h, w, n, inter, a);                           \
   }                                                                           \
-  template <typename Act>                                                     \
-  attr void ActivationBackward##suffix(const float* h, const float* w,        \
-                                       const float* da, int64_t n,            \
-                                       int64_t inter, float* dh, float* dw) { \
-    ActivationBackwardBody<Act>(h, w, da, n, inter, dh, dw);                  \
+  template <typename Gate>                                                    \
+  attr void ActivationBackward##suffix(                                       \
+      const Gate& gate, const float* h, const float* w, const float* da,      \
+      int64_t n, int64_t inter, float* dh, float* dw) {                       \
+    ActivationBackwardBody(gate, h, w, da, n, inter, dh, dw);                 \
   }
 SHARDD_ACTIVATION_AT(Baseline, )
 SHARDD_ACTIVATION_AT(V3, SHARDD_TARGET_X86_64_V3)
 SHARDD_ACTIVATION_AT(V4, SHARDD_TARGET_X86_64_V4)
 #undef SHARDD_ACTIVATION_AT
 
-template <typename Act>
-void ActivationForward(SimdLevel level, const float* h, const float* w,
-                       int64_t n, int64_t inter, float* a) {
+template <typename Gate>
+void ActivationForward(SimdLevel level, const Gate& gate, const float* h,
+                       const float* w, int64_t n, int64_t inter, float* a) {
   switch (level) {
     case SimdLevel::kX86_64_V4:
-      return ActivationForwardV4<Act>(h, w, n, inter, a);
+      return ActivationForwardV4(gate, h, w, n, inter, a);
     case SimdLevel::kX86_64_V3:
-      return ActivationForwardV3<Act>(h, w, n, inter, a);
+      return ActivationForwardV3(gate, h, w, n, inter, a);
     case SimdLevel::kBaseline:
       break;
   }
-  ActivationForwardBaseline<Act>(h, w, n, inter, a);
+  ActivationForwardBaseline(gate, h, w, n, inter, a);
 }
 
-template <typename Act>
-void ActivationBackward(SimdLevel level, const float* h, const float* w,
-                        const float* da, int64_t n, int64_t inter, float* dh,
-                        float* dw) {
+template <typename Gate>
+void ActivationBackward(SimdLevel level, const Gate& gate, const float* h,
+                        const float* w, const float* da, int64_t n,
+                        int64_t inter, float* dh, float* dw) {
   switch (level) {
     case SimdLevel::kX86_64_V4:
-      return ActivationBackwardV4<Act>(h, w, da, n, inter, dh, dw);
+      return ActivationBackwardV4(gate, h, w, da, n, inter, dh, dw);
     case SimdLevel::kX86_64_V3:
-      return ActivationBackwardV3<Act>(h, w, da, n, inter, dh, dw);
+      return ActivationBackwardV3(gate, h, w, da, n, inter, dh, dw);
     case SimdLevel::kBaseline:
       break;
   }
-  ActivationBackwardBaseline<Act>(h, w, da, n, inter, dh, dw);
+  ActivationBackwardBaseline(gate, h, w, da, n, inter, dh, dw);
 }
 
-// GPT-OSS's clamped SwiGLU. Scalar loops (no per-level clones): it runs
-// on the I columns of the rows once, beside two GEMMs over D.
-struct ClampedGate {
-  float alpha, limit;
-  // g' = min(g, limit) and u' = clamp(u, -limit, limit); NaN stays NaN.
-  float Gate(float g) const { return g > limit ? limit : g; }
-  float Up(float u) const {
-    return u > limit ? limit : (u < -limit ? -limit : u);
-  }
-};
-
-void ClampedForward(const ClampedGate& c, const float* h, const float* w,
-                    int64_t n, int64_t inter, float* a) {
-  for (int64_t r = 0; r < n; ++r) {
-    const float* g = h + r * 2 * inter;
-    const float* u = g + inter;
-    float* out = a + r * inter;
-    for (int64_t i = 0; i < inter; ++i) {
-      const float gc = c.Gate(g[i]);
-      const float glu = gc * Silu::Sigmoid(c.alpha * gc);
-      out[i] = glu * (c.Up(u[i]) + 1.0f) * w[r];
-    }
-  }
-}
-
-void ClampedBackward(const ClampedGate& c, const float* h, const float* w,
-                     const float* da, int64_t n, int64_t inter, float* dh,
-                     float* dw) {
-  for (int64_t r = 0; r < n; ++r) {
-    const float* g = h + r * 2 * inter;
-    const float* u = g + inter;
-    const float* dar = da + r * inter;
-    float* dg = dh + r * 2 * inter;
-    float* du = dg + inter;
-    float acc = 0.0f;
-    for (int64_t i = 0; i < inter; ++i) {
-      const float gc = c.Gate(g[i]);
-      const float uc1 = c.Up(u[i]) + 1.0f;
-      const float s = Silu::Sigmoid(c.alpha * gc);
-      const float glu = gc * s;
-      acc += dar[i] * glu * uc1;
-      const float daw = dar[i] * w[r];
-      // d(g sigmoid(alpha g))/dg = s + alpha g s (1 - s); the clamps pass
-      // gradient inside their range, bounds included (torch.clamp).
-      dg[i] = g[i] <= c.limit ? daw * uc1 * (s + c.alpha * gc * s * (1.0f - s))
-                              : 0.0f;
-      du[i] = u[i] >= -c.limit && u[i] <= c.limit ? daw * glu : 0.0f;
-    }
-    dw[r] = acc;
+// Calls fn(gate) with the gate object of `activation`.
+template <typename Fn>
+void WithGate(GatedActivation activation, const ExpertOptions& options,
+              Fn&& fn) {
+  switch (activation) {
+    case GatedActivation::kSwiGLU:
+      return fn(ProductGate<SiluGate>{});
+    case GatedActivation::kGeGLU:
+      return fn(ProductGate<GeluTanhGate>{});
+    default:
+      return fn(ClampedSwiGluGate{options.alpha, options.limit});
   }
 }
 
@@ -440,13 +368,9 @@ absl::Status GroupedExpertsForward(const ExpertDims& dims,
     }
     // Activated while h is still in cache.
     const float* w = ws->row_weight.data() + begin;
-    if (activation == GatedActivation::kSwiGLU) {
-      ActivationForward<Silu>(level, h, w, rows, inter, a);
-    } else if (activation == GatedActivation::kGeGLU) {
-      ActivationForward<GeluTanh>(level, h, w, rows, inter, a);
-    } else {
-      ClampedForward({options.alpha, options.limit}, h, w, rows, inter, a);
-    }
+    WithGate(activation, options, [&](const auto& gate) {
+      ActivationForward(level, gate, h, w, rows, inter, a);
+    });
     // o[n_e, D] = a[n_e, I] @ W_d[e][I, D] (+ w * b_d[e]).
     float* o = ws->o.data() + begin * d;
     Sgemm(CblasNoTrans, CblasNoTrans, static_cast<int>(rows),
@@ -547,14 +471,9 @@ absl::Status GroupedExpertsBackward(
     const float* w = ws->row_weight.data() + begin;
     float* dwr = ws->row_dweight.data() + begin;
     float* dh = ws->dh.data() + begin * 2 * inter;
-    if (activation == GatedActivation::kSwiGLU) {
-      ActivationBackward<Silu>(level, h, w, da, rows, inter, dh, dwr);
-    } else if (activation == GatedActivation::kGeGLU) {
-      ActivationBackward<GeluTanh>(level, h, w, da, rows, inter, dh, dwr);
-    } else {
-      ClampedBackward({options.alpha, options.limit}, h, w, da, rows, inter, dh,
-                      dwr);
-    }
+    WithGate(activation, options, [&](const auto& gate) {
+      ActivationBackward(level, gate, h, w, da, rows, inter, dh, dwr);
+    });
     if (options.down_bias != nullptr) {
       // o = ... + w * b_d[e]: dw gains dO . b_d[e], db_d[e] the w-weighted
       // sum of dO.

@@ -17,17 +17,6 @@ namespace {
 
 constexpr int64_t kMaxN = std::numeric_limits<int64_t>::max() / 16;
 
-absl::Status CheckHyperParameter(const char* name, double value, double lo,
-                                 double hi, bool hi_inclusive) {
-  // lo is always inclusive, as in the CPU kernel's ranges.
-  const bool ok = std::isfinite(value) && value >= lo &&
-                  (hi_inclusive ? value <= hi : value < hi);
-  if (ok) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrCat("cuda AdamWStep: ", name, " must be finite and in [", lo,
-                   ", ", hi, hi_inclusive ? "]" : ")", ", got ", value));
-}
-
 }  // namespace
 
 absl::Status AdamWStep(float* param, const float* grad, float* exp_avg,
@@ -36,38 +25,14 @@ absl::Status AdamWStep(float* param, const float* grad, float* exp_avg,
                        uint16_t* param_bf16, cudaStream_t stream) {
   constexpr const char* kOp = "cuda AdamWStep";
   SHARDD_RETURN_IF_ERROR(CheckInRange(n, 0, kMaxN, "n", kOp));
-  if (step < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(kOp, ": step must be >= 1 (1-based), got ", step));
-  }
-  const double inf = HUGE_VAL;
-  SHARDD_RETURN_IF_ERROR(CheckHyperParameter("lr", config.lr, 0, inf, false));
-  SHARDD_RETURN_IF_ERROR(
-      CheckHyperParameter("beta1", config.beta1, 0, 1, false));
-  SHARDD_RETURN_IF_ERROR(
-      CheckHyperParameter("beta2", config.beta2, 0, 1, false));
-  SHARDD_RETURN_IF_ERROR(CheckHyperParameter("eps", config.eps, 0, inf, false));
-  SHARDD_RETURN_IF_ERROR(
-      CheckHyperParameter("weight_decay", config.weight_decay, 0, inf, false));
+  // The CPU kernel's checks and scalar arithmetic (double, then fp32).
+  SHARDD_ASSIGN_OR_RETURN(const AdamWScalars s,
+                          AdamWScalarsFor(config, step, kOp));
   if (n == 0) return absl::OkStatus();
   SHARDD_RETURN_IF_ERROR(CheckNotNull(param, "param", kOp));
   SHARDD_RETURN_IF_ERROR(CheckNotNull(grad, "grad", kOp));
   SHARDD_RETURN_IF_ERROR(CheckNotNull(exp_avg, "exp_avg", kOp));
   SHARDD_RETURN_IF_ERROR(CheckNotNull(exp_avg_sq, "exp_avg_sq", kOp));
-
-  // Exactly the CPU kernel's scalar arithmetic (double, then fp32).
-  const double t = static_cast<double>(step);
-  const double bias_correction1 = 1.0 - std::pow(config.beta1, t);
-  const double bias_correction2 = 1.0 - std::pow(config.beta2, t);
-  AdamWScalars s;
-  s.decay = static_cast<float>(1.0 - config.lr * config.weight_decay);
-  s.beta1 = static_cast<float>(config.beta1);
-  s.one_minus_beta1 = static_cast<float>(1.0 - config.beta1);
-  s.beta2 = static_cast<float>(config.beta2);
-  s.one_minus_beta2 = static_cast<float>(1.0 - config.beta2);
-  s.step_size = static_cast<float>(config.lr / bias_correction1);
-  s.bc2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
-  s.eps = static_cast<float>(config.eps);
   SHARDD_CUDA_RETURN_IF_ERROR(LaunchAdamW(param, grad, exp_avg, exp_avg_sq, n,
                                           s, grad_scale, param_bf16, stream),
                               kOp);

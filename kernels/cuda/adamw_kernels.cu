@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/cpu/adamw_element.h"
 #include "kernels/cuda/adamw_kernels.h"
 #include "kernels/cuda/device_math.h"
 
@@ -22,19 +23,6 @@ bool Aligned16(const void* p) {
 int Blocks(int64_t work) {
   return static_cast<int>(std::min<int64_t>(
       std::max<int64_t>((work + kThreads - 1) / kThreads, 1), kMaxBlocks));
-}
-
-// The CPU kernel's expression, one rounding per operation: the _rn
-// intrinsics are never contracted into FMAs, so each result is what the
-// CPU's SSE arithmetic gives.
-__device__ __forceinline__ void AdamWElement(float& p, float g, float& m,
-                                             float& v, const AdamWScalars& s) {
-  p = __fmul_rn(p, s.decay);
-  m = __fadd_rn(__fmul_rn(s.beta1, m), __fmul_rn(s.one_minus_beta1, g));
-  v = __fadd_rn(__fmul_rn(s.beta2, v),
-                __fmul_rn(__fmul_rn(s.one_minus_beta2, g), g));
-  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), s.bc2_sqrt), s.eps);
-  p = __fsub_rn(p, __fmul_rn(s.step_size, __fdiv_rn(m, denom)));
 }
 
 // `vectors` 4-element vectors first (all pointers 16-byte aligned, and

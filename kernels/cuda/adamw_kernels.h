@@ -8,21 +8,11 @@
 
 #include <cstdint>
 
+#include "kernels/cpu/adamw_element.h"
+
 namespace shardd {
 namespace kernels {
 namespace cuda {
-
-// Per-element AdamW constants, computed on the host as the CPU kernel does.
-struct AdamWScalars {
-  float decay;  // 1 - lr * weight_decay
-  float beta1;
-  float one_minus_beta1;
-  float beta2;
-  float one_minus_beta2;
-  float step_size;  // lr / (1 - beta1^t)
-  float bc2_sqrt;   // sqrt(1 - beta2^t)
-  float eps;
-};
 
 // grad_scale (device, may be null) multiplies each gradient as it is read;
 // param_bf16 (may be null) receives the updated parameters rounded to bf16.

@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/cpu/gate_element.h"
 #include "kernels/cuda/dense_mlp_kernels.h"
 #include "kernels/cuda/device_math.h"
 
@@ -12,82 +13,66 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 8192;
 
-// sqrt(2 / pi) and the cubic coefficient of the GELU tanh approximation.
-constexpr float kGeluK = 0.7978845608028654f;
-constexpr float kGeluC = 0.044715f;
-
 int Blocks(int64_t n) {
   return static_cast<int>(
       std::min<int64_t>((n + kThreads - 1) / kThreads, kMaxBlocks));
 }
 
-__device__ __forceinline__ float Sigmoid(float g) {
-  // Two branches keep expf from overflowing for large |g| (as the CPU).
-  if (g >= 0.0f) return 1.0f / (1.0f + expf(-g));
-  const float e = expf(g);
-  return e / (1.0f + e);
-}
-
-// act(g) and, when dact is non-null, act'(g): kernels/cpu/dense_mlp.cc.
-__device__ __forceinline__ void Activate(GateKind kind, float g, float* act,
-                                         float* dact) {
-  if (kind == GateKind::kSilu) {
-    const float s = Sigmoid(g);
-    *act = g * s;
-    if (dact != nullptr) *dact = s * (1.0f + g * (1.0f - s));
-  } else {
-    const float inner = kGeluK * (g + kGeluC * g * g * g);
-    const float t = tanhf(inner);
-    *act = 0.5f * g * (1.0f + t);
-    if (dact != nullptr) {
-      *dact = 0.5f * (1.0f + t) + 0.5f * g * (1.0f - t * t) * kGeluK *
-                                      (1.0f + 3.0f * kGeluC * g * g);
-    }
-  }
-}
-
-template <typename T>
+// a = act(g) u: the grouped experts' activation (kernels/cpu/gate_element.h)
+// with routing weight 1, as kernels/cpu/dense_mlp.cc computes it.
+template <typename Gate, typename T>
 __global__ void __launch_bounds__(kThreads)
-    GatedForwardKernel(GateKind kind, const T* __restrict__ gate,
-                       const T* __restrict__ up, int64_t n, T* __restrict__ a) {
+    GatedForwardKernel(const T* __restrict__ gate, const T* __restrict__ up,
+                       int64_t n, T* __restrict__ a) {
+  const Gate g{};
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
        i < n; i += stride) {
-    float act;
-    Activate(kind, LoadAsFloat(gate + i), &act, nullptr);
-    StoreFromFloat(a + i, act * LoadAsFloat(up + i));
+    StoreFromFloat(
+        a + i, g.Forward(LoadAsFloat(gate + i), LoadAsFloat(up + i), 1.0f));
   }
 }
 
-template <typename T>
+template <typename Gate, typename T>
 __global__ void __launch_bounds__(kThreads)
-    GatedBackwardKernel(GateKind kind, const T* __restrict__ gate,
-                        const T* __restrict__ up, int64_t n,
-                        T* __restrict__ d_up, T* __restrict__ d_gate) {
+    GatedBackwardKernel(const T* __restrict__ gate, const T* __restrict__ up,
+                        int64_t n, T* __restrict__ d_up,
+                        T* __restrict__ d_gate) {
+  const Gate g{};
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
        i < n; i += stride) {
-    float act, dact;
-    Activate(kind, LoadAsFloat(gate + i), &act, &dact);
-    const float da = LoadAsFloat(d_up + i);
-    StoreFromFloat(d_gate + i, da * LoadAsFloat(up + i) * dact);
-    StoreFromFloat(d_up + i, da * act);
+    float w_term, dg, du;  // no routing weight here
+    g.Backward(LoadAsFloat(gate + i), LoadAsFloat(up + i),
+               LoadAsFloat(d_up + i), 1.0f, &w_term, &dg, &du);
+    StoreFromFloat(d_gate + i, dg);
+    StoreFromFloat(d_up + i, du);
   }
 }
 
 template <typename T>
 cudaError_t Forward(GateKind kind, const T* gate, const T* up, int64_t n, T* a,
                     cudaStream_t stream) {
-  GatedForwardKernel<T>
-      <<<Blocks(n), kThreads, 0, stream>>>(kind, gate, up, n, a);
+  if (kind == GateKind::kSilu) {
+    GatedForwardKernel<ProductGate<SiluGate>, T>
+        <<<Blocks(n), kThreads, 0, stream>>>(gate, up, n, a);
+  } else {
+    GatedForwardKernel<ProductGate<GeluTanhGate>, T>
+        <<<Blocks(n), kThreads, 0, stream>>>(gate, up, n, a);
+  }
   return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t Backward(GateKind kind, const T* gate, const T* up, int64_t n,
                      T* d_up, T* d_gate, cudaStream_t stream) {
-  GatedBackwardKernel<T>
-      <<<Blocks(n), kThreads, 0, stream>>>(kind, gate, up, n, d_up, d_gate);
+  if (kind == GateKind::kSilu) {
+    GatedBackwardKernel<ProductGate<SiluGate>, T>
+        <<<Blocks(n), kThreads, 0, stream>>>(gate, up, n, d_up, d_gate);
+  } else {
+    GatedBackwardKernel<ProductGate<GeluTanhGate>, T>
+        <<<Blocks(n), kThreads, 0, stream>>>(gate, up, n, d_up, d_gate);
+  }
   return cudaGetLastError();
 }
 

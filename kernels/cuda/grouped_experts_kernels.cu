@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "kernels/cpu/gate_element.h"
 #include "kernels/cuda/grouped_experts_kernels.h"
 
 namespace shardd {
@@ -58,102 +59,9 @@ struct alignas(sizeof(T) * kVec) Pack {
 template <typename T>
 constexpr int kWideVec = 16 / static_cast<int>(sizeof(T));
 
-// ---------------------------------------------------------------------------
-// Gate nonlinearities, written exactly as kernels/cpu/grouped_experts.cc
-// (exp clamped to [-40, 40], tanh through exp) with the accurate expf.
-
-__device__ __forceinline__ float ClampedExp(float x) {
-  x = x > -40.0f ? x : -40.0f;  // NaN -> -40, as on the CPU
-  x = x < 40.0f ? x : 40.0f;
-  return expf(x);
-}
-
-struct SiluGate {
-  __device__ __forceinline__ static float Sigmoid(float g) {
-    const float s = 1.0f / (1.0f + ClampedExp(-g));
-    return g > -40.0f ? s : 0.0f;
-  }
-  __device__ __forceinline__ static float Value(float g) {
-    return g * Sigmoid(g);
-  }
-  __device__ __forceinline__ static void ValueAndGrad(float g, float* f,
-                                                      float* df) {
-    const float s = Sigmoid(g);
-    *f = g * s;
-    *df = s * (1.0f + g * (1.0f - s));
-  }
-};
-
-struct GeluTanhGate {
-  static constexpr float kC = 0.7978845608028654f;  // sqrt(2 / pi)
-  static constexpr float kA = 0.044715f;
-  __device__ __forceinline__ static float Tanh(float z) {
-    return 1.0f - 2.0f / (1.0f + ClampedExp(2.0f * z));
-  }
-  __device__ __forceinline__ static float Value(float g) {
-    return 0.5f * g * (1.0f + Tanh(kC * (g + kA * g * g * g)));
-  }
-  __device__ __forceinline__ static void ValueAndGrad(float g, float* f,
-                                                      float* df) {
-    const float th = Tanh(kC * (g + kA * g * g * g));
-    *f = 0.5f * g * (1.0f + th);
-    float gc = g > -10.0f ? g : -10.0f;  // keeps inf * 0 out for huge g
-    gc = gc < 10.0f ? gc : 10.0f;
-    *df = 0.5f * (1.0f + th) +
-          0.5f * gc * (1.0f - th * th) * kC * (1.0f + 3.0f * kA * gc * gc);
-  }
-};
-
-// The activation of one (g, u) pair with the routing weight w, as the
-// kernels use it: Forward gives a; Backward gives the routing-weight term
-// da * a / w, dL/dg and dL/du, each in the CPU kernel's order of operations.
-template <typename Act>
-struct ProductGate {  // act(g) * u
-  __device__ __forceinline__ float Forward(float g, float u, float w) const {
-    return Act::Value(g) * u * w;
-  }
-  __device__ __forceinline__ void Backward(float g, float u, float da, float w,
-                                           float* w_term, float* dg,
-                                           float* du) const {
-    float f, df;
-    Act::ValueAndGrad(g, &f, &df);
-    *w_term = da * f * u;
-    const float daw = da * w;
-    *dg = daw * u * df;
-    *du = daw * f;
-  }
-};
-
-// GPT-OSS's clamped SwiGLU (kernels/cpu/grouped_experts.cc ClampedGate).
-struct ClampedSwiGluGate {
-  float alpha, limit;
-  // g' = min(g, limit) and u' = clamp(u, -limit, limit); NaN stays NaN.
-  __device__ __forceinline__ float Gate(float g) const {
-    return g > limit ? limit : g;
-  }
-  __device__ __forceinline__ float Up(float u) const {
-    return u > limit ? limit : (u < -limit ? -limit : u);
-  }
-  __device__ __forceinline__ float Forward(float g, float u, float w) const {
-    const float gc = Gate(g);
-    const float glu = gc * SiluGate::Sigmoid(alpha * gc);
-    return glu * (Up(u) + 1.0f) * w;
-  }
-  __device__ __forceinline__ void Backward(float g, float u, float da, float w,
-                                           float* w_term, float* dg,
-                                           float* du) const {
-    const float gc = Gate(g);
-    const float uc1 = Up(u) + 1.0f;
-    const float s = SiluGate::Sigmoid(alpha * gc);
-    const float glu = gc * s;
-    *w_term = da * glu * uc1;
-    const float daw = da * w;
-    // d(g sigmoid(alpha g))/dg = s + alpha g s (1 - s); the clamps pass
-    // gradient inside their range, bounds included (torch.clamp).
-    *dg = g <= limit ? daw * uc1 * (s + alpha * gc * s * (1.0f - s)) : 0.0f;
-    *du = u >= -limit && u <= limit ? daw * glu : 0.0f;
-  }
-};
+// The gates (SiluGate, GeluTanhGate, ProductGate, ClampedSwiGluGate) are
+// kernels/cpu/gate_element.h: the CPU kernel's arithmetic, operation for
+// operation.
 
 // ---------------------------------------------------------------------------
 // Block-wide helpers (blockDim.x a multiple of 32, at most 1024).

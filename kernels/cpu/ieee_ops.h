@@ -1,0 +1,67 @@
+#ifndef SHARDD_KERNELS_CPU_IEEE_OPS_H_
+#define SHARDD_KERNELS_CPU_IEEE_OPS_H_
+
+// fp32 operations rounded once each, for per-element arithmetic that the
+// CPU kernels and the CUDA kernels share as __host__ __device__ functions
+// (adamw_element.h, ...): on the device the _rn intrinsics, which nvcc never
+// contracts into FMAs; on the host the plain operators, in libraries built
+// with -ffp-contract=off. Either way each result is the correctly rounded
+// IEEE one, so both sides give the same bits. Dependency-free so that nvcc
+// can include it.
+
+#include <cmath>
+
+#ifdef __CUDACC__
+#define SHARDD_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define SHARDD_HOST_DEVICE inline __attribute__((always_inline))
+#endif
+
+namespace shardd {
+namespace kernels {
+
+SHARDD_HOST_DEVICE float RnAdd(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+SHARDD_HOST_DEVICE float RnSub(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
+SHARDD_HOST_DEVICE float RnMul(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+SHARDD_HOST_DEVICE float RnDiv(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+// IEEE sqrt is correctly rounded on both sides.
+SHARDD_HOST_DEVICE float RnSqrt(float a) {
+#ifdef __CUDA_ARCH__
+  return __fsqrt_rn(a);
+#else
+  return std::sqrt(a);
+#endif
+}
+
+}  // namespace kernels
+}  // namespace shardd
+
+#endif  // SHARDD_KERNELS_CPU_IEEE_OPS_H_
