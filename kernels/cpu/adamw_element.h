@@ -28,7 +28,7 @@ struct AdamWScalars {
 //   m = beta1 m + (1 - beta1) g
 //   v = beta2 v + ((1 - beta2) g) g
 //   p = p - step_size (m / (sqrt(v) / bc2_sqrt + eps))
-SHARDD_HOST_DEVICE void AdamWElement(float& p, float g, float& m, float& v,
+SHARDD_HOST_DEVICE_INLINE void AdamWElement(float& p, float g, float& m, float& v,
                                      const AdamWScalars& s) {
   p = RnMul(p, s.decay);
   m = RnAdd(RnMul(s.beta1, m), RnMul(s.one_minus_beta1, g));

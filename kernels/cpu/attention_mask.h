@@ -7,11 +7,8 @@
 
 #include <cstdint>
 
-#ifdef __CUDACC__
-#define SHARDD_HOST_DEVICE __host__ __device__
-#else
-#define SHARDD_HOST_DEVICE
-#endif
+#include "kernels/cpu/host_device.h"
+
 
 namespace shardd {
 namespace kernels {
@@ -102,6 +99,5 @@ SHARDD_HOST_DEVICE inline void MaskQueryRange(const MaskRule& r, int64_t j0,
 }  // namespace kernels
 }  // namespace shardd
 
-#undef SHARDD_HOST_DEVICE
 
 #endif  // SHARDD_KERNELS_CPU_ATTENTION_MASK_H_

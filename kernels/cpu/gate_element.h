@@ -20,15 +20,15 @@ namespace kernels {
 struct SiluGate {
   // sigmoid(g), and exactly 0 below -40 where the clamped exp would leave
   // g e^-40 instead of the true |silu(g)| < 2e-16.
-  SHARDD_HOST_DEVICE static float Sigmoid(float g) {
+  SHARDD_HOST_DEVICE_INLINE static float Sigmoid(float g) {
     const float s = RnDiv(1.0f, RnAdd(1.0f, VecExp(-g)));
     return g > -40.0f ? s : 0.0f;
   }
-  SHARDD_HOST_DEVICE static float Value(float g) {
+  SHARDD_HOST_DEVICE_INLINE static float Value(float g) {
     return RnMul(g, Sigmoid(g));
   }
   // f = g s, f' = s (1 + g (1 - s)).
-  SHARDD_HOST_DEVICE static void ValueAndGrad(float g, float* f, float* df) {
+  SHARDD_HOST_DEVICE_INLINE static void ValueAndGrad(float g, float* f, float* df) {
     const float s = Sigmoid(g);
     *f = RnMul(g, s);
     *df = RnMul(s, RnAdd(1.0f, RnMul(g, RnSub(1.0f, s))));
@@ -40,16 +40,16 @@ struct GeluTanhGate {
   static constexpr float kC = 0.7978845608028654f;  // sqrt(2 / pi)
   static constexpr float kA = 0.044715f;
   // tanh(z) = 1 - 2 / (1 + e^(2z)), saturating cleanly at +-1.
-  SHARDD_HOST_DEVICE static float Tanh(float z) {
+  SHARDD_HOST_DEVICE_INLINE static float Tanh(float z) {
     return RnSub(1.0f, RnDiv(2.0f, RnAdd(1.0f, VecExp(RnMul(2.0f, z)))));
   }
-  SHARDD_HOST_DEVICE static float Inner(float g) {
+  SHARDD_HOST_DEVICE_INLINE static float Inner(float g) {
     return RnMul(kC, RnAdd(g, RnMul(RnMul(RnMul(kA, g), g), g)));
   }
-  SHARDD_HOST_DEVICE static float Value(float g) {
+  SHARDD_HOST_DEVICE_INLINE static float Value(float g) {
     return RnMul(RnMul(0.5f, g), RnAdd(1.0f, Tanh(Inner(g))));
   }
-  SHARDD_HOST_DEVICE static void ValueAndGrad(float g, float* f, float* df) {
+  SHARDD_HOST_DEVICE_INLINE static void ValueAndGrad(float g, float* f, float* df) {
     const float th = Tanh(Inner(g));
     *f = RnMul(RnMul(0.5f, g), RnAdd(1.0f, th));
     // Past |g| = 10, th is exactly +-1 and the second term 0; clamping g
@@ -68,10 +68,10 @@ struct GeluTanhGate {
 // da f u (summed over the row into dL/dw), dL/dg and dL/du.
 template <typename Act>
 struct ProductGate {
-  SHARDD_HOST_DEVICE float Forward(float g, float u, float w) const {
+  SHARDD_HOST_DEVICE_INLINE float Forward(float g, float u, float w) const {
     return RnMul(RnMul(Act::Value(g), u), w);
   }
-  SHARDD_HOST_DEVICE void Backward(float g, float u, float da, float w,
+  SHARDD_HOST_DEVICE_INLINE void Backward(float g, float u, float da, float w,
                                    float* w_term, float* dg, float* du) const {
     float f, df;
     Act::ValueAndGrad(g, &f, &df);
@@ -86,18 +86,18 @@ struct ProductGate {
 // g' = min(g, limit) and u' = clamp(u, -limit, limit); NaN stays NaN.
 struct ClampedSwiGluGate {
   float alpha, limit;
-  SHARDD_HOST_DEVICE float Gate(float g) const {
+  SHARDD_HOST_DEVICE_INLINE float Gate(float g) const {
     return g > limit ? limit : g;
   }
-  SHARDD_HOST_DEVICE float Up(float u) const {
+  SHARDD_HOST_DEVICE_INLINE float Up(float u) const {
     return u > limit ? limit : (u < -limit ? -limit : u);
   }
-  SHARDD_HOST_DEVICE float Forward(float g, float u, float w) const {
+  SHARDD_HOST_DEVICE_INLINE float Forward(float g, float u, float w) const {
     const float gc = Gate(g);
     const float glu = RnMul(gc, SiluGate::Sigmoid(RnMul(alpha, gc)));
     return RnMul(RnMul(glu, RnAdd(Up(u), 1.0f)), w);
   }
-  SHARDD_HOST_DEVICE void Backward(float g, float u, float da, float w,
+  SHARDD_HOST_DEVICE_INLINE void Backward(float g, float u, float da, float w,
                                    float* w_term, float* dg, float* du) const {
     const float gc = Gate(g);
     const float uc1 = RnAdd(Up(u), 1.0f);

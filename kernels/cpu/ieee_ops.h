@@ -11,16 +11,13 @@
 
 #include <cmath>
 
-#ifdef __CUDACC__
-#define SHARDD_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define SHARDD_HOST_DEVICE inline __attribute__((always_inline))
-#endif
+#include "kernels/cpu/host_device.h"
+
 
 namespace shardd {
 namespace kernels {
 
-SHARDD_HOST_DEVICE float RnAdd(float a, float b) {
+SHARDD_HOST_DEVICE_INLINE float RnAdd(float a, float b) {
 #ifdef __CUDA_ARCH__
   return __fadd_rn(a, b);
 #else
@@ -28,7 +25,7 @@ SHARDD_HOST_DEVICE float RnAdd(float a, float b) {
 #endif
 }
 
-SHARDD_HOST_DEVICE float RnSub(float a, float b) {
+SHARDD_HOST_DEVICE_INLINE float RnSub(float a, float b) {
 #ifdef __CUDA_ARCH__
   return __fsub_rn(a, b);
 #else
@@ -36,7 +33,7 @@ SHARDD_HOST_DEVICE float RnSub(float a, float b) {
 #endif
 }
 
-SHARDD_HOST_DEVICE float RnMul(float a, float b) {
+SHARDD_HOST_DEVICE_INLINE float RnMul(float a, float b) {
 #ifdef __CUDA_ARCH__
   return __fmul_rn(a, b);
 #else
@@ -44,7 +41,7 @@ SHARDD_HOST_DEVICE float RnMul(float a, float b) {
 #endif
 }
 
-SHARDD_HOST_DEVICE float RnDiv(float a, float b) {
+SHARDD_HOST_DEVICE_INLINE float RnDiv(float a, float b) {
 #ifdef __CUDA_ARCH__
   return __fdiv_rn(a, b);
 #else
@@ -53,7 +50,7 @@ SHARDD_HOST_DEVICE float RnDiv(float a, float b) {
 }
 
 // IEEE sqrt is correctly rounded on both sides.
-SHARDD_HOST_DEVICE float RnSqrt(float a) {
+SHARDD_HOST_DEVICE_INLINE float RnSqrt(float a) {
 #ifdef __CUDA_ARCH__
   return __fsqrt_rn(a);
 #else

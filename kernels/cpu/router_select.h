@@ -10,11 +10,8 @@
 #include <cmath>
 #include <cstdint>
 
-#ifdef __CUDACC__
-#define SHARDD_ROUTER_HOST_DEVICE __host__ __device__
-#else
-#define SHARDD_ROUTER_HOST_DEVICE
-#endif
+#include "kernels/cpu/host_device.h"
+
 
 namespace shardd {
 namespace kernels {
@@ -28,7 +25,7 @@ enum class RouterScoring {
 // Floor of a renormalisation denominator (HF adds it, Mixtral clamps to it).
 inline constexpr float kRouterMinDenominator = 1e-20f;
 
-SHARDD_ROUTER_HOST_DEVICE inline float RouterExp(float x) {
+SHARDD_HOST_DEVICE inline float RouterExp(float x) {
 #ifdef __CUDA_ARCH__
   return expf(x);
 #else
@@ -37,12 +34,12 @@ SHARDD_ROUTER_HOST_DEVICE inline float RouterExp(float x) {
 }
 
 // sigmoid(x) as DeepSeek-V3's router scores it.
-SHARDD_ROUTER_HOST_DEVICE inline float RouterSigmoid(float x) {
+SHARDD_HOST_DEVICE inline float RouterSigmoid(float x) {
   return 1.0f / (1.0f + RouterExp(-x));
 }
 
 // In-place softmax of one row of n values.
-SHARDD_ROUTER_HOST_DEVICE inline void RouterSoftmaxRow(float* row, int64_t n) {
+SHARDD_HOST_DEVICE inline void RouterSoftmaxRow(float* row, int64_t n) {
   float max_v = row[0];
   for (int64_t e = 1; e < n; ++e) max_v = row[e] > max_v ? row[e] : max_v;
   float sum = 0.0f;
@@ -58,7 +55,7 @@ SHARDD_ROUTER_HOST_DEVICE inline void RouterSoftmaxRow(float* row, int64_t n) {
 // only on a strictly larger value keeps lower indices ahead of equal ones.
 // The first k entries are always taken in, so idx is always k distinct
 // valid indices even when v holds NaN.
-SHARDD_ROUTER_HOST_DEVICE inline void RouterTopKRow(const float* v, int64_t n,
+SHARDD_HOST_DEVICE inline void RouterTopKRow(const float* v, int64_t n,
                                                     int64_t k, int32_t* idx,
                                                     float* val) {
   int64_t count = 0;
@@ -83,7 +80,7 @@ SHARDD_ROUTER_HOST_DEVICE inline void RouterTopKRow(const float* v, int64_t n,
 // the other groups' choices are set to 0 IN PLACE (Hugging Face's
 // masked_fill(..., 0.0), not -inf), and the top_k of the row are written to
 // idx/val. Scratch: group_score [groups], kept_val and kept [top_groups].
-SHARDD_ROUTER_HOST_DEVICE inline void RouterGroupLimitedSelect(
+SHARDD_HOST_DEVICE inline void RouterGroupLimitedSelect(
     float* choice, int64_t experts, int64_t groups, int64_t top_groups,
     int64_t top_k, float* group_score, float* kept_val, int32_t* kept,
     int32_t* idx, float* val) {
@@ -106,7 +103,7 @@ SHARDD_ROUTER_HOST_DEVICE inline void RouterGroupLimitedSelect(
 // kSigmoidGroupLimited's weights from the selected scores [k]: as HF,
 // divide by their sum + 1e-20 (renormalize), then multiply by `scale`.
 // Returns the denominator, or -1 when not renormalised.
-SHARDD_ROUTER_HOST_DEVICE inline float RouterGroupLimitedWeights(
+SHARDD_HOST_DEVICE inline float RouterGroupLimitedWeights(
     const float* selected, int64_t k, bool renormalize, float scale,
     float* weights) {
   float sum = 0.0f;

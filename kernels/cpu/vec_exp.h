@@ -21,7 +21,7 @@ namespace kernels {
 // maps to -40; callers multiply by g, which carries the NaN on. Include it
 // only from libraries built with -ffp-contract=off, so that every SIMD level
 // computes the same bits.
-SHARDD_HOST_DEVICE float VecExp(float x) {
+SHARDD_HOST_DEVICE_INLINE float VecExp(float x) {
   x = x > -40.0f ? x : -40.0f;
   x = x < 40.0f ? x : 40.0f;
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: x + kRound rounds x

@@ -3,8 +3,8 @@
 
 // Device helpers shared by the op kernels (.cu files only; nvcc).
 //
-// bf16 is handled as uint16_t bit patterns with the exact rounding of
-// kernels/cpu/bf16.h (round to nearest even, NaN kept quiet with its sign and
+// bf16 is handled as uint16_t bit patterns rounded by kernels/cpu/bf16.h's
+// own Fp32ToBf16 (round to nearest even, NaN kept quiet with its sign and
 // top payload bits), so a value rounded here equals the CPU's bit for bit.
 // Block reductions use a fixed tree, so results do not depend on scheduling.
 
@@ -12,21 +12,18 @@
 
 #include <cstdint>
 
+#include "kernels/cpu/bf16.h"
+
 namespace shardd {
 namespace kernels {
 namespace cuda {
 
 __device__ __forceinline__ float Bf16BitsToFloat(uint16_t value) {
-  return __uint_as_float(static_cast<uint32_t>(value) << 16);
+  return Bf16ToFp32(value);
 }
 
 __device__ __forceinline__ uint16_t FloatToBf16Bits(float value) {
-  uint32_t bits = __float_as_uint(value);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) {
-    return static_cast<uint16_t>((bits >> 16) | 0x0040u);
-  }
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
+  return Fp32ToBf16(value);
 }
 
 __device__ __forceinline__ float LoadAsFloat(const float* p) { return *p; }

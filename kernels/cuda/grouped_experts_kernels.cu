@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "kernels/cpu/bf16.h"
 #include "kernels/cpu/gate_element.h"
 #include "kernels/cuda/grouped_experts_kernels.h"
 
@@ -46,7 +47,11 @@ __device__ __forceinline__ float FromFloat<float>(float v) {
 }
 template <>
 __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);  // round to nearest even, as kernels/cpu/bf16
+  // kernels/cpu/bf16.h's rounding (nearest even; a NaN keeps its sign and
+  // payload, where __float2bfloat16_rn would make it canonical).
+  __nv_bfloat16_raw raw;
+  raw.x = Fp32ToBf16(v);
+  return __nv_bfloat16(raw);
 }
 
 // kVec elements moved as one (up to 16-byte) load or store.

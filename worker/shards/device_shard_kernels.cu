@@ -1,27 +1,21 @@
 #include "worker/shards/device_shard_kernels.h"
 
+#include "kernels/cpu/bf16.h"
+
 namespace shardd {
 namespace device_kernels {
 namespace {
 
 __device__ __forceinline__ float Load(const void* p, bool bf16, int64_t i) {
   if (bf16) {
-    const uint32_t bits =
-        static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16;
-    return __uint_as_float(bits);
+    return kernels::Bf16ToFp32(static_cast<const uint16_t*>(p)[i]);
   }
   return static_cast<const float*>(p)[i];
 }
 
-// Round to nearest even; NaN stays a quiet NaN with its sign (as
-// kernels/cpu/bf16.h).
+// Round to nearest even; NaN stays a quiet NaN with its sign.
 __device__ __forceinline__ uint16_t ToBf16(float x) {
-  uint32_t bits = __float_as_uint(x);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {
-    return static_cast<uint16_t>((bits >> 16) | 0x0040u);
-  }
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
+  return kernels::Fp32ToBf16(x);
 }
 
 __global__ void AddIntoKernel(const void* src, bool src_bf16, void* dst,
