@@ -89,9 +89,10 @@ echo "portability: core types: ${core_types[*]}"
 echo "portability: SIMD levels: ${simd_levels[*]}"
 
 logs=$(mktemp -d)
-trap 'rm -rf "$logs"' EXIT
-declare -A cell
 failures=0
+# The logs stay where something failed, and the script says where.
+trap 'if ((failures)); then echo "portability: logs in $logs" >&2; else rm -rf "$logs"; fi' EXIT
+declare -A cell
 passes=0
 
 # run_units CORE LEVEL THREADS: every unit test binary under that setting.
@@ -111,11 +112,14 @@ run_units() {
   for target in "${unit_tests[@]}"; do
     name=${target#//}
     bin="bazel-bin/${name/://}"
-    local tmp
+    local tmp runfiles="$PWD/$bin.runfiles"
     tmp=$(mktemp -d)
-    if ! (cd "$tmp" && TEST_TMPDIR="$tmp" OPENBLAS_CORETYPE=$core \
-      OPENBLAS_NUM_THREADS=$threads SHARDD_CPU_ISA=$level \
-      "$OLDPWD/$bin" >>"$log" 2>&1); then
+    # As `bazel test` runs it: in its runfiles tree, where the test data is.
+    if ! (cd "$runfiles/shardd" && TEST_TMPDIR="$tmp" \
+      TEST_SRCDIR="$runfiles" TEST_WORKSPACE=shardd \
+      OPENBLAS_CORETYPE=$core OPENBLAS_NUM_THREADS=$threads \
+      SHARDD_CPU_ISA=$level "$runfiles/../$(basename "$bin")" \
+      >>"$log" 2>&1); then
       echo "portability: FAILED $target (core $core, $level, $threads threads)"
       status=FAIL
     fi

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/compute_pool.h"
+#include "kernels/cpu/rms_norm_element.h"
 
 namespace shardd {
 namespace kernels {
@@ -45,7 +46,7 @@ absl::Status RmsNormForward(const float* x, const float* weight, int64_t rows,
       inv_rms[r] = inv;
       // (x * inv_rms) * weight, in that order, as the HF reference computes
       // it.
-      for (int64_t d = 0; d < dim; ++d) yr[d] = (xr[d] * inv) * weight[d];
+      for (int64_t d = 0; d < dim; ++d) yr[d] = RmsNormOut(xr[d], inv, weight[d]);
     }
   });
   return absl::OkStatus();
@@ -77,14 +78,14 @@ absl::Status RmsNormBackward(const float* dy, const float* x,
       const float inv = inv_rms[r];
       double dot = 0.0;  // sum_k g_k * xhat_k
       for (int64_t d = 0; d < dim; ++d) {
-        const float xhat = xr[d] * inv;
+        const float xhat = RmsNormHat(xr[d], inv);
         dot += double{dyr[d]} * weight[d] * xhat;
         dw_sum[d] += double{dyr[d]} * xhat;
       }
       const float mean_dot = static_cast<float>(dot / dim);
       for (int64_t d = 0; d < dim; ++d) {
-        const float xhat = xr[d] * inv;
-        const float grad = inv * (dyr[d] * weight[d] - xhat * mean_dot);
+        const float grad =
+            RmsNormInputGrad(dyr[d], xr[d], weight[d], inv, mean_dot);
         dxr[d] = accumulate_dx ? dxr[d] + grad : grad;
       }
     }

@@ -10,6 +10,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/grad_check.h"
+#include "kernels/cpu/rms_norm_element.h"
 
 namespace shardd {
 namespace kernels {
@@ -148,6 +149,40 @@ TEST(RmsNormTest, BackwardAccumulationFlags) {
   SHARDD_ASSERT_OK(RmsNormBackward(dy.data(), x.data(), w.data(), inv.data(),
                                    rows, dim, dx3.data(), dw3.data()));
   EXPECT_EQ(dx3, dx1);
+}
+
+// The kernel is the shared per-element functions (rms_norm_element.h), which
+// the CUDA kernel calls too, with its own row reductions (here the CPU's:
+// double sums in column order).
+TEST(RmsNormTest, TheSharedElementFunctionsAreTheKernel) {
+  const int64_t rows = 7, dim = 33;
+  const std::vector<float> x = RandomVector(rows * dim, 21, -3.0f, 3.0f);
+  const std::vector<float> w = RandomVector(dim, 22, 0.5f, 1.5f);
+  const std::vector<float> dy = RandomVector(rows * dim, 23);
+  std::vector<float> y(rows * dim), inv(rows), dx(rows * dim, 0.25f),
+      dw(dim, 0.0f);
+  SHARDD_ASSERT_OK(
+      RmsNormForward(x.data(), w.data(), rows, dim, 1e-6f, y.data(), inv.data()));
+  for (bool accumulate : {false, true}) {
+    std::vector<float> got = dx;
+    SHARDD_ASSERT_OK(RmsNormBackward(dy.data(), x.data(), w.data(), inv.data(),
+                                     rows, dim, got.data(), dw.data(),
+                                     accumulate));
+    for (int64_t r = 0; r < rows; ++r) {
+      double dot = 0.0;
+      for (int64_t d = 0; d < dim; ++d) {
+        const int64_t k = r * dim + d;
+        ASSERT_EQ(y[k], RmsNormOut(x[k], inv[r], w[d])) << k;
+        dot += double{dy[k]} * w[d] * RmsNormHat(x[k], inv[r]);
+      }
+      const float mean_dot = static_cast<float>(dot / dim);
+      for (int64_t d = 0; d < dim; ++d) {
+        const int64_t k = r * dim + d;
+        const float grad = RmsNormInputGrad(dy[k], x[k], w[d], inv[r], mean_dot);
+        ASSERT_EQ(got[k], accumulate ? dx[k] + grad : grad) << k;
+      }
+    }
+  }
 }
 
 TEST(RmsNormTest, InvalidArguments) {

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/compute_pool.h"
+#include "kernels/cpu/rope_element.h"
 
 namespace shardd {
 namespace kernels {
@@ -68,6 +69,7 @@ absl::Status RopeRotate(const RopeTable& table, RopeLayout layout,
   }
   const int64_t half = table.rotary_dim / 2;
   const float sign = inverse ? -1.0f : 1.0f;
+  const bool interleaved = layout == RopeLayout::kInterleaved;
   for (int64_t t = 0; t < shape.tokens; ++t) {
     const int64_t p = positions[t];
     if (p < 0 || p >= table.positions) {
@@ -86,12 +88,9 @@ absl::Status RopeRotate(const RopeTable& table, RopeLayout layout,
         float* head = x + t * shape.token_stride + h * shape.head_stride +
                       shape.dim_offset;
         for (int64_t i = 0; i < half; ++i) {
-          float* a = layout == RopeLayout::kHalf ? head + i : head + 2 * i;
-          float* b =
-              layout == RopeLayout::kHalf ? head + i + half : head + 2 * i + 1;
-          const float x1 = *a, x2 = *b, si = sign * s[i];
-          *a = x1 * c[i] - x2 * si;
-          *b = x2 * c[i] + x1 * si;
+          int64_t first, second;
+          RopePairOffsets(interleaved, i, half, &first, &second);
+          RopeRotatePair(c[i], sign * s[i], head + first, head + second);
         }
       }
     }

@@ -9,6 +9,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/grad_check.h"
+#include "kernels/cpu/rope_element.h"
 #include "kernels/cpu/test_vectors.h"
 
 namespace shardd {
@@ -131,6 +132,40 @@ TEST(RopeTest, InverseUndoesTheRotation) {
                               y.data(), /*inverse=*/true));
   // cos^2 + sin^2 = 1 to fp32 rounding: a few ulps of |x| <= 1.
   for (size_t i = 0; i < x.size(); ++i) EXPECT_NEAR(y[i], x[i], 1e-6) << i;
+}
+
+// The kernel is the shared per-pair functions (rope_element.h), which the
+// CUDA kernel calls too, bit for bit.
+TEST(RopeTest, TheSharedElementFunctionsAreTheKernel) {
+  const std::vector<float> freq = DefaultFrequencies(8, 10000.0);
+  SHARDD_ASSERT_OK_AND_ASSIGN(RopeTable table,
+                              BuildRopeTable(freq, 32, 1.25f));
+  const int64_t tokens = 5, heads = 3, head_dim = 12, offset = 2, half = 4;
+  const std::vector<int32_t> pos = {0, 7, 3, 31, 12};
+  const std::vector<float> x = RandomVector(tokens * heads * head_dim, 11);
+  for (RopeLayout layout : {RopeLayout::kHalf, RopeLayout::kInterleaved}) {
+    for (bool inverse : {false, true}) {
+      std::vector<float> got = x, want = x;
+      RopeShape shape{tokens, heads, heads * head_dim, head_dim, offset};
+      SHARDD_ASSERT_OK(
+          RopeRotate(table, layout, shape, pos.data(), got.data(), inverse));
+      for (int64_t t = 0; t < tokens; ++t) {
+        for (int64_t h = 0; h < heads; ++h) {
+          float* head = want.data() + (t * heads + h) * head_dim + offset;
+          for (int64_t i = 0; i < half; ++i) {
+            int64_t first, second;
+            RopePairOffsets(layout == RopeLayout::kInterleaved, i, half,
+                            &first, &second);
+            const float s = table.sin[pos[t] * half + i];
+            RopeRotatePair(table.cos[pos[t] * half + i], inverse ? -s : s,
+                           head + first, head + second);
+          }
+        }
+      }
+      EXPECT_EQ(got, want) << static_cast<int>(layout) << " " << inverse;
+      EXPECT_NE(got, x);
+    }
+  }
 }
 
 TEST(RopeTest, BadInputNamesTheField) {

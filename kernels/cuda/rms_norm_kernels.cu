@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/cpu/rms_norm_element.h"
 #include "kernels/cuda/device_math.h"
 #include "kernels/cuda/rms_norm_kernels.h"
 
@@ -41,8 +42,8 @@ __global__ void __launch_bounds__(kRowThreads)
     if (threadIdx.x == 0) inv_rms[r] = inv;
     // (x * inv_rms) * weight, in that order, as the CPU kernel computes it.
     for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) {
-      StoreFromFloat(yr + d,
-                     (LoadAsFloat(xr + d) * inv) * LoadAsFloat(weight + d));
+      StoreFromFloat(yr + d, RmsNormOut(LoadAsFloat(xr + d), inv,
+                                        LoadAsFloat(weight + d)));
     }
   }
 }
@@ -69,11 +70,12 @@ __global__ void __launch_bounds__(kRowThreads)
     dot = BlockSum(dot, scratch);
     const float mean_dot = dot / static_cast<float>(dim);
     for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) {
-      const float xhat = LoadAsFloat(xr + d) * inv;
-      const float grad = inv * (LoadAsFloat(dyr + d) * LoadAsFloat(weight + d) -
-                                xhat * mean_dot);
-      StoreFromFloat(dxr + d,
-                     accumulate_dx ? LoadAsFloat(dxr + d) + grad : grad);
+      const float grad =
+          RmsNormInputGrad(LoadAsFloat(dyr + d), LoadAsFloat(xr + d),
+                           LoadAsFloat(weight + d), inv, mean_dot);
+      StoreFromFloat(dxr + d, accumulate_dx
+                                  ? __fadd_rn(LoadAsFloat(dxr + d), grad)
+                                  : grad);
     }
   }
 }

@@ -2,6 +2,7 @@
 
 #include <cstdint>
 
+#include "kernels/cpu/rope_element.h"
 #include "kernels/cuda/device_math.h"
 #include "kernels/cuda/rope_kernels.h"
 
@@ -26,14 +27,14 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t p = positions[t];
     if (p < 0 || p >= r.positions) continue;
     T* head = x + t * r.token_stride + h * r.head_stride + r.dim_offset;
-    T* a = r.interleaved ? head + 2 * i : head + i;
-    T* b = r.interleaved ? head + 2 * i + 1 : head + i + r.half;
-    const float c = r.cos[p * r.half + i];
-    const float s = r.sign * r.sin[p * r.half + i];
-    const float x1 = LoadAsFloat(a), x2 = LoadAsFloat(b);
-    // Rounded as the CPU kernel: two products, then the sum.
-    StoreFromFloat(a, __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
-    StoreFromFloat(b, __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+    int64_t first, second;
+    RopePairOffsets(r.interleaved, i, r.half, &first, &second);
+    // The CPU kernel's rotation (kernels/cpu/rope_element.h).
+    float x1 = LoadAsFloat(head + first), x2 = LoadAsFloat(head + second);
+    RopeRotatePair(r.cos[p * r.half + i], r.sign * r.sin[p * r.half + i], &x1,
+                   &x2);
+    StoreFromFloat(head + first, x1);
+    StoreFromFloat(head + second, x2);
   }
 }
 
