@@ -42,7 +42,9 @@ void Commit(const std::string& root, int64_t step, bool pinned = false) {
   index.step = step;
   index.saved_by = {"fsdp2", 1, {{"dp_shard", 1}}};
   ASSERT_THAT(AddRankFile(*file, &index), IsOk());
-  if (pinned) ASSERT_THAT(PinCheckpoint(*tmp), IsOk());
+  if (pinned) {
+    ASSERT_THAT(PinCheckpoint(*tmp), IsOk());
+  }
   ASSERT_THAT(CommitCheckpoint(root, *tmp, index), IsOk());
 }
 

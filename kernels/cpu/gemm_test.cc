@@ -204,7 +204,9 @@ TEST(SgemmPiecesTest, PiecesFollowTheShapeAlone) {
         // One dimension is cut at most; rows first.
         ASSERT_TRUE(p.rows == m || p.cols == n);
         const bool by_rows = p.rows < m, by_cols = p.cols < n;
-        if (by_cols) EXPECT_EQ(p.rows, m);
+        if (by_cols) {
+          EXPECT_EQ(p.rows, m);
+        }
         const int64_t length = by_rows ? p.rows : p.cols;
         const int64_t other = by_rows ? n * k : m * k;
         if (!by_rows && !by_cols) {
