@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/compute_pool.h"
+#include "kernels/cpu/cross_entropy_element.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/softcap.h"
 
@@ -103,15 +104,16 @@ CrossEntropyResult Run(const float* hidden, const float* weight, int64_t tokens,
         // Overwrite the row with exp(logit - max); it becomes dlogits below.
         double sum = 0.0;
         for (int64_t j = 0; j < vocab; ++j) {
-          row[j] = std::exp(row[j] - max);
+          row[j] = SoftmaxTerm(row[j], max);
           sum += row[j];
         }
-        const double lse = double{max} + std::log(sum);
-        row_loss[r] = lse - double{target_logit};
+        row_loss[r] = CrossEntropyRowLoss(max, sum, target_logit);
         if (want_grad) {
-          const float scale = static_cast<float>(double{loss_scale} / sum);
-          for (int64_t j = 0; j < vocab; ++j) row[j] *= scale;
-          row[target] -= loss_scale;
+          const float scale = CrossEntropyGradScale(loss_scale, sum);
+          for (int64_t j = 0; j < vocab; ++j) {
+            row[j] = CrossEntropyLogitGrad(row[j], scale, j == target,
+                                           loss_scale);
+          }
         }
       }
     });

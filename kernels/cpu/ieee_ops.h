@@ -58,6 +58,35 @@ SHARDD_HOST_DEVICE_INLINE float RnSqrt(float a) {
 #endif
 }
 
+// The math library's functions, for element functions that keep them: glibc
+// on the host, CUDA's on the device. Unlike the operations above these are
+// not correctly rounded, so the two sides may differ in the last bits (CUDA
+// documents expf and tanhf within 2 ulp, log within 1 ulp; glibc's are
+// within 1 ulp); tests that compare a CUDA kernel with the CPU allow for it.
+SHARDD_HOST_DEVICE_INLINE float LibExp(float x) {
+#ifdef __CUDA_ARCH__
+  return expf(x);
+#else
+  return std::exp(x);
+#endif
+}
+
+SHARDD_HOST_DEVICE_INLINE float LibTanh(float x) {
+#ifdef __CUDA_ARCH__
+  return tanhf(x);
+#else
+  return std::tanh(x);
+#endif
+}
+
+SHARDD_HOST_DEVICE_INLINE double LibLog(double x) {
+#ifdef __CUDA_ARCH__
+  return log(x);
+#else
+  return std::log(x);
+#endif
+}
+
 }  // namespace kernels
 }  // namespace shardd
 

@@ -8,33 +8,26 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/muon_element.h"
 
 namespace shardd {
 namespace kernels {
-namespace {
-
-// One expression for the new momentum, shared by the two functions below so
-// that the prepared Nesterov update and the committed momentum agree.
-inline float NewMomentum(float m, float g, float beta, float one_minus_beta) {
-  return beta * m + one_minus_beta * g;
-}
-
-}  // namespace
-
 void MuonMomentumStep(const float* grad, float* momentum, int64_t n,
                       float beta) {
-  const float one_minus_beta = 1.0f - beta;
+  const float one_minus_beta = RnSub(1.0f, beta);
   for (int64_t i = 0; i < n; ++i) {
-    momentum[i] = NewMomentum(momentum[i], grad[i], beta, one_minus_beta);
+    momentum[i] = MuonMomentum(momentum[i], grad[i], beta, one_minus_beta);
   }
 }
 
+// The same MuonMomentum expression as MuonMomentumStep, so that the
+// prepared Nesterov update and the committed momentum agree.
 void MuonNesterovUpdate(const float* grad, const float* momentum, int64_t n,
                         float beta, float* out) {
-  const float one_minus_beta = 1.0f - beta;
+  const float one_minus_beta = RnSub(1.0f, beta);
   for (int64_t i = 0; i < n; ++i) {
-    const float m = NewMomentum(momentum[i], grad[i], beta, one_minus_beta);
-    out[i] = one_minus_beta * grad[i] + beta * m;
+    const float m = MuonMomentum(momentum[i], grad[i], beta, one_minus_beta);
+    out[i] = MuonNesterov(grad[i], m, beta, one_minus_beta);
   }
 }
 
@@ -82,8 +75,8 @@ absl::Status NewtonSchulz(float* x, int64_t rows, int64_t cols, int steps,
   }
   double sum = 0.0;
   for (int64_t i = 0; i < rc; ++i) sum += double{X[i]} * X[i];
-  const float denom = static_cast<float>(std::sqrt(sum)) + kNewtonSchulzEps;
-  for (int64_t i = 0; i < rc; ++i) X[i] /= denom;
+  const float denom = MuonNormDenominator(sum, kNewtonSchulzEps);
+  for (int64_t i = 0; i < rc; ++i) X[i] = RnDiv(X[i], denom);
 
   for (int s = 0; s < steps; ++s) {
     // A = X X^T.
@@ -118,10 +111,9 @@ double MuonShapeScale(int64_t fan_out, int64_t fan_in) {
 
 void MuonApply(float* param, const float* update, int64_t n, double lr,
                double weight_decay) {
-  const float decay = static_cast<float>(1.0 - lr * weight_decay);
-  const float step = static_cast<float>(lr);
+  const MuonApplyScalars s = MuonApplyScalarsFor(lr, weight_decay);
   for (int64_t i = 0; i < n; ++i) {
-    param[i] = param[i] * decay - step * update[i];
+    param[i] = MuonParamUpdate(param[i], update[i], s);
   }
 }
 

@@ -9,6 +9,7 @@
 
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/muon_element.h"
 
 namespace shardd {
 namespace kernels {
@@ -281,6 +282,55 @@ TEST(MuonApplyTest, DecoupledDecayThenStep) {
   EXPECT_EQ(p[2], 0.5f * decay - lr * -4.0f);
   EXPECT_DOUBLE_EQ(MuonShapeScale(64, 16), 2.0);
   EXPECT_DOUBLE_EQ(MuonShapeScale(16, 64), 1.0);
+}
+
+// The device shares muon_element.h; the CPU kernels must compute exactly
+// those functions (vectorised loops included), or a GPU and a CPU replica
+// would drift apart. Fails if muon.cc contracts a step into an FMA.
+TEST(MuonElementTest, TheSharedElementFunctionsAreTheKernel) {
+  const int64_t n = 4099;
+  const std::vector<float> g = RandomMatrix(1, n, 3);
+  const std::vector<float> m0 = RandomMatrix(1, n, 4);
+  const std::vector<float> p0 = RandomMatrix(1, n, 5);
+  const float beta = 0.95f, one_minus_beta = 1.0f - beta;
+  std::vector<float> update(n), m = m0, p = p0;
+  MuonNesterovUpdate(g.data(), m0.data(), n, beta, update.data());
+  MuonMomentumStep(g.data(), m.data(), n, beta);
+  MuonApply(p.data(), update.data(), n, 0.02, 0.1);
+  const MuonApplyScalars s = MuonApplyScalarsFor(0.02, 0.1);
+  for (int64_t i = 0; i < n; ++i) {
+    const float want_m = MuonMomentum(m0[i], g[i], beta, one_minus_beta);
+    ASSERT_EQ(m[i], want_m) << i;
+    ASSERT_EQ(update[i], MuonNesterov(g[i], want_m, beta, one_minus_beta))
+        << i;
+    ASSERT_EQ(p[i], MuonParamUpdate(p0[i], update[i], s)) << i;
+  }
+}
+
+// Newton-Schulz's first step divides by MuonNormDenominator: a matrix
+// scaled by 2^k gives the same normalised iterate, and a zero matrix the
+// eps-guarded zero.
+TEST(MuonElementTest, NormDenominatorIsTheRoundedNormPlusEps) {
+  EXPECT_EQ(MuonNormDenominator(0.0, kNewtonSchulzEps), kNewtonSchulzEps);
+  EXPECT_EQ(MuonNormDenominator(4.0, 0.0f), 2.0f);
+  EXPECT_EQ(MuonNormDenominator(4.0, kNewtonSchulzEps), 2.0f);  // eps < ulp
+  const double sum = 1.0 / 3.0;
+  EXPECT_EQ(MuonNormDenominator(sum, 1e-3f),
+            static_cast<float>(std::sqrt(sum)) + 1e-3f);
+  std::vector<float> x = RandomMatrix(5, 7, 6), y = x;
+  for (float& v : y) v *= 1024.0f;
+  std::vector<float> ws(NewtonSchulzWorkspace(5, 7));
+  double squares = 0.0;
+  for (float v : x) squares += double{v} * v;
+  ASSERT_GE(std::sqrt(squares), 4.0);  // the ulp bound below holds from 4 up
+  SHARDD_ASSERT_OK(NewtonSchulz(x.data(), 5, 7, 5, ws.data()));
+  SHARDD_ASSERT_OK(NewtonSchulz(y.data(), 5, 7, 5, ws.data()));
+  // Scaling by 2^10 is exact through the double sum, the square root and
+  // the rounding to fp32, and eps (1e-7) is under half an ulp of either
+  // norm (~5.9 and ~6000), so the denominators are exactly 2^10 apart and
+  // the normalised matrices, and with them the iterates, are the same bits.
+  ASSERT_LT(kNewtonSchulzEps, 0.5f * (std::nextafter(4.0f, 8.0f) - 4.0f));
+  for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(x[i], y[i]) << i;
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "kernels/cpu/host_device.h"
+#include "kernels/cpu/ieee_ops.h"
 
 
 namespace shardd {
@@ -25,13 +26,7 @@ enum class RouterScoring {
 // Floor of a renormalisation denominator (HF adds it, Mixtral clamps to it).
 inline constexpr float kRouterMinDenominator = 1e-20f;
 
-SHARDD_HOST_DEVICE inline float RouterExp(float x) {
-#ifdef __CUDA_ARCH__
-  return expf(x);
-#else
-  return std::exp(x);
-#endif
-}
+SHARDD_HOST_DEVICE inline float RouterExp(float x) { return LibExp(x); }
 
 // sigmoid(x) as DeepSeek-V3's router scores it.
 SHARDD_HOST_DEVICE inline float RouterSigmoid(float x) {

@@ -1,21 +1,18 @@
 #include "kernels/cpu/softcap.h"
 
-#include <cmath>
+#include "kernels/cpu/cross_entropy_element.h"
 
 namespace shardd {
 namespace kernels {
 
 void SoftcapForward(float* x, int64_t n, float cap) {
-  const float inv = 1.0f / cap;
-  for (int64_t i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] * inv);
+  const float inv = SoftcapInverse(cap);
+  for (int64_t i = 0; i < n; ++i) x[i] = SoftcapValue(x[i], cap, inv);
 }
 
 void SoftcapBackward(const float* y, float* dy, int64_t n, float cap) {
-  const float inv = 1.0f / cap;
-  for (int64_t i = 0; i < n; ++i) {
-    const float t = y[i] * inv;  // tanh(x / cap)
-    dy[i] *= 1.0f - t * t;
-  }
+  const float inv = SoftcapInverse(cap);
+  for (int64_t i = 0; i < n; ++i) dy[i] = RnMul(dy[i], SoftcapSlope(y[i], inv));
 }
 
 }  // namespace kernels

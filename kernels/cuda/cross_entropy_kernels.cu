@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/cpu/cross_entropy_element.h"
 #include "kernels/cuda/cross_entropy_kernels.h"
 #include "kernels/cuda/device_math.h"
 
@@ -22,67 +23,42 @@ struct DeviceResult {
   double mean_loss;
 };
 
-// Gemma's soft cap in fp32 with the CPU's rounding steps
-// (kernels/cpu/softcap.cc): y = cap * tanh(x * inv), inv = 1 / cap rounded
-// on the host.
+// Gemma's soft cap with the CPU's rounding steps (cross_entropy_element.h);
+// inv = 1 / cap rounded on the host.
 struct Softcap {
   float cap;
   float inv;
 };
 
-Softcap MakeSoftcap(float cap) { return {cap, cap > 0 ? 1.0f / cap : 0.0f}; }
+Softcap MakeSoftcap(float cap) {
+  return {cap, cap > 0 ? SoftcapInverse(cap) : 0.0f};
+}
 
 template <bool kCapped>
 __device__ __forceinline__ float Capped(float x, Softcap c) {
   if (!kCapped) return x;
-  return __fmul_rn(c.cap, tanhf(__fmul_rn(x, c.inv)));
+  return SoftcapValue(x, c.cap, c.inv);
 }
 
-// dy/dx = 1 - (y / cap)^2 from the capped y; t * t rounded before the
-// subtraction (no FMA), as on the CPU.
-__device__ __forceinline__ float CapSlope(float y, Softcap c) {
-  const float t = __fmul_rn(y, c.inv);
-  return __fsub_rn(1.0f, __fmul_rn(t, t));
-}
-
-// Running (max, sum of exp(x - max)) of an online softmax.
-struct MaxSum {
-  float max;
-  float sum;
-};
-
-__device__ __forceinline__ void OnlineAdd(float x, MaxSum& acc) {
-  if (x > acc.max) {
-    acc.sum = acc.sum * expf(acc.max - x) + 1.0f;
-    acc.max = x;
-  } else if (x != -INFINITY) {  // NaN propagates through expf
-    acc.sum += expf(x - acc.max);
-  }
-}
-
-__device__ __forceinline__ MaxSum Merge(MaxSum a, MaxSum b) {
-  const float m = fmaxf(a.max, b.max);
-  if (m == -INFINITY) return {m, a.sum + b.sum};
-  return {m, a.sum * expf(a.max - m) + b.sum * expf(b.max - m)};
-}
+using MaxSum = OnlineSoftmax;
 
 __device__ MaxSum BlockMerge(MaxSum acc, MaxSum* scratch) {
   for (int offset = 16; offset > 0; offset >>= 1) {
     MaxSum other;
     other.max = __shfl_xor_sync(0xFFFFFFFFu, acc.max, offset);
     other.sum = __shfl_xor_sync(0xFFFFFFFFu, acc.sum, offset);
-    acc = Merge(acc, other);
+    acc = OnlineSoftmaxMerge(acc, other);
   }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   __syncthreads();
   if (lane == 0) scratch[warp] = acc;
   __syncthreads();
-  acc = lane < (blockDim.x >> 5) ? scratch[lane] : MaxSum{-INFINITY, 0.0f};
+  acc = lane < (blockDim.x >> 5) ? scratch[lane] : OnlineSoftmaxEmpty();
   for (int offset = 16; offset > 0; offset >>= 1) {
     MaxSum other;
     other.max = __shfl_xor_sync(0xFFFFFFFFu, acc.max, offset);
     other.sum = __shfl_xor_sync(0xFFFFFFFFu, acc.sum, offset);
-    acc = Merge(acc, other);
+    acc = OnlineSoftmaxMerge(acc, other);
   }
   return acc;
 }
@@ -120,27 +96,25 @@ __global__ void __launch_bounds__(kRowThreads)
     }
     // Read before any overwrite.
     const float target_logit = Capped<kCapped>(row[target], cap);
-    MaxSum acc{-INFINITY, 0.0f};
+    MaxSum acc = OnlineSoftmaxEmpty();
     for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) {
-      OnlineAdd(Capped<kCapped>(row[j], cap), acc);
+      OnlineSoftmaxAdd(Capped<kCapped>(row[j], cap), acc);
     }
     acc = BlockMerge(acc, scratch);
     if (threadIdx.x == 0) {
-      const double lse = double{acc.max} + log(double{acc.sum});
-      row_loss[r] = lse - double{target_logit};
+      row_loss[r] = CrossEntropyRowLoss(acc.max, acc.sum, target_logit);
       row_flag[r] = kCeRowCounted;
     }
     if (d_logits != nullptr) {
       DL* dl = d_logits + r * vocab;
-      const float scale =
-          static_cast<float>(double{loss_scale} / double{acc.sum});
+      const float scale = CrossEntropyGradScale(loss_scale, acc.sum);
       for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) {
         const float y = Capped<kCapped>(row[j], cap);
-        float g = expf(y - acc.max) * scale;
-        if (j == target) g -= loss_scale;
+        float g = CrossEntropyLogitGrad(SoftmaxTerm(y, acc.max), scale,
+                                        j == target, loss_scale);
         // The CPU's order: (softmax - onehot) * loss_scale, then the cap's
         // slope.
-        if (kCapped) g *= CapSlope(y, cap);
+        if (kCapped) g = RnMul(g, SoftcapSlope(y, cap.inv));
         StoreFromFloat(dl + j, g);
       }
     }
@@ -167,13 +141,13 @@ __global__ void __launch_bounds__(kRowThreads)
     top = BlockMax(top, max_scratch);
     double total = 0.0;
     for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) {
-      total += expf(Capped<kCapped>(row[j], cap) - top);
+      total += SoftmaxTerm(Capped<kCapped>(row[j], cap), top);
     }
     total = BlockSum(total, sum_scratch);
     P* out = probs + r * vocab;
     for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) {
-      const float e = expf(Capped<kCapped>(row[j], cap) - top);
-      StoreFromFloat(out + j, static_cast<float>(double{e} / total));
+      const float e = SoftmaxTerm(Capped<kCapped>(row[j], cap), top);
+      StoreFromFloat(out + j, SoftmaxProb(e, total));
     }
   }
 }

@@ -9,6 +9,7 @@
 #include "common/status_macros.h"
 #include "kernels/cpu/compute_pool.h"
 #include "kernels/cpu/cross_entropy.h"
+#include "kernels/cpu/cross_entropy_element.h"
 #include "kernels/cpu/dense_mlp.h"
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/grouped_experts.h"
@@ -620,9 +621,9 @@ absl::Status CpuBlockOps::HeadSoftmax(const Act& h, int64_t t, Act* probs) {
     float* row = p + r * vocab;
     const float top = *std::max_element(row, row + vocab);
     double total = 0.0;
-    for (int64_t v = 0; v < vocab; ++v) total += std::exp(row[v] - top);
+    for (int64_t v = 0; v < vocab; ++v) total += kernels::SoftmaxTerm(row[v], top);
     for (int64_t v = 0; v < vocab; ++v) {
-      row[v] = static_cast<float>(std::exp(row[v] - top) / total);
+      row[v] = kernels::SoftmaxProb(kernels::SoftmaxTerm(row[v], top), total);
     }
   }
   return absl::OkStatus();
