@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/expert_permute_element.h"
 
 namespace shardd {
 
@@ -97,15 +98,17 @@ absl::Status ExpertExchange::Dispatch(const ExpertRoute& route, const float* x,
                                       const float* weights,
                                       const int32_t* indices, int64_t d,
                                       float* x_r, int32_t* ids_r, float* w_r) {
-  const int64_t width = d + 2;
+  const int64_t width = d + kernels::kDispatchRowExtras;
   const int64_t local = local_experts();
-  std::vector<float> send(route.order.size() * width);
-  for (size_t j = 0; j < route.order.size(); ++j) {
-    const int64_t slot = route.order[j];
+  const int64_t rows = static_cast<int64_t>(route.order.size());
+  std::vector<float> send(rows * width);
+  for (int64_t j = 0; j < rows; ++j) {
     float* row = send.data() + j * width;
-    std::memcpy(row, x + (slot / route.k) * d, d * sizeof(float));
-    // Expert ids below 2^24 are exact as floats.
-    row[d] = static_cast<float>(indices[slot] % local);
+    const int64_t slot = route.order[j];
+    std::memcpy(row,
+                x + kernels::RouteRowToken(route.order.data(), route.k, j) * d,
+                d * sizeof(float));
+    row[d] = kernels::LocalExpertTag(indices[slot], local);
     row[d + 1] = weights[slot];
   }
   std::vector<float> recv;
@@ -113,7 +116,7 @@ absl::Status ExpertExchange::Dispatch(const ExpertRoute& route, const float* x,
   for (int64_t i = 0; i < route.received; ++i) {
     const float* row = recv.data() + i * width;
     std::memcpy(x_r + i * d, row, d * sizeof(float));
-    ids_r[i] = static_cast<int32_t>(row[d]);
+    ids_r[i] = kernels::LocalExpertFromTag(row[d]);
     w_r[i] = row[d + 1];
   }
   return absl::OkStatus();
@@ -125,13 +128,11 @@ absl::Status ExpertExchange::Combine(const ExpertRoute& route, const float* y_r,
   std::vector<float> back;
   SHARDD_RETURN_IF_ERROR(Exchange(route, /*reverse=*/true, d, send, &back));
   // Slot s of token i came back at route.position[i * k + s].
-  const std::vector<int64_t>& where = route.position;
   for (int64_t i = 0; i < route.t; ++i) {
     float* out = y + i * d;
-    std::memcpy(out, back.data() + where[i * route.k] * d, d * sizeof(float));
-    for (int s = 1; s < route.k; ++s) {
-      const float* row = back.data() + where[i * route.k + s] * d;
-      for (int64_t c = 0; c < d; ++c) out[c] += row[c];
+    for (int64_t c = 0; c < d; ++c) {
+      out[c] = kernels::CombineValue(back.data(), route.position.data(),
+                                     route.k, d, i, c);
     }
   }
   return absl::OkStatus();
@@ -140,9 +141,11 @@ absl::Status ExpertExchange::Combine(const ExpertRoute& route, const float* y_r,
 absl::Status ExpertExchange::DispatchGrad(const ExpertRoute& route,
                                           const float* dy, int64_t d,
                                           float* dy_r) {
-  std::vector<float> send(route.order.size() * d);
-  for (size_t j = 0; j < route.order.size(); ++j) {
-    std::memcpy(send.data() + j * d, dy + (route.order[j] / route.k) * d,
+  const int64_t rows = static_cast<int64_t>(route.order.size());
+  std::vector<float> send(rows * d);
+  for (int64_t j = 0; j < rows; ++j) {
+    std::memcpy(send.data() + j * d,
+                dy + kernels::RouteRowToken(route.order.data(), route.k, j) * d,
                 d * sizeof(float));
   }
   std::vector<float> recv;
@@ -155,7 +158,7 @@ absl::Status ExpertExchange::CombineGrad(const ExpertRoute& route,
                                          const float* dx_r, const float* dw_r,
                                          int64_t d, float* dx,
                                          float* d_weights) {
-  const int64_t width = d + 1;
+  const int64_t width = d + kernels::kCombineGradRowExtras;
   std::vector<float> send(route.received * width);
   for (int64_t i = 0; i < route.received; ++i) {
     std::memcpy(send.data() + i * width, dx_r + i * d, d * sizeof(float));
@@ -166,14 +169,12 @@ absl::Status ExpertExchange::CombineGrad(const ExpertRoute& route,
   const std::vector<int64_t>& where = route.position;
   for (int64_t i = 0; i < route.t; ++i) {
     float* out = dx + i * d;
+    for (int64_t c = 0; c < d; ++c) {
+      out[c] = kernels::CombineValue(back.data(), where.data(), route.k, width,
+                                     i, c);
+    }
     for (int s = 0; s < route.k; ++s) {
-      const float* row = back.data() + where[i * route.k + s] * width;
-      if (s == 0) {
-        std::memcpy(out, row, d * sizeof(float));
-      } else {
-        for (int64_t c = 0; c < d; ++c) out[c] += row[c];
-      }
-      d_weights[i * route.k + s] = row[d];
+      d_weights[i * route.k + s] = back[where[i * route.k + s] * width + d];
     }
   }
   return absl::OkStatus();
