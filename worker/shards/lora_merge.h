@@ -12,10 +12,58 @@
 // of each adapted weight, which full fine-tuning computes too.
 
 #include <cstdint>
+#include <vector>
 
 #include "model/lora.h"
 
 namespace shardd {
+
+// The merge and the gradient split are row-major GEMMs,
+//   C[m, n] = alpha op(A)[m, k] op(B)[k, n] + beta C[m, n],
+// listed here once so that the host (OpenBLAS, LoraMergeInto below) and a
+// device (cuBLAS through kernels/cuda/row_major_gemm.h,
+// device_lora_merge.h) run the same calls on the same operands.
+enum class LoraBuffer : uint8_t { kA, kB, kGrad, kWeight, kGradA, kGradB };
+
+struct LoraGemmOperand {
+  LoraBuffer buffer = LoraBuffer::kA;
+  int64_t offset = 0;  // elements into the buffer
+  int64_t ld = 0;      // row length of the stored (row-major) matrix
+  bool transpose = false;
+};
+
+struct LoraGemm {
+  int64_t m = 0, n = 0, k = 0;
+  float alpha = 0.0f;
+  LoraGemmOperand a, b;
+  float beta = 0.0f;
+  LoraBuffer c = LoraBuffer::kWeight;
+  int64_t c_offset = 0;
+  int64_t ldc = 0;
+};
+
+// The buffers a LoraGemm names, host or device pointers alike; a role the
+// call does not use may stay null.
+struct LoraBuffers {
+  const float* a = nullptr;
+  const float* b = nullptr;
+  const float* grad = nullptr;  // G = dL/dW' in W's layout
+  float* weight = nullptr;
+  float* grad_a = nullptr;
+  float* grad_b = nullptr;
+
+  // The written roles (kWeight, kGradA, kGradB); null for the others.
+  float* Mutable(LoraBuffer which) const;
+  const float* Get(LoraBuffer which) const;
+};
+
+// w += s B A: one GEMM for a linear, one per expert for stacked experts
+// (`experts` of them, beta 1).
+std::vector<LoraGemm> LoraMergeGemms(const LoraTarget& target, int64_t experts);
+
+// da = s B^T G, db = s G A^T (beta 0): two GEMMs per linear or expert.
+std::vector<LoraGemm> LoraSplitGradGemms(const LoraTarget& target,
+                                         int64_t experts);
 
 // w += s B A over `experts` experts (the target's own count, or the ones
 // this rank holds under expert parallelism; ignored for a linear).
