@@ -42,6 +42,8 @@ for label in "${gpu_tests[@]}" "${binaries[@]}"; do
       [[ -e "$out/lib/$(basename "$lib")" ]] || cp -L "$lib" "$out/lib/"
     done
 done
+# What the bundle must hold; tools/gpu_check.sh --dry-run checks it.
+printf '%s\n' "${gpu_tests[@]}" "${binaries[@]}" >"$out/bin/MANIFEST"
 chmod -R u+w "$out"
 strip --strip-debug "$out"/bin/*/* "$out"/bin/*/*/* "$out"/lib/* 2>/dev/null || true
 tar -C "$out" -cf - bin lib | xz -T2 -6 >"$out.tar.xz.tmp"

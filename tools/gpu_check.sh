@@ -14,8 +14,17 @@
 #
 #   tools/gpu_check.sh [tests] [diag] [train] [bench] [attn] [fsdp2]
 #   [sanitize]   (default: all)
+#   tools/gpu_check.sh --dry-run   on any machine, GPU or not: checks the
+#   bundle (present, at most 64 MiB, every gpu-tagged test and binary in
+#   it, their libraries resolvable) and the files the parts read, lists what
+#   would run, and exits non-zero if anything is missing (tools/test.sh runs
+#   it after tools/gpu_bundle.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+if [[ "${1:-}" == "--dry-run" ]]; then
+  exec tools/gpu_check_dry_run.sh
+fi
 # Logs are written here and packed into one file under $OUT at the end (the
 # device tool brings back at most 8 files).
 out=/tmp/gpu-check-logs

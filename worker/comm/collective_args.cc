@@ -1,5 +1,6 @@
 #include "worker/comm/collective_args.h"
 
+#include <cstdint>
 #include <limits>
 #include <tuple>
 
@@ -82,6 +83,7 @@ absl::StatusOr<AllToAllVBytes> CollectiveAllToAllVBytes(
     SHARDD_ASSIGN_OR_RETURN(
         *total, CollectiveBufferBytes(elements, 1, element_bytes, name));
   }
+  out.element = element_bytes;
   if (rank < 0 || rank >= world_size ||
       send_counts[rank] != recv_counts[rank]) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -109,6 +111,121 @@ absl::Status CheckPositiveFinite(absl::Duration duration,
                      absl::FormatDuration(duration)));
   }
   return absl::OkStatus();
+}
+
+namespace {
+
+bool Disjoint(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes) {
+  const auto x = reinterpret_cast<uintptr_t>(a);
+  const auto y = reinterpret_cast<uintptr_t>(b);
+  return a_bytes == 0 || b_bytes == 0 || x + a_bytes <= y || y + b_bytes <= x;
+}
+
+}  // namespace
+
+absl::StatusOr<CollectiveSizes> CollectiveArgs::AllGather(
+    const void* input, const void* output, int64_t count_per_rank,
+    v1::DType dtype, absl::Duration timeout) const {
+  CollectiveSizes s;
+  SHARDD_ASSIGN_OR_RETURN(s.element,
+                          CollectiveElementBytes(dtype, false, ReduceOp::kSum));
+  SHARDD_ASSIGN_OR_RETURN(
+      s.chunk,
+      CollectiveBufferBytes(count_per_rank, 1, s.element, "count_per_rank"));
+  SHARDD_ASSIGN_OR_RETURN(
+      s.total, CollectiveBufferBytes(count_per_rank, options_.world_size,
+                                     s.element, "count_per_rank"));
+  SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(timeout, "timeout"));
+  SHARDD_RETURN_IF_ERROR(options_.check_buffer(input, s.chunk, "input"));
+  SHARDD_RETURN_IF_ERROR(options_.check_buffer(output, s.total, "output"));
+  s.in_place = input == static_cast<const char*>(output) +
+                            int64_t{options_.rank} * s.chunk;
+  if (!s.in_place && !Disjoint(input, s.chunk, output, s.total)) {
+    return absl::InvalidArgumentError(
+        "input overlaps output other than as this rank's slot");
+  }
+  return s;
+}
+
+absl::StatusOr<CollectiveSizes> CollectiveArgs::ReduceScatter(
+    const void* input, const void* output, int64_t count_per_rank,
+    v1::DType dtype, ReduceOp op, absl::Duration timeout) const {
+  CollectiveSizes s;
+  SHARDD_ASSIGN_OR_RETURN(s.element, CollectiveElementBytes(dtype, true, op));
+  SHARDD_ASSIGN_OR_RETURN(
+      s.chunk,
+      CollectiveBufferBytes(count_per_rank, 1, s.element, "count_per_rank"));
+  SHARDD_ASSIGN_OR_RETURN(
+      s.total, CollectiveBufferBytes(count_per_rank, options_.world_size,
+                                     s.element, "count_per_rank"));
+  SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(timeout, "timeout"));
+  SHARDD_RETURN_IF_ERROR(options_.check_buffer(input, s.total, "input"));
+  SHARDD_RETURN_IF_ERROR(options_.check_buffer(output, s.chunk, "output"));
+  s.in_place = output == static_cast<const char*>(input) +
+                             int64_t{options_.rank} * s.chunk;
+  if (!options_.reduce_scatter_overlap_anywhere && !s.in_place &&
+      !Disjoint(input, s.total, output, s.chunk)) {
+    return absl::InvalidArgumentError(
+        "output overlaps input other than as this rank's chunk (this "
+        "backend's reduce-scatter is in place only there)");
+  }
+  return s;
+}
+
+absl::StatusOr<CollectiveSizes> CollectiveArgs::AllReduce(
+    const void* inout, int64_t count, v1::DType dtype, ReduceOp op,
+    absl::Duration timeout) const {
+  CollectiveSizes s;
+  SHARDD_ASSIGN_OR_RETURN(s.element, CollectiveElementBytes(dtype, true, op));
+  SHARDD_ASSIGN_OR_RETURN(s.total,
+                          CollectiveBufferBytes(count, 1, s.element, "count"));
+  s.chunk = s.total;
+  SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(timeout, "timeout"));
+  SHARDD_RETURN_IF_ERROR(options_.check_buffer(inout, s.total, "inout"));
+  s.in_place = true;
+  return s;
+}
+
+absl::StatusOr<CollectiveSizes> CollectiveArgs::Broadcast(
+    const void* inout, int64_t count, v1::DType dtype, int root,
+    absl::Duration timeout) const {
+  if (root < 0 || root >= options_.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "root must be in [0, ", options_.world_size, "), got ", root));
+  }
+  CollectiveSizes s;
+  SHARDD_ASSIGN_OR_RETURN(s.element,
+                          CollectiveElementBytes(dtype, false, ReduceOp::kSum));
+  SHARDD_ASSIGN_OR_RETURN(s.total,
+                          CollectiveBufferBytes(count, 1, s.element, "count"));
+  s.chunk = s.total;
+  SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(timeout, "timeout"));
+  SHARDD_RETURN_IF_ERROR(options_.check_buffer(inout, s.total, "inout"));
+  s.in_place = true;
+  return s;
+}
+
+absl::StatusOr<AllToAllVBytes> CollectiveArgs::AllToAllV(
+    const void* send, const std::vector<int64_t>& send_counts,
+    const void* recv, const std::vector<int64_t>& recv_counts, v1::DType dtype,
+    absl::Duration timeout) const {
+  SHARDD_ASSIGN_OR_RETURN(const int64_t element,
+                          CollectiveElementBytes(dtype, false, ReduceOp::kSum));
+  SHARDD_ASSIGN_OR_RETURN(
+      const AllToAllVBytes bytes,
+      CollectiveAllToAllVBytes(send_counts, recv_counts, options_.rank,
+                               options_.world_size, element));
+  SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(timeout, "timeout"));
+  SHARDD_RETURN_IF_ERROR(options_.check_buffer(send, bytes.send, "send"));
+  SHARDD_RETURN_IF_ERROR(options_.check_buffer(recv, bytes.recv, "recv"));
+  if (!Disjoint(send, bytes.send, recv, bytes.recv)) {
+    return absl::InvalidArgumentError("send and recv must not overlap");
+  }
+  return bytes;
+}
+
+absl::Status CollectiveArgs::Barrier(absl::Duration timeout) const {
+  return CheckPositiveFinite(timeout, "timeout");
 }
 
 }  // namespace shardd

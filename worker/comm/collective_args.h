@@ -3,9 +3,13 @@
 
 // Argument checks every Communicator backend shares (worker/comm/communicator.h
 // states the rules): which dtypes a collective may move or reduce, buffer
-// sizes without overflow, non-null buffers, and timeouts.
+// sizes without overflow, non-null buffers, and timeouts. CollectiveArgs
+// below is the front end both backends (Gloo, NCCL) call first: every
+// check of a collective, in one order, before a byte moves.
 
 #include <cstdint>
+#include <functional>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -42,6 +46,7 @@ absl::StatusOr<int64_t> CollectiveBufferBytes(int64_t count, int64_t ranks,
 struct AllToAllVBytes {
   int64_t send = 0;
   int64_t recv = 0;
+  int64_t element = 0;  // bytes of one element
 };
 absl::StatusOr<AllToAllVBytes> CollectiveAllToAllVBytes(
     const std::vector<int64_t>& send_counts,
@@ -56,6 +61,69 @@ absl::Status CheckCollectiveBuffer(const void* ptr, int64_t bytes,
 // finite.
 absl::Status CheckPositiveFinite(absl::Duration duration,
                                  absl::string_view name);
+
+// The checked sizes of one call, in bytes.
+struct CollectiveSizes {
+  int64_t element = 0;
+  // AllGather: this rank's input; ReduceScatter: this rank's output; the
+  // others: the whole buffer.
+  int64_t chunk = 0;
+  // AllGather's output, ReduceScatter's input, the others' buffer.
+  int64_t total = 0;
+  // AllGather: input is this rank's slot of output; ReduceScatter: output
+  // is this rank's chunk of input.
+  bool in_place = false;
+};
+
+// The front end of a backend's collectives. Each method runs all the
+// checks of its collective in one order (dtype and op, sizes, timeout,
+// buffers, aliasing) and returns the sizes the backend then moves.
+// Errors: INVALID_ARGUMENT naming the argument and what is allowed
+// (communicator.h lists the rules).
+class CollectiveArgs {
+ public:
+  // Checks one buffer of `bytes` bytes named `name`: the host's rule is
+  // CheckCollectiveBuffer (non-null when bytes > 0); NCCL's also asks CUDA
+  // that it is device memory.
+  using BufferCheck =
+      std::function<absl::Status(const void*, int64_t, absl::string_view)>;
+
+  struct Options {
+    int rank = 0;
+    int world_size = 1;
+    BufferCheck check_buffer = CheckCollectiveBuffer;
+    // Gloo reduces from a copy, so ReduceScatter's output may overlap its
+    // input anywhere; NCCL only in place (output = this rank's chunk).
+    bool reduce_scatter_overlap_anywhere = true;
+  };
+
+  explicit CollectiveArgs(Options options) : options_(std::move(options)) {}
+
+  absl::StatusOr<CollectiveSizes> AllGather(const void* input,
+                                            const void* output,
+                                            int64_t count_per_rank,
+                                            v1::DType dtype,
+                                            absl::Duration timeout) const;
+  absl::StatusOr<CollectiveSizes> ReduceScatter(const void* input,
+                                                const void* output,
+                                                int64_t count_per_rank,
+                                                v1::DType dtype, ReduceOp op,
+                                                absl::Duration timeout) const;
+  absl::StatusOr<CollectiveSizes> AllReduce(const void* inout, int64_t count,
+                                            v1::DType dtype, ReduceOp op,
+                                            absl::Duration timeout) const;
+  absl::StatusOr<CollectiveSizes> Broadcast(const void* inout, int64_t count,
+                                            v1::DType dtype, int root,
+                                            absl::Duration timeout) const;
+  absl::StatusOr<AllToAllVBytes> AllToAllV(
+      const void* send, const std::vector<int64_t>& send_counts,
+      const void* recv, const std::vector<int64_t>& recv_counts,
+      v1::DType dtype, absl::Duration timeout) const;
+  absl::Status Barrier(absl::Duration timeout) const;
+
+ private:
+  Options options_;
+};
 
 }  // namespace shardd
 

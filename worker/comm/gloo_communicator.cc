@@ -149,7 +149,10 @@ std::string RankName(int rank, int world_size) {
 }  // namespace
 
 GlooCommunicator::GlooCommunicator(std::string prefix, int rank, int world_size)
-    : prefix_(std::move(prefix)), rank_(rank), world_size_(world_size) {}
+    : prefix_(std::move(prefix)),
+      rank_(rank),
+      world_size_(world_size),
+      args_(CollectiveArgs::Options{rank, world_size}) {}
 
 GlooCommunicator::~GlooCommunicator() {
   try {
@@ -280,36 +283,16 @@ absl::Status GlooCommunicator::AllGather(const void* input, void* output,
                                          v1::DType dtype,
                                          absl::Duration timeout) {
   constexpr auto kKind = &CommunicatorStats::all_gather;
-  auto checked = [&]() -> absl::StatusOr<int64_t> {
-    SHARDD_ASSIGN_OR_RETURN(
-        const int64_t element,
-        CollectiveElementBytes(dtype, false, ReduceOp::kSum));
-    SHARDD_ASSIGN_OR_RETURN(
-        const int64_t chunk,
-        CollectiveBufferBytes(count_per_rank, 1, element, "count_per_rank"));
-    SHARDD_ASSIGN_OR_RETURN(const int64_t total,
-                            CollectiveBufferBytes(count_per_rank, world_size_,
-                                                  element, "count_per_rank"));
-    SHARDD_RETURN_IF_ERROR(CheckCollectiveBuffer(input, chunk, "input"));
-    SHARDD_RETURN_IF_ERROR(CheckCollectiveBuffer(output, total, "output"));
-    SHARDD_RETURN_IF_ERROR(ToGlooTimeout(timeout).status());
-    const auto in = reinterpret_cast<uintptr_t>(input);
-    const auto out = reinterpret_cast<uintptr_t>(output);
-    const bool in_place = in == out + rank_ * chunk;
-    if (chunk > 0 && !in_place && in < out + total && out < in + chunk) {
-      return absl::InvalidArgumentError(
-          "input overlaps output other than as this rank's slot");
-    }
-    return chunk;
-  }();
+  const absl::StatusOr<CollectiveSizes> checked =
+      args_.AllGather(input, output, count_per_rank, dtype, timeout);
   if (!checked.ok()) return RecordInvalid(kKind, checked.status());
-  const int64_t chunk = *checked;
-  const int64_t total = chunk * world_size_;
+  const int64_t chunk = checked->chunk;
+  const int64_t total = checked->total;
   if (chunk == 0) return Run(kKind, "AllGather", 0, [](uint32_t) {});
   const std::chrono::milliseconds gloo_timeout = *ToGlooTimeout(timeout);
   auto* out = static_cast<uint8_t*>(output);
   auto* in = const_cast<uint8_t*>(static_cast<const uint8_t*>(input));
-  const bool in_place = in == out + rank_ * chunk;
+  const bool in_place = checked->in_place;
   return Run(kKind, "AllGather", total, [&](uint32_t tag) {
     if (world_size_ == 1) {
       if (!in_place) std::memcpy(out, in, chunk);
@@ -331,19 +314,10 @@ absl::Status GlooCommunicator::ReduceScatter(const void* input, void* output,
                                              v1::DType dtype, ReduceOp op,
                                              absl::Duration timeout) {
   constexpr auto kKind = &CommunicatorStats::reduce_scatter;
-  auto checked = [&]() -> absl::StatusOr<int64_t> {
-    SHARDD_ASSIGN_OR_RETURN(const int64_t element,
-                            CollectiveElementBytes(dtype, true, op));
-    SHARDD_ASSIGN_OR_RETURN(const int64_t total,
-                            CollectiveBufferBytes(count_per_rank, world_size_,
-                                                  element, "count_per_rank"));
-    SHARDD_RETURN_IF_ERROR(CheckCollectiveBuffer(input, total, "input"));
-    SHARDD_RETURN_IF_ERROR(CheckCollectiveBuffer(output, total, "output"));
-    SHARDD_RETURN_IF_ERROR(ToGlooTimeout(timeout).status());
-    return total;
-  }();
+  const absl::StatusOr<CollectiveSizes> checked = args_.ReduceScatter(
+      input, output, count_per_rank, dtype, op, timeout);
   if (!checked.ok()) return RecordInvalid(kKind, checked.status());
-  const int64_t total = *checked;
+  const int64_t total = checked->total;
   if (total == 0) return Run(kKind, "ReduceScatter", 0, [](uint32_t) {});
   const std::chrono::milliseconds gloo_timeout = *ToGlooTimeout(timeout);
   auto* in = const_cast<uint8_t*>(static_cast<const uint8_t*>(input));
@@ -372,31 +346,11 @@ absl::Status GlooCommunicator::AllToAllV(
     const std::vector<int64_t>& recv_counts, v1::DType dtype,
     absl::Duration timeout) {
   constexpr auto kKind = &CommunicatorStats::all_to_all;
-  auto checked = [&]() -> absl::StatusOr<AllToAllVBytes> {
-    SHARDD_ASSIGN_OR_RETURN(
-        const int64_t element,
-        CollectiveElementBytes(dtype, false, ReduceOp::kSum));
-    SHARDD_ASSIGN_OR_RETURN(
-        const AllToAllVBytes bytes,
-        CollectiveAllToAllVBytes(send_counts, recv_counts, rank_, world_size_,
-                                 element));
-    SHARDD_RETURN_IF_ERROR(CheckCollectiveBuffer(send, bytes.send, "send"));
-    SHARDD_RETURN_IF_ERROR(CheckCollectiveBuffer(recv, bytes.recv, "recv"));
-    SHARDD_RETURN_IF_ERROR(ToGlooTimeout(timeout).status());
-    const auto in = reinterpret_cast<uintptr_t>(send);
-    const auto out = reinterpret_cast<uintptr_t>(recv);
-    if (bytes.send > 0 && bytes.recv > 0 && in < out + bytes.recv &&
-        out < in + bytes.send) {
-      return absl::InvalidArgumentError("send and recv must not overlap");
-    }
-    return bytes;
-  }();
+  const absl::StatusOr<AllToAllVBytes> checked =
+      args_.AllToAllV(send, send_counts, recv, recv_counts, dtype, timeout);
   if (!checked.ok()) return RecordInvalid(kKind, checked.status());
   const AllToAllVBytes bytes = *checked;
-  const int64_t element = bytes.send > 0 || bytes.recv > 0
-                              ? *CollectiveElementBytes(dtype, false,
-                                                        ReduceOp::kSum)
-                              : 1;
+  const int64_t element = bytes.element;
   const std::chrono::milliseconds gloo_timeout = *ToGlooTimeout(timeout);
   return Run(kKind, "AllToAllV", bytes.send, [&](uint32_t tag) {
     const auto* in = static_cast<const uint8_t*>(send);
@@ -428,17 +382,10 @@ absl::Status GlooCommunicator::AllReduce(void* inout, int64_t count,
                                          v1::DType dtype, ReduceOp op,
                                          absl::Duration timeout) {
   constexpr auto kKind = &CommunicatorStats::all_reduce;
-  auto checked = [&]() -> absl::StatusOr<int64_t> {
-    SHARDD_ASSIGN_OR_RETURN(const int64_t element,
-                            CollectiveElementBytes(dtype, true, op));
-    SHARDD_ASSIGN_OR_RETURN(const int64_t total,
-                            CollectiveBufferBytes(count, 1, element, "count"));
-    SHARDD_RETURN_IF_ERROR(CheckCollectiveBuffer(inout, total, "inout"));
-    SHARDD_RETURN_IF_ERROR(ToGlooTimeout(timeout).status());
-    return total;
-  }();
+  const absl::StatusOr<CollectiveSizes> checked =
+      args_.AllReduce(inout, count, dtype, op, timeout);
   if (!checked.ok()) return RecordInvalid(kKind, checked.status());
-  const int64_t total = *checked;
+  const int64_t total = checked->total;
   if (total == 0) return Run(kKind, "AllReduce", 0, [](uint32_t) {});
   const std::chrono::milliseconds gloo_timeout = *ToGlooTimeout(timeout);
   return Run(kKind, "AllReduce", total, [&](uint32_t tag) {
@@ -488,22 +435,10 @@ absl::Status GlooCommunicator::Broadcast(void* inout, int64_t count,
                                          v1::DType dtype, int root,
                                          absl::Duration timeout) {
   constexpr auto kKind = &CommunicatorStats::broadcast;
-  auto checked = [&]() -> absl::StatusOr<int64_t> {
-    if (root < 0 || root >= world_size_) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("root must be in [0, ", world_size_, "), got ", root));
-    }
-    SHARDD_ASSIGN_OR_RETURN(
-        const int64_t element,
-        CollectiveElementBytes(dtype, false, ReduceOp::kSum));
-    SHARDD_ASSIGN_OR_RETURN(const int64_t total,
-                            CollectiveBufferBytes(count, 1, element, "count"));
-    SHARDD_RETURN_IF_ERROR(CheckCollectiveBuffer(inout, total, "inout"));
-    SHARDD_RETURN_IF_ERROR(ToGlooTimeout(timeout).status());
-    return total;
-  }();
+  const absl::StatusOr<CollectiveSizes> checked =
+      args_.Broadcast(inout, count, dtype, root, timeout);
   if (!checked.ok()) return RecordInvalid(kKind, checked.status());
-  const int64_t total = *checked;
+  const int64_t total = checked->total;
   if (total == 0) return Run(kKind, "Broadcast", 0, [](uint32_t) {});
   const std::chrono::milliseconds gloo_timeout = *ToGlooTimeout(timeout);
   return Run(kKind, "Broadcast", total, [&](uint32_t tag) {
@@ -519,9 +454,10 @@ absl::Status GlooCommunicator::Broadcast(void* inout, int64_t count,
 
 absl::Status GlooCommunicator::Barrier(absl::Duration timeout) {
   constexpr auto kKind = &CommunicatorStats::barrier;
-  absl::StatusOr<std::chrono::milliseconds> gloo_timeout =
+  const absl::Status valid = args_.Barrier(timeout);
+  if (!valid.ok()) return RecordInvalid(kKind, valid);
+  const absl::StatusOr<std::chrono::milliseconds> gloo_timeout =
       ToGlooTimeout(timeout);
-  if (!gloo_timeout.ok()) return RecordInvalid(kKind, gloo_timeout.status());
   return Run(kKind, "Barrier", 0, [&](uint32_t tag) {
     if (world_size_ == 1) return;
     gloo::BarrierOptions opts(context_);

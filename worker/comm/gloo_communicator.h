@@ -52,6 +52,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "worker/comm/collective_args.h"
 #include "worker/comm/communicator.h"
 
 namespace gloo {
@@ -138,6 +139,7 @@ class GlooCommunicator final : public Communicator {
   const std::string prefix_;
   const int rank_;
   const int world_size_;
+  const CollectiveArgs args_;  // the checks every backend shares
   // Declared before context_ so the connections close before the device's
   // event loop stops.
   std::shared_ptr<gloo::transport::Device> device_;

@@ -125,13 +125,6 @@ ncclRedOp_t NcclOp(ReduceOp op) {
   return op == ReduceOp::kAvg ? ncclAvg : ncclSum;
 }
 
-// OK when [a, a + a_bytes) and [b, b + b_bytes) do not overlap.
-bool Disjoint(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes) {
-  const auto x = reinterpret_cast<uintptr_t>(a);
-  const auto y = reinterpret_cast<uintptr_t>(b);
-  return a_bytes == 0 || b_bytes == 0 || x + a_bytes <= y || y + b_bytes <= x;
-}
-
 const char* MemoryTypeName(cudaMemoryType type) {
   switch (type) {
     case cudaMemoryTypeUnregistered:
@@ -247,6 +240,12 @@ NcclCommunicator::NcclCommunicator(std::string prefix, int rank, int world_size,
       rank_(rank),
       world_size_(world_size),
       options_(options),
+      args_(CollectiveArgs::Options{
+          rank, world_size,
+          [this](const void* ptr, int64_t bytes, absl::string_view name) {
+            return CheckDeviceBuffer(ptr, bytes, name);
+          },
+          /*reduce_scatter_overlap_anywhere=*/false}),
       event_pool_(std::make_shared<nccl_internal::EventPool>()) {}
 
 std::string NcclCommunicator::Name() const {
@@ -665,30 +664,11 @@ absl::StatusOr<NcclWork> NcclCommunicator::AllGatherAsync(
     const void* input, void* output, int64_t count_per_rank, v1::DType dtype,
     const NcclWaitFor& wait_for, absl::Duration timeout) {
   constexpr auto kKind = &CommunicatorStats::all_gather;
-  auto checked = [&]() -> absl::StatusOr<int64_t> {
-    SHARDD_ASSIGN_OR_RETURN(
-        const int64_t element,
-        CollectiveElementBytes(dtype, false, ReduceOp::kSum));
-    SHARDD_ASSIGN_OR_RETURN(
-        const int64_t chunk,
-        CollectiveBufferBytes(count_per_rank, 1, element, "count_per_rank"));
-    SHARDD_ASSIGN_OR_RETURN(const int64_t total,
-                            CollectiveBufferBytes(count_per_rank, world_size_,
-                                                  element, "count_per_rank"));
-    SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(timeout, "timeout"));
-    SHARDD_RETURN_IF_ERROR(CheckDeviceBuffer(input, chunk, "input"));
-    SHARDD_RETURN_IF_ERROR(CheckDeviceBuffer(output, total, "output"));
-    const bool in_place =
-        input == static_cast<const char*>(output) + rank_ * chunk;
-    if (!in_place && !Disjoint(input, chunk, output, total)) {
-      return absl::InvalidArgumentError(
-          "input overlaps output other than as this rank's slot");
-    }
-    return chunk;
-  }();
+  const absl::StatusOr<CollectiveSizes> checked =
+      args_.AllGather(input, output, count_per_rank, dtype, timeout);
   if (!checked.ok()) return RecordInvalid(kKind, checked.status());
-  const int64_t chunk = *checked;
-  return Enqueue(kKind, "AllGather", all_gather_stream_, chunk * world_size_,
+  const int64_t chunk = checked->chunk;
+  return Enqueue(kKind, "AllGather", all_gather_stream_, checked->total,
                  wait_for, timeout, [&](ncclComm_t comm, cudaStream_t stream) {
                    if (chunk == 0) return ncclSuccess;
                    return ncclAllGather(input, output,
@@ -701,29 +681,10 @@ absl::StatusOr<NcclWork> NcclCommunicator::ReduceScatterAsync(
     const void* input, void* output, int64_t count_per_rank, v1::DType dtype,
     ReduceOp op, const NcclWaitFor& wait_for, absl::Duration timeout) {
   constexpr auto kKind = &CommunicatorStats::reduce_scatter;
-  auto checked = [&]() -> absl::StatusOr<int64_t> {
-    SHARDD_ASSIGN_OR_RETURN(const int64_t element,
-                            CollectiveElementBytes(dtype, true, op));
-    SHARDD_ASSIGN_OR_RETURN(
-        const int64_t chunk,
-        CollectiveBufferBytes(count_per_rank, 1, element, "count_per_rank"));
-    SHARDD_ASSIGN_OR_RETURN(const int64_t total,
-                            CollectiveBufferBytes(count_per_rank, world_size_,
-                                                  element, "count_per_rank"));
-    SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(timeout, "timeout"));
-    SHARDD_RETURN_IF_ERROR(CheckDeviceBuffer(input, total, "input"));
-    SHARDD_RETURN_IF_ERROR(CheckDeviceBuffer(output, chunk, "output"));
-    const bool in_place =
-        output == static_cast<const char*>(input) + rank_ * chunk;
-    if (!in_place && !Disjoint(input, total, output, chunk)) {
-      return absl::InvalidArgumentError(
-          "output overlaps input other than as this rank's chunk (NCCL "
-          "reduce-scatter is in place only there)");
-    }
-    return total;
-  }();
+  const absl::StatusOr<CollectiveSizes> checked = args_.ReduceScatter(
+      input, output, count_per_rank, dtype, op, timeout);
   if (!checked.ok()) return RecordInvalid(kKind, checked.status());
-  const int64_t total = *checked;
+  const int64_t total = checked->total;
   return Enqueue(kKind, "ReduceScatter", reduce_scatter_stream_, total,
                  wait_for, timeout, [&](ncclComm_t comm, cudaStream_t stream) {
                    if (total == 0) return ncclSuccess;
@@ -737,17 +698,10 @@ absl::StatusOr<NcclWork> NcclCommunicator::AllReduceAsync(
     void* inout, int64_t count, v1::DType dtype, ReduceOp op,
     const NcclWaitFor& wait_for, absl::Duration timeout) {
   constexpr auto kKind = &CommunicatorStats::all_reduce;
-  auto checked = [&]() -> absl::StatusOr<int64_t> {
-    SHARDD_ASSIGN_OR_RETURN(const int64_t element,
-                            CollectiveElementBytes(dtype, true, op));
-    SHARDD_ASSIGN_OR_RETURN(const int64_t total,
-                            CollectiveBufferBytes(count, 1, element, "count"));
-    SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(timeout, "timeout"));
-    SHARDD_RETURN_IF_ERROR(CheckDeviceBuffer(inout, total, "inout"));
-    return total;
-  }();
+  const absl::StatusOr<CollectiveSizes> checked =
+      args_.AllReduce(inout, count, dtype, op, timeout);
   if (!checked.ok()) return RecordInvalid(kKind, checked.status());
-  const int64_t total = *checked;
+  const int64_t total = checked->total;
   return Enqueue(kKind, "AllReduce", reduce_scatter_stream_, total, wait_for,
                  timeout, [&](ncclComm_t comm, cudaStream_t stream) {
                    if (total == 0) return ncclSuccess;
@@ -761,22 +715,10 @@ absl::StatusOr<NcclWork> NcclCommunicator::BroadcastAsync(
     void* inout, int64_t count, v1::DType dtype, int root,
     const NcclWaitFor& wait_for, absl::Duration timeout) {
   constexpr auto kKind = &CommunicatorStats::broadcast;
-  auto checked = [&]() -> absl::StatusOr<int64_t> {
-    if (root < 0 || root >= world_size_) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("root must be in [0, ", world_size_, "), got ", root));
-    }
-    SHARDD_ASSIGN_OR_RETURN(
-        const int64_t element,
-        CollectiveElementBytes(dtype, false, ReduceOp::kSum));
-    SHARDD_ASSIGN_OR_RETURN(const int64_t total,
-                            CollectiveBufferBytes(count, 1, element, "count"));
-    SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(timeout, "timeout"));
-    SHARDD_RETURN_IF_ERROR(CheckDeviceBuffer(inout, total, "inout"));
-    return total;
-  }();
+  const absl::StatusOr<CollectiveSizes> checked =
+      args_.Broadcast(inout, count, dtype, root, timeout);
   if (!checked.ok()) return RecordInvalid(kKind, checked.status());
-  const int64_t total = *checked;
+  const int64_t total = checked->total;
   return Enqueue(kKind, "Broadcast", all_gather_stream_, total, wait_for,
                  timeout, [&](ncclComm_t comm, cudaStream_t stream) {
                    if (total == 0) return ncclSuccess;
@@ -791,25 +733,11 @@ absl::StatusOr<NcclWork> NcclCommunicator::AllToAllVAsync(
     const std::vector<int64_t>& recv_counts, v1::DType dtype,
     const NcclWaitFor& wait_for, absl::Duration timeout) {
   constexpr auto kKind = &CommunicatorStats::all_to_all;
-  int64_t element = 0;
-  auto checked = [&]() -> absl::StatusOr<AllToAllVBytes> {
-    SHARDD_ASSIGN_OR_RETURN(
-        element, CollectiveElementBytes(dtype, false, ReduceOp::kSum));
-    SHARDD_ASSIGN_OR_RETURN(
-        const AllToAllVBytes bytes,
-        CollectiveAllToAllVBytes(send_counts, recv_counts, rank_, world_size_,
-                                 element));
-    SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(timeout, "timeout"));
-    SHARDD_RETURN_IF_ERROR(CheckDeviceBuffer(send, bytes.send, "send"));
-    SHARDD_RETURN_IF_ERROR(CheckDeviceBuffer(recv, bytes.recv, "recv"));
-    if (bytes.send > 0 && bytes.recv > 0 &&
-        !Disjoint(send, bytes.send, recv, bytes.recv)) {
-      return absl::InvalidArgumentError("send and recv must not overlap");
-    }
-    return bytes;
-  }();
+  const absl::StatusOr<AllToAllVBytes> checked =
+      args_.AllToAllV(send, send_counts, recv, recv_counts, dtype, timeout);
   if (!checked.ok()) return RecordInvalid(kKind, checked.status());
   const AllToAllVBytes bytes = *checked;
+  const int64_t element = bytes.element;
   return Enqueue(
       kKind, "AllToAllV", all_gather_stream_, bytes.send, wait_for, timeout,
       [&](ncclComm_t comm, cudaStream_t stream) {
@@ -884,7 +812,7 @@ absl::Status NcclCommunicator::Broadcast(void* inout, int64_t count,
 
 absl::Status NcclCommunicator::Barrier(absl::Duration timeout) {
   constexpr auto kKind = &CommunicatorStats::barrier;
-  const absl::Status valid = CheckPositiveFinite(timeout, "timeout");
+  const absl::Status valid = args_.Barrier(timeout);
   if (!valid.ok()) return RecordInvalid(kKind, valid);
   absl::StatusOr<NcclWork> work =
       Enqueue(kKind, "Barrier", reduce_scatter_stream_, /*bytes=*/0,

@@ -83,6 +83,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "proto/model.pb.h"
+#include "worker/comm/collective_args.h"
 #include "worker/comm/collective_watchdog.h"
 #include "worker/comm/communicator.h"
 #include "worker/comm/kv_client.h"
@@ -328,6 +329,10 @@ class NcclCommunicator final : public Communicator {
   const int rank_;
   const int world_size_;
   const NcclCommunicatorOptions options_;
+  // The checks every backend shares; buffers must be device memory CUDA
+  // knows (CheckDeviceBuffer), and reduce-scatter is in place only at this
+  // rank's chunk.
+  const CollectiveArgs args_;
 
   cudaStream_t all_gather_stream_ = nullptr;
   cudaStream_t reduce_scatter_stream_ = nullptr;
