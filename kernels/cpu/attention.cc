@@ -148,7 +148,7 @@ void RowKeys(const MaskRule& rule, int64_t pos, int64_t s, int64_t j0,
 
 // The first key query i of sequence b may see besides the mask.
 int64_t FirstKey(const AttentionOptions& o, int64_t b, int64_t t, int64_t i) {
-  return o.key_begin == nullptr ? 0 : o.key_begin[b * t + i];
+  return PackedFirstKey(o.key_begin, t, b, i);
 }
 
 // The keys a block of queries [i0, i0 + bq) of sequence b may see.

@@ -60,9 +60,10 @@ struct AttentionOptions {
   // [Hq] learned sink logits, or null for none (device memory for the
   // CUDA kernels).
   const float* sinks = nullptr;
-  // Packed sequences (CPU kernels only): [batch, q_len], the first key
-  // each query may see (its example's first token in the row), applied on
-  // top of `mask`; null for none.
+  // Packed sequences: [batch, q_len], the first key each query may see (its
+  // example's first token in the row), applied on top of `mask`; null for
+  // none (device memory for the CUDA kernels, which take it on their own
+  // kernels, not cuDNN's).
   const int32_t* key_begin = nullptr;
 
   MaskRule rule() const {

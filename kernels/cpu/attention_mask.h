@@ -43,6 +43,21 @@ SHARDD_HOST_DEVICE inline bool MaskAllows(const MaskRule& r, int64_t pos,
   return false;
 }
 
+// Packed sequences (AttentionOptions.key_begin, [batch, q_len]): the first
+// key query i of sequence b may see besides the mask (its example's first
+// token in the row); 0 without packing (key_begin null).
+SHARDD_HOST_DEVICE inline int64_t PackedFirstKey(const int32_t* key_begin,
+                                                 int64_t q_len, int64_t b,
+                                                 int64_t i) {
+  return key_begin == nullptr ? 0 : key_begin[b * q_len + i];
+}
+
+// MaskAllows for a query whose first visible key is `first`.
+SHARDD_HOST_DEVICE inline bool MaskAllowsFrom(const MaskRule& r, int64_t pos,
+                                              int64_t j, int64_t first) {
+  return j >= first && MaskAllows(r, pos, j);
+}
+
 // The keys [*begin, *end) of kv_len that some query at positions [p0, p1]
 // may see (every key outside is masked for all of them).
 SHARDD_HOST_DEVICE inline void MaskKeyRange(const MaskRule& r, int64_t p0,

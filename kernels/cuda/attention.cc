@@ -16,11 +16,6 @@ constexpr int64_t kMaxGrid = 65535;
 absl::Status Validate(const AttentionDims& d, const AttentionOptions& o,
                       const char* op) {
   SHARDD_RETURN_IF_ERROR(ValidateAttention(d, o));
-  if (o.key_begin != nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        op, ": options.key_begin (packed sequences) runs on the CPU kernels "
-            "only"));
-  }
   SHARDD_RETURN_IF_ERROR(
       CheckInRange(d.head_dim, 1, kMaxAttentionHeadDim, "dims.head_dim", op));
   SHARDD_RETURN_IF_ERROR(CheckInRange(d.v_head_dim, 0, kMaxAttentionHeadDim,
@@ -60,6 +55,7 @@ AttentionLaunch ToLaunch(const AttentionDims& d, const AttentionOptions& o) {
   a.scale = o.scale;
   a.rule = o.rule();
   a.sinks = o.sinks;
+  a.key_begin = o.key_begin;
   return a;
 }
 

@@ -99,7 +99,8 @@ __global__ void __launch_bounds__(kThreads)
       const int r = idx / kBlockK, c = idx % kBlockK;
       float s = -INFINITY;
       if (r < bq && c < bk &&
-          MaskAllows(a.rule, i0 + r + a.rule.q_offset, j0 + c)) {
+          MaskAllowsFrom(a.rule, i0 + r + a.rule.q_offset, j0 + c,
+                         PackedFirstKey(a.key_begin, a.q_len, b, i0 + r))) {
         float dot = 0.0f;
         for (int64_t e = 0; e < dh; ++e) dot += qs[r * dh + e] * ks[c * (dh + 1) + e];
         s = a.scale * dot;
@@ -207,7 +208,7 @@ __global__ void __launch_bounds__(kThreads)
 // Recomputes p and ds = p * (dp - delta) for a [kBlockQ, bk] tile whose q,
 // dO, k, v rows are in shared memory (k with a padded row of dh + 1).
 __device__ __forceinline__ void TileGradients(
-    const AttentionLaunch& a, int64_t i0, int bq, int64_t j0, int bk,
+    const AttentionLaunch& a, int64_t b, int64_t i0, int bq, int64_t j0, int bk,
     int tile_k, const float* qs, const float* dos, const float* ks,
     const float* vs, const float* lse_s, const float* delta_s, float* ps,
     float* dss) {
@@ -216,7 +217,8 @@ __device__ __forceinline__ void TileGradients(
     const int r = idx / tile_k, c = idx % tile_k;
     float p = 0.0f, ds = 0.0f;
     if (r < bq && c < bk && lse_s[r] != -INFINITY &&
-        MaskAllows(a.rule, i0 + r + a.rule.q_offset, j0 + c)) {
+        MaskAllowsFrom(a.rule, i0 + r + a.rule.q_offset, j0 + c,
+                       PackedFirstKey(a.key_begin, a.q_len, b, i0 + r))) {
       float dot = 0.0f;
       for (int64_t e = 0; e < dh; ++e) dot += qs[r * dh + e] * ks[c * (dh + 1) + e];
       p = expf(a.scale * dot - lse_s[r]);
@@ -314,7 +316,7 @@ __global__ void __launch_bounds__(kThreads)
       LoadQueryTile(a, b, h, i0, bq, q, d_out, lse, delta, qs, dos, lse_s,
                     delta_s);
       __syncthreads();
-      TileGradients(a, i0, bq, j0, bk, kBlockKV, qs, dos, ks, vs, lse_s,
+      TileGradients(a, b, i0, bq, j0, bk, kBlockKV, qs, dos, ks, vs, lse_s,
                     delta_s, ps, dss);
       __syncthreads();
       // dV += P^T dO; dK += scale dS^T Q.
@@ -390,7 +392,7 @@ __global__ void __launch_bounds__(kThreads)
     const int bk = MinRows(tile_k, k_end - j0);
     LoadKeyTile(a, b, g, j0, bk, tile_k, k, v, ks, vs);
     __syncthreads();
-    TileGradients(a, i0, bq, j0, bk, tile_k, qs, dos, ks, vs, lse_s, delta_s,
+    TileGradients(a, b, i0, bq, j0, bk, tile_k, qs, dos, ks, vs, lse_s, delta_s,
                   ps, dss);
     __syncthreads();
     for (int64_t idx = threadIdx.x; idx < kBlockQ * dh; idx += kThreads) {

@@ -19,6 +19,8 @@ struct AttentionLaunch {
   float scale;
   MaskRule rule;
   const float* sinks;  // [Hq] or null
+  // [B, T] packed rows' first visible keys (PackedFirstKey), or null.
+  const int32_t* key_begin = nullptr;
 };
 
 // The largest head_dim / v_head_dim the kernels take (DiffusionGemma's

@@ -177,6 +177,9 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t pos[2] = {row0 + gr + a.rule.q_offset,
                           row0 + gr + 8 + a.rule.q_offset};
   const bool row_ok[2] = {row0 + gr < a.q_len, row0 + gr + 8 < a.q_len};
+  const int64_t first[2] = {
+      row_ok[0] ? PackedFirstKey(a.key_begin, a.q_len, b, row0 + gr) : 0,
+      row_ok[1] ? PackedFirstKey(a.key_begin, a.q_len, b, row0 + gr + 8) : 0};
 
   const int64_t last_row = (i0 + kRows < a.q_len ? i0 + kRows : a.q_len) - 1;
   int64_t k_begin, k_end;
@@ -198,7 +201,8 @@ __global__ void __launch_bounds__(kThreads)
         Mma(s[n], qa[kt], Load32(kr + kt * 16), Load32(kr + kt * 16 + 8));
       }
     }
-    const bool full = row0 + 15 < a.q_len && j0 + kBK <= k_end &&
+    const bool full = a.key_begin == nullptr && row0 + 15 < a.q_len &&
+                      j0 + kBK <= k_end &&
                       TileAllVisible(a.rule, wp0, wp1, j0, j0 + kBK - 1);
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -208,8 +212,8 @@ __global__ void __launch_bounds__(kThreads)
         const int r = e >> 1;
         const int64_t j = j0 + n * 8 + 2 * qd + (e & 1);
         float x = s[n][e] * scale2;
-        if (!full &&
-            !(row_ok[r] && j < k_end && MaskAllows(a.rule, pos[r], j))) {
+        if (!full && !(row_ok[r] && j < k_end &&
+                       MaskAllowsFrom(a.rule, pos[r], j, first[r]))) {
           x = -INFINITY;
         }
         s[n][e] = x;
@@ -378,7 +382,7 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
       const bool full =
-          i0 + kBQ <= q_end && wk1 < a.kv_len &&
+          a.key_begin == nullptr && i0 + kBQ <= q_end && wk1 < a.kv_len &&
           TileAllVisible(a.rule, i0 + a.rule.q_offset,
                          i0 + kBQ - 1 + a.rule.q_offset, wk0, wk1);
       // P^T = exp(S^T scale - lse), dS^T = P^T (dP^T - delta).
@@ -389,8 +393,11 @@ __global__ void __launch_bounds__(kThreads)
           const int qc = n * 8 + 2 * qd + (e & 1);
           const int64_t j = key[e >> 1];
           float p = 0.0f;
-          if (full || (i0 + qc < q_end && j < a.kv_len &&
-                       MaskAllows(a.rule, i0 + qc + a.rule.q_offset, j))) {
+          if (full ||
+              (i0 + qc < q_end && j < a.kv_len &&
+               MaskAllowsFrom(
+                   a.rule, i0 + qc + a.rule.q_offset, j,
+                   PackedFirstKey(a.key_begin, a.q_len, b, i0 + qc)))) {
             if (lse_s[qc] != -INFINITY) p = exp2f(s[n][e] * scale2 - lse_s[qc]);
           }
           s[n][e] = p;
@@ -471,6 +478,9 @@ __global__ void __launch_bounds__(kThreads)
   const bool row_ok[2] = {row0 + gr < a.q_len, row0 + gr + 8 < a.q_len};
   const int64_t pos[2] = {row0 + gr + a.rule.q_offset,
                           row0 + gr + 8 + a.rule.q_offset};
+  const int64_t first[2] = {
+      row_ok[0] ? PackedFirstKey(a.key_begin, a.q_len, b, row0 + gr) : 0,
+      row_ok[1] ? PackedFirstKey(a.key_begin, a.q_len, b, row0 + gr + 8) : 0};
   float lse2[2], dl[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -506,7 +516,8 @@ __global__ void __launch_bounds__(kThreads)
         Mma(dp[n], da[kt], Load32(vr + kt * 16), Load32(vr + kt * 16 + 8));
       }
     }
-    const bool full = row0 + 15 < a.q_len && j0 + kBK <= k_end &&
+    const bool full = a.key_begin == nullptr && row0 + 15 < a.q_len &&
+                      j0 + kBK <= k_end &&
                       TileAllVisible(a.rule, wp0, wp1, j0, j0 + kBK - 1);
 #pragma unroll
     for (int n = 0; n < kBK / 8; ++n) {
@@ -515,7 +526,8 @@ __global__ void __launch_bounds__(kThreads)
         const int r = e >> 1;
         const int64_t j = j0 + n * 8 + 2 * qd + (e & 1);
         float p = 0.0f;
-        if (full || (row_ok[r] && j < k_end && MaskAllows(a.rule, pos[r], j))) {
+        if (full || (row_ok[r] && j < k_end &&
+                     MaskAllowsFrom(a.rule, pos[r], j, first[r]))) {
           if (lse2[r] != -INFINITY) p = exp2f(s[n][e] * scale2 - lse2[r]);
         }
         dp[n][e] = p * (dp[n][e] - dl[r]);

@@ -32,7 +32,27 @@ struct Case {
   AttentionDims dims;
   AttentionOptions options;
   bool sinks = false;
+  // Packed rows: [batch, q_len] first visible keys (empty: none).
+  std::vector<int32_t> key_begin;
 };
+
+// key_begin of `batch` rows of t tokens packed with examples starting at
+// `starts` (the first is 0): each token sees keys from its example's start.
+std::vector<int32_t> PackedRows(int64_t batch, int64_t t,
+                                const std::vector<int32_t>& starts) {
+  std::vector<int32_t> first(batch * t);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < t; ++i) {
+      int32_t start = 0;
+      for (int32_t s : starts) {
+        if (s <= i) start = s;
+      }
+      // Shift the second row's boundaries so rows differ.
+      first[b * t + i] = b == 0 ? start : std::min<int32_t>(i, start + 3);
+    }
+  }
+  return first;
+}
 
 int64_t Dv(const AttentionDims& d) {
   return d.v_head_dim == 0 ? d.head_dim : d.v_head_dim;
@@ -68,6 +88,7 @@ void CheckCase(const Case& c) {
   // CPU reference.
   AttentionOptions cpu_options = c.options;
   cpu_options.sinks = c.sinks ? sinks.data() : nullptr;
+  cpu_options.key_begin = c.key_begin.empty() ? nullptr : c.key_begin.data();
   const std::vector<float> qf = ToFloat(q), kf = ToFloat(k), vf = ToFloat(v),
                            dof = ToFloat(dout);
   std::vector<float> out(no), lse(nl);
@@ -95,8 +116,11 @@ void CheckCase(const Case& c) {
       g_ds(std::vector<float>(std::max<size_t>(sinks.size(), 1), 0.0f));
   const size_t ws_bytes = AttentionBackwardWorkspaceBytes(d);
   DeviceBuffer<float> d_ws(std::max<size_t>(ws_bytes / sizeof(float), 1));
+  DeviceBuffer<int32_t> d_key_begin(
+      c.key_begin.empty() ? std::vector<int32_t>{0} : c.key_begin);
   AttentionOptions gpu_options = c.options;
   gpu_options.sinks = c.sinks ? d_sinks.get() : nullptr;
+  gpu_options.key_begin = c.key_begin.empty() ? nullptr : d_key_begin.get();
   SHARDD_ASSERT_OK(AttentionForward(d, gpu_options, d_q.get(), d_k.get(),
                                     d_v.get(), d_out.get(), d_lse.get(),
                                     gpu.stream()));
@@ -231,6 +255,25 @@ std::vector<Case> Cases() {
                    Options(AttentionMask::kSlidingWindow, 0.125f)};
   mma_sliding.options.window = 70;
   cases.push_back(mma_sliding);
+  // Packed SFT rows (key_begin): examples restart inside a row, on the
+  // generic kernels (fp32, and bf16 with dh 32) and on the tensor-core ones.
+  Case packed{"packed causal", Dims(2, 70, 70, 2, 1, 32),
+              Options(AttentionMask::kCausal, 0.18f)};
+  packed.key_begin = PackedRows(2, 70, {0, 20, 45, 46});
+  cases.push_back(packed);
+  Case packed_sliding{"packed sliding sinks", Dims(1, 90, 90, 2, 2, 48),
+                      Options(AttentionMask::kSlidingWindow, 0.14f), true};
+  packed_sliding.options.window = 24;
+  packed_sliding.key_begin = PackedRows(1, 90, {0, 33, 70});
+  cases.push_back(packed_sliding);
+  Case packed_mma{"mma packed gqa causal 128", Dims(2, 150, 150, 4, 2, 128),
+                  Options(AttentionMask::kCausal, 0.088f)};
+  packed_mma.key_begin = PackedRows(2, 150, {0, 17, 64, 65, 130});
+  cases.push_back(packed_mma);
+  Case packed_mma64{"mma packed mqa 64", Dims(1, 200, 200, 4, 1, 64),
+                    Options(AttentionMask::kCausal, 0.125f)};
+  packed_mma64.key_begin = PackedRows(1, 200, {0, 100, 150});
+  cases.push_back(packed_mma64);
   return cases;
 }
 

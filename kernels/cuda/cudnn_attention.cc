@@ -125,6 +125,10 @@ absl::Status CudnnAttentionSupports(const AttentionDims& dims,
   if (options.sinks != nullptr) {
     return absl::UnimplementedError("cuDNN attention: sink logits");
   }
+  if (options.key_begin != nullptr) {
+    return absl::UnimplementedError(
+        "cuDNN attention: packed rows (options.key_begin)");
+  }
   if (options.mask != AttentionMask::kCausal &&
       options.mask != AttentionMask::kSlidingWindow) {
     return absl::UnimplementedError(

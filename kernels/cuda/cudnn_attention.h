@@ -61,10 +61,10 @@ absl::StatusOr<int64_t> LoadCudnn();
 // Whether cuDNN's fused attention computes this call: bf16 storage, q and
 // v heads of equal width, a multiple of 8 and at most 256 (Hopper's limit
 // for the fused backward), causal or sliding-window masks with queries
-// and keys aligned (q_offset 0, T == S), and no sinks. OK when it does;
-// UNIMPLEMENTED naming the first reason when not (the own kernels compute
-// those: block-causal masks and decodes with offsets, 512-wide heads, sinks,
-// fp32 storage).
+// and keys aligned (q_offset 0, T == S), no sinks and no packed rows
+// (options.key_begin). OK when it does; UNIMPLEMENTED naming the first
+// reason when not (the own kernels compute those: block-causal masks and
+// decodes with offsets, 512-wide heads, sinks, packed rows, fp32 storage).
 absl::Status CudnnAttentionSupports(const AttentionDims& dims,
                                     const AttentionOptions& options,
                                     bool bf16);

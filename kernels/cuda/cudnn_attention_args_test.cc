@@ -73,6 +73,12 @@ TEST(CudnnAttentionRuleTest, LeavesTheRestToTheOwnKernels) {
   gpt_oss.sinks = sinks;
   EXPECT_THAT(CudnnAttentionSupports(Qwen3Like(), gpt_oss, true),
               unimplemented("sink"));
+  // Packed SFT rows: cuDNN's masks cannot restart inside a row.
+  const int32_t first[1] = {0};
+  AttentionOptions packed = causal;
+  packed.key_begin = first;
+  EXPECT_THAT(CudnnAttentionSupports(Qwen3Like(), packed, true),
+              unimplemented("packed rows"));
 }
 
 TEST(AttentionKernelsTest, ReadsTheEnvironment) {
