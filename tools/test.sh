@@ -5,7 +5,8 @@
 # allocator compile and link too and their CPU-runnable tests run; tests
 # tagged "gpu" are built but not run there (they need a GPU: run them with
 # `bazel test --config=cuda --test_tag_filters=gpu //...` on a GPU machine).
-# The default (CUDA-free) build is then checked to still build. Extra
+# Then the GPU check's bundle is built and dry-run (tools/gpu_check.sh
+# --dry-run), and the default (CUDA-free) build is checked to still build. Extra
 # arguments go to `bazel test`. First, tools/check_layering.sh checks that
 # no package depends on one above it.
 set -euo pipefail
@@ -19,6 +20,9 @@ status=0
 tools/check_layering.sh || status=1
 if [[ -x /usr/local/cuda/bin/nvcc ]]; then
   bazel test --config=cuda --test_tag_filters=-gpu //... "$@" || status=$?
+  # The GPU check's bundle from this tree, and its dry run: everything
+  # tools/gpu_check.sh needs is built, fits the device tool and is present.
+  { tools/gpu_bundle.sh && tools/gpu_check.sh --dry-run; } || status=1
   bazel build //... || status=1
 else
   bazel test //... "$@" || status=$?
