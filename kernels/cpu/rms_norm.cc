@@ -41,8 +41,7 @@ absl::Status RmsNormForward(const float* x, const float* weight, int64_t rows,
       float* yr = y + r * dim;
       double sum_sq = 0.0;
       for (int64_t d = 0; d < dim; ++d) sum_sq += double{xr[d]} * xr[d];
-      const float inv =
-          static_cast<float>(1.0 / std::sqrt(sum_sq / dim + double{eps}));
+      const float inv = RmsNormInverse(sum_sq, dim, eps);
       inv_rms[r] = inv;
       // (x * inv_rms) * weight, in that order, as the HF reference computes
       // it.
@@ -82,7 +81,7 @@ absl::Status RmsNormBackward(const float* dy, const float* x,
         dot += double{dyr[d]} * weight[d] * xhat;
         dw_sum[d] += double{dyr[d]} * xhat;
       }
-      const float mean_dot = static_cast<float>(dot / dim);
+      const float mean_dot = RmsNormMeanDot(dot, dim);
       for (int64_t d = 0; d < dim; ++d) {
         const float grad =
             RmsNormInputGrad(dyr[d], xr[d], weight[d], inv, mean_dot);

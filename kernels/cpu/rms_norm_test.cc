@@ -169,13 +169,15 @@ TEST(RmsNormTest, TheSharedElementFunctionsAreTheKernel) {
                                      rows, dim, got.data(), dw.data(),
                                      accumulate));
     for (int64_t r = 0; r < rows; ++r) {
-      double dot = 0.0;
+      double sum_sq = 0.0, dot = 0.0;
       for (int64_t d = 0; d < dim; ++d) {
         const int64_t k = r * dim + d;
+        sum_sq += double{x[k]} * x[k];
         ASSERT_EQ(y[k], RmsNormOut(x[k], inv[r], w[d])) << k;
         dot += double{dy[k]} * w[d] * RmsNormHat(x[k], inv[r]);
       }
-      const float mean_dot = static_cast<float>(dot / dim);
+      ASSERT_EQ(inv[r], RmsNormInverse(sum_sq, dim, 1e-6f)) << r;
+      const float mean_dot = RmsNormMeanDot(dot, dim);
       for (int64_t d = 0; d < dim; ++d) {
         const int64_t k = r * dim + d;
         const float grad = RmsNormInputGrad(dy[k], x[k], w[d], inv[r], mean_dot);

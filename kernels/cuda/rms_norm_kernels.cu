@@ -38,7 +38,8 @@ __global__ void __launch_bounds__(kRowThreads)
       sum_sq += v * v;
     }
     sum_sq = BlockSum(sum_sq, scratch);
-    const float inv = 1.0f / sqrtf(sum_sq / static_cast<float>(dim) + eps);
+    // The row's fp32 block sum, turned into inv_rms as on the CPU.
+    const float inv = RmsNormInverse(sum_sq, dim, eps);
     if (threadIdx.x == 0) inv_rms[r] = inv;
     // (x * inv_rms) * weight, in that order, as the CPU kernel computes it.
     for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) {
@@ -64,11 +65,11 @@ __global__ void __launch_bounds__(kRowThreads)
     const float inv = inv_rms[r];
     float dot = 0.0f;
     for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) {
-      const float xhat = LoadAsFloat(xr + d) * inv;
+      const float xhat = RmsNormHat(LoadAsFloat(xr + d), inv);
       dot += LoadAsFloat(dyr + d) * LoadAsFloat(weight + d) * xhat;
     }
     dot = BlockSum(dot, scratch);
-    const float mean_dot = dot / static_cast<float>(dim);
+    const float mean_dot = RmsNormMeanDot(dot, dim);
     for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) {
       const float grad =
           RmsNormInputGrad(LoadAsFloat(dyr + d), LoadAsFloat(xr + d),
@@ -96,7 +97,7 @@ __global__ void __launch_bounds__(kColumnThreads)
   const int64_t end = min(begin + rows_per_chunk, rows);
   float sum = 0.0f;
   for (int64_t r = begin; r < end; ++r) {
-    const float xhat = LoadAsFloat(x + r * dim + d) * inv_rms[r];
+    const float xhat = RmsNormHat(LoadAsFloat(x + r * dim + d), inv_rms[r]);
     sum += LoadAsFloat(dy + r * dim + d) * xhat;
   }
   partials[chunk * dim + d] = sum;
