@@ -58,6 +58,39 @@ SHARDD_HOST_DEVICE_INLINE float RnSqrt(float a) {
 #endif
 }
 
+// The same for double (the load-balancing loss's sums and factors).
+SHARDD_HOST_DEVICE_INLINE double RnDAdd(double a, double b) {
+#ifdef __CUDA_ARCH__
+  return __dadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+SHARDD_HOST_DEVICE_INLINE double RnDSub(double a, double b) {
+#ifdef __CUDA_ARCH__
+  return __dsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
+SHARDD_HOST_DEVICE_INLINE double RnDMul(double a, double b) {
+#ifdef __CUDA_ARCH__
+  return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+SHARDD_HOST_DEVICE_INLINE double RnDDiv(double a, double b) {
+#ifdef __CUDA_ARCH__
+  return __ddiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
 // The math library's functions, for element functions that keep them: glibc
 // on the host, CUDA's on the device. Unlike the operations above these are
 // not correctly rounded, so the two sides may differ in the last bits (CUDA

@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/router_aux_loss_element.h"
 
 namespace shardd {
 namespace kernels {
@@ -45,9 +46,9 @@ double RouterAuxLossValue(const int64_t* counts, const double* prob_sums,
   const double r = static_cast<double>(total_rows);
   double sum = 0.0;
   for (int64_t e = 0; e < experts; ++e) {
-    sum += (static_cast<double>(counts[e]) / r) * (prob_sums[e] / r);
+    sum = RnDAdd(sum, RouterAuxLossTerm(counts[e], prob_sums[e], r));
   }
-  return static_cast<double>(experts) * sum;
+  return RnDMul(static_cast<double>(experts), sum);
 }
 
 absl::Status RouterAuxLossBackward(const float* probs, int64_t rows,
@@ -69,16 +70,15 @@ absl::Status RouterAuxLossBackward(const float* probs, int64_t rows,
   const double r = static_cast<double>(total_rows);
   std::vector<double> g(experts);
   for (int64_t e = 0; e < experts; ++e) {
-    g[e] = scale * static_cast<double>(experts) *
-           static_cast<double>(counts[e]) / (r * r);
+    g[e] = RouterAuxProbGrad(scale, experts, counts[e], r);
   }
   for (int64_t t = 0; t < rows; ++t) {
     const float* p = probs + t * experts;
     double dot = 0.0;
-    for (int64_t e = 0; e < experts; ++e) dot += p[e] * g[e];
+    for (int64_t e = 0; e < experts; ++e) dot = RouterAuxDotStep(dot, p[e], g[e]);
     float* dl = d_logits + t * experts;
     for (int64_t e = 0; e < experts; ++e) {
-      dl[e] = static_cast<float>(p[e] * (g[e] - dot));
+      dl[e] = RouterAuxLogitGrad(p[e], g[e], dot);
     }
   }
   return absl::OkStatus();

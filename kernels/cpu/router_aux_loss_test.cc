@@ -11,6 +11,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/grad_check.h"
 #include "kernels/cpu/router.h"
+#include "kernels/cpu/router_aux_loss_element.h"
 
 namespace shardd {
 namespace kernels {
@@ -232,6 +233,45 @@ TEST(RouterAuxLossTest, ThroughTheRouterOfEachScoring) {
     ExpectGradNear(dw, NumericGrad(w, 1e-2, aux), 5e-4, "dW");
     ExpectGradNear(db, NumericGrad(b, 1e-2, aux), 5e-4, "db");
     ExpectGradNear(dx, NumericGrad(x, 1e-2, aux), 5e-4, "dx");
+  }
+}
+
+// The CUDA kernels share router_aux_loss_element.h; the CPU kernel must
+// compute exactly those functions (each double operation rounded once).
+TEST(RouterAuxLossTest, TheSharedElementFunctionsAreTheKernel) {
+  const Rows in = RandomRows(37, 16, 4, 5);
+  std::vector<int64_t> counts(in.experts, 0);
+  std::vector<double> prob_sums(in.experts, 0.0);
+  SHARDD_ASSERT_OK(RouterAuxLossAccumulate(in.probs.data(), in.indices.data(),
+                                           in.rows, in.experts, in.k,
+                                           counts.data(), prob_sums.data()));
+  const double r = static_cast<double>(in.rows);
+  double sum = 0.0;
+  for (int64_t e = 0; e < in.experts; ++e) {
+    sum = RnDAdd(sum, RouterAuxLossTerm(counts[e], prob_sums[e], r));
+  }
+  EXPECT_EQ(RouterAuxLossValue(counts.data(), prob_sums.data(), in.rows,
+                               in.experts),
+            RnDMul(static_cast<double>(in.experts), sum));
+  const double scale = 0.013;
+  std::vector<float> d(in.rows * in.experts);
+  SHARDD_ASSERT_OK(RouterAuxLossBackward(in.probs.data(), in.rows, in.experts,
+                                         counts.data(), in.rows, scale,
+                                         d.data()));
+  for (int64_t t = 0; t < in.rows; ++t) {
+    const float* p = in.probs.data() + t * in.experts;
+    double dot = 0.0;
+    for (int64_t e = 0; e < in.experts; ++e) {
+      dot = RouterAuxDotStep(dot, p[e],
+                             RouterAuxProbGrad(scale, in.experts, counts[e], r));
+    }
+    for (int64_t e = 0; e < in.experts; ++e) {
+      ASSERT_EQ(d[t * in.experts + e],
+                RouterAuxLogitGrad(
+                    p[e], RouterAuxProbGrad(scale, in.experts, counts[e], r),
+                    dot))
+          << t << " " << e;
+    }
   }
 }
 

@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/cpu/router_aux_loss_element.h"
 #include "kernels/cuda/device_math.h"
 #include "kernels/cuda/router_aux_loss_kernels.h"
 
@@ -48,9 +49,9 @@ __global__ void RouterAuxValueKernel(const int64_t* __restrict__ counts,
   const double r = static_cast<double>(rows);
   double sum = 0.0;
   for (int64_t e = 0; e < experts; ++e) {
-    sum += (static_cast<double>(counts[e]) / r) * (prob_sums[e] / r);
+    sum = RnDAdd(sum, RouterAuxLossTerm(counts[e], prob_sums[e], r));
   }
-  *value = static_cast<double>(experts) * sum;
+  *value = RnDMul(static_cast<double>(experts), sum);
 }
 
 // One warp per row; g[e] is recomputed where needed, as the CPU forms it.
@@ -75,15 +76,13 @@ __global__ void __launch_bounds__(kThreads)
     }
     double dot = 0.0;
     for (int64_t e = lane; e < experts; e += 32) {
-      const double g = scale * static_cast<double>(experts) *
-                       static_cast<double>(counts[e]) / (r * r);
-      dot += p[e] * g;
+      dot = RouterAuxDotStep(dot, p[e],
+                             RouterAuxProbGrad(scale, experts, counts[e], r));
     }
     dot = WarpSum(dot);  // fixed butterfly: deterministic
     for (int64_t e = lane; e < experts; e += 32) {
-      const double g = scale * static_cast<double>(experts) *
-                       static_cast<double>(counts[e]) / (r * r);
-      dl[e] = static_cast<float>(p[e] * (g - dot));
+      dl[e] = RouterAuxLogitGrad(
+          p[e], RouterAuxProbGrad(scale, experts, counts[e], r), dot);
     }
   }
 }
