@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/bias_element.h"
 #include "kernels/cpu/compute_pool.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/simd_level.h"
@@ -380,7 +381,9 @@ absl::Status GroupedExpertsForward(const ExpertDims& dims,
     if (options.down_bias != nullptr) {
       const float* b = options.down_bias + e * d;
       for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t j = 0; j < d; ++j) o[r * d + j] += w[r] * b[j];
+        for (int64_t j = 0; j < d; ++j) {
+          o[r * d + j] = AddScaledBiasValue(o[r * d + j], w[r], b[j]);
+        }
       }
     }
   });

@@ -3,6 +3,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/bias_element.h"
 #include "kernels/cpu/gemm.h"
 
 namespace shardd {
@@ -57,7 +58,9 @@ absl::Status LinearBackward(const float* x, const float* w, const float* dy,
 
 void AddBias(const float* b, int64_t tokens, int64_t out, float* y) {
   for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t o = 0; o < out; ++o) y[t * out + o] += b[o];
+    for (int64_t o = 0; o < out; ++o) {
+      y[t * out + o] = AddBiasValue(y[t * out + o], b[o]);
+    }
   }
 }
 

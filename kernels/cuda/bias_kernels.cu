@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/cpu/bias_element.h"
 #include "kernels/cuda/bias_kernels.h"
 #include "kernels/cuda/device_math.h"
 
@@ -26,13 +27,14 @@ __global__ void __launch_bounds__(kAddThreads)
     Y* row = y + r * cols;
     if (row_scale == nullptr) {
       for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-        StoreFromFloat(row + c, LoadAsFloat(row + c) + LoadAsFloat(bias + c));
+        StoreFromFloat(row + c,
+                       AddBiasValue(LoadAsFloat(row + c), LoadAsFloat(bias + c)));
       }
     } else {
       const float scale = row_scale[r];
       for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-        StoreFromFloat(row + c,
-                       LoadAsFloat(row + c) + scale * LoadAsFloat(bias + c));
+        StoreFromFloat(row + c, AddScaledBiasValue(LoadAsFloat(row + c), scale,
+                                                   LoadAsFloat(bias + c)));
       }
     }
   }
