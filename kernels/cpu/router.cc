@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/router_grad_element.h"
 #include "kernels/cpu/router_select.h"
 
 namespace shardd {
@@ -296,11 +297,12 @@ absl::Status RouterBackward(const RouterDims& dims, const float* x,
     const float* wt = cache->probs.data() + t * k;
     const int32_t* idx = cache->indices.data() + t * k;
     const float* dwt = d_weights + t * k;
-    float dot = 0.0f;
-    for (int64_t j = 0; j < k; ++j) dot += wt[j] * dwt[j];
+    const float dot = RouterPickedSoftmaxDot(wt, dwt, k);
     float* dl = d_logits + t * e_count;
     std::fill(dl, dl + e_count, 0.0f);
-    for (int64_t j = 0; j < k; ++j) dl[idx[j]] = wt[j] * (dwt[j] - dot);
+    for (int64_t j = 0; j < k; ++j) {
+      dl[idx[j]] = RouterPickedSoftmaxGrad(wt[j], dwt[j], dot);
+    }
   }
   for (int64_t t = 0;
        t < t_count && dims.scoring == RouterScoring::kSigmoidGroupLimited;
@@ -314,13 +316,10 @@ absl::Status RouterBackward(const RouterDims& dims, const float* x,
     const float denom = cache->denom[t];
     float* dl = d_logits + t * e_count;
     std::fill(dl, dl + e_count, 0.0f);
-    float dot = 0.0f;
-    if (denom > 0.0f) {
-      for (int64_t j = 0; j < k; ++j) dot += dwt[j] * s[j] / denom;
-    }
-    const float mult = denom > 0.0f ? dims.scale / denom : dims.scale;
+    const float dot = RouterSigmoidDot(s, dwt, k, denom);
+    const float mult = RouterSigmoidMult(dims.scale, denom);
     for (int64_t j = 0; j < k; ++j) {
-      dl[idx[j]] = mult * (dwt[j] - dot) * s[j] * (1.0f - s[j]);
+      dl[idx[j]] = RouterSigmoidGrad(mult, dwt[j], dot, s[j]);
     }
   }
   for (int64_t t = 0;
@@ -330,29 +329,26 @@ absl::Status RouterBackward(const RouterDims& dims, const float* x,
     const float* dwt = d_weights + t * k;
     const float denom = cache->denom[t];
     const bool renormalized = denom > 0.0f;
-    const float inv = renormalized ? 1.0f / denom : 1.0f;
+    const float inv = RouterRenormInverse(denom);
     // w_j = p_j / S: dL/dp_j = (dw_j - sum_i dw_i w_i) / S, unless S was
     // clamped, in which case S is a constant; without renormalization
     // w_j = p_j and dL/dp_j = dw_j.
-    float raw_sum = 0.0f;
-    for (int64_t j = 0; j < k; ++j) raw_sum += p[idx[j]];
-    float dot = 0.0f;
-    if (renormalized && raw_sum > kMinDenominator) {
-      for (int64_t j = 0; j < k; ++j) dot += dwt[j] * p[idx[j]] * inv;
-    }
+    const bool varies =
+        renormalized && RouterPickedSum(p, idx, k) > kMinDenominator;
+    const float dot = RouterRenormDot(p, idx, dwt, k, inv, varies);
     // Softmax backward: dlogit_e = p_e (dp_e - sum_j p_j dp_j), where dp is
     // non-zero only on the selected experts.
-    float inner = 0.0f;
-    for (int64_t j = 0; j < k; ++j) inner += p[idx[j]] * (dwt[j] - dot) * inv;
+    const float inner = RouterRenormInner(p, idx, dwt, k, dot, inv);
     float* dl = d_logits + t * e_count;
-    for (int64_t e = 0; e < e_count; ++e) dl[e] = -p[e] * inner;
+    for (int64_t e = 0; e < e_count; ++e) dl[e] = RnMul(-p[e], inner);
     for (int64_t j = 0; j < k; ++j) {
-      dl[idx[j]] += p[idx[j]] * (dwt[j] - dot) * inv;
+      dl[idx[j]] =
+          RnAdd(dl[idx[j]], RouterRenormPickGrad(p[idx[j]], dwt[j], dot, inv));
     }
   }
   if (extra_d_logits != nullptr) {
     for (int64_t i = 0; i < t_count * e_count; ++i) {
-      d_logits[i] += extra_d_logits[i];
+      d_logits[i] = RnAdd(d_logits[i], extra_d_logits[i]);
     }
   }
   if (dx != nullptr) {

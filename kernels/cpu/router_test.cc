@@ -12,6 +12,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/bf16.h"
+#include "kernels/cpu/router_grad_element.h"
 #include "kernels/cpu/test_vectors.h"
 
 namespace shardd {
@@ -138,6 +139,86 @@ void ExpectClose(const std::vector<float>& got, const std::vector<double>& want,
   for (double v : want) scale = std::max(scale, std::abs(v));
   for (size_t i = 0; i < got.size(); ++i) {
     EXPECT_NEAR(got[i], want[i], rel_tol * scale) << what << "[" << i << "]";
+  }
+}
+
+// The CUDA router shares router_grad_element.h; the CPU router's d_logits
+// must be exactly those functions (each fp32 operation rounded once) for
+// every scoring, with and without renormalisation and extra_d_logits.
+TEST(RouterTest, TheSharedGradientFunctionsAreTheKernel) {
+  struct Scoring {
+    RouterScoring scoring;
+    bool renormalize;
+    int64_t groups, top_groups;
+    float scale;
+  };
+  for (const Scoring& sc :
+       {Scoring{RouterScoring::kSoftmaxThenTopK, true, 1, 1, 1.0f},
+        Scoring{RouterScoring::kSoftmaxThenTopK, false, 1, 1, 1.0f},
+        Scoring{RouterScoring::kTopKThenSoftmax, true, 1, 1, 1.0f},
+        Scoring{RouterScoring::kSigmoidGroupLimited, true, 4, 2, 2.5f},
+        Scoring{RouterScoring::kSigmoidGroupLimited, false, 4, 2, 2.5f}}) {
+    RouterDims dm;
+    dm.tokens = 23;
+    dm.dim = 12;
+    dm.experts = 16;
+    dm.top_k = 4;
+    dm.renormalize = sc.renormalize;
+    dm.scoring = sc.scoring;
+    dm.groups = sc.groups;
+    dm.top_groups = sc.top_groups;
+    dm.scale = sc.scale;
+    const std::vector<float> x = RandomVector(dm.tokens * dm.dim, 31);
+    const std::vector<float> w = RandomVector(dm.experts * dm.dim, 32);
+    const std::vector<float> dwt = RandomVector(dm.tokens * dm.top_k, 33);
+    const std::vector<float> extra = RandomVector(dm.tokens * dm.experts, 34);
+    std::vector<int32_t> idx(dm.tokens * dm.top_k);
+    std::vector<float> wt(dm.tokens * dm.top_k), dx(dm.tokens * dm.dim);
+    RouterCache cache;
+    SHARDD_ASSERT_OK(RouterForward(dm, x.data(), w.data(), nullptr, idx.data(),
+                                   wt.data(), &cache));
+    SHARDD_ASSERT_OK(RouterBackward(dm, x.data(), w.data(), dwt.data(),
+                                    extra.data(), dx.data(), false, nullptr,
+                                    nullptr, &cache));
+    const int64_t k = dm.top_k, e_count = dm.experts;
+    for (int64_t t = 0; t < dm.tokens; ++t) {
+      const int32_t* id = cache.indices.data() + t * k;
+      const float* dw = dwt.data() + t * k;
+      std::vector<float> want(e_count, 0.0f);
+      if (sc.scoring == RouterScoring::kTopKThenSoftmax) {
+        const float* pw = cache.probs.data() + t * k;
+        const float dot = RouterPickedSoftmaxDot(pw, dw, k);
+        for (int64_t j = 0; j < k; ++j) {
+          want[id[j]] = RouterPickedSoftmaxGrad(pw[j], dw[j], dot);
+        }
+      } else if (sc.scoring == RouterScoring::kSigmoidGroupLimited) {
+        const float* ps = cache.probs.data() + t * k;
+        const float denom = cache.denom[t];
+        const float dot = RouterSigmoidDot(ps, dw, k, denom);
+        const float mult = RouterSigmoidMult(dm.scale, denom);
+        for (int64_t j = 0; j < k; ++j) {
+          want[id[j]] = RouterSigmoidGrad(mult, dw[j], dot, ps[j]);
+        }
+      } else {
+        const float* p = cache.probs.data() + t * e_count;
+        const float denom = cache.denom[t];
+        const float inv = RouterRenormInverse(denom);
+        const bool varies =
+            denom > 0.0f && RouterPickedSum(p, id, k) > kRouterMinDenominator;
+        const float dot = RouterRenormDot(p, id, dw, k, inv, varies);
+        const float inner = RouterRenormInner(p, id, dw, k, dot, inv);
+        for (int64_t e = 0; e < e_count; ++e) want[e] = -p[e] * inner;
+        for (int64_t j = 0; j < k; ++j) {
+          want[id[j]] += RouterRenormPickGrad(p[id[j]], dw[j], dot, inv);
+        }
+      }
+      for (int64_t e = 0; e < e_count; ++e) {
+        ASSERT_EQ(cache.d_logits[t * e_count + e],
+                  want[e] + extra[t * e_count + e])
+            << static_cast<int>(sc.scoring) << " renorm " << sc.renormalize
+            << " token " << t << " expert " << e;
+      }
+    }
   }
 }
 

@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/cpu/router_grad_element.h"
 #include "kernels/cpu/router_select.h"
 #include "kernels/cuda/device_math.h"
 #include "kernels/cuda/router_kernels.h"
@@ -159,23 +160,23 @@ __global__ void __launch_bounds__(kThreads)
     const int32_t* idx = saved_indices + t * top_k;
     const float* dwt = d_weights + t * top_k;
     const bool renormalized = denom[t] > 0.0f;
-    const float inv = renormalized ? 1.0f / denom[t] : 1.0f;
-    float raw_sum = 0.0f;
-    for (int j = 0; j < top_k; ++j) raw_sum += p[idx[j]];
-    float dot = 0.0f;
-    if (renormalized && raw_sum > kMinDenominator) {
-      for (int j = 0; j < top_k; ++j) dot += dwt[j] * p[idx[j]] * inv;
-    }
-    float inner = 0.0f;
-    for (int j = 0; j < top_k; ++j) inner += p[idx[j]] * (dwt[j] - dot) * inv;
+    const float inv = RouterRenormInverse(denom[t]);
+    const bool varies =
+        renormalized && RouterPickedSum(p, idx, top_k) > kMinDenominator;
+    const float dot = RouterRenormDot(p, idx, dwt, top_k, inv, varies);
+    const float inner = RouterRenormInner(p, idx, dwt, top_k, dot, inv);
     T* dl = d_logits + t * experts;
     for (int e = lane; e < experts; e += 32) {
       const float pe = p[e];
-      float value = -pe * inner;
+      float value = RnMul(-pe, inner);
       for (int j = 0; j < top_k; ++j) {
-        if (idx[j] == e) value += pe * (dwt[j] - dot) * inv;
+        if (idx[j] == e) {
+          value = RnAdd(value, RouterRenormPickGrad(pe, dwt[j], dot, inv));
+        }
       }
-      if (extra_d_logits != nullptr) value += extra_d_logits[t * experts + e];
+      if (extra_d_logits != nullptr) {
+        value = RnAdd(value, extra_d_logits[t * experts + e]);
+      }
       StoreFromFloat(dl + e, value);
     }
   }
@@ -300,23 +301,22 @@ __global__ void __launch_bounds__(kThreads) RouterSelectedDLogitsKernel(
     const float* dwt = d_weights + t * top_k;
     float dot = 0.0f, mult = 1.0f;
     if (kGroupLimited) {
-      const float d = denom[t];
-      if (d > 0.0f) {
-        for (int j = 0; j < top_k; ++j) dot += dwt[j] * s[j] / d;
-      }
-      mult = d > 0.0f ? scale / d : scale;
+      dot = RouterSigmoidDot(s, dwt, top_k, denom[t]);
+      mult = RouterSigmoidMult(scale, denom[t]);
     } else {
-      for (int j = 0; j < top_k; ++j) dot += s[j] * dwt[j];
+      dot = RouterPickedSoftmaxDot(s, dwt, top_k);
     }
     T* dl = d_logits + t * experts;
     for (int e = lane; e < experts; e += 32) {
       float value = 0.0f;
       for (int j = 0; j < top_k; ++j) {
         if (idx[j] != e) continue;
-        value = kGroupLimited ? mult * (dwt[j] - dot) * s[j] * (1.0f - s[j])
-                              : s[j] * (dwt[j] - dot);
+        value = kGroupLimited ? RouterSigmoidGrad(mult, dwt[j], dot, s[j])
+                              : RouterPickedSoftmaxGrad(s[j], dwt[j], dot);
       }
-      if (extra_d_logits != nullptr) value += extra_d_logits[t * experts + e];
+      if (extra_d_logits != nullptr) {
+        value = RnAdd(value, extra_d_logits[t * experts + e]);
+      }
       StoreFromFloat(dl + e, value);
     }
   }
