@@ -413,16 +413,6 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::LoadPlan(
     return absl::Status(fits.code(),
                         absl::StrCat("train.data_path: ", fits.message()));
   }
-  if (source->masked()) {
-    // An SFT dataset's loss mask (docs/sft_data.md).
-    if (options_.device >= 0) {
-      return absl::UnimplementedError(absl::StrCat(
-          "train.data_path: ", train.data_path(),
-          " is an SFT dataset; loss-masked training runs on the CPU workers "
-          "only for now, this worker trains on cuda:",
-          options_.device));
-    }
-  }
   job->entropy_rate = source->BestLoss(train.seq_len());
   job->one_token_loss = source->OneTokenLoss(train.seq_len());
   data::BatchSamplerOptions sampler_options;
@@ -435,12 +425,6 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::LoadPlan(
                           data::BatchSampler::Create(source, sampler_options));
   job->sampler = std::make_unique<data::BatchSampler>(std::move(sampler));
   if (!train.eval_data_path().empty()) {
-    if (options_.device >= 0) {
-      return absl::UnimplementedError(absl::StrCat(
-          "train.eval_data_path: evaluation runs on the CPU path only; this "
-          "worker trains on cuda:",
-          options_.device));
-    }
     // The same batches every evaluation: the file in order from its start.
     data::DataSourceOptions eval_options = source_options;
     eval_options.path = train.eval_data_path();

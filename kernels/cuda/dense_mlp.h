@@ -32,6 +32,11 @@ namespace shardd {
 namespace kernels {
 namespace cuda {
 
+// The gate's activation: the CPU kernels' enum (SwiGLU or GeGLU), named
+// in full so that grouped_experts.h's enum of the same name in this
+// namespace never shadows it.
+using DenseActivation = ::shardd::kernels::GatedActivation;
+
 struct DenseMlpDims {
   int64_t tokens = 0;        // T >= 0
   int64_t dim = 0;           // D >= 1
@@ -53,14 +58,14 @@ size_t DenseMlpBackwardWorkspaceBytes(const DenseMlpDims& dims, DType dtype);
 // small or misaligned saved buffer or workspace; cuBLAS and launch errors via
 // CublasStatus/CudaStatus.
 absl::Status DenseMlpForward(const DenseMlpDims& dims,
-                             GatedActivation activation, const float* x,
+                             DenseActivation activation, const float* x,
                              const float* gate_proj, const float* up_proj,
                              const float* down_proj, float* y,
                              bool accumulate_y, void* saved, size_t saved_bytes,
                              void* workspace, size_t workspace_bytes,
                              cublasHandle_t handle, cudaStream_t stream);
 absl::Status DenseMlpForward(const DenseMlpDims& dims,
-                             GatedActivation activation, const uint16_t* x,
+                             DenseActivation activation, const uint16_t* x,
                              const uint16_t* gate_proj, const uint16_t* up_proj,
                              const uint16_t* down_proj, uint16_t* y,
                              bool accumulate_y, void* saved, size_t saved_bytes,
@@ -76,7 +81,7 @@ absl::Status DenseMlpForward(const DenseMlpDims& dims,
 // gate_proj and up_proj for dx, down_proj for anything but d_down_proj.
 // Errors: as the forward.
 absl::Status DenseMlpBackward(const DenseMlpDims& dims,
-                              GatedActivation activation, const float* x,
+                              DenseActivation activation, const float* x,
                               const float* gate_proj, const float* up_proj,
                               const float* down_proj, const float* dy,
                               const void* saved, size_t saved_bytes, float* dx,
@@ -85,7 +90,7 @@ absl::Status DenseMlpBackward(const DenseMlpDims& dims,
                               void* workspace, size_t workspace_bytes,
                               cublasHandle_t handle, cudaStream_t stream);
 absl::Status DenseMlpBackward(
-    const DenseMlpDims& dims, GatedActivation activation, const uint16_t* x,
+    const DenseMlpDims& dims, DenseActivation activation, const uint16_t* x,
     const uint16_t* gate_proj, const uint16_t* up_proj,
     const uint16_t* down_proj, const uint16_t* dy, const void* saved,
     size_t saved_bytes, uint16_t* dx, bool accumulate_dx, float* d_gate_proj,

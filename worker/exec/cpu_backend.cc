@@ -264,34 +264,11 @@ absl::Status CpuBackend::BeginStep(const v1::StepProgram& header,
     model_options_ = wanted;
   }
   SHARDD_RETURN_IF_ERROR(SetStepBatches(model_.get(), batches));
-  for (size_t m = 0; m < batches.size(); ++m) {
-    if (batches[m].segment_starts.empty()) continue;
-    SHARDD_RETURN_IF_ERROR(model_->SetRowSegments(
-        static_cast<int>(m), batches[m].segment_starts.data()));
-  }
-  model_->SetEvaluation(header.eval());
-  // A masked batch (SFT): the loss is the mean over the global batch's
-  // counted tokens, shared by every data-parallel rank.
-  model_->SetGlobalLossTokens(
-      batches.empty() ? 0 : batches[0].step_counted,
+  SHARDD_RETURN_IF_ERROR(SetStepExtras(
+      header,
       std::max(1, plan_.mesh().dp_shard()) *
           std::max(1, plan_.mesh().dp_replicate()),
-      batches.empty() ? 0 : batches[0].step_canvas_counted);
-  // DiffusionGemma's canvas noise is keyed by the step and each row's global
-  // index, so every data-parallel layout draws the same.
-  for (size_t m = 0; m < batches.size(); ++m) {
-    const data::MicroBatch& b = batches[m];
-    if (static_cast<int64_t>(b.sequence_indices.size()) != b.rows) continue;
-    SHARDD_RETURN_IF_ERROR(model_->SetSequenceKeys(
-        static_cast<int>(m), header.step(), b.sequence_indices.data()));
-  }
-  // DiffusionGemma's SFT rows: each row's own prompt and canvas.
-  for (size_t m = 0; m < batches.size(); ++m) {
-    if (batches[m].canvas_starts.empty()) continue;
-    SHARDD_RETURN_IF_ERROR(model_->SetCanvasRows(
-        static_cast<int>(m), batches[m].canvas_starts.data(),
-        batches[m].canvas_targets.data()));
-  }
+      batches, model_.get()));
   comm_->Reset();
   // A failed step may have left activations behind; count what is held.
   SyncActivations(model_->activation_bytes(), model_->activation_bytes());
@@ -312,18 +289,8 @@ absl::Status CpuBackend::BeginStep(const v1::StepProgram& header,
 
 absl::Status CpuBackend::CreateModel(const MoeModelOptions& options) {
   SHARDD_ASSIGN_OR_RETURN(model_, MoeModel::Create(model_spec_, options));
-  const int layers = model_->num_layers();
-  std::vector<bool> whole(layers, false), experts(layers, false);
-  for (const v1::LayerActivations& l : plan_.activations().layers()) {
-    if (l.layer() < 0 || l.layer() >= layers) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("plan.activations.layers: layer ", l.layer(),
-                       " outside [0, ", layers, ")"));
-    }
-    whole[l.layer()] = l.recompute();
-    experts[l.layer()] = l.recompute_experts();
-  }
-  SHARDD_RETURN_IF_ERROR(model_->SetRecompute(whole, experts));
+  SHARDD_RETURN_IF_ERROR(
+      ApplyRecompute(plan_, model_->num_layers(), model_.get()));
   if (exchange_ != nullptr) {
     // The plan's skew bound, when the job set one.
     const v1::ActivationModel& a = plan_.activations();

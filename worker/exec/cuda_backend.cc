@@ -96,13 +96,6 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   }
   SHARDD_RETURN_IF_ERROR(CheckStepGroups(
       plan, step.shard_rank, step.replica_rank, *shard_group, replicas));
-  for (const v1::LayerActivations& layer : plan.activations().layers()) {
-    if (layer.recompute() || layer.recompute_experts()) {
-      return absl::UnimplementedError(
-          "activation_checkpointing: the CUDA path does not recompute yet; "
-          "train with none");
-    }
-  }
   // The CPU kernel's checks are the GPU kernel's (n = 0 launches nothing).
   SHARDD_RETURN_IF_ERROR(CheckStepOptions(step.collective_timeout,
                                           step.max_grad_norm, step.adamw));
@@ -172,6 +165,8 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   SHARDD_ASSIGN_OR_RETURN(
       executor->model_,
       DeviceMoeModel::Create(model, model_options, allocator));
+  SHARDD_RETURN_IF_ERROR(ApplyRecompute(plan, executor->model_->num_layers(),
+                                        executor->model_.get()));
   return executor;
 }
 
@@ -195,12 +190,6 @@ int64_t CudaBackend::CommunicatorSyncs() const {
 
 absl::Status CudaBackend::BeginStep(
     const v1::StepProgram& header, absl::Span<const data::MicroBatch> batches) {
-  if (header.eval()) {
-    // The device model computes its loss in BACKWARD(HEAD) only.
-    return absl::UnimplementedError(
-        "program.eval: evaluation runs on the CPU path only; the CUDA path "
-        "does not evaluate yet");
-  }
   const MoeModelOptions wanted = ModelOptionsFor(
       header.microbatches(), header.passes(), header.no_grad_passes(),
       options_.step.self_conditioning_scale, options_.step.diffusion);
@@ -212,24 +201,16 @@ absl::Status CudaBackend::BeginStep(
     model_options.activations = ActivationDType(plan_);
     SHARDD_ASSIGN_OR_RETURN(
         model_, DeviceMoeModel::Create(model_spec_, model_options, allocator_));
+    SHARDD_RETURN_IF_ERROR(
+        ApplyRecompute(plan_, model_->num_layers(), model_.get()));
     model_options_ = wanted;
   }
   SHARDD_RETURN_IF_ERROR(SetStepBatches(model_.get(), batches));
-  for (const data::MicroBatch& b : batches) {
-    if (!b.segment_starts.empty() || b.step_counted > 0) {
-      return absl::UnimplementedError(
-          "batches: SFT rows (a loss mask, packed examples) train on the CPU "
-          "workers only for now (docs/sft_data.md)");
-    }
-  }
-  // DiffusionGemma's canvas noise is keyed by the step and each row's global
-  // index, so every data-parallel layout draws the same (as on the CPU).
-  for (size_t m = 0; m < batches.size(); ++m) {
-    const data::MicroBatch& b = batches[m];
-    if (static_cast<int64_t>(b.sequence_indices.size()) != b.rows) continue;
-    SHARDD_RETURN_IF_ERROR(model_->SetSequenceKeys(
-        static_cast<int>(m), header.step(), b.sequence_indices.data()));
-  }
+  SHARDD_RETURN_IF_ERROR(
+      SetStepExtras(header,
+                    std::max(1, plan_.mesh().dp_shard()) *
+                        std::max(1, plan_.mesh().dp_replicate()),
+                    batches, model_.get()));
   allocator_->ResetPeaks();
   tracker_->ResetPeaks();
   allocator_start_ = allocator_->stats();
@@ -238,6 +219,7 @@ absl::Status CudaBackend::BeginStep(
   comm_syncs_start_ = CommunicatorSyncs();
   host_syncs_start_ = host_syncs_;
   peak_activation_bytes_ = 0;
+  activation_trace_.clear();
   return absl::OkStatus();
 }
 
@@ -292,9 +274,15 @@ absl::Status CudaBackend::Run(const v1::Command& c, const std::string& label,
     case v1::Command::BACKWARD: {
       Params params(store, state);
       status = model_->Run(c, &params);
+      if (plan_.has_activations()) {
+        // The step driver's ledger, command by command (the plan's
+        // replay; step_executor_test's trace on the CPU).
+        activation_trace_.push_back(
+            {model_->command_activation_peak(), model_->activation_bytes()});
+      }
       if (status.ok()) {
         peak_activation_bytes_ =
-            std::max(peak_activation_bytes_, model_->activation_bytes());
+            std::max(peak_activation_bytes_, model_->command_activation_peak());
       }
       if (status.ok() && c.op() == v1::Command::FORWARD &&
           c.part() == v1::Command::HEAD && c.requires_grad()) {
@@ -416,6 +404,11 @@ absl::Status CudaBackend::EndStep(const StepState& state,
                      options_.step.shard_rank, ": ", loss.status().message(),
                      "; the update was not applied"));
   }
+  if (state.eval()) {
+    // An evaluation: no OPTIMIZER_STEP ran, nothing is updated.
+    FillResult(loss->loss, loss->tokens, /*norm=*/0.0, /*clip=*/1.0, result);
+    return absl::OkStatus();
+  }
   const NormScratch host = *host_norm_;
   const double norm = host.total_norm;
   if (!std::isfinite(norm)) {
@@ -454,15 +447,23 @@ absl::Status CudaBackend::EndStep(const StepState& state,
   SHARDD_RETURN_IF_ERROR(store_->ZeroShardGrads());
   *optimizer_steps = step;
 
-  result->loss = loss->loss;
-  result->tokens = loss->tokens;
+  FillResult(loss->loss, loss->tokens, norm,
+             clip ? static_cast<double>(host.coefficient) : 1.0, result);
+  return absl::OkStatus();
+}
+
+void CudaBackend::FillResult(double loss, int64_t tokens, double norm,
+                             double clip_coefficient, StepResult* result) {
+  result->loss = loss;
+  result->tokens = tokens;
   result->grad_norm = norm;
-  result->clip_coefficient = clip ? static_cast<double>(host.coefficient) : 1.0;
+  result->clip_coefficient = clip_coefficient;
   result->collectives = CollectivesBetween(
       stats_start_,
       SnapshotCollectives(*shard_group_, replicas_, slice_groups_));
   SetMemoryPeaks(tracker_->Snapshot(), result);
   result->peak_activation_bytes = peak_activation_bytes_;
+  result->activation_trace = activation_trace_;
 
   DeviceStepStats& device = result->device;
   device.model_host_synchronizations =
@@ -476,7 +477,6 @@ absl::Status CudaBackend::EndStep(const StepState& state,
   device.backend_frees =
       allocator.backend_frees - allocator_start_.backend_frees;
   device.reserved_bytes = allocator.reserved_bytes;
-  return absl::OkStatus();
 }
 
 void CudaBackend::Abort(bool* /*clean*/) {

@@ -98,6 +98,11 @@ class CudaBackend final : public StepBackend {
   // statistics (DeviceMoeModel::router_aux_stats) over the shard group and
   // the replicas with NCCL, ordered on the compute stream between that
   // forward and the BACKWARD(HEAD) that reads them (as CpuBackend does).
+  // The step's result: its loss, tokens, gradient norm and clip
+  // coefficient, with the collectives, memory peaks, activation trace and
+  // device statistics since BeginStep.
+  void FillResult(double loss, int64_t tokens, double norm,
+                  double clip_coefficient, StepResult* result);
   absl::Status ReduceRouterAuxStats(const v1::Command& command);
   absl::Status CommunicatorHealth() const;
   int64_t CommunicatorSyncs() const;
@@ -129,6 +134,8 @@ class CudaBackend final : public StepBackend {
   int64_t host_syncs_start_ = 0;
   DeviceAllocatorStats allocator_start_;
   int64_t peak_activation_bytes_ = 0;
+  // (command peak, live) after each FORWARD / BACKWARD of the step.
+  std::vector<ActivationPoint> activation_trace_;
 };
 
 // A StepExecutor over a new CudaBackend (arguments and errors as

@@ -67,6 +67,9 @@ struct Feature {
   std::string checkpointing;  // "", "all", "experts", "every:2"
   bool eval = false;
   bool muon = false;
+  // SFT rows: two examples packed per row, prompts and example ends out of
+  // the loss (docs/sft_data.md).
+  bool packed_sft = false;
   // On the CPU the feature must not change the math: equals the plain job.
   bool same_as_plain = false;
 };
@@ -103,6 +106,9 @@ std::vector<Feature> Features() {
   keep.mixed = true;
   keep.keep_compute_shard = true;
   f.push_back(keep);
+  Feature sft{"packed_sft_rows"};
+  sft.packed_sft = true;
+  f.push_back(sft);
   Feature diffusion{"block_diffusion"};
   diffusion.model = Feature::Model::kDiffusion;
   f.push_back(diffusion);
@@ -181,9 +187,30 @@ StepExecutorOptions OptionsOf(const Feature& f) {
 }
 
 std::vector<std::vector<data::MicroBatch>> BatchesOf(
-    const v1::ShardingPlan& plan, int64_t seq) {
-  return testing_util::StepBatches(plan, kVocab, kSeed, seq, /*rows=*/2,
-                                   kSteps);
+    const v1::ShardingPlan& plan, const Feature& f) {
+  std::vector<std::vector<data::MicroBatch>> steps = testing_util::StepBatches(
+      plan, kVocab, kSeed, SeqOf(f), /*rows=*/2, kSteps);
+  if (!f.packed_sft) return steps;
+  // Each row holds an example of 3 tokens, then one of the rest; the first
+  // token of each (its prompt) and the last of the first (whose next token
+  // is another example's) are not scored.
+  constexpr int64_t kFirst = 3;
+  for (std::vector<data::MicroBatch>& step : steps) {
+    int64_t counted = 0;
+    for (data::MicroBatch& b : step) {
+      b.segment_starts.assign(b.rows * b.seq_len, 0);
+      for (int64_t r = 0; r < b.rows; ++r) {
+        for (int64_t j = 0; j < b.seq_len; ++j) {
+          const int64_t i = r * b.seq_len + j;
+          b.segment_starts[i] = j < kFirst ? 0 : kFirst;
+          if (j == 0 || j == kFirst - 1 || j == kFirst) b.targets[i] = -1;
+          counted += b.targets[i] >= 0;
+        }
+      }
+    }
+    for (data::MicroBatch& b : step) b.step_counted = counted;
+  }
+  return steps;
 }
 
 // What a job produced.
@@ -212,7 +239,7 @@ Trace RunJob(const Feature& f, bool with_checkpointing,
       make(plan, model, OptionsOf(f));
   EXPECT_TRUE(executor.ok()) << f.name << ": " << executor.status();
   if (!executor.ok()) return trace;
-  const auto batches = BatchesOf(plan, SeqOf(f));
+  const auto batches = BatchesOf(plan, f);
   for (int s = 0; s < kSteps; ++s) {
     if (f.eval) {
       eval->set_step(s);

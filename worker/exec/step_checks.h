@@ -7,11 +7,15 @@
 
 #include <cstdint>
 #include <map>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "common/status_macros.h"
 #include "kernels/cpu/adamw.h"
 #include "proto/plan.pb.h"
 #include "proto/worker.pb.h"
@@ -57,6 +61,90 @@ absl::Status SetStepBatches(Model* model,
       return absl::Status(set.code(),
                           absl::StrCat("batches[", m, "]: ", set.message()));
     }
+  }
+  return absl::OkStatus();
+}
+
+namespace step_checks_internal {
+// fn()'s status, OK when it returns nothing (a CPU model's setters cannot
+// fail where a device model's can).
+template <typename Fn>
+absl::Status StatusOf(Fn fn) {
+  if constexpr (std::is_void<decltype(fn())>::value) {
+    fn();
+    return absl::OkStatus();
+  } else {
+    return fn();
+  }
+}
+}  // namespace step_checks_internal
+
+// Applies the plan's recompute policy (plan.activations().layers(), per
+// layer: the whole layer or its experts) to `model`, a CPU or a device
+// model with `layers` layers. Errors: INVALID_ARGUMENT for a plan layer
+// outside [0, layers); the model's SetRecompute's.
+template <typename Model>
+absl::Status ApplyRecompute(const v1::ShardingPlan& plan, int layers,
+                            Model* model) {
+  std::vector<bool> whole(layers, false), experts(layers, false);
+  for (const v1::LayerActivations& l : plan.activations().layers()) {
+    if (l.layer() < 0 || l.layer() >= layers) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("plan.activations.layers: layer ", l.layer(),
+                       " outside [0, ", layers, ")"));
+    }
+    whole[l.layer()] = l.recompute();
+    experts[l.layer()] = l.recompute_experts();
+  }
+  return model->SetRecompute(std::move(whole), std::move(experts));
+}
+
+// Installs what a step's batches carry besides tokens on `model` (a CPU or
+// a device model) for a step of `header` on a mesh of `ranks` data-parallel
+// ranks: packed rows, evaluation, the masked loss's global counts,
+// DiffusionGemma's canvas keys and SFT canvas rows. Errors: the model's,
+// prefixed "batches[m]: " where one batch is at fault.
+template <typename Model>
+absl::Status SetStepExtras(const v1::StepProgram& header, int ranks,
+                           absl::Span<const data::MicroBatch> batches,
+                           Model* model) {
+  auto prefixed = [](size_t m, const absl::Status& s) {
+    return s.ok() ? s
+                  : absl::Status(s.code(), absl::StrCat("batches[", m,
+                                                        "]: ", s.message()));
+  };
+  for (size_t m = 0; m < batches.size(); ++m) {
+    if (batches[m].segment_starts.empty()) continue;
+    SHARDD_RETURN_IF_ERROR(
+        prefixed(m, model->SetRowSegments(static_cast<int>(m),
+                                          batches[m].segment_starts.data())));
+  }
+  using step_checks_internal::StatusOf;
+  SHARDD_RETURN_IF_ERROR(
+      StatusOf([&] { return model->SetEvaluation(header.eval()); }));
+  // A masked batch (SFT): the loss is the mean over the global batch's
+  // counted tokens, shared by every data-parallel rank.
+  SHARDD_RETURN_IF_ERROR(StatusOf([&] {
+    return model->SetGlobalLossTokens(
+        batches.empty() ? 0 : batches[0].step_counted, ranks,
+        batches.empty() ? 0 : batches[0].step_canvas_counted);
+  }));
+  // DiffusionGemma's canvas noise is keyed by the step and each row's global
+  // index, so every data-parallel layout draws the same.
+  for (size_t m = 0; m < batches.size(); ++m) {
+    const data::MicroBatch& b = batches[m];
+    if (static_cast<int64_t>(b.sequence_indices.size()) != b.rows) continue;
+    SHARDD_RETURN_IF_ERROR(
+        prefixed(m, model->SetSequenceKeys(static_cast<int>(m), header.step(),
+                                           b.sequence_indices.data())));
+  }
+  // DiffusionGemma's SFT rows: each row's own prompt and canvas.
+  for (size_t m = 0; m < batches.size(); ++m) {
+    if (batches[m].canvas_starts.empty()) continue;
+    SHARDD_RETURN_IF_ERROR(
+        prefixed(m, model->SetCanvasRows(static_cast<int>(m),
+                                         batches[m].canvas_starts.data(),
+                                         batches[m].canvas_targets.data())));
   }
   return absl::OkStatus();
 }

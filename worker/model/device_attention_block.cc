@@ -28,9 +28,11 @@ namespace kc = ::shardd::kernels::cuda;
 // The kernel options of `layer` with its sinks (device fp32, or null).
 kernels::AttentionOptions OptionsWithSinks(const MoeArchitecture& a,
                                            const MoeLayerSpec& layer,
-                                           const DeviceAttentionParams& p) {
+                                           const DeviceAttentionParams& p,
+                                           const int32_t* key_begin) {
   kernels::AttentionOptions options = SelfAttentionOptions(a, layer);
   if (layer.has_sinks) options.sinks = p.sinks;
+  options.key_begin = key_begin;
   return options;
 }
 
@@ -170,7 +172,7 @@ absl::Status DeviceAttentionBlock::Forward(const MoeLayerSpec& layer,
   SHARDD_ASSIGN_OR_RETURN(acts->o, Alloc(t * hq * hd * kElem));
   SHARDD_ASSIGN_OR_RETURN(acts->lse, Alloc(batch * hq * seq * 4));
   const kernels::AttentionDims dims = SelfAttentionDims(a, batch, seq);
-  const kernels::AttentionOptions options = OptionsWithSinks(a, layer, p);
+  const kernels::AttentionOptions options = OptionsWithSinks(a, layer, p, key_begin_);
   SHARDD_ASSIGN_OR_RETURN(kc::CudnnAttention * cudnn,
                           CudnnFor(dims, options, sizeof(T) == 2));
   bool done = false;
@@ -233,7 +235,7 @@ absl::Status DeviceAttentionBlock::Backward(const MoeLayerSpec& layer,
         cudaMemsetAsync(b->data(), 0, b->bytes(), stream_), "zeroing");
   }
   const kernels::AttentionDims dims = SelfAttentionDims(a, batch, seq);
-  const kernels::AttentionOptions options = OptionsWithSinks(a, layer, p);
+  const kernels::AttentionOptions options = OptionsWithSinks(a, layer, p, key_begin_);
   SHARDD_ASSIGN_OR_RETURN(kc::CudnnAttention * cudnn,
                           CudnnFor(dims, options, sizeof(T) == 2));
   bool done = false;

@@ -99,6 +99,11 @@ class DeviceAttentionBlock {
   // rotates with it too).
   kernels::cuda::DeviceRopeTable RopeTable() const;
 
+  // Packed rows (docs/sft_data.md): key_begin, device int32 [batch * seq],
+  // each token's example start in its row, for the calls that follow (not
+  // owned; null: whole rows). cuDNN refuses them, so the own kernels run.
+  void SetSegments(const int32_t* key_begin) { key_begin_ = key_begin; }
+
  private:
   absl::StatusOr<DeviceBuffer> Alloc(int64_t bytes);
   // cuDNN's attention for this call, or null for the own kernels.
@@ -115,6 +120,7 @@ class DeviceAttentionBlock {
   int64_t table_positions_ = 0;
   absl::StatusOr<kernels::cuda::AttentionKernels> kernels_;
   std::unique_ptr<kernels::cuda::CudnnAttention> cudnn_;
+  const int32_t* key_begin_ = nullptr;
 };
 
 }  // namespace shardd

@@ -26,6 +26,13 @@ void DeviceMlaActs::Reset() {
   }
 }
 
+kernels::AttentionOptions DeviceMlaBlock::OptionsOf(
+    const MoeArchitecture& a, const MoeLayerSpec& layer) const {
+  kernels::AttentionOptions options = SelfAttentionOptions(a, layer);
+  options.key_begin = key_begin_;
+  return options;
+}
+
 absl::StatusOr<DeviceBuffer> DeviceMlaBlock::Alloc(int64_t bytes) {
   return DeviceBuffer::Allocate(allocator_, bytes, MemoryKind::kWorkspace,
                                 stream_);
@@ -128,7 +135,7 @@ absl::Status DeviceMlaBlock::Forward(const MoeLayerSpec& layer,
   SHARDD_ASSIGN_OR_RETURN(acts->o, Alloc(t * h * dv * kElem));
   SHARDD_ASSIGN_OR_RETURN(acts->lse, Alloc(batch * h * seq * 4));
   SHARDD_RETURN_IF_ERROR(kc::AttentionForward(
-      SelfAttentionDims(a, batch, seq), SelfAttentionOptions(a, layer),
+      SelfAttentionDims(a, batch, seq), OptionsOf(a, layer),
       acts->q.as<T>(), acts->k.as<T>(), acts->v.as<T>(), acts->o.as<T>(),
       acts->lse.as<float>(), stream_));
   SHARDD_RETURN_IF_ERROR(StorageGemm<T>(cublas_, t, d, h * dv, acts->o.data(),
@@ -182,7 +189,7 @@ absl::Status DeviceMlaBlock::Backward(const MoeLayerSpec& layer,
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws,
                           Alloc(static_cast<int64_t>(ws_bytes)));
   SHARDD_RETURN_IF_ERROR(kc::AttentionBackward(
-      dims, SelfAttentionOptions(a, layer), acts.q.as<T>(), acts.k.as<T>(),
+      dims, OptionsOf(a, layer), acts.q.as<T>(), acts.k.as<T>(),
       acts.v.as<T>(), acts.o.as<T>(), acts.lse.as<float>(), d_o.as<T>(),
       dq.as<float>(), dk.as<float>(), dvb.as<float>(), /*d_sinks=*/nullptr,
       ws.data(), ws_bytes, stream_));

@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "kernels/cpu/attention.h"
 #include "kernels/cuda/rope.h"
 #include "worker/memory/device_allocator.h"
 #include "worker/model/moe_architecture.h"
@@ -91,13 +92,22 @@ class DeviceMlaBlock {
                         const kernels::cuda::DeviceRopeTable& rope, const T* dy,
                         T* dn);
 
+  // Packed rows (docs/sft_data.md): key_begin, device int32 [batch * seq],
+  // each token's example start in its row, for the calls that follow (not
+  // owned; null: whole rows).
+  void SetSegments(const int32_t* key_begin) { key_begin_ = key_begin; }
+
  private:
   absl::StatusOr<DeviceBuffer> Alloc(int64_t bytes);
+  // The layer's self-attention options with the packed rows.
+  kernels::AttentionOptions OptionsOf(const MoeArchitecture& a,
+                                      const MoeLayerSpec& layer) const;
 
   const MoeArchitecture* arch_;
   DeviceAllocator* allocator_;
   cudaStream_t stream_;
   cublasHandle_t cublas_;
+  const int32_t* key_begin_ = nullptr;
 };
 
 }  // namespace shardd

@@ -27,9 +27,11 @@
 #include "kernels/cuda/router.h"
 #include "model/model_util.h"
 #include "worker/model/command_order.h"
+#include "worker/model/cuda_block_ops.h"
 #include "worker/model/device_attention_block.h"
 #include "worker/model/device_moe_model_impl.h"
 #include "worker/model/device_moe_model_kernels.h"
+#include "worker/model/model_step.h"
 #include "worker/model/moe_architecture.h"
 
 namespace shardd {
@@ -97,7 +99,9 @@ absl::StatusOr<ExpertSlot> ModelState::AcquireExpertSlot(
       std::set<void*> in_use;
       for (const PassState& s : states) {
         for (const LayerState& l : s.layers) {
-          if (!l.experts.memory.empty()) in_use.insert(l.experts.memory.data());
+          if (!l.gemma.experts.memory.empty()) {
+            in_use.insert(l.gemma.experts.memory.data());
+          }
         }
       }
       for (auto e = expert_workspaces.begin(); e != expert_workspaces.end();) {
@@ -119,22 +123,7 @@ void ModelState::ReleaseExpertSlot(ExpertSlot* slot) {
   slot->workspace = nullptr;
 }
 
-void ModelState::ReleaseLayer(LayerState* l) {
-  ReleaseGemmaLayer(&l->gemma);
-  l->x_in.Reset();
-  l->inv_rms.Reset();
-  l->normed.Reset();
-  l->indices.Reset();
-  l->weights.Reset();
-  l->router_saved.Reset();
-  l->dense_out.Reset();
-  l->mlp_saved.Reset();
-  l->attn.Reset();
-  l->mla.Reset();
-  l->attn_x_in.Reset();
-  l->attn_inv.Reset();
-  ReleaseExpertSlot(&l->experts);
-}
+void ModelState::ReleaseLayer(LayerState* l) { ReleaseGemmaLayer(&l->gemma); }
 
 void ModelState::ReleasePass(PassState* s) {
   for (LayerState& l : s->layers) ReleaseLayer(&l);
@@ -145,7 +134,6 @@ void ModelState::ReleasePass(PassState* s) {
   s->dx.Reset();
   s->dn.Reset();
   s->dweights.Reset();
-  s->aux.Reset();
   s->sc.Reset();
   s->h_for_next = s->h_for_backward = false;
 }
@@ -162,9 +150,41 @@ using device_moe_internal::kMaxRouterTopK;
 using device_moe_internal::LayerState;
 using device_moe_internal::PassState;
 
-DeviceMoeModel::DeviceMoeModel(std::unique_ptr<Impl> impl)
-    : impl_(std::move(impl)) {}
+// The step driver on the GPU (every architecture but DiffusionGemma).
+struct DeviceMoeModel::Driven {
+  std::unique_ptr<MoeArchitecture> arch;  // Outlives the step.
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  bool own_stream = false;
+  std::unique_ptr<step::ModelStep> step;
+  step::CudaBlockOps* ops = nullptr;  // Owned by step.
+  ~Driven() {
+    step.reset();  // Waits for the stream's work on its buffers.
+    if (own_stream && stream != nullptr) cudaStreamDestroy(stream);
+  }
+};
+
+DeviceMoeModel::DeviceMoeModel(std::unique_ptr<Impl> impl,
+                               std::unique_ptr<Driven> driven)
+    : impl_(std::move(impl)), driven_(std::move(driven)) {}
 DeviceMoeModel::~DeviceMoeModel() = default;
+
+namespace {
+
+// The device named in `options`, made current. Errors: FAILED_PRECONDITION
+// for a negative index or an unusable device.
+absl::Status UseDevice(const DeviceMoeModelOptions& options) {
+  if (options.device < 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "device: must be a CUDA device index >= 0, got ", options.device));
+  }
+  SHARDD_RETURN_IF_ERROR(CheckCudaDevice(options.device));
+  SHARDD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device),
+                              "DeviceMoeModel: cudaSetDevice");
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<DeviceMoeModel>> DeviceMoeModel::Create(
     const v1::ModelSpec& model, const DeviceMoeModelOptions& options,
@@ -238,17 +258,39 @@ absl::StatusOr<std::unique_ptr<DeviceMoeModel>> DeviceMoeModel::Create(
                        valid.message()));
     }
   }
-  static_cast<MoeArchitecture&>(*impl) = std::move(arch);
-
   // The device, after every spec check.
-  if (options.device < 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "device: must be a CUDA device index >= 0, got ", options.device));
+  SHARDD_RETURN_IF_ERROR(UseDevice(options));
+  if (!arch.gemma) {
+    auto driven = std::make_unique<Driven>();
+    driven->arch = std::make_unique<MoeArchitecture>(std::move(arch));
+    driven->device = options.device;
+    if (options.stream != nullptr) {
+      driven->stream = static_cast<cudaStream_t>(options.stream);
+    } else {
+      SHARDD_CUDA_RETURN_IF_ERROR(
+          cudaStreamCreateWithFlags(&driven->stream, cudaStreamNonBlocking),
+          "DeviceMoeModel: cudaStreamCreate");
+      driven->own_stream = true;
+    }
+    SHARDD_ASSIGN_OR_RETURN(
+        std::unique_ptr<step::CudaBlockOps> ops,
+        step::CudaBlockOps::Create(driven->arch.get(), options.activations,
+                                   driven->stream, allocator));
+    driven->ops = ops.get();
+    step::StepShape step_shape;
+    step_shape.passes = shape.passes;
+    step_shape.no_grad_passes = shape.no_grad_passes;
+    step_shape.microbatches = shape.microbatches;
+    step_shape.self_conditioning_scale = shape.self_conditioning_scale;
+    step_shape.diffusion = shape.diffusion;
+    step_shape.canvas_length = model.dims().canvas_length();
+    SHARDD_ASSIGN_OR_RETURN(
+        driven->step, step::ModelStep::Create(driven->arch.get(), step_shape,
+                                              std::move(ops)));
+    return absl::WrapUnique(new DeviceMoeModel(nullptr, std::move(driven)));
   }
-  SHARDD_RETURN_IF_ERROR(CheckCudaDevice(options.device));
+  static_cast<MoeArchitecture&>(*impl) = std::move(arch);
   Impl& m = *impl;
-  SHARDD_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device),
-                              "DeviceMoeModel: cudaSetDevice");
   if (options.stream != nullptr) {
     m.stream = static_cast<cudaStream_t>(options.stream);
   } else {
@@ -279,24 +321,23 @@ absl::StatusOr<std::unique_ptr<DeviceMoeModel>> DeviceMoeModel::Create(
   for (const MoeLayerSpec& layer : m.layers) {
     m.has_attention = m.has_attention || layer.has_attention;
   }
-  m.attention =
-      std::make_unique<DeviceAttentionBlock>(&m, allocator, m.stream, m.cublas);
-  if (m.mla) {
-    m.mla_attention =
-        std::make_unique<DeviceMlaBlock>(&m, allocator, m.stream, m.cublas);
-  }
   // DiffusionGemma's pass 1 builds no graph (program/pass_layout.h).
   m.order = std::make_unique<ModelCommandOrder>(
       PassLayout::For(m.gemma ? kBlockDiffusionArchitecture : "",
                       options.model.passes, options.model.no_grad_passes),
       options.model.microbatches, m.LayersWithExperts(),
       /*per_microbatch=*/true);
-  return absl::WrapUnique(new DeviceMoeModel(std::move(impl)));
+  return absl::WrapUnique(new DeviceMoeModel(std::move(impl), nullptr));
 }
 
 absl::Status DeviceMoeModel::SetBatch(int microbatch, const int32_t* inputs,
                                       const int32_t* targets, int64_t batch,
                                       int64_t seq) {
+  if (driven_ != nullptr) {
+    SHARDD_CUDA_RETURN_IF_ERROR(cudaSetDevice(driven_->device),
+                                "SetBatch: cudaSetDevice");
+    return driven_->step->SetBatch(microbatch, inputs, targets, batch, seq);
+  }
   Impl& m = *impl_;
   // The host arrays are checked here, as the CPU model does; the device
   // counters in ReadStepLoss only back this up.
@@ -305,7 +346,8 @@ absl::Status DeviceMoeModel::SetBatch(int microbatch, const int32_t* inputs,
       CheckMicroBatch(microbatch, m.options.model.microbatches, inputs, targets,
                       batch, seq, m.vocab));
   if (m.diffusion) {
-    SHARDD_RETURN_IF_ERROR(CheckBlockDiffusionSeq(seq, m.block_diffusion.canvas));
+    SHARDD_RETURN_IF_ERROR(
+        CheckBlockDiffusionSeq(seq, m.block_diffusion.canvas));
   }
   const int64_t tokens = batch * seq;
   SHARDD_CUDA_RETURN_IF_ERROR(cudaSetDevice(m.options.device),
@@ -343,8 +385,7 @@ absl::Status DeviceMoeModel::SetBatch(int microbatch, const int32_t* inputs,
     }
   }
   if (m.has_attention) {
-    SHARDD_RETURN_IF_ERROR(m.gemma ? m.PrepareGemma(seq)
-                                   : m.attention->Prepare(seq));
+    SHARDD_RETURN_IF_ERROR(m.PrepareGemma(seq));
     for (int64_t i = 0; i < tokens; ++i) {
       b.pinned[2 * tokens + i] = static_cast<int32_t>(i % seq);
     }
@@ -392,6 +433,9 @@ absl::Status DeviceMoeModel::SetBatch(int microbatch, const int32_t* inputs,
 
 absl::Status DeviceMoeModel::SetSequenceKeys(int microbatch, int64_t step,
                                              const int64_t* sequence_indices) {
+  if (driven_ != nullptr) {
+    return driven_->step->SetSequenceKeys(microbatch, step, sequence_indices);
+  }
   Impl& m = *impl_;
   if (microbatch < 0 || microbatch >= m.options.model.microbatches ||
       m.batches[microbatch].tokens == 0) {
@@ -408,11 +452,19 @@ absl::Status DeviceMoeModel::SetSequenceKeys(int microbatch, int64_t step,
 
 absl::Status DeviceMoeModel::Run(const v1::Command& command,
                                  DeviceParamSource* params) {
-  Impl& m = *impl_;
-  SHARDD_RETURN_IF_ERROR(m.order->Check(command, "DeviceMoeModel"));
   if (params == nullptr) {
     return absl::InvalidArgumentError("params: must not be null");
   }
+  if (driven_ != nullptr) {
+    SHARDD_CUDA_RETURN_IF_ERROR(cudaSetDevice(driven_->device),
+                                "Run: cudaSetDevice");
+    driven_->ops->Bind(params);
+    const absl::Status run = driven_->step->Run(command);
+    driven_->ops->Bind(nullptr);
+    return run;
+  }
+  Impl& m = *impl_;
+  SHARDD_RETURN_IF_ERROR(m.order->Check(command, "DeviceMoeModel"));
   if (m.batches[command.microbatch()].tokens == 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("micro-batch ", command.microbatch(),
@@ -423,17 +475,22 @@ absl::Status DeviceMoeModel::Run(const v1::Command& command,
   SHARDD_RETURN_IF_ERROR(m.ZeroStepLossOnce());
   const bool fp32 = m.options.activations == DeviceDType::kFloat32;
   if (command.op() == v1::Command::FORWARD) {
-    SHARDD_RETURN_IF_ERROR(fp32 ? m.Forward<float>(command, params)
-                                : m.Forward<uint16_t>(command, params));
+    SHARDD_RETURN_IF_ERROR(fp32 ? m.GemmaForward<float>(command, params)
+                                : m.GemmaForward<uint16_t>(command, params));
   } else {
-    SHARDD_RETURN_IF_ERROR(fp32 ? m.Backward<float>(command, params)
-                                : m.Backward<uint16_t>(command, params));
+    SHARDD_RETURN_IF_ERROR(fp32 ? m.GemmaBackward<float>(command, params)
+                                : m.GemmaBackward<uint16_t>(command, params));
   }
   m.order->Commit(command);
   return absl::OkStatus();
 }
 
 void DeviceMoeModel::ResetStep() {
+  if (driven_ != nullptr) {
+    // Activations stay allocated for the next step (the driver reuses them).
+    driven_->step->ResetStep();
+    return;
+  }
   Impl& m = *impl_;
   // Stream-ordered frees: the allocator hands the blocks only to later work
   // on the same stream.
@@ -444,6 +501,14 @@ void DeviceMoeModel::ResetStep() {
 }
 
 absl::StatusOr<DeviceMoeModel::StepLoss> DeviceMoeModel::ReadStepLoss() {
+  if (driven_ != nullptr) {
+    SHARDD_CUDA_RETURN_IF_ERROR(cudaSetDevice(driven_->device),
+                                "ReadStepLoss: cudaSetDevice");
+    SHARDD_ASSIGN_OR_RETURN(
+        const step::CudaBlockOps::StepLoss loss,
+        driven_->ops->ReadStepLoss(driven_->step->loss_terms()));
+    return StepLoss{loss.loss, loss.tokens};
+  }
   Impl& m = *impl_;
   SHARDD_CUDA_RETURN_IF_ERROR(cudaSetDevice(m.options.device),
                               "ReadStepLoss: cudaSetDevice");
@@ -472,14 +537,10 @@ absl::StatusOr<DeviceMoeModel::StepLoss> DeviceMoeModel::ReadStepLoss() {
 }
 
 int64_t DeviceMoeModel::activation_bytes() const {
+  if (driven_ != nullptr) return driven_->step->activation_bytes();
   int64_t bytes = 0;
   for (const PassState& s : impl_->states) {
-    for (const LayerState& l : s.layers) {
-      bytes += l.x_in.bytes() + l.inv_rms.bytes() + l.normed.bytes() +
-               l.indices.bytes() + l.weights.bytes() + l.router_saved.bytes() +
-               l.dense_out.bytes() + l.mlp_saved.bytes() +
-               l.experts.memory.bytes() + l.gemma.bytes();
-    }
+    for (const LayerState& l : s.layers) bytes += l.gemma.bytes();
     bytes += s.sc.bytes();
     bytes += s.x.bytes() + s.final_x.bytes() + s.final_inv.bytes() +
              s.h.bytes() + s.dx.bytes() + s.dn.bytes() + s.dweights.bytes();
@@ -488,35 +549,113 @@ int64_t DeviceMoeModel::activation_bytes() const {
   return bytes;
 }
 
-bool DeviceMoeModel::router_aux_loss() const { return impl_->aux_on(); }
+bool DeviceMoeModel::router_aux_loss() const {
+  return driven_ != nullptr ? driven_->arch->aux_on() : impl_->aux_on();
+}
+
+int64_t DeviceMoeModel::command_activation_peak() const {
+  return driven_ != nullptr ? driven_->step->command_activation_peak()
+                            : activation_bytes();
+}
+
+absl::Status DeviceMoeModel::SetRowSegments(int microbatch,
+                                            const int32_t* segment_starts) {
+  if (driven_ != nullptr) {
+    return driven_->step->SetRowSegments(microbatch, segment_starts);
+  }
+  if (segment_starts == nullptr) return absl::OkStatus();
+  return absl::UnimplementedError(
+      "packed rows: DiffusionGemma on a GPU does not run them yet (its "
+      "layers move onto the step driver in migration step 7 of "
+      "docs/step_driver.md); train it on CPU workers");
+}
+
+absl::Status DeviceMoeModel::SetGlobalLossTokens(int64_t global_counted,
+                                                 int ranks,
+                                                 int64_t global_canvas) {
+  if (driven_ != nullptr) {
+    driven_->step->SetGlobalLossTokens(global_counted, ranks, global_canvas);
+    return absl::OkStatus();
+  }
+  if (global_counted <= 0 && global_canvas <= 0) return absl::OkStatus();
+  return absl::UnimplementedError(
+      "SFT rows (a loss mask): DiffusionGemma on a GPU does not run them yet "
+      "(migration step 7 of docs/step_driver.md); train it on CPU workers");
+}
+
+absl::Status DeviceMoeModel::SetCanvasRows(int microbatch,
+                                           const int32_t* starts,
+                                           const int32_t* targets) {
+  if (driven_ != nullptr) {
+    return driven_->step->SetCanvasRows(microbatch, starts, targets);
+  }
+  return absl::UnimplementedError(
+      "SFT canvas rows: DiffusionGemma on a GPU does not run them yet "
+      "(migration step 7 of docs/step_driver.md); train it on CPU workers");
+}
+
+absl::Status DeviceMoeModel::SetRecompute(std::vector<bool> layers,
+                                          std::vector<bool> experts) {
+  if (driven_ != nullptr) {
+    return driven_->step->SetRecompute(std::move(layers), std::move(experts));
+  }
+  for (size_t l = 0; l < layers.size() || l < experts.size(); ++l) {
+    if ((l < layers.size() && layers[l]) ||
+        (l < experts.size() && experts[l])) {
+      return absl::UnimplementedError(
+          "activation_checkpointing: DiffusionGemma on a GPU does not "
+          "recompute yet (migration step 7 of docs/step_driver.md); train "
+          "with none or on CPU workers");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DeviceMoeModel::SetEvaluation(bool eval) {
+  if (driven_ != nullptr) {
+    driven_->step->SetEvaluation(eval);
+    return absl::OkStatus();
+  }
+  if (!eval) return absl::OkStatus();
+  return absl::UnimplementedError(
+      "program.eval: DiffusionGemma on a GPU does not evaluate yet "
+      "(migration step 7 of docs/step_driver.md); evaluate on CPU workers");
+}
 
 DeviceMoeModel::RouterAuxStats DeviceMoeModel::router_aux_stats(
     int pass, int microbatch) {
-  Impl& m = *impl_;
-  RouterAuxStats out;
-  if (!m.aux_on() || pass < 0 || pass >= m.options.model.passes ||
-      microbatch < 0 || microbatch >= m.options.model.microbatches) {
+  if (driven_ != nullptr) {
+    const step::DeviceAuxStats stats =
+        driven_->ops->AuxStatsOf(driven_->step->aux_stats(pass, microbatch));
+    RouterAuxStats out;
+    out.counts = stats.counts;
+    out.num_counts = stats.num_counts;
+    out.prob_sums = stats.prob_sums;
+    out.num_prob_sums = stats.num_prob_sums;
     return out;
   }
-  device_moe_internal::AuxState& aux = m.State(pass, microbatch).aux;
-  if (aux.counts.empty()) return out;
-  out.counts = aux.counts.as<int64_t>();
-  out.num_counts = m.aux_experts + 2;
-  out.prob_sums = aux.prob_sums.as<float>();
-  out.num_prob_sums = m.aux_experts;
-  return out;
+  // DiffusionGemma's layers feed no load-balancing loss.
+  return RouterAuxStats();
 }
 
 int64_t DeviceMoeModel::host_synchronizations() const {
+  if (driven_ != nullptr) return driven_->ops->host_synchronizations();
   return impl_->host_syncs;
 }
 
-void* DeviceMoeModel::stream() const { return impl_->stream; }
+void* DeviceMoeModel::stream() const {
+  return driven_ != nullptr ? driven_->stream : impl_->stream;
+}
 
 int DeviceMoeModel::num_layers() const {
+  if (driven_ != nullptr) {
+    return static_cast<int>(driven_->arch->layers.size());
+  }
   return static_cast<int>(impl_->layers.size());
 }
 
-int64_t DeviceMoeModel::vocab_size() const { return impl_->vocab; }
+int64_t DeviceMoeModel::vocab_size() const {
+  return driven_ != nullptr ? driven_->arch->vocab : impl_->vocab;
+}
 
 }  // namespace shardd

@@ -2,16 +2,18 @@
 #define SHARDD_WORKER_MODEL_DEVICE_MOE_MODEL_H_
 
 // The GPU training model: the same computation as MoeModel
-// (worker/model/moe_model.h; read its header for the exact math: embedding with
-// the self-conditioning coupling for passes > 0, per layer RMSNorm ->
-// router (+ dense MLP) -> grouped experts, final RMSNorm, LM head with
-// cross-entropy, loss scaling by 1 / (microbatches * grad_passes), GPT-OSS's
-// attention biases and sinks, router and expert biases and clamped SwiGLU,
-// the router load-balancing loss, DiffusionGemma's causal pass and
-// block-diffusion step: device_moe_model_gemma.cc and
-// device_moe_model_diffusion.cc) on one
+// (worker/model/moe_model.h; read its header for the exact math) on one
 // CUDA device, with the kernels of kernels/cuda/ (bf16 or fp32 storage as
 // the parameters' compute dtype says, fp32 accumulation).
+//
+// Every architecture but DiffusionGemma runs the one step driver
+// (ModelStep, worker/model/model_step.h) over CudaBlockOps
+// (cuda_block_ops.h): what a step computes, keeps, frees and recomputes,
+// evaluation, packed SFT rows and the masked loss are decided there, once
+// for both devices (docs/step_driver.md). DiffusionGemma still runs the
+// GPU's own step (device_moe_model_gemma.cc, device_moe_model_diffusion.cc)
+// until migration step 7, which computes the causal pass and the
+// block-diffusion step without recompute, evaluation or SFT rows.
 //
 // Everything is stream-ordered on the model's compute stream: Run() only
 // enqueues work and never waits for the device, except for the one
@@ -25,6 +27,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -70,6 +73,25 @@ class DeviceMoeModel {
   absl::Status SetSequenceKeys(int microbatch, int64_t step,
                                const int64_t* sequence_indices);
 
+  // Packed rows (MoeModel::SetRowSegments): each token's example start
+  // [batch * seq] on the host, for the micro-batch's attention. Errors:
+  // MoeModel's; UNIMPLEMENTED for DiffusionGemma.
+  absl::Status SetRowSegments(int microbatch, const int32_t* segment_starts);
+  // As MoeModel::SetGlobalLossTokens. Errors: UNIMPLEMENTED for
+  // DiffusionGemma with a count > 0.
+  absl::Status SetGlobalLossTokens(int64_t global_counted, int ranks,
+                                   int64_t global_canvas = 0);
+  // As MoeModel::SetCanvasRows. Errors: MoeModel's; UNIMPLEMENTED for
+  // DiffusionGemma (its GPU step takes no SFT canvas rows yet).
+  absl::Status SetCanvasRows(int microbatch, const int32_t* starts,
+                             const int32_t* targets);
+  // As MoeModel::SetRecompute. Errors: MoeModel's; UNIMPLEMENTED for
+  // DiffusionGemma with any flag set.
+  absl::Status SetRecompute(std::vector<bool> layers,
+                            std::vector<bool> experts);
+  // As MoeModel::SetEvaluation. Errors: UNIMPLEMENTED for DiffusionGemma.
+  absl::Status SetEvaluation(bool eval);
+
   // Enqueues one FORWARD or BACKWARD command. Errors as MoeModel::Run, plus
   // the CUDA/cuBLAS errors of the kernels.
   absl::Status Run(const v1::Command& command, DeviceParamSource* params);
@@ -103,16 +125,21 @@ class DeviceMoeModel {
   };
   absl::StatusOr<StepLoss> ReadStepLoss();
 
+  // The activation bytes held now and the most held during the last Run
+  // (DiffusionGemma: after it).
   int64_t activation_bytes() const;
+  int64_t command_activation_peak() const;
   int64_t host_synchronizations() const;
   void* stream() const;
   int num_layers() const;
   int64_t vocab_size() const;
 
  private:
-  struct Impl;
-  explicit DeviceMoeModel(std::unique_ptr<Impl> impl);
+  struct Impl;    // DiffusionGemma's own step (device_moe_model_impl.h).
+  struct Driven;  // ModelStep over CudaBlockOps: every other model.
+  DeviceMoeModel(std::unique_ptr<Impl> impl, std::unique_ptr<Driven> driven);
   std::unique_ptr<Impl> impl_;
+  std::unique_ptr<Driven> driven_;
 };
 
 }  // namespace shardd

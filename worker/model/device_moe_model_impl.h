@@ -145,50 +145,13 @@ struct SelfConditioningState {
   }
 };
 
-// What one layer of one (micro-batch, pass) keeps for its backward (the
-// CPU's LayerActs). Buffers are empty when not held.
+// What one layer of one (micro-batch, pass) keeps for its backward.
 struct LayerState {
-  DeviceBuffer x_in;          // [T, D] residual input
-  DeviceBuffer inv_rms;       // [T] fp32
-  DeviceBuffer normed;        // [T, D]
-  DeviceBuffer indices;       // [T, K] int32
-  DeviceBuffer weights;       // [T, K] fp32
-  DeviceBuffer router_saved;  // RouterSavedBytes
-  DeviceBuffer dense_out;     // [T, D], LAYER forward -> EXPERTS forward
-  DeviceBuffer mlp_saved;     // DenseMlpSavedBytes
-  ExpertSlot experts;
-  // Attention layers: x_in and inv_rms above are the MoE / MLP branch's
-  // (x_mid, the post_attention_layernorm's); these are the layer input's.
-  DeviceAttentionActs attn;
-  DeviceMlaActs mla;       // DeepSeek-V3's latent attention instead
-  DeviceBuffer attn_x_in;  // [T, D]
-  DeviceBuffer attn_inv;   // [T] fp32
-  GemmaLayerState gemma;   // DiffusionGemma's whole layer instead.
-};
-
-// One (micro-batch, pass): the CPU's PassActs, kept per micro-batch too so
-// programs may interleave micro-batches.
-// A pass's load-balancing statistics on the device (the CPU's
-// MoeModel::RouterAuxStats and its double sums), from its FORWARD(EMBED)
-// until the pass is released: the caller all-reduces counts and prob_sums
-// between FORWARD(HEAD) and BACKWARD(HEAD), and every BACKWARD(LAYER) reads
-// them.
-struct AuxState {
-  DeviceBuffer counts;     // int64 [E + 2]: choices, rows, ranks
-  DeviceBuffer prob_sums;  // fp32 [E]: what the ranks all-reduce
-  DeviceBuffer sums;       // double [E]: local sums, then the reduced ones
-  DeviceBuffer value;      // double: the pass's aux loss
-  void Reset() {
-    counts.Reset();
-    prob_sums.Reset();
-    sums.Reset();
-    value.Reset();
-  }
+  GemmaLayerState gemma;  // DiffusionGemma's whole layer.
 };
 
 struct PassState {
   std::vector<LayerState> layers;
-  AuxState aux;
   DeviceBuffer x;          // [T, D] current residual stream
   DeviceBuffer final_x;    // [T, D] input of the final norm
   DeviceBuffer final_inv;  // [T] fp32
@@ -254,8 +217,6 @@ struct ModelState : MoeArchitecture {
 
   std::vector<BatchState> batches;
   std::vector<PassState> states;  // [microbatch * passes + pass]
-  std::unique_ptr<DeviceAttentionBlock> attention;  // also owns the RoPE table
-  std::unique_ptr<DeviceMlaBlock> mla_attention;    // when arch.mla
   bool has_attention = false;
   // Per (pass, micro-batch), as the states.
   std::unique_ptr<ModelCommandOrder> order;
@@ -285,17 +246,7 @@ struct ModelState : MoeArchitecture {
   PassState& State(int pass, int mb) {
     return states[static_cast<size_t>(mb) * options.model.passes + pass];
   }
-  // The architecture's router, as the CPU model configures its own.
-  kc::RouterDims RouterDimsOf(const LayerInfo& spec, int64_t t) const {
-    kc::RouterDims dims{t, dim, spec.experts, top_k, renormalize_topk};
-    dims.scoring = router_scoring;
-    dims.groups = router_groups;
-    dims.top_groups = router_top_groups;
-    dims.scale = routed_scaling_factor;
-    dims.keep_softmax = aux_on();
-    return dims;
-  }
-  // The experts' options without biases (ExpertOptionsOf adds a layer's).
+  // The experts' options (DiffusionGemma's experts have no biases).
   kc::GroupedExpertsOptions ExpertOptions() const {
     kc::GroupedExpertsOptions o;
     switch (activation) {
@@ -315,20 +266,6 @@ struct ModelState : MoeArchitecture {
                     ? kc::ExpertStorage::kFloat32
                     : kc::ExpertStorage::kBFloat16;
     o.gemm_path = kc::ExpertGemmPath::kAuto;
-    return o;
-  }
-
-  // ExpertOptions() with `spec`'s expert biases (GPT-OSS) in storage type T.
-  template <typename T>
-  absl::StatusOr<kc::GroupedExpertsOptions> ExpertOptionsOf(
-      const LayerInfo& spec, DeviceParamSource* params,
-      std::vector<DeviceBuffer>* temps) {
-    kc::GroupedExpertsOptions o = ExpertOptions();
-    if (spec.expert_bias) {
-      SHARDD_ASSIGN_OR_RETURN(o.gate_up_bias,
-                              Param<T>(params, spec.b_gu, temps));
-      SHARDD_ASSIGN_OR_RETURN(o.down_bias, Param<T>(params, spec.b_d, temps));
-    }
     return o;
   }
 
@@ -352,124 +289,7 @@ struct ModelState : MoeArchitecture {
   // The fp32 gradient to add to, or nullptr for a frozen parameter.
   absl::StatusOr<float*> Grad(DeviceParamSource* params, const TensorInfo& t);
 
-  // The attention sublayer's parameters in storage type T and, for the
-  // backward (`grads`), their fp32 gradients (null when frozen; the
-  // gradient buffers exist only between ALLOC_GRAD and REDUCE_SCATTER).
-  template <typename T>
-  absl::StatusOr<DeviceAttentionParams> AttentionParams(
-      const LayerInfo& spec, DeviceParamSource* params,
-      std::vector<DeviceBuffer>* temps, bool grads) {
-    DeviceAttentionParams ap;
-    SHARDD_ASSIGN_OR_RETURN(ap.wq, Param<T>(params, spec.q_proj, temps));
-    SHARDD_ASSIGN_OR_RETURN(ap.wk, Param<T>(params, spec.k_proj, temps));
-    SHARDD_ASSIGN_OR_RETURN(ap.wv, Param<T>(params, spec.v_proj, temps));
-    SHARDD_ASSIGN_OR_RETURN(ap.wo, Param<T>(params, spec.o_proj, temps));
-    if (spec.qk_norm) {
-      SHARDD_ASSIGN_OR_RETURN(ap.q_norm, Param<T>(params, spec.q_norm, temps));
-      SHARDD_ASSIGN_OR_RETURN(ap.k_norm, Param<T>(params, spec.k_norm, temps));
-    }
-    if (spec.attention_bias) {
-      SHARDD_ASSIGN_OR_RETURN(ap.bq, Param<T>(params, spec.q_bias, temps));
-      SHARDD_ASSIGN_OR_RETURN(ap.bk, Param<T>(params, spec.k_bias, temps));
-      SHARDD_ASSIGN_OR_RETURN(ap.bv, Param<T>(params, spec.v_bias, temps));
-      SHARDD_ASSIGN_OR_RETURN(ap.bo, Param<T>(params, spec.o_bias, temps));
-    }
-    if (spec.has_sinks) {
-      // The attention kernel reads the sinks in fp32 whatever the storage.
-      SHARDD_ASSIGN_OR_RETURN(ap.sinks,
-                              Param<float>(params, spec.sinks, temps));
-    }
-    if (!grads) return ap;
-    SHARDD_ASSIGN_OR_RETURN(ap.dwq, Grad(params, spec.q_proj));
-    SHARDD_ASSIGN_OR_RETURN(ap.dwk, Grad(params, spec.k_proj));
-    SHARDD_ASSIGN_OR_RETURN(ap.dwv, Grad(params, spec.v_proj));
-    SHARDD_ASSIGN_OR_RETURN(ap.dwo, Grad(params, spec.o_proj));
-    if (spec.qk_norm) {
-      SHARDD_ASSIGN_OR_RETURN(ap.dq_norm, Grad(params, spec.q_norm));
-      SHARDD_ASSIGN_OR_RETURN(ap.dk_norm, Grad(params, spec.k_norm));
-    }
-    if (spec.attention_bias) {
-      SHARDD_ASSIGN_OR_RETURN(ap.dbq, Grad(params, spec.q_bias));
-      SHARDD_ASSIGN_OR_RETURN(ap.dbk, Grad(params, spec.k_bias));
-      SHARDD_ASSIGN_OR_RETURN(ap.dbv, Grad(params, spec.v_bias));
-      SHARDD_ASSIGN_OR_RETURN(ap.dbo, Grad(params, spec.o_bias));
-    }
-    if (spec.has_sinks) {
-      SHARDD_ASSIGN_OR_RETURN(ap.dsinks, Grad(params, spec.sinks));
-    }
-    return ap;
-  }
-
-  // The latent attention's parameters, as AttentionParams.
-  template <typename T>
-  absl::StatusOr<DeviceMlaParams> MlaParams(const LayerInfo& spec,
-                                            DeviceParamSource* params,
-                                            std::vector<DeviceBuffer>* temps,
-                                            bool grads) {
-    DeviceMlaParams mp;
-    const bool lora = q_lora_rank > 0;
-    struct Entry {
-      bool present;
-      const TensorInfo& tensor;
-      const void** param;
-      float** grad;
-    };
-    const Entry entries[] = {
-        {!lora, spec.q_proj, &mp.wq, &mp.dwq},
-        {lora, spec.q_a_proj, &mp.wqa, &mp.dwqa},
-        {lora, spec.q_a_norm, &mp.q_a_norm, &mp.dq_a_norm},
-        {lora, spec.q_b_proj, &mp.wqb, &mp.dwqb},
-        {true, spec.kv_a_proj, &mp.wkva, &mp.dwkva},
-        {true, spec.kv_a_norm, &mp.kv_a_norm, &mp.dkv_a_norm},
-        {true, spec.kv_b_proj, &mp.wkvb, &mp.dwkvb},
-        {true, spec.o_proj, &mp.wo, &mp.dwo},
-        {lora && spec.attention_bias, spec.q_a_bias, &mp.bqa, &mp.dbqa},
-        {spec.attention_bias, spec.kv_a_bias, &mp.bkva, &mp.dbkva},
-        {spec.attention_bias, spec.o_bias, &mp.bo, &mp.dbo},
-    };
-    for (const Entry& e : entries) {
-      if (!e.present) continue;
-      SHARDD_ASSIGN_OR_RETURN(*e.param, Param<T>(params, e.tensor, temps));
-      if (grads) {
-        SHARDD_ASSIGN_OR_RETURN(*e.grad, Grad(params, e.tensor));
-      }
-    }
-    return mp;
-  }
-
-  // *dx += RMSNorm'(dy) for the norm `weight` of input x (saved inv_rms);
-  // the weight's gradient is added.
-  template <typename T>
-  absl::Status NormBackward(const TensorInfo& weight, DeviceParamSource* params,
-                            const DeviceBuffer& dy, const DeviceBuffer& x,
-                            const DeviceBuffer& inv_rms, int64_t t,
-                            DeviceBuffer* dx,
-                            std::vector<DeviceBuffer>* temps) {
-    SHARDD_ASSIGN_OR_RETURN(const T* w, Param<T>(params, weight, temps));
-    SHARDD_ASSIGN_OR_RETURN(float* dw, Grad(params, weight));
-    const size_t ws_bytes =
-        dw == nullptr ? 0 : kc::RmsNormBackwardWorkspaceBytes(t, dim);
-    SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws, Alloc(ws_bytes));
-    SHARDD_RETURN_IF_ERROR(kc::RmsNormBackward(
-        dy.as<T>(), x.as<T>(), w, inv_rms.as<float>(), t, dim, dx->as<T>(),
-        /*accumulate_dx=*/true, dw, ws.data(), ws_bytes, stream));
-    temps->push_back(std::move(ws));
-    return absl::OkStatus();
-  }
-
   absl::Status ZeroStepLossOnce();
-  // Load-balancing loss (device_moe_model_aux.cc): the pass's statistics
-  // zeroed (FORWARD EMBED), a MoE layer's rows added (FORWARD LAYER), the
-  // local sums rounded for the all-reduce (FORWARD HEAD), the loss term
-  // (BACKWARD HEAD) and a layer's logit gradient into `d_logits` [T, E]
-  // fp32 (BACKWARD LAYER), each as the CPU model computes it.
-  absl::Status AuxStart(PassState* pass);
-  absl::Status AuxAccumulate(PassState* pass, const LayerState& layer,
-                             const kc::RouterDims& dims);
-  absl::Status AuxFinishForward(PassState* pass);
-  absl::Status AuxLoss(PassState* pass);
-  absl::Status AuxLogitGrad(const PassState& pass, const LayerState& layer,
-                            const kc::RouterDims& dims, float* d_logits);
   absl::StatusOr<ExpertSlot> AcquireExpertSlot(const kc::ExpertDims& dims);
   void ReleaseExpertSlot(ExpertSlot* slot);
   void ReleaseLayer(LayerState* layer);
@@ -478,11 +298,6 @@ struct ModelState : MoeArchitecture {
   void MaybeReleaseH(PassState* pass) {
     if (!pass->h_for_next && !pass->h_for_backward) pass->h.Reset();
   }
-
-  template <typename T>
-  absl::Status Forward(const Command& c, DeviceParamSource* params);
-  template <typename T>
-  absl::Status Backward(const Command& c, DeviceParamSource* params);
 
   // DiffusionGemma (device_moe_model_gemma.cc: the layer;
   // device_moe_model_diffusion.cc: the step's other parts and the 3 passes).

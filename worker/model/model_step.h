@@ -107,6 +107,8 @@ class ModelStep {
 
   double step_loss() const { return ops_->loss(loss_terms_); }
   int64_t step_tokens() const { return ops_->loss_tokens(); }
+  // The loss terms the step's loss is the mean of (ops()->loss's argument).
+  int loss_terms() const { return loss_terms_; }
   // The load-balancing statistics of (pass, micro-batch); null when the
   // loss is off or out of range.
   Saved* aux_stats(int pass, int microbatch);
