@@ -95,4 +95,29 @@ int64_t GemmaEncoderLow(const MoeArchitecture& arch, const MoeLayerSpec& layer,
   return std::max<int64_t>(0, prefix + begin - arch.sliding_window + 1);
 }
 
+std::vector<DecodeRows> GemmaDecodeRowRuns(const MoeArchitecture& arch,
+                                           const MoeLayerSpec& layer,
+                                           int64_t prefix,
+                                           const int32_t* row_prefix,
+                                           int64_t encoder_seq,
+                                           const GemmaDecodeBlock& blk,
+                                           int64_t batch) {
+  auto prefix_of = [&](int64_t b) -> int64_t {
+    return row_prefix == nullptr ? prefix : row_prefix[b];
+  };
+  std::vector<DecodeRows> runs;
+  for (int64_t b = 0; b < batch;) {
+    DecodeRows r;
+    r.begin = b;
+    r.prefix = prefix_of(b);
+    while (b < batch && prefix_of(b) == r.prefix) ++b;
+    r.end = b;
+    r.key_end = std::min(r.prefix + blk.begin, encoder_seq);
+    r.key_lo = std::min(GemmaEncoderLow(arch, layer, r.prefix, blk.begin),
+                        r.key_end);
+    runs.push_back(r);
+  }
+  return runs;
+}
+
 }  // namespace shardd

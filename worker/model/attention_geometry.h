@@ -46,6 +46,25 @@ struct GemmaDecodeBlock {
 };
 std::vector<GemmaDecodeBlock> GemmaDecodeBlocks(int64_t block, int64_t seq);
 
+// Consecutive sequences of a decode that share a prefix, and a block's
+// encoder keys [key_lo, key_end) for them.
+struct DecodeRows {
+  int64_t begin = 0, end = 0;
+  int64_t prefix = 0;
+  int64_t key_lo = 0, key_end = 0;
+};
+
+// A decode's `batch` sequences in runs of one prefix (`row_prefix` [batch]
+// each sequence's, or null: `prefix` for all), with block `blk`'s encoder
+// keys for each run: they end at min(prefix + blk.begin, encoder_seq).
+std::vector<DecodeRows> GemmaDecodeRowRuns(const MoeArchitecture& arch,
+                                           const MoeLayerSpec& layer,
+                                           int64_t prefix,
+                                           const int32_t* row_prefix,
+                                           int64_t encoder_seq,
+                                           const GemmaDecodeBlock& blk,
+                                           int64_t batch);
+
 // The first encoder row the decode block starting at canvas row `begin`
 // sees on `layer` (its encoder keys end at prefix + begin): 0 on full
 // layers, the sliding window's start on sliding ones.

@@ -140,14 +140,6 @@ kc::GroupedExpertsOptions ExpertOptionsOf(const MoeArchitecture& a, bool bf16) {
   return o;
 }
 
-absl::Status NotYet(const char* what) {
-  return absl::UnimplementedError(absl::StrCat(
-      what,
-      ": DiffusionGemma's layers run on DeviceMoeModel's own GPU step "
-      "until it moves onto the step driver (docs/step_driver.md, "
-      "migration step 7)"));
-}
-
 }  // namespace
 
 CudaBlockOps::CudaBlockOps(const MoeArchitecture* arch, DeviceDType storage,
@@ -297,7 +289,7 @@ absl::Status CudaBlockOps::Copy(const Act& src, Act* dst) {
 
 absl::Status CudaBlockOps::Prepare(int64_t seq) {
   for (const MoeLayerSpec& layer : arch_->layers) {
-    if (layer.gemma) return NotYet("Prepare");
+    if (layer.gemma) return PrepareGemma(seq);
     if (layer.has_attention) return attention_->Prepare(seq);
   }
   return absl::OkStatus();
@@ -662,7 +654,6 @@ absl::Status CudaBlockOps::AttentionBackwardT(const MoeLayerSpec& layer,
 absl::Status CudaBlockOps::AttentionForward(const MoeLayerSpec& layer,
                                             const Act& n, int64_t batch,
                                             int64_t seq, Saved* state, Act* y) {
-  if (layer.gemma) return NotYet("AttentionForward");
   return bf16() ? AttentionForwardT<uint16_t>(layer, n, batch, seq, state, y)
                 : AttentionForwardT<float>(layer, n, batch, seq, state, y);
 }
@@ -671,48 +662,35 @@ absl::Status CudaBlockOps::AttentionBackward(const MoeLayerSpec& layer,
                                              const Saved& state, int64_t batch,
                                              int64_t seq, const Act& dy,
                                              Act* dn) {
-  if (layer.gemma) return NotYet("AttentionBackward");
   return bf16() ? AttentionBackwardT<uint16_t>(layer, state, batch, seq, dy, dn)
                 : AttentionBackwardT<float>(layer, state, batch, seq, dy, dn);
 }
 
-absl::Status CudaBlockOps::MlpForward(const MlpTensors& mlp, const Act& x,
-                                      int64_t t, Saved* state, Act* y) {
+template <typename T>
+absl::Status CudaBlockOps::MlpForwardRaw(const MlpTensors& mlp, const T* x,
+                                         int64_t t, T* y, DeviceBuffer* saved) {
   std::vector<DeviceBuffer> temps;
-  MlpState* s = state->Get<MlpState>();
   const kc::DenseMlpDims dims{t, arch_->dim, mlp.inter};
-  const kc::DType dtype = bf16() ? kc::DType::kBFloat16 : kc::DType::kFloat32;
+  const kc::DType dtype = kc::DTypeOf<T>::value;
   const size_t saved_bytes = kc::DenseMlpSavedBytes(dims, dtype);
   const size_t ws_bytes = kc::DenseMlpForwardWorkspaceBytes(dims, dtype);
-  s->saved.Reset();
-  SHARDD_ASSIGN_OR_RETURN(s->saved, Alloc(saved_bytes));
+  saved->Reset();
+  SHARDD_ASSIGN_OR_RETURN(*saved, Alloc(saved_bytes));
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws, Alloc(ws_bytes));
-  if (bf16()) {
-    SHARDD_ASSIGN_OR_RETURN(const uint16_t* wg,
-                            Param<uint16_t>(*mlp.gate, &temps));
-    SHARDD_ASSIGN_OR_RETURN(const uint16_t* wu,
-                            Param<uint16_t>(*mlp.up, &temps));
-    SHARDD_ASSIGN_OR_RETURN(const uint16_t* wd,
-                            Param<uint16_t>(*mlp.down, &temps));
-    return kc::DenseMlpForward(dims, arch_->activation, P<uint16_t>(x), wg, wu,
-                               wd, P<uint16_t>(y), /*accumulate_y=*/false,
-                               s->saved.data(), saved_bytes, ws.data(),
-                               ws_bytes, cublas_, stream_);
-  }
-  SHARDD_ASSIGN_OR_RETURN(const float* wg, Param<float>(*mlp.gate, &temps));
-  SHARDD_ASSIGN_OR_RETURN(const float* wu, Param<float>(*mlp.up, &temps));
-  SHARDD_ASSIGN_OR_RETURN(const float* wd, Param<float>(*mlp.down, &temps));
-  return kc::DenseMlpForward(dims, arch_->activation, P<float>(x), wg, wu, wd,
-                             P<float>(y), /*accumulate_y=*/false,
-                             s->saved.data(), saved_bytes, ws.data(), ws_bytes,
-                             cublas_, stream_);
+  SHARDD_ASSIGN_OR_RETURN(const T* wg, Param<T>(*mlp.gate, &temps));
+  SHARDD_ASSIGN_OR_RETURN(const T* wu, Param<T>(*mlp.up, &temps));
+  SHARDD_ASSIGN_OR_RETURN(const T* wd, Param<T>(*mlp.down, &temps));
+  return kc::DenseMlpForward(dims, arch_->activation, x, wg, wu, wd, y,
+                             /*accumulate_y=*/false, saved->data(), saved_bytes,
+                             ws.data(), ws_bytes, cublas_, stream_);
 }
 
-absl::Status CudaBlockOps::MlpBackward(const MlpTensors& mlp, const Act& x,
-                                       int64_t t, const Act& dy, Saved* state,
-                                       Act* dx, bool accumulate) {
-  const MlpState* s = state->Peek<MlpState>();
-  if (s == nullptr || s->saved.empty()) {
+template <typename T>
+absl::Status CudaBlockOps::MlpBackwardRaw(const MlpTensors& mlp, const T* x,
+                                          int64_t t, const T* dy,
+                                          const DeviceBuffer& saved, T* dx,
+                                          bool accumulate) {
+  if (saved.empty()) {
     return absl::FailedPreconditionError("MLP backward without its forward");
   }
   std::vector<DeviceBuffer> temps;
@@ -720,29 +698,39 @@ absl::Status CudaBlockOps::MlpBackward(const MlpTensors& mlp, const Act& x,
   SHARDD_ASSIGN_OR_RETURN(float* dwu, Grad(*mlp.up));
   SHARDD_ASSIGN_OR_RETURN(float* dwd, Grad(*mlp.down));
   const kc::DenseMlpDims dims{t, arch_->dim, mlp.inter};
-  const kc::DType dtype = bf16() ? kc::DType::kBFloat16 : kc::DType::kFloat32;
-  const size_t ws_bytes = kc::DenseMlpBackwardWorkspaceBytes(dims, dtype);
+  const size_t ws_bytes =
+      kc::DenseMlpBackwardWorkspaceBytes(dims, kc::DTypeOf<T>::value);
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer ws, Alloc(ws_bytes));
-  const size_t saved_bytes = static_cast<size_t>(s->saved.bytes());
-  if (bf16()) {
-    SHARDD_ASSIGN_OR_RETURN(const uint16_t* wg,
-                            Param<uint16_t>(*mlp.gate, &temps));
-    SHARDD_ASSIGN_OR_RETURN(const uint16_t* wu,
-                            Param<uint16_t>(*mlp.up, &temps));
-    SHARDD_ASSIGN_OR_RETURN(const uint16_t* wd,
-                            Param<uint16_t>(*mlp.down, &temps));
-    return kc::DenseMlpBackward(
-        dims, arch_->activation, P<uint16_t>(x), wg, wu, wd, P<uint16_t>(dy),
-        s->saved.data(), saved_bytes, P<uint16_t>(dx), accumulate, dwg, dwu,
-        dwd, ws.data(), ws_bytes, cublas_, stream_);
+  SHARDD_ASSIGN_OR_RETURN(const T* wg, Param<T>(*mlp.gate, &temps));
+  SHARDD_ASSIGN_OR_RETURN(const T* wu, Param<T>(*mlp.up, &temps));
+  SHARDD_ASSIGN_OR_RETURN(const T* wd, Param<T>(*mlp.down, &temps));
+  return kc::DenseMlpBackward(dims, arch_->activation, x, wg, wu, wd, dy,
+                              saved.data(), static_cast<size_t>(saved.bytes()),
+                              dx, accumulate, dwg, dwu, dwd, ws.data(),
+                              ws_bytes, cublas_, stream_);
+}
+
+absl::Status CudaBlockOps::MlpForward(const MlpTensors& mlp, const Act& x,
+                                      int64_t t, Saved* state, Act* y) {
+  MlpState* s = state->Get<MlpState>();
+  return bf16() ? MlpForwardRaw<uint16_t>(mlp, P<uint16_t>(x), t,
+                                          P<uint16_t>(y), &s->saved)
+                : MlpForwardRaw<float>(mlp, P<float>(x), t, P<float>(y),
+                                       &s->saved);
+}
+
+absl::Status CudaBlockOps::MlpBackward(const MlpTensors& mlp, const Act& x,
+                                       int64_t t, const Act& dy, Saved* state,
+                                       Act* dx, bool accumulate) {
+  const MlpState* s = state->Peek<MlpState>();
+  if (s == nullptr) {
+    return absl::FailedPreconditionError("MLP backward without its forward");
   }
-  SHARDD_ASSIGN_OR_RETURN(const float* wg, Param<float>(*mlp.gate, &temps));
-  SHARDD_ASSIGN_OR_RETURN(const float* wu, Param<float>(*mlp.up, &temps));
-  SHARDD_ASSIGN_OR_RETURN(const float* wd, Param<float>(*mlp.down, &temps));
-  return kc::DenseMlpBackward(dims, arch_->activation, P<float>(x), wg, wu, wd,
-                              P<float>(dy), s->saved.data(), saved_bytes,
-                              P<float>(dx), accumulate, dwg, dwu, dwd,
-                              ws.data(), ws_bytes, cublas_, stream_);
+  return bf16()
+             ? MlpBackwardRaw<uint16_t>(mlp, P<uint16_t>(x), t, P<uint16_t>(dy),
+                                        s->saved, P<uint16_t>(dx), accumulate)
+             : MlpBackwardRaw<float>(mlp, P<float>(x), t, P<float>(dy),
+                                     s->saved, P<float>(dx), accumulate);
 }
 
 absl::Status CudaBlockOps::RouterForward(const MoeLayerSpec& layer,
@@ -816,6 +804,10 @@ absl::Status CudaBlockOps::RouterBackward(const MoeLayerSpec& layer,
                             extra, s->saved.data(), saved_bytes, P<float>(dx),
                             /*accumulate_dx=*/true, dgw, dgb, ws.data(),
                             ws_bytes, cublas_, stream_);
+}
+
+kc::GroupedExpertsOptions CudaBlockOps::ExpertOptions() const {
+  return ExpertOptionsOf(*arch_, bf16());
 }
 
 absl::StatusOr<CudaBlockOps::ExpertSlot> CudaBlockOps::AcquireExpertSlot(
@@ -972,50 +964,6 @@ absl::Status CudaBlockOps::HeadLoss(const Act& h, const Act& targets, int64_t t,
   host_extra_loss_ += extra_loss;
   return bf16() ? HeadLossT<uint16_t>(h, targets, t, term, dh)
                 : HeadLossT<float>(h, targets, t, term, dh);
-}
-
-// ---- DiffusionGemma (migration step 7).
-
-absl::Status CudaBlockOps::GemmaLayerForward(const MoeLayerSpec&, const Act*,
-                                             int64_t, int64_t,
-                                             const GemmaDecodeView*, Saved*) {
-  return NotYet("GemmaLayerForward");
-}
-absl::Status CudaBlockOps::GemmaExpertsForward(const MoeLayerSpec&, int64_t,
-                                               Saved*, Act*,
-                                               const RoutedExchange*,
-                                               ExpertsPhase) {
-  return NotYet("GemmaExpertsForward");
-}
-absl::Status CudaBlockOps::GemmaExpertsBackward(const MoeLayerSpec&, int64_t,
-                                                const Act&, Saved*,
-                                                const RoutedExchange*,
-                                                ExpertsPhase) {
-  return NotYet("GemmaExpertsBackward");
-}
-absl::Status CudaBlockOps::GemmaLayerBackward(const MoeLayerSpec&, int64_t,
-                                              int64_t, const GemmaDecodeView*,
-                                              Saved*, Act*) {
-  return NotYet("GemmaLayerBackward");
-}
-// Nothing to trim: no Gemma state exists here (GemmaLayerForward refuses).
-void CudaBlockOps::GemmaTrim(GemmaKeep, Saved*) {}
-absl::Status CudaBlockOps::SelfConditioningForward(const BlockDiffusionSpec&,
-                                                   const Act&, const Act*,
-                                                   const std::vector<uint8_t>&,
-                                                   int64_t, int64_t, Saved*,
-                                                   Act*) {
-  return NotYet("SelfConditioningForward");
-}
-absl::Status CudaBlockOps::SelfConditioningBackward(const BlockDiffusionSpec&,
-                                                    const Act&, const Act&,
-                                                    const std::vector<uint8_t>&,
-                                                    int64_t, int64_t, Saved*,
-                                                    const Act&) {
-  return NotYet("SelfConditioningBackward");
-}
-absl::Status CudaBlockOps::HeadSoftmax(const Act&, int64_t, Act*) {
-  return NotYet("HeadSoftmax");
 }
 
 // ---- The load-balancing loss (kernels/cuda/router_aux_loss.h).
@@ -1187,6 +1135,27 @@ absl::StatusOr<CudaBlockOps::StepLoss> CudaBlockOps::ReadStepLoss(int terms) {
   out.tokens = tokens_;
   return out;
 }
+
+// cuda_block_ops_gemma.cc's uses.
+template absl::StatusOr<const float*> CudaBlockOps::Param<float>(
+    const ArchTensor&, std::vector<DeviceBuffer>*);
+template absl::StatusOr<const uint16_t*> CudaBlockOps::Param<uint16_t>(
+    const ArchTensor&, std::vector<DeviceBuffer>*);
+template absl::Status CudaBlockOps::MlpForwardRaw<float>(const MlpTensors&,
+                                                         const float*, int64_t,
+                                                         float*, DeviceBuffer*);
+template absl::Status CudaBlockOps::MlpForwardRaw<uint16_t>(const MlpTensors&,
+                                                            const uint16_t*,
+                                                            int64_t, uint16_t*,
+                                                            DeviceBuffer*);
+template absl::Status CudaBlockOps::MlpBackwardRaw<float>(const MlpTensors&,
+                                                          const float*, int64_t,
+                                                          const float*,
+                                                          const DeviceBuffer&,
+                                                          float*, bool);
+template absl::Status CudaBlockOps::MlpBackwardRaw<uint16_t>(
+    const MlpTensors&, const uint16_t*, int64_t, const uint16_t*,
+    const DeviceBuffer&, uint16_t*, bool);
 
 }  // namespace step
 }  // namespace shardd

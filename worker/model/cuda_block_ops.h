@@ -19,9 +19,10 @@
 // cudaMalloc happens; the step's ActivationLedger counts the activations
 // in their storage bytes.
 //
-// DiffusionGemma's layers do not run here yet: DeviceMoeModel keeps its
-// own step for them until migration step 7 of docs/step_driver.md, and the
-// Gemma ops below return UNIMPLEMENTED.
+// DiffusionGemma's layer (gemma_layer.h has the math) runs here too
+// (cuda_block_ops_gemma.cc), its decode's attention block by block over
+// [encoder K/V ; canvas K/V]. Expert parallelism does not run on this
+// device yet (host_memory() is false, so ModelStep refuses the exchange).
 
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
@@ -215,6 +216,24 @@ class CudaBlockOps : public BlockOps {
   template <typename T>
   absl::Status HeadLossT(const Act& h, const Act& targets, int64_t t,
                          const LossTerm& term, Act* dh);
+  // The gated MLP over raw storage pointers: y [t, D] and its saved state
+  // (allocated into *saved); the backward writes or adds dx.
+  template <typename T>
+  absl::Status MlpForwardRaw(const MlpTensors& mlp, const T* x, int64_t t, T* y,
+                             DeviceBuffer* saved);
+  template <typename T>
+  absl::Status MlpBackwardRaw(const MlpTensors& mlp, const T* x, int64_t t,
+                              const T* dy, const DeviceBuffer& saved, T* dx,
+                              bool accumulate);
+  // DiffusionGemma's layer, self-conditioning block and head softmax
+  // (cuda_block_ops_gemma.cc).
+  struct Gemma;
+  // The weightless norms' ones and the full and sliding RoPE tables for
+  // positions [0, seq). Errors: INVALID_ARGUMENT beyond
+  // max_position_embeddings.
+  absl::Status PrepareGemma(int64_t seq);
+  // The grouped experts' options of the architecture (no biases).
+  kernels::cuda::GroupedExpertsOptions ExpertOptions() const;
   // A grouped-experts workspace of `dims` bound to new device memory.
   struct ExpertSlot {
     DeviceBuffer memory;
@@ -257,6 +276,11 @@ class CudaBlockOps : public BlockOps {
   int64_t uploaded_batch_ = -1, uploaded_seq_ = -1;
   bool uploaded_packed_ = false;
   DeviceBuffer positions_, key_begin_;
+  // DiffusionGemma: ones [max(D, head dims)] in storage type, and the full
+  // (0) and sliding (1) layers' RoPE tables over gemma_positions_.
+  DeviceBuffer ones_;
+  DeviceBuffer gemma_cos_[2], gemma_sin_[2];
+  int64_t gemma_positions_ = 0;
   // Grouped-experts workspace objects by (device address, bytes): the
   // caching allocator hands the same blocks back step after step, so the
   // objects (a pinned buffer, an event) are made in the first step only.

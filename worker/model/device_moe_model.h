@@ -6,14 +6,12 @@
 // CUDA device, with the kernels of kernels/cuda/ (bf16 or fp32 storage as
 // the parameters' compute dtype says, fp32 accumulation).
 //
-// Every architecture but DiffusionGemma runs the one step driver
-// (ModelStep, worker/model/model_step.h) over CudaBlockOps
-// (cuda_block_ops.h): what a step computes, keeps, frees and recomputes,
-// evaluation, packed SFT rows and the masked loss are decided there, once
-// for both devices (docs/step_driver.md). DiffusionGemma still runs the
-// GPU's own step (device_moe_model_gemma.cc, device_moe_model_diffusion.cc)
-// until migration step 7, which computes the causal pass and the
-// block-diffusion step without recompute, evaluation or SFT rows.
+// Every architecture, DiffusionGemma's causal pass and block-diffusion
+// step included, runs the one step driver (ModelStep,
+// worker/model/model_step.h) over CudaBlockOps (cuda_block_ops.h): what a
+// step computes, keeps, frees and recomputes, evaluation, packed SFT rows
+// and the masked loss are decided there, once for both devices
+// (docs/step_driver.md). Expert parallelism does not run on a GPU yet.
 //
 // Everything is stream-ordered on the model's compute stream: Run() only
 // enqueues work and never waits for the device, except for the one
@@ -75,21 +73,19 @@ class DeviceMoeModel {
 
   // Packed rows (MoeModel::SetRowSegments): each token's example start
   // [batch * seq] on the host, for the micro-batch's attention. Errors:
-  // MoeModel's; UNIMPLEMENTED for DiffusionGemma.
+  // MoeModel's.
   absl::Status SetRowSegments(int microbatch, const int32_t* segment_starts);
-  // As MoeModel::SetGlobalLossTokens. Errors: UNIMPLEMENTED for
-  // DiffusionGemma with a count > 0.
+  // As MoeModel::SetGlobalLossTokens (never fails; a Status like the
+  // other setters).
   absl::Status SetGlobalLossTokens(int64_t global_counted, int ranks,
                                    int64_t global_canvas = 0);
-  // As MoeModel::SetCanvasRows. Errors: MoeModel's; UNIMPLEMENTED for
-  // DiffusionGemma (its GPU step takes no SFT canvas rows yet).
+  // As MoeModel::SetCanvasRows. Errors: MoeModel's.
   absl::Status SetCanvasRows(int microbatch, const int32_t* starts,
                              const int32_t* targets);
-  // As MoeModel::SetRecompute. Errors: MoeModel's; UNIMPLEMENTED for
-  // DiffusionGemma with any flag set.
+  // As MoeModel::SetRecompute. Errors: MoeModel's.
   absl::Status SetRecompute(std::vector<bool> layers,
                             std::vector<bool> experts);
-  // As MoeModel::SetEvaluation. Errors: UNIMPLEMENTED for DiffusionGemma.
+  // As MoeModel::SetEvaluation (never fails).
   absl::Status SetEvaluation(bool eval);
 
   // Enqueues one FORWARD or BACKWARD command. Errors as MoeModel::Run, plus
@@ -125,8 +121,8 @@ class DeviceMoeModel {
   };
   absl::StatusOr<StepLoss> ReadStepLoss();
 
-  // The activation bytes held now and the most held during the last Run
-  // (DiffusionGemma: after it).
+  // The activation bytes held now and the most held during the last Run,
+  // in their storage bytes (the driver's ledger).
   int64_t activation_bytes() const;
   int64_t command_activation_peak() const;
   int64_t host_synchronizations() const;
@@ -135,11 +131,9 @@ class DeviceMoeModel {
   int64_t vocab_size() const;
 
  private:
-  struct Impl;    // DiffusionGemma's own step (device_moe_model_impl.h).
-  struct Driven;  // ModelStep over CudaBlockOps: every other model.
-  DeviceMoeModel(std::unique_ptr<Impl> impl, std::unique_ptr<Driven> driven);
+  struct Impl;  // ModelStep over CudaBlockOps.
+  explicit DeviceMoeModel(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
-  std::unique_ptr<Driven> driven_;
 };
 
 }  // namespace shardd

@@ -108,25 +108,14 @@ void ScatterRows(const float* src, int64_t batch, int64_t seq, int64_t width,
 
 namespace {
 
-// The decode's sequences in runs of one prefix (all of them without
-// row_prefix), with block `blk`'s encoder keys for each run.
+// The decode's sequences in runs of one prefix, with block `blk`'s encoder
+// keys for each run.
 std::vector<DecodeRows> RowRuns(const MoeArchitecture& arch,
                                 const MoeLayerSpec& layer,
                                 const GemmaDecode& d,
                                 const GemmaDecodeBlock& blk, int64_t batch) {
-  std::vector<DecodeRows> runs;
-  for (int64_t b = 0; b < batch;) {
-    DecodeRows r;
-    r.begin = b;
-    r.prefix = d.PrefixOf(b);
-    while (b < batch && d.PrefixOf(b) == r.prefix) ++b;
-    r.end = b;
-    r.key_end = std::min(r.prefix + blk.begin, d.encoder_seq);
-    r.key_lo = std::min(GemmaEncoderLow(arch, layer, r.prefix, blk.begin),
-                        r.key_end);
-    runs.push_back(r);
-  }
-  return runs;
+  return GemmaDecodeRowRuns(arch, layer, d.prefix, d.row_prefix,
+                            d.encoder_seq, blk, batch);
 }
 
 }  // namespace

@@ -98,14 +98,6 @@ struct GemmaLayerActs {
   int64_t bytes() const;
 };
 
-// Consecutive sequences of a decode that share a prefix, and a block's
-// encoder keys [lo, end) for them.
-struct DecodeRows {
-  int64_t begin = 0, end = 0;
-  int64_t prefix = 0;
-  int64_t key_lo = 0, key_end = 0;
-};
-
 // A decode's view of the encode (the same layer's acts).
 struct GemmaDecode {
   int64_t prefix = 0;        // P: canvas query j sits at position P + j.
