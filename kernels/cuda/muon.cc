@@ -10,6 +10,7 @@
 #include "kernels/cpu/muon_element.h"
 #include "kernels/cuda/adamw.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/dtype.h"
 #include "kernels/cuda/muon_kernels.h"
 #include "kernels/cuda/op_checks.h"
 #include "kernels/cuda/row_major_gemm.h"
@@ -23,9 +24,6 @@ constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
 constexpr int64_t kMaxInt64 = std::numeric_limits<int64_t>::max();
 // The transpose's grid: (dim + 31) / 32 blocks along y, at most 65535.
 constexpr int64_t kMaxTransposeRows = int64_t{65535} * 32;
-constexpr size_t kAlign = 256;
-
-size_t AlignUp(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
 absl::Status CheckBeta(float beta, const char* op) {
   if (!(beta >= 0.0f && beta < 1.0f)) {
@@ -46,13 +44,13 @@ Layout LayoutFor(int64_t rows, int64_t cols) {
   const size_t rc = static_cast<size_t>(r * c) * sizeof(float);
   const size_t rr = static_cast<size_t>(r * r) * sizeof(float);
   Layout l;
-  l.next = AlignUp(rc);
-  l.a = l.next + AlignUp(rc);
-  l.b = l.a + AlignUp(rr);
-  l.sum = l.b + AlignUp(rr);
-  l.scratch = l.sum + AlignUp(sizeof(double));
+  l.next = AlignWorkspaceBytes(rc);
+  l.a = l.next + AlignWorkspaceBytes(rc);
+  l.b = l.a + AlignWorkspaceBytes(rr);
+  l.sum = l.b + AlignWorkspaceBytes(rr);
+  l.scratch = l.sum + AlignWorkspaceBytes(sizeof(double));
   l.scratch_bytes = SumOfSquaresWorkspaceBytes(r * c);
-  l.total = l.scratch + AlignUp(l.scratch_bytes);
+  l.total = l.scratch + AlignWorkspaceBytes(l.scratch_bytes);
   return l;
 }
 
@@ -96,15 +94,15 @@ absl::Status MuonNesterovUpdate(const float* grad, const float* momentum,
   return absl::OkStatus();
 }
 
-absl::Status MuonApply(float* param, const float* update, int64_t n,
-                       double lr, double weight_decay, cudaStream_t stream) {
+absl::Status MuonApply(float* param, const float* update, int64_t n, double lr,
+                       double weight_decay, cudaStream_t stream) {
   constexpr const char* kOp = "cuda MuonApply";
   SHARDD_RETURN_IF_ERROR(CheckInRange(n, 0, kMaxInt64, "n", kOp));
   if (!(lr >= 0) || !std::isfinite(lr) || !(weight_decay >= 0) ||
       !std::isfinite(weight_decay)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        kOp, ": lr and weight_decay must be finite and >= 0, got ", lr,
-        " and ", weight_decay));
+    return absl::InvalidArgumentError(
+        absl::StrCat(kOp, ": lr and weight_decay must be finite and >= 0, got ",
+                     lr, " and ", weight_decay));
   }
   if (n == 0) return absl::OkStatus();
   SHARDD_RETURN_IF_ERROR(CheckNotNull(param, "param", kOp));
@@ -128,9 +126,9 @@ absl::Status NewtonSchulz(cublasHandle_t handle, float* x, int64_t rows,
   SHARDD_RETURN_IF_ERROR(CheckInRange(cols, 1, kMaxInt, "cols", kOp));
   SHARDD_RETURN_IF_ERROR(
       CheckInRange(rows * cols, 1, kMaxInt, "rows * cols", kOp));
-  SHARDD_RETURN_IF_ERROR(
-      CheckInRange(std::max(rows, cols), 1, kMaxTransposeRows,
-                   "the larger of rows and cols", kOp));
+  SHARDD_RETURN_IF_ERROR(CheckInRange(std::max(rows, cols), 1,
+                                      kMaxTransposeRows,
+                                      "the larger of rows and cols", kOp));
   SHARDD_RETURN_IF_ERROR(CheckInRange(steps, 1, 100, "steps", kOp));
   if (handle == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(kOp, ": handle is null"));
@@ -157,8 +155,7 @@ absl::Status NewtonSchulz(cublasHandle_t handle, float* x, int64_t rows,
     SHARDD_CUDA_RETURN_IF_ERROR(LaunchTranspose(x, rows, cols, X, stream), kOp);
   } else {
     SHARDD_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(X, x, rc_bytes, cudaMemcpyDeviceToDevice, stream),
-        kOp);
+        cudaMemcpyAsync(X, x, rc_bytes, cudaMemcpyDeviceToDevice, stream), kOp);
   }
   SHARDD_RETURN_IF_ERROR(SumOfSquares(X, r * c, sum, /*accumulate=*/false,
                                       base + l.scratch, l.scratch_bytes,
@@ -167,14 +164,12 @@ absl::Status NewtonSchulz(cublasHandle_t handle, float* x, int64_t rows,
       LaunchMuonNormalize(X, r * c, sum, kNewtonSchulzEps, stream), kOp);
   for (int s = 0; s < steps; ++s) {
     // A = X X^T.
-    SHARDD_RETURN_IF_ERROR(RowMajorGemm(handle, r, r, c, 1.0f,
-                                        Operand(X, c, false),
-                                        Operand(X, c, true), 0.0f, A,
-                                        DType::kFloat32, r, kOp));
+    SHARDD_RETURN_IF_ERROR(
+        RowMajorGemm(handle, r, r, c, 1.0f, Operand(X, c, false),
+                     Operand(X, c, true), 0.0f, A, DType::kFloat32, r, kOp));
     // B = b A + c A A.
     SHARDD_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(B, A, rr_bytes, cudaMemcpyDeviceToDevice, stream),
-        kOp);
+        cudaMemcpyAsync(B, A, rr_bytes, cudaMemcpyDeviceToDevice, stream), kOp);
     SHARDD_RETURN_IF_ERROR(RowMajorGemm(
         handle, r, r, r, kNewtonSchulzC, Operand(A, r, false),
         Operand(A, r, false), kNewtonSchulzB, B, DType::kFloat32, r, kOp));
@@ -191,8 +186,7 @@ absl::Status NewtonSchulz(cublasHandle_t handle, float* x, int64_t rows,
     SHARDD_CUDA_RETURN_IF_ERROR(LaunchTranspose(X, r, c, x, stream), kOp);
   } else {
     SHARDD_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(x, X, rc_bytes, cudaMemcpyDeviceToDevice, stream),
-        kOp);
+        cudaMemcpyAsync(x, X, rc_bytes, cudaMemcpyDeviceToDevice, stream), kOp);
   }
   return absl::OkStatus();
 }

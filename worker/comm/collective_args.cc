@@ -72,8 +72,8 @@ absl::StatusOr<AllToAllVBytes> CollectiveAllToAllVBytes(
     for (size_t r = 0; r < counts->size(); ++r) {
       const int64_t c = (*counts)[r];
       if (c < 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            name, "[", r, "] must be >= 0, got ", c));
+        return absl::InvalidArgumentError(
+            absl::StrCat(name, "[", r, "] must be >= 0, got ", c));
       }
       if (__builtin_add_overflow(elements, c, &elements)) {
         return absl::InvalidArgumentError(
@@ -86,9 +86,9 @@ absl::StatusOr<AllToAllVBytes> CollectiveAllToAllVBytes(
   out.element = element_bytes;
   if (rank < 0 || rank >= world_size ||
       send_counts[rank] != recv_counts[rank]) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "recv_counts[", rank, "] must equal send_counts[", rank,
-        "] (the piece this rank sends itself)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("recv_counts[", rank, "] must equal send_counts[", rank,
+                     "] (the piece this rank sends itself)"));
   }
   return out;
 }
@@ -123,19 +123,27 @@ bool Disjoint(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes) {
 
 }  // namespace
 
+absl::StatusOr<CollectiveSizes> CollectiveArgs::Sizes(
+    v1::DType dtype, bool reduces, ReduceOp op, int64_t count, int ranks,
+    absl::string_view count_name, absl::Duration timeout) const {
+  CollectiveSizes s;
+  SHARDD_ASSIGN_OR_RETURN(s.element,
+                          CollectiveElementBytes(dtype, reduces, op));
+  SHARDD_ASSIGN_OR_RETURN(
+      s.chunk, CollectiveBufferBytes(count, 1, s.element, count_name));
+  SHARDD_ASSIGN_OR_RETURN(
+      s.total, CollectiveBufferBytes(count, ranks, s.element, count_name));
+  SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(timeout, "timeout"));
+  return s;
+}
+
 absl::StatusOr<CollectiveSizes> CollectiveArgs::AllGather(
     const void* input, const void* output, int64_t count_per_rank,
     v1::DType dtype, absl::Duration timeout) const {
-  CollectiveSizes s;
-  SHARDD_ASSIGN_OR_RETURN(s.element,
-                          CollectiveElementBytes(dtype, false, ReduceOp::kSum));
   SHARDD_ASSIGN_OR_RETURN(
-      s.chunk,
-      CollectiveBufferBytes(count_per_rank, 1, s.element, "count_per_rank"));
-  SHARDD_ASSIGN_OR_RETURN(
-      s.total, CollectiveBufferBytes(count_per_rank, options_.world_size,
-                                     s.element, "count_per_rank"));
-  SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(timeout, "timeout"));
+      CollectiveSizes s,
+      Sizes(dtype, /*reduces=*/false, ReduceOp::kSum, count_per_rank,
+            options_.world_size, "count_per_rank", timeout));
   SHARDD_RETURN_IF_ERROR(options_.check_buffer(input, s.chunk, "input"));
   SHARDD_RETURN_IF_ERROR(options_.check_buffer(output, s.total, "output"));
   s.in_place = input == static_cast<const char*>(output) +
@@ -150,15 +158,9 @@ absl::StatusOr<CollectiveSizes> CollectiveArgs::AllGather(
 absl::StatusOr<CollectiveSizes> CollectiveArgs::ReduceScatter(
     const void* input, const void* output, int64_t count_per_rank,
     v1::DType dtype, ReduceOp op, absl::Duration timeout) const {
-  CollectiveSizes s;
-  SHARDD_ASSIGN_OR_RETURN(s.element, CollectiveElementBytes(dtype, true, op));
   SHARDD_ASSIGN_OR_RETURN(
-      s.chunk,
-      CollectiveBufferBytes(count_per_rank, 1, s.element, "count_per_rank"));
-  SHARDD_ASSIGN_OR_RETURN(
-      s.total, CollectiveBufferBytes(count_per_rank, options_.world_size,
-                                     s.element, "count_per_rank"));
-  SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(timeout, "timeout"));
+      CollectiveSizes s, Sizes(dtype, /*reduces=*/true, op, count_per_rank,
+                               options_.world_size, "count_per_rank", timeout));
   SHARDD_RETURN_IF_ERROR(options_.check_buffer(input, s.total, "input"));
   SHARDD_RETURN_IF_ERROR(options_.check_buffer(output, s.chunk, "output"));
   s.in_place = output == static_cast<const char*>(input) +
@@ -175,12 +177,8 @@ absl::StatusOr<CollectiveSizes> CollectiveArgs::ReduceScatter(
 absl::StatusOr<CollectiveSizes> CollectiveArgs::AllReduce(
     const void* inout, int64_t count, v1::DType dtype, ReduceOp op,
     absl::Duration timeout) const {
-  CollectiveSizes s;
-  SHARDD_ASSIGN_OR_RETURN(s.element, CollectiveElementBytes(dtype, true, op));
-  SHARDD_ASSIGN_OR_RETURN(s.total,
-                          CollectiveBufferBytes(count, 1, s.element, "count"));
-  s.chunk = s.total;
-  SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(timeout, "timeout"));
+  SHARDD_ASSIGN_OR_RETURN(CollectiveSizes s, Sizes(dtype, /*reduces=*/true, op,
+                                                   count, 1, "count", timeout));
   SHARDD_RETURN_IF_ERROR(options_.check_buffer(inout, s.total, "inout"));
   s.in_place = true;
   return s;
@@ -193,21 +191,17 @@ absl::StatusOr<CollectiveSizes> CollectiveArgs::Broadcast(
     return absl::InvalidArgumentError(absl::StrCat(
         "root must be in [0, ", options_.world_size, "), got ", root));
   }
-  CollectiveSizes s;
-  SHARDD_ASSIGN_OR_RETURN(s.element,
-                          CollectiveElementBytes(dtype, false, ReduceOp::kSum));
-  SHARDD_ASSIGN_OR_RETURN(s.total,
-                          CollectiveBufferBytes(count, 1, s.element, "count"));
-  s.chunk = s.total;
-  SHARDD_RETURN_IF_ERROR(CheckPositiveFinite(timeout, "timeout"));
+  SHARDD_ASSIGN_OR_RETURN(CollectiveSizes s,
+                          Sizes(dtype, /*reduces=*/false, ReduceOp::kSum, count,
+                                1, "count", timeout));
   SHARDD_RETURN_IF_ERROR(options_.check_buffer(inout, s.total, "inout"));
   s.in_place = true;
   return s;
 }
 
 absl::StatusOr<AllToAllVBytes> CollectiveArgs::AllToAllV(
-    const void* send, const std::vector<int64_t>& send_counts,
-    const void* recv, const std::vector<int64_t>& recv_counts, v1::DType dtype,
+    const void* send, const std::vector<int64_t>& send_counts, const void* recv,
+    const std::vector<int64_t>& recv_counts, v1::DType dtype,
     absl::Duration timeout) const {
   SHARDD_ASSIGN_OR_RETURN(const int64_t element,
                           CollectiveElementBytes(dtype, false, ReduceOp::kSum));

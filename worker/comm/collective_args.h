@@ -122,6 +122,14 @@ class CollectiveArgs {
   absl::Status Barrier(absl::Duration timeout) const;
 
  private:
+  // Every collective's prelude: the element bytes of `dtype` (reducible
+  // with `op` when `reduces`), one rank's `count` elements (chunk) and
+  // `ranks` ranks' (total), and the timeout.
+  absl::StatusOr<CollectiveSizes> Sizes(v1::DType dtype, bool reduces,
+                                        ReduceOp op, int64_t count, int ranks,
+                                        absl::string_view count_name,
+                                        absl::Duration timeout) const;
+
   Options options_;
 };
 

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/cuda/op_checks.h"
 #include "kernels/cuda/row_major_gemm.h"
 #include "worker/shards/lora_merge.h"
 
@@ -15,17 +16,16 @@ namespace {
 
 namespace kc = kernels::cuda;
 
-absl::Status CheckTarget(const LoraTarget& t, int64_t experts,
-                         const char* op) {
+absl::Status CheckTarget(const LoraTarget& t, int64_t experts, const char* op) {
   constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
   for (const auto& [value, name] :
        {std::pair<int64_t, const char*>{t.rank, "rank"},
         {t.in, "in"},
         {t.out, "out"}}) {
     if (value < 1 || value > kMaxInt) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          op, ": LoRA target ", t.base, " has ", name, " = ", value,
-          "; allowed [1, ", kMaxInt, "]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(op, ": LoRA target ", t.base, " has ", name, " = ",
+                       value, "; allowed [1, ", kMaxInt, "]"));
     }
   }
   if (experts < 0) {
@@ -54,16 +54,13 @@ absl::Status Run(cublasHandle_t handle, cudaStream_t stream,
   return absl::OkStatus();
 }
 
-absl::Status CheckNotNull(std::initializer_list<const void*> pointers,
-                          cublasHandle_t handle, const char* op) {
-  if (handle == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(op, ": handle is null"));
-  }
-  for (const void* p : pointers) {
-    if (p == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(op, ": a device buffer is null"));
-    }
+// The handle and every named device buffer, named when null.
+absl::Status CheckNotNull(
+    std::initializer_list<std::pair<const void*, const char*>> pointers,
+    cublasHandle_t handle, const char* op) {
+  SHARDD_RETURN_IF_ERROR(kc::CheckNotNull(handle, "handle", op));
+  for (const auto& [pointer, name] : pointers) {
+    SHARDD_RETURN_IF_ERROR(kc::CheckNotNull(pointer, name, op));
   }
   return absl::OkStatus();
 }
@@ -75,7 +72,8 @@ absl::Status DeviceLoraMergeInto(cublasHandle_t handle, cudaStream_t stream,
                                  const float* a, const float* b, float* w) {
   constexpr const char* kOp = "device LoRA merge";
   SHARDD_RETURN_IF_ERROR(CheckTarget(target, experts, kOp));
-  SHARDD_RETURN_IF_ERROR(CheckNotNull({a, b, w}, handle, kOp));
+  SHARDD_RETURN_IF_ERROR(
+      CheckNotNull({{a, "a"}, {b, "b"}, {w, "w"}}, handle, kOp));
   LoraBuffers buf;
   buf.a = a;
   buf.b = b;
@@ -85,11 +83,12 @@ absl::Status DeviceLoraMergeInto(cublasHandle_t handle, cudaStream_t stream,
 
 absl::Status DeviceLoraSplitGrad(cublasHandle_t handle, cudaStream_t stream,
                                  const LoraTarget& target, int64_t experts,
-                                 const float* a, const float* b,
-                                 const float* g, float* da, float* db) {
+                                 const float* a, const float* b, const float* g,
+                                 float* da, float* db) {
   constexpr const char* kOp = "device LoRA gradient split";
   SHARDD_RETURN_IF_ERROR(CheckTarget(target, experts, kOp));
-  SHARDD_RETURN_IF_ERROR(CheckNotNull({a, b, g, da, db}, handle, kOp));
+  SHARDD_RETURN_IF_ERROR(CheckNotNull(
+      {{a, "a"}, {b, "b"}, {g, "g"}, {da, "da"}, {db, "db"}}, handle, kOp));
   LoraBuffers buf;
   buf.a = a;
   buf.b = b;

@@ -25,6 +25,8 @@ TEST(DeviceLoraMergeTest, RefusesBadTargetsAndBuffers) {
   t.rank = 2;
   s = DeviceLoraSplitGrad(h, nullptr, t, 0, p, p, nullptr, p, p);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  // The null buffer is named.
+  EXPECT_NE(s.message().find("g is null"), absl::string_view::npos) << s;
   s = DeviceLoraMergeInto(nullptr, nullptr, t, 0, p, p, p);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_NE(s.message().find("handle"), absl::string_view::npos) << s;
