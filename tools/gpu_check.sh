@@ -132,7 +132,8 @@ def report(path):
 gpu, cpu = report(sys.argv[1]), report(sys.argv[2])
 for key in ("steps", "first_loss", "final_loss", "step_seconds",
             "tokens_per_second", "peak_unsharded_bytes",
-            "planned_peak_unsharded_bytes", "incidents"):
+            "planned_peak_unsharded_bytes", "peak_activation_bytes",
+            "planned_peak_activation_bytes", "incidents"):
     print(f"{key:30s} gpu {gpu.get(key)!s:24s} cpu {cpu.get(key)}")
 g, c = gpu.get("losses", []), cpu.get("losses", [])
 worst = 0.0
@@ -142,6 +143,12 @@ for i, (a, b) in enumerate(zip(g, c)):
     if i < 3 or i >= len(g) - 2:
         print(f"step {i + 1:4d} gpu {a:.6f} cpu {b:.6f} rel {rel:.2e}")
 print(f"largest relative loss difference over {min(len(g), len(c))} steps: {worst:.2e}")
+# The step driver's activation ledger against the plan (issue 41, item 4:
+# the plan models the CPU's state in fp32 until it models the device's).
+for name, r in (("gpu", gpu), ("cpu", cpu)):
+    m, p = r.get("peak_activation_bytes"), r.get("planned_peak_activation_bytes")
+    if m and p:
+        print(f"{name} activation ledger / plan: {m} / {p} = {m / p:.4f}")
 PY
   done
 fi

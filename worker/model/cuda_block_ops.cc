@@ -234,7 +234,7 @@ absl::StatusOr<DeviceBuffer> CudaBlockOps::UploadBuffer(const int32_t* host,
     if (slot == nullptr || (slot->capacity < n && s.capacity >= n)) slot = &s;
   }
   if (slot == nullptr && staging_.size() >= kMaxStaging) {
-    // Too many in flight: wait for the first.
+    // Too many in flight: wait for the first slot's copy.
     slot = &staging_.front();
     SHARDD_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(slot->done),
                                 "upload: waiting for a staging buffer");

@@ -12,17 +12,21 @@
 //
 // Everything is enqueued on one stream and nothing waits for the device,
 // except the grouped experts' one synchronization per forward (the
-// per-expert counts cuBLAS's grouped GEMM needs; host_synchronizations())
-// and ReadStepLoss, the step's end. The step's loss, token count and
-// data-error counters stay in device memory until then. Memory comes from
-// a DeviceAllocator (kind kWorkspace), so after the first step no
-// cudaMalloc happens; the step's ActivationLedger counts the activations
-// in their storage bytes.
+// per-expert counts cuBLAS's grouped GEMM needs; host_synchronizations()),
+// ReadStepLoss (the step's end) and, outside the commands, the RoPE
+// tables' upload when SetBatch brings a longer sequence than any before.
+// The step's loss, token count and data-error counters stay in device
+// memory until ReadStepLoss. Memory comes from a DeviceAllocator (kind
+// kWorkspace), so after the first step no cudaMalloc happens; the step's
+// ActivationLedger counts the activations in their storage bytes.
 //
 // DiffusionGemma's layer (gemma_layer.h has the math) runs here too
 // (cuda_block_ops_gemma.cc), its decode's attention block by block over
 // [encoder K/V ; canvas K/V]. Expert parallelism does not run on this
 // device yet (host_memory() is false, so ModelStep refuses the exchange).
+//
+// Not run on a GPU yet (written 2026-12-07; tools/gpu_check.sh runs its
+// tests first when a GPU is lent).
 
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
@@ -276,6 +280,9 @@ class CudaBlockOps : public BlockOps {
   int64_t uploaded_batch_ = -1, uploaded_seq_ = -1;
   bool uploaded_packed_ = false;
   DeviceBuffer positions_, key_begin_;
+  // A decode's canvas positions, as last uploaded.
+  std::vector<int32_t> decode_positions_host_;
+  DeviceBuffer decode_positions_;
   // DiffusionGemma: ones [max(D, head dims)] in storage type, and the full
   // (0) and sliding (1) layers' RoPE tables over gemma_positions_.
   DeviceBuffer ones_;

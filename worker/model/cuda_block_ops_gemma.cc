@@ -235,7 +235,6 @@ struct CudaBlockOps::Gemma {
   // the last encoder position).
   static absl::Status PositionsOf(CudaBlockOps& o, int64_t batch, int64_t seq,
                                   const GemmaDecodeView* decode,
-                                  DeviceBuffer* owned,
                                   const int32_t** positions,
                                   const int32_t** key_begin) {
     *key_begin = nullptr;
@@ -257,8 +256,13 @@ struct CudaBlockOps::Gemma {
               ? p
               : std::min<int64_t>(p, decode->encoder_seq - 1));
     }
-    SHARDD_ASSIGN_OR_RETURN(*owned, o.UploadBuffer(host.data(), t));
-    *positions = owned->as<int32_t>();
+    // Every decode layer of a micro-batch reads the same: upload once.
+    if (o.decode_positions_.empty() || host != o.decode_positions_host_) {
+      SHARDD_ASSIGN_OR_RETURN(o.decode_positions_,
+                              o.UploadBuffer(host.data(), t));
+      o.decode_positions_host_ = std::move(host);
+    }
+    *positions = o.decode_positions_.as<int32_t>();
     return absl::OkStatus();
   }
 
@@ -474,11 +478,10 @@ struct CudaBlockOps::Gemma {
       SHARDD_ASSIGN_OR_RETURN(*b, o.Alloc(bytes));
       return absl::OkStatus();
     };
-    DeviceBuffer positions_owned;
     const int32_t* positions = nullptr;
     const int32_t* key_begin = nullptr;
-    SHARDD_RETURN_IF_ERROR(PositionsOf(o, batch, seq, decode, &positions_owned,
-                                       &positions, &key_begin));
+    SHARDD_RETURN_IF_ERROR(
+        PositionsOf(o, batch, seq, decode, &positions, &key_begin));
     SHARDD_ASSIGN_OR_RETURN(const T* w_in, param(spec.norm));
     SHARDD_RETURN_IF_ERROR(
         NormInto<T>(o, g->x_in.as<T>(), w_in, t, d, &g->n, &g->in_inv));
@@ -741,11 +744,10 @@ struct CudaBlockOps::Gemma {
     }
     Temps temps;
     auto param = [&](const ArchTensor& w) { return o.Param<T>(w, &temps); };
-    DeviceBuffer positions_owned;
     const int32_t* positions = nullptr;
     const int32_t* key_begin = nullptr;
-    SHARDD_RETURN_IF_ERROR(PositionsOf(o, batch, seq, decode, &positions_owned,
-                                       &positions, &key_begin));
+    SHARDD_RETURN_IF_ERROR(
+        PositionsOf(o, batch, seq, decode, &positions, &key_begin));
     // The feed-forward norms' gradients BACKWARD(EXPERTS) formed.
     const ArchTensor* ff_norms[3] = {&spec.post_ff_norm, &spec.post_ff_norm_2,
                                      &spec.pre_ff_norm_2};
@@ -1151,13 +1153,15 @@ absl::Status CudaBlockOps::PrepareGemma(int64_t seq) {
     SHARDD_ASSIGN_OR_RETURN(ones_, Alloc(width * elem));
     std::vector<float> host(width, 1.0f);
     std::vector<uint16_t> bf16_ones(width, 0x3F80);  // 1.0 in bf16.
-    // Pageable memory: the copy completes before the call returns.
+    // On the stream the block is reused on, then waited for (once).
     SHARDD_CUDA_RETURN_IF_ERROR(
-        cudaMemcpy(ones_.data(),
-                   elem == 4 ? static_cast<const void*>(host.data())
-                             : static_cast<const void*>(bf16_ones.data()),
-                   width * elem, cudaMemcpyHostToDevice),
+        cudaMemcpyAsync(ones_.data(),
+                        elem == 4 ? static_cast<const void*>(host.data())
+                                  : static_cast<const void*>(bf16_ones.data()),
+                        width * elem, cudaMemcpyHostToDevice, stream_),
         "DiffusionGemma: ones");
+    SHARDD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_),
+                                "DiffusionGemma: ones");
   }
   if (seq <= gemma_positions_) return absl::OkStatus();
   if (seq > a.max_positions) {
@@ -1178,16 +1182,18 @@ absl::Status CudaBlockOps::PrepareGemma(int64_t seq) {
     gemma_sin_[i].Reset();
     SHARDD_ASSIGN_OR_RETURN(gemma_cos_[i], Alloc(bytes));
     SHARDD_ASSIGN_OR_RETURN(gemma_sin_[i], Alloc(bytes));
-    // Pageable memory: the copies complete before the calls return (this
-    // happens once per longer seq).
+    // On the stream the blocks are reused on, then waited for: the host
+    // tables go on return (once per longer seq, at SetBatch).
     SHARDD_CUDA_RETURN_IF_ERROR(
-        cudaMemcpy(gemma_cos_[i].data(), table.cos.data(), bytes,
-                   cudaMemcpyHostToDevice),
+        cudaMemcpyAsync(gemma_cos_[i].data(), table.cos.data(), bytes,
+                        cudaMemcpyHostToDevice, stream_),
         "DiffusionGemma: rope table");
     SHARDD_CUDA_RETURN_IF_ERROR(
-        cudaMemcpy(gemma_sin_[i].data(), table.sin.data(), bytes,
-                   cudaMemcpyHostToDevice),
+        cudaMemcpyAsync(gemma_sin_[i].data(), table.sin.data(), bytes,
+                        cudaMemcpyHostToDevice, stream_),
         "DiffusionGemma: rope table");
+    SHARDD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_),
+                                "DiffusionGemma: rope table");
   }
   gemma_positions_ = seq;
   return absl::OkStatus();

@@ -99,14 +99,18 @@ absl::Status DeviceAttentionBlock::Prepare(int64_t seq) {
   const int64_t bytes = static_cast<int64_t>(table.cos.size() * sizeof(float));
   SHARDD_ASSIGN_OR_RETURN(cos_, Alloc(bytes));
   SHARDD_ASSIGN_OR_RETURN(sin_, Alloc(bytes));
-  // Pageable host memory: the copy completes before the call returns, so
-  // the temporary table may go (this happens once per longer seq).
+  // On the stream the blocks are reused on (a plain cudaMemcpy could
+  // overtake work still queued there on a reused block), then waited for,
+  // so the temporary table may go (once per longer seq, at SetBatch).
   SHARDD_CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(cos_.data(), table.cos.data(), bytes, cudaMemcpyHostToDevice),
+      cudaMemcpyAsync(cos_.data(), table.cos.data(), bytes,
+                      cudaMemcpyHostToDevice, stream_),
       "rope table");
   SHARDD_CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(sin_.data(), table.sin.data(), bytes, cudaMemcpyHostToDevice),
+      cudaMemcpyAsync(sin_.data(), table.sin.data(), bytes,
+                      cudaMemcpyHostToDevice, stream_),
       "rope table");
+  SHARDD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_), "rope table");
   table_positions_ = seq;
   return absl::OkStatus();
 }

@@ -55,7 +55,8 @@ struct DeviceMoeModel::Impl {
   std::unique_ptr<step::ModelStep> step;
   step::CudaBlockOps* ops = nullptr;  // Owned by step.
   ~Impl() {
-    step.reset();  // Waits for the stream's work on its buffers.
+    cudaSetDevice(device);  // Teardown: an error here changes nothing.
+    step.reset();           // Waits for the stream's work on its buffers.
     if (own_stream && stream != nullptr) cudaStreamDestroy(stream);
   }
 };
@@ -115,6 +116,16 @@ absl::StatusOr<std::unique_ptr<DeviceMoeModel>> DeviceMoeModel::Create(
                        valid.message()));
     }
   }
+  step::StepShape step_shape;
+  step_shape.passes = shape.passes;
+  step_shape.no_grad_passes = shape.no_grad_passes;
+  step_shape.microbatches = shape.microbatches;
+  step_shape.self_conditioning_scale = shape.self_conditioning_scale;
+  step_shape.diffusion = shape.diffusion;
+  step_shape.canvas_length = model.dims().canvas_length();
+  // The step shape as the driver checks it (DiffusionGemma's steps).
+  SHARDD_RETURN_IF_ERROR(
+      step::ModelStep::CheckShape(arch, step_shape).status());
   // The device, after every spec check.
   SHARDD_RETURN_IF_ERROR(UseDevice(options));
   auto impl = std::make_unique<Impl>();
@@ -133,13 +144,6 @@ absl::StatusOr<std::unique_ptr<DeviceMoeModel>> DeviceMoeModel::Create(
       step::CudaBlockOps::Create(impl->arch.get(), options.activations,
                                  impl->stream, allocator));
   impl->ops = ops.get();
-  step::StepShape step_shape;
-  step_shape.passes = shape.passes;
-  step_shape.no_grad_passes = shape.no_grad_passes;
-  step_shape.microbatches = shape.microbatches;
-  step_shape.self_conditioning_scale = shape.self_conditioning_scale;
-  step_shape.diffusion = shape.diffusion;
-  step_shape.canvas_length = model.dims().canvas_length();
   SHARDD_ASSIGN_OR_RETURN(
       impl->step,
       step::ModelStep::Create(impl->arch.get(), step_shape, std::move(ops)));
@@ -201,7 +205,10 @@ absl::Status DeviceMoeModel::Run(const v1::Command& command,
 }
 
 void DeviceMoeModel::ResetStep() {
-  // Activations stay allocated for the next step (the driver reuses them).
+  // The step loss is zeroed on the device (an error surfaces at
+  // ReadStepLoss); activations stay allocated for the next step (the
+  // driver reuses them).
+  cudaSetDevice(impl_->device);
   impl_->step->ResetStep();
 }
 

@@ -25,24 +25,32 @@ ModelStep::~ModelStep() {
   batches_.clear();
 }
 
-absl::StatusOr<std::unique_ptr<ModelStep>> ModelStep::Create(
-    const MoeArchitecture* arch, const StepShape& shape,
-    std::unique_ptr<BlockOps> ops) {
-  SHARDD_RETURN_IF_ERROR(CheckModelStepShape(
-      shape.passes, shape.no_grad_passes, shape.microbatches));
-  auto step = absl::WrapUnique(new ModelStep(arch, shape, std::move(ops)));
-  if (arch->gemma && shape.passes == 3 && shape.no_grad_passes == 1) {
-    step->diffusion_ = true;
-    SHARDD_ASSIGN_OR_RETURN(
-        step->block_diffusion_,
-        ReadBlockDiffusionSpec(*arch, shape.canvas_length,
-                               shape.diffusion.response_length));
-  } else if (arch->gemma && shape.passes != 1) {
+absl::StatusOr<BlockDiffusionSpec> ModelStep::CheckShape(
+    const MoeArchitecture& arch, const StepShape& shape) {
+  SHARDD_RETURN_IF_ERROR(CheckModelStepShape(shape.passes, shape.no_grad_passes,
+                                             shape.microbatches));
+  if (arch.gemma && shape.passes == 3 && shape.no_grad_passes == 1) {
+    return ReadBlockDiffusionSpec(arch, shape.canvas_length,
+                                  shape.diffusion.response_length);
+  }
+  if (arch.gemma && shape.passes != 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "DiffusionGemma: the model computes the causal pass (1 pass) or "
         "the block-diffusion step (3 passes, 1 without gradients), got ",
-        shape.passes, " passes, ", shape.no_grad_passes,
-        " without gradients"));
+        shape.passes, " passes, ", shape.no_grad_passes, " without gradients"));
+  }
+  return BlockDiffusionSpec();
+}
+
+absl::StatusOr<std::unique_ptr<ModelStep>> ModelStep::Create(
+    const MoeArchitecture* arch, const StepShape& shape,
+    std::unique_ptr<BlockOps> ops) {
+  SHARDD_ASSIGN_OR_RETURN(BlockDiffusionSpec block_diffusion,
+                          CheckShape(*arch, shape));
+  auto step = absl::WrapUnique(new ModelStep(arch, shape, std::move(ops)));
+  if (arch->gemma && shape.passes == 3) {
+    step->diffusion_ = true;
+    step->block_diffusion_ = std::move(block_diffusion);
   }
   const bool per_microbatch = step->ops_->per_microbatch_state();
   step->order_ = std::make_unique<ModelCommandOrder>(
@@ -50,10 +58,9 @@ absl::StatusOr<std::unique_ptr<ModelStep>> ModelStep::Create(
                       shape.passes, shape.no_grad_passes),
       shape.microbatches, arch->LayersWithExperts(), per_microbatch);
   step->batches_.resize(shape.microbatches);
-  step->slots_.resize(per_microbatch
-                          ? static_cast<size_t>(shape.passes) *
-                                shape.microbatches
-                          : shape.passes);
+  step->slots_.resize(per_microbatch ? static_cast<size_t>(shape.passes) *
+                                           shape.microbatches
+                                     : shape.passes);
   for (PassSlot& a : step->slots_) a.layers.resize(arch->layers.size());
   step->recompute_layer_.assign(arch->layers.size(), false);
   step->recompute_experts_.assign(arch->layers.size(), false);
@@ -161,8 +168,8 @@ void ModelStep::ResetStep() {
 }
 
 Saved* ModelStep::aux_stats(int pass, int microbatch) {
-  if (!arch_.aux_on() || pass < 0 || pass >= shape_.passes ||
-      microbatch < 0 || microbatch >= shape_.microbatches) {
+  if (!arch_.aux_on() || pass < 0 || pass >= shape_.passes || microbatch < 0 ||
+      microbatch >= shape_.microbatches) {
     return nullptr;
   }
   return &Slot(pass, microbatch).aux;
@@ -239,9 +246,8 @@ absl::Status ModelStep::LayerForward(const MoeLayerSpec& spec,
   if (spec.has_moe) {
     SHARDD_RETURN_IF_ERROR(Ensure(&la->indices, Elem::kI32, t * arch_.top_k));
     SHARDD_RETURN_IF_ERROR(Ensure(&la->weights, Elem::kF32, t * arch_.top_k));
-    SHARDD_RETURN_IF_ERROR(ops_->RouterForward(spec, la->normed, t,
-                                               &la->indices, &la->weights,
-                                               &la->router));
+    SHARDD_RETURN_IF_ERROR(ops_->RouterForward(
+        spec, la->normed, t, &la->indices, &la->weights, &la->router));
     la->router.Sync(&ledger_);
     if (arch_.aux_on() && a != nullptr) {
       SHARDD_RETURN_IF_ERROR(
@@ -265,9 +271,8 @@ absl::Status ModelStep::ExpertsBackward(const MoeLayerSpec& spec, int64_t t,
                                         LayerSlot* la, PassSlot* a) {
   SHARDD_RETURN_IF_ERROR(Ensure(&a->dn, Elem::kStorage, t * arch_.dim));
   SHARDD_RETURN_IF_ERROR(Ensure(&a->dweights, Elem::kF32, t * arch_.top_k));
-  SHARDD_RETURN_IF_ERROR(ops_->ExpertsBackward(spec, a->dx, t, arch_.top_k,
-                                               &la->experts, &a->dn,
-                                               &a->dweights));
+  SHARDD_RETURN_IF_ERROR(ops_->ExpertsBackward(
+      spec, a->dx, t, arch_.top_k, &la->experts, &a->dn, &a->dweights));
   la->experts.Sync(&ledger_);
   return absl::OkStatus();
 }
@@ -287,9 +292,9 @@ absl::Status ModelStep::SetExpertExchange(ExpertExchange* exchange,
     MoeLayerSpec local = spec;
     if (spec.has_moe) {
       if (spec.experts != exchange->experts()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "expert parallelism: a layer has ", spec.experts,
-            " experts, the exchange ", exchange->experts()));
+        return absl::InvalidArgumentError(
+            absl::StrCat("expert parallelism: a layer has ", spec.experts,
+                         " experts, the exchange ", exchange->experts()));
       }
       // This rank's block: dim 0 of the stacked tensors.
       local.experts = exchange->local_experts();
@@ -353,14 +358,13 @@ absl::Status ModelStep::DispatchRows(int64_t t, LayerSlot* la) {
   SHARDD_RETURN_IF_ERROR(Ensure(&la->ids_r, Elem::kI32, r));
   SHARDD_RETURN_IF_ERROR(Ensure(&la->w_r, Elem::kF32, r));
   return exchange_->Dispatch(la->route, la->normed.as<float>(),
-                             la->weights.as<float>(),
-                             la->indices.as<int32_t>(), d,
-                             la->x_r.as<float>(), la->ids_r.as<int32_t>(),
+                             la->weights.as<float>(), la->indices.as<int32_t>(),
+                             d, la->x_r.as<float>(), la->ids_r.as<int32_t>(),
                              la->w_r.as<float>());
 }
 
-absl::Status ModelStep::LocalExpertsForward(const MoeLayerSpec& spec,
-                                            int64_t t, LayerSlot* la) {
+absl::Status ModelStep::LocalExpertsForward(const MoeLayerSpec& spec, int64_t t,
+                                            LayerSlot* la) {
   const int64_t r = la->route.received;
   if (la->route.t != t || la->x_r.empty()) {
     return absl::FailedPreconditionError(
@@ -383,9 +387,8 @@ absl::Status ModelStep::CombineRows(int64_t t, LayerSlot* la, Act* y) {
     return absl::FailedPreconditionError(
         "COMBINE of an expert-parallel layer before its EXPERTS");
   }
-  SHARDD_RETURN_IF_ERROR(
-      exchange_->Combine(la->route, la->y_r.as<float>(), arch_.dim,
-                         y->as<float>()));
+  SHARDD_RETURN_IF_ERROR(exchange_->Combine(la->route, la->y_r.as<float>(),
+                                            arch_.dim, y->as<float>()));
   la->y_r.Reset();
   return absl::OkStatus();
 }
@@ -414,8 +417,8 @@ absl::Status ModelStep::ParallelExpertsBackward(const MoeLayerSpec& spec,
       }
       SHARDD_RETURN_IF_ERROR(Ensure(&la->dx_r, Elem::kStorage, rows * d));
       SHARDD_RETURN_IF_ERROR(Ensure(&la->dw_r, Elem::kF32, rows));
-      SHARDD_RETURN_IF_ERROR(ops_->ExpertsBackward(LocalSpec(spec), la->dy_r,
-                                                   r, /*k=*/1, &la->experts,
+      SHARDD_RETURN_IF_ERROR(ops_->ExpertsBackward(LocalSpec(spec), la->dy_r, r,
+                                                   /*k=*/1, &la->experts,
                                                    &la->dx_r, &la->dw_r));
       la->experts.Sync(&ledger_);
       la->experts.Reset();
@@ -428,8 +431,7 @@ absl::Status ModelStep::ParallelExpertsBackward(const MoeLayerSpec& spec,
             "BACKWARD EXPERTS");
       }
       SHARDD_RETURN_IF_ERROR(Ensure(&a->dn, Elem::kStorage, t * d));
-      SHARDD_RETURN_IF_ERROR(
-          Ensure(&a->dweights, Elem::kF32, t * arch_.top_k));
+      SHARDD_RETURN_IF_ERROR(Ensure(&a->dweights, Elem::kF32, t * arch_.top_k));
       SHARDD_RETURN_IF_ERROR(exchange_->CombineGrad(
           la->route, la->dx_r.as<float>(), la->dw_r.as<float>(), d,
           a->dn.as<float>(), a->dweights.as<float>()));
@@ -469,8 +471,7 @@ absl::Status ModelStep::HeadBackward(int64_t t, const Act& targets,
 }
 
 absl::Status ModelStep::GemmaForward(const Command& c, int64_t batch,
-                                     int64_t seq,
-                                     const GemmaDecodeView* decode,
+                                     int64_t seq, const GemmaDecodeView* decode,
                                      bool keep_without_grad, PassSlot* a) {
   const int l = c.layer();
   const MoeLayerSpec& spec = arch_.layers[l];
@@ -484,9 +485,9 @@ absl::Status ModelStep::GemmaForward(const Command& c, int64_t batch,
   // EXPERTS, or under expert parallelism DISPATCH, EXPERTS or COMBINE.
   SHARDD_ASSIGN_OR_RETURN(const ExpertsPhase phase, PhaseOf(c));
   const RoutedExchange ep = RoutedFor(batch * seq);
-  SHARDD_RETURN_IF_ERROR(ops_->GemmaExpertsForward(
-      ExpertSpec(spec), batch * seq, &la.gemma, &a->x,
-      exchange_ == nullptr ? nullptr : &ep, phase));
+  SHARDD_RETURN_IF_ERROR(
+      ops_->GemmaExpertsForward(ExpertSpec(spec), batch * seq, &la.gemma, &a->x,
+                                exchange_ == nullptr ? nullptr : &ep, phase));
   la.gemma.Sync(&ledger_);
   if (phase != ExpertsPhase::kAll && phase != ExpertsPhase::kCombine) {
     return absl::OkStatus();
@@ -602,16 +603,15 @@ LossTerm ModelStep::DiffusionTerm(const BatchSlot& batch, bool encode) const {
   }
   const int64_t mine = encode ? batch.ar_counted : batch.canvas_counted;
   term.grad_scale =
-      global == 0 ? 0.0f
-                  : static_cast<float>(w * loss_ranks_ /
-                                       static_cast<double>(global));
-  term.weight = global == 0 || local == 0
-                    ? 0.0
-                    : w * m * static_cast<double>(mine) *
-                          static_cast<double>(global_counted_ +
-                                              global_canvas_) /
-                          (static_cast<double>(global) *
-                           static_cast<double>(local));
+      global == 0
+          ? 0.0f
+          : static_cast<float>(w * loss_ranks_ / static_cast<double>(global));
+  term.weight =
+      global == 0 || local == 0
+          ? 0.0
+          : w * m * static_cast<double>(mine) *
+                static_cast<double>(global_counted_ + global_canvas_) /
+                (static_cast<double>(global) * static_cast<double>(local));
   return term;
 }
 
@@ -619,9 +619,9 @@ double ModelStep::LossWeight(const BatchSlot& batch) const {
   if (global_counted_ <= 0) return 1.0;
   int64_t local = 0;
   for (int m = 0; m < shape_.microbatches; ++m) local += batches_[m].counted;
-  return local == 0 ? 0.0
-                    : static_cast<double>(batch.counted) *
-                          shape_.microbatches / local;
+  return local == 0
+             ? 0.0
+             : static_cast<double>(batch.counted) * shape_.microbatches / local;
 }
 
 absl::Status ModelStep::SetRowSegments(int microbatch,
@@ -736,8 +736,8 @@ absl::Status ModelStep::Forward(const Command& c) {
       } else {
         SHARDD_RETURN_IF_ERROR(CombineRows(t, &la, &y));
       }
-      SHARDD_RETURN_IF_ERROR(ops_->Add(
-          &a.x, y, la.dense_out.empty() ? nullptr : &la.dense_out));
+      SHARDD_RETURN_IF_ERROR(
+          ops_->Add(&a.x, y, la.dense_out.empty() ? nullptr : &la.dense_out));
       la.dense_out.Reset();
       if (!c.requires_grad()) {
         la = LayerSlot();
@@ -752,9 +752,9 @@ absl::Status ModelStep::Forward(const Command& c) {
         // An evaluation scores the passes a training step takes its loss
         // from.
         if (eval_ && pass >= shape_.no_grad_passes) {
-          SHARDD_RETURN_IF_ERROR(ops_->HeadLoss(a.h, batch.targets, t,
-                                                LossTerm{0.0f, LossWeight(batch)},
-                                                0.0, /*dh=*/nullptr));
+          SHARDD_RETURN_IF_ERROR(ops_->HeadLoss(
+              a.h, batch.targets, t, LossTerm{0.0f, LossWeight(batch)}, 0.0,
+              /*dh=*/nullptr));
           ++loss_terms_;
         }
         a.final_x.Reset();
@@ -763,7 +763,8 @@ absl::Status ModelStep::Forward(const Command& c) {
         if (pass + 1 == shape_.passes) a.h.Reset();
         return absl::OkStatus();
       }
-      if (arch_.aux_on()) SHARDD_RETURN_IF_ERROR(ops_->AuxFinishForward(&a.aux));
+      if (arch_.aux_on())
+        SHARDD_RETURN_IF_ERROR(ops_->AuxFinishForward(&a.aux));
       // The loss of a pass with gradients is computed by its BACKWARD HEAD
       // (one sweep over the logits for both); passes without gradients only
       // produce h for the next pass.
@@ -848,8 +849,7 @@ absl::Status ModelStep::Backward(const Command& c) {
           batch.counted == 0
               ? 0.0f
               : static_cast<float>(1.0 / (static_cast<double>(batch.counted) *
-                                          shape_.microbatches *
-                                          grad_passes()));
+                                          shape_.microbatches * grad_passes()));
       if (global_counted_ > 0) {
         // The mean over the global batch's counted tokens.
         term.grad_scale = static_cast<float>(
@@ -860,9 +860,9 @@ absl::Status ModelStep::Backward(const Command& c) {
       double aux = 0.0;
       if (arch_.aux_on()) {
         SHARDD_ASSIGN_OR_RETURN(
-            aux, ops_->AuxLoss(&a.aux, arch_.router_aux_loss_coef,
-                               static_cast<double>(shape_.microbatches) *
-                                   grad_passes()));
+            aux, ops_->AuxLoss(
+                     &a.aux, arch_.router_aux_loss_coef,
+                     static_cast<double>(shape_.microbatches) * grad_passes()));
       }
       SHARDD_RETURN_IF_ERROR(HeadBackward(
           t, batch.targets, term, arch_.router_aux_loss_coef * aux, &a));

@@ -51,6 +51,11 @@ class ModelStep {
   static absl::StatusOr<std::unique_ptr<ModelStep>> Create(
       const MoeArchitecture* arch, const StepShape& shape,
       std::unique_ptr<BlockOps> ops);
+  // Create's checks of the step shape alone, for a caller that refuses a
+  // shape before it sets up a device: DiffusionGemma's block-diffusion
+  // spec for its 3-pass step, else an empty spec. Errors as Create's.
+  static absl::StatusOr<BlockDiffusionSpec> CheckShape(
+      const MoeArchitecture& arch, const StepShape& shape);
   ~ModelStep();
 
   BlockOps* ops() { return ops_.get(); }
