@@ -27,9 +27,9 @@
 #include "layout/initial_values.h"
 #include "model/lora.h"
 #include "model/model_util.h"
-#include "program/pass_layout.h"
 #include "planner/sharding_planner.h"
 #include "planner/strategy_registry.h"
+#include "program/pass_layout.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/kv_gloo_store.h"
 #include "worker/data/batch_sampler.h"
@@ -169,8 +169,8 @@ absl::Status CheckUnderRoot(const std::string& root, const std::string& path,
     if (root_end == r.end()) return absl::OkStatus();
   }
   return absl::PermissionDeniedError(
-      absl::StrCat(field, ": '", path, "' is not under this worker's --weights-root '",
-                   root, "'"));
+      absl::StrCat(field, ": '", path,
+                   "' is not under this worker's --weights-root '", root, "'"));
 }
 
 absl::StatusOr<int64_t> ModelVocabSize(const v1::ModelSpec& model) {
@@ -239,14 +239,22 @@ std::unique_ptr<WorkerRuntime::KeptState> WorkerRuntime::TakeKeptStateLocked(
     return nullptr;
   }
   const StepExecutor* executor = &job_->steps->executor();
-  if (executor->host_shards() == nullptr) return nullptr;
   // A failed executor is fine: its step committed fully or not at all, so
-  // the masters and moments are those of its optimizer step count.
+  // the masters and moments are those of its optimizer step count (on a
+  // GPU: the host copy waits for the device, which a failed CUDA context
+  // refuses; then the state is lost and the job restores a checkpoint).
+  absl::StatusOr<ShardStateSnapshot> snapshot = executor->CaptureShardState();
+  if (!snapshot.ok()) {
+    SHARDD_LOG(WARNING) << "job " << job_id
+                        << ": the shards could not be kept: "
+                        << snapshot.status();
+    return nullptr;
+  }
   auto kept = std::make_unique<KeptState>();
   kept->job_id = job_id;
   kept->plan_fingerprint = fingerprint;
   kept->optimizer_steps = executor->optimizer_steps();
-  kept->snapshot = CaptureShardState(executor->shards());
+  kept->snapshot = *std::move(snapshot);
   return kept;
 }
 
@@ -453,7 +461,7 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::LoadPlan(
 
   absl::MutexLock lock(&mu_);
   std::unique_ptr<KeptState> kept;
-  if (request.keep_state() && options_.device < 0) {
+  if (request.keep_state()) {
     kept = TakeKeptStateLocked(request.job_id(), plan.fingerprint());
   }
   // Any other retained state belongs to a job this request replaces.
@@ -524,8 +532,8 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::BuildJobLocked(
     if (!opened.ok()) {
       return absl::Status(
           opened.status().code(),
-          absl::StrCat("rank ", job->rank, ": train.init_from: ",
-                       opened.status().message()));
+          absl::StrCat("rank ", job->rank,
+                       ": train.init_from: ", opened.status().message()));
     }
     weights = *std::move(opened);
     const std::vector<std::string> unused = weights->UnusedTensors();
@@ -556,8 +564,8 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::BuildJobLocked(
     if (!opened.ok()) {
       return absl::Status(
           opened.status().code(),
-          absl::StrCat("rank ", job->rank, ": train.lora_from: ",
-                       opened.status().message()));
+          absl::StrCat("rank ", job->rank,
+                       ": train.lora_from: ", opened.status().message()));
     }
     adapters = *std::move(opened);
   }
@@ -567,9 +575,10 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::BuildJobLocked(
   }
   if (options_.device >= 0 && request.model().lora().rank() > 0) {
     return absl::UnimplementedError(absl::StrCat(
-        "rank ", job->rank, ": model.lora: LoRA runs on CPU workers only so "
-        "far; device cuda:", options_.device,
-        " does not merge adapters yet (docs/lora.md)"));
+        "rank ", job->rank,
+        ": model.lora: LoRA runs on CPU workers only so "
+        "far; device cuda:",
+        options_.device, " does not merge adapters yet (docs/lora.md)"));
   }
   if (options_.device >= 0 && plan.mesh().ep() > 1) {
     return absl::UnimplementedError(absl::StrCat(
@@ -595,7 +604,10 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::BuildJobLocked(
                        ": ", runner.status().message()));
     }
     job->steps = *std::move(runner);
-    return InstallJobLocked(std::move(job), /*kept_step=*/-1);
+    SHARDD_ASSIGN_OR_RETURN(
+        const int64_t kept_step,
+        RestoreKeptState(*job, &job->steps->executor(), kept));
+    return InstallJobLocked(std::move(job), kept_step);
 #else
     return absl::FailedPreconditionError(absl::StrCat(
         "device cuda:", options_.device,
@@ -700,22 +712,8 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::BuildJobLocked(
       StepExecutor::Create(plan, request.model(), executor_options,
                            job->shard_group.get(), job->replicas.get(),
                            &tracker_, slice_groups, expert_groups));
-  int64_t kept_step = -1;
-  if (*kept != nullptr) {
-    // Same job and fingerprint, so the same layout: a failure here is a bug.
-    absl::Status restored =
-        RestoreShardState((*kept)->snapshot, executor->mutable_shards());
-    if (restored.ok()) {
-      restored = executor->RestoreOptimizerSteps((*kept)->optimizer_steps);
-    }
-    if (!restored.ok()) {
-      return absl::InternalError(
-          absl::StrCat("rank ", job->rank, ": keeping the state of job ",
-                       job->job_id, " failed: ", restored.ToString()));
-    }
-    kept_step = (*kept)->optimizer_steps;
-    kept->reset();  // Free the snapshot now.
-  }
+  SHARDD_ASSIGN_OR_RETURN(const int64_t kept_step,
+                          RestoreKeptState(*job, executor.get(), kept));
   if (weights != nullptr) {
     const size_t ignored = weights->IgnoredTensors().size();
     SHARDD_LOG(INFO) << "rank " << job->rank << " initialised its shards from "
@@ -732,6 +730,24 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::BuildJobLocked(
   job->steps = std::make_unique<StepRunner>(std::move(executor),
                                             job->shard_group.get(), &tracker_);
   return InstallJobLocked(std::move(job), kept_step);
+}
+
+absl::StatusOr<int64_t> WorkerRuntime::RestoreKeptState(
+    const Job& job, StepExecutor* executor, std::unique_ptr<KeptState>* kept) {
+  if (*kept == nullptr) return -1;
+  // Same job and fingerprint, so the same layout: a failure here is a bug.
+  absl::Status restored = executor->RestoreShardState((*kept)->snapshot);
+  if (restored.ok()) {
+    restored = executor->RestoreOptimizerSteps((*kept)->optimizer_steps);
+  }
+  if (!restored.ok()) {
+    return absl::InternalError(
+        absl::StrCat("rank ", job.rank, ": keeping the state of job ",
+                     job.job_id, " failed: ", restored.ToString()));
+  }
+  const int64_t step = (*kept)->optimizer_steps;
+  kept->reset();  // Free the snapshot now.
+  return step;
 }
 
 absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::InstallJobLocked(

@@ -28,7 +28,7 @@
 // has joined, so a retry under the same names could read a dead peer's
 // endpoint.
 //
-// Recovery without a checkpoint (CPU jobs). LoadPlan with keep_state, for
+// Recovery without a checkpoint. LoadPlan with keep_state, for
 // the job and plan fingerprint this worker holds, keeps the shards' training
 // state (fp32 masters, AdamW moments, optimizer step count) and only
 // rebuilds the collective groups for the new membership epoch; this works
@@ -40,8 +40,10 @@
 // shard bytes) only while the new groups form. If that LoadPlan then fails
 // (a peer missing from the rendezvous), the snapshot is retained and a
 // later keep_state LoadPlan of the same job and fingerprint still finds it.
+// A GPU job's snapshot is copied from and back to device memory (the
+// executor's CaptureShardState / RestoreShardState; not run on a GPU yet).
 // HealReplicas then lets HSDP replicas that lost their state (a restarted
-// worker) copy it from a replica that kept it.
+// worker) copy it from a replica that kept it (CPU jobs).
 //
 // Training config: ResolveTrainConfig (train_config.h).
 //
@@ -162,11 +164,12 @@ class WorkerRuntime {
   // keep_state snapshot, see the file comment).
   //
   // keep_state: when the worker holds (or retained from a failed LoadPlan)
-  // a CPU job with request.job_id and the plan's fingerprint whose state is
-  // intact, the new job starts from its masters, moments and optimizer step
-  // count, and kept_step is that step count; the old job's last step may
-  // have failed. Otherwise (another job or plan, keep_state false, a GPU
-  // job, or state lost by a failed HealReplicas or LoadShards) the shards
+  // a job (CPU or GPU) with request.job_id and the plan's fingerprint whose
+  // state is intact, the new job starts from its masters, moments and
+  // optimizer step count, and kept_step is that step count; the old job's
+  // last step may have failed. Otherwise (another job or plan, keep_state
+  // false, a device that cannot copy its shards out, or state lost by a
+  // failed HealReplicas or LoadShards) the shards
   // are freshly initialized from `seed` and kept_step is -1.
   // Errors: INVALID_ARGUMENT (rank outside [0, world_size); a plan whose
   // mesh, world size or units do not match its model (missing parameter,
@@ -296,6 +299,12 @@ class WorkerRuntime {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The state a keep_state LoadPlan of (job_id, fingerprint) keeps: a
   // snapshot of the held job's, or the retained one; null when none fits.
+  // Writes the kept state (if any) into `executor`'s shards and optimizer
+  // step count and frees it: the kept step, or -1 without one. Errors:
+  // INTERNAL (the kept state does not fit: a bug).
+  static absl::StatusOr<int64_t> RestoreKeptState(
+      const Job& job, StepExecutor* executor,
+      std::unique_ptr<KeptState>* kept);
   std::unique_ptr<KeptState> TakeKeptStateLocked(const std::string& job_id,
                                                  uint64_t fingerprint)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -65,6 +65,16 @@ class CpuBackend final : public StepBackend {
                        bool* clean) override;
   void Abort(bool* clean) override;
   ShardStore* host_shards() override { return store_.get(); }
+  absl::Status CopyOwnedParamSlice(const std::string& name,
+                                   float* out) const override {
+    return store_->CopyOwnedParamSlice(name, out);
+  }
+  absl::StatusOr<ShardStateSnapshot> CaptureShardState() const override {
+    return shardd::CaptureShardState(*store_);
+  }
+  absl::Status RestoreShardState(const ShardStateSnapshot& snapshot) override {
+    return shardd::RestoreShardState(snapshot, store_.get());
+  }
 
  private:
   class CommThread;
@@ -82,8 +92,8 @@ class CpuBackend final : public StepBackend {
 
   CpuBackend(const v1::ShardingPlan& plan, const StepExecutorOptions& options,
              Communicator* shard_group, Communicator* replicas,
-             const SliceGroups& slice_groups,
-             const ExpertGroups& expert_groups, MemoryTracker* tracker);
+             const SliceGroups& slice_groups, const ExpertGroups& expert_groups,
+             MemoryTracker* tracker);
 
   // The group unit `u` gathers and reduces over: its ep_shard group for an
   // expert-parallel unit, else the shard group.

@@ -72,6 +72,10 @@ class CudaBackend final : public StepBackend {
                        int64_t* optimizer_steps, StepResult* result,
                        bool* clean) override;
   void Abort(bool* clean) override;
+  absl::Status CopyOwnedParamSlice(const std::string& name,
+                                   float* out) const override;
+  absl::StatusOr<ShardStateSnapshot> CaptureShardState() const override;
+  absl::Status RestoreShardState(const ShardStateSnapshot& snapshot) override;
 
   // Not to be used while a step runs.
   const DeviceShardStore& shards() const { return *store_; }

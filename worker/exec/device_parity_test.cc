@@ -266,8 +266,7 @@ Trace RunJob(const Feature& f, bool with_checkpointing,
     for (const v1::ParamLayout& param : unit.params()) {
       std::vector<float> values(param.numel());
       EXPECT_THAT(
-          (*executor)->shards().CopyOwnedParamSlice(param.name(),
-                                                    values.data()),
+          (*executor)->CopyOwnedParamSlice(param.name(), values.data()),
           IsOk());
       trace.params.push_back(std::move(values));
     }

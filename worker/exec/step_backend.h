@@ -14,6 +14,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kernels/cpu/adamw.h"
@@ -27,6 +28,7 @@
 #include "worker/exec/step_state.h"
 #include "worker/memory/memory_tracker.h"
 #include "worker/model/block_diffusion.h"
+#include "worker/shards/shard_state_transfer.h"
 
 namespace shardd {
 
@@ -231,6 +233,17 @@ class StepBackend {
   virtual void Abort(bool* clean) = 0;
   // The host shard store (checkpoints, tests); null for device backends.
   virtual ShardStore* host_shards() { return nullptr; }
+  // Wherever the shards live (not while a step runs): the rank's owned
+  // slice of a parameter, as ShardStore::CopyOwnedParamSlice; a host copy
+  // of the master shards and moments (LoadPlan keep_state); and its
+  // restore into shards of the same plan (gradients zeroed, compute-dtype
+  // shards refreshed). Errors: NOT_FOUND (name), FAILED_PRECONDITION (a
+  // snapshot of another layout, naming the unit), device errors.
+  virtual absl::Status CopyOwnedParamSlice(const std::string& name,
+                                           float* out) const = 0;
+  virtual absl::StatusOr<ShardStateSnapshot> CaptureShardState() const = 0;
+  virtual absl::Status RestoreShardState(
+      const ShardStateSnapshot& snapshot) = 0;
 };
 
 }  // namespace shardd

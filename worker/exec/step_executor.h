@@ -132,6 +132,16 @@ class StepExecutor {
   // CPU executors only (host_shards() dereferenced).
   const ShardStore& shards() const { return *host_shards(); }
   ShardStore* mutable_shards() { return mutable_host_shards(); }
+  // On any device, not while a step runs: StepBackend's.
+  absl::Status CopyOwnedParamSlice(const std::string& name, float* out) const {
+    return backend_->CopyOwnedParamSlice(name, out);
+  }
+  absl::StatusOr<ShardStateSnapshot> CaptureShardState() const {
+    return backend_->CaptureShardState();
+  }
+  absl::Status RestoreShardState(const ShardStateSnapshot& snapshot) {
+    return backend_->RestoreShardState(snapshot);
+  }
 
  private:
   absl::Status BeginStepLocked(const v1::StepProgram& header,

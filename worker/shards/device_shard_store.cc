@@ -564,6 +564,51 @@ absl::Status DeviceShardStore::CopyShardToHost(
   return absl::OkStatus();
 }
 
+absl::Status DeviceShardStore::RestoreShardFromHost(int unit,
+                                                    const float* params,
+                                                    const float* exp_avg,
+                                                    const float* exp_avg_sq) {
+  if (unit < 0 || unit >= num_units()) {
+    return absl::NotFoundError(
+        absl::StrCat("unit ", unit, ": the plan has ", num_units(), " units"));
+  }
+  UnitState& state = units_[unit];
+  const int64_t n = layouts_[unit].shard_numel;
+  if (n == 0) return absl::OkStatus();
+  if (params == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unit ", unit, ": no master shard to restore"));
+  }
+  const std::pair<DeviceBuffer*, const float*> copies[] = {
+      {&state.master, params},
+      {&state.exp_avg, exp_avg},
+      {&state.exp_avg_sq, exp_avg_sq}};
+  for (const auto& [buffer, host] : copies) {
+    if (host == nullptr) continue;
+    if (buffer->empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unit ", unit, ": a moment to restore that the unit does not hold"));
+    }
+    SHARDD_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(buffer->data(), host, n * 4, cudaMemcpyHostToDevice,
+                        compute_stream_),
+        "restoring a shard from the host"));
+  }
+  if (!state.grads.empty()) {
+    SHARDD_RETURN_IF_ERROR(CudaStatus(
+        cudaMemsetAsync(state.grads.data(), 0, n * 4, compute_stream_),
+        "zeroing a restored unit's gradient"));
+  }
+  if (!state.compute_shard.empty()) {
+    SHARDD_RETURN_IF_ERROR(kernels::cuda::CastFp32ToBf16(
+        state.master.as<const float>(), state.compute_shard.as<uint16_t>(), n,
+        compute_stream_));
+  }
+  // The host copies are the caller's: wait for them before returning.
+  return CudaStatus(cudaStreamSynchronize(compute_stream_),
+                    "restoring the device shards");
+}
+
 absl::Status DeviceShardStore::CopyOwnedParamSlice(const std::string& name,
                                                    float* out) const {
   SHARDD_ASSIGN_OR_RETURN(const ParamRef ref, Find(name));

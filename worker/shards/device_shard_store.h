@@ -162,6 +162,15 @@ class DeviceShardStore final : public DeviceParamSource {
   absl::Status CopyShardToHost(int unit, std::vector<float>* params,
                                std::vector<float>* exp_avg,
                                std::vector<float>* exp_avg_sq) const;
+  // Writes a unit's master shard (and the moments given; null leaves one
+  // as it is) from host copies of shard numel elements, zeroes its sharded
+  // gradient and refreshes its compute-dtype shard; waits for the copies.
+  // Not while a step runs. Errors: NOT_FOUND (unit), INVALID_ARGUMENT
+  // (null params with elements, a moment the unit has no buffer for),
+  // CUDA errors.
+  absl::Status RestoreShardFromHost(int unit, const float* params,
+                                    const float* exp_avg,
+                                    const float* exp_avg_sq);
 
  private:
   struct UnitState {
