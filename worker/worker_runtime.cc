@@ -573,13 +573,6 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::BuildJobLocked(
   if (weights != nullptr || adapters != nullptr) {
     executor_options.initial_values = &initial;
   }
-  if (options_.device >= 0 && request.model().lora().rank() > 0) {
-    return absl::UnimplementedError(absl::StrCat(
-        "rank ", job->rank,
-        ": model.lora: LoRA runs on CPU workers only so "
-        "far; device cuda:",
-        options_.device, " does not merge adapters yet (docs/lora.md)"));
-  }
   if (options_.device >= 0 && plan.mesh().ep() > 1) {
     return absl::UnimplementedError(absl::StrCat(
         "rank ", job->rank, ": plan.mesh.ep: expert parallelism (",

@@ -14,6 +14,7 @@
 #include "program/step_program.h"
 #include "worker/exec/step_checks.h"
 #include "worker/memory/cuda_memory_backend.h"
+#include "worker/shards/device_lora_params.h"
 #include "worker/shards/device_shard_kernels.h"
 
 namespace shardd {
@@ -77,6 +78,7 @@ CudaBackend::~CudaBackend() {
     cudaStreamSynchronize(compute_stream_);
   }
   model_.reset();
+  if (cublas_ != nullptr) cublasDestroy(cublas_);
   norm_scratch_.Reset();
   norm_workspace_.Reset();
   store_.reset();
@@ -167,6 +169,17 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
       DeviceMoeModel::Create(model, model_options, allocator));
   SHARDD_RETURN_IF_ERROR(ApplyRecompute(plan, executor->model_->num_layers(),
                                         executor->model_.get()));
+  // LoRA's adapted weights (docs/lora.md), merged per command.
+  SHARDD_ASSIGN_OR_RETURN(const std::vector<LoraTarget> lora,
+                          LoraTargetsOf(model));
+  for (const LoraTarget& t : lora) executor->lora_targets_[t.base] = t;
+  if (!lora.empty()) {
+    SHARDD_RETURN_IF_ERROR(
+        CublasStatus(cublasCreate(&executor->cublas_), "LoRA: cublasCreate"));
+    SHARDD_RETURN_IF_ERROR(CublasStatus(
+        cublasSetStream(executor->cublas_, executor->compute_stream_),
+        "LoRA: cublasSetStream"));
+  }
   return executor;
 }
 
@@ -273,7 +286,16 @@ absl::Status CudaBackend::Run(const v1::Command& c, const std::string& label,
     case v1::Command::FORWARD:
     case v1::Command::BACKWARD: {
       Params params(store, state);
-      status = model_->Run(c, &params);
+      if (lora_targets_.empty()) {
+        status = model_->Run(c, &params);
+      } else {
+        // LoRA: merged weights for this command, the adapters' gradients
+        // split from the weights' at its end.
+        DeviceLoraParams lora(&lora_targets_, &params, allocator_, cublas_,
+                              compute_stream_);
+        status = model_->Run(c, &lora);
+        if (status.ok()) status = lora.Finish();
+      }
       if (plan_.has_activations()) {
         // The step driver's ledger, command by command (the plan's
         // replay; step_executor_test's trace on the CPU).

@@ -10,6 +10,7 @@
 // leaves the last committed state without copies. docs/design.md ("Step
 // execution") gives each command's semantics on the device.
 
+#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -17,9 +18,11 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "model/lora.h"
 #include "proto/model.pb.h"
 #include "proto/plan.pb.h"
 #include "proto/worker.pb.h"
@@ -128,6 +131,10 @@ class CudaBackend final : public StepBackend {
   NormScratch* host_norm_ = nullptr;
 
   std::unique_ptr<DeviceMoeModel> model_;
+  // LoRA-adapted weights by base name (empty without LoRA) and the cuBLAS
+  // handle of their merges.
+  absl::flat_hash_map<std::string, LoraTarget> lora_targets_;
+  cublasHandle_t cublas_ = nullptr;
   MoeModelOptions model_options_;
   int64_t host_syncs_ = 0;
 

@@ -34,6 +34,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
+#include "model/lora.h"
 #include "planner/sharding_planner.h"
 #include "planner/strategy_registry.h"
 #include "program/step_program.h"
@@ -74,6 +75,9 @@ struct Feature {
   // SFT rows: two examples packed per row, prompts and example ends out of
   // the loss (docs/sft_data.md).
   bool packed_sft = false;
+  // LoRA adapters on the attention's q/v projections and the experts
+  // (docs/lora.md): only they train.
+  bool lora = false;
   // On the CPU the feature must not change the math: equals the plain job.
   bool same_as_plain = false;
 };
@@ -113,6 +117,9 @@ std::vector<Feature> Features() {
   Feature sft{"packed_sft_rows"};
   sft.packed_sft = true;
   f.push_back(sft);
+  Feature lora{"lora"};
+  lora.lora = true;
+  f.push_back(lora);
   Feature diffusion{"block_diffusion"};
   diffusion.model = Feature::Model::kDiffusion;
   f.push_back(diffusion);
@@ -141,6 +148,15 @@ v1::ModelSpec ModelOf(const Feature& f) {
   v1::ModelSpec spec = testing_util::TinyMoeSpec(shape);
   if (f.model == Feature::Model::kAux) {
     spec.mutable_dims()->set_router_aux_loss_coef(0.02);
+  }
+  if (f.lora) {
+    v1::LoraConfig lora;
+    lora.set_rank(2);
+    lora.set_alpha(4);
+    for (const char* target : {"q_proj", "v_proj", "experts"}) {
+      lora.add_targets(target);
+    }
+    EXPECT_THAT(ApplyLora(lora, &spec), IsOk());
   }
   return spec;
 }
