@@ -243,7 +243,8 @@ std::unique_ptr<WorkerRuntime::KeptState> WorkerRuntime::TakeKeptStateLocked(
   // the masters and moments are those of its optimizer step count (on a
   // GPU: the host copy waits for the device, which a failed CUDA context
   // refuses; then the state is lost and the job restores a checkpoint).
-  absl::StatusOr<ShardStateSnapshot> snapshot = executor->CaptureShardState();
+  absl::StatusOr<ShardStateSnapshot> snapshot =
+      CaptureShardState(*executor->shard_state());
   if (!snapshot.ok()) {
     SHARDD_LOG(WARNING) << "job " << job_id
                         << ": the shards could not be kept: "
@@ -729,7 +730,8 @@ absl::StatusOr<int64_t> WorkerRuntime::RestoreKeptState(
     const Job& job, StepExecutor* executor, std::unique_ptr<KeptState>* kept) {
   if (*kept == nullptr) return -1;
   // Same job and fingerprint, so the same layout: a failure here is a bug.
-  absl::Status restored = executor->RestoreShardState((*kept)->snapshot);
+  absl::Status restored =
+      RestoreShardState((*kept)->snapshot, executor->shard_state());
   if (restored.ok()) {
     restored = executor->RestoreOptimizerSteps((*kept)->optimizer_steps);
   }

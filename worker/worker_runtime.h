@@ -41,9 +41,10 @@
 // (a peer missing from the rendezvous), the snapshot is retained and a
 // later keep_state LoadPlan of the same job and fingerprint still finds it.
 // A GPU job's snapshot is copied from and back to device memory (the
-// executor's CaptureShardState / RestoreShardState; not run on a GPU yet).
+// executor's ShardState; not run on a GPU yet).
 // HealReplicas then lets HSDP replicas that lost their state (a restarted
-// worker) copy it from a replica that kept it (CPU jobs).
+// worker) copy it from a replica that kept it (GPU jobs broadcast over
+// NCCL in device memory; not run on a GPU yet).
 //
 // Training config: ResolveTrainConfig (train_config.h).
 //
@@ -209,10 +210,10 @@ class WorkerRuntime {
   // Writes this shard rank's master shards and AdamW state into the save
   // directory checkpoint_root/request.tmp_dir (SaveRankShards) and returns
   // the file's record and chunks for the committer. Only replica 0 of an
-  // HSDP mesh saves (the replicas hold the same shards).
+  // HSDP mesh saves (the replicas hold the same shards). A GPU job's
+  // shards are written from one host copy of its state.
   // Errors: FAILED_PRECONDITION (no checkpoint root, no or stale plan, the
-  // job failed, a fine-grained step open, steps on a GPU, a replica other
-  // than 0); INVALID_ARGUMENT (tmp_dir not a plain relative path); those of
+  // job failed, a fine-grained step open, a replica other than 0); INVALID_ARGUMENT (tmp_dir not a plain relative path); those of
   // SaveRankShards (file system errors).
   absl::StatusOr<v1::SaveShardsResponse> SaveShards(
       const v1::SaveShardsRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
@@ -238,7 +239,7 @@ class WorkerRuntime {
   // step count this rank holds afterwards and the bytes it received (0 on
   // the source and in an untouched group).
   // Errors: FAILED_PRECONDITION (no or stale plan, the job failed, a
-  // fine-grained step open, a GPU job, dp_replicate 1); INVALID_ARGUMENT
+  // fine-grained step open, dp_replicate 1); INVALID_ARGUMENT
   // (source_replica without one entry per shard rank, an entry outside
   // [-1, dp_replicate)); ABORTED (the broadcast failed or timed out: the
   // job is marked failed like a failed step, and a receiving rank's state
@@ -322,8 +323,8 @@ class WorkerRuntime {
   // FAILED_PRECONDITION unless a healthy job holds `fingerprint`.
   absl::Status CheckJobLocked(uint64_t fingerprint) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // CheckJobLocked, plus a checkpoint root, no open step and a CPU
-  // executor; returns the executor.
+  // CheckJobLocked, plus a checkpoint root and no open step; returns the
+  // executor.
   absl::StatusOr<StepExecutor*> CheckpointExecutorLocked(uint64_t fingerprint)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The micro-batches of `step`, or of eval batch `step` with `eval`.

@@ -35,13 +35,8 @@ absl::StatusOr<StepExecutor*> WorkerRuntime::CheckpointExecutorLocked(
         absl::StrCat("checkpoints: step ", job_->step,
                      " is open (fine-grained mode); end it first"));
   }
-  StepExecutor* executor = &job_->steps->executor();
-  if (executor->host_shards() == nullptr) {
-    return absl::FailedPreconditionError(
-        "checkpoints: the job's steps run on a GPU, and GPU shards cannot be "
-        "checkpointed yet");
-  }
-  return executor;
+  // Host or device shards alike (a GPU's go through one host copy).
+  return &job_->steps->executor();
 }
 
 absl::StatusOr<v1::SaveShardsResponse> WorkerRuntime::SaveShards(
@@ -63,7 +58,8 @@ absl::StatusOr<v1::SaveShardsResponse> WorkerRuntime::SaveShards(
       dir, request.required_free_bytes(),
       absl::StrCat("SaveShards on rank ", job_->rank)));
   absl::StatusOr<checkpoint::RankFile> saved =
-      SaveRankShards(job_->plan, executor->shards(), dir, job_->shard_rank);
+      SaveRankShards(job_->plan, *executor->shard_state(), dir,
+                     job_->shard_rank);
   if (!saved.ok()) return StepError(saved.status());
   v1::SaveShardsResponse response;
   response.set_file_name(saved->file.name);
@@ -113,7 +109,7 @@ absl::StatusOr<v1::LoadShardsResponse> WorkerRuntime::LoadShards(
     PublishJobLocked();
   };
   absl::StatusOr<int64_t> step = LoadRankShards(
-      job_->plan, executor->mutable_shards(), reader->get(), job_->shard_rank);
+      job_->plan, executor->shard_state(), reader->get(), job_->shard_rank);
   if (!step.ok()) {
     // The shards may be partly overwritten: nothing to keep_state.
     job_->state_lost = true;
@@ -141,14 +137,12 @@ absl::StatusOr<v1::HealReplicasResponse> WorkerRuntime::HealReplicas(
                      " is open (fine-grained mode); end it first"));
   }
   StepExecutor* executor = &job_->steps->executor();
-  if (executor->host_shards() == nullptr) {
-    return absl::FailedPreconditionError(
-        "HealReplicas: the job's steps run on a GPU, and GPU shards cannot be "
-        "healed from replicas yet");
-  }
+  // The replicate group of the executor's own memory: Gloo for host
+  // shards, NCCL for GPU shards (broadcast in place on the device).
+  Communicator* replicas = executor->replica_group();
   const int dp_shard = job_->plan.mesh().dp_shard();
   const int dp_replicate = job_->plan.mesh().dp_replicate();
-  if (dp_replicate < 2 || job_->replicas == nullptr) {
+  if (dp_replicate < 2 || replicas == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat("HealReplicas: the plan has no replicas (dp_replicate ",
                      dp_replicate, "): there is nothing to heal from"));
@@ -177,8 +171,8 @@ absl::StatusOr<v1::HealReplicasResponse> WorkerRuntime::HealReplicas(
     return response;
   }
   absl::StatusOr<int64_t> received =
-      BroadcastShardState(executor->mutable_shards(), &steps,
-                          job_->replicas.get(), root, job_->collective_timeout);
+      BroadcastShardState(executor->shard_state(), &steps, replicas, root,
+                          job_->collective_timeout);
   absl::Status status = received.status();
   if (status.ok()) status = executor->RestoreOptimizerSteps(steps);
   if (!status.ok()) {

@@ -794,20 +794,56 @@ absl::Status NcclCommunicator::ReduceScatter(const void* input, void* output,
       NcclWaitFor::Stream(options_.compute_stream), timeout));
 }
 
+absl::Status NcclCommunicator::InPlaceOnDevice(
+    void* buffer, int64_t count, v1::DType dtype,
+    absl::FunctionRef<absl::Status(void*)> run) {
+  const int64_t element = DTypeBytes(dtype);
+  if (buffer == nullptr || count <= 0 || element <= 0) return run(buffer);
+  cudaPointerAttributes attributes;
+  if (cudaPointerGetAttributes(&attributes, buffer) != cudaSuccess) {
+    cudaGetLastError();  // The argument check names the bad pointer.
+    return run(buffer);
+  }
+  if (attributes.type != cudaMemoryTypeUnregistered &&
+      attributes.type != cudaMemoryTypeHost) {
+    return run(buffer);
+  }
+  SHARDD_RETURN_IF_ERROR(MakeDeviceCurrent(options_.device));
+  const size_t bytes = static_cast<size_t>(count * element);
+  void* device = nullptr;
+  SHARDD_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&device, bytes),
+                                    "staging a host buffer on the device"));
+  absl::Status status = CudaStatus(
+      cudaMemcpy(device, buffer, bytes, cudaMemcpyHostToDevice),
+      "staging a host buffer on the device");
+  if (status.ok()) status = run(device);
+  if (status.ok()) {
+    status = CudaStatus(cudaMemcpy(buffer, device, bytes,
+                                   cudaMemcpyDeviceToHost),
+                        "copying a staged buffer back to the host");
+  }
+  cudaFree(device);
+  return status;
+}
+
 absl::Status NcclCommunicator::AllReduce(void* inout, int64_t count,
                                          v1::DType dtype, ReduceOp op,
                                          absl::Duration timeout) {
-  return RunBlocking(
-      AllReduceAsync(inout, count, dtype, op,
-                     NcclWaitFor::Stream(options_.compute_stream), timeout));
+  return InPlaceOnDevice(inout, count, dtype, [&](void* buffer) {
+    return RunBlocking(
+        AllReduceAsync(buffer, count, dtype, op,
+                       NcclWaitFor::Stream(options_.compute_stream), timeout));
+  });
 }
 
 absl::Status NcclCommunicator::Broadcast(void* inout, int64_t count,
                                          v1::DType dtype, int root,
                                          absl::Duration timeout) {
-  return RunBlocking(
-      BroadcastAsync(inout, count, dtype, root,
-                     NcclWaitFor::Stream(options_.compute_stream), timeout));
+  return InPlaceOnDevice(inout, count, dtype, [&](void* buffer) {
+    return RunBlocking(
+        BroadcastAsync(buffer, count, dtype, root,
+                       NcclWaitFor::Stream(options_.compute_stream), timeout));
+  });
 }
 
 absl::Status NcclCommunicator::Barrier(absl::Duration timeout) {

@@ -252,6 +252,11 @@ class NcclCommunicator final : public Communicator {
       const NcclWaitFor& wait_for, absl::Duration timeout);
 
   // Blocking collectives on DEVICE pointers (see the file comment).
+  // AllReduce and Broadcast also take host memory, for small control
+  // messages of protocols written against the Communicator interface (a
+  // step count, a layout check): it is staged through a temporary device
+  // buffer (cudaMalloc and two synchronous copies per call), so keep bulk
+  // data in device memory.
   absl::Status AllGather(const void* input, void* output,
                          int64_t count_per_rank, v1::DType dtype,
                          absl::Duration timeout) override;
@@ -314,6 +319,10 @@ class NcclCommunicator final : public Communicator {
                                  absl::string_view name) const;
   // Blocking call = async call + Wait() (which count the stats).
   static absl::Status RunBlocking(absl::StatusOr<NcclWork> work);
+  // Runs `run` on `buffer` (count elements of dtype), or on a device copy
+  // of it when it is host memory, copying the result back.
+  absl::Status InPlaceOnDevice(void* buffer, int64_t count, v1::DType dtype,
+                               absl::FunctionRef<absl::Status(void*)> run);
 
   void AbortComm(const absl::Status& cause);
   absl::Status CommHealth();

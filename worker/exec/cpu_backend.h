@@ -69,12 +69,8 @@ class CpuBackend final : public StepBackend {
                                    float* out) const override {
     return store_->CopyOwnedParamSlice(name, out);
   }
-  absl::StatusOr<ShardStateSnapshot> CaptureShardState() const override {
-    return shardd::CaptureShardState(*store_);
-  }
-  absl::Status RestoreShardState(const ShardStateSnapshot& snapshot) override {
-    return shardd::RestoreShardState(snapshot, store_.get());
-  }
+  ShardState* shard_state() override { return store_.get(); }
+  Communicator* replica_group() const override { return replicas_; }
 
  private:
   class CommThread;

@@ -506,50 +506,6 @@ absl::Status CudaBackend::CopyOwnedParamSlice(const std::string& name,
   return store_->CopyOwnedParamSlice(name, out);
 }
 
-absl::StatusOr<ShardStateSnapshot> CudaBackend::CaptureShardState() const {
-  ShardStateSnapshot snapshot;
-  snapshot.units.resize(store_->num_units());
-  for (int u = 0; u < store_->num_units(); ++u) {
-    const DeviceShardStore::UnitShard shard = store_->shard(u);
-    ShardStateSnapshot::Unit& unit = snapshot.units[u];
-    unit.has_exp_avg = shard.exp_avg != nullptr;
-    unit.has_exp_avg_sq = shard.exp_avg_sq != nullptr;
-    SHARDD_RETURN_IF_ERROR(store_->CopyShardToHost(
-        u, &unit.params, unit.has_exp_avg ? &unit.exp_avg : nullptr,
-        unit.has_exp_avg_sq ? &unit.exp_avg_sq : nullptr));
-  }
-  return snapshot;
-}
-
-absl::Status CudaBackend::RestoreShardState(
-    const ShardStateSnapshot& snapshot) {
-  // Every unit checked before any is written (as the host store's).
-  if (static_cast<int>(snapshot.units.size()) != store_->num_units()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the snapshot has ", snapshot.units.size(),
-                     " units, the device shards ", store_->num_units()));
-  }
-  for (int u = 0; u < store_->num_units(); ++u) {
-    const ShardStateSnapshot::Unit& unit = snapshot.units[u];
-    const DeviceShardStore::UnitShard shard = store_->shard(u);
-    if (static_cast<int64_t>(unit.params.size()) != shard.numel ||
-        unit.has_exp_avg != (shard.exp_avg != nullptr) ||
-        unit.has_exp_avg_sq != (shard.exp_avg_sq != nullptr)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "unit ", u, ": the snapshot holds ", unit.params.size(),
-          " elements (or other moments) where the device shard holds ",
-          shard.numel));
-    }
-  }
-  for (int u = 0; u < store_->num_units(); ++u) {
-    const ShardStateSnapshot::Unit& unit = snapshot.units[u];
-    SHARDD_RETURN_IF_ERROR(store_->RestoreShardFromHost(
-        u, unit.params.data(), unit.has_exp_avg ? unit.exp_avg.data() : nullptr,
-        unit.has_exp_avg_sq ? unit.exp_avg_sq.data() : nullptr));
-  }
-  return absl::OkStatus();
-}
-
 void CudaBackend::Abort(bool* /*clean*/) {
   store_->ReleaseStepBuffers();
   store_->ZeroShardGrads().IgnoreError();

@@ -77,8 +77,8 @@ class CudaBackend final : public StepBackend {
   void Abort(bool* clean) override;
   absl::Status CopyOwnedParamSlice(const std::string& name,
                                    float* out) const override;
-  absl::StatusOr<ShardStateSnapshot> CaptureShardState() const override;
-  absl::Status RestoreShardState(const ShardStateSnapshot& snapshot) override;
+  ShardState* shard_state() override { return store_.get(); }
+  Communicator* replica_group() const override { return replicas_; }
 
   // Not to be used while a step runs.
   const DeviceShardStore& shards() const { return *store_; }

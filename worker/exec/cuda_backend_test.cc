@@ -4,12 +4,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "checkpoint/checkpoint_reader.h"
+#include "checkpoint/checkpoint_writer.h"
+#include "checkpoint/plan_index.h"
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
 #include "planner/sharding_planner.h"
@@ -27,6 +31,8 @@
 #include "worker/memory/cuda_memory_backend.h"
 #include "worker/memory/device_allocator.h"
 #include "worker/memory/memory_tracker.h"
+#include "worker/shards/shard_checkpoint.h"
+#include "worker/shards/shard_state_transfer.h"
 
 namespace shardd {
 namespace {
@@ -304,7 +310,8 @@ TEST(CudaBackendFineGrainedTest, OneCallPerCommandMatchesExecute) {
 
 // LoadPlan keep_state on a GPU: a host snapshot of the device shards,
 // restored, brings back the same masters and moments, so the step after
-// it repeats bit for bit (the kernels are run-to-run deterministic).
+// it repeats bit for bit (the kernels are run-to-run deterministic); then
+// healing (BroadcastShardState over NCCL) and a checkpoint round trip.
 TEST(CudaBackendKeepStateTest, SnapshotRestoresTheShards) {
   SHARDD_SKIP_WITHOUT_GPU();
   const v1::ModelSpec model = TinyMoe(/*freeze=*/false);
@@ -329,23 +336,23 @@ TEST(CudaBackendKeepStateTest, SnapshotRestoresTheShards) {
   program.set_step(0);
   SHARDD_ASSERT_OK(gpu->Execute(program, batches[0]).status());
   SHARDD_ASSERT_OK_AND_ASSIGN(const ShardStateSnapshot kept,
-                              gpu->CaptureShardState());
+                              CaptureShardState(*gpu->shard_state()));
   const int64_t kept_steps = gpu->optimizer_steps();
   program.set_step(1);
   SHARDD_ASSERT_OK_AND_ASSIGN(const StepResult first,
                               gpu->Execute(program, batches[1]));
   SHARDD_ASSERT_OK_AND_ASSIGN(const ShardStateSnapshot after,
-                              gpu->CaptureShardState());
+                              CaptureShardState(*gpu->shard_state()));
   ASSERT_EQ(after.units.size(), kept.units.size());
   EXPECT_NE(after.units[0].params, kept.units[0].params);  // It trained.
-  SHARDD_ASSERT_OK(gpu->RestoreShardState(kept));
+  SHARDD_ASSERT_OK(RestoreShardState(kept, gpu->shard_state()));
   SHARDD_ASSERT_OK(gpu->RestoreOptimizerSteps(kept_steps));
   SHARDD_ASSERT_OK_AND_ASSIGN(const StepResult again,
                               gpu->Execute(program, batches[1]));
   EXPECT_EQ(again.loss, first.loss);
   EXPECT_EQ(again.grad_norm, first.grad_norm);
   SHARDD_ASSERT_OK_AND_ASSIGN(const ShardStateSnapshot repeated,
-                              gpu->CaptureShardState());
+                              CaptureShardState(*gpu->shard_state()));
   for (size_t u = 0; u < after.units.size(); ++u) {
     EXPECT_EQ(repeated.units[u].params, after.units[u].params) << u;
     EXPECT_EQ(repeated.units[u].exp_avg, after.units[u].exp_avg) << u;
@@ -353,9 +360,56 @@ TEST(CudaBackendKeepStateTest, SnapshotRestoresTheShards) {
   // A snapshot of another layout is refused by unit, changing nothing.
   ShardStateSnapshot wrong = kept;
   wrong.units[0].params.push_back(0.0f);
-  EXPECT_THAT(gpu->RestoreShardState(wrong),
+  EXPECT_THAT(RestoreShardState(wrong, gpu->shard_state()),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        ::testing::HasSubstr("unit 0")));
+
+  // Healing from a replica: the broadcast runs in place on the device
+  // buffers over NCCL, its header staged from host memory (a group of one
+  // here: the root receives nothing, and nothing changes).
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<NcclCommunicator> heal,
+      NcclCommunicator::Create(&kv, "device-heal", 0, 1,
+                               NcclCommunicatorOptions()));
+  int64_t steps = gpu->optimizer_steps();
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      const int64_t received,
+      BroadcastShardState(gpu->shard_state(), &steps, heal.get(), 0,
+                          absl::Seconds(60)));
+  EXPECT_EQ(received, 0);
+  EXPECT_EQ(steps, gpu->optimizer_steps());
+
+  // A checkpoint of the device shards (written from one host copy) loads
+  // back into them.
+  const char* tmp_root = getenv("TEST_TMPDIR");
+  const std::string root =
+      absl::StrCat(tmp_root != nullptr ? tmp_root : "/tmp", "/device-ckpt");
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::string tmp,
+                              checkpoint::BeginCheckpoint(root, steps));
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      checkpoint::RankFile file,
+      SaveRankShards(plan, *gpu->shard_state(), tmp, 0));
+  SHARDD_ASSERT_OK_AND_ASSIGN(const checkpoint::CheckpointIndex index,
+                              checkpoint::BuildIndex(plan, steps, {file}));
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::string dir,
+                              checkpoint::CommitCheckpoint(root, tmp, index));
+  SHARDD_ASSERT_OK_AND_ASSIGN(const ShardStateSnapshot saved,
+                              CaptureShardState(*gpu->shard_state()));
+  SHARDD_ASSERT_OK(RestoreShardState(kept, gpu->shard_state()));
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      std::unique_ptr<checkpoint::CheckpointReader> reader,
+      checkpoint::CheckpointReader::Open(dir));
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      const int64_t loaded_step,
+      LoadRankShards(plan, gpu->shard_state(), reader.get(), 0));
+  EXPECT_EQ(loaded_step, steps);
+  SHARDD_ASSERT_OK_AND_ASSIGN(const ShardStateSnapshot loaded,
+                              CaptureShardState(*gpu->shard_state()));
+  for (size_t u = 0; u < saved.units.size(); ++u) {
+    EXPECT_EQ(loaded.units[u].params, saved.units[u].params) << u;
+    EXPECT_EQ(loaded.units[u].exp_avg, saved.units[u].exp_avg) << u;
+    EXPECT_EQ(loaded.units[u].exp_avg_sq, saved.units[u].exp_avg_sq) << u;
+  }
 }
 
 }  // namespace

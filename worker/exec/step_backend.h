@@ -234,16 +234,15 @@ class StepBackend {
   // The host shard store (checkpoints, tests); null for device backends.
   virtual ShardStore* host_shards() { return nullptr; }
   // Wherever the shards live (not while a step runs): the rank's owned
-  // slice of a parameter, as ShardStore::CopyOwnedParamSlice; a host copy
-  // of the master shards and moments (LoadPlan keep_state); and its
-  // restore into shards of the same plan (gradients zeroed, compute-dtype
-  // shards refreshed). Errors: NOT_FOUND (name), FAILED_PRECONDITION (a
-  // snapshot of another layout, naming the unit), device errors.
+  // slice of a parameter, as ShardStore::CopyOwnedParamSlice. Errors:
+  // NOT_FOUND (name), device errors.
   virtual absl::Status CopyOwnedParamSlice(const std::string& name,
                                            float* out) const = 0;
-  virtual absl::StatusOr<ShardStateSnapshot> CaptureShardState() const = 0;
-  virtual absl::Status RestoreShardState(
-      const ShardStateSnapshot& snapshot) = 0;
+  // The rank's training state (shard_state.h), for keep-state recovery,
+  // healing and checkpoints (not while a step runs), and the replicate
+  // group that addresses its memory (null without HSDP).
+  virtual ShardState* shard_state() = 0;
+  virtual Communicator* replica_group() const = 0;
 };
 
 }  // namespace shardd

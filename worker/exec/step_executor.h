@@ -136,12 +136,11 @@ class StepExecutor {
   absl::Status CopyOwnedParamSlice(const std::string& name, float* out) const {
     return backend_->CopyOwnedParamSlice(name, out);
   }
-  absl::StatusOr<ShardStateSnapshot> CaptureShardState() const {
-    return backend_->CaptureShardState();
-  }
-  absl::Status RestoreShardState(const ShardStateSnapshot& snapshot) {
-    return backend_->RestoreShardState(snapshot);
-  }
+  // The training state wherever it lives (host or device memory), and the
+  // replicate group that can broadcast it in place (null without HSDP).
+  ShardState* shard_state() { return backend_->shard_state(); }
+  const ShardState* shard_state() const { return backend_->shard_state(); }
+  Communicator* replica_group() const { return backend_->replica_group(); }
 
  private:
   absl::Status BeginStepLocked(const v1::StepProgram& header,

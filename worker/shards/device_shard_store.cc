@@ -538,36 +538,46 @@ void DeviceShardStore::ReleaseStepBuffers() {
   }
 }
 
-absl::Status DeviceShardStore::CopyShardToHost(
-    int unit, std::vector<float>* params, std::vector<float>* exp_avg,
-    std::vector<float>* exp_avg_sq) const {
-  if (unit < 0 || unit >= num_units()) {
-    return absl::NotFoundError(
-        absl::StrCat("unit ", unit, ": the plan has ", num_units(), " units"));
-  }
-  const UnitState& state = units_[unit];
-  const int64_t n = layouts_[unit].shard_numel;
-  SHARDD_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(compute_stream_),
-                                    "waiting for the compute stream"));
-  const std::pair<const DeviceBuffer*, std::vector<float>*> copies[] = {
-      {&state.master, params},
-      {&state.exp_avg, exp_avg},
-      {&state.exp_avg_sq, exp_avg_sq}};
-  for (const auto& [buffer, out] : copies) {
-    if (out == nullptr) continue;
-    out->assign(n, 0.0f);
-    if (n == 0) continue;
-    SHARDD_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpy(out->data(), buffer->data(), n * 4, cudaMemcpyDeviceToHost),
-        "copying a shard to the host"));
-  }
-  return absl::OkStatus();
+ShardBuffers DeviceShardStore::buffers(int unit) const {
+  const UnitShard shard = this->shard(unit);
+  ShardBuffers out;
+  out.params = shard.params;
+  out.grads = shard.grads;
+  out.exp_avg = shard.exp_avg;
+  out.exp_avg_sq = shard.exp_avg_sq;
+  out.numel = shard.numel;
+  out.state_numel = shard.numel;  // The device store never trims.
+  return out;
 }
 
-absl::Status DeviceShardStore::RestoreShardFromHost(int unit,
-                                                    const float* params,
-                                                    const float* exp_avg,
-                                                    const float* exp_avg_sq) {
+absl::Status DeviceShardStore::CopyToHost(const float* from, int64_t n,
+                                          float* to) const {
+  if (n <= 0) return absl::OkStatus();
+  SHARDD_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(compute_stream_),
+                                    "waiting for the compute stream"));
+  return CudaStatus(cudaMemcpy(to, from, static_cast<size_t>(n) * 4,
+                               cudaMemcpyDeviceToHost),
+                    "copying shard state to the host");
+}
+
+absl::Status DeviceShardStore::CopyFromHost(const float* from, int64_t n,
+                                            float* to) {
+  if (n <= 0) return absl::OkStatus();
+  SHARDD_RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpyAsync(to, from, static_cast<size_t>(n) * 4,
+                                 cudaMemcpyHostToDevice, compute_stream_),
+                 "copying shard state to the device"));
+  // The host memory is the caller's: done with it before returning.
+  return CudaStatus(cudaStreamSynchronize(compute_stream_),
+                    "copying shard state to the device");
+}
+
+absl::Status DeviceShardStore::Synchronize() {
+  return CudaStatus(cudaStreamSynchronize(compute_stream_),
+                    "waiting for the compute stream");
+}
+
+absl::Status DeviceShardStore::ResetUnit(int unit) {
   if (unit < 0 || unit >= num_units()) {
     return absl::NotFoundError(
         absl::StrCat("unit ", unit, ": the plan has ", num_units(), " units"));
@@ -575,28 +585,10 @@ absl::Status DeviceShardStore::RestoreShardFromHost(int unit,
   UnitState& state = units_[unit];
   const int64_t n = layouts_[unit].shard_numel;
   if (n == 0) return absl::OkStatus();
-  if (params == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unit ", unit, ": no master shard to restore"));
-  }
-  const std::pair<DeviceBuffer*, const float*> copies[] = {
-      {&state.master, params},
-      {&state.exp_avg, exp_avg},
-      {&state.exp_avg_sq, exp_avg_sq}};
-  for (const auto& [buffer, host] : copies) {
-    if (host == nullptr) continue;
-    if (buffer->empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "unit ", unit, ": a moment to restore that the unit does not hold"));
-    }
-    SHARDD_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(buffer->data(), host, n * 4, cudaMemcpyHostToDevice,
-                        compute_stream_),
-        "restoring a shard from the host"));
-  }
   if (!state.grads.empty()) {
     SHARDD_RETURN_IF_ERROR(CudaStatus(
-        cudaMemsetAsync(state.grads.data(), 0, n * 4, compute_stream_),
+        cudaMemsetAsync(state.grads.data(), 0, state.grads.bytes(),
+                        compute_stream_),
         "zeroing a restored unit's gradient"));
   }
   if (!state.compute_shard.empty()) {
@@ -604,17 +596,16 @@ absl::Status DeviceShardStore::RestoreShardFromHost(int unit,
         state.master.as<const float>(), state.compute_shard.as<uint16_t>(), n,
         compute_stream_));
   }
-  // The host copies are the caller's: wait for them before returning.
-  return CudaStatus(cudaStreamSynchronize(compute_stream_),
-                    "restoring the device shards");
+  return absl::OkStatus();
 }
 
 absl::Status DeviceShardStore::CopyOwnedParamSlice(const std::string& name,
                                                    float* out) const {
   SHARDD_ASSIGN_OR_RETURN(const ParamRef ref, Find(name));
-  std::vector<float> master;
-  SHARDD_RETURN_IF_ERROR(CopyShardToHost(ref.unit, &master, nullptr, nullptr));
   const UnitLayout& layout = layouts_[ref.unit];
+  std::vector<float> master(static_cast<size_t>(layout.shard_numel));
+  SHARDD_RETURN_IF_ERROR(CopyToHost(units_[ref.unit].master.as<const float>(),
+                                    layout.shard_numel, master.data()));
   const ParamPlacement& param = layout.params[ref.index];
   // This rank's own elements of the gathered buffer are its shard.
   const int64_t own = options_.shard_rank * layout.shard_numel;

@@ -70,6 +70,7 @@
 #include "worker/model/device_param_source.h"
 #include "worker/comm/nccl_communicator.h"
 #include "layout/shard_layout.h"
+#include "worker/shards/shard_state.h"
 
 namespace shardd {
 
@@ -84,7 +85,7 @@ struct DeviceShardStoreOptions {
   absl::Duration collective_timeout = absl::Seconds(60);
 };
 
-class DeviceShardStore final : public DeviceParamSource {
+class DeviceShardStore final : public DeviceParamSource, public ShardState {
  public:
   // Allocates this rank's shards on the shard group's device and
   // initialises them with the values ShardStore::Create gives (computed on
@@ -133,7 +134,7 @@ class DeviceShardStore final : public DeviceParamSource {
   bool gathered(int unit) const;
   bool grad_allocated(int unit) const;
   int slice_group_size(int unit) const;
-  int num_units() const { return static_cast<int>(units_.size()); }
+  int num_units() const override { return static_cast<int>(units_.size()); }
   const UnitLayout& layout(int unit) const { return layouts_[unit]; }
 
   // Device pointers of a unit's shard state (fp32, numel elements);
@@ -159,18 +160,19 @@ class DeviceShardStore final : public DeviceParamSource {
   // call inside a step). CopyOwnedParamSlice as ShardStore's.
   // Errors: NOT_FOUND, CUDA errors.
   absl::Status CopyOwnedParamSlice(const std::string& name, float* out) const;
-  absl::Status CopyShardToHost(int unit, std::vector<float>* params,
-                               std::vector<float>* exp_avg,
-                               std::vector<float>* exp_avg_sq) const;
-  // Writes a unit's master shard (and the moments given; null leaves one
-  // as it is) from host copies of shard numel elements, zeroes its sharded
-  // gradient and refreshes its compute-dtype shard; waits for the copies.
-  // Not while a step runs. Errors: NOT_FOUND (unit), INVALID_ARGUMENT
-  // (null params with elements, a moment the unit has no buffer for),
-  // CUDA errors.
-  absl::Status RestoreShardFromHost(int unit, const float* params,
-                                    const float* exp_avg,
-                                    const float* exp_avg_sq);
+
+  // ShardState (shard_state.h): device memory. The copies wait for the
+  // compute stream first and are complete when they return; ResetUnit
+  // enqueues on the compute stream (the next step runs after it). Not
+  // while a step runs.
+  ShardBuffers buffers(int unit) const override;
+  bool host_memory() const override { return false; }
+  absl::Status CopyToHost(const float* from, int64_t n,
+                          float* to) const override;
+  absl::Status CopyFromHost(const float* from, int64_t n, float* to) override;
+  // Waits for the compute stream (and the collectives it waited for).
+  absl::Status Synchronize() override;
+  absl::Status ResetUnit(int unit) override;
 
  private:
   struct UnitState {

@@ -12,6 +12,7 @@
 #include "common/status_macros.h"
 #include "layout/shard_ranges.h"
 #include "model/model_util.h"
+#include "worker/shards/shard_state_transfer.h"
 
 namespace shardd {
 namespace {
@@ -20,7 +21,7 @@ namespace {
 constexpr char kStoredDType[] = "F32";
 
 // `shards` holds the plan's units for shard rank `shard_rank`.
-absl::Status CheckStore(const v1::ShardingPlan& plan, const ShardStore& shards,
+absl::Status CheckStore(const v1::ShardingPlan& plan, const ShardState& shards,
                         int shard_rank) {
   const int dp_shard = std::max(1, plan.mesh().dp_shard());
   if (shard_rank < 0 || shard_rank >= dp_shard) {
@@ -34,10 +35,10 @@ absl::Status CheckStore(const v1::ShardingPlan& plan, const ShardStore& shards,
         plan.units_size(), " (a store of another plan?)"));
   }
   for (int u = 0; u < plan.units_size(); ++u) {
-    if (shards.shard(u).numel != plan.units(u).shard_numel()) {
+    if (shards.buffers(u).numel != plan.units(u).shard_numel()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "units[", u, "] (", plan.units(u).name(), "): the store's shard has ",
-          shards.shard(u).numel, " elements, the plan's shard_numel is ",
+          shards.buffers(u).numel, " elements, the plan's shard_numel is ",
           plan.units(u).shard_numel()));
     }
   }
@@ -111,15 +112,21 @@ absl::StatusOr<const checkpoint::TensorRecord*> CheckTensor(
 }  // namespace
 
 absl::StatusOr<checkpoint::RankFile> SaveRankShards(
-    const v1::ShardingPlan& plan, const ShardStore& shards,
+    const v1::ShardingPlan& plan, const ShardState& shards,
     const std::string& tmp_dir, int shard_rank) {
   SHARDD_RETURN_IF_ERROR(CheckStore(plan, shards, shard_rank));
+  if (!shards.host_memory()) {
+    // A device store is written from one host copy of its state.
+    SHARDD_ASSIGN_OR_RETURN(ShardStateSnapshot snapshot,
+                            CaptureShardState(shards));
+    return SaveRankShards(plan, SnapshotState(&snapshot), tmp_dir, shard_rank);
+  }
   SHARDD_ASSIGN_OR_RETURN(const std::vector<OwnedPiece> pieces,
                           OwnedPieces(plan, shard_rank));
   std::vector<checkpoint::RankTensor> tensors;
   tensors.reserve(pieces.size() * 3);
   for (const OwnedPiece& piece : pieces) {
-    const ShardStore::UnitShard shard = shards.shard(piece.unit);
+    const ShardBuffers shard = shards.buffers(piece.unit);
     const int64_t n = piece.range.end - piece.range.begin;
     auto add = [&](const std::string& name, const float* base) {
       checkpoint::RankTensor t;
@@ -144,13 +151,23 @@ absl::StatusOr<checkpoint::RankFile> SaveRankShards(
 }
 
 absl::StatusOr<int64_t> LoadRankShards(const v1::ShardingPlan& plan,
-                                       ShardStore* shards,
+                                       ShardState* shards,
                                        checkpoint::CheckpointReader* reader,
                                        int shard_rank) {
   if (shards == nullptr || reader == nullptr) {
     return absl::InvalidArgumentError("shards and reader must not be null");
   }
   SHARDD_RETURN_IF_ERROR(CheckStore(plan, *shards, shard_rank));
+  if (!shards->host_memory()) {
+    // A device store: read into a host copy of its geometry, then restore
+    // it in one go (the store is untouched until every read succeeded).
+    ShardStateSnapshot snapshot = ZeroSnapshotLike(*shards);
+    SnapshotState host(&snapshot);
+    SHARDD_ASSIGN_OR_RETURN(const int64_t step,
+                            LoadRankShards(plan, &host, reader, shard_rank));
+    SHARDD_RETURN_IF_ERROR(RestoreShardState(snapshot, shards));
+    return step;
+  }
   // Every parameter (not only the owned pieces) must be in the checkpoint
   // with the plan's shape: a rank owning none of a parameter still refuses a
   // checkpoint of another model.
@@ -173,7 +190,7 @@ absl::StatusOr<int64_t> LoadRankShards(const v1::ShardingPlan& plan,
   // Padding and frozen moments end up exactly zero, and no gradient of the
   // previous run survives.
   for (int u = 0; u < shards->num_units(); ++u) {
-    const ShardStore::UnitShard shard = shards->shard(u);
+    const ShardBuffers shard = shards->buffers(u);
     const size_t bytes = static_cast<size_t>(shard.numel) * sizeof(float);
     const size_t state_bytes =
         static_cast<size_t>(shard.state_numel) * sizeof(float);
@@ -183,7 +200,7 @@ absl::StatusOr<int64_t> LoadRankShards(const v1::ShardingPlan& plan,
     }
   }
   for (const OwnedPiece& piece : pieces) {
-    const ShardStore::UnitShard shard = shards->shard(piece.unit);
+    const ShardBuffers shard = shards->buffers(piece.unit);
     const checkpoint::OwnedRange& r = piece.range;
     const std::string& name = piece.param->name();
     SHARDD_RETURN_IF_ERROR(reader->ReadElements(name, r.begin, r.end,
@@ -197,7 +214,7 @@ absl::StatusOr<int64_t> LoadRankShards(const v1::ShardingPlan& plan,
                              shard.exp_avg_sq + r.shard_offset));
   }
   for (int u = 0; u < shards->num_units(); ++u) {
-    shards->RefreshComputeShard(u, 0, shards->shard(u).numel);
+    SHARDD_RETURN_IF_ERROR(shards->ResetUnit(u));
   }
   return reader->index().step;
 }

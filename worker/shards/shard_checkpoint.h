@@ -1,8 +1,10 @@
 #ifndef SHARDD_WORKER_SHARDS_SHARD_CHECKPOINT_H_
 #define SHARDD_WORKER_SHARDS_SHARD_CHECKPOINT_H_
 
-// Saving a ShardStore into a resharding checkpoint (checkpoint/) and
-// loading one into a ShardStore of any world size and strategy.
+// Saving a rank's shards (any ShardState: a host ShardStore or a GPU
+// DeviceShardStore, which goes through one host copy of its state) into a
+// resharding checkpoint (checkpoint/) and loading one into shards of any
+// world size and strategy.
 //
 // What is saved. For every parameter of the plan, the global elements this
 // shard rank owns (checkpoint::OwnedElementRanges: the valid rows of a dim-0
@@ -36,7 +38,7 @@
 #include "checkpoint/checkpoint_reader.h"
 #include "checkpoint/checkpoint_writer.h"
 #include "proto/plan.pb.h"
-#include "worker/shards/shard_store.h"
+#include "worker/shards/shard_state.h"
 
 namespace shardd {
 
@@ -48,7 +50,7 @@ namespace shardd {
 // `shards` not holding the plan's units or shard sizes, a malformed layout);
 // the errors of checkpoint::WriteRankFile (file system errors).
 absl::StatusOr<checkpoint::RankFile> SaveRankShards(
-    const v1::ShardingPlan& plan, const ShardStore& shards,
+    const v1::ShardingPlan& plan, const ShardState& shards,
     const std::string& tmp_dir, int shard_rank);
 
 // Fills shard rank `shard_rank`'s master shards, exp_avg and exp_avg_sq in
@@ -68,7 +70,7 @@ absl::StatusOr<checkpoint::RankFile> SaveRankShards(
 // INTERNAL), after which the shards are partly overwritten: verify files
 // first (VerifyAll) and re-create the store on such an error.
 absl::StatusOr<int64_t> LoadRankShards(const v1::ShardingPlan& plan,
-                                       ShardStore* shards,
+                                       ShardState* shards,
                                        checkpoint::CheckpointReader* reader,
                                        int shard_rank);
 

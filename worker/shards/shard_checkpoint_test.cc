@@ -32,6 +32,7 @@
 #include "testing/model_builder.h"
 #include "testing/numerics.h"
 #include "testing/shard_state.h"
+#include "testing/staged_shard_state.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/in_memory_kv_client.h"
 #include "worker/comm/kv_gloo_store.h"
@@ -299,6 +300,49 @@ TEST(ShardCheckpointTest, RoundTripsIntoEveryLayoutWithPaddingZero) {
     ExpectLoadsEveryRank(model, MakePlan(model, t.strategy, t.world), dir,
                          /*salt=*/1, /*step=*/5);
   }
+}
+
+// A store outside host memory (a GPU store) saves and loads through one
+// host copy of its state: the same files, the same loaded values.
+TEST(ShardCheckpointTest, StateOutsideHostMemorySavesAndLoadsTheSame) {
+  const v1::ModelSpec model = TinyMoe(/*freeze=*/true);
+  const v1::ShardingPlan plan = MakePlan(model, "default", 2);
+  auto stores = MakeStores(plan, model);
+  ASSERT_EQ(stores.size(), 2u);
+  const std::string root = NewRoot("staged");
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::string tmp,
+                              checkpoint::BeginCheckpoint(root, 3));
+  std::vector<checkpoint::RankFile> files;
+  for (int r = 0; r < 2; ++r) {
+    FillPattern(plan, r, /*salt=*/4, stores[r]->store.get());
+    testing_util::StagedShardState device(stores[r]->store.get());
+    SHARDD_ASSERT_OK_AND_ASSIGN(checkpoint::RankFile file,
+                                SaveRankShards(plan, device, tmp, r));
+    EXPECT_GT(device.copies_to_host(), 0);
+    files.push_back(std::move(file));
+  }
+  SHARDD_ASSERT_OK_AND_ASSIGN(const checkpoint::CheckpointIndex index,
+                              checkpoint::BuildIndex(plan, 3, files));
+  SHARDD_ASSERT_OK_AND_ASSIGN(const std::string dir,
+                              checkpoint::CommitCheckpoint(root, tmp, index));
+  // Loaded into device stores of another world, and into host stores.
+  const v1::ShardingPlan other = MakePlan(model, "default", 3);
+  auto targets = MakeStores(other, model);
+  ASSERT_EQ(targets.size(), 3u);
+  for (int r = 0; r < 3; ++r) {
+    SHARDD_ASSERT_OK_AND_ASSIGN(
+        std::unique_ptr<checkpoint::CheckpointReader> reader,
+        checkpoint::CheckpointReader::Open(dir));
+    testing_util::StagedShardState device(targets[r]->store.get());
+    SHARDD_ASSERT_OK_AND_ASSIGN(const int64_t step,
+                                LoadRankShards(other, &device, reader.get(), r));
+    EXPECT_EQ(step, 3);
+    EXPECT_GT(device.copies_from_host(), 0);
+    SHARDD_ASSERT_OK(device.Flush());
+    EXPECT_EQ(CheckPattern(other, r, /*salt=*/4, *targets[r]->store), 0)
+        << "rank " << r;
+  }
+  ExpectLoadsEveryRank(model, other, dir, /*salt=*/4, /*step=*/3);
 }
 
 // Stacked experts split by elements (4 experts on 3 ranks, the default

@@ -16,9 +16,11 @@
 #include "planner/sharding_planner.h"
 #include "planner/strategy_registry.h"
 #include "testing/model_builder.h"
+#include "testing/staged_shard_state.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/in_memory_kv_client.h"
 #include "worker/comm/kv_gloo_store.h"
+#include "worker/shards/shard_store.h"
 
 namespace shardd {
 namespace {
@@ -120,6 +122,12 @@ void ExpectZeroGrads(const ShardStore& store) {
   }
 }
 
+ShardStateSnapshot Capture(const ShardState& state) {
+  absl::StatusOr<ShardStateSnapshot> snapshot = CaptureShardState(state);
+  EXPECT_TRUE(snapshot.ok()) << snapshot.status();
+  return snapshot.ok() ? *std::move(snapshot) : ShardStateSnapshot();
+}
+
 int64_t StateBytes(const v1::ShardingPlan& plan) {
   int64_t elements = 0;
   for (const v1::FsdpUnit& unit : plan.units()) elements += unit.shard_numel();
@@ -156,7 +164,7 @@ TEST(CopyShardStateTest, RefusesAnotherLayoutAndChangesNothing) {
   ASSERT_NE(to, nullptr);
   ASSERT_NE(other, nullptr);
   Scribble(to.get(), 3.0f);
-  const ShardStateSnapshot before = CaptureShardState(*to);
+  const ShardStateSnapshot before = Capture(*to);
   EXPECT_THAT(
       CopyShardState(*other, to.get()),
       StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("unit ")));
@@ -166,7 +174,7 @@ TEST(CopyShardStateTest, RefusesAnotherLayoutAndChangesNothing) {
               StatusIs(absl::StatusCode::kInvalidArgument));
 
   // The same through a snapshot of the other layout.
-  EXPECT_THAT(RestoreShardState(CaptureShardState(*other), to.get()),
+  EXPECT_THAT(RestoreShardState(Capture(*other), to.get()),
               StatusIs(absl::StatusCode::kFailedPrecondition));
   ExpectSameState(*to, before);
 }
@@ -181,7 +189,7 @@ TEST(CopyShardStateTest, SnapshotRoundTrip) {
   ASSERT_NE(to, nullptr);
   Scribble(from.get(), 0.25f);
   Scribble(to.get(), 4.0f);
-  const ShardStateSnapshot snapshot = CaptureShardState(*from);
+  const ShardStateSnapshot snapshot = Capture(*from);
   EXPECT_EQ(snapshot.bytes(), StateBytes(plan));
   from.reset();  // The snapshot stands alone.
   SHARDD_ASSERT_OK(RestoreShardState(snapshot, to.get()));
@@ -232,6 +240,51 @@ TEST(CopyShardStateTest, RefreshesComputeShards) {
   }
 }
 
+// A store whose state is not host memory (a GPU store) takes the same
+// paths through its copies: captured, restored and copied to and from
+// another such store, with the host store's results.
+TEST(CopyShardStateTest, StateOutsideHostMemoryGoesThroughItsCopies) {
+  const v1::ModelSpec model = TinyModel();
+  const v1::ShardingPlan plan = PlanFor(model, 2, /*mixed=*/true,
+                                        /*keep_compute_shard=*/true);
+  MemoryTracker tracker;
+  std::unique_ptr<ShardStore> from = MakeStore(plan, model, 1, 7, &tracker);
+  std::unique_ptr<ShardStore> to = MakeStore(plan, model, 1, 8, &tracker);
+  ASSERT_NE(from, nullptr);
+  ASSERT_NE(to, nullptr);
+  Scribble(from.get(), 0.5f);
+  Scribble(to.get(), 2.0f);
+  testing_util::StagedShardState device_from(from.get());
+  testing_util::StagedShardState device_to(to.get());
+
+  // Device to device: staged through host memory.
+  SHARDD_ASSERT_OK(CopyShardState(device_from, &device_to));
+  EXPECT_GT(device_from.copies_to_host(), 0);
+  EXPECT_GT(device_to.copies_from_host(), 0);
+  EXPECT_EQ(device_to.resets(), plan.units_size());
+  SHARDD_ASSERT_OK(device_to.Flush());
+  ExpectSameState(*to, *from);
+  ExpectZeroGrads(*to);
+
+  // Capture from and restore into a device store.
+  const ShardStateSnapshot snapshot = Capture(device_from);
+  ExpectSameState(*from, snapshot);
+  Scribble(to.get(), 3.0f);
+  testing_util::StagedShardState device_again(to.get());
+  SHARDD_ASSERT_OK(RestoreShardState(snapshot, &device_again));
+  SHARDD_ASSERT_OK(device_again.Flush());
+  ExpectSameState(*to, *from);
+
+  // Another layout is refused before anything is written.
+  std::unique_ptr<ShardStore> other =
+      MakeStore(PlanFor(model, 4), model, 0, 9, &tracker);
+  ASSERT_NE(other, nullptr);
+  testing_util::StagedShardState device_other(other.get());
+  EXPECT_THAT(CopyShardState(device_from, &device_other),
+              StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_EQ(device_other.copies_from_host(), 0);
+}
+
 // Runs fn(rank, comm) on `world` threads over one Gloo group.
 void RunGroup(int world, const std::string& prefix,
               const std::function<void(int, Communicator*)>& fn) {
@@ -261,7 +314,7 @@ TEST(BroadcastShardStateTest, EveryReplicaEndsWithTheRootsState) {
     ASSERT_NE(stores[r], nullptr);
     Scribble(stores[r].get(), 1.0f + r);
   }
-  const ShardStateSnapshot root_before = CaptureShardState(*stores[kRoot]);
+  const ShardStateSnapshot root_before = Capture(*stores[kRoot]);
   std::vector<int64_t> steps = {10, 11, 12};
   std::vector<absl::StatusOr<int64_t>> received(kReplicas, int64_t{-1});
   RunGroup(kReplicas, "transfer-broadcast", [&](int r, Communicator* comm) {
@@ -311,7 +364,7 @@ TEST(BroadcastShardStateTest, RefusesBadArgumentsAndAnotherLayout) {
   stores[1] = MakeStore(PlanFor(model, 4), model, 0, 6, &trackers[1]);
   ASSERT_NE(stores[0], nullptr);
   ASSERT_NE(stores[1], nullptr);
-  const ShardStateSnapshot before = CaptureShardState(*stores[1]);
+  const ShardStateSnapshot before = Capture(*stores[1]);
   std::vector<int64_t> rank_steps = {3, 4};
   std::vector<absl::Status> results(2);
   RunGroup(2, "transfer-mismatch", [&](int r, Communicator* comm) {

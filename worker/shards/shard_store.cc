@@ -460,6 +460,32 @@ ShardStore::UnitShard ShardStore::shard(int unit) const {
   return out;
 }
 
+absl::Status ShardStore::CopyToHost(const float* from, int64_t n,
+                                    float* to) const {
+  if (n > 0) std::memcpy(to, from, static_cast<size_t>(n) * sizeof(float));
+  return absl::OkStatus();
+}
+
+absl::Status ShardStore::CopyFromHost(const float* from, int64_t n,
+                                      float* to) {
+  if (n > 0) std::memcpy(to, from, static_cast<size_t>(n) * sizeof(float));
+  return absl::OkStatus();
+}
+
+absl::Status ShardStore::ResetUnit(int unit) {
+  if (unit < 0 || unit >= num_units()) {
+    return absl::NotFoundError(
+        absl::StrCat("unit ", unit, ": the store has ", num_units(), " units"));
+  }
+  const UnitState& state = *units_[unit];
+  if (!state.grads.empty() && state.state_numel > 0) {
+    std::memset(state.grads.data(), 0,
+                static_cast<size_t>(state.state_numel) * sizeof(float));
+  }
+  RefreshComputeShard(unit, 0, state.shard_numel);
+  return absl::OkStatus();
+}
+
 float* ShardStore::BufferOf(const UnitState& unit, ShardBuffer buffer) {
   switch (buffer) {
     case ShardBuffer::kExpAvg:

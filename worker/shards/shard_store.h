@@ -48,6 +48,7 @@
 #include "proto/plan.pb.h"
 #include "worker/comm/communicator.h"
 #include "worker/memory/memory_tracker.h"
+#include "worker/shards/shard_state.h"
 
 namespace shardd {
 
@@ -79,7 +80,7 @@ struct ShardStoreOptions {
   bool trim_frozen_state = false;
 };
 
-class ShardStore {
+class ShardStore final : public ShardState {
  public:
   // Allocates and initialises this rank's master shards (InitParamRange of
   // param_init.h, so values do not depend on the layout), zeroed sharded
@@ -139,18 +140,21 @@ class ShardStore {
 
   // Master shards, sharded gradients and AdamW state, one entry per unit
   // (all fp32, shard_numel elements each), for the optimizer and tests.
-  struct UnitShard {
-    float* params = nullptr;
-    float* grads = nullptr;
-    float* exp_avg = nullptr;
-    float* exp_avg_sq = nullptr;
-    int64_t numel = 0;
-    // Elements held by grads, exp_avg and exp_avg_sq: numel, or fewer with
-    // ShardStoreOptions::trim_frozen_state (every trainable range inside).
-    int64_t state_numel = 0;
-  };
+  // (state_numel: fewer than numel with ShardStoreOptions::trim_frozen_state,
+  // every trainable range inside.)
+  using UnitShard = ShardBuffers;
   UnitShard shard(int unit) const;
-  int num_units() const { return static_cast<int>(units_.size()); }
+
+  // ShardState: host memory, read and written in place.
+  int num_units() const override { return static_cast<int>(units_.size()); }
+  ShardBuffers buffers(int unit) const override { return shard(unit); }
+  bool host_memory() const override { return true; }
+  absl::Status CopyToHost(const float* from, int64_t n,
+                          float* to) const override;
+  absl::Status CopyFromHost(const float* from, int64_t n, float* to) override;
+  absl::Status Synchronize() override { return absl::OkStatus(); }
+  // Zeroes the unit's sharded gradient and refreshes its compute shard.
+  absl::Status ResetUnit(int unit) override;
   // Where unit `unit`'s parameters live (0 <= unit < num_units()).
   const UnitLayout& layout(int unit) const { return layouts_[unit]; }
 
