@@ -113,6 +113,19 @@ absl::Status MuonApply(float* param, const float* update, int64_t n, double lr,
   return absl::OkStatus();
 }
 
+absl::Status MuonScale(float* x, int64_t n, float scale, cudaStream_t stream) {
+  constexpr const char* kOp = "cuda MuonScale";
+  SHARDD_RETURN_IF_ERROR(CheckInRange(n, 0, kMaxInt64, "n", kOp));
+  if (!std::isfinite(scale)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kOp, ": scale must be finite, got ", scale));
+  }
+  if (n == 0) return absl::OkStatus();
+  SHARDD_RETURN_IF_ERROR(CheckNotNull(x, "x", kOp));
+  SHARDD_CUDA_RETURN_IF_ERROR(LaunchMuonScale(x, n, scale, stream), kOp);
+  return absl::OkStatus();
+}
+
 size_t NewtonSchulzWorkspaceBytes(int64_t rows, int64_t cols) {
   if (rows < 1 || cols < 1) return 0;
   return LayoutFor(rows, cols).total;

@@ -40,6 +40,11 @@ absl::Status MuonNesterovUpdate(const float* grad, const float* momentum,
 absl::Status MuonApply(float* param, const float* update, int64_t n,
                        double lr, double weight_decay, cudaStream_t stream);
 
+// x[i] *= scale: the shape scale of an orthogonalised update, rounded as
+// kernels::ScaleInPlace. Errors: INVALID_ARGUMENT for n < 0, a scale that
+// is not finite, null x with n > 0; launch errors.
+absl::Status MuonScale(float* x, int64_t n, float scale, cudaStream_t stream);
+
 // Device scratch NewtonSchulz needs for a rows x cols matrix: the CPU's
 // NewtonSchulzWorkspace floats, the norm's double and its partial sums.
 size_t NewtonSchulzWorkspaceBytes(int64_t rows, int64_t cols);

@@ -3,6 +3,8 @@
 
 #include <cublas_v2.h>
 
+#include <limits>
+
 #include "absl/status/status.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/muon.h"
@@ -21,6 +23,13 @@ TEST(MuonArgsTest, RefusesBadArguments) {
   EXPECT_EQ(MuonNesterovUpdate(p, p, 4, 0.9f, nullptr, nullptr).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(MuonApply(p, p, 4, -1.0, 0.0, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(MuonScale(p, -1, 2.0f, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(MuonScale(nullptr, 4, 2.0f, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(MuonScale(p, 4, std::numeric_limits<float>::infinity(), nullptr)
+                .code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(NewtonSchulz(h, p, 0, 4, 5, p, 1 << 20, nullptr).code(),
             absl::StatusCode::kInvalidArgument);

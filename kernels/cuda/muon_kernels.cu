@@ -51,6 +51,14 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+__global__ void __launch_bounds__(kThreads)
+    ScaleKernel(float* __restrict__ x, int64_t n, float scale) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    x[i] = __fmul_rn(x[i], scale);
+  }
+}
+
 // 32 x 32 tiles through shared memory (padded against bank conflicts).
 __global__ void TransposeKernel(const float* __restrict__ in, int64_t rows,
                                 int64_t cols, float* __restrict__ out) {
@@ -90,6 +98,13 @@ cudaError_t LaunchMuonNormalize(float* x, int64_t n,
                                 cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   NormalizeKernel<<<Grid(n), kThreads, 0, stream>>>(x, n, sum_of_squares, eps);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchMuonScale(float* x, int64_t n, float scale,
+                            cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  ScaleKernel<<<Grid(n), kThreads, 0, stream>>>(x, n, scale);
   return cudaGetLastError();
 }
 

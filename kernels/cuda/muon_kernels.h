@@ -24,6 +24,9 @@ cudaError_t LaunchMuonNormalize(float* x, int64_t n,
                                 const double* sum_of_squares, float eps,
                                 cudaStream_t stream);
 
+// x[i] *= scale (one fp32 rounding, as kernels::ScaleInPlace).
+cudaError_t LaunchMuonScale(float* x, int64_t n, float scale,
+                            cudaStream_t stream);
 // out [cols, rows] = in [rows, cols]^T.
 cudaError_t LaunchTranspose(const float* in, int64_t rows, int64_t cols,
                             float* out, cudaStream_t stream);

@@ -11,6 +11,7 @@
 
 #include "common/status_matchers.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/adamw.h"
 #include "kernels/cpu/muon.h"
 #include "kernels/cpu/muon_reference.h"
 #include "kernels/cuda/ops_test_util.h"
@@ -33,6 +34,8 @@ TEST(MuonGpuTest, ElementStepsAreTheCpusBits) {
   kernels::MuonNesterovUpdate(g.data(), m0.data(), n, 0.95f, update.data());
   kernels::MuonMomentumStep(g.data(), m.data(), n, 0.95f);
   kernels::MuonApply(p.data(), update.data(), n, 0.02, 0.1);
+  std::vector<float> scaled = update;
+  kernels::ScaleInPlace(scaled.data(), n, 1.4142135f);
 
   DeviceBuffer<float> d_g(g), d_m(m0), d_u(n), d_p(p0);
   SHARDD_ASSERT_OK(MuonNesterovUpdate(d_g.get(), d_m.get(), n, 0.95f,
@@ -45,6 +48,9 @@ TEST(MuonGpuTest, ElementStepsAreTheCpusBits) {
   EXPECT_EQ(d_u.Download(), update);
   EXPECT_EQ(d_m.Download(), m);
   EXPECT_EQ(d_p.Download(), p);
+  SHARDD_ASSERT_OK(MuonScale(d_u.get(), n, 1.4142135f, gpu.stream()));
+  gpu.Sync();
+  EXPECT_EQ(d_u.Download(), scaled);
 }
 
 TEST(MuonGpuTest, NewtonSchulzWithinTheDerivedBound) {

@@ -1,33 +1,33 @@
 #include "worker/exec/adamw_optimizer.h"
 
-#include "common/logging.h"
+#include "absl/strings/str_cat.h"
 
 namespace shardd {
 
-void ApplyAdamWRanges(ShardStore* store, int unit,
-                      const std::vector<std::pair<int64_t, int64_t>>& ranges,
-                      const kernels::AdamWConfig& config,
-                      const OptimizerStepContext& step) {
+absl::Status ApplyAdamWRanges(
+    OptimizerShards* shards, int unit,
+    const std::vector<std::pair<int64_t, int64_t>>& ranges,
+    const kernels::AdamWConfig& config, const OptimizerStepContext& step) {
   kernels::AdamWConfig adamw = config;
   adamw.lr = step.lr;
-  const ShardStore::UnitShard shard = store->shard(unit);
   for (const auto& [begin, end] : ranges) {
-    const int64_t n = end - begin;
-    // Cannot fail: the backend checked the configuration (CheckStepOptions)
-    // and the ranges come from the store's layout.
-    const absl::Status status = kernels::AdamWStep(
-        shard.params + begin, shard.grads + begin, shard.exp_avg + begin,
-        shard.exp_avg_sq + begin, n, step.step, adamw);
-    SHARDD_CHECK(status.ok()) << step.label << ": " << status;
-    // The range is still in cache: refresh its compute-dtype copy now.
-    store->RefreshComputeShard(unit, begin, n);
+    // The backend checked the configuration (CheckStepOptions) and the
+    // ranges come from the store's layout: only a device launch can fail.
+    const absl::Status status =
+        shards->AdamW(unit, begin, end - begin, step.step, adamw);
+    if (!status.ok()) {
+      return absl::Status(status.code(),
+                          absl::StrCat(step.label, ": AdamW on unit ", unit,
+                                       ": ", status.message()));
+    }
   }
+  return absl::OkStatus();
 }
 
-void AdamWOptimizer::Apply(ShardStore* store, int unit,
-                           const OptimizerStepContext& step) {
-  ApplyAdamWRanges(store, unit, store->layout(unit).trainable_ranges, config_,
-                   step);
+absl::Status AdamWOptimizer::Apply(OptimizerShards* shards, int unit,
+                                   const OptimizerStepContext& step) {
+  return ApplyAdamWRanges(shards, unit, shards->layout(unit).trainable_ranges,
+                          config_, step);
 }
 
 }  // namespace shardd

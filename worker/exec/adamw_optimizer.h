@@ -18,13 +18,15 @@ class AdamWOptimizer final : public Optimizer {
  public:
   explicit AdamWOptimizer(const kernels::AdamWConfig& config)
       : config_(config) {}
+
   absl::string_view name() const override { return "adamw"; }
-  absl::Status Prepare(ShardStore*, int, const OptimizerStepContext&) override {
+  absl::Status Prepare(OptimizerShards*, int,
+                       const OptimizerStepContext&) override {
     return absl::OkStatus();
   }
-  void Apply(ShardStore* store, int unit,
-             const OptimizerStepContext& step) override;
-  void Discard(ShardStore*) override {}
+  absl::Status Apply(OptimizerShards* shards, int unit,
+                     const OptimizerStepContext& step) override;
+  void Discard(OptimizerShards*) override {}
 
  private:
   const kernels::AdamWConfig config_;
@@ -33,10 +35,10 @@ class AdamWOptimizer final : public Optimizer {
 // AdamW over the shard ranges [begin, end) of `unit` (the caller's
 // trainable ranges), refreshing their compute-dtype copy. The step's lr
 // replaces config.lr. Shared with Muon's non-matrix parameters.
-void ApplyAdamWRanges(ShardStore* store, int unit,
-                      const std::vector<std::pair<int64_t, int64_t>>& ranges,
-                      const kernels::AdamWConfig& config,
-                      const OptimizerStepContext& step);
+absl::Status ApplyAdamWRanges(
+    OptimizerShards* shards, int unit,
+    const std::vector<std::pair<int64_t, int64_t>>& ranges,
+    const kernels::AdamWConfig& config, const OptimizerStepContext& step);
 
 }  // namespace shardd
 

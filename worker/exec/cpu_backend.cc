@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/error_info.h"
+#include "common/logging.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/compute_pool.h"
@@ -241,9 +242,6 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(
                       options.self_conditioning_scale, options.diffusion);
   SHARDD_RETURN_IF_ERROR(backend->CreateModel(backend->model_options_));
 
-  SHARDD_ASSIGN_OR_RETURN(backend->optimizer_,
-                          CreateOptimizer(options.optimizer, options.adamw,
-                                          plan, model, *backend->store_));
   // The gradient norm's ranges: the store's layout.
   backend->queue_units_.resize(plan.units_size());
   for (int u = 0; u < plan.units_size(); ++u) {
@@ -251,6 +249,17 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(
         backend->store_->layout(u).trainable_ranges;
   }
   backend->comm_ = std::make_unique<CommThread>();
+  CommThread* comm = backend->comm_.get();
+  backend->optimizer_shards_ = std::make_unique<HostOptimizerShards>(
+      backend->store_.get(), tracker, shard_group, options.collective_timeout,
+      [comm](const std::string& what,
+             std::function<absl::Status()> collective) {
+        return comm->Wait(comm->Enqueue(what, std::move(collective)));
+      });
+  SHARDD_ASSIGN_OR_RETURN(
+      backend->optimizer_,
+      CreateOptimizer(options.optimizer, options.adamw, plan, model,
+                      *backend->optimizer_shards_));
   return backend;
 }
 
@@ -472,30 +481,21 @@ absl::Status CpuBackend::OptimizerStep(const std::string& label,
     }
   }
   const int64_t step = *optimizer_steps + 1;
-  OptimizerStepContext op;
-  op.step = step;
-  op.lr = StepLearningRate(options_, step - 1);
-  op.lr_factor = options_.adamw.lr > 0.0 ? op.lr / options_.adamw.lr : 1.0;
-  op.label = label;
-  op.shard_group = shard_group_;
-  op.collective_timeout = options_.collective_timeout;
-  op.tracker = tracker_;
-  CommThread* comm = comm_.get();
-  op.run_collective = [comm](const std::string& what,
-                             std::function<absl::Status()> collective) {
-    return comm->Wait(comm->Enqueue(what, std::move(collective)));
-  };
+  const OptimizerStepContext op = OptimizerContextFor(options_, step, label);
+  OptimizerShards* shards = optimizer_shards_.get();
   // Prepare everything (collectives included) before committing anything,
   // so a failed collective leaves the last committed state.
   for (int u = 0; u < store_->num_units(); ++u) {
-    const absl::Status prepared = optimizer_->Prepare(store_.get(), u, op);
+    const absl::Status prepared = optimizer_->Prepare(shards, u, op);
     if (!prepared.ok()) {
-      optimizer_->Discard(store_.get());
+      optimizer_->Discard(shards);
       return prepared;
     }
   }
   for (int u = 0; u < store_->num_units(); ++u) {
-    optimizer_->Apply(store_.get(), u, op);
+    // The host arithmetic cannot fail (the options were checked).
+    const absl::Status applied = optimizer_->Apply(shards, u, op);
+    SHARDD_CHECK(applied.ok()) << applied;
   }
   *optimizer_steps = step;
   ZeroShardGrads();

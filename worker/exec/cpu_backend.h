@@ -24,6 +24,7 @@
 #include "proto/worker.pb.h"
 #include "worker/comm/communicator.h"
 #include "worker/data/batch_sampler.h"
+#include "worker/exec/host_optimizer_shards.h"
 #include "worker/exec/optimizer.h"
 #include "worker/exec/step_backend.h"
 #include "worker/exec/step_state.h"
@@ -133,6 +134,9 @@ class CpuBackend final : public StepBackend {
   // with the caller).
   std::unique_ptr<ShardStore> store_;
   std::unique_ptr<MoeModel> model_;
+  // The store's memory and arithmetic for the optimizer (its all-gathers
+  // go through comm_).
+  std::unique_ptr<HostOptimizerShards> optimizer_shards_;
   std::unique_ptr<Optimizer> optimizer_;
   MoeModelOptions model_options_;
   std::vector<UnitQueue> queue_units_;

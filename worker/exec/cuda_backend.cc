@@ -12,6 +12,7 @@
 #include "kernels/cuda/adamw.h"
 #include "kernels/cuda/cuda_status.h"
 #include "program/step_program.h"
+#include "worker/exec/optimizer_registry.h"
 #include "worker/exec/step_checks.h"
 #include "worker/memory/cuda_memory_backend.h"
 #include "worker/shards/device_lora_params.h"
@@ -102,13 +103,6 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   SHARDD_RETURN_IF_ERROR(CheckStepOptions(step.collective_timeout,
                                           step.max_grad_norm, step.adamw));
   SHARDD_RETURN_IF_ERROR(CheckSliceGroups(plan, step.shard_rank, slice_groups));
-  // The fused device AdamW is the only GPU optimizer so far.
-  if (step.optimizer.name != kAdamWOptimizer) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "train.optimizer: \"", step.optimizer.name,
-        "\" is not implemented on device cuda:", options.device,
-        " (the GPU backend runs adamw only); use a CPU worker or adamw"));
-  }
 
   auto executor = absl::WrapUnique(new CudaBackend(
       plan, options, shard_group, replicas, slice_groups, allocator, tracker));
@@ -173,13 +167,20 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   SHARDD_ASSIGN_OR_RETURN(const std::vector<LoraTarget> lora,
                           LoraTargetsOf(model));
   for (const LoraTarget& t : lora) executor->lora_targets_[t.base] = t;
-  if (!lora.empty()) {
-    SHARDD_RETURN_IF_ERROR(
-        CublasStatus(cublasCreate(&executor->cublas_), "LoRA: cublasCreate"));
-    SHARDD_RETURN_IF_ERROR(CublasStatus(
-        cublasSetStream(executor->cublas_, executor->compute_stream_),
-        "LoRA: cublasSetStream"));
-  }
+  // cuBLAS on the compute stream: LoRA's merges, Muon's Newton-Schulz.
+  SHARDD_RETURN_IF_ERROR(
+      CublasStatus(cublasCreate(&executor->cublas_), "cublasCreate"));
+  SHARDD_RETURN_IF_ERROR(CublasStatus(
+      cublasSetStream(executor->cublas_, executor->compute_stream_),
+      "cublasSetStream"));
+  // The job's optimizer, the same code as the CPU backend's.
+  executor->optimizer_shards_ = std::make_unique<DeviceOptimizerShards>(
+      executor->store_.get(), allocator, executor->compute_stream_,
+      executor->cublas_, shard_group, step.collective_timeout);
+  SHARDD_ASSIGN_OR_RETURN(
+      executor->optimizer_,
+      CreateOptimizer(step.optimizer, step.adamw, plan, model,
+                      *executor->optimizer_shards_));
   return executor;
 }
 
@@ -442,28 +443,40 @@ absl::Status CudaBackend::EndStep(const StepState& state,
   }
   const bool clip =
       options_.step.max_grad_norm > 0.0 && host.coefficient < 1.0f;
-  const float* grad_scale =
-      clip ? &norm_scratch_.as<NormScratch>()->coefficient : nullptr;
-  const int64_t step = *optimizer_steps + 1;
-  kernels::AdamWConfig adamw = options_.step.adamw;
-  adamw.lr = StepLearningRate(options_.step, step - 1);
-  for (int u = 0; u < store_->num_units(); ++u) {
-    const DeviceShardStore::UnitShard shard = store_->shard(u);
-    for (const auto& range : store_->layout(u).trainable_ranges) {
-      const int64_t b = range.first;
-      const absl::Status status = kernels::cuda::AdamWStep(
-          shard.params + b, shard.grads + b, shard.exp_avg + b,
-          shard.exp_avg_sq + b, range.second - range.first, step, adamw,
-          grad_scale,
-          shard.compute_bf16 == nullptr ? nullptr : shard.compute_bf16 + b,
-          compute_stream_);
-      if (!status.ok()) {
-        // A launch failure: part of the update may be enqueued.
-        const absl::Status error = absl::InternalError(absl::StrCat(
-            label, ": AdamW failed after part of the shards were updated: ",
-            status.message()));
-        return error;
+  // Clip first, by the coefficient on the device: every optimizer sees the
+  // clipped gradients (the same product the fused AdamW scale computed).
+  if (clip) {
+    const float* coefficient = &norm_scratch_.as<NormScratch>()->coefficient;
+    for (int u = 0; u < store_->num_units(); ++u) {
+      float* grads = store_->shard(u).grads;
+      for (const auto& range : store_->layout(u).trainable_ranges) {
+        SHARDD_RETURN_IF_ERROR(kernels::cuda::ScaleInPlace(
+            grads + range.first, range.second - range.first, coefficient,
+            compute_stream_));
       }
+    }
+  }
+  const int64_t step = *optimizer_steps + 1;
+  const OptimizerStepContext op =
+      OptimizerContextFor(options_.step, step, label);
+  OptimizerShards* shards = optimizer_shards_.get();
+  // Prepare everything (Muon's gathers included) before committing
+  // anything, so a failed gather leaves the last committed state.
+  for (int u = 0; u < store_->num_units(); ++u) {
+    const absl::Status prepared = optimizer_->Prepare(shards, u, op);
+    if (!prepared.ok()) {
+      optimizer_->Discard(shards);
+      return prepared;
+    }
+  }
+  for (int u = 0; u < store_->num_units(); ++u) {
+    const absl::Status applied = optimizer_->Apply(shards, u, op);
+    if (!applied.ok()) {
+      // A launch failure: part of the update may be enqueued.
+      return absl::InternalError(absl::StrCat(
+          label, ": the update failed after part of the shards were "
+                 "updated: ",
+          applied.message()));
     }
   }
   SHARDD_RETURN_IF_ERROR(store_->ZeroShardGrads());

@@ -28,6 +28,8 @@
 #include "proto/worker.pb.h"
 #include "worker/comm/nccl_communicator.h"
 #include "worker/data/batch_sampler.h"
+#include "worker/exec/device_optimizer_shards.h"
+#include "worker/exec/optimizer.h"
 #include "worker/exec/step_backend.h"
 #include "worker/exec/step_executor.h"
 #include "worker/exec/step_state.h"
@@ -135,6 +137,9 @@ class CudaBackend final : public StepBackend {
   // handle of their merges.
   absl::flat_hash_map<std::string, LoraTarget> lora_targets_;
   cublasHandle_t cublas_ = nullptr;
+  // The job's optimizer over the device shards (optimizer_shards.h).
+  std::unique_ptr<OptimizerShards> optimizer_shards_;
+  std::unique_ptr<Optimizer> optimizer_;
   MoeModelOptions model_options_;
   int64_t host_syncs_ = 0;
 

@@ -14,15 +14,16 @@
 //   cuda: the same job on the GPU (NCCL world of one) against the CPU's
 //         within the bounds cuda_backend_test derives (fp32: 1e-4 relative;
 //         bf16 storage: 3e-2), and an evaluation changes nothing there too.
-// A feature the GPU backend refuses fails its cuda case (by design: Muon
-// until the device shard store runs it, issue 41). The cuda cases also
-// compare the GPU's measured activation peak with the plan's, which models
-// the CPU's fp32 state until the plan models the device's (issue 41, item
-// 4), so they fail there for now. Recovery in place (LoadPlan with
-// keep_state, HealReplicas) runs at the worker runtime, not the executor:
-// worker_runtime_test covers the CPU; its GPU side waits on a device shard
-// store with the same operations. None of the cuda cases has run on a GPU
-// since the GPU moved onto the step driver (2026-12-07).
+// A feature the GPU backend refuses fails its cuda case (by design). Muon
+// runs on both through the same optimizer code (optimizer_shards.h). The
+// cuda cases also compare the GPU's measured activation peak with the
+// plan's, which models the CPU's fp32 state until the plan models the
+// device's (issue 41, item 4), so they fail there for now. Recovery in
+// place (LoadPlan with keep_state, HealReplicas) and checkpoints run at the
+// worker runtime over ShardState (shard_state.h): worker_runtime_test and
+// the shards' tests cover the CPU, cuda_backend_test's keep-state case the
+// GPU. None of the cuda cases has run on a GPU since the GPU moved onto the
+// step driver (2026-12-07).
 
 #include <cmath>
 #include <functional>

@@ -69,7 +69,7 @@ MuonRole MuonRoleOf(const ParamRef& param) {
 absl::StatusOr<std::unique_ptr<MuonOptimizer>> MuonOptimizer::Create(
     const kernels::MuonConfig& muon, const kernels::AdamWConfig& adamw,
     const v1::ShardingPlan& plan, const v1::ModelSpec& model,
-    const ShardStore& store) {
+    const OptimizerShards& store) {
   OptimizerOptions options;
   options.name = kMuonOptimizer;
   options.muon = muon;
@@ -138,132 +138,123 @@ absl::StatusOr<std::unique_ptr<MuonOptimizer>> MuonOptimizer::Create(
   return optimizer;
 }
 
-absl::Status MuonOptimizer::Prepare(ShardStore* store, int u,
+absl::Status MuonOptimizer::Prepare(OptimizerShards* shards, int u,
                                     const OptimizerStepContext& step) {
   const Unit& unit = units_[u];
   if (unit.params.empty()) return absl::OkStatus();
-  const UnitLayout& layout = store->layout(u);
-  const ShardStore::UnitShard shard = store->shard(u);
+  const UnitLayout& layout = shards->layout(u);
+  const ShardBuffers shard = shards->buffers(u);
   const float beta = static_cast<float>(muon_.momentum);
+  auto failed = [&](const absl::Status& status) {
+    return absl::Status(status.code(),
+                        absl::StrCat(step.label, ": muon (unit ", u,
+                                     "): ", status.message()));
+  };
   // This rank's Nesterov updates, into the (zero) exp_avg_sq of its rows.
-  int64_t workspace = 0;
   for (const MuonParam& p : unit.params) {
     for (const OwnedRange& r : layout.params[p.placement].owned) {
-      kernels::MuonNesterovUpdate(
+      const absl::Status status = shards->MuonNesterov(
           shard.grads + r.shard_offset, shard.exp_avg + r.shard_offset,
           r.end - r.begin, beta, shard.exp_avg_sq + r.shard_offset);
+      if (!status.ok()) return failed(status);
     }
-    workspace =
-        std::max(workspace, kernels::NewtonSchulzWorkspace(p.rows, p.cols));
   }
   // The whole unit's updates, gathered in fp32 with the unit's geometry:
   // rank r's shard at r * shard_numel (the other parameters' exp_avg_sq
   // travel along and are ignored).
-  TrackedBuffer gathered;
+  std::unique_ptr<OptimizerScratch> gathered;
   if (unit.gather) {
-    gathered = TrackedBuffer(step.tracker, MemoryKind::kWorkspace,
-                             layout.gathered_numel * sizeof(float));
-    Communicator* group = step.shard_group;
-    float* all = gathered.as<float>();
-    float* slot = all + int64_t{group->rank()} * layout.shard_numel;
-    std::memcpy(slot, shard.exp_avg_sq,
-                static_cast<size_t>(layout.shard_numel) * sizeof(float));
-    const int64_t count = layout.shard_numel;
-    const absl::Duration timeout = step.collective_timeout;
-    SHARDD_RETURN_IF_ERROR(step.run_collective(
-        absl::StrCat(step.label, " muon update all-gather (unit ", u, ")"),
-        [group, slot, all, count, timeout] {
-          return group->AllGather(slot, all, count, v1::FLOAT32, timeout);
-        }));
+    SHARDD_ASSIGN_OR_RETURN(gathered, shards->Scratch(layout.gathered_numel));
+    float* all = gathered->data();
+    float* slot = all + int64_t{shards->gather_rank()} * layout.shard_numel;
+    SHARDD_RETURN_IF_ERROR(shards->Copy(slot, shard.exp_avg_sq,
+                                        layout.shard_numel));
+    SHARDD_RETURN_IF_ERROR(shards->AllGather(
+        slot, all, layout.shard_numel,
+        absl::StrCat(step.label, " muon update all-gather (unit ", u, ")")));
   }
-  TrackedBuffer ns(step.tracker, MemoryKind::kWorkspace,
-                   workspace * sizeof(float));
   for (const MuonParam& p : unit.params) {
     const ParamPlacement& placement = layout.params[p.placement];
     if (placement.owned.empty()) continue;  // Only padding here.
     const int64_t matrix = p.rows * p.cols;
     auto orthogonalise = [&](float* x) {
-      const absl::Status status = kernels::NewtonSchulz(
-          x, p.rows, p.cols, muon_.ns_steps, ns.as<float>());
-      // Create checked the shapes and steps.
-      SHARDD_CHECK(status.ok()) << step.label << ": " << status;
-      if (p.scale != 1.0f) kernels::ScaleInPlace(x, matrix, p.scale);
+      return shards->Orthogonalise(x, p.rows, p.cols, muon_.ns_steps, p.scale);
     };
-    if (p.role == MuonRole::kExperts && !p.whole_experts && unit.gather) {
-      // Split by elements: the experts this rank holds a piece of, each
-      // orthogonalised whole from the gathered updates.
-      TrackedBuffer whole(step.tracker, MemoryKind::kWorkspace,
-                          p.matrices * matrix * sizeof(float));
-      float* x = whole.as<float>();
+    // The matrices this rank holds a piece of, whole from the gathered
+    // updates into `whole`; each piece copied back into exp_avg_sq.
+    auto from_gathered = [&](int64_t matrices) -> absl::Status {
+      SHARDD_ASSIGN_OR_RETURN(std::unique_ptr<OptimizerScratch> whole,
+                              shards->Scratch(matrices * matrix));
+      float* x = whole->data();
       for (const CopySegment& s : placement.gathered) {
-        std::memcpy(x + s.dst, gathered.as<float>() + s.src,
-                    static_cast<size_t>(s.count) * sizeof(float));
+        SHARDD_RETURN_IF_ERROR(
+            shards->Copy(x + s.dst, gathered->data() + s.src, s.count));
       }
-      int64_t done = -1;  // The last expert orthogonalised.
+      int64_t done = -1;  // The last matrix orthogonalised.
       for (const OwnedRange& r : placement.owned) {
         for (int64_t e = r.begin / matrix; e * matrix < r.end; ++e) {
-          if (e > done) orthogonalise(x + e * matrix);
+          if (e > done) SHARDD_RETURN_IF_ERROR(orthogonalise(x + e * matrix));
           done = std::max(done, e);
         }
-        std::memcpy(shard.exp_avg_sq + r.shard_offset, x + r.begin,
-                    static_cast<size_t>(r.end - r.begin) * sizeof(float));
+        SHARDD_RETURN_IF_ERROR(shards->Copy(shard.exp_avg_sq + r.shard_offset,
+                                            x + r.begin, r.end - r.begin));
       }
+      return absl::OkStatus();
+    };
+    absl::Status status;
+    if (p.role == MuonRole::kExperts && !p.whole_experts && unit.gather) {
+      // Split by elements: an expert can straddle ranks.
+      status = from_gathered(p.matrices);
     } else if (p.role == MuonRole::kExperts) {
       // Dim-0 shards of [E, in, out] hold whole experts (one rank: all).
       for (const OwnedRange& r : placement.owned) {
-        for (int64_t e = r.begin; e < r.end; e += matrix) {
-          orthogonalise(shard.exp_avg_sq + r.shard_offset + (e - r.begin));
+        for (int64_t e = r.begin; e < r.end && status.ok(); e += matrix) {
+          status = orthogonalise(shard.exp_avg_sq + r.shard_offset +
+                                 (e - r.begin));
         }
       }
     } else if (!unit.gather) {
       // One rank: it holds the whole matrix.
-      orthogonalise(shard.exp_avg_sq + placement.owned[0].shard_offset);
+      status = orthogonalise(shard.exp_avg_sq + placement.owned[0].shard_offset);
     } else {
-      TrackedBuffer whole(step.tracker, MemoryKind::kWorkspace,
-                          matrix * sizeof(float));
-      float* x = whole.as<float>();
-      for (const CopySegment& s : placement.gathered) {
-        std::memcpy(x + s.dst, gathered.as<float>() + s.src,
-                    static_cast<size_t>(s.count) * sizeof(float));
-      }
-      orthogonalise(x);
-      for (const OwnedRange& r : placement.owned) {
-        std::memcpy(shard.exp_avg_sq + r.shard_offset, x + r.begin,
-                    static_cast<size_t>(r.end - r.begin) * sizeof(float));
-      }
+      status = from_gathered(1);
     }
+    if (!status.ok()) return failed(status);
   }
   return absl::OkStatus();
 }
 
-void MuonOptimizer::Apply(ShardStore* store, int u,
-                          const OptimizerStepContext& step) {
+absl::Status MuonOptimizer::Apply(OptimizerShards* shards, int u,
+                                  const OptimizerStepContext& step) {
   const Unit& unit = units_[u];
-  ApplyAdamWRanges(store, u, unit.adamw_ranges, adamw_, step);
-  const UnitLayout& layout = store->layout(u);
-  const ShardStore::UnitShard shard = store->shard(u);
+  SHARDD_RETURN_IF_ERROR(
+      ApplyAdamWRanges(shards, u, unit.adamw_ranges, adamw_, step));
+  const UnitLayout& layout = shards->layout(u);
+  const ShardBuffers shard = shards->buffers(u);
   const float beta = static_cast<float>(muon_.momentum);
   const double lr = muon_.lr * step.lr_factor;
   for (const MuonParam& p : unit.params) {
     for (const OwnedRange& r : layout.params[p.placement].owned) {
       const int64_t at = r.shard_offset, n = r.end - r.begin;
-      kernels::MuonMomentumStep(shard.grads + at, shard.exp_avg + at, n, beta);
-      kernels::MuonApply(shard.params + at, shard.exp_avg_sq + at, n, lr,
-                         adamw_.weight_decay);
-      std::memset(shard.exp_avg_sq + at, 0, static_cast<size_t>(n) * 4);
-      store->RefreshComputeShard(u, at, n);
+      SHARDD_RETURN_IF_ERROR(
+          shards->MuonMomentum(shard.grads + at, shard.exp_avg + at, n, beta));
+      SHARDD_RETURN_IF_ERROR(shards->MuonApply(
+          u, at, n, shard.exp_avg_sq + at, lr, adamw_.weight_decay));
+      SHARDD_RETURN_IF_ERROR(shards->Zero(shard.exp_avg_sq + at, n));
     }
   }
+  return absl::OkStatus();
 }
 
-void MuonOptimizer::Discard(ShardStore* store) {
+void MuonOptimizer::Discard(OptimizerShards* shards) {
   for (int u = 0; u < static_cast<int>(units_.size()); ++u) {
-    const UnitLayout& layout = store->layout(u);
-    const ShardStore::UnitShard shard = store->shard(u);
+    const UnitLayout& layout = shards->layout(u);
+    const ShardBuffers shard = shards->buffers(u);
     for (const MuonParam& p : units_[u].params) {
       for (const OwnedRange& r : layout.params[p.placement].owned) {
-        std::memset(shard.exp_avg_sq + r.shard_offset, 0,
-                    static_cast<size_t>(r.end - r.begin) * 4);
+        // Best effort: a device that fails here fails the next step too.
+        shards->Zero(shard.exp_avg_sq + r.shard_offset, r.end - r.begin)
+            .IgnoreError();
       }
     }
   }

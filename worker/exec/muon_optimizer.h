@@ -27,12 +27,16 @@
 // Sharding: on dim-0 shards each rank holds some rows of a matrix, so
 // Prepare all-gathers the unit's Nesterov updates over the shard group (one
 // all-gather per unit that holds a Muon matrix, through the backend's
-// CollectiveRunner, into a workspace buffer freed before the next unit),
+// OptimizerShards, into a workspace buffer freed before the next unit),
 // orthogonalises each whole matrix (every rank the same, on the same bits)
 // and keeps this rank's rows. A dim-0 shard of stacked experts holds whole
 // experts, so those are orthogonalised locally, without communication.
 // Flat (megatron_fsdp) units cut matrices anywhere: Create refuses a flat
 // unit holding a Muon parameter.
+//
+// Devices: written against OptimizerShards, so the CPU backend (kernels/cpu,
+// Gloo) and the GPU backend (kernels/cuda with cuBLAS Newton-Schulz, NCCL)
+// run this same code.
 
 #include <cstdint>
 #include <memory>
@@ -66,14 +70,14 @@ class MuonOptimizer final : public Optimizer {
   static absl::StatusOr<std::unique_ptr<MuonOptimizer>> Create(
       const kernels::MuonConfig& muon, const kernels::AdamWConfig& adamw,
       const v1::ShardingPlan& plan, const v1::ModelSpec& model,
-      const ShardStore& store);
+      const OptimizerShards& shards);
 
   absl::string_view name() const override { return "muon"; }
-  absl::Status Prepare(ShardStore* store, int unit,
+  absl::Status Prepare(OptimizerShards* shards, int unit,
                        const OptimizerStepContext& step) override;
-  void Apply(ShardStore* store, int unit,
-             const OptimizerStepContext& step) override;
-  void Discard(ShardStore* store) override;
+  absl::Status Apply(OptimizerShards* shards, int unit,
+                     const OptimizerStepContext& step) override;
+  void Discard(OptimizerShards* shards) override;
 
  private:
   struct MuonParam {

@@ -20,6 +20,7 @@
 #include "planner/strategy_registry.h"
 #include "testing/model_builder.h"
 #include "testing/shard_state.h"
+#include "worker/exec/host_optimizer_shards.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/in_memory_kv_client.h"
 #include "worker/comm/kv_gloo_store.h"
@@ -105,20 +106,12 @@ void SetGrads(ShardStore* store, int step) {
   }
 }
 
-OptimizerStepContext Context(int step, Communicator* group,
-                             MemoryTracker* tracker) {
+OptimizerStepContext Context(int step) {
   OptimizerStepContext c;
   c.step = step;
   c.lr = AdamW().lr;
   c.lr_factor = 1.0;
   c.label = "test";
-  c.shard_group = group;
-  c.collective_timeout = absl::Seconds(20);
-  c.tracker = tracker;
-  c.run_collective = [](const std::string&,
-                        std::function<absl::Status()> collective) {
-    return collective();
-  };
   return c;
 }
 
@@ -146,18 +139,20 @@ std::vector<TrainingStateMaps> RunMuon(const v1::ModelSpec& model, int dp,
       store_options.seed = 7;
       auto store = ShardStore::Create(plan, model, store_options, &tracker);
       ASSERT_TRUE(store.ok()) << store.status();
-      auto optimizer = CreateOptimizer(Muon(), AdamW(), plan, model, **store);
+      HostOptimizerShards shards(store->get(), &tracker, group->get(),
+                                 absl::Seconds(20), RunCollectiveHere());
+      auto optimizer = CreateOptimizer(Muon(), AdamW(), plan, model, shards);
       ASSERT_TRUE(optimizer.ok()) << optimizer.status();
       for (int s = 1; s <= steps; ++s) {
         SetGrads(store->get(), s);
-        OptimizerStepContext c = Context(s, group->get(), &tracker);
+        OptimizerStepContext c = Context(s);
         c.lr_factor = lr_factor;
         c.lr = AdamW().lr * lr_factor;
         for (int u = 0; u < (*store)->num_units(); ++u) {
-          ASSERT_THAT((*optimizer)->Prepare(store->get(), u, c), IsOk());
+          ASSERT_THAT((*optimizer)->Prepare(&shards, u, c), IsOk());
         }
         for (int u = 0; u < (*store)->num_units(); ++u) {
-          (*optimizer)->Apply(store->get(), u, c);
+          ASSERT_THAT((*optimizer)->Apply(&shards, u, c), IsOk());
         }
         absl::MutexLock lock(&mu);
         testing_util::CollectOwnedState(plan, **store, &states[s - 1]);
@@ -279,11 +274,13 @@ TEST(MuonOptimizerTest, FlatRangesAreRefused) {
   ShardStoreOptions store_options;
   auto store = ShardStore::Create(plan, model, store_options, &tracker);
   ASSERT_TRUE(store.ok());
-  EXPECT_THAT(CreateOptimizer(Muon(), AdamW(), plan, model, **store),
+  const HostOptimizerShards shards(store->get(), &tracker, nullptr,
+                                   absl::Seconds(20), RunCollectiveHere());
+  EXPECT_THAT(CreateOptimizer(Muon(), AdamW(), plan, model, shards),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("is a flat range (strategy megatron_fsdp)")));
   OptimizerOptions adamw;
-  EXPECT_THAT(CreateOptimizer(adamw, AdamW(), plan, model, **store), IsOk());
+  EXPECT_THAT(CreateOptimizer(adamw, AdamW(), plan, model, shards), IsOk());
 }
 
 TEST(MuonOptimizerTest, AFailedGatherCommitsNothing) {
@@ -294,8 +291,6 @@ TEST(MuonOptimizerTest, AFailedGatherCommitsNothing) {
   store_options.seed = 7;
   auto store = ShardStore::Create(plan, model, store_options, &tracker);
   ASSERT_TRUE(store.ok());
-  auto optimizer = CreateOptimizer(Muon(), AdamW(), plan, model, **store);
-  ASSERT_TRUE(optimizer.ok());
   TrainingStateMaps before, after;
   testing_util::CollectOwnedState(plan, **store, &before);
   SetGrads(store->get(), 1);
@@ -305,18 +300,21 @@ TEST(MuonOptimizerTest, AFailedGatherCommitsNothing) {
   auto group = GlooCommunicator::Create(&kv_store, "fail", 0, 1, "127.0.0.1",
                                         absl::Seconds(20));
   ASSERT_TRUE(group.ok()) << group.status();
-  OptimizerStepContext c = Context(1, group->get(), &tracker);
-  c.run_collective = [](const std::string& what,
-                        std::function<absl::Status()>) {
-    return absl::DeadlineExceededError(what);
-  };
+  HostOptimizerShards shards(
+      store->get(), &tracker, group->get(), absl::Seconds(20),
+      [](const std::string& what, std::function<absl::Status()>) {
+        return absl::DeadlineExceededError(what);
+      });
+  auto optimizer = CreateOptimizer(Muon(), AdamW(), plan, model, shards);
+  ASSERT_TRUE(optimizer.ok());
+  const OptimizerStepContext c = Context(1);
   absl::Status status;
   for (int u = 0; u < (*store)->num_units() && status.ok(); ++u) {
-    status = (*optimizer)->Prepare(store->get(), u, c);
+    status = (*optimizer)->Prepare(&shards, u, c);
   }
   EXPECT_THAT(status, StatusIs(absl::StatusCode::kDeadlineExceeded,
                                HasSubstr("muon update all-gather")));
-  (*optimizer)->Discard(store->get());
+  (*optimizer)->Discard(&shards);
   testing_util::CollectOwnedState(plan, **store, &after);
   EXPECT_EQ(after.params, before.params);
   EXPECT_EQ(after.exp_avg, before.exp_avg);
@@ -331,27 +329,29 @@ TEST(OptimizerRegistryTest, EveryNameCreatesAndUnknownOnesAreListed) {
   MemoryTracker tracker;
   auto store = ShardStore::Create(plan, model, ShardStoreOptions(), &tracker);
   ASSERT_TRUE(store.ok());
+  const HostOptimizerShards shards(store->get(), &tracker, nullptr,
+                                   absl::Seconds(20), RunCollectiveHere());
   for (const std::string& name : OptimizerNames()) {
     OptimizerOptions options = Muon();
     options.name = name;
-    auto created = CreateOptimizer(options, AdamW(), plan, model, **store);
+    auto created = CreateOptimizer(options, AdamW(), plan, model, shards);
     ASSERT_TRUE(created.ok()) << created.status();
     EXPECT_EQ((*created)->name(), name);
   }
   OptimizerOptions sgd;
   sgd.name = "sgd";
-  EXPECT_THAT(CreateOptimizer(sgd, AdamW(), plan, model, **store),
+  EXPECT_THAT(CreateOptimizer(sgd, AdamW(), plan, model, shards),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("train.optimizer: must be one of adamw, "
                                  "muon, got \"sgd\"")));
   OptimizerOptions bad = Muon();
   bad.muon.ns_steps = 0;
-  EXPECT_THAT(CreateOptimizer(bad, AdamW(), plan, model, **store),
+  EXPECT_THAT(CreateOptimizer(bad, AdamW(), plan, model, shards),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("train.muon_ns_steps: must be in [1, 100]")));
   bad = Muon();
   bad.muon.momentum = 1.0;
-  EXPECT_THAT(CreateOptimizer(bad, AdamW(), plan, model, **store),
+  EXPECT_THAT(CreateOptimizer(bad, AdamW(), plan, model, shards),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("train.muon_momentum")));
 }

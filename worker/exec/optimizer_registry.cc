@@ -13,7 +13,7 @@ namespace {
 
 using Factory = std::function<absl::StatusOr<std::unique_ptr<Optimizer>>(
     const OptimizerOptions&, const kernels::AdamWConfig&,
-    const v1::ShardingPlan&, const v1::ModelSpec&, const ShardStore&)>;
+    const v1::ShardingPlan&, const v1::ModelSpec&, const OptimizerShards&)>;
 
 struct Entry {
   const char* name;
@@ -24,13 +24,13 @@ const Entry kEntries[] = {
     {kAdamWOptimizer,
      [](const OptimizerOptions&, const kernels::AdamWConfig& adamw,
         const v1::ShardingPlan&, const v1::ModelSpec&,
-        const ShardStore&) -> absl::StatusOr<std::unique_ptr<Optimizer>> {
+        const OptimizerShards&) -> absl::StatusOr<std::unique_ptr<Optimizer>> {
        return std::make_unique<AdamWOptimizer>(adamw);
      }},
     {kMuonOptimizer,
      [](const OptimizerOptions& options, const kernels::AdamWConfig& adamw,
         const v1::ShardingPlan& plan, const v1::ModelSpec& model,
-        const ShardStore& store) -> absl::StatusOr<std::unique_ptr<Optimizer>> {
+        const OptimizerShards& store) -> absl::StatusOr<std::unique_ptr<Optimizer>> {
        SHARDD_ASSIGN_OR_RETURN(
            std::unique_ptr<MuonOptimizer> muon,
            MuonOptimizer::Create(options.muon, adamw, plan, model, store));
@@ -43,7 +43,7 @@ const Entry kEntries[] = {
 absl::StatusOr<std::unique_ptr<Optimizer>> CreateOptimizer(
     const OptimizerOptions& options, const kernels::AdamWConfig& adamw,
     const v1::ShardingPlan& plan, const v1::ModelSpec& model,
-    const ShardStore& store) {
+    const OptimizerShards& store) {
   SHARDD_RETURN_IF_ERROR(ValidateOptimizerOptions(options, "train."));
   for (const Entry& entry : kEntries) {
     if (options.name == entry.name) {

@@ -14,7 +14,7 @@
 #include "proto/plan.pb.h"
 #include "worker/exec/optimizer.h"
 #include "worker/exec/optimizer_options.h"
-#include "worker/shards/shard_store.h"
+#include "worker/exec/optimizer_shards.h"
 
 namespace shardd {
 
@@ -24,7 +24,7 @@ namespace shardd {
 absl::StatusOr<std::unique_ptr<Optimizer>> CreateOptimizer(
     const OptimizerOptions& options, const kernels::AdamWConfig& adamw,
     const v1::ShardingPlan& plan, const v1::ModelSpec& model,
-    const ShardStore& store);
+    const OptimizerShards& store);
 
 }  // namespace shardd
 

@@ -24,6 +24,7 @@
 #include "worker/comm/communicator.h"
 #include "worker/data/batch_sampler.h"
 #include "worker/exec/lr_schedule.h"
+#include "worker/exec/optimizer.h"
 #include "worker/exec/optimizer_options.h"
 #include "worker/exec/step_state.h"
 #include "worker/memory/memory_tracker.h"
@@ -52,7 +53,7 @@ struct StepExecutorOptions {
   kernels::AdamWConfig adamw;
   LrSchedule lr_schedule;
   // Which optimizer OPTIMIZER_STEP applies (AdamW by default); Muon's lr is
-  // shaped by lr_schedule like adamw.lr. The CUDA backend runs AdamW only.
+  // shaped by lr_schedule like adamw.lr. Both backends run every optimizer.
   OptimizerOptions optimizer;
   // Global gradient-norm clipping threshold; 0 turns clipping off (the norm
   // is still computed and reported).
@@ -71,6 +72,19 @@ struct StepExecutorOptions {
 inline double StepLearningRate(const StepExecutorOptions& options,
                                int64_t step) {
   return options.lr_schedule.At(options.adamw.lr, step);
+}
+
+// The context of optimizer step `step` (1-based): its learning rate and the
+// schedule's factor (lr / peak) that scales other optimizers' peaks.
+inline OptimizerStepContext OptimizerContextFor(
+    const StepExecutorOptions& options, int64_t step,
+    const std::string& label) {
+  OptimizerStepContext op;
+  op.step = step;
+  op.lr = StepLearningRate(options, step - 1);
+  op.lr_factor = options.adamw.lr > 0.0 ? op.lr / options.adamw.lr : 1.0;
+  op.label = label;
+  return op;
 }
 
 // Collectives this rank issued during one step (communicator stats deltas;
