@@ -72,6 +72,17 @@ struct UnitLayout {
   std::vector<std::pair<int64_t, int64_t>> trainable_ranges;
 };
 
+// The end of the unit's last trainable range (0 without one): how much of
+// the shard a store that trims frozen state (ShardStoreOptions::
+// trim_frozen_state) holds gradients and moments for.
+inline int64_t TrainableEnd(const UnitLayout& layout) {
+  int64_t end = 0;
+  for (const auto& range : layout.trainable_ranges) {
+    end = range.second > end ? range.second : end;
+  }
+  return end;
+}
+
 // One layout per unit of `plan` for shard rank `shard_rank`.
 // Errors: INVALID_ARGUMENT (shard_rank outside [0, dp_shard), a dim-0
 // parameter without a shape, a parameter falling outside its unit's shard

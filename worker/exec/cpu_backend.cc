@@ -228,10 +228,8 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(
   store_options.seed = options.seed;
   store_options.initial_values = options.initial_values;
   store_options.collective_timeout = options.collective_timeout;
-  // LoRA's frozen base holds no gradient or moments. Muon uses exp_avg_sq
-  // as whole-shard scratch, so it keeps them all.
   store_options.trim_frozen_state =
-      model.lora().rank() > 0 && options.optimizer.name == kAdamWOptimizer;
+      TrimsFrozenState(model.lora().rank() > 0, options.optimizer);
   SHARDD_ASSIGN_OR_RETURN(
       backend->store_, ShardStore::Create(plan, model, store_options, tracker));
   backend->model_spec_ = model;

@@ -118,6 +118,8 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   store_options.seed = step.seed;
   store_options.initial_values = step.initial_values;
   store_options.collective_timeout = step.collective_timeout;
+  store_options.trim_frozen_state =
+      TrimsFrozenState(model.lora().rank() > 0, step.optimizer);
   SHARDD_ASSIGN_OR_RETURN(
       executor->store_,
       DeviceShardStore::Create(plan, model, store_options, allocator,

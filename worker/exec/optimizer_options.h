@@ -36,6 +36,15 @@ std::vector<std::string> OptimizerNames();
 absl::Status ValidateOptimizerOptions(const OptimizerOptions& options,
                                       const std::string& prefix);
 
+// Whether a store holds gradients and moments only up to each unit's last
+// trainable element (ShardStoreOptions::trim_frozen_state): for LoRA jobs,
+// whose frozen base then costs no optimizer memory, under AdamW (Muon uses
+// exp_avg_sq as whole-shard scratch, so it keeps them all). Both backends
+// follow this one rule.
+inline bool TrimsFrozenState(bool lora, const OptimizerOptions& options) {
+  return lora && options.name == kAdamWOptimizer;
+}
+
 }  // namespace shardd
 
 #endif  // SHARDD_WORKER_EXEC_OPTIMIZER_OPTIONS_H_

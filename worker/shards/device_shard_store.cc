@@ -108,25 +108,32 @@ absl::StatusOr<std::unique_ptr<DeviceShardStore>> DeviceShardStore::Create(
     }
     const int64_t n = unit.shard_numel();
     const int64_t bytes = n * 4;
+    state.state_numel =
+        options.trim_frozen_state ? TrainableEnd(layouts[u]) : n;
+    const int64_t state_bytes = state.state_numel * 4;
     SHARDD_ASSIGN_OR_RETURN(
         state.master, Alloc(allocator, bytes, MemoryKind::kShardParams, home));
     SHARDD_ASSIGN_OR_RETURN(
-        state.grads, Alloc(allocator, bytes, MemoryKind::kShardGrads, home));
+        state.grads,
+        Alloc(allocator, state_bytes, MemoryKind::kShardGrads, home));
     SHARDD_ASSIGN_OR_RETURN(
         state.exp_avg,
-        Alloc(allocator, bytes, MemoryKind::kOptimizerState, home));
+        Alloc(allocator, state_bytes, MemoryKind::kOptimizerState, home));
     SHARDD_ASSIGN_OR_RETURN(
         state.exp_avg_sq,
-        Alloc(allocator, bytes, MemoryKind::kOptimizerState, home));
+        Alloc(allocator, state_bytes, MemoryKind::kOptimizerState, home));
     if (n > 0) {
       SHARDD_RETURN_IF_ERROR(
           CudaStatus(cudaMemcpyAsync(state.master.data(), host[u].data(), bytes,
                                      cudaMemcpyHostToDevice, home),
                      "copying the initial master shard"));
+    }
+    if (state_bytes > 0) {
       for (DeviceBuffer* b :
            {&state.grads, &state.exp_avg, &state.exp_avg_sq}) {
-        SHARDD_RETURN_IF_ERROR(CudaStatus(
-            cudaMemsetAsync(b->data(), 0, bytes, home), "zeroing shard state"));
+        SHARDD_RETURN_IF_ERROR(
+            CudaStatus(cudaMemsetAsync(b->data(), 0, state_bytes, home),
+                       "zeroing shard state"));
       }
     }
     if (unit.precision().keep_compute_shard() && state.compute != v1::FLOAT32 &&
@@ -502,6 +509,7 @@ DeviceShardStore::UnitShard DeviceShardStore::shard(int unit) const {
   out.exp_avg_sq = state.exp_avg_sq.as<float>();
   out.compute_bf16 = state.compute_shard.as<uint16_t>();
   out.numel = layouts_[unit].shard_numel;
+  out.state_numel = state.state_numel;
   return out;
 }
 
@@ -546,7 +554,7 @@ ShardBuffers DeviceShardStore::buffers(int unit) const {
   out.exp_avg = shard.exp_avg;
   out.exp_avg_sq = shard.exp_avg_sq;
   out.numel = shard.numel;
-  out.state_numel = shard.numel;  // The device store never trims.
+  out.state_numel = shard.state_numel;
   return out;
 }
 

@@ -83,6 +83,10 @@ struct DeviceShardStoreOptions {
   // As ShardStoreOptions::initial_values.
   const InitialValues* initial_values = nullptr;
   absl::Duration collective_timeout = absl::Seconds(60);
+  // As ShardStoreOptions::trim_frozen_state: gradients and moments only up
+  // to the end of the unit's last trainable range (a LoRA job's frozen base
+  // costs no optimizer memory).
+  bool trim_frozen_state = false;
 };
 
 class DeviceShardStore final : public DeviceParamSource, public ShardState {
@@ -137,8 +141,9 @@ class DeviceShardStore final : public DeviceParamSource, public ShardState {
   int num_units() const override { return static_cast<int>(units_.size()); }
   const UnitLayout& layout(int unit) const { return layouts_[unit]; }
 
-  // Device pointers of a unit's shard state (fp32, numel elements);
-  // compute_bf16 is the keep_compute_shard copy or null.
+  // Device pointers of a unit's shard state (fp32: params numel elements,
+  // the rest state_numel); compute_bf16 is the keep_compute_shard copy or
+  // null.
   struct UnitShard {
     float* params = nullptr;
     float* grads = nullptr;
@@ -146,6 +151,7 @@ class DeviceShardStore final : public DeviceParamSource, public ShardState {
     float* exp_avg_sq = nullptr;
     uint16_t* compute_bf16 = nullptr;
     int64_t numel = 0;
+    int64_t state_numel = 0;
   };
   UnitShard shard(int unit) const;
 
@@ -178,6 +184,8 @@ class DeviceShardStore final : public DeviceParamSource, public ShardState {
   struct UnitState {
     v1::DType compute = v1::FLOAT32;
     v1::DType reduce = v1::FLOAT32;
+    // Elements of grads, exp_avg, exp_avg_sq (shard numel unless trimmed).
+    int64_t state_numel = 0;
     DeviceBuffer master;
     DeviceBuffer grads;
     DeviceBuffer exp_avg;

@@ -84,14 +84,8 @@ absl::StatusOr<std::unique_ptr<ShardStore>> ShardStore::Create(
           "float32 or bfloat16, got compute ",
           DTypeName(state->compute), " and reduce ", DTypeName(state->reduce)));
     }
-    state->state_numel = state->shard_numel;
-    if (options.trim_frozen_state) {
-      int64_t end = 0;
-      for (const auto& range : layout.trainable_ranges) {
-        end = std::max(end, range.second);
-      }
-      state->state_numel = end;
-    }
+    state->state_numel =
+        options.trim_frozen_state ? TrainableEnd(layout) : state->shard_numel;
     const int64_t bytes = state->shard_numel * 4;
     const int64_t state_bytes = state->state_numel * 4;
     state->master = TrackedBuffer(tracker, MemoryKind::kShardParams, bytes);
