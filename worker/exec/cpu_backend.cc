@@ -480,21 +480,12 @@ absl::Status CpuBackend::OptimizerStep(const std::string& label,
   }
   const int64_t step = *optimizer_steps + 1;
   const OptimizerStepContext op = OptimizerContextFor(options_, step, label);
-  OptimizerShards* shards = optimizer_shards_.get();
-  // Prepare everything (collectives included) before committing anything,
-  // so a failed collective leaves the last committed state.
-  for (int u = 0; u < store_->num_units(); ++u) {
-    const absl::Status prepared = optimizer_->Prepare(shards, u, op);
-    if (!prepared.ok()) {
-      optimizer_->Discard(shards);
-      return prepared;
-    }
-  }
-  for (int u = 0; u < store_->num_units(); ++u) {
-    // The host arithmetic cannot fail (the options were checked).
-    const absl::Status applied = optimizer_->Apply(shards, u, op);
-    SHARDD_CHECK(applied.ok()) << applied;
-  }
+  bool partly_applied = false;
+  const absl::Status stepped = StepOptimizer(
+      *optimizer_, optimizer_shards_.get(), op, &partly_applied);
+  // The host arithmetic cannot fail (the options were checked).
+  SHARDD_CHECK(!partly_applied) << stepped;
+  SHARDD_RETURN_IF_ERROR(stepped);
   *optimizer_steps = step;
   ZeroShardGrads();
   grad_norm_ = norm;

@@ -461,26 +461,17 @@ absl::Status CudaBackend::EndStep(const StepState& state,
   const int64_t step = *optimizer_steps + 1;
   const OptimizerStepContext op =
       OptimizerContextFor(options_.step, step, label);
-  OptimizerShards* shards = optimizer_shards_.get();
-  // Prepare everything (Muon's gathers included) before committing
-  // anything, so a failed gather leaves the last committed state.
-  for (int u = 0; u < store_->num_units(); ++u) {
-    const absl::Status prepared = optimizer_->Prepare(shards, u, op);
-    if (!prepared.ok()) {
-      optimizer_->Discard(shards);
-      return prepared;
-    }
+  bool partly_applied = false;
+  const absl::Status stepped = StepOptimizer(
+      *optimizer_, optimizer_shards_.get(), op, &partly_applied);
+  if (!stepped.ok() && partly_applied) {
+    // A launch failure: part of the update may be enqueued.
+    return absl::InternalError(
+        absl::StrCat(label, ": the update failed after part of the shards "
+                            "were updated: ",
+                     stepped.message()));
   }
-  for (int u = 0; u < store_->num_units(); ++u) {
-    const absl::Status applied = optimizer_->Apply(shards, u, op);
-    if (!applied.ok()) {
-      // A launch failure: part of the update may be enqueued.
-      return absl::InternalError(absl::StrCat(
-          label, ": the update failed after part of the shards were "
-                 "updated: ",
-          applied.message()));
-    }
-  }
+  SHARDD_RETURN_IF_ERROR(stepped);
   SHARDD_RETURN_IF_ERROR(store_->ZeroShardGrads());
   *optimizer_steps = step;
 

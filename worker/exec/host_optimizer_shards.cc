@@ -76,8 +76,7 @@ absl::Status HostOptimizerShards::Orthogonalise(float* x, int64_t rows,
 
 absl::Status HostOptimizerShards::Copy(float* to, const float* from,
                                        int64_t n) {
-  if (n > 0) std::memcpy(to, from, static_cast<size_t>(n) * sizeof(float));
-  return absl::OkStatus();
+  return CopyHostFloats(from, n, to);
 }
 
 absl::Status HostOptimizerShards::Zero(float* x, int64_t n) {

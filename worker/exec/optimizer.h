@@ -48,6 +48,33 @@ class Optimizer {
   virtual void Discard(OptimizerShards* shards) = 0;
 };
 
+// One optimizer step over every unit, as both backends run it: Prepare
+// each unit (collectives included) before any Apply, so a failed Prepare
+// leaves the last committed state (it discards every prepared update and
+// returns its error with *partly_applied false). An Apply's error (a
+// device launch) comes back with *partly_applied true: part of the update
+// may be committed.
+inline absl::Status StepOptimizer(Optimizer& optimizer, OptimizerShards* shards,
+                                  const OptimizerStepContext& step,
+                                  bool* partly_applied) {
+  *partly_applied = false;
+  for (int u = 0; u < shards->num_units(); ++u) {
+    const absl::Status prepared = optimizer.Prepare(shards, u, step);
+    if (!prepared.ok()) {
+      optimizer.Discard(shards);
+      return prepared;
+    }
+  }
+  for (int u = 0; u < shards->num_units(); ++u) {
+    const absl::Status applied = optimizer.Apply(shards, u, step);
+    if (!applied.ok()) {
+      *partly_applied = true;
+      return applied;
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace shardd
 
 #endif  // SHARDD_WORKER_EXEC_OPTIMIZER_H_

@@ -17,6 +17,7 @@
 // Not thread-safe, and not to be used while a step runs on the store.
 
 #include <cstdint>
+#include <cstring>
 
 #include "absl/status/status.h"
 
@@ -35,6 +36,12 @@ struct ShardBuffers {
   // store trims the frozen tail (ShardStoreOptions::trim_frozen_state).
   int64_t state_numel = 0;
 };
+
+// CopyToHost / CopyFromHost of a state in host memory: a memcpy.
+inline absl::Status CopyHostFloats(const float* from, int64_t n, float* to) {
+  if (n > 0) std::memcpy(to, from, static_cast<size_t>(n) * sizeof(float));
+  return absl::OkStatus();
+}
 
 class ShardState {
  public:

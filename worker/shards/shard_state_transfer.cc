@@ -139,14 +139,12 @@ ShardBuffers SnapshotState::buffers(int unit) const {
 
 absl::Status SnapshotState::CopyToHost(const float* from, int64_t n,
                                        float* to) const {
-  if (n > 0) std::memcpy(to, from, static_cast<size_t>(n) * sizeof(float));
-  return absl::OkStatus();
+  return CopyHostFloats(from, n, to);
 }
 
 absl::Status SnapshotState::CopyFromHost(const float* from, int64_t n,
                                          float* to) {
-  if (n > 0) std::memcpy(to, from, static_cast<size_t>(n) * sizeof(float));
-  return absl::OkStatus();
+  return CopyHostFloats(from, n, to);
 }
 
 absl::Status SnapshotState::ResetUnit(int unit) {

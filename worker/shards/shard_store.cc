@@ -456,14 +456,12 @@ ShardStore::UnitShard ShardStore::shard(int unit) const {
 
 absl::Status ShardStore::CopyToHost(const float* from, int64_t n,
                                     float* to) const {
-  if (n > 0) std::memcpy(to, from, static_cast<size_t>(n) * sizeof(float));
-  return absl::OkStatus();
+  return CopyHostFloats(from, n, to);
 }
 
 absl::Status ShardStore::CopyFromHost(const float* from, int64_t n,
                                       float* to) {
-  if (n > 0) std::memcpy(to, from, static_cast<size_t>(n) * sizeof(float));
-  return absl::OkStatus();
+  return CopyHostFloats(from, n, to);
 }
 
 absl::Status ShardStore::ResetUnit(int unit) {
