@@ -19,7 +19,7 @@
 #include "kernels/cuda/router.h"
 #include "kernels/cuda/router_aux_loss.h"
 #include "worker/model/attention_geometry.h"
-#include "worker/model/device_moe_model_kernels.h"
+#include "worker/model/cuda_block_ops_kernels.h"
 
 namespace shardd {
 namespace step {
@@ -501,19 +501,38 @@ absl::Status CudaBlockOps::Geometry(int64_t batch, int64_t seq,
 
 namespace {
 
+// One parameter of a block's bundle: whether the layer has it, and where
+// its storage-type pointer and fp32 gradient go.
+struct ParamEntry {
+  bool present;
+  const ArchTensor& tensor;
+  const void** param;
+  float** grad;
+};
+
+// Fills the bundle's pointers: each present parameter in storage type T
+// and, for the backward (`grads`), its fp32 gradient.
+template <typename T, typename ParamFn, typename GradFn, size_t N>
+absl::Status FillParams(const ParamEntry (&entries)[N], bool grads,
+                        ParamFn param, GradFn grad) {
+  for (const ParamEntry& e : entries) {
+    if (!e.present) continue;
+    SHARDD_ASSIGN_OR_RETURN(const T* p, param(e.tensor, T{}));
+    *e.param = p;
+    if (grads) {
+      SHARDD_ASSIGN_OR_RETURN(*e.grad, grad(e.tensor));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // The attention sublayer's parameters in storage type T and, for the
 // backward, their fp32 gradients.
 template <typename T, typename ParamFn, typename GradFn>
 absl::StatusOr<DeviceAttentionParams> AttentionParamsOf(
     const MoeLayerSpec& spec, bool grads, ParamFn param, GradFn grad) {
   DeviceAttentionParams ap;
-  struct Entry {
-    bool present;
-    const ArchTensor& tensor;
-    const void** param;
-    float** grad;
-  };
-  const Entry entries[] = {
+  const ParamEntry entries[] = {
       {true, spec.q_proj, &ap.wq, &ap.dwq},
       {true, spec.k_proj, &ap.wk, &ap.dwk},
       {true, spec.v_proj, &ap.wv, &ap.dwv},
@@ -525,14 +544,7 @@ absl::StatusOr<DeviceAttentionParams> AttentionParamsOf(
       {spec.attention_bias, spec.v_bias, &ap.bv, &ap.dbv},
       {spec.attention_bias, spec.o_bias, &ap.bo, &ap.dbo},
   };
-  for (const Entry& e : entries) {
-    if (!e.present) continue;
-    SHARDD_ASSIGN_OR_RETURN(const T* p, param(e.tensor, T{}));
-    *e.param = p;
-    if (grads) {
-      SHARDD_ASSIGN_OR_RETURN(*e.grad, grad(e.tensor));
-    }
-  }
+  SHARDD_RETURN_IF_ERROR(FillParams<T>(entries, grads, param, grad));
   if (spec.has_sinks) {
     // The attention kernel reads the sinks in fp32 whatever the storage.
     SHARDD_ASSIGN_OR_RETURN(ap.sinks, param(spec.sinks, float{}));
@@ -551,13 +563,7 @@ absl::StatusOr<DeviceMlaParams> MlaParamsOf(const MoeArchitecture& a,
                                             GradFn grad) {
   DeviceMlaParams mp;
   const bool lora = a.q_lora_rank > 0;
-  struct Entry {
-    bool present;
-    const ArchTensor& tensor;
-    const void** param;
-    float** grad;
-  };
-  const Entry entries[] = {
+  const ParamEntry entries[] = {
       {!lora, spec.q_proj, &mp.wq, &mp.dwq},
       {lora, spec.q_a_proj, &mp.wqa, &mp.dwqa},
       {lora, spec.q_a_norm, &mp.q_a_norm, &mp.dq_a_norm},
@@ -570,14 +576,7 @@ absl::StatusOr<DeviceMlaParams> MlaParamsOf(const MoeArchitecture& a,
       {spec.attention_bias, spec.kv_a_bias, &mp.bkva, &mp.dbkva},
       {spec.attention_bias, spec.o_bias, &mp.bo, &mp.dbo},
   };
-  for (const Entry& e : entries) {
-    if (!e.present) continue;
-    SHARDD_ASSIGN_OR_RETURN(const T* p, param(e.tensor, T{}));
-    *e.param = p;
-    if (grads) {
-      SHARDD_ASSIGN_OR_RETURN(*e.grad, grad(e.tensor));
-    }
-  }
+  SHARDD_RETURN_IF_ERROR(FillParams<T>(entries, grads, param, grad));
   return mp;
 }
 

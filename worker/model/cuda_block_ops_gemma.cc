@@ -32,7 +32,7 @@
 #include "worker/model/attention_geometry.h"
 #include "worker/model/cuda_block_ops.h"
 #include "worker/model/device_linear.h"
-#include "worker/model/device_moe_model_kernels.h"
+#include "worker/model/cuda_block_ops_kernels.h"
 
 namespace shardd {
 namespace step {
@@ -133,6 +133,14 @@ struct SelfConditioningState : BlockState {
            sum.bytes() + sum_inv.bytes();
   }
 };
+
+// A layer's state, or FAILED_PRECONDITION with `missing` (a command that
+// came before the forward that makes the state).
+absl::StatusOr<GemmaState*> GemmaStateOf(Saved* layer, const char* missing) {
+  GemmaState* g = layer->Peek<GemmaState>();
+  if (g == nullptr) return absl::FailedPreconditionError(missing);
+  return g;
+}
 
 // `height` rows of `width` bytes from src (rows `spitch` apart) to dst
 // (`dpitch` apart), on the stream: gathers and scatters of sequence rows.
@@ -1245,11 +1253,10 @@ absl::Status CudaBlockOps::GemmaExpertsForward(const MoeLayerSpec& spec,
                                                const RoutedExchange* ep,
                                                ExpertsPhase phase) {
   SHARDD_RETURN_IF_ERROR(NoExchange(ep, phase));
-  GemmaState* g = layer->Peek<GemmaState>();
-  if (g == nullptr) {
-    return absl::FailedPreconditionError(
-        "EXPERTS of a DiffusionGemma layer without its LAYER");
-  }
+  SHARDD_ASSIGN_OR_RETURN(
+      GemmaState * g,
+      GemmaStateOf(layer,
+                   "EXPERTS of a DiffusionGemma layer without its LAYER"));
   return bf16()
              ? Gemma::ExpertsForward<uint16_t>(
                    *this, spec, t, g,
@@ -1264,11 +1271,11 @@ absl::Status CudaBlockOps::GemmaExpertsBackward(const MoeLayerSpec& spec,
                                                 const RoutedExchange* ep,
                                                 ExpertsPhase phase) {
   SHARDD_RETURN_IF_ERROR(NoExchange(ep, phase));
-  GemmaState* g = layer->Peek<GemmaState>();
-  if (g == nullptr) {
-    return absl::FailedPreconditionError(
-        "BACKWARD(EXPERTS) of a DiffusionGemma layer without its forward");
-  }
+  SHARDD_ASSIGN_OR_RETURN(
+      GemmaState * g,
+      GemmaStateOf(layer,
+                   "BACKWARD(EXPERTS) of a DiffusionGemma layer without "
+                   "its forward"));
   return bf16()
              ? Gemma::ExpertsBackward<uint16_t>(*this, spec, t,
                                                 dx.as<uint16_t>(), g)
@@ -1279,11 +1286,11 @@ absl::Status CudaBlockOps::GemmaLayerBackward(const MoeLayerSpec& spec,
                                               int64_t batch, int64_t seq,
                                               const GemmaDecodeView* decode,
                                               Saved* layer, Act* dx) {
-  GemmaState* g = layer->Peek<GemmaState>();
-  if (g == nullptr) {
-    return absl::FailedPreconditionError(
-        "BACKWARD(LAYER) of a DiffusionGemma layer without its forward");
-  }
+  SHARDD_ASSIGN_OR_RETURN(
+      GemmaState * g,
+      GemmaStateOf(layer,
+                   "BACKWARD(LAYER) of a DiffusionGemma layer without its "
+                   "forward"));
   return bf16() ? Gemma::LayerBackward<uint16_t>(*this, spec, batch, seq,
                                                  decode, g, dx->as<uint16_t>())
                 : Gemma::LayerBackward<float>(*this, spec, batch, seq, decode,

@@ -116,13 +116,8 @@ absl::StatusOr<std::unique_ptr<DeviceMoeModel>> DeviceMoeModel::Create(
                        valid.message()));
     }
   }
-  step::StepShape step_shape;
-  step_shape.passes = shape.passes;
-  step_shape.no_grad_passes = shape.no_grad_passes;
-  step_shape.microbatches = shape.microbatches;
-  step_shape.self_conditioning_scale = shape.self_conditioning_scale;
-  step_shape.diffusion = shape.diffusion;
-  step_shape.canvas_length = model.dims().canvas_length();
+  const step::StepShape step_shape =
+      StepShapeOf(shape, model.dims().canvas_length());
   // The step shape as the driver checks it (DiffusionGemma's steps).
   SHARDD_RETURN_IF_ERROR(
       step::ModelStep::CheckShape(arch, step_shape).status());

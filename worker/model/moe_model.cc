@@ -18,16 +18,24 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Create(
   m->arch_ = std::make_unique<MoeArchitecture>(std::move(arch));
   auto ops = std::make_unique<step::CpuBlockOps>(m->arch_.get());
   m->ops_ = ops.get();
+  SHARDD_ASSIGN_OR_RETURN(
+      m->step_,
+      step::ModelStep::Create(
+          m->arch_.get(), StepShapeOf(options, model.dims().canvas_length()),
+          std::move(ops)));
+  return m;
+}
+
+step::StepShape StepShapeOf(const MoeModelOptions& options,
+                            int64_t canvas_length) {
   step::StepShape shape;
   shape.passes = options.passes;
   shape.no_grad_passes = options.no_grad_passes;
   shape.microbatches = options.microbatches;
   shape.self_conditioning_scale = options.self_conditioning_scale;
   shape.diffusion = options.diffusion;
-  shape.canvas_length = model.dims().canvas_length();
-  SHARDD_ASSIGN_OR_RETURN(
-      m->step_, step::ModelStep::Create(m->arch_.get(), shape, std::move(ops)));
-  return m;
+  shape.canvas_length = canvas_length;
+  return shape;
 }
 
 absl::Status MoeModel::SetBatch(int microbatch, const int32_t* inputs,

@@ -77,6 +77,11 @@ struct MoeModelOptions {
   DiffusionTrainingOptions diffusion;
 };
 
+// The driver's step shape for `options` (either device's model):
+// `canvas_length` is dims.canvas_length.
+step::StepShape StepShapeOf(const MoeModelOptions& options,
+                            int64_t canvas_length);
+
 class MoeModel {
  public:
   // A pass's load-balancing statistics, summed over its MoE layers' rows.

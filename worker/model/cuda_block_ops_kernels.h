@@ -1,7 +1,7 @@
-#ifndef SHARDD_WORKER_MODEL_DEVICE_MOE_MODEL_KERNELS_H_
-#define SHARDD_WORKER_MODEL_DEVICE_MOE_MODEL_KERNELS_H_
+#ifndef SHARDD_WORKER_MODEL_CUDA_BLOCK_OPS_KERNELS_H_
+#define SHARDD_WORKER_MODEL_CUDA_BLOCK_OPS_KERNELS_H_
 
-// The elementwise glue of DeviceMoeModel (worker/model/device_moe_model.cc)
+// The elementwise glue of CudaBlockOps (worker/model/cuda_block_ops.h)
 // that kernels/cuda/ has no op for: residual adds, the self-conditioning
 // coupling, the step-loss accumulation and the load-balancing statistics'
 // bookkeeping. Plain launchers returning
@@ -91,4 +91,4 @@ cudaError_t LaunchScaleByCount(float* x, int64_t n, const int64_t* count,
 }  // namespace device_model
 }  // namespace shardd
 
-#endif  // SHARDD_WORKER_MODEL_DEVICE_MOE_MODEL_KERNELS_H_
+#endif  // SHARDD_WORKER_MODEL_CUDA_BLOCK_OPS_KERNELS_H_

@@ -2,7 +2,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/device_math.h"
-#include "worker/model/device_moe_model_kernels.h"
+#include "worker/model/cuda_block_ops_kernels.h"
 
 namespace shardd {
 namespace device_model {
