@@ -780,6 +780,21 @@ absl::Status NcclCommunicator::AllGather(const void* input, void* output,
                                          int64_t count_per_rank,
                                          v1::DType dtype,
                                          absl::Duration timeout) {
+  // Host memory (a control message such as expert parallelism's counts):
+  // the output is staged, the input copied into its own slot there.
+  if (count_per_rank > 0 && DTypeBytes(dtype) > 0 && IsHostMemory(output) &&
+      IsHostMemory(input)) {
+    const int64_t chunk = count_per_rank * DTypeBytes(dtype);
+    std::memcpy(static_cast<char*>(output) + rank_ * chunk, input,
+                static_cast<size_t>(chunk));
+    return InPlaceOnDevice(
+        output, count_per_rank * world_size_, dtype, [&](void* buffer) {
+          return RunBlocking(AllGatherAsync(
+              static_cast<char*>(buffer) + rank_ * chunk, buffer,
+              count_per_rank, dtype,
+              NcclWaitFor::Stream(options_.compute_stream), timeout));
+        });
+  }
   return RunBlocking(
       AllGatherAsync(input, output, count_per_rank, dtype,
                      NcclWaitFor::Stream(options_.compute_stream), timeout));
@@ -794,20 +809,23 @@ absl::Status NcclCommunicator::ReduceScatter(const void* input, void* output,
       NcclWaitFor::Stream(options_.compute_stream), timeout));
 }
 
+bool NcclCommunicator::IsHostMemory(const void* ptr) {
+  if (ptr == nullptr) return false;
+  cudaPointerAttributes attributes;
+  if (cudaPointerGetAttributes(&attributes, ptr) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return attributes.type == cudaMemoryTypeUnregistered ||
+         attributes.type == cudaMemoryTypeHost;
+}
+
 absl::Status NcclCommunicator::InPlaceOnDevice(
     void* buffer, int64_t count, v1::DType dtype,
     absl::FunctionRef<absl::Status(void*)> run) {
   const int64_t element = DTypeBytes(dtype);
-  if (buffer == nullptr || count <= 0 || element <= 0) return run(buffer);
-  cudaPointerAttributes attributes;
-  if (cudaPointerGetAttributes(&attributes, buffer) != cudaSuccess) {
-    cudaGetLastError();  // The argument check names the bad pointer.
-    return run(buffer);
-  }
-  if (attributes.type != cudaMemoryTypeUnregistered &&
-      attributes.type != cudaMemoryTypeHost) {
-    return run(buffer);
-  }
+  // Anything else goes as it is (the argument checks name a bad pointer).
+  if (count <= 0 || element <= 0 || !IsHostMemory(buffer)) return run(buffer);
   SHARDD_RETURN_IF_ERROR(MakeDeviceCurrent(options_.device));
   const size_t bytes = static_cast<size_t>(count * element);
   void* device = nullptr;

@@ -252,7 +252,8 @@ class NcclCommunicator final : public Communicator {
       const NcclWaitFor& wait_for, absl::Duration timeout);
 
   // Blocking collectives on DEVICE pointers (see the file comment).
-  // AllReduce and Broadcast also take host memory, for small control
+  // AllGather (input and output both), AllReduce and Broadcast also take
+  // host memory, for small control
   // messages of protocols written against the Communicator interface (a
   // step count, a layout check): it is staged through a temporary device
   // buffer (cudaMalloc and two synchronous copies per call), so keep bulk
@@ -323,6 +324,8 @@ class NcclCommunicator final : public Communicator {
   // of it when it is host memory, copying the result back.
   absl::Status InPlaceOnDevice(void* buffer, int64_t count, v1::DType dtype,
                                absl::FunctionRef<absl::Status(void*)> run);
+  // Pageable or pinned host memory (not device or managed memory).
+  static bool IsHostMemory(const void* ptr);
 
   void AbortComm(const absl::Status& cause);
   absl::Status CommHealth();

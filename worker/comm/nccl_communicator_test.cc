@@ -225,7 +225,8 @@ TEST(NcclCommunicatorGpuTest, SingleRankAllReduceBroadcastBarrier) {
 }
 
 TEST(NcclCommunicatorGpuTest, RejectsHostPointersWithoutPoisoning) {
-  // AllGather refuses host memory; AllReduce and Broadcast stage it.
+  // A host input into device memory is refused; host memory on both sides
+  // of an AllGather, and AllReduce's and Broadcast's, is staged.
   SHARDD_SKIP_WITHOUT_GPU();
   InMemoryKeyValueClient kv;
   auto comm = MakeSingleRank(&kv, "t/host_pointers");
@@ -243,6 +244,10 @@ TEST(NcclCommunicatorGpuTest, RejectsHostPointersWithoutPoisoning) {
   SHARDD_EXPECT_OK(
       comm->AllReduce(header.data(), 3, v1::INT64, ReduceOp::kSum, kTimeout));
   EXPECT_EQ(header, (std::vector<int64_t>{7, -3, int64_t{1} << 41}));
+  std::vector<int64_t> gathered(3, 0);
+  SHARDD_EXPECT_OK(
+      comm->AllGather(header.data(), gathered.data(), 3, v1::INT64, kTimeout));
+  EXPECT_EQ(gathered, header);
   SHARDD_EXPECT_OK(
       comm->AllReduce(host.data(), 16, v1::FLOAT32, ReduceOp::kSum, kTimeout));
   EXPECT_EQ(host, std::vector<float>(16, 1.0f));

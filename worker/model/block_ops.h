@@ -317,9 +317,31 @@ class BlockOps {
                                        const Act& dy, int64_t t, int k,
                                        Saved* state, Act* dx,
                                        Act* d_weights) = 0;
-  // Whether Act memory is host memory (an expert-parallel exchange reads
-  // and writes it directly).
+  // Whether Act memory is host memory.
   virtual bool host_memory() const = 0;
+  // Expert parallelism (expert_exchange.h) on this device's activations:
+  // the router's choices [n] int32 read back to the host for the route,
+  // and ExpertExchange's four row exchanges (Dispatch, Combine,
+  // DispatchGrad, CombineGrad) of `route` through `exchange`'s group, with
+  // rows of arch.dim values; outputs are allocated by the caller, the
+  // received ones with route.received rows (at least one).
+  virtual absl::Status ReadChoices(const Act& indices, int64_t n,
+                                   std::vector<int32_t>* host) = 0;
+  virtual absl::Status ExchangeDispatch(ExpertExchange& exchange,
+                                        const ExpertRoute& route,
+                                        const Act& x, const Act& weights,
+                                        const Act& indices, Act* x_r,
+                                        Act* ids_r, Act* w_r) = 0;
+  virtual absl::Status ExchangeCombine(ExpertExchange& exchange,
+                                       const ExpertRoute& route,
+                                       const Act& y_r, Act* y) = 0;
+  virtual absl::Status ExchangeDispatchGrad(ExpertExchange& exchange,
+                                            const ExpertRoute& route,
+                                            const Act& dy, Act* dy_r) = 0;
+  virtual absl::Status ExchangeCombineGrad(ExpertExchange& exchange,
+                                           const ExpertRoute& route,
+                                           const Act& dx_r, const Act& dw_r,
+                                           Act* dx, Act* d_weights) = 0;
   // Packed rows for the attention of the computations that follow
   // (docs/sft_data.md): segment_starts [t] host memory, each token's
   // example start within its row, or null. FAILED_PRECONDITION where the

@@ -354,6 +354,44 @@ absl::Status CpuBlockOps::ExpertsForward(const MoeLayerSpec& layer,
   return absl::OkStatus();
 }
 
+absl::Status CpuBlockOps::ReadChoices(const Act& indices, int64_t n,
+                                      std::vector<int32_t>* host) {
+  host->assign(indices.as<int32_t>(), indices.as<int32_t>() + n);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBlockOps::ExchangeDispatch(ExpertExchange& exchange,
+                                           const ExpertRoute& route,
+                                           const Act& x, const Act& weights,
+                                           const Act& indices, Act* x_r,
+                                           Act* ids_r, Act* w_r) {
+  return exchange.Dispatch(route, x.as<float>(), weights.as<float>(),
+                           indices.as<int32_t>(), arch_->dim, x_r->as<float>(),
+                           ids_r->as<int32_t>(), w_r->as<float>());
+}
+
+absl::Status CpuBlockOps::ExchangeCombine(ExpertExchange& exchange,
+                                          const ExpertRoute& route,
+                                          const Act& y_r, Act* y) {
+  return exchange.Combine(route, y_r.as<float>(), arch_->dim, y->as<float>());
+}
+
+absl::Status CpuBlockOps::ExchangeDispatchGrad(ExpertExchange& exchange,
+                                               const ExpertRoute& route,
+                                               const Act& dy, Act* dy_r) {
+  return exchange.DispatchGrad(route, dy.as<float>(), arch_->dim,
+                               dy_r->as<float>());
+}
+
+absl::Status CpuBlockOps::ExchangeCombineGrad(ExpertExchange& exchange,
+                                              const ExpertRoute& route,
+                                              const Act& dx_r, const Act& dw_r,
+                                              Act* dx, Act* d_weights) {
+  return exchange.CombineGrad(route, dx_r.as<float>(), dw_r.as<float>(),
+                              arch_->dim, dx->as<float>(),
+                              d_weights->as<float>());
+}
+
 absl::Status CpuBlockOps::ExpertsBackward(const MoeLayerSpec& layer,
                                           const Act& dy, int64_t t, int k,
                                           Saved* state, Act* dx,

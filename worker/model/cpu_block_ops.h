@@ -94,6 +94,22 @@ class CpuBlockOps : public BlockOps {
                                int64_t t, int k, Saved* state, Act* dx,
                                Act* d_weights) override;
   bool host_memory() const override { return true; }
+  absl::Status ReadChoices(const Act& indices, int64_t n,
+                           std::vector<int32_t>* host) override;
+  absl::Status ExchangeDispatch(ExpertExchange& exchange,
+                                const ExpertRoute& route, const Act& x,
+                                const Act& weights, const Act& indices,
+                                Act* x_r, Act* ids_r, Act* w_r) override;
+  absl::Status ExchangeCombine(ExpertExchange& exchange,
+                               const ExpertRoute& route, const Act& y_r,
+                               Act* y) override;
+  absl::Status ExchangeDispatchGrad(ExpertExchange& exchange,
+                                    const ExpertRoute& route, const Act& dy,
+                                    Act* dy_r) override;
+  absl::Status ExchangeCombineGrad(ExpertExchange& exchange,
+                                   const ExpertRoute& route, const Act& dx_r,
+                                   const Act& dw_r, Act* dx,
+                                   Act* d_weights) override;
   absl::Status SetRowSegments(const int32_t* segment_starts) override;
   absl::Status HeadLoss(const Act& h, const Act& targets, int64_t t,
                         const LossTerm& term, double extra_loss,

@@ -219,9 +219,14 @@ absl::StatusOr<Act> CudaBlockOps::Allocate(Elem elem, int64_t numel,
 
 absl::StatusOr<DeviceBuffer> CudaBlockOps::UploadBuffer(const int32_t* host,
                                                         int64_t n) {
-  const int64_t bytes = n * static_cast<int64_t>(sizeof(int32_t));
+  return UploadBytes(host, n * static_cast<int64_t>(sizeof(int32_t)));
+}
+
+absl::StatusOr<DeviceBuffer> CudaBlockOps::UploadBytes(const void* host,
+                                                       int64_t bytes) {
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer buffer, Alloc(bytes));
-  if (n == 0) return buffer;
+  if (bytes == 0) return buffer;
+  const int64_t n = bytes;  // Staging capacity counts bytes.
   // A staging buffer whose last copy is done, large enough if possible.
   Staging* slot = nullptr;
   for (Staging& s : staging_) {
@@ -253,7 +258,7 @@ absl::StatusOr<DeviceBuffer> CudaBlockOps::UploadBuffer(const int32_t* host,
     slot->host = nullptr;
     slot->capacity = 0;
     SHARDD_CUDA_RETURN_IF_ERROR(
-        cudaMallocHost(reinterpret_cast<void**>(&slot->host), bytes),
+        cudaMallocHost(reinterpret_cast<void**>(&slot->host), n),
         "upload: cudaMallocHost");
     slot->capacity = n;
   }

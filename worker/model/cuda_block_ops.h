@@ -22,8 +22,9 @@
 //
 // DiffusionGemma's layer (gemma_layer.h has the math) runs here too
 // (cuda_block_ops_gemma.cc), its decode's attention block by block over
-// [encoder K/V ; canvas K/V]. Expert parallelism does not run on this
-// device yet (host_memory() is false, so ModelStep refuses the exchange).
+// [encoder K/V ; canvas K/V]. Expert parallelism's row exchanges run here
+// too (cuda_block_ops_exchange.cc: kernels/cuda/expert_permute around
+// NCCL all-to-alls), DiffusionGemma's excepted.
 //
 // Not run on a GPU yet (written 2026-12-07; tools/gpu_check.sh runs its
 // tests first when a GPU is lent).
@@ -40,6 +41,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/cuda/grouped_experts.h"
+#include "absl/time/time.h"
+#include "worker/comm/nccl_communicator.h"
 #include "worker/memory/device_allocator.h"
 #include "worker/model/block_ops.h"
 #include "worker/model/device_attention_block.h"
@@ -132,6 +135,31 @@ class CudaBlockOps : public BlockOps {
                                int64_t t, int k, Saved* state, Act* dx,
                                Act* d_weights) override;
   bool host_memory() const override { return false; }
+  // Expert parallelism: the exchange's rows move over `ep` (the expert
+  // group's NCCL communicator, the one the ExpertExchange was made with;
+  // not owned), stream-ordered with the ops' stream; the route's counts go
+  // through the exchange itself. Null: no expert parallelism.
+  void SetExpertGroup(NcclCommunicator* ep, absl::Duration timeout) {
+    ep_group_ = ep;
+    ep_timeout_ = timeout;
+  }
+  // One host wait (the choices' copy back).
+  absl::Status ReadChoices(const Act& indices, int64_t n,
+                           std::vector<int32_t>* host) override;
+  absl::Status ExchangeDispatch(ExpertExchange& exchange,
+                                const ExpertRoute& route, const Act& x,
+                                const Act& weights, const Act& indices,
+                                Act* x_r, Act* ids_r, Act* w_r) override;
+  absl::Status ExchangeCombine(ExpertExchange& exchange,
+                               const ExpertRoute& route, const Act& y_r,
+                               Act* y) override;
+  absl::Status ExchangeDispatchGrad(ExpertExchange& exchange,
+                                    const ExpertRoute& route, const Act& dy,
+                                    Act* dy_r) override;
+  absl::Status ExchangeCombineGrad(ExpertExchange& exchange,
+                                   const ExpertRoute& route, const Act& dx_r,
+                                   const Act& dw_r, Act* dx,
+                                   Act* d_weights) override;
   absl::Status SetRowSegments(const int32_t* segment_starts) override;
   absl::Status HeadLoss(const Act& h, const Act& targets, int64_t t,
                         const LossTerm& term, double extra_loss,
@@ -191,6 +219,33 @@ class CudaBlockOps : public BlockOps {
   absl::StatusOr<DeviceBuffer> Alloc(int64_t bytes);
   // `host` [n] in a new device buffer, through pinned staging (no wait).
   absl::StatusOr<DeviceBuffer> UploadBuffer(const int32_t* host, int64_t n);
+  absl::StatusOr<DeviceBuffer> UploadBytes(const void* host, int64_t bytes);
+  // Expert parallelism's row exchanges in storage type T
+  // (cuda_block_ops_exchange.cc).
+  template <typename T>
+  absl::Status ExchangeDispatchT(ExpertExchange& exchange,
+                                 const ExpertRoute& route, const Act& x,
+                                 const Act& weights, const Act& indices,
+                                 Act* x_r, Act* ids_r, Act* w_r);
+  template <typename T>
+  absl::Status ExchangeCombineT(const ExpertRoute& route, const Act& y_r,
+                                Act* y);
+  template <typename T>
+  absl::Status ExchangeDispatchGradT(const ExpertRoute& route, const Act& dy,
+                                     Act* dy_r);
+  template <typename T>
+  absl::Status ExchangeCombineGradT(const ExpertRoute& route, const Act& dx_r,
+                                    const Act& dw_r, Act* dx, Act* d_weights);
+  // n values of `a` in fp32: its own memory when T is float, else widened
+  // into `widened`.
+  template <typename T>
+  absl::StatusOr<const float*> Widened(const Act& a, int64_t n,
+                                       DeviceBuffer* widened);
+  // One all-to-all of fp32 rows `width` wide over the expert group, ordered
+  // after the stream's work and before what follows on it: `send` in route
+  // order -> `recv` by source rank, or the reverse.
+  absl::Status ExchangeRows(const ExpertRoute& route, bool reverse,
+                            int64_t width, const float* send, float* recv);
   // The parameter in storage type T (a cast into `temps` when it is held
   // in the other dtype), or in fp32 with T = float.
   template <typename T>
@@ -267,12 +322,15 @@ class CudaBlockOps : public BlockOps {
   // Pinned staging buffers of uploads, each free again once its event
   // completed.
   struct Staging {
-    int32_t* host = nullptr;
-    int64_t capacity = 0;
+    char* host = nullptr;
+    int64_t capacity = 0;  // Bytes.
     cudaEvent_t done = nullptr;
     bool pending = false;
   };
   std::vector<Staging> staging_;
+  // Expert parallelism's group (SetExpertGroup).
+  NcclCommunicator* ep_group_ = nullptr;
+  absl::Duration ep_timeout_ = absl::Seconds(60);
   // Packed rows: the host segments of the calls that follow (not owned),
   // and what the device buffers below were built from.
   const int32_t* segments_ = nullptr;

@@ -283,11 +283,6 @@ absl::Status ModelStep::SetExpertExchange(ExpertExchange* exchange,
   exchange_ = nullptr;
   order_->SetExchanged(false);
   if (exchange == nullptr) return absl::OkStatus();
-  if (!ops_->host_memory()) {
-    return absl::FailedPreconditionError(
-        "expert parallelism: this device's step does not run it yet (the CPU "
-        "workers do; docs/expert_parallel.md)");
-  }
   for (const MoeLayerSpec& spec : arch_.layers) {
     MoeLayerSpec local = spec;
     if (spec.has_moe) {
@@ -349,7 +344,10 @@ absl::Status ModelStep::ParallelExpertsForward(const MoeLayerSpec& spec,
 absl::Status ModelStep::DispatchRows(int64_t t, LayerSlot* la) {
   const int k = arch_.top_k;
   const int64_t d = arch_.dim;
-  SHARDD_RETURN_IF_ERROR(exchange_->Route(la->indices.as<int32_t>(), t, k,
+  // The route is the host's (the counts go first): the choices come back.
+  std::vector<int32_t> choices;
+  SHARDD_RETURN_IF_ERROR(ops_->ReadChoices(la->indices, t * k, &choices));
+  SHARDD_RETURN_IF_ERROR(exchange_->Route(choices.data(), t, k,
                                           RoutedFor(t).max_received_rows,
                                           &la->route));
   // At least one element: an Act of 0 holds no memory.
@@ -357,10 +355,8 @@ absl::Status ModelStep::DispatchRows(int64_t t, LayerSlot* la) {
   SHARDD_RETURN_IF_ERROR(Ensure(&la->x_r, Elem::kStorage, r * d));
   SHARDD_RETURN_IF_ERROR(Ensure(&la->ids_r, Elem::kI32, r));
   SHARDD_RETURN_IF_ERROR(Ensure(&la->w_r, Elem::kF32, r));
-  return exchange_->Dispatch(la->route, la->normed.as<float>(),
-                             la->weights.as<float>(), la->indices.as<int32_t>(),
-                             d, la->x_r.as<float>(), la->ids_r.as<int32_t>(),
-                             la->w_r.as<float>());
+  return ops_->ExchangeDispatch(*exchange_, la->route, la->normed, la->weights,
+                                la->indices, &la->x_r, &la->ids_r, &la->w_r);
 }
 
 absl::Status ModelStep::LocalExpertsForward(const MoeLayerSpec& spec, int64_t t,
@@ -387,8 +383,8 @@ absl::Status ModelStep::CombineRows(int64_t t, LayerSlot* la, Act* y) {
     return absl::FailedPreconditionError(
         "COMBINE of an expert-parallel layer before its EXPERTS");
   }
-  SHARDD_RETURN_IF_ERROR(exchange_->Combine(la->route, la->y_r.as<float>(),
-                                            arch_.dim, y->as<float>()));
+  SHARDD_RETURN_IF_ERROR(
+      ops_->ExchangeCombine(*exchange_, la->route, la->y_r, y));
   la->y_r.Reset();
   return absl::OkStatus();
 }
@@ -407,8 +403,8 @@ absl::Status ModelStep::ParallelExpertsBackward(const MoeLayerSpec& spec,
   switch (phase) {
     case ExpertsPhase::kCombine:
       SHARDD_RETURN_IF_ERROR(Ensure(&la->dy_r, Elem::kStorage, rows * d));
-      return exchange_->DispatchGrad(la->route, a->dx.as<float>(), d,
-                                     la->dy_r.as<float>());
+      return ops_->ExchangeDispatchGrad(*exchange_, la->route, a->dx,
+                                        &la->dy_r);
     case ExpertsPhase::kCompute:
       if (la->dy_r.empty()) {
         return absl::FailedPreconditionError(
@@ -432,9 +428,8 @@ absl::Status ModelStep::ParallelExpertsBackward(const MoeLayerSpec& spec,
       }
       SHARDD_RETURN_IF_ERROR(Ensure(&a->dn, Elem::kStorage, t * d));
       SHARDD_RETURN_IF_ERROR(Ensure(&a->dweights, Elem::kF32, t * arch_.top_k));
-      SHARDD_RETURN_IF_ERROR(exchange_->CombineGrad(
-          la->route, la->dx_r.as<float>(), la->dw_r.as<float>(), d,
-          a->dn.as<float>(), a->dweights.as<float>()));
+      SHARDD_RETURN_IF_ERROR(ops_->ExchangeCombineGrad(
+          *exchange_, la->route, la->dx_r, la->dw_r, &a->dn, &a->dweights));
       la->dx_r.Reset();
       la->dw_r.Reset();
       la->route = ExpertRoute();
