@@ -137,8 +137,8 @@ Mesh and plan (with --model):
   --dp N                       ranks each parameter is sharded over
                                (default: the live workers / --replicate)
   --replicate R                HSDP replicas (default 1)
-  --ep N                       expert parallelism, as for plan (CPU workers;
-                               GPU workers refuse it for now)
+  --ep N                       expert parallelism, as for plan (GPU workers:
+                               not for DiffusionGemma yet)
   --ep-capacity-factor C       with --ep: fail a step whose routing sends a
                                rank's experts more than C x the balanced
                                rows (default: no bound)

@@ -574,12 +574,6 @@ absl::StatusOr<v1::LoadPlanResponse> WorkerRuntime::BuildJobLocked(
   if (weights != nullptr || adapters != nullptr) {
     executor_options.initial_values = &initial;
   }
-  if (options_.device >= 0 && plan.mesh().ep() > 1) {
-    return absl::UnimplementedError(absl::StrCat(
-        "rank ", job->rank, ": plan.mesh.ep: expert parallelism (",
-        plan.mesh().ep(), ") runs on CPU workers only so far; device cuda:",
-        options_.device, " does not run it yet (docs/expert_parallel.md)"));
-  }
   if (options_.device >= 0) {
 #ifdef SHARDD_WITH_CUDA
     DeviceStepRunnerOptions device_options;

@@ -103,9 +103,18 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   SHARDD_RETURN_IF_ERROR(CheckStepOptions(step.collective_timeout,
                                           step.max_grad_norm, step.adamw));
   SHARDD_RETURN_IF_ERROR(CheckSliceGroups(plan, step.shard_rank, slice_groups));
+  SHARDD_RETURN_IF_ERROR(CheckExpertGroups(
+      plan, step.shard_rank, ExpertGroups{options.ep_shard, options.ep}));
 
   auto executor = absl::WrapUnique(new CudaBackend(
       plan, options, shard_group, replicas, slice_groups, allocator, tracker));
+  if (plan.mesh().ep() > 1) {
+    SHARDD_ASSIGN_OR_RETURN(const int64_t experts, RoutedExperts(model));
+    SHARDD_ASSIGN_OR_RETURN(
+        ExpertExchange exchange,
+        ExpertExchange::Create(options.ep, experts, step.collective_timeout));
+    executor->exchange_ = std::make_unique<ExpertExchange>(exchange);
+  }
   executor->model_spec_ = model;
   SHARDD_RETURN_IF_ERROR(
       CudaStatus(cudaSetDevice(options.device), "cudaSetDevice"));
@@ -124,7 +133,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
       executor->store_,
       DeviceShardStore::Create(plan, model, store_options, allocator,
                                executor->compute_stream_, shard_group, replicas,
-                               slice_groups));
+                               slice_groups, options.ep_shard));
 
   // Norm scratch: sized for the largest trainable range.
   int64_t largest = 1;
@@ -152,19 +161,9 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   executor->host_norm_ = static_cast<NormScratch*>(pinned);
 
   const v1::StepShape& shape = plan.step();
-  executor->model_options_ = ModelOptionsFor(
+  SHARDD_RETURN_IF_ERROR(executor->CreateModel(ModelOptionsFor(
       shape.microbatches(), shape.passes(), shape.no_grad_passes(),
-      step.self_conditioning_scale, step.diffusion);
-  DeviceMoeModelOptions model_options;
-  model_options.model = executor->model_options_;
-  model_options.device = options.device;
-  model_options.stream = executor->compute_stream_;
-  model_options.activations = ActivationDType(plan);
-  SHARDD_ASSIGN_OR_RETURN(
-      executor->model_,
-      DeviceMoeModel::Create(model, model_options, allocator));
-  SHARDD_RETURN_IF_ERROR(ApplyRecompute(plan, executor->model_->num_layers(),
-                                        executor->model_.get()));
+      step.self_conditioning_scale, step.diffusion)));
   // LoRA's adapted weights (docs/lora.md), merged per command.
   SHARDD_ASSIGN_OR_RETURN(const std::vector<LoraTarget> lora,
                           LoraTargetsOf(model));
@@ -179,26 +178,53 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   executor->optimizer_shards_ = std::make_unique<DeviceOptimizerShards>(
       executor->store_.get(), allocator, executor->compute_stream_,
       executor->cublas_, shard_group, step.collective_timeout);
-  SHARDD_ASSIGN_OR_RETURN(
-      executor->optimizer_,
-      CreateOptimizer(step.optimizer, step.adamw, plan, model,
-                      *executor->optimizer_shards_));
+  SHARDD_ASSIGN_OR_RETURN(executor->optimizer_,
+                          CreateOptimizer(step.optimizer, step.adamw, plan,
+                                          model, *executor->optimizer_shards_));
   return executor;
 }
 
+absl::Status CudaBackend::CreateModel(const MoeModelOptions& options) {
+  DeviceMoeModelOptions model_options;
+  model_options.model = options;
+  model_options.device = options_.device;
+  model_options.stream = compute_stream_;
+  model_options.activations = ActivationDType(plan_);
+  SHARDD_ASSIGN_OR_RETURN(
+      model_, DeviceMoeModel::Create(model_spec_, model_options, allocator_));
+  SHARDD_RETURN_IF_ERROR(
+      ApplyRecompute(plan_, model_->num_layers(), model_.get()));
+  if (exchange_ != nullptr) {
+    // The plan's skew bound, when the job set one (as the CPU backend).
+    const v1::ActivationModel& a = plan_.activations();
+    SHARDD_RETURN_IF_ERROR(model_->SetExpertExchange(
+        exchange_.get(),
+        a.ep_capacity_enforced() ? a.ep_capacity_factor() : 0.0, options_.ep,
+        options_.step.collective_timeout));
+  }
+  model_options_ = options;
+  return absl::OkStatus();
+}
+
+std::vector<NcclCommunicator*> CudaBackend::Groups() const {
+  std::vector<NcclCommunicator*> groups = {shard_group_};
+  for (NcclCommunicator* g : {replicas_, options_.ep_shard, options_.ep}) {
+    if (g != nullptr) groups.push_back(g);
+  }
+  for (const auto& [size, group] : slice_groups_) groups.push_back(group);
+  return groups;
+}
+
 absl::Status CudaBackend::CommunicatorHealth() const {
-  SHARDD_RETURN_IF_ERROR(shard_group_->health());
-  if (replicas_ != nullptr) SHARDD_RETURN_IF_ERROR(replicas_->health());
-  for (const auto& [g, group] : slice_groups_) {
+  for (NcclCommunicator* group : Groups()) {
     SHARDD_RETURN_IF_ERROR(group->health());
   }
   return absl::OkStatus();
 }
 
 int64_t CudaBackend::CommunicatorSyncs() const {
-  int64_t syncs = shard_group_->host_synchronizations();
-  if (replicas_ != nullptr) syncs += replicas_->host_synchronizations();
-  for (const auto& [g, group] : slice_groups_) {
+  int64_t syncs = 0;
+  for (NcclCommunicator* group : Groups()) {
     syncs += group->host_synchronizations();
   }
   return syncs;
@@ -210,16 +236,7 @@ absl::Status CudaBackend::BeginStep(
       header.microbatches(), header.passes(), header.no_grad_passes(),
       options_.step.self_conditioning_scale, options_.step.diffusion);
   if (!SameStepShape(wanted, model_options_)) {
-    DeviceMoeModelOptions model_options;
-    model_options.model = wanted;
-    model_options.device = options_.device;
-    model_options.stream = compute_stream_;
-    model_options.activations = ActivationDType(plan_);
-    SHARDD_ASSIGN_OR_RETURN(
-        model_, DeviceMoeModel::Create(model_spec_, model_options, allocator_));
-    SHARDD_RETURN_IF_ERROR(
-        ApplyRecompute(plan_, model_->num_layers(), model_.get()));
-    model_options_ = wanted;
+    SHARDD_RETURN_IF_ERROR(CreateModel(wanted));
   }
   SHARDD_RETURN_IF_ERROR(SetStepBatches(model_.get(), batches));
   SHARDD_RETURN_IF_ERROR(
@@ -230,7 +247,9 @@ absl::Status CudaBackend::BeginStep(
   allocator_->ResetPeaks();
   tracker_->ResetPeaks();
   allocator_start_ = allocator_->stats();
-  stats_start_ = SnapshotCollectives(*shard_group_, replicas_, slice_groups_);
+  stats_start_ =
+      SnapshotCollectives(*shard_group_, replicas_, slice_groups_,
+                          ExpertGroups{options_.ep_shard, options_.ep});
   model_syncs_start_ = model_->host_synchronizations();
   comm_syncs_start_ = CommunicatorSyncs();
   host_syncs_start_ = host_syncs_;
@@ -462,13 +481,14 @@ absl::Status CudaBackend::EndStep(const StepState& state,
   const OptimizerStepContext op =
       OptimizerContextFor(options_.step, step, label);
   bool partly_applied = false;
-  const absl::Status stepped = StepOptimizer(
-      *optimizer_, optimizer_shards_.get(), op, &partly_applied);
+  const absl::Status stepped =
+      StepOptimizer(*optimizer_, optimizer_shards_.get(), op, &partly_applied);
   if (!stepped.ok() && partly_applied) {
     // A launch failure: part of the update may be enqueued.
     return absl::InternalError(
-        absl::StrCat(label, ": the update failed after part of the shards "
-                            "were updated: ",
+        absl::StrCat(label,
+                     ": the update failed after part of the shards "
+                     "were updated: ",
                      stepped.message()));
   }
   SHARDD_RETURN_IF_ERROR(stepped);
@@ -488,7 +508,8 @@ void CudaBackend::FillResult(double loss, int64_t tokens, double norm,
   result->clip_coefficient = clip_coefficient;
   result->collectives = CollectivesBetween(
       stats_start_,
-      SnapshotCollectives(*shard_group_, replicas_, slice_groups_));
+      SnapshotCollectives(*shard_group_, replicas_, slice_groups_,
+                          ExpertGroups{options_.ep_shard, options_.ep}));
   SetMemoryPeaks(tracker_->Snapshot(), result);
   result->peak_activation_bytes = peak_activation_bytes_;
   result->activation_trace = activation_trace_;

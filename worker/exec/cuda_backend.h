@@ -45,6 +45,12 @@ struct CudaBackendOptions {
   // program order from the caller's thread).
   StepExecutorOptions step;
   int device = 0;
+  // Expert parallelism (mesh.ep > 1): the NCCL groups of ExpertGroups
+  // (worker/comm/communicator.h): this rank's block of dp_shard / ep ranks,
+  // which gathers and reduces the expert units, and the ep ranks at its
+  // place in every block, which exchange the routed rows. Not owned.
+  NcclCommunicator* ep_shard = nullptr;
+  NcclCommunicator* ep = nullptr;
 };
 
 class CudaBackend final : public StepBackend {
@@ -113,6 +119,10 @@ class CudaBackend final : public StepBackend {
   void FillResult(double loss, int64_t tokens, double norm,
                   double clip_coefficient, StepResult* result);
   absl::Status ReduceRouterAuxStats(const v1::Command& command);
+  // The model for a step shape, with the job's recompute and exchange.
+  absl::Status CreateModel(const MoeModelOptions& options);
+  // Every communicator of the job (shard, replicas, expert, slice groups).
+  std::vector<NcclCommunicator*> Groups() const;
   absl::Status CommunicatorHealth() const;
   int64_t CommunicatorSyncs() const;
 
@@ -121,6 +131,8 @@ class CudaBackend final : public StepBackend {
   NcclCommunicator* const shard_group_;
   NcclCommunicator* const replicas_;
   const DeviceSliceGroups slice_groups_;
+  // Expert parallelism's exchange over options_.ep (null without it).
+  std::unique_ptr<ExpertExchange> exchange_;
   DeviceAllocator* const allocator_;
   MemoryTracker* const tracker_;
   v1::ModelSpec model_spec_;

@@ -26,6 +26,9 @@ struct DeviceResources final : StepRunner::Resources {
   std::unique_ptr<NcclCommunicator> shard_group;
   std::unique_ptr<NcclCommunicator> replicas;
   std::vector<std::unique_ptr<NcclCommunicator>> slice_groups;
+  // Expert parallelism: this rank's block and the ranks at its place.
+  std::unique_ptr<NcclCommunicator> ep_shard;
+  std::unique_ptr<NcclCommunicator> ep;
   MemoryTracker tracker;
   CudaMemoryBackend backend;
   DeviceAllocator allocator;
@@ -91,8 +94,26 @@ absl::StatusOr<std::unique_ptr<StepRunner>> CreateDeviceStepRunner(
     slices[g] = group.get();
     resources->slice_groups.push_back(std::move(group));
   }
+  // Expert parallelism (as the CPU worker's groups): each block of
+  // dp_shard / ep consecutive shard ranks gathers its experts; the ranks
+  // at the same place of every block exchange the tokens.
+  const int ep = std::max(1, plan.mesh().ep());
+  if (ep > 1) {
+    const int g = dp_shard / ep;
+    const int block = options.shard_rank / g;
+    const int place = options.shard_rank % g;
+    SHARDD_ASSIGN_OR_RETURN(
+        resources->ep_shard,
+        join(absl::StrCat("epshard", options.replica_rank, "/b", block), place,
+             g));
+    SHARDD_ASSIGN_OR_RETURN(
+        resources->ep,
+        join(absl::StrCat("ep", options.replica_rank, "/p", place), block, ep));
+  }
   CudaBackendOptions executor_options;
   executor_options.step = options.executor;
+  executor_options.ep_shard = resources->ep_shard.get();
+  executor_options.ep = resources->ep.get();
   executor_options.step.shard_rank = options.shard_rank;
   executor_options.step.replica_rank = options.replica_rank;
   executor_options.device = options.device;

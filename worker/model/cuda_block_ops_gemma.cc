@@ -1209,8 +1209,8 @@ absl::Status CudaBlockOps::PrepareGemma(int64_t seq) {
 
 namespace {
 
-// The expert-parallel exchange does not run on this device (ModelStep
-// refuses it where Act memory is not host memory).
+// DiffusionGemma's expert-parallel exchange does not run on this device
+// (DeviceMoeModel::SetExpertExchange refuses it up front).
 absl::Status NoExchange(const RoutedExchange* ep, ExpertsPhase phase) {
   if (ep == nullptr && phase == ExpertsPhase::kAll) return absl::OkStatus();
   return absl::FailedPreconditionError(

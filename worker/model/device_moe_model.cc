@@ -181,6 +181,25 @@ absl::Status DeviceMoeModel::SetRecompute(std::vector<bool> layers,
   return impl_->step->SetRecompute(std::move(layers), std::move(experts));
 }
 
+absl::Status DeviceMoeModel::SetExpertExchange(ExpertExchange* exchange,
+                                               double capacity_factor,
+                                               NcclCommunicator* ep_group,
+                                               absl::Duration timeout) {
+  if (exchange != nullptr) {
+    for (const MoeLayerSpec& layer : impl_->arch->layers) {
+      if (layer.gemma && layer.has_moe) {
+        return absl::UnimplementedError(
+            "plan.mesh.ep: expert parallelism of DiffusionGemma's experts "
+            "runs on CPU workers only so far (the GPU runs the other "
+            "architectures' expert parallelism; docs/expert_parallel.md)");
+      }
+    }
+  }
+  impl_->ops->SetExpertGroup(exchange == nullptr ? nullptr : ep_group,
+                             timeout);
+  return impl_->step->SetExpertExchange(exchange, capacity_factor);
+}
+
 absl::Status DeviceMoeModel::SetEvaluation(bool eval) {
   impl_->step->SetEvaluation(eval);
   return absl::OkStatus();

@@ -31,7 +31,10 @@
 #include "absl/status/statusor.h"
 #include "proto/model.pb.h"
 #include "proto/worker.pb.h"
+#include "absl/time/time.h"
+#include "worker/comm/nccl_communicator.h"
 #include "worker/memory/device_allocator.h"
+#include "worker/model/expert_exchange.h"
 #include "worker/model/device_param_source.h"
 #include "worker/model/moe_model.h"
 
@@ -87,6 +90,15 @@ class DeviceMoeModel {
                             std::vector<bool> experts);
   // As MoeModel::SetEvaluation (never fails).
   absl::Status SetEvaluation(bool eval);
+  // Expert parallelism: as MoeModel::SetExpertExchange, the rows moving
+  // over `ep_group` (the NCCL communicator `exchange` was made with; not
+  // owned) on the model's stream. Errors: UNIMPLEMENTED for DiffusionGemma
+  // (its experts' exchange runs on CPU workers only so far);
+  // ModelStep::SetExpertExchange's.
+  absl::Status SetExpertExchange(ExpertExchange* exchange,
+                                 double capacity_factor,
+                                 NcclCommunicator* ep_group,
+                                 absl::Duration timeout);
 
   // Enqueues one FORWARD or BACKWARD command. Errors as MoeModel::Run, plus
   // the CUDA/cuBLAS errors of the kernels.

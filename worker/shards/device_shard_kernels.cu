@@ -19,10 +19,12 @@ __device__ __forceinline__ uint16_t ToBf16(float x) {
 }
 
 __global__ void AddIntoKernel(const void* src, bool src_bf16, void* dst,
-                              bool dst_bf16, int64_t n) {
+                              bool dst_bf16, int64_t n, float scale) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
        i < n; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float sum = __fadd_rn(Load(dst, dst_bf16, i), Load(src, src_bf16, i));
+    const float value = Load(src, src_bf16, i);
+    const float sum = __fadd_rn(Load(dst, dst_bf16, i),
+                                scale == 1.0f ? value : __fmul_rn(scale, value));
     if (dst_bf16) {
       static_cast<uint16_t*>(dst)[i] = ToBf16(sum);
     } else {
@@ -42,13 +44,14 @@ __global__ void FloatToDoubleKernel(const float* src, double* dst) {
 }  // namespace
 
 cudaError_t LaunchAddInto(const void* src, bool src_bf16, void* dst,
-                          bool dst_bf16, int64_t n, cudaStream_t stream) {
+                          bool dst_bf16, int64_t n, cudaStream_t stream,
+                          float scale) {
   if (n <= 0) return cudaSuccess;
   constexpr int kThreads = 256;
   const int64_t blocks64 = (n + kThreads - 1) / kThreads;
   const int blocks = static_cast<int>(blocks64 < 4096 ? blocks64 : 4096);
   AddIntoKernel<<<blocks, kThreads, 0, stream>>>(src, src_bf16, dst, dst_bf16,
-                                                 n);
+                                                 n, scale);
   return cudaGetLastError();
 }
 

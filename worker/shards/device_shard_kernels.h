@@ -12,11 +12,13 @@
 namespace shardd {
 namespace device_kernels {
 
-// dst[i] += src[i] for i in [0, n); each of src and dst is fp32 or bf16
-// (`*_bf16`). A bf16 dst is rounded once per add, like the CPU store's
-// AddInto. n <= 0 launches nothing.
+// dst[i] += scale * src[i] for i in [0, n) (the product rounded first, as
+// the CPU store's accumulation; scale 1 adds src exactly); each of src and
+// dst is fp32 or bf16 (`*_bf16`). A bf16 dst is rounded once per add, like
+// the CPU store's AddInto. n <= 0 launches nothing.
 cudaError_t LaunchAddInto(const void* src, bool src_bf16, void* dst,
-                          bool dst_bf16, int64_t n, cudaStream_t stream);
+                          bool dst_bf16, int64_t n, cudaStream_t stream,
+                          float scale = 1.0f);
 
 // *dst = float(*src) (one element; the CPU rounds the local sum of squares
 // to float before its all-reduce too).

@@ -55,7 +55,8 @@ absl::StatusOr<std::unique_ptr<DeviceShardStore>> DeviceShardStore::Create(
     const v1::ShardingPlan& plan, const v1::ModelSpec& model,
     const DeviceShardStoreOptions& options, DeviceAllocator* allocator,
     cudaStream_t compute_stream, NcclCommunicator* shard_group,
-    NcclCommunicator* replicas, const DeviceSliceGroups& slice_groups) {
+    NcclCommunicator* replicas, const DeviceSliceGroups& slice_groups,
+    NcclCommunicator* ep_shard) {
   if (allocator == nullptr || shard_group == nullptr) {
     return absl::InvalidArgumentError(
         "allocator and shard_group: must not be null");
@@ -73,6 +74,7 @@ absl::StatusOr<std::unique_ptr<DeviceShardStore>> DeviceShardStore::Create(
                           ComputeUnitLayouts(plan, options.shard_rank));
   auto store = absl::WrapUnique(new DeviceShardStore(
       allocator, compute_stream, shard_group, replicas, slice_groups, options));
+  store->ep_shard_ = ep_shard;
   store->gather_stream_ = shard_group->all_gather_stream();
   store->reduce_stream_ = shard_group->reduce_scatter_stream();
   SHARDD_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(shard_group->device()),
@@ -99,6 +101,21 @@ absl::StatusOr<std::unique_ptr<DeviceShardStore>> DeviceShardStore::Create(
     UnitState& state = store->units_[u];
     state.compute = unit.precision().compute_dtype();
     state.reduce = unit.precision().reduce_dtype();
+    // The ranks the unit is gathered over: the shard group, or for an
+    // expert-parallel block its ep_shard group (layout/shard_layout.h).
+    const UnitLayout& layout = layouts[u];
+    state.ep = layout.ep;
+    state.group = layout.ep > 1 ? ep_shard : shard_group;
+    state.group_rank = options.shard_rank % layout.world;
+    if (state.group == nullptr || state.group->world_size() != layout.world ||
+        state.group->rank() != state.group_rank) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unit '", unit.name(), "' is gathered over ", layout.world,
+          " ranks with this rank at ", state.group_rank,
+          layout.ep > 1 ? " (an expert-parallel block: the ep_shard group)"
+                        : "",
+          ", and the store has no such group"));
+    }
     if (!Supported(state.compute) || !Supported(state.reduce)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "unit '", unit.name(),
@@ -113,9 +130,8 @@ absl::StatusOr<std::unique_ptr<DeviceShardStore>> DeviceShardStore::Create(
     const int64_t state_bytes = state.state_numel * 4;
     SHARDD_ASSIGN_OR_RETURN(
         state.master, Alloc(allocator, bytes, MemoryKind::kShardParams, home));
-    SHARDD_ASSIGN_OR_RETURN(
-        state.grads,
-        Alloc(allocator, state_bytes, MemoryKind::kShardGrads, home));
+    SHARDD_ASSIGN_OR_RETURN(state.grads, Alloc(allocator, state_bytes,
+                                               MemoryKind::kShardGrads, home));
     SHARDD_ASSIGN_OR_RETURN(
         state.exp_avg,
         Alloc(allocator, state_bytes, MemoryKind::kOptimizerState, home));
@@ -207,6 +223,7 @@ absl::Status DeviceShardStore::Unshard(int unit) {
   const UnitLayout& layout = layouts_[unit];
   const int64_t elem = DTypeBytes(state->compute);
   const absl::Duration timeout = options_.collective_timeout;
+  const cudaStream_t gather_stream = state->group->all_gather_stream();
   if (state->slice_group > 1) {
     const int g = state->slice_group;
     auto it = slice_groups_.find(g);
@@ -220,12 +237,12 @@ absl::Status DeviceShardStore::Unshard(int unit) {
     }
     SHARDD_ASSIGN_OR_RETURN(state->gathered,
                             Alloc(allocator_, layout.gathered_numel * elem,
-                                  MemoryKind::kGatheredParams, gather_stream_));
+                                  MemoryKind::kGatheredParams, gather_stream));
     // The slice group's own stream runs the gather: it waits for the home
     // stream, where the slice was written and the buffer last freed.
     absl::StatusOr<NcclWork> work = group->AllGatherAsync(
         state->slice.data(), state->gathered.data(), layout.gathered_numel / g,
-        state->compute, NcclWaitFor::Stream(gather_stream_), timeout);
+        state->compute, NcclWaitFor::Stream(gather_stream), timeout);
     if (!work.ok()) {
       state->gathered.Reset();
       return work.status();
@@ -238,27 +255,27 @@ absl::Status DeviceShardStore::Unshard(int unit) {
   }
   SHARDD_ASSIGN_OR_RETURN(state->gathered,
                           Alloc(allocator_, layout.gathered_numel * elem,
-                                MemoryKind::kGatheredParams, gather_stream_));
+                                MemoryKind::kGatheredParams, gather_stream));
   // The optimizer of the last step wrote the master (or its bf16 copy) on
   // the compute stream.
-  absl::Status status = StreamWaitStream(gather_stream_, compute_stream_);
+  absl::Status status = StreamWaitStream(gather_stream, compute_stream_);
   const void* input = nullptr;
   char* slot = state->gathered.as<char>() +
-               options_.shard_rank * layout.shard_numel * elem;
+               state->group_rank * layout.shard_numel * elem;
   if (status.ok()) {
     if (!state->compute_shard.empty()) {
       input = state->compute_shard.data();
     } else if (state->compute == v1::BFLOAT16) {
-      status = kernels::cuda::CastFp32ToBf16(
-          state->master.as<const float>(), reinterpret_cast<uint16_t*>(slot),
-          layout.shard_numel, gather_stream_);
+      status = kernels::cuda::CastFp32ToBf16(state->master.as<const float>(),
+                                             reinterpret_cast<uint16_t*>(slot),
+                                             layout.shard_numel, gather_stream);
       input = slot;
     } else {
       input = state->master.data();
     }
   }
   if (status.ok()) {
-    absl::StatusOr<NcclWork> work = shard_group_->AllGatherAsync(
+    absl::StatusOr<NcclWork> work = state->group->AllGatherAsync(
         input, state->gathered.data(), layout.shard_numel, state->compute,
         NcclWaitFor::Nothing(), timeout);
     if (work.ok()) {
@@ -283,21 +300,25 @@ absl::Status DeviceShardStore::Reshard(int unit, int group_size) {
   // The home stream waits for the gather (it may have run on a slice
   // group's stream) and for the last reader (compute).
   if (state->gather.valid()) {
-    SHARDD_RETURN_IF_ERROR(state->gather.StreamWait(gather_stream_));
+    SHARDD_RETURN_IF_ERROR(
+        state->gather.StreamWait(state->group->all_gather_stream()));
   }
-  SHARDD_RETURN_IF_ERROR(StreamWaitStream(gather_stream_, compute_stream_));
+  SHARDD_RETURN_IF_ERROR(
+      StreamWaitStream(state->group->all_gather_stream(), compute_stream_));
   if (g != 0) {
     const int64_t elem = DTypeBytes(state->compute);
     const int64_t slice_bytes = layout.gathered_numel / g * elem;
-    SHARDD_ASSIGN_OR_RETURN(state->slice,
-                            Alloc(allocator_, slice_bytes,
-                                  MemoryKind::kGatheredParams, gather_stream_));
-    SHARDD_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(state->slice.data(),
-                        state->gathered.as<char>() +
-                            (options_.shard_rank % g) * slice_bytes,
-                        slice_bytes, cudaMemcpyDeviceToDevice, gather_stream_),
-        "copying the post-forward slice"));
+    SHARDD_ASSIGN_OR_RETURN(
+        state->slice,
+        Alloc(allocator_, slice_bytes, MemoryKind::kGatheredParams,
+              state->group->all_gather_stream()));
+    SHARDD_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(state->slice.data(),
+                                   state->gathered.as<char>() +
+                                       (options_.shard_rank % g) * slice_bytes,
+                                   slice_bytes, cudaMemcpyDeviceToDevice,
+                                   state->group->all_gather_stream()),
+                   "copying the post-forward slice"));
     state->slice_group = g;
   }
   // Copy-outs live on the compute stream, their only user.
@@ -312,7 +333,8 @@ absl::Status DeviceShardStore::DropSlice(int unit) {
   if (!state->slice_consumed) return absl::OkStatus();
   // The re-gather that read the slice ran on the slice group's stream.
   if (state->gather.valid()) {
-    SHARDD_RETURN_IF_ERROR(state->gather.StreamWait(gather_stream_));
+    SHARDD_RETURN_IF_ERROR(
+        state->gather.StreamWait(state->group->all_gather_stream()));
   }
   state->slice.Reset();
   state->slice_consumed = false;
@@ -332,14 +354,17 @@ absl::Status DeviceShardStore::AllocGrad(int unit) {
   }
   const int64_t bytes =
       layout.grad_chunk_numel * layout.world * DTypeBytes(state->reduce);
-  SHARDD_ASSIGN_OR_RETURN(
-      state->unsharded_grad,
-      Alloc(allocator_, bytes, MemoryKind::kUnshardedGrads, reduce_stream_));
-  absl::Status status = CudaStatus(
-      cudaMemsetAsync(state->unsharded_grad.data(), 0, bytes, reduce_stream_),
-      "zeroing the unsharded gradient");
+  SHARDD_ASSIGN_OR_RETURN(state->unsharded_grad,
+                          Alloc(allocator_, bytes, MemoryKind::kUnshardedGrads,
+                                state->group->reduce_scatter_stream()));
+  absl::Status status =
+      CudaStatus(cudaMemsetAsync(state->unsharded_grad.data(), 0, bytes,
+                                 state->group->reduce_scatter_stream()),
+                 "zeroing the unsharded gradient");
   // The model adds into it on the compute stream.
-  if (status.ok()) status = StreamWaitStream(compute_stream_, reduce_stream_);
+  if (status.ok())
+    status = StreamWaitStream(compute_stream_,
+                              state->group->reduce_scatter_stream());
   if (!status.ok()) state->unsharded_grad.Reset();
   return status;
 }
@@ -370,10 +395,10 @@ absl::Status DeviceShardStore::ReduceScatter(int unit) {
     temp.Reset();
   }
   const int64_t chunk = layout.grad_chunk_numel;
-  char* out = base + options_.shard_rank * chunk * elem;
+  char* out = base + state->group_rank * chunk * elem;
   const absl::Duration timeout = options_.collective_timeout;
   SHARDD_ASSIGN_OR_RETURN(NcclWork reduced,
-                          shard_group_->ReduceScatterAsync(
+                          state->group->ReduceScatterAsync(
                               base, out, chunk, state->reduce, ReduceOp::kAvg,
                               NcclWaitFor::Stream(compute_stream_), timeout));
   if (replicas_ != nullptr && replicas_->world_size() > 1) {
@@ -381,15 +406,19 @@ absl::Status DeviceShardStore::ReduceScatter(int unit) {
                             replicas_->AllReduceAsync(
                                 out, chunk, state->reduce, ReduceOp::kAvg,
                                 NcclWaitFor::Event(reduced.event()), timeout));
-    SHARDD_RETURN_IF_ERROR(averaged.StreamWait(reduce_stream_));
+    SHARDD_RETURN_IF_ERROR(
+        averaged.StreamWait(state->group->reduce_scatter_stream()));
   }
+  // An expert-parallel block's gradient holds the rows of its ep ranks'
+  // tokens: 1/ep more makes it the dp_shard average (as the host store).
+  const float scale = 1.0f / static_cast<float>(state->ep);
   float* grads = state->grads.as<float>();
   for (const CopySegment& s : layout.shard_grad) {
-    SHARDD_RETURN_IF_ERROR(CudaStatus(
-        device_kernels::LaunchAddInto(out + s.src * elem, reduce_bf16,
-                                      grads + s.dst, false, s.count,
-                                      reduce_stream_),
-        "accumulating the sharded gradient"));
+    SHARDD_RETURN_IF_ERROR(
+        CudaStatus(device_kernels::LaunchAddInto(
+                       out + s.src * elem, reduce_bf16, grads + s.dst, false,
+                       s.count, state->group->reduce_scatter_stream(), scale),
+                   "accumulating the sharded gradient"));
   }
   // Home stream: everything that used the buffer is ordered before this.
   state->unsharded_grad.Reset();
@@ -408,6 +437,12 @@ absl::Status DeviceShardStore::WaitForGather(int unit, cudaStream_t stream) {
 absl::Status DeviceShardStore::WaitForCollectives(cudaStream_t stream) {
   SHARDD_RETURN_IF_ERROR(StreamWaitStream(stream, reduce_stream_));
   SHARDD_RETURN_IF_ERROR(StreamWaitStream(stream, gather_stream_));
+  if (ep_shard_ != nullptr) {
+    SHARDD_RETURN_IF_ERROR(
+        StreamWaitStream(stream, ep_shard_->reduce_scatter_stream()));
+    SHARDD_RETURN_IF_ERROR(
+        StreamWaitStream(stream, ep_shard_->all_gather_stream()));
+  }
   for (const auto& [g, group] : slice_groups_) {
     SHARDD_RETURN_IF_ERROR(
         StreamWaitStream(stream, group->all_gather_stream()));
@@ -479,7 +514,8 @@ absl::StatusOr<float*> DeviceShardStore::Grad(const std::string& name,
   }
   const cudaStream_t s = ToCuda(stream);
   if (s != compute_stream_) {
-    SHARDD_RETURN_IF_ERROR(StreamWaitStream(s, reduce_stream_));
+    SHARDD_RETURN_IF_ERROR(
+        StreamWaitStream(s, state.group->reduce_scatter_stream()));
   }
   if (state.reduce == v1::FLOAT32 && IsContiguous(param.grad, param.numel)) {
     return state.unsharded_grad.as<float>() + param.grad[0].dst;
@@ -534,6 +570,12 @@ void DeviceShardStore::ReleaseStepBuffers() {
   }
   StreamWaitStream(gather_stream_, compute_stream_).IgnoreError();
   StreamWaitStream(reduce_stream_, compute_stream_).IgnoreError();
+  if (ep_shard_ != nullptr) {
+    StreamWaitStream(ep_shard_->all_gather_stream(), compute_stream_)
+        .IgnoreError();
+    StreamWaitStream(ep_shard_->reduce_scatter_stream(), compute_stream_)
+        .IgnoreError();
+  }
   for (UnitState& state : units_) {
     for (DeviceBuffer& copy : state.copies) copy.Reset();
     for (DeviceBuffer& temp : state.grad_temps) temp.Reset();
@@ -563,9 +605,9 @@ absl::Status DeviceShardStore::CopyToHost(const float* from, int64_t n,
   if (n <= 0) return absl::OkStatus();
   SHARDD_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(compute_stream_),
                                     "waiting for the compute stream"));
-  return CudaStatus(cudaMemcpy(to, from, static_cast<size_t>(n) * 4,
-                               cudaMemcpyDeviceToHost),
-                    "copying shard state to the host");
+  return CudaStatus(
+      cudaMemcpy(to, from, static_cast<size_t>(n) * 4, cudaMemcpyDeviceToHost),
+      "copying shard state to the host");
 }
 
 absl::Status DeviceShardStore::CopyFromHost(const float* from, int64_t n,
@@ -594,10 +636,10 @@ absl::Status DeviceShardStore::ResetUnit(int unit) {
   const int64_t n = layouts_[unit].shard_numel;
   if (n == 0) return absl::OkStatus();
   if (!state.grads.empty()) {
-    SHARDD_RETURN_IF_ERROR(CudaStatus(
-        cudaMemsetAsync(state.grads.data(), 0, state.grads.bytes(),
-                        compute_stream_),
-        "zeroing a restored unit's gradient"));
+    SHARDD_RETURN_IF_ERROR(
+        CudaStatus(cudaMemsetAsync(state.grads.data(), 0, state.grads.bytes(),
+                                   compute_stream_),
+                   "zeroing a restored unit's gradient"));
   }
   if (!state.compute_shard.empty()) {
     SHARDD_RETURN_IF_ERROR(kernels::cuda::CastFp32ToBf16(
@@ -614,15 +656,10 @@ absl::Status DeviceShardStore::CopyOwnedParamSlice(const std::string& name,
   std::vector<float> master(static_cast<size_t>(layout.shard_numel));
   SHARDD_RETURN_IF_ERROR(CopyToHost(units_[ref.unit].master.as<const float>(),
                                     layout.shard_numel, master.data()));
-  const ParamPlacement& param = layout.params[ref.index];
-  // This rank's own elements of the gathered buffer are its shard.
-  const int64_t own = options_.shard_rank * layout.shard_numel;
-  for (const CopySegment& seg : param.gathered) {
-    const int64_t begin = std::max(seg.src, own);
-    const int64_t end = std::min(seg.src + seg.count, own + layout.shard_numel);
-    for (int64_t i = begin; i < end; ++i) {
-      out[seg.dst + (i - seg.src)] = master[i - own];
-    }
+  // The elements this rank owns, as the host store copies them.
+  for (const OwnedRange& run : layout.params[ref.index].owned) {
+    std::memcpy(out + run.begin, master.data() + run.shard_offset,
+                static_cast<size_t>(run.end - run.begin) * sizeof(float));
   }
   return absl::OkStatus();
 }

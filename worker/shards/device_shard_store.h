@@ -96,15 +96,19 @@ class DeviceShardStore final : public DeviceParamSource, public ShardState {
   // the host, copied up once; Create synchronizes the device, the step
   // loop never does). `compute_stream` is where the model and optimizer
   // run. The allocator, communicators and stream must outlive the store.
+  // With expert parallelism (mesh.ep > 1) the expert units gather and
+  // reduce over `ep_shard` (this rank's block of dp_shard / ep ranks).
   // Errors: INVALID_ARGUMENT (null allocator or shard group, shard_rank or
-  // group size not matching the plan's mesh, a plan parameter missing from
+  // group size not matching the plan's mesh, an expert-parallel unit
+  // without a matching ep_shard group, a plan parameter missing from
   // the model, a compute or reduce dtype other than float32 / bfloat16);
   // RESOURCE_EXHAUSTED and CUDA errors from the allocations and copies.
   static absl::StatusOr<std::unique_ptr<DeviceShardStore>> Create(
       const v1::ShardingPlan& plan, const v1::ModelSpec& model,
       const DeviceShardStoreOptions& options, DeviceAllocator* allocator,
       cudaStream_t compute_stream, NcclCommunicator* shard_group,
-      NcclCommunicator* replicas, const DeviceSliceGroups& slice_groups);
+      NcclCommunicator* replicas, const DeviceSliceGroups& slice_groups,
+      NcclCommunicator* ep_shard = nullptr);
   ~DeviceShardStore() override;
 
   DeviceShardStore(const DeviceShardStore&) = delete;
@@ -184,6 +188,12 @@ class DeviceShardStore final : public DeviceParamSource, public ShardState {
   struct UnitState {
     v1::DType compute = v1::FLOAT32;
     v1::DType reduce = v1::FLOAT32;
+    // The ranks it is gathered and reduced over (the shard group, or an
+    // expert-parallel block's ep_shard group), this rank's place there, and
+    // the expert-parallel degree (1: none).
+    NcclCommunicator* group = nullptr;
+    int group_rank = 0;
+    int ep = 1;
     // Elements of grads, exp_avg, exp_avg_sq (shard numel unless trimmed).
     int64_t state_numel = 0;
     DeviceBuffer master;
@@ -223,6 +233,9 @@ class DeviceShardStore final : public DeviceParamSource, public ShardState {
   NcclCommunicator* const replicas_;
   const DeviceSliceGroups slice_groups_;
   const DeviceShardStoreOptions options_;
+  // Expert parallelism's ep_shard group (null without it): expert units
+  // gather and reduce over it, on its own two streams.
+  NcclCommunicator* ep_shard_ = nullptr;
   cudaStream_t gather_stream_ = nullptr;  // shard_group_'s all-gather stream.
   cudaStream_t reduce_stream_ = nullptr;  // Its reduce-scatter stream.
   // Recorded and waited for at once (a wait captures the record's state),
