@@ -22,22 +22,7 @@ absl::StatusOr<MoeArchitecture> ReadDiffusionGemmaArchitecture(
     const v1::ModelSpec& model) {
   MoeArchitecture arch;
   arch.gemma = true;
-  std::map<std::string, ArchTensor> tensors;
-  // As ReadMoeArchitecture: a LoRA-adapted weight's gradient is computed
-  // (the parameter source turns it into the adapters'), the adapters enter
-  // through its merged view.
-  SHARDD_ASSIGN_OR_RETURN(const std::vector<LoraTarget> lora,
-                          LoraTargetsOf(model));
-  std::set<std::string> adapted;
-  for (const LoraTarget& t : lora) adapted.insert(t.base);
-  for (const ParamRef& ref : ListParams(model)) {
-    if (!lora.empty() && IsLoraAdapter(ref.fqn)) continue;
-    ArchTensor t;
-    t.name = ref.tensor->tied_to().empty() ? ref.fqn : ref.tensor->tied_to();
-    t.shape.assign(ref.tensor->shape().begin(), ref.tensor->shape().end());
-    t.frozen = ref.tensor->frozen() && !adapted.count(ref.fqn);
-    tensors[ref.fqn] = t;
-  }
+  SHARDD_ASSIGN_OR_RETURN(ArchTensors tensors, ArchTensorsOf(model));
   auto take = [&](const std::string& name,
                   std::vector<int64_t> shape) -> absl::StatusOr<ArchTensor> {
     auto it = tensors.find(name);

@@ -188,21 +188,13 @@ absl::StatusOr<int64_t> PadIdOf(const v1::ModelDims& dims, int64_t vocab) {
   return dims.pad_token_id();
 }
 
-absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
-    const v1::ModelSpec& model) {
-  if (model.architecture() == "DiffusionGemmaForBlockDiffusion") {
-    return ReadDiffusionGemmaArchitecture(model);
-  }
-  MoeArchitecture arch;
-  std::map<std::string, ArchTensor> tensors;
-  // A LoRA-adapted weight is frozen but its gradient is computed: the
-  // parameter source turns it into the adapters' (worker/shards/lora_merge.h).
+absl::StatusOr<ArchTensors> ArchTensorsOf(const v1::ModelSpec& model) {
+  ArchTensors tensors;
   SHARDD_ASSIGN_OR_RETURN(const std::vector<LoraTarget> lora,
                           LoraTargetsOf(model));
   std::set<std::string> adapted;
   for (const LoraTarget& t : lora) adapted.insert(t.base);
   for (const ParamRef& ref : ListParams(model)) {
-    // The adapters enter through their weight's merged view.
     if (!lora.empty() && IsLoraAdapter(ref.fqn)) continue;
     ArchTensor t;
     t.name = ref.tensor->tied_to().empty() ? ref.fqn : ref.tensor->tied_to();
@@ -210,6 +202,16 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
     t.frozen = ref.tensor->frozen() && !adapted.count(ref.fqn);
     tensors[ref.fqn] = t;
   }
+  return tensors;
+}
+
+absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(
+    const v1::ModelSpec& model) {
+  if (model.architecture() == "DiffusionGemmaForBlockDiffusion") {
+    return ReadDiffusionGemmaArchitecture(model);
+  }
+  MoeArchitecture arch;
+  SHARDD_ASSIGN_OR_RETURN(ArchTensors tensors, ArchTensorsOf(model));
   auto take = [&](const std::string& name,
                   std::vector<int64_t> shape) -> absl::StatusOr<ArchTensor> {
     auto it = tensors.find(name);

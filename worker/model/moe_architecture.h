@@ -8,6 +8,7 @@
 // parameter names the shards know them by and their shapes.
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -197,6 +198,14 @@ absl::StatusOr<MoeArchitecture> ReadMoeArchitecture(const v1::ModelSpec& model);
 // dims.pad_token_id as MoeArchitecture::pad_id (-1 when unset). Errors:
 // INVALID_ARGUMENT naming dims.pad_token_id when it is outside [0, vocab).
 absl::StatusOr<int64_t> PadIdOf(const v1::ModelDims& dims, int64_t vocab);
+
+// Every parameter of `model` as the architecture readers take them, by
+// name: tied names resolved, LoRA adapters left out (they enter through
+// their weight's merged view), and a LoRA-adapted weight not frozen (its
+// gradient is computed; the parameter source turns it into the adapters',
+// worker/shards/lora_merge.h). Errors: LoraTargetsOf's.
+using ArchTensors = std::map<std::string, ArchTensor>;
+absl::StatusOr<ArchTensors> ArchTensorsOf(const v1::ModelSpec& model);
 
 // DiffusionGemmaForBlockDiffusion's shared stack (model/hf_diffusion_gemma's
 // tree), read by ReadMoeArchitecture: every layer `gemma`, with attention
