@@ -30,8 +30,9 @@ fi
 out=/tmp/gpu-check-logs
 rm -rf "$out" && mkdir -p "$out"
 dest=${OUT:-/tmp}
+source tools/gpu_check_plan.sh
 parts=("$@")
-((${#parts[@]} == 0)) && parts=(tests diag train bench attn fsdp2 sanitize)
+((${#parts[@]} == 0)) && parts=("${gc_parts[@]}")
 want() { [[ " ${parts[*]} " == *" $1 "* ]]; }
 
 root=/tmp/shardd-gpu
@@ -70,7 +71,7 @@ if want tests; then
   for t in $(find "$root/bin" -name '*_test' -type f | sort); do
     name=${t#"$root/bin/"}
     start=$SECONDS
-    timeout "${GPU_CHECK_TEST_TIMEOUT:-120}" "$t" >"$out/t.log" 2>&1
+    timeout "$gc_test_timeout" "$t" >"$out/t.log" 2>&1
     rc=$?
     {
       echo "===== $name rc=$rc ($((SECONDS - start)) s)"
@@ -91,7 +92,7 @@ if want diag; then
   # The GPU model's margins against the CPU model as the parameter scale
   # grows and with GPT-OSS features taken out (device_moe_model_hf_test's
   # DISABLED_MarginSweep; its lines are read, not asserted).
-  timeout 120 "$root/bin/worker/model/device_moe_model_hf_test" \
+  timeout "$gc_diag_timeout" "$root/bin/worker/model/device_moe_model_hf_test" \
     --gtest_also_run_disabled_tests --gtest_filter='*MarginSweep*' \
     >"$out/diag.log" 2>&1
   summary+=("diag rc=$? (may fail at large scales)")
@@ -100,10 +101,10 @@ if want diag; then
 fi
 
 if want train; then
-  steps=${GPU_CHECK_STEPS:-40}
+  steps=$gc_steps
   # The attention-free toy on order-1 data, and a Qwen3-MoE (attention,
   # q/k norms, RoPE) on order-3 data, which only attention can predict.
-  models=${GPU_CHECK_MODELS:-"small_moe:1 small_qwen3_moe:3"}
+  models=$gc_models
   for entry in $models; do
     model=${entry%%:*}
     order=${entry##*:}
@@ -112,7 +113,7 @@ if want train; then
         SHARDD_BIN="$root/bin" SHARDD_DEVICE=$device SHARDD_WORKERS=1 SHARDD_TLS=0 \
         SHARDD_STEPS=$steps SHARDD_TRAIN_ARGS=--json \
         SHARDD_PICTURES="$root/pictures-$model-$device" \
-        timeout 300 deploy/local/run.sh >"$out/train_${model}_$device.log" 2>&1
+        timeout "$gc_train_timeout" deploy/local/run.sh >"$out/train_${model}_$device.log" 2>&1
       rc=$?
       summary+=("train $model $device rc=$rc")
       if ((rc != 0)); then
@@ -154,30 +155,30 @@ PY
 fi
 
 if want bench; then
-  tokens=${GPU_CHECK_TOKENS:-4096,16384,65536}
-  timeout 240 "$root/bin/bench/grouped_experts_cuda_bench" --tokens="$tokens" \
+  tokens=$gc_tokens
+  timeout "$gc_bench_timeout" "$root/bin/bench/grouped_experts_cuda_bench" --tokens="$tokens" \
     >"$out/bench_shardd.log" 2>&1
   summary+=("grouped_experts_cuda_bench rc=$?")
-  timeout 240 python3 bench/torch_grouped_mm.py --tokens "$tokens" \
+  timeout "$gc_bench_timeout" python3 bench/torch_grouped_mm.py --tokens "$tokens" \
     >"$out/bench_torch.log" 2>&1
   summary+=("torch_grouped_mm rc=$?")
   tail -n 12 "$out/bench_shardd.log" "$out/bench_torch.log"
 fi
 
 if want attn; then
-  timeout 240 "$root/bin/bench/attention_cuda_bench" >"$out/attn_shardd.log" 2>&1
+  timeout "$gc_bench_timeout" "$root/bin/bench/attention_cuda_bench" >"$out/attn_shardd.log" 2>&1
   summary+=("attention_cuda_bench rc=$?")
-  timeout 240 python3 bench/torch_sdpa.py >"$out/attn_torch.log" 2>&1
+  timeout "$gc_bench_timeout" python3 bench/torch_sdpa.py >"$out/attn_torch.log" 2>&1
   summary+=("torch_sdpa rc=$?")
   tail -n 4 "$out/attn_shardd.log" "$out/attn_torch.log"
 fi
 
 if want fsdp2; then
   # A shardd GPU step against a PyTorch FSDP2 step of the same model.
-  for shape in "16 1024" "64 256"; do
+  for shape in "${gc_fsdp2_shapes[@]}"; do
     read -r b sq <<<"$shape"
-    SHARDD_BIN="$root/bin" timeout 240 bench/gpu_vs_fsdp2.sh \
-      tests/data/bench_qwen3_moe.json "$b" "$sq" 12 >"$out/fsdp2_${b}x$sq.log" 2>&1
+    SHARDD_BIN="$root/bin" timeout "$gc_bench_timeout" bench/gpu_vs_fsdp2.sh \
+      "$gc_fsdp2_model" "$b" "$sq" 12 >"$out/fsdp2_${b}x$sq.log" 2>&1
     summary+=("gpu_vs_fsdp2 ${b}x$sq rc=$?")
     echo "===== gpu_vs_fsdp2 ${b}x$sq"
     tail -n 5 "$out/fsdp2_${b}x$sq.log"
@@ -197,7 +198,7 @@ if want sanitize; then
       cross_entropy_test rms_norm_test embedding_test adamw_test bias_test \
       router_aux_loss_test dense_mlp_test bf16_cast_test \
       ../../worker/model/device_moe_model_gemma_test; do
-      timeout 150 "$san" --tool memcheck --error-exitcode 9 \
+      timeout "$gc_sanitize_timeout" "$san" --tool memcheck --error-exitcode 9 \
         "$root/bin/kernels/cuda/$t" >"$out/san_${t##*/}.log" 2>&1 &
       pids+=("$!:$t")
     done

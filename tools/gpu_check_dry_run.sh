@@ -13,6 +13,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
+source tools/gpu_check_plan.sh
 bundle=gpu_bundle/bundle.tar.xz
 limit=$((64 * 1024 * 1024))
 problems=()
@@ -65,9 +66,11 @@ while IFS= read -r b; do
 done < <(find "$root/bin" -type f ! -name MANIFEST | sort)
 echo "binaries: $bins (gpu-tagged tests: $(grep -c _test "$manifest" 2>/dev/null || echo 0))"
 
-for f in tests/data/small_moe.json tests/data/small_qwen3_moe.json \
-  tests/data/bench_qwen3_moe.json bench/torch_grouped_mm.py \
-  bench/torch_sdpa.py bench/gpu_vs_fsdp2.sh deploy/local/run.sh; do
+train_files=()
+for m in $gc_models; do train_files+=("tests/data/${m%%:*}.json"); done
+for f in "${train_files[@]}" "$gc_fsdp2_model" bench/torch_grouped_mm.py \
+  bench/torch_sdpa.py bench/gpu_vs_fsdp2.sh deploy/local/run.sh \
+  tools/gpu_check_plan.sh; do
   [[ -f "$f" ]] || problem "$f is missing"
 done
 for py in bench/torch_grouped_mm.py bench/torch_sdpa.py; do
@@ -77,15 +80,17 @@ done
 bash -n bench/gpu_vs_fsdp2.sh deploy/local/run.sh tools/gpu_check.sh ||
   problem "a shell script of the check does not parse"
 
-echo "===== would run (tools/gpu_check.sh, default: all parts)"
-echo "tests:    each gpu-tagged test binary, ${GPU_CHECK_TEST_TIMEOUT:-120} s timeout each:"
+shapes=()
+for s in "${gc_fsdp2_shapes[@]}"; do shapes+=("${s/ /x}"); done
+echo "===== would run (tools/gpu_check.sh, default: ${gc_parts[*]})"
+echo "tests:    each gpu-tagged test binary, $gc_test_timeout s timeout each:"
 grep _test "$manifest" 2>/dev/null | sed 's/^/            /'
-echo "diag:     device_moe_model_hf_test --gtest_filter=*MarginSweep* (120 s)"
-echo "train:    deploy/local/run.sh, ${GPU_CHECK_STEPS:-40} steps of ${GPU_CHECK_MODELS:-small_moe:1 small_qwen3_moe:3} on cuda:0 and on the CPU (300 s each)"
-echo "bench:    grouped_experts_cuda_bench and bench/torch_grouped_mm.py at ${GPU_CHECK_TOKENS:-4096,16384,65536} tokens (240 s each)"
-echo "attn:     attention_cuda_bench and bench/torch_sdpa.py (240 s each)"
-echo "fsdp2:    bench/gpu_vs_fsdp2.sh tests/data/bench_qwen3_moe.json 16x1024 and 64x256 (240 s each)"
-echo "sanitize: compute-sanitizer memcheck over the kernel tests (150 s, in parallel)"
+echo "diag:     device_moe_model_hf_test --gtest_filter=*MarginSweep* ($gc_diag_timeout s)"
+echo "train:    deploy/local/run.sh, $gc_steps steps of $gc_models on cuda:0 and on the CPU ($gc_train_timeout s each)"
+echo "bench:    grouped_experts_cuda_bench and bench/torch_grouped_mm.py at $gc_tokens tokens ($gc_bench_timeout s each)"
+echo "attn:     attention_cuda_bench and bench/torch_sdpa.py ($gc_bench_timeout s each)"
+echo "fsdp2:    bench/gpu_vs_fsdp2.sh $gc_fsdp2_model ${shapes[*]} ($gc_bench_timeout s each)"
+echo "sanitize: compute-sanitizer memcheck over the kernel tests ($gc_sanitize_timeout s, in parallel)"
 if ((${#problems[@]} > 0)); then
   echo "gpu_check dry run: ${#problems[@]} problem(s)"
   exit 1
