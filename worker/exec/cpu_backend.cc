@@ -215,14 +215,9 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(
   auto backend = absl::WrapUnique(new CpuBackend(plan, options, shard_group,
                                                  replicas, slice_groups,
                                                  expert_groups, tracker));
-  if (plan.mesh().ep() > 1) {
-    SHARDD_ASSIGN_OR_RETURN(const int64_t experts, RoutedExperts(model));
-    SHARDD_ASSIGN_OR_RETURN(
-        ExpertExchange exchange,
-        ExpertExchange::Create(expert_groups.ep, experts,
-                               options.collective_timeout));
-    backend->exchange_ = std::make_unique<ExpertExchange>(exchange);
-  }
+  SHARDD_ASSIGN_OR_RETURN(backend->exchange_,
+                          ExchangeFor(plan, model, expert_groups.ep,
+                                      options.collective_timeout));
   ShardStoreOptions store_options;
   store_options.shard_rank = options.shard_rank;
   store_options.seed = options.seed;
@@ -299,11 +294,8 @@ absl::Status CpuBackend::CreateModel(const MoeModelOptions& options) {
   SHARDD_RETURN_IF_ERROR(
       ApplyRecompute(plan_, model_->num_layers(), model_.get()));
   if (exchange_ != nullptr) {
-    // The plan's skew bound, when the job set one.
-    const v1::ActivationModel& a = plan_.activations();
-    SHARDD_RETURN_IF_ERROR(model_->SetExpertExchange(
-        exchange_.get(),
-        a.ep_capacity_enforced() ? a.ep_capacity_factor() : 0.0));
+    SHARDD_RETURN_IF_ERROR(
+        model_->SetExpertExchange(exchange_.get(), EpCapacityBound(plan_)));
   }
   SyncActivations(0, 0);
   return absl::OkStatus();

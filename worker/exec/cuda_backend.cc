@@ -108,13 +108,9 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
 
   auto executor = absl::WrapUnique(new CudaBackend(
       plan, options, shard_group, replicas, slice_groups, allocator, tracker));
-  if (plan.mesh().ep() > 1) {
-    SHARDD_ASSIGN_OR_RETURN(const int64_t experts, RoutedExperts(model));
-    SHARDD_ASSIGN_OR_RETURN(
-        ExpertExchange exchange,
-        ExpertExchange::Create(options.ep, experts, step.collective_timeout));
-    executor->exchange_ = std::make_unique<ExpertExchange>(exchange);
-  }
+  SHARDD_ASSIGN_OR_RETURN(
+      executor->exchange_,
+      ExchangeFor(plan, model, options.ep, step.collective_timeout));
   executor->model_spec_ = model;
   SHARDD_RETURN_IF_ERROR(
       CudaStatus(cudaSetDevice(options.device), "cudaSetDevice"));
@@ -195,11 +191,8 @@ absl::Status CudaBackend::CreateModel(const MoeModelOptions& options) {
   SHARDD_RETURN_IF_ERROR(
       ApplyRecompute(plan_, model_->num_layers(), model_.get()));
   if (exchange_ != nullptr) {
-    // The plan's skew bound, when the job set one (as the CPU backend).
-    const v1::ActivationModel& a = plan_.activations();
     SHARDD_RETURN_IF_ERROR(model_->SetExpertExchange(
-        exchange_.get(),
-        a.ep_capacity_enforced() ? a.ep_capacity_factor() : 0.0, options_.ep,
+        exchange_.get(), EpCapacityBound(plan_), options_.ep,
         options_.step.collective_timeout));
   }
   model_options_ = options;

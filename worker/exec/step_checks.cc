@@ -110,6 +110,22 @@ absl::Status CheckExpertGroups(const v1::ShardingPlan& plan, int shard_rank,
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::unique_ptr<ExpertExchange>> ExchangeFor(
+    const v1::ShardingPlan& plan, const v1::ModelSpec& model, Communicator* ep,
+    absl::Duration timeout) {
+  if (plan.mesh().ep() <= 1) return nullptr;
+  SHARDD_ASSIGN_OR_RETURN(const int64_t experts, RoutedExperts(model));
+  SHARDD_ASSIGN_OR_RETURN(ExpertExchange exchange,
+                          ExpertExchange::Create(ep, experts, timeout));
+  return std::make_unique<ExpertExchange>(exchange);
+}
+
+double EpCapacityBound(const v1::ShardingPlan& plan) {
+  // The plan's skew bound, when the job set one.
+  const v1::ActivationModel& a = plan.activations();
+  return a.ep_capacity_enforced() ? a.ep_capacity_factor() : 0.0;
+}
+
 absl::StatusOr<int64_t> RoutedExperts(const v1::ModelSpec& model) {
   int64_t experts = 0;
   for (const ParamRef& ref : ListParams(model)) {

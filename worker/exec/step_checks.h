@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -21,6 +22,7 @@
 #include "proto/worker.pb.h"
 #include "worker/comm/communicator.h"
 #include "worker/data/batch_sampler.h"
+#include "worker/model/expert_exchange.h"
 #include "worker/model/moe_model.h"
 
 namespace shardd {
@@ -163,6 +165,15 @@ absl::Status CheckExpertGroups(const v1::ShardingPlan& plan, int shard_rank,
 // The routed experts of `model`'s MoE layers (the same in every layer).
 // Errors: INVALID_ARGUMENT when it has none or the layers differ.
 absl::StatusOr<int64_t> RoutedExperts(const v1::ModelSpec& model);
+
+// The token exchange of a job with expert parallelism over its ep group
+// `ep` (null without expert parallelism: mesh.ep <= 1), and the plan's
+// bound on the rows a rank's experts receive (0: none), for either
+// backend. Errors: RoutedExperts' and ExpertExchange::Create's.
+absl::StatusOr<std::unique_ptr<ExpertExchange>> ExchangeFor(
+    const v1::ShardingPlan& plan, const v1::ModelSpec& model, Communicator* ep,
+    absl::Duration timeout);
+double EpCapacityBound(const v1::ShardingPlan& plan);
 
 absl::Status CheckStepGroups(const v1::ShardingPlan& plan, int shard_rank,
                              int replica_rank, const Communicator& shard_group,

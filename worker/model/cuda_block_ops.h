@@ -220,6 +220,8 @@ class CudaBlockOps : public BlockOps {
   // `host` [n] in a new device buffer, through pinned staging (no wait).
   absl::StatusOr<DeviceBuffer> UploadBuffer(const int32_t* host, int64_t n);
   absl::StatusOr<DeviceBuffer> UploadBytes(const void* host, int64_t bytes);
+  // A route's order or position (worker/model/expert_exchange.h).
+  absl::StatusOr<DeviceBuffer> UploadRoute(const std::vector<int64_t>& host);
   // Expert parallelism's row exchanges in storage type T
   // (cuda_block_ops_exchange.cc).
   template <typename T>

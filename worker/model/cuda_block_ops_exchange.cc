@@ -56,6 +56,12 @@ absl::Status CudaBlockOps::ReadChoices(const Act& indices, int64_t n,
   return absl::OkStatus();
 }
 
+absl::StatusOr<DeviceBuffer> CudaBlockOps::UploadRoute(
+    const std::vector<int64_t>& host) {
+  return UploadBytes(host.data(),
+                     static_cast<int64_t>(host.size() * sizeof(int64_t)));
+}
+
 absl::Status CudaBlockOps::ExchangeRows(const ExpertRoute& route, bool reverse,
                                         int64_t width, const float* send,
                                         float* recv) {
@@ -88,10 +94,7 @@ absl::Status CudaBlockOps::ExchangeDispatchT(ExpertExchange& exchange,
   const int64_t d = arch_->dim;
   const int64_t width = d + kernels::kDispatchRowExtras;
   const int64_t rows = static_cast<int64_t>(route.order.size());
-  SHARDD_ASSIGN_OR_RETURN(
-      DeviceBuffer order,
-      UploadBytes(route.order.data(),
-                  rows * static_cast<int64_t>(sizeof(int64_t))));
+  SHARDD_ASSIGN_OR_RETURN(DeviceBuffer order, UploadRoute(route.order));
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer send, Alloc(rows * width * 4));
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer recv, Alloc(route.received * width * 4));
   SHARDD_RETURN_IF_ERROR(kc::PackDispatchRows(
@@ -116,10 +119,7 @@ absl::Status CudaBlockOps::ExchangeCombineT(const ExpertRoute& route,
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer back, Alloc(rows * d * 4));
   SHARDD_RETURN_IF_ERROR(
       ExchangeRows(route, /*reverse=*/true, d, send, back.as<float>()));
-  SHARDD_ASSIGN_OR_RETURN(
-      DeviceBuffer position,
-      UploadBytes(route.position.data(),
-                  rows * static_cast<int64_t>(sizeof(int64_t))));
+  SHARDD_ASSIGN_OR_RETURN(DeviceBuffer position, UploadRoute(route.position));
   return kc::CombineRows(back.as<float>(), position.as<int64_t>(), route.t,
                          route.k, d, d, y->as<T>(), nullptr, stream_);
 }
@@ -129,10 +129,7 @@ absl::Status CudaBlockOps::ExchangeDispatchGradT(const ExpertRoute& route,
                                                  const Act& dy, Act* dy_r) {
   const int64_t d = arch_->dim;
   const int64_t rows = static_cast<int64_t>(route.order.size());
-  SHARDD_ASSIGN_OR_RETURN(
-      DeviceBuffer order,
-      UploadBytes(route.order.data(),
-                  rows * static_cast<int64_t>(sizeof(int64_t))));
+  SHARDD_ASSIGN_OR_RETURN(DeviceBuffer order, UploadRoute(route.order));
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer send, Alloc(rows * d * 4));
   SHARDD_RETURN_IF_ERROR(kc::PackGradRows(dy.as<T>(), order.as<int64_t>(), rows,
                                           route.k, d, send.as<float>(),
@@ -166,10 +163,7 @@ absl::Status CudaBlockOps::ExchangeCombineGradT(const ExpertRoute& route,
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer back, Alloc(rows * width * 4));
   SHARDD_RETURN_IF_ERROR(ExchangeRows(route, /*reverse=*/true, width,
                                       send.as<float>(), back.as<float>()));
-  SHARDD_ASSIGN_OR_RETURN(
-      DeviceBuffer position,
-      UploadBytes(route.position.data(),
-                  rows * static_cast<int64_t>(sizeof(int64_t))));
+  SHARDD_ASSIGN_OR_RETURN(DeviceBuffer position, UploadRoute(route.position));
   return kc::CombineRows(back.as<float>(), position.as<int64_t>(), route.t,
                          route.k, width, d, dx->as<T>(), d_weights->as<float>(),
                          stream_);
