@@ -429,9 +429,8 @@ std::string FormatPlanTable(const v1::ShardingPlan& plan,
   if (mesh.ep() > 1) {
     const int ep_shard = mesh.dp_shard() / mesh.ep();
     absl::StrAppend(&out, "             experts: ep ", mesh.ep(),
-                    " x ep_shard ", ep_shard, ", ", mesh.ep(),
-                    " groups of ", ep_shard,
-                    ep_shard == 1 ? " rank" : " consecutive ranks",
+                    " x ep_shard ", ep_shard, ", ", mesh.ep(), " groups of ",
+                    ep_shard, ep_shard == 1 ? " rank" : " consecutive ranks",
                     ", each holding 1/", mesh.ep(),
                     " of every layer's routed experts and running the "
                     "tokens routed to them\n");
@@ -478,10 +477,9 @@ std::string FormatPlanTable(const v1::ShardingPlan& plan,
       row.push_back(std::move(cell));
     }
     if (ep) {
-      row.push_back(unit.ep() > 1
-                        ? absl::StrCat(mesh.dp_shard() / unit.ep(), " (1/",
-                                       unit.ep(), ")")
-                        : absl::StrCat(mesh.dp_shard()));
+      row.push_back(unit.ep() > 1 ? absl::StrCat(mesh.dp_shard() / unit.ep(),
+                                                 " (1/", unit.ep(), ")")
+                                  : absl::StrCat(mesh.dp_shard()));
     }
     row.push_back(ReshardText(unit.reshard_after_forward()));
     row.push_back(PrefetchText(unit));
@@ -524,16 +522,19 @@ std::string FormatPlanTable(const v1::ShardingPlan& plan,
   if (plan.has_activations()) {
     const v1::ActivationModel& a = plan.activations();
     mem.AddRow({"activations", HumanBytes(memory.peak_activation_bytes()),
-                absl::StrCat("peak per rank: micro-batch ",
-                             a.micro_batch_size(), " x ", a.seq_len(),
-                             " tokens, checkpointing ", a.checkpointing(),
-                             a.ep() > 1
-                                 ? absl::StrFormat(
-                                       "; experts over up to %gx the "
-                                       "balanced routed rows "
-                                       "(--ep-capacity-factor)",
-                                       a.ep_capacity_factor())
-                                 : "")});
+                absl::StrCat(
+                    "peak per rank: micro-batch ", a.micro_batch_size(), " x ",
+                    a.seq_len(), " tokens, checkpointing ", a.checkpointing(),
+                    a.worker_device() == v1::WORKER_DEVICE_CUDA
+                        ? absl::StrCat(", GPU worker (",
+                                       a.storage_bytes() == 2 ? "bf16" : "fp32",
+                                       " activations)")
+                        : "",
+                    a.ep() > 1 ? absl::StrFormat("; experts over up to %gx the "
+                                                 "balanced routed rows "
+                                                 "(--ep-capacity-factor)",
+                                                 a.ep_capacity_factor())
+                               : "")});
     mem.AddRow({"peak in step", HumanBytes(memory.peak_step_bytes()),
                 absl::StrCat("unsharded + activations ",
                              HumanBytes(memory.peak_step_activation_bytes()),
@@ -707,6 +708,9 @@ nlohmann::ordered_json PlanToJson(const v1::ShardingPlan& plan,
     acts["micro_batch_size"] = a.micro_batch_size();
     acts["seq_len"] = a.seq_len();
     acts["checkpointing"] = a.checkpointing();
+    acts["worker_device"] =
+        a.worker_device() == v1::WORKER_DEVICE_CUDA ? "cuda" : "cpu";
+    acts["storage_bytes"] = a.storage_bytes();
     if (a.ep() > 1) acts["ep_capacity_factor"] = a.ep_capacity_factor();
     Json layers = Json::array();
     for (const v1::LayerActivations& l : a.layers()) {

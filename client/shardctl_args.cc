@@ -48,8 +48,8 @@ absl::StatusOr<std::string> WorkerPath(absl::string_view flag,
   const std::filesystem::path absolute =
       std::filesystem::absolute(std::string(value), ec);
   if (ec) {
-    return Usage(absl::StrCat(flag, ": cannot resolve '", value,
-                              "': ", ec.message()));
+    return Usage(
+        absl::StrCat(flag, ": cannot resolve '", value, "': ", ec.message()));
   }
   return absolute.lexically_normal().string();
 }
@@ -239,6 +239,7 @@ const std::set<std::string>& FlagsOf(ShardctlCommand command) {
                                             "--micro-batch-size",
                                             "--seq",
                                             "--activation-checkpointing",
+                                            "--worker-device",
                                             "--timeline",
                                             "--timeline-svg",
                                             "--compare-strategy",
@@ -419,6 +420,15 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
     absl::StatusOr<int32_t> n = ParseInt(flag, value, 1);
     if (!n.ok()) return n.status();
     options.set_micro_batch_size(*n);
+  } else if (flag == "--worker-device") {
+    if (value == "cpu") {
+      options.set_worker_device(v1::WORKER_DEVICE_CPU);
+    } else if (value == "cuda") {
+      options.set_worker_device(v1::WORKER_DEVICE_CUDA);
+    } else {
+      return Usage(absl::StrCat("--worker-device: expected cpu or cuda, got '",
+                                value, "'"));
+    }
   } else if (flag == "--activation-checkpointing") {
     absl::StatusOr<CheckpointPolicy> policy = ParseCheckpointPolicy(value);
     if (!policy.ok()) {
@@ -499,8 +509,8 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
     absl::StatusOr<int32_t> n = ParseInt(flag, value, 1);
     if (!n.ok()) return n.status();
     if (*n > 64) {
-      return Usage(absl::StrCat("--synthetic-order: must be in [1, 64], got ",
-                                *n));
+      return Usage(
+          absl::StrCat("--synthetic-order: must be in [1, 64], got ", *n));
     }
     args->train.set_synthetic_order(*n);
   } else if (flag == "--lora-rank") {
@@ -527,17 +537,17 @@ absl::Status ApplyFlag(const std::string& flag, const std::string& value,
       options.mutable_lora()->add_targets(std::string(t));
     }
   } else if (flag == "--lora-from") {
-    absl::StatusOr<std::string> dir = WorkerPath(
-        flag, value,
-        "a PEFT adapter directory (adapter_model.safetensors, "
-        "adapter_config.json)");
+    absl::StatusOr<std::string> dir =
+        WorkerPath(flag, value,
+                   "a PEFT adapter directory (adapter_model.safetensors, "
+                   "adapter_config.json)");
     if (!dir.ok()) return dir.status();
     args->train.set_lora_from(*dir);
   } else if (flag == "--init-from") {
-    absl::StatusOr<std::string> dir = WorkerPath(
-        flag, value,
-        "a Hugging Face checkpoint directory (model.safetensors or "
-        "model.safetensors.index.json)");
+    absl::StatusOr<std::string> dir =
+        WorkerPath(flag, value,
+                   "a Hugging Face checkpoint directory (model.safetensors or "
+                   "model.safetensors.index.json)");
     if (!dir.ok()) return dir.status();
     args->train.set_init_from(*dir);
   } else if (flag == "--checkpoint") {
@@ -1019,9 +1029,8 @@ absl::StatusOr<ShardctlArgs> ParseShardctlArgs(
         // The stored model's plan options are fixed.
         for (const char* fixed :
              {"--dp", "--replicate", "--ep", "--ep-capacity-factor",
-              "--lora-rank", "--lora-alpha", "--lora-targets",
-              "--strategy", "--passes",
-              "--no-grad-passes", "--no-mixed-precision",
+              "--lora-rank", "--lora-alpha", "--lora-targets", "--strategy",
+              "--passes", "--no-grad-passes", "--no-mixed-precision",
               "--keep-compute-shard", "--reshard-after-forward",
               "--fwd-prefetch", "--bwd-prefetch", "--shard-placement",
               "--activation-checkpointing"}) {

@@ -154,6 +154,21 @@ TEST(ShardctlArgsTest, ActivationFlags) {
                          "--activation-checkpointing", "experts"}));
   EXPECT_EQ(train.options.activation_checkpointing(), "experts");
   EXPECT_EQ(train.options.seq_len(), 0);
+  // Whose activations plan counts; a job takes it from its workers.
+  EXPECT_EQ(plan.options.worker_device(), v1::WORKER_DEVICE_CPU);
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      auto gpu, Parse({"plan", "--model", "x", "--dp", "2", "--worker-device",
+                       "cuda", "--micro-batch-size", "1", "--seq", "8"}));
+  EXPECT_EQ(gpu.options.worker_device(), v1::WORKER_DEVICE_CUDA);
+  EXPECT_THAT(Parse({"plan", "--model", "x", "--dp", "2", "--worker-device",
+                     "tpu"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--worker-device: expected cpu or cuda, got "
+                                 "'tpu'")));
+  EXPECT_THAT(Parse({"train", "--coordinator=h:1", "--model", "x",
+                     "--worker-device", "cuda"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--worker-device")));
 }
 
 TEST(ShardctlArgsTest, ExpertParallelFlags) {

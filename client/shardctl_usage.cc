@@ -79,6 +79,11 @@ Activations:
                                the layers (all, or every K-th from 0) or
                                only the grouped experts that recompute
                                their forward in backward
+  --worker-device D            cpu (default) or cuda: whose activations to
+                               count; a GPU worker keeps them in bf16
+                               under mixed precision, with its kernels'
+                               saved state (a job's plan takes the
+                               device from the registered workers)
 Device:
   --device-memory SIZE         memory per GPU to check the peak against
                                (default 80GiB, an H100): 80GiB, 141GiB,

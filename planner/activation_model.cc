@@ -8,6 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "common/device_saved_bytes.h"
 #include "common/status_macros.h"
 #include "model/model_util.h"
 #include "program/pass_layout.h"
@@ -51,6 +52,15 @@ struct LayerBytes {
   int64_t dispatch = 0;
 };
 
+// Whose activations: a CPU worker keeps every activation in fp32 and its
+// kernels' caches; a GPU worker keeps the stream-shaped ones in the storage
+// dtype (`elem` bytes) and its kernels' saved state
+// (common/device_saved_bytes.h).
+struct Widths {
+  bool cuda = false;
+  int64_t elem = kF32;
+};
+
 // Expert parallelism as the activations see it: a rank's local experts
 // (E / ep of them) process the rows all ep ranks of its group route to
 // them, at most capacity x the balanced share (T * top_k rows).
@@ -64,27 +74,44 @@ struct EpShape {
 // expert parallelism the rows are this rank's own and all e experts are
 // local; with it the experts run over the received rows.
 void SetExpertBytes(int64_t t, int64_t k, int64_t e, int64_t d, int64_t inter,
-                    const EpShape& ep, LayerBytes* b) {
+                    const EpShape& ep, const Widths& w, LayerBytes* b) {
   const int64_t n = t * k;
   const int64_t local_e = e / ep.ep;
   const int64_t rows =
       ep.ep > 1 ? static_cast<int64_t>(std::ceil(ep.capacity * n)) : n;
   b->routed_rows = n;
+  if (w.cuda) {
+    // One grouped-experts workspace holds the forward's and the backward's
+    // state. With expert parallelism the step keeps the received rows
+    // (inputs, local experts, weights) and their outputs from DISPATCH to
+    // COMBINE, and backward their gradients.
+    const int64_t s = w.elem;
+    if (ep.ep > 1) {
+      b->dispatch = rows * d * s + rows * 2 * kF32 + rows * d * s;
+      b->experts_saved +=
+          device_bytes::GroupedExpertsWorkspace(rows, 1, local_e, d, inter, s) +
+          b->dispatch;
+      b->experts_backward = 2 * rows * d * s + rows * kF32;
+    } else {
+      b->experts_saved +=
+          device_bytes::GroupedExpertsWorkspace(t, k, e, d, inter, s);
+    }
+    return;
+  }
   // The rows sent to the experts and the outputs combined back.
   b->dispatch = ep.ep > 1 ? 2 * n * d * kF32 : 0;
   // The sort (offsets and cursor in int64), each slot's row, each row's
   // token and weight, the permuted inputs, gate/up pre-activations and the
   // weighted activation.
-  b->experts_saved += (local_e + 1 + local_e) * kI64 +
-                      (t * k + rows + rows + rows * d + rows * 2 * inter +
-                       rows * inter) *
-                          kF32 +
-                      b->dispatch;
+  b->experts_saved +=
+      (local_e + 1 + local_e) * kI64 +
+      (t * k + rows + rows + rows * d + rows * 2 * inter + rows * inter) *
+          kF32 +
+      b->dispatch;
   // Backward: the activation's and the pre-activations' gradients, each
   // row's weight gradient, the input rows' and the output rows' gradients.
-  b->experts_backward = (rows * inter + rows + rows * 2 * inter + rows * d +
-                         rows * d) *
-                        kF32;
+  b->experts_backward =
+      (rows * inter + rows + rows * 2 * inter + rows * d + rows * d) * kF32;
 }
 
 void SetLayer(int l, const LayerBytes& b, v1::LayerActivations* layer) {
@@ -107,16 +134,20 @@ void SetLayer(int l, const LayerBytes& b, v1::LayerActivations* layer) {
 absl::StatusOr<LayerBytes> LayerActivations(const v1::ModelSpec& model,
                                             const Shapes& shapes, int layer,
                                             int64_t batch, int64_t seq,
-                                            int64_t d, const EpShape& ep) {
+                                            int64_t d, const EpShape& ep,
+                                            const Widths& w) {
   const v1::ModelDims& dims = model.dims();
   const std::string p = absl::StrCat("model.layers.", layer, ".");
   const int64_t t = batch * seq;
+  // Bytes of a stream-shaped activation (the storage dtype on a GPU).
+  const int64_t s = w.elem;
   LayerBytes b;
-  // input_layernorm: its input, inverse RMS and output.
-  int64_t saved = t * d + t + t * d;
+  // input_layernorm: its input, inverse RMS and output (the step's).
+  int64_t saved = (t * d + t * d) * s + t * kF32;
   const std::string attn = p + "self_attn.";
   if (Has(shapes, attn + "kv_a_proj_with_mqa.weight")) {
-    // DeepSeek-V3's latent attention (worker/model/mla_block.h).
+    // DeepSeek-V3's latent attention (worker/model/mla_block.h and
+    // device_mla_block.h keep the same tensors).
     const v1::MlaSpec& mla = dims.attention().mla();
     const int64_t h = dims.num_attention_heads();
     const int64_t rq = mla.q_lora_rank(), rkv = mla.kv_lora_rank();
@@ -128,12 +159,13 @@ absl::StatusOr<LayerBytes> LayerActivations(const v1::ModelSpec& model,
           " has latent attention, which needs num_attention_heads, "
           "kv_lora_rank, the qk head dims and v_head_dim >= 1"));
     }
-    saved += t * d;                            // its normed input
-    if (rq > 0) saved += t * rq + t + t * rq;  // q_a_proj out, norm
-    saved += t * rkv + t + t * rkv;            // latent, its norm
-    saved += 2 * t * h * qk;                   // q, k
-    saved += t * h * dv + t * h * dv + t * h;  // v, o, lse
-    saved += t * d + t;  // the residual after it, post_attention_layernorm
+    saved += t * d * s;                              // its normed input
+    if (rq > 0) saved += 2 * t * rq * s + t * kF32;  // q_a_proj out, norm
+    saved += 2 * t * rkv * s + t * kF32;             // latent, its norm
+    saved += 2 * t * h * qk * s;                     // q, k
+    saved += 2 * t * h * dv * s + t * h * kF32;      // v, o, lse
+    // The residual after it, post_attention_layernorm's inverse RMS.
+    saved += t * d * s + t * kF32;
   } else if (Has(shapes, attn + "q_proj.weight")) {
     const AttentionHeads heads = AttentionHeadsOf(dims, d);
     const int64_t hq = heads.q, hkv = heads.kv, hd = heads.dim;
@@ -142,13 +174,13 @@ absl::StatusOr<LayerBytes> LayerActivations(const v1::ModelSpec& model,
           "dims.num_attention_heads / num_key_value_heads / head_dim: layer ",
           layer, " has attention, which needs them >= 1"));
     }
-    saved += t * d;                           // normed input
-    saved += t * hq * hd + 2 * t * hkv * hd;  // q, k, v
-    if (Has(shapes, attn + "q_norm.weight")) {
-      saved += t * hq * hd + t * hkv * hd + t * hq + t * hkv;  // pre-norm
+    saved += t * d * s;                             // normed input
+    saved += (t * hq * hd + 2 * t * hkv * hd) * s;  // q, k, v
+    if (Has(shapes, attn + "q_norm.weight")) {      // pre-norm
+      saved += (t * hq * hd + t * hkv * hd) * s + (t * hq + t * hkv) * kF32;
     }
-    saved += t * hq * hd + t * hq;  // o, lse
-    saved += t * d + t;  // the residual after it, post_attention_layernorm
+    saved += t * hq * hd * s + t * hq * kF32;  // o, lse
+    saved += t * d * s + t * kF32;  // the residual after it, its norm's
   }
   const bool moe = Has(shapes, p + "moe.experts.gate_and_up_projs");
   int64_t mlp_inter = 0;
@@ -158,16 +190,20 @@ absl::StatusOr<LayerBytes> LayerActivations(const v1::ModelSpec& model,
     mlp_inter = Dim(shapes, p + "moe.shared_experts.gate_proj.weight", 0);
   }
   if (mlp_inter > 0) {
-    saved += t * d + 3 * t * mlp_inter;  // input copy, gate, up, hidden
-    b.backward += 2 * t * mlp_inter;     // d_hidden, d_gate
-    if (moe) b.handoff = t * d;          // its output, added by EXPERTS
+    if (w.cuda) {
+      // The kernel's gate and up; its backward's scratch is not kept.
+      saved += device_bytes::DenseMlpSaved(t, mlp_inter, s);
+    } else {
+      // Input copy, gate, up, hidden; backward d_hidden, d_gate.
+      saved += (t * d + 3 * t * mlp_inter) * kF32;
+      b.backward += 2 * t * mlp_inter * kF32;
+    }
+    if (moe) b.handoff = t * d * s;  // its output, added by EXPERTS
   }
   if (!moe) {
-    b.backward += t * d;  // the normed input's gradient
-    b.saved = saved * kF32;
-    b.checkpoint = t * d * kF32;  // the layer's input
-    b.backward *= kF32;
-    b.handoff *= kF32;
+    b.backward += t * d * s;  // the normed input's gradient
+    b.saved = saved;
+    b.checkpoint = t * d * s;  // the layer's input
     return b;
   }
   b.has_experts = true;
@@ -181,44 +217,50 @@ absl::StatusOr<LayerBytes> LayerActivations(const v1::ModelSpec& model,
         " needs [E, D, 2I] experts with dims.top_k in [1, E]; got E ", e,
         ", top_k ", k));
   }
-  // The router: choices, weights, its probabilities (logits), a copy of
-  // the choices and the denominators; the group-limited scorer's row
-  // scratch; the full softmax the load-balancing loss reads.
-  saved += 2 * t * k + t * e + t * k + t;
   const bool aux = dims.router_aux_loss_coef() > 0;
-  switch (dims.router_scoring()) {
-    case v1::ROUTER_SIGMOID_GROUP_LIMITED: {
-      const int64_t groups = dims.n_group(), top = dims.topk_group();
-      saved += 2 * e + groups + top + 2 + k + top + 2;
-      break;
+  // The step's choices and weights.
+  saved += 2 * t * k * kF32;
+  if (w.cuda) {
+    // The router kernel's saved state; its backward's logit gradient is
+    // scratch.
+    saved += device_bytes::RouterSaved(
+        t, e, k, dims.router_scoring() != v1::ROUTER_SOFTMAX_THEN_TOPK);
+  } else {
+    // Its probabilities (logits), a copy of the choices and the
+    // denominators; the group-limited scorer's row scratch; the full
+    // softmax the load-balancing loss reads; backward the logit gradient.
+    int64_t router = t * e + t * k + t;
+    switch (dims.router_scoring()) {
+      case v1::ROUTER_SIGMOID_GROUP_LIMITED: {
+        const int64_t groups = dims.n_group(), top = dims.topk_group();
+        router += 2 * e + groups + top + 2 + k + top + 2;
+        break;
+      }
+      case v1::ROUTER_TOPK_THEN_SOFTMAX:
+        if (aux) router += t * e;
+        break;
+      default:
+        break;
     }
-    case v1::ROUTER_TOPK_THEN_SOFTMAX:
-      if (aux) saved += t * e;
-      break;
-    default:
-      break;
+    saved += router * kF32;
+    b.backward += t * e * kF32;
   }
-  b.backward += t * e;           // the router's logit gradient
-  if (aux) b.backward += t * e;  // the auxiliary loss's
+  if (aux) b.backward += t * e * kF32;  // the auxiliary loss's (the step's)
   // The checkpoint keeps the layer's input and the experts' inputs.
-  b.checkpoint = (t * d + t * d + 2 * t * k) * kF32;
-  b.saved = saved * kF32;
-  b.backward *= kF32;
-  b.handoff *= kF32;
-  SetExpertBytes(t, k, e, d, inter, ep, &b);
-  b.experts_grad = (t * d + t * k) * kF32;  // dn and the weights' gradient
+  b.checkpoint = 2 * t * d * s + 2 * t * k * kF32;
+  b.saved = saved;
+  SetExpertBytes(t, k, e, d, inter, ep, w, &b);
+  b.experts_grad = t * d * s + t * k * kF32;  // dn and the weights' gradient
   return b;
 }
 
 // A DiffusionGemma layer (worker/model/gemma_layer.h) over t tokens;
 // `encoder_rows` > 0 for a decode layer: the encode's rows per micro-batch
 // whose K/V gradients its backward adds.
-absl::StatusOr<LayerBytes> GemmaLayerActivations(const v1::ModelSpec& model,
-                                                 const Shapes& shapes,
-                                                 int layer, int64_t t,
-                                                 int64_t encoder_rows,
-                                                 bool keep_kv, int64_t d,
-                                                 const EpShape& ep) {
+absl::StatusOr<LayerBytes> GemmaLayerActivations(
+    const v1::ModelSpec& model, const Shapes& shapes, int layer, int64_t t,
+    int64_t encoder_rows, bool keep_kv, int64_t d, const EpShape& ep,
+    const Widths& w) {
   const v1::ModelDims& dims = model.dims();
   const std::string p = absl::StrCat("model.layers.", layer, ".");
   const int64_t hq = dims.num_attention_heads();
@@ -240,6 +282,35 @@ absl::StatusOr<LayerBytes> GemmaLayerActivations(const v1::ModelSpec& model,
   }
   LayerBytes b;
   b.has_experts = true;
+  // The encode's K/V gradients a decode adds (fp32 on every device).
+  b.encoder_kv_grad = 2 * encoder_rows * hkv * hd * kF32;
+  if (w.cuda) {
+    // worker/model/cuda_block_ops_gemma.cc's GemmaState, in the storage
+    // dtype but its inverse RMS, lse, choices and weights: the input,
+    // normed input, attention output, mid residual, dense input and
+    // output, their sum, the router's input, the experts' input; six
+    // inverse RMS; q before and after its norm, o; k and v before and after
+    // theirs; q's, k's, v's inverse RMS and lse; the choices and weights;
+    // the MLP's and the router's saved state. Its backward keeps nothing
+    // but what BACKWARD(EXPERTS) hands it.
+    const int64_t s = w.elem;
+    b.saved = t * ((9 * d + 3 * hq * hd + 4 * hkv * hd) * s +
+                   (6 + 2 * hq + 2 * hkv + 2 * k) * kF32) +
+              device_bytes::DenseMlpSaved(t, inter_dense, s) +
+              device_bytes::RouterSaved(t, e, k, /*keeps_selected=*/false);
+    // As on the CPU (GemmaTrim).
+    b.checkpoint =
+        t * ((4 * d + (keep_kv ? 2 * hkv * hd : 0)) * s + (2 + 2 * k) * kF32);
+    b.experts_checkpoint = (3 * d + 1) * s + t * kF32;
+    b.checkpoint_after_experts = true;
+    // The copied layer weights, the experts' output, two inverse RMS.
+    b.experts_kept = (3 * d + 1 + t * d) * s + 2 * t * kF32;
+    b.experts_saved = b.experts_kept;
+    SetExpertBytes(t, k, e, d, inter, ep, w, &b);
+    // d(m), d(sum), the weights' and three norm weights' gradients.
+    b.experts_grad = 2 * t * d * s + t * k * kF32 + 3 * d * kF32;
+    return b;
+  }
   // The input, normed input, attention output, mid residual, dense input
   // and output, their sum, the MLP's input copy, the router's normed and
   // scaled inputs, the experts' input; six inverse RMS; q before and after
@@ -261,11 +332,10 @@ absl::StatusOr<LayerBytes> GemmaLayerActivations(const v1::ModelSpec& model,
   // BACKWARD(LAYER); the grouped experts' state as for other layers.
   b.experts_kept = (3 * d + 1 + t * d + 2 * t) * kF32;
   b.experts_saved = b.experts_kept;
-  SetExpertBytes(t, k, e, d, inter, ep, &b);
+  SetExpertBytes(t, k, e, d, inter, ep, w, &b);
   // The mid residual's and the sum's gradients, the weights', three norm
   // weights' gradients.
   b.experts_grad = (2 * t * d + t * k + 3 * d) * kF32;
-  b.encoder_kv_grad = 2 * encoder_rows * hkv * hd * kF32;
   return b;
 }
 
@@ -320,7 +390,8 @@ absl::StatusOr<CheckpointPolicy> ParseCheckpointPolicy(absl::string_view text) {
 }
 
 absl::StatusOr<v1::ActivationModel> ModelActivations(
-    const v1::ModelSpec& model, const v1::PlanOptions& options) {
+    const v1::ModelSpec& model, const v1::PlanOptions& options,
+    bool bf16_storage) {
   const int64_t batch = options.micro_batch_size();
   const int64_t seq = options.seq_len();
   if (batch < 1 || seq < 1 || batch > kMaxTokens / seq) {
@@ -344,6 +415,10 @@ absl::StatusOr<v1::ActivationModel> ModelActivations(
         "hidden]");
   }
   const int64_t t = batch * seq;
+  Widths w;
+  w.cuda = options.worker_device() == v1::WORKER_DEVICE_CUDA;
+  w.elem = w.cuda && bf16_storage ? 2 : kF32;
+  const int64_t s = w.elem;
   EpShape ep;
   if (options.mesh().ep() > 1) {
     ep.ep = options.mesh().ep();
@@ -361,10 +436,14 @@ absl::StatusOr<v1::ActivationModel> ModelActivations(
   out.set_micro_batch_size(static_cast<int32_t>(batch));
   out.set_seq_len(seq);
   out.set_checkpointing(policy.Text());
-  out.set_stream_bytes(t * d * kF32);
-  out.set_head_bytes((t * d + t + t * d) * kF32);
-  out.set_hidden_bytes(t * d * kF32);
-  out.set_grad_stream_bytes(t * d * kF32);
+  out.set_worker_device(options.worker_device());
+  out.set_storage_bytes(static_cast<int32_t>(s));
+  // The stream; the final norm's input, inverse RMS and output; the
+  // stream's gradient (the step's, on every device).
+  out.set_stream_bytes(t * d * s);
+  out.set_head_bytes(2 * t * d * s + t * kF32);
+  out.set_hidden_bytes(t * d * s);
+  out.set_grad_stream_bytes(t * d * s);
   const bool gemma = model.architecture() == kBlockDiffusionArchitecture;
   // The block-diffusion step (3 passes, 1 without gradients) decodes the
   // response rows of each sequence after encoding it.
@@ -387,17 +466,27 @@ absl::StatusOr<v1::ActivationModel> ModelActivations(
         Dim(shapes, "model.self_conditioning.gate_proj.weight", 0);
     out.set_block_diffusion(true);
     out.set_response_length(rows);
-    out.set_decode_stream_bytes(r * d * kF32);
-    out.set_decode_head_bytes((r * d + r + r * d) * kF32);
-    out.set_decode_grad_stream_bytes(r * d * kF32);
-    // The canvas embeddings and their sum, its inverse RMS; the signal,
-    // its pre-norm output and inverse RMS, the MLP output, its input copy,
-    // gate, up and hidden; the MLP's two gradients; the probabilities.
-    out.set_sc_embed_bytes((2 * r * d + r) * kF32);
-    out.set_sc_signal_bytes(
-        (r * d + r * d + r + r * d + r * d + 3 * r * sc_inter) * kF32);
-    out.set_sc_backward_bytes(2 * r * sc_inter * kF32);
+    out.set_decode_stream_bytes(r * d * s);
+    out.set_decode_head_bytes(2 * r * d * s + r * kF32);
+    out.set_decode_grad_stream_bytes(r * d * s);
+    // The softmaxed logits pass 2 reads (the step's, fp32).
     out.set_sc_probs_bytes(r * vocab * kF32);
+    if (w.cuda) {
+      // The GPU's pass 1 keeps nothing of its self-conditioning block; pass
+      // 2 keeps the signal, its pre-norm output and inverse RMS, the MLP's
+      // saved state, the embeddings' sum and its inverse RMS. The backward
+      // keeps nothing.
+      out.set_sc_signal_bytes(3 * r * d * s + 2 * r * kF32 +
+                              device_bytes::DenseMlpSaved(r, sc_inter, s));
+    } else {
+      // The canvas embeddings and their sum, its inverse RMS; the signal,
+      // its pre-norm output and inverse RMS, the MLP output, its input copy,
+      // gate, up and hidden; the MLP's two gradients.
+      out.set_sc_embed_bytes((2 * r * d + r) * kF32);
+      out.set_sc_signal_bytes(
+          (r * d + r * d + r + r * d + r * d + 3 * r * sc_inter) * kF32);
+      out.set_sc_backward_bytes(2 * r * sc_inter * kF32);
+    }
   }
   for (int l = 0;; ++l) {
     if (!Has(shapes,
@@ -408,20 +497,20 @@ absl::StatusOr<v1::ActivationModel> ModelActivations(
     if (gemma) {
       // The encode of the block-diffusion step keeps its K/V for the
       // decodes when recomputed.
-      SHARDD_ASSIGN_OR_RETURN(
-          b, GemmaLayerActivations(model, shapes, l, t, 0, diffusion, d, ep));
+      SHARDD_ASSIGN_OR_RETURN(b, GemmaLayerActivations(model, shapes, l, t, 0,
+                                                       diffusion, d, ep, w));
       if (diffusion) {
         SHARDD_ASSIGN_OR_RETURN(
             LayerBytes decode,
             GemmaLayerActivations(model, shapes, l, batch * rows, t, false, d,
-                                  ep));
+                                  ep, w));
         v1::LayerActivations* dl = out.add_decode_layers();
         SetLayer(l, decode, dl);
         SetPolicy(policy, l, decode.has_experts, dl);
       }
     } else {
       SHARDD_ASSIGN_OR_RETURN(
-          b, LayerActivations(model, shapes, l, batch, seq, d, ep));
+          b, LayerActivations(model, shapes, l, batch, seq, d, ep, w));
     }
     v1::LayerActivations* layer = out.add_layers();
     SetLayer(l, b, layer);

@@ -11,7 +11,8 @@
 //
 // The bytes are derived from the model's shapes, independently of the
 // workers' code, and equal what the CPU model holds
-// (worker/exec/step_executor_test checks it on every layout).
+// (worker/exec/step_executor_test checks it on every layout); a GPU
+// worker's are checked by worker/exec:device_parity_cuda_test on a GPU.
 
 #include <string>
 #include <vector>
@@ -27,6 +28,16 @@ namespace shardd {
 // PlanOptions.ep_capacity_factor when 0: a rank's experts are assumed to
 // receive at most twice the balanced share of routed rows.
 inline constexpr double kDefaultEpCapacityFactor = 2.0;
+
+// Whether a GPU worker keeps its activations in bf16: some unit of `plan`
+// computes in bf16 (mixed precision, or bf16 parameters). The planner's
+// activation model and the CUDA step apply this one rule.
+inline bool ActivationsInBf16(const v1::ShardingPlan& plan) {
+  for (const v1::FsdpUnit& unit : plan.units()) {
+    if (unit.precision().compute_dtype() == v1::BFLOAT16) return true;
+  }
+  return false;
+}
 
 // PlanOptions.activation_checkpointing parsed: which layers recompute.
 struct CheckpointPolicy {
@@ -49,12 +60,17 @@ absl::StatusOr<CheckpointPolicy> ParseCheckpointPolicy(absl::string_view text);
 // options.mesh().ep() > 1 the experts' bytes are those of E / ep local
 // experts over options.ep_capacity_factor() (0: the default) times the
 // balanced rows, plus the exchange's buffers; the planner has checked both.
+// For options.worker_device() CUDA it counts what a GPU worker keeps: the
+// step's activations in the storage dtype (bf16 when `bf16_storage`, the
+// plan's ActivationsInBf16) and its kernels' saved state
+// (common/device_saved_bytes.h); for a CPU worker everything in fp32.
 // Errors: INVALID_ARGUMENT naming the field (micro_batch_size or seq_len
 // < 1 or too large for 64-bit byte counts, a malformed
 // activation_checkpointing, response_length outside [1, seq_len), a layer
 // whose parameters are not shaped as the architecture needs).
 absl::StatusOr<v1::ActivationModel> ModelActivations(
-    const v1::ModelSpec& model, const v1::PlanOptions& options);
+    const v1::ModelSpec& model, const v1::PlanOptions& options,
+    bool bf16_storage = false);
 
 }  // namespace shardd
 

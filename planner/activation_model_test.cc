@@ -6,6 +6,7 @@
 #include <sstream>
 #include <string>
 
+#include "common/device_saved_bytes.h"
 #include "common/status_matchers.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -74,6 +75,106 @@ TEST(ActivationModelTest, LlamaLayerKeepsWhatItsBackwardReads) {
   }
   EXPECT_EQ(acts.stream_bytes(), 4 * t * d);
   EXPECT_EQ(acts.head_bytes(), 4 * t * (2 * d + 1));
+}
+
+v1::PlanOptions GpuOptions(int batch, int64_t seq, const std::string& policy) {
+  v1::PlanOptions options = Options(batch, seq, policy);
+  options.set_worker_device(v1::WORKER_DEVICE_CUDA);
+  return options;
+}
+
+// A GPU worker keeps the same tensors of a Llama layer, the stream-shaped
+// ones in the storage dtype (bf16: 2 bytes) and the inverse RMS and lse in
+// fp32, but of the MLP only the kernel's gate and up (each region rounded
+// to 256 bytes) and nothing of its backward's scratch.
+TEST(ActivationModelTest, GpuLlamaLayerCountsTheStorageDtype) {
+  const v1::ModelSpec model = Config("tiny_llama3");
+  constexpr int64_t t = 16, d = 64, hq = 4, hkv = 1, hd = 16, inter = 96;
+  for (const int64_t s : {2, 4}) {
+    SHARDD_ASSERT_OK_AND_ASSIGN(
+        v1::ActivationModel acts,
+        ModelActivations(model, GpuOptions(2, 8, "none"), s == 2));
+    EXPECT_EQ(acts.worker_device(), v1::WORKER_DEVICE_CUDA);
+    EXPECT_EQ(acts.storage_bytes(), s);
+    ASSERT_EQ(acts.layers_size(), 2);
+    // Input and normed input; the attention's copy of it, q, k, v, o; the
+    // residual after it. Four fp32 vectors: two inverse RMS, lse [Hq].
+    const int64_t stream = s * t * (4 * d + 2 * hq * hd + 2 * hkv * hd);
+    const int64_t f32 = 4 * t * (2 + hq);
+    const int64_t mlp = 2 * ((t * inter * s + 255) / 256 * 256);
+    for (const v1::LayerActivations& layer : acts.layers()) {
+      EXPECT_EQ(layer.saved_bytes(), stream + f32 + mlp);
+      EXPECT_EQ(layer.checkpoint_bytes(), s * t * d);
+      EXPECT_EQ(layer.backward_bytes(), s * t * d);
+      EXPECT_EQ(layer.experts_saved_bytes(), 0);
+    }
+    EXPECT_EQ(acts.stream_bytes(), s * t * d);
+    EXPECT_EQ(acts.head_bytes(), 2 * s * t * d + 4 * t);
+    EXPECT_EQ(acts.grad_stream_bytes(), s * t * d);
+  }
+  // A CPU worker's model is unchanged by the storage dtype.
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      v1::ActivationModel cpu,
+      ModelActivations(model, Options(2, 8, "none"), /*bf16_storage=*/true));
+  EXPECT_EQ(cpu.storage_bytes(), 4);
+  EXPECT_EQ(cpu.stream_bytes(), 4 * t * d);
+}
+
+// A GPU MoE layer: the router kernel's saved state and one grouped-experts
+// workspace (the forward's and the backward's regions together), so the
+// experts' backward adds nothing but the step's gradients.
+TEST(ActivationModelTest, GpuExpertsKeepTheKernelsWorkspace) {
+  const v1::ModelSpec model = Config("tiny_mixtral");
+  constexpr int64_t t = 16, d = 64, e = 8, k = 2, inter = 48;
+  SHARDD_ASSERT_OK_AND_ASSIGN(
+      v1::ActivationModel acts,
+      ModelActivations(model, GpuOptions(2, 8, "none"), true));
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ActivationModel cpu,
+                              ModelActivations(model, Options(2, 8, "none")));
+  ASSERT_EQ(acts.layers_size(), 2);
+  for (int l = 0; l < 2; ++l) {
+    const v1::LayerActivations& layer = acts.layers(l);
+    EXPECT_EQ(layer.experts_saved_bytes(),
+              device_bytes::GroupedExpertsWorkspace(t, k, e, d, inter, 2));
+    EXPECT_EQ(layer.experts_backward_bytes(), 0);
+    EXPECT_EQ(layer.experts_grad_bytes(), 2 * t * d + 4 * t * k);
+    EXPECT_EQ(layer.checkpoint_bytes(), 2 * 2 * t * d + 2 * 4 * t * k);
+    EXPECT_EQ(layer.routed_rows(), t * k);
+    // Without the load-balancing loss the router's backward is scratch.
+    EXPECT_EQ(layer.backward_bytes(), 0);
+    EXPECT_LT(layer.saved_bytes(), cpu.layers(l).saved_bytes());
+  }
+}
+
+// DiffusionGemma's block-diffusion step on a GPU: the decode layers and
+// the self-conditioning block as the device keeps them (pass 1 keeps
+// nothing of its block; the encode's K/V gradients stay fp32).
+TEST(ActivationModelTest, GpuBlockDiffusionStep) {
+  const v1::ModelSpec gemma = Config("tiny_diffusion_gemma");
+  v1::PlanOptions step = GpuOptions(2, 16, "none");
+  step.set_passes(3);
+  step.set_no_grad_passes(1);
+  step.set_response_length(4);
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ActivationModel gpu,
+                              ModelActivations(gemma, step, true));
+  v1::PlanOptions on_cpu = step;
+  on_cpu.set_worker_device(v1::WORKER_DEVICE_CPU);
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ActivationModel cpu,
+                              ModelActivations(gemma, on_cpu, true));
+  ASSERT_TRUE(gpu.block_diffusion());
+  ASSERT_EQ(gpu.decode_layers_size(), cpu.decode_layers_size());
+  EXPECT_EQ(gpu.sc_embed_bytes(), 0);
+  EXPECT_GT(gpu.sc_signal_bytes(), 0);
+  EXPECT_EQ(gpu.sc_backward_bytes(), 0);
+  EXPECT_EQ(gpu.sc_probs_bytes(), cpu.sc_probs_bytes());
+  EXPECT_EQ(gpu.decode_stream_bytes() * 2, cpu.decode_stream_bytes());
+  for (int l = 0; l < gpu.decode_layers_size(); ++l) {
+    EXPECT_EQ(gpu.decode_layers(l).encoder_kv_grad_bytes(),
+              cpu.decode_layers(l).encoder_kv_grad_bytes());
+    EXPECT_GT(gpu.decode_layers(l).encoder_kv_grad_bytes(), 0);
+    EXPECT_LT(gpu.layers(l).saved_bytes(), cpu.layers(l).saved_bytes());
+    EXPECT_EQ(gpu.layers(l).backward_bytes(), 0);
+  }
 }
 
 TEST(ActivationModelTest, TokenBuffersScaleWithTheMicroBatch) {
@@ -184,6 +285,20 @@ TEST(ActivationModelTest, PlansCountActivationsInThePeak) {
             kept.memory().peak_activation_bytes());
   EXPECT_LT(recomputed.memory().peak_step_bytes(),
             kept.memory().peak_step_bytes());
+  // A GPU worker under mixed precision keeps half the stream's bytes.
+  v1::PlanOptions on_gpu = Options(2, 32, "none");
+  on_gpu.set_worker_device(v1::WORKER_DEVICE_CUDA);
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ShardingPlan gpu,
+                              planner.Plan(model, on_gpu));
+  EXPECT_EQ(gpu.activations().storage_bytes(), 2);
+  EXPECT_LT(gpu.memory().peak_activation_bytes(),
+            kept.memory().peak_activation_bytes());
+  on_gpu.set_mixed_precision(false);
+  SHARDD_ASSERT_OK_AND_ASSIGN(v1::ShardingPlan gpu_fp32,
+                              planner.Plan(model, on_gpu));
+  EXPECT_EQ(gpu_fp32.activations().storage_bytes(), 4);
+  EXPECT_GT(gpu_fp32.memory().peak_activation_bytes(),
+            gpu.memory().peak_activation_bytes());
   // What the workers run differs, so the fingerprint does.
   EXPECT_NE(kept.fingerprint(), recomputed.fingerprint());
   EXPECT_NE(kept.fingerprint(), plain.fingerprint());

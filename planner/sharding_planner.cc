@@ -561,8 +561,9 @@ absl::StatusOr<ShardingPlan> ShardingPlanner::Plan(
     v1::PlanOptions shaped = options;
     shaped.set_passes(step.passes());
     shaped.set_no_grad_passes(step.no_grad_passes());
-    SHARDD_ASSIGN_OR_RETURN(*plan.mutable_activations(),
-                            ModelActivations(model, shaped));
+    SHARDD_ASSIGN_OR_RETURN(
+        *plan.mutable_activations(),
+        ModelActivations(model, shaped, ActivationsInBf16(plan)));
   } else {
     SHARDD_RETURN_IF_ERROR(
         ParseCheckpointPolicy(options.activation_checkpointing()).status());

@@ -9,6 +9,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/notification.h"
@@ -26,6 +27,20 @@
 
 namespace shardd {
 namespace {
+
+// The device of the ranks below `world` among the live workers: CUDA when
+// every one of them reports a "cuda:N" device, CPU when any does not, and
+// `fallback` when none is registered yet.
+v1::WorkerDevice WorkersDevice(const std::vector<WorkerState>& workers,
+                               int world, v1::WorkerDevice fallback) {
+  int seen = 0;
+  for (const WorkerState& w : workers) {
+    if (!w.alive || w.rank < 0 || w.rank >= world) continue;
+    if (!absl::StartsWith(w.device, "cuda")) return v1::WORKER_DEVICE_CPU;
+    ++seen;
+  }
+  return seen > 0 ? v1::WORKER_DEVICE_CUDA : fallback;
+}
 
 // Deterministic so that equal messages hash equally (map fields would
 // otherwise serialize in any order).
@@ -712,6 +727,10 @@ absl::StatusOr<v1::SubmitStepResponse> CoordinatorService::SubmitStep(
   options.set_micro_batch_size(static_cast<int32_t>(micro_batch));
   options.set_seq_len(config.seq_len());
   options.set_response_length(config.diffusion().response_length());
+  // The activations the ranks will hold depend on their device: plan for
+  // the workers registered now (GPU workers when every live one is).
+  options.set_worker_device(
+      WorkersDevice(workers_.List(), world, options.worker_device()));
   SHARDD_ASSIGN_OR_RETURN(job.plan,
                           PlanModel(request.model_id(), job.model, options));
   absl::StatusOr<v1::StepProgram> program = CompileStepProgram(job.plan);

@@ -954,6 +954,36 @@ TEST_F(CoordinatorServiceTest, SubmitStepNeedsLiveWorkersForThePlansWorld) {
   EXPECT_TRUE(workers.loads().empty());
 }
 
+// GPU workers keep other activations than CPU workers: the job's plan
+// counts those of the device its ranks registered with.
+TEST_F(CoordinatorServiceTest, SubmitStepPlansForTheWorkersDevice) {
+  for (const char* device : {"cpu", "cuda:0"}) {
+    RecordingWorkers workers;
+    CoordinatorServiceOptions options;
+    options.worker_clients = workers.Factory();
+    auto service = MakeService(options);
+    SHARDD_ASSERT_OK_AND_ASSIGN(
+        auto model, service->SubmitModel(SpecRequest(TinySpec(), 2)));
+    for (int r = 0; r < 2; ++r) {
+      v1::RegisterWorkerRequest worker = WorkerRequest(5000 + r, r + 1);
+      worker.set_device(device);
+      SHARDD_ASSERT_OK(service->RegisterWorker(worker).status());
+    }
+    SHARDD_ASSERT_OK_AND_ASSIGN(
+        v1::SubmitStepResponse submitted,
+        service->SubmitStep(StepRequest(model.model_id())));
+    EventsAfterEnd(service.get(), submitted.job_id());
+    const std::vector<v1::LoadPlanRequest> loads = workers.loads();
+    ASSERT_EQ(loads.size(), 2u) << device;
+    const v1::WorkerDevice want = std::string(device) == "cpu"
+                                      ? v1::WORKER_DEVICE_CPU
+                                      : v1::WORKER_DEVICE_CUDA;
+    for (const v1::LoadPlanRequest& load : loads) {
+      EXPECT_EQ(load.plan_options().worker_device(), want) << device;
+    }
+  }
+}
+
 TEST_F(CoordinatorServiceTest, SubmitStepPlansForTheStepShapeAndRunsTheJob) {
   RecordingWorkers workers;
   CoordinatorServiceOptions options;

@@ -144,8 +144,9 @@ for i, (a, b) in enumerate(zip(g, c)):
     if i < 3 or i >= len(g) - 2:
         print(f"step {i + 1:4d} gpu {a:.6f} cpu {b:.6f} rel {rel:.2e}")
 print(f"largest relative loss difference over {min(len(g), len(c))} steps: {worst:.2e}")
-# The step driver's activation ledger against the plan (issue 41, item 4:
-# the plan models the CPU's state in fp32 until it models the device's).
+# The step driver's activation ledger against the plan: the job's plan
+# counts the device its workers registered with (a GPU worker's storage
+# dtype and kernel state; 1.0000 is exact).
 for name, r in (("gpu", gpu), ("cpu", cpu)):
     m, p = r.get("peak_activation_bytes"), r.get("planned_peak_activation_bytes")
     if m and p:

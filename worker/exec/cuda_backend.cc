@@ -11,6 +11,7 @@
 #include "common/status_macros.h"
 #include "kernels/cuda/adamw.h"
 #include "kernels/cuda/cuda_status.h"
+#include "planner/activation_model.h"
 #include "program/step_program.h"
 #include "worker/exec/optimizer_registry.h"
 #include "worker/exec/step_checks.h"
@@ -46,12 +47,8 @@ class CudaBackend::Params : public DeviceParamSource {
 namespace {
 
 DeviceDType ActivationDType(const v1::ShardingPlan& plan) {
-  for (const v1::FsdpUnit& unit : plan.units()) {
-    if (unit.precision().compute_dtype() == v1::BFLOAT16) {
-      return DeviceDType::kBFloat16;
-    }
-  }
-  return DeviceDType::kFloat32;
+  return ActivationsInBf16(plan) ? DeviceDType::kBFloat16
+                                 : DeviceDType::kFloat32;
 }
 
 }  // namespace

@@ -166,8 +166,10 @@ int64_t SeqOf(const Feature& f) {
   return f.model == Feature::Model::kDiffusion ? kDiffusionSeq : kSeq;
 }
 
+// `device`: whose activations the plan counts (the measured peak equals
+// it on either device).
 v1::ShardingPlan PlanOf(const v1::ModelSpec& model, const Feature& f,
-                        bool with_checkpointing) {
+                        bool with_checkpointing, v1::WorkerDevice device) {
   static StrategyRegistry* registry =
       StrategyRegistry::CreateWithBuiltins().release();
   ShardingPlanner planner(registry);
@@ -176,6 +178,7 @@ v1::ShardingPlan PlanOf(const v1::ModelSpec& model, const Feature& f,
   options.mutable_mesh()->set_dp_shard(1);
   options.mutable_mesh()->set_dp_replicate(1);
   options.set_mixed_precision(f.mixed);
+  options.set_worker_device(device);
   options.set_keep_compute_shard(f.keep_compute_shard);
   options.set_microbatches(f.microbatches);
   if (f.model == Feature::Model::kDiffusion) {
@@ -236,21 +239,22 @@ std::vector<std::vector<data::MicroBatch>> BatchesOf(
 
 // What a job produced.
 struct Trace {
-  std::vector<StepResult> results;  // Training steps.
-  std::vector<StepResult> evals;    // Before each training step (eval).
+  std::vector<StepResult> results;         // Training steps.
+  std::vector<StepResult> evals;           // Before each training step (eval).
   std::vector<std::vector<float>> params;  // Final owned slices.
   bool ok = false;
 };
 
-using ExecutorFactory = std::function<absl::StatusOr<std::unique_ptr<
-    StepExecutor>>(const v1::ShardingPlan&, const v1::ModelSpec&,
-                   const StepExecutorOptions&)>;
+using ExecutorFactory =
+    std::function<absl::StatusOr<std::unique_ptr<StepExecutor>>(
+        const v1::ShardingPlan&, const v1::ModelSpec&,
+        const StepExecutorOptions&)>;
 
-Trace RunJob(const Feature& f, bool with_checkpointing,
+Trace RunJob(const Feature& f, bool with_checkpointing, v1::WorkerDevice device,
              const ExecutorFactory& make) {
   Trace trace;
   const v1::ModelSpec model = ModelOf(f);
-  const v1::ShardingPlan plan = PlanOf(model, f, with_checkpointing);
+  const v1::ShardingPlan plan = PlanOf(model, f, with_checkpointing, device);
   absl::StatusOr<v1::StepProgram> program = CompileStepProgram(plan);
   EXPECT_TRUE(program.ok()) << program.status();
   absl::StatusOr<v1::StepProgram> eval = CompileEvalProgram(plan);
@@ -275,16 +279,14 @@ Trace RunJob(const Feature& f, bool with_checkpointing,
     if (!r.ok()) return trace;
     trace.results.push_back(*r);
     // The measured activation peak is the plan's.
-    EXPECT_EQ(r->peak_activation_bytes,
-              plan.memory().peak_activation_bytes())
+    EXPECT_EQ(r->peak_activation_bytes, plan.memory().peak_activation_bytes())
         << f.name << " step " << s;
   }
   for (const v1::FsdpUnit& unit : plan.units()) {
     for (const v1::ParamLayout& param : unit.params()) {
       std::vector<float> values(param.numel());
-      EXPECT_THAT(
-          (*executor)->CopyOwnedParamSlice(param.name(), values.data()),
-          IsOk());
+      EXPECT_THAT((*executor)->CopyOwnedParamSlice(param.name(), values.data()),
+                  IsOk());
       trace.params.push_back(std::move(values));
     }
   }
@@ -302,11 +304,11 @@ Trace RunCpu(const Feature& f, bool with_checkpointing) {
   EXPECT_TRUE(gloo.ok()) << gloo.status();
   if (!gloo.ok()) return Trace();
   MemoryTracker tracker;
-  return RunJob(f, with_checkpointing,
+  return RunJob(f, with_checkpointing, v1::WORKER_DEVICE_CPU,
                 [&](const v1::ShardingPlan& plan, const v1::ModelSpec& model,
                     const StepExecutorOptions& options) {
-                  return StepExecutor::Create(plan, model, options,
-                                              gloo->get(), nullptr, &tracker);
+                  return StepExecutor::Create(plan, model, options, gloo->get(),
+                                              nullptr, &tracker);
                 });
 }
 
@@ -374,15 +376,14 @@ TEST_P(DeviceParityTest, Cuda) {
   CudaMemoryBackend backend(0);
   DeviceAllocator allocator(&backend, &tracker);
   const Trace gpu = RunJob(
-      f, true,
+      f, true, v1::WORKER_DEVICE_CUDA,
       [&](const v1::ShardingPlan& plan, const v1::ModelSpec& model,
           const StepExecutorOptions& step) {
         CudaBackendOptions options;
         options.step = step;
         options.device = 0;
-        return CreateCudaStepExecutor(plan, model, options, nccl.get(),
-                                      nullptr, &allocator, &tracker, {},
-                                      nullptr);
+        return CreateCudaStepExecutor(plan, model, options, nccl.get(), nullptr,
+                                      &allocator, &tracker, {}, nullptr);
       });
   ASSERT_TRUE(gpu.ok) << f.name << " does not run on the GPU";
   const double rel = f.mixed ? 3e-2 : 1e-4;
@@ -402,15 +403,15 @@ TEST_P(DeviceParityTest, Cuda) {
 
 #endif  // SHARDD_PARITY_CUDA
 
-INSTANTIATE_TEST_SUITE_P(
-    Features, DeviceParityTest, ::testing::ValuesIn(Features()),
-    [](const ::testing::TestParamInfo<Feature>& info) {
-      std::string name = info.param.name;
-      for (char& c : name) {
-        if (c == ':') c = '_';
-      }
-      return name;
-    });
+INSTANTIATE_TEST_SUITE_P(Features, DeviceParityTest,
+                         ::testing::ValuesIn(Features()),
+                         [](const ::testing::TestParamInfo<Feature>& info) {
+                           std::string name = info.param.name;
+                           for (char& c : name) {
+                             if (c == ':') c = '_';
+                           }
+                           return name;
+                         });
 
 }  // namespace
 }  // namespace shardd
