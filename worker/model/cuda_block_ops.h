@@ -40,8 +40,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "kernels/cuda/grouped_experts.h"
 #include "absl/time/time.h"
+#include "kernels/cuda/grouped_experts.h"
 #include "worker/comm/nccl_communicator.h"
 #include "worker/memory/device_allocator.h"
 #include "worker/model/block_ops.h"
@@ -222,27 +222,34 @@ class CudaBlockOps : public BlockOps {
   absl::StatusOr<DeviceBuffer> UploadBytes(const void* host, int64_t bytes);
   // A route's order or position (worker/model/expert_exchange.h).
   absl::StatusOr<DeviceBuffer> UploadRoute(const std::vector<int64_t>& host);
-  // Expert parallelism's row exchanges in storage type T
-  // (cuda_block_ops_exchange.cc).
+  // Expert parallelism's row exchanges in storage type T on device memory
+  // (cuda_block_ops_exchange.cc): the Act forms and DiffusionGemma's state
+  // both call these. Dispatch: the route's rows of x [t, D] with their
+  // weights and choices -> x_r [received, D], ids_r (local expert) and w_r.
+  // Combine: y_r [received, D] -> y [t, D]. DispatchGrad: dy [t, D] ->
+  // dy_r. CombineGrad: dx_r, dw_r -> dx [t, D] and d_weights [t, K].
   template <typename T>
   absl::Status ExchangeDispatchT(ExpertExchange& exchange,
-                                 const ExpertRoute& route, const Act& x,
-                                 const Act& weights, const Act& indices,
-                                 Act* x_r, Act* ids_r, Act* w_r);
+                                 const ExpertRoute& route, const T* x,
+                                 const float* weights, const int32_t* indices,
+                                 T* x_r, int32_t* ids_r, float* w_r);
   template <typename T>
-  absl::Status ExchangeCombineT(const ExpertRoute& route, const Act& y_r,
-                                Act* y);
+  absl::Status ExchangeCombineT(const ExpertRoute& route, const T* y_r, T* y);
   template <typename T>
-  absl::Status ExchangeDispatchGradT(const ExpertRoute& route, const Act& dy,
-                                     Act* dy_r);
+  absl::Status ExchangeDispatchGradT(const ExpertRoute& route, const T* dy,
+                                     T* dy_r);
   template <typename T>
-  absl::Status ExchangeCombineGradT(const ExpertRoute& route, const Act& dx_r,
-                                    const Act& dw_r, Act* dx, Act* d_weights);
+  absl::Status ExchangeCombineGradT(const ExpertRoute& route, const T* dx_r,
+                                    const float* dw_r, T* dx, float* d_weights);
   // n values of `a` in fp32: its own memory when T is float, else widened
   // into `widened`.
   template <typename T>
-  absl::StatusOr<const float*> Widened(const Act& a, int64_t n,
+  absl::StatusOr<const float*> Widened(const T* a, int64_t n,
                                        DeviceBuffer* widened);
+  // The router's n choices (device int32) on the host (waits for the
+  // stream: the exchange's counts go first).
+  absl::Status ReadChoicesRaw(const int32_t* indices, int64_t n,
+                              std::vector<int32_t>* host);
   // One all-to-all of fp32 rows `width` wide over the expert group, ordered
   // after the stream's work and before what follows on it: `send` in route
   // order -> `recv` by source rank, or the reverse.

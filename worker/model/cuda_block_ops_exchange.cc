@@ -30,24 +30,29 @@ namespace kc = ::shardd::kernels::cuda;
 }  // namespace
 
 template <typename T>
-absl::StatusOr<const float*> CudaBlockOps::Widened(const Act& a, int64_t n,
+absl::StatusOr<const float*> CudaBlockOps::Widened(const T* a, int64_t n,
                                                    DeviceBuffer* widened) {
   if constexpr (std::is_same_v<T, float>) {
-    return a.as<float>();
+    return a;
   } else {
     SHARDD_ASSIGN_OR_RETURN(*widened, Alloc(n * 4));
     SHARDD_RETURN_IF_ERROR(
-        kc::CastBf16ToFp32(a.as<uint16_t>(), widened->as<float>(), n, stream_));
+        kc::CastBf16ToFp32(a, widened->as<float>(), n, stream_));
     return widened->as<const float>();
   }
 }
 
 absl::Status CudaBlockOps::ReadChoices(const Act& indices, int64_t n,
                                        std::vector<int32_t>* host) {
+  return ReadChoicesRaw(indices.as<int32_t>(), n, host);
+}
+
+absl::Status CudaBlockOps::ReadChoicesRaw(const int32_t* indices, int64_t n,
+                                          std::vector<int32_t>* host) {
   host->resize(static_cast<size_t>(n));
   if (n == 0) return absl::OkStatus();
   SHARDD_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(host->data(), indices.data(), n * sizeof(int32_t),
+      cudaMemcpyAsync(host->data(), indices, n * sizeof(int32_t),
                       cudaMemcpyDeviceToHost, stream_),
       "expert parallelism: reading the router's choices");
   SHARDD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_),
@@ -88,9 +93,9 @@ absl::Status CudaBlockOps::ExchangeRows(const ExpertRoute& route, bool reverse,
 template <typename T>
 absl::Status CudaBlockOps::ExchangeDispatchT(ExpertExchange& exchange,
                                              const ExpertRoute& route,
-                                             const Act& x, const Act& weights,
-                                             const Act& indices, Act* x_r,
-                                             Act* ids_r, Act* w_r) {
+                                             const T* x, const float* weights,
+                                             const int32_t* indices, T* x_r,
+                                             int32_t* ids_r, float* w_r) {
   const int64_t d = arch_->dim;
   const int64_t width = d + kernels::kDispatchRowExtras;
   const int64_t rows = static_cast<int64_t>(route.order.size());
@@ -98,19 +103,17 @@ absl::Status CudaBlockOps::ExchangeDispatchT(ExpertExchange& exchange,
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer send, Alloc(rows * width * 4));
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer recv, Alloc(route.received * width * 4));
   SHARDD_RETURN_IF_ERROR(kc::PackDispatchRows(
-      x.as<T>(), weights.as<float>(), indices.as<int32_t>(),
-      order.as<int64_t>(), rows, route.k, d, exchange.local_experts(),
-      send.as<float>(), stream_));
+      x, weights, indices, order.as<int64_t>(), rows, route.k, d,
+      exchange.local_experts(), send.as<float>(), stream_));
   SHARDD_RETURN_IF_ERROR(ExchangeRows(route, /*reverse=*/false, width,
                                       send.as<float>(), recv.as<float>()));
-  return kc::UnpackDispatchRows(recv.as<float>(), route.received, d,
-                                x_r->as<T>(), ids_r->as<int32_t>(),
-                                w_r->as<float>(), stream_);
+  return kc::UnpackDispatchRows(recv.as<float>(), route.received, d, x_r, ids_r,
+                                w_r, stream_);
 }
 
 template <typename T>
 absl::Status CudaBlockOps::ExchangeCombineT(const ExpertRoute& route,
-                                            const Act& y_r, Act* y) {
+                                            const T* y_r, T* y) {
   const int64_t d = arch_->dim;
   const int64_t rows = static_cast<int64_t>(route.order.size());
   DeviceBuffer widened;
@@ -121,36 +124,34 @@ absl::Status CudaBlockOps::ExchangeCombineT(const ExpertRoute& route,
       ExchangeRows(route, /*reverse=*/true, d, send, back.as<float>()));
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer position, UploadRoute(route.position));
   return kc::CombineRows(back.as<float>(), position.as<int64_t>(), route.t,
-                         route.k, d, d, y->as<T>(), nullptr, stream_);
+                         route.k, d, d, y, nullptr, stream_);
 }
 
 template <typename T>
 absl::Status CudaBlockOps::ExchangeDispatchGradT(const ExpertRoute& route,
-                                                 const Act& dy, Act* dy_r) {
+                                                 const T* dy, T* dy_r) {
   const int64_t d = arch_->dim;
   const int64_t rows = static_cast<int64_t>(route.order.size());
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer order, UploadRoute(route.order));
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer send, Alloc(rows * d * 4));
-  SHARDD_RETURN_IF_ERROR(kc::PackGradRows(dy.as<T>(), order.as<int64_t>(), rows,
-                                          route.k, d, send.as<float>(),
-                                          stream_));
+  SHARDD_RETURN_IF_ERROR(kc::PackGradRows(
+      dy, order.as<int64_t>(), rows, route.k, d, send.as<float>(), stream_));
   if constexpr (std::is_same_v<T, float>) {
-    return ExchangeRows(route, /*reverse=*/false, d, send.as<float>(),
-                        dy_r->as<float>());
+    return ExchangeRows(route, /*reverse=*/false, d, send.as<float>(), dy_r);
   } else {
     SHARDD_ASSIGN_OR_RETURN(DeviceBuffer recv, Alloc(route.received * d * 4));
     SHARDD_RETURN_IF_ERROR(ExchangeRows(route, /*reverse=*/false, d,
                                         send.as<float>(), recv.as<float>()));
-    return kc::CastFp32ToBf16(recv.as<float>(), dy_r->as<uint16_t>(),
-                              route.received * d, stream_);
+    return kc::CastFp32ToBf16(recv.as<float>(), dy_r, route.received * d,
+                              stream_);
   }
 }
 
 template <typename T>
 absl::Status CudaBlockOps::ExchangeCombineGradT(const ExpertRoute& route,
-                                                const Act& dx_r,
-                                                const Act& dw_r, Act* dx,
-                                                Act* d_weights) {
+                                                const T* dx_r,
+                                                const float* dw_r, T* dx,
+                                                float* d_weights) {
   const int64_t d = arch_->dim;
   const int64_t width = d + kernels::kCombineGradRowExtras;
   const int64_t rows = static_cast<int64_t>(route.order.size());
@@ -158,15 +159,14 @@ absl::Status CudaBlockOps::ExchangeCombineGradT(const ExpertRoute& route,
   SHARDD_ASSIGN_OR_RETURN(const float* dx_rows,
                           Widened<T>(dx_r, route.received * d, &widened));
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer send, Alloc(route.received * width * 4));
-  SHARDD_RETURN_IF_ERROR(kc::PackCombineGradRows(
-      dx_rows, dw_r.as<float>(), route.received, d, send.as<float>(), stream_));
+  SHARDD_RETURN_IF_ERROR(kc::PackCombineGradRows(dx_rows, dw_r, route.received,
+                                                 d, send.as<float>(), stream_));
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer back, Alloc(rows * width * 4));
   SHARDD_RETURN_IF_ERROR(ExchangeRows(route, /*reverse=*/true, width,
                                       send.as<float>(), back.as<float>()));
   SHARDD_ASSIGN_OR_RETURN(DeviceBuffer position, UploadRoute(route.position));
   return kc::CombineRows(back.as<float>(), position.as<int64_t>(), route.t,
-                         route.k, width, d, dx->as<T>(), d_weights->as<float>(),
-                         stream_);
+                         route.k, width, d, dx, d_weights, stream_);
 }
 
 absl::Status CudaBlockOps::ExchangeDispatch(ExpertExchange& exchange,
@@ -174,34 +174,67 @@ absl::Status CudaBlockOps::ExchangeDispatch(ExpertExchange& exchange,
                                             const Act& x, const Act& weights,
                                             const Act& indices, Act* x_r,
                                             Act* ids_r, Act* w_r) {
-  return bf16() ? ExchangeDispatchT<uint16_t>(exchange, route, x, weights,
-                                              indices, x_r, ids_r, w_r)
-                : ExchangeDispatchT<float>(exchange, route, x, weights, indices,
-                                           x_r, ids_r, w_r);
+  const float* w = weights.as<float>();
+  const int32_t* ids = indices.as<int32_t>();
+  return bf16()
+             ? ExchangeDispatchT<uint16_t>(
+                   exchange, route, x.as<uint16_t>(), w, ids,
+                   x_r->as<uint16_t>(), ids_r->as<int32_t>(), w_r->as<float>())
+             : ExchangeDispatchT<float>(exchange, route, x.as<float>(), w, ids,
+                                        x_r->as<float>(), ids_r->as<int32_t>(),
+                                        w_r->as<float>());
 }
 
 absl::Status CudaBlockOps::ExchangeCombine(ExpertExchange&,
                                            const ExpertRoute& route,
                                            const Act& y_r, Act* y) {
-  return bf16() ? ExchangeCombineT<uint16_t>(route, y_r, y)
-                : ExchangeCombineT<float>(route, y_r, y);
+  return bf16()
+             ? ExchangeCombineT<uint16_t>(route, y_r.as<uint16_t>(),
+                                          y->as<uint16_t>())
+             : ExchangeCombineT<float>(route, y_r.as<float>(), y->as<float>());
 }
 
 absl::Status CudaBlockOps::ExchangeDispatchGrad(ExpertExchange&,
                                                 const ExpertRoute& route,
                                                 const Act& dy, Act* dy_r) {
-  return bf16() ? ExchangeDispatchGradT<uint16_t>(route, dy, dy_r)
-                : ExchangeDispatchGradT<float>(route, dy, dy_r);
+  return bf16() ? ExchangeDispatchGradT<uint16_t>(route, dy.as<uint16_t>(),
+                                                  dy_r->as<uint16_t>())
+                : ExchangeDispatchGradT<float>(route, dy.as<float>(),
+                                               dy_r->as<float>());
 }
 
 absl::Status CudaBlockOps::ExchangeCombineGrad(ExpertExchange&,
                                                const ExpertRoute& route,
                                                const Act& dx_r, const Act& dw_r,
                                                Act* dx, Act* d_weights) {
-  return bf16()
-             ? ExchangeCombineGradT<uint16_t>(route, dx_r, dw_r, dx, d_weights)
-             : ExchangeCombineGradT<float>(route, dx_r, dw_r, dx, d_weights);
+  const float* dw = dw_r.as<float>();
+  float* d_w = d_weights->as<float>();
+  return bf16() ? ExchangeCombineGradT<uint16_t>(route, dx_r.as<uint16_t>(), dw,
+                                                 dx->as<uint16_t>(), d_w)
+                : ExchangeCombineGradT<float>(route, dx_r.as<float>(), dw,
+                                              dx->as<float>(), d_w);
 }
+
+// DiffusionGemma's state (cuda_block_ops_gemma.cc) calls both forms.
+template absl::Status CudaBlockOps::ExchangeDispatchT<float>(
+    ExpertExchange&, const ExpertRoute&, const float*, const float*,
+    const int32_t*, float*, int32_t*, float*);
+template absl::Status CudaBlockOps::ExchangeDispatchT<uint16_t>(
+    ExpertExchange&, const ExpertRoute&, const uint16_t*, const float*,
+    const int32_t*, uint16_t*, int32_t*, float*);
+template absl::Status CudaBlockOps::ExchangeCombineT<float>(const ExpertRoute&,
+                                                            const float*,
+                                                            float*);
+template absl::Status CudaBlockOps::ExchangeCombineT<uint16_t>(
+    const ExpertRoute&, const uint16_t*, uint16_t*);
+template absl::Status CudaBlockOps::ExchangeDispatchGradT<float>(
+    const ExpertRoute&, const float*, float*);
+template absl::Status CudaBlockOps::ExchangeDispatchGradT<uint16_t>(
+    const ExpertRoute&, const uint16_t*, uint16_t*);
+template absl::Status CudaBlockOps::ExchangeCombineGradT<float>(
+    const ExpertRoute&, const float*, const float*, float*, float*);
+template absl::Status CudaBlockOps::ExchangeCombineGradT<uint16_t>(
+    const ExpertRoute&, const uint16_t*, const float*, uint16_t*, float*);
 
 }  // namespace step
 }  // namespace shardd

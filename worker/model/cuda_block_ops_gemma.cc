@@ -31,8 +31,8 @@
 #include "kernels/cuda/row_major_gemm.h"
 #include "worker/model/attention_geometry.h"
 #include "worker/model/cuda_block_ops.h"
-#include "worker/model/device_linear.h"
 #include "worker/model/cuda_block_ops_kernels.h"
+#include "worker/model/device_linear.h"
 
 namespace shardd {
 namespace step {
@@ -67,6 +67,12 @@ struct GemmaState : BlockState {
   // The encode's: the decodes' gradients of its k and v (fp32), added by
   // its BACKWARD(LAYER).
   DeviceBuffer dk_ext, dv_ext;
+  // Expert parallelism: where the routed rows went (DISPATCH to BACKWARD
+  // DISPATCH) and the rows between the commands: received with their local
+  // experts and weights, their outputs; backward the output gradients,
+  // then the input and weight gradients.
+  ExpertRoute route;
+  DeviceBuffer x_r, ids_r, w_r, y_r, dy_r, dx_r, dw_r;
 
   std::vector<DeviceBuffer*> Buffers() {
     return {&x_in,
@@ -109,7 +115,14 @@ struct GemmaState : BlockState {
             &dweights,
             &d_ff_norms,
             &dk_ext,
-            &dv_ext};
+            &dv_ext,
+            &x_r,
+            &ids_r,
+            &w_r,
+            &y_r,
+            &dy_r,
+            &dx_r,
+            &dw_r};
   }
   int64_t bytes() const override {
     int64_t total = 0;
@@ -598,22 +611,35 @@ struct CudaBlockOps::Gemma {
   // the backward reads); with null x only the experts' state again (the
   // grouped experts, their output and post_feedforward_layernorm_2's
   // inverse RMS) from the kept inputs, before a recomputed layer's
-  // BACKWARD(EXPERTS).
+  // BACKWARD(EXPERTS). With `ep` the routed experts run expert-parallel
+  // (spec holds this rank's block): DISPATCH copies the weights and sends
+  // the rows, EXPERTS runs the local experts, COMBINE brings the outputs
+  // back and finishes the layer; kAll runs the three in order.
   template <typename T>
   static absl::Status ExpertsForward(CudaBlockOps& o, const MoeLayerSpec& spec,
-                                     int64_t t, GemmaState* g, T* x) {
+                                     int64_t t, GemmaState* g, T* x,
+                                     const RoutedExchange* ep,
+                                     ExpertsPhase phase) {
     constexpr int64_t kElem = sizeof(T);
     const MoeArchitecture& a = *o.arch_;
     const int64_t d = a.dim;
     cudaStream_t stream = o.stream_;
     Temps temps;
+    const bool all = phase == ExpertsPhase::kAll;
+    const bool exchanged = ep != nullptr && ep->exchange != nullptr;
+    if (!all && !exchanged) {
+      return absl::FailedPreconditionError(
+          "DISPATCH / COMBINE of a DiffusionGemma layer without expert "
+          "parallelism");
+    }
+    if (phase == ExpertsPhase::kCombine && x == nullptr) {
+      return absl::InvalidArgumentError("COMBINE without the layer's output");
+    }
     if (g->experts_in.empty() || g->indices.empty()) {
       return absl::FailedPreconditionError(
           "EXPERTS of a DiffusionGemma layer without its LAYER");
     }
-    SHARDD_ASSIGN_OR_RETURN(const T* w_gu, o.Param<T>(spec.w_gu, &temps));
-    SHARDD_ASSIGN_OR_RETURN(const T* w_d, o.Param<T>(spec.w_d, &temps));
-    if (x != nullptr) {
+    if (x != nullptr && (all || phase == ExpertsPhase::kDispatch)) {
       SHARDD_ASSIGN_OR_RETURN(const T* w_post2,
                               o.Param<T>(spec.post_ff_norm_2, &temps));
       SHARDD_ASSIGN_OR_RETURN(const T* w_post,
@@ -632,29 +658,46 @@ struct CudaBlockOps::Gemma {
                             stream),
             "DiffusionGemma: the layer weights the experts' backward reads");
       }
-    } else if (g->layer_w.bytes() != (3 * d + 1) * kElem) {
+    }
+    if (!all && phase != ExpertsPhase::kCombine) {
+      return ExchangedForward<T>(o, spec, t, g, *ep, phase);
+    }
+    if (g->layer_w.bytes() != (3 * d + 1) * kElem) {
       return absl::FailedPreconditionError(
-          "recompute of a DiffusionGemma layer's experts without its "
-          "forward");
+          x == nullptr ? "recompute of a DiffusionGemma layer's experts "
+                         "without its forward"
+                       : "COMBINE of a DiffusionGemma layer without its "
+                         "DISPATCH");
     }
     const T* w_post2 = g->layer_w.as<T>();
     const T* w_post = w_post2 + d;
     const T* ls = w_post2 + 3 * d;
-    const kc::ExpertDims dims{t, d, spec.moe_inter, spec.experts, a.top_k};
-    g->ReleaseExperts();
-    SHARDD_ASSIGN_OR_RETURN(ExpertSlot slot, o.AcquireExpertSlot(dims));
-    g->experts_memory = std::move(slot.memory);
-    g->experts = std::move(slot.workspace);
-    g->experts_out.Reset();
-    SHARDD_ASSIGN_OR_RETURN(g->experts_out, o.Alloc(t * d * kElem));
-    const int64_t syncs_before = g->experts->host_syncs();
-    const absl::Status forward = kc::GroupedExpertsForward(
-        dims, o.ExpertOptions(), g->experts_in.data(), g->indices.as<int32_t>(),
-        g->weights.as<float>(),
-        /*token_mask=*/nullptr, w_gu, w_d, g->experts_out.data(),
-        g->experts.get(), o.cublas_, stream);
-    o.host_syncs_ += g->experts->host_syncs() - syncs_before;
-    SHARDD_RETURN_IF_ERROR(forward);
+    if (!all) {
+      SHARDD_RETURN_IF_ERROR(ExchangedForward<T>(o, spec, t, g, *ep, phase));
+    } else if (exchanged) {
+      for (ExpertsPhase p : {ExpertsPhase::kDispatch, ExpertsPhase::kCompute,
+                             ExpertsPhase::kCombine}) {
+        SHARDD_RETURN_IF_ERROR(ExchangedForward<T>(o, spec, t, g, *ep, p));
+      }
+    } else {
+      SHARDD_ASSIGN_OR_RETURN(const T* w_gu, o.Param<T>(spec.w_gu, &temps));
+      SHARDD_ASSIGN_OR_RETURN(const T* w_d, o.Param<T>(spec.w_d, &temps));
+      const kc::ExpertDims dims{t, d, spec.moe_inter, spec.experts, a.top_k};
+      g->ReleaseExperts();
+      SHARDD_ASSIGN_OR_RETURN(ExpertSlot slot, o.AcquireExpertSlot(dims));
+      g->experts_memory = std::move(slot.memory);
+      g->experts = std::move(slot.workspace);
+      g->experts_out.Reset();
+      SHARDD_ASSIGN_OR_RETURN(g->experts_out, o.Alloc(t * d * kElem));
+      const int64_t syncs_before = g->experts->host_syncs();
+      const absl::Status forward = kc::GroupedExpertsForward(
+          dims, o.ExpertOptions(), g->experts_in.data(),
+          g->indices.as<int32_t>(), g->weights.as<float>(),
+          /*token_mask=*/nullptr, w_gu, w_d, g->experts_out.data(),
+          g->experts.get(), o.cublas_, stream);
+      o.host_syncs_ += g->experts->host_syncs() - syncs_before;
+      SHARDD_RETURN_IF_ERROR(forward);
+    }
     DeviceBuffer h2;
     SHARDD_RETURN_IF_ERROR(NormInto<T>(o, g->experts_out.as<T>(), w_post2, t, d,
                                        &h2, &g->post2_inv));
@@ -675,60 +718,250 @@ struct CudaBlockOps::Gemma {
     return absl::OkStatus();
   }
 
+  // One expert-parallel share of EXPERTS' forward (gemma_layer.cc's
+  // ExchangedForward on the device): DISPATCH routes the choices and sends
+  // the experts' input rows, EXPERTS runs the local experts top-1 over the
+  // received rows (each row's weight applied there), COMBINE writes
+  // experts_out.
+  template <typename T>
+  static absl::Status ExchangedForward(CudaBlockOps& o,
+                                       const MoeLayerSpec& spec, int64_t t,
+                                       GemmaState* g, const RoutedExchange& ep,
+                                       ExpertsPhase phase) {
+    constexpr int64_t kElem = sizeof(T);
+    const MoeArchitecture& a = *o.arch_;
+    const int64_t d = a.dim;
+    const int k = a.top_k;
+    const int64_t r = g->route.received;
+    switch (phase) {
+      case ExpertsPhase::kDispatch: {
+        std::vector<int32_t> choices;
+        SHARDD_RETURN_IF_ERROR(
+            o.ReadChoicesRaw(g->indices.as<int32_t>(), t * k, &choices));
+        SHARDD_RETURN_IF_ERROR(ep.exchange->Route(
+            choices.data(), t, k, ep.max_received_rows, &g->route));
+        // At least one row: a buffer of 0 bytes has no memory.
+        const int64_t rows = std::max<int64_t>(1, g->route.received);
+        for (DeviceBuffer* b : {&g->x_r, &g->ids_r, &g->w_r}) b->Reset();
+        SHARDD_ASSIGN_OR_RETURN(g->x_r, o.Alloc(rows * d * kElem));
+        SHARDD_ASSIGN_OR_RETURN(g->ids_r, o.Alloc(rows * 4));
+        SHARDD_ASSIGN_OR_RETURN(g->w_r, o.Alloc(rows * 4));
+        return o.ExchangeDispatchT<T>(
+            *ep.exchange, g->route, g->experts_in.as<T>(),
+            g->weights.as<float>(), g->indices.as<int32_t>(), g->x_r.as<T>(),
+            g->ids_r.as<int32_t>(), g->w_r.as<float>());
+      }
+      case ExpertsPhase::kCompute: {
+        if (g->route.t != t || g->x_r.empty()) {
+          return absl::FailedPreconditionError(
+              "EXPERTS of an expert-parallel DiffusionGemma layer before its "
+              "DISPATCH");
+        }
+        Temps temps;
+        SHARDD_ASSIGN_OR_RETURN(const T* w_gu, o.Param<T>(spec.w_gu, &temps));
+        SHARDD_ASSIGN_OR_RETURN(const T* w_d, o.Param<T>(spec.w_d, &temps));
+        const kc::ExpertDims dims{r, d, spec.moe_inter, spec.experts, 1};
+        g->ReleaseExperts();
+        SHARDD_ASSIGN_OR_RETURN(ExpertSlot slot, o.AcquireExpertSlot(dims));
+        g->experts_memory = std::move(slot.memory);
+        g->experts = std::move(slot.workspace);
+        g->y_r.Reset();
+        SHARDD_ASSIGN_OR_RETURN(g->y_r,
+                                o.Alloc(std::max<int64_t>(1, r) * d * kElem));
+        const int64_t syncs_before = g->experts->host_syncs();
+        const absl::Status forward = kc::GroupedExpertsForward(
+            dims, o.ExpertOptions(), g->x_r.data(), g->ids_r.as<int32_t>(),
+            g->w_r.as<float>(), /*token_mask=*/nullptr, w_gu, w_d,
+            g->y_r.data(), g->experts.get(), o.cublas_, o.stream_);
+        o.host_syncs_ += g->experts->host_syncs() - syncs_before;
+        SHARDD_RETURN_IF_ERROR(forward);
+        for (DeviceBuffer* b : {&g->x_r, &g->ids_r, &g->w_r}) b->Reset();
+        return absl::OkStatus();
+      }
+      case ExpertsPhase::kCombine: {
+        if (g->route.t != t || g->y_r.empty()) {
+          return absl::FailedPreconditionError(
+              "COMBINE of an expert-parallel DiffusionGemma layer before its "
+              "EXPERTS");
+        }
+        g->experts_out.Reset();
+        SHARDD_ASSIGN_OR_RETURN(g->experts_out, o.Alloc(t * d * kElem));
+        SHARDD_RETURN_IF_ERROR(o.ExchangeCombineT<T>(g->route, g->y_r.as<T>(),
+                                                     g->experts_out.as<T>()));
+        g->y_r.Reset();
+        return absl::OkStatus();
+      }
+      case ExpertsPhase::kAll:
+        break;
+    }
+    return absl::InternalError("ExchangedForward of the whole EXPERTS");
+  }
+
+  // BACKWARD(EXPERTS) from dx (the layer output's gradient): with `ep`,
+  // BACKWARD COMBINE starts it and sends the experts' output gradients,
+  // BACKWARD EXPERTS runs the local experts' backward, BACKWARD DISPATCH
+  // brings the input and weight gradients back and finishes it.
   template <typename T>
   static absl::Status ExpertsBackward(CudaBlockOps& o, const MoeLayerSpec& spec,
-                                      int64_t t, const T* dx, GemmaState* g) {
+                                      int64_t t, const T* dx, GemmaState* g,
+                                      const RoutedExchange* ep,
+                                      ExpertsPhase phase) {
     constexpr int64_t kElem = sizeof(T);
     const MoeArchitecture& a = *o.arch_;
     const int64_t d = a.dim;
     cudaStream_t stream = o.stream_;
-    if (g->layer_w.bytes() != (3 * d + 1) * kElem || g->experts == nullptr ||
-        g->experts_out.empty()) {
+    const bool all = phase == ExpertsPhase::kAll;
+    const bool exchanged = ep != nullptr && ep->exchange != nullptr;
+    if (!all && !exchanged) {
+      return absl::FailedPreconditionError(
+          "BACKWARD DISPATCH / COMBINE of a DiffusionGemma layer without "
+          "expert parallelism");
+    }
+    if (g->layer_w.bytes() != (3 * d + 1) * kElem) {
       return absl::FailedPreconditionError(
           "BACKWARD(EXPERTS) of a DiffusionGemma layer without its forward");
     }
+    if (exchanged && (g->route.t != t || g->route.k != a.top_k)) {
+      return absl::FailedPreconditionError(
+          "BACKWARD of an expert-parallel DiffusionGemma layer without its "
+          "forward's route");
+    }
     Temps temps;
-    SHARDD_ASSIGN_OR_RETURN(const T* w_gu, o.Param<T>(spec.w_gu, &temps));
-    SHARDD_ASSIGN_OR_RETURN(const T* w_d, o.Param<T>(spec.w_d, &temps));
-    SHARDD_ASSIGN_OR_RETURN(float* dw_gu, o.Grad(spec.w_gu));
-    SHARDD_ASSIGN_OR_RETURN(float* dw_d, o.Grad(spec.w_d));
     const T* w_post2 = g->layer_w.as<T>();
     const T* w_post = w_post2 + d;
     const T* w_pre2 = w_post + d;
     const T* ls = w_pre2 + d;
-    // The residual and the post-feed-forward norm both see dx *
-    // layer_scalar.
-    g->dm.Reset();
-    SHARDD_ASSIGN_OR_RETURN(g->dm, o.Alloc(t * d * kElem));
-    SHARDD_CUDA_RETURN_IF_ERROR(
-        device_model::LaunchSumTimesScalar(dx, static_cast<const T*>(nullptr),
-                                           ls, g->dm.as<T>(), t * d, stream),
-        "DiffusionGemma: d(m)");
-    SHARDD_ASSIGN_OR_RETURN(g->d_ff_norms, Zeroed(o, 3 * d * 4));
-    float* d_norms = g->d_ff_norms.as<float>();
-    g->dsum.Reset();
-    SHARDD_ASSIGN_OR_RETURN(g->dsum, o.Alloc(t * d * kElem));
-    SHARDD_RETURN_IF_ERROR(NormBack<T>(o, g->dm.as<T>(), g->sum.as<T>(), w_post,
-                                       g->post_ff_inv, t, d, g->dsum.as<T>(),
-                                       false, d_norms, &temps));
-    SHARDD_ASSIGN_OR_RETURN(DeviceBuffer g2, o.Alloc(t * d * kElem));
-    SHARDD_RETURN_IF_ERROR(NormBack<T>(
-        o, g->dsum.as<T>(), g->experts_out.as<T>(), w_post2, g->post2_inv, t, d,
-        g2.as<T>(), false, d_norms + d, &temps));
+    DeviceBuffer g2;  // The experts' output gradient [T, D].
+    if (all || phase == ExpertsPhase::kCombine) {
+      if (g->experts_out.empty()) {
+        return absl::FailedPreconditionError(
+            "BACKWARD(EXPERTS) of a DiffusionGemma layer without its "
+            "forward");
+      }
+      // The residual and the post-feed-forward norm both see dx *
+      // layer_scalar.
+      g->dm.Reset();
+      SHARDD_ASSIGN_OR_RETURN(g->dm, o.Alloc(t * d * kElem));
+      SHARDD_CUDA_RETURN_IF_ERROR(
+          device_model::LaunchSumTimesScalar(dx, static_cast<const T*>(nullptr),
+                                             ls, g->dm.as<T>(), t * d, stream),
+          "DiffusionGemma: d(m)");
+      SHARDD_ASSIGN_OR_RETURN(g->d_ff_norms, Zeroed(o, 3 * d * 4));
+      float* d_norms = g->d_ff_norms.as<float>();
+      g->dsum.Reset();
+      SHARDD_ASSIGN_OR_RETURN(g->dsum, o.Alloc(t * d * kElem));
+      SHARDD_RETURN_IF_ERROR(
+          NormBack<T>(o, g->dm.as<T>(), g->sum.as<T>(), w_post, g->post_ff_inv,
+                      t, d, g->dsum.as<T>(), false, d_norms, &temps));
+      SHARDD_ASSIGN_OR_RETURN(g2, o.Alloc(t * d * kElem));
+      SHARDD_RETURN_IF_ERROR(NormBack<T>(
+          o, g->dsum.as<T>(), g->experts_out.as<T>(), w_post2, g->post2_inv, t,
+          d, g2.as<T>(), false, d_norms + d, &temps));
+    }
+    if (!all && phase != ExpertsPhase::kDispatch) {
+      SHARDD_RETURN_IF_ERROR(ExchangedBackward<T>(o, spec, t, g2, g, phase,
+                                                  /*dn=*/nullptr));
+      temps.push_back(std::move(g2));
+      return absl::OkStatus();
+    }
+    if (g->d_ff_norms.bytes() != 3 * d * 4) {
+      return absl::FailedPreconditionError(
+          "BACKWARD DISPATCH of a DiffusionGemma layer before its BACKWARD "
+          "COMBINE");
+    }
     SHARDD_ASSIGN_OR_RETURN(DeviceBuffer dn, o.Alloc(t * d * kElem));
     g->dweights.Reset();
     SHARDD_ASSIGN_OR_RETURN(g->dweights, o.Alloc(t * a.top_k * 4));
-    const kc::ExpertDims dims{t, d, spec.moe_inter, spec.experts, a.top_k};
-    SHARDD_RETURN_IF_ERROR(kc::GroupedExpertsBackward(
-        dims, o.ExpertOptions(), w_gu, w_d, g2.data(), dn.data(),
-        /*accumulate_dx=*/false, g->dweights.as<float>(), dw_gu, dw_d,
-        kc::ExpertBiasGrads{}, g->experts.get(), o.cublas_, stream));
-    SHARDD_RETURN_IF_ERROR(NormBack<T>(o, dn.as<T>(), g->m.as<T>(), w_pre2,
-                                       g->pre2_inv, t, d, g->dm.as<T>(), true,
-                                       d_norms + 2 * d, &temps));
+    if (!all) {
+      SHARDD_RETURN_IF_ERROR(
+          ExchangedBackward<T>(o, spec, t, g2, g, phase, &dn));
+    } else if (exchanged) {
+      for (ExpertsPhase p : {ExpertsPhase::kCombine, ExpertsPhase::kCompute,
+                             ExpertsPhase::kDispatch}) {
+        SHARDD_RETURN_IF_ERROR(ExchangedBackward<T>(o, spec, t, g2, g, p, &dn));
+      }
+    } else {
+      if (g->experts == nullptr) {
+        return absl::FailedPreconditionError(
+            "BACKWARD(EXPERTS) of a DiffusionGemma layer without its "
+            "forward");
+      }
+      SHARDD_ASSIGN_OR_RETURN(const T* w_gu, o.Param<T>(spec.w_gu, &temps));
+      SHARDD_ASSIGN_OR_RETURN(const T* w_d, o.Param<T>(spec.w_d, &temps));
+      SHARDD_ASSIGN_OR_RETURN(float* dw_gu, o.Grad(spec.w_gu));
+      SHARDD_ASSIGN_OR_RETURN(float* dw_d, o.Grad(spec.w_d));
+      const kc::ExpertDims dims{t, d, spec.moe_inter, spec.experts, a.top_k};
+      SHARDD_RETURN_IF_ERROR(kc::GroupedExpertsBackward(
+          dims, o.ExpertOptions(), w_gu, w_d, g2.data(), dn.data(),
+          /*accumulate_dx=*/false, g->dweights.as<float>(), dw_gu, dw_d,
+          kc::ExpertBiasGrads{}, g->experts.get(), o.cublas_, stream));
+    }
+    SHARDD_RETURN_IF_ERROR(NormBack<T>(
+        o, dn.as<T>(), g->m.as<T>(), w_pre2, g->pre2_inv, t, d, g->dm.as<T>(),
+        true, g->d_ff_norms.as<float>() + 2 * d, &temps));
     temps.push_back(std::move(g2));
     temps.push_back(std::move(dn));
     return absl::OkStatus();
+  }
+
+  // One expert-parallel share of BACKWARD(EXPERTS) (gemma_layer.cc's
+  // ExchangedBackward): COMBINE sends g2 (the experts' output gradient),
+  // EXPERTS runs the local experts' backward over the received rows,
+  // DISPATCH writes *dn [T, D] and dweights.
+  template <typename T>
+  static absl::Status ExchangedBackward(CudaBlockOps& o,
+                                        const MoeLayerSpec& spec, int64_t t,
+                                        const DeviceBuffer& g2, GemmaState* g,
+                                        ExpertsPhase phase, DeviceBuffer* dn) {
+    constexpr int64_t kElem = sizeof(T);
+    const int64_t d = o.arch_->dim;
+    const int64_t r = g->route.received;
+    const int64_t rows = std::max<int64_t>(1, r);
+    switch (phase) {
+      case ExpertsPhase::kCombine: {
+        g->dy_r.Reset();
+        SHARDD_ASSIGN_OR_RETURN(g->dy_r, o.Alloc(rows * d * kElem));
+        return o.ExchangeDispatchGradT<T>(g->route, g2.as<T>(),
+                                          g->dy_r.as<T>());
+      }
+      case ExpertsPhase::kCompute: {
+        if (g->dy_r.empty() || g->experts == nullptr) {
+          return absl::FailedPreconditionError(
+              "BACKWARD EXPERTS of an expert-parallel DiffusionGemma layer "
+              "before its BACKWARD COMBINE");
+        }
+        Temps temps;
+        SHARDD_ASSIGN_OR_RETURN(const T* w_gu, o.Param<T>(spec.w_gu, &temps));
+        SHARDD_ASSIGN_OR_RETURN(const T* w_d, o.Param<T>(spec.w_d, &temps));
+        SHARDD_ASSIGN_OR_RETURN(float* dw_gu, o.Grad(spec.w_gu));
+        SHARDD_ASSIGN_OR_RETURN(float* dw_d, o.Grad(spec.w_d));
+        for (DeviceBuffer* b : {&g->dx_r, &g->dw_r}) b->Reset();
+        SHARDD_ASSIGN_OR_RETURN(g->dx_r, o.Alloc(rows * d * kElem));
+        SHARDD_ASSIGN_OR_RETURN(g->dw_r, o.Alloc(rows * 4));
+        const kc::ExpertDims dims{r, d, spec.moe_inter, spec.experts, 1};
+        SHARDD_RETURN_IF_ERROR(kc::GroupedExpertsBackward(
+            dims, o.ExpertOptions(), w_gu, w_d, g->dy_r.data(), g->dx_r.data(),
+            /*accumulate_dx=*/false, g->dw_r.as<float>(), dw_gu, dw_d,
+            kc::ExpertBiasGrads{}, g->experts.get(), o.cublas_, o.stream_));
+        g->dy_r.Reset();
+        return absl::OkStatus();
+      }
+      case ExpertsPhase::kDispatch:
+        if (g->dx_r.empty() || dn == nullptr) {
+          return absl::FailedPreconditionError(
+              "BACKWARD DISPATCH of an expert-parallel DiffusionGemma layer "
+              "before its BACKWARD EXPERTS");
+        }
+        SHARDD_RETURN_IF_ERROR(o.ExchangeCombineGradT<T>(
+            g->route, g->dx_r.as<T>(), g->dw_r.as<float>(), dn->as<T>(),
+            g->dweights.as<float>()));
+        for (DeviceBuffer* b : {&g->dx_r, &g->dw_r}) b->Reset();
+        g->route = ExpertRoute();
+        return absl::OkStatus();
+      case ExpertsPhase::kAll:
+        break;
+    }
+    return absl::InternalError("ExchangedBackward of the whole EXPERTS");
   }
 
   // BACKWARD(LAYER): dx becomes the gradient of the layer's input.
@@ -1211,13 +1444,6 @@ namespace {
 
 // DiffusionGemma's expert-parallel exchange does not run on this device
 // (DeviceMoeModel::SetExpertExchange refuses it up front).
-absl::Status NoExchange(const RoutedExchange* ep, ExpertsPhase phase) {
-  if (ep == nullptr && phase == ExpertsPhase::kAll) return absl::OkStatus();
-  return absl::FailedPreconditionError(
-      "DiffusionGemma's experts: expert parallelism does not run on a GPU "
-      "yet");
-}
-
 }  // namespace
 
 absl::Status CudaBlockOps::GemmaLayerForward(const MoeLayerSpec& spec,
@@ -1252,17 +1478,16 @@ absl::Status CudaBlockOps::GemmaExpertsForward(const MoeLayerSpec& spec,
                                                int64_t t, Saved* layer, Act* x,
                                                const RoutedExchange* ep,
                                                ExpertsPhase phase) {
-  SHARDD_RETURN_IF_ERROR(NoExchange(ep, phase));
   SHARDD_ASSIGN_OR_RETURN(
       GemmaState * g,
       GemmaStateOf(layer,
                    "EXPERTS of a DiffusionGemma layer without its LAYER"));
-  return bf16()
-             ? Gemma::ExpertsForward<uint16_t>(
-                   *this, spec, t, g,
-                   x == nullptr ? nullptr : x->as<uint16_t>())
-             : Gemma::ExpertsForward<float>(
-                   *this, spec, t, g, x == nullptr ? nullptr : x->as<float>());
+  return bf16() ? Gemma::ExpertsForward<uint16_t>(
+                      *this, spec, t, g,
+                      x == nullptr ? nullptr : x->as<uint16_t>(), ep, phase)
+                : Gemma::ExpertsForward<float>(
+                      *this, spec, t, g,
+                      x == nullptr ? nullptr : x->as<float>(), ep, phase);
 }
 
 absl::Status CudaBlockOps::GemmaExpertsBackward(const MoeLayerSpec& spec,
@@ -1270,16 +1495,15 @@ absl::Status CudaBlockOps::GemmaExpertsBackward(const MoeLayerSpec& spec,
                                                 Saved* layer,
                                                 const RoutedExchange* ep,
                                                 ExpertsPhase phase) {
-  SHARDD_RETURN_IF_ERROR(NoExchange(ep, phase));
   SHARDD_ASSIGN_OR_RETURN(
       GemmaState * g,
       GemmaStateOf(layer,
                    "BACKWARD(EXPERTS) of a DiffusionGemma layer without "
                    "its forward"));
-  return bf16()
-             ? Gemma::ExpertsBackward<uint16_t>(*this, spec, t,
-                                                dx.as<uint16_t>(), g)
-             : Gemma::ExpertsBackward<float>(*this, spec, t, dx.as<float>(), g);
+  return bf16() ? Gemma::ExpertsBackward<uint16_t>(
+                      *this, spec, t, dx.as<uint16_t>(), g, ep, phase)
+                : Gemma::ExpertsBackward<float>(*this, spec, t, dx.as<float>(),
+                                                g, ep, phase);
 }
 
 absl::Status CudaBlockOps::GemmaLayerBackward(const MoeLayerSpec& spec,

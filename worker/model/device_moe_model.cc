@@ -185,16 +185,6 @@ absl::Status DeviceMoeModel::SetExpertExchange(ExpertExchange* exchange,
                                                double capacity_factor,
                                                NcclCommunicator* ep_group,
                                                absl::Duration timeout) {
-  if (exchange != nullptr) {
-    for (const MoeLayerSpec& layer : impl_->arch->layers) {
-      if (layer.gemma && layer.has_moe) {
-        return absl::UnimplementedError(
-            "plan.mesh.ep: expert parallelism of DiffusionGemma's experts "
-            "runs on CPU workers only so far (the GPU runs the other "
-            "architectures' expert parallelism; docs/expert_parallel.md)");
-      }
-    }
-  }
   impl_->ops->SetExpertGroup(exchange == nullptr ? nullptr : ep_group,
                              timeout);
   return impl_->step->SetExpertExchange(exchange, capacity_factor);

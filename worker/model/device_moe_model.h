@@ -92,9 +92,7 @@ class DeviceMoeModel {
   absl::Status SetEvaluation(bool eval);
   // Expert parallelism: as MoeModel::SetExpertExchange, the rows moving
   // over `ep_group` (the NCCL communicator `exchange` was made with; not
-  // owned) on the model's stream. Errors: UNIMPLEMENTED for DiffusionGemma
-  // (its experts' exchange runs on CPU workers only so far);
-  // ModelStep::SetExpertExchange's.
+  // owned) on the model's stream. Errors: ModelStep::SetExpertExchange's.
   absl::Status SetExpertExchange(ExpertExchange* exchange,
                                  double capacity_factor,
                                  NcclCommunicator* ep_group,
