@@ -369,8 +369,7 @@ class BlockOps {
   // EXPERTS' forward: the layer's output into *x [T, D]; with null x only
   // the experts' state again (a recompute before their backward). With
   // `ep`, the routed experts run expert-parallel and `spec` holds this
-  // rank's block (FAILED_PRECONDITION where Act memory is not host
-  // memory); `phase` is the share of the DISPATCH, EXPERTS or COMBINE
+  // rank's block; `phase` is the share of the DISPATCH, EXPERTS or COMBINE
   // command (x written by COMBINE), or kAll.
   virtual absl::Status GemmaExpertsForward(const MoeLayerSpec& spec,
                                            int64_t t, Saved* layer, Act* x,

@@ -607,6 +607,51 @@ struct CudaBlockOps::Gemma {
                        &g->pre2_inv);
   }
 
+  // The grouped experts over dims.tokens rows x [rows, D] with their
+  // choices and weights into y [rows, D], the workspace kept in g for the
+  // backward (the whole layer's or, expert-parallel, the received rows').
+  template <typename T>
+  static absl::Status GroupedForward(CudaBlockOps& o, const MoeLayerSpec& spec,
+                                     const kc::ExpertDims& dims, const void* x,
+                                     const int32_t* ids, const float* weights,
+                                     void* y, GemmaState* g) {
+    Temps temps;
+    SHARDD_ASSIGN_OR_RETURN(const T* w_gu, o.Param<T>(spec.w_gu, &temps));
+    SHARDD_ASSIGN_OR_RETURN(const T* w_d, o.Param<T>(spec.w_d, &temps));
+    g->ReleaseExperts();
+    SHARDD_ASSIGN_OR_RETURN(ExpertSlot slot, o.AcquireExpertSlot(dims));
+    g->experts_memory = std::move(slot.memory);
+    g->experts = std::move(slot.workspace);
+    const int64_t syncs_before = g->experts->host_syncs();
+    const absl::Status forward = kc::GroupedExpertsForward(
+        dims, o.ExpertOptions(), x, ids, weights, /*token_mask=*/nullptr, w_gu,
+        w_d, y, g->experts.get(), o.cublas_, o.stream_);
+    o.host_syncs_ += g->experts->host_syncs() - syncs_before;
+    return forward;
+  }
+
+  // GroupedForward's backward: dx [rows, D] and the weights' gradient from
+  // dy, the experts' weight gradients added.
+  template <typename T>
+  static absl::Status GroupedBackward(CudaBlockOps& o, const MoeLayerSpec& spec,
+                                      const kc::ExpertDims& dims,
+                                      const void* dy, void* dx,
+                                      float* d_weights, GemmaState* g) {
+    if (g->experts == nullptr) {
+      return absl::FailedPreconditionError(
+          "BACKWARD(EXPERTS) of a DiffusionGemma layer without its forward");
+    }
+    Temps temps;
+    SHARDD_ASSIGN_OR_RETURN(const T* w_gu, o.Param<T>(spec.w_gu, &temps));
+    SHARDD_ASSIGN_OR_RETURN(const T* w_d, o.Param<T>(spec.w_d, &temps));
+    SHARDD_ASSIGN_OR_RETURN(float* dw_gu, o.Grad(spec.w_gu));
+    SHARDD_ASSIGN_OR_RETURN(float* dw_d, o.Grad(spec.w_d));
+    return kc::GroupedExpertsBackward(dims, o.ExpertOptions(), w_gu, w_d, dy,
+                                      dx, /*accumulate_dx=*/false, d_weights,
+                                      dw_gu, dw_d, kc::ExpertBiasGrads{},
+                                      g->experts.get(), o.cublas_, o.stream_);
+  }
+
   // EXPERTS: the layer's output into x [T, D] (copying the layer weights
   // the backward reads); with null x only the experts' state again (the
   // grouped experts, their output and post_feedforward_layernorm_2's
@@ -680,23 +725,12 @@ struct CudaBlockOps::Gemma {
         SHARDD_RETURN_IF_ERROR(ExchangedForward<T>(o, spec, t, g, *ep, p));
       }
     } else {
-      SHARDD_ASSIGN_OR_RETURN(const T* w_gu, o.Param<T>(spec.w_gu, &temps));
-      SHARDD_ASSIGN_OR_RETURN(const T* w_d, o.Param<T>(spec.w_d, &temps));
-      const kc::ExpertDims dims{t, d, spec.moe_inter, spec.experts, a.top_k};
-      g->ReleaseExperts();
-      SHARDD_ASSIGN_OR_RETURN(ExpertSlot slot, o.AcquireExpertSlot(dims));
-      g->experts_memory = std::move(slot.memory);
-      g->experts = std::move(slot.workspace);
       g->experts_out.Reset();
       SHARDD_ASSIGN_OR_RETURN(g->experts_out, o.Alloc(t * d * kElem));
-      const int64_t syncs_before = g->experts->host_syncs();
-      const absl::Status forward = kc::GroupedExpertsForward(
-          dims, o.ExpertOptions(), g->experts_in.data(),
-          g->indices.as<int32_t>(), g->weights.as<float>(),
-          /*token_mask=*/nullptr, w_gu, w_d, g->experts_out.data(),
-          g->experts.get(), o.cublas_, stream);
-      o.host_syncs_ += g->experts->host_syncs() - syncs_before;
-      SHARDD_RETURN_IF_ERROR(forward);
+      SHARDD_RETURN_IF_ERROR(GroupedForward<T>(
+          o, spec, {t, d, spec.moe_inter, spec.experts, a.top_k},
+          g->experts_in.data(), g->indices.as<int32_t>(),
+          g->weights.as<float>(), g->experts_out.data(), g));
     }
     DeviceBuffer h2;
     SHARDD_RETURN_IF_ERROR(NormInto<T>(o, g->experts_out.as<T>(), w_post2, t, d,
@@ -757,24 +791,13 @@ struct CudaBlockOps::Gemma {
               "EXPERTS of an expert-parallel DiffusionGemma layer before its "
               "DISPATCH");
         }
-        Temps temps;
-        SHARDD_ASSIGN_OR_RETURN(const T* w_gu, o.Param<T>(spec.w_gu, &temps));
-        SHARDD_ASSIGN_OR_RETURN(const T* w_d, o.Param<T>(spec.w_d, &temps));
-        const kc::ExpertDims dims{r, d, spec.moe_inter, spec.experts, 1};
-        g->ReleaseExperts();
-        SHARDD_ASSIGN_OR_RETURN(ExpertSlot slot, o.AcquireExpertSlot(dims));
-        g->experts_memory = std::move(slot.memory);
-        g->experts = std::move(slot.workspace);
         g->y_r.Reset();
         SHARDD_ASSIGN_OR_RETURN(g->y_r,
                                 o.Alloc(std::max<int64_t>(1, r) * d * kElem));
-        const int64_t syncs_before = g->experts->host_syncs();
-        const absl::Status forward = kc::GroupedExpertsForward(
-            dims, o.ExpertOptions(), g->x_r.data(), g->ids_r.as<int32_t>(),
-            g->w_r.as<float>(), /*token_mask=*/nullptr, w_gu, w_d,
-            g->y_r.data(), g->experts.get(), o.cublas_, o.stream_);
-        o.host_syncs_ += g->experts->host_syncs() - syncs_before;
-        SHARDD_RETURN_IF_ERROR(forward);
+        // Top-1 over the block, each row's weight applied here.
+        SHARDD_RETURN_IF_ERROR(GroupedForward<T>(
+            o, spec, {r, d, spec.moe_inter, spec.experts, 1}, g->x_r.data(),
+            g->ids_r.as<int32_t>(), g->w_r.as<float>(), g->y_r.data(), g));
         for (DeviceBuffer* b : {&g->x_r, &g->ids_r, &g->w_r}) b->Reset();
         return absl::OkStatus();
       }
@@ -881,20 +904,9 @@ struct CudaBlockOps::Gemma {
         SHARDD_RETURN_IF_ERROR(ExchangedBackward<T>(o, spec, t, g2, g, p, &dn));
       }
     } else {
-      if (g->experts == nullptr) {
-        return absl::FailedPreconditionError(
-            "BACKWARD(EXPERTS) of a DiffusionGemma layer without its "
-            "forward");
-      }
-      SHARDD_ASSIGN_OR_RETURN(const T* w_gu, o.Param<T>(spec.w_gu, &temps));
-      SHARDD_ASSIGN_OR_RETURN(const T* w_d, o.Param<T>(spec.w_d, &temps));
-      SHARDD_ASSIGN_OR_RETURN(float* dw_gu, o.Grad(spec.w_gu));
-      SHARDD_ASSIGN_OR_RETURN(float* dw_d, o.Grad(spec.w_d));
-      const kc::ExpertDims dims{t, d, spec.moe_inter, spec.experts, a.top_k};
-      SHARDD_RETURN_IF_ERROR(kc::GroupedExpertsBackward(
-          dims, o.ExpertOptions(), w_gu, w_d, g2.data(), dn.data(),
-          /*accumulate_dx=*/false, g->dweights.as<float>(), dw_gu, dw_d,
-          kc::ExpertBiasGrads{}, g->experts.get(), o.cublas_, stream));
+      SHARDD_RETURN_IF_ERROR(GroupedBackward<T>(
+          o, spec, {t, d, spec.moe_inter, spec.experts, a.top_k}, g2.data(),
+          dn.data(), g->dweights.as<float>(), g));
     }
     SHARDD_RETURN_IF_ERROR(NormBack<T>(
         o, dn.as<T>(), g->m.as<T>(), w_pre2, g->pre2_inv, t, d, g->dm.as<T>(),
@@ -930,19 +942,12 @@ struct CudaBlockOps::Gemma {
               "BACKWARD EXPERTS of an expert-parallel DiffusionGemma layer "
               "before its BACKWARD COMBINE");
         }
-        Temps temps;
-        SHARDD_ASSIGN_OR_RETURN(const T* w_gu, o.Param<T>(spec.w_gu, &temps));
-        SHARDD_ASSIGN_OR_RETURN(const T* w_d, o.Param<T>(spec.w_d, &temps));
-        SHARDD_ASSIGN_OR_RETURN(float* dw_gu, o.Grad(spec.w_gu));
-        SHARDD_ASSIGN_OR_RETURN(float* dw_d, o.Grad(spec.w_d));
         for (DeviceBuffer* b : {&g->dx_r, &g->dw_r}) b->Reset();
         SHARDD_ASSIGN_OR_RETURN(g->dx_r, o.Alloc(rows * d * kElem));
         SHARDD_ASSIGN_OR_RETURN(g->dw_r, o.Alloc(rows * 4));
-        const kc::ExpertDims dims{r, d, spec.moe_inter, spec.experts, 1};
-        SHARDD_RETURN_IF_ERROR(kc::GroupedExpertsBackward(
-            dims, o.ExpertOptions(), w_gu, w_d, g->dy_r.data(), g->dx_r.data(),
-            /*accumulate_dx=*/false, g->dw_r.as<float>(), dw_gu, dw_d,
-            kc::ExpertBiasGrads{}, g->experts.get(), o.cublas_, o.stream_));
+        SHARDD_RETURN_IF_ERROR(GroupedBackward<T>(
+            o, spec, {r, d, spec.moe_inter, spec.experts, 1}, g->dy_r.data(),
+            g->dx_r.data(), g->dw_r.as<float>(), g));
         g->dy_r.Reset();
         return absl::OkStatus();
       }

@@ -11,7 +11,8 @@
 // worker/model/model_step.h) over CudaBlockOps (cuda_block_ops.h): what a
 // step computes, keeps, frees and recomputes, evaluation, packed SFT rows
 // and the masked loss are decided there, once for both devices
-// (docs/step_driver.md). Expert parallelism does not run on a GPU yet.
+// (docs/step_driver.md). Expert parallelism, DiffusionGemma's included,
+// runs through the same driver (none of it has run on a GPU yet).
 //
 // Everything is stream-ordered on the model's compute stream: Run() only
 // enqueues work and never waits for the device, except for the one

@@ -100,9 +100,9 @@ class ModelStep {
   // exchanges the routed rows through `exchange` (not owned; null turns
   // it off), each rank's experts accepting at most `capacity_factor` x
   // t * top_k rows (0: no bound).
-  // Errors: FAILED_PRECONDITION when the ops' memory is not host memory
-  // (the GPU path does not run it yet); INVALID_ARGUMENT for a MoE layer
-  // whose experts the exchange's group does not divide.
+  // Both devices run it (BlockOps' Exchange* ops). Errors:
+  // INVALID_ARGUMENT for a MoE layer whose experts the exchange's group
+  // does not divide.
   absl::Status SetExpertExchange(ExpertExchange* exchange,
                                  double capacity_factor);
   // Forgets the step's loss and command order (activations stay).
