@@ -90,6 +90,7 @@ def plan_options(
     micro_batch_size: Optional[int] = None,
     seq_len: Optional[int] = None,
     activation_checkpointing: Optional[str] = None,
+    worker_device: Optional[str] = None,
     lora_rank: Optional[int] = None,
     lora_alpha: Optional[float] = None,
     lora_targets: Optional[Sequence[str]] = None,
@@ -101,7 +102,7 @@ def plan_options(
         replicate: replicas (MeshSpec.dp_replicate, HSDP when > 1).
         ep: expert-parallel degree (MeshSpec.ep): the dp ranks form ep
             groups, each holding 1/ep of every layer's routed experts
-            (docs/expert_parallel.md; planned, not yet trained).
+            (docs/expert_parallel.md).
         ep_capacity_factor: with ep, the routing skew the activation model
             assumes (default 2.0, between 1 and ep).
         strategy: a registered strategy instead of the model's architecture.
@@ -118,6 +119,10 @@ def plan_options(
             always counts its own).
         activation_checkpointing: "none", "all", "experts" or "every:K":
             the layers (or only the experts) that recompute in backward.
+        worker_device: "cpu" (default) or "cuda": whose activations to
+            count (a GPU worker keeps them in bf16 under mixed precision,
+            with its kernels' saved state); a job's plan takes the device
+            from its workers.
         lora_rank, lora_alpha, lora_targets: LoRA fine-tuning
             (docs/lora.md): rank-R adapters on PEFT's module names (and
             "experts"), scaled by alpha / rank (alpha default 8); every
@@ -173,6 +178,12 @@ def plan_options(
         options.seq_len = seq_len
     if activation_checkpointing is not None:
         options.activation_checkpointing = activation_checkpointing
+    if worker_device is not None:
+        devices = {"cpu": ppb.WORKER_DEVICE_CPU, "cuda": ppb.WORKER_DEVICE_CUDA}
+        if worker_device not in devices:
+            raise _invalid(
+                f"worker_device: expected 'cpu' or 'cuda', got {worker_device!r}")
+        options.worker_device = devices[worker_device]
     if include_timeline is not None:
         options.include_timeline = include_timeline
     return options

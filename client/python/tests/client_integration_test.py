@@ -76,6 +76,17 @@ class ClientIntegrationTest(unittest.TestCase):
                          + kept.memory.peak_step_bytes)
         self.assertLess(recomputed.memory.peak_activation_bytes,
                         kept.memory.peak_activation_bytes)
+        # A GPU worker keeps bf16 activations under mixed precision.
+        on_gpu = self.coordinator.plan(
+            submitted.model_id, dp=WORKERS, micro_batch_size=8, seq_len=32,
+            worker_device="cuda")
+        self.assertEqual(on_gpu.activations.storage_bytes, 2)
+        self.assertLess(on_gpu.memory.peak_activation_bytes,
+                        kept.memory.peak_activation_bytes)
+        with self.assertRaises(shardd.ShardError) as bad:
+            self.coordinator.plan(submitted.model_id, dp=WORKERS,
+                                  worker_device="tpu")
+        self.assertIn("worker_device", str(bad.exception))
         # Submitting the same spec as a dict gives the same model.
         again = self.coordinator.submit_model(small_moe(), dp=WORKERS)
         self.assertEqual(again.model_id, submitted.model_id)
