@@ -104,10 +104,10 @@ void Summarize(std::vector<double>* seconds, Latencies* out) {
 
 SimulatedWorkers::SimulatedWorkers(const Options& options)
     : options_(options),
+      relay_of_(new std::atomic<int>[options.workers]),
       ranks_(options.workers, -1),
       incarnations_(options.workers, 0),
-      silenced_(new std::atomic<bool>[options.workers]),
-      relay_of_(new std::atomic<int>[options.workers]) {
+      silenced_(new std::atomic<bool>[options.workers]) {
   for (int i = 0; i < options.workers; ++i) {
     silenced_[i] = false;
     relay_of_[i] = -1;

@@ -279,7 +279,9 @@ void CheckAgainstCpu(const Case& test) {
   }
   // Every MoE layer's rows went out and back once forward and once
   // backward per pass with gradients (and forward per pass without).
-  if (test.ep) EXPECT_GT(nccl->stats().all_to_all.calls, 0);
+  if (test.ep) {
+    EXPECT_GT(nccl->stats().all_to_all.calls, 0);
+  }
 }
 
 TEST(DeviceMoeModelGemmaTest, Fp32CausalPassMatchesCpuModel) {
